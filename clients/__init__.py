@@ -1,0 +1,1 @@
+"""Flower client-side roles (installed as ``fedfusion.clients``)."""

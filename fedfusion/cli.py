@@ -1,0 +1,134 @@
+"""The ``fedfusion`` command: run a recipe on Flower's simulation engine, plan it, report on runs."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from fedfusion.recipe import RecipeError, load_recipe
+
+console = Console()
+
+
+class _DropDeprecation(logging.Filter):
+    """Hide Flower's notice that its Python simulation entry point is deprecated (we chose it on purpose)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "is deprecated" not in record.getMessage()
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """Validate the recipe, create the run directory, run the federation with live progress."""
+    from flwr.serverapp import Grid, ServerApp
+    from flwr.simulation import run_simulation
+
+    from fedfusion.client_app import app as client_app
+    from fedfusion.run_dir import RunDir, new_run_path
+    from fedfusion.server_app import run_federation
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    run = RunDir(new_run_path(recipe, args.out), recipe)
+    console.print(f"[bold]fedfusion[/] {recipe.name}: {recipe.population.num_clients} clients, "
+                  f"{recipe.selection.clients_per_round} per round, {recipe.rounds} rounds, "
+                  f"fusion={recipe.fusion.method}/{recipe.fusion.policy}; writing {run.path}")
+    flwr_logger = logging.getLogger("flwr")
+    flwr_logger.setLevel(logging.WARNING)
+    flwr_logger.addFilter(_DropDeprecation())
+    with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=console, transient=True) as progress:
+        task = progress.add_task("rounds", total=recipe.rounds)
+
+        def on_round(row: dict[str, Any]) -> None:
+            progress.console.print(
+                f"round {row['round']:>3}  eval_loss {row['eval_loss']:.4f}  ppl {row['eval_ppl']:8.3f}  "
+                f"acc {row['eval_acc']:.3f}  clients ok {row['clients_ok']} failed {row['clients_failed']}  "
+                f"{row['wall_s']:.1f}s")
+            if row["round"] > 0:
+                progress.advance(task)
+
+        server_app = ServerApp()
+
+        @server_app.main()
+        def _main(grid: Grid, context: Any) -> None:
+            run_federation(grid, recipe, run, on_round=on_round)
+
+        run_simulation(
+            server_app=server_app, client_app=client_app, num_supernodes=recipe.population.num_clients,
+            backend_config={"client_resources": {"num_cpus": recipe.engine.cpus_per_client, "num_gpus": 0.0}},
+        )
+    summary_path = run.path / "summary.json"
+    if not summary_path.is_file() or '"status": "ok"' not in summary_path.read_text():
+        console.print(f"[red]run failed[/]; see {summary_path}")
+        return 1
+    console.print(f"done: {run.path} (report.md, metrics.jsonl, model/)")
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Print the per-tier assignment table."""
+    from fedfusion.planner import plan_table
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    rows = plan_table(recipe)
+    table = Table(title=f"plan for {recipe.name} ({recipe.fusion.method}/{recipe.fusion.policy})")
+    for col in rows[0]:
+        table.add_column(col, justify="left" if col in ("tier", "device", "fits") else "right")
+    for row in rows:
+        table.add_row(*[f"{v:,.3g}" if isinstance(v, float) else f"{v:,}" if isinstance(v, int) else str(v)
+                        for v in row.values()])
+    console.print(table)
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    """report.md + plots for one run, or a side-by-side comparison of several."""
+    from fedfusion.report import compare_runs, write_report
+
+    runs = [Path(p) for p in args.runs]
+    if len(runs) == 1:
+        path = write_report(runs[0])
+    else:
+        path = compare_runs(runs, Path(args.out or "comparison"))
+    console.print(f"wrote {path}")
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    """The argument parser (exposed for docs and tests)."""
+    p = argparse.ArgumentParser(prog="fedfusion", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run a recipe on Flower's simulation engine")
+    run.add_argument("recipe", help="recipe file, or the name of a built-in recipe (e.g. quickstart)")
+    run.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rounds=5 fusion.policy=static")
+    run.add_argument("--out", help="run directory (default: <output.dir>/<name>-<timestamp>)")
+    run.set_defaults(func=cmd_run)
+    plan = sub.add_parser("plan", help="show what each device tier trains and what it costs")
+    plan.add_argument("recipe")
+    plan.add_argument("overrides", nargs="*")
+    plan.set_defaults(func=cmd_plan)
+    report = sub.add_parser("report", help="report.md and plots for run directories")
+    report.add_argument("runs", nargs="+")
+    report.add_argument("--out", help="output folder for a comparison of several runs")
+    report.set_defaults(func=cmd_report)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``fedfusion`` console script."""
+    args = parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (RecipeError, FileExistsError, FileNotFoundError, ValueError) as exc:
+        console.print(f"[red]error:[/] {exc}", highlight=False)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""The Flower ClientApp: capability query, training and evaluation of whatever the message specifies."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from fedfusion.clients import submodel
+from fedfusion.devices import assign_tiers
+
+app = ClientApp()
+
+
+def _partition(context: Context) -> int:
+    return int(context.node_config["partition-id"])
+
+
+def _accelerator() -> str:
+    if torch.cuda.is_available():
+        return "cuda"
+    if torch.backends.mps.is_available():
+        return "mps"
+    return "cpu"
+
+
+@app.query()
+def query(msg: Message, context: Context) -> Message:
+    """Report this node's device tier, partition and accelerator.
+
+    In deployment the tier comes from ``--node-config 'device="..."'``; in simulation, where a virtual
+    node only knows its partition id, it is derived from the recipe's seeded population mix.
+    """
+    config = msg.content["config"]
+    device = context.node_config.get("device")
+    if device is None:
+        population = json.loads(str(config["population"]))
+        device = assign_tiers(population["mix"], population["num_clients"], population["seed"])[_partition(context)]
+    caps = ConfigRecord({"device": str(device), "partition": _partition(context), "accelerator": _accelerator()})
+    return Message(RecordDict({"caps": caps}), reply_to=msg)
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    """Train the received model as its spec says and reply with the new weights and metrics."""
+    spec = msg.content["config"]
+    state, metrics = submodel.train(msg.content["arrays"].to_torch_state_dict(), spec, _partition(context))
+    content = RecordDict({"arrays": ArrayRecord(state), "metrics": MetricRecord(metrics)})
+    return Message(content, reply_to=msg)
+
+
+@app.evaluate()
+def evaluate(msg: Message, context: Context) -> Message:
+    """Score the received model on this node's held-out text."""
+    metrics = submodel.evaluate(msg.content["arrays"].to_torch_state_dict(), msg.content["config"], _partition(context))
+    return Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)

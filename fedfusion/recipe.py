@@ -1,0 +1,245 @@
+"""Recipes: the typed schema of an experiment, loading, overrides and validation.
+
+A recipe is a YAML file checked against the dataclasses below (OmegaConf structured configs), so an
+unknown key or a wrong type fails at load time with the key's full name; value checks
+(allowed choices, ranges, cross-section consistency) follow in :func:`validate`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from fedfusion.devices import load_catalog
+
+
+class RecipeError(ValueError):
+    """A recipe (file, override or value) is invalid; the message names the key."""
+
+
+@dataclass
+class DataConfig:
+    """Where client text comes from and how it is split."""
+
+    source: str = "shakespeare"  # shakespeare: one client per (play, speaker) | text: a local file
+    path: Optional[str] = None  # local .txt/.jsonl file when source=text
+    min_chars: int = 2000  # a Shakespeare role needs this much text to become a client
+    held_out: float = 0.1  # tail fraction of each client's text kept for evaluation
+    eval_chars: int = 40000  # cap on the pooled held-out text the server evaluates on
+
+
+@dataclass
+class ModelConfig:
+    """The target model: a Llama-architecture causal LM built from this config, or a pretrained one."""
+
+    pretrained: Optional[str] = None  # local path or hub id; overrides the sizes below
+    hidden_size: int = 256
+    num_layers: int = 4
+    num_heads: int = 8
+    num_kv_heads: int = 8
+    intermediate_size: int = 1024
+    max_position: int = 512
+
+
+@dataclass
+class PopulationConfig:
+    """The virtual clients: how many, and which device tier each one is."""
+
+    num_clients: int = 32
+    mix: dict[str, float] = field(
+        default_factory=lambda: {"phone": 0.5, "laptop": 0.3, "desktop": 0.2}
+    )
+    catalog: Optional[str] = None  # a user device catalog (YAML) replacing the built-in one
+
+
+@dataclass
+class FusionConfig:
+    """How client work is folded into the target."""
+
+    method: str = "submodel"
+    policy: str = "rolling"  # static (HeteroFL prefix) | rolling (FedRolex window)
+    widths: dict[str, float] = field(
+        default_factory=lambda: {"phone": 0.125, "laptop": 0.25, "desktop": 0.5}
+    )
+    stride: float = 0.125  # rolling: fraction of each axis the window advances per round
+    weighting: str = "uniform"  # uniform (FedRolex) | examples (weight by num-examples)
+
+
+@dataclass
+class SelectionConfig:
+    """Which clients train in a round."""
+
+    method: str = "random"
+    clients_per_round: int = 6
+    min_clients: int = 1  # a round with fewer successful replies leaves the target unchanged
+    evaluate_clients: int = 0  # clients that also score the target on their held-out text each round
+    timeout_s: float = 600.0  # per-round deadline for replies
+
+
+@dataclass
+class TrainConfig:
+    """Local training on each client."""
+
+    local_steps: int = 10
+    lr: float = 3e-3
+    batch_size: int = 16
+    seq_len: int = 64
+    weight_decay: float = 0.0
+
+
+@dataclass
+class EngineConfig:
+    """Flower simulation engine resources."""
+
+    cpus_per_client: float = 1.0
+    threads_per_client: int = 1  # torch threads inside each client actor
+
+
+@dataclass
+class OutputConfig:
+    """Where and what the run writes."""
+
+    dir: str = "runs"
+    save_model: bool = True
+
+
+@dataclass
+class Recipe:
+    """One experiment."""
+
+    name: str = "quickstart"
+    seed: int = 0
+    rounds: int = 12
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    population: PopulationConfig = field(default_factory=PopulationConfig)
+    fusion: FusionConfig = field(default_factory=FusionConfig)
+    selection: SelectionConfig = field(default_factory=SelectionConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "data.source": ("shakespeare", "text"),
+    "fusion.method": ("submodel",),
+    "fusion.policy": ("static", "rolling"),
+    "fusion.weighting": ("uniform", "examples"),
+    "selection.method": ("random",),
+}
+
+
+def builtin_recipe_path(name: str) -> Path:
+    """Path of a recipe shipped with the package (e.g. ``quickstart``)."""
+    return Path(str(resources.files("fedfusion.recipes").joinpath(f"{name}.yaml")))
+
+
+def resolve_recipe_path(ref: str | Path) -> Path:
+    """A recipe reference is a file path, or the bare name of a built-in recipe."""
+    path = Path(ref)
+    if path.is_file():
+        return path
+    if path.suffix == "" and builtin_recipe_path(str(ref)).is_file():
+        return builtin_recipe_path(str(ref))
+    raise RecipeError(f"recipe {str(ref)!r}: no such file and no built-in recipe of that name")
+
+
+def _structured(cfg: Any, what: str) -> DictConfig:
+    try:
+        return OmegaConf.merge(OmegaConf.structured(Recipe), cfg)
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or "?"
+        msg = str(exc).splitlines()[0]
+        raise RecipeError(f"{what}: bad key {key!r}: {msg}") from None
+
+
+def load_recipe(ref: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
+    """Load a recipe file (or built-in name), apply ``key=value`` overrides, validate."""
+    path = resolve_recipe_path(ref)
+    try:
+        raw = OmegaConf.load(path)
+    except Exception as exc:  # yaml errors come in several types
+        raise RecipeError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(raw, DictConfig):
+        raise RecipeError(f"{path}: a recipe must be a mapping of sections")
+    cfg = _structured(raw, str(path))
+    for item in overrides:
+        if "=" not in item:
+            raise RecipeError(f"override {item!r}: expected key=value")
+        cfg = _structured(OmegaConf.merge(cfg, OmegaConf.from_dotlist([item])), f"override {item!r}")
+    recipe: Recipe = OmegaConf.to_object(cfg)  # type: ignore[assignment]
+    validate(recipe)
+    return recipe
+
+
+def _positive(key: str, value: float) -> None:
+    if value <= 0:
+        raise RecipeError(f"{key}: must be > 0, got {value}")
+
+
+def validate(recipe: Recipe) -> None:
+    """Value checks beyond types; raises RecipeError naming the first bad key."""
+    for key, allowed in CHOICES.items():
+        section, name = key.split(".")
+        value = getattr(getattr(recipe, section), name)
+        if value not in allowed:
+            raise RecipeError(f"{key}: {value!r} is not one of {', '.join(allowed)}")
+    for key in (
+        "rounds", "population.num_clients", "selection.clients_per_round", "selection.min_clients",
+        "selection.timeout_s", "train.local_steps", "train.lr", "train.batch_size", "train.seq_len",
+        "engine.cpus_per_client", "engine.threads_per_client", "model.hidden_size", "model.num_layers",
+        "model.num_heads", "model.num_kv_heads", "model.intermediate_size", "data.eval_chars",
+    ):
+        obj: Any = recipe
+        for part in key.split("."):
+            obj = getattr(obj, part)
+        _positive(key, obj)
+    if not 0 < recipe.data.held_out < 1:
+        raise RecipeError(f"data.held_out: must be in (0, 1), got {recipe.data.held_out}")
+    if recipe.data.source == "text" and not recipe.data.path:
+        raise RecipeError("data.path: required when data.source is 'text'")
+    m = recipe.model
+    if m.hidden_size % m.num_heads:
+        raise RecipeError(f"model.num_heads: {m.num_heads} does not divide hidden_size {m.hidden_size}")
+    if m.num_heads % m.num_kv_heads:
+        raise RecipeError(f"model.num_kv_heads: {m.num_kv_heads} does not divide num_heads {m.num_heads}")
+    if recipe.train.seq_len > m.max_position:
+        raise RecipeError(f"train.seq_len: {recipe.train.seq_len} exceeds model.max_position {m.max_position}")
+    if not recipe.population.mix:
+        raise RecipeError("population.mix: needs at least one tier")
+    try:
+        catalog = load_catalog(recipe.population.catalog)
+    except ValueError as exc:
+        raise RecipeError(f"population.catalog: {exc}") from None
+    for tier, share in recipe.population.mix.items():
+        if tier not in catalog:
+            raise RecipeError(f"population.mix.{tier}: unknown device; the catalog has {', '.join(sorted(catalog))}")
+        if share <= 0:
+            raise RecipeError(f"population.mix.{tier}: share must be > 0, got {share}")
+        if tier not in recipe.fusion.widths:
+            raise RecipeError(f"fusion.widths: no width for tier {tier!r} of population.mix")
+    for tier, width in recipe.fusion.widths.items():
+        if not 0 < width <= 1:
+            raise RecipeError(f"fusion.widths.{tier}: must be in (0, 1], got {width}")
+    if not 0 < recipe.fusion.stride <= 1:
+        raise RecipeError(f"fusion.stride: must be in (0, 1], got {recipe.fusion.stride}")
+    if recipe.selection.min_clients > recipe.selection.clients_per_round:
+        raise RecipeError(
+            f"selection.min_clients: {recipe.selection.min_clients} exceeds clients_per_round "
+            f"{recipe.selection.clients_per_round}"
+        )
+    if recipe.selection.clients_per_round > recipe.population.num_clients:
+        raise RecipeError(
+            f"selection.clients_per_round: {recipe.selection.clients_per_round} exceeds "
+            f"population.num_clients {recipe.population.num_clients}"
+        )
+
+
+def to_yaml(recipe: Recipe) -> str:
+    """The fully resolved recipe as YAML (re-loading it reproduces the run)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(recipe))

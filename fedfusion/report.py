@@ -1,0 +1,99 @@
+"""Reports: plots and a markdown summary of one run, or several runs side by side."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from fedfusion.run_dir import read_jsonl  # noqa: E402
+
+CURVES = (("eval_loss", "held-out loss (nats/char)"), ("eval_ppl", "held-out perplexity"),
+          ("eval_acc", "next-character accuracy"))
+
+
+def _load(run: Path) -> tuple[list[dict], dict]:
+    metrics = run / "metrics.jsonl"
+    if not metrics.is_file():
+        raise FileNotFoundError(f"{run}: no metrics.jsonl; is this a fedfusion run directory?")
+    summary_path = run / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {"status": "incomplete"}
+    return read_jsonl(metrics), summary
+
+
+def _label(run: Path) -> str:
+    return run.resolve().name
+
+
+def plot_curves(runs: list[Path], out_dir: Path) -> list[Path]:
+    """One PNG per metric, every run as a line against the round number."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for key, title in CURVES:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for run in runs:
+            rows, _ = _load(run)
+            ax.plot([r["round"] for r in rows], [r[key] for r in rows], marker="o", label=_label(run))
+        ax.set_xlabel("round")
+        ax.set_ylabel(title)
+        if key == "eval_ppl":
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = out_dir / f"{key}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def _fmt(value: object) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return "" if value is None else str(value)
+
+
+def write_report(run: Path) -> Path:
+    """report.md and plots/ for one run directory."""
+    rows, summary = _load(run)
+    plots = plot_curves([run], run / "plots")
+    cols = ("round", "eval_loss", "eval_ppl", "eval_acc", "train_loss", "coverage", "clients_ok",
+            "clients_failed", "bytes_down", "bytes_up", "wall_s")
+    lines = [f"# Run report: {_label(run)}", "", f"Status: **{summary.get('status')}**", ""]
+    if summary.get("status") == "ok":
+        first, last = summary["initial"], summary["final"]
+        lines += [
+            f"Target: {summary['target_params']:,} parameters, {summary['rounds']} rounds, "
+            f"{summary['wall_s']:.0f} s wall.",
+            "",
+            f"Held-out perplexity {first['eval_ppl']:.2f} -> **{last['eval_ppl']:.2f}**; "
+            f"next-character accuracy {first['eval_acc']:.3f} -> **{last['eval_acc']:.3f}**.",
+            "",
+        ]
+    lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |" for r in rows]
+    lines += [""] + [f"![{p.stem}](plots/{p.name})" for p in plots] + [""]
+    path = run / "report.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def compare_runs(runs: list[Path], out_dir: Path) -> Path:
+    """Side-by-side report of several runs: overlaid curves and a table of final metrics."""
+    plots = plot_curves(runs, out_dir / "plots")
+    lines = ["# Comparison", "", "| run | status | rounds | final loss | final ppl | final acc | wall s |",
+             "|---|---|---|---|---|---|---|"]
+    for run in runs:
+        rows, summary = _load(run)
+        last = rows[-1]
+        lines.append(f"| {_label(run)} | {summary.get('status')} | {last['round']} | {last['eval_loss']:.4f} | "
+                     f"{last['eval_ppl']:.3f} | {last['eval_acc']:.4f} | {_fmt(summary.get('wall_s'))} |")
+    lines += [""] + [f"![{p.stem}](plots/{p.name})" for p in plots] + [""]
+    path = out_dir / "report.md"
+    path.write_text("\n".join(lines))
+    return path

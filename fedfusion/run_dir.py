@@ -1,0 +1,74 @@
+"""The run directory: resolved recipe, per-round and per-client ledgers, summary and the target model."""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+from fedfusion.recipe import Recipe, to_yaml
+
+
+def new_run_path(recipe: Recipe, out: str | Path | None) -> Path:
+    """``out`` if given, else ``<output.dir>/<name>-<timestamp>`` (never an existing directory)."""
+    if out:
+        path = Path(out)
+    else:
+        path = Path(recipe.output.dir) / f"{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if path.exists() and any(path.iterdir()):
+        raise FileExistsError(f"run directory {path} exists and is not empty; choose another --out")
+    return path
+
+
+def versions() -> dict[str, str]:
+    """Versions of the stack that produced a run."""
+    import flwr
+    import torch
+    import transformers
+
+    import fedfusion
+
+    return {
+        "fedfusion": fedfusion.__version__, "flwr": flwr.__version__, "torch": torch.__version__,
+        "transformers": transformers.__version__, "python": platform.python_version(),
+        "machine": f"{platform.machine()} {platform.system()}",
+    }
+
+
+class RunDir:
+    """Writes one run's outputs as design.md section 4 lays them out."""
+
+    def __init__(self, path: Path, recipe: Recipe) -> None:
+        self.path = path
+        self.path.mkdir(parents=True, exist_ok=True)
+        (self.path / "recipe.yaml").write_text(to_yaml(recipe))
+        for name in ("metrics.jsonl", "clients.jsonl"):
+            (self.path / name).write_text("")
+
+    def _append(self, name: str, rows: list[dict[str, Any]]) -> None:
+        with (self.path / name).open("a") as fh:
+            for row in rows:
+                fh.write(json.dumps(row) + "\n")
+
+    def log_round(self, row: dict[str, Any]) -> None:
+        """Append one row to metrics.jsonl."""
+        self._append("metrics.jsonl", [row])
+
+    def log_clients(self, rows: list[dict[str, Any]]) -> None:
+        """Append client rows to clients.jsonl."""
+        self._append("clients.jsonl", rows)
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        """Write summary.json (status ``ok`` or ``failed`` with the error)."""
+        (self.path / "summary.json").write_text(json.dumps({**summary, "versions": versions()}, indent=2))
+
+    @property
+    def model_dir(self) -> Path:
+        return self.path / "model"
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Rows of a .jsonl file."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

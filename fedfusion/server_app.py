@@ -1,0 +1,151 @@
+"""The Flower ServerApp: build the target, run the fusion strategy, evaluate centrally, write the run.
+
+``fedfusion run`` calls :func:`run_federation` through Flower's simulation engine; ``flwr run .`` reaches
+the same function through :data:`app`, with the recipe given as run config
+(``-c "recipe='recipes/quickstart.yaml' overrides='rounds=3' out='runs/x'"``).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from logging import INFO
+from pathlib import Path
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord, Context, MetricRecord
+from flwr.common.logger import log
+from flwr.serverapp import Grid, ServerApp
+
+from fedfusion.data import build_char_tokenizer, encode_text, lm_windows
+from fedfusion.models import build_target, count_params
+from fedfusion.population import data_spec, pooled_held_out
+from fedfusion.recipe import Recipe, load_recipe
+from fedfusion.report import write_report
+from fedfusion.run_dir import RunDir, new_run_path
+from fedfusion.strategies import SubModelFusion
+from fedfusion.training import evaluate_lm
+
+RoundCallback = Callable[[dict[str, Any]], None]
+
+
+def log_round(row: dict[str, Any]) -> None:
+    """Default progress: one log line per round."""
+    log(INFO, "round %d: eval_loss=%.4f ppl=%.2f acc=%.3f clients ok=%d failed=%d (%.1fs)",
+        row["round"], row["eval_loss"], row["eval_ppl"], row["eval_acc"], row["clients_ok"],
+        row["clients_failed"], row["wall_s"])
+
+
+def build_strategy(recipe: Recipe, model_config) -> SubModelFusion:
+    """The fusion strategy a recipe names, with the specs its messages carry."""
+    train = recipe.train
+    population = {"mix": dict(recipe.population.mix), "num_clients": recipe.population.num_clients,
+                  "seed": recipe.seed}
+    return SubModelFusion(
+        config=model_config,
+        widths=dict(recipe.fusion.widths),
+        policy=recipe.fusion.policy,
+        stride=recipe.fusion.stride,
+        clients_per_round=recipe.selection.clients_per_round,
+        min_clients=recipe.selection.min_clients,
+        query_config={"population": json.dumps(population)},
+        train_config={
+            "local-steps": train.local_steps, "lr": train.lr, "batch-size": train.batch_size,
+            "seq-len": train.seq_len, "weight-decay": train.weight_decay, "seed": recipe.seed,
+            "threads": recipe.engine.threads_per_client, "data-spec": data_spec(recipe),
+        },
+        weighting=recipe.fusion.weighting,
+        evaluate_clients=recipe.selection.evaluate_clients,
+        seed=recipe.seed,
+    )
+
+
+class RoundRecorder:
+    """Flower's ``evaluate_fn``: scores the target centrally and writes the round's ledger rows."""
+
+    def __init__(self, run: RunDir, strategy: SubModelFusion, model: torch.nn.Module,
+                 eval_windows: torch.Tensor, on_round: RoundCallback) -> None:
+        self.run, self.strategy, self.model = run, strategy, model
+        self.eval_windows, self.on_round = eval_windows, on_round
+        self.start = self.last = time.perf_counter()
+        self.rows: list[dict[str, Any]] = []
+
+    def __call__(self, server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        if server_round > 0:
+            self.model.load_state_dict(arrays.to_torch_state_dict())
+        metrics = evaluate_lm(self.model, self.eval_windows)
+        clients = list(self.strategy.last.clients.values()) if server_round > 0 else []
+        ok = [c for c in clients if c.status == "ok"]
+        now = time.perf_counter()
+        row = {
+            "round": server_round, **metrics,
+            "train_loss": sum(c.train_loss for c in ok) / len(ok) if ok else None,
+            "coverage": self.strategy.last.coverage if server_round > 0 else None,
+            "bytes_down": sum(c.bytes_down for c in clients),
+            "bytes_up": sum(c.bytes_up for c in clients),
+            "clients_ok": len(ok), "clients_failed": len(clients) - len(ok),
+            "void": bool(self.strategy.last.void) if server_round > 0 else False,
+            "aggregate_s": self.strategy.last.aggregate_s if server_round > 0 else 0.0,
+            "wall_s": now - self.last, "elapsed_s": now - self.start,
+        }
+        self.last = now
+        self.rows.append(row)
+        self.run.log_round(row)
+        self.run.log_clients([{"round": server_round, **asdict(c)} for c in clients])
+        self.on_round(row)
+        return MetricRecord({k: float(v) for k, v in metrics.items()})
+
+
+def run_federation(grid: Grid, recipe: Recipe, run: RunDir, on_round: RoundCallback = log_round) -> dict[str, Any]:
+    """Train the recipe's target over the nodes of ``grid``; writes every output into ``run``."""
+    started = time.perf_counter()
+    try:
+        tokenizer = build_char_tokenizer()
+        model = build_target(recipe.model, tokenizer, recipe.seed)
+        held_out = pooled_held_out(data_spec(recipe), recipe.data.eval_chars)
+        eval_windows = lm_windows(encode_text(tokenizer, held_out), recipe.train.seq_len)
+        strategy = build_strategy(recipe, model.config)
+        recorder = RoundRecorder(run, strategy, model, eval_windows, on_round)
+        strategy.start(
+            grid=grid, initial_arrays=ArrayRecord(model.state_dict()), num_rounds=recipe.rounds,
+            timeout=recipe.selection.timeout_s, evaluate_fn=recorder,
+        )
+        if recipe.output.save_model:
+            model.save_pretrained(run.model_dir)
+            tokenizer.save_pretrained(run.model_dir)
+        rows = recorder.rows
+        summary = {
+            "status": "ok", "name": recipe.name, "rounds": recipe.rounds,
+            "target_params": count_params(model),
+            "initial": {k: rows[0][k] for k in ("eval_loss", "eval_ppl", "eval_acc")},
+            "final": {k: rows[-1][k] for k in ("eval_loss", "eval_ppl", "eval_acc")},
+            "clients_ok": sum(r["clients_ok"] for r in rows),
+            "clients_failed": sum(r["clients_failed"] for r in rows),
+            "bytes_down": sum(r["bytes_down"] for r in rows), "bytes_up": sum(r["bytes_up"] for r in rows),
+            "wall_s": time.perf_counter() - started,
+        }
+        run.write_summary(summary)
+        write_report(run.path)
+        return summary
+    except BaseException as exc:
+        run.write_summary({"status": "failed", "error": f"{type(exc).__name__}: {exc}",
+                           "wall_s": time.perf_counter() - started})
+        raise
+
+
+app = ServerApp()
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    """Entry point for ``flwr run .``: recipe, overrides and output directory come from the run config."""
+    cfg = context.run_config
+    recipe = load_recipe(str(cfg.get("recipe", "quickstart")), shlex.split(str(cfg.get("overrides", ""))))
+    run = RunDir(new_run_path(recipe, str(cfg.get("out", "")) or None).resolve(), recipe)
+    log(INFO, "fedfusion: writing the run to %s", run.path)
+    run_federation(grid, recipe, run)
+    log(INFO, "fedfusion: run finished; outputs in %s", run.path)

@@ -1,0 +1,206 @@
+"""Width slicing of a Llama-family model into a genuine smaller model, and selective averaging back.
+
+Units sliced:
+- **attention**: whole key/value groups (GQA-aware). A unit is one kv head together with the
+  ``num_heads / num_kv_heads`` query heads that attend through it; for plain multi-head attention a
+  unit is one head. q/k/v rows and o_proj columns of the kept units are taken.
+- **MLP**: intermediate neurons (rows of gate/up, columns of down).
+
+Embeddings, norms and lm_head stay whole. Every layer uses the same unit indices.
+
+Activation scale: a slice keeping n of K units sums fewer terms in o_proj / down_proj. As in HeteroFL's
+scaler, the sub-model computes ``(K/n) * sum over kept units``; instead of a runtime scaler module we fold
+that factor into the extracted o_proj / down_proj weights (multiplied by K/n on the way out, divided on
+the way back). The client therefore trains an ordinary ``LlamaForCausalLM``, the forward pass equals a
+scaled sub-network exactly, and a width-1.0 slice is the full model bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import torch
+from transformers import LlamaConfig
+
+POLICIES = ("static", "rolling")
+
+_LAYER = re.compile(r"\.layers\.\d+\.(self_attn|mlp)\.(\w+)\.(weight|bias)$")
+
+
+@dataclass(frozen=True)
+class SlicePlan:
+    """Which units a client keeps: sorted attention-unit (kv group) and MLP-neuron indices."""
+
+    attn_units: tuple[int, ...]
+    neurons: tuple[int, ...]
+
+
+def axis_sizes(config: LlamaConfig) -> tuple[int, int]:
+    """(number of attention units = kv heads, number of MLP neurons)."""
+    return config.num_key_value_heads, config.intermediate_size
+
+
+def units_kept(total: int, width: float) -> int:
+    """HeteroFL's ceil(width * K), at least one unit."""
+    return max(1, min(total, math.ceil(width * total - 1e-9)))
+
+
+def _window(total: int, width: float, start: int) -> tuple[int, ...]:
+    n = units_kept(total, width)
+    return tuple(sorted((start + i) % total for i in range(n)))
+
+
+def rolling_step(total: int, stride: float) -> int:
+    """Units the rolling window advances per round; one pass over the axis takes ceil(K / step) rounds."""
+    return max(1, round(stride * total))
+
+
+def plan_slice(
+    config: LlamaConfig, width: float, policy: str, server_round: int = 1, stride: float = 0.125
+) -> SlicePlan:
+    """The units a client of ``width`` keeps in ``server_round`` (1-based) under ``policy``.
+
+    static: the first ceil(width*K) units (HeteroFL). rolling: a window of the same length whose start
+    advances by ``rolling_step(K, stride)`` units per round and wraps around (FedRolex, with the stride
+    made configurable so a pass fits the round budget); the start is shared by all clients.
+    """
+    if not 0 < width <= 1:
+        raise ValueError(f"width must be in (0, 1], got {width}")
+    if policy not in POLICIES:
+        raise ValueError(f"policy {policy!r} is not one of {', '.join(POLICIES)}")
+    plans = []
+    for total in axis_sizes(config):
+        start = 0 if policy == "static" else ((server_round - 1) * rolling_step(total, stride)) % total
+        plans.append(_window(total, width, start))
+    return SlicePlan(attn_units=plans[0], neurons=plans[1])
+
+
+def _head_dim(config: LlamaConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def sub_config(config: LlamaConfig, plan: SlicePlan) -> LlamaConfig:
+    """The config of the smaller model a plan describes (head_dim pinned so heads keep their size)."""
+    group = config.num_attention_heads // config.num_key_value_heads
+    sub = LlamaConfig.from_dict(config.to_dict())
+    sub.head_dim = _head_dim(config)
+    sub.num_key_value_heads = len(plan.attn_units)
+    sub.num_attention_heads = len(plan.attn_units) * group
+    sub.intermediate_size = len(plan.neurons)
+    return sub
+
+
+def _rows(units: tuple[int, ...], block: int) -> torch.Tensor:
+    return torch.cat([torch.arange(u * block, (u + 1) * block) for u in units])
+
+
+def param_index(
+    name: str, config: LlamaConfig, plan: SlicePlan
+) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
+    """(row index, column index, weight factor) of ``name``'s slice; None = the whole dimension.
+
+    The factor is the scaler folded into o_proj / down_proj (see module docstring).
+    """
+    match = _LAYER.search(name)
+    if not match:
+        return None, None, 1.0
+    _, proj, _ = match.groups()
+    d = _head_dim(config)
+    group = config.num_attention_heads // config.num_key_value_heads
+    n_attn, n_mlp = axis_sizes(config)
+    if proj == "q_proj":
+        return _rows(plan.attn_units, group * d), None, 1.0
+    if proj in ("k_proj", "v_proj"):
+        return _rows(plan.attn_units, d), None, 1.0
+    if proj == "o_proj":
+        scale = n_attn / len(plan.attn_units)
+        return (None, _rows(plan.attn_units, group * d), scale) if name.endswith("weight") else (None, None, 1.0)
+    if proj in ("gate_proj", "up_proj"):
+        return torch.tensor(plan.neurons), None, 1.0
+    if proj == "down_proj":
+        scale = n_mlp / len(plan.neurons)
+        return (None, torch.tensor(plan.neurons), scale) if name.endswith("weight") else (None, None, 1.0)
+    raise ValueError(f"parameter {name!r}: unknown projection {proj!r} for width slicing")
+
+
+def _take(t: torch.Tensor, rows: torch.Tensor | None, cols: torch.Tensor | None) -> torch.Tensor:
+    if rows is not None:
+        t = t.index_select(0, rows)
+    if cols is not None:
+        t = t.index_select(1, cols)
+    return t
+
+
+def extract(
+    state: dict[str, torch.Tensor], config: LlamaConfig, plan: SlicePlan
+) -> dict[str, torch.Tensor]:
+    """The sub-model's state dict (new tensors; the target is not touched)."""
+    out = {}
+    for name, tensor in state.items():
+        rows, cols, scale = param_index(name, config, plan)
+        sliced = _take(tensor, rows, cols)
+        out[name] = (sliced * scale if scale != 1.0 else sliced.clone()).contiguous()
+    return out
+
+
+class SelectiveAverager:
+    """Streams client sub-models into per-coordinate sums and counts; memory is O(target).
+
+    Each target coordinate becomes the (weighted) mean over the clients whose slice held it; a
+    coordinate no client held keeps its old value.
+    """
+
+    def __init__(self, target: dict[str, torch.Tensor], config: LlamaConfig) -> None:
+        self.target = target
+        self.config = config
+        self.sums = {k: torch.zeros_like(v, dtype=torch.float32) for k, v in target.items()}
+        self.counts = {k: torch.zeros_like(v, dtype=torch.float32) for k, v in target.items()}
+        self.clients = 0
+
+    def add(self, sub: dict[str, torch.Tensor], plan: SlicePlan, weight: float = 1.0) -> None:
+        """Fold one client's trained sub-model in; a mismatched key or shape, or NaN/Inf, raises ValueError
+        before anything is added, so a bad update never touches the sums."""
+        if set(sub) != set(self.target):
+            missing, extra = set(self.target) - set(sub), set(sub) - set(self.target)
+            raise ValueError(f"update keys differ from the target: missing {sorted(missing)[:3]}, extra {sorted(extra)[:3]}")
+        staged = []
+        for name, value in sub.items():
+            rows, cols, scale = param_index(name, self.config, plan)
+            expected = _take(self.target[name], rows, cols).shape
+            if value.shape != expected:
+                raise ValueError(f"{name}: shape {tuple(value.shape)} does not match its slice {tuple(expected)}")
+            if not torch.isfinite(value).all():
+                raise ValueError(f"{name}: update holds NaN or Inf")
+            staged.append((name, rows, cols, value.float() / scale))
+        for name, rows, cols, value in staged:
+            self._scatter_add(self.sums[name], rows, cols, weight * value)
+            self._scatter_add(self.counts[name], rows, cols, torch.full_like(value, weight))
+        self.clients += 1
+
+    @staticmethod
+    def _scatter_add(dst: torch.Tensor, rows: torch.Tensor | None, cols: torch.Tensor | None, src: torch.Tensor) -> None:
+        if rows is None and cols is None:
+            dst += src
+            return
+        r = rows if rows is not None else torch.arange(dst.shape[0])
+        if dst.dim() == 1:
+            dst.index_add_(0, r, src)
+            return
+        c = cols if cols is not None else torch.arange(dst.shape[1])
+        dst[r.unsqueeze(1), c.unsqueeze(0)] += src
+
+    def coverage(self) -> float:
+        """Fraction of target coordinates that at least one client updated."""
+        held = sum(int((c > 0).sum()) for c in self.counts.values())
+        return held / sum(c.numel() for c in self.counts.values())
+
+    def result(self) -> dict[str, torch.Tensor]:
+        """The new target state dict."""
+        out = {}
+        for name, old in self.target.items():
+            count = self.counts[name]
+            mean = self.sums[name] / count.clamp_min(1e-12)
+            out[name] = torch.where(count > 0, mean, old.float()).to(old.dtype)
+        return out

@@ -1,0 +1,67 @@
+"""Local training and evaluation of a causal LM on token windows (plain torch, no Flower)."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+from transformers import PreTrainedModel
+
+from fedfusion.data import sample_batch
+
+
+def lm_loss(model: PreTrainedModel, batch: torch.Tensor, reduction: str = "mean") -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token cross-entropy of ``batch`` windows (input = [:, :-1], target = [:, 1:]) and the logits."""
+    inputs, labels = batch[:, :-1], batch[:, 1:]
+    logits = model(input_ids=inputs).logits.float()
+    loss = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction=reduction
+    )
+    return loss, logits
+
+
+def train_steps(
+    model: PreTrainedModel,
+    windows: torch.Tensor,
+    steps: int,
+    lr: float,
+    batch_size: int,
+    seed: int,
+    weight_decay: float = 0.0,
+) -> dict[str, float]:
+    """Run ``steps`` AdamW steps on random batches of ``windows``; returns mean loss, tokens, seconds."""
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    model.train()
+    start, total = time.perf_counter(), 0.0
+    for _ in range(steps):
+        batch = sample_batch(windows, batch_size, gen)
+        loss, _ = lm_loss(model, batch)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"training loss became {loss.item()}")
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        total += loss.item()
+    return {
+        "train_loss": total / steps,
+        "train_tokens": float(steps * batch_size * (windows.shape[1] - 1)),
+        "train_s": time.perf_counter() - start,
+    }
+
+
+@torch.no_grad()
+def evaluate_lm(model: PreTrainedModel, windows: torch.Tensor, batch_size: int = 64) -> dict[str, float]:
+    """Mean next-token loss, perplexity and accuracy over every position of ``windows``."""
+    model.eval()
+    loss_sum, correct, count = 0.0, 0, 0
+    for i in range(0, windows.shape[0], batch_size):
+        batch = windows[i : i + batch_size]
+        loss, logits = lm_loss(model, batch, reduction="sum")
+        labels = batch[:, 1:]
+        loss_sum += loss.item()
+        correct += int((logits.argmax(-1) == labels).sum())
+        count += labels.numel()
+    loss = loss_sum / count
+    return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), "eval_acc": correct / count}

@@ -1,0 +1,5 @@
+"""Flower server strategies (installed as ``fedfusion.strategies``)."""
+
+from fedfusion.strategies.submodel import SubModelFusion
+
+__all__ = ["SubModelFusion"]

@@ -1,0 +1,245 @@
+"""Sub-model fusion as a Flower Strategy: width-sliced clients, selective averaging into the target.
+
+Round flow (``Strategy.start`` drives it):
+1. ``configure_train``: a QUERY round for nodes not seen yet (their device tier), then a seeded sample
+   of ``clients_per_round`` nodes, each sent a fresh Message with its own sub-model and an explicit spec.
+2. ``aggregate_train``: every reply is checked (error, NaN/Inf, keys, shapes) and streamed into a
+   :class:`~fedfusion.slicing.SelectiveAverager`; bad replies are rejected and logged, the rest fold in.
+   Fewer than ``min_clients`` good replies leave the target unchanged (a void round).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from logging import INFO, WARNING
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.common.logger import log
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy
+from transformers import LlamaConfig
+
+from fedfusion.slicing import SelectiveAverager, SlicePlan, extract, plan_slice, sub_config
+
+
+@dataclass
+class ClientRound:
+    """What one client did in one round (a clients.jsonl row)."""
+
+    node: int
+    device: str
+    width: float
+    status: str = "sent"  # sent -> ok | failed | rejected | timeout
+    partition: int = -1
+    examples: int = 0
+    train_loss: float | None = None
+    train_s: float | None = None
+    bytes_down: int = 0
+    bytes_up: int = 0
+    error: str | None = None
+
+
+@dataclass
+class RoundLog:
+    """The strategy's view of the last train round, read by the run recorder."""
+
+    server_round: int = 0
+    clients: dict[int, ClientRound] = field(default_factory=dict)
+    coverage: float = 0.0
+    aggregate_s: float = 0.0
+    void: bool = False
+
+
+class SubModelFusion(Strategy):
+    """Width-sliced partial training (HeteroFL static / FedRolex rolling) on a Llama-family target."""
+
+    def __init__(
+        self,
+        config: LlamaConfig,
+        widths: dict[str, float],
+        policy: str,
+        stride: float,
+        clients_per_round: int,
+        min_clients: int,
+        query_config: dict[str, str | int | float],
+        train_config: dict[str, str | int | float],
+        weighting: str = "uniform",
+        evaluate_clients: int = 0,
+        seed: int = 0,
+        wait_nodes_s: float = 60.0,
+    ) -> None:
+        self.config = config
+        self.widths = widths
+        self.policy = policy
+        self.stride = stride
+        self.clients_per_round = clients_per_round
+        self.min_clients = min_clients
+        self.query_config = query_config
+        self.train_config = train_config
+        self.weighting = weighting
+        self.evaluate_clients = evaluate_clients
+        self.rng = random.Random(seed)
+        self.wait_nodes_s = wait_nodes_s
+        self.caps: dict[int, dict] = {}
+        self.plans: dict[int, SlicePlan] = {}
+        self.target: dict[str, torch.Tensor] = {}
+        self.last = RoundLog()
+
+    def summary(self) -> None:
+        """Log the strategy's settings."""
+        log(INFO, "SubModelFusion: policy=%s stride=%s widths=%s clients/round=%d",
+            self.policy, self.stride, self.widths, self.clients_per_round)
+
+    # -- capability discovery and sampling ------------------------------------------------------
+    def _wait_for_nodes(self, grid: Grid) -> list[int]:
+        deadline = time.monotonic() + self.wait_nodes_s
+        nodes = list(grid.get_node_ids())
+        while len(nodes) < self.clients_per_round and time.monotonic() < deadline:
+            time.sleep(0.5)
+            nodes = list(grid.get_node_ids())
+        if len(nodes) < self.min_clients:
+            raise RuntimeError(
+                f"only {len(nodes)} nodes connected after {self.wait_nodes_s:.0f}s; need selection.min_clients={self.min_clients}"
+            )
+        return sorted(nodes)
+
+    def query_nodes(self, grid: Grid, nodes: list[int]) -> None:
+        """QUERY every node not seen yet for its capabilities (device tier, partition, data size)."""
+        new = [n for n in nodes if n not in self.caps]
+        if not new:
+            return
+        msgs = [
+            Message(RecordDict({"config": ConfigRecord(dict(self.query_config))}), dst_node_id=n,
+                    message_type=MessageType.QUERY)
+            for n in new
+        ]
+        for reply in grid.send_and_receive(msgs, timeout=self.wait_nodes_s):
+            node = reply.metadata.src_node_id
+            if reply.has_error():
+                log(WARNING, "node %s: capability query failed: %s", node, reply.error.reason)
+                continue
+            caps = dict(reply.content["caps"])
+            if caps.get("device") not in self.widths:
+                log(WARNING, "node %s: device %r has no width in fusion.widths; it is not sampled",
+                    node, caps.get("device"))
+                continue
+            self.caps[node] = caps
+
+    def sample(self, grid: Grid) -> list[int]:
+        """Seeded uniform sample of known, usable nodes."""
+        nodes = self._wait_for_nodes(grid)
+        self.query_nodes(grid, nodes)
+        usable = [n for n in nodes if n in self.caps]
+        return sorted(self.rng.sample(usable, min(self.clients_per_round, len(usable))))
+
+    # -- train --------------------------------------------------------------------------------
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """One fresh Message per sampled node: its sub-model and the spec to rebuild and train it."""
+        target = self.target = arrays.to_torch_state_dict()
+        self.last = RoundLog(server_round=server_round)
+        self.plans = {}
+        messages = []
+        for node in self.sample(grid):
+            device = self.caps[node]["device"]
+            width = self.widths[device]
+            plan = plan_slice(self.config, width, self.policy, server_round, self.stride)
+            sub = ArrayRecord(extract(target, self.config, plan))
+            spec = ConfigRecord({
+                **config, **self.train_config,
+                "role": "submodel", "server-round": server_round, "width": width, "policy": self.policy,
+                "model-config": json.dumps(sub_config(self.config, plan).to_dict()),
+                "seed": int(self.train_config.get("seed", 0)) * 100003 + server_round * 1009 + node % 1009,
+            })
+            self.plans[node] = plan
+            self.last.clients[node] = ClientRound(
+                node=node, device=device, width=width, partition=int(self.caps[node].get("partition", -1)),
+                bytes_down=sub.count_bytes(),
+            )
+            messages.append(Message(RecordDict({"arrays": sub, "config": spec}), dst_node_id=node,
+                                    message_type=MessageType.TRAIN))
+        return messages
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Selective averaging of the good replies; bad ones are rejected, logged and recorded."""
+        start = time.perf_counter()
+        averager: SelectiveAverager | None = None
+        losses, examples = [], 0
+        for reply in replies:
+            node = reply.metadata.src_node_id
+            row = self.last.clients.get(node)
+            if row is None:
+                continue
+            if reply.has_error():
+                row.status, row.error = "failed", reply.error.reason[:500]
+                log(WARNING, "round %d node %d: client failed: %s", server_round, node, row.error)
+                continue
+            try:
+                sub = reply.content["arrays"].to_torch_state_dict()
+                metrics = reply.content["metrics"]
+                n = int(metrics["num-examples"])
+                row.bytes_up = reply.content["arrays"].count_bytes()
+                if averager is None:
+                    averager = SelectiveAverager(self.target, self.config)
+                averager.add(sub, self.plans[node], weight=float(n) if self.weighting == "examples" else 1.0)
+            except (KeyError, TypeError, ValueError) as exc:
+                row.status, row.error = "rejected", str(exc)[:500]
+                log(WARNING, "round %d node %d: update rejected: %s", server_round, node, row.error)
+                continue
+            row.status, row.examples = "ok", n
+            row.train_loss, row.train_s = float(metrics["train_loss"]), float(metrics["train_s"])
+            losses.append(row.train_loss)
+            examples += n
+        for row in self.last.clients.values():
+            if row.status == "sent":
+                row.status, row.error = "timeout", "no reply before the round deadline"
+        ok = len(losses)
+        self.last.void = ok < self.min_clients
+        if self.last.void or averager is None:
+            log(WARNING, "round %d: %d good replies < selection.min_clients=%d; target unchanged",
+                server_round, ok, self.min_clients)
+            self.last.aggregate_s = time.perf_counter() - start
+            return None, MetricRecord({"clients_ok": ok})
+        self.last.coverage = averager.coverage()
+        new = ArrayRecord(averager.result())
+        self.last.aggregate_s = time.perf_counter() - start
+        return new, MetricRecord({
+            "train_loss": sum(losses) / ok, "num-examples": examples, "clients_ok": ok,
+            "coverage": self.last.coverage,
+        })
+
+    # -- federated evaluation (optional; the server also evaluates centrally) -------------------
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Send the whole target to ``evaluate_clients`` known nodes, to score it on their held-out text."""
+        if self.evaluate_clients <= 0:
+            return []
+        known = sorted(self.caps)
+        nodes = sorted(self.rng.sample(known, min(self.evaluate_clients, len(known))))
+        spec = {**config, **self.train_config, "role": "submodel", "server-round": server_round,
+                "model-config": json.dumps(self.config.to_dict())}
+        return [
+            Message(RecordDict({"arrays": arrays, "config": ConfigRecord(dict(spec))}), dst_node_id=n,
+                    message_type=MessageType.EVALUATE)
+            for n in nodes
+        ]
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        """Example-weighted mean of the clients' held-out loss and accuracy."""
+        good = [r.content["metrics"] for r in replies if not r.has_error()]
+        total = sum(int(m["num-examples"]) for m in good)
+        if not total:
+            return None
+        return MetricRecord({
+            f"fed_{k}": sum(float(m[k]) * int(m["num-examples"]) for m in good) / total
+            for k in ("eval_loss", "eval_acc")
+        })
