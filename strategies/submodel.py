@@ -53,6 +53,7 @@ class RoundLog:
     coverage: float = 0.0
     aggregate_s: float = 0.0
     void: bool = False
+    fed_eval: dict[str, float] = field(default_factory=dict)
 
 
 class SubModelFusion(Strategy):
@@ -239,7 +240,8 @@ class SubModelFusion(Strategy):
         total = sum(int(m["num-examples"]) for m in good)
         if not total:
             return None
-        return MetricRecord({
+        self.last.fed_eval = {
             f"fed_{k}": sum(float(m[k]) * int(m["num-examples"]) for m in good) / total
             for k in ("eval_loss", "eval_acc")
-        })
+        }
+        return MetricRecord(self.last.fed_eval)

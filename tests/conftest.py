@@ -1,0 +1,24 @@
+"""Shared fixtures: tiny Llama configs for fast slicing tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def tiny_config(heads: int = 4, kv_heads: int = 4, hidden: int = 32, inter: int = 48) -> LlamaConfig:
+    """A Llama config small enough for millisecond tests."""
+    return LlamaConfig(
+        vocab_size=50, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=2,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,
+        max_position_embeddings=64, tie_word_embeddings=False,
+    )
+
+
+@pytest.fixture(params=[(4, 4), (8, 2)], ids=["mha", "gqa"])
+def model(request) -> LlamaForCausalLM:
+    """A seeded tiny target, with plain multi-head and grouped-query attention."""
+    heads, kv = request.param
+    torch.manual_seed(0)
+    return LlamaForCausalLM(tiny_config(heads=heads, kv_heads=kv)).eval()

@@ -1,0 +1,83 @@
+"""Recipe loading, overrides and validation errors that name the bad key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from fedfusion.recipe import RecipeError, load_recipe, to_yaml
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "r.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_builtin_quickstart_loads_with_small_to_large_widths():
+    recipe = load_recipe("quickstart")
+    assert recipe.fusion.policy == "rolling"
+    assert max(recipe.fusion.widths.values()) <= 0.5
+    assert set(recipe.population.mix) <= set(recipe.fusion.widths)
+
+
+def test_overrides_apply_with_types():
+    recipe = load_recipe("quickstart", ["rounds=3", "fusion.policy=static", "train.lr=0.01"])
+    assert (recipe.rounds, recipe.fusion.policy, recipe.train.lr) == (3, "static", 0.01)
+
+
+def test_resolved_recipe_reloads_identically(tmp_path):
+    recipe = load_recipe("quickstart", ["rounds=2", "fusion.widths.phone=0.25"])
+    again = load_recipe(write(tmp_path, to_yaml(recipe)))
+    assert again == recipe
+
+
+@pytest.mark.parametrize(
+    "text,key",
+    [
+        ("rounds: 2\nbogus: 1\n", "bogus"),
+        ("train:\n  lr_typo: 0.1\n", "train.lr_typo"),
+        ("rounds: many\n", "rounds"),
+        ("fusion:\n  policy: sideways\n", "fusion.policy"),
+        ("fusion:\n  widths: {phone: 1.5, laptop: 0.25, desktop: 0.5}\n", "fusion.widths.phone"),
+        ("population:\n  mix: {toaster: 1.0}\nfusion:\n  widths: {toaster: 0.5}\n", "population.mix.toaster"),
+        ("population:\n  mix: {phone: 1.0, laptop: 1.0}\nfusion:\n  widths: {phone: 0.5}\n", "fusion.widths"),
+        ("selection:\n  clients_per_round: 4\n  min_clients: 5\n", "selection.min_clients"),
+        ("train:\n  seq_len: 0\n", "train.seq_len"),
+        ("data:\n  held_out: 1.0\n", "data.held_out"),
+        ("model:\n  num_heads: 7\n", "model.num_heads"),
+        ("data:\n  source: text\n", "data.path"),
+    ],
+)
+def test_bad_recipe_names_the_key(tmp_path, text, key):
+    with pytest.raises(RecipeError, match=key.replace(".", r"\.")):
+        load_recipe(write(tmp_path, text))
+
+
+def test_a_mapping_given_whole_replaces_the_default(tmp_path):
+    recipe = load_recipe(write(tmp_path, "population:\n  mix: {phone: 1.0}\n"))
+    assert recipe.population.mix == {"phone": 1.0}
+    assert load_recipe("quickstart", ["population.mix={laptop: 1.0}"]).population.mix == {"laptop": 1.0}
+    assert load_recipe("quickstart", ["fusion.widths.phone=0.25"]).fusion.widths["laptop"] == 0.25
+
+
+def test_bad_override_names_the_key():
+    with pytest.raises(RecipeError, match="selection.clients_per_rnd"):
+        load_recipe("quickstart", ["selection.clients_per_rnd=3"])
+    with pytest.raises(RecipeError, match="key=value"):
+        load_recipe("quickstart", ["rounds"])
+
+
+def test_missing_recipe_and_non_mapping_are_clear(tmp_path):
+    with pytest.raises(RecipeError, match="no such file"):
+        load_recipe(tmp_path / "nope.yaml")
+    with pytest.raises(RecipeError, match="mapping"):
+        load_recipe(write(tmp_path, "- a\n- b\n"))
+
+
+def test_every_shipped_recipe_is_valid():
+    for path in sorted(Path(__file__).parents[1].joinpath("recipes").glob("*.yaml")):
+        assert OmegaConf.load(path)  # parses
+        load_recipe(path)

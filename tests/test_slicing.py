@@ -1,0 +1,156 @@
+"""Exactness properties of width slicing and selective averaging."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fedfusion.models import model_from_state
+from fedfusion.slicing import (
+    SelectiveAverager, SlicePlan, axis_sizes, extract, plan_slice, rolling_step, sub_config, units_kept,
+)
+
+
+def sub_model(model, plan: SlicePlan):
+    return model_from_state(sub_config(model.config, plan), extract(model.state_dict(), model.config, plan)).eval()
+
+
+@pytest.mark.parametrize("policy", ["static", "rolling"])
+def test_width_one_slice_gives_the_full_models_logits_exactly(model, policy):
+    x = torch.randint(0, 50, (2, 10))
+    plan = plan_slice(model.config, 1.0, policy, server_round=5)
+    with torch.no_grad():
+        assert torch.equal(sub_model(model, plan)(x).logits, model(x).logits)
+
+
+def test_sub_model_is_a_smaller_llama_with_the_planned_units(model):
+    cfg = model.config
+    plan = plan_slice(cfg, 0.5, "rolling", server_round=2, stride=0.25)
+    sub = sub_model(model, plan)
+    group = cfg.num_attention_heads // cfg.num_key_value_heads
+    assert sub.config.num_key_value_heads == len(plan.attn_units) == units_kept(cfg.num_key_value_heads, 0.5)
+    assert sub.config.num_attention_heads == len(plan.attn_units) * group
+    assert sub.config.intermediate_size == len(plan.neurons) == 24
+    assert sub.config.head_dim == cfg.head_dim
+    assert sum(p.numel() for p in sub.parameters()) < sum(p.numel() for p in model.parameters())
+    out = sub(torch.randint(0, 50, (1, 6)), labels=torch.randint(0, 50, (1, 6)))
+    out.loss.backward()  # ordinary training code works on it
+
+
+def test_sliced_mlp_equals_scaled_sum_over_kept_neurons(model):
+    """The scaler folded into down_proj: sub-MLP(x) = K/n * sum of the kept neurons' terms of the full MLP."""
+    plan = plan_slice(model.config, 0.25, "rolling", server_round=3, stride=0.25)
+    full, sub = model.model.layers[1].mlp, sub_model(model, plan).model.layers[1].mlp
+    x = torch.randn(3, model.config.hidden_size)
+    keep = torch.tensor(plan.neurons)
+    act = full.act_fn(full.gate_proj(x)) * full.up_proj(x)
+    expected = (act[:, keep] @ full.down_proj.weight[:, keep].T) * (model.config.intermediate_size / len(keep))
+    torch.testing.assert_close(sub(x), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("width", [0.25, 0.5, 0.75, 1.0])
+def test_extract_then_write_back_unchanged_leaves_the_target_unchanged(model, width):
+    state = model.state_dict()
+    plan = plan_slice(model.config, width, "rolling", server_round=4, stride=0.25)
+    avg = SelectiveAverager(state, model.config)
+    avg.add(extract(state, model.config, plan), plan)
+    for name, value in avg.result().items():
+        torch.testing.assert_close(value, state[name], rtol=1e-6, atol=1e-7)
+
+
+def test_identical_updates_aggregate_to_that_update(model):
+    state = model.state_dict()
+    plan = plan_slice(model.config, 0.5, "static")
+    update = {k: v + 0.01 for k, v in extract(state, model.config, plan).items()}
+    avg = SelectiveAverager(state, model.config)
+    avg.add(update, plan, weight=3.0)
+    avg.add({k: v.clone() for k, v in update.items()}, plan, weight=1.0)
+    single = SelectiveAverager(state, model.config)
+    single.add(update, plan)
+    for name, value in avg.result().items():
+        torch.testing.assert_close(value, single.result()[name], rtol=1e-6, atol=1e-7)
+
+
+def test_each_coordinate_count_is_the_number_of_clients_that_held_it(model):
+    cfg = model.config
+    state = model.state_dict()
+    plans = [plan_slice(cfg, w, "rolling", server_round=r, stride=0.25) for w, r in ((0.25, 1), (0.5, 2), (0.25, 4))]
+    avg = SelectiveAverager(state, cfg)
+    for plan in plans:
+        avg.add(extract(state, cfg, plan), plan)
+    d, group = cfg.head_dim, cfg.num_attention_heads // cfg.num_key_value_heads
+    for unit in range(cfg.num_key_value_heads):
+        held = sum(unit in p.attn_units for p in plans)
+        assert torch.all(avg.counts["model.layers.0.self_attn.k_proj.weight"][unit * d : (unit + 1) * d] == held)
+        cols = slice(unit * group * d, (unit + 1) * group * d)
+        assert torch.all(avg.counts["model.layers.1.self_attn.o_proj.weight"][:, cols] == held)
+    for neuron in range(cfg.intermediate_size):
+        held = sum(neuron in p.neurons for p in plans)
+        assert torch.all(avg.counts["model.layers.0.mlp.up_proj.weight"][neuron] == held)
+        assert torch.all(avg.counts["model.layers.0.mlp.down_proj.weight"][:, neuron] == held)
+    assert torch.all(avg.counts["model.embed_tokens.weight"] == len(plans))
+    assert torch.all(avg.counts["model.norm.weight"] == len(plans))
+
+
+def test_uncovered_coordinates_keep_their_old_value(model):
+    state = model.state_dict()
+    plan = plan_slice(model.config, 0.25, "static")
+    avg = SelectiveAverager(state, model.config)
+    avg.add({k: torch.zeros_like(v) for k, v in extract(state, model.config, plan).items()}, plan)
+    new = avg.result()
+    units = model.config.intermediate_size // 4
+    assert torch.all(new["model.layers.0.mlp.gate_proj.weight"][:units] == 0)
+    assert torch.equal(new["model.layers.0.mlp.gate_proj.weight"][units:], state["model.layers.0.mlp.gate_proj.weight"][units:])
+    assert 0 < avg.coverage() < 1
+
+
+@pytest.mark.parametrize("width,stride", [(0.25, 0.25), (0.5, 0.125), (0.125, 0.125)])
+def test_rolling_covers_every_unit_equally_often_over_one_period(width, stride):
+    from tests.conftest import tiny_config
+
+    cfg = tiny_config(heads=8, kv_heads=8, hidden=64, inter=64)
+    for axis, total in enumerate(axis_sizes(cfg)):
+        period = math.ceil(total / rolling_step(total, stride))
+        assert total % rolling_step(total, stride) == 0  # chosen so that one period is whole
+        hits = torch.zeros(total)
+        for rnd in range(1, period + 1):
+            plan = plan_slice(cfg, width, "rolling", rnd, stride)
+            hits[list((plan.attn_units, plan.neurons)[axis])] += 1
+        assert torch.all(hits == hits[0]) and hits[0] > 0
+
+
+def test_static_keeps_the_prefix_every_round():
+    from tests.conftest import tiny_config
+
+    cfg = tiny_config()
+    plans = {plan_slice(cfg, 0.5, "static", r) for r in range(1, 6)}
+    assert plans == {SlicePlan(attn_units=(0, 1), neurons=tuple(range(24)))}
+
+
+@pytest.mark.parametrize("bad", ["nan", "shape", "keys"])
+def test_malformed_update_is_rejected_and_changes_nothing(model, bad):
+    state = model.state_dict()
+    plan = plan_slice(model.config, 0.5, "static")
+    update = extract(state, model.config, plan)
+    if bad == "nan":
+        update["model.layers.1.mlp.up_proj.weight"][0, 0] = float("nan")
+    elif bad == "shape":
+        update["model.layers.0.self_attn.q_proj.weight"] = torch.zeros(3, 3)
+    else:
+        update.pop("model.norm.weight")
+    avg = SelectiveAverager(state, model.config)
+    with pytest.raises(ValueError):
+        avg.add(update, plan)
+    assert all(torch.all(c == 0) for c in avg.counts.values())
+    assert avg.clients == 0
+
+
+def test_invalid_width_and_policy_are_named():
+    from tests.conftest import tiny_config
+
+    with pytest.raises(ValueError, match="width"):
+        plan_slice(tiny_config(), 1.5, "static")
+    with pytest.raises(ValueError, match="policy"):
+        plan_slice(tiny_config(), 0.5, "sideways")
