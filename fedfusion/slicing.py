@@ -58,7 +58,8 @@ def rolling_step(total: int, stride: float) -> int:
 
 
 def plan_slice(
-    config: LlamaConfig, width: float, policy: str, server_round: int = 1, stride: float = 0.125
+    config: LlamaConfig, width: float, policy: str, server_round: int = 1, stride: float = 0.125,
+    offset: float = 0.0,
 ) -> SlicePlan:
     """The units a client of ``width`` keeps in ``server_round`` (1-based) under ``policy``.
 
@@ -72,7 +73,7 @@ def plan_slice(
         raise ValueError(f"policy {policy!r} is not one of {', '.join(POLICIES)}")
     plans = []
     for total in axis_sizes(config):
-        start = 0 if policy == "static" else ((server_round - 1) * rolling_step(total, stride)) % total
+        start = 0 if policy == "static" else ((server_round - 1) * rolling_step(total, stride) + round(offset * total)) % total
         plans.append(_window(total, width, start))
     return SlicePlan(attn_units=plans[0], neurons=plans[1])
 
