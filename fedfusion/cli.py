@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     console.print(f"[bold]fedfusion[/] {recipe.name}: {recipe.population.num_clients} clients, "
                   f"{recipe.selection.clients_per_round} per round, {recipe.rounds} rounds, "
                   f"fusion={recipe.fusion.method}/{recipe.fusion.policy}; writing {run.path}")
+    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")  # we request no GPUs; silence Ray's notice
     flwr_logger = logging.getLogger("flwr")
     flwr_logger.setLevel(logging.WARNING)
     flwr_logger.addFilter(_DropDeprecation())
@@ -47,9 +49,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         def on_round(row: dict[str, Any]) -> None:
             progress.console.print(
-                f"round {row['round']:>3}  eval_loss {row['eval_loss']:.4f}  ppl {row['eval_ppl']:8.3f}  "
-                f"acc {row['eval_acc']:.3f}  clients ok {row['clients_ok']} failed {row['clients_failed']}  "
-                f"{row['wall_s']:.1f}s")
+                f"round {row['round']:>3}  loss {row['eval_loss']:.3f}  ppl {row['eval_ppl']:7.2f}  "
+                f"acc {row['eval_acc']:.3f}  ok {row['clients_ok']} failed {row['clients_failed']}  "
+                f"{row['wall_s']:5.1f}s", soft_wrap=True)
             if row["round"] > 0:
                 progress.advance(task)
 

@@ -38,11 +38,11 @@ class ModelConfig:
     """The target model: a Llama-architecture causal LM built from this config, or a pretrained one."""
 
     pretrained: Optional[str] = None  # local path or hub id; overrides the sizes below
-    hidden_size: int = 256
+    hidden_size: int = 128
     num_layers: int = 4
     num_heads: int = 8
     num_kv_heads: int = 8
-    intermediate_size: int = 1024
+    intermediate_size: int = 512
     max_position: int = 512
 
 
@@ -67,6 +67,7 @@ class FusionConfig:
         default_factory=lambda: {"phone": 0.125, "laptop": 0.25, "desktop": 0.5}
     )
     stride: float = 0.125  # rolling: fraction of each axis the window advances per round
+    stagger: bool = True  # rolling: each client's window starts where the previous one's ended
     weighting: str = "uniform"  # uniform (FedRolex) | examples (weight by num-examples)
 
 
@@ -85,7 +86,7 @@ class SelectionConfig:
 class TrainConfig:
     """Local training on each client."""
 
-    local_steps: int = 10
+    local_steps: int = 20
     lr: float = 3e-3
     batch_size: int = 16
     seq_len: int = 64
@@ -114,7 +115,7 @@ class Recipe:
 
     name: str = "quickstart"
     seed: int = 0
-    rounds: int = 12
+    rounds: int = 24
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     population: PopulationConfig = field(default_factory=PopulationConfig)

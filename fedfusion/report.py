@@ -74,6 +74,12 @@ def write_report(run: Path) -> Path:
             f"Held-out perplexity {first['eval_ppl']:.2f} -> **{last['eval_ppl']:.2f}**; "
             f"next-character accuracy {first['eval_acc']:.3f} -> **{last['eval_acc']:.3f}**.",
             "",
+            "Sample from the final target (top-k 10):",
+            "",
+            "```",
+            summary.get("sample", ""),
+            "```",
+            "",
         ]
     lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |" for r in rows]

@@ -50,6 +50,7 @@ def build_strategy(recipe: Recipe, model_config) -> SubModelFusion:
         widths=dict(recipe.fusion.widths),
         policy=recipe.fusion.policy,
         stride=recipe.fusion.stride,
+        stagger=recipe.fusion.stagger and recipe.fusion.policy == "rolling",
         clients_per_round=recipe.selection.clients_per_round,
         min_clients=recipe.selection.min_clients,
         query_config={"population": json.dumps(population)},
@@ -101,6 +102,14 @@ class RoundRecorder:
         return MetricRecord({k: float(v) for k, v in metrics.items()})
 
 
+def sample_text(model: torch.nn.Module, tokenizer, prompt: str = "KING:\n", chars: int = 200, seed: int = 0) -> str:
+    """A seeded top-k sample from the target, so the report shows what it learned to write."""
+    torch.manual_seed(seed)
+    ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
+    out = model.generate(ids, max_new_tokens=chars, do_sample=True, top_k=10, pad_token_id=tokenizer.pad_token_id)
+    return tokenizer.decode(out[0])
+
+
 def run_federation(grid: Grid, recipe: Recipe, run: RunDir, on_round: RoundCallback = log_round) -> dict[str, Any]:
     """Train the recipe's target over the nodes of ``grid``; writes every output into ``run``."""
     started = time.perf_counter()
@@ -128,6 +137,7 @@ def run_federation(grid: Grid, recipe: Recipe, run: RunDir, on_round: RoundCallb
             "clients_failed": sum(r["clients_failed"] for r in rows),
             "bytes_down": sum(r["bytes_down"] for r in rows), "bytes_up": sum(r["bytes_up"] for r in rows),
             "wall_s": time.perf_counter() - started,
+            "sample": sample_text(model, tokenizer, seed=recipe.seed),
         }
         run.write_summary(summary)
         write_report(run.path)

@@ -37,6 +37,17 @@ class SlicePlan:
     neurons: tuple[int, ...]
 
 
+def as_ranges(units: tuple[int, ...]) -> list[list[int]]:
+    """Sorted unit indices as inclusive [first, last] runs, e.g. (0, 1, 6, 7) -> [[0, 1], [6, 7]]."""
+    runs: list[list[int]] = []
+    for u in units:
+        if runs and u == runs[-1][1] + 1:
+            runs[-1][1] = u
+        else:
+            runs.append([u, u])
+    return runs
+
+
 def axis_sizes(config: LlamaConfig) -> tuple[int, int]:
     """(number of attention units = kv heads, number of MLP neurons)."""
     return config.num_key_value_heads, config.intermediate_size
@@ -65,7 +76,8 @@ def plan_slice(
 
     static: the first ceil(width*K) units (HeteroFL). rolling: a window of the same length whose start
     advances by ``rolling_step(K, stride)`` units per round and wraps around (FedRolex, with the stride
-    made configurable so a pass fits the round budget); the start is shared by all clients.
+    made configurable so a pass fits the round budget). ``offset`` (a fraction of the axis) shifts this
+    client's window: 0 for every client is FedRolex's shared start; staggered offsets tile the axis.
     """
     if not 0 < width <= 1:
         raise ValueError(f"width must be in (0, 1], got {width}")

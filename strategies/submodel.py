@@ -24,7 +24,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 from transformers import LlamaConfig
 
-from fedfusion.slicing import SelectiveAverager, SlicePlan, extract, plan_slice, sub_config
+from fedfusion.slicing import SelectiveAverager, SlicePlan, as_ranges, extract, plan_slice, sub_config
 
 
 @dataclass
@@ -34,6 +34,7 @@ class ClientRound:
     node: int
     device: str
     width: float
+    assignment: dict[str, list[list[int]]] = field(default_factory=dict)
     status: str = "sent"  # sent -> ok | failed | rejected | timeout
     partition: int = -1
     examples: int = 0
@@ -57,7 +58,11 @@ class RoundLog:
 
 
 class SubModelFusion(Strategy):
-    """Width-sliced partial training (HeteroFL static / FedRolex rolling) on a Llama-family target."""
+    """Width-sliced partial training (HeteroFL static / FedRolex rolling) on a Llama-family target.
+
+    With ``stagger`` (rolling only) the sampled clients' windows are laid end to end around the axis in
+    node order, so a round covers min(1, sum of widths) of every layer instead of the widest window.
+    """
 
     def __init__(
         self,
@@ -65,6 +70,7 @@ class SubModelFusion(Strategy):
         widths: dict[str, float],
         policy: str,
         stride: float,
+        stagger: bool,
         clients_per_round: int,
         min_clients: int,
         query_config: dict[str, str | int | float],
@@ -78,6 +84,7 @@ class SubModelFusion(Strategy):
         self.widths = widths
         self.policy = policy
         self.stride = stride
+        self.stagger = stagger
         self.clients_per_round = clients_per_round
         self.min_clients = min_clients
         self.query_config = query_config
@@ -93,8 +100,8 @@ class SubModelFusion(Strategy):
 
     def summary(self) -> None:
         """Log the strategy's settings."""
-        log(INFO, "SubModelFusion: policy=%s stride=%s widths=%s clients/round=%d",
-            self.policy, self.stride, self.widths, self.clients_per_round)
+        log(INFO, "SubModelFusion: policy=%s stride=%s stagger=%s widths=%s clients/round=%d",
+            self.policy, self.stride, self.stagger, self.widths, self.clients_per_round)
 
     # -- capability discovery and sampling ------------------------------------------------------
     def _wait_for_nodes(self, grid: Grid) -> list[int]:
@@ -146,11 +153,13 @@ class SubModelFusion(Strategy):
         target = self.target = arrays.to_torch_state_dict()
         self.last = RoundLog(server_round=server_round)
         self.plans = {}
-        messages = []
+        messages, offset = [], 0.0
         for node in self.sample(grid):
             device = self.caps[node]["device"]
             width = self.widths[device]
-            plan = plan_slice(self.config, width, self.policy, server_round, self.stride)
+            plan = plan_slice(self.config, width, self.policy, server_round, self.stride, offset)
+            if self.stagger:
+                offset += width
             sub = ArrayRecord(extract(target, self.config, plan))
             spec = ConfigRecord({
                 **config, **self.train_config,
@@ -161,6 +170,7 @@ class SubModelFusion(Strategy):
             self.plans[node] = plan
             self.last.clients[node] = ClientRound(
                 node=node, device=device, width=width, partition=int(self.caps[node].get("partition", -1)),
+                assignment={"attn_units": as_ranges(plan.attn_units), "neurons": as_ranges(plan.neurons)},
                 bytes_down=sub.count_bytes(),
             )
             messages.append(Message(RecordDict({"arrays": sub, "config": spec}), dst_node_id=node,

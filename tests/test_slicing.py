@@ -9,7 +9,7 @@ import torch
 
 from fedfusion.models import model_from_state
 from fedfusion.slicing import (
-    SelectiveAverager, SlicePlan, axis_sizes, extract, plan_slice, rolling_step, sub_config, units_kept,
+    SelectiveAverager, SlicePlan, as_ranges, axis_sizes, extract, plan_slice, rolling_step, sub_config, units_kept,
 )
 
 
@@ -154,3 +154,23 @@ def test_invalid_width_and_policy_are_named():
         plan_slice(tiny_config(), 1.5, "static")
     with pytest.raises(ValueError, match="policy"):
         plan_slice(tiny_config(), 0.5, "sideways")
+
+
+def test_staggered_windows_of_one_round_tile_the_axis():
+    from tests.conftest import tiny_config
+
+    cfg = tiny_config(heads=8, kv_heads=8, hidden=64, inter=64)
+    widths, offset, plans = [0.5, 0.25, 0.125, 0.125], 0.0, []
+    for w in widths:
+        plans.append(plan_slice(cfg, w, "rolling", server_round=3, stride=0.125, offset=offset))
+        offset += w
+    for axis, total in enumerate(axis_sizes(cfg)):
+        held = sorted(u for p in plans for u in (p.attn_units, p.neurons)[axis])
+        assert held == list(range(total))  # every unit exactly once
+    shared = [plan_slice(cfg, w, "rolling", server_round=3, stride=0.125) for w in widths]
+    assert set().union(*(p.neurons for p in shared)) == set(shared[0].neurons)  # FedRolex: widest window only
+
+
+def test_as_ranges_compacts_wrapped_windows():
+    assert as_ranges((0, 1, 6, 7)) == [[0, 1], [6, 7]]
+    assert as_ranges((3,)) == [[3, 3]]
