@@ -86,7 +86,7 @@ class SelectionConfig:
 class TrainConfig:
     """Local training on each client."""
 
-    local_steps: int = 20
+    local_steps: int = 40
     lr: float = 3e-3
     batch_size: int = 16
     seq_len: int = 64
@@ -115,7 +115,7 @@ class Recipe:
 
     name: str = "quickstart"
     seed: int = 0
-    rounds: int = 24
+    rounds: int = 12
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     population: PopulationConfig = field(default_factory=PopulationConfig)

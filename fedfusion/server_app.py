@@ -20,6 +20,7 @@ import torch
 from flwr.app import ArrayRecord, Context, MetricRecord
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
+from transformers.utils import logging as hf_logging
 
 from fedfusion.data import build_char_tokenizer, encode_text, lm_windows
 from fedfusion.models import build_target, count_params
@@ -125,6 +126,7 @@ def run_federation(grid: Grid, recipe: Recipe, run: RunDir, on_round: RoundCallb
             timeout=recipe.selection.timeout_s, evaluate_fn=recorder,
         )
         if recipe.output.save_model:
+            hf_logging.disable_progress_bar()  # the run's own progress is the one to show
             model.save_pretrained(run.model_dir)
             tokenizer.save_pretrained(run.model_dir)
         rows = recorder.rows
