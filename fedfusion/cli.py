@@ -81,11 +81,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     rows = plan_table(recipe)
     table = Table(title=f"plan for {recipe.name} ({recipe.fusion.method}/{recipe.fusion.policy})")
     for col in rows[0]:
-        table.add_column(col, justify="left" if col in ("tier", "device", "fits") else "right")
+        table.add_column(col, justify="left" if col in ("tier", "slice", "fits") else "right", no_wrap=True)
     for row in rows:
-        table.add_row(*[f"{v:,.3g}" if isinstance(v, float) else f"{v:,}" if isinstance(v, int) else str(v)
+        table.add_row(*[f"{v:.3g}" if isinstance(v, float) else f"{v:,}" if isinstance(v, int) else str(v)
                         for v in row.values()])
-    console.print(table)
+    Console(width=max(console.width, 110)).print(table)
     return 0
 
 

@@ -32,7 +32,11 @@ def training_memory_bytes(config: LlamaConfig, batch: int, seq: int) -> int:
 
 
 def plan_table(recipe: Recipe) -> list[dict[str, Any]]:
-    """One row per tier of the population mix (plus the target itself as a reference row)."""
+    """One row per tier of the population mix, narrowest first.
+
+    Memory is the fp32 AdamW estimate of :func:`training_memory_bytes`; seconds and joules per round
+    price ``6 * params * tokens`` FLOPs at the catalog's sustained TFLOPS and training watts.
+    """
     catalog = load_catalog(recipe.population.catalog)
     target = target_config(recipe.model, build_char_tokenizer())
     tokens = recipe.train.local_steps * recipe.train.batch_size * recipe.train.seq_len
@@ -45,11 +49,11 @@ def plan_table(recipe: Recipe) -> list[dict[str, Any]]:
         mem = training_memory_bytes(sub, recipe.train.batch_size, recipe.train.seq_len)
         seconds = 6 * params * tokens / (device.tflops * 1e12)
         rows.append({
-            "tier": tier, "device": device.description, "width": width,
-            "assignment": f"{sub.num_attention_heads}/{target.num_attention_heads} heads, "
-                          f"{sub.intermediate_size}/{target.intermediate_size} neurons",
-            "params": params, "peak_mem_MB": mem / 2**20, "device_mem_MB": device.memory_gb * 1024,
+            "tier": tier, "width": width,
+            "slice": f"{sub.num_attention_heads}/{target.num_attention_heads} heads, "
+                     f"{sub.intermediate_size}/{target.intermediate_size} neurons",
+            "params": params, "peak MB": round(mem / 2**20, 1), "device MB": round(device.memory_gb * 1024),
             "fits": "yes" if mem <= device.memory_gb * 2**30 else "NO",
-            "s_per_round": seconds, "J_per_round": seconds * device.train_w,
+            "s/round": seconds, "J/round": seconds * device.train_w,
         })
     return rows

@@ -1,0 +1,116 @@
+"""SubModelFusion on hand-built Flower Messages: per-node messages, specs, and rejection of bad replies."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
+from transformers import LlamaForCausalLM
+
+from fedfusion.slicing import extract, plan_slice
+from fedfusion.strategies import SubModelFusion
+from tests.conftest import tiny_config
+
+
+@pytest.fixture(autouse=True)
+def task_identity():
+    """Messages built outside a Flower runtime need a run/task identity (Flower sets it in a real run)."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 0
+
+
+class FakeGrid:
+    """Three nodes that answer the capability query with the given devices."""
+
+    def __init__(self, devices: dict[int, str]) -> None:
+        self.devices = devices
+
+    def get_node_ids(self) -> list[int]:
+        return list(self.devices)
+
+    def send_and_receive(self, messages, timeout=None):
+        return [Message(RecordDict({"caps": ConfigRecord({"device": self.devices[m.metadata.dst_node_id],
+                                                          "partition": m.metadata.dst_node_id})}), reply_to=m)
+                for m in messages]
+
+
+def make_strategy(min_clients: int = 1) -> tuple[SubModelFusion, dict]:
+    cfg = tiny_config(heads=4, kv_heads=4, hidden=32, inter=48)
+    torch.manual_seed(0)
+    state = LlamaForCausalLM(cfg).state_dict()
+    strategy = SubModelFusion(
+        config=cfg, widths={"phone": 0.25, "desktop": 0.5}, policy="rolling", stride=0.25, stagger=True,
+        clients_per_round=3, min_clients=min_clients, query_config={"population": "{}"},
+        train_config={"local-steps": 1, "lr": 0.1, "seed": 0}, wait_nodes_s=1.0,
+    )
+    return strategy, state
+
+
+def test_each_node_gets_its_own_message_with_its_slice_and_spec():
+    strategy, state = make_strategy()
+    grid = FakeGrid({11: "phone", 12: "desktop", 13: "phone"})
+    msgs = list(strategy.configure_train(2, ArrayRecord(state), ConfigRecord({}), grid))
+    assert sorted(m.metadata.dst_node_id for m in msgs) == [11, 12, 13]
+    assert len({id(m.content) for m in msgs}) == 3  # a fresh RecordDict per node
+    for m in msgs:
+        spec = m.content["config"]
+        cfg = json.loads(spec["model-config"])
+        width = {"phone": 0.25, "desktop": 0.5}[grid.devices[m.metadata.dst_node_id]]
+        assert spec["width"] == width and spec["server-round"] == 2 and spec["role"] == "submodel"
+        sub = m.content["arrays"].to_torch_state_dict()
+        assert sub["model.layers.0.mlp.up_proj.weight"].shape[0] == cfg["intermediate_size"] == 48 * width
+        assert sub["model.layers.0.self_attn.q_proj.weight"].shape[0] == cfg["num_attention_heads"] * 8
+    # staggered: the three windows of this round do not overlap
+    units = [u for p in strategy.plans.values() for u in p.neurons]
+    assert len(units) == len(set(units))
+
+
+def _reply(msg: Message, arrays: dict | None, error: str | None = None) -> Message:
+    if error:
+        return Message(Error(code=1, reason=error), reply_to=msg)
+    metrics = MetricRecord({"num-examples": 10, "train_loss": 1.0, "train_s": 0.1})
+    return Message(RecordDict({"arrays": ArrayRecord(arrays), "metrics": metrics}), reply_to=msg)
+
+
+def test_bad_replies_are_rejected_and_logged_and_good_ones_fold_in():
+    strategy, state = make_strategy()
+    grid = FakeGrid({11: "phone", 12: "desktop", 13: "phone"})
+    msgs = {m.metadata.dst_node_id: m for m in strategy.configure_train(1, ArrayRecord(state), ConfigRecord({}), grid)}
+    good = {k: v + 1.0 for k, v in msgs[11].content["arrays"].to_torch_state_dict().items()}
+    nan = msgs[12].content["arrays"].to_torch_state_dict()
+    nan["model.norm.weight"][0] = float("nan")
+    arrays, metrics = strategy.aggregate_train(1, [_reply(msgs[11], good), _reply(msgs[12], nan),
+                                                   _reply(msgs[13], None, error="device crashed")])
+    status = {n: c.status for n, c in strategy.last.clients.items()}
+    assert status == {11: "ok", 12: "rejected", 13: "failed"}
+    assert "NaN" in strategy.last.clients[12].error and "crashed" in strategy.last.clients[13].error
+    assert metrics["clients_ok"] == 1
+    new = arrays.to_torch_state_dict()
+    plan = strategy.plans[11]
+    expected = extract(state, strategy.config, plan)
+    # node 11's slice moved by exactly its update (scaler undone); everything else unchanged
+    got = extract(new, strategy.config, plan)
+    np.testing.assert_allclose(got["model.norm.weight"], expected["model.norm.weight"] + 1.0, rtol=1e-6)
+    outside = sorted(set(range(48)) - set(plan.neurons))
+    assert torch.equal(new["model.layers.0.mlp.up_proj.weight"][outside], state["model.layers.0.mlp.up_proj.weight"][outside])
+
+
+def test_too_few_good_replies_leave_the_target_unchanged():
+    strategy, state = make_strategy(min_clients=2)
+    grid = FakeGrid({11: "phone", 12: "desktop", 13: "phone"})
+    msgs = list(strategy.configure_train(1, ArrayRecord(state), ConfigRecord({}), grid))
+    replies = [_reply(msgs[0], msgs[0].content["arrays"].to_torch_state_dict())]  # two nodes never answer
+    arrays, metrics = strategy.aggregate_train(1, replies)
+    assert arrays is None and metrics["clients_ok"] == 1 and strategy.last.void
+    assert sorted(c.status for c in strategy.last.clients.values()) == ["ok", "timeout", "timeout"]
+
+
+def test_unknown_device_is_not_sampled():
+    strategy, state = make_strategy()
+    grid = FakeGrid({11: "phone", 12: "toaster", 13: "phone"})
+    msgs = list(strategy.configure_train(1, ArrayRecord(state), ConfigRecord({}), grid))
+    assert sorted(m.metadata.dst_node_id for m in msgs) == [11, 13]
