@@ -9,8 +9,8 @@ import torch
 from flwr.app import ConfigRecord
 from transformers import LlamaConfig
 
-from fedfusion.data import build_char_tokenizer, encode_text, lm_windows
-from fedfusion.models import model_from_state
+from fedfusion.data import encode_text, lm_windows
+from fedfusion.models import load_tokenizer, model_from_state
 from fedfusion.population import population_data
 from fedfusion.training import evaluate_lm, train_steps
 
@@ -22,7 +22,7 @@ def client_windows(spec: str, partition: int, seq_len: int, split: str) -> torch
     if not 0 <= partition < len(clients):
         raise ValueError(f"partition-id {partition} is outside the population of {len(clients)} clients")
     text = getattr(clients[partition], split)
-    return lm_windows(encode_text(build_char_tokenizer(), text), seq_len)
+    return lm_windows(encode_text(load_tokenizer(json.loads(spec)["tokenizer"]), text), seq_len)
 
 
 def _model(state: dict[str, torch.Tensor], spec: ConfigRecord):

@@ -2,10 +2,26 @@
 
 from __future__ import annotations
 
-import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
+from functools import lru_cache
 
+import torch
+from transformers import (
+    AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase,
+)
+
+from fedfusion.data import build_char_tokenizer
 from fedfusion.recipe import ModelConfig
+
+
+@lru_cache(maxsize=4)
+def load_tokenizer(pretrained: str | None) -> PreTrainedTokenizerBase:
+    """The fixed character tokenizer, or the tokenizer saved with ``pretrained`` (local path or hub id)."""
+    if not pretrained:
+        return build_char_tokenizer()
+    tok = AutoTokenizer.from_pretrained(pretrained)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
 
 
 def target_config(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> LlamaConfig:
@@ -26,10 +42,17 @@ def target_config(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> Llama
     )
 
 
+def target_model_config(cfg: ModelConfig) -> LlamaConfig:
+    """The target's config without building it (read from ``pretrained`` when set)."""
+    if cfg.pretrained:
+        return AutoConfig.from_pretrained(cfg.pretrained)
+    return target_config(cfg, load_tokenizer(None))
+
+
 def build_target(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int) -> LlamaForCausalLM:
     """A freshly initialised target (seeded), or ``cfg.pretrained`` (local path or hub id) if set."""
     if cfg.pretrained:
-        model = AutoModelForCausalLM.from_pretrained(cfg.pretrained, torch_dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(cfg.pretrained, dtype=torch.float32)
         if not isinstance(model, LlamaForCausalLM):
             raise ValueError(
                 f"model.pretrained: {cfg.pretrained!r} is a {type(model).__name__}; width slicing needs a Llama-family model"

@@ -6,9 +6,8 @@ from typing import Any
 
 from transformers import LlamaConfig
 
-from fedfusion.data import build_char_tokenizer
 from fedfusion.devices import load_catalog
-from fedfusion.models import target_config
+from fedfusion.models import target_model_config
 from fedfusion.recipe import Recipe
 from fedfusion.slicing import plan_slice, sub_config
 
@@ -38,7 +37,7 @@ def plan_table(recipe: Recipe) -> list[dict[str, Any]]:
     price ``6 * params * tokens`` FLOPs at the catalog's sustained TFLOPS and training watts.
     """
     catalog = load_catalog(recipe.population.catalog)
-    target = target_config(recipe.model, build_char_tokenizer())
+    target = target_model_config(recipe.model)
     tokens = recipe.train.local_steps * recipe.train.batch_size * recipe.train.seq_len
     rows = []
     for tier in sorted(recipe.population.mix, key=lambda t: recipe.fusion.widths[t]):

@@ -27,9 +27,10 @@ class ClientData:
 
 
 def data_spec(recipe: Recipe) -> str:
-    """The JSON spec from which any process rebuilds the population's data."""
+    """The JSON spec from which any process rebuilds the population's data and tokenises it."""
     return json.dumps(
-        {"data": asdict(recipe.data), "num_clients": recipe.population.num_clients, "seed": recipe.seed},
+        {"data": asdict(recipe.data), "num_clients": recipe.population.num_clients, "seed": recipe.seed,
+         "tokenizer": recipe.model.pretrained},
         sort_keys=True,
     )
 

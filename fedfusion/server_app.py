@@ -22,8 +22,8 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 from transformers.utils import logging as hf_logging
 
-from fedfusion.data import build_char_tokenizer, encode_text, lm_windows
-from fedfusion.models import build_target, count_params
+from fedfusion.data import encode_text, lm_windows
+from fedfusion.models import build_target, count_params, load_tokenizer
 from fedfusion.population import data_spec, pooled_held_out
 from fedfusion.recipe import Recipe, load_recipe
 from fedfusion.report import write_report
@@ -63,6 +63,7 @@ def build_strategy(recipe: Recipe, model_config) -> SubModelFusion:
         weighting=recipe.fusion.weighting,
         evaluate_clients=recipe.selection.evaluate_clients,
         seed=recipe.seed,
+        query_timeout_s=recipe.selection.timeout_s,
     )
 
 
@@ -115,7 +116,7 @@ def run_federation(grid: Grid, recipe: Recipe, run: RunDir, on_round: RoundCallb
     """Train the recipe's target over the nodes of ``grid``; writes every output into ``run``."""
     started = time.perf_counter()
     try:
-        tokenizer = build_char_tokenizer()
+        tokenizer = load_tokenizer(recipe.model.pretrained)
         model = build_target(recipe.model, tokenizer, recipe.seed)
         held_out = pooled_held_out(data_spec(recipe), recipe.data.eval_chars)
         eval_windows = lm_windows(encode_text(tokenizer, held_out), recipe.train.seq_len)

@@ -79,6 +79,7 @@ class SubModelFusion(Strategy):
         evaluate_clients: int = 0,
         seed: int = 0,
         wait_nodes_s: float = 60.0,
+        query_timeout_s: float = 600.0,
     ) -> None:
         self.config = config
         self.widths = widths
@@ -93,6 +94,7 @@ class SubModelFusion(Strategy):
         self.evaluate_clients = evaluate_clients
         self.rng = random.Random(seed)
         self.wait_nodes_s = wait_nodes_s
+        self.query_timeout_s = query_timeout_s
         self.caps: dict[int, dict] = {}
         self.plans: dict[int, SlicePlan] = {}
         self.target: dict[str, torch.Tensor] = {}
@@ -126,7 +128,9 @@ class SubModelFusion(Strategy):
                     message_type=MessageType.QUERY)
             for n in new
         ]
-        for reply in grid.send_and_receive(msgs, timeout=self.wait_nodes_s):
+        # The first message to a node may start its process (a Ray actor importing torch): allow the
+        # round deadline, not the short registration wait.
+        for reply in grid.send_and_receive(msgs, timeout=self.query_timeout_s):
             node = reply.metadata.src_node_id
             if reply.has_error():
                 log(WARNING, "node %s: capability query failed: %s", node, reply.error.reason)
@@ -143,6 +147,8 @@ class SubModelFusion(Strategy):
         nodes = self._wait_for_nodes(grid)
         self.query_nodes(grid, nodes)
         usable = [n for n in nodes if n in self.caps]
+        if not usable:
+            log(WARNING, "no node has answered the capability query; this round trains nobody")
         return sorted(self.rng.sample(usable, min(self.clients_per_round, len(usable))))
 
     # -- train --------------------------------------------------------------------------------

@@ -1,0 +1,259 @@
+"""Exactness properties of heterogeneous-rank LoRA aggregation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fedfusion.lora import METHODS, ClientLoRA, aggregate_lora, effective_delta, flora_stack
+
+SHAPES = {"q_proj": (16, 24), "v_proj": (20, 24), "o_proj": (24, 16)}  # module -> (out, in); min dim 16
+RANKS, ALPHAS, WEIGHTS = [8, 4, 2, 1], [16.0, 4.0, 8.0, 1.0], [10.0, 30.0, 20.0, 40.0]
+CLOSE = dict(atol=1e-5, rtol=1e-5)
+
+
+def client(rank: int, alpha: float, weight: float = 1.0, seed: int = 0) -> ClientLoRA:
+    g = torch.Generator().manual_seed(seed)
+    A = {n: 0.3 * torch.randn(rank, i, generator=g) for n, (_, i) in SHAPES.items()}
+    B = {n: 0.3 * torch.randn(o, rank, generator=g) for n, (o, _) in SHAPES.items()}
+    return ClientLoRA(A, B, alpha, weight)
+
+
+def hetero() -> list[ClientLoRA]:
+    return [client(r, a, w, seed=k) for k, (r, a, w) in enumerate(zip(RANKS, ALPHAS, WEIGHTS))]
+
+
+def weighted_sum(clients: list[ClientLoRA]) -> dict[str, torch.Tensor]:
+    """sum_k p_k s_k B_k A_k per module, in float64."""
+    p = [c.weight / sum(d.weight for d in clients) for c in clients]
+    return {
+        n: sum(pk * c.scale * c.B[n].double() @ c.A[n].double() for c, pk in zip(clients, p)) for n in SHAPES
+    }
+
+
+def served(agg, rank: int, alpha: float) -> dict[str, torch.Tensor]:
+    """The effective update a client of this rank/alpha starts from."""
+    A, B = agg.for_client(rank, alpha)
+    return {n: effective_delta(A[n], B[n], alpha) for n in SHAPES}
+
+
+def assert_dicts_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert set(got) == set(want)
+    for n in want:
+        torch.testing.assert_close(got[n].double(), want[n].double(), **CLOSE)
+
+
+def test_effective_delta_is_peft_scaling():
+    c = client(4, 16.0)
+    for n in SHAPES:
+        d = effective_delta(c.A[n], c.B[n], 16.0)
+        assert d.dtype == torch.float32 and d.shape == SHAPES[n]
+        torch.testing.assert_close(d, 4.0 * c.B[n] @ c.A[n], **CLOSE)
+
+
+def test_flora_stack_product_is_the_weighted_sum_of_updates():
+    clients = hetero()
+    A, B = flora_stack(clients)
+    want = weighted_sum(clients)
+    for n, (out, inp) in SHAPES.items():
+        assert A[n].shape == (sum(RANKS), inp) and B[n].shape == (out, sum(RANKS))
+    assert_dicts_close({n: B[n] @ A[n] for n in SHAPES}, want)
+    agg = aggregate_lora(clients, "flora")
+    assert agg.merge_into_base and agg.for_client(8, 16.0) is None
+    assert_dicts_close(agg.delta, want)
+
+
+@pytest.mark.parametrize("rank", [1, 2, 4, 8, 15, 16])
+def test_flexlora_serves_the_truncated_svd_of_the_averaged_update(rank):
+    clients = hetero()
+    agg = aggregate_lora(clients, "flexlora")
+    assert not agg.merge_into_base
+    assert_dicts_close(agg.delta, weighted_sum(clients))
+    got = served(agg, rank, alpha=2.0 * rank + 1)
+    for n in SHAPES:
+        delta = agg.delta[n].double()
+        U, S, Vh = torch.linalg.svd(delta, full_matrices=False)
+        torch.testing.assert_close(got[n].double(), U[:, :rank] * S[:rank] @ Vh[:rank], **CLOSE)
+        err = torch.linalg.matrix_norm(delta - got[n].double())
+        discarded = torch.linalg.svdvals(delta)[rank:]
+        assert math.isclose(float(err), float(discarded.square().sum().sqrt()), abs_tol=1e-5)
+
+
+def test_flexlora_rejects_a_rank_above_the_smallest_module_dimension():
+    with pytest.raises(ValueError, match="exceeds min"):
+        aggregate_lora(hetero(), "flexlora").for_client(17, 16.0)
+
+
+def test_zeropad_equals_fedavg_for_equal_ranks_and_alpha():
+    clients = [client(4, 8.0, w, seed=k) for k, w in enumerate(WEIGHTS)]
+    fedavg, zeropad = aggregate_lora(clients, "fedavg"), aggregate_lora(clients, "zeropad")
+    assert_dicts_close(zeropad.delta, fedavg.delta)
+    (Af, Bf), (Az, Bz) = fedavg.for_client(4, 8.0), zeropad.for_client(4, 8.0)
+    assert_dicts_close(Az, Af)
+    assert_dicts_close(Bz, Bf)
+    p = [w / sum(WEIGHTS) for w in WEIGHTS]
+    assert_dicts_close(Af, {n: sum(pk * c.A[n] for c, pk in zip(clients, p)) for n in SHAPES})
+    assert_dicts_close(Bf, {n: sum(pk * c.B[n] for c, pk in zip(clients, p)) for n in SHAPES})
+
+
+@pytest.mark.parametrize("method", ["zeropad", "hetlora"])
+def test_padded_methods_serve_the_leading_components_of_the_global_factors(method):
+    agg = aggregate_lora(hetero(), method)
+    assert {a.shape[0] for a in agg.A.values()} == {max(RANKS)}
+    assert_dicts_close(agg.delta, {n: agg.B[n] @ agg.A[n] for n in SHAPES})
+    for rank in (1, 3, 8):
+        assert_dicts_close(served(agg, rank, alpha=32.0), {n: agg.B[n][:, :rank] @ agg.A[n][:rank] for n in SHAPES})
+    with pytest.raises(ValueError, match="exceeds the largest aggregated rank 8"):
+        agg.for_client(9, 16.0)
+
+
+def test_zeropad_is_the_padded_average_and_biased():
+    clients = hetero()
+    agg = aggregate_lora(clients, "zeropad")
+    p = [w / sum(WEIGHTS) for w in WEIGHTS]
+    for n in SHAPES:
+        A = sum(pk * torch.nn.functional.pad(c.A[n], (0, 0, 0, 8 - c.rank)) for c, pk in zip(clients, p))
+        B = sum(pk * c.scale * torch.nn.functional.pad(c.B[n], (0, 8 - c.rank)) for c, pk in zip(clients, p))
+        torch.testing.assert_close(agg.delta[n], B @ A, **CLOSE)
+        assert not torch.allclose(agg.delta[n].double(), weighted_sum(clients)[n], atol=1e-3)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("rank, alpha", [(8, 16.0), (4, 4.0), (2, 1.0)])
+def test_one_client_round_trips_unchanged(method, rank, alpha):
+    c = client(rank, alpha, weight=3.0)
+    agg = aggregate_lora([c], method)
+    own = {n: effective_delta(c.A[n], c.B[n], alpha) for n in SHAPES}
+    assert_dicts_close(agg.delta, own)
+    if method == "flora":
+        assert agg.for_client(rank, alpha) is None
+    else:
+        assert_dicts_close(served(agg, rank, alpha), own)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_identical_clients_aggregate_to_their_update(method):
+    clients = [client(4, 16.0, w, seed=7) for w in (1.0, 5.0, 2.0)]
+    own = {n: effective_delta(clients[0].A[n], clients[0].B[n], 16.0) for n in SHAPES}
+    agg = aggregate_lora(clients, method)
+    assert_dicts_close(agg.delta, own)
+    if method != "flora":
+        assert_dicts_close(served(agg, 4, 16.0), own)
+    for d in agg.delta.values():
+        assert d.dtype == torch.float32
+
+
+@pytest.mark.parametrize("method", ["zeropad", "hetlora", "flexlora", "flora"])
+def test_one_update_in_different_ranks_and_alphas_aggregates_to_itself(method):
+    """A rank-2 adapter, the same update zero-padded to rank 4 under another alpha, and to rank 8."""
+    small = client(2, 4.0, seed=3)  # s = 2
+    clients = [small]
+    for rank, alpha, w in ((4, 2.0, 2.0), (8, 24.0, 5.0)):
+        s = alpha / rank
+        A = {n: torch.nn.functional.pad(a, (0, 0, 0, rank - 2)) for n, a in small.A.items()}
+        B = {n: torch.nn.functional.pad(b * 2.0 / s, (0, rank - 2)) for n, b in small.B.items()}
+        clients.append(ClientLoRA(A, B, alpha, w))
+    own = {n: effective_delta(small.A[n], small.B[n], 4.0) for n in SHAPES}
+    agg = aggregate_lora(clients, method)
+    assert_dicts_close(agg.delta, own)
+    if method != "flora":
+        for rank, alpha in ((2, 4.0), (8, 1.0)):
+            assert_dicts_close(served(agg, rank, alpha), own)
+
+
+def test_hetlora_gives_a_zero_adapter_zero_weight():
+    clients = hetero()
+    zero = client(4, 4.0, weight=1000.0, seed=9)
+    zero.B = {n: torch.zeros_like(b) for n, b in zero.B.items()}  # the LoRA init: A random, B zero
+    with_zero = aggregate_lora([*clients[:2], zero, *clients[2:]], "hetlora")
+    without = aggregate_lora(clients, "hetlora")
+    assert_dicts_close(with_zero.delta, without.delta)
+
+
+def test_hetlora_weights_are_the_update_norms():
+    clients = hetero()
+    agg = aggregate_lora(clients, "hetlora")
+    for n in SHAPES:
+        norms = [c.weight * torch.linalg.matrix_norm(c.scale * c.B[n].double() @ c.A[n].double()) for c in clients]
+        q = [float(x / sum(norms)) for x in norms]
+        A = sum(qk * torch.nn.functional.pad(c.A[n].double(), (0, 0, 0, 8 - c.rank)) for c, qk in zip(clients, q))
+        B = sum(qk * c.scale * torch.nn.functional.pad(c.B[n].double(), (0, 8 - c.rank)) for c, qk in zip(clients, q))
+        torch.testing.assert_close(agg.delta[n].double(), B @ A, **CLOSE)
+
+
+def test_fedavg_serves_only_its_rank():
+    agg = aggregate_lora([client(4, 8.0, seed=k) for k in range(3)], "fedavg")
+    with pytest.raises(ValueError, match="fedavg aggregated rank 4 adapters and cannot serve rank 2"):
+        agg.for_client(2, 8.0)
+    assert_dicts_close(served(agg, 4, 2.0), agg.delta)  # another alpha: B rescaled, same update
+
+
+def _bad(mutate) -> list[ClientLoRA]:
+    clients = hetero()
+    mutate(clients)
+    return clients
+
+
+def _set(clients: list[ClientLoRA], k: int, attr: str, value: float) -> None:
+    setattr(clients[k], attr, value)
+
+
+def _poke(clients: list[ClientLoRA], k: int, factor: str, name: str, value: float) -> None:
+    getattr(clients[k], factor)[name][0, 0] = value
+
+
+ALLOWED = "fedavg, zeropad, hetlora, flexlora, flora"
+
+
+@pytest.mark.parametrize(
+    "clients, method, message",
+    [
+        (hetero(), "fedprox", rf"unknown LoRA aggregation method 'fedprox'; use one of {ALLOWED}"),
+        ([], "zeropad", "no clients to aggregate"),
+        (hetero(), "fedavg", r"fedavg needs one rank and one alpha .* ranks \[8, 4, 2, 1\]"),
+        ([client(4, 8.0), client(4, 16.0)], "fedavg", r"fedavg needs .* alphas \[8.0, 16.0\]"),
+        (_bad(lambda c: (c[2].A.pop("v_proj"), c[2].B.pop("v_proj"))), "zeropad",
+         r"client 2 adapts different modules than client 0: missing \['v_proj'\]"),
+        (_bad(lambda c: c[1].A.pop("v_proj")), "zeropad",
+         r"client 1: A and B name different modules: .*only in B \['v_proj'\]"),
+        (_bad(lambda c: c[1].A.update(v_proj=torch.randn(3, 24))), "zeropad",
+         r"client 1: v_proj: A \(3, 24\) and B \(20, 4\) are not \(r, in\) and \(out, r\)"),
+        (_bad(lambda c: (c[0].A.update(q_proj=torch.randn(2, 24)), c[0].B.update(q_proj=torch.randn(16, 2)))),
+         "flora", "client 0: modules have different ranks"),
+        (_bad(lambda c: c[3].A.update(o_proj=torch.randn(1, 17))), "flexlora",
+         r"client 3, o_proj: \(out, in\) = \(24, 17\) but client 0 has \(24, 16\)"),
+        (_bad(lambda c: _poke(c, 1, "A", "q_proj", math.nan)), "hetlora", "client 1, q_proj: A or B holds NaN or Inf"),
+        (_bad(lambda c: _poke(c, 2, "B", "o_proj", math.inf)), "flora", "client 2, o_proj: A or B holds NaN or Inf"),
+        (_bad(lambda c: _set(c, 1, "weight", 0.0)), "zeropad", "client 1: weight must be positive and finite, got 0.0"),
+        (_bad(lambda c: _set(c, 0, "weight", -2.0)), "flexlora", "client 0: weight must be positive and finite"),
+        (_bad(lambda c: _set(c, 3, "weight", math.nan)), "flora", "client 3: weight must be positive and finite"),
+        (_bad(lambda c: _set(c, 2, "alpha", 0.0)), "hetlora", "client 2: alpha must be positive and finite"),
+    ],
+    ids=["unknown-method", "empty", "fedavg-ranks", "fedavg-alphas", "module-names", "a-b-names", "a-b-shapes",
+         "ranks-per-module", "out-in", "nan", "inf", "zero-weight", "negative-weight", "nan-weight", "zero-alpha"],
+)
+def test_bad_input_raises_a_clear_error(clients, method, message):
+    with pytest.raises(ValueError, match=message):
+        aggregate_lora(clients, method)
+
+
+def test_flora_stack_validates_too():
+    with pytest.raises(ValueError, match="no clients to aggregate"):
+        flora_stack([])
+
+
+@pytest.mark.parametrize(
+    "rank, alpha, message",
+    [(0, 8.0, "rank must be a positive int"), (2.0, 8.0, "rank must be"), (4, 0.0, "alpha must be"), (4, math.inf, "alpha")],
+)
+def test_for_client_rejects_bad_rank_or_alpha(rank, alpha, message):
+    agg = aggregate_lora(hetero(), "zeropad")
+    with pytest.raises(ValueError, match=message):
+        agg.for_client(rank, alpha)
+
+
+def test_effective_delta_rejects_mismatched_factors():
+    with pytest.raises(ValueError, match=r"A \(4, 8\) and B \(6, 3\)"):
+        effective_delta(torch.zeros(4, 8), torch.zeros(6, 3), 8.0)
