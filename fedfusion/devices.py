@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import yaml
@@ -12,20 +14,64 @@ import yaml
 
 @dataclass(frozen=True)
 class Device:
-    """What one device tier can hold and how fast it trains."""
+    """One device tier: what it can hold, how fast it trains and talks, what it draws and what it cost to make."""
 
     name: str
     description: str
     memory_gb: float
     tflops: float
     train_w: float
+    idle_w: float
+    battery_wh: float | None  # None: on mains power
+    up_mbps: float
+    down_mbps: float
+    radio_w: float
+    embodied_kg: float  # lifecycle kgCO2e
+    lifetime_years: float
+    zone: str  # default grid zone, a key of fedfusion.energy.GRID_G_PER_KWH
+    sources: str  # where each number comes from, or "assumed"
 
 
-_FIELDS = ("description", "memory_gb", "tflops", "train_w")
+_TEXT = ("description", "zone", "sources")
+_POSITIVE = ("memory_gb", "tflops", "train_w", "idle_w", "up_mbps", "down_mbps", "radio_w",
+             "embodied_kg", "lifetime_years")
+_FIELDS = _TEXT + _POSITIVE + ("battery_wh",)
+
+
+def _positive(value: Any) -> bool:
+    """A finite number above zero (YAML booleans are not numbers here)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def _device(name: str, fields: Any) -> Device:
+    """One tier's fields checked and typed; a ValueError names the offending field."""
+    if not isinstance(fields, dict):
+        raise ValueError(f"tier {name!r}: expected a mapping of fields")
+    missing = [f for f in _FIELDS if f not in fields]
+    if missing:
+        raise ValueError(f"tier {name!r} lacks {', '.join(missing)}")
+    unknown = sorted(set(fields) - set(_FIELDS))
+    if unknown:
+        raise ValueError(f"tier {name!r}: unknown field {', '.join(map(str, unknown))}")
+    for f in _TEXT:
+        if not isinstance(fields[f], str) or not fields[f].strip():
+            raise ValueError(f"tier {name!r}: {f} must be a non-empty string, got {fields[f]!r}")
+    for f in _POSITIVE:
+        if not _positive(fields[f]):
+            raise ValueError(f"tier {name!r}: {f} must be a positive number, got {fields[f]!r}")
+    battery = fields["battery_wh"]
+    if battery is not None and not _positive(battery):
+        raise ValueError(f"tier {name!r}: battery_wh must be a positive number or null, got {battery!r}")
+    return Device(
+        name=name,
+        **{f: fields[f].strip() for f in _TEXT},
+        **{f: float(fields[f]) for f in _POSITIVE},
+        battery_wh=None if battery is None else float(battery),
+    )
 
 
 def load_catalog(path: str | Path | None = None) -> dict[str, Device]:
-    """The built-in catalog, or a user YAML file of the same shape (tier -> fields)."""
+    """The built-in catalog, or a user YAML file of the same shape (tier -> fields), validated."""
     src = Path(path) if path else Path(str(resources.files("fedfusion.catalog").joinpath("devices.yaml")))
     try:
         raw = yaml.safe_load(src.read_text())
@@ -35,11 +81,18 @@ def load_catalog(path: str | Path | None = None) -> dict[str, Device]:
         raise ValueError(f"device catalog {src}: expected a mapping of tier name -> fields")
     catalog = {}
     for name, fields in raw.items():
-        missing = [f for f in _FIELDS if not isinstance(fields, dict) or f not in fields]
-        if missing:
-            raise ValueError(f"device catalog {src}: tier {name!r} lacks {', '.join(missing)}")
-        catalog[name] = Device(name=name, **{f: fields[f] for f in _FIELDS})
+        try:
+            catalog[str(name)] = _device(str(name), fields)
+        except ValueError as exc:
+            raise ValueError(f"device catalog {src}: {exc}") from None
     return catalog
+
+
+def catalog_rows(catalog: dict[str, Device]) -> list[dict[str, Any]]:
+    """One row per tier, in catalog order, for a table of the catalog."""
+    keys = ("name", "description", "memory_gb", "tflops", "train_w", "idle_w", "battery_wh",
+            "up_mbps", "down_mbps", "embodied_kg", "lifetime_years", "zone")
+    return [{k: getattr(device, k) for k in keys} for device in catalog.values()]
 
 
 def assign_tiers(mix: dict[str, float], num_clients: int, seed: int) -> list[str]:

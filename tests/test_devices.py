@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from collections import Counter
+from importlib import resources
+from pathlib import Path
 
 import pytest
+import yaml
 
-from fedfusion.devices import assign_tiers, load_catalog
+from fedfusion.devices import assign_tiers, catalog_rows, load_catalog
 
 
 def test_builtin_catalog_has_the_three_tiers_with_numbers():
@@ -30,3 +33,64 @@ def test_user_catalog_errors_name_the_tier(tmp_path):
     bad.write_text("watch:\n  memory_gb: 1\n")
     with pytest.raises(ValueError, match="watch"):
         load_catalog(bad)
+
+
+EDGE = ("phone", "phone-lowend", "phone-apple", "laptop", "laptop-x86")
+CLOUD = ("cloud-a5000", "cloud-a100", "cloud-h100")
+
+
+def test_builtin_catalog_has_edge_and_cloud_tiers_with_sources():
+    catalog = load_catalog()
+    assert set(EDGE + CLOUD + ("desktop",)) <= set(catalog)
+    for d in catalog.values():
+        assert d.sources and d.zone and d.lifetime_years > 0 and d.embodied_kg > 0
+        assert (d.battery_wh is None) == (d.name in CLOUD + ("desktop",))
+    laptop, phone = catalog["laptop"], catalog["phone"]
+    assert 30 <= laptop.train_w <= 40 and laptop.embodied_kg == 300 and laptop.lifetime_years == 4
+    assert phone.lifetime_years == 3 and phone.up_mbps == phone.down_mbps == 80 and phone.radio_w == 0.5
+    assert "anchors.md" in laptop.sources and "assumed" in catalog["cloud-h100"].sources
+    assert catalog["cloud-a5000"].tflops < catalog["cloud-a100"].tflops < catalog["cloud-h100"].tflops
+    assert catalog["phone-lowend"].memory_gb < phone.memory_gb
+
+
+def write_tier(tmp_path, drop: str = "", **changes) -> Path:
+    """A one-tier catalog named ``watch``: the built-in phone's fields with ``changes``, less ``drop``."""
+    raw = yaml.safe_load(resources.files("fedfusion.catalog").joinpath("devices.yaml").read_text())["phone"]
+    raw.update(changes)
+    raw.pop(drop, None)
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"watch": raw}))
+    return path
+
+
+@pytest.mark.parametrize("drop, changes, field", [
+    ("idle_w", {}, "idle_w"),
+    ("battery_wh", {}, "battery_wh"),
+    ("", {"tflops": 0}, "tflops"),
+    ("", {"embodied_kg": -1.0}, "embodied_kg"),
+    ("", {"radio_w": True}, "radio_w"),
+    ("", {"up_mbps": "fast"}, "up_mbps"),
+    ("", {"battery_wh": 0}, "battery_wh"),
+    ("", {"zone": ""}, "zone"),
+    ("", {"colour": "red"}, "colour"),
+])
+def test_user_catalog_errors_name_the_tier_and_field(tmp_path, drop, changes, field):
+    with pytest.raises(ValueError, match=f"'watch'.*{field}"):
+        load_catalog(write_tier(tmp_path, drop, **changes))
+
+
+def test_user_catalog_types_fields_and_allows_mains_devices(tmp_path):
+    watch = load_catalog(write_tier(tmp_path, memory_gb=1, zone="FRA"))["watch"]
+    assert watch.memory_gb == 1.0 and isinstance(watch.memory_gb, float) and watch.zone == "FRA"
+    mains = load_catalog(write_tier(tmp_path, battery_wh=None))["watch"]
+    assert mains.battery_wh is None
+
+
+def test_catalog_rows_one_per_tier_in_order():
+    catalog = load_catalog()
+    rows = catalog_rows(catalog)
+    assert [r["name"] for r in rows] == list(catalog)
+    assert set(rows[0]) == {"name", "description", "memory_gb", "tflops", "train_w", "idle_w", "battery_wh",
+                            "up_mbps", "down_mbps", "embodied_kg", "lifetime_years", "zone"}
+    laptop = next(r for r in rows if r["name"] == "laptop")
+    assert laptop["embodied_kg"] == 300 and laptop["zone"] == catalog["laptop"].zone
