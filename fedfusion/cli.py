@@ -89,6 +89,24 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_devices(args: argparse.Namespace) -> int:
+    """Print the device catalog (built-in, or the file given)."""
+    from fedfusion.devices import catalog_rows, load_catalog
+
+    rows = catalog_rows(load_catalog(args.catalog))
+    headers = {"name": "tier", "memory_gb": "mem GB", "tflops": "TFLOPS", "train_w": "train W", "idle_w": "idle W",
+               "battery_wh": "batt Wh", "up_mbps": "up Mb/s", "down_mbps": "down Mb/s", "embodied_kg": "kgCO2e",
+               "lifetime_years": "years", "zone": "zone"}
+    table = Table(title=f"device catalog ({args.catalog or 'built-in'}); descriptions and sources in the file")
+    for key, title in headers.items():
+        table.add_column(title, justify="left" if key in ("name", "zone") else "right", no_wrap=True)
+    for row in rows:
+        table.add_row(*["-" if row[k] is None else f"{row[k]:g}" if isinstance(row[k], float) else str(row[k])
+                        for k in headers])
+    Console(width=max(console.width, 120)).print(table)
+    return 0
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     """report.md + plots for one run, or a side-by-side comparison of several."""
     from fedfusion.report import compare_runs, write_report
@@ -115,6 +133,9 @@ def parser() -> argparse.ArgumentParser:
     plan.add_argument("recipe")
     plan.add_argument("overrides", nargs="*")
     plan.set_defaults(func=cmd_plan)
+    devices = sub.add_parser("devices", help="list the device catalog")
+    devices.add_argument("--catalog", help="a device catalog YAML (default: the built-in one)")
+    devices.set_defaults(func=cmd_devices)
     report = sub.add_parser("report", help="report.md and plots for run directories")
     report.add_argument("runs", nargs="+")
     report.add_argument("--out", help="output folder for a comparison of several runs")

@@ -239,6 +239,8 @@ def validate(recipe: Recipe) -> None:
         if tier not in recipe.fusion.widths:
             raise RecipeError(f"fusion.widths: no width for tier {tier!r} of population.mix")
     for tier, width in recipe.fusion.widths.items():
+        if tier not in catalog:
+            raise RecipeError(f"fusion.widths.{tier}: unknown device; the catalog has {', '.join(sorted(catalog))}")
         if not 0 < width <= 1:
             raise RecipeError(f"fusion.widths.{tier}: must be in (0, 1], got {width}")
     if not 0 < recipe.fusion.stride <= 1:

@@ -49,7 +49,32 @@ def plot_curves(runs: list[Path], out_dir: Path) -> list[Path]:
         fig.savefig(path, dpi=110)
         plt.close(fig)
         paths.append(path)
+    paths.append(_plot_cost(runs, out_dir))
     return paths
+
+
+def _plot_cost(runs: list[Path], out_dir: Path) -> Path:
+    """Held-out loss against cumulative energy and cumulative CO2e: what the learning cost."""
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    for run in runs:
+        rows, _ = _load(run)
+        for ax, key in zip(axes, ("energy_j", "co2_g")):
+            total, xs = 0.0, []
+            for r in rows:
+                total += r.get(key, 0.0)
+                xs.append(total)
+            ax.plot(xs, [r["eval_loss"] for r in rows], marker="o", label=_label(run))
+    axes[0].set_xlabel("cumulative energy, all clients (J, priced from counted work)")
+    axes[1].set_xlabel("cumulative CO2e (g, operational + embodied)")
+    axes[0].set_ylabel("held-out loss")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    path = out_dir / "loss_vs_cost.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def _fmt(value: object) -> str:
@@ -63,13 +88,15 @@ def write_report(run: Path) -> Path:
     rows, summary = _load(run)
     plots = plot_curves([run], run / "plots")
     cols = ("round", "eval_loss", "eval_ppl", "eval_acc", "train_loss", "coverage", "clients_ok",
-            "clients_failed", "bytes_down", "bytes_up", "wall_s")
+            "clients_failed", "bytes_down", "bytes_up", "energy_j", "co2_g", "virtual_s", "wall_s")
     lines = [f"# Run report: {_label(run)}", "", f"Status: **{summary.get('status')}**", ""]
     if summary.get("status") == "ok":
         first, last = summary["initial"], summary["final"]
         lines += [
             f"Target: {summary['target_params']:,} parameters, {summary['rounds']} rounds, "
-            f"{summary['wall_s']:.0f} s wall.",
+            f"{summary['wall_s']:.0f} s wall. Clients' work priced on their device profiles: "
+            f"{summary['energy_j']:.1f} J ({summary['wasted_j']:.1f} J wasted on failed or rejected work), "
+            f"{summary['co2_g']:.4f} g CO2e, {summary['virtual_s']:.1f} s of simulated time.",
             "",
             f"Held-out perplexity {first['eval_ppl']:.2f} -> **{last['eval_ppl']:.2f}**; "
             f"next-character accuracy {first['eval_acc']:.3f} -> **{last['eval_acc']:.3f}**.",
@@ -92,13 +119,16 @@ def write_report(run: Path) -> Path:
 def compare_runs(runs: list[Path], out_dir: Path) -> Path:
     """Side-by-side report of several runs: overlaid curves and a table of final metrics."""
     plots = plot_curves(runs, out_dir / "plots")
-    lines = ["# Comparison", "", "| run | status | rounds | final loss | final ppl | final acc | wall s |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["# Comparison", "",
+             "| run | status | rounds | final loss | final ppl | final acc | energy J | CO2e g | wall s |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for run in runs:
         rows, summary = _load(run)
         last = rows[-1]
+        energy, co2 = (sum(r.get(k, 0.0) for r in rows) for k in ("energy_j", "co2_g"))
         lines.append(f"| {_label(run)} | {summary.get('status')} | {last['round']} | {last['eval_loss']:.4f} | "
-                     f"{last['eval_ppl']:.3f} | {last['eval_acc']:.4f} | {_fmt(summary.get('wall_s'))} |")
+                     f"{last['eval_ppl']:.3f} | {last['eval_acc']:.4f} | {energy:.4g} | {co2:.4g} | "
+                     f"{_fmt(summary.get('wall_s'))} |")
     lines += [""] + [f"![{p.stem}](plots/{p.name})" for p in plots] + [""]
     path = out_dir / "report.md"
     path.write_text("\n".join(lines))

@@ -13,7 +13,6 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict
 from logging import INFO
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,12 +22,15 @@ from flwr.serverapp import Grid, ServerApp
 from transformers.utils import logging as hf_logging
 
 from fedfusion.data import encode_text, lm_windows
+from fedfusion.devices import Device, load_catalog
+from fedfusion.energy import price_work, train_flops
 from fedfusion.models import build_target, count_params, load_tokenizer
 from fedfusion.population import data_spec, pooled_held_out
 from fedfusion.recipe import Recipe, load_recipe
 from fedfusion.report import write_report
 from fedfusion.run_dir import RunDir, new_run_path
 from fedfusion.strategies import SubModelFusion
+from fedfusion.strategies.submodel import ClientRound
 from fedfusion.training import evaluate_lm
 
 RoundCallback = Callable[[dict[str, Any]], None]
@@ -67,13 +69,27 @@ def build_strategy(recipe: Recipe, model_config) -> SubModelFusion:
     )
 
 
+def price_client(row: ClientRound, catalog: dict[str, Device]) -> dict[str, float]:
+    """Energy ledger fields of one client round, priced from counted work on its device profile.
+
+    A client that failed or timed out is charged its planned work and download; a rejected one its
+    work both ways: that energy was spent and bought nothing (``wasted``).
+    """
+    ok = row.status == "ok"
+    cost = price_work(catalog[row.device], train_flops(row.params, row.tokens), row.bytes_down,
+                      row.bytes_up if row.status in ("ok", "rejected") else 0)
+    return {"virtual_s": cost.virtual_s, "compute_s": cost.compute_s, "comm_s": cost.comm_s,
+            "energy_j": cost.wall_j, "co2_g": cost.co2_g, "co2_operational_g": cost.co2_operational_g,
+            "co2_embodied_g": cost.co2_embodied_g, "wasted": not ok}
+
+
 class RoundRecorder:
     """Flower's ``evaluate_fn``: scores the target centrally and writes the round's ledger rows."""
 
     def __init__(self, run: RunDir, strategy: SubModelFusion, model: torch.nn.Module,
-                 eval_windows: torch.Tensor, on_round: RoundCallback) -> None:
+                 eval_windows: torch.Tensor, on_round: RoundCallback, catalog: dict[str, Device]) -> None:
         self.run, self.strategy, self.model = run, strategy, model
-        self.eval_windows, self.on_round = eval_windows, on_round
+        self.eval_windows, self.on_round, self.catalog = eval_windows, on_round, catalog
         self.start = self.last = time.perf_counter()
         self.rows: list[dict[str, Any]] = []
 
@@ -83,6 +99,7 @@ class RoundRecorder:
         metrics = evaluate_lm(self.model, self.eval_windows)
         clients = list(self.strategy.last.clients.values()) if server_round > 0 else []
         ok = [c for c in clients if c.status == "ok"]
+        ledger = [{"round": server_round, **asdict(c), **price_client(c, self.catalog)} for c in clients]
         now = time.perf_counter()
         row = {
             "round": server_round, **metrics,
@@ -94,12 +111,17 @@ class RoundRecorder:
             "void": bool(self.strategy.last.void) if server_round > 0 else False,
             "aggregate_s": self.strategy.last.aggregate_s if server_round > 0 else 0.0,
             "wall_s": now - self.last, "elapsed_s": now - self.start,
+            # simulated time advances by the slowest client; energy and carbon add up over all of them
+            "virtual_s": max((c["virtual_s"] for c in ledger), default=0.0),
+            "energy_j": sum(c["energy_j"] for c in ledger),
+            "wasted_j": sum(c["energy_j"] for c in ledger if c["wasted"]),
+            "co2_g": sum(c["co2_g"] for c in ledger),
             **(self.strategy.last.fed_eval if server_round > 0 else {}),
         }
         self.last = now
         self.rows.append(row)
         self.run.log_round(row)
-        self.run.log_clients([{"round": server_round, **asdict(c)} for c in clients])
+        self.run.log_clients(ledger)
         self.on_round(row)
         return MetricRecord({k: float(v) for k, v in metrics.items()})
 
@@ -121,7 +143,7 @@ def run_federation(grid: Grid, recipe: Recipe, run: RunDir, on_round: RoundCallb
         held_out = pooled_held_out(data_spec(recipe), recipe.data.eval_chars)
         eval_windows = lm_windows(encode_text(tokenizer, held_out), recipe.train.seq_len)
         strategy = build_strategy(recipe, model.config)
-        recorder = RoundRecorder(run, strategy, model, eval_windows, on_round)
+        recorder = RoundRecorder(run, strategy, model, eval_windows, on_round, load_catalog(recipe.population.catalog))
         strategy.start(
             grid=grid, initial_arrays=ArrayRecord(model.state_dict()), num_rounds=recipe.rounds,
             timeout=recipe.selection.timeout_s, evaluate_fn=recorder,
@@ -139,6 +161,8 @@ def run_federation(grid: Grid, recipe: Recipe, run: RunDir, on_round: RoundCallb
             "clients_ok": sum(r["clients_ok"] for r in rows),
             "clients_failed": sum(r["clients_failed"] for r in rows),
             "bytes_down": sum(r["bytes_down"] for r in rows), "bytes_up": sum(r["bytes_up"] for r in rows),
+            "energy_j": sum(r["energy_j"] for r in rows), "wasted_j": sum(r["wasted_j"] for r in rows),
+            "co2_g": sum(r["co2_g"] for r in rows), "virtual_s": sum(r["virtual_s"] for r in rows),
             "wall_s": time.perf_counter() - started,
             "sample": sample_text(model, tokenizer, seed=recipe.seed),
         }

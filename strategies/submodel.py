@@ -42,6 +42,8 @@ class ClientRound:
     train_s: float | None = None
     bytes_down: int = 0
     bytes_up: int = 0
+    params: int = 0  # parameters of the sub-model sent
+    tokens: int = 0  # tokens trained: planned when sent, as reported once the reply arrives
     error: str | None = None
 
 
@@ -166,7 +168,8 @@ class SubModelFusion(Strategy):
             plan = plan_slice(self.config, width, self.policy, server_round, self.stride, offset)
             if self.stagger:
                 offset += width
-            sub = ArrayRecord(extract(target, self.config, plan))
+            sub_state = extract(target, self.config, plan)
+            sub = ArrayRecord(sub_state)
             spec = ConfigRecord({
                 **config, **self.train_config,
                 "role": "submodel", "server-round": server_round, "width": width, "policy": self.policy,
@@ -177,7 +180,9 @@ class SubModelFusion(Strategy):
             self.last.clients[node] = ClientRound(
                 node=node, device=device, width=width, partition=int(self.caps[node].get("partition", -1)),
                 assignment={"attn_units": as_ranges(plan.attn_units), "neurons": as_ranges(plan.neurons)},
-                bytes_down=sub.count_bytes(),
+                bytes_down=sub.count_bytes(), params=sum(t.numel() for t in sub_state.values()),
+                tokens=int(self.train_config.get("local-steps", 0)) * int(self.train_config.get("batch-size", 0))
+                * int(self.train_config.get("seq-len", 0)),
             )
             messages.append(Message(RecordDict({"arrays": sub, "config": spec}), dst_node_id=node,
                                     message_type=MessageType.TRAIN))
@@ -213,6 +218,7 @@ class SubModelFusion(Strategy):
                 continue
             row.status, row.examples = "ok", n
             row.train_loss, row.train_s = float(metrics["train_loss"]), float(metrics["train_s"])
+            row.tokens = int(metrics.get("train_tokens", row.tokens))
             losses.append(row.train_loss)
             examples += n
         for row in self.last.clients.values():

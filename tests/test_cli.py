@@ -21,6 +21,12 @@ def test_plan_lists_every_tier_with_its_slice(capsys):
     assert all(r["fits"] == "yes" for r in rows)
 
 
+def test_devices_lists_the_catalog(capsys):
+    assert main(["devices"]) == 0
+    out = capsys.readouterr().out
+    assert "cloud-a100" in out and "phone-lowend" in out
+
+
 def test_param_count_matches_a_real_model():
     from transformers import LlamaForCausalLM
 
@@ -43,6 +49,7 @@ def test_report_compares_several_runs(tmp_path):
     assert main(["report", str(a), str(b), "--out", str(tmp_path / "cmp")]) == 0
     text = (tmp_path / "cmp" / "report.md").read_text()
     assert "| rolling | ok | 2 | 2.5000" in text and "| static | ok | 2 | 3.1000" in text
+    assert (tmp_path / "cmp" / "plots" / "loss_vs_cost.png").is_file()
     assert (tmp_path / "cmp" / "plots" / "eval_loss.png").stat().st_size > 1000
 
 

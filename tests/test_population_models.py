@@ -28,7 +28,7 @@ def test_shakespeare_population_is_seeded_and_split():
 def test_local_text_source_is_sharded_per_client(tmp_path):
     path = tmp_path / "corpus.txt"
     path.write_text("".join(f"line {i} of a local corpus\n" for i in range(400)))
-    recipe = load_recipe("quickstart", [f"data.source=text", f"data.path={path}", "population.num_clients=4",
+    recipe = load_recipe("quickstart", ["data.source=text", f"data.path={path}", "population.num_clients=4",
                                         "selection.clients_per_round=2"])
     clients = population_data(data_spec(recipe))
     assert [c.name for c in clients] == [f"shard-{i}" for i in range(4)]

@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from fedfusion.cli import main
@@ -41,6 +40,8 @@ def test_metrics_rows_start_at_round_zero_and_carry_the_contract_fields(run_dir)
                 "clients_failed", "wall_s"} <= set(row)
     assert all(r["clients_ok"] == 3 and r["bytes_down"] > 0 for r in rows[1:])
     assert all(r["fed_eval_loss"] > 0 for r in rows[1:])  # one client scored the target on its held-out text
+    for row in rows[1:]:  # the energy ledger: priced from counted work on the clients' device profiles
+        assert row["energy_j"] > 0 and row["co2_g"] > 0 and row["virtual_s"] > 0 and row["wasted_j"] == 0
 
 
 def test_clients_rows_record_each_client_and_its_slice(run_dir):
@@ -50,6 +51,8 @@ def test_clients_rows_record_each_client_and_its_slice(run_dir):
     for row in rows:
         assert row["width"] == widths[row["device"]]
         assert row["bytes_up"] == row["bytes_down"] > 0  # a client sends back exactly its sub-model
+        assert row["energy_j"] > 0 and row["virtual_s"] >= row["compute_s"] > 0 and not row["wasted"]
+        assert row["tokens"] == 2 * 4 * 32 and row["params"] > 0
 
 
 def test_summary_and_saved_target_load_with_transformers(run_dir):

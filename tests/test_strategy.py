@@ -10,7 +10,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
 from transformers import LlamaForCausalLM
 
-from fedfusion.slicing import extract, plan_slice
+from fedfusion.slicing import extract
 from fedfusion.strategies import SubModelFusion
 from tests.conftest import tiny_config
 
