@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import random
+import time
 from functools import lru_cache
 
 import torch
@@ -29,8 +31,22 @@ def _model(state: dict[str, torch.Tensor], spec: ConfigRecord):
     return model_from_state(LlamaConfig.from_dict(json.loads(str(spec["model-config"]))), state)
 
 
+def inject_faults(spec: ConfigRecord, partition: int) -> tuple[bool, float]:
+    """Recipe-injected faults for this (round, client): raise if it crashes; (corrupt?, straggle seconds).
+
+    Drawn from a generator seeded by the message's seed and the partition, so a run's faults repeat.
+    """
+    rng = random.Random(int(spec["seed"]) * 7919 + partition)
+    draws = [rng.random() for _ in range(3)]
+    if draws[0] < float(spec.get("fault-crash-prob", 0.0)):
+        raise RuntimeError(f"injected crash (faults.crash_prob) on partition {partition}")
+    delay = float(spec.get("fault-straggler-delay-s", 0.0)) if draws[1] < float(spec.get("fault-straggler-prob", 0.0)) else 0.0
+    return draws[2] < float(spec.get("fault-corrupt-prob", 0.0)), delay
+
+
 def train(state: dict[str, torch.Tensor], spec: ConfigRecord, partition: int) -> tuple[dict, dict]:
     """Train the sub-model in ``state`` as ``spec`` says; returns the new state and reply metrics."""
+    corrupt, delay = inject_faults(spec, partition)
     torch.set_num_threads(int(spec["threads"]))
     windows = client_windows(str(spec["data-spec"]), partition, int(spec["seq-len"]), "train")
     model = _model(state, spec)
@@ -39,6 +55,9 @@ def train(state: dict[str, torch.Tensor], spec: ConfigRecord, partition: int) ->
         batch_size=int(spec["batch-size"]), seed=int(spec["seed"]), weight_decay=float(spec["weight-decay"]),
     )
     new_state = {k: v.detach() for k, v in model.state_dict().items()}
+    if corrupt:
+        next(iter(new_state.values())).view(-1)[0] = float("nan")
+    time.sleep(delay)
     return new_state, {"num-examples": int(windows.shape[0]), **stats}
 
 

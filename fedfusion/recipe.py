@@ -94,6 +94,16 @@ class TrainConfig:
 
 
 @dataclass
+class FaultConfig:
+    """Injected client faults, for testing and benchmarking robustness (all off by default)."""
+
+    crash_prob: float = 0.0  # a sampled client raises instead of training
+    straggler_prob: float = 0.0  # a sampled client sleeps straggler_delay_s before replying
+    straggler_delay_s: float = 0.0
+    corrupt_prob: float = 0.0  # a sampled client replies with NaN in its update
+
+
+@dataclass
 class EngineConfig:
     """Flower simulation engine resources."""
 
@@ -122,6 +132,7 @@ class Recipe:
     fusion: FusionConfig = field(default_factory=FusionConfig)
     selection: SelectionConfig = field(default_factory=SelectionConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    faults: FaultConfig = field(default_factory=FaultConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
 
@@ -214,6 +225,11 @@ def validate(recipe: Recipe) -> None:
         for part in key.split("."):
             obj = getattr(obj, part)
         _positive(key, obj)
+    for name in ("crash_prob", "straggler_prob", "corrupt_prob"):
+        if not 0 <= getattr(recipe.faults, name) <= 1:
+            raise RecipeError(f"faults.{name}: must be in [0, 1], got {getattr(recipe.faults, name)}")
+    if recipe.faults.straggler_delay_s < 0:
+        raise RecipeError(f"faults.straggler_delay_s: must be >= 0, got {recipe.faults.straggler_delay_s}")
     if not 0 < recipe.data.held_out < 1:
         raise RecipeError(f"data.held_out: must be in (0, 1), got {recipe.data.held_out}")
     if recipe.data.source == "text" and not recipe.data.path:

@@ -61,6 +61,7 @@ def build_strategy(recipe: Recipe, model_config) -> SubModelFusion:
             "local-steps": train.local_steps, "lr": train.lr, "batch-size": train.batch_size,
             "seq-len": train.seq_len, "weight-decay": train.weight_decay, "seed": recipe.seed,
             "threads": recipe.engine.threads_per_client, "data-spec": data_spec(recipe),
+            **{f"fault-{k.replace('_', '-')}": float(v) for k, v in asdict(recipe.faults).items()},
         },
         weighting=recipe.fusion.weighting,
         evaluate_clients=recipe.selection.evaluate_clients,

@@ -59,6 +59,12 @@ class RoundLog:
     fed_eval: dict[str, float] = field(default_factory=dict)
 
 
+def _last_line(reason: str) -> str:
+    """The exception line of an error reply (Ray wraps the client's traceback around it)."""
+    lines = [line.strip() for line in reason.strip().splitlines() if line.strip()]
+    return (lines[-1] if lines else "unknown error")[:500]
+
+
 class SubModelFusion(Strategy):
     """Width-sliced partial training (HeteroFL static / FedRolex rolling) on a Llama-family target.
 
@@ -174,7 +180,9 @@ class SubModelFusion(Strategy):
                 **config, **self.train_config,
                 "role": "submodel", "server-round": server_round, "width": width, "policy": self.policy,
                 "model-config": json.dumps(sub_config(self.config, plan).to_dict()),
-                "seed": int(self.train_config.get("seed", 0)) * 100003 + server_round * 1009 + node % 1009,
+                # per (run seed, round, partition): the same recipe repeats the same batches and faults
+                "seed": int(self.train_config.get("seed", 0)) * 100003 + server_round * 1009
+                + int(self.caps[node].get("partition", node % 1009)),
             })
             self.plans[node] = plan
             self.last.clients[node] = ClientRound(
@@ -201,7 +209,7 @@ class SubModelFusion(Strategy):
             if row is None:
                 continue
             if reply.has_error():
-                row.status, row.error = "failed", reply.error.reason[:500]
+                row.status, row.error = "failed", _last_line(reply.error.reason)
                 log(WARNING, "round %d node %d: client failed: %s", server_round, node, row.error)
                 continue
             try:

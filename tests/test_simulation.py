@@ -72,3 +72,17 @@ def test_bad_recipe_exits_nonzero_and_writes_no_run(tmp_path, capsys):
     assert main(["run", "quickstart", "fusion.policy=sideways", "--out", str(out)]) == 2
     assert "fusion.policy" in capsys.readouterr().out
     assert not out.exists()
+
+
+def test_clients_that_all_crash_leave_the_target_unchanged_and_the_run_completes(tmp_path):
+    out = tmp_path / "crashing"
+    assert main(["run", "quickstart", *TINY, "selection.evaluate_clients=0", "faults.crash_prob=1.0",
+                 "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "ok" and summary["clients_ok"] == 0 and summary["clients_failed"] == 6
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert all(r["void"] for r in rows[1:])
+    assert rows[-1]["eval_loss"] == rows[0]["eval_loss"]  # nothing was folded in
+    assert rows[-1]["wasted_j"] == rows[-1]["energy_j"] > 0  # the crashed work still cost energy
+    clients = read_jsonl(out / "clients.jsonl")
+    assert {c["status"] for c in clients} == {"failed"} and all("injected crash" in c["error"] for c in clients)

@@ -114,3 +114,17 @@ def test_unknown_device_is_not_sampled():
     grid = FakeGrid({11: "phone", 12: "toaster", 13: "phone"})
     msgs = list(strategy.configure_train(1, ArrayRecord(state), ConfigRecord({}), grid))
     assert sorted(m.metadata.dst_node_id for m in msgs) == [11, 13]
+
+
+def test_injected_faults_are_seeded_and_follow_the_recipe():
+    from fedfusion.clients.submodel import inject_faults
+
+    spec = ConfigRecord({"seed": 5, "fault-crash-prob": 0.0, "fault-corrupt-prob": 1.0,
+                         "fault-straggler-prob": 1.0, "fault-straggler-delay-s": 2.5})
+    assert inject_faults(spec, 3) == (True, 2.5)
+    with pytest.raises(RuntimeError, match="injected crash"):
+        inject_faults(ConfigRecord({"seed": 5, "fault-crash-prob": 1.0}), 3)
+    assert inject_faults(ConfigRecord({"seed": 5}), 3) == (False, 0.0)
+    mixed = ConfigRecord({"seed": 9, "fault-corrupt-prob": 0.5})
+    draws = [inject_faults(mixed, p)[0] for p in range(40)]
+    assert draws == [inject_faults(mixed, p)[0] for p in range(40)] and 5 < sum(draws) < 35
