@@ -18,10 +18,10 @@ import sys
 import time
 from pathlib import Path
 
-ARMS = {
-    "static (HeteroFL prefix)": ["fusion.policy=static"],
-    "rolling, shared start (FedRolex)": ["fusion.policy=rolling", "fusion.stagger=false"],
-    "rolling, staggered (fedfusion default)": ["fusion.policy=rolling", "fusion.stagger=true"],
+ARMS = {  # id -> (label, overrides)
+    "static": ("static (HeteroFL prefix)", ["fusion.policy=static"]),
+    "rolling-shared": ("rolling, shared start (FedRolex)", ["fusion.policy=rolling", "fusion.stagger=false"]),
+    "rolling-staggered": ("rolling, staggered (fedfusion default)", ["fusion.policy=rolling", "fusion.stagger=true"]),
 }
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -40,19 +40,21 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     rows = []
-    for arm, arm_overrides in ARMS.items():
+    for arm, (_, arm_overrides) in ARMS.items():
         for seed in args.seeds:
-            out = Path(args.work) / f"{arm.split()[0]}-{'stagger' if 'staggered' in arm else 'plain'}-s{seed}"
+            out = Path(args.work) / f"{arm}-s{seed}"
             start = time.perf_counter()
             summary = run_arm([*arm_overrides, f"seed={seed}", *args.overrides], out)
             rows.append({"arm": arm, "seed": seed, **summary["final"], "initial_ppl": summary["initial"]["eval_ppl"],
                          "wall_s": time.perf_counter() - start, "run_dir": str(out)})
             print(f"{arm} seed {seed}: ppl {summary['final']['eval_ppl']:.3f}", flush=True)
+    per_seed = {arm: {r["seed"]: round(r["eval_ppl"], 3) for r in rows if r["arm"] == arm} for arm in ARMS}
     report = {
         "benchmark": "quickstart_policies",
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
         "settings": {"recipe": "quickstart", "overrides": args.overrides, "seeds": args.seeds},
         "runs": rows,
+        "final_ppl_by_seed": per_seed,
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "quickstart_policies.json").write_text(json.dumps(report, indent=2))
@@ -62,14 +64,16 @@ def main() -> None:
         f"{' '.join(args.overrides)}; seeds {args.seeds}. Target evaluated at full width on pooled held-out text.", "",
         "| arm | final ppl (mean ± std) | final next-char acc | wall s per run |", "|---|---|---|---|",
     ]
-    for arm in ARMS:
+    for arm, (label, _) in ARMS.items():
         mine = [r for r in rows if r["arm"] == arm]
         ppl = [r["eval_ppl"] for r in mine]
         acc = [r["eval_acc"] for r in mine]
         sd = statistics.stdev(ppl) if len(ppl) > 1 else 0.0
-        lines.append(f"| {arm} | {statistics.mean(ppl):.3f} ± {sd:.3f} | {statistics.mean(acc):.4f} | "
+        lines.append(f"| {label} | {statistics.mean(ppl):.3f} ± {sd:.3f} | {statistics.mean(acc):.4f} | "
                      f"{statistics.mean(r['wall_s'] for r in mine):.0f} |")
-    lines += ["", f"Round-0 perplexity: {rows[0]['initial_ppl']:.2f}.", ""]
+    lines += ["", "Final perplexity per seed: " + "; ".join(
+        f"{arm}: " + ", ".join(f"s{s}={v}" for s, v in seeds.items()) for arm, seeds in per_seed.items()),
+        "", f"Round-0 perplexity (seed {rows[0]['seed']}): {rows[0]['initial_ppl']:.2f}.", ""]
     (RESULTS / "quickstart_policies.md").write_text("\n".join(lines))
     print("\n".join(lines))
 

@@ -151,13 +151,15 @@ class SubModelFusion(Strategy):
             self.caps[node] = caps
 
     def sample(self, grid: Grid) -> list[int]:
-        """Seeded uniform sample of known, usable nodes."""
+        """Seeded uniform sample of known, usable nodes, in partition order."""
         nodes = self._wait_for_nodes(grid)
         self.query_nodes(grid, nodes)
-        usable = [n for n in nodes if n in self.caps]
+        # Order by partition, not by node id (random per run), so a seed reproduces the same sample.
+        usable = sorted((n for n in nodes if n in self.caps), key=lambda n: int(self.caps[n].get("partition", n)))
         if not usable:
             log(WARNING, "no node has answered the capability query; this round trains nobody")
-        return sorted(self.rng.sample(usable, min(self.clients_per_round, len(usable))))
+        picked = self.rng.sample(usable, min(self.clients_per_round, len(usable)))
+        return sorted(picked, key=usable.index)
 
     # -- train --------------------------------------------------------------------------------
     def configure_train(
