@@ -205,6 +205,10 @@ class SubModelFusion(Strategy):
         start = time.perf_counter()
         averager: SelectiveAverager | None = None
         losses, examples = [], 0
+        # Fold in a fixed order (the sample's), not arrival order, so float sums and reruns repeat exactly.
+        order = list(self.last.clients)
+        replies = sorted(replies, key=lambda m: order.index(m.metadata.src_node_id)
+                         if m.metadata.src_node_id in order else len(order))
         for reply in replies:
             node = reply.metadata.src_node_id
             row = self.last.clients.get(node)

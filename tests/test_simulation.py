@@ -86,3 +86,14 @@ def test_clients_that_all_crash_leave_the_target_unchanged_and_the_run_completes
     assert rows[-1]["wasted_j"] == rows[-1]["energy_j"] > 0  # the crashed work still cost energy
     clients = read_jsonl(out / "clients.jsonl")
     assert {c["status"] for c in clients} == {"failed"} and all("injected crash" in c["error"] for c in clients)
+
+
+def test_rerunning_the_saved_recipe_reproduces_the_run(run_dir, tmp_path):
+    again = tmp_path / "again"
+    assert main(["run", str(run_dir / "recipe.yaml"), "--out", str(again)]) == 0
+    first, second = read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(again / "metrics.jsonl")
+    assert [r["eval_loss"] for r in second] == [r["eval_loss"] for r in first]
+    keys = ("round", "device", "width", "assignment", "partition", "status", "examples", "train_loss",
+            "bytes_down", "bytes_up", "params", "tokens", "energy_j", "co2_g")  # not node ids or host seconds
+    pick = lambda rows: [{k: r[k] for k in keys} for r in rows]  # noqa: E731
+    assert pick(read_jsonl(again / "clients.jsonl")) == pick(read_jsonl(run_dir / "clients.jsonl"))
