@@ -23,6 +23,7 @@ ARMS = {  # id -> (label, overrides)
     "static": ("static (HeteroFL prefix)", ["fusion.policy=static"]),
     "rolling-shared": ("rolling, shared start (FedRolex)", ["fusion.policy=rolling", "fusion.stagger=false"]),
     "rolling-staggered": ("rolling, staggered (fedfusion default)", ["fusion.policy=rolling", "fusion.stagger=true"]),
+    "random": ("random (Federated Dropout)", ["fusion.policy=random"]),
 }
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -62,7 +62,7 @@ class FusionConfig:
     """How client work is folded into the target."""
 
     method: str = "submodel"
-    policy: str = "rolling"  # static (HeteroFL prefix) | rolling (FedRolex window)
+    policy: str = "rolling"  # static (HeteroFL prefix) | rolling (FedRolex window) | random (Federated Dropout)
     widths: dict[str, float] = field(
         default_factory=lambda: {"phone": 0.125, "laptop": 0.25, "desktop": 0.5}
     )
@@ -140,7 +140,7 @@ class Recipe:
 CHOICES: dict[str, tuple[str, ...]] = {
     "data.source": ("shakespeare", "text"),
     "fusion.method": ("submodel",),
-    "fusion.policy": ("static", "rolling"),
+    "fusion.policy": ("static", "rolling", "random"),
     "fusion.weighting": ("uniform", "examples"),
     "selection.method": ("random",),
 }

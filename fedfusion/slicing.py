@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from transformers import LlamaConfig
 
-POLICIES = ("static", "rolling")
+POLICIES = ("static", "rolling", "random")
 
 _LAYER = re.compile(r"\.layers\.\d+\.(self_attn|mlp)\.(\w+)\.(weight|bias)$")
 
@@ -70,7 +70,7 @@ def rolling_step(total: int, stride: float) -> int:
 
 def plan_slice(
     config: LlamaConfig, width: float, policy: str, server_round: int = 1, stride: float = 0.125,
-    offset: float = 0.0,
+    offset: float = 0.0, seed: int = 0,
 ) -> SlicePlan:
     """The units a client of ``width`` keeps in ``server_round`` (1-based) under ``policy``.
 
@@ -78,13 +78,19 @@ def plan_slice(
     advances by ``rolling_step(K, stride)`` units per round and wraps around (FedRolex, with the stride
     made configurable so a pass fits the round budget). ``offset`` (a fraction of the axis) shifts this
     client's window: 0 for every client is FedRolex's shared start; staggered offsets tile the axis.
+    random: ceil(width*K) units drawn uniformly without replacement (Federated Dropout), from a generator
+    seeded by ``seed``, which the caller makes distinct per client and round.
     """
     if not 0 < width <= 1:
         raise ValueError(f"width must be in (0, 1], got {width}")
     if policy not in POLICIES:
         raise ValueError(f"policy {policy!r} is not one of {', '.join(POLICIES)}")
     plans = []
+    gen = torch.Generator().manual_seed(seed)
     for total in axis_sizes(config):
+        if policy == "random":
+            plans.append(tuple(sorted(torch.randperm(total, generator=gen)[: units_kept(total, width)].tolist())))
+            continue
         start = 0 if policy == "static" else ((server_round - 1) * rolling_step(total, stride) + round(offset * total)) % total
         plans.append(_window(total, width, start))
     return SlicePlan(attn_units=plans[0], neurons=plans[1])

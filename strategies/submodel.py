@@ -173,7 +173,10 @@ class SubModelFusion(Strategy):
         for node in self.sample(grid):
             device = self.caps[node]["device"]
             width = self.widths[device]
-            plan = plan_slice(self.config, width, self.policy, server_round, self.stride, offset)
+            # per (run seed, round, partition): the same recipe repeats the same slices, batches and faults
+            seed = (int(self.train_config.get("seed", 0)) * 100003 + server_round * 1009
+                    + int(self.caps[node].get("partition", node % 1009)))
+            plan = plan_slice(self.config, width, self.policy, server_round, self.stride, offset, seed)
             if self.stagger:
                 offset += width
             sub_state = extract(target, self.config, plan)
@@ -181,10 +184,7 @@ class SubModelFusion(Strategy):
             spec = ConfigRecord({
                 **config, **self.train_config,
                 "role": "submodel", "server-round": server_round, "width": width, "policy": self.policy,
-                "model-config": json.dumps(sub_config(self.config, plan).to_dict()),
-                # per (run seed, round, partition): the same recipe repeats the same batches and faults
-                "seed": int(self.train_config.get("seed", 0)) * 100003 + server_round * 1009
-                + int(self.caps[node].get("partition", node % 1009)),
+                "model-config": json.dumps(sub_config(self.config, plan).to_dict()), "seed": seed,
             })
             self.plans[node] = plan
             self.last.clients[node] = ClientRound(

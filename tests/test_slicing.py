@@ -174,3 +174,27 @@ def test_staggered_windows_of_one_round_tile_the_axis():
 def test_as_ranges_compacts_wrapped_windows():
     assert as_ranges((0, 1, 6, 7)) == [[0, 1], [6, 7]]
     assert as_ranges((3,)) == [[3, 3]]
+
+
+def test_random_policy_is_seeded_per_client_and_covers_units_uniformly():
+    from tests.conftest import tiny_config
+
+    cfg = tiny_config(heads=8, kv_heads=8, hidden=64, inter=64)
+    a = plan_slice(cfg, 0.25, "random", server_round=1, seed=11)
+    assert a == plan_slice(cfg, 0.25, "random", server_round=1, seed=11)
+    assert a != plan_slice(cfg, 0.25, "random", server_round=1, seed=12)
+    assert len(a.attn_units) == 2 and len(a.neurons) == 16
+    hits = torch.zeros(64)
+    for seed in range(400):
+        hits[list(plan_slice(cfg, 0.25, "random", seed=seed).neurons)] += 1
+    assert hits.sum() == 400 * 16
+    assert hits.min() > 0.6 * 100 and hits.max() < 1.4 * 100  # each neuron held ~1/4 of the time
+
+
+def test_random_slices_still_write_back_exactly(model):
+    state = model.state_dict()
+    plan = plan_slice(model.config, 0.5, "random", seed=3)
+    avg = SelectiveAverager(state, model.config)
+    avg.add(extract(state, model.config, plan), plan)
+    for name, value in avg.result().items():
+        torch.testing.assert_close(value, state[name], rtol=1e-6, atol=1e-7)
