@@ -69,6 +69,8 @@ class FusionConfig:
     stride: float = 0.125  # rolling: fraction of each axis the window advances per round
     stagger: bool = True  # rolling: each client's window starts where the previous one's ended
     weighting: str = "uniform"  # uniform (FedRolex) | examples (weight by num-examples)
+    aggregate: str = "mean"  # mean | median | trimmed_mean (coordinate-wise, over the clients that held it)
+    trim: float = 0.2  # trimmed_mean: fraction of values dropped at each end
 
 
 @dataclass
@@ -142,6 +144,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "fusion.method": ("submodel",),
     "fusion.policy": ("static", "rolling", "random"),
     "fusion.weighting": ("uniform", "examples"),
+    "fusion.aggregate": ("mean", "median", "trimmed_mean"),
     "selection.method": ("random",),
 }
 
@@ -259,6 +262,8 @@ def validate(recipe: Recipe) -> None:
             raise RecipeError(f"fusion.widths.{tier}: unknown device; the catalog has {', '.join(sorted(catalog))}")
         if not 0 < width <= 1:
             raise RecipeError(f"fusion.widths.{tier}: must be in (0, 1], got {width}")
+    if not 0 <= recipe.fusion.trim < 0.5:
+        raise RecipeError(f"fusion.trim: must be in [0, 0.5), got {recipe.fusion.trim}")
     if not 0 < recipe.fusion.stride <= 1:
         raise RecipeError(f"fusion.stride: must be in (0, 1], got {recipe.fusion.stride}")
     if recipe.selection.min_clients > recipe.selection.clients_per_round:

@@ -64,6 +64,8 @@ def build_strategy(recipe: Recipe, model_config) -> SubModelFusion:
             **{f"fault-{k.replace('_', '-')}": float(v) for k, v in asdict(recipe.faults).items()},
         },
         weighting=recipe.fusion.weighting,
+        aggregate=recipe.fusion.aggregate,
+        trim=recipe.fusion.trim,
         evaluate_clients=recipe.selection.evaluate_clients,
         seed=recipe.seed,
         query_timeout_s=recipe.selection.timeout_s,

@@ -164,18 +164,40 @@ def extract(
     return out
 
 
-class SelectiveAverager:
-    """Streams client sub-models into per-coordinate sums and counts; memory is O(target).
+AGGREGATES = ("mean", "median", "trimmed_mean")
 
-    Each target coordinate becomes the (weighted) mean over the clients whose slice held it; a
-    coordinate no client held keeps its old value.
+
+def _robust_reduce(stack: torch.Tensor, rule: str, trim: float) -> torch.Tensor:
+    """Coordinate-wise median or trimmed mean over dim 0, ignoring NaN (= client did not hold it)."""
+    if rule == "median":
+        return torch.nanmedian(stack, dim=0).values
+    ordered, _ = torch.sort(stack, dim=0)  # NaN sorts last
+    held = (~torch.isnan(stack)).sum(0)
+    cut = torch.floor(trim * held)
+    rank = torch.arange(stack.shape[0]).view(-1, *([1] * (stack.dim() - 1)))
+    keep = (rank >= cut) & (rank < held - cut)
+    return torch.where(keep, ordered, 0.0).sum(0) / keep.sum(0).clamp_min(1)
+
+
+class SelectiveAverager:
+    """Folds client sub-models into the target, each coordinate over the clients whose slice held it.
+
+    ``mean`` (default) streams replies into per-coordinate sums and counts, so memory is O(target) and
+    client weights apply. ``median`` and ``trimmed_mean`` (dropping ``trim`` of the values at each end)
+    resist a few wild updates; they keep every client's slice until :meth:`result` (memory O(clients x
+    target)) and ignore weights. A coordinate no client held keeps its old value.
     """
 
-    def __init__(self, target: dict[str, torch.Tensor], config: LlamaConfig) -> None:
-        self.target = target
-        self.config = config
+    def __init__(self, target: dict[str, torch.Tensor], config: LlamaConfig, rule: str = "mean",
+                 trim: float = 0.2) -> None:
+        if rule not in AGGREGATES:
+            raise ValueError(f"aggregate {rule!r} is not one of {', '.join(AGGREGATES)}")
+        if not 0 <= trim < 0.5:
+            raise ValueError(f"trim must be in [0, 0.5), got {trim}")
+        self.target, self.config, self.rule, self.trim = target, config, rule, trim
         self.sums = {k: torch.zeros_like(v, dtype=torch.float32) for k, v in target.items()}
         self.counts = {k: torch.zeros_like(v, dtype=torch.float32) for k, v in target.items()}
+        self.kept: list[dict[str, tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]]] = []
         self.clients = 0
 
     def add(self, sub: dict[str, torch.Tensor], plan: SlicePlan, weight: float = 1.0) -> None:
@@ -194,8 +216,11 @@ class SelectiveAverager:
                 raise ValueError(f"{name}: update holds NaN or Inf")
             staged.append((name, rows, cols, value.float() / scale))
         for name, rows, cols, value in staged:
-            self._scatter_add(self.sums[name], rows, cols, weight * value)
-            self._scatter_add(self.counts[name], rows, cols, torch.full_like(value, weight))
+            if self.rule == "mean":
+                self._scatter_add(self.sums[name], rows, cols, weight * value)
+            self._scatter_add(self.counts[name], rows, cols, torch.full_like(value, 1.0 if self.rule != "mean" else weight))
+        if self.rule != "mean":
+            self.kept.append({name: (rows, cols, value) for name, rows, cols, value in staged})
         self.clients += 1
 
     @staticmethod
@@ -213,11 +238,28 @@ class SelectiveAverager:
         held = sum(int((c > 0).sum()) for c in self.counts.values())
         return held / sum(c.numel() for c in self.counts.values())
 
+    def _robust(self, name: str) -> torch.Tensor:
+        stack = torch.full((len(self.kept), *self.target[name].shape), float("nan"))
+        for i, client in enumerate(self.kept):
+            rows, cols, value = client[name]
+            if rows is not None:
+                stack[i].index_copy_(0, rows, value)
+            elif cols is not None:
+                stack[i].index_copy_(1, cols, value)
+            else:
+                stack[i] = value
+        return _robust_reduce(stack, self.rule, self.trim)
+
     def result(self) -> dict[str, torch.Tensor]:
         """The new target state dict."""
         out = {}
         for name, old in self.target.items():
             count = self.counts[name]
-            mean = self.sums[name] / count.clamp_min(1e-12)
-            out[name] = torch.where(count > 0, mean, old.float()).to(old.dtype)
+            if self.rule == "mean":
+                value = self.sums[name] / count.clamp_min(1e-12)
+            elif self.kept:
+                value = self._robust(name)
+            else:
+                value = old.float()
+            out[name] = torch.where(count > 0, value, old.float()).to(old.dtype)
         return out

@@ -84,6 +84,8 @@ class SubModelFusion(Strategy):
         query_config: dict[str, str | int | float],
         train_config: dict[str, str | int | float],
         weighting: str = "uniform",
+        aggregate: str = "mean",
+        trim: float = 0.2,
         evaluate_clients: int = 0,
         seed: int = 0,
         wait_nodes_s: float = 60.0,
@@ -99,6 +101,7 @@ class SubModelFusion(Strategy):
         self.query_config = query_config
         self.train_config = train_config
         self.weighting = weighting
+        self.aggregate, self.trim = aggregate, trim
         self.evaluate_clients = evaluate_clients
         self.rng = random.Random(seed)
         self.wait_nodes_s = wait_nodes_s
@@ -224,7 +227,7 @@ class SubModelFusion(Strategy):
                 n = int(metrics["num-examples"])
                 row.bytes_up = reply.content["arrays"].count_bytes()
                 if averager is None:
-                    averager = SelectiveAverager(self.target, self.config)
+                    averager = SelectiveAverager(self.target, self.config, self.aggregate, self.trim)
                 averager.add(sub, self.plans[node], weight=float(n) if self.weighting == "examples" else 1.0)
             except (KeyError, TypeError, ValueError) as exc:
                 row.status, row.error = "rejected", str(exc)[:500]

@@ -198,3 +198,38 @@ def test_random_slices_still_write_back_exactly(model):
     avg.add(extract(state, model.config, plan), plan)
     for name, value in avg.result().items():
         torch.testing.assert_close(value, state[name], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("rule", ["median", "trimmed_mean"])
+def test_robust_rules_ignore_an_outlier_client(model, rule):
+    state = model.state_dict()
+    plan = plan_slice(model.config, 0.5, "static")
+    base = extract(state, model.config, plan)
+    avg = SelectiveAverager(state, model.config, rule=rule, trim=0.2)
+    for shift in (0.0, 0.01, 0.02, 0.03, 1000.0):  # five clients, the last one wild
+        avg.add({k: v + shift for k, v in base.items()}, plan)
+    new = extract(avg.result(), model.config, plan)
+    expected = 0.02  # median of the five shifts; trimming 0.2 of 5 drops one at each end: mean(.01, .02, .03)
+    torch.testing.assert_close(new["model.norm.weight"], base["model.norm.weight"] + expected, rtol=0, atol=1e-5)
+    mean = SelectiveAverager(state, model.config)
+    for shift in (0.0, 0.01, 0.02, 0.03, 1000.0):
+        mean.add({k: v + shift for k, v in base.items()}, plan)
+    assert float(extract(mean.result(), model.config, plan)["model.norm.weight"].mean()) > 100
+
+
+def test_robust_rules_respect_which_clients_held_a_coordinate(model):
+    cfg = model.config
+    state = model.state_dict()
+    wide, narrow = plan_slice(cfg, 1.0, "static"), plan_slice(cfg, 0.5, "static")
+    avg = SelectiveAverager(state, cfg, rule="median")
+    avg.add({k: torch.zeros_like(v) for k, v in extract(state, cfg, wide).items()}, wide)
+    avg.add({k: torch.ones_like(v) for k, v in extract(state, cfg, narrow).items()}, narrow)
+    avg.add({k: torch.ones_like(v) for k, v in extract(state, cfg, narrow).items()}, narrow)
+    up = avg.result()["model.layers.0.mlp.up_proj.weight"]
+    half = cfg.intermediate_size // 2
+    assert torch.all(up[:half] == 1) and torch.all(up[half:] == 0)  # outer rows: only the wide client's 0
+
+
+def test_unknown_aggregate_rule_is_named(model):
+    with pytest.raises(ValueError, match="aggregate"):
+        SelectiveAverager(model.state_dict(), model.config, rule="mode")

@@ -38,14 +38,14 @@ class FakeGrid:
                 for m in messages]
 
 
-def make_strategy(min_clients: int = 1) -> tuple[SubModelFusion, dict]:
+def make_strategy(min_clients: int = 1, aggregate: str = "mean") -> tuple[SubModelFusion, dict]:
     cfg = tiny_config(heads=4, kv_heads=4, hidden=32, inter=48)
     torch.manual_seed(0)
     state = LlamaForCausalLM(cfg).state_dict()
     strategy = SubModelFusion(
         config=cfg, widths={"phone": 0.25, "desktop": 0.5}, policy="rolling", stride=0.25, stagger=True,
         clients_per_round=3, min_clients=min_clients, query_config={"population": "{}"},
-        train_config={"local-steps": 1, "lr": 0.1, "seed": 0}, wait_nodes_s=1.0,
+        train_config={"local-steps": 1, "lr": 0.1, "seed": 0}, wait_nodes_s=1.0, aggregate=aggregate,
     )
     return strategy, state
 
@@ -128,3 +128,15 @@ def test_injected_faults_are_seeded_and_follow_the_recipe():
     mixed = ConfigRecord({"seed": 9, "fault-corrupt-prob": 0.5})
     draws = [inject_faults(mixed, p)[0] for p in range(40)]
     assert draws == [inject_faults(mixed, p)[0] for p in range(40)] and 5 < sum(draws) < 35
+
+
+def test_median_aggregation_shrugs_off_one_wild_client():
+    strategy, state = make_strategy(aggregate="median")
+    grid = FakeGrid({11: "phone", 12: "desktop", 13: "phone"})
+    msgs = list(strategy.configure_train(1, ArrayRecord(state), ConfigRecord({}), grid))
+    shifts = {11: 1.0, 12: 1.0, 13: 1000.0}
+    replies = [_reply(m, {k: v + shifts[m.metadata.dst_node_id]
+                          for k, v in m.content["arrays"].to_torch_state_dict().items()}) for m in msgs]
+    arrays, _ = strategy.aggregate_train(1, replies)
+    new = arrays.to_torch_state_dict()["model.norm.weight"]  # held by all three clients
+    torch.testing.assert_close(new, state["model.norm.weight"] + 1.0)
