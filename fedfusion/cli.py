@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -66,7 +67,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             backend_config={"client_resources": {"num_cpus": recipe.engine.cpus_per_client, "num_gpus": 0.0}},
         )
     summary_path = run.path / "summary.json"
-    if not summary_path.is_file() or '"status": "ok"' not in summary_path.read_text():
+    if not summary_path.is_file() or json.loads(summary_path.read_text()).get("status") != "ok":
         console.print(f"[red]run failed[/]; see {summary_path}")
         return 1
     console.print(f"done: {run.path} (report.md, metrics.jsonl, model/)")
@@ -78,14 +79,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from fedfusion.planner import plan_table
 
     recipe = load_recipe(args.recipe, args.overrides)
-    rows = plan_table(recipe)
-    table = Table(title=f"plan for {recipe.name} ({recipe.fusion.method}/{recipe.fusion.policy})")
-    for col in rows[0]:
-        table.add_column(col, justify="left" if col in ("tier", "slice", "fits") else "right", no_wrap=True)
-    for row in rows:
-        table.add_row(*[f"{v:.3g}" if isinstance(v, float) else f"{v:,}" if isinstance(v, int) else str(v)
-                        for v in row.values()])
-    Console(width=max(console.width, 110)).print(table)
+    _print_table(f"plan for {recipe.name} ({recipe.fusion.method}/{recipe.fusion.policy})", plan_table(recipe),
+                 {}, left=("tier", "slice", "fits"), width=110)
     return 0
 
 
@@ -93,18 +88,32 @@ def cmd_devices(args: argparse.Namespace) -> int:
     """Print the device catalog (built-in, or the file given)."""
     from fedfusion.devices import catalog_rows, load_catalog
 
-    rows = catalog_rows(load_catalog(args.catalog))
     headers = {"name": "tier", "memory_gb": "mem GB", "tflops": "TFLOPS", "train_w": "train W", "idle_w": "idle W",
                "battery_wh": "batt Wh", "up_mbps": "up Mb/s", "down_mbps": "down Mb/s", "embodied_kg": "kgCO2e",
                "lifetime_years": "years", "zone": "zone"}
-    table = Table(title=f"device catalog ({args.catalog or 'built-in'}); descriptions and sources in the file")
-    for key, title in headers.items():
-        table.add_column(title, justify="left" if key in ("name", "zone") else "right", no_wrap=True)
-    for row in rows:
-        table.add_row(*["-" if row[k] is None else f"{row[k]:g}" if isinstance(row[k], float) else str(row[k])
-                        for k in headers])
-    Console(width=max(console.width, 120)).print(table)
+    _print_table(f"device catalog ({args.catalog or 'built-in'}); descriptions and sources in the file",
+                 catalog_rows(load_catalog(args.catalog)), headers, left=("name", "zone"), width=120)
     return 0
+
+
+def _print_table(title: str, rows: list[dict[str, Any]], headers: dict[str, str], left: tuple[str, ...],
+                 width: int) -> None:
+    """Rows as a rich table; ``headers`` picks and renames columns (empty: every key as is)."""
+    headers = headers or {k: k for k in rows[0]}
+    table = Table(title=title)
+    for key, name in headers.items():
+        table.add_column(name, justify="left" if key in left else "right", no_wrap=True)
+    for row in rows:
+        table.add_row(*[_cell(row[k]) for k in headers])
+    Console(width=max(console.width, width)).print(table)
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    return f"{value:,}" if isinstance(value, int) else str(value)
 
 
 def cmd_report(args: argparse.Namespace) -> int:

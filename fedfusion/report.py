@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from itertools import accumulate
 from pathlib import Path
 
 import matplotlib
@@ -59,10 +60,7 @@ def _plot_cost(runs: list[Path], out_dir: Path) -> Path:
     for run in runs:
         rows, _ = _load(run)
         for ax, key in zip(axes, ("energy_j", "co2_g")):
-            total, xs = 0.0, []
-            for r in rows:
-                total += r.get(key, 0.0)
-                xs.append(total)
+            xs = list(accumulate(r.get(key, 0.0) for r in rows))
             ax.plot(xs, [r["eval_loss"] for r in rows], marker="o", label=_label(run))
     axes[0].set_xlabel("cumulative energy, all clients (J, priced from counted work)")
     axes[1].set_xlabel("cumulative CO2e (g, operational + embodied)")

@@ -195,7 +195,7 @@ class SelectiveAverager:
         if not 0 <= trim < 0.5:
             raise ValueError(f"trim must be in [0, 0.5), got {trim}")
         self.target, self.config, self.rule, self.trim = target, config, rule, trim
-        self.sums = {k: torch.zeros_like(v, dtype=torch.float32) for k, v in target.items()}
+        self.sums = {k: torch.zeros_like(v, dtype=torch.float32) for k, v in target.items()} if rule == "mean" else {}
         self.counts = {k: torch.zeros_like(v, dtype=torch.float32) for k, v in target.items()}
         self.kept: list[dict[str, tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]]] = []
         self.clients = 0
@@ -215,12 +215,13 @@ class SelectiveAverager:
             if not torch.isfinite(value).all():
                 raise ValueError(f"{name}: update holds NaN or Inf")
             staged.append((name, rows, cols, value.float() / scale))
+        if self.rule != "mean":  # robust rules keep the slices and ignore weights
+            self.kept.append({name: (rows, cols, value) for name, rows, cols, value in staged})
+            weight = 1.0
         for name, rows, cols, value in staged:
             if self.rule == "mean":
                 self._scatter_add(self.sums[name], rows, cols, weight * value)
-            self._scatter_add(self.counts[name], rows, cols, torch.full_like(value, 1.0 if self.rule != "mean" else weight))
-        if self.rule != "mean":
-            self.kept.append({name: (rows, cols, value) for name, rows, cols, value in staged})
+            self._scatter_add(self.counts[name], rows, cols, torch.full_like(value, weight))
         self.clients += 1
 
     @staticmethod
@@ -255,11 +256,11 @@ class SelectiveAverager:
         out = {}
         for name, old in self.target.items():
             count = self.counts[name]
-            if self.rule == "mean":
-                value = self.sums[name] / count.clamp_min(1e-12)
-            elif self.kept:
-                value = self._robust(name)
-            else:
+            if not self.clients:
                 value = old.float()
+            elif self.rule == "mean":
+                value = self.sums[name] / count.clamp_min(1e-12)
+            else:
+                value = self._robust(name)
             out[name] = torch.where(count > 0, value, old.float()).to(old.dtype)
         return out

@@ -69,7 +69,7 @@ class SubModelFusion(Strategy):
     """Width-sliced partial training (HeteroFL static / FedRolex rolling) on a Llama-family target.
 
     With ``stagger`` (rolling only) the sampled clients' windows are laid end to end around the axis in
-    node order, so a round covers min(1, sum of widths) of every layer instead of the widest window.
+    sample (partition) order, so a round covers min(1, sum of widths) of every layer instead of the widest window.
     """
 
     def __init__(
@@ -161,8 +161,8 @@ class SubModelFusion(Strategy):
         usable = sorted((n for n in nodes if n in self.caps), key=lambda n: int(self.caps[n].get("partition", n)))
         if not usable:
             log(WARNING, "no node has answered the capability query; this round trains nobody")
-        picked = self.rng.sample(usable, min(self.clients_per_round, len(usable)))
-        return sorted(picked, key=usable.index)
+        picked = self.rng.sample(range(len(usable)), min(self.clients_per_round, len(usable)))
+        return [usable[i] for i in sorted(picked)]
 
     # -- train --------------------------------------------------------------------------------
     def configure_train(
@@ -209,9 +209,8 @@ class SubModelFusion(Strategy):
         averager: SelectiveAverager | None = None
         losses, examples = [], 0
         # Fold in a fixed order (the sample's), not arrival order, so float sums and reruns repeat exactly.
-        order = list(self.last.clients)
-        replies = sorted(replies, key=lambda m: order.index(m.metadata.src_node_id)
-                         if m.metadata.src_node_id in order else len(order))
+        position = {node: i for i, node in enumerate(self.last.clients)}
+        replies = sorted(replies, key=lambda m: position.get(m.metadata.src_node_id, len(position)))
         for reply in replies:
             node = reply.metadata.src_node_id
             row = self.last.clients.get(node)
