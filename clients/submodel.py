@@ -11,6 +11,7 @@ import torch
 from flwr.app import ConfigRecord
 from transformers import LlamaConfig
 
+from fedfusion.cache import cached_tensor
 from fedfusion.data import encode_text, lm_windows
 from fedfusion.models import load_tokenizer, model_from_state
 from fedfusion.population import population_data
@@ -19,16 +20,23 @@ from fedfusion.training import evaluate_lm, train_steps
 
 @lru_cache(maxsize=64)
 def client_windows(spec: str, partition: int, seq_len: int, split: str) -> torch.Tensor:
-    """Token windows of one client's ``train`` or ``held_out`` text (cached: Ray actors persist)."""
-    clients = population_data(spec)
-    if not 0 <= partition < len(clients):
-        raise ValueError(f"partition-id {partition} is outside the population of {len(clients)} clients")
-    text = getattr(clients[partition], split)
-    return lm_windows(encode_text(load_tokenizer(json.loads(spec)["tokenizer"]), text), seq_len)
+    """Token windows of one client's ``train`` or ``held_out`` text.
+
+    Cached in memory (simulation's Ray actors persist) and on disk (a deployed node starts a fresh
+    process per message).
+    """
+    def build() -> torch.Tensor:
+        clients = population_data(spec)
+        if not 0 <= partition < len(clients):
+            raise ValueError(f"partition-id {partition} is outside the population of {len(clients)} clients")
+        text = getattr(clients[partition], split)
+        return lm_windows(encode_text(load_tokenizer(json.loads(spec)["tokenizer"]), text), seq_len)
+
+    return cached_tensor("windows", f"{spec}|{partition}|{seq_len}|{split}", build)
 
 
-def _model(state: dict[str, torch.Tensor], spec: ConfigRecord):
-    return model_from_state(LlamaConfig.from_dict(json.loads(str(spec["model-config"]))), state)
+def _model(state: dict[str, torch.Tensor], spec: ConfigRecord, accelerator: str = "cpu"):
+    return model_from_state(LlamaConfig.from_dict(json.loads(str(spec["model-config"]))), state).to(accelerator)
 
 
 def inject_faults(spec: ConfigRecord, partition: int) -> tuple[bool, float]:
@@ -44,25 +52,26 @@ def inject_faults(spec: ConfigRecord, partition: int) -> tuple[bool, float]:
     return draws[2] < float(spec.get("fault-corrupt-prob", 0.0)), delay
 
 
-def train(state: dict[str, torch.Tensor], spec: ConfigRecord, partition: int) -> tuple[dict, dict]:
-    """Train the sub-model in ``state`` as ``spec`` says; returns the new state and reply metrics."""
+def train(state: dict[str, torch.Tensor], spec: ConfigRecord, partition: int,
+          accelerator: str = "cpu") -> tuple[dict, dict]:
+    """Train the sub-model in ``state`` on ``accelerator`` as ``spec`` says; returns the new state and metrics."""
     corrupt, delay = inject_faults(spec, partition)
     torch.set_num_threads(int(spec["threads"]))
     windows = client_windows(str(spec["data-spec"]), partition, int(spec["seq-len"]), "train")
-    model = _model(state, spec)
+    model = _model(state, spec, accelerator)
     stats = train_steps(
         model, windows, steps=int(spec["local-steps"]), lr=float(spec["lr"]),
         batch_size=int(spec["batch-size"]), seed=int(spec["seed"]), weight_decay=float(spec["weight-decay"]),
     )
-    new_state = {k: v.detach() for k, v in model.state_dict().items()}
+    new_state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     if corrupt:
         next(iter(new_state.values())).view(-1)[0] = float("nan")
     time.sleep(delay)
     return new_state, {"num-examples": int(windows.shape[0]), **stats}
 
 
-def evaluate(state: dict[str, torch.Tensor], spec: ConfigRecord, partition: int) -> dict:
+def evaluate(state: dict[str, torch.Tensor], spec: ConfigRecord, partition: int, accelerator: str = "cpu") -> dict:
     """Score the model in ``state`` on this client's held-out text."""
     torch.set_num_threads(int(spec["threads"]))
     windows = client_windows(str(spec["data-spec"]), partition, int(spec["seq-len"]), "held_out")
-    return {"num-examples": int(windows.shape[0]), **evaluate_lm(_model(state, spec), windows)}
+    return {"num-examples": int(windows.shape[0]), **evaluate_lm(_model(state, spec, accelerator), windows)}

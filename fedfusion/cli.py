@@ -31,13 +31,24 @@ def cmd_run(args: argparse.Namespace) -> int:
     from flwr.serverapp import Grid, ServerApp
     from flwr.simulation import run_simulation
 
+    from fedfusion.checkpoint import load_checkpoint
     from fedfusion.client_app import app as client_app
     from fedfusion.run_dir import RunDir, new_run_path
     from fedfusion.server_app import run_federation
 
-    recipe = load_recipe(args.recipe, args.overrides)
-    run = RunDir(new_run_path(recipe, args.out), recipe)
-    console.print(f"[bold]fedfusion[/] {recipe.name}: {recipe.population.num_clients} clients, "
+    if args.resume:
+        if args.recipe or args.overrides or args.out:
+            raise ValueError("--resume RUN_DIR continues that run with its own recipe.yaml; "
+                             "give no recipe, overrides or --out with it")
+        run = RunDir.reopen(Path(args.resume))
+        recipe, done = run.recipe, load_checkpoint(run.path).round
+    elif args.recipe:
+        recipe = load_recipe(args.recipe, args.overrides)
+        run, done = RunDir(new_run_path(recipe, args.out), recipe), 0
+    else:
+        raise ValueError("fedfusion run: give a recipe (e.g. quickstart) or --resume RUN_DIR")
+    verb = f"resuming after round {done}:" if args.resume else "running"
+    console.print(f"[bold]fedfusion[/] {verb} {recipe.name}: {recipe.population.num_clients} clients, "
                   f"{recipe.selection.clients_per_round} per round, {recipe.rounds} rounds, "
                   f"fusion={recipe.fusion.method}/{recipe.fusion.policy}; writing {run.path}")
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")  # we request no GPUs; silence Ray's notice
@@ -46,7 +57,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     flwr_logger.addFilter(_DropDeprecation())
     with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console, transient=True) as progress:
-        task = progress.add_task("rounds", total=recipe.rounds)
+        task = progress.add_task("rounds", total=recipe.rounds, completed=done)
 
         def on_round(row: dict[str, Any]) -> None:
             progress.console.print(
@@ -60,7 +71,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         @server_app.main()
         def _main(grid: Grid, context: Any) -> None:
-            run_federation(grid, recipe, run, on_round=on_round)
+            run_federation(grid, recipe, run, on_round=on_round, resume=bool(args.resume))
 
         run_simulation(
             server_app=server_app, client_app=client_app, num_supernodes=recipe.population.num_clients,
@@ -134,9 +145,10 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fedfusion", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a recipe on Flower's simulation engine")
-    run.add_argument("recipe", help="recipe file, or the name of a built-in recipe (e.g. quickstart)")
+    run.add_argument("recipe", nargs="?", help="recipe file, or the name of a built-in recipe (e.g. quickstart)")
     run.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rounds=5 fusion.policy=static")
     run.add_argument("--out", help="run directory (default: <output.dir>/<name>-<timestamp>)")
+    run.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run from its last checkpoint")
     run.set_defaults(func=cmd_run)
     plan = sub.add_parser("plan", help="show what each device tier trains and what it costs")
     plan.add_argument("recipe")

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 
-import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedfusion.clients import submodel
+from fedfusion.clients.privacy import privacy_mod
 from fedfusion.devices import assign_tiers
+from fedfusion.hardware import capabilities, pick_accelerator
 
 app = ClientApp()
 
@@ -18,17 +19,15 @@ def _partition(context: Context) -> int:
     return int(context.node_config["partition-id"])
 
 
-def _accelerator() -> str:
-    if torch.cuda.is_available():
-        return "cuda"
-    if torch.backends.mps.is_available():
-        return "mps"
-    return "cpu"
+def _accelerator(context: Context) -> str:
+    """``--node-config 'accelerator="cpu"'`` pins it; otherwise cuda, mps or cpu, whichever torch can use."""
+    preferred = context.node_config.get("accelerator")
+    return pick_accelerator(str(preferred) if preferred is not None else None)
 
 
 @app.query()
 def query(msg: Message, context: Context) -> Message:
-    """Report this node's device tier, partition and accelerator.
+    """Report this node's device tier, partition and the host's measured capabilities.
 
     In deployment the tier comes from ``--node-config 'device="..."'``; in simulation, where a virtual
     node only knows its partition id, it is derived from the recipe's seeded population mix.
@@ -38,15 +37,17 @@ def query(msg: Message, context: Context) -> Message:
     if device is None:
         population = json.loads(str(config["population"]))
         device = assign_tiers(population["mix"], population["num_clients"], population["seed"])[_partition(context)]
-    caps = ConfigRecord({"device": str(device), "partition": _partition(context), "accelerator": _accelerator()})
+    caps = ConfigRecord({"device": str(device), "partition": _partition(context),
+                         **capabilities(_accelerator(context))})
     return Message(RecordDict({"caps": caps}), reply_to=msg)
 
 
-@app.train()
+@app.train(mods=[privacy_mod])
 def train(msg: Message, context: Context) -> Message:
     """Train the received model as its spec says and reply with the new weights and metrics."""
     spec = msg.content["config"]
-    state, metrics = submodel.train(msg.content["arrays"].to_torch_state_dict(), spec, _partition(context))
+    state, metrics = submodel.train(msg.content["arrays"].to_torch_state_dict(), spec, _partition(context),
+                                    _accelerator(context))
     content = RecordDict({"arrays": ArrayRecord(state), "metrics": MetricRecord(metrics)})
     return Message(content, reply_to=msg)
 
@@ -54,5 +55,6 @@ def train(msg: Message, context: Context) -> Message:
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
     """Score the received model on this node's held-out text."""
-    metrics = submodel.evaluate(msg.content["arrays"].to_torch_state_dict(), msg.content["config"], _partition(context))
+    metrics = submodel.evaluate(msg.content["arrays"].to_torch_state_dict(), msg.content["config"],
+                                _partition(context), _accelerator(context))
     return Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)

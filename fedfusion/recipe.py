@@ -71,6 +71,7 @@ class FusionConfig:
     weighting: str = "uniform"  # uniform (FedRolex) | examples (weight by num-examples)
     aggregate: str = "mean"  # mean | median | trimmed_mean (coordinate-wise, over the clients that held it)
     trim: float = 0.2  # trimmed_mean: fraction of values dropped at each end
+    max_norm_ratio: float = 10.0  # reject a reply whose L2 norm exceeds this multiple of what was sent (0: off)
 
 
 @dataclass
@@ -106,6 +107,16 @@ class FaultConfig:
 
 
 @dataclass
+class PrivacyConfig:
+    """Client-side differential privacy, applied to each client's update by Flower's own mods."""
+
+    mode: str = "none"  # none | clip (fixedclipping_mod: bound the update's L2 norm) | local (LocalDpMod: + noise)
+    clipping_norm: float = 1.0  # L2 bound on a client's update (also the sensitivity LocalDpMod calibrates to)
+    epsilon: float = 10.0  # local: per-round privacy budget of one client's update
+    delta: float = 1e-5  # local
+
+
+@dataclass
 class EngineConfig:
     """Flower simulation engine resources."""
 
@@ -119,6 +130,7 @@ class OutputConfig:
 
     dir: str = "runs"
     save_model: bool = True
+    checkpoint_every: int = 1  # rounds between checkpoints (0: none); `fedfusion run --resume RUN_DIR` continues
 
 
 @dataclass
@@ -135,6 +147,7 @@ class Recipe:
     selection: SelectionConfig = field(default_factory=SelectionConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     faults: FaultConfig = field(default_factory=FaultConfig)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
 
@@ -146,6 +159,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "fusion.weighting": ("uniform", "examples"),
     "fusion.aggregate": ("mean", "median", "trimmed_mean"),
     "selection.method": ("random",),
+    "privacy.mode": ("none", "clip", "local"),
 }
 
 
@@ -233,6 +247,13 @@ def validate(recipe: Recipe) -> None:
             raise RecipeError(f"faults.{name}: must be in [0, 1], got {getattr(recipe.faults, name)}")
     if recipe.faults.straggler_delay_s < 0:
         raise RecipeError(f"faults.straggler_delay_s: must be >= 0, got {recipe.faults.straggler_delay_s}")
+    if recipe.output.checkpoint_every < 0:
+        raise RecipeError(f"output.checkpoint_every: must be >= 0, got {recipe.output.checkpoint_every}")
+    if recipe.privacy.mode != "none":
+        for name in ("clipping_norm", "epsilon", "delta"):
+            _positive(f"privacy.{name}", getattr(recipe.privacy, name))
+        if recipe.privacy.delta >= 1:
+            raise RecipeError(f"privacy.delta: must be < 1, got {recipe.privacy.delta}")
     if not 0 < recipe.data.held_out < 1:
         raise RecipeError(f"data.held_out: must be in (0, 1), got {recipe.data.held_out}")
     if recipe.data.source == "text" and not recipe.data.path:
@@ -262,6 +283,8 @@ def validate(recipe: Recipe) -> None:
             raise RecipeError(f"fusion.widths.{tier}: unknown device; the catalog has {', '.join(sorted(catalog))}")
         if not 0 < width <= 1:
             raise RecipeError(f"fusion.widths.{tier}: must be in (0, 1], got {width}")
+    if recipe.fusion.max_norm_ratio < 0:
+        raise RecipeError(f"fusion.max_norm_ratio: must be >= 0, got {recipe.fusion.max_norm_ratio}")
     if not 0 <= recipe.fusion.trim < 0.5:
         raise RecipeError(f"fusion.trim: must be in [0, 0.5), got {recipe.fusion.trim}")
     if not 0 < recipe.fusion.stride <= 1:

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fedfusion.recipe import Recipe, to_yaml
+from fedfusion.recipe import Recipe, load_recipe, to_yaml
 
 
 def new_run_path(recipe: Recipe, out: str | Path | None) -> Path:
@@ -40,12 +40,26 @@ def versions() -> dict[str, str]:
 class RunDir:
     """Writes one run's outputs as design.md section 4 lays them out."""
 
-    def __init__(self, path: Path, recipe: Recipe) -> None:
-        self.path = path
-        self.path.mkdir(parents=True, exist_ok=True)
-        (self.path / "recipe.yaml").write_text(to_yaml(recipe))
+    def __init__(self, path: Path, recipe: Recipe, fresh: bool = True) -> None:
+        self.path, self.recipe = path, recipe
+        if fresh:
+            self.path.mkdir(parents=True, exist_ok=True)
+            (self.path / "recipe.yaml").write_text(to_yaml(recipe))
+            for name in ("metrics.jsonl", "clients.jsonl"):
+                (self.path / name).write_text("")
+
+    @classmethod
+    def reopen(cls, path: Path) -> RunDir:
+        """An existing run directory, to resume: its own resolved recipe, nothing rewritten."""
+        if not (path / "recipe.yaml").is_file():
+            raise FileNotFoundError(f"{path}: not a run directory (no recipe.yaml)")
+        return cls(path, load_recipe(path / "recipe.yaml"), fresh=False)
+
+    def cut_ledgers(self, last_round: int) -> None:
+        """Drop ledger rows after ``last_round`` (written after the checkpoint a run resumes from)."""
         for name in ("metrics.jsonl", "clients.jsonl"):
-            (self.path / name).write_text("")
+            keep = [r for r in read_jsonl(self.path / name) if r["round"] <= last_round]
+            (self.path / name).write_text("".join(json.dumps(r) + "\n" for r in keep))
 
     def _append(self, name: str, rows: list[dict[str, Any]]) -> None:
         with (self.path / name).open("a") as fh:

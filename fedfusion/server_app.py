@@ -13,14 +13,17 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict
 from logging import INFO
+from pathlib import Path
 from typing import Any
 
 import torch
 from flwr.app import ArrayRecord, Context, MetricRecord
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
+from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 from transformers.utils import logging as hf_logging
 
+from fedfusion.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from fedfusion.data import encode_text, lm_windows
 from fedfusion.devices import Device, load_catalog
 from fedfusion.energy import price_work, train_flops
@@ -28,7 +31,7 @@ from fedfusion.models import build_target, count_params, load_tokenizer
 from fedfusion.population import data_spec, pooled_held_out
 from fedfusion.recipe import Recipe, load_recipe
 from fedfusion.report import write_report
-from fedfusion.run_dir import RunDir, new_run_path
+from fedfusion.run_dir import RunDir, new_run_path, read_jsonl
 from fedfusion.strategies import SubModelFusion
 from fedfusion.strategies.submodel import ClientRound
 from fedfusion.training import evaluate_lm
@@ -62,14 +65,24 @@ def build_strategy(recipe: Recipe, model_config) -> SubModelFusion:
             "seq-len": train.seq_len, "weight-decay": train.weight_decay, "seed": recipe.seed,
             "threads": recipe.engine.threads_per_client, "data-spec": data_spec(recipe),
             **{f"fault-{k.replace('_', '-')}": float(v) for k, v in asdict(recipe.faults).items()},
+            **privacy_spec(recipe),
         },
         weighting=recipe.fusion.weighting,
         aggregate=recipe.fusion.aggregate,
         trim=recipe.fusion.trim,
+        max_norm_ratio=recipe.fusion.max_norm_ratio,
         evaluate_clients=recipe.selection.evaluate_clients,
         seed=recipe.seed,
         query_timeout_s=recipe.selection.timeout_s,
     )
+
+
+def privacy_spec(recipe: Recipe) -> dict[str, str | float]:
+    """The spec keys the client's privacy mod reads (``clipping_norm`` is the key Flower's mods expect)."""
+    p = recipe.privacy
+    if p.mode == "none":
+        return {"dp-mode": "none"}
+    return {"dp-mode": p.mode, KEY_CLIPPING_NORM: p.clipping_norm, "dp-epsilon": p.epsilon, "dp-delta": p.delta}
 
 
 def price_client(row: ClientRound, catalog: dict[str, Device]) -> dict[str, float]:
@@ -90,13 +103,23 @@ class RoundRecorder:
     """Flower's ``evaluate_fn``: scores the target centrally and writes the round's ledger rows."""
 
     def __init__(self, run: RunDir, strategy: SubModelFusion, model: torch.nn.Module,
-                 eval_windows: torch.Tensor, on_round: RoundCallback, catalog: dict[str, Device]) -> None:
+                 eval_windows: torch.Tensor, on_round: RoundCallback, catalog: dict[str, Device],
+                 checkpoint_every: int = 0, resumed: Checkpoint | None = None) -> None:
         self.run, self.strategy, self.model = run, strategy, model
         self.eval_windows, self.on_round, self.catalog = eval_windows, on_round, catalog
+        self.checkpoint_every = checkpoint_every
         self.start = self.last = time.perf_counter()
         self.rows: list[dict[str, Any]] = []
+        self.offset = 0
+        if resumed is not None:  # rounds up to the checkpoint are already in the ledger
+            self.offset = resumed.round
+            self.start -= resumed.elapsed_s
+            self.rows = read_jsonl(run.path / "metrics.jsonl")
 
-    def __call__(self, server_round: int, arrays: ArrayRecord) -> MetricRecord:
+    def __call__(self, server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+        if server_round == 0 and self.offset:
+            return None  # the checkpointed target was scored when it was saved
+        server_round += self.offset
         if server_round > 0:
             self.model.load_state_dict(arrays.to_torch_state_dict())
         metrics = evaluate_lm(self.model, self.eval_windows)
@@ -125,6 +148,10 @@ class RoundRecorder:
         self.rows.append(row)
         self.run.log_round(row)
         self.run.log_clients(ledger)
+        if self.checkpoint_every and server_round and server_round % self.checkpoint_every == 0:
+            save_checkpoint(self.run.path, Checkpoint(
+                round=server_round, target=self.model.state_dict(), elapsed_s=row["elapsed_s"],
+                strategy=self.strategy.state_dict()))
         self.on_round(row)
         return MetricRecord({k: float(v) for k, v in metrics.items()})
 
@@ -137,8 +164,12 @@ def sample_text(model: torch.nn.Module, tokenizer, prompt: str = "KING:\n", char
     return tokenizer.decode(out[0])
 
 
-def run_federation(grid: Grid, recipe: Recipe, run: RunDir, on_round: RoundCallback = log_round) -> dict[str, Any]:
-    """Train the recipe's target over the nodes of ``grid``; writes every output into ``run``."""
+def run_federation(grid: Grid, recipe: Recipe, run: RunDir, on_round: RoundCallback = log_round,
+                   resume: bool = False) -> dict[str, Any]:
+    """Train the recipe's target over the nodes of ``grid``; writes every output into ``run``.
+
+    With ``resume`` the run continues from the checkpoint in ``run`` (see :mod:`fedfusion.checkpoint`).
+    """
     started = time.perf_counter()
     try:
         tokenizer = load_tokenizer(recipe.model.pretrained)
@@ -146,9 +177,17 @@ def run_federation(grid: Grid, recipe: Recipe, run: RunDir, on_round: RoundCallb
         held_out = pooled_held_out(data_spec(recipe), recipe.data.eval_chars)
         eval_windows = lm_windows(encode_text(tokenizer, held_out), recipe.train.seq_len)
         strategy = build_strategy(recipe, model.config)
-        recorder = RoundRecorder(run, strategy, model, eval_windows, on_round, load_catalog(recipe.population.catalog))
+        ckpt = load_checkpoint(run.path) if resume else None
+        if ckpt is not None:
+            model.load_state_dict(ckpt.target)
+            strategy.load_state_dict(ckpt.strategy, ckpt.round)
+            run.cut_ledgers(ckpt.round)
+            log(INFO, "fedfusion: resuming %s after round %d of %d", run.path, ckpt.round, recipe.rounds)
+        recorder = RoundRecorder(run, strategy, model, eval_windows, on_round, load_catalog(recipe.population.catalog),
+                                 recipe.output.checkpoint_every, ckpt)
         strategy.start(
-            grid=grid, initial_arrays=ArrayRecord(model.state_dict()), num_rounds=recipe.rounds,
+            grid=grid, initial_arrays=ArrayRecord(model.state_dict()),
+            num_rounds=recipe.rounds - (ckpt.round if ckpt else 0),
             timeout=recipe.selection.timeout_s, evaluate_fn=recorder,
         )
         if recipe.output.save_model:
@@ -185,8 +224,13 @@ app = ServerApp()
 def main(grid: Grid, context: Context) -> None:
     """Entry point for ``flwr run .``: recipe, overrides and output directory come from the run config."""
     cfg = context.run_config
-    recipe = load_recipe(str(cfg.get("recipe", "quickstart")), shlex.split(str(cfg.get("overrides", ""))))
-    run = RunDir(new_run_path(recipe, str(cfg.get("out", "")) or None).resolve(), recipe)
+    resume = str(cfg.get("resume", ""))
+    if resume:
+        run = RunDir.reopen(Path(resume).resolve())
+        recipe = run.recipe
+    else:
+        recipe = load_recipe(str(cfg.get("recipe", "quickstart")), shlex.split(str(cfg.get("overrides", ""))))
+        run = RunDir(new_run_path(recipe, str(cfg.get("out", "")) or None).resolve(), recipe)
     log(INFO, "fedfusion: writing the run to %s", run.path)
-    run_federation(grid, recipe, run)
+    run_federation(grid, recipe, run, resume=bool(resume))
     log(INFO, "fedfusion: run finished; outputs in %s", run.path)

@@ -13,6 +13,7 @@ from fedfusion.data import sample_batch
 
 def lm_loss(model: PreTrainedModel, batch: torch.Tensor, reduction: str = "mean") -> tuple[torch.Tensor, torch.Tensor]:
     """Next-token cross-entropy of ``batch`` windows (input = [:, :-1], target = [:, 1:]) and the logits."""
+    batch = batch.to(model.device)
     inputs, labels = batch[:, :-1], batch[:, 1:]
     logits = model(input_ids=inputs).logits.float()
     loss = torch.nn.functional.cross_entropy(
@@ -30,7 +31,11 @@ def train_steps(
     seed: int,
     weight_decay: float = 0.0,
 ) -> dict[str, float]:
-    """Run ``steps`` AdamW steps on random batches of ``windows``; returns mean loss, tokens, seconds."""
+    """Run ``steps`` AdamW steps on random batches of ``windows``; returns mean loss, tokens, seconds.
+
+    Batches are drawn on the CPU with a seeded generator (the same batches on any accelerator) and
+    moved to wherever ``model`` lives.
+    """
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
     model.train()
@@ -59,7 +64,7 @@ def evaluate_lm(model: PreTrainedModel, windows: torch.Tensor, batch_size: int =
     for i in range(0, windows.shape[0], batch_size):
         batch = windows[i : i + batch_size]
         loss, logits = lm_loss(model, batch, reduction="sum")
-        labels = batch[:, 1:]
+        labels = batch[:, 1:].to(logits.device)
         loss_sum += loss.item()
         correct += int((logits.argmax(-1) == labels).sum())
         count += labels.numel()

@@ -24,6 +24,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 from transformers import LlamaConfig
 
+from fedfusion.checkpoint import rng_state, set_rng_state
 from fedfusion.slicing import SelectiveAverager, SlicePlan, as_ranges, extract, plan_slice, sub_config
 
 
@@ -43,6 +44,7 @@ class ClientRound:
     bytes_down: int = 0
     bytes_up: int = 0
     params: int = 0  # parameters of the sub-model sent
+    sent_norm: float = 0.0  # L2 norm of the sub-model sent, to judge the reply's
     tokens: int = 0  # tokens trained: planned when sent, as reported once the reply arrives
     error: str | None = None
 
@@ -57,6 +59,11 @@ class RoundLog:
     aggregate_s: float = 0.0
     void: bool = False
     fed_eval: dict[str, float] = field(default_factory=dict)
+
+
+def _norm(state: dict[str, torch.Tensor]) -> float:
+    """L2 norm of all tensors of a state together (NaN if any value is NaN)."""
+    return float(torch.sqrt(sum((t.float().pow(2).sum() for t in state.values()), torch.tensor(0.0))))
 
 
 def _last_line(reason: str) -> str:
@@ -90,6 +97,7 @@ class SubModelFusion(Strategy):
         seed: int = 0,
         wait_nodes_s: float = 60.0,
         query_timeout_s: float = 600.0,
+        max_norm_ratio: float = 10.0,
     ) -> None:
         self.config = config
         self.widths = widths
@@ -106,10 +114,21 @@ class SubModelFusion(Strategy):
         self.rng = random.Random(seed)
         self.wait_nodes_s = wait_nodes_s
         self.query_timeout_s = query_timeout_s
+        self.max_norm_ratio = max_norm_ratio
         self.caps: dict[int, dict] = {}
         self.plans: dict[int, SlicePlan] = {}
         self.target: dict[str, torch.Tensor] = {}
         self.last = RoundLog()
+        self.round_offset = 0  # rounds done before a resume: Flower counts from 1 again, the run does not
+
+    def state_dict(self) -> dict:
+        """What a checkpoint must keep for a resumed run to sample as the uninterrupted one would."""
+        return {"rng": rng_state(self.rng)}
+
+    def load_state_dict(self, state: dict, rounds_done: int) -> None:
+        """Continue from a checkpoint taken after ``rounds_done`` rounds."""
+        set_rng_state(self.rng, state["rng"])
+        self.round_offset = rounds_done
 
     def summary(self) -> None:
         """Log the strategy's settings."""
@@ -169,6 +188,7 @@ class SubModelFusion(Strategy):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """One fresh Message per sampled node: its sub-model and the spec to rebuild and train it."""
+        server_round += self.round_offset
         target = self.target = arrays.to_torch_state_dict()
         self.last = RoundLog(server_round=server_round)
         self.plans = {}
@@ -194,6 +214,7 @@ class SubModelFusion(Strategy):
                 node=node, device=device, width=width, partition=int(self.caps[node].get("partition", -1)),
                 assignment={"attn_units": as_ranges(plan.attn_units), "neurons": as_ranges(plan.neurons)},
                 bytes_down=sub.count_bytes(), params=sum(t.numel() for t in sub_state.values()),
+                sent_norm=_norm(sub_state),
                 tokens=int(self.train_config.get("local-steps", 0)) * int(self.train_config.get("batch-size", 0))
                 * int(self.train_config.get("seq-len", 0)),
             )
@@ -205,6 +226,7 @@ class SubModelFusion(Strategy):
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Selective averaging of the good replies; bad ones are rejected, logged and recorded."""
+        server_round += self.round_offset
         start = time.perf_counter()
         averager: SelectiveAverager | None = None
         losses, examples = [], 0
@@ -225,10 +247,15 @@ class SubModelFusion(Strategy):
                 metrics = reply.content["metrics"]
                 n = int(metrics["num-examples"])
                 row.bytes_up = reply.content["arrays"].count_bytes()
+                if n <= 0:
+                    raise ValueError(f"num-examples is {n}")
+                if self.max_norm_ratio and _norm(sub) > self.max_norm_ratio * row.sent_norm:
+                    raise ValueError(f"update norm {_norm(sub):.3g} is over {self.max_norm_ratio:g}x the "
+                                     f"norm of the sub-model sent ({row.sent_norm:.3g})")
                 if averager is None:
                     averager = SelectiveAverager(self.target, self.config, self.aggregate, self.trim)
                 averager.add(sub, self.plans[node], weight=float(n) if self.weighting == "examples" else 1.0)
-            except (KeyError, TypeError, ValueError) as exc:
+            except Exception as exc:  # an untrusted reply can be malformed in any way; it must not stop the run
                 row.status, row.error = "rejected", str(exc)[:500]
                 log(WARNING, "round %d node %d: update rejected: %s", server_round, node, row.error)
                 continue
@@ -262,6 +289,7 @@ class SubModelFusion(Strategy):
         """Send the whole target to ``evaluate_clients`` known nodes, to score it on their held-out text."""
         if self.evaluate_clients <= 0:
             return []
+        server_round += self.round_offset
         known = sorted(self.caps)
         nodes = sorted(self.rng.sample(known, min(self.evaluate_clients, len(known))))
         spec = {**config, **self.train_config, "role": "submodel", "server-round": server_round,

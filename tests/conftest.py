@@ -1,6 +1,8 @@
-"""Shared fixtures: tiny Llama configs for fast slicing tests."""
+"""Shared fixtures: tiny Llama configs for fast slicing tests; a private disk cache for the session."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -22,3 +24,9 @@ def model(request) -> LlamaForCausalLM:
     heads, kv = request.param
     torch.manual_seed(0)
     return LlamaForCausalLM(tiny_config(heads=heads, kv_heads=kv)).eval()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_cache(tmp_path_factory):
+    """Tests (and the Ray workers they start, which inherit the environment) never touch ~/.cache."""
+    os.environ["FEDFUSION_CACHE"] = str(tmp_path_factory.mktemp("fedfusion-cache"))

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -97,3 +102,24 @@ def test_rerunning_the_saved_recipe_reproduces_the_run(run_dir, tmp_path):
             "bytes_down", "bytes_up", "params", "tokens", "energy_j", "co2_g")  # not node ids or host seconds
     pick = lambda rows: [{k: r[k] for k in keys} for r in rows]  # noqa: E731
     assert pick(read_jsonl(again / "clients.jsonl")) == pick(read_jsonl(run_dir / "clients.jsonl"))
+
+
+def test_a_run_killed_mid_way_resumes_to_the_same_result(run_dir, tmp_path):
+    out = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "fedfusion.cli", "run", "quickstart", *TINY, "--out", str(out)],
+                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    state, deadline = out / "checkpoint" / "state.json", time.monotonic() + 400
+    while proc.poll() is None and time.monotonic() < deadline and not state.is_file():
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)  # the CLI, Ray and its workers, mid-way through round 2
+    proc.wait()
+    assert json.loads(state.read_text())["round"] == 1
+    assert not (out / "summary.json").exists()  # it really was interrupted
+    assert main(["run", "--resume", str(out)]) == 0
+    assert json.loads((out / "summary.json").read_text())["status"] == "ok"
+    first, resumed = read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(out / "metrics.jsonl")
+    assert [r["round"] for r in resumed] == [0, 1, 2]
+    assert [r["eval_loss"] for r in resumed] == [r["eval_loss"] for r in first]
+    keys = ("round", "device", "width", "assignment", "partition", "status", "train_loss", "energy_j")
+    pick = lambda rows: [{k: r[k] for k in keys} for r in rows]  # noqa: E731
+    assert pick(read_jsonl(out / "clients.jsonl")) == pick(read_jsonl(run_dir / "clients.jsonl"))

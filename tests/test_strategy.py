@@ -140,3 +140,48 @@ def test_median_aggregation_shrugs_off_one_wild_client():
     arrays, _ = strategy.aggregate_train(1, replies)
     new = arrays.to_torch_state_dict()["model.norm.weight"]  # held by all three clients
     torch.testing.assert_close(new, state["model.norm.weight"] + 1.0)
+
+
+def malformed(state: dict[str, torch.Tensor], kind: int, rng: np.random.Generator) -> RecordDict:
+    """One of many kinds of broken reply content built from the sub-model ``state`` that was sent."""
+    s = {k: v.clone() for k, v in state.items()}
+    key = list(s)[int(rng.integers(len(s)))]
+    metrics = MetricRecord({"num-examples": 10, "train_loss": 1.0, "train_s": 0.1})
+    if kind == 0:
+        s[key].view(-1)[int(rng.integers(s[key].numel()))] = float("nan")
+    elif kind == 1:
+        s[key].view(-1)[int(rng.integers(s[key].numel()))] = float("inf") * (1 if rng.random() < 0.5 else -1)
+    elif kind == 2:
+        del s[key]
+    elif kind == 3:
+        s["model.extra.weight"] = torch.zeros(3)
+    elif kind == 4:
+        s[key] = torch.zeros(*[d + int(rng.integers(1, 3)) for d in s[key].shape])
+    elif kind == 5:
+        s = {k: v * float(rng.uniform(1e3, 1e6)) for k, v in s.items()}  # absurd norm
+    elif kind == 6:
+        metrics = MetricRecord({"train_loss": 1.0, "train_s": 0.1})  # no num-examples
+    elif kind == 7:
+        metrics = MetricRecord({"num-examples": -int(rng.integers(0, 5)), "train_loss": 1.0, "train_s": 0.1})
+    elif kind == 8:
+        return RecordDict({"metrics": metrics})  # no arrays at all
+    elif kind == 9:
+        return RecordDict({"arrays": ConfigRecord({"x": 1}), "metrics": metrics})  # wrong record type
+    else:
+        matrix = next(k for k in s if s[k].dim() == 2)
+        s[matrix] = s[matrix].reshape(-1)  # right size, wrong shape
+    return RecordDict({"arrays": ArrayRecord(s), "metrics": metrics})
+
+
+def test_fuzzed_malformed_replies_are_all_rejected_logged_and_leave_the_target_unchanged():
+    strategy, state = make_strategy()
+    grid = FakeGrid({11: "phone", 12: "desktop", 13: "phone"})
+    rng = np.random.default_rng(0)
+    for rnd in range(1, 23):  # 66 broken replies covering every kind several times
+        msgs = list(strategy.configure_train(rnd, ArrayRecord(state), ConfigRecord({}), grid))
+        replies = [Message(malformed(m.content["arrays"].to_torch_state_dict(), (rnd * 3 + i) % 11, rng), reply_to=m)
+                   for i, m in enumerate(msgs)]
+        arrays, metrics = strategy.aggregate_train(rnd, replies)
+        assert arrays is None and metrics["clients_ok"] == 0
+        rows = strategy.last.clients.values()
+        assert all(r.status == "rejected" and r.error for r in rows), [(r.status, r.error) for r in rows]
