@@ -1,0 +1,60 @@
+"""Deployment: TLS material and node keys, then the quickstart over a real SuperLink and SuperNodes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives.serialization import load_ssh_private_key
+from flwr.cli.supernode.register import try_load_public_key
+
+from fedfusion.cli import main
+from fedfusion.deploy import make_deploy_files
+from fedfusion.population import tier_list
+from fedfusion.recipe import load_recipe
+from fedfusion.run_dir import read_jsonl
+
+ROOT = Path(__file__).resolve().parents[1]
+OVERRIDES = [
+    "rounds=1", "population.num_clients=2", "selection.clients_per_round=2", "model.hidden_size=32",
+    "model.num_heads=2", "model.num_kv_heads=2", "model.intermediate_size=32", "model.num_layers=1",
+    "train.local_steps=1", "data.eval_chars=2000",
+]
+
+
+def test_certificates_chain_to_the_ca_and_node_keys_are_what_flower_accepts(tmp_path):
+    files = make_deploy_files(tmp_path, ["127.0.0.1", "superlink.example"], nodes=2)
+    ca = x509.load_pem_x509_certificate(files.ca_cert.read_bytes())
+    server = x509.load_pem_x509_certificate(files.server_cert.read_bytes())
+    server.verify_directly_issued_by(ca)
+    san = server.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert [str(ip) for ip in san.get_values_for_type(x509.IPAddress)] == ["127.0.0.1"]
+    assert san.get_values_for_type(x509.DNSName) == ["superlink.example"]
+    for key in files.node_keys:
+        assert try_load_public_key(Path(f"{key}.pub"))  # the check `flwr supernode register` applies
+        assert load_ssh_private_key(key.read_bytes(), password=None)  # what flower-supernode loads
+        assert key.stat().st_mode & 0o077 == 0  # private keys are not readable by others
+    with pytest.raises(ValueError, match="nodes"):
+        make_deploy_files(tmp_path / "none", ["127.0.0.1"], nodes=0)
+
+
+@pytest.mark.skipif(shutil.which("pgrep") is None, reason="needs pgrep to check that every process stopped")
+def test_quickstart_over_tls_with_registered_supernodes_refuses_an_unregistered_one(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)
+    out, workdir = tmp_path / "run", tmp_path / "deploy"
+    assert main(["deploy", "quickstart", *OVERRIDES, "--out", str(out), "--workdir", str(workdir),
+                 "--unregistered", "1"]) == 0, capsys.readouterr().out[-4000:]
+    printed = capsys.readouterr().out
+    assert "unregistered0: refused by the SuperLink" in printed
+    assert json.loads((out / "summary.json").read_text())["status"] == "ok"
+    clients = read_jsonl(out / "clients.jsonl")
+    assert len({c["node"] for c in clients}) == 2 and {c["status"] for c in clients} == {"ok"}
+    tiers = tier_list(load_recipe("quickstart", OVERRIDES))  # each node trained as the tier its node-config named
+    assert sorted((c["partition"], c["device"]) for c in clients) == list(enumerate(tiers))
+    assert "Failed to activate SuperNode" in (workdir / "logs" / "unregistered0.log").read_text()
+    left = subprocess.run(["pgrep", "-f", str(workdir)], capture_output=True, text=True).stdout.split()
+    assert left == [], "processes left running"
