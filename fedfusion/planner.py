@@ -1,15 +1,42 @@
-"""Per-tier plan: what each device tier trains, its size, estimated peak memory, time and energy."""
+"""Per-tier plan: what each device tier trains, its size, estimated peak memory, time and energy; and
+auto-fit: the widest sub-model (or the LoRA rank and base precision) that fits each tier's memory.
+
+Memory model (:func:`estimate_memory`), per training step of ``batch`` sequences of ``seq`` tokens:
+
+- **weights**: every parameter at 4 bytes (fp32). With LoRA the frozen base is stored at ``base_bits``:
+  the decoder's linear layers quantised (4 bit: 4.5 bits per weight, 8 bit: 8.5, counting
+  bitsandbytes' per-block scales), embeddings, norms and lm_head at 16 bit, or everything at 16/32 bit.
+- **gradients**: 4 bytes per trainable parameter (all of them; with LoRA only the adapters).
+- **optimizer**: AdamW's two fp32 moments, 8 bytes per trainable parameter.
+- **activations** kept for backward: per token and layer ``10*hidden + 3*intermediate + 2*heads*seq``
+  values (attention inputs/outputs, norms, SwiGLU branches, attention scores and probabilities) plus
+  ``2*vocab`` per token for logits and their softmax; 4 bytes each, 2 with a 16-bit or quantised base.
+  No activation checkpointing, no fused attention.
+
+A plan fits a device when its estimate is within ``usable`` (default 0.9) of the catalog's
+``memory_gb`` (already the memory an app may use), the rest left for allocator fragmentation, the
+runtime and the data pipeline.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
 
-from transformers import LlamaConfig
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig
 
-from fedfusion.devices import load_catalog
+from fedfusion.devices import Device, load_catalog
 from fedfusion.models import target_model_config
 from fedfusion.recipe import Recipe
 from fedfusion.slicing import plan_slice, sub_config
+
+WIDTH_LADDER = (1.0, 0.5, 0.25, 0.125, 0.0625)  # FedRolex's capacity ladder
+LORA_RANKS = (64, 32, 16, 8, 4, 2, 1)
+BASE_BITS = (32, 16, 8, 4)  # preferred first: full precision, bf16, 8-bit, 4-bit
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+USABLE = 0.9
+_BITS_STORED = {32: 32.0, 16: 16.0, 8: 8.5, 4: 4.5}  # bits per quantised weight, block scales included
 
 
 def llama_params(config: LlamaConfig) -> int:
@@ -22,37 +49,193 @@ def llama_params(config: LlamaConfig) -> int:
     return layers * per_layer + heads * v * h + h
 
 
-def training_memory_bytes(config: LlamaConfig, batch: int, seq: int) -> int:
+def param_count(config: PretrainedConfig) -> int:
+    """Parameters of a causal-LM config: closed form for Llama-style configs, else counted on the meta device."""
+    if getattr(config, "model_type", "") == "llama":
+        return llama_params(config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def _dims(config: PretrainedConfig) -> tuple[int, int, int, int, int, int]:
+    """(hidden, intermediate, heads, kv heads, head_dim, layers) of a transformer config."""
+    h = config.hidden_size
+    inter = getattr(config, "intermediate_size", None) or getattr(config, "ffn_dim", None) \
+        or getattr(config, "n_inner", None) or 4 * h
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    d = getattr(config, "head_dim", None) or h // heads
+    return h, inter, heads, kv, d, config.num_hidden_layers
+
+
+def lora_params(config: PretrainedConfig, rank: int, modules: Sequence[str] = LORA_MODULES) -> int:
+    """Trainable parameters of rank-``rank`` LoRA adapters on ``modules`` of every decoder layer (Llama names)."""
+    h, inter, heads, kv, d, layers = _dims(config)
+    shapes = {"q_proj": (h, heads * d), "k_proj": (h, kv * d), "v_proj": (h, kv * d), "o_proj": (heads * d, h),
+              "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+    unknown = [m for m in modules if m not in shapes]
+    if unknown:
+        raise ValueError(f"lora modules: unknown module {unknown[0]!r}; known: {', '.join(shapes)}")
+    if rank < 1:
+        raise ValueError(f"lora rank: must be >= 1, got {rank}")
+    return layers * sum(rank * (shapes[m][0] + shapes[m][1]) for m in modules)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Estimated peak training memory, by part, in bytes (see the module docstring)."""
+
+    weights: int
+    grads: int
+    optimizer: int
+    activations: int
+    params: int  # all parameters of the model trained (base included)
+    trainable: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.grads + self.optimizer + self.activations
+
+
+def estimate_memory(
+    config: PretrainedConfig, batch: int, seq: int, lora_rank: int | None = None, base_bits: int = 32,
+    lora_modules: Sequence[str] = LORA_MODULES,
+) -> MemoryEstimate:
+    """Peak training memory of full fine-tuning (``lora_rank=None``, fp32) or LoRA on a ``base_bits`` base."""
+    if batch < 1 or seq < 1:
+        raise ValueError(f"batch and seq must be >= 1, got {batch}, {seq}")
+    if base_bits not in _BITS_STORED:
+        raise ValueError(f"base_bits: must be one of {', '.join(map(str, _BITS_STORED))}, got {base_bits}")
+    if lora_rank is None and base_bits != 32:
+        raise ValueError("base_bits: a reduced-precision base needs lora_rank (full training keeps fp32 weights)")
+    h, inter, heads, kv, d, layers = _dims(config)
+    params = param_count(config)
+    act_values = batch * seq * (layers * (10 * h + 3 * inter + 2 * heads * seq) + 2 * config.vocab_size)
+    if lora_rank is None:
+        return MemoryEstimate(4 * params, 4 * params, 8 * params, 4 * act_values, params, params)
+    trainable = lora_params(config, lora_rank, lora_modules)
+    linear = layers * (h * heads * d * 2 + h * kv * d * 2 + 3 * h * inter)
+    if base_bits >= 16:
+        weights = params * base_bits / 8
+    else:
+        weights = linear * _BITS_STORED[base_bits] / 8 + (params - linear) * 2
+    act_bytes = 4 if base_bits == 32 else 2
+    return MemoryEstimate(int(weights) + 4 * trainable, 4 * trainable, 8 * trainable, act_bytes * act_values,
+                          params + trainable, trainable)
+
+
+def training_memory_bytes(config: PretrainedConfig, batch: int, seq: int) -> int:
     """fp32 AdamW training estimate: weights + grads + 2 moments, plus stored activations and logits."""
-    params = llama_params(config)
-    per_token_layer = 10 * config.hidden_size + 3 * config.intermediate_size + 2 * config.num_attention_heads * seq
-    activations = batch * seq * (config.num_hidden_layers * per_token_layer + 2 * config.vocab_size)
-    return 4 * (4 * params + activations)
+    return estimate_memory(config, batch, seq).total
 
 
-def plan_table(recipe: Recipe) -> list[dict[str, Any]]:
+def _budget(device: Device, usable: float) -> float:
+    if not 0 < usable <= 1:
+        raise ValueError(f"usable: must be in (0, 1], got {usable}")
+    return device.memory_gb * 2**30 * usable
+
+
+def sliced_config(config: PretrainedConfig, width: float, axes: Sequence[str] | None = None) -> PretrainedConfig:
+    """The config of the width-``width`` static sub-model (the size every policy gives that width)."""
+    return config if width == 1 else sub_config(config, plan_slice(config, width, "static", axes=axes))
+
+
+def fit_width(
+    config: PretrainedConfig, device: Device, batch: int, seq: int, ladder: Sequence[float] = WIDTH_LADDER,
+    usable: float = USABLE, axes: Sequence[str] | None = None,
+) -> float | None:
+    """The largest width of ``ladder`` whose sub-model trains within ``usable`` of the device's memory, or None."""
+    budget = _budget(device, usable)
+    if not ladder or any(not 0 < w <= 1 for w in ladder):
+        raise ValueError(f"ladder: widths must be in (0, 1], got {list(ladder)}")
+    for width in sorted(ladder, reverse=True):
+        if training_memory_bytes(sliced_config(config, width, axes), batch, seq) <= budget:
+            return width
+    return None
+
+
+@dataclass(frozen=True)
+class LoraFit:
+    """A LoRA assignment that fits: adapter rank, bits of the frozen base, estimated bytes."""
+
+    rank: int
+    base_bits: int
+    memory: MemoryEstimate
+
+
+def fit_lora_rank(
+    config: PretrainedConfig, device: Device, batch: int, seq: int, ranks: Sequence[int] = LORA_RANKS,
+    base_bits: Sequence[int] = BASE_BITS, modules: Sequence[str] = LORA_MODULES, usable: float = USABLE,
+) -> LoraFit | None:
+    """The most precise base (in ``base_bits`` order) on which some rank fits, with the largest rank that
+    fits on it; None if no (rank, precision) fits. Precision comes first: the base dominates memory,
+    the adapters barely count."""
+    budget = _budget(device, usable)
+    if not ranks:
+        raise ValueError("ranks: give at least one LoRA rank")
+    for bits in base_bits:
+        for rank in sorted(ranks, reverse=True):
+            est = estimate_memory(config, batch, seq, lora_rank=rank, base_bits=bits, lora_modules=modules)
+            if est.total <= budget:
+                return LoraFit(rank, bits, est)
+    return None
+
+
+def auto_widths(
+    recipe: Recipe, ladder: Sequence[float] = WIDTH_LADDER, usable: float = USABLE,
+) -> dict[str, float | None]:
+    """For every tier of the population mix, :func:`fit_width` of the recipe's target (None: nothing fits)."""
+    catalog = load_catalog(recipe.population.catalog)
+    target = target_model_config(recipe.model)
+    return {tier: fit_width(target, catalog[tier], recipe.train.batch_size, recipe.train.seq_len, ladder, usable)
+            for tier in recipe.population.mix}
+
+
+def _mb(n: float) -> float:
+    return round(n / 2**20, 1)
+
+
+def plan_table(
+    recipe: Recipe, widths: Mapping[str, float | None] | None = None, usable: float = USABLE,
+    ladder: Sequence[float] = WIDTH_LADDER,
+) -> list[dict[str, Any]]:
     """One row per tier of the population mix, narrowest first.
 
-    Memory is the fp32 AdamW estimate of :func:`training_memory_bytes`; seconds and joules per round
-    price ``6 * params * tokens`` FLOPs at the catalog's sustained TFLOPS and training watts.
+    ``widths`` (default: the recipe's ``fusion.widths``; pass :func:`auto_widths` for auto-fit) may hold
+    None for a tier that fits nothing: its row says so (with what ``ladder``'s smallest width would need)
+    instead of raising. Memory is :func:`training_memory_bytes`; seconds and joules per
+    round price ``6 * params * tokens`` FLOPs at the catalog's sustained TFLOPS and training watts.
     """
     catalog = load_catalog(recipe.population.catalog)
     target = target_model_config(recipe.model)
-    tokens = recipe.train.local_steps * recipe.train.batch_size * recipe.train.seq_len
+    widths = recipe.fusion.widths if widths is None else widths
+    batch, seq = recipe.train.batch_size, recipe.train.seq_len
+    tokens = recipe.train.local_steps * batch * seq
     rows = []
-    for tier in sorted(recipe.population.mix, key=lambda t: recipe.fusion.widths[t]):
+    for tier in sorted(recipe.population.mix, key=lambda t: (widths.get(t) is not None, widths.get(t) or 0)):
         device = catalog[tier]
-        width = recipe.fusion.widths[tier]
-        sub = sub_config(target, plan_slice(target, width, "static"))
-        params = llama_params(sub)
-        mem = training_memory_bytes(sub, recipe.train.batch_size, recipe.train.seq_len)
+        width = widths.get(tier)
+        budget = _budget(device, usable)
+        row: dict[str, Any] = {"tier": tier, "width": width}
+        if width is None:
+            smallest = min(ladder)
+            need = training_memory_bytes(sliced_config(target, smallest), batch, seq)
+            rows.append({**row, "slice": "-", "params": None, "peak MB": _mb(need),
+                         "device MB": round(device.memory_gb * 1024),
+                         "fits": f"NO: even width {smallest:g} needs {_mb(need)} MB, {_mb(budget)} MB usable",
+                         "s/round": None, "J/round": None})
+            continue
+        sub = sliced_config(target, width)
+        params = param_count(sub)
+        mem = training_memory_bytes(sub, batch, seq)
         seconds = 6 * params * tokens / (device.tflops * 1e12)
         rows.append({
-            "tier": tier, "width": width,
+            **row,
             "slice": f"{sub.num_attention_heads}/{target.num_attention_heads} heads, "
-                     f"{sub.intermediate_size}/{target.intermediate_size} neurons",
-            "params": params, "peak MB": round(mem / 2**20, 1), "device MB": round(device.memory_gb * 1024),
-            "fits": "yes" if mem <= device.memory_gb * 2**30 else "NO",
+                     f"{_dims(sub)[1]}/{_dims(target)[1]} neurons",
+            "params": params, "peak MB": _mb(mem), "device MB": round(device.memory_gb * 1024),
+            "fits": "yes" if mem <= budget else "NO",
             "s/round": seconds, "J/round": seconds * device.train_w,
         })
     return rows
