@@ -27,7 +27,7 @@ def _accelerator(context: Context) -> str:
 
 @app.query()
 def query(msg: Message, context: Context) -> Message:
-    """Report this node's device tier, partition and the host's measured capabilities.
+    """Report this node's device tier, partition, data size and the host's measured capabilities.
 
     In deployment the tier comes from ``--node-config 'device="..."'``; in simulation, where a virtual
     node only knows its partition id, it is derived from the recipe's seeded population mix.
@@ -37,7 +37,9 @@ def query(msg: Message, context: Context) -> Message:
     if device is None:
         population = json.loads(str(config["population"]))
         device = assign_tiers(population["mix"], population["num_clients"], population["seed"])[_partition(context)]
-    caps = ConfigRecord({"device": str(device), "partition": _partition(context),
+    examples = submodel.client_windows(str(config["data-spec"]), _partition(context), int(config["seq-len"]),
+                                       "train").shape[0]
+    caps = ConfigRecord({"device": str(device), "partition": _partition(context), "examples": int(examples),
                          **capabilities(_accelerator(context))})
     return Message(RecordDict({"caps": caps}), reply_to=msg)
 

@@ -7,7 +7,7 @@ unknown key or a wrong type fails at load time with the key's full name; value c
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from importlib import resources
 from pathlib import Path
 from typing import Any, Optional
@@ -15,7 +15,9 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from fedfusion.availability import AvailabilityConfig
 from fedfusion.devices import load_catalog
+from fedfusion.selection import make_selector
 
 
 class RecipeError(ValueError):
@@ -78,11 +80,23 @@ class FusionConfig:
 class SelectionConfig:
     """Which clients train in a round."""
 
-    method: str = "random"
+    method: str = "random"  # random | oort | energy | carbon_budget (fedfusion.selection)
+    options: dict[str, Any] = field(default_factory=dict)  # the selector's knobs, e.g. {alpha: 2.0}
     clients_per_round: int = 6
     min_clients: int = 1  # a round with fewer successful replies leaves the target unchanged
     evaluate_clients: int = 0  # clients that also score the target on their held-out text each round
     timeout_s: float = 600.0  # per-round deadline for replies
+
+
+@dataclass
+class AvailabilitySection:
+    """When virtual devices may train (diurnal windows, battery, network; fedfusion.availability)."""
+
+    enabled: bool = False  # off: every client is always available and never drops out
+    start_clock_s: float = 0.0  # simulated time of round 1, seconds after midnight UTC of day 0
+    idle_wait_s: float = 900.0  # simulated time a round with nobody to select waits
+    deadline_s: float = 0.0  # virtual round deadline: a client predicted slower drops out (0: none)
+    model: dict[str, float] = field(default_factory=dict)  # AvailabilityConfig knobs, e.g. {wifi_prob: 0.8}
 
 
 @dataclass
@@ -145,6 +159,7 @@ class Recipe:
     population: PopulationConfig = field(default_factory=PopulationConfig)
     fusion: FusionConfig = field(default_factory=FusionConfig)
     selection: SelectionConfig = field(default_factory=SelectionConfig)
+    availability: AvailabilitySection = field(default_factory=AvailabilitySection)
     train: TrainConfig = field(default_factory=TrainConfig)
     faults: FaultConfig = field(default_factory=FaultConfig)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
@@ -158,7 +173,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "fusion.policy": ("static", "rolling", "random"),
     "fusion.weighting": ("uniform", "examples"),
     "fusion.aggregate": ("mean", "median", "trimmed_mean"),
-    "selection.method": ("random",),
+    "selection.method": ("random", "oort", "energy", "carbon_budget"),
     "privacy.mode": ("none", "clip", "local"),
 }
 
@@ -180,7 +195,7 @@ def resolve_recipe_path(ref: str | Path) -> Path:
 
 # Mappings a recipe states whole: given in a file (or as a whole override) they replace the default
 # rather than merge into it, so ``mix: {phone: 1.0}`` means phones only.
-WHOLE_MAPPINGS = ("population.mix", "fusion.widths")
+WHOLE_MAPPINGS = ("population.mix", "fusion.widths", "selection.options", "availability.model")
 
 
 def _merge(base: DictConfig, cfg: Any, what: str, replace: tuple[str, ...]) -> DictConfig:
@@ -247,6 +262,21 @@ def validate(recipe: Recipe) -> None:
             raise RecipeError(f"faults.{name}: must be in [0, 1], got {getattr(recipe.faults, name)}")
     if recipe.faults.straggler_delay_s < 0:
         raise RecipeError(f"faults.straggler_delay_s: must be >= 0, got {recipe.faults.straggler_delay_s}")
+    if "seed" in recipe.selection.options:
+        raise RecipeError("selection.options.seed: the selector is seeded by the recipe's seed")
+    try:
+        make_selector(recipe.selection.method, **recipe.selection.options)
+    except (TypeError, ValueError) as exc:
+        raise RecipeError(f"selection.options: {exc}") from None
+    try:
+        AvailabilityConfig(**recipe.availability.model)
+    except TypeError as exc:
+        raise RecipeError(f"availability.model: {exc}; knobs: {', '.join(f.name for f in fields(AvailabilityConfig))}") from None
+    except ValueError as exc:
+        raise RecipeError(f"availability.model: {exc}") from None
+    for name in ("start_clock_s", "idle_wait_s", "deadline_s"):
+        if getattr(recipe.availability, name) < 0:
+            raise RecipeError(f"availability.{name}: must be >= 0, got {getattr(recipe.availability, name)}")
     if recipe.output.checkpoint_every < 0:
         raise RecipeError(f"output.checkpoint_every: must be >= 0, got {recipe.output.checkpoint_every}")
     if recipe.privacy.mode != "none":

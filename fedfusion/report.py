@@ -10,7 +10,10 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
 
+from fedfusion.devices import load_catalog  # noqa: E402
+from fedfusion.edge_cloud import edge_cloud_markdown, work_from_clients  # noqa: E402
 from fedfusion.run_dir import read_jsonl  # noqa: E402
 
 CURVES = (("eval_loss", "held-out loss (nats/char)"), ("eval_ppl", "held-out perplexity"),
@@ -81,6 +84,19 @@ def _fmt(value: object) -> str:
     return "" if value is None else str(value)
 
 
+def _edge_cloud_section(run: Path) -> str:
+    """The run's client work priced on a cloud GPU instead (fedfusion.edge_cloud), or why it cannot be."""
+    clients = read_jsonl(run / "clients.jsonl") if (run / "clients.jsonl").is_file() else []
+    if not clients:
+        return "## Edge vs cloud\n\nNo client work was recorded."
+    recipe = OmegaConf.load(run / "recipe.yaml") if (run / "recipe.yaml").is_file() else {}
+    catalog = load_catalog(OmegaConf.select(recipe, "population.catalog", default=None) if recipe else None)
+    cloud = next((name for name in ("cloud-a100", "cloud-h100") if name in catalog), None)
+    if cloud is None:
+        return "## Edge vs cloud\n\nThe device catalog has no cloud reference (cloud-a100 or cloud-h100)."
+    return edge_cloud_markdown(work_from_clients(clients), catalog=catalog, cloud=cloud)
+
+
 def write_report(run: Path) -> Path:
     """report.md and plots/ for one run directory."""
     rows, summary = _load(run)
@@ -93,7 +109,7 @@ def write_report(run: Path) -> Path:
         lines += [
             f"Target: {summary['target_params']:,} parameters, {summary['rounds']} rounds, "
             f"{summary['wall_s']:.0f} s wall. Clients' work priced on their device profiles: "
-            f"{summary['energy_j']:.1f} J ({summary['wasted_j']:.1f} J wasted on failed or rejected work), "
+            f"{summary['energy_j']:.1f} J ({summary['wasted_j']:.1f} J wasted on failed, rejected or dropped work), "
             f"{summary['co2_g']:.4f} g CO2e, {summary['virtual_s']:.1f} s of simulated time.",
             "",
             f"Held-out perplexity {first['eval_ppl']:.2f} -> **{last['eval_ppl']:.2f}**; "
@@ -109,6 +125,7 @@ def write_report(run: Path) -> Path:
     lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |" for r in rows]
     lines += [""] + [f"![{p.stem}](plots/{p.name})" for p in plots] + [""]
+    lines += [_edge_cloud_section(run), ""]
     path = run / "report.md"
     path.write_text("\n".join(lines))
     return path

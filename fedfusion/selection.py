@@ -19,7 +19,8 @@ run selects exactly as an uninterrupted one. Every selector is seeded and determ
   within 10% (plateau) relaxes T by ``pacer_step`` percentile points, a 5x jump tightens it. Oort's
   participation blacklist is not implemented.
 - ``energy``: Oort whose scores (and exploration weights) are divided by predicted energy and carbon
-  relative to the candidates' median, ``(e/median e) ** energy_weight * (c/median c) ** carbon_weight``;
+  relative to the candidates' median, ``(e/median e) ** energy_weight * (c/median c) ** carbon_weight``,
+  with no duration penalty by default (``alpha=0``: time is not what it saves);
   battery aware (EAFL-like): a device on battery below ``min_battery`` is never picked (so fewer than k
   may come back), and one on battery has its score multiplied by its battery level.
 - ``carbon_budget`` (greedy, after FedZero): every zone has an energy budget (joules) per period of
@@ -367,8 +368,10 @@ class EnergySelector(OortSelector):
     name = "energy"
 
     def __init__(self, seed: int = 0, energy_weight: float = 1.0, carbon_weight: float = 1.0,
-                 min_battery: float = 0.2, **oort: Any) -> None:
-        super().__init__(seed, **oort)
+                 min_battery: float = 0.2, alpha: float = 0.0, **oort: Any) -> None:
+        # alpha defaults to 0 here: Oort's duration penalty buys wall-clock speed with joules, the opposite
+        # of this selector's aim (slow, frugal phones would score ~10x lower than fast desktops).
+        super().__init__(seed, alpha=alpha, **oort)
         if energy_weight < 0 or carbon_weight < 0:
             raise ValueError(
                 f"selection.energy_weight and carbon_weight must be >= 0, got {energy_weight}, {carbon_weight}")

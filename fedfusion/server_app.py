@@ -23,15 +23,18 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 from transformers.utils import logging as hf_logging
 
+from fedfusion.availability import AvailabilityConfig, AvailabilityModel
 from fedfusion.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from fedfusion.data import encode_text, lm_windows
 from fedfusion.devices import Device, load_catalog
 from fedfusion.energy import price_work, train_flops
 from fedfusion.models import build_target, count_params, load_tokenizer
-from fedfusion.population import data_spec, pooled_held_out
+from fedfusion.participation import Participation, jain_index
+from fedfusion.population import data_spec, pooled_held_out, tier_list
 from fedfusion.recipe import Recipe, load_recipe
 from fedfusion.report import write_report
 from fedfusion.run_dir import RunDir, new_run_path, read_jsonl
+from fedfusion.selection import make_selector
 from fedfusion.strategies import SubModelFusion
 from fedfusion.strategies.submodel import ClientRound
 from fedfusion.training import evaluate_lm
@@ -44,6 +47,16 @@ def log_round(row: dict[str, Any]) -> None:
     log(INFO, "round %d: eval_loss=%.4f ppl=%.2f acc=%.3f clients ok=%d failed=%d (%.1fs)",
         row["round"], row["eval_loss"], row["eval_ppl"], row["eval_acc"], row["clients_ok"],
         row["clients_failed"], row["wall_s"])
+
+
+def build_participation(recipe: Recipe) -> Participation:
+    """The recipe's selector and (optional) availability model over its population."""
+    catalog = load_catalog(recipe.population.catalog)
+    avail = recipe.availability
+    model = (AvailabilityModel.for_tiers(tier_list(recipe), catalog, seed=recipe.seed,
+                                         config=AvailabilityConfig(**avail.model)) if avail.enabled else None)
+    selector = make_selector(recipe.selection.method, seed=recipe.seed, **recipe.selection.options)
+    return Participation(selector, catalog, model, avail.start_clock_s, avail.idle_wait_s, avail.deadline_s)
 
 
 def build_strategy(recipe: Recipe, model_config) -> SubModelFusion:
@@ -59,7 +72,9 @@ def build_strategy(recipe: Recipe, model_config) -> SubModelFusion:
         stagger=recipe.fusion.stagger and recipe.fusion.policy == "rolling",
         clients_per_round=recipe.selection.clients_per_round,
         min_clients=recipe.selection.min_clients,
-        query_config={"population": json.dumps(population)},
+        participation=build_participation(recipe),
+        query_config={"population": json.dumps(population), "data-spec": data_spec(recipe),
+                      "seq-len": train.seq_len},
         train_config={
             "local-steps": train.local_steps, "lr": train.lr, "batch-size": train.batch_size,
             "seq-len": train.seq_len, "weight-decay": train.weight_decay, "seed": recipe.seed,
@@ -134,6 +149,8 @@ class RoundRecorder:
             "bytes_down": sum(c.bytes_down for c in clients),
             "bytes_up": sum(c.bytes_up for c in clients),
             "clients_ok": len(ok), "clients_failed": len(clients) - len(ok),
+            "dropouts": sum(c.status == "dropped" for c in clients),
+            "clock_s": self.strategy.last.clock_s if server_round > 0 else None,
             "void": bool(self.strategy.last.void) if server_round > 0 else False,
             "aggregate_s": self.strategy.last.aggregate_s if server_round > 0 else 0.0,
             "wall_s": now - self.last, "elapsed_s": now - self.start,
@@ -154,6 +171,15 @@ class RoundRecorder:
                 strategy=self.strategy.state_dict()))
         self.on_round(row)
         return MetricRecord({k: float(v) for k, v in metrics.items()})
+
+
+def participation_fairness(run: RunDir, num_clients: int) -> float:
+    """Jain's index of how many rounds each client of the population trained in (never picked: 0)."""
+    counts = [0] * num_clients
+    for row in read_jsonl(run.path / "clients.jsonl"):
+        if row["status"] == "ok" and 0 <= row["partition"] < num_clients:
+            counts[row["partition"]] += 1
+    return jain_index(counts)
 
 
 def sample_text(model: torch.nn.Module, tokenizer, prompt: str = "KING:\n", chars: int = 200, seed: int = 0) -> str:
@@ -205,6 +231,8 @@ def run_federation(grid: Grid, recipe: Recipe, run: RunDir, on_round: RoundCallb
             "bytes_down": sum(r["bytes_down"] for r in rows), "bytes_up": sum(r["bytes_up"] for r in rows),
             "energy_j": sum(r["energy_j"] for r in rows), "wasted_j": sum(r["wasted_j"] for r in rows),
             "co2_g": sum(r["co2_g"] for r in rows), "virtual_s": sum(r["virtual_s"] for r in rows),
+            "dropouts": sum(r.get("dropouts", 0) for r in rows),
+            "participation_jain": participation_fairness(run, recipe.population.num_clients),
             "wall_s": time.perf_counter() - started,
             "sample": sample_text(model, tokenizer, seed=recipe.seed),
         }

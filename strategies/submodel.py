@@ -18,14 +18,30 @@ from dataclasses import dataclass, field
 from logging import INFO, WARNING
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import (
+    ArrayRecord,
+    ConfigRecord,
+    Message,
+    MessageType,
+    MetricRecord,
+    RecordDict,
+)
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 from transformers import LlamaConfig
 
 from fedfusion.checkpoint import rng_state, set_rng_state
-from fedfusion.slicing import SelectiveAverager, SlicePlan, as_ranges, extract, plan_slice, sub_config
+from fedfusion.energy import WorkCost, price_work, train_flops
+from fedfusion.participation import Participation
+from fedfusion.slicing import (
+    SelectiveAverager,
+    SlicePlan,
+    as_ranges,
+    extract,
+    plan_slice,
+    sub_config,
+)
 
 
 @dataclass
@@ -36,7 +52,7 @@ class ClientRound:
     device: str
     width: float
     assignment: dict[str, list[list[int]]] = field(default_factory=dict)
-    status: str = "sent"  # sent -> ok | failed | rejected | timeout
+    status: str = "sent"  # sent -> ok | failed | rejected | timeout; or dropped (never sent)
     partition: int = -1
     examples: int = 0
     train_loss: float | None = None
@@ -59,6 +75,7 @@ class RoundLog:
     aggregate_s: float = 0.0
     void: bool = False
     fed_eval: dict[str, float] = field(default_factory=dict)
+    clock_s: float = 0.0  # simulated time when the round started
 
 
 def _norm(state: dict[str, torch.Tensor]) -> float:
@@ -88,6 +105,7 @@ class SubModelFusion(Strategy):
         stagger: bool,
         clients_per_round: int,
         min_clients: int,
+        participation: Participation,
         query_config: dict[str, str | int | float],
         train_config: dict[str, str | int | float],
         weighting: str = "uniform",
@@ -105,6 +123,9 @@ class SubModelFusion(Strategy):
         self.stride = stride
         self.stagger = stagger
         self.clients_per_round = clients_per_round
+        self.participation = participation
+        self.costs: dict[str, WorkCost] = {}
+        self.sizes: dict[str, tuple[int, int]] = {}  # tier -> (sub-model parameters, bytes)
         self.min_clients = min_clients
         self.query_config = query_config
         self.train_config = train_config
@@ -123,11 +144,12 @@ class SubModelFusion(Strategy):
 
     def state_dict(self) -> dict:
         """What a checkpoint must keep for a resumed run to sample as the uninterrupted one would."""
-        return {"rng": rng_state(self.rng)}
+        return {"rng": rng_state(self.rng), "participation": self.participation.state_dict()}
 
     def load_state_dict(self, state: dict, rounds_done: int) -> None:
         """Continue from a checkpoint taken after ``rounds_done`` rounds."""
         set_rng_state(self.rng, state["rng"])
+        self.participation.load_state_dict(state["participation"])
         self.round_offset = rounds_done
 
     def summary(self) -> None:
@@ -171,17 +193,43 @@ class SubModelFusion(Strategy):
                     node, caps.get("device"))
                 continue
             self.caps[node] = caps
+            if "examples" in caps:
+                self.participation.examples[int(caps.get("partition", node))] = int(caps["examples"])
 
-    def sample(self, grid: Grid) -> list[int]:
-        """Seeded uniform sample of known, usable nodes, in partition order."""
+    def tier_costs(self) -> dict[str, WorkCost]:
+        """This round's planned work priced per device tier: its sub-model's training FLOPs and transfers."""
+        if not self.costs:  # sub-model sizes depend only on the width, so they are priced once per run
+            for tier, width in self.widths.items():
+                sub = extract(self.target, self.config, plan_slice(self.config, width, "static"))
+                params, nbytes = sum(t.numel() for t in sub.values()), sum(t.nbytes for t in sub.values())
+                self.sizes[tier] = (params, nbytes)
+                self.costs[tier] = price_work(self.participation.catalog[tier],
+                                              train_flops(params, self._tokens()), nbytes, nbytes)
+        return self.costs
+
+    def _tokens(self) -> int:
+        c = self.train_config
+        return int(c.get("local-steps", 0)) * int(c.get("batch-size", 0)) * int(c.get("seq-len", 0))
+
+    def sample(self, grid: Grid, server_round: int) -> list[int]:
+        """The participation draw over known, usable nodes: the nodes to train (dropouts are logged, not sent)."""
         nodes = self._wait_for_nodes(grid)
         self.query_nodes(grid, nodes)
-        # Order by partition, not by node id (random per run), so a seed reproduces the same sample.
-        usable = sorted((n for n in nodes if n in self.caps), key=lambda n: int(self.caps[n].get("partition", n)))
-        if not usable:
+        # Clients are known by partition, not node id (random per run), so a seed reproduces the same draw.
+        by_partition = {int(self.caps[n].get("partition", n)): n for n in nodes if n in self.caps}
+        if not by_partition:
             log(WARNING, "no node has answered the capability query; this round trains nobody")
-        picked = self.rng.sample(range(len(usable)), min(self.clients_per_round, len(usable)))
-        return [usable[i] for i in sorted(picked)]
+        draw = self.participation.draw(server_round, {p: self.caps[n]["device"] for p, n in by_partition.items()},
+                                       self.clients_per_round, self.tier_costs())
+        self.last.clock_s = draw.clock_s
+        for p in draw.dropped:
+            node, device = by_partition[p], self.caps[by_partition[p]]["device"]
+            params, nbytes = self.sizes[device]
+            self.last.clients[node] = ClientRound(
+                node=node, device=device, width=self.widths[device], partition=p, status="dropped",
+                params=params, bytes_down=nbytes, tokens=self._tokens(),
+                error="left its availability window or missed the virtual deadline before finishing")
+        return [by_partition[p] for p in draw.train]
 
     # -- train --------------------------------------------------------------------------------
     def configure_train(
@@ -193,7 +241,7 @@ class SubModelFusion(Strategy):
         self.last = RoundLog(server_round=server_round)
         self.plans = {}
         messages, offset = [], 0.0
-        for node in self.sample(grid):
+        for node in self.sample(grid, server_round):
             device = self.caps[node]["device"]
             width = self.widths[device]
             # per (run seed, round, partition): the same recipe repeats the same slices, batches and faults
@@ -214,9 +262,7 @@ class SubModelFusion(Strategy):
                 node=node, device=device, width=width, partition=int(self.caps[node].get("partition", -1)),
                 assignment={"attn_units": as_ranges(plan.attn_units), "neurons": as_ranges(plan.neurons)},
                 bytes_down=sub.count_bytes(), params=sum(t.numel() for t in sub_state.values()),
-                sent_norm=_norm(sub_state),
-                tokens=int(self.train_config.get("local-steps", 0)) * int(self.train_config.get("batch-size", 0))
-                * int(self.train_config.get("seq-len", 0)),
+                sent_norm=_norm(sub_state), tokens=self._tokens(),
             )
             messages.append(Message(RecordDict({"arrays": sub, "config": spec}), dst_node_id=node,
                                     message_type=MessageType.TRAIN))
@@ -267,6 +313,8 @@ class SubModelFusion(Strategy):
         for row in self.last.clients.values():
             if row.status == "sent":
                 row.status, row.error = "timeout", "no reply before the round deadline"
+        self.participation.settle(server_round, {r.partition: (r.status, r.examples, r.train_loss)
+                                                 for r in self.last.clients.values()})
         ok = len(losses)
         self.last.void = ok < self.min_clients
         if self.last.void or averager is None:

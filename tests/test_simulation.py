@@ -123,3 +123,17 @@ def test_a_run_killed_mid_way_resumes_to_the_same_result(run_dir, tmp_path):
     keys = ("round", "device", "width", "assignment", "partition", "status", "train_loss", "energy_j")
     pick = lambda rows: [{k: r[k] for k in keys} for r in rows]  # noqa: E731
     assert pick(read_jsonl(out / "clients.jsonl")) == pick(read_jsonl(run_dir / "clients.jsonl"))
+
+
+def test_energy_selection_with_availability_runs_and_logs_the_clock(tmp_path):
+    out = tmp_path / "avail"
+    assert main(["run", "quickstart", *TINY, "rounds=3", "selection.evaluate_clients=0", "selection.method=energy",
+                 "availability.enabled=true", "availability.start_clock_s=79200", "--out", str(out)]) == 0
+    rows = read_jsonl(out / "metrics.jsonl")
+    clocks = [r["clock_s"] for r in rows[1:]]
+    assert clocks[0] == 79200 and clocks == sorted(clocks) and clocks[-1] > clocks[0]
+    statuses = {c["status"] for c in read_jsonl(out / "clients.jsonl")}
+    assert statuses <= {"ok", "dropped"}
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["dropouts"] == sum(r["dropouts"] for r in rows) and 0 <= summary["participation_jain"] <= 1
+    assert "## Edge vs cloud" in (out / "report.md").read_text()

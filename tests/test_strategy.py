@@ -10,6 +10,9 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
 from transformers import LlamaForCausalLM
 
+from fedfusion.devices import load_catalog
+from fedfusion.participation import Participation
+from fedfusion.selection import make_selector
 from fedfusion.slicing import extract
 from fedfusion.strategies import SubModelFusion
 from tests.conftest import tiny_config
@@ -45,6 +48,7 @@ def make_strategy(min_clients: int = 1, aggregate: str = "mean") -> tuple[SubMod
     strategy = SubModelFusion(
         config=cfg, widths={"phone": 0.25, "desktop": 0.5}, policy="rolling", stride=0.25, stagger=True,
         clients_per_round=3, min_clients=min_clients, query_config={"population": "{}"},
+        participation=Participation(make_selector("random", seed=0), load_catalog()),
         train_config={"local-steps": 1, "lr": 0.1, "seed": 0}, wait_nodes_s=1.0, aggregate=aggregate,
     )
     return strategy, state
