@@ -11,8 +11,9 @@ Every fusion strategy asks the same question each round, so it lives here, witho
    user takes the device back, or whose battery would run low) drops out, as does one whose predicted
    duration exceeds the virtual deadline. A dropped client is not sent any work; its planned work is
    charged as wasted energy (an upper bound: the job's share done before leaving is not modelled).
-4. **Clock**: simulated time advances by the slowest selected client's virtual seconds, or by
-   ``idle_wait_s`` when nobody could be selected, so diurnal windows open and close as rounds pass.
+4. **Clock**: simulated time advances by ``round_interval_s`` per round (a deployed server starts a
+   round every few minutes, waiting for reports, stragglers and its own work), or by the slowest
+   selected client's virtual seconds when that is longer, so diurnal windows open and close as rounds pass.
 """
 
 from __future__ import annotations
@@ -42,10 +43,11 @@ class Participation:
 
     def __init__(self, selector: Selector, catalog: dict[str, Device],
                  availability: AvailabilityModel | None = None, start_clock_s: float = 0.0,
-                 idle_wait_s: float = 900.0, deadline_s: float = 0.0) -> None:
+                 round_interval_s: float = 600.0, deadline_s: float = 0.0) -> None:
         self.selector, self.catalog = selector, catalog
         self.availability = availability
-        self.clock_s, self.idle_wait_s, self.deadline_s = float(start_clock_s), float(idle_wait_s), float(deadline_s)
+        self.clock_s, self.round_interval_s = float(start_clock_s), float(round_interval_s)
+        self.deadline_s = float(deadline_s)
         self.examples: dict[int, int] = {}  # per client, once it reports it
         self.planned: dict[int, WorkCost] = {}
 
@@ -91,7 +93,7 @@ class Participation:
             utility = statistical_utility(examples, loss) if status == "ok" and loss is not None else 0.0
             outcomes.append(Outcome(client, status, utility, cost.virtual_s, cost.wall_j, cost.co2_g))
         self.selector.feedback(round, outcomes)
-        self.clock_s += max((c.virtual_s for c in self.planned.values()), default=self.idle_wait_s)
+        self.clock_s += max([self.round_interval_s, *(c.virtual_s for c in self.planned.values())])
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-able state for checkpoints (the availability model is a pure function of the seed)."""

@@ -94,7 +94,7 @@ class AvailabilitySection:
 
     enabled: bool = False  # off: every client is always available and never drops out
     start_clock_s: float = 0.0  # simulated time of round 1, seconds after midnight UTC of day 0
-    idle_wait_s: float = 900.0  # simulated time a round with nobody to select waits
+    round_interval_s: float = 600.0  # simulated time between round starts (longer if the slowest client is)
     deadline_s: float = 0.0  # virtual round deadline: a client predicted slower drops out (0: none)
     model: dict[str, float] = field(default_factory=dict)  # AvailabilityConfig knobs, e.g. {wifi_prob: 0.8}
 
@@ -274,7 +274,7 @@ def validate(recipe: Recipe) -> None:
         raise RecipeError(f"availability.model: {exc}; knobs: {', '.join(f.name for f in fields(AvailabilityConfig))}") from None
     except ValueError as exc:
         raise RecipeError(f"availability.model: {exc}") from None
-    for name in ("start_clock_s", "idle_wait_s", "deadline_s"):
+    for name in ("start_clock_s", "round_interval_s", "deadline_s"):
         if getattr(recipe.availability, name) < 0:
             raise RecipeError(f"availability.{name}: must be >= 0, got {getattr(recipe.availability, name)}")
     if recipe.output.checkpoint_every < 0:

@@ -56,7 +56,7 @@ def build_participation(recipe: Recipe) -> Participation:
     model = (AvailabilityModel.for_tiers(tier_list(recipe), catalog, seed=recipe.seed,
                                          config=AvailabilityConfig(**avail.model)) if avail.enabled else None)
     selector = make_selector(recipe.selection.method, seed=recipe.seed, **recipe.selection.options)
-    return Participation(selector, catalog, model, avail.start_clock_s, avail.idle_wait_s, avail.deadline_s)
+    return Participation(selector, catalog, model, avail.start_clock_s, avail.round_interval_s, avail.deadline_s)
 
 
 def build_strategy(recipe: Recipe, model_config) -> SubModelFusion:

@@ -24,12 +24,13 @@ def _clients(n: int) -> dict[int, str]:
     return {i: tiers[i % 3] for i in range(n)}
 
 
-def test_without_availability_everyone_may_be_drawn_and_the_clock_follows_the_slowest():
-    part = Participation(make_selector("random", seed=1), CATALOG)
+def test_without_availability_everyone_may_be_drawn_and_a_slow_client_stretches_the_round():
+    part = Participation(make_selector("random", seed=1), CATALOG, round_interval_s=0.5)
     draw = part.draw(1, _clients(30), 6, COSTS)
     assert len(draw.train) == 6 and draw.dropped == [] and draw.clock_s == 0.0
     part.settle(1, {c: ("ok", 10, 2.0) for c in draw.train})
-    assert part.clock_s == max(COSTS[_clients(30)[c]].virtual_s for c in draw.train)
+    slowest = max(COSTS[_clients(30)[c]].virtual_s for c in draw.train)
+    assert slowest > 0.5 and part.clock_s == slowest  # the slowest client outlasts the round interval
     assert part.examples == {c: 10 for c in draw.train}
 
 
@@ -56,7 +57,7 @@ def test_availability_limits_who_is_eligible_and_drops_jobs_that_outlast_their_w
 
 def test_no_one_available_still_moves_the_clock():
     avail = AvailabilityModel.for_tiers(["desktop"] * 5, CATALOG, seed=0)
-    part = Participation(make_selector("random", seed=0), CATALOG, avail, idle_wait_s=600.0)
+    part = Participation(make_selector("random", seed=0), CATALOG, avail, round_interval_s=600.0)
     clock = next(t for t in np.arange(0, 86400, 600.0) if len(avail.available(1, t)) == 0)
     part.clock_s = clock
     assert part.draw(1, {i: "desktop" for i in range(5)}, 3, COSTS).train == []
