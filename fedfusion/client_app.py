@@ -7,12 +7,22 @@ import json
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from fedfusion.clients import submodel
+from fedfusion.clients import smallmodel, submodel
 from fedfusion.clients.privacy import privacy_mod
 from fedfusion.devices import assign_tiers
 from fedfusion.hardware import capabilities, pick_accelerator
 
 app = ClientApp()
+
+# What a message's spec asks this client to be (spec["role"]): each module has train() and evaluate().
+ROLES = {"submodel": submodel, "smallmodel": smallmodel}
+
+
+def _role(spec: ConfigRecord):
+    role = str(spec.get("role", "submodel"))
+    if role not in ROLES:
+        raise ValueError(f"message spec role {role!r} is unknown; this client knows {', '.join(ROLES)}")
+    return ROLES[role]
 
 
 def _partition(context: Context) -> int:
@@ -48,8 +58,8 @@ def query(msg: Message, context: Context) -> Message:
 def train(msg: Message, context: Context) -> Message:
     """Train the received model as its spec says and reply with the new weights and metrics."""
     spec = msg.content["config"]
-    state, metrics = submodel.train(msg.content["arrays"].to_torch_state_dict(), spec, _partition(context),
-                                    _accelerator(context))
+    state, metrics = _role(spec).train(msg.content["arrays"].to_torch_state_dict(), spec, _partition(context),
+                                       _accelerator(context))
     content = RecordDict({"arrays": ArrayRecord(state), "metrics": MetricRecord(metrics)})
     return Message(content, reply_to=msg)
 
@@ -57,6 +67,7 @@ def train(msg: Message, context: Context) -> Message:
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
     """Score the received model on this node's held-out text."""
-    metrics = submodel.evaluate(msg.content["arrays"].to_torch_state_dict(), msg.content["config"],
-                                _partition(context), _accelerator(context))
+    spec = msg.content["config"]
+    metrics = _role(spec).evaluate(msg.content["arrays"].to_torch_state_dict(), spec, _partition(context),
+                                   _accelerator(context))
     return Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)

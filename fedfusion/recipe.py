@@ -77,6 +77,54 @@ class FusionConfig:
 
 
 @dataclass
+class FamilyConfig:
+    """A small model family that some tiers train in distillation fusion."""
+
+    model_type: str = "llama"  # llama | gpt2
+    hidden_size: int = 32
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: Optional[int] = None  # llama: default num_heads
+    intermediate_size: Optional[int] = None  # default 4 x hidden_size
+    tokenizer: str = "target"  # target (the target's) | char | bpe (trained on the transfer text)
+    bpe_vocab: int = 512
+
+
+@dataclass
+class TransferConfig:
+    """The server's unlabeled transfer set, disjoint from every client's data."""
+
+    source: str = "shakespeare"  # shakespeare: roles no client owns | text: a local file (e.g. the KJV)
+    path: Optional[str] = None
+    max_chars: int = 100000
+
+
+@dataclass
+class DistillConfig:
+    """Distillation fusion (fusion.method=distill): small families per tier, distilled into the target."""
+
+    families: dict[str, FamilyConfig] = field(default_factory=lambda: {
+        "tiny": FamilyConfig(), "small": FamilyConfig(hidden_size=48, model_type="gpt2", tokenizer="bpe",
+                                                      bpe_vocab=384)})
+    tier_family: dict[str, str] = field(default_factory=lambda: {"phone": "tiny", "laptop": "small",
+                                                                  "desktop": "small"})
+    teacher: str = "fedet"  # feddf (average) | fedet (confidence-weighted consensus + diversity)
+    average: str = "logits"  # feddf: logits | probs
+    confidence: str = "variance"  # fedet: variance | entropy | maxprob
+    diversity_weight: float = 0.1  # fedet
+    temperature: float = 1.0
+    kd_weight: float = 1.0  # 1: pure distillation (FedDF); lower mixes in the LM loss on the transfer text
+    server_steps: int = 40
+    server_lr: float = 1e-3
+    server_batch_size: int = 16
+    back_distill: bool = True  # the target teaches each family back (FedMKT)
+    back_steps: int = 10
+    back_lr: float = 1e-3
+    server_device: str = "cloud-a100"  # the catalog tier that prices the server's distillation work
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+
+
+@dataclass
 class SelectionConfig:
     """Which clients train in a round."""
 
@@ -158,6 +206,7 @@ class Recipe:
     model: ModelConfig = field(default_factory=ModelConfig)
     population: PopulationConfig = field(default_factory=PopulationConfig)
     fusion: FusionConfig = field(default_factory=FusionConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     selection: SelectionConfig = field(default_factory=SelectionConfig)
     availability: AvailabilitySection = field(default_factory=AvailabilitySection)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -169,12 +218,16 @@ class Recipe:
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "data.source": ("shakespeare", "text"),
-    "fusion.method": ("submodel",),
+    "fusion.method": ("submodel", "distill"),
     "fusion.policy": ("static", "rolling", "random"),
     "fusion.weighting": ("uniform", "examples"),
     "fusion.aggregate": ("mean", "median", "trimmed_mean"),
     "selection.method": ("random", "oort", "energy", "carbon_budget"),
     "privacy.mode": ("none", "clip", "local"),
+    "distill.teacher": ("feddf", "fedet"),
+    "distill.average": ("logits", "probs"),
+    "distill.confidence": ("variance", "entropy", "maxprob"),
+    "distill.transfer.source": ("shakespeare", "text"),
 }
 
 
@@ -195,7 +248,8 @@ def resolve_recipe_path(ref: str | Path) -> Path:
 
 # Mappings a recipe states whole: given in a file (or as a whole override) they replace the default
 # rather than merge into it, so ``mix: {phone: 1.0}`` means phones only.
-WHOLE_MAPPINGS = ("population.mix", "fusion.widths", "selection.options", "availability.model")
+WHOLE_MAPPINGS = ("population.mix", "fusion.widths", "selection.options", "availability.model", "distill.families",
+                  "distill.tier_family")
 
 
 def _merge(base: DictConfig, cfg: Any, what: str, replace: tuple[str, ...]) -> DictConfig:
@@ -243,8 +297,9 @@ def _positive(key: str, value: float) -> None:
 def validate(recipe: Recipe) -> None:
     """Value checks beyond types; raises RecipeError naming the first bad key."""
     for key, allowed in CHOICES.items():
-        section, name = key.split(".")
-        value = getattr(getattr(recipe, section), name)
+        value: Any = recipe
+        for part in key.split("."):
+            value = getattr(value, part)
         if value not in allowed:
             raise RecipeError(f"{key}: {value!r} is not one of {', '.join(allowed)}")
     for key in (
@@ -306,8 +361,10 @@ def validate(recipe: Recipe) -> None:
             raise RecipeError(f"population.mix.{tier}: unknown device; the catalog has {', '.join(sorted(catalog))}")
         if share <= 0:
             raise RecipeError(f"population.mix.{tier}: share must be > 0, got {share}")
-        if tier not in recipe.fusion.widths:
+        if recipe.fusion.method == "submodel" and tier not in recipe.fusion.widths:
             raise RecipeError(f"fusion.widths: no width for tier {tier!r} of population.mix")
+    if recipe.fusion.method == "distill":
+        _validate_distill(recipe, catalog)
     for tier, width in recipe.fusion.widths.items():
         if tier not in catalog:
             raise RecipeError(f"fusion.widths.{tier}: unknown device; the catalog has {', '.join(sorted(catalog))}")
@@ -329,6 +386,40 @@ def validate(recipe: Recipe) -> None:
             f"selection.clients_per_round: {recipe.selection.clients_per_round} exceeds "
             f"population.num_clients {recipe.population.num_clients}"
         )
+
+
+def _validate_distill(recipe: Recipe, catalog: dict) -> None:
+    d = recipe.distill
+    for tier in recipe.population.mix:
+        if tier not in d.tier_family:
+            raise RecipeError(f"distill.tier_family: no family for tier {tier!r} of population.mix")
+    for tier, family in d.tier_family.items():
+        if family not in d.families:
+            raise RecipeError(f"distill.tier_family.{tier}: unknown family {family!r}; "
+                              f"families: {', '.join(sorted(d.families))}")
+    for name, f in d.families.items():
+        if f.model_type not in ("llama", "gpt2"):
+            raise RecipeError(f"distill.families.{name}.model_type: {f.model_type!r} is not one of llama, gpt2")
+        if f.tokenizer not in ("target", "char", "bpe"):
+            raise RecipeError(f"distill.families.{name}.tokenizer: {f.tokenizer!r} is not one of target, char, bpe")
+        for key in ("hidden_size", "num_layers", "num_heads"):
+            _positive(f"distill.families.{name}.{key}", getattr(f, key))
+        if f.hidden_size % f.num_heads:
+            raise RecipeError(f"distill.families.{name}.num_heads: {f.num_heads} does not divide hidden_size "
+                              f"{f.hidden_size}")
+        if f.tokenizer == "bpe" and f.bpe_vocab < 260:
+            raise RecipeError(f"distill.families.{name}.bpe_vocab: must be >= 260 (bytes + specials), got {f.bpe_vocab}")
+    for key in ("temperature", "server_steps", "server_lr", "server_batch_size", "back_steps", "back_lr"):
+        _positive(f"distill.{key}", getattr(d, key))
+    if not 0 <= d.kd_weight <= 1:
+        raise RecipeError(f"distill.kd_weight: must be in [0, 1], got {d.kd_weight}")
+    if d.diversity_weight < 0:
+        raise RecipeError(f"distill.diversity_weight: must be >= 0, got {d.diversity_weight}")
+    if d.server_device not in catalog:
+        raise RecipeError(f"distill.server_device: {d.server_device!r} is not in the device catalog")
+    if d.transfer.source == "text" and not d.transfer.path:
+        raise RecipeError("distill.transfer.path: required when distill.transfer.source is 'text'")
+    _positive("distill.transfer.max_chars", d.transfer.max_chars)
 
 
 def to_yaml(recipe: Recipe) -> str:

@@ -25,6 +25,7 @@ from transformers.utils import logging as hf_logging
 
 from fedfusion.availability import AvailabilityConfig, AvailabilityModel
 from fedfusion.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from fedfusion.clients.smallmodel import family_config
 from fedfusion.data import encode_text, lm_windows
 from fedfusion.devices import Device, load_catalog
 from fedfusion.energy import price_work, train_flops
@@ -35,9 +36,11 @@ from fedfusion.recipe import Recipe, load_recipe
 from fedfusion.report import write_report
 from fedfusion.run_dir import RunDir, new_run_path, read_jsonl
 from fedfusion.selection import make_selector
-from fedfusion.strategies import SubModelFusion
+from fedfusion.strategies import DistillationFusion, SubModelFusion
+from fedfusion.strategies.distillation import Family
 from fedfusion.strategies.submodel import ClientRound
 from fedfusion.training import evaluate_lm
+from fedfusion.transfer import family_tokenizer, transfer_text
 
 RoundCallback = Callable[[dict[str, Any]], None]
 
@@ -60,16 +63,12 @@ def build_participation(recipe: Recipe) -> Participation:
 
 
 def build_strategy(recipe: Recipe, model_config) -> SubModelFusion:
-    """The fusion strategy a recipe names, with the specs its messages carry."""
+    """The fusion strategy a recipe names (``fusion.method``), with the specs its messages carry."""
     train = recipe.train
     population = {"mix": dict(recipe.population.mix), "num_clients": recipe.population.num_clients,
                   "seed": recipe.seed}
-    return SubModelFusion(
+    common = dict(
         config=model_config,
-        widths=dict(recipe.fusion.widths),
-        policy=recipe.fusion.policy,
-        stride=recipe.fusion.stride,
-        stagger=recipe.fusion.stagger and recipe.fusion.policy == "rolling",
         clients_per_round=recipe.selection.clients_per_round,
         min_clients=recipe.selection.min_clients,
         participation=build_participation(recipe),
@@ -83,13 +82,40 @@ def build_strategy(recipe: Recipe, model_config) -> SubModelFusion:
             **privacy_spec(recipe),
         },
         weighting=recipe.fusion.weighting,
-        aggregate=recipe.fusion.aggregate,
-        trim=recipe.fusion.trim,
         max_norm_ratio=recipe.fusion.max_norm_ratio,
         evaluate_clients=recipe.selection.evaluate_clients,
         seed=recipe.seed,
         query_timeout_s=recipe.selection.timeout_s,
     )
+    if recipe.fusion.method == "distill":
+        return build_distillation(recipe, common)
+    return SubModelFusion(
+        widths=dict(recipe.fusion.widths),
+        policy=recipe.fusion.policy,
+        stride=recipe.fusion.stride,
+        stagger=recipe.fusion.stagger and recipe.fusion.policy == "rolling",
+        aggregate=recipe.fusion.aggregate,
+        trim=recipe.fusion.trim,
+        **common,
+    )
+
+
+def build_distillation(recipe: Recipe, common: dict[str, Any]) -> DistillationFusion:
+    """Distillation fusion: one global model per small family, a transfer set no client owns."""
+    d, tokenizer = recipe.distill, load_tokenizer(recipe.model.pretrained)
+    text = transfer_text(d.transfer.source, data_spec(recipe), d.transfer.max_chars, d.transfer.path)
+    families = {}
+    for name, f in d.families.items():
+        family_tok = family_tokenizer(f.tokenizer, text, f.bpe_vocab)
+        families[name] = Family(family_config(f.model_type, family_tok or tokenizer, f.hidden_size, f.num_layers,
+                                              f.num_heads, f.num_kv_heads, f.intermediate_size,
+                                              recipe.model.max_position), family_tok)
+    return DistillationFusion(
+        tokenizer=tokenizer, families=families, tier_family=dict(d.tier_family), transfer_text=text,
+        teacher=d.teacher, average=d.average, confidence=d.confidence, temperature=d.temperature,
+        kd_weight=d.kd_weight, diversity_weight=d.diversity_weight, server_steps=d.server_steps,
+        server_lr=d.server_lr, server_batch_size=d.server_batch_size, back_distill=d.back_distill,
+        back_steps=d.back_steps, back_lr=d.back_lr, **common)
 
 
 def privacy_spec(recipe: Recipe) -> dict[str, str | float]:
@@ -119,10 +145,11 @@ class RoundRecorder:
 
     def __init__(self, run: RunDir, strategy: SubModelFusion, model: torch.nn.Module,
                  eval_windows: torch.Tensor, on_round: RoundCallback, catalog: dict[str, Device],
-                 checkpoint_every: int = 0, resumed: Checkpoint | None = None) -> None:
+                 checkpoint_every: int = 0, resumed: Checkpoint | None = None,
+                 server_device: Device | None = None) -> None:
         self.run, self.strategy, self.model = run, strategy, model
         self.eval_windows, self.on_round, self.catalog = eval_windows, on_round, catalog
-        self.checkpoint_every = checkpoint_every
+        self.checkpoint_every, self.server_device = checkpoint_every, server_device
         self.start = self.last = time.perf_counter()
         self.rows: list[dict[str, Any]] = []
         self.offset = 0
@@ -141,6 +168,10 @@ class RoundRecorder:
         clients = list(self.strategy.last.clients.values()) if server_round > 0 else []
         ok = [c for c in clients if c.status == "ok"]
         ledger = [{"round": server_round, **asdict(c), **price_client(c, self.catalog)} for c in clients]
+        server = {"virtual_s": 0.0, "energy_j": 0.0, "co2_g": 0.0}
+        if server_round > 0 and self.server_device is not None and self.strategy.server_cost["flops"]:
+            cost = price_work(self.server_device, self.strategy.server_cost["flops"], 0, 0)
+            server = {"virtual_s": cost.virtual_s, "energy_j": cost.wall_j, "co2_g": cost.co2_g}
         now = time.perf_counter()
         row = {
             "round": server_round, **metrics,
@@ -154,11 +185,14 @@ class RoundRecorder:
             "void": bool(self.strategy.last.void) if server_round > 0 else False,
             "aggregate_s": self.strategy.last.aggregate_s if server_round > 0 else 0.0,
             "wall_s": now - self.last, "elapsed_s": now - self.start,
-            # simulated time advances by the slowest client; energy and carbon add up over all of them
-            "virtual_s": max((c["virtual_s"] for c in ledger), default=0.0),
-            "energy_j": sum(c["energy_j"] for c in ledger),
+            # simulated time advances by the slowest client, then the server's own work; energy and carbon
+            # add up over all of them
+            "virtual_s": max((c["virtual_s"] for c in ledger), default=0.0) + server["virtual_s"],
+            "energy_j": sum(c["energy_j"] for c in ledger) + server["energy_j"],
             "wasted_j": sum(c["energy_j"] for c in ledger if c["wasted"]),
-            "co2_g": sum(c["co2_g"] for c in ledger),
+            "co2_g": sum(c["co2_g"] for c in ledger) + server["co2_g"],
+            "server_flops": self.strategy.server_cost["flops"] if server_round > 0 else 0.0,
+            "server_energy_j": server["energy_j"], "server_co2_g": server["co2_g"],
             **(self.strategy.last.fed_eval if server_round > 0 else {}),
         }
         self.last = now
@@ -209,8 +243,10 @@ def run_federation(grid: Grid, recipe: Recipe, run: RunDir, on_round: RoundCallb
             strategy.load_state_dict(ckpt.strategy, ckpt.round)
             run.cut_ledgers(ckpt.round)
             log(INFO, "fedfusion: resuming %s after round %d of %d", run.path, ckpt.round, recipe.rounds)
-        recorder = RoundRecorder(run, strategy, model, eval_windows, on_round, load_catalog(recipe.population.catalog),
-                                 recipe.output.checkpoint_every, ckpt)
+        catalog = load_catalog(recipe.population.catalog)
+        server_device = catalog[recipe.distill.server_device] if recipe.fusion.method == "distill" else None
+        recorder = RoundRecorder(run, strategy, model, eval_windows, on_round, catalog,
+                                 recipe.output.checkpoint_every, ckpt, server_device)
         strategy.start(
             grid=grid, initial_arrays=ArrayRecord(model.state_dict()),
             num_rounds=recipe.rounds - (ckpt.round if ckpt else 0),

@@ -1,5 +1,6 @@
 """Flower server strategies (installed as ``fedfusion.strategies``)."""
 
+from fedfusion.strategies.distillation import DistillationFusion
 from fedfusion.strategies.submodel import SubModelFusion
 
-__all__ = ["SubModelFusion"]
+__all__ = ["DistillationFusion", "SubModelFusion"]

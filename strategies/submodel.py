@@ -78,12 +78,12 @@ class RoundLog:
     clock_s: float = 0.0  # simulated time when the round started
 
 
-def _norm(state: dict[str, torch.Tensor]) -> float:
+def state_norm(state: dict[str, torch.Tensor]) -> float:
     """L2 norm of all tensors of a state together (NaN if any value is NaN)."""
     return float(torch.sqrt(sum((t.float().pow(2).sum() for t in state.values()), torch.tensor(0.0))))
 
 
-def _last_line(reason: str) -> str:
+def error_line(reason: str) -> str:
     """The exception line of an error reply (Ray wraps the client's traceback around it)."""
     lines = [line.strip() for line in reason.strip().splitlines() if line.strip()]
     return (lines[-1] if lines else "unknown error")[:500]
@@ -141,6 +141,8 @@ class SubModelFusion(Strategy):
         self.target: dict[str, torch.Tensor] = {}
         self.last = RoundLog()
         self.round_offset = 0  # rounds done before a resume: Flower counts from 1 again, the run does not
+        # the server's own counted work in the last round beyond folding updates in (distillation fills it)
+        self.server_cost = {"flops": 0.0, "seconds": 0.0, "tokens": 0.0}
 
     def state_dict(self) -> dict:
         """What a checkpoint must keep for a resumed run to sample as the uninterrupted one would."""
@@ -262,7 +264,7 @@ class SubModelFusion(Strategy):
                 node=node, device=device, width=width, partition=int(self.caps[node].get("partition", -1)),
                 assignment={"attn_units": as_ranges(plan.attn_units), "neurons": as_ranges(plan.neurons)},
                 bytes_down=sub.count_bytes(), params=sum(t.numel() for t in sub_state.values()),
-                sent_norm=_norm(sub_state), tokens=self._tokens(),
+                sent_norm=state_norm(sub_state), tokens=self._tokens(),
             )
             messages.append(Message(RecordDict({"arrays": sub, "config": spec}), dst_node_id=node,
                                     message_type=MessageType.TRAIN))
@@ -285,7 +287,7 @@ class SubModelFusion(Strategy):
             if row is None:
                 continue
             if reply.has_error():
-                row.status, row.error = "failed", _last_line(reply.error.reason)
+                row.status, row.error = "failed", error_line(reply.error.reason)
                 log(WARNING, "round %d node %d: client failed: %s", server_round, node, row.error)
                 continue
             try:
@@ -295,8 +297,8 @@ class SubModelFusion(Strategy):
                 row.bytes_up = reply.content["arrays"].count_bytes()
                 if n <= 0:
                     raise ValueError(f"num-examples is {n}")
-                if self.max_norm_ratio and _norm(sub) > self.max_norm_ratio * row.sent_norm:
-                    raise ValueError(f"update norm {_norm(sub):.3g} is over {self.max_norm_ratio:g}x the "
+                if self.max_norm_ratio and state_norm(sub) > self.max_norm_ratio * row.sent_norm:
+                    raise ValueError(f"update norm {state_norm(sub):.3g} is over {self.max_norm_ratio:g}x the "
                                      f"norm of the sub-model sent ({row.sent_norm:.3g})")
                 if averager is None:
                     averager = SelectiveAverager(self.target, self.config, self.aggregate, self.trim)

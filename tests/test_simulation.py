@@ -137,3 +137,21 @@ def test_energy_selection_with_availability_runs_and_logs_the_clock(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["dropouts"] == sum(r["dropouts"] for r in rows) and 0 <= summary["participation_jain"] <= 1
     assert "## Edge vs cloud" in (out / "report.md").read_text()
+
+
+def test_distillation_recipe_runs_on_flower_and_prices_the_server(tmp_path):
+    out = tmp_path / "distill"
+    tiny_families = ("distill.families={a: {hidden_size: 16, num_layers: 1, num_heads: 2}, "
+                     "b: {model_type: gpt2, hidden_size: 16, num_layers: 1, num_heads: 2, tokenizer: bpe, "
+                     "bpe_vocab: 300}}")
+    assert main(["run", "distill", *TINY, "selection.evaluate_clients=0", tiny_families,
+                 "distill.tier_family={phone: a, laptop: b, desktop: b}", "distill.server_steps=2",
+                 "distill.back_steps=1", "distill.transfer.max_chars=6000", "--out", str(out)]) == 0
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert all(r["clients_ok"] == 3 and r["server_flops"] > 0 and r["server_energy_j"] > 0 for r in rows[1:])
+    clients = read_jsonl(out / "clients.jsonl")
+    assert {c["assignment"]["family"] for c in clients} <= {"a", "b"}
+    assert {c["status"] for c in clients} == {"ok"}
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "ok" and summary["final"]["eval_loss"] < summary["initial"]["eval_loss"]
+    assert (out / "model" / "model.safetensors").is_file()

@@ -1,0 +1,196 @@
+"""Distillation math on hand-built logits: teachers (FedDF, Fed-ET), the KD loss, and the training loop."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaForCausalLM
+
+from fedfusion.distill import (
+    Teacher,
+    confidence,
+    distil,
+    distillation_loss,
+    feddf_teacher,
+    fedet_teacher,
+    fit_vocab,
+    forward_flops,
+    kd_loss,
+)
+from fedfusion.energy import train_flops
+from tests.conftest import tiny_config
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models train fastest on one thread (and do not fight other processes for cores)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
+    p, log_p, log_q = p_logits.softmax(-1), p_logits.log_softmax(-1), q_logits.log_softmax(-1)
+    return (p * (log_p - log_q)).sum(-1).mean()
+
+
+@pytest.mark.parametrize("temperature", [1.0, 2.0, 4.0])
+def test_kd_is_zero_when_student_equals_teacher(temperature):
+    logits = torch.randn(3, 5, 11, generator=torch.Generator().manual_seed(0))
+    teacher = feddf_teacher(logits[None], temperature)
+    assert kd_loss(logits, teacher.log_probs, temperature).item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_kd_is_t_squared_times_the_kl_at_temperature_and_its_gradient_is_t_times_q_minus_p():
+    gen = torch.Generator().manual_seed(1)
+    student = torch.randn(4, 7, generator=gen, requires_grad=True)
+    teacher_logits = torch.randn(4, 7, generator=gen)
+    for t in (1.0, 3.0):
+        target = F.log_softmax(teacher_logits / t, dim=-1)
+        loss = kd_loss(student, target, t)
+        assert loss.item() == pytest.approx(t**2 * _kl(teacher_logits / t, student / t).item(), rel=1e-5)
+        (grad,) = torch.autograd.grad(loss, student)
+        expected = t * (F.softmax(student / t, -1) - target.exp()) / student.shape[0]
+        torch.testing.assert_close(grad, expected)
+        # a descent step moves the student's distribution towards the teacher's
+        assert kd_loss(student - 0.1 * grad, target, t) < loss
+
+
+def test_kd_mask_averages_only_the_kept_positions():
+    gen = torch.Generator().manual_seed(2)
+    student, teacher = torch.randn(2, 3, 5, generator=gen), torch.randn(2, 3, 5, generator=gen).log_softmax(-1)
+    mask = torch.tensor([[True, False, False], [False, False, True]])
+    kept = kd_loss(student[mask], teacher[mask])
+    assert kd_loss(student, teacher, mask=mask).item() == pytest.approx(kept.item(), rel=1e-6)
+    assert kd_loss(student, teacher, mask=torch.zeros(2, 3, dtype=torch.bool)).item() == 0.0
+
+
+@pytest.mark.parametrize("average", ["logits", "probs"])
+def test_feddf_of_identical_teachers_is_that_teacher(average):
+    logits = torch.randn(2, 4, 9, generator=torch.Generator().manual_seed(3))
+    teacher = feddf_teacher(torch.stack([logits, logits, logits]), 2.0, average)
+    torch.testing.assert_close(teacher.log_probs, F.log_softmax(logits / 2.0, dim=-1))
+    assert teacher.mask.all()
+
+
+def test_feddf_averages_logits_or_probabilities_over_valid_teachers():
+    gen = torch.Generator().manual_seed(4)
+    a, b, c = (torch.randn(3, 6, generator=gen) for _ in range(3))
+    torch.testing.assert_close(feddf_teacher(torch.stack([a, b]), 1.0).log_probs, F.log_softmax((a + b) / 2, -1))
+    mixed = feddf_teacher(torch.stack([a, b]), 1.0, "probs").log_probs.exp()
+    torch.testing.assert_close(mixed, (a.softmax(-1) + b.softmax(-1)) / 2)
+    # teacher c has nothing at position 0; nobody has anything at position 2
+    masks = torch.tensor([[True, True, False], [True, True, False], [False, True, False]])
+    teacher = feddf_teacher(torch.stack([a, b, c]), 1.0, masks=masks)
+    torch.testing.assert_close(teacher.log_probs[0], F.log_softmax((a[0] + b[0]) / 2, -1))
+    torch.testing.assert_close(teacher.log_probs[1], F.log_softmax((a[1] + b[1] + c[1]) / 3, -1))
+    assert teacher.mask.tolist() == [True, True, False]
+
+
+def test_confidence_rules_rank_a_peaked_teacher_above_a_flat_one():
+    flat, peaked = torch.zeros(10), torch.tensor([5.0] + [0.0] * 9)
+    for rule in ("variance", "entropy", "maxprob"):
+        c = confidence(torch.stack([flat, peaked]), rule)
+        assert c[1] > c[0] >= 0
+    assert confidence(flat[None], "entropy").item() == pytest.approx(0.0, abs=1e-6)
+    assert confidence(flat[None], "variance").item() == pytest.approx(0.0, abs=1e-9)
+    with pytest.raises(ValueError, match="confidence 'vibes'"):
+        confidence(flat[None], "vibes")
+
+
+def test_fedet_weights_the_consensus_by_confidence():
+    confident = torch.tensor([[4.0, 0.0, 0.0, 0.0]])
+    unsure = torch.tensor([[1.0, 0.0, 0.0, 0.0]])
+    teacher = fedet_teacher(torch.stack([confident, unsure]), 1.0)
+    conf = confidence(torch.stack([confident, unsure]))
+    alpha = conf / conf.sum(0)
+    assert alpha[0, 0] > 0.5  # the confident teacher has the larger say
+    torch.testing.assert_close(teacher.log_probs, F.log_softmax(alpha[0] * confident + alpha[1] * unsure, -1))
+    assert not teacher.diverse_mask.any()  # both voted for token 0
+
+
+def test_fedet_separates_dissenters_into_the_diversity_target():
+    # two mildly confident teachers vote token 0, one confident teacher votes token 2
+    votes_0 = [torch.tensor([[2.0, 0.0, 0.0]]), torch.tensor([[2.5, 0.0, 0.0]])]
+    votes_2 = torch.tensor([[0.0, 0.0, 3.0]])
+    teacher = fedet_teacher(torch.stack([*votes_0, votes_2]), 1.0, rule="maxprob")
+    p = [t.softmax(-1).amax() for t in votes_0]
+    alpha = torch.tensor(p) / sum(p)
+    torch.testing.assert_close(teacher.log_probs, F.log_softmax(alpha[0] * votes_0[0] + alpha[1] * votes_0[1], -1))
+    assert teacher.diverse_mask.tolist() == [True]
+    torch.testing.assert_close(teacher.diverse_log_probs.exp(), votes_2.softmax(-1))
+    # a single teacher far more confident than the two others together wins the vote
+    loud = torch.tensor([[0.0, 0.0, 30.0]])
+    flat_0 = [torch.tensor([[0.1, 0.0, 0.0]]), torch.tensor([[0.1, 0.0, 0.0]])]
+    assert fedet_teacher(torch.stack([*flat_0, loud]), 1.0).log_probs.argmax(-1).item() == 2
+
+
+def test_distillation_loss_mixes_kd_diversity_and_lm():
+    gen = torch.Generator().manual_seed(5)
+    student = torch.randn(2, 3, 6, generator=gen)
+    labels = torch.randint(6, (2, 3), generator=gen)
+    teacher = Teacher(log_probs=torch.randn(2, 3, 6, generator=gen).log_softmax(-1),
+                      diverse_log_probs=torch.randn(2, 3, 6, generator=gen).log_softmax(-1),
+                      diverse_mask=torch.ones(2, 3, dtype=torch.bool))
+    kd = kd_loss(student, teacher.log_probs)
+    div = kd_loss(student, teacher.diverse_log_probs)
+    ce = F.cross_entropy(student.reshape(-1, 6), labels.reshape(-1))
+    assert distillation_loss(student, labels, teacher)[0].item() == pytest.approx(kd.item())
+    loss, parts = distillation_loss(student, labels, teacher, kd_weight=0.1, diversity_weight=0.5)
+    assert loss.item() == pytest.approx(0.1 * (kd + 0.5 * div).item() + 0.9 * ce.item(), rel=1e-6)
+    assert parts == pytest.approx({"kd": kd.item(), "diversity": div.item(), "lm": ce.item()})
+    with pytest.raises(ValueError, match="kd_weight"):
+        distillation_loss(student, labels, teacher, kd_weight=1.5)
+
+
+def test_fit_vocab_pads_with_no_mass_and_cuts_extra_ids():
+    logits = torch.randn(2, 5)
+    padded = fit_vocab(logits, 7)
+    assert padded.shape == (2, 7) and torch.equal(padded[:, :5], logits)
+    assert padded.softmax(-1)[:, 5:].max().item() == 0.0
+    assert torch.equal(fit_vocab(logits, 3), logits[:, :3]) and torch.equal(fit_vocab(logits, 5), logits)
+
+
+def test_bad_inputs_name_what_is_wrong():
+    logits = torch.randn(2, 3, 5)
+    with pytest.raises(ValueError, match="temperature"):
+        feddf_teacher(logits, 0.0)
+    with pytest.raises(ValueError, match="masks shape"):
+        feddf_teacher(logits, 1.0, masks=torch.ones(2, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="average 'median'"):
+        feddf_teacher(logits, 1.0, "median")
+    with pytest.raises(ValueError, match="differ in shape"):
+        kd_loss(torch.randn(3, 5), torch.randn(3, 6))
+
+
+def test_distil_makes_a_tiny_student_match_a_fixed_teacher():
+    torch.manual_seed(0)
+    teacher_model = LlamaForCausalLM(tiny_config(hidden=32, inter=64)).eval()
+    student = LlamaForCausalLM(tiny_config(hidden=16, inter=32))
+    windows = torch.randint(50, (32, 9), generator=torch.Generator().manual_seed(6))
+    t_params = sum(p.numel() for p in teacher_model.parameters())
+
+    def teacher_fn(rows):
+        teacher = feddf_teacher(teacher_model(input_ids=windows[rows, :-1]).logits[None], 2.0)
+        teacher.flops = forward_flops(t_params, rows.numel() * 8)
+        return teacher
+
+    def gap():
+        with torch.no_grad():
+            target = feddf_teacher(teacher_model(input_ids=windows[:, :-1]).logits[None], 2.0)
+            return kd_loss(student(input_ids=windows[:, :-1]).logits, target.log_probs, 2.0).item()
+
+    before = gap()
+    stats = distil(student, teacher_fn, windows, steps=30, lr=1e-2, temperature=2.0, batch_size=8, seed=0)
+    assert gap() < 0.5 * before
+    s_params = sum(p.numel() for p in student.parameters())
+    tokens = 30 * 8 * 8
+    assert stats["tokens"] == tokens
+    assert stats["flops"] == pytest.approx(train_flops(s_params, tokens) + 30 * forward_flops(t_params, 64))
+    assert stats["seconds"] > 0 and math.isfinite(stats["loss"])
+    with pytest.raises(ValueError, match="windows must be"):
+        distil(student, teacher_fn, windows[:, :1], steps=1, lr=1e-3)

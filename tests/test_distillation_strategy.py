@@ -1,0 +1,245 @@
+"""DistillationFusion on hand-built Flower Messages (no Ray): per-family messages, FedAvg within families,
+distillation into the target and back, rejection of bad replies, void rounds; and the small-model client role."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
+import pytest
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
+from transformers import GPT2Config, LlamaConfig, LlamaForCausalLM
+
+from fedfusion.clients import smallmodel
+from fedfusion.data import build_char_tokenizer
+from fedfusion.devices import load_catalog
+from fedfusion.participation import Participation
+from fedfusion.recipe import DataConfig
+from fedfusion.selection import make_selector
+from fedfusion.strategies.distillation import DistillationFusion, Family
+from fedfusion.transfer import family_tokenizer, train_bpe, wrap_tokenizer
+from tests.test_strategy import FakeGrid, task_identity  # noqa: F401  (autouse fixture)
+
+TEXT = ("Now is the winter of our discontent made glorious summer by this sun of York; and all the clouds "
+        "that lour'd upon our house in the deep bosom of the ocean buried.\n") * 12
+CHAR = build_char_tokenizer()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def bpe():
+    return train_bpe(TEXT, 300)
+
+
+def llama(hidden: int, vocab: int) -> LlamaConfig:
+    return LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=2, head_dim=hidden // 2,
+                       max_position_embeddings=256, tie_word_embeddings=False)
+
+
+def make(bpe, min_clients: int = 1, back_distill: bool = False, teacher: str = "feddf", **kw):
+    families = {"tiny": Family(llama(16, len(CHAR))),
+                "gpt": Family(GPT2Config(vocab_size=len(bpe), n_embd=16, n_layer=1, n_head=2, n_positions=256,
+                                         bos_token_id=2, eos_token_id=3), bpe)}
+    strategy = DistillationFusion(
+        config=llama(32, len(CHAR)), tokenizer=CHAR, families=families,
+        tier_family={"phone": "tiny", "laptop": "gpt"}, transfer_text=TEXT, clients_per_round=3,
+        min_clients=min_clients, participation=Participation(make_selector("random", seed=0), load_catalog()),
+        query_config={"population": "{}"},
+        train_config={"local-steps": 1, "lr": 0.1, "seed": 0, "seq-len": 16, "batch-size": 2},
+        teacher=teacher, server_steps=4, server_batch_size=4, back_distill=back_distill, back_steps=2,
+        wait_nodes_s=1.0, **kw,
+    )
+    torch.manual_seed(0)
+    return strategy, LlamaForCausalLM(strategy.config).state_dict()
+
+
+def _reply(msg: Message, arrays: dict | None, error: str | None = None, n: int = 10) -> Message:
+    if error:
+        return Message(Error(code=1, reason=error), reply_to=msg)
+    metrics = MetricRecord({"num-examples": n, "train_loss": 1.0, "train_s": 0.1})
+    return Message(RecordDict({"arrays": ArrayRecord(arrays), "metrics": metrics}), reply_to=msg)
+
+
+def _shifted(msg: Message, by: float) -> dict:
+    return {k: v + by for k, v in msg.content["arrays"].to_torch_state_dict().items()}
+
+
+GRID = {11: "phone", 12: "laptop", 13: "phone"}
+
+
+def test_each_node_gets_its_family_model_and_a_spec_to_rebuild_it(bpe):
+    strategy, target = make(bpe)
+    msgs = list(strategy.configure_train(2, ArrayRecord(target), ConfigRecord({}), FakeGrid(GRID)))
+    assert sorted(m.metadata.dst_node_id for m in msgs) == [11, 12, 13]
+    assert len({id(m.content) for m in msgs}) == 3  # a fresh RecordDict per node
+    for m in msgs:
+        spec, node = m.content["config"], m.metadata.dst_node_id
+        family = {"phone": "tiny", "laptop": "gpt"}[GRID[node]]
+        assert spec["role"] == "smallmodel" and spec["family"] == family and spec["server-round"] == 2
+        state = m.content["arrays"].to_torch_state_dict()
+        model = smallmodel.small_model(str(spec["model-config"]), state)  # the client can rebuild it
+        assert type(model).__name__ == ("LlamaForCausalLM" if family == "tiny" else "GPT2LMHeadModel")
+        row = strategy.last.clients[node]
+        assert row.assignment == {"family": family} and row.params == sum(t.numel() for t in state.values())
+    tok = {m.content["config"]["family"]: str(m.content["config"]["tokenizer-json"]) for m in msgs}
+    assert tok["tiny"] == ""  # the target's tokenizer
+    assert wrap_tokenizer(tok["gpt"]).get_vocab() == bpe.get_vocab()
+
+
+def test_families_are_averaged_and_distilled_into_the_target(bpe):
+    strategy, target = make(bpe)
+    before = {k: {n: t.clone() for n, t in s.items()} for k, s in strategy.family_states.items()}
+    msgs = {m.metadata.dst_node_id: m for m in strategy.configure_train(1, ArrayRecord(target), ConfigRecord({}), FakeGrid(GRID))}
+    arrays, metrics = strategy.aggregate_train(1, [_reply(msgs[11], _shifted(msgs[11], 0.01)),
+                                                   _reply(msgs[13], _shifted(msgs[13], 0.03)),
+                                                   _reply(msgs[12], _shifted(msgs[12], -0.01))])
+    assert metrics["clients_ok"] == 3 and strategy.last.coverage == 1.0 and not strategy.last.void
+    for name, shift in (("tiny", 0.02), ("gpt", -0.01)):  # FedAvg within each family
+        for k, v in strategy.family_states[name].items():
+            torch.testing.assert_close(v, before[name][k] + shift)
+    new = arrays.to_torch_state_dict()
+    assert new.keys() == target.keys() and any(not torch.equal(new[k], target[k]) for k in target)
+    # the server's counted work: the target's training plus both teachers' forward passes
+    tokens = 4 * 4 * 16
+    target_params = sum(t.numel() for t in target.values())
+    assert strategy.server_cost["tokens"] == tokens
+    assert strategy.server_cost["flops"] > 6 * target_params * tokens
+    assert metrics["server_flops"] == strategy.server_cost["flops"] and strategy.server_cost["seconds"] > 0
+
+
+@pytest.mark.parametrize("teacher", ["feddf", "fedet"])
+def test_back_distillation_moves_every_trained_family(bpe, teacher):
+    strategy, target = make(bpe, back_distill=True, teacher=teacher, diversity_weight=0.1)
+    msgs = {m.metadata.dst_node_id: m for m in strategy.configure_train(1, ArrayRecord(target), ConfigRecord({}), FakeGrid(GRID))}
+    _, metrics = strategy.aggregate_train(1, [_reply(m, _shifted(m, 0.0)) for m in msgs.values()])
+    # every reply returned the model it was sent, so FedAvg alone would leave the families as sent
+    for name in ("tiny", "gpt"):
+        sent = next(m for m in msgs.values() if m.content["config"]["family"] == name)
+        sent_state = sent.content["arrays"].to_torch_state_dict()
+        assert any(not torch.equal(strategy.family_states[name][k], sent_state[k]) for k in sent_state)
+        assert metrics[f"back_kd_{name}"] >= 0
+
+
+def test_untrained_families_neither_teach_nor_learn(bpe):
+    strategy, target = make(bpe, back_distill=True)
+    gpt_before = {k: v.clone() for k, v in strategy.family_states["gpt"].items()}
+    grid = FakeGrid({11: "phone", 13: "phone"})
+    msgs = list(strategy.configure_train(1, ArrayRecord(target), ConfigRecord({}), grid))
+    _, metrics = strategy.aggregate_train(1, [_reply(m, _shifted(m, 0.0)) for m in msgs])
+    assert strategy.trained == {"tiny"} and "back_kd_tiny" in metrics and "back_kd_gpt" not in metrics
+    for k, v in strategy.family_states["gpt"].items():
+        assert torch.equal(v, gpt_before[k])
+
+
+def test_bad_replies_are_rejected_and_good_ones_fold_in(bpe):
+    strategy, target = make(bpe)
+    before = {k: v.clone() for k, v in strategy.family_states["tiny"].items()}
+    msgs = {m.metadata.dst_node_id: m for m in strategy.configure_train(1, ArrayRecord(target), ConfigRecord({}), FakeGrid(GRID))}
+    nan = _shifted(msgs[13], 0.0)
+    nan["model.norm.weight"][0] = float("nan")
+    wrong_shape = _shifted(msgs[12], 0.0)
+    wrong_shape["lm_head.weight"] = torch.zeros(3, 3)
+    _, metrics = strategy.aggregate_train(1, [_reply(msgs[11], _shifted(msgs[11], 0.5)), _reply(msgs[13], nan),
+                                              _reply(msgs[12], wrong_shape)])
+    status = {n: c.status for n, c in strategy.last.clients.items()}
+    assert status == {11: "ok", 12: "rejected", 13: "rejected"} and metrics["clients_ok"] == 1
+    assert "NaN" in strategy.last.clients[13].error and "shape" in strategy.last.clients[12].error
+    for k, v in strategy.family_states["tiny"].items():  # only node 11's update averaged in
+        torch.testing.assert_close(v, before[k] + 0.5)
+    assert strategy.trained == {"tiny"}
+
+
+def test_errors_absurd_norms_and_missing_replies(bpe):
+    strategy, target = make(bpe, min_clients=2)
+    msgs = {m.metadata.dst_node_id: m for m in strategy.configure_train(1, ArrayRecord(target), ConfigRecord({}), FakeGrid(GRID))}
+    before = {k: {n: t.clone() for n, t in s.items()} for k, s in strategy.family_states.items()}
+    huge = {k: v * 1000 for k, v in msgs[11].content["arrays"].to_torch_state_dict().items()}
+    arrays, metrics = strategy.aggregate_train(1, [_reply(msgs[11], huge), _reply(msgs[12], None, error="boom\nRuntimeError: device crashed")])
+    status = {n: c.status for n, c in strategy.last.clients.items()}
+    assert status == {11: "rejected", 12: "failed", 13: "timeout"}
+    assert "norm" in strategy.last.clients[11].error and strategy.last.clients[12].error == "RuntimeError: device crashed"
+    # a void round: the target (no arrays returned) and every family stay as they were, and nothing is charged
+    assert arrays is None and metrics["clients_ok"] == 0 and strategy.last.void
+    assert strategy.server_cost["flops"] == 0.0 and not strategy.trained
+    for name, state in strategy.family_states.items():
+        assert all(torch.equal(v, before[name][k]) for k, v in state.items())
+
+
+def test_checkpoint_state_restores_families_and_sampling(bpe):
+    strategy, target = make(bpe)
+    grid = FakeGrid({11: "phone", 12: "laptop", 13: "phone", 14: "laptop", 15: "phone", 16: "phone"})
+    msgs = list(strategy.configure_train(1, ArrayRecord(target), ConfigRecord({}), grid))
+    arrays, _ = strategy.aggregate_train(1, [_reply(m, _shifted(m, 0.1)) for m in msgs])
+    saved = json.loads(json.dumps(strategy.state_dict()))  # what a checkpoint writes and reads back
+    resumed, _ = make(bpe)
+    resumed.load_state_dict(saved, rounds_done=1)
+    assert resumed.trained == strategy.trained and strategy.trained
+    for name, state in strategy.family_states.items():
+        assert all(torch.equal(resumed.family_states[name][k], v) for k, v in state.items())
+    # both continue with the same sample, round number and family models
+    a = [list(strategy.configure_train(r, arrays, ConfigRecord({}), grid)) for r in (2, 3)]
+    b = [list(resumed.configure_train(r, arrays, ConfigRecord({}), grid)) for r in (1, 2)]
+    a, b = a[0] + a[1], b[0] + b[1]
+    assert [(m.metadata.dst_node_id, m.content["config"]["server-round"]) for m in a] == \
+        [(m.metadata.dst_node_id, m.content["config"]["server-round"]) for m in b]
+    for x, y in zip(a, b):
+        sx, sy = x.content["arrays"].to_torch_state_dict(), y.content["arrays"].to_torch_state_dict()
+        assert all(torch.equal(sx[k], sy[k]) for k in sx)
+
+
+def test_unknown_family_names_the_tier(bpe):
+    with pytest.raises(ValueError, match="tier_family.laptop: unknown family 'huge'"):
+        DistillationFusion(
+            config=llama(32, len(CHAR)), tokenizer=CHAR, families={"tiny": Family(llama(16, len(CHAR)))},
+            tier_family={"phone": "tiny", "laptop": "huge"}, transfer_text=TEXT, clients_per_round=1,
+            min_clients=1, participation=None, query_config={}, train_config={"seq-len": 16},
+        )
+    with pytest.raises(ValueError, match="family 'tiny': vocab_size 7"):
+        DistillationFusion(
+            config=llama(32, len(CHAR)), tokenizer=CHAR, families={"tiny": Family(llama(16, 7))},
+            tier_family={"phone": "tiny"}, transfer_text=TEXT, clients_per_round=1, min_clients=1,
+            participation=None, query_config={}, train_config={"seq-len": 16},
+        )
+
+
+def test_family_configs_and_tokenizers_build_the_models_they_name(bpe):
+    for model_type, cls in (("llama", "LlamaForCausalLM"), ("gpt2", "GPT2LMHeadModel")):
+        config = smallmodel.family_config(model_type, bpe, hidden_size=16, num_layers=1, num_heads=2)
+        model = smallmodel.small_model(json.dumps(config.to_dict()))
+        assert type(model).__name__ == cls and model.get_output_embeddings().weight.shape[0] == len(bpe)
+    with pytest.raises(ValueError, match="model_type 'rnn'"):
+        smallmodel.family_config("rnn", bpe, 16, 1, 2)
+    with pytest.raises(ValueError, match="num_heads 3 does not divide hidden_size 16"):
+        smallmodel.family_config("llama", bpe, 16, 1, 3)
+    assert family_tokenizer("target") is None and len(family_tokenizer("char")) == len(CHAR)
+    assert len(family_tokenizer("bpe", TEXT, 280)) == 280
+    with pytest.raises(ValueError, match="family tokenizer 'word'"):
+        family_tokenizer("word")
+
+
+@pytest.mark.parametrize("family", ["tiny", "gpt"])
+def test_client_role_trains_and_evaluates_its_family_model(bpe, family, tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT)
+    data = json.dumps({"data": asdict(DataConfig(source="text", path=str(corpus))), "num_clients": 2, "seed": 0,
+                       "tokenizer": None}, sort_keys=True)
+    strategy, target = make(bpe)
+    msg = next(m for m in strategy.configure_train(1, ArrayRecord(target), ConfigRecord({}), FakeGrid(GRID))
+               if m.content["config"]["family"] == family)
+    spec = ConfigRecord({**dict(msg.content["config"]), "data-spec": data, "threads": 1, "weight-decay": 0.0,
+                         "local-steps": 2, "lr": 1e-2})
+    sent = msg.content["arrays"].to_torch_state_dict()
+    state, metrics = smallmodel.train(sent, spec, partition=1)
+    assert state.keys() == sent.keys() and any(not torch.equal(state[k], sent[k]) for k in sent)
+    assert metrics["num-examples"] > 0 and metrics["train_tokens"] == 2 * 2 * 16
+    scores = smallmodel.evaluate(state, spec, partition=1)
+    assert scores["num-examples"] > 0 and 0 <= scores["eval_acc"] <= 1
