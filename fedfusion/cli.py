@@ -87,11 +87,14 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Print the per-tier assignment table."""
-    from fedfusion.planner import plan_table
+    from fedfusion.planner import auto_widths, plan_table
 
-    recipe = load_recipe(args.recipe, args.overrides)
-    _print_table(f"plan for {recipe.name} ({recipe.fusion.method}/{recipe.fusion.policy})", plan_table(recipe),
-                 {}, left=("tier", "slice", "fits"), width=110)
+    recipe = load_recipe(args.recipe, args.overrides, fit_widths=False)
+    widths = auto_widths(recipe, recipe.fusion.width_ladder) if recipe.fusion.auto_widths else None
+    title = f"plan for {recipe.name} ({recipe.fusion.method}/{recipe.fusion.policy}"
+    title += ", widths fitted to memory)" if widths else ")"
+    _print_table(title, plan_table(recipe, widths, ladder=recipe.fusion.width_ladder), {},
+                 left=("tier", "slice", "fits"), width=150)
     return 0
 
 

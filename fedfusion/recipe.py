@@ -68,6 +68,8 @@ class FusionConfig:
     widths: dict[str, float] = field(
         default_factory=lambda: {"phone": 0.125, "laptop": 0.25, "desktop": 0.5}
     )
+    auto_widths: bool = False  # widths := the widest of width_ladder whose training fits each tier's memory
+    width_ladder: list[float] = field(default_factory=lambda: [1.0, 0.5, 0.25, 0.125, 0.0625])
     stride: float = 0.125  # rolling: fraction of each axis the window advances per round
     stagger: bool = True  # rolling: each client's window starts where the previous one's ended
     weighting: str = "uniform"  # uniform (FedRolex) | examples (weight by num-examples)
@@ -264,8 +266,13 @@ def _merge(base: DictConfig, cfg: Any, what: str, replace: tuple[str, ...]) -> D
         raise RecipeError(f"{what}: bad key {key!r}: {msg}") from None
 
 
-def load_recipe(ref: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
-    """Load a recipe file (or built-in name), apply ``key=value`` overrides, validate."""
+def load_recipe(ref: str | Path, overrides: list[str] | tuple[str, ...] = (), fit_widths: bool = True) -> Recipe:
+    """Load a recipe file (or built-in name), apply ``key=value`` overrides, validate.
+
+    With ``fusion.auto_widths`` the planner fills ``fusion.widths`` (so the resolved recipe records them);
+    ``fit_widths=False`` leaves them as given (``fedfusion plan`` shows the fit, tiers that fit nothing
+    included).
+    """
     path = resolve_recipe_path(ref)
     try:
         raw = OmegaConf.load(path)
@@ -286,7 +293,21 @@ def load_recipe(ref: str | Path, overrides: list[str] | tuple[str, ...] = ()) ->
         cfg = _merge(cfg, dot, f"override {item!r}", (key,) if key in WHOLE_MAPPINGS else ())
     recipe: Recipe = OmegaConf.to_object(cfg)  # type: ignore[assignment]
     validate(recipe)
+    if recipe.fusion.auto_widths and fit_widths:
+        _fit_widths(recipe)
     return recipe
+
+
+def _fit_widths(recipe: Recipe) -> None:
+    from fedfusion.planner import auto_widths, plan_table  # the planner builds on recipes
+
+    fitted = auto_widths(recipe, recipe.fusion.width_ladder)
+    unfit = [tier for tier, width in fitted.items() if width is None]
+    if unfit:
+        row = next(r for r in plan_table(recipe, fitted, ladder=recipe.fusion.width_ladder) if r["tier"] == unfit[0])
+        raise RecipeError(f"fusion.auto_widths: tier {unfit[0]!r} fits no width of fusion.width_ladder "
+                          f"({row['fits']}); see `fedfusion plan`")
+    recipe.fusion.widths = {tier: float(width) for tier, width in fitted.items()}
 
 
 def _positive(key: str, value: float) -> None:
@@ -361,7 +382,7 @@ def validate(recipe: Recipe) -> None:
             raise RecipeError(f"population.mix.{tier}: unknown device; the catalog has {', '.join(sorted(catalog))}")
         if share <= 0:
             raise RecipeError(f"population.mix.{tier}: share must be > 0, got {share}")
-        if recipe.fusion.method == "submodel" and tier not in recipe.fusion.widths:
+        if recipe.fusion.method == "submodel" and not recipe.fusion.auto_widths and tier not in recipe.fusion.widths:
             raise RecipeError(f"fusion.widths: no width for tier {tier!r} of population.mix")
     if recipe.fusion.method == "distill":
         _validate_distill(recipe, catalog)
@@ -372,6 +393,8 @@ def validate(recipe: Recipe) -> None:
             raise RecipeError(f"fusion.widths.{tier}: must be in (0, 1], got {width}")
     if recipe.fusion.max_norm_ratio < 0:
         raise RecipeError(f"fusion.max_norm_ratio: must be >= 0, got {recipe.fusion.max_norm_ratio}")
+    if not recipe.fusion.width_ladder or not all(0 < w <= 1 for w in recipe.fusion.width_ladder):
+        raise RecipeError(f"fusion.width_ladder: needs widths in (0, 1], got {recipe.fusion.width_ladder}")
     if not 0 <= recipe.fusion.trim < 0.5:
         raise RecipeError(f"fusion.trim: must be in [0, 0.5), got {recipe.fusion.trim}")
     if not 0 < recipe.fusion.stride <= 1:
