@@ -243,3 +243,68 @@ def aggregate_lora(clients: list[ClientLoRA], method: str) -> LoRAAggregate:
     A = {n: a for n, (a, _) in stacks.items()}
     B = {n: b for n, (_, b) in stacks.items()}
     return LoRAAggregate(method, delta, True, _f32(A), _f32(B), 1.0)
+
+
+# -- the global update as one low-rank pair per module (what the Flower layer carries between rounds) ------
+def compress_factors(A: torch.Tensor, B: torch.Tensor, rtol: float = 1e-6) -> Factors:
+    """Factors (A', B') with ``B' @ A' == B @ A`` to float tolerance and the fewest rows: the product's
+    singular directions whose singular value exceeds ``rtol`` times the largest (at least one).
+
+    Works on the factors (two thin QRs and the SVD of an r x r core), never on the (out, in) product.
+    """
+    if A.dim() != 2 or B.dim() != 2 or A.shape[0] != B.shape[1]:
+        raise ValueError(f"A {tuple(A.shape)} and B {tuple(B.shape)} are not (r, in) and (out, r)")
+    qb, rb = torch.linalg.qr(B.double())
+    qa, ra = torch.linalg.qr(A.double().T)
+    U, S, Vh = torch.linalg.svd(rb @ ra.T)
+    keep = max(1, int((S > rtol * S[0]).sum())) if S.numel() and S[0] > 0 else 1
+    return (Vh[:keep] @ qa.T).float(), (qb @ U[:, :keep] * S[:keep]).float()
+
+
+def global_factors(agg: LoRAAggregate, merged: Factors | None = None) -> Factors:
+    """The round's global update relative to the original base, per module ``B @ A`` (scale 1).
+
+    fedavg, zeropad, hetlora: the aggregate's own factors with the scale folded into B, in their order, so
+    that the first r components are what a rank-r client is served. flexlora: the averaged update
+    compressed to its numerical rank. flora: ``merged`` (the updates merged into the base in earlier
+    rounds) plus this round's stack, compressed: FLoRA's clients start fresh on the merged base.
+    """
+    if agg.method == "flora":
+        A, B = {}, {}
+        for name in agg.A:
+            a, b = agg.A[name], agg.B[name]
+            if merged is not None and name in merged[0]:
+                a, b = torch.cat([merged[0][name], a]), torch.cat([merged[1][name], b], dim=1)
+            A[name], B[name] = compress_factors(a, b)
+        return A, B
+    if agg.method == "flexlora":
+        pairs = {}
+        for name, delta in agg.delta.items():
+            U, S, Vh = torch.linalg.svd(delta.double(), full_matrices=False)
+            keep = max(1, int((S > 1e-6 * S[0]).sum())) if S[0] > 0 else 1
+            pairs[name] = (Vh[:keep].float(), (U[:, :keep] * S[:keep]).float())
+        return {n: a for n, (a, _) in pairs.items()}, {n: b for n, (_, b) in pairs.items()}
+    return {n: a.clone() for n, a in agg.A.items()}, {n: b * agg.scale for n, b in agg.B.items()}
+
+
+def from_global(method: str, A: dict[str, torch.Tensor], B: dict[str, torch.Tensor]) -> LoRAAggregate:
+    """The :class:`LoRAAggregate` that serves clients from global factors written by :func:`global_factors`."""
+    if method not in METHODS:
+        raise ValueError(f"unknown LoRA aggregation method {method!r}; use one of {', '.join(METHODS)}")
+    if set(A) != set(B):
+        raise ValueError(f"global A and B name different modules: {sorted(set(A) ^ set(B))}")
+    delta = {n: (B[n].double() @ A[n].double()).float() for n in A}
+    if method == "flexlora":
+        return LoRAAggregate(method, delta, False)
+    return LoRAAggregate(method, delta, method == "flora", dict(A), dict(B), 1.0)
+
+
+def serve(agg: LoRAAggregate, rank: int, alpha: float) -> Factors | None:
+    """What a client of ``rank`` and ``alpha`` starts from: ``for_client`` when the aggregate holds that many
+    components, else the components it holds (k < rank) scaled for the client, so that ``(alpha / rank) *
+    B @ A`` is still the global update; the client initialises its remaining components fresh (B = 0)."""
+    if agg.method in ("zeropad", "hetlora"):
+        held = next(iter(agg.A.values())).shape[0]
+        if rank > held:
+            return agg.for_client(held, alpha * held / rank)
+    return agg.for_client(rank, alpha)

@@ -1,0 +1,168 @@
+"""The LoRA client role on a tiny frozen base: adapter in/out, frozen merged updates, training, 4-bit."""
+
+from __future__ import annotations
+
+import json
+from importlib.util import find_spec
+
+import pytest
+import torch
+from fedfusion.clients import lora as client
+from flwr.app import ConfigRecord
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from fedfusion.data import build_char_tokenizer
+from fedfusion.instruct import evaluate_instruct
+from fedfusion.lora import effective_delta
+
+TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}<eos>{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+MODULES = ("q_proj", "v_proj")
+DATA = json.dumps({"source": "chatterbot", "num_clients": 21, "split": "category", "held_out": 0.1, "seed": 0})
+
+
+def save_tiny_base(path) -> str:
+    """A seeded 2-layer Llama with the character tokenizer and a chat template, saved as a local base."""
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(
+        vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+    )).save_pretrained(path)
+    tok = build_char_tokenizer()
+    tok.chat_template = TEMPLATE
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def spec(base: str, **kw) -> ConfigRecord:
+    values = {"base": base, "quantize": 0, "dtype": "float32", "rank": 4, "alpha": 8.0,
+              "target-modules": ",".join(MODULES), "lora-dropout": 0.0, "local-steps": 8, "lr": 1e-2,
+              "batch-size": 4, "seq-len": 96, "weight-decay": 0.0, "seed": 3, "threads": 1, "data-spec": DATA}
+    return ConfigRecord({**values, **kw})
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """The tiny base; quantised copies go to a temporary cache, not the user's."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FEDFUSION_CACHE", str(tmp_path_factory.mktemp("cache")))
+        yield save_tiny_base(tmp_path_factory.mktemp("base") / "tiny")
+
+
+def factors(arrays: dict[str, torch.Tensor], kind: str = "lora") -> tuple[dict, dict]:
+    A = {k.removesuffix(f".{kind}_A"): v for k, v in arrays.items() if k.endswith(f".{kind}_A")}
+    B = {k.removesuffix(f".{kind}_B"): v for k, v in arrays.items() if k.endswith(f".{kind}_B")}
+    return A, B
+
+
+def test_training_replies_only_adapter_tensors_that_lower_the_clients_loss(base):
+    arrays, metrics = client.train({}, spec(base), partition=0)
+    A, B = factors(arrays)
+    assert len(arrays) == 2 * len(A) == 2 * 2 * 2  # A and B of q_proj and v_proj in both layers
+    assert all(a.shape == (4, 64) and a.dtype == torch.float32 for a in A.values())
+    assert B["model.layers.0.self_attn.v_proj"].shape == (32, 4)  # GQA: 2 kv heads of 16
+    assert metrics["num-examples"] == client.num_examples(spec(base), 0) > 50 and metrics["train_s"] > 0
+    # the trained adapter, applied as a frozen update (alpha / r folded in), lowers the training loss
+    data = client.client_data(DATA, 0, base, 96, "train")
+    plain = client.frozen_base(base, 0, "float32")
+    before = evaluate_instruct(plain, data)["eval_loss"]
+    merged = {}
+    for m in A:
+        merged[f"{m}.merged_A"], merged[f"{m}.merged_B"] = A[m], B[m] * (8.0 / 4)
+    with client.merged_update(plain, merged) as hooked:
+        assert hooked == 4
+        after = evaluate_instruct(plain, data)["eval_loss"]
+    assert after < before - 0.05
+    assert not client.lora_layers(plain)  # the cached base lost its adapter layers again
+    assert evaluate_instruct(plain, data)["eval_loss"] == pytest.approx(before)  # and its hooks
+
+
+def test_received_factors_load_into_the_first_components_and_round_trip(base):
+    model = client.attach_adapter(client.frozen_base(base, 0, "float32"), 6, 12.0, list(MODULES), 0.0, seed=0)
+    try:
+        fresh = client.adapter_factors(model)
+        g = torch.Generator().manual_seed(1)
+        sent = {k: torch.randn(4 if k.endswith("_A") else v.shape[0], *(v.shape[1:] if k.endswith("_A") else (4,)),
+                               generator=g) for k, v in fresh.items()}
+        client.load_factors(model, sent)
+        got = client.adapter_factors(model)
+        for k, v in sent.items():
+            if k.endswith("_A"):
+                assert torch.equal(got[k][:4], v) and torch.equal(got[k][4:], fresh[k][4:])
+            else:
+                assert torch.equal(got[k][:, :4], v) and not got[k][:, 4:].any()  # fresh B components are zero
+        # the effective update (alpha / r) B A is exactly what was sent, scaled for rank 6
+        m = "model.layers.1.self_attn.q_proj"
+        torch.testing.assert_close(effective_delta(got[f"{m}.lora_A"], got[f"{m}.lora_B"], 12.0),
+                                   effective_delta(sent[f"{m}.lora_A"], sent[f"{m}.lora_B"], 12.0 * 4 / 6))
+        # and the peft model computes base + (alpha / r) B A with them: the scaling the server assumes
+        ids = torch.randint(100, (2, 10))
+        adapted = model(input_ids=ids).logits
+        plain = model.unload()
+        frozen = {}
+        for name in factors(got)[0]:
+            frozen[f"{name}.merged_A"], frozen[f"{name}.merged_B"] = got[f"{name}.lora_A"], got[f"{name}.lora_B"] * 2.0
+        with client.merged_update(plain, frozen):
+            torch.testing.assert_close(adapted, plain(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+        model = client.attach_adapter(plain, 6, 12.0, list(MODULES), 0.0, seed=0)
+        with pytest.raises(ValueError, match="do not fit adapter"):
+            client.load_factors(model, {k: torch.zeros(7, v.shape[1]) if k.endswith("_A") else torch.zeros(v.shape[0], 7)
+                                        for k, v in fresh.items()})
+        with pytest.raises(ValueError, match="does not match"):
+            client.load_factors(model, {"model.layers.0.mlp.up_proj.lora_A": torch.zeros(1, 64)})
+    finally:
+        model.unload()
+
+
+def test_a_merged_update_equals_adding_it_to_the_weights(base):
+    plain = client.frozen_base(base, 0, "float32")
+    m = "model.layers.0.self_attn.q_proj"
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(3, 64, generator=g), torch.randn(64, 3, generator=g)
+    ids = torch.randint(100, (2, 10))
+    with client.merged_update(plain, {f"{m}.merged_A": a, f"{m}.merged_B": b}):
+        hooked = plain(input_ids=ids).logits
+    edited = LlamaForCausalLM.from_pretrained(base)
+    with torch.no_grad():
+        edited.get_submodule(m).weight += b @ a
+    torch.testing.assert_close(hooked, edited(input_ids=ids).logits, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="does not have"):
+        with client.merged_update(plain, {"nope.merged_A": a, "nope.merged_B": b}):
+            pass
+
+
+def test_one_process_serves_different_ranks_and_faults_follow_the_spec(base):
+    arrays, _ = client.train({}, spec(base, rank=2, alpha=2.0, **{"local-steps": 1}), partition=1)
+    assert next(iter(factors(arrays)[0].values())).shape[0] == 2
+    arrays, _ = client.train({}, spec(base, rank=8, **{"local-steps": 1, "fault-corrupt-prob": 1.0}), partition=1)
+    assert next(iter(factors(arrays)[0].values())).shape[0] == 8
+    assert any(torch.isnan(v).any() for v in arrays.values())
+    with pytest.raises(RuntimeError, match="injected crash"):
+        client.train({}, spec(base, **{"fault-crash-prob": 1.0}), partition=1)
+    with pytest.raises(ValueError, match="outside the population"):
+        client.train({}, spec(base), partition=21)
+
+
+def _cpu_4bit_reason() -> str | None:
+    """None when bitsandbytes can run a 4-bit matmul on this CPU, else why not."""
+    if find_spec("bitsandbytes") is None:
+        return "bitsandbytes is not installed"
+    try:
+        import bitsandbytes as bnb
+
+        layer = bnb.nn.Linear4bit(8, 8, quant_type="nf4", compute_dtype=torch.float32)
+        layer.load_state_dict(torch.nn.Linear(8, 8).state_dict())
+        layer = layer.to("cpu")
+        layer(torch.randn(2, 8))
+    except Exception as exc:  # the reason is reported in the skip
+        return f"bitsandbytes cannot run 4-bit on this CPU: {type(exc).__name__}: {exc}"
+    return None
+
+
+@pytest.mark.skipif(_cpu_4bit_reason() is not None, reason=str(_cpu_4bit_reason()))
+def test_a_4bit_base_trains_an_adapter(base):
+    arrays, metrics = client.train({}, spec(base, quantize=4, **{"local-steps": 4}), partition=2)
+    assert type(client.frozen_base(base, 4, "float32").model.layers[0].self_attn.q_proj).__name__ == "Linear4bit"
+    A, B = factors(arrays)
+    assert all(torch.isfinite(t).all() for t in arrays.values()) and any(b.abs().sum() > 0 for b in B.values())
+    assert metrics["train_loss"] > 0

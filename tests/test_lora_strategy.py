@@ -1,0 +1,314 @@
+"""LoRAFusion on hand-built Flower Messages and on in-process clients over a tiny base (no Ray)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from fedfusion.clients import lora as client
+from fedfusion.strategies.lora import (
+    LoRAFusion,
+    adapted_modules,
+    apply_global,
+    save_adapter,
+    save_merged,
+    snapshot,
+    split_global,
+)
+from flwr.app import (
+    ArrayRecord,
+    ConfigRecord,
+    Error,
+    Message,
+    MessageType,
+    MetricRecord,
+    RecordDict,
+)
+from peft import PeftModel
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+from fedfusion.devices import load_catalog
+from fedfusion.instruct import encode_pairs, evaluate_instruct, pooled_held_out
+from fedfusion.lora import (
+    METHODS,
+    ClientLoRA,
+    aggregate_lora,
+    compress_factors,
+    effective_delta,
+    from_global,
+    global_factors,
+    serve,
+)
+from fedfusion.participation import Participation
+from fedfusion.pretrained import load_base_tokenizer
+from fedfusion.selection import make_selector
+from tests.test_lora_client import DATA, MODULES, save_tiny_base
+
+RANKS = {"phone": 2, "laptop": 4, "desktop": 8}
+ALPHAS = {"phone": 4.0, "laptop": 8.0, "desktop": 8.0}
+QUANT = {"phone": 4, "laptop": 8, "desktop": 0}
+DEVICES = {11: "phone", 12: "laptop", 13: "desktop"}
+CLOSE = dict(atol=1e-4, rtol=1e-4)
+
+
+@pytest.fixture(autouse=True)
+def task_identity():
+    """Messages built outside a Flower runtime need a run/task identity (Flower sets it in a real run)."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 0
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """The tiny base; quantised copies go to a temporary cache, not the user's."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FEDFUSION_CACHE", str(tmp_path_factory.mktemp("cache")))
+        yield save_tiny_base(tmp_path_factory.mktemp("base") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def shapes(base):
+    return adapted_modules(LlamaForCausalLM.from_pretrained(base), list(MODULES))
+
+
+class FakeGrid:
+    """Nodes that answer the capability query with their device; ``train=True`` also trains in process
+    with the real LoRA client role."""
+
+    def __init__(self, devices: dict[int, str], train: bool = False) -> None:
+        self.devices, self.train, self.sent = devices, train, []
+
+    def get_node_ids(self) -> list[int]:
+        return list(self.devices)
+
+    def send_and_receive(self, messages, timeout=None):
+        replies = []
+        for m in messages:
+            node = m.metadata.dst_node_id
+            self.sent.append(m)
+            if m.metadata.message_type == MessageType.QUERY:
+                content = RecordDict({"caps": ConfigRecord({"device": self.devices[node], "partition": node - 11})})
+            elif m.metadata.message_type == MessageType.EVALUATE:
+                metrics = client.evaluate(m.content["arrays"].to_torch_state_dict(), m.content["config"], node - 11)
+                content = RecordDict({"metrics": MetricRecord(metrics)})
+            elif self.train:
+                arrays, metrics = client.train(m.content["arrays"].to_torch_state_dict(), m.content["config"], node - 11)
+                content = RecordDict({"arrays": ArrayRecord(arrays), "metrics": MetricRecord(metrics)})
+            else:
+                continue
+            replies.append(Message(content, reply_to=m))
+        return replies
+
+
+def make(shapes, method="flexlora", base="unused", min_clients=1, ranks=RANKS, alphas=ALPHAS, **train) -> LoRAFusion:
+    config = {"base": base, "dtype": "float32", "target-modules": ",".join(MODULES), "lora-dropout": 0.0,
+              "local-steps": 2, "lr": 1e-2, "batch-size": 4, "seq-len": 96, "weight-decay": 0.0, "seed": 0,
+              "threads": 1, "data-spec": DATA, **train}
+    return LoRAFusion(modules=shapes, ranks=ranks, alphas=alphas, quantize=QUANT, method=method, base_params=1000,
+                      clients_per_round=3, min_clients=min_clients, query_config={"population": "{}"},
+                      participation=Participation(make_selector("random", seed=0), load_catalog()),
+                      train_config=config, wait_nodes_s=0.5)
+
+
+def random_client(shapes, rank, alpha, weight, seed) -> ClientLoRA:
+    g = torch.Generator().manual_seed(seed)
+    return ClientLoRA({m: 0.3 * torch.randn(rank, i, generator=g) for m, (_, i) in shapes.items()},
+                      {m: 0.3 * torch.randn(o, rank, generator=g) for m, (o, _) in shapes.items()}, alpha, weight)
+
+
+def reply(msg: Message, arrays: dict | None, n: int = 10, error: str | None = None) -> Message:
+    if error:
+        return Message(Error(code=1, reason=error), reply_to=msg)
+    metrics = MetricRecord({"num-examples": n, "train_loss": 1.5, "train_s": 0.1})
+    return Message(RecordDict({"arrays": ArrayRecord(arrays), "metrics": metrics}), reply_to=msg)
+
+
+def as_arrays(c: ClientLoRA) -> dict[str, torch.Tensor]:
+    return {**{f"{m}.lora_A": a for m, a in c.A.items()}, **{f"{m}.lora_B": b for m, b in c.B.items()}}
+
+
+# -- the math added to fedfusion.lora for the Flower layer ------------------------------------------------
+def test_compress_factors_is_exact_and_keeps_only_the_numerical_rank():
+    g = torch.Generator().manual_seed(0)
+    A = torch.randn(3, 20, generator=g).repeat(4, 1)  # 12 rows spanning 3 directions
+    B = torch.randn(16, 12, generator=g)
+    a, b = compress_factors(A, B)
+    assert a.shape == (3, 20) and b.shape == (16, 3)
+    torch.testing.assert_close(b @ a, B @ A, **CLOSE)
+    a, b = compress_factors(torch.zeros(2, 5), torch.zeros(4, 2))
+    assert a.shape == (1, 5) and not (b @ a).any()
+    with pytest.raises(ValueError, match="not \\(r, in\\)"):
+        compress_factors(torch.zeros(2, 5), torch.zeros(4, 3))
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_global_factors_carry_the_aggregate_and_serve_every_rank(method, shapes):
+    ranks = [4, 4, 4] if method == "fedavg" else [8, 4, 2]
+    alphas = [8.0, 8.0, 8.0] if method == "fedavg" else [8.0, 8.0, 4.0]
+    clients = [random_client(shapes, r, a, w, s) for s, (r, a, w) in enumerate(zip(ranks, alphas, [1.0, 2.0, 3.0]))]
+    agg = aggregate_lora(clients, method)
+    merged = (({m: torch.randn(3, i) for m, (_, i) in shapes.items()},
+               {m: torch.randn(o, 3) for m, (o, _) in shapes.items()}) if method == "flora" else None)
+    A, B = global_factors(agg, merged)
+    served = from_global(method, A, B)
+    for m in shapes:
+        want = agg.delta[m] + (merged[1][m] @ merged[0][m] if merged else 0)
+        torch.testing.assert_close(B[m] @ A[m], want, **CLOSE)
+        torch.testing.assert_close(served.delta[m], want, **CLOSE)
+    if method == "flora":
+        assert serve(served, 4, 8.0) is None  # fresh adapters on the merged base
+        return
+    rank, alpha = (4, 8.0) if method == "fedavg" else (16, 8.0)  # 16 > the 8 components zeropad holds
+    a, b = serve(served, rank, alpha)
+    for m in shapes:
+        got = alpha / rank * b[m] @ a[m]  # the client's own scaling, whatever k <= rank it was served
+        if method == "flexlora":  # the best rank-16 approximation of a rank-14 update is the update
+            assert a[m].shape[0] == 16
+        torch.testing.assert_close(got, agg.delta[m], **CLOSE)
+
+
+# -- the strategy on hand-built replies -------------------------------------------------------------------
+def test_each_node_gets_its_tier_rank_alpha_and_precision_in_its_own_message(shapes):
+    strategy = make(shapes)
+    msgs = list(strategy.configure_train(1, ArrayRecord(), ConfigRecord({}), FakeGrid(DEVICES)))
+    assert sorted(m.metadata.dst_node_id for m in msgs) == [11, 12, 13]
+    assert len({id(m.content) for m in msgs}) == 3
+    for m in msgs:
+        spec, tier = m.content["config"], DEVICES[m.metadata.dst_node_id]
+        assert (spec["role"], spec["rank"], spec["alpha"], spec["quantize"]) == ("lora", RANKS[tier], ALPHAS[tier], QUANT[tier])
+        assert spec["target-modules"] == "q_proj,v_proj" and spec["method"] == "flexlora"
+        assert not m.content["arrays"]  # round 1: no global update yet, fresh adapters
+        row = strategy.last.clients[m.metadata.dst_node_id]
+        assert row.rank == RANKS[tier] and row.adapter_params == RANKS[tier] * sum(o + i for o, i in shapes.values())
+
+
+def test_bad_replies_are_rejected_and_good_ones_aggregate_exactly(shapes):
+    strategy = make(shapes, method="hetlora")
+    grid = FakeGrid({**DEVICES, 14: "phone", 15: "laptop"})
+    strategy.clients_per_round = 5
+    msgs = {m.metadata.dst_node_id: m for m in strategy.configure_train(1, ArrayRecord(), ConfigRecord({}), grid)}
+    good = {11: random_client(shapes, 2, 4.0, 10, 1), 13: random_client(shapes, 8, 8.0, 30, 2)}
+    nan = as_arrays(random_client(shapes, 4, 8.0, 1, 3))
+    nan["model.layers.1.self_attn.v_proj.lora_B"][0, 0] = float("nan")
+    wrong_rank = as_arrays(random_client(shapes, 3, 4.0, 1, 4))  # a phone must reply rank 2
+    arrays, metrics = strategy.aggregate_train(1, [
+        reply(msgs[11], as_arrays(good[11]), n=10), reply(msgs[12], nan), reply(msgs[13], as_arrays(good[13]), n=30),
+        reply(msgs[14], wrong_rank), reply(msgs[15], None, error="Traceback ...\nRuntimeError: out of memory"),
+    ])
+    rows = strategy.last.clients
+    assert {n: r.status for n, r in rows.items()} == {11: "ok", 12: "rejected", 13: "ok", 14: "rejected", 15: "failed"}
+    assert "NaN" in rows[12].error and "expected (2, 64)" in rows[14].error and rows[15].error == "RuntimeError: out of memory"
+    assert metrics["clients_ok"] == 2 and metrics["num-examples"] == 40 and strategy.last.coverage == 1.0
+    A, B = split_global(arrays)
+    want = aggregate_lora([good[11], good[13]], "hetlora")
+    for m in shapes:
+        torch.testing.assert_close(B[m] @ A[m], want.delta[m], **CLOSE)
+    # the next round serves each rank from that global update (zero-padded factors, own scaling)
+    nxt = {m.metadata.dst_node_id: m for m in strategy.configure_train(2, arrays, ConfigRecord({}), grid)}
+    got = nxt[11].content["arrays"].to_torch_state_dict()
+    m = "model.layers.0.self_attn.q_proj"
+    torch.testing.assert_close(got[f"{m}.lora_A"], want.A[m][:2], **CLOSE)
+    torch.testing.assert_close(effective_delta(got[f"{m}.lora_A"], got[f"{m}.lora_B"], 4.0),
+                               (want.B[m][:, :2] @ want.A[m][:2]).float(), **CLOSE)
+
+
+def test_a_reply_far_larger_than_the_adapter_sent_is_rejected(shapes):
+    strategy = make(shapes, method="zeropad")
+    start = random_client(shapes, 8, 1.0, 1.0, 7)
+    arrays = ArrayRecord({f"{m}.lora_{x}": t for x, d in (("A", start.A), ("B", start.B)) for m, t in d.items()})
+    msgs = {m.metadata.dst_node_id: m for m in strategy.configure_train(1, arrays, ConfigRecord({}), FakeGrid(DEVICES))}
+    served = {n: m.content["arrays"].to_torch_state_dict() for n, m in msgs.items()}
+    wild = {k: v * 100 if k.endswith("lora_B") else v for k, v in served[13].items()}
+    strategy.aggregate_train(1, [reply(msgs[11], served[11]), reply(msgs[12], served[12]), reply(msgs[13], wild)])
+    assert {n: r.status for n, r in strategy.last.clients.items()} == {11: "ok", 12: "ok", 13: "rejected"}
+    assert "over 10x the norm" in strategy.last.clients[13].error
+
+
+def test_missing_keys_and_too_few_good_replies_leave_the_global_unchanged(shapes):
+    strategy = make(shapes, min_clients=2)
+    msgs = list(strategy.configure_train(1, ArrayRecord(), ConfigRecord({}), FakeGrid(DEVICES)))
+    partial = as_arrays(random_client(shapes, 2, 4.0, 1, 0))
+    partial.pop("model.layers.0.self_attn.q_proj.lora_A")
+    arrays, metrics = strategy.aggregate_train(1, [reply(msgs[0], partial)])
+    assert arrays is None and strategy.last.void and metrics["clients_ok"] == 0
+    assert "missing ['model.layers.0.self_attn.q_proj.lora_A']" in strategy.last.clients[11].error
+    assert sorted(r.status for r in strategy.last.clients.values()) == ["rejected", "timeout", "timeout"]
+
+
+def test_flora_sends_the_merged_update_and_fresh_adapters(shapes):
+    strategy = make(shapes, method="flora")
+    clients = [random_client(shapes, r, ALPHAS[t], 1.0, s) for s, (t, r) in enumerate(RANKS.items())]
+    A, B = global_factors(aggregate_lora(clients, "flora"))
+    arrays = ArrayRecord({**{f"{m}.lora_A": a for m, a in A.items()}, **{f"{m}.lora_B": b for m, b in B.items()}})
+    for msg in strategy.configure_train(2, arrays, ConfigRecord({}), FakeGrid(DEVICES)):
+        got = msg.content["arrays"].to_torch_state_dict()
+        assert set(got) == {f"{m}.merged_{x}" for m in shapes for x in "AB"}
+        assert strategy.last.clients[msg.metadata.dst_node_id].bytes_down == msg.content["arrays"].count_bytes()
+
+
+def test_settings_that_cannot_work_are_refused_with_the_key(shapes):
+    with pytest.raises(ValueError, match="fedavg needs one rank"):
+        make(shapes, method="fedavg")
+    with pytest.raises(ValueError, match="lora.method 'svd' is unknown"):
+        make(shapes, method="svd")
+    with pytest.raises(ValueError, match=r"lora.ranks.desktop must be an int in \[1, 32\]"):
+        make(shapes, ranks={**RANKS, "desktop": 64})
+    with pytest.raises(ValueError, match="alpha of tier 'phone'"):
+        make(shapes, alphas={"laptop": 8.0, "desktop": 8.0})
+    with pytest.raises(ValueError, match="match no Linear"):
+        adapted_modules(torch.nn.Sequential(torch.nn.Linear(2, 2)), ["q_proj"])
+
+
+# -- in process: real clients on a tiny base, outputs in peft / Hugging Face format -------------------------
+def test_two_rounds_with_real_clients_train_and_save_in_peft_and_hf_format(base, shapes, tmp_path):
+    strategy = make(shapes, method="flexlora", base=base, **{"local-steps": 6})
+    strategy.evaluate_clients = 1
+    tok = load_base_tokenizer(base)
+    held = encode_pairs(tok, pooled_held_out(DATA, 40), 96)
+    model = AutoModelForCausalLM.from_pretrained(base)
+    original = snapshot(model, shapes)
+    losses = []
+
+    def evaluate(server_round, arrays):
+        apply_global(model, original, arrays)
+        losses.append(evaluate_instruct(model, held)["eval_loss"])
+
+    grid = FakeGrid(DEVICES, train=True)
+    result = strategy.start(grid=grid, initial_arrays=ArrayRecord(), num_rounds=2, evaluate_fn=evaluate)
+    assert [r.status for r in strategy.last.clients.values()] == ["ok"] * 3
+    assert losses[-1] < losses[0] - 0.1
+    # federated evaluation: the node scored base + global update on its own held-out pairs
+    evaluated = [m for m in grid.sent if m.metadata.message_type == MessageType.EVALUATE]
+    assert len(evaluated) == 2 and set(evaluated[-1].content["arrays"]) == {f"{m}.merged_{x}" for m in shapes for x in "AB"}
+    msg = evaluated[-1]
+    partition, bits = msg.metadata.dst_node_id - 11, msg.content["config"]["quantize"]
+    assert bits == QUANT[DEVICES[msg.metadata.dst_node_id]]  # scored on the base its device holds
+    with client.merged_update(client.frozen_base(base, bits, "float32"), msg.content["arrays"].to_torch_state_dict()):
+        want = evaluate_instruct(client.frozen_base(base, bits, "float32"),
+                                 client.client_data(DATA, partition, base, 96, "held_out"))["eval_loss"]
+    assert strategy.last.fed_eval["fed_eval_loss"] == pytest.approx(want, rel=1e-4)
+    # the global adapter in peft format reproduces the merged model
+    save_adapter(result.arrays, tmp_path / "adapter", list(MODULES), base)
+    merged = save_merged(model, original, result.arrays, tok, tmp_path / "model")
+    ids = torch.randint(100, (2, 12))
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), tmp_path / "adapter")
+    want = AutoModelForCausalLM.from_pretrained(merged)(input_ids=ids).logits
+    torch.testing.assert_close(peft_model(input_ids=ids).logits, want, **CLOSE)
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"] == base
+
+
+@pytest.mark.parametrize("method", ["zeropad", "hetlora", "flexlora", "flora"])
+def test_a_round_without_learning_leaves_the_global_update_unchanged(method, base, shapes):
+    """alpha/r consistency end to end: served at one rank, loaded into peft, replied, aggregated."""
+    strategy = make(shapes, method=method, base=base, ranks={"desktop": 4}, alphas={"desktop": 16.0},
+                    lr=0.0, **{"local-steps": 1})
+    g = torch.Generator().manual_seed(5)
+    A = {m: torch.randn(4, i, generator=g) for m, (_, i) in shapes.items()}
+    B = {m: 0.1 * torch.randn(o, 4, generator=g) for m, (o, _) in shapes.items()}
+    start = ArrayRecord({**{f"{m}.lora_A": a for m, a in A.items()}, **{f"{m}.lora_B": b for m, b in B.items()}})
+    result = strategy.start(grid=FakeGrid({13: "desktop"}, train=True), initial_arrays=start, num_rounds=1)
+    A2, B2 = split_global(result.arrays)
+    for m in shapes:
+        torch.testing.assert_close(B2[m] @ A2[m], B[m] @ A[m], **CLOSE)
