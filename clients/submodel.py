@@ -35,6 +35,11 @@ def client_windows(spec: str, partition: int, seq_len: int, split: str) -> torch
     return cached_tensor("windows", f"{spec}|{partition}|{seq_len}|{split}", build)
 
 
+def num_examples(spec: ConfigRecord, partition: int) -> int:
+    """This client's number of training windows, for the capability query (``data-spec``, ``seq-len``)."""
+    return int(client_windows(str(spec["data-spec"]), partition, int(spec["seq-len"]), "train").shape[0])
+
+
 def _model(state: dict[str, torch.Tensor], spec: ConfigRecord, accelerator: str = "cpu"):
     return model_from_state(LlamaConfig.from_dict(json.loads(str(spec["model-config"]))), state).to(accelerator)
 

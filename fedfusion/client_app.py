@@ -7,7 +7,7 @@ import json
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from fedfusion.clients import smallmodel, submodel
+from fedfusion.clients import lora, smallmodel, submodel
 from fedfusion.clients.privacy import privacy_mod
 from fedfusion.devices import assign_tiers
 from fedfusion.hardware import capabilities, pick_accelerator
@@ -15,10 +15,10 @@ from fedfusion.hardware import capabilities, pick_accelerator
 app = ClientApp()
 
 # What a message's spec asks this client to be (spec["role"]): each module has train() and evaluate().
-ROLES = {"submodel": submodel, "smallmodel": smallmodel}
+ROLES = {"submodel": submodel, "smallmodel": smallmodel, "lora": lora}
 
 
-def _role(spec: ConfigRecord):
+def _role(spec: ConfigRecord):  # the role module: train(), evaluate(), num_examples()
     role = str(spec.get("role", "submodel"))
     if role not in ROLES:
         raise ValueError(f"message spec role {role!r} is unknown; this client knows {', '.join(ROLES)}")
@@ -47,8 +47,7 @@ def query(msg: Message, context: Context) -> Message:
     if device is None:
         population = json.loads(str(config["population"]))
         device = assign_tiers(population["mix"], population["num_clients"], population["seed"])[_partition(context)]
-    examples = submodel.client_windows(str(config["data-spec"]), _partition(context), int(config["seq-len"]),
-                                       "train").shape[0]
+    examples = _role(config).num_examples(config, _partition(context))
     caps = ConfigRecord({"device": str(device), "partition": _partition(context), "examples": int(examples),
                          **capabilities(_accelerator(context))})
     return Message(RecordDict({"caps": caps}), reply_to=msg)

@@ -28,11 +28,13 @@ class RecipeError(ValueError):
 class DataConfig:
     """Where client text comes from and how it is split."""
 
-    source: str = "shakespeare"  # shakespeare: one client per (play, speaker) | text: a local file
+    source: str = "shakespeare"  # shakespeare: one per (play, speaker) | text: a local file | chatterbot (lora)
     path: Optional[str] = None  # local .txt/.jsonl file when source=text
     min_chars: int = 2000  # a Shakespeare role needs this much text to become a client
     held_out: float = 0.1  # tail fraction of each client's text kept for evaluation
     eval_chars: int = 40000  # cap on the pooled held-out text the server evaluates on
+    split: str = "category"  # chatterbot: category (one topic per client, non-IID) | iid
+    language: str = "english"  # chatterbot corpus language
 
 
 @dataclass
@@ -127,6 +129,22 @@ class DistillConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """Heterogeneous-rank LoRA (fusion.method=lora): adapters of each tier's rank on one frozen base."""
+
+    base: str = "smollm2"  # smollm2 (offline GGUF package) | a local model directory | a .gguf file | a hub id
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
+    ranks: dict[str, int] = field(default_factory=lambda: {"phone": 4, "laptop": 8, "desktop": 32})
+    alpha: float = 16.0
+    quantize: dict[str, int] = field(default_factory=lambda: {"phone": 4, "laptop": 8, "desktop": 0})  # base bits
+    dtype: str = "float32"  # unquantised base: float32 | bfloat16 | float16
+    dropout: float = 0.0
+    method: str = "flexlora"  # fedavg (equal ranks) | zeropad | hetlora | flexlora | flora
+    eval_pairs: int = 200  # held-out pairs the server scores the target on
+    samples: int = 3  # generations shown in the report
+
+
+@dataclass
 class SelectionConfig:
     """Which clients train in a round."""
 
@@ -209,6 +227,7 @@ class Recipe:
     population: PopulationConfig = field(default_factory=PopulationConfig)
     fusion: FusionConfig = field(default_factory=FusionConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     selection: SelectionConfig = field(default_factory=SelectionConfig)
     availability: AvailabilitySection = field(default_factory=AvailabilitySection)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -219,8 +238,9 @@ class Recipe:
 
 
 CHOICES: dict[str, tuple[str, ...]] = {
-    "data.source": ("shakespeare", "text"),
-    "fusion.method": ("submodel", "distill"),
+    "data.source": ("shakespeare", "text", "chatterbot"),
+    "data.split": ("category", "iid"),
+    "fusion.method": ("submodel", "distill", "lora"),
     "fusion.policy": ("static", "rolling", "random"),
     "fusion.weighting": ("uniform", "examples"),
     "fusion.aggregate": ("mean", "median", "trimmed_mean"),
@@ -230,6 +250,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "distill.average": ("logits", "probs"),
     "distill.confidence": ("variance", "entropy", "maxprob"),
     "distill.transfer.source": ("shakespeare", "text"),
+    "lora.method": ("fedavg", "zeropad", "hetlora", "flexlora", "flora"),
+    "lora.dtype": ("float32", "bfloat16", "float16"),
 }
 
 
@@ -251,7 +273,7 @@ def resolve_recipe_path(ref: str | Path) -> Path:
 # Mappings a recipe states whole: given in a file (or as a whole override) they replace the default
 # rather than merge into it, so ``mix: {phone: 1.0}`` means phones only.
 WHOLE_MAPPINGS = ("population.mix", "fusion.widths", "selection.options", "availability.model", "distill.families",
-                  "distill.tier_family")
+                  "distill.tier_family", "lora.ranks", "lora.quantize")
 
 
 def _merge(base: DictConfig, cfg: Any, what: str, replace: tuple[str, ...]) -> DictConfig:
@@ -386,6 +408,15 @@ def validate(recipe: Recipe) -> None:
             raise RecipeError(f"fusion.widths: no width for tier {tier!r} of population.mix")
     if recipe.fusion.method == "distill":
         _validate_distill(recipe, catalog)
+    if (recipe.fusion.method == "lora") != (recipe.data.source == "chatterbot"):
+        raise RecipeError(f"data.source: fusion.method=lora trains on instruction pairs (data.source=chatterbot) "
+                          f"and only it does; got method {recipe.fusion.method!r} with source {recipe.data.source!r}")
+    if recipe.fusion.method == "lora":
+        _validate_lora(recipe)
+        if recipe.privacy.mode != "none":
+            raise RecipeError("privacy.mode: not available with fusion.method=lora yet (Flower's DP mods compare "
+                              "the reply with the arrays sent key by key, and a LoRA reply carries the client's "
+                              "whole adapter while the message carries only the global update)")
     for tier, width in recipe.fusion.widths.items():
         if tier not in catalog:
             raise RecipeError(f"fusion.widths.{tier}: unknown device; the catalog has {', '.join(sorted(catalog))}")
@@ -443,6 +474,26 @@ def _validate_distill(recipe: Recipe, catalog: dict) -> None:
     if d.transfer.source == "text" and not d.transfer.path:
         raise RecipeError("distill.transfer.path: required when distill.transfer.source is 'text'")
     _positive("distill.transfer.max_chars", d.transfer.max_chars)
+
+
+def _validate_lora(recipe: Recipe) -> None:
+    lora = recipe.lora
+    for tier in recipe.population.mix:
+        if tier not in lora.ranks:
+            raise RecipeError(f"lora.ranks: no rank for tier {tier!r} of population.mix")
+    for tier, rank in lora.ranks.items():
+        _positive(f"lora.ranks.{tier}", rank)
+    for tier, bits in lora.quantize.items():
+        if bits not in (0, 4, 8):
+            raise RecipeError(f"lora.quantize.{tier}: must be 0 (none), 4 or 8 bits, got {bits}")
+    if not lora.target_modules:
+        raise RecipeError("lora.target_modules: name at least one module (e.g. q_proj)")
+    if lora.method == "fedavg" and len({lora.ranks[t] for t in recipe.population.mix}) > 1:
+        raise RecipeError("lora.method: fedavg needs one rank for every tier; use zeropad, hetlora, flexlora or flora")
+    for key in ("alpha", "eval_pairs"):
+        _positive(f"lora.{key}", getattr(lora, key))
+    if not 0 <= lora.dropout < 1:
+        raise RecipeError(f"lora.dropout: must be in [0, 1), got {lora.dropout}")
 
 
 def to_yaml(recipe: Recipe) -> str:

@@ -16,7 +16,6 @@ from logging import INFO
 from pathlib import Path
 from typing import Any
 
-import torch
 from flwr.app import ArrayRecord, Context, MetricRecord
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
@@ -26,20 +25,20 @@ from transformers.utils import logging as hf_logging
 from fedfusion.availability import AvailabilityConfig, AvailabilityModel
 from fedfusion.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from fedfusion.clients.smallmodel import family_config
-from fedfusion.data import encode_text, lm_windows
 from fedfusion.devices import Device, load_catalog
 from fedfusion.energy import price_work, train_flops
-from fedfusion.models import build_target, count_params, load_tokenizer
+from fedfusion.models import load_tokenizer
 from fedfusion.participation import Participation, jain_index
 from fedfusion.population import data_spec, pooled_held_out, tier_list
 from fedfusion.recipe import Recipe, load_recipe
 from fedfusion.report import write_report
 from fedfusion.run_dir import RunDir, new_run_path, read_jsonl
 from fedfusion.selection import make_selector
-from fedfusion.strategies import DistillationFusion, SubModelFusion
+from fedfusion.strategies import DistillationFusion, LoRAFusion, SubModelFusion
 from fedfusion.strategies.distillation import Family
+from fedfusion.strategies.lora import adapted_modules
 from fedfusion.strategies.submodel import ClientRound
-from fedfusion.training import evaluate_lm
+from fedfusion.targets import Target, lm_target, lora_data_spec, lora_target
 from fedfusion.transfer import family_tokenizer, transfer_text
 
 RoundCallback = Callable[[dict[str, Any]], None]
@@ -62,31 +61,32 @@ def build_participation(recipe: Recipe) -> Participation:
     return Participation(selector, catalog, model, avail.start_clock_s, avail.round_interval_s, avail.deadline_s)
 
 
-def build_strategy(recipe: Recipe, model_config) -> SubModelFusion:
+def build_strategy(recipe: Recipe, target: Target) -> SubModelFusion:
     """The fusion strategy a recipe names (``fusion.method``), with the specs its messages carry."""
     train = recipe.train
     population = {"mix": dict(recipe.population.mix), "num_clients": recipe.population.num_clients,
                   "seed": recipe.seed}
+    spec = lora_data_spec(recipe) if recipe.fusion.method == "lora" else data_spec(recipe)
     common = dict(
-        config=model_config,
         clients_per_round=recipe.selection.clients_per_round,
         min_clients=recipe.selection.min_clients,
         participation=build_participation(recipe),
-        query_config={"population": json.dumps(population), "data-spec": data_spec(recipe),
-                      "seq-len": train.seq_len},
+        query_config={"population": json.dumps(population), "data-spec": spec, "seq-len": train.seq_len},
         train_config={
             "local-steps": train.local_steps, "lr": train.lr, "batch-size": train.batch_size,
             "seq-len": train.seq_len, "weight-decay": train.weight_decay, "seed": recipe.seed,
-            "threads": recipe.engine.threads_per_client, "data-spec": data_spec(recipe),
+            "threads": recipe.engine.threads_per_client, "data-spec": spec,
             **{f"fault-{k.replace('_', '-')}": float(v) for k, v in asdict(recipe.faults).items()},
             **privacy_spec(recipe),
         },
-        weighting=recipe.fusion.weighting,
         max_norm_ratio=recipe.fusion.max_norm_ratio,
         evaluate_clients=recipe.selection.evaluate_clients,
         seed=recipe.seed,
         query_timeout_s=recipe.selection.timeout_s,
     )
+    if recipe.fusion.method == "lora":
+        return build_lora(recipe, target, common)
+    common.update(config=target.model.config, weighting=recipe.fusion.weighting)
     if recipe.fusion.method == "distill":
         return build_distillation(recipe, common)
     return SubModelFusion(
@@ -101,7 +101,8 @@ def build_strategy(recipe: Recipe, model_config) -> SubModelFusion:
 
 
 def build_distillation(recipe: Recipe, common: dict[str, Any]) -> DistillationFusion:
-    """Distillation fusion: one global model per small family, a transfer set no client owns."""
+    """Distillation fusion: one global model per small family, a transfer set no client owns; every family
+    is scored each round on the same pooled held-out text as the target."""
     d, tokenizer = recipe.distill, load_tokenizer(recipe.model.pretrained)
     text = transfer_text(d.transfer.source, data_spec(recipe), d.transfer.max_chars, d.transfer.path)
     families = {}
@@ -115,7 +116,23 @@ def build_distillation(recipe: Recipe, common: dict[str, Any]) -> DistillationFu
         teacher=d.teacher, average=d.average, confidence=d.confidence, temperature=d.temperature,
         kd_weight=d.kd_weight, diversity_weight=d.diversity_weight, server_steps=d.server_steps,
         server_lr=d.server_lr, server_batch_size=d.server_batch_size, back_distill=d.back_distill,
-        back_steps=d.back_steps, back_lr=d.back_lr, **common)
+        back_steps=d.back_steps, back_lr=d.back_lr,
+        eval_text=pooled_held_out(data_spec(recipe), recipe.data.eval_chars), **common)
+
+
+def build_lora(recipe: Recipe, target: Target, common: dict[str, Any]) -> LoRAFusion:
+    """Heterogeneous-rank LoRA on the target's frozen base; clients load the same base themselves."""
+    lora = recipe.lora
+    tiers = list(recipe.population.mix)
+    lora_spec = {"role": "lora", "base": lora.base, "dtype": lora.dtype,
+                 "target-modules": ",".join(lora.target_modules), "lora-dropout": lora.dropout}
+    common["query_config"].update(lora_spec)
+    common["train_config"].update(lora_spec)
+    return LoRAFusion(
+        modules=adapted_modules(target.model, list(lora.target_modules)),
+        ranks={t: lora.ranks[t] for t in tiers}, alphas={t: lora.alpha for t in tiers},
+        quantize={t: lora.quantize.get(t, 0) for t in tiers}, method=lora.method, base_params=target.params,
+        weighting=recipe.fusion.weighting, **common)
 
 
 def privacy_spec(recipe: Recipe) -> dict[str, str | float]:
@@ -143,17 +160,18 @@ def price_client(row: ClientRound, catalog: dict[str, Device]) -> dict[str, floa
 class RoundRecorder:
     """Flower's ``evaluate_fn``: scores the target centrally and writes the round's ledger rows."""
 
-    def __init__(self, run: RunDir, strategy: SubModelFusion, model: torch.nn.Module,
-                 eval_windows: torch.Tensor, on_round: RoundCallback, catalog: dict[str, Device],
-                 checkpoint_every: int = 0, resumed: Checkpoint | None = None,
+    def __init__(self, run: RunDir, strategy: SubModelFusion, target: Target, on_round: RoundCallback,
+                 catalog: dict[str, Device], checkpoint_every: int = 0, resumed: Checkpoint | None = None,
                  server_device: Device | None = None) -> None:
-        self.run, self.strategy, self.model = run, strategy, model
-        self.eval_windows, self.on_round, self.catalog = eval_windows, on_round, catalog
+        self.run, self.strategy, self.target = run, strategy, target
+        self.on_round, self.catalog = on_round, catalog
+        self.arrays = target.initial  # the target's arrays after the last round seen
         self.checkpoint_every, self.server_device = checkpoint_every, server_device
         self.start = self.last = time.perf_counter()
         self.rows: list[dict[str, Any]] = []
         self.offset = 0
         if resumed is not None:  # rounds up to the checkpoint are already in the ledger
+            self.arrays = ArrayRecord(resumed.target)
             self.offset = resumed.round
             self.start -= resumed.elapsed_s
             self.rows = read_jsonl(run.path / "metrics.jsonl")
@@ -163,8 +181,9 @@ class RoundRecorder:
             return None  # the checkpointed target was scored when it was saved
         server_round += self.offset
         if server_round > 0:
-            self.model.load_state_dict(arrays.to_torch_state_dict())
-        metrics = evaluate_lm(self.model, self.eval_windows)
+            self.target.load(arrays)
+            self.arrays = arrays
+        metrics = self.target.evaluate()
         clients = list(self.strategy.last.clients.values()) if server_round > 0 else []
         ok = [c for c in clients if c.status == "ok"]
         ledger = [{"round": server_round, **asdict(c), **price_client(c, self.catalog)} for c in clients]
@@ -201,7 +220,7 @@ class RoundRecorder:
         self.run.log_clients(ledger)
         if self.checkpoint_every and server_round and server_round % self.checkpoint_every == 0:
             save_checkpoint(self.run.path, Checkpoint(
-                round=server_round, target=self.model.state_dict(), elapsed_s=row["elapsed_s"],
+                round=server_round, target=arrays.to_torch_state_dict(), elapsed_s=row["elapsed_s"],
                 strategy=self.strategy.state_dict()))
         self.on_round(row)
         return MetricRecord({k: float(v) for k, v in metrics.items()})
@@ -216,14 +235,6 @@ def participation_fairness(run: RunDir, num_clients: int) -> float:
     return jain_index(counts)
 
 
-def sample_text(model: torch.nn.Module, tokenizer, prompt: str = "KING:\n", chars: int = 200, seed: int = 0) -> str:
-    """A seeded top-k sample from the target, so the report shows what it learned to write."""
-    torch.manual_seed(seed)
-    ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
-    out = model.generate(ids, max_new_tokens=chars, do_sample=True, top_k=10, pad_token_id=tokenizer.pad_token_id)
-    return tokenizer.decode(out[0])
-
-
 def run_federation(grid: Grid, recipe: Recipe, run: RunDir, on_round: RoundCallback = log_round,
                    resume: bool = False) -> dict[str, Any]:
     """Train the recipe's target over the nodes of ``grid``; writes every output into ``run``.
@@ -232,34 +243,31 @@ def run_federation(grid: Grid, recipe: Recipe, run: RunDir, on_round: RoundCallb
     """
     started = time.perf_counter()
     try:
-        tokenizer = load_tokenizer(recipe.model.pretrained)
-        model = build_target(recipe.model, tokenizer, recipe.seed)
-        held_out = pooled_held_out(data_spec(recipe), recipe.data.eval_chars)
-        eval_windows = lm_windows(encode_text(tokenizer, held_out), recipe.train.seq_len)
-        strategy = build_strategy(recipe, model.config)
+        target = lora_target(recipe)[0] if recipe.fusion.method == "lora" else lm_target(recipe)
+        strategy = build_strategy(recipe, target)
         ckpt = load_checkpoint(run.path) if resume else None
+        initial = target.initial
         if ckpt is not None:
-            model.load_state_dict(ckpt.target)
+            initial = ArrayRecord(ckpt.target)
+            target.load(initial)
             strategy.load_state_dict(ckpt.strategy, ckpt.round)
             run.cut_ledgers(ckpt.round)
             log(INFO, "fedfusion: resuming %s after round %d of %d", run.path, ckpt.round, recipe.rounds)
         catalog = load_catalog(recipe.population.catalog)
         server_device = catalog[recipe.distill.server_device] if recipe.fusion.method == "distill" else None
-        recorder = RoundRecorder(run, strategy, model, eval_windows, on_round, catalog,
-                                 recipe.output.checkpoint_every, ckpt, server_device)
+        recorder = RoundRecorder(run, strategy, target, on_round, catalog, recipe.output.checkpoint_every, ckpt,
+                                 server_device)
         strategy.start(
-            grid=grid, initial_arrays=ArrayRecord(model.state_dict()),
-            num_rounds=recipe.rounds - (ckpt.round if ckpt else 0),
+            grid=grid, initial_arrays=initial, num_rounds=recipe.rounds - (ckpt.round if ckpt else 0),
             timeout=recipe.selection.timeout_s, evaluate_fn=recorder,
         )
         if recipe.output.save_model:
             hf_logging.disable_progress_bar()  # the run's own progress is the one to show
-            model.save_pretrained(run.model_dir)
-            tokenizer.save_pretrained(run.model_dir)
+            target.save(run.model_dir, recorder.arrays)
         rows = recorder.rows
         summary = {
             "status": "ok", "name": recipe.name, "rounds": recipe.rounds,
-            "target_params": count_params(model),
+            "target_params": target.params,
             "initial": {k: rows[0][k] for k in ("eval_loss", "eval_ppl", "eval_acc")},
             "final": {k: rows[-1][k] for k in ("eval_loss", "eval_ppl", "eval_acc")},
             "clients_ok": sum(r["clients_ok"] for r in rows),
@@ -270,7 +278,7 @@ def run_federation(grid: Grid, recipe: Recipe, run: RunDir, on_round: RoundCallb
             "dropouts": sum(r.get("dropouts", 0) for r in rows),
             "participation_jain": participation_fairness(run, recipe.population.num_clients),
             "wall_s": time.perf_counter() - started,
-            "sample": sample_text(model, tokenizer, seed=recipe.seed),
+            "sample": target.sample(),
         }
         run.write_summary(summary)
         write_report(run.path)

@@ -1,6 +1,7 @@
 """Flower server strategies (installed as ``fedfusion.strategies``)."""
 
 from fedfusion.strategies.distillation import DistillationFusion
+from fedfusion.strategies.lora import LoRAFusion
 from fedfusion.strategies.submodel import SubModelFusion
 
-__all__ = ["DistillationFusion", "SubModelFusion"]
+__all__ = ["DistillationFusion", "LoRAFusion", "SubModelFusion"]

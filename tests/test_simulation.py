@@ -155,3 +155,31 @@ def test_distillation_recipe_runs_on_flower_and_prices_the_server(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "ok" and summary["final"]["eval_loss"] < summary["initial"]["eval_loss"]
     assert (out / "model" / "model.safetensors").is_file()
+
+
+def test_lora_recipe_runs_on_flower_with_heterogeneous_ranks(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fedfusion.data import build_char_tokenizer
+
+    base = tmp_path / "tiny-base"
+    tok = build_char_tokenizer()
+    torch_model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=256, pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id))
+    torch_model.save_pretrained(base)
+    tok.save_pretrained(base)
+    out = tmp_path / "lora"
+    assert main(["run", "quickstart", *TINY, "selection.evaluate_clients=0", "fusion.method=lora",
+                 "data.source=chatterbot", f"lora.base={base}", "lora.ranks={phone: 2, laptop: 4, desktop: 8}",
+                 "lora.quantize={phone: 0, laptop: 0, desktop: 0}", "lora.method=flexlora", "lora.eval_pairs=20",
+                 "train.seq_len=96", "train.local_steps=3", "--out", str(out)]) == 0
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert all(r["clients_ok"] == 3 for r in rows[1:])
+    clients = read_jsonl(out / "clients.jsonl")
+    ranks = {"phone": 2, "laptop": 4, "desktop": 8}
+    assert all(c["rank"] == ranks[c["device"]] and c["status"] == "ok" for c in clients)
+    assert (out / "adapter" / "adapter_config.json").is_file() and (out / "model" / "config.json").is_file()
+    assert AutoModelForCausalLM.from_pretrained(out / "model") is not None
+    assert rows[-1]["eval_loss"] < rows[0]["eval_loss"]

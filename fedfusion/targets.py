@@ -1,0 +1,112 @@
+"""The server's side of the target model: build it, load a round's arrays into it, score it, save it.
+
+Sub-model and distillation fusion carry the target's full state between rounds and score it on pooled
+held-out text (loss per character, perplexity, next-character accuracy). LoRA fusion carries only the
+global low-rank update on a frozen pretrained base and scores response tokens of held-out instruction
+pairs. Both expose the same :class:`Target`, so the run loop, the ledger and checkpoints treat them alike.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from flwr.app import ArrayRecord
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from fedfusion import instruct
+from fedfusion.data import encode_text, lm_windows
+from fedfusion.models import build_target, count_params, load_tokenizer
+from fedfusion.population import data_spec, pooled_held_out
+from fedfusion.pretrained import load_base, load_base_tokenizer, resolve_base
+from fedfusion.recipe import Recipe
+from fedfusion.training import evaluate_lm
+
+
+@dataclass
+class Target:
+    """The model being trained, as the server sees it."""
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    initial: ArrayRecord  # what round 1 starts from
+    load: Callable[[ArrayRecord], None]  # put a round's arrays into ``model``
+    evaluate: Callable[[], dict[str, float]]  # eval_loss, eval_ppl, eval_acc
+    save: Callable[[Path, ArrayRecord], None]  # the run directory's model/ (and adapter/)
+    sample: Callable[[], str]  # text for the report
+    params: int
+
+
+def sample_text(model: torch.nn.Module, tokenizer, prompt: str = "KING:\n", chars: int = 200, seed: int = 0) -> str:
+    """A seeded top-k sample from the target, so the report shows what it learned to write."""
+    torch.manual_seed(seed)
+    ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
+    out = model.generate(ids, max_new_tokens=chars, do_sample=True, top_k=10, pad_token_id=tokenizer.pad_token_id)
+    return tokenizer.decode(out[0])
+
+
+def lm_target(recipe: Recipe) -> Target:
+    """A causal LM trained whole (sub-model and distillation fusion), scored on pooled held-out text."""
+    tokenizer = load_tokenizer(recipe.model.pretrained)
+    model = build_target(recipe.model, tokenizer, recipe.seed)
+    held_out = pooled_held_out(data_spec(recipe), recipe.data.eval_chars)
+    windows = lm_windows(encode_text(tokenizer, held_out), recipe.train.seq_len)
+
+    def save(out: Path, arrays: ArrayRecord) -> None:
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+
+    return Target(
+        model=model, tokenizer=tokenizer, initial=ArrayRecord(model.state_dict()),
+        load=lambda arrays: model.load_state_dict(arrays.to_torch_state_dict()),
+        evaluate=lambda: evaluate_lm(model, windows), save=save,
+        sample=lambda: sample_text(model, tokenizer, seed=recipe.seed), params=count_params(model),
+    )
+
+
+def lora_data_spec(recipe: Recipe) -> str:
+    """The JSON spec from which server and clients rebuild the same instruction-pair partitions."""
+    d = recipe.data
+    return json.dumps({"source": "chatterbot", "language": d.language, "num_clients": recipe.population.num_clients,
+                       "split": d.split, "held_out": d.held_out, "seed": recipe.seed}, sort_keys=True)
+
+
+def lora_target(recipe: Recipe) -> tuple[Target, dict[str, torch.Tensor]]:
+    """A frozen pretrained base plus the global LoRA update (empty before round 1); also the base's
+    original weights of the adapted modules, which every round's update is applied to."""
+    from fedfusion.strategies.lora import (
+        adapted_modules,
+        apply_global,
+        save_adapter,
+        save_merged,
+        snapshot,
+    )
+
+    lora = recipe.lora
+    tokenizer = load_base_tokenizer(lora.base)  # converts and caches a GGUF base once, before any client
+    model = load_base(lora.base)
+    original = snapshot(model, adapted_modules(model, list(lora.target_modules)))
+    pairs = instruct.pooled_held_out(lora_data_spec(recipe), lora.eval_pairs)
+    data = instruct.encode_pairs(tokenizer, pairs, recipe.train.seq_len)
+
+    def save(out: Path, arrays: ArrayRecord) -> None:
+        if not len(arrays):
+            return  # no round produced an update: the base is unchanged
+        save_merged(model, original, arrays, tokenizer, out)
+        save_adapter(arrays, out.parent / "adapter", list(lora.target_modules), resolve_base(lora.base))
+
+    def sample() -> str:
+        prompts = [p.prompt for p in pairs[: lora.samples]]
+        answers = instruct.generate_responses(model, tokenizer, prompts)
+        return "\n".join(f"Q: {q}\nA: {a}" for q, a in zip(prompts, answers))
+
+    target = Target(
+        model=model, tokenizer=tokenizer, initial=ArrayRecord(),
+        load=lambda arrays: apply_global(model, original, arrays),
+        evaluate=lambda: instruct.evaluate_instruct(model, data), save=save, sample=sample,
+        params=count_params(model),
+    )
+    return target, original
