@@ -90,6 +90,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from fedfusion.planner import auto_widths, plan_table
 
     recipe = load_recipe(args.recipe, args.overrides, fit_widths=False)
+    if recipe.fusion.method == "lora":
+        from transformers import AutoConfig
+
+        from fedfusion.planner import lora_plan_table
+        from fedfusion.pretrained import resolve_base
+
+        config = AutoConfig.from_pretrained(resolve_base(recipe.lora.base))
+        _print_table(f"plan for {recipe.name} (lora/{recipe.lora.method} on {recipe.lora.base}; memory estimated)",
+                     lora_plan_table(recipe, config), {}, left=("tier", "base", "fits", "max fit"), width=150)
+        return 0
     widths = auto_widths(recipe, recipe.fusion.width_ladder) if recipe.fusion.auto_widths else None
     title = f"plan for {recipe.name} ({recipe.fusion.method}/{recipe.fusion.policy}"
     title += ", widths fitted to memory)" if widths else ")"

@@ -239,3 +239,24 @@ def plan_table(
             "s/round": seconds, "J/round": seconds * device.train_w,
         })
     return rows
+
+
+def lora_plan_table(recipe: Recipe, base_config: PretrainedConfig, usable: float = USABLE) -> list[dict[str, Any]]:
+    """One row per tier for LoRA fusion: its rank and base precision, trainable parameters, estimated peak
+    memory on its base and on an fp32 base, whether it fits, and the largest rank that would fit."""
+    catalog = load_catalog(recipe.population.catalog)
+    lora, batch, seq = recipe.lora, recipe.train.batch_size, recipe.train.seq_len
+    modules = list(lora.target_modules)
+    rows = []
+    for tier in recipe.population.mix:
+        device, rank, bits = catalog[tier], lora.ranks[tier], lora.quantize.get(tier, 0) or 32
+        est = estimate_memory(base_config, batch, seq, lora_rank=rank, base_bits=bits, lora_modules=modules)
+        fp32 = estimate_memory(base_config, batch, seq, lora_rank=rank, base_bits=32, lora_modules=modules)
+        best = fit_lora_rank(base_config, device, batch, seq, modules=modules, usable=usable)
+        rows.append({
+            "tier": tier, "rank": rank, "base": f"{bits}-bit", "trainable": est.trainable,
+            "peak MB": _mb(est.total), "fp32 base MB": _mb(fp32.total), "device MB": round(device.memory_gb * 1024),
+            "fits": "yes" if est.total <= _budget(device, usable) else "NO",
+            "max fit": f"r={best.rank} on {best.base_bits}-bit" if best else "nothing fits",
+        })
+    return rows

@@ -106,3 +106,19 @@ def test_bad_inputs_are_named():
         estimate_memory(cfg, 1, 8, base_bits=4)
     with pytest.raises(ValueError, match="unknown module 'qkv'"):
         lora_params(cfg, 4, ("qkv",))
+
+
+def test_lora_plan_rows_show_rank_precision_and_the_4bit_saving():
+    from transformers import LlamaConfig
+
+    from fedfusion.planner import lora_plan_table
+    from fedfusion.recipe import load_recipe
+
+    base = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                       num_attention_heads=9, num_key_value_heads=3, head_dim=64)  # SmolLM2-135M's shape
+    recipe = load_recipe("quickstart", ["fusion.method=lora", "data.source=chatterbot"])
+    rows = {r["tier"]: r for r in lora_plan_table(recipe, base)}
+    assert rows["phone"]["rank"] == 4 and rows["phone"]["base"] == "4-bit"
+    assert rows["phone"]["trainable"] == 30 * 4 * ((576 + 576) + (576 + 192))  # q_proj and v_proj adapters
+    assert rows["phone"]["peak MB"] < rows["phone"]["fp32 base MB"]  # the 4-bit base is what makes it fit
+    assert rows["desktop"]["peak MB"] == rows["desktop"]["fp32 base MB"]
