@@ -407,11 +407,14 @@ class CarbonBudgetSelector(Selector):
 
     name = "carbon_budget"
 
-    def __init__(self, budgets_j: Mapping[str, float], seed: int = 0, period_rounds: int = 1,
+    def __init__(self, budgets_j: Mapping[str, float] | None = None, seed: int = 0, period_rounds: int = 1,
                  default_budget_j: float | None = None, staleness: float = 0.1, clip_quantile: float = 0.95) -> None:
         super().__init__(seed)
+        budgets_j = {} if budgets_j is None else budgets_j
         if not isinstance(budgets_j, Mapping):
             raise ValueError("selection.budgets_j: expected a mapping zone -> joules")
+        if not budgets_j and default_budget_j is None:
+            raise ValueError("carbon_budget needs budgets_j (zone -> joules per period) or default_budget_j")
         for zone, b in budgets_j.items():
             if not (isinstance(b, (int, float)) and math.isfinite(b) and b >= 0):
                 raise ValueError(f"selection.budgets_j.{zone}: must be a finite number >= 0, got {b!r}")

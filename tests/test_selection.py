@@ -108,9 +108,12 @@ def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="needs candidates.energy_j"):
         make_selector("energy").select(Candidates(ids=[1, 2]), 1, 1)
     with pytest.raises(ValueError, match="needs candidates.zone"):
-        make_selector("carbon_budget", budgets_j={}).select(Candidates(ids=[1], energy_j=[1.0]), 1, 1)
+        make_selector("carbon_budget", default_budget_j=1.0).select(Candidates(ids=[1], energy_j=[1.0]), 1, 1)
     with pytest.raises(ValueError, match="no budget for zone 'DEU'"):
-        make_selector("carbon_budget", budgets_j={}).select(Candidates(ids=[1], energy_j=[1.0], zone=["DEU"]), 1, 1)
+        make_selector("carbon_budget", budgets_j={"FRA": 1.0}).select(
+            Candidates(ids=[1], energy_j=[1.0], zone=["DEU"]), 1, 1)
+    with pytest.raises(ValueError, match="needs budgets_j"):
+        make_selector("carbon_budget")
     with pytest.raises(ValueError, match="selection.explore: must be in"):
         make_selector("oort", explore=1.5)
 
