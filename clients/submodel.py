@@ -9,12 +9,13 @@ from functools import lru_cache
 
 import torch
 from flwr.app import ConfigRecord
-from transformers import LlamaConfig
 
 from fedfusion.cache import cached_tensor
 from fedfusion.data import encode_text, lm_windows
 from fedfusion.models import load_tokenizer, model_from_state
+from fedfusion.ordered import train_steps_ordered
 from fedfusion.population import population_data
+from fedfusion.slice_families import config_from_dict
 from fedfusion.training import evaluate_lm, train_steps
 
 
@@ -41,7 +42,7 @@ def num_examples(spec: ConfigRecord, partition: int) -> int:
 
 
 def _model(state: dict[str, torch.Tensor], spec: ConfigRecord, accelerator: str = "cpu"):
-    return model_from_state(LlamaConfig.from_dict(json.loads(str(spec["model-config"]))), state).to(accelerator)
+    return model_from_state(config_from_dict(json.loads(str(spec["model-config"]))), state).to(accelerator)
 
 
 def inject_faults(spec: ConfigRecord, partition: int) -> tuple[bool, float]:
@@ -64,10 +65,15 @@ def train(state: dict[str, torch.Tensor], spec: ConfigRecord, partition: int,
     torch.set_num_threads(int(spec["threads"]))
     windows = client_windows(str(spec["data-spec"]), partition, int(spec["seq-len"]), "train")
     model = _model(state, spec, accelerator)
-    stats = train_steps(
-        model, windows, steps=int(spec["local-steps"]), lr=float(spec["lr"]),
-        batch_size=int(spec["batch-size"]), seed=int(spec["seed"]), weight_decay=float(spec["weight-decay"]),
-    )
+    common = dict(steps=int(spec["local-steps"]), lr=float(spec["lr"]), batch_size=int(spec["batch-size"]),
+                  seed=int(spec["seed"]), weight_decay=float(spec["weight-decay"]))
+    if str(spec.get("policy", "")) == "ordered":  # FjORD: a nested width per step, up to this sub-model
+        stats = train_steps_ordered(
+            model, windows, fractions=json.loads(str(spec["ordered-fractions"])),
+            axes=json.loads(str(spec.get("axes", "null"))), distill=bool(spec.get("ordered-distill", False)), **common,
+        )
+    else:
+        stats = train_steps(model, windows, **common)
     new_state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     if corrupt:
         next(iter(new_state.values())).view(-1)[0] = float("nan")

@@ -157,7 +157,9 @@ def cmd_certs(args: argparse.Namespace) -> int:
     """Write a local CA, a SuperLink certificate and SuperNode key pairs for a real deployment."""
     from fedfusion.deploy import make_deploy_files
 
-    files = make_deploy_files(Path(args.dir), args.host or ["127.0.0.1", "localhost"], args.nodes)
+    # the SuperLink's own SuperExec always connects through loopback, so loopback names stay in the certificate
+    hosts = list(dict.fromkeys([*(args.host or []), "127.0.0.1", "localhost"]))
+    files = make_deploy_files(Path(args.dir), hosts, args.nodes)
     console.print(f"CA {files.ca_cert}; SuperLink certificate {files.server_cert} + key {files.server_key}; "
                   f"{len(files.node_keys)} SuperNode keys {files.node_keys[0].parent}/node*[.pub]")
     return 0
@@ -202,7 +204,7 @@ def parser() -> argparse.ArgumentParser:
     devices.set_defaults(func=cmd_devices)
     certs = sub.add_parser("certs", help="write a CA, SuperLink certificate and SuperNode keys for deployment")
     certs.add_argument("dir")
-    certs.add_argument("--host", action="append", help="SuperLink host name or IP (repeat; default 127.0.0.1, localhost)")
+    certs.add_argument("--host", action="append", help="SuperLink host name or IP (repeat); 127.0.0.1 and localhost are always included")
     certs.add_argument("--nodes", type=int, default=3, help="SuperNode key pairs to write")
     certs.set_defaults(func=cmd_certs)
     deploy = sub.add_parser("deploy", help="run a recipe on a loopback SuperLink + SuperNodes (TLS, node auth)")

@@ -6,11 +6,13 @@ from functools import lru_cache
 
 import torch
 from transformers import (
-    AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase,
+    AutoConfig, AutoModelForCausalLM, AutoTokenizer, GPT2Config, LlamaConfig, MistralConfig, OPTConfig,
+    PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase, Qwen2Config,
 )
 
 from fedfusion.data import build_char_tokenizer
 from fedfusion.recipe import ModelConfig
+from fedfusion.slice_families import family_of
 
 
 @lru_cache(maxsize=4)
@@ -24,9 +26,20 @@ def load_tokenizer(pretrained: str | None) -> PreTrainedTokenizerBase:
     return tok
 
 
-def target_config(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> LlamaConfig:
-    """The Llama config the recipe describes, sized to the tokenizer's vocabulary."""
-    return LlamaConfig(
+def target_config(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> PretrainedConfig:
+    """The config of ``cfg.family`` the recipe describes, sized to the tokenizer's vocabulary."""
+    ids = {"pad_token_id": tokenizer.pad_token_id, "bos_token_id": tokenizer.bos_token_id,
+           "eos_token_id": tokenizer.eos_token_id}
+    if cfg.family == "gpt2":
+        return GPT2Config(vocab_size=len(tokenizer), n_embd=cfg.hidden_size, n_layer=cfg.num_layers, n_head=cfg.num_heads,
+                          n_inner=cfg.intermediate_size, n_positions=cfg.max_position, **ids)
+    if cfg.family == "opt":
+        return OPTConfig(vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
+                         num_attention_heads=cfg.num_heads, ffn_dim=cfg.intermediate_size,
+                         max_position_embeddings=cfg.max_position, word_embed_proj_dim=cfg.hidden_size,
+                         do_layer_norm_before=True, **ids)
+    llama_like = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}[cfg.family]
+    return llama_like(
         vocab_size=len(tokenizer),
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
@@ -36,35 +49,34 @@ def target_config(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> Llama
         head_dim=cfg.hidden_size // cfg.num_heads,
         max_position_embeddings=cfg.max_position,
         tie_word_embeddings=False,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
+        **ids,
     )
 
 
-def target_model_config(cfg: ModelConfig) -> LlamaConfig:
+def target_model_config(cfg: ModelConfig) -> PretrainedConfig:
     """The target's config without building it (read from ``pretrained`` when set)."""
     if cfg.pretrained:
         return AutoConfig.from_pretrained(cfg.pretrained)
     return target_config(cfg, load_tokenizer(None))
 
 
-def build_target(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int) -> LlamaForCausalLM:
+def build_target(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int) -> PreTrainedModel:
     """A freshly initialised target (seeded), or ``cfg.pretrained`` (local path or hub id) if set."""
     if cfg.pretrained:
         model = AutoModelForCausalLM.from_pretrained(cfg.pretrained, dtype=torch.float32)
-        if not isinstance(model, LlamaForCausalLM):
-            raise ValueError(
-                f"model.pretrained: {cfg.pretrained!r} is a {type(model).__name__}; width slicing needs a Llama-family model"
-            )
+        try:
+            family_of(model.config)
+        except ValueError as exc:
+            raise ValueError(f"model.pretrained: {cfg.pretrained!r}: {exc}") from None
         return model
     torch.manual_seed(seed)
-    return LlamaForCausalLM(target_config(cfg, tokenizer))
+    config = target_config(cfg, tokenizer)
+    return family_of(config).build(config)
 
 
-def model_from_state(config: LlamaConfig, state: dict[str, torch.Tensor]) -> LlamaForCausalLM:
-    """A model of ``config`` holding ``state`` (strict: every key and shape must match)."""
-    model = LlamaForCausalLM(config)
+def model_from_state(config: PretrainedConfig, state: dict[str, torch.Tensor]) -> PreTrainedModel:
+    """A model of ``config`` (any sliceable family) holding ``state`` (strict: every key and shape must match)."""
+    model = family_of(config).build(config)
     model.load_state_dict(state, strict=True)
     return model
 

@@ -42,6 +42,7 @@ class ModelConfig:
     """The target model: a Llama-architecture causal LM built from this config, or a pretrained one."""
 
     pretrained: Optional[str] = None  # local path or hub id; overrides the sizes below
+    family: str = "llama"  # llama | mistral | qwen2 | gpt2 | opt: the architecture built from the sizes below
     hidden_size: int = 128
     num_layers: int = 4
     num_heads: int = 8
@@ -66,7 +67,14 @@ class FusionConfig:
     """How client work is folded into the target."""
 
     method: str = "submodel"
-    policy: str = "rolling"  # static (HeteroFL prefix) | rolling (FedRolex window) | random (Federated Dropout)
+    # static (HeteroFL prefix) | rolling (FedRolex window) | random (Federated Dropout) | ordered (FjORD)
+    policy: str = "rolling"
+    # heads | neurons | hidden | depth; None = the family's default (llama: heads, neurons)
+    axes: Optional[list[str]] = None
+    scaler: bool = True  # fold HeteroFL's scaler into the sliced weights (the sub-model estimates the full sums)
+    # ordered: the widths a client samples from (<= its own); None = the values of fusion.widths
+    ordered_ladder: Optional[list[float]] = None
+    ordered_distill: bool = False  # ordered: self-distillation from the client's widest pass (FjORD's KD)
     widths: dict[str, float] = field(
         default_factory=lambda: {"phone": 0.125, "laptop": 0.25, "desktop": 0.5}
     )
@@ -241,7 +249,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "data.source": ("shakespeare", "text", "chatterbot"),
     "data.split": ("category", "iid"),
     "fusion.method": ("submodel", "distill", "lora"),
-    "fusion.policy": ("static", "rolling", "random"),
+    "fusion.policy": ("static", "rolling", "random", "ordered"),
+    "model.family": ("llama", "mistral", "qwen2", "gpt2", "opt"),
     "fusion.weighting": ("uniform", "examples"),
     "fusion.aggregate": ("mean", "median", "trimmed_mean"),
     "selection.method": ("random", "oort", "energy", "carbon_budget"),
@@ -430,6 +439,19 @@ def validate(recipe: Recipe) -> None:
         raise RecipeError(f"fusion.trim: must be in [0, 0.5), got {recipe.fusion.trim}")
     if not 0 < recipe.fusion.stride <= 1:
         raise RecipeError(f"fusion.stride: must be in (0, 1], got {recipe.fusion.stride}")
+    axes = recipe.fusion.axes
+    for axis in axes or ():
+        if axis not in ("heads", "neurons", "hidden", "depth"):
+            raise RecipeError(f"fusion.axes: {axis!r} is not one of heads, neurons, hidden, depth")
+    if axes is not None and not axes:
+        raise RecipeError("fusion.axes: name at least one axis, or leave it unset for the family's default")
+    fused = recipe.model.family in ("gpt2", "opt") and not recipe.model.pretrained
+    if axes and fused and (("heads" in axes) != ("hidden" in axes)):
+        raise RecipeError(f"fusion.axes: a {recipe.model.family} model slices 'heads' and 'hidden' together "
+                          "(head_dim = hidden / heads)")
+    for width in recipe.fusion.ordered_ladder or ():
+        if not 0 < width <= 1:
+            raise RecipeError(f"fusion.ordered_ladder: widths must be in (0, 1], got {width}")
     if recipe.selection.min_clients > recipe.selection.clients_per_round:
         raise RecipeError(
             f"selection.min_clients: {recipe.selection.min_clients} exceeds clients_per_round "

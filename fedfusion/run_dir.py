@@ -45,7 +45,7 @@ class RunDir:
         if fresh:
             self.path.mkdir(parents=True, exist_ok=True)
             (self.path / "recipe.yaml").write_text(to_yaml(recipe))
-            for name in ("metrics.jsonl", "clients.jsonl"):
+            for name in ("metrics.jsonl", "clients.jsonl", "nodes.jsonl"):
                 (self.path / name).write_text("")
 
     @classmethod
@@ -57,7 +57,9 @@ class RunDir:
 
     def cut_ledgers(self, last_round: int) -> None:
         """Drop ledger rows after ``last_round`` (written after the checkpoint a run resumes from)."""
-        for name in ("metrics.jsonl", "clients.jsonl"):
+        for name in ("metrics.jsonl", "clients.jsonl", "nodes.jsonl"):
+            if not (self.path / name).is_file():
+                continue
             keep = [r for r in read_jsonl(self.path / name) if r["round"] <= last_round]
             (self.path / name).write_text("".join(json.dumps(r) + "\n" for r in keep))
 
@@ -73,6 +75,10 @@ class RunDir:
     def log_clients(self, rows: list[dict[str, Any]]) -> None:
         """Append client rows to clients.jsonl."""
         self._append("clients.jsonl", rows)
+
+    def log_nodes(self, rows: list[dict[str, Any]]) -> None:
+        """Append nodes' capability-query answers (tier, partition, measured memory, accelerator, battery)."""
+        self._append("nodes.jsonl", rows)
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         """Write summary.json (status ``ok`` or ``failed`` with the error)."""

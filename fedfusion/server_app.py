@@ -96,6 +96,10 @@ def build_strategy(recipe: Recipe, target: Target) -> SubModelFusion:
         stagger=recipe.fusion.stagger and recipe.fusion.policy == "rolling",
         aggregate=recipe.fusion.aggregate,
         trim=recipe.fusion.trim,
+        axes=tuple(recipe.fusion.axes) if recipe.fusion.axes else None,
+        scale=recipe.fusion.scaler,
+        ordered_ladder=tuple(recipe.fusion.ordered_ladder) if recipe.fusion.ordered_ladder else None,
+        ordered_distill=recipe.fusion.ordered_distill,
         **common,
     )
 
@@ -166,6 +170,7 @@ class RoundRecorder:
         self.run, self.strategy, self.target = run, strategy, target
         self.on_round, self.catalog = on_round, catalog
         self.arrays = target.initial  # the target's arrays after the last round seen
+        self.nodes_logged: set[int] = set()  # nodes whose capabilities are in nodes.jsonl
         self.checkpoint_every, self.server_device = checkpoint_every, server_device
         self.start = self.last = time.perf_counter()
         self.rows: list[dict[str, Any]] = []
@@ -218,6 +223,9 @@ class RoundRecorder:
         self.rows.append(row)
         self.run.log_round(row)
         self.run.log_clients(ledger)
+        new_nodes = {n: c for n, c in self.strategy.caps.items() if n not in self.nodes_logged}
+        self.run.log_nodes([{"round": server_round, "node": n, **dict(c)} for n, c in new_nodes.items()])
+        self.nodes_logged |= set(new_nodes)
         if self.checkpoint_every and server_round and server_round % self.checkpoint_every == 0:
             save_checkpoint(self.run.path, Checkpoint(
                 round=server_round, target=arrays.to_torch_state_dict(), elapsed_s=row["elapsed_s"],

@@ -44,7 +44,8 @@ def sample_text(model: torch.nn.Module, tokenizer, prompt: str = "KING:\n", char
     """A seeded top-k sample from the target, so the report shows what it learned to write."""
     torch.manual_seed(seed)
     ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
-    out = model.generate(ids, max_new_tokens=chars, do_sample=True, top_k=10, pad_token_id=tokenizer.pad_token_id)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=chars, do_sample=True, top_k=10,
+                         pad_token_id=tokenizer.pad_token_id)
     return tokenizer.decode(out[0])
 
 

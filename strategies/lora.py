@@ -38,6 +38,7 @@ from fedfusion.strategies.submodel import (
     RoundLog,
     SubModelFusion,
     error_line,
+    reply_metrics,
 )
 from flwr.app import (
     ArrayRecord,
@@ -233,23 +234,19 @@ class LoRAFusion(SubModelFusion):
                 continue
             try:
                 metrics = reply.content["metrics"]
-                n = int(metrics["num-examples"])
-                if n < 1:
-                    raise ValueError(f"num-examples must be >= 1, got {n}")
+                n, loss, seconds, tokens = reply_metrics(metrics, row.tokens)
                 A, B = self.check_reply(reply.content["arrays"].to_torch_state_dict(), row.rank)
                 row.bytes_up = reply.content["arrays"].count_bytes()
                 norm = _update_norm(A, B, row.alpha / row.rank)
                 if self.max_norm_ratio and row.sent_norm and norm > self.max_norm_ratio * row.sent_norm:
                     raise ValueError(f"adapter update norm {norm:.3g} is over {self.max_norm_ratio:g}x the norm of "
                                      f"the adapter sent ({row.sent_norm:.3g})")
-                loss, seconds = float(metrics["train_loss"]), float(metrics["train_s"])
             except Exception as exc:  # an untrusted reply can be malformed in any way; it must not stop the run
                 row.status, row.error = "rejected", str(exc)[:500]
                 log(WARNING, "round %d node %d: update rejected: %s", server_round, node, row.error)
                 continue
             clients.append(ClientLoRA(A, B, row.alpha, float(n) if self.weighting == "examples" else 1.0))
-            row.status, row.examples, row.train_loss, row.train_s = "ok", n, loss, seconds
-            row.tokens = int(metrics.get("train_tokens", row.tokens))
+            row.status, row.examples, row.train_loss, row.train_s, row.tokens = "ok", n, loss, seconds, tokens
             losses.append(loss)
             examples += n
         for row in self.last.clients.values():

@@ -11,6 +11,7 @@ Round flow (``Strategy.start`` drives it):
 from __future__ import annotations
 
 import json
+import math
 import random
 import time
 from collections.abc import Iterable
@@ -29,15 +30,15 @@ from flwr.app import (
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
-from transformers import LlamaConfig
+from transformers import PretrainedConfig
 
 from fedfusion.checkpoint import rng_state, set_rng_state
 from fedfusion.energy import WorkCost, price_work, train_flops
+from fedfusion.ordered import ordered_fractions
 from fedfusion.participation import Participation
 from fedfusion.slicing import (
     SelectiveAverager,
     SlicePlan,
-    as_ranges,
     extract,
     plan_slice,
     sub_config,
@@ -83,6 +84,18 @@ def state_norm(state: dict[str, torch.Tensor]) -> float:
     return float(torch.sqrt(sum((t.float().pow(2).sum() for t in state.values()), torch.tensor(0.0))))
 
 
+def reply_metrics(metrics: MetricRecord, planned_tokens: int) -> tuple[int, float, float, int]:
+    """A reply's (num-examples, train_loss, train_s, train_tokens), read and checked before its update is
+    used, so a reply with broken numbers is rejected whole instead of half folded in."""
+    n, loss, seconds = int(metrics["num-examples"]), float(metrics["train_loss"]), float(metrics["train_s"])
+    tokens = int(metrics.get("train_tokens", planned_tokens))
+    if n <= 0:
+        raise ValueError(f"num-examples is {n}")
+    if not (math.isfinite(loss) and math.isfinite(seconds) and seconds >= 0 and tokens >= 0):
+        raise ValueError(f"train metrics out of range: loss {loss}, seconds {seconds}, tokens {tokens}")
+    return n, loss, seconds, tokens
+
+
 def error_line(reason: str) -> str:
     """The exception line of an error reply (Ray wraps the client's traceback around it)."""
     lines = [line.strip() for line in reason.strip().splitlines() if line.strip()]
@@ -98,7 +111,7 @@ class SubModelFusion(Strategy):
 
     def __init__(
         self,
-        config: LlamaConfig,
+        config: PretrainedConfig,
         widths: dict[str, float],
         policy: str,
         stride: float,
@@ -116,6 +129,10 @@ class SubModelFusion(Strategy):
         wait_nodes_s: float = 60.0,
         query_timeout_s: float = 600.0,
         max_norm_ratio: float = 10.0,
+        axes: tuple[str, ...] | None = None,
+        scale: bool = True,
+        ordered_ladder: tuple[float, ...] | None = None,
+        ordered_distill: bool = False,
     ) -> None:
         self.config = config
         self.widths = widths
@@ -136,6 +153,9 @@ class SubModelFusion(Strategy):
         self.wait_nodes_s = wait_nodes_s
         self.query_timeout_s = query_timeout_s
         self.max_norm_ratio = max_norm_ratio
+        self.axes, self.scale = axes, scale
+        self.ordered_ladder = ordered_ladder or tuple(sorted(set(widths.values())))
+        self.ordered_distill = ordered_distill
         self.caps: dict[int, dict] = {}
         self.plans: dict[int, SlicePlan] = {}
         self.target: dict[str, torch.Tensor] = {}
@@ -202,7 +222,8 @@ class SubModelFusion(Strategy):
         """This round's planned work priced per device tier: its sub-model's training FLOPs and transfers."""
         if not self.costs:  # sub-model sizes depend only on the width, so they are priced once per run
             for tier, width in self.widths.items():
-                sub = extract(self.target, self.config, plan_slice(self.config, width, "static"))
+                plan = plan_slice(self.config, width, "static", axes=self.axes, scale=self.scale)
+                sub = extract(self.target, self.config, plan)
                 params, nbytes = sum(t.numel() for t in sub.values()), sum(t.nbytes for t in sub.values())
                 self.sizes[tier] = (params, nbytes)
                 self.costs[tier] = price_work(self.participation.catalog[tier],
@@ -249,7 +270,8 @@ class SubModelFusion(Strategy):
             # per (run seed, round, partition): the same recipe repeats the same slices, batches and faults
             seed = (int(self.train_config.get("seed", 0)) * 100003 + server_round * 1009
                     + int(self.caps[node].get("partition", node % 1009)))
-            plan = plan_slice(self.config, width, self.policy, server_round, self.stride, offset, seed)
+            plan = plan_slice(self.config, width, self.policy, server_round, self.stride, offset, seed,
+                              axes=self.axes, scale=self.scale)
             if self.stagger:
                 offset += width
             sub_state = extract(target, self.config, plan)
@@ -258,11 +280,15 @@ class SubModelFusion(Strategy):
                 **config, **self.train_config,
                 "role": "submodel", "server-round": server_round, "width": width, "policy": self.policy,
                 "model-config": json.dumps(sub_config(self.config, plan).to_dict()), "seed": seed,
+                "axes": json.dumps(list(self.axes) if self.axes else None),
             })
+            if self.policy == "ordered":
+                spec["ordered-fractions"] = json.dumps(ordered_fractions(width, self.ordered_ladder))
+                spec["ordered-distill"] = self.ordered_distill
             self.plans[node] = plan
             self.last.clients[node] = ClientRound(
                 node=node, device=device, width=width, partition=int(self.caps[node].get("partition", -1)),
-                assignment={"attn_units": as_ranges(plan.attn_units), "neurons": as_ranges(plan.neurons)},
+                assignment=plan.assignment(),
                 bytes_down=sub.count_bytes(), params=sum(t.numel() for t in sub_state.values()),
                 sent_norm=state_norm(sub_state), tokens=self._tokens(),
             )
@@ -284,7 +310,7 @@ class SubModelFusion(Strategy):
         for reply in replies:
             node = reply.metadata.src_node_id
             row = self.last.clients.get(node)
-            if row is None:
+            if row is None or row.status != "sent":  # not sent this round, or a second reply from the node
                 continue
             if reply.has_error():
                 row.status, row.error = "failed", error_line(reply.error.reason)
@@ -293,10 +319,8 @@ class SubModelFusion(Strategy):
             try:
                 sub = reply.content["arrays"].to_torch_state_dict()
                 metrics = reply.content["metrics"]
-                n = int(metrics["num-examples"])
+                n, loss, seconds, tokens = reply_metrics(metrics, row.tokens)
                 row.bytes_up = reply.content["arrays"].count_bytes()
-                if n <= 0:
-                    raise ValueError(f"num-examples is {n}")
                 if self.max_norm_ratio and state_norm(sub) > self.max_norm_ratio * row.sent_norm:
                     raise ValueError(f"update norm {state_norm(sub):.3g} is over {self.max_norm_ratio:g}x the "
                                      f"norm of the sub-model sent ({row.sent_norm:.3g})")
@@ -307,9 +331,7 @@ class SubModelFusion(Strategy):
                 row.status, row.error = "rejected", str(exc)[:500]
                 log(WARNING, "round %d node %d: update rejected: %s", server_round, node, row.error)
                 continue
-            row.status, row.examples = "ok", n
-            row.train_loss, row.train_s = float(metrics["train_loss"]), float(metrics["train_s"])
-            row.tokens = int(metrics.get("train_tokens", row.tokens))
+            row.status, row.examples, row.train_loss, row.train_s, row.tokens = "ok", n, loss, seconds, tokens
             losses.append(row.train_loss)
             examples += n
         for row in self.last.clients.values():

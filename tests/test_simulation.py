@@ -37,6 +37,12 @@ def test_run_directory_has_every_output(run_dir):
         assert (run_dir / name).is_file(), name
 
 
+def test_nodes_ledger_holds_each_nodes_measured_capabilities(run_dir):
+    nodes = read_jsonl(run_dir / "nodes.jsonl")
+    assert sorted(n["partition"] for n in nodes) == [0, 1, 2, 3]
+    assert all(n["memory_gb"] > 0 and n["accelerator"] in ("cpu", "cuda", "mps") and n["examples"] > 0 for n in nodes)
+
+
 def test_metrics_rows_start_at_round_zero_and_carry_the_contract_fields(run_dir):
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["round"] for r in rows] == [0, 1, 2]
@@ -125,18 +131,23 @@ def test_a_run_killed_mid_way_resumes_to_the_same_result(run_dir, tmp_path):
     assert pick(read_jsonl(out / "clients.jsonl")) == pick(read_jsonl(run_dir / "clients.jsonl"))
 
 
-def test_energy_selection_with_availability_runs_and_logs_the_clock(tmp_path):
+def test_gpt2_ordered_slicing_with_energy_selection_and_availability_runs_on_flower(tmp_path):
     out = tmp_path / "avail"
     assert main(["run", "quickstart", *TINY, "rounds=3", "selection.evaluate_clients=0", "selection.method=energy",
-                 "availability.enabled=true", "availability.start_clock_s=79200", "--out", str(out)]) == 0
+                 "availability.enabled=true", "availability.start_clock_s=28800", "model.family=gpt2",
+                 "model.num_layers=3", "fusion.axes=[heads,neurons,hidden,depth]", "fusion.policy=ordered",
+                 "--out", str(out)]) == 0
     rows = read_jsonl(out / "metrics.jsonl")
     clocks = [r["clock_s"] for r in rows[1:]]
-    assert clocks[0] == 79200 and clocks == sorted(clocks) and clocks[-1] > clocks[0]
+    assert clocks[0] == 28800 and clocks == sorted(clocks) and clocks[-1] > clocks[0]
     statuses = {c["status"] for c in read_jsonl(out / "clients.jsonl")}
     assert statuses <= {"ok", "dropped"}
     summary = json.loads((out / "summary.json").read_text())
     assert summary["dropouts"] == sum(r["dropouts"] for r in rows) and 0 <= summary["participation_jain"] <= 1
     assert "## Edge vs cloud" in (out / "report.md").read_text()
+    assert AutoModelForCausalLM.from_pretrained(out / "model").config.model_type == "gpt2"
+    sliced = [c["assignment"] for c in read_jsonl(out / "clients.jsonl") if c["status"] == "ok"]
+    assert sliced and all({"hidden", "layers"} <= set(a) for a in sliced)
 
 
 def test_distillation_recipe_runs_on_flower_and_prices_the_server(tmp_path):

@@ -6,10 +6,12 @@ import math
 
 import pytest
 import torch
+from transformers import LlamaForCausalLM
 
 from fedfusion.models import model_from_state
 from fedfusion.slicing import (
-    SelectiveAverager, SlicePlan, as_ranges, axis_sizes, extract, plan_slice, rolling_step, sub_config, units_kept,
+    SelectiveAverager, SlicePlan, as_ranges, axis_sizes, extract, plan_slice, rolling_step, sub_config, sub_scales,
+    units_kept,
 )
 
 
@@ -111,13 +113,14 @@ def test_rolling_covers_every_unit_equally_often_over_one_period(width, stride):
     from tests.conftest import tiny_config
 
     cfg = tiny_config(heads=8, kv_heads=8, hidden=64, inter=64)
-    for axis, total in enumerate(axis_sizes(cfg)):
+    for axis in ("heads", "neurons"):
+        total = axis_sizes(cfg)[axis]
         period = math.ceil(total / rolling_step(total, stride))
         assert total % rolling_step(total, stride) == 0  # chosen so that one period is whole
         hits = torch.zeros(total)
         for rnd in range(1, period + 1):
             plan = plan_slice(cfg, width, "rolling", rnd, stride)
-            hits[list((plan.attn_units, plan.neurons)[axis])] += 1
+            hits[list(plan.units(axis))] += 1
         assert torch.all(hits == hits[0]) and hits[0] > 0
 
 
@@ -125,8 +128,8 @@ def test_static_keeps_the_prefix_every_round():
     from tests.conftest import tiny_config
 
     cfg = tiny_config()
-    plans = {plan_slice(cfg, 0.5, "static", r) for r in range(1, 6)}
-    assert plans == {SlicePlan(attn_units=(0, 1), neurons=tuple(range(24)))}
+    plans = {plan_slice(cfg, 0.5, p, r) for r in range(1, 6) for p in ("static", "ordered")}
+    assert plans == {SlicePlan(attn_units=(0, 1), neurons=tuple(range(24)), hidden=tuple(range(32)), layers=(0, 1))}
 
 
 @pytest.mark.parametrize("bad", ["nan", "shape", "keys"])
@@ -164,9 +167,9 @@ def test_staggered_windows_of_one_round_tile_the_axis():
     for w in widths:
         plans.append(plan_slice(cfg, w, "rolling", server_round=3, stride=0.125, offset=offset))
         offset += w
-    for axis, total in enumerate(axis_sizes(cfg)):
-        held = sorted(u for p in plans for u in (p.attn_units, p.neurons)[axis])
-        assert held == list(range(total))  # every unit exactly once
+    for axis in ("heads", "neurons"):
+        held = sorted(u for p in plans for u in p.units(axis))
+        assert held == list(range(axis_sizes(cfg)[axis]))  # every unit exactly once
     shared = [plan_slice(cfg, w, "rolling", server_round=3, stride=0.125) for w in widths]
     assert set().union(*(p.neurons for p in shared)) == set(shared[0].neurons)  # FedRolex: widest window only
 
@@ -233,3 +236,58 @@ def test_robust_rules_respect_which_clients_held_a_coordinate(model):
 def test_unknown_aggregate_rule_is_named(model):
     with pytest.raises(ValueError, match="aggregate"):
         SelectiveAverager(model.state_dict(), model.config, rule="mode")
+
+
+def test_default_axes_repeat_the_foundations_plans_exactly():
+    """Llama recipes that name no axes slice heads and neurons only, drawing the same units as before
+    hidden and depth existed (so saved quickstart runs reproduce)."""
+    from tests.conftest import tiny_config
+
+    cfg = tiny_config(heads=8, kv_heads=2, hidden=32, inter=48)
+    random = plan_slice(cfg, 0.25, "random", 1, 0.125, 0.0, 11)
+    assert (random.attn_units, random.neurons) == ((1,), (0, 6, 13, 15, 16, 19, 23, 25, 26, 28, 30, 44))
+    rolling = plan_slice(cfg, 0.5, "rolling", 3, 0.125, 0.25)
+    assert (rolling.attn_units, rolling.neurons) == ((0,), tuple(range(24, 48)))
+    assert rolling.hidden == tuple(range(32)) and rolling.layers == (0, 1)
+    assert rolling.assignment() == {"attn_units": [[0, 0]], "neurons": [[24, 47]], "hidden": [[0, 31]], "layers": [[0, 1]]}
+
+
+def test_scaler_off_sends_the_target_coordinates_unscaled(model):
+    plan = plan_slice(model.config, 0.5, "static", scale=False)
+    sub = extract(model.state_dict(), model.config, plan)
+    full = model.state_dict()["model.layers.0.mlp.down_proj.weight"]
+    assert torch.equal(sub["model.layers.0.mlp.down_proj.weight"], full[:, :24])
+    avg = SelectiveAverager(model.state_dict(), model.config)
+    avg.add(sub, plan)
+    assert torch.equal(avg.result()["model.layers.0.mlp.down_proj.weight"], full)
+
+
+def test_depth_slice_of_a_llama_runs_with_its_kept_layers_renamed():
+    from tests.conftest import tiny_config
+
+    cfg = tiny_config()
+    cfg.num_hidden_layers = 5
+    torch.manual_seed(0)
+    target = model_from_state(cfg, LlamaForCausalLM(cfg).state_dict())
+    plan = plan_slice(cfg, 0.6, "rolling", server_round=3, stride=1 / 3, axes=("depth",))
+    assert plan.layers == (0, 3, 4)
+    sub = sub_model(target, plan)
+    assert sub.config.num_hidden_layers == 3
+    assert torch.equal(sub.model.layers[1].mlp.up_proj.weight, target.model.layers[3].mlp.up_proj.weight)
+    sub(torch.randint(0, 50, (1, 5)), labels=torch.randint(0, 50, (1, 5))).loss.backward()
+
+
+def test_plan_that_does_not_fit_the_config_is_named(model):
+    with pytest.raises(ValueError, match="plan.attn_units"):
+        extract(model.state_dict(), model.config, SlicePlan(attn_units=(9,), neurons=(0,), hidden=(0,), layers=(0,)))
+    with pytest.raises(ValueError, match="plan: no 'hidden'"):
+        sub_config(model.config, SlicePlan(attn_units=(0,), neurons=(0,)))
+
+
+def test_sub_scales_name_the_tensors_that_carry_the_folded_scaler(model):
+    cfg = model.config
+    plan = plan_slice(cfg, 0.5, "static")
+    scales = sub_scales(cfg, plan, model.state_dict())
+    assert set(scales) == {f"model.layers.{i}.{p}.weight" for i in range(2) for p in ("self_attn.o_proj", "mlp.down_proj")}
+    assert set(scales.values()) == {2.0}
+    assert sub_scales(cfg, plan_slice(cfg, 1.0, "static"), model.state_dict()) == {}

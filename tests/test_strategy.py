@@ -189,3 +189,16 @@ def test_fuzzed_malformed_replies_are_all_rejected_logged_and_leave_the_target_u
         assert arrays is None and metrics["clients_ok"] == 0
         rows = strategy.last.clients.values()
         assert all(r.status == "rejected" and r.error for r in rows), [(r.status, r.error) for r in rows]
+
+
+def test_a_good_update_with_broken_train_metrics_is_rejected_whole():
+    strategy, state = make_strategy()
+    grid = FakeGrid({11: "phone", 12: "desktop", 13: "phone"})
+    msgs = list(strategy.configure_train(1, ArrayRecord(state), ConfigRecord({}), grid))
+    bad = [MetricRecord({"num-examples": 10, "train_s": 0.1}), MetricRecord({"num-examples": 10, "train_loss": 1.0}),
+           MetricRecord({"num-examples": 10, "train_loss": float("nan"), "train_s": 0.1})]
+    replies = [Message(RecordDict({"arrays": m.content["arrays"], "metrics": metrics}), reply_to=m)
+               for m, metrics in zip(msgs, bad)]
+    arrays, metrics = strategy.aggregate_train(1, replies)
+    assert arrays is None and metrics["clients_ok"] == 0
+    assert {r.status for r in strategy.last.clients.values()} == {"rejected"}
