@@ -216,6 +216,7 @@ class RoundRecorder:
             "wasted_j": sum(c["energy_j"] for c in ledger if c["wasted"]),
             "co2_g": sum(c["co2_g"] for c in ledger) + server["co2_g"],
             "server_flops": self.strategy.server_cost["flops"] if server_round > 0 else 0.0,
+            "server_s": self.strategy.server_cost["seconds"] if server_round > 0 else 0.0,
             "server_energy_j": server["energy_j"], "server_co2_g": server["co2_g"],
             **(self.strategy.last.fed_eval if server_round > 0 else {}),
         }

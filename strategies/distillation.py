@@ -11,6 +11,11 @@ family models live on the strategy):
    :class:`~fedfusion.align.TokenBridge` where a family's tokenizer differs), and optionally the target
    teaches each family back (FedMKT's bidirectional transfer). Fewer than ``min_clients`` good replies
    leave the target and the families unchanged (a void round).
+3. After fusion every trained family model is scored on the pooled held-out text (``eval_text``) in its
+   own tokens, as loss in nats per *character* (total nats / characters predicted), so character and BPE
+   families compare with each other and with the character-level target; the scores go to
+   ``last.fed_eval`` (``family_<name>_loss``, ``family_<name>_ppl`` and, for families whose every predicted
+   token is one character, ``family_<name>_acc``: next-character accuracy), which the run recorder writes.
 
 The distillation's counted work is kept in :attr:`DistillationFusion.server_cost` so the server can be
 priced like a client.
@@ -20,27 +25,54 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from logging import INFO, WARNING
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from fedfusion.clients.smallmodel import small_model
+from fedfusion.strategies.submodel import (
+    ClientRound,
+    RoundLog,
+    SubModelFusion,
+    reply_metrics,
+    state_norm,
+)
+from flwr.app import (
+    ArrayRecord,
+    ConfigRecord,
+    Message,
+    MessageType,
+    MetricRecord,
+    RecordDict,
+)
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
-from transformers import LlamaConfig, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    LlamaConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from fedfusion.align import BridgedWindows, TokenBridge
-from fedfusion.clients.smallmodel import small_model
 from fedfusion.data import encode_text, lm_windows
-from fedfusion.distill import Teacher, distil, feddf_teacher, fedet_teacher, fit_vocab, forward_flops
+from fedfusion.distill import (
+    Teacher,
+    distil,
+    feddf_teacher,
+    fedet_teacher,
+    fit_vocab,
+    forward_flops,
+)
 from fedfusion.energy import WorkCost, price_work, train_flops
 from fedfusion.models import model_from_state
 from fedfusion.participation import Participation
-from fedfusion.strategies.submodel import ClientRound, RoundLog, SubModelFusion, error_line, state_norm
+from fedfusion.training import evaluate_lm
 
 TEACHERS = ("feddf", "fedet")
 
@@ -97,6 +129,7 @@ class DistillationFusion(SubModelFusion):
         back_distill: bool = True,
         back_steps: int = 20,
         back_lr: float = 1e-3,
+        eval_text: str = "",
         weighting: str = "uniform",
         evaluate_clients: int = 0,
         seed: int = 0,
@@ -149,6 +182,9 @@ class DistillationFusion(SubModelFusion):
                 up, up.prepare(self.transfer, _max_len(family.config)),
                 down, down.prepare(self.family_transfer[name], _max_len(config)),
             )
+        self.eval_sets = {name: family_eval_set(family.tokenizer or tokenizer, eval_text, seq_len)
+                          for name, family in sorted(families.items())} if eval_text else {}
+        self.family_scores: dict[str, dict[str, float]] = {}
         self.trained: set[str] = set()
         self.server_cost = {"flops": 0.0, "seconds": 0.0, "tokens": 0.0}
         self.sent: dict[int, str] = {}
@@ -162,13 +198,14 @@ class DistillationFusion(SubModelFusion):
     def state_dict(self) -> dict:
         """Sampling state plus the family models (safetensors, base64) and which families have trained:
         everything a resumed run needs, in a JSON-able dict."""
-        return {**super().state_dict(), "trained": sorted(self.trained),
+        return {**super().state_dict(), "trained": sorted(self.trained), "family_scores": self.family_scores,
                 "families": {n: base64.b64encode(save_tensors(s)).decode() for n, s in self.family_states.items()}}
 
     def load_state_dict(self, state: dict, rounds_done: int) -> None:
         """Continue from a checkpoint taken after ``rounds_done`` rounds."""
         super().load_state_dict(state, rounds_done)
         self.trained = set(state["trained"])
+        self.family_scores = state.get("family_scores", {})
         self.family_states = {n: load_tensors(base64.b64decode(b)) for n, b in state["families"].items()}
 
     def family_model(self, name: str) -> PreTrainedModel:
@@ -231,47 +268,28 @@ class DistillationFusion(SubModelFusion):
         sums: dict[str, dict[str, torch.Tensor]] = {}
         weights: dict[str, float] = {}
         losses, examples = [], 0
-        position = {node: i for i, node in enumerate(self.last.clients)}
-        for reply in sorted(replies, key=lambda m: position.get(m.metadata.src_node_id, len(position))):
-            node = reply.metadata.src_node_id
-            row = self.last.clients.get(node)
-            if row is None:
-                continue
-            if reply.has_error():
-                row.status, row.error = "failed", error_line(reply.error.reason)
-                log(WARNING, "round %d node %d: client failed: %s", server_round, node, row.error)
-                continue
-            name = self.sent[node]
+        for reply, row in self.replies_in_order(server_round, replies):
+            name = self.sent[row.node]
             try:
                 update = reply.content["arrays"].to_torch_state_dict()
-                metrics = reply.content["metrics"]
-                n = int(metrics["num-examples"])
+                n, loss, seconds, tokens = reply_metrics(reply.content["metrics"], row.tokens)
                 row.bytes_up = reply.content["arrays"].count_bytes()
-                if n <= 0:
-                    raise ValueError(f"num-examples is {n}")
                 check_update(update, self.family_states[name])
                 if self.max_norm_ratio and state_norm(update) > self.max_norm_ratio * row.sent_norm:
                     raise ValueError(f"update norm {state_norm(update):.3g} is over {self.max_norm_ratio:g}x the "
                                      f"norm of the family model sent ({row.sent_norm:.3g})")
             except Exception as exc:  # an untrusted reply can be malformed in any way; it must not stop the run
-                row.status, row.error = "rejected", str(exc)[:500]
-                log(WARNING, "round %d node %d: update rejected: %s", server_round, node, row.error)
+                self.reject(server_round, row, exc)
                 continue
             w = float(n) if self.weighting == "examples" else 1.0
             acc = sums.setdefault(name, {k: torch.zeros_like(v, dtype=torch.float32) for k, v in update.items()})
             for k, v in update.items():
                 acc[k] += w * v.float()
             weights[name] = weights.get(name, 0.0) + w
-            row.status, row.examples = "ok", n
-            row.train_loss, row.train_s = float(metrics["train_loss"]), float(metrics["train_s"])
-            row.tokens = int(metrics.get("train_tokens", row.tokens))
-            losses.append(row.train_loss)
+            row.status, row.examples, row.train_loss, row.train_s, row.tokens = "ok", n, loss, seconds, tokens
+            losses.append(loss)
             examples += n
-        for row in self.last.clients.values():
-            if row.status == "sent":
-                row.status, row.error = "timeout", "no reply before the round deadline"
-        self.participation.settle(server_round, {r.partition: (r.status, r.examples, r.train_loss)
-                                                 for r in self.last.clients.values()})
+        self.close_round(server_round)
         ok = len(losses)
         self.server_cost = {"flops": 0.0, "seconds": 0.0, "tokens": 0.0}
         self.last.void = ok < self.min_clients or not ok
@@ -279,6 +297,7 @@ class DistillationFusion(SubModelFusion):
             log(WARNING, "round %d: %d good replies < selection.min_clients=%d; target and families unchanged",
                 server_round, ok, self.min_clients)
             self.last.aggregate_s = time.perf_counter() - start
+            self.last.fed_eval = self.family_eval()
             return None, MetricRecord({"clients_ok": ok})
         for name, acc in sums.items():
             old = self.family_states[name]
@@ -287,11 +306,31 @@ class DistillationFusion(SubModelFusion):
         target, stats = self.fuse(server_round)
         self.last.coverage = 1.0  # distillation moves every parameter of the target
         self.last.aggregate_s = time.perf_counter() - start
+        self.score_families()
+        self.last.fed_eval = self.family_eval()
         return ArrayRecord(target), MetricRecord({
             "train_loss": sum(losses) / ok, "num-examples": examples, "clients_ok": ok,
             "coverage": self.last.coverage, **stats,
             "server_flops": self.server_cost["flops"], "server_s": self.server_cost["seconds"],
         })
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        """The target's federated evaluation (as in sub-model fusion), kept next to the family scores."""
+        families = self.family_eval()
+        result = super().aggregate_evaluate(server_round, replies)
+        self.last.fed_eval = {**families, **self.last.fed_eval}
+        return result
+
+    # -- family evaluation ----------------------------------------------------------------------
+    def score_families(self) -> None:
+        """Score every trained family model on the held-out text (no-op without ``eval_text``)."""
+        for name in sorted(self.trained & set(self.eval_sets)):
+            self.family_scores[name] = score_per_char(self.family_model(name), self.eval_sets[name])
+
+    def family_eval(self) -> dict[str, float]:
+        """The latest family scores as flat ``family_<name>_<metric>`` floats for the round's metrics row."""
+        return {f"family_{name}_{k}": v for name, scores in sorted(self.family_scores.items())
+                for k, v in scores.items()}
 
     # -- server-side distillation --------------------------------------------------------------
     def fuse(self, server_round: int) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
@@ -372,6 +411,43 @@ class DistillationFusion(SubModelFusion):
             return teacher
 
         return teacher_fn
+
+
+@dataclass(frozen=True)
+class EvalSet:
+    """Held-out text in one tokenizer: windows, characters per token id, and whether it is character-level."""
+
+    windows: torch.Tensor
+    chars: int  # characters spanned by the predicted tokens (labels) of ``windows``
+    char_level: bool  # every predicted token is one character: accuracy is next-character accuracy
+
+
+def family_eval_set(tokenizer: PreTrainedTokenizerBase, text: str, seq_len: int) -> EvalSet:
+    """``text`` as non-overlapping windows of ``tokenizer``'s ids, with the characters its labels span.
+
+    A token's characters are those of its decoded string (a byte-level BPE token holding part of a
+    multi-byte character decodes to one replacement character, so counts are exact for ASCII text).
+    """
+    windows = lm_windows(encode_text(tokenizer, text), seq_len)
+    labels = windows[:, 1:]
+    ids = labels.unique()
+    length = torch.zeros(int(ids.max()) + 1, dtype=torch.long)
+    length[ids] = torch.tensor([len(tokenizer.decode([int(i)])) for i in ids])
+    chars = int(length[labels].sum())
+    if chars < 1:
+        raise ValueError("eval_text: the held-out text decodes to no characters")
+    return EvalSet(windows, chars, bool((length[ids] == 1).all()))
+
+
+def score_per_char(model: PreTrainedModel, data: EvalSet) -> dict[str, float]:
+    """Held-out loss in nats per character (total nats / characters), its perplexity, and, for a
+    character-level tokenizer, next-character accuracy."""
+    scores = evaluate_lm(model, data.windows)
+    loss = scores["eval_loss"] * data.windows[:, 1:].numel() / data.chars
+    out = {"loss": loss, "ppl": math.exp(min(loss, 50.0))}
+    if data.char_level:
+        out["acc"] = scores["eval_acc"]
+    return out
 
 
 def _max_len(config: PretrainedConfig) -> int | None:

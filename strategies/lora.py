@@ -37,7 +37,6 @@ from fedfusion.strategies.submodel import (
     ClientRound,
     RoundLog,
     SubModelFusion,
-    error_line,
     reply_metrics,
 )
 from flwr.app import (
@@ -220,18 +219,8 @@ class LoRAFusion(SubModelFusion):
         """Check every reply, aggregate the good adapters with the method; bad replies are rejected and logged."""
         server_round += self.round_offset
         start = time.perf_counter()
-        position = {node: i for i, node in enumerate(self.last.clients)}
-        replies = sorted(replies, key=lambda m: position.get(m.metadata.src_node_id, len(position)))
         clients, losses, examples = [], [], 0
-        for reply in replies:
-            node = reply.metadata.src_node_id
-            row = self.last.clients.get(node)
-            if row is None:
-                continue
-            if reply.has_error():
-                row.status, row.error = "failed", error_line(reply.error.reason)
-                log(WARNING, "round %d node %d: client failed: %s", server_round, node, row.error)
-                continue
+        for reply, row in self.replies_in_order(server_round, replies):
             try:
                 metrics = reply.content["metrics"]
                 n, loss, seconds, tokens = reply_metrics(metrics, row.tokens)
@@ -242,18 +231,13 @@ class LoRAFusion(SubModelFusion):
                     raise ValueError(f"adapter update norm {norm:.3g} is over {self.max_norm_ratio:g}x the norm of "
                                      f"the adapter sent ({row.sent_norm:.3g})")
             except Exception as exc:  # an untrusted reply can be malformed in any way; it must not stop the run
-                row.status, row.error = "rejected", str(exc)[:500]
-                log(WARNING, "round %d node %d: update rejected: %s", server_round, node, row.error)
+                self.reject(server_round, row, exc)
                 continue
             clients.append(ClientLoRA(A, B, row.alpha, float(n) if self.weighting == "examples" else 1.0))
             row.status, row.examples, row.train_loss, row.train_s, row.tokens = "ok", n, loss, seconds, tokens
             losses.append(loss)
             examples += n
-        for row in self.last.clients.values():
-            if row.status == "sent":
-                row.status, row.error = "timeout", "no reply before the round deadline"
-        self.participation.settle(server_round, {r.partition: (r.status, r.examples, r.train_loss)
-                                                 for r in self.last.clients.values()})
+        self.close_round(server_round)
         ok = len(clients)
         self.last.void = ok < self.min_clients or ok == 0
         if self.last.void:

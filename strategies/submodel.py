@@ -14,7 +14,7 @@ import json
 import math
 import random
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
 
@@ -296,6 +296,35 @@ class SubModelFusion(Strategy):
                                     message_type=MessageType.TRAIN))
         return messages
 
+    # -- reply bookkeeping shared by every fusion strategy -------------------------------------
+    def replies_in_order(self, server_round: int, replies: Iterable[Message]) -> Iterator[tuple[Message, ClientRound]]:
+        """This round's replies in sample order (not arrival order, so float sums and reruns repeat exactly),
+        each node once; error replies are recorded as ``failed`` and not yielded."""
+        position = {node: i for i, node in enumerate(self.last.clients)}
+        for reply in sorted(replies, key=lambda m: position.get(m.metadata.src_node_id, len(position))):
+            row = self.last.clients.get(reply.metadata.src_node_id)
+            if row is None or row.status != "sent":  # not sent this round, or a second reply from the node
+                continue
+            if reply.has_error():
+                row.status, row.error = "failed", error_line(reply.error.reason)
+                log(WARNING, "round %d node %d: client failed: %s", server_round, row.node, row.error)
+                continue
+            yield reply, row
+
+    @staticmethod
+    def reject(server_round: int, row: ClientRound, exc: Exception) -> None:
+        """Record and log a reply whose update cannot be used."""
+        row.status, row.error = "rejected", str(exc)[:500]
+        log(WARNING, "round %d node %d: update rejected: %s", server_round, row.node, row.error)
+
+    def close_round(self, server_round: int) -> None:
+        """Clients still silent timed out; the participation draw learns how every client did."""
+        for row in self.last.clients.values():
+            if row.status == "sent":
+                row.status, row.error = "timeout", "no reply before the round deadline"
+        self.participation.settle(server_round, {r.partition: (r.status, r.examples, r.train_loss)
+                                                 for r in self.last.clients.values()})
+
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
@@ -304,18 +333,8 @@ class SubModelFusion(Strategy):
         start = time.perf_counter()
         averager: SelectiveAverager | None = None
         losses, examples = [], 0
-        # Fold in a fixed order (the sample's), not arrival order, so float sums and reruns repeat exactly.
-        position = {node: i for i, node in enumerate(self.last.clients)}
-        replies = sorted(replies, key=lambda m: position.get(m.metadata.src_node_id, len(position)))
-        for reply in replies:
-            node = reply.metadata.src_node_id
-            row = self.last.clients.get(node)
-            if row is None or row.status != "sent":  # not sent this round, or a second reply from the node
-                continue
-            if reply.has_error():
-                row.status, row.error = "failed", error_line(reply.error.reason)
-                log(WARNING, "round %d node %d: client failed: %s", server_round, node, row.error)
-                continue
+        for reply, row in self.replies_in_order(server_round, replies):
+            node = row.node
             try:
                 sub = reply.content["arrays"].to_torch_state_dict()
                 metrics = reply.content["metrics"]
@@ -328,17 +347,12 @@ class SubModelFusion(Strategy):
                     averager = SelectiveAverager(self.target, self.config, self.aggregate, self.trim)
                 averager.add(sub, self.plans[node], weight=float(n) if self.weighting == "examples" else 1.0)
             except Exception as exc:  # an untrusted reply can be malformed in any way; it must not stop the run
-                row.status, row.error = "rejected", str(exc)[:500]
-                log(WARNING, "round %d node %d: update rejected: %s", server_round, node, row.error)
+                self.reject(server_round, row, exc)
                 continue
             row.status, row.examples, row.train_loss, row.train_s, row.tokens = "ok", n, loss, seconds, tokens
             losses.append(row.train_loss)
             examples += n
-        for row in self.last.clients.values():
-            if row.status == "sent":
-                row.status, row.error = "timeout", "no reply before the round deadline"
-        self.participation.settle(server_round, {r.partition: (r.status, r.examples, r.train_loss)
-                                                 for r in self.last.clients.values()})
+        self.close_round(server_round)
         ok = len(losses)
         self.last.void = ok < self.min_clients
         if self.last.void or averager is None:

@@ -4,6 +4,7 @@ distillation into the target and back, rejection of bad replies, void rounds; an
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict
 
 import pytest
@@ -17,7 +18,7 @@ from fedfusion.devices import load_catalog
 from fedfusion.participation import Participation
 from fedfusion.recipe import DataConfig
 from fedfusion.selection import make_selector
-from fedfusion.strategies.distillation import DistillationFusion, Family
+from fedfusion.strategies.distillation import DistillationFusion, Family, family_eval_set, score_per_char
 from fedfusion.transfer import family_tokenizer, train_bpe, wrap_tokenizer
 from tests.test_strategy import FakeGrid, task_identity  # noqa: F401  (autouse fixture)
 
@@ -243,3 +244,84 @@ def test_client_role_trains_and_evaluates_its_family_model(bpe, family, tmp_path
     assert metrics["num-examples"] > 0 and metrics["train_tokens"] == 2 * 2 * 16
     scores = smallmodel.evaluate(state, spec, partition=1)
     assert scores["num-examples"] > 0 and 0 <= scores["eval_acc"] <= 1
+
+
+HELD_OUT = ("But soft, what light through yonder window breaks? It is the east, and Juliet is the sun.\n") * 6
+
+
+def _nats_per_char(model, tokenizer, text: str, seq_len: int) -> float:
+    """Independent reference: summed next-token cross-entropy over non-overlapping windows, divided by the
+    length of the text the predicted tokens decode to."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    nats, chars = 0.0, 0
+    for i in range(0, len(ids) - seq_len, seq_len + 1):
+        window = torch.tensor(ids[i : i + seq_len + 1])
+        if len(window) < seq_len + 1:
+            break
+        with torch.no_grad():
+            logits = model(input_ids=window[None, :-1]).logits[0].float()
+        nats += float(torch.nn.functional.cross_entropy(logits, window[1:], reduction="sum"))
+        chars += sum(len(tokenizer.decode([int(t)])) for t in window[1:])
+    return nats / chars
+
+
+def test_eval_sets_count_the_characters_their_labels_span(bpe):
+    char = family_eval_set(CHAR, HELD_OUT, 16)
+    assert char.char_level and char.chars == char.windows[:, 1:].numel()
+    subword = family_eval_set(bpe, HELD_OUT, 16)
+    assert not subword.char_level and subword.chars > subword.windows[:, 1:].numel()
+    assert subword.chars == sum(len(bpe.decode(row[1:].tolist())) for row in subword.windows)  # ASCII: exact
+    with pytest.raises(ValueError, match="seq_len=500"):
+        family_eval_set(CHAR, "too short", 500)
+
+
+def test_family_scores_are_per_character_for_char_and_bpe_models(bpe):
+    strategy, _ = make(bpe)
+    torch.manual_seed(1)
+    for name, tok, char_level in (("tiny", CHAR, True), ("gpt", bpe, False)):
+        model = strategy.family_model(name)
+        scores = score_per_char(model, family_eval_set(tok, HELD_OUT, 16))
+        assert scores["loss"] == pytest.approx(_nats_per_char(model, tok, HELD_OUT, 16), rel=1e-4)
+        assert scores["ppl"] == pytest.approx(math.exp(scores["loss"]))
+        assert ("acc" in scores) == char_level
+    # an untrained model is near uniform over its vocabulary per token: per char that is log(V) for the
+    # character model and log(V) x tokens / chars for the BPE model
+    char, subword = family_eval_set(CHAR, HELD_OUT, 16), family_eval_set(bpe, HELD_OUT, 16)
+    assert score_per_char(strategy.family_model("tiny"), char)["loss"] == pytest.approx(math.log(len(CHAR)), rel=0.1)
+    per_char = math.log(len(bpe)) * subword.windows[:, 1:].numel() / subword.chars
+    assert score_per_char(strategy.family_model("gpt"), subword)["loss"] == pytest.approx(per_char, rel=0.1)
+
+
+def test_every_trained_family_is_scored_each_round_and_void_rounds_keep_the_scores(bpe):
+    strategy, target = make(bpe, back_distill=True, eval_text=HELD_OUT)
+    msgs = list(strategy.configure_train(1, ArrayRecord(target), ConfigRecord({}), FakeGrid({11: "phone", 13: "phone"})))
+    strategy.aggregate_train(1, [_reply(m, _shifted(m, 0.01)) for m in msgs])
+    tiny = score_per_char(strategy.family_model("tiny"), family_eval_set(CHAR, HELD_OUT, 16))
+    assert strategy.last.fed_eval == {"family_tiny_loss": tiny["loss"], "family_tiny_ppl": tiny["ppl"],
+                                      "family_tiny_acc": tiny["acc"]}  # the untrained gpt family is not scored
+    msgs = list(strategy.configure_train(2, ArrayRecord(target), ConfigRecord({}), FakeGrid(GRID)))
+    strategy.aggregate_train(2, [_reply(m, _shifted(m, 0.01)) for m in msgs])
+    scores = strategy.last.fed_eval
+    assert set(scores) == {"family_tiny_loss", "family_tiny_ppl", "family_tiny_acc", "family_gpt_loss", "family_gpt_ppl"}
+    assert scores["family_tiny_loss"] != tiny["loss"]  # re-scored after this round's FedAvg and back-distillation
+    gpt = score_per_char(strategy.family_model("gpt"), family_eval_set(bpe, HELD_OUT, 16))
+    assert scores["family_gpt_loss"] == gpt["loss"]
+    # the target's federated evaluation is merged, not substituted
+    reply = Message(RecordDict({"metrics": MetricRecord({"num-examples": 4, "eval_loss": 2.0, "eval_acc": 0.5})}),
+                    reply_to=msgs[0])
+    strategy.aggregate_evaluate(2, [reply])
+    assert strategy.last.fed_eval == {**scores, "fed_eval_loss": 2.0, "fed_eval_acc": 0.5}
+    # a void round changes no family, and reports the same scores
+    msgs = list(strategy.configure_train(3, ArrayRecord(target), ConfigRecord({}), FakeGrid(GRID)))
+    strategy.aggregate_train(3, [_reply(m, None, error="boom") for m in msgs])
+    assert strategy.last.void and strategy.last.fed_eval == scores
+    resumed, _ = make(bpe, eval_text=HELD_OUT)  # a resumed run reports them too until the next round scores
+    resumed.load_state_dict(json.loads(json.dumps(strategy.state_dict())), rounds_done=3)
+    assert resumed.family_eval() == scores
+
+
+def test_without_eval_text_nothing_is_scored(bpe):
+    strategy, target = make(bpe)
+    msgs = list(strategy.configure_train(1, ArrayRecord(target), ConfigRecord({}), FakeGrid(GRID)))
+    strategy.aggregate_train(1, [_reply(m, _shifted(m, 0.0)) for m in msgs])
+    assert strategy.last.fed_eval == {}
