@@ -12,6 +12,7 @@ from flwr.app import ConfigRecord
 
 from fedfusion.cache import cached_tensor
 from fedfusion.data import encode_text, lm_windows
+from fedfusion.energy import EnergyMeter
 from fedfusion.models import load_tokenizer, model_from_state
 from fedfusion.ordered import train_steps_ordered
 from fedfusion.population import population_data
@@ -67,13 +68,17 @@ def train(state: dict[str, torch.Tensor], spec: ConfigRecord, partition: int,
     model = _model(state, spec, accelerator)
     common = dict(steps=int(spec["local-steps"]), lr=float(spec["lr"]), batch_size=int(spec["batch-size"]),
                   seed=int(spec["seed"]), weight_decay=float(spec["weight-decay"]))
-    if str(spec.get("policy", "")) == "ordered":  # FjORD: a nested width per step, up to this sub-model
-        stats = train_steps_ordered(
-            model, windows, fractions=json.loads(str(spec["ordered-fractions"])),
-            axes=json.loads(str(spec.get("axes", "null"))), distill=bool(spec.get("ordered-distill", False)), **common,
-        )
-    else:
-        stats = train_steps(model, windows, **common)
+    with EnergyMeter() as meter:  # the host's own energy, where RAPL is readable (labelled, not priced)
+        if str(spec.get("policy", "")) == "ordered":  # FjORD: a nested width per step, up to this sub-model
+            stats = train_steps_ordered(
+                model, windows, fractions=json.loads(str(spec["ordered-fractions"])),
+                axes=json.loads(str(spec.get("axes", "null"))), distill=bool(spec.get("ordered-distill", False)),
+                **common,
+            )
+        else:
+            stats = train_steps(model, windows, **common)
+    if meter.joules is not None:
+        stats["measured_rapl_j"] = meter.joules
     new_state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     if corrupt:
         next(iter(new_state.values())).view(-1)[0] = float("nan")

@@ -272,7 +272,7 @@ class DistillationFusion(SubModelFusion):
             name = self.sent[row.node]
             try:
                 update = reply.content["arrays"].to_torch_state_dict()
-                n, loss, seconds, tokens = reply_metrics(reply.content["metrics"], row.tokens)
+                n, loss, seconds, tokens = reply_metrics(reply.content["metrics"], row)
                 row.bytes_up = reply.content["arrays"].count_bytes()
                 check_update(update, self.family_states[name])
                 if self.max_norm_ratio and state_norm(update) > self.max_norm_ratio * row.sent_norm:

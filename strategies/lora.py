@@ -223,7 +223,7 @@ class LoRAFusion(SubModelFusion):
         for reply, row in self.replies_in_order(server_round, replies):
             try:
                 metrics = reply.content["metrics"]
-                n, loss, seconds, tokens = reply_metrics(metrics, row.tokens)
+                n, loss, seconds, tokens = reply_metrics(metrics, row)
                 A, B = self.check_reply(reply.content["arrays"].to_torch_state_dict(), row.rank)
                 row.bytes_up = reply.content["arrays"].count_bytes()
                 norm = _update_norm(A, B, row.alpha / row.rank)

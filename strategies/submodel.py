@@ -64,6 +64,8 @@ class ClientRound:
     sent_norm: float = 0.0  # L2 norm of the sub-model sent, to judge the reply's
     tokens: int = 0  # tokens trained: planned when sent, as reported once the reply arrives
     error: str | None = None
+    measured_j: float | None = None  # host energy the client measured while training (not the priced device)
+    measured_source: str | None = None  # e.g. "rapl"
 
 
 @dataclass
@@ -84,11 +86,14 @@ def state_norm(state: dict[str, torch.Tensor]) -> float:
     return float(torch.sqrt(sum((t.float().pow(2).sum() for t in state.values()), torch.tensor(0.0))))
 
 
-def reply_metrics(metrics: MetricRecord, planned_tokens: int) -> tuple[int, float, float, int]:
+def reply_metrics(metrics: MetricRecord, row: ClientRound) -> tuple[int, float, float, int]:
     """A reply's (num-examples, train_loss, train_s, train_tokens), read and checked before its update is
-    used, so a reply with broken numbers is rejected whole instead of half folded in."""
+    used, so a reply with broken numbers is rejected whole instead of half folded in. A host energy
+    reading the client measured (RAPL) goes into ``row.measured_j`` whatever becomes of the update."""
+    if "measured_rapl_j" in metrics:
+        row.measured_j, row.measured_source = float(metrics["measured_rapl_j"]), "rapl"
     n, loss, seconds = int(metrics["num-examples"]), float(metrics["train_loss"]), float(metrics["train_s"])
-    tokens = int(metrics.get("train_tokens", planned_tokens))
+    tokens = int(metrics.get("train_tokens", row.tokens))
     if n <= 0:
         raise ValueError(f"num-examples is {n}")
     if not (math.isfinite(loss) and math.isfinite(seconds) and seconds >= 0 and tokens >= 0):
@@ -338,7 +343,7 @@ class SubModelFusion(Strategy):
             try:
                 sub = reply.content["arrays"].to_torch_state_dict()
                 metrics = reply.content["metrics"]
-                n, loss, seconds, tokens = reply_metrics(metrics, row.tokens)
+                n, loss, seconds, tokens = reply_metrics(metrics, row)
                 row.bytes_up = reply.content["arrays"].count_bytes()
                 if self.max_norm_ratio and state_norm(sub) > self.max_norm_ratio * row.sent_norm:
                     raise ValueError(f"update norm {state_norm(sub):.3g} is over {self.max_norm_ratio:g}x the "

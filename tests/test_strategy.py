@@ -202,3 +202,14 @@ def test_a_good_update_with_broken_train_metrics_is_rejected_whole():
     arrays, metrics = strategy.aggregate_train(1, replies)
     assert arrays is None and metrics["clients_ok"] == 0
     assert {r.status for r in strategy.last.clients.values()} == {"rejected"}
+
+
+def test_a_measured_host_energy_reading_is_kept_and_labelled():
+    strategy, state = make_strategy()
+    grid = FakeGrid({11: "phone", 12: "desktop", 13: "phone"})
+    msgs = list(strategy.configure_train(1, ArrayRecord(state), ConfigRecord({}), grid))
+    metrics = MetricRecord({"num-examples": 10, "train_loss": 1.0, "train_s": 0.1, "measured_rapl_j": 42.5})
+    replies = [Message(RecordDict({"arrays": m.content["arrays"], "metrics": metrics}), reply_to=m) for m in msgs]
+    strategy.aggregate_train(1, replies)
+    rows = strategy.last.clients.values()
+    assert all(r.status == "ok" and r.measured_j == 42.5 and r.measured_source == "rapl" for r in rows)
