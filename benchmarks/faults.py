@@ -30,6 +30,10 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from fedfusion.devices import load_catalog
+from fedfusion.participation import Participation
+from fedfusion.selection import make_selector
+
 RESULTS = Path(__file__).resolve().parent / "results"
 JSON_PATH, MD_PATH = RESULTS / "faults.json", RESULTS / "faults.md"
 
@@ -417,6 +421,7 @@ def cmd_fuzz(args: argparse.Namespace) -> dict:
         config=cfg, widths={"phone": 0.25, "laptop": 0.5, "desktop": 1.0}, policy="rolling", stride=0.25,
         stagger=True, clients_per_round=len(devices), min_clients=1, query_config={"population": "{}"},
         train_config={"local-steps": 1, "lr": 0.1, "seed": 0}, wait_nodes_s=1.0, aggregate=args.aggregate,
+        participation=Participation(make_selector("random", seed=args.seed), load_catalog()),
     )
     grid = FakeGrid(devices)
     rng = np.random.default_rng(args.seed)
