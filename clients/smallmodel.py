@@ -8,17 +8,26 @@ The message carries the family's global weights, its Hugging Face config (any ca
 from __future__ import annotations
 
 import json
-import time
 from functools import lru_cache
 
 import torch
+from fedfusion.clients.submodel import (
+    client_windows,
+    inject_faults,
+    local_steps,
+    trained_reply,
+)
 from flwr.app import ConfigRecord
 from transformers import (
-    AutoConfig, AutoModelForCausalLM, GPT2Config, LlamaConfig, PretrainedConfig, PreTrainedModel,
+    AutoConfig,
+    AutoModelForCausalLM,
+    GPT2Config,
+    LlamaConfig,
+    PretrainedConfig,
+    PreTrainedModel,
     PreTrainedTokenizerBase,
 )
 
-from fedfusion.clients.submodel import client_windows, inject_faults
 from fedfusion.data import encode_text, lm_windows
 from fedfusion.population import population_data
 from fedfusion.training import evaluate_lm, train_steps
@@ -81,19 +90,11 @@ def _windows(spec: ConfigRecord, partition: int, split: str) -> torch.Tensor:
 def train(state: dict[str, torch.Tensor], spec: ConfigRecord, partition: int,
           accelerator: str = "cpu") -> tuple[dict, dict]:
     """Train the family model in ``state`` as ``spec`` says; returns the new state and reply metrics."""
-    corrupt, delay = inject_faults(spec, partition)
+    faults = inject_faults(spec, partition)  # an injected crash happens before any work
     torch.set_num_threads(int(spec["threads"]))
     windows = _windows(spec, partition, "train")
     model = small_model(str(spec["model-config"]), state).to(accelerator)
-    stats = train_steps(
-        model, windows, steps=int(spec["local-steps"]), lr=float(spec["lr"]),
-        batch_size=int(spec["batch-size"]), seed=int(spec["seed"]), weight_decay=float(spec["weight-decay"]),
-    )
-    new_state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    if corrupt:
-        next(iter(new_state.values())).view(-1)[0] = float("nan")
-    time.sleep(delay)
-    return new_state, {"num-examples": int(windows.shape[0]), **stats}
+    return trained_reply(model, windows, faults, lambda: train_steps(model, windows, **local_steps(spec)))
 
 
 def evaluate(state: dict[str, torch.Tensor], spec: ConfigRecord, partition: int, accelerator: str = "cpu") -> dict:

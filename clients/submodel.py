@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 import time
+from collections.abc import Callable
 from functools import lru_cache
 
 import torch
@@ -59,24 +60,19 @@ def inject_faults(spec: ConfigRecord, partition: int) -> tuple[bool, float]:
     return draws[2] < float(spec.get("fault-corrupt-prob", 0.0)), delay
 
 
-def train(state: dict[str, torch.Tensor], spec: ConfigRecord, partition: int,
-          accelerator: str = "cpu") -> tuple[dict, dict]:
-    """Train the sub-model in ``state`` on ``accelerator`` as ``spec`` says; returns the new state and metrics."""
-    corrupt, delay = inject_faults(spec, partition)
-    torch.set_num_threads(int(spec["threads"]))
-    windows = client_windows(str(spec["data-spec"]), partition, int(spec["seq-len"]), "train")
-    model = _model(state, spec, accelerator)
-    common = dict(steps=int(spec["local-steps"]), lr=float(spec["lr"]), batch_size=int(spec["batch-size"]),
-                  seed=int(spec["seed"]), weight_decay=float(spec["weight-decay"]))
+def local_steps(spec: ConfigRecord) -> dict:
+    """The spec's local training settings, as ``train_steps`` takes them."""
+    return dict(steps=int(spec["local-steps"]), lr=float(spec["lr"]), batch_size=int(spec["batch-size"]),
+                seed=int(spec["seed"]), weight_decay=float(spec["weight-decay"]))
+
+
+def trained_reply(model: torch.nn.Module, windows: torch.Tensor, faults: tuple[bool, float],
+                  fit: Callable[[], dict]) -> tuple[dict, dict]:
+    """Run ``fit()`` (local training of ``model``) under the host energy meter, then apply the injected
+    ``faults`` (from :func:`inject_faults`: corrupt?, straggle seconds); returns the state and reply metrics."""
+    corrupt, delay = faults
     with EnergyMeter() as meter:  # the host's own energy, where RAPL is readable (labelled, not priced)
-        if str(spec.get("policy", "")) == "ordered":  # FjORD: a nested width per step, up to this sub-model
-            stats = train_steps_ordered(
-                model, windows, fractions=json.loads(str(spec["ordered-fractions"])),
-                axes=json.loads(str(spec.get("axes", "null"))), distill=bool(spec.get("ordered-distill", False)),
-                **common,
-            )
-        else:
-            stats = train_steps(model, windows, **common)
+        stats = fit()
     if meter.joules is not None:
         stats["measured_rapl_j"] = meter.joules
     new_state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
@@ -84,6 +80,26 @@ def train(state: dict[str, torch.Tensor], spec: ConfigRecord, partition: int,
         next(iter(new_state.values())).view(-1)[0] = float("nan")
     time.sleep(delay)
     return new_state, {"num-examples": int(windows.shape[0]), **stats}
+
+
+def train(state: dict[str, torch.Tensor], spec: ConfigRecord, partition: int,
+          accelerator: str = "cpu") -> tuple[dict, dict]:
+    """Train the sub-model in ``state`` on ``accelerator`` as ``spec`` says; returns the new state and metrics."""
+    faults = inject_faults(spec, partition)  # an injected crash happens before any work
+    torch.set_num_threads(int(spec["threads"]))
+    windows = client_windows(str(spec["data-spec"]), partition, int(spec["seq-len"]), "train")
+    model = _model(state, spec, accelerator)
+
+    def fit() -> dict:
+        if str(spec.get("policy", "")) == "ordered":  # FjORD: a nested width per step, up to this sub-model
+            return train_steps_ordered(
+                model, windows, fractions=json.loads(str(spec["ordered-fractions"])),
+                axes=json.loads(str(spec.get("axes", "null"))), distill=bool(spec.get("ordered-distill", False)),
+                **local_steps(spec),
+            )
+        return train_steps(model, windows, **local_steps(spec))
+
+    return trained_reply(model, windows, faults, fit)
 
 
 def evaluate(state: dict[str, torch.Tensor], spec: ConfigRecord, partition: int, accelerator: str = "cpu") -> dict:

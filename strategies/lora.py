@@ -263,8 +263,7 @@ class LoRAFusion(SubModelFusion):
         server_round += self.round_offset
         A, B = split_global(arrays)
         state = {**{f"{m}.merged_A": a for m, a in A.items()}, **{f"{m}.merged_B": b for m, b in B.items()}}
-        known = sorted(self.caps)
-        nodes = sorted(self.rng.sample(known, min(self.evaluate_clients, len(known))))
+        nodes = self.evaluation_nodes()
         messages = []
         for n in nodes:
             spec = {**config, **self.train_config, "role": "lora", "server-round": server_round,

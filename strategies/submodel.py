@@ -374,6 +374,11 @@ class SubModelFusion(Strategy):
         })
 
     # -- federated evaluation (optional; the server also evaluates centrally) -------------------
+    def evaluation_nodes(self) -> list[int]:
+        """A seeded sample of ``evaluate_clients`` known nodes, sorted."""
+        known = sorted(self.caps)
+        return sorted(self.rng.sample(known, min(self.evaluate_clients, len(known))))
+
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
@@ -381,8 +386,7 @@ class SubModelFusion(Strategy):
         if self.evaluate_clients <= 0:
             return []
         server_round += self.round_offset
-        known = sorted(self.caps)
-        nodes = sorted(self.rng.sample(known, min(self.evaluate_clients, len(known))))
+        nodes = self.evaluation_nodes()
         spec = {**config, **self.train_config, "role": "submodel", "server-round": server_round,
                 "model-config": json.dumps(self.config.to_dict())}
         return [
