@@ -41,6 +41,7 @@ from fedfusion.instruct import (
 from fedfusion.pretrained import load_base, load_base_tokenizer
 
 _PEFT_PREFIX = "base_model.model."
+FROZEN_SUFFIXES = (".merged_A", ".merged_B")  # arrays a client applies but never trains (FLoRA's merged update)
 
 
 @lru_cache(maxsize=3)
@@ -167,6 +168,9 @@ def train(arrays: dict[str, torch.Tensor], spec: ConfigRecord, partition: int,
                                    batch_size=int(spec["batch-size"]), seed=int(spec["seed"]),
                                    weight_decay=float(spec.get("weight-decay", 0.0)))
             factors = adapter_factors(model)
+            sent = [k for k in arrays if k.endswith((".lora_A", ".lora_B"))]
+            if sent:  # reply in the order received: Flower's DP mods compare the key lists as sent
+                factors = {k: factors[k] for k in sent}
         finally:
             model.unload()  # the cached base loses the adapter layers again
     if corrupt:

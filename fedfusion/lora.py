@@ -308,3 +308,27 @@ def serve(agg: LoRAAggregate, rank: int, alpha: float) -> Factors | None:
         if rank > held:
             return agg.for_client(held, alpha * held / rank)
     return agg.for_client(rank, alpha)
+
+
+def starting_adapter(shapes: dict[str, tuple[int, int]], rank: int, served: Factors | None, seed: int) -> Factors:
+    """The whole rank-``rank`` adapter a client starts a round from: peft's fresh initialisation (A
+    Kaiming-uniform with a = sqrt(5), B = 0; seeded) with the ``served`` components (k <= rank) in front.
+
+    Sending the client its whole starting adapter, not only the served components, makes its reply
+    comparable key by key and shape by shape with what it was sent, which Flower's DP mods need to clip
+    ``reply - sent``; the fresh components have B = 0, so the adapter's update is still the served one.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    A, B = {}, {}
+    for name, (out, inp) in shapes.items():
+        a, b = torch.empty(rank, inp), torch.zeros(out, rank)
+        torch.nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
+        if served is not None:
+            sa, sb = served[0][name], served[1][name]
+            k = sa.shape[0]
+            if k > rank or tuple(sa.shape) != (k, inp) or tuple(sb.shape) != (out, k):
+                raise ValueError(f"{name}: served A {tuple(sa.shape)}, B {tuple(sb.shape)} do not fit a rank-{rank} "
+                                 f"adapter of ({out}, {inp})")
+            a[:k], b[:, :k] = sa, sb
+        A[name], B[name] = a, b
+    return A, B

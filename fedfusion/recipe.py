@@ -422,10 +422,6 @@ def validate(recipe: Recipe) -> None:
                           f"and only it does; got method {recipe.fusion.method!r} with source {recipe.data.source!r}")
     if recipe.fusion.method == "lora":
         _validate_lora(recipe)
-        if recipe.privacy.mode != "none":
-            raise RecipeError("privacy.mode: not available with fusion.method=lora yet (Flower's DP mods compare "
-                              "the reply with the arrays sent key by key, and a LoRA reply carries the client's "
-                              "whole adapter while the message carries only the global update)")
     for tier, width in recipe.fusion.widths.items():
         if tier not in catalog:
             raise RecipeError(f"fusion.widths.{tier}: unknown device; the catalog has {', '.join(sorted(catalog))}")

@@ -15,7 +15,10 @@ adapted module ``m``: ``m.lora_A`` (R, in) and ``m.lora_B`` (out, R) with update
   ``m.merged_*`` update and train fresh adapters on top. Its rank grows with the rounds up to
   min(out, in) (it is recompressed exactly every round), so FLoRA's downlink grows too.
 
-An empty ArrayRecord means no update yet: round 1 clients start from fresh adapters.
+An empty ArrayRecord means no update yet. Every client is sent its whole starting adapter (served
+components in front, fresh seeded ones behind, B = 0), so its reply carries exactly the keys and shapes it
+was sent: what Flower's DP mods need to clip ``reply - sent`` (FLoRA's frozen ``m.merged_*`` arrays are
+left out of that comparison by :func:`fedfusion.clients.privacy.privacy_mod`).
 
 Node discovery (QUERY round), participation (selector, availability, dropouts), checkpoint state and the
 reporting contract (``last: RoundLog`` of ``ClientRound`` rows, ``coverage``, ``aggregate_s``, ``void``,
@@ -60,6 +63,7 @@ from fedfusion.lora import (
     from_global,
     global_factors,
     serve,
+    starting_adapter,
 )
 from fedfusion.pretrained import QUANTIZE
 
@@ -161,8 +165,9 @@ class LoRAFusion(SubModelFusion):
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        """One fresh Message per sampled node: its starting adapter at its rank (or FLoRA's merged update)
-        and the spec to build the base and adapter."""
+        """One fresh Message per sampled node: its whole starting adapter at its rank (served components
+        in front, fresh ones behind; FLoRA's also carries the frozen merged update) and the spec to build
+        the base and adapter."""
         server_round += self.round_offset
         A, B = split_global(arrays)
         agg = from_global(self.method, A, B) if A else None
@@ -172,16 +177,15 @@ class LoRAFusion(SubModelFusion):
         for node in self.sample(grid, server_round):
             device = self.caps[node]["device"]
             rank, alpha = self.ranks[device], self.alphas[device]
-            start = serve(agg, rank, alpha) if agg is not None else None
+            seed = self._seed(server_round, node)
+            start = starting_adapter(self.modules, rank, serve(agg, rank, alpha) if agg is not None else None, seed)
             out: dict[str, torch.Tensor] = {}
-            if start is not None:
-                out.update({f"{m}.lora_A": a for m, a in start[0].items()})
-                out.update({f"{m}.lora_B": b for m, b in start[1].items()})
+            for m in self.modules:  # A then B per module: the order the client's reply keeps
+                out[f"{m}.lora_A"], out[f"{m}.lora_B"] = start[0][m], start[1][m]
             if self.merged is not None:
                 out.update({f"{m}.merged_A": a for m, a in A.items()})
                 out.update({f"{m}.merged_B": b for m, b in B.items()})
             record = ArrayRecord(out)
-            seed = self._seed(server_round, node)
             spec = ConfigRecord({
                 **config, **self.train_config, "role": "lora", "server-round": server_round, "method": self.method,
                 "rank": rank, "alpha": float(alpha), "quantize": int(self.quantize.get(device, 0)), "seed": seed,
@@ -190,7 +194,7 @@ class LoRAFusion(SubModelFusion):
             self.last.clients[node] = LoRAClientRound(
                 node=node, device=device, width=1.0, partition=int(self.caps[node].get("partition", -1)),
                 bytes_down=record.count_bytes(), params=self.base_params * 2 // 3 + adapter,
-                sent_norm=_update_norm(*start, alpha / rank) if start is not None else 0.0, tokens=self._tokens(),
+                sent_norm=_update_norm(*start, alpha / rank), tokens=self._tokens(),
                 rank=rank, alpha=float(alpha), quantize=int(self.quantize.get(device, 0)), adapter_params=adapter,
             )
             messages.append(Message(RecordDict({"arrays": record, "config": spec}), dst_node_id=node,

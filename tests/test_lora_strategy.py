@@ -179,7 +179,11 @@ def test_each_node_gets_its_tier_rank_alpha_and_precision_in_its_own_message(sha
         spec, tier = m.content["config"], DEVICES[m.metadata.dst_node_id]
         assert (spec["role"], spec["rank"], spec["alpha"], spec["quantize"]) == ("lora", RANKS[tier], ALPHAS[tier], QUANT[tier])
         assert spec["target-modules"] == "q_proj,v_proj" and spec["method"] == "flexlora"
-        assert not m.content["arrays"]  # round 1: no global update yet, fresh adapters
+        sent = m.content["arrays"].to_torch_state_dict()  # round 1: the whole fresh adapter, A then B per module
+        assert list(sent) == [f"{mod}.lora_{x}" for mod in shapes for x in "AB"]
+        for mod, (o, i) in shapes.items():
+            assert sent[f"{mod}.lora_A"].shape == (RANKS[tier], i) and sent[f"{mod}.lora_A"].abs().sum() > 0
+            assert sent[f"{mod}.lora_B"].shape == (o, RANKS[tier]) and not sent[f"{mod}.lora_B"].any()
         row = strategy.last.clients[m.metadata.dst_node_id]
         assert row.rank == RANKS[tier] and row.adapter_params == RANKS[tier] * sum(o + i for o, i in shapes.values())
 
@@ -244,7 +248,8 @@ def test_flora_sends_the_merged_update_and_fresh_adapters(shapes):
     arrays = ArrayRecord({**{f"{m}.lora_A": a for m, a in A.items()}, **{f"{m}.lora_B": b for m, b in B.items()}})
     for msg in strategy.configure_train(2, arrays, ConfigRecord({}), FakeGrid(DEVICES)):
         got = msg.content["arrays"].to_torch_state_dict()
-        assert set(got) == {f"{m}.merged_{x}" for m in shapes for x in "AB"}
+        assert set(got) == {f"{m}.{kind}_{x}" for m in shapes for x in "AB" for kind in ("merged", "lora")}
+        assert not any(got[f"{m}.lora_B"].any() for m in shapes)  # fresh adapters on the merged update
         assert strategy.last.clients[msg.metadata.dst_node_id].bytes_down == msg.content["arrays"].count_bytes()
 
 
@@ -312,3 +317,41 @@ def test_a_round_without_learning_leaves_the_global_update_unchanged(method, bas
     A2, B2 = split_global(result.arrays)
     for m in shapes:
         torch.testing.assert_close(B2[m] @ A2[m], B[m] @ A[m], **CLOSE)
+
+
+@pytest.mark.parametrize("method", ["hetlora", "flora"])
+def test_dp_clipping_bounds_each_lora_clients_adapter_update(method, base, shapes):
+    """privacy.mode=clip with LoRA: Flower's fixedclipping_mod clips reply - sent over the whole adapter; FLoRA's
+    frozen merged update reaches the client but is left out of the comparison and of the reply."""
+    from flwr.app import Context
+
+    from fedfusion.clients.privacy import privacy_mod
+    from fedfusion.recipe import load_recipe
+    from fedfusion.server_app import privacy_spec
+
+    dp = privacy_spec(load_recipe("quickstart", ["privacy.mode=clip", "privacy.clipping_norm=0.001"]))
+    strategy = make(shapes, method=method, base=base, **dp)
+    clients = [random_client(shapes, r, ALPHAS[t], 1.0, s) for s, (t, r) in enumerate(RANKS.items())]
+    A, B = global_factors(aggregate_lora(clients, method))
+    arrays = ArrayRecord({**{f"{m}.lora_A": a for m, a in A.items()}, **{f"{m}.lora_B": b for m, b in B.items()}})
+    ctx = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={})
+    seen, replies = [], []
+
+    def train(m: Message, c: Context) -> Message:
+        seen.append(set(m.content["arrays"]))
+        got, metrics = client.train(m.content["arrays"].to_torch_state_dict(), m.content["config"],
+                                    m.metadata.dst_node_id - 11)
+        return Message(RecordDict({"arrays": ArrayRecord(got), "metrics": MetricRecord(metrics)}), reply_to=m)
+
+    for msg in strategy.configure_train(2, arrays, ConfigRecord({}), FakeGrid(DEVICES)):
+        sent = msg.content["arrays"].to_torch_state_dict()
+        out = privacy_mod(msg, ctx, train)
+        assert not out.has_error(), out.error.reason if out.has_error() else ""
+        assert seen[-1] == set(sent)  # the client was handed everything, merged update included
+        got = out.content["arrays"].to_torch_state_dict()
+        assert list(got) == [k for k in sent if ".lora_" in k]
+        norm = sum(float(((got[k] - sent[k]) ** 2).sum()) for k in got) ** 0.5
+        assert norm == pytest.approx(0.001, rel=1e-3)
+        replies.append(out)
+    strategy.aggregate_train(2, replies)
+    assert {r.status for r in strategy.last.clients.values()} == {"ok"}
