@@ -13,7 +13,8 @@ Every fusion strategy asks the same question each round, so it lives here, witho
    charged as wasted energy (an upper bound: the job's share done before leaving is not modelled).
 4. **Clock**: simulated time advances by ``round_interval_s`` per round (a deployed server starts a
    round every few minutes, waiting for reports, stragglers and its own work), or by the slowest
-   selected client's virtual seconds when that is longer, so diurnal windows open and close as rounds pass.
+   selected client's virtual seconds when that is longer (clients cut by over-selection's quorum are
+   not waited for), so diurnal windows open and close as rounds pass.
 """
 
 from __future__ import annotations
@@ -93,7 +94,8 @@ class Participation:
             utility = statistical_utility(examples, loss) if status == "ok" and loss is not None else 0.0
             outcomes.append(Outcome(client, status, utility, cost.virtual_s, cost.wall_j, cost.co2_g))
         self.selector.feedback(round, outcomes)
-        self.clock_s += max([self.round_interval_s, *(c.virtual_s for c in self.planned.values())])
+        counted = [c for i, c in self.planned.items() if results.get(i, ("",))[0] != "cut"]  # cut: not waited for
+        self.clock_s += max([self.round_interval_s, *(c.virtual_s for c in counted)])
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-able state for checkpoints (the availability model is a pure function of the seed)."""

@@ -162,6 +162,7 @@ class SelectionConfig:
     min_clients: int = 1  # a round with fewer successful replies leaves the target unchanged
     evaluate_clients: int = 0  # clients that also score the target on their held-out text each round
     timeout_s: float = 600.0  # per-round deadline for replies
+    overselect: float = 0.0  # sample (1 + overselect) x clients_per_round; the round closes at clients_per_round updates
 
 
 @dataclass
@@ -369,6 +370,9 @@ def validate(recipe: Recipe) -> None:
             raise RecipeError(f"faults.{name}: must be in [0, 1], got {getattr(recipe.faults, name)}")
     if recipe.faults.straggler_delay_s < 0:
         raise RecipeError(f"faults.straggler_delay_s: must be >= 0, got {recipe.faults.straggler_delay_s}")
+    if not 0 <= recipe.selection.overselect <= 4:
+        raise RecipeError(f"selection.overselect: must be in [0, 4] (extra clients sampled per round, as a fraction "
+                          f"of clients_per_round), got {recipe.selection.overselect}")
     if "seed" in recipe.selection.options:
         raise RecipeError("selection.options.seed: the selector is seeded by the recipe's seed")
     try:

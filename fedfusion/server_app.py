@@ -38,6 +38,7 @@ from fedfusion.strategies import DistillationFusion, LoRAFusion, SubModelFusion
 from fedfusion.strategies.distillation import Family
 from fedfusion.strategies.lora import adapted_modules
 from fedfusion.strategies.submodel import ClientRound
+from fedfusion.strategies.quorum import QuorumGrid
 from fedfusion.targets import Target, lm_target, lora_data_spec, lora_target
 from fedfusion.transfer import family_tokenizer, transfer_text
 
@@ -83,6 +84,7 @@ def build_strategy(recipe: Recipe, target: Target) -> SubModelFusion:
         evaluate_clients=recipe.selection.evaluate_clients,
         seed=recipe.seed,
         query_timeout_s=recipe.selection.timeout_s,
+        overselect=recipe.selection.overselect,
     )
     if recipe.fusion.method == "lora":
         return build_lora(recipe, target, common)
@@ -266,6 +268,8 @@ def run_federation(grid: Grid, recipe: Recipe, run: RunDir, on_round: RoundCallb
         server_device = catalog[recipe.distill.server_device] if recipe.fusion.method == "distill" else None
         recorder = RoundRecorder(run, strategy, target, on_round, catalog, recipe.output.checkpoint_every, ckpt,
                                  server_device)
+        if recipe.selection.overselect > 0:
+            grid = QuorumGrid(grid, quorum=recipe.selection.clients_per_round)
         strategy.start(
             grid=grid, initial_arrays=initial, num_rounds=recipe.rounds - (ckpt.round if ckpt else 0),
             timeout=recipe.selection.timeout_s, evaluate_fn=recorder,

@@ -136,6 +136,7 @@ class DistillationFusion(SubModelFusion):
         wait_nodes_s: float = 60.0,
         query_timeout_s: float = 600.0,
         max_norm_ratio: float = 10.0,
+        overselect: float = 0.0,
     ) -> None:
         super().__init__(
             config=config, widths={tier: 1.0 for tier in tier_family}, policy="static", stride=1.0, stagger=False,
@@ -143,6 +144,7 @@ class DistillationFusion(SubModelFusion):
             query_config=query_config,
             train_config=train_config, weighting=weighting, evaluate_clients=evaluate_clients, seed=seed,
             wait_nodes_s=wait_nodes_s, query_timeout_s=query_timeout_s, max_norm_ratio=max_norm_ratio,
+            overselect=overselect,
         )
         if teacher not in TEACHERS:
             raise ValueError(f"teacher {teacher!r} is not one of {', '.join(TEACHERS)}")

@@ -53,7 +53,7 @@ class ClientRound:
     device: str
     width: float
     assignment: dict[str, list[list[int]]] = field(default_factory=dict)
-    status: str = "sent"  # sent -> ok | failed | rejected | timeout; or dropped (never sent)
+    status: str = "sent"  # sent -> ok | failed | rejected | timeout | cut (over-selection); or dropped (never sent)
     partition: int = -1
     examples: int = 0
     train_loss: float | None = None
@@ -138,6 +138,7 @@ class SubModelFusion(Strategy):
         scale: bool = True,
         ordered_ladder: tuple[float, ...] | None = None,
         ordered_distill: bool = False,
+        overselect: float = 0.0,
     ) -> None:
         self.config = config
         self.widths = widths
@@ -145,6 +146,8 @@ class SubModelFusion(Strategy):
         self.stride = stride
         self.stagger = stagger
         self.clients_per_round = clients_per_round
+        # over-selection: sample this many more, and the round closes at clients_per_round replies (QuorumGrid)
+        self.overselect = overselect
         self.participation = participation
         self.costs: dict[str, WorkCost] = {}
         self.sizes: dict[str, tuple[int, int]] = {}  # tier -> (sub-model parameters, bytes)
@@ -247,8 +250,9 @@ class SubModelFusion(Strategy):
         by_partition = {int(self.caps[n].get("partition", n)): n for n in nodes if n in self.caps}
         if not by_partition:
             log(WARNING, "no node has answered the capability query; this round trains nobody")
+        k = math.ceil(self.clients_per_round * (1 + self.overselect))
         draw = self.participation.draw(server_round, {p: self.caps[n]["device"] for p, n in by_partition.items()},
-                                       self.clients_per_round, self.tier_costs())
+                                       k, self.tier_costs())
         self.last.clock_s = draw.clock_s
         for p in draw.dropped:
             node, device = by_partition[p], self.caps[by_partition[p]]["device"]
@@ -323,9 +327,14 @@ class SubModelFusion(Strategy):
         log(WARNING, "round %d node %d: update rejected: %s", server_round, row.node, row.error)
 
     def close_round(self, server_round: int) -> None:
-        """Clients still silent timed out; the participation draw learns how every client did."""
+        """Clients still silent timed out, or, when over-selection's quorum of replies closed the round
+        early, were cut; the participation draw learns how every client did."""
+        answered = sum(row.status in ("ok", "rejected") for row in self.last.clients.values())
+        cut = self.overselect > 0 and answered >= self.clients_per_round
         for row in self.last.clients.values():
-            if row.status == "sent":
+            if row.status == "sent" and cut:
+                row.status, row.error = "cut", f"the round closed once {answered} updates had arrived (over-selection)"
+            elif row.status == "sent":
                 row.status, row.error = "timeout", "no reply before the round deadline"
         self.participation.settle(server_round, {r.partition: (r.status, r.examples, r.train_loss)
                                                  for r in self.last.clients.values()})

@@ -99,6 +99,22 @@ def test_clients_that_all_crash_leave_the_target_unchanged_and_the_run_completes
     assert {c["status"] for c in clients} == {"failed"} and all("injected crash" in c["error"] for c in clients)
 
 
+def test_over_selection_closes_rounds_without_waiting_for_stragglers(tmp_path):
+    """2 of 4 clients needed, all 4 sampled; stragglers sleep 30 s after training: each round closes at
+    the quorum of 2 updates, well before them, and the clients not waited for are recorded as cut."""
+    out = tmp_path / "overselect"
+    assert main(["run", "quickstart", *TINY, "selection.evaluate_clients=0", "selection.clients_per_round=2",
+                 "selection.overselect=1.0", "faults.straggler_prob=0.5", "faults.straggler_delay_s=30",
+                 "--out", str(out)]) == 0
+    clients = read_jsonl(out / "clients.jsonl")
+    for rnd in (1, 2):
+        statuses = sorted(c["status"] for c in clients if c["round"] == rnd)
+        assert len(statuses) == 4 and statuses.count("ok") >= 2 and "cut" in statuses and set(statuses) <= {"ok", "cut"}
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert all(r["clients_ok"] >= 2 and r["wasted_j"] > 0 for r in rows[1:])
+    assert rows[2]["wall_s"] < 30  # round 1's wall time also holds the actors' start-up
+
+
 def test_rerunning_the_saved_recipe_reproduces_the_run(run_dir, tmp_path):
     again = tmp_path / "again"
     assert main(["run", str(run_dir / "recipe.yaml"), "--out", str(again)]) == 0

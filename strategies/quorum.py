@@ -1,0 +1,76 @@
+"""Over-selection with a quorum: a Grid that closes a training round once enough clients have answered.
+
+Production federated learning over-selects (Bonawitz et al., MLSys 2019, select about 130% of the
+clients a round needs) and closes the round as soon as the target number of updates has arrived, so a
+round neither waits for stragglers until its deadline nor loses updates to clients that crash. Flower's
+``Strategy.start`` waits in ``grid.send_and_receive`` until every reply is in or the deadline passes;
+this wrapper keeps every other Grid call as it is and, for a batch of TRAIN messages only, returns as
+soon as ``quorum`` replies without an error have arrived (or every reply, or the deadline). Replies that
+come later are never pulled: the strategy records those clients as ``cut``.
+
+Which clients make the quorum depends on who finishes first, so a run with over-selection is not
+bit-reproducible across machines; without it (the default) nothing changes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+from flwr.app import Message, MessageType, RecordDict
+from flwr.supercore.run import Run
+from flwr.serverapp import Grid
+
+
+class QuorumGrid(Grid):
+    """``grid`` with early-closing training rounds: see the module docstring."""
+
+    def __init__(self, grid: Grid, quorum: int, pull_interval_s: float = 0.1) -> None:
+        if quorum < 1:
+            raise ValueError(f"quorum must be >= 1, got {quorum}")
+        self.grid, self.quorum, self.pull_interval_s = grid, quorum, pull_interval_s
+
+    def set_run(self, run: Run) -> None:
+        """Delegated."""
+        self.grid.set_run(run)
+
+    @property
+    def run(self) -> Run:
+        """Delegated."""
+        return self.grid.run
+
+    def create_message(self, content: RecordDict, message_type: str, dst_node_id: int, group_id: str,
+                       ttl: float | None = None) -> Message:
+        """Delegated."""
+        return self.grid.create_message(content, message_type, dst_node_id, group_id, ttl)
+
+    def get_node_ids(self) -> Iterable[int]:
+        """Delegated."""
+        return self.grid.get_node_ids()
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        """Delegated."""
+        return self.grid.push_messages(messages)
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        """Delegated."""
+        return self.grid.pull_messages(message_ids)
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+        """Training batches return at ``quorum`` good replies; anything else is the wrapped grid's."""
+        messages = list(messages)
+        if not messages or any(m.metadata.message_type != MessageType.TRAIN for m in messages):
+            return self.grid.send_and_receive(messages, timeout=timeout)
+        waiting = set(self.grid.push_messages(messages))
+        end = time.monotonic() + timeout if timeout is not None else None
+        replies: list[Message] = []
+        while waiting:
+            got = list(self.grid.pull_messages(waiting))
+            replies.extend(got)
+            waiting.difference_update(m.metadata.reply_to_message_id for m in got)
+            if sum(not m.has_error() for m in replies) >= self.quorum:
+                break
+            if end is not None and time.monotonic() >= end:
+                break
+            time.sleep(self.pull_interval_s)
+        return replies
