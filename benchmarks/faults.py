@@ -46,6 +46,7 @@ def sim_arms(timeout: float, delay: float) -> dict[str, tuple[str, list[str]]]:
         "fault-free": ("fault-free, mean", []),
         "faults30": ("30% crash/straggle, mean", crash_straggle),
         "corrupt10": ("10% corrupt (NaN) updates, mean", ["faults.corrupt_prob=0.1"]),
+        "faults30-overselect": ("30% crash/straggle, over-selection 1.5x", [*crash_straggle, "selection.overselect=0.5"]),
         "faults30-median": ("30% crash/straggle, median", [*crash_straggle, "fusion.aggregate=median"]),
         "fault-free-median": ("fault-free, median", ["fusion.aggregate=median"]),
     }
@@ -171,6 +172,7 @@ def sim_markdown(sim: dict) -> list[str]:
     s = sim["settings"]
     recipe = load_recipe("quickstart", s["overrides"])
     arms = sim_arms(s["timeout_s"], s["straggler_delay_s"])
+    cpus = next((o.split("=", 1)[1] for o in s["overrides"] if o.startswith("engine.cpus_per_client=")), None)
     lines = [
         "## Faulty clients on the quickstart", "",
         f"Command: `{sim['command']}`" + (f" ({sim['code']['note']})" if sim.get("code", {}).get("note") else ""), "",
@@ -181,13 +183,17 @@ def sim_markdown(sim: dict) -> list[str]:
         f"arm; stragglers sleep `faults.straggler_delay_s={s['straggler_delay_s']:g}` after training, so each one "
         "misses the deadline. Faults are drawn client-side per (seed, round, partition) and the server's sample "
         "does not depend on them, so each arm trains the same clients as the fault-free run of its seed: the "
-        "relative differences are paired. Median arms, when run, are compared with the fault-free median run."
-        + (" `engine.cpus_per_client=0.5` runs 4 Ray actors on the 2 cores, so a sleeping straggler holds an actor "
-           "but no CPU and the honest clients still finish before the deadline; it changes no metric (replies "
-           "fold in sample order)." if "engine.cpus_per_client=0.5" in s["overrides"] else ""), "",
+        "relative differences are paired. Median arms, when run, are compared with the fault-free median run. "
+        "The over-selection arm samples 1.5x the clients (`selection.overselect=0.5`) and closes each round once "
+        f"{recipe.selection.clients_per_round} updates are in, so its sample is larger than the fault-free run's "
+        "and which clients fold depends on who finishes first: it is compared with the same fault-free run, not paired "
+        "client by client."
+        + (f" `engine.cpus_per_client={cpus}` runs {round(2 / float(cpus))} Ray actors on the 2 cores, so a sleeping "
+           "straggler holds an actor but no CPU and the honest clients still finish before the deadline; it changes "
+           "no metric of the arms without over-selection (replies fold in sample order)." if cpus else ""), "",
         "| arm | final eval ppl | final eval loss | Δppl vs fault-free (per seed) | Δloss vs fault-free | "
         "Δ last-3-rounds ppl | "
-        "client rounds ok / failed / timeout / rejected | void rounds | energy J | wasted J | median round s |",
+        "client rounds ok / failed / timeout / rejected / cut | void rounds | energy J | wasted J | median round s |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for arm, (label, _) in arms.items():
@@ -206,7 +212,7 @@ def sim_markdown(sim: dict) -> list[str]:
         lines.append(
             f"| {label} | {_mean_sd([r['eval_ppl'] for r in mine])} | {_mean_sd([r['eval_loss'] for r in mine], '.4f')} | "
             f"{rel_cell} | {loss_cell} | {last3_cell} | {outcome['ok']} / {outcome['failed']} / {outcome['timeout']} / "
-            f"{outcome['rejected']} | {sum(r['void_rounds'] for r in mine)} | "
+            f"{outcome['rejected']} / {outcome['cut']} | {sum(r['void_rounds'] for r in mine)} | "
             f"{statistics.mean(r['energy_j'] for r in mine):.1f} | "
             f"{statistics.mean(r['wasted_j'] for r in mine):.1f} | "
             f"{statistics.mean(r['round_wall_s_median'] for r in mine):.1f} |")
@@ -235,7 +241,8 @@ def sim_markdown(sim: dict) -> list[str]:
         lines += ["", f"Not run (time): {', '.join(sim['not_run'])}."]
     lines += ["", "Client-round counts are summed over seeds; energy and round time are per run (mean over seeds). "
               "Energy is priced from counted work on each tier's profile; a crashed or timed-out client is charged "
-              "its planned work and download, a rejected one its work both ways (`wasted`).", ""]
+              "its planned work and download, a rejected one its work both ways, a cut one (over-selection: the round "
+              "closed without it) its planned work and download (`wasted`).", ""]
     return lines
 
 
