@@ -166,18 +166,24 @@ def kd_loss(
 
 
 def distillation_loss(
-    student_logits: torch.Tensor, labels: torch.Tensor, teacher: Teacher, temperature: float = 1.0,
+    student_logits: torch.Tensor, labels: torch.Tensor, teacher: Teacher | None, temperature: float = 1.0,
     kd_weight: float = 1.0, diversity_weight: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """kd_weight * (KD + diversity_weight * diversity KD) + (1 - kd_weight) * LM cross-entropy.
 
-    ``kd_weight=1`` is pure distillation (FedDF); FedMKT mixes 0.1 KD with 0.9 LM (``kd_weight=0.1``).
+    ``kd_weight=1`` is pure distillation (FedDF); FedMKT mixes 0.1 KD with 0.9 LM (``kd_weight=0.1``);
+    ``kd_weight=0`` is LM training alone and needs no teacher (``teacher`` may be None).
     Returns the loss and its parts as floats.
     """
     if not 0 <= kd_weight <= 1:
         raise ValueError(f"kd_weight must be in [0, 1], got {kd_weight}")
     if diversity_weight < 0:
         raise ValueError(f"diversity_weight must be >= 0, got {diversity_weight}")
+    lm = F.cross_entropy(student_logits.reshape(-1, student_logits.shape[-1]).float(), labels.reshape(-1))
+    if kd_weight == 0:
+        return lm, {"lm": lm.item()}
+    if teacher is None:
+        raise ValueError(f"kd_weight={kd_weight} needs a teacher")
     kd = kd_loss(student_logits, teacher.log_probs, temperature, teacher.mask)
     parts = {"kd": kd.item()}
     loss = kd
@@ -187,7 +193,6 @@ def distillation_loss(
         parts["diversity"] = div.item()
     loss = kd_weight * loss
     if kd_weight < 1:
-        lm = F.cross_entropy(student_logits.reshape(-1, student_logits.shape[-1]).float(), labels.reshape(-1))
         loss = loss + (1 - kd_weight) * lm
         parts["lm"] = lm.item()
     return loss, parts
@@ -215,7 +220,8 @@ def distil(
     looked up) and returns the :class:`Teacher` for ``windows[rows]`` inputs (``[:, :-1]``); it runs
     under ``no_grad``. Returns mean ``loss`` and ``kd`` (and ``lm`` / ``diversity`` when used), wall
     ``seconds``, student ``tokens`` and ``flops``: the student's training work (6 x params x tokens)
-    plus every teacher's forward work, so the energy model can price the server.
+    plus every teacher's forward work, so the energy model can price the server. With ``kd_weight=0``
+    no teacher runs: it is plain LM training on the windows.
     """
     if steps < 1 or batch_size < 1 or lr <= 0:
         raise ValueError(f"steps, batch_size and lr must be positive, got {steps}, {batch_size}, {lr}")
@@ -230,9 +236,11 @@ def distil(
     for _ in range(steps):
         rows = torch.randint(len(windows), (batch_size,), generator=gen)
         batch = windows[rows]
-        with torch.no_grad():
-            teacher = teacher_fn(rows)
-        teacher_flops += teacher.flops
+        teacher = None
+        if kd_weight > 0:  # LM training alone (kd_weight=0) runs and charges no teacher
+            with torch.no_grad():
+                teacher = teacher_fn(rows)
+            teacher_flops += teacher.flops
         _, logits = lm_loss(student, batch)
         loss, parts = distillation_loss(logits, batch[:, 1:].to(logits.device), teacher, temperature,
                                         kd_weight, diversity_weight)

@@ -343,7 +343,7 @@ class DistillationFusion(SubModelFusion):
         fused = distil(target, self._ensemble_teacher(teachers), self.transfer, self.server_steps, self.server_lr,
                        self.temperature, self.server_batch_size, seed, self.kd_weight, self.diversity_weight)
         self._charge(fused)
-        stats = {"distill_loss": fused["loss"], "distill_kd": fused["kd"]}
+        stats = {"distill_loss": fused["loss"], **({"distill_kd": fused["kd"]} if "kd" in fused else {})}
         target.eval()
         if self.back_distill:
             for name, student in teachers.items():
@@ -352,7 +352,8 @@ class DistillationFusion(SubModelFusion):
                               seed + 7919, self.kd_weight)
                 self._charge(back)
                 self.family_states[name] = {k: v.detach().clone() for k, v in student.state_dict().items()}
-                stats[f"back_kd_{name}"] = back["kd"]
+                if "kd" in back:
+                    stats[f"back_kd_{name}"] = back["kd"]
         return {k: v.detach().clone() for k, v in target.state_dict().items()}, stats
 
     def _charge(self, stats: dict[str, float]) -> None:

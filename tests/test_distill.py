@@ -194,3 +194,19 @@ def test_distil_makes_a_tiny_student_match_a_fixed_teacher():
     assert stats["seconds"] > 0 and math.isfinite(stats["loss"])
     with pytest.raises(ValueError, match="windows must be"):
         distil(student, teacher_fn, windows[:, :1], steps=1, lr=1e-3)
+
+
+def test_kd_weight_zero_is_lm_training_that_runs_and_charges_no_teacher():
+    torch.manual_seed(0)
+    student = LlamaForCausalLM(tiny_config(hidden=16, inter=32))
+    windows = torch.randint(50, (16, 9), generator=torch.Generator().manual_seed(2))
+
+    def teacher_fn(rows):
+        raise AssertionError("no teacher may run when kd_weight=0")
+
+    stats = distil(student, teacher_fn, windows, steps=3, lr=1e-2, batch_size=4, seed=0, kd_weight=0.0)
+    s_params = sum(p.numel() for p in student.parameters())
+    assert stats["flops"] == pytest.approx(train_flops(s_params, 3 * 4 * 8)) and "kd" not in stats
+    assert stats["loss"] == pytest.approx(stats["lm"])
+    with pytest.raises(ValueError, match="needs a teacher"):
+        distillation_loss(torch.zeros(1, 2, 5), torch.zeros(1, 2, dtype=torch.long), None, kd_weight=0.5)
