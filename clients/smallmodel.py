@@ -29,6 +29,7 @@ from transformers import (
 )
 
 from fedfusion.data import encode_text, lm_windows
+from fedfusion.models import full_state, tied_aliases
 from fedfusion.population import population_data
 from fedfusion.training import evaluate_lm, train_steps
 from fedfusion.transfer import wrap_tokenizer
@@ -67,7 +68,7 @@ def small_model(config_json: str, state: dict[str, torch.Tensor] | None = None) 
         raise ValueError("model-config has no model_type")
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **config))
     if state is not None:
-        model.load_state_dict(state, strict=True)
+        model.load_state_dict(full_state(state, tied_aliases(model)), strict=True)
     return model
 
 

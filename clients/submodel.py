@@ -14,7 +14,7 @@ from flwr.app import ConfigRecord
 from fedfusion.cache import cached_tensor
 from fedfusion.data import encode_text, lm_windows
 from fedfusion.energy import EnergyMeter
-from fedfusion.models import load_tokenizer, model_from_state
+from fedfusion.models import load_tokenizer, model_from_state, tied_aliases, wire_state
 from fedfusion.ordered import train_steps_ordered
 from fedfusion.population import population_data
 from fedfusion.slice_families import config_from_dict
@@ -69,13 +69,14 @@ def local_steps(spec: ConfigRecord) -> dict:
 def trained_reply(model: torch.nn.Module, windows: torch.Tensor, faults: tuple[bool, float],
                   fit: Callable[[], dict]) -> tuple[dict, dict]:
     """Run ``fit()`` (local training of ``model``) under the host energy meter, then apply the injected
-    ``faults`` (from :func:`inject_faults`: corrupt?, straggle seconds); returns the state and reply metrics."""
+    ``faults`` (from :func:`inject_faults`: corrupt?, straggle seconds); returns the state (tied aliases left
+    out) and reply metrics."""
     corrupt, delay = faults
     with EnergyMeter() as meter:  # the host's own energy, where RAPL is readable (labelled, not priced)
         stats = fit()
     if meter.joules is not None:
         stats["measured_rapl_j"] = meter.joules
-    new_state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    new_state = wire_state({k: v.detach().cpu() for k, v in model.state_dict().items()}, tied_aliases(model))
     if corrupt:
         next(iter(new_state.values())).view(-1)[0] = float("nan")
     time.sleep(delay)

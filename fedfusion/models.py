@@ -74,10 +74,41 @@ def build_target(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int
     return family_of(config).build(config)
 
 
+def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """State keys of ``model`` that name a parameter already named by another key (tied embeddings, e.g.
+    GPT-2's and OPT's ``lm_head.weight``): alias -> that key. Messages leave aliases out, so each tensor
+    travels once and is priced once."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            aliases[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return aliases
+
+
+def config_aliases(config: PretrainedConfig) -> dict[str, str]:
+    """:func:`tied_aliases` of a model of ``config``, built on the meta device (no memory, no init)."""
+    with torch.device("meta"):
+        return tied_aliases(family_of(config).build(config))
+
+
+def wire_state(state: dict[str, torch.Tensor], aliases: dict[str, str]) -> dict[str, torch.Tensor]:
+    """``state`` without its tied aliases: what a message carries."""
+    return {k: v for k, v in state.items() if k not in aliases}
+
+
+def full_state(state: dict[str, torch.Tensor], aliases: dict[str, str]) -> dict[str, torch.Tensor]:
+    """A message's state with every tied alias set to the tensor it aliases (an alias sent anyway is ignored)."""
+    return {**state, **{alias: state[key] for alias, key in aliases.items() if key in state}}
+
+
 def model_from_state(config: PretrainedConfig, state: dict[str, torch.Tensor]) -> PreTrainedModel:
-    """A model of ``config`` (any sliceable family) holding ``state`` (strict: every key and shape must match)."""
+    """A model of ``config`` (any sliceable family) holding ``state``, with or without its tied aliases
+    (strict otherwise: every key and shape must match)."""
     model = family_of(config).build(config)
-    model.load_state_dict(state, strict=True)
+    model.load_state_dict(full_state(state, tied_aliases(model)), strict=True)
     return model
 
 

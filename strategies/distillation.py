@@ -70,7 +70,7 @@ from fedfusion.distill import (
     forward_flops,
 )
 from fedfusion.energy import WorkCost, price_work, train_flops
-from fedfusion.models import model_from_state
+from fedfusion.models import model_from_state, tied_aliases, wire_state
 from fedfusion.participation import Participation
 from fedfusion.training import evaluate_lm
 
@@ -83,6 +83,11 @@ class Family:
 
     config: PretrainedConfig
     tokenizer: PreTrainedTokenizerBase | None = None
+
+
+def _wire(model: PreTrainedModel) -> dict[str, torch.Tensor]:
+    """A family model's state as the strategy keeps and sends it: copies, tied aliases left out."""
+    return wire_state({k: v.detach().clone() for k, v in model.state_dict().items()}, tied_aliases(model))
 
 
 def check_update(update: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> None:
@@ -165,8 +170,7 @@ class DistillationFusion(SubModelFusion):
         self.bridges: dict[str, tuple[TokenBridge, BridgedWindows, TokenBridge, BridgedWindows]] = {}
         for i, (name, family) in enumerate(sorted(families.items())):
             torch.manual_seed(seed * 1000 + i)
-            self.family_states[name] = {k: v.detach().clone() for k, v in
-                                        small_model(json.dumps(family.config.to_dict())).state_dict().items()}
+            self.family_states[name] = _wire(small_model(json.dumps(family.config.to_dict())))
             ftok = family.tokenizer
             if ftok is None or ftok.get_vocab() == tokenizer.get_vocab():
                 if family.config.vocab_size != len(tokenizer):
@@ -351,7 +355,7 @@ class DistillationFusion(SubModelFusion):
                               self.back_steps, self.back_lr, self.temperature, self.server_batch_size,
                               seed + 7919, self.kd_weight)
                 self._charge(back)
-                self.family_states[name] = {k: v.detach().clone() for k, v in student.state_dict().items()}
+                self.family_states[name] = _wire(student)
                 if "kd" in back:
                     stats[f"back_kd_{name}"] = back["kd"]
         return {k: v.detach().clone() for k, v in target.state_dict().items()}, stats

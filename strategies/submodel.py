@@ -36,6 +36,7 @@ from fedfusion.checkpoint import rng_state, set_rng_state
 from fedfusion.energy import WorkCost, price_work, train_flops
 from fedfusion.ordered import ordered_fractions
 from fedfusion.participation import Participation
+from fedfusion.models import config_aliases, full_state, wire_state
 from fedfusion.slicing import (
     SelectiveAverager,
     SlicePlan,
@@ -141,6 +142,7 @@ class SubModelFusion(Strategy):
         overselect: float = 0.0,
     ) -> None:
         self.config = config
+        self.aliases = config_aliases(config) if config is not None else {}  # tied keys messages leave out
         self.widths = widths
         self.policy = policy
         self.stride = stride
@@ -231,7 +233,7 @@ class SubModelFusion(Strategy):
         if not self.costs:  # sub-model sizes depend only on the width, so they are priced once per run
             for tier, width in self.widths.items():
                 plan = plan_slice(self.config, width, "static", axes=self.axes, scale=self.scale)
-                sub = extract(self.target, self.config, plan)
+                sub = wire_state(extract(self.target, self.config, plan), self.aliases)
                 params, nbytes = sum(t.numel() for t in sub.values()), sum(t.nbytes for t in sub.values())
                 self.sizes[tier] = (params, nbytes)
                 self.costs[tier] = price_work(self.participation.catalog[tier],
@@ -283,7 +285,7 @@ class SubModelFusion(Strategy):
                               axes=self.axes, scale=self.scale)
             if self.stagger:
                 offset += width
-            sub_state = extract(target, self.config, plan)
+            sub_state = wire_state(extract(target, self.config, plan), self.aliases)
             sub = ArrayRecord(sub_state)
             spec = ConfigRecord({
                 **config, **self.train_config,
@@ -359,7 +361,8 @@ class SubModelFusion(Strategy):
                                      f"norm of the sub-model sent ({row.sent_norm:.3g})")
                 if averager is None:
                     averager = SelectiveAverager(self.target, self.config, self.aggregate, self.trim)
-                averager.add(sub, self.plans[node], weight=float(n) if self.weighting == "examples" else 1.0)
+                averager.add(full_state(sub, self.aliases), self.plans[node],
+                             weight=float(n) if self.weighting == "examples" else 1.0)
             except Exception as exc:  # an untrusted reply can be malformed in any way; it must not stop the run
                 self.reject(server_round, row, exc)
                 continue
@@ -398,8 +401,9 @@ class SubModelFusion(Strategy):
         nodes = self.evaluation_nodes()
         spec = {**config, **self.train_config, "role": "submodel", "server-round": server_round,
                 "model-config": json.dumps(self.config.to_dict())}
+        sent = ArrayRecord(wire_state(arrays.to_torch_state_dict(), self.aliases)) if self.aliases else arrays
         return [
-            Message(RecordDict({"arrays": arrays, "config": ConfigRecord(dict(spec))}), dst_node_id=n,
+            Message(RecordDict({"arrays": sent, "config": ConfigRecord(dict(spec))}), dst_node_id=n,
                     message_type=MessageType.EVALUATE)
             for n in nodes
         ]

@@ -148,7 +148,7 @@ def test_bad_replies_are_rejected_and_good_ones_fold_in(bpe):
     nan = _shifted(msgs[13], 0.0)
     nan["model.norm.weight"][0] = float("nan")
     wrong_shape = _shifted(msgs[12], 0.0)
-    wrong_shape["lm_head.weight"] = torch.zeros(3, 3)
+    wrong_shape["transformer.wte.weight"] = torch.zeros(3, 3)
     _, metrics = strategy.aggregate_train(1, [_reply(msgs[11], _shifted(msgs[11], 0.5)), _reply(msgs[13], nan),
                                               _reply(msgs[12], wrong_shape)])
     status = {n: c.status for n, c in strategy.last.clients.items()}

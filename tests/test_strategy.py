@@ -213,3 +213,43 @@ def test_a_measured_host_energy_reading_is_kept_and_labelled():
     strategy.aggregate_train(1, replies)
     rows = strategy.last.clients.values()
     assert all(r.status == "ok" and r.measured_j == 42.5 and r.measured_source == "rapl" for r in rows)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "opt"])
+def test_tied_embeddings_travel_once_and_stay_tied(family):
+    """GPT-2 and OPT tie lm_head to the token embedding: a message carries that tensor once, bytes and priced
+    parameters count it once, and the folded target keeps lm_head equal to the embedding."""
+    from fedfusion.clients.submodel import trained_reply
+    from fedfusion.models import config_aliases, model_from_state
+    from fedfusion.slice_families import family_of
+    from tests.test_slice_families import CONFIGS
+
+    cfg = CONFIGS[family]()
+    alias, source = next(iter(config_aliases(cfg).items()))
+    assert alias == "lm_head.weight"
+    torch.manual_seed(0)
+    state = family_of(cfg).build(cfg).state_dict()
+    strategy = SubModelFusion(
+        config=cfg, widths={"phone": 0.5, "desktop": 1.0}, policy="rolling", stride=0.25, stagger=False,
+        clients_per_round=2, min_clients=1, query_config={"population": "{}"},
+        participation=Participation(make_selector("random", seed=0), load_catalog()),
+        train_config={"local-steps": 1, "lr": 0.1, "seed": 0}, wait_nodes_s=1.0,
+    )
+    msgs = list(strategy.configure_train(1, ArrayRecord(state), ConfigRecord({}), FakeGrid({11: "phone", 12: "desktop"})))
+    replies = []
+    for m in msgs:
+        sent = m.content["arrays"].to_torch_state_dict()
+        row = strategy.last.clients[m.metadata.dst_node_id]
+        sub = model_from_state(cfg.__class__.from_dict(json.loads(m.content["config"]["model-config"])), sent)
+        assert alias not in sent and source in sent
+        assert row.params == sum(p.numel() for p in sub.parameters()) == sum(t.numel() for t in sent.values())
+        assert row.bytes_down == m.content["arrays"].count_bytes() < 4 * row.params + 200 * len(sent)  # + key/shape headers
+        with torch.no_grad():
+            sub.get_input_embeddings().weight.add_(1.0)  # "training" moves the tied tensor once
+        reply, _ = trained_reply(sub, torch.zeros(3, 2), (False, 0.0), dict)
+        assert list(reply) == list(sent)  # the reply leaves the alias out too, in the order received
+        replies.append(_reply(m, reply))
+    arrays, _ = strategy.aggregate_train(1, replies)
+    new = arrays.to_torch_state_dict()
+    torch.testing.assert_close(new[alias], new[source])
+    torch.testing.assert_close(new[source], state[source] + 1.0)  # the desktop held every row at width 1.0
