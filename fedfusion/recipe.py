@@ -86,6 +86,7 @@ class FusionConfig:
     aggregate: str = "mean"  # mean | median | trimmed_mean (coordinate-wise, over the clients that held it)
     trim: float = 0.2  # trimmed_mean: fraction of values dropped at each end
     max_norm_ratio: float = 10.0  # reject a reply whose L2 norm exceeds this multiple of what was sent (0: off)
+    wire_dtype: str = "float32"  # submodel: float16 / bfloat16 halve the bytes each way (the target stays float32)
 
 
 @dataclass
@@ -254,6 +255,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model.family": ("llama", "mistral", "qwen2", "gpt2", "opt"),
     "fusion.weighting": ("uniform", "examples"),
     "fusion.aggregate": ("mean", "median", "trimmed_mean"),
+    "fusion.wire_dtype": ("float32", "float16", "bfloat16"),
     "selection.method": ("random", "oort", "energy", "carbon_budget"),
     "privacy.mode": ("none", "clip", "local"),
     "distill.teacher": ("feddf", "fedet"),
@@ -431,6 +433,8 @@ def validate(recipe: Recipe) -> None:
             raise RecipeError(f"fusion.widths.{tier}: unknown device; the catalog has {', '.join(sorted(catalog))}")
         if not 0 < width <= 1:
             raise RecipeError(f"fusion.widths.{tier}: must be in (0, 1], got {width}")
+    if recipe.fusion.wire_dtype != "float32" and recipe.fusion.method != "submodel":
+        raise RecipeError(f"fusion.wire_dtype: {recipe.fusion.wire_dtype} applies to fusion.method=submodel only")
     if recipe.fusion.max_norm_ratio < 0:
         raise RecipeError(f"fusion.max_norm_ratio: must be >= 0, got {recipe.fusion.max_norm_ratio}")
     if not recipe.fusion.width_ladder or not all(0 < w <= 1 for w in recipe.fusion.width_ladder):

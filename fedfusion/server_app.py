@@ -102,6 +102,7 @@ def build_strategy(recipe: Recipe, target: Target) -> SubModelFusion:
         scale=recipe.fusion.scaler,
         ordered_ladder=tuple(recipe.fusion.ordered_ladder) if recipe.fusion.ordered_ladder else None,
         ordered_distill=recipe.fusion.ordered_distill,
+        wire_dtype=recipe.fusion.wire_dtype,
         **common,
     )
 

@@ -82,6 +82,9 @@ class RoundLog:
     clock_s: float = 0.0  # simulated time when the round started
 
 
+WIRE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
 def state_norm(state: dict[str, torch.Tensor]) -> float:
     """L2 norm of all tensors of a state together (NaN if any value is NaN)."""
     return float(torch.sqrt(sum((t.float().pow(2).sum() for t in state.values()), torch.tensor(0.0))))
@@ -140,8 +143,11 @@ class SubModelFusion(Strategy):
         ordered_ladder: tuple[float, ...] | None = None,
         ordered_distill: bool = False,
         overselect: float = 0.0,
+        wire_dtype: str = "float32",
     ) -> None:
         self.config = config
+        # the float dtype sub-models travel in (float16 / bfloat16 halve the bytes); the target stays float32
+        self.wire_dtype = WIRE_DTYPES[wire_dtype]
         self.aliases = config_aliases(config) if config is not None else {}  # tied keys messages leave out
         self.widths = widths
         self.policy = policy
@@ -228,12 +234,17 @@ class SubModelFusion(Strategy):
             if "examples" in caps:
                 self.participation.examples[int(caps.get("partition", node))] = int(caps["examples"])
 
+    def wire(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``state`` as a message carries it: tied aliases left out, floats in ``wire_dtype``."""
+        return {k: v.to(self.wire_dtype) if v.is_floating_point() else v
+                for k, v in wire_state(state, self.aliases).items()}
+
     def tier_costs(self) -> dict[str, WorkCost]:
         """This round's planned work priced per device tier: its sub-model's training FLOPs and transfers."""
         if not self.costs:  # sub-model sizes depend only on the width, so they are priced once per run
             for tier, width in self.widths.items():
                 plan = plan_slice(self.config, width, "static", axes=self.axes, scale=self.scale)
-                sub = wire_state(extract(self.target, self.config, plan), self.aliases)
+                sub = self.wire(extract(self.target, self.config, plan))
                 params, nbytes = sum(t.numel() for t in sub.values()), sum(t.nbytes for t in sub.values())
                 self.sizes[tier] = (params, nbytes)
                 self.costs[tier] = price_work(self.participation.catalog[tier],
@@ -285,7 +296,7 @@ class SubModelFusion(Strategy):
                               axes=self.axes, scale=self.scale)
             if self.stagger:
                 offset += width
-            sub_state = wire_state(extract(target, self.config, plan), self.aliases)
+            sub_state = self.wire(extract(target, self.config, plan))
             sub = ArrayRecord(sub_state)
             spec = ConfigRecord({
                 **config, **self.train_config,
@@ -401,7 +412,7 @@ class SubModelFusion(Strategy):
         nodes = self.evaluation_nodes()
         spec = {**config, **self.train_config, "role": "submodel", "server-round": server_round,
                 "model-config": json.dumps(self.config.to_dict())}
-        sent = ArrayRecord(wire_state(arrays.to_torch_state_dict(), self.aliases)) if self.aliases else arrays
+        sent = ArrayRecord(self.wire(arrays.to_torch_state_dict()))
         return [
             Message(RecordDict({"arrays": sent, "config": ConfigRecord(dict(spec))}), dst_node_id=n,
                     message_type=MessageType.EVALUATE)

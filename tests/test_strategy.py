@@ -253,3 +253,31 @@ def test_tied_embeddings_travel_once_and_stay_tied(family):
     new = arrays.to_torch_state_dict()
     torch.testing.assert_close(new[alias], new[source])
     torch.testing.assert_close(new[source], state[source] + 1.0)  # the desktop held every row at width 1.0
+
+
+def test_an_fp16_wire_halves_the_bytes_and_a_round_trip_keeps_the_target_to_fp16_precision():
+    from fedfusion.clients.submodel import trained_reply
+    from fedfusion.models import model_from_state
+    from fedfusion.slicing import sub_config
+
+    grid = FakeGrid({11: "phone", 12: "desktop", 13: "phone"})
+    sizes = {}
+    for dtype in ("float32", "float16"):
+        strategy, state = make_strategy()
+        strategy.wire_dtype = {"float32": torch.float32, "float16": torch.float16}[dtype]
+        msgs = list(strategy.configure_train(1, ArrayRecord(state), ConfigRecord({}), grid))
+        sent = [m.content["arrays"].to_torch_state_dict() for m in msgs]
+        assert {t.dtype for s in sent for t in s.values()} == {strategy.wire_dtype}
+        sizes[dtype] = sum(sum(t.nbytes for t in s.values()) for s in sent)
+        replies = []
+        for m, s in zip(msgs, sent):  # a client that trains nothing replies what it got, in the dtype it got
+            model = model_from_state(sub_config(strategy.config, strategy.plans[m.metadata.dst_node_id]), s)
+            reply, _ = trained_reply(model, torch.zeros(2, 2), (False, 0.0), dict, {k: v.dtype for k, v in s.items()})
+            assert all(reply[k].dtype == s[k].dtype and torch.equal(reply[k], s[k]) for k in s)
+            replies.append(_reply(m, reply))
+        arrays, _ = strategy.aggregate_train(1, replies)
+        new = arrays.to_torch_state_dict()
+        for k, v in state.items():
+            assert new[k].dtype == torch.float32
+            torch.testing.assert_close(new[k], v, rtol=1e-3, atol=1e-4 if dtype == "float16" else 1e-6)
+    assert sizes["float16"] * 2 == sizes["float32"]
