@@ -67,19 +67,16 @@ def local_steps(spec: ConfigRecord) -> dict:
 
 
 def trained_reply(model: torch.nn.Module, windows: torch.Tensor, faults: tuple[bool, float],
-                  fit: Callable[[], dict], dtypes: dict[str, torch.dtype] | None = None) -> tuple[dict, dict]:
+                  fit: Callable[[], dict]) -> tuple[dict, dict]:
     """Run ``fit()`` (local training of ``model``) under the host energy meter, then apply the injected
     ``faults`` (from :func:`inject_faults`: corrupt?, straggle seconds); returns the state (tied aliases left
-    out; each tensor in its ``dtypes`` entry, i.e. the dtype it arrived in, so an fp16 wire stays fp16) and
-    reply metrics."""
+    out, in the model's float32 whatever dtype it arrived in) and reply metrics."""
     corrupt, delay = faults
     with EnergyMeter() as meter:  # the host's own energy, where RAPL is readable (labelled, not priced)
         stats = fit()
     if meter.joules is not None:
         stats["measured_rapl_j"] = meter.joules
     new_state = wire_state({k: v.detach().cpu() for k, v in model.state_dict().items()}, tied_aliases(model))
-    if dtypes:
-        new_state = {k: v.to(dtypes.get(k, v.dtype)) for k, v in new_state.items()}
     if corrupt:
         next(iter(new_state.values())).view(-1)[0] = float("nan")
     time.sleep(delay)
@@ -103,7 +100,7 @@ def train(state: dict[str, torch.Tensor], spec: ConfigRecord, partition: int,
             )
         return train_steps(model, windows, **local_steps(spec))
 
-    return trained_reply(model, windows, faults, fit, {k: v.dtype for k, v in state.items()})
+    return trained_reply(model, windows, faults, fit)
 
 
 def evaluate(state: dict[str, torch.Tensor], spec: ConfigRecord, partition: int, accelerator: str = "cpu") -> dict:

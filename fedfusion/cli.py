@@ -62,7 +62,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         def on_round(row: dict[str, Any]) -> None:
             progress.console.print(
                 f"round {row['round']:>3}  loss {row['eval_loss']:.3f}  ppl {row['eval_ppl']:7.2f}  "
-                f"acc {row['eval_acc']:.3f}  ok {row['clients_ok']} failed {row['clients_failed']}  "
+                f"acc {row['eval_acc']:.3f}  ok {row['clients_ok']} failed {row['clients_failed']}"
+                + (f" cut {row['clients_cut']}" if row.get("clients_cut") else "") + "  "
                 f"{row['wall_s']:5.1f}s", soft_wrap=True)
             if row["round"] > 0:
                 progress.advance(task)

@@ -165,6 +165,10 @@ def kd_loss(
     return temperature**2 * (per_pos * m).sum() / m.sum().clamp_min(1.0)
 
 
+def _lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
+
+
 def distillation_loss(
     student_logits: torch.Tensor, labels: torch.Tensor, teacher: Teacher | None, temperature: float = 1.0,
     kd_weight: float = 1.0, diversity_weight: float = 0.0,
@@ -179,8 +183,8 @@ def distillation_loss(
         raise ValueError(f"kd_weight must be in [0, 1], got {kd_weight}")
     if diversity_weight < 0:
         raise ValueError(f"diversity_weight must be >= 0, got {diversity_weight}")
-    lm = F.cross_entropy(student_logits.reshape(-1, student_logits.shape[-1]).float(), labels.reshape(-1))
     if kd_weight == 0:
+        lm = _lm_loss(student_logits, labels)
         return lm, {"lm": lm.item()}
     if teacher is None:
         raise ValueError(f"kd_weight={kd_weight} needs a teacher")
@@ -193,6 +197,7 @@ def distillation_loss(
         parts["diversity"] = div.item()
     loss = kd_weight * loss
     if kd_weight < 1:
+        lm = _lm_loss(student_logits, labels)
         loss = loss + (1 - kd_weight) * lm
         parts["lm"] = lm.item()
     return loss, parts

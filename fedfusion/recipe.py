@@ -86,7 +86,7 @@ class FusionConfig:
     aggregate: str = "mean"  # mean | median | trimmed_mean (coordinate-wise, over the clients that held it)
     trim: float = 0.2  # trimmed_mean: fraction of values dropped at each end
     max_norm_ratio: float = 10.0  # reject a reply whose L2 norm exceeds this multiple of what was sent (0: off)
-    wire_dtype: str = "float32"  # submodel: float16 / bfloat16 halve the bytes each way (the target stays float32)
+    wire_dtype: str = "float32"  # submodel: float16 halves the bytes sent to clients (replies stay float32)
 
 
 @dataclass
@@ -255,7 +255,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model.family": ("llama", "mistral", "qwen2", "gpt2", "opt"),
     "fusion.weighting": ("uniform", "examples"),
     "fusion.aggregate": ("mean", "median", "trimmed_mean"),
-    "fusion.wire_dtype": ("float32", "float16", "bfloat16"),
+    "fusion.wire_dtype": ("float32", "float16"),  # Flower's arrays are numpy: no bfloat16
     "selection.method": ("random", "oort", "energy", "carbon_budget"),
     "privacy.mode": ("none", "clip", "local"),
     "distill.teacher": ("feddf", "fedet"),

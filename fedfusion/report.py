@@ -102,14 +102,14 @@ def write_report(run: Path) -> Path:
     rows, summary = _load(run)
     plots = plot_curves([run], run / "plots")
     cols = ("round", "eval_loss", "eval_ppl", "eval_acc", "train_loss", "coverage", "clients_ok",
-            "clients_failed", "bytes_down", "bytes_up", "energy_j", "co2_g", "virtual_s", "wall_s")
+            "clients_failed", "clients_cut", "bytes_down", "bytes_up", "energy_j", "co2_g", "virtual_s", "wall_s")
     lines = [f"# Run report: {_label(run)}", "", f"Status: **{summary.get('status')}**", ""]
     if summary.get("status") == "ok":
         first, last = summary["initial"], summary["final"]
         lines += [
             f"Target: {summary['target_params']:,} parameters, {summary['rounds']} rounds, "
             f"{summary['wall_s']:.0f} s wall. Clients' work priced on their device profiles: "
-            f"{summary['energy_j']:.1f} J ({summary['wasted_j']:.1f} J wasted on failed, rejected or dropped work), "
+            f"{summary['energy_j']:.1f} J ({summary['wasted_j']:.1f} J wasted on failed, rejected, dropped or cut work), "
             f"{summary['co2_g']:.4f} g CO2e, {summary['virtual_s']:.1f} s of simulated time.",
             "",
             f"Held-out perplexity {first['eval_ppl']:.2f} -> **{last['eval_ppl']:.2f}**; "

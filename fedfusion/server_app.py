@@ -47,9 +47,9 @@ RoundCallback = Callable[[dict[str, Any]], None]
 
 def log_round(row: dict[str, Any]) -> None:
     """Default progress: one log line per round."""
-    log(INFO, "round %d: eval_loss=%.4f ppl=%.2f acc=%.3f clients ok=%d failed=%d (%.1fs)",
+    log(INFO, "round %d: eval_loss=%.4f ppl=%.2f acc=%.3f clients ok=%d failed=%d cut=%d (%.1fs)",
         row["round"], row["eval_loss"], row["eval_ppl"], row["eval_acc"], row["clients_ok"],
-        row["clients_failed"], row["wall_s"])
+        row["clients_failed"], row.get("clients_cut", 0), row["wall_s"])
 
 
 def build_participation(recipe: Recipe) -> Participation:
@@ -154,11 +154,13 @@ def price_client(row: ClientRound, catalog: dict[str, Device]) -> dict[str, floa
     """Energy ledger fields of one client round, priced from counted work on its device profile.
 
     A client that failed or timed out is charged its planned work and download; a rejected one its
-    work both ways: that energy was spent and bought nothing (``wasted``).
+    work both ways; a cut one (over-selection closed the round without it) its work, its download and an
+    upload the size of that download (its reply is still sent; Flower cannot cancel it): that energy was
+    spent and bought nothing (``wasted``).
     """
     ok = row.status == "ok"
-    cost = price_work(catalog[row.device], train_flops(row.params, row.tokens), row.bytes_down,
-                      row.bytes_up if row.status in ("ok", "rejected") else 0)
+    up = row.bytes_up if row.status in ("ok", "rejected") else row.bytes_down if row.status == "cut" else 0
+    cost = price_work(catalog[row.device], train_flops(row.params, row.tokens), row.bytes_down, up)
     return {"virtual_s": cost.virtual_s, "compute_s": cost.compute_s, "comm_s": cost.comm_s,
             "energy_j": cost.wall_j, "co2_g": cost.co2_g, "co2_operational_g": cost.co2_operational_g,
             "co2_embodied_g": cost.co2_embodied_g, "wasted": not ok}
@@ -206,15 +208,16 @@ class RoundRecorder:
             "coverage": self.strategy.last.coverage if server_round > 0 else None,
             "bytes_down": sum(c.bytes_down for c in clients),
             "bytes_up": sum(c.bytes_up for c in clients),
-            "clients_ok": len(ok), "clients_failed": len(clients) - len(ok),
+            "clients_ok": len(ok), "clients_cut": sum(c.status == "cut" for c in clients),
+            "clients_failed": sum(c.status not in ("ok", "cut") for c in clients),
             "dropouts": sum(c.status == "dropped" for c in clients),
             "clock_s": self.strategy.last.clock_s if server_round > 0 else None,
             "void": bool(self.strategy.last.void) if server_round > 0 else False,
             "aggregate_s": self.strategy.last.aggregate_s if server_round > 0 else 0.0,
             "wall_s": now - self.last, "elapsed_s": now - self.start,
-            # simulated time advances by the slowest client, then the server's own work; energy and carbon
-            # add up over all of them
-            "virtual_s": max((c["virtual_s"] for c in ledger), default=0.0) + server["virtual_s"],
+            # simulated time advances by the slowest client the round waited for (not the ones over-selection
+            # cut), then the server's own work; energy and carbon add up over all of them
+            "virtual_s": max((c["virtual_s"] for c in ledger if c["status"] != "cut"), default=0.0) + server["virtual_s"],
             "energy_j": sum(c["energy_j"] for c in ledger) + server["energy_j"],
             "wasted_j": sum(c["energy_j"] for c in ledger if c["wasted"]),
             "co2_g": sum(c["co2_g"] for c in ledger) + server["co2_g"],
@@ -286,6 +289,7 @@ def run_federation(grid: Grid, recipe: Recipe, run: RunDir, on_round: RoundCallb
             "final": {k: rows[-1][k] for k in ("eval_loss", "eval_ppl", "eval_acc")},
             "clients_ok": sum(r["clients_ok"] for r in rows),
             "clients_failed": sum(r["clients_failed"] for r in rows),
+            "clients_cut": sum(r.get("clients_cut", 0) for r in rows),
             "bytes_down": sum(r["bytes_down"] for r in rows), "bytes_up": sum(r["bytes_up"] for r in rows),
             "energy_j": sum(r["energy_j"] for r in rows), "wasted_j": sum(r["wasted_j"] for r in rows),
             "co2_g": sum(r["co2_g"] for r in rows), "virtual_s": sum(r["virtual_s"] for r in rows),

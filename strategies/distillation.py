@@ -164,13 +164,16 @@ class DistillationFusion(SubModelFusion):
         self.seed = seed
         seq_len = int(train_config["seq-len"])
         self.transfer = lm_windows(encode_text(tokenizer, transfer_text), seq_len)
-        self.family_states: dict[str, dict[str, torch.Tensor]] = {}
+        self.family_states: dict[str, dict[str, torch.Tensor]] = {}  # tied aliases left out, as sent
+        self.family_aliases: dict[str, dict[str, str]] = {}
         self.tokenizer_json: dict[str, str] = {}
         self.family_transfer: dict[str, torch.Tensor] = {}  # transfer windows in the family's tokens
         self.bridges: dict[str, tuple[TokenBridge, BridgedWindows, TokenBridge, BridgedWindows]] = {}
         for i, (name, family) in enumerate(sorted(families.items())):
             torch.manual_seed(seed * 1000 + i)
-            self.family_states[name] = _wire(small_model(json.dumps(family.config.to_dict())))
+            model = small_model(json.dumps(family.config.to_dict()))
+            self.family_aliases[name] = tied_aliases(model)
+            self.family_states[name] = _wire(model)
             ftok = family.tokenizer
             if ftok is None or ftok.get_vocab() == tokenizer.get_vocab():
                 if family.config.vocab_size != len(tokenizer):
@@ -212,7 +215,8 @@ class DistillationFusion(SubModelFusion):
         super().load_state_dict(state, rounds_done)
         self.trained = set(state["trained"])
         self.family_scores = state.get("family_scores", {})
-        self.family_states = {n: load_tensors(base64.b64decode(b)) for n, b in state["families"].items()}
+        self.family_states = {n: wire_state(load_tensors(base64.b64decode(b)), self.family_aliases[n])
+                              for n, b in state["families"].items()}
 
     def family_model(self, name: str) -> PreTrainedModel:
         """The current global model of family ``name``."""
@@ -238,7 +242,7 @@ class DistillationFusion(SubModelFusion):
         self.target = arrays.to_torch_state_dict()
         self.last = RoundLog(server_round=server_round)
         self.sent = {}
-        target_params = sum(t.numel() for t in self.target.values())
+        target_params = sum(t.numel() for t in wire_state(self.target, self.aliases).values())
         messages = []
         for node in self.sample(grid, server_round):
             device = self.caps[node]["device"]

@@ -6,7 +6,8 @@ round neither waits for stragglers until its deadline nor loses updates to clien
 ``Strategy.start`` waits in ``grid.send_and_receive`` until every reply is in or the deadline passes;
 this wrapper keeps every other Grid call as it is and, for a batch of TRAIN messages only, returns as
 soon as ``quorum`` replies without an error have arrived (or every reply, or the deadline). Replies that
-come later are never pulled: the strategy records those clients as ``cut``.
+come later are not waited for (the strategy records those clients as ``cut``); the next call pulls and
+discards whatever of them has arrived by then, so the SuperLink frees them.
 
 Which clients make the quorum depends on who finishes first, so a run with over-selection is not
 bit-reproducible across machines; without it (the default) nothing changes.
@@ -29,6 +30,7 @@ class QuorumGrid(Grid):
         if quorum < 1:
             raise ValueError(f"quorum must be >= 1, got {quorum}")
         self.grid, self.quorum, self.pull_interval_s = grid, quorum, pull_interval_s
+        self.leftover: set[str] = set()  # ids of train messages whose replies were not waited for
 
     def set_run(self, run: Run) -> None:
         """Delegated."""
@@ -58,6 +60,9 @@ class QuorumGrid(Grid):
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
         """Training batches return at ``quorum`` good replies; anything else is the wrapped grid's."""
+        if self.leftover:  # late replies of earlier rounds: pulled once, without waiting, and dropped
+            late = list(self.grid.pull_messages(self.leftover))
+            self.leftover.difference_update(m.metadata.reply_to_message_id for m in late)
         messages = list(messages)
         if not messages or any(m.metadata.message_type != MessageType.TRAIN for m in messages):
             return self.grid.send_and_receive(messages, timeout=timeout)
@@ -73,4 +78,5 @@ class QuorumGrid(Grid):
             if end is not None and time.monotonic() >= end:
                 break
             time.sleep(self.pull_interval_s)
+        self.leftover |= waiting
         return replies

@@ -82,7 +82,7 @@ class RoundLog:
     clock_s: float = 0.0  # simulated time when the round started
 
 
-WIRE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+WIRE_DTYPES = {"float32": torch.float32, "float16": torch.float16}  # Flower's arrays are numpy: no bfloat16
 
 
 def state_norm(state: dict[str, torch.Tensor]) -> float:
@@ -146,7 +146,11 @@ class SubModelFusion(Strategy):
         wire_dtype: str = "float32",
     ) -> None:
         self.config = config
-        # the float dtype sub-models travel in (float16 / bfloat16 halve the bytes); the target stays float32
+        if wire_dtype not in WIRE_DTYPES:
+            raise ValueError(f"wire_dtype {wire_dtype!r}: use one of {', '.join(WIRE_DTYPES)}")
+        if overselect < 0:
+            raise ValueError(f"overselect must be >= 0, got {overselect}")
+        # the float dtype sub-models are sent in (float16 halves the downlink); replies and the target stay float32
         self.wire_dtype = WIRE_DTYPES[wire_dtype]
         self.aliases = config_aliases(config) if config is not None else {}  # tied keys messages leave out
         self.widths = widths
@@ -168,7 +172,8 @@ class SubModelFusion(Strategy):
         self.rng = random.Random(seed)
         self.wait_nodes_s = wait_nodes_s
         self.query_timeout_s = query_timeout_s
-        self.max_norm_ratio = max_norm_ratio
+        # local DP adds noise to every coordinate of a reply, so its norm says nothing about abuse: no norm check
+        self.max_norm_ratio = 0.0 if str(train_config.get("dp-mode", "none")) == "local" else max_norm_ratio
         self.axes, self.scale = axes, scale
         self.ordered_ladder = ordered_ladder or tuple(sorted(set(widths.values())))
         self.ordered_distill = ordered_distill
@@ -239,6 +244,18 @@ class SubModelFusion(Strategy):
         return {k: v.to(self.wire_dtype) if v.is_floating_point() else v
                 for k, v in wire_state(state, self.aliases).items()}
 
+    def from_wire(self, reply: dict[str, torch.Tensor], plan: SlicePlan) -> dict[str, torch.Tensor]:
+        """A reply as the averager takes it: tied aliases restored; with a float16 downlink, the reply's change
+        from the float16 values sent is added to the exact float32 slice, so rounding the download loses
+        no part of the update."""
+        reply = full_state(reply, self.aliases)  # aliases are rebuilt from what they alias
+        if self.wire_dtype == torch.float32:
+            return reply
+        exact = extract(self.target, self.config, plan)
+        sent = {k: v.to(self.wire_dtype).float() for k, v in exact.items()}
+        return {k: exact[k] + (v.float() - sent[k]) if k in exact and v.shape == exact[k].shape else v
+                for k, v in reply.items()}
+
     def tier_costs(self) -> dict[str, WorkCost]:
         """This round's planned work priced per device tier: its sub-model's training FLOPs and transfers."""
         if not self.costs:  # sub-model sizes depend only on the width, so they are priced once per run
@@ -263,7 +280,7 @@ class SubModelFusion(Strategy):
         by_partition = {int(self.caps[n].get("partition", n)): n for n in nodes if n in self.caps}
         if not by_partition:
             log(WARNING, "no node has answered the capability query; this round trains nobody")
-        k = math.ceil(self.clients_per_round * (1 + self.overselect))
+        k = self.clients_per_round + math.ceil(round(self.clients_per_round * self.overselect, 9))
         draw = self.participation.draw(server_round, {p: self.caps[n]["device"] for p, n in by_partition.items()},
                                        k, self.tier_costs())
         self.last.clock_s = draw.clock_s
@@ -363,7 +380,7 @@ class SubModelFusion(Strategy):
         for reply, row in self.replies_in_order(server_round, replies):
             node = row.node
             try:
-                sub = reply.content["arrays"].to_torch_state_dict()
+                sub = wire_state(reply.content["arrays"].to_torch_state_dict(), self.aliases)  # a stray alias is dropped
                 metrics = reply.content["metrics"]
                 n, loss, seconds, tokens = reply_metrics(metrics, row)
                 row.bytes_up = reply.content["arrays"].count_bytes()
@@ -372,7 +389,7 @@ class SubModelFusion(Strategy):
                                      f"norm of the sub-model sent ({row.sent_norm:.3g})")
                 if averager is None:
                     averager = SelectiveAverager(self.target, self.config, self.aggregate, self.trim)
-                averager.add(full_state(sub, self.aliases), self.plans[node],
+                averager.add(self.from_wire(sub, self.plans[node]), self.plans[node],
                              weight=float(n) if self.weighting == "examples" else 1.0)
             except Exception as exc:  # an untrusted reply can be malformed in any way; it must not stop the run
                 self.reject(server_round, row, exc)
@@ -398,8 +415,10 @@ class SubModelFusion(Strategy):
 
     # -- federated evaluation (optional; the server also evaluates centrally) -------------------
     def evaluation_nodes(self) -> list[int]:
-        """A seeded sample of ``evaluate_clients`` known nodes, sorted."""
-        known = sorted(self.caps)
+        """A seeded sample of ``evaluate_clients`` known nodes, sorted; not the nodes over-selection just cut
+        (a deployed node still busy with that training would hold the evaluation round up)."""
+        cut = {n for n, row in self.last.clients.items() if row.status == "cut"}
+        known = sorted(n for n in self.caps if n not in cut)
         return sorted(self.rng.sample(known, min(self.evaluate_clients, len(known))))
 
     def configure_evaluate(

@@ -355,3 +355,30 @@ def test_dp_clipping_bounds_each_lora_clients_adapter_update(method, base, shape
         replies.append(out)
     strategy.aggregate_train(2, replies)
     assert {r.status for r in strategy.last.clients.values()} == {"ok"}
+
+
+def test_local_dp_noise_is_not_mistaken_for_an_absurd_update(base, shapes):
+    """privacy.mode=local: LocalDpMod's noise (sigma ~0.5 per coordinate at the defaults) dwarfs a served
+    adapter's norm; the replies must still be accepted from round 2 on, so the norm check is off."""
+    from flwr.app import Context
+
+    from fedfusion.clients.privacy import privacy_mod
+    from fedfusion.recipe import load_recipe
+    from fedfusion.server_app import privacy_spec
+
+    dp = privacy_spec(load_recipe("quickstart", ["privacy.mode=local"]))
+    strategy = make(shapes, method="flexlora", base=base, **dp)
+    clients = [random_client(shapes, r, ALPHAS[t], 1.0, s) for s, (t, r) in enumerate(RANKS.items())]
+    A, B = global_factors(aggregate_lora(clients, "flexlora"))
+    arrays = ArrayRecord({**{f"{m}.lora_A": a for m, a in A.items()}, **{f"{m}.lora_B": 0.01 * b for m, b in B.items()}})
+    ctx = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={})
+
+    def train(m: Message, c: Context) -> Message:
+        got, metrics = client.train(m.content["arrays"].to_torch_state_dict(), m.content["config"],
+                                    m.metadata.dst_node_id - 11)
+        return Message(RecordDict({"arrays": ArrayRecord(got), "metrics": MetricRecord(metrics)}), reply_to=m)
+
+    replies = [privacy_mod(m, ctx, train) for m in strategy.configure_train(2, arrays, ConfigRecord({}), FakeGrid(DEVICES))]
+    strategy.aggregate_train(2, replies)
+    assert {r.status for r in strategy.last.clients.values()} == {"ok"}
+    assert make(shapes, method="flexlora").max_norm_ratio == 10.0  # on without local DP

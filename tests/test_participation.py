@@ -34,6 +34,16 @@ def test_without_availability_everyone_may_be_drawn_and_a_slow_client_stretches_
     assert part.examples == {c: 10 for c in draw.train}
 
 
+def test_the_clock_does_not_wait_for_clients_over_selection_cut():
+    part = Participation(make_selector("random", seed=1), CATALOG, round_interval_s=0.5)
+    clients = _clients(30)
+    draw = part.draw(1, clients, 6, COSTS)
+    slow_tier = clients[max(draw.train, key=lambda c: COSTS[clients[c]].virtual_s)]
+    part.settle(1, {c: ("cut" if clients[c] == slow_tier else "ok", 10, 2.0) for c in draw.train})
+    waited = max(COSTS[clients[c]].virtual_s for c in draw.train if clients[c] != slow_tier)
+    assert part.clock_s == max(0.5, waited) < COSTS[slow_tier].virtual_s
+
+
 def test_a_virtual_deadline_drops_the_clients_predicted_too_slow():
     slowest = max(COSTS, key=lambda t: COSTS[t].virtual_s)
     part = Participation(make_selector("random", seed=0), CATALOG, deadline_s=COSTS[slowest].virtual_s * 0.99)

@@ -57,6 +57,14 @@ def test_a_training_round_returns_at_the_quorum_of_good_replies():
     assert sum(not r.has_error() for r in replies) == 2
 
 
+def test_replies_not_waited_for_are_pulled_and_dropped_by_the_next_call():
+    inner = TimedGrid({1: 1, 2: 1, 3: 2, 4: 2})
+    grid = QuorumGrid(inner, quorum=2, pull_interval_s=0.0)
+    assert len(grid.send_and_receive(_messages([1, 2, 3, 4]), timeout=60)) == 2 and len(grid.leftover) == 2
+    grid.send_and_receive(_messages([1], MessageType.EVALUATE), timeout=5)  # one pull, no waiting
+    assert inner.pulls == 2 and not grid.leftover
+
+
 def test_the_deadline_still_closes_a_round_short_of_its_quorum():
     inner = TimedGrid({1: 1, 2: 10**9})
     grid = QuorumGrid(inner, quorum=2, pull_interval_s=0.01)
