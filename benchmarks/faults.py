@@ -225,14 +225,26 @@ def sim_markdown(sim: dict) -> list[str]:
                   + f". Honest clients that missed the deadline (`none->timeout`): {checks['none->timeout']}."]
     verdicts = []
     for arm, (label, _) in arms.items():
-        rel = [r["rel_ppl_vs_fault_free"] for r in sim["runs"] if r["arm"] == arm and "fault-free" not in arm
-               and r["rel_ppl_vs_fault_free"] is not None]
-        if rel:
-            within = sum(abs(v) <= 0.02 for v in rel)
-            verdicts.append(f"{label}: final ppl within 2% of fault-free in {within} of {len(rel)} seeds "
-                            f"(mean {statistics.mean(rel):+.1%}, worst {max(rel, key=abs):+.1%})")
+        mine = [r for r in sim["runs"] if r["arm"] == arm and "fault-free" not in arm
+                and r["rel_ppl_vs_fault_free"] is not None]
+        if mine:
+            rel, rel3 = [r["rel_ppl_vs_fault_free"] for r in mine], [r["rel_last3_ppl_vs_fault_free"] for r in mine]
+            verdicts.append(f"{label}: final ppl at most 2% worse than fault-free in {sum(v <= 0.02 for v in rel)} of "
+                            f"{len(rel)} seeds (worst {max(rel):+.1%}), last-3-rounds mean in "
+                            f"{sum(v <= 0.02 for v in rel3)} of {len(rel3)} (worst {max(rel3):+.1%})")
     if verdicts:
-        lines += ["", "Issue #7's criterion (final metric within 2% of the fault-free run): " + "; ".join(verdicts) + "."]
+        lines += ["", "Issue #7's criterion (the final metric stays within 2% of the fault-free run; lower ppl is "
+                  "better, so a faulty arm ending lower is within it): " + "; ".join(verdicts) + "."]
+    swings = []
+    for r in sim["runs"]:
+        if r["arm"] in ("fault-free", "fault-free-median"):
+            ppl = [row["eval_ppl"] for row in round_rows(Path(r["run_dir"]))][-4:]
+            swings.append(max(abs(b / a - 1) for a, b in zip(ppl, ppl[1:])))
+    if swings:
+        lines += ["", f"Resolution: the fault-free runs' held-out ppl itself moves by up to {max(swings):.0%} from one "
+                  "round to the next over their last 4 rounds (rolling slices update a different window of the target "
+                  "each round), so a single final round cannot resolve 2%; the last-3-rounds mean is the steadier "
+                  "figure, and several seeds more would be needed to pin the difference below a few percent."]
     lines += ["", "![held-out perplexity per round](faults_ppl.png)"]
     skipped = [a for a in arms if a not in s.get("arms", arms)]
     if skipped:
@@ -242,7 +254,8 @@ def sim_markdown(sim: dict) -> list[str]:
     lines += ["", "Client-round counts are summed over seeds; energy and round time are per run (mean over seeds). "
               "Energy is priced from counted work on each tier's profile; a crashed or timed-out client is charged "
               "its planned work and download, a rejected one its work both ways, a cut one (over-selection: the round "
-              "closed without it) its planned work and download (`wasted`).", ""]
+              "closed without it) its planned work, download and upload (`wasted`; runs made before 8b43243 charged "
+              "cut clients no upload). Energy figures are read from each run's own ledger.", ""]
     return lines
 
 
