@@ -100,9 +100,13 @@ class MemoryEstimate:
 
 def estimate_memory(
     config: PretrainedConfig, batch: int, seq: int, lora_rank: int | None = None, base_bits: int = 32,
-    lora_modules: Sequence[str] = LORA_MODULES,
+    lora_modules: Sequence[str] = LORA_MODULES, compute_bytes: int = 2,
 ) -> MemoryEstimate:
-    """Peak training memory of full fine-tuning (``lora_rank=None``, fp32) or LoRA on a ``base_bits`` base."""
+    """Peak training memory of full fine-tuning (``lora_rank=None``, fp32) or LoRA on a ``base_bits`` base.
+
+    A 4/8-bit base keeps its non-linear weights (embeddings, norms) and its activations in the compute dtype,
+    ``compute_bytes`` per value (bitsandbytes' compute dtype: 4 for float32, 2 for float16/bfloat16); a
+    32- or 16-bit base keeps them in its own precision."""
     if batch < 1 or seq < 1:
         raise ValueError(f"batch and seq must be >= 1, got {batch}, {seq}")
     if base_bits not in _BITS_STORED:
@@ -116,11 +120,11 @@ def estimate_memory(
         return MemoryEstimate(4 * params, 4 * params, 8 * params, 4 * act_values, params, params)
     trainable = lora_params(config, lora_rank, lora_modules)
     linear = layers * (h * heads * d * 2 + h * kv * d * 2 + 3 * h * inter)
+    act_bytes = base_bits // 8 if base_bits >= 16 else compute_bytes
     if base_bits >= 16:
         weights = params * base_bits / 8
     else:
-        weights = linear * _BITS_STORED[base_bits] / 8 + (params - linear) * 2
-    act_bytes = 4 if base_bits == 32 else 2
+        weights = linear * _BITS_STORED[base_bits] / 8 + (params - linear) * act_bytes
     return MemoryEstimate(int(weights) + 4 * trainable, 4 * trainable, 8 * trainable, act_bytes * act_values,
                           params + trainable, trainable)
 
@@ -167,6 +171,7 @@ class LoraFit:
 def fit_lora_rank(
     config: PretrainedConfig, device: Device, batch: int, seq: int, ranks: Sequence[int] = LORA_RANKS,
     base_bits: Sequence[int] = BASE_BITS, modules: Sequence[str] = LORA_MODULES, usable: float = USABLE,
+    compute_bytes: int = 2,
 ) -> LoraFit | None:
     """The most precise base (in ``base_bits`` order) on which some rank fits, with the largest rank that
     fits on it; None if no (rank, precision) fits. Precision comes first: the base dominates memory,
@@ -176,7 +181,8 @@ def fit_lora_rank(
         raise ValueError("ranks: give at least one LoRA rank")
     for bits in base_bits:
         for rank in sorted(ranks, reverse=True):
-            est = estimate_memory(config, batch, seq, lora_rank=rank, base_bits=bits, lora_modules=modules)
+            est = estimate_memory(config, batch, seq, lora_rank=rank, base_bits=bits, lora_modules=modules,
+                                  compute_bytes=compute_bytes)
             if est.total <= budget:
                 return LoraFit(rank, bits, est)
     return None
@@ -247,12 +253,14 @@ def lora_plan_table(recipe: Recipe, base_config: PretrainedConfig, usable: float
     catalog = load_catalog(recipe.population.catalog)
     lora, batch, seq = recipe.lora, recipe.train.batch_size, recipe.train.seq_len
     modules = list(lora.target_modules)
+    compute = getattr(torch, lora.dtype).itemsize  # a quantised base computes (and keeps its other weights) in lora.dtype
     rows = []
     for tier in recipe.population.mix:
         device, rank, bits = catalog[tier], lora.ranks[tier], lora.quantize.get(tier, 0) or 32
-        est = estimate_memory(base_config, batch, seq, lora_rank=rank, base_bits=bits, lora_modules=modules)
+        est = estimate_memory(base_config, batch, seq, lora_rank=rank, base_bits=bits, lora_modules=modules,
+                              compute_bytes=compute)
         fp32 = estimate_memory(base_config, batch, seq, lora_rank=rank, base_bits=32, lora_modules=modules)
-        best = fit_lora_rank(base_config, device, batch, seq, modules=modules, usable=usable)
+        best = fit_lora_rank(base_config, device, batch, seq, modules=modules, usable=usable, compute_bytes=compute)
         rows.append({
             "tier": tier, "rank": rank, "base": f"{bits}-bit", "trainable": est.trainable,
             "peak MB": _mb(est.total), "fp32 base MB": _mb(fp32.total), "device MB": round(device.memory_gb * 1024),

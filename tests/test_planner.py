@@ -122,3 +122,14 @@ def test_lora_plan_rows_show_rank_precision_and_the_4bit_saving():
     assert rows["phone"]["trainable"] == 30 * 4 * ((576 + 576) + (576 + 192))  # q_proj and v_proj adapters
     assert rows["phone"]["peak MB"] < rows["phone"]["fp32 base MB"]  # the 4-bit base is what makes it fit
     assert rows["desktop"]["peak MB"] == rows["desktop"]["fp32 base MB"]
+
+
+def test_a_quantised_base_keeps_its_other_weights_and_activations_in_the_compute_dtype():
+    cfg = tiny_config()
+    f16 = estimate_memory(cfg, 2, 16, lora_rank=4, base_bits=4, compute_bytes=2)
+    f32 = estimate_memory(cfg, 2, 16, lora_rank=4, base_bits=4, compute_bytes=4)
+    assert f32.activations == 2 * f16.activations
+    # the weights that are not quantised (embeddings, lm_head, norms) account for the whole weight difference
+    h, d, layers = cfg.hidden_size, cfg.head_dim, cfg.num_hidden_layers
+    linear = layers * (h * d * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads) + 3 * h * cfg.intermediate_size)
+    assert f32.weights - f16.weights == 2 * (f16.params - f16.trainable - linear) > 0
