@@ -12,17 +12,24 @@ run selects exactly as an uninterrupted one. Every selector is seeded and determ
   ``sqrt(staleness * ln(round) / last_round)``, times ``(T / d_i) ** alpha`` when their duration d_i
   (observed, else predicted) exceeds the preferred duration T (the ``percentile``-th percentile of the
   candidates' durations). A fraction ``explore`` of the picks (decayed by ``explore_decay`` at every
-  round, down to ``explore_min``) goes to clients never tried, sampled in proportion to their data size
-  (``examples``, else uniformly) times the same duration penalty; the rest are sampled, in proportion to
+  round, down to ``explore_min``) goes to clients never tried: like Oort's reference implementation
+  (FedScale, ``sample_window`` 5), the ``sample_window`` x n best by data size (``examples``, else all
+  equal, ties broken at random) times the same duration penalty, then n of those sampled in proportion to
+  that weight (``sample_window=inf``: all never-tried clients compete); the rest are sampled, in proportion to
   score, among clients scoring at least ``cutoff`` times the score just past the k-th. The pacer
   compares the exploited utility of the last ``pacer_window`` rounds with the window before: a change
   within 10% (plateau) relaxes T by ``pacer_step`` percentile points, a 5x jump tightens it. Oort's
   participation blacklist is not implemented.
 - ``energy``: Oort whose scores (and exploration weights) are divided by predicted energy and carbon
-  relative to the candidates' median, ``(e/median e) ** energy_weight * (c/median c) ** carbon_weight``,
-  with no duration penalty by default (``alpha=0``: time is not what it saves);
-  battery aware (EAFL-like): a device on battery below ``min_battery`` is never picked (so fewer than k
-  may come back), and one on battery has its score multiplied by its battery level.
+  relative to the candidates' median, ``(e/median e) ** energy_weight * (c/median c) ** carbon_weight``:
+  utility per joule and per gram, since both are to be saved (weights 1 and 1; ``carbon_weight=0`` is
+  utility per joule alone). No duration penalty by default (``alpha=0``: time is not what it saves).
+  Oort's exploration window matters most here: early rounds are mostly exploration, and sampling every
+  never-tried client in proportion to size / cost would let costly devices win many picks by sheer
+  number when cheap ones are a minority of the eligible (e.g. before phones' nightly charging windows
+  open); within the window the weight is size / cost. Battery aware (EAFL-like): a device on battery
+  below ``min_battery`` is never picked (so fewer than k may come back), and one on battery has its
+  score multiplied by its battery level.
 - ``carbon_budget`` (greedy, after FedZero): every zone has an energy budget (joules) per period of
   ``period_rounds`` rounds; clients are taken in order of utility per predicted joule (utility as
   Oort's, clients never tried count as the best utility) while the zone's planned energy (spent so far in
@@ -265,7 +272,7 @@ class OortSelector(Selector):
     def __init__(
         self, seed: int = 0, alpha: float = 2.0, explore: float = 0.9, explore_decay: float = 0.95,
         explore_min: float = 0.2, cutoff: float = 0.95, percentile: float = 30.0, pacer_window: int = 10,
-        pacer_step: float = 10.0, staleness: float = 0.1, clip_quantile: float = 0.95,
+        pacer_step: float = 10.0, staleness: float = 0.1, clip_quantile: float = 0.95, sample_window: float = 5.0,
     ) -> None:
         super().__init__(seed)
         for name, value, lo, hi in (
@@ -273,13 +280,14 @@ class OortSelector(Selector):
             ("explore_min", explore_min, 0, 1), ("cutoff", cutoff, 0, 1), ("percentile", percentile, 0, 100),
             ("pacer_window", pacer_window, 1, math.inf), ("pacer_step", pacer_step, 0, 100),
             ("staleness", staleness, 0, math.inf), ("clip_quantile", clip_quantile, 0.5, 1),
+            ("sample_window", sample_window, 1, math.inf),
         ):
             if not lo <= value <= hi:
                 raise ValueError(f"selection.{name}: must be in [{lo}, {hi}], got {value}")
         self.alpha, self.explore, self.explore_decay, self.explore_min = alpha, explore, explore_decay, explore_min
         self.cutoff, self.percentile = cutoff, percentile
         self.pacer_window, self.pacer_step = int(pacer_window), pacer_step
-        self.staleness, self.clip_quantile = staleness, clip_quantile
+        self.staleness, self.clip_quantile, self.sample_window = staleness, clip_quantile, sample_window
         self.stats = _ClientStats()
         self.exploited: list[int] = []  # clients picked by exploitation in the last select
         self.history: list[float] = []  # exploited utility per round, for the pacer
@@ -340,6 +348,11 @@ class OortSelector(Selector):
         self.exploited = candidates.ids[exploit].tolist()
         size = np.ones(len(new_idx)) if candidates.examples is None else candidates.examples[new_idx]
         weight = size * penalty[new_idx] / cost[new_idx]
+        window = min(len(new_idx), int(self.sample_window * n_explore)) if math.isfinite(self.sample_window) else 0
+        if n_explore and 0 < window < len(new_idx):  # Oort samples among the best sample_window x n only
+            shuffled = self.rng.permutation(len(new_idx))  # ties broken at random, not by id
+            best = shuffled[np.argsort(-weight[shuffled], kind="stable")[:window]]
+            new_idx, weight = new_idx[best], weight[best]
         explore = new_idx[_weighted_sample(self.rng, weight, n_explore)]
         return np.concatenate([exploit, explore])
 

@@ -116,6 +116,8 @@ def test_bad_arguments_are_named():
         make_selector("carbon_budget")
     with pytest.raises(ValueError, match="selection.explore: must be in"):
         make_selector("oort", explore=1.5)
+    with pytest.raises(ValueError, match="selection.sample_window: must be in"):
+        make_selector("energy", sample_window=0.5)
 
 
 def test_options_of_each_selector():
@@ -167,6 +169,22 @@ def test_oort_explores_big_fast_unexplored_clients_first_and_decays():
     assert sel.explore == pytest.approx(0.9 * 0.95)  # decayed before the split, as Oort does
     assert np.mean(picks < 500) > 0.9  # slow clients carry the (T/d)^alpha penalty
     assert np.mean(picks % 2 == 0) > 0.9  # weighted by data size
+
+
+@pytest.mark.parametrize("name", ["oort", "energy"])
+def test_exploration_samples_only_the_best_sample_window_times_n(name):
+    # nothing explored yet: all 10 picks explore, among the 5 x 10 best by data size (Oort's sample_window)
+    rng = np.random.default_rng(1)
+    examples = rng.permutation(1000) + 1.0
+    cand = Candidates(ids=np.arange(1000), duration_s=np.ones(1000), energy_j=np.ones(1000), co2_g=np.ones(1000),
+                      examples=examples)
+    best = set(np.flatnonzero(examples > 950).tolist())
+    for seed in range(5):
+        picks = make_selector(name, seed=seed).select(cand, 10, 1)
+        assert len(picks) == 10 and set(picks) <= best
+    # without the window, sampling in proportion to size over all 1000 reaches far below the top 50
+    wide = make_selector(name, seed=0, sample_window=float("inf"))
+    assert len(set(wide.select(cand, 10, 1)) - best) >= 5
 
 
 def test_oort_pacer_relaxes_preferred_duration_on_plateau():
