@@ -257,22 +257,25 @@ def systems_bytes() -> list[dict]:
 
 def memory_probe(clients: int, rule: str) -> dict[str, int]:
     """Peak RSS (bytes) of a fresh process before (target built) and after it folds ``clients`` width-1/2 updates of a 6.5M-parameter
-    Llama target into a SelectiveAverager (each update built, added and dropped in turn, as replies stream in)."""
+    Llama target into a SelectiveAverager (each update built, added and dropped in turn, as replies stream in).
+    Read from ``VmHWM``: a child's ``ru_maxrss`` starts at its parent's peak on Linux, so it cannot measure this."""
     code = (
-        "import resource, torch; torch.set_num_threads(1)\n"
+        "import re, torch; torch.set_num_threads(1)\n"
+        "def hwm():\n"
+        "    return int(re.search(r'VmHWM:\\s+(\\d+) kB', open('/proc/self/status').read()).group(1)) * 1024\n"
         "from transformers import LlamaConfig\n"
         "from fedfusion.slicing import SelectiveAverager, extract, plan_slice\n"
         "from fedfusion.slice_families import family_of\n"
         "cfg = LlamaConfig(vocab_size=100, hidden_size=256, intermediate_size=1024, num_hidden_layers=8,"
         " num_attention_heads=8, num_key_value_heads=8, head_dim=32)\n"
         "state = {k: v.clone() for k, v in family_of(cfg).build(cfg).state_dict().items()}\n"
-        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024\n"
+        "before = hwm()\n"
         f"avg = SelectiveAverager(state, cfg, {rule!r})\n"
         f"for i in range({clients}):\n"
         "    plan = plan_slice(cfg, 0.5, 'random', seed=i)\n"
         "    avg.add(extract(state, cfg, plan), plan)\n"
         "new = avg.result()\n"
-        "print(before, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)\n"
+        "print(before, hwm())\n"
     )
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
     before, after = map(int, out.stdout.strip().splitlines()[-1].split())
