@@ -431,7 +431,8 @@ class SubModelFusion(Strategy):
         nodes = self.evaluation_nodes()
         spec = {**config, **self.train_config, "role": "submodel", "server-round": server_round,
                 "model-config": json.dumps(self.config.to_dict())}
-        sent = ArrayRecord(self.wire(arrays.to_torch_state_dict()))
+        plain = not self.aliases and self.wire_dtype == torch.float32  # the target as Flower carries it
+        sent = arrays if plain else ArrayRecord(self.wire(arrays.to_torch_state_dict()))
         return [
             Message(RecordDict({"arrays": sent, "config": ConfigRecord(dict(spec))}), dst_node_id=n,
                     message_type=MessageType.EVALUATE)
