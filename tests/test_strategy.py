@@ -262,7 +262,8 @@ def test_an_fp16_downlink_halves_the_bytes_sent_and_loses_no_part_of_an_update()
 
     grid = FakeGrid({11: "phone", 12: "desktop", 13: "phone"})
     sizes = {}
-    for dtype, step in (("float32", 0.0), ("float16", 0.0), ("float16", 2e-4)):
+    stepped = {}
+    for dtype, step in (("float32", 0.0), ("float16", 0.0), ("float32", 2e-4), ("float16", 2e-4)):
         strategy, state = make_strategy()
         strategy.wire_dtype = {"float32": torch.float32, "float16": torch.float16}[dtype]
         msgs = list(strategy.configure_train(1, ArrayRecord(state), ConfigRecord({}), grid))
@@ -285,6 +286,9 @@ def test_an_fp16_downlink_halves_the_bytes_sent_and_loses_no_part_of_an_update()
             for k, v in state.items():  # a client that trains nothing leaves the float32 target exactly as it was
                 torch.testing.assert_close(new[k], v, rtol=1e-6, atol=1e-7)
         else:
-            moved = new[norm] - state[norm]  # an fp16 round trip of the weights would have moved it by 0
-            assert (moved > 1e-5).any() and (moved >= 0).all()
+            stepped[dtype] = new
+    moved = stepped["float16"][norm] - state[norm]  # an fp16 round trip of the weights would have moved it by 0
+    assert (moved > 1e-5).any()
+    for k, v in stepped["float32"].items():  # the fp16 downlink folds the same update as the float32 one
+        torch.testing.assert_close(stepped["float16"][k], v, rtol=0, atol=1e-6)
     assert sizes["float16"] * 2 == sizes["float32"]
