@@ -41,7 +41,6 @@ from fedfusion.instruct import (
 from fedfusion.pretrained import load_base, load_base_tokenizer
 
 _PEFT_PREFIX = "base_model.model."
-FROZEN_SUFFIXES = (".merged_A", ".merged_B")  # arrays a client applies but never trains (FLoRA's merged update)
 
 
 @lru_cache(maxsize=3)

@@ -16,7 +16,7 @@ from flwr.clientapp.mod import LocalDpMod, fixedclipping_mod
 from flwr.clientapp.typing import ClientAppCallable
 from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 
-from fedfusion.clients.lora import FROZEN_SUFFIXES
+from fedfusion.lora import FROZEN_SUFFIXES
 
 
 def privacy_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:

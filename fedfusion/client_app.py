@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import importlib
 import json
+from types import ModuleType
 
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from fedfusion.clients import lora, smallmodel, submodel
 from fedfusion.clients.privacy import privacy_mod
 from fedfusion.devices import assign_tiers
 from fedfusion.hardware import capabilities, pick_accelerator
@@ -15,14 +16,16 @@ from fedfusion.hardware import capabilities, pick_accelerator
 app = ClientApp()
 
 # What a message's spec asks this client to be (spec["role"]): each module has train() and evaluate().
-ROLES = {"submodel": submodel, "smallmodel": smallmodel, "lora": lora}
+# Imported on first use: the LoRA role pulls in peft and bitsandbytes (seconds per simulation actor).
+ROLES = {"submodel": "fedfusion.clients.submodel", "smallmodel": "fedfusion.clients.smallmodel",
+         "lora": "fedfusion.clients.lora"}
 
 
-def _role(spec: ConfigRecord):  # the role module: train(), evaluate(), num_examples()
+def _role(spec: ConfigRecord) -> ModuleType:  # the role module: train(), evaluate(), num_examples()
     role = str(spec.get("role", "submodel"))
     if role not in ROLES:
         raise ValueError(f"message spec role {role!r} is unknown; this client knows {', '.join(ROLES)}")
-    return ROLES[role]
+    return importlib.import_module(ROLES[role])
 
 
 def _partition(context: Context) -> int:

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+FROZEN_SUFFIXES = (".merged_A", ".merged_B")  # wire arrays a client applies but never trains (FLoRA's merged update)
+
 METHODS = ("fedavg", "zeropad", "hetlora", "flexlora", "flora")
 
 Factors = tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]

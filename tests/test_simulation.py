@@ -20,7 +20,7 @@ TINY = [
     "rounds=2", "population.num_clients=4", "selection.clients_per_round=3", "selection.evaluate_clients=1",
     "model.hidden_size=32", "model.num_heads=4", "model.num_kv_heads=2", "model.intermediate_size=64",
     "model.num_layers=1", "train.local_steps=2", "train.batch_size=4", "train.seq_len=32",
-    "data.eval_chars=3000", "engine.cpus_per_client=0.5",
+    "data.eval_chars=3000", "engine.cpus_per_client=1.0",
 ]
 
 
@@ -100,35 +100,31 @@ def test_clients_that_all_crash_leave_the_target_unchanged_and_the_run_completes
 
 
 def test_over_selection_closes_rounds_without_waiting_for_stragglers(tmp_path):
-    """2 of 4 clients needed, all 4 sampled; stragglers sleep 30 s after training: each round closes at
-    the quorum of 2 updates, well before them, and the clients not waited for are recorded as cut."""
+    """1 of 2 clients needed, both sampled; one of them straggles in each round (the seeded draws: partition 0
+    in round 1, partition 1 in round 2) and sleeps 30 s after training: a round with warm actors closes at the
+    quorum of 1 update, well before it, and the client not waited for is recorded as cut. Round 1 only has to
+    stay consistent: actors start up unevenly, so on a loaded machine who finishes first there is timing."""
     out = tmp_path / "overselect"
-    assert main(["run", "quickstart", *TINY, "selection.evaluate_clients=0", "selection.clients_per_round=2",
-                 "selection.overselect=1.0", "faults.straggler_prob=0.5", "faults.straggler_delay_s=30",
-                 "engine.cpus_per_client=0.25", "--out", str(out)]) == 0  # 8 actors: sleepers never block a round
+    assert main(["run", "quickstart", *TINY, "population.num_clients=2", "selection.evaluate_clients=0",
+                 "selection.clients_per_round=1", "selection.overselect=1.0",
+                 "faults.straggler_prob=0.5", "faults.straggler_delay_s=30",
+                 "engine.cpus_per_client=0.5", "--out", str(out)]) == 0  # 4 actors: a sleeper never blocks a round
     clients = read_jsonl(out / "clients.jsonl")
     for rnd in (1, 2):
-        statuses = sorted(c["status"] for c in clients if c["round"] == rnd)
-        assert len(statuses) == 4 and statuses.count("ok") >= 2 and "cut" in statuses and set(statuses) <= {"ok", "cut"}
+        statuses = [c["status"] for c in clients if c["round"] == rnd]
+        assert len(statuses) == 2 and "ok" in statuses and set(statuses) <= {"ok", "cut"}
+    assert {c["partition"]: c["status"] for c in clients if c["round"] == 2} == {0: "ok", 1: "cut"}
     rows = read_jsonl(out / "metrics.jsonl")
-    assert all(r["clients_ok"] >= 2 and r["clients_cut"] >= 1 and r["wasted_j"] > 0 for r in rows[1:])
-    assert rows[2]["wall_s"] < 30  # round 1's wall time also holds the actors' start-up
+    assert all(r["clients_ok"] >= 1 for r in rows[1:])
+    assert rows[2]["clients_cut"] == 1 and rows[2]["wasted_j"] > 0
+    assert rows[2]["wall_s"] < 30
 
 
-def test_rerunning_the_saved_recipe_reproduces_the_run(run_dir, tmp_path):
-    again = tmp_path / "again"
-    assert main(["run", str(run_dir / "recipe.yaml"), "--out", str(again)]) == 0
-    first, second = read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(again / "metrics.jsonl")
-    assert [r["eval_loss"] for r in second] == [r["eval_loss"] for r in first]
-    keys = ("round", "device", "width", "assignment", "partition", "status", "examples", "train_loss",
-            "bytes_down", "bytes_up", "params", "tokens", "energy_j", "co2_g")  # not node ids or host seconds
-    pick = lambda rows: [{k: r[k] for k in keys} for r in rows]  # noqa: E731
-    assert pick(read_jsonl(again / "clients.jsonl")) == pick(read_jsonl(run_dir / "clients.jsonl"))
-
-
-def test_a_run_killed_mid_way_resumes_to_the_same_result(run_dir, tmp_path):
+def test_the_saved_recipe_reruns_the_same_and_a_run_killed_mid_way_resumes_to_the_same_result(run_dir, tmp_path):
+    """The run's own recipe.yaml, started again and killed during round 2, then resumed: every round and
+    every client row equals the uninterrupted run's (one Flower run covers both reproducibility paths)."""
     out = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, "-m", "fedfusion.cli", "run", "quickstart", *TINY, "--out", str(out)],
+    proc = subprocess.Popen([sys.executable, "-m", "fedfusion.cli", "run", str(run_dir / "recipe.yaml"), "--out", str(out)],
                             start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     state, deadline = out / "checkpoint" / "state.json", time.monotonic() + 400
     while proc.poll() is None and time.monotonic() < deadline and not state.is_file():
@@ -142,7 +138,8 @@ def test_a_run_killed_mid_way_resumes_to_the_same_result(run_dir, tmp_path):
     first, resumed = read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(out / "metrics.jsonl")
     assert [r["round"] for r in resumed] == [0, 1, 2]
     assert [r["eval_loss"] for r in resumed] == [r["eval_loss"] for r in first]
-    keys = ("round", "device", "width", "assignment", "partition", "status", "train_loss", "energy_j")
+    keys = ("round", "device", "width", "assignment", "partition", "status", "examples", "train_loss",
+            "bytes_down", "bytes_up", "params", "tokens", "energy_j", "co2_g")  # not node ids or host seconds
     pick = lambda rows: [{k: r[k] for k in keys} for r in rows]  # noqa: E731
     assert pick(read_jsonl(out / "clients.jsonl")) == pick(read_jsonl(run_dir / "clients.jsonl"))
 
