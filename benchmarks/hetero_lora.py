@@ -47,7 +47,7 @@ import torch
 from fedfusion.clients import lora as lora_client
 from fedfusion.data import build_char_tokenizer, encode_text, lm_windows, load_shakespeare_roles, split_text
 from fedfusion.instruct import encode_pairs, evaluate_instruct, generate_responses, pooled_held_out
-from fedfusion.lora import ClientLoRA, aggregate_lora, from_global, global_factors, serve
+from fedfusion.lora import ClientLoRA, aggregate_lora, from_global, global_factors, merged_arrays, serve
 from fedfusion.models import build_target, count_params
 from fedfusion.recipe import ModelConfig
 
@@ -144,7 +144,7 @@ def client_spec(base: str, rank: int, seed: int, steps: int, args: argparse.Name
 def evaluate_global(base: str, A: dict, B: dict, held, quantize: int = 0, dtype: str = "float32") -> dict:
     """Response loss of the frozen base plus the global update ``B @ A`` on ``held`` (encoded pairs)."""
     model = lora_client.frozen_base(base, quantize, dtype, "cpu")
-    arrays = {**{f"{m}.merged_A": a for m, a in A.items()}, **{f"{m}.merged_B": b for m, b in B.items()}}
+    arrays = merged_arrays(A, B)
     with lora_client.merged_update(model, arrays):
         return evaluate_instruct(model, held)
 
@@ -167,8 +167,7 @@ def federated(base: str, method: str, ranks: tuple[int, ...], spec: str, rounds:
                 out.update({f"{m}.lora_A": a for m, a in start[0].items()})
                 out.update({f"{m}.lora_B": b for m, b in start[1].items()})
             if merged is not None:
-                out.update({f"{m}.merged_A": a for m, a in A.items()})
-                out.update({f"{m}.merged_B": b for m, b in B.items()})
+                out.update(merged_arrays(A, B))
             round_seed = seed * 100003 + rnd * 1009 + k  # LoRAFusion._seed
             factors, metrics = lora_client.train(out, client_spec(base, rank, round_seed, steps, args, spec,
                                                                   quantize, dtype), k)
@@ -241,7 +240,7 @@ def real_arm(method: str, args: argparse.Namespace) -> dict | None:
 def generations(base: str, A: dict, B: dict) -> list[dict]:
     """Greedy answers of the base + global update to a few fixed prompts."""
     model, tok = lora_client.frozen_base(base, 0, "float32", "cpu"), lora_client.base_tokenizer(base)
-    arrays = {**{f"{m}.merged_A": a for m, a in A.items()}, **{f"{m}.merged_B": b for m, b in B.items()}}
+    arrays = merged_arrays(A, B)
     with lora_client.merged_update(model, arrays):
         answers = generate_responses(model, tok, list(PROMPTS), max_new_tokens=30)
     return [{"prompt": p, "answer": a} for p, a in zip(PROMPTS, answers)]
@@ -482,7 +481,8 @@ def markdown(report: dict) -> str:
     lines += ["## Systems", "",
               "Bytes per client per round by rank, counted on the float32 tensors actually sent (payload only, no "
               "record framing): down = the starting adapter (`lora_A`/`lora_B`, rank components the method "
-              "serves) plus, for FLoRA, the frozen merged update (`merged_A`/`merged_B`); up = the trained adapter. "
+              "serves) plus, for FLoRA, the frozen merged update (`merged_A`/`merged_B`, or per module their product `merged_W` "
+              "where that is smaller); up = the trained adapter. "
               "Round 1 sent nothing down in these runs (clients drew fresh adapters); LoRAFusion now sends every client its "
               "whole starting adapter, fresh components included (the size of its upload), so DP mods can compare reply "
               "and message. Fast arm (tiny base, "
@@ -492,7 +492,7 @@ def markdown(report: dict) -> str:
         for rank, c in by_rank.items():
             lines.append(f"| {arm} | {rank} | {c['down_mean']:,.0f} | {c['down_max']:,.0f} | {c['up']:,.0f} |")
     lines += ["", f"For scale: a dense float32 update of the same modules is {s['dense_update_bytes']:,} B; FLoRA's "
-              "merged factors (rank up to min(out, in)) can cost up to twice that.", ""]
+              "merged update is never more than that (its factors, rank up to min(out, in), could be twice it).", ""]
     if real:
         lines += [f"Real arm (SmolLM2-135M, {real['rounds']} rounds; a dense float32 update of the adapted modules "
                   f"is {real['dense_update_bytes']:,} B):", "",

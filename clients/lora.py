@@ -6,9 +6,10 @@ Arrays a train message may carry, per adapted module ``m`` (its path in the base
 - ``m.lora_A`` (k, in), ``m.lora_B`` (out, k): the adapter to start from, in this client's scaling
   (``alpha / rank``), k <= rank; components beyond k start fresh (peft's init: random A, zero B). Absent:
   a fresh adapter (the first round, or FLoRA).
-- ``m.merged_A`` (K, in), ``m.merged_B`` (out, K): a frozen update ``B @ A`` added to the base's output
-  (FLoRA's merged rounds; for evaluation, the whole global update). Applied with forward hooks, so it
-  works on a quantised base whose weights cannot simply be added to.
+- ``m.merged_A`` (K, in), ``m.merged_B`` (out, K), or their product ``m.merged_W`` (out, in) where that is
+  smaller: a frozen update ``B @ A`` added to the base's output (FLoRA's merged rounds; for evaluation,
+  the whole global update). Applied with forward hooks, so it works on a quantised base whose weights
+  cannot simply be added to.
 
 The reply carries ``m.lora_A`` (rank, in) and ``m.lora_B`` (out, rank) float32 (adapter tensors only)
 and the metrics ``num-examples``, ``train_loss``, ``train_tokens``, ``train_s``.
@@ -124,20 +125,25 @@ def load_factors(model: PeftModel, arrays: dict[str, torch.Tensor]) -> None:
 
 @contextmanager
 def merged_update(model: PreTrainedModel, arrays: dict[str, torch.Tensor]) -> Iterator[int]:
-    """Add the frozen ``m.merged_B @ m.merged_A`` to the outputs of the base modules ``m`` while inside;
-    yields the number of modules hooked."""
-    names = sorted({k.rsplit(".", 1)[0] for k in arrays if k.endswith(".merged_A")})
+    """Add the frozen ``m.merged_B @ m.merged_A`` (or ``m.merged_W``) to the outputs of the base modules ``m``
+    while inside; yields the number of modules hooked."""
+    names = sorted({k.rsplit(".", 1)[0] for k in arrays if k.endswith((".merged_A", ".merged_W"))})
     modules = dict(model.named_modules())
     hooks = []
     try:
         for name in names:
             if name not in modules:
                 raise ValueError(f"merged update names module {name!r}, which the base does not have")
-            a, b = arrays[f"{name}.merged_A"].to(model.device), arrays[f"{name}.merged_B"].to(model.device)
+            if f"{name}.merged_W" in arrays:
+                factors = (arrays[f"{name}.merged_W"].to(model.device).T,)
+            else:  # x A^T B^T: never forms the (out, in) product
+                factors = (arrays[f"{name}.merged_A"].to(model.device).T, arrays[f"{name}.merged_B"].to(model.device).T)
 
-            def add(module, inputs, output, a=a, b=b):
-                x = inputs[0]
-                return output + (x.to(a.dtype) @ a.T @ b.T).to(output.dtype)
+            def add(module, inputs, output, factors=factors):
+                x = inputs[0].to(factors[0].dtype)
+                for f in factors:
+                    x = x @ f
+                return output + x.to(output.dtype)
 
             hooks.append(modules[name].register_forward_hook(add))
         yield len(hooks)
@@ -179,7 +185,7 @@ def train(arrays: dict[str, torch.Tensor], spec: ConfigRecord, partition: int,
 
 
 def evaluate(arrays: dict[str, torch.Tensor], spec: ConfigRecord, partition: int, accelerator: str = "cpu") -> dict:
-    """Response loss of base + the global update (sent as ``m.merged_A``/``m.merged_B``) on this
+    """Response loss of base + the global update (sent as frozen ``m.merged_*`` arrays) on this
     client's held-out pairs."""
     torch.set_num_threads(int(spec.get("threads", 1)))
     data = client_data(str(spec["data-spec"]), partition, str(spec["base"]), int(spec["seq-len"]), "held_out")

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-FROZEN_SUFFIXES = (".merged_A", ".merged_B")  # wire arrays a client applies but never trains (FLoRA's merged update)
+FROZEN_SUFFIXES = (".merged_A", ".merged_B", ".merged_W")  # wire arrays a client applies, never trains (FLoRA's merged update)
 
 METHODS = ("fedavg", "zeropad", "hetlora", "flexlora", "flora")
 
@@ -334,3 +334,19 @@ def starting_adapter(shapes: dict[str, tuple[int, int]], rank: int, served: Fact
             a[:k], b[:, :k] = sa, sb
         A[name], B[name] = a, b
     return A, B
+
+
+def merged_arrays(A: dict[str, torch.Tensor], B: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A global update as frozen wire arrays: per module its factors ``m.merged_A`` (K, in) and ``m.merged_B``
+    (out, K), or their product ``m.merged_W`` (out, in) where that is fewer numbers, i.e. once the stacked
+    rank K passes in * out / (in + out) (FLoRA's stack grows with the rounds; a full-rank one sent as
+    factors would be twice a dense update)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, a in A.items():
+        b = B[name]
+        rank, inp = a.shape
+        if rank * (inp + b.shape[0]) > inp * b.shape[0]:
+            out[f"{name}.merged_W"] = b @ a
+        else:
+            out[f"{name}.merged_A"], out[f"{name}.merged_B"] = a, b
+    return out

@@ -13,7 +13,8 @@ adapted module ``m``: ``m.lora_A`` (R, in) and ``m.lora_B`` (out, R) with update
 - flexlora: the averaged update at its numerical rank; a rank-r client gets its best rank-r approximation.
 - flora: the sum of every round's stacked updates, merged into the base; clients get it as a frozen
   ``m.merged_*`` update and train fresh adapters on top. Its rank grows with the rounds up to
-  min(out, in) (it is recompressed exactly every round), so FLoRA's downlink grows too.
+  min(out, in) (it is recompressed exactly every round), so FLoRA's downlink grows too, up to a dense
+  update: a module whose factors would be larger goes as their product (:func:`fedfusion.lora.merged_arrays`).
 
 An empty ArrayRecord means no update yet. Every client is sent its whole starting adapter (served
 components in front, fresh seeded ones behind, B = 0), so its reply carries exactly the keys and shapes it
@@ -62,6 +63,7 @@ from fedfusion.lora import (
     aggregate_lora,
     from_global,
     global_factors,
+    merged_arrays,
     serve,
     starting_adapter,
 )
@@ -183,8 +185,7 @@ class LoRAFusion(SubModelFusion):
             for m in self.modules:  # A then B per module: the order the client's reply keeps
                 out[f"{m}.lora_A"], out[f"{m}.lora_B"] = start[0][m], start[1][m]
             if self.merged is not None:
-                out.update({f"{m}.merged_A": a for m, a in A.items()})
-                out.update({f"{m}.merged_B": b for m, b in B.items()})
+                out.update(merged_arrays(A, B))
             record = ArrayRecord(out)
             spec = ConfigRecord({
                 **config, **self.train_config, "role": "lora", "server-round": server_round, "method": self.method,
@@ -266,7 +267,7 @@ class LoRAFusion(SubModelFusion):
             return []
         server_round += self.round_offset
         A, B = split_global(arrays)
-        state = {**{f"{m}.merged_A": a for m, a in A.items()}, **{f"{m}.merged_B": b for m, b in B.items()}}
+        state = merged_arrays(A, B)
         nodes = self.evaluation_nodes()
         messages = []
         for n in nodes:

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from fedfusion.lora import METHODS, ClientLoRA, aggregate_lora, effective_delta, flora_stack
+from fedfusion.lora import METHODS, ClientLoRA, aggregate_lora, effective_delta, flora_stack, merged_arrays
 
 SHAPES = {"q_proj": (16, 24), "v_proj": (20, 24), "o_proj": (24, 16)}  # module -> (out, in); min dim 16
 RANKS, ALPHAS, WEIGHTS = [8, 4, 2, 1], [16.0, 4.0, 8.0, 1.0], [10.0, 30.0, 20.0, 40.0]
@@ -257,3 +257,14 @@ def test_for_client_rejects_bad_rank_or_alpha(rank, alpha, message):
 def test_effective_delta_rejects_mismatched_factors():
     with pytest.raises(ValueError, match=r"A \(4, 8\) and B \(6, 3\)"):
         effective_delta(torch.zeros(4, 8), torch.zeros(6, 3), 8.0)
+
+
+def test_a_merged_update_goes_as_factors_while_smaller_and_as_their_product_after():
+    g = torch.Generator().manual_seed(0)
+    low = (torch.randn(3, 64, generator=g), torch.randn(48, 3, generator=g))  # 3 * (64 + 48) < 64 * 48
+    high = (torch.randn(40, 64, generator=g), torch.randn(48, 40, generator=g))  # 40 * 112 > 3072
+    wire = merged_arrays({"low": low[0], "high": high[0]}, {"low": low[1], "high": high[1]})
+    assert set(wire) == {"low.merged_A", "low.merged_B", "high.merged_W"}
+    assert wire["low.merged_A"] is low[0] and wire["low.merged_B"] is low[1]
+    torch.testing.assert_close(wire["high.merged_W"], high[1] @ high[0])
+    assert sum(t.numel() for t in wire.values()) <= 2 * 64 * 48  # never more than dense, module by module

@@ -126,6 +126,8 @@ def test_a_merged_update_equals_adding_it_to_the_weights(base):
     with torch.no_grad():
         edited.get_submodule(m).weight += b @ a
     torch.testing.assert_close(hooked, edited(input_ids=ids).logits, atol=1e-4, rtol=1e-4)
+    with client.merged_update(plain, {f"{m}.merged_W": b @ a}):  # the dense form FLoRA sends when smaller
+        torch.testing.assert_close(plain(input_ids=ids).logits, hooked, atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="does not have"):
         with client.merged_update(plain, {"nope.merged_A": a, "nope.merged_B": b}):
             pass
