@@ -126,8 +126,8 @@ class DistillConfig:
     confidence: str = "variance"  # fedet: variance | entropy | maxprob
     diversity_weight: float = 0.1  # fedet
     temperature: float = 1.0
-    kd_weight: float = 1.0  # 1: pure distillation (FedDF); lower mixes in the LM loss on the transfer text
-    server_steps: int = 40
+    kd_weight: float = 0.1  # 1: pure distillation (FedDF); lower mixes in the LM loss on the transfer text
+    server_steps: int = 100
     server_lr: float = 1e-3
     server_batch_size: int = 16
     back_distill: bool = True  # the target teaches each family back (FedMKT)
