@@ -159,6 +159,7 @@ def federated(base: str, method: str, ranks: tuple[int, ...], spec: str, rounds:
     for rnd in range(1, rounds + 1):
         agg = from_global(method, A, B) if A else None
         merged = (A, B) if method == "flora" and A else None
+        frozen = merged_arrays(A, B) if merged is not None else {}
         clients, losses = [], []
         for k, rank in enumerate(ranks):
             start = serve(agg, rank, ALPHA) if agg is not None else None
@@ -166,8 +167,7 @@ def federated(base: str, method: str, ranks: tuple[int, ...], spec: str, rounds:
             if start is not None:
                 out.update({f"{m}.lora_A": a for m, a in start[0].items()})
                 out.update({f"{m}.lora_B": b for m, b in start[1].items()})
-            if merged is not None:
-                out.update(merged_arrays(A, B))
+            out.update(frozen)
             round_seed = seed * 100003 + rnd * 1009 + k  # LoRAFusion._seed
             factors, metrics = lora_client.train(out, client_spec(base, rank, round_seed, steps, args, spec,
                                                                   quantize, dtype), k)

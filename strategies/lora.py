@@ -174,6 +174,7 @@ class LoRAFusion(SubModelFusion):
         A, B = split_global(arrays)
         agg = from_global(self.method, A, B) if A else None
         self.merged = (A, B) if self.method == "flora" and A else None
+        frozen = merged_arrays(A, B) if self.merged is not None else {}  # the same for every client
         self.last = RoundLog(server_round=server_round)
         messages = []
         for node in self.sample(grid, server_round):
@@ -184,8 +185,7 @@ class LoRAFusion(SubModelFusion):
             out: dict[str, torch.Tensor] = {}
             for m in self.modules:  # A then B per module: the order the client's reply keeps
                 out[f"{m}.lora_A"], out[f"{m}.lora_B"] = start[0][m], start[1][m]
-            if self.merged is not None:
-                out.update(merged_arrays(A, B))
+            out.update(frozen)
             record = ArrayRecord(out)
             spec = ConfigRecord({
                 **config, **self.train_config, "role": "lora", "server-round": server_round, "method": self.method,
@@ -267,13 +267,13 @@ class LoRAFusion(SubModelFusion):
             return []
         server_round += self.round_offset
         A, B = split_global(arrays)
-        state = merged_arrays(A, B)
+        sent = ArrayRecord(merged_arrays(A, B))  # one record for every evaluating node
         nodes = self.evaluation_nodes()
         messages = []
         for n in nodes:
             spec = {**config, **self.train_config, "role": "lora", "server-round": server_round,
                     "quantize": int(self.quantize.get(self.caps[n]["device"], 0))}
-            messages.append(Message(RecordDict({"arrays": ArrayRecord(state), "config": ConfigRecord(spec)}),
+            messages.append(Message(RecordDict({"arrays": sent, "config": ConfigRecord(spec)}),
                                     dst_node_id=n, message_type=MessageType.EVALUATE))
         return messages
 
