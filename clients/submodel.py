@@ -12,11 +12,10 @@ import torch
 from flwr.app import ConfigRecord
 
 from fedfusion.cache import cached_tensor
-from fedfusion.data import encode_text, lm_windows
 from fedfusion.energy import EnergyMeter
-from fedfusion.models import load_tokenizer, model_from_state, tied_aliases, wire_state
+from fedfusion.models import model_from_state, tied_aliases, wire_state
 from fedfusion.ordered import train_steps_ordered
-from fedfusion.population import population_data
+from fedfusion.population import client_token_windows
 from fedfusion.slice_families import config_from_dict
 from fedfusion.training import evaluate_lm, train_steps
 
@@ -28,14 +27,8 @@ def client_windows(spec: str, partition: int, seq_len: int, split: str) -> torch
     Cached in memory (simulation's Ray actors persist) and on disk (a deployed node starts a fresh
     process per message).
     """
-    def build() -> torch.Tensor:
-        clients = population_data(spec)
-        if not 0 <= partition < len(clients):
-            raise ValueError(f"partition-id {partition} is outside the population of {len(clients)} clients")
-        text = getattr(clients[partition], split)
-        return lm_windows(encode_text(load_tokenizer(json.loads(spec)["tokenizer"]), text), seq_len)
-
-    return cached_tensor("windows", f"{spec}|{partition}|{seq_len}|{split}", build)
+    return cached_tensor("windows", f"{spec}|{partition}|{seq_len}|{split}",
+                         lambda: client_token_windows(spec, partition, seq_len, split))
 
 
 def num_examples(spec: ConfigRecord, partition: int) -> int:
@@ -63,7 +56,7 @@ def inject_faults(spec: ConfigRecord, partition: int) -> tuple[bool, float]:
 def local_steps(spec: ConfigRecord) -> dict:
     """The spec's local training settings, as ``train_steps`` takes them."""
     return dict(steps=int(spec["local-steps"]), lr=float(spec["lr"]), batch_size=int(spec["batch-size"]),
-                seed=int(spec["seed"]), weight_decay=float(spec["weight-decay"]))
+                seed=int(spec["seed"]), weight_decay=float(spec["weight-decay"]), optimizer=str(spec["optimizer"]))
 
 
 def trained_reply(model: torch.nn.Module, windows: torch.Tensor, faults: tuple[bool, float],

@@ -186,6 +186,17 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def cmd_facts(args: argparse.Namespace) -> int:
+    """Write a synthetic facts dataset in the documented file format (train.jsonl, probes.jsonl, public.jsonl)."""
+    from fedfusion.facts import write_facts
+
+    paths = write_facts(Path(args.dir), args.clients, args.people, args.seed, args.skew, public=args.public)
+    console.print("wrote " + ", ".join(str(p) for p in paths.values())
+                  + f"; run them with data.source=facts data.path={paths['train']} data.probes={paths['probes']} "
+                  f"population.num_clients={args.clients}", highlight=False)
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     """The argument parser (exposed for docs and tests)."""
     p = argparse.ArgumentParser(prog="fedfusion", description=__doc__)
@@ -216,6 +227,14 @@ def parser() -> argparse.ArgumentParser:
     deploy.add_argument("--unregistered", type=int, default=0,
                         help="also start this many SuperNodes with unregistered keys, to see them refused")
     deploy.set_defaults(func=cmd_deploy)
+    facts = sub.add_parser("facts", help="write synthetic private facts (biographies + probes) in the facts file format")
+    facts.add_argument("dir")
+    facts.add_argument("--clients", type=int, default=16, help="clients that own the people")
+    facts.add_argument("--people", type=int, default=400)
+    facts.add_argument("--seed", type=int, default=0)
+    facts.add_argument("--skew", type=float, default=1.0, help="Zipf exponent of people per client (0: equal shares)")
+    facts.add_argument("--public", type=int, default=0, help="people nobody owns, written to public.jsonl")
+    facts.set_defaults(func=cmd_facts)
     report = sub.add_parser("report", help="report.md and plots for run directories")
     report.add_argument("runs", nargs="+")
     report.add_argument("--out", help="output folder for a comparison of several runs")

@@ -59,7 +59,7 @@ class FedCNN(PreTrainedModel):
         ins = [config.in_channels, *config.channels[:-1]]
         last = len(config.channels) - 1
         self.blocks = nn.ModuleList(
-            _Block(i, o, config.groups, pool=l < last) for l, (i, o) in enumerate(zip(ins, config.channels))
+            _Block(i, o, config.groups, pool=k < last) for k, (i, o) in enumerate(zip(ins, config.channels))
         )
         self.head = nn.Linear(config.channels[-1], config.num_classes)
         self.post_init()

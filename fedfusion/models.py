@@ -6,8 +6,17 @@ from functools import lru_cache
 
 import torch
 from transformers import (
-    AutoConfig, AutoModelForCausalLM, AutoTokenizer, GPT2Config, LlamaConfig, MistralConfig, OPTConfig,
-    PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase, Qwen2Config,
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GPT2Config,
+    LlamaConfig,
+    MistralConfig,
+    OPTConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    Qwen2Config,
 )
 
 from fedfusion.data import build_char_tokenizer

@@ -11,19 +11,38 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 
 import numpy as np
+import torch
+from transformers import PreTrainedTokenizerBase
 
-from fedfusion.data import load_shakespeare_roles, load_text_file, split_text
+from fedfusion.data import encode_text, lm_windows, load_shakespeare_roles, load_text_file, split_text
 from fedfusion.devices import assign_tiers
+from fedfusion.facts import (
+    Facts,
+    client_documents,
+    client_order,
+    encode_documents,
+    facts_from_records,
+    facts_tokenizer,
+    generate_facts,
+    load_facts,
+)
+from fedfusion.models import load_tokenizer
 from fedfusion.recipe import DataConfig, Recipe
 
 
 @dataclass(frozen=True)
 class ClientData:
-    """One client's local text: a name (e.g. play/speaker), training text and held-out continuation."""
+    """One client's local text: a name (e.g. play/speaker), training text and held-out continuation.
+
+    With ``documents`` (data.source=facts) the client's data is whole documents, tokenised as such
+    (:func:`fedfusion.facts.encode_documents`); ``train`` and ``held_out`` join them for display and sizes.
+    """
 
     name: str
     train: str
     held_out: str
+    documents: tuple[str, ...] = ()
+    held_out_documents: tuple[str, ...] = ()
 
 
 def data_spec(recipe: Recipe) -> str:
@@ -49,11 +68,82 @@ def population_data(spec: str) -> tuple[ClientData, ...]:
             )
         picked = np.random.default_rng(seed).choice(len(roles), size=num_clients, replace=False)
         named = [(f"{roles[i].play}/{roles[i].speaker}", roles[i].text) for i in sorted(picked)]
+    elif data.source == "facts":
+        return _facts_clients(data, num_clients, seed)
+    elif (natural := _natural_partition(data.path)) is not None:
+        _check_count(data.path, len(natural), num_clients)
+        named = [(f"client-{cid}", "\n".join(docs)) for cid, docs in natural.items()]
     else:
         text = load_text_file(data.path)
         size = len(text) // num_clients
         named = [(f"shard-{i}", text[i * size : (i + 1) * size]) for i in range(num_clients)]
     return tuple(ClientData(name, *split_text(text, data.held_out)) for name, text in named)
+
+
+def _check_count(path: str | None, found: int, num_clients: int) -> None:
+    if found != num_clients:
+        raise ValueError(f"population.num_clients: {path} holds {found} clients (its 'client' field); "
+                         f"set population.num_clients={found}, got {num_clients}")
+
+
+def _natural_partition(path: str | None) -> dict[str, list[str]] | None:
+    """A jsonl text file whose every record names its ``client``: each client's texts (the file's own
+    partition); None for any other file, which is cut into equal shards."""
+    if path is None or not str(path).endswith(".jsonl"):
+        return None
+    with open(path, encoding="utf-8") as f:
+        first = next((line for line in f if line.strip()), "")
+    if '"client"' not in first:
+        return None
+    docs = client_documents(path)
+    return {cid: docs[cid] for cid in client_order(docs)}
+
+
+def facts_data(data: DataConfig, num_clients: int, seed: int) -> Facts:
+    """The facts of a data.source=facts recipe: the user's files, or biographies generated from the seed."""
+    if data.path and data.probes:
+        facts = load_facts(data.path, data.probes)
+        _check_count(data.path, len(facts.clients), num_clients)
+        return facts
+    records, probes, _ = generate_facts(num_clients, data.people, seed, data.skew)
+    return facts_from_records(records, probes)
+
+
+def _facts_clients(data: DataConfig, num_clients: int, seed: int) -> tuple[ClientData, ...]:
+    """Each facts client: its documents, and its probes written out as held-out documents."""
+    facts = facts_data(data, num_clients, seed)
+    asked: dict[str, list[str]] = {c: [] for c in facts.clients}
+    for p in facts.probes:
+        asked[p.client].append(f"{p.prompt} {p.answer}")
+    return tuple(ClientData(f"client-{cid}", "\n".join(docs), "\n".join(asked[cid]), docs, tuple(asked[cid]))
+                 for cid, docs in zip(facts.clients, facts.documents))
+
+
+def data_tokenizer(spec: str) -> PreTrainedTokenizerBase:
+    """The tokenizer every process uses for a data spec: the word tokenizer built from a facts dataset's
+    own files, else the model's (``model.pretrained``, or the fixed character tokenizer)."""
+    parsed = json.loads(spec)
+    if parsed["data"]["source"] == "facts":
+        return _facts_tokenizer(spec)
+    return load_tokenizer(parsed["tokenizer"])
+
+
+@lru_cache(maxsize=4)
+def _facts_tokenizer(spec: str) -> PreTrainedTokenizerBase:
+    parsed = json.loads(spec)
+    return facts_tokenizer(facts_data(DataConfig(**parsed["data"]), parsed["num_clients"], parsed["seed"]))
+
+
+def client_token_windows(spec: str, partition: int, seq_len: int, split: str) -> torch.Tensor:
+    """Token windows of one client's ``train`` or ``held_out`` data: whole documents packed per window for
+    facts, consecutive windows of the text otherwise."""
+    clients = population_data(spec)
+    if not 0 <= partition < len(clients):
+        raise ValueError(f"partition-id {partition} is outside the population of {len(clients)} clients")
+    client, tok = clients[partition], data_tokenizer(spec)
+    if client.documents:
+        return encode_documents(tok, client.documents if split == "train" else client.held_out_documents, seq_len)
+    return lm_windows(encode_text(tok, getattr(client, split)), seq_len)
 
 
 def tier_list(recipe: Recipe) -> list[str]:

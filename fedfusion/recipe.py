@@ -28,8 +28,13 @@ class RecipeError(ValueError):
 class DataConfig:
     """Where client text comes from and how it is split."""
 
-    source: str = "shakespeare"  # shakespeare: one per (play, speaker) | text: a local file | chatterbot (lora)
-    path: Optional[str] = None  # local .txt/.jsonl file when source=text
+    # shakespeare: one per (play, speaker) | text: a local file | facts: private facts (fedfusion.facts) | chatterbot (lora)
+    source: str = "shakespeare"
+    path: Optional[str] = None  # local .txt/.jsonl file when source=text; the training records when source=facts
+    probes: Optional[str] = None  # source=facts: the probes file (jsonl: prompt, answer, client)
+    # source=facts without path: synthetic biographies generated from the recipe seed (fedfusion.facts)
+    people: int = 400
+    skew: float = 1.0  # Zipf exponent of how many people each client owns (0: equal shares)
     min_chars: int = 2000  # a Shakespeare role needs this much text to become a client
     held_out: float = 0.1  # tail fraction of each client's text kept for evaluation
     eval_chars: int = 40000  # cap on the pooled held-out text the server evaluates on
@@ -87,6 +92,10 @@ class FusionConfig:
     trim: float = 0.2  # trimmed_mean: fraction of values dropped at each end
     max_norm_ratio: float = 10.0  # reject a reply whose L2 norm exceeds this multiple of what was sent (0: off)
     wire_dtype: str = "float32"  # submodel: float16 halves the bytes sent to clients (replies stay float32)
+    # submodel: a server step on each round's aggregated change (fedfusion.outer): none | avgm | nesterov | adam
+    outer: str = "none"
+    outer_lr: float = 1.0
+    outer_momentum: float = 0.9  # avgm / nesterov momentum; adam's beta1
 
 
 @dataclass
@@ -186,6 +195,7 @@ class TrainConfig:
     batch_size: int = 16
     seq_len: int = 64
     weight_decay: float = 0.0
+    optimizer: str = "adamw"  # adamw | sgd (pair sgd with a server-side fusion.outer=adam: FedAdam)
 
 
 @dataclass
@@ -248,10 +258,13 @@ class Recipe:
 
 
 CHOICES: dict[str, tuple[str, ...]] = {
-    "data.source": ("shakespeare", "text", "chatterbot"),
+    "data.source": ("shakespeare", "text", "facts", "chatterbot"),
     "data.split": ("category", "iid"),
     "fusion.method": ("submodel", "distill", "lora"),
-    "fusion.policy": ("static", "rolling", "random", "ordered"),
+    # restated so that loading a recipe imports no torch; tests hold them equal to slicing.POLICIES, outer.OUTER_METHODS
+    "fusion.policy": ("static", "rolling", "random", "ordered", "owned"),
+    "fusion.outer": ("none", "avgm", "nesterov", "adam"),
+    "train.optimizer": ("adamw", "sgd"),
     "model.family": ("llama", "mistral", "qwen2", "gpt2", "opt"),
     "fusion.weighting": ("uniform", "examples"),
     "fusion.aggregate": ("mean", "median", "trimmed_mean"),
@@ -401,6 +414,18 @@ def validate(recipe: Recipe) -> None:
         raise RecipeError(f"data.held_out: must be in (0, 1), got {recipe.data.held_out}")
     if recipe.data.source == "text" and not recipe.data.path:
         raise RecipeError("data.path: required when data.source is 'text'")
+    if recipe.data.source == "facts":
+        if bool(recipe.data.path) != bool(recipe.data.probes):
+            raise RecipeError("data.probes: data.path and data.probes go together (your facts), or neither (generated)")
+        if recipe.data.people < recipe.population.num_clients:
+            raise RecipeError(f"data.people: {recipe.data.people} people cannot give each of "
+                              f"{recipe.population.num_clients} clients one")
+        if recipe.data.skew < 0:
+            raise RecipeError(f"data.skew: must be >= 0, got {recipe.data.skew}")
+        if recipe.fusion.method != "submodel":
+            raise RecipeError(f"fusion.method: data.source=facts runs with submodel fusion, got {recipe.fusion.method!r}")
+        if recipe.model.pretrained:
+            raise RecipeError("model.pretrained: data.source=facts builds its own word tokenizer; leave it unset")
     m = recipe.model
     if m.hidden_size % m.num_heads:
         raise RecipeError(f"model.num_heads: {m.num_heads} does not divide hidden_size {m.hidden_size}")
@@ -441,6 +466,9 @@ def validate(recipe: Recipe) -> None:
         raise RecipeError(f"fusion.width_ladder: needs widths in (0, 1], got {recipe.fusion.width_ladder}")
     if not 0 <= recipe.fusion.trim < 0.5:
         raise RecipeError(f"fusion.trim: must be in [0, 0.5), got {recipe.fusion.trim}")
+    _positive("fusion.outer_lr", recipe.fusion.outer_lr)
+    if not 0 <= recipe.fusion.outer_momentum < 1:
+        raise RecipeError(f"fusion.outer_momentum: must be in [0, 1), got {recipe.fusion.outer_momentum}")
     if not 0 < recipe.fusion.stride <= 1:
         raise RecipeError(f"fusion.stride: must be in (0, 1], got {recipe.fusion.stride}")
     axes = recipe.fusion.axes

@@ -103,7 +103,14 @@ def write_report(run: Path) -> Path:
     plots = plot_curves([run], run / "plots")
     cols = ("round", "eval_loss", "eval_ppl", "eval_acc", "train_loss", "coverage", "clients_ok",
             "clients_failed", "clients_cut", "bytes_down", "bytes_up", "energy_j", "co2_g", "virtual_s", "wall_s")
-    lines = [f"# Run report: {_label(run)}", "", f"Status: **{summary.get('status')}**", ""]
+    lines = [f"# Run report: {_label(run)}", ""]
+    if "facts" in summary:  # federated knowledge: lead with what the target recalls
+        f = summary["facts"]
+        lines += [f"**The target recalls {100 * f['probe_acc']:.1f} % of all {f['clients']} clients' {f['probes']} facts** "
+                  f"(best round: {100 * f['best_probe_acc']:.1f} %); a device training alone sees only its own facts, "
+                  f"so the best any single device could recall alone is {100 * f['largest_client_share']:.1f} % "
+                  "(the largest client's share, with perfect memory).", ""]
+    lines += [f"Status: **{summary.get('status')}**", ""]
     if summary.get("status") == "ok":
         first, last = summary["initial"], summary["final"]
         lines += [
@@ -112,8 +119,10 @@ def write_report(run: Path) -> Path:
             f"{summary['energy_j']:.1f} J ({summary['wasted_j']:.1f} J wasted on failed, rejected, dropped or cut work), "
             f"{summary['co2_g']:.4f} g CO2e, {summary['virtual_s']:.1f} s of simulated time.",
             "",
-            f"Held-out perplexity {first['eval_ppl']:.2f} -> **{last['eval_ppl']:.2f}**; "
-            f"next-character accuracy {first['eval_acc']:.3f} -> **{last['eval_acc']:.3f}**.",
+            (f"Probe answer loss {first['eval_loss']:.3f} -> **{last['eval_loss']:.3f}** nats/token; "
+             f"probe accuracy {first['eval_acc']:.3f} -> **{last['eval_acc']:.3f}**." if "facts" in summary else
+             f"Held-out perplexity {first['eval_ppl']:.2f} -> **{last['eval_ppl']:.2f}**; "
+             f"next-character accuracy {first['eval_acc']:.3f} -> **{last['eval_acc']:.3f}**."),
             "",
             "Sample from the final target (top-k 10):",
             "",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shlex
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict
 from logging import INFO
@@ -28,8 +29,9 @@ from fedfusion.clients.smallmodel import family_config
 from fedfusion.devices import Device, load_catalog
 from fedfusion.energy import price_work, train_flops
 from fedfusion.models import load_tokenizer
+from fedfusion.outer import OuterConfig
 from fedfusion.participation import Participation, jain_index
-from fedfusion.population import data_spec, pooled_held_out, tier_list
+from fedfusion.population import data_spec, facts_data, pooled_held_out, tier_list
 from fedfusion.recipe import Recipe, load_recipe
 from fedfusion.report import write_report
 from fedfusion.run_dir import RunDir, new_run_path, read_jsonl
@@ -37,8 +39,8 @@ from fedfusion.selection import make_selector
 from fedfusion.strategies import DistillationFusion, LoRAFusion, SubModelFusion
 from fedfusion.strategies.distillation import Family
 from fedfusion.strategies.lora import adapted_modules
-from fedfusion.strategies.submodel import ClientRound
 from fedfusion.strategies.quorum import QuorumGrid
+from fedfusion.strategies.submodel import ClientRound
 from fedfusion.targets import Target, lm_target, lora_data_spec, lora_target
 from fedfusion.transfer import family_tokenizer, transfer_text
 
@@ -75,7 +77,7 @@ def build_strategy(recipe: Recipe, target: Target) -> SubModelFusion:
         query_config={"population": json.dumps(population), "data-spec": spec, "seq-len": train.seq_len},
         train_config={
             "local-steps": train.local_steps, "lr": train.lr, "batch-size": train.batch_size,
-            "seq-len": train.seq_len, "weight-decay": train.weight_decay, "seed": recipe.seed,
+            "seq-len": train.seq_len, "weight-decay": train.weight_decay, "optimizer": train.optimizer, "seed": recipe.seed,
             "threads": recipe.engine.threads_per_client, "data-spec": spec,
             **{f"fault-{k.replace('_', '-')}": float(v) for k, v in asdict(recipe.faults).items()},
             **privacy_spec(recipe),
@@ -103,6 +105,7 @@ def build_strategy(recipe: Recipe, target: Target) -> SubModelFusion:
         ordered_ladder=tuple(recipe.fusion.ordered_ladder) if recipe.fusion.ordered_ladder else None,
         ordered_distill=recipe.fusion.ordered_distill,
         wire_dtype=recipe.fusion.wire_dtype,
+        outer=OuterConfig(recipe.fusion.outer, recipe.fusion.outer_lr, recipe.fusion.outer_momentum),
         **common,
     )
 
@@ -241,6 +244,14 @@ class RoundRecorder:
         return MetricRecord({k: float(v) for k, v in metrics.items()})
 
 
+def facts_summary(recipe: Recipe, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the target recalls of all clients' facts, against the largest share any one client owns."""
+    probes = facts_data(recipe.data, recipe.population.num_clients, recipe.seed).probes
+    owned = Counter(p.client for p in probes)
+    return {"probe_acc": rows[-1]["probe_acc"], "best_probe_acc": max(r["probe_acc"] for r in rows),
+            "largest_client_share": max(owned.values()) / len(probes), "clients": len(owned), "probes": len(probes)}
+
+
 def participation_fairness(run: RunDir, num_clients: int) -> float:
     """Jain's index of how many rounds each client of the population trained in (never picked: 0)."""
     counts = [0] * num_clients
@@ -298,6 +309,8 @@ def run_federation(grid: Grid, recipe: Recipe, run: RunDir, on_round: RoundCallb
             "wall_s": time.perf_counter() - started,
             "sample": target.sample(),
         }
+        if recipe.data.source == "facts":
+            summary["facts"] = facts_summary(recipe, rows)
         run.write_summary(summary)
         write_report(run.path)
         return summary

@@ -9,7 +9,10 @@ layer keeps the same unit indices; a client's width applies to each axis the rec
 
 Policies: ``static`` (HeteroFL prefix), ``rolling`` (FedRolex window, configurable stride),
 ``random`` (Federated Dropout, seeded), ``ordered`` (FjORD: the server sends the static prefix; the
-client trains nested prefixes of it, see :mod:`fedfusion.ordered`).
+client trains nested prefixes of it, see :mod:`fedfusion.ordered`), ``owned`` (a window fixed per client:
+its start is the caller's ``offset``, which :func:`fedfusion.rounds.plan_round` derives from the client's
+partition, so a client's private knowledge keeps landing in the same units instead of being overwritten
+by whichever client rolls onto them next).
 
 Activation scale: a slice keeping n of K units sums fewer terms wherever a tensor contracts over a
 sliced axis (o_proj over heads, down_proj over neurons, every input projection over hidden dims, conv
@@ -32,7 +35,7 @@ from transformers import PretrainedConfig
 
 from fedfusion.slice_families import Dim, family_of
 
-POLICIES = ("static", "rolling", "random", "ordered")
+POLICIES = ("static", "rolling", "random", "ordered", "owned")
 AXES = ("heads", "neurons", "hidden", "depth", "channels")
 _FIELD = {"heads": "attn_units", "neurons": "neurons", "hidden": "hidden", "depth": "layers", "channels": "channels"}
 
@@ -95,8 +98,9 @@ def _choose(total: int, n: int, policy: str, server_round: int, stride: float, o
     if policy == "random":
         return tuple(sorted(torch.randperm(total, generator=gen)[:n].tolist()))
     start = 0
-    if policy == "rolling":
-        start = ((server_round - 1) * rolling_step(total, stride) + round(offset * total)) % total
+    if policy in ("rolling", "owned"):
+        moved = (server_round - 1) * rolling_step(total, stride) if policy == "rolling" else 0
+        start = (moved + round(offset * total)) % total
     return tuple(sorted((start + i) % total for i in range(n)))
 
 
@@ -332,6 +336,10 @@ class SelectiveAverager:
         """Fraction of target coordinates that at least one client updated."""
         held = sum(int((c > 0).sum()) for c in self.counts.values())
         return held / sum(c.numel() for c in self.counts.values())
+
+    def held(self) -> dict[str, torch.Tensor]:
+        """Per target tensor, which coordinates at least one client updated (bool)."""
+        return {name: count > 0 for name, count in self.counts.items()}
 
     def _robust(self, name: str) -> torch.Tensor:
         stack = torch.full((len(self.kept), *self.target[name].shape), float("nan"))

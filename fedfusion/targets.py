@@ -9,8 +9,10 @@ pairs. Both expose the same :class:`Target`, so the run loop, the ledger and che
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -19,8 +21,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fedfusion import instruct
 from fedfusion.data import encode_text, lm_windows
-from fedfusion.models import build_target, count_params, load_tokenizer
-from fedfusion.population import data_spec, pooled_held_out
+from fedfusion.facts import Probe, encode_probes, greedy_answer, probe_metrics
+from fedfusion.models import build_target, count_params
+from fedfusion.population import data_spec, data_tokenizer, facts_data, pooled_held_out
 from fedfusion.pretrained import load_base, load_base_tokenizer, resolve_base
 from fedfusion.recipe import Recipe
 from fedfusion.training import evaluate_lm
@@ -50,11 +53,19 @@ def sample_text(model: torch.nn.Module, tokenizer, prompt: str = "KING:\n", char
 
 
 def lm_target(recipe: Recipe) -> Target:
-    """A causal LM trained whole (sub-model and distillation fusion), scored on pooled held-out text."""
-    tokenizer = load_tokenizer(recipe.model.pretrained)
+    """A causal LM trained whole (sub-model and distillation fusion), scored on pooled held-out text; for
+    data.source=facts, on every probe of every client (see :func:`facts_evaluator`)."""
+    spec = data_spec(recipe)
+    tokenizer = data_tokenizer(spec)
     model = build_target(recipe.model, tokenizer, recipe.seed)
-    held_out = pooled_held_out(data_spec(recipe), recipe.data.eval_chars)
-    windows = lm_windows(encode_text(tokenizer, held_out), recipe.train.seq_len)
+    sample = partial(sample_text, model, tokenizer, seed=recipe.seed)
+    if recipe.data.source == "facts":
+        probes = facts_data(recipe.data, recipe.population.num_clients, recipe.seed).probes
+        evaluate = facts_evaluator(model, tokenizer, probes)
+        sample = partial(facts_sample, model, tokenizer, probes[:5])
+    else:
+        windows = lm_windows(encode_text(tokenizer, pooled_held_out(spec, recipe.data.eval_chars)), recipe.train.seq_len)
+        evaluate = partial(evaluate_lm, model, windows)
 
     def save(out: Path, arrays: ArrayRecord) -> None:
         model.save_pretrained(out)
@@ -63,9 +74,27 @@ def lm_target(recipe: Recipe) -> Target:
     return Target(
         model=model, tokenizer=tokenizer, initial=ArrayRecord(model.state_dict()),
         load=lambda arrays: model.load_state_dict(arrays.to_torch_state_dict()),
-        evaluate=lambda: evaluate_lm(model, windows), save=save,
-        sample=lambda: sample_text(model, tokenizer, seed=recipe.seed), params=count_params(model),
+        evaluate=evaluate, save=save, sample=sample, params=count_params(model),
     )
+
+
+def facts_sample(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, probes: Sequence[Probe]) -> str:
+    """The target's greedy answers to a few probes, next to the true ones, for the report."""
+    return "\n".join(f"{p.prompt} -> {greedy_answer(model, tokenizer, p.prompt)}   (true: {p.answer})" for p in probes)
+
+
+def facts_evaluator(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+                    probes: Sequence[Probe]) -> Callable[[], dict[str, float]]:
+    """Scores of the target on all probes: ``probe_acc``, ``answer_loss``, ``knowledge_bits``, and as the
+    run's common fields ``eval_acc`` = probe accuracy, ``eval_loss`` = answer loss, ``eval_ppl`` its exp."""
+    encoded = encode_probes(tokenizer, probes)
+
+    def evaluate() -> dict[str, float]:
+        scores = probe_metrics(model, encoded)
+        loss = scores["answer_loss"]
+        return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), "eval_acc": scores["probe_acc"], **scores}
+
+    return evaluate
 
 
 def lora_data_spec(recipe: Recipe) -> str:

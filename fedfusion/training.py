@@ -10,6 +10,8 @@ from transformers import PreTrainedModel
 
 from fedfusion.data import sample_batch
 
+OPTIMIZERS = ("adamw", "sgd")
+
 
 def lm_loss(model: PreTrainedModel, batch: torch.Tensor, reduction: str = "mean") -> tuple[torch.Tensor, torch.Tensor]:
     """Next-token cross-entropy of ``batch`` windows (input = [:, :-1], target = [:, 1:]) and the logits."""
@@ -30,14 +32,22 @@ def train_steps(
     batch_size: int,
     seed: int,
     weight_decay: float = 0.0,
+    optimizer: str = "adamw",
 ) -> dict[str, float]:
-    """Run ``steps`` AdamW steps on random batches of ``windows``; returns mean loss, tokens, seconds.
+    """Run ``steps`` optimizer steps on random batches of ``windows``; returns mean loss, tokens, seconds.
+
+    ``optimizer``: ``adamw`` (default), or ``sgd`` (plain SGD: an update moves only what the batch's gradient
+    touches, which a server-side outer optimizer can then scale; see :mod:`fedfusion.outer`).
 
     Batches are drawn on the CPU with a seeded generator (the same batches on any accelerator) and
     moved to wherever ``model`` lives.
     """
     gen = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer {optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
+    opt: torch.optim.Optimizer = (torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+                                  if optimizer == "adamw" else
+                                  torch.optim.SGD(model.parameters(), lr=lr, weight_decay=weight_decay))
     model.train()
     start, total = time.perf_counter(), 0.0
     for _ in range(steps):

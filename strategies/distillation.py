@@ -248,8 +248,7 @@ class DistillationFusion(SubModelFusion):
             device = self.caps[node]["device"]
             name = self.tier_family[device]
             partition = int(self.caps[node].get("partition", -1))
-            seed = (int(self.train_config.get("seed", 0)) * 100003 + server_round * 1009
-                    + int(self.caps[node].get("partition", node % 1009)))
+            seed = self.client_seed(server_round, node)
             state = self.family_states[name]
             record = ArrayRecord(state)
             spec = ConfigRecord({

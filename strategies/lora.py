@@ -160,10 +160,6 @@ class LoRAFusion(SubModelFusion):
                                               nbytes, nbytes)
         return self.costs
 
-    def _seed(self, server_round: int, node: int) -> int:
-        return (int(self.train_config.get("seed", 0)) * 100003 + server_round * 1009
-                + int(self.caps[node].get("partition", node % 1009)))
-
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
@@ -180,7 +176,7 @@ class LoRAFusion(SubModelFusion):
         for node in self.sample(grid, server_round):
             device = self.caps[node]["device"]
             rank, alpha = self.ranks[device], self.alphas[device]
-            seed = self._seed(server_round, node)
+            seed = self.client_seed(server_round, node)
             start = starting_adapter(self.modules, rank, serve(agg, rank, alpha) if agg is not None else None, seed)
             out: dict[str, torch.Tensor] = {}
             for m in self.modules:  # A then B per module: the order the client's reply keeps

@@ -19,8 +19,8 @@ import time
 from collections.abc import Iterable
 
 from flwr.app import Message, MessageType, RecordDict
-from flwr.supercore.run import Run
 from flwr.serverapp import Grid
+from flwr.supercore.run import Run
 
 
 class QuorumGrid(Grid):

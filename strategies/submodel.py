@@ -34,9 +34,11 @@ from transformers import PretrainedConfig
 
 from fedfusion.checkpoint import rng_state, set_rng_state
 from fedfusion.energy import WorkCost, price_work, train_flops
-from fedfusion.ordered import ordered_fractions
-from fedfusion.participation import Participation
 from fedfusion.models import config_aliases, full_state, wire_state
+from fedfusion.ordered import ordered_fractions
+from fedfusion.outer import OuterConfig, OuterOptimizer
+from fedfusion.participation import Participation
+from fedfusion.rounds import client_seed, fold, plan_round
 from fedfusion.slicing import (
     SelectiveAverager,
     SlicePlan,
@@ -144,6 +146,7 @@ class SubModelFusion(Strategy):
         ordered_distill: bool = False,
         overselect: float = 0.0,
         wire_dtype: str = "float32",
+        outer: OuterConfig | None = None,
     ) -> None:
         self.config = config
         if wire_dtype not in WIRE_DTYPES:
@@ -177,6 +180,8 @@ class SubModelFusion(Strategy):
         self.axes, self.scale = axes, scale
         self.ordered_ladder = ordered_ladder or tuple(sorted(set(widths.values())))
         self.ordered_distill = ordered_distill
+        # a damped server step on each round's fold (fedfusion.outer); None: plain selective averaging
+        self.outer = OuterOptimizer(outer) if outer is not None and outer.method != "none" else None
         self.caps: dict[int, dict] = {}
         self.plans: dict[int, SlicePlan] = {}
         self.target: dict[str, torch.Tensor] = {}
@@ -187,12 +192,17 @@ class SubModelFusion(Strategy):
 
     def state_dict(self) -> dict:
         """What a checkpoint must keep for a resumed run to sample as the uninterrupted one would."""
-        return {"rng": rng_state(self.rng), "participation": self.participation.state_dict()}
+        state = {"rng": rng_state(self.rng), "participation": self.participation.state_dict()}
+        if self.outer is not None:
+            state["outer"] = self.outer.state_dict()
+        return state
 
     def load_state_dict(self, state: dict, rounds_done: int) -> None:
         """Continue from a checkpoint taken after ``rounds_done`` rounds."""
         set_rng_state(self.rng, state["rng"])
         self.participation.load_state_dict(state["participation"])
+        if self.outer is not None and "outer" in state:
+            self.outer.load_state_dict(state["outer"])
         self.round_offset = rounds_done
 
     def summary(self) -> None:
@@ -238,6 +248,15 @@ class SubModelFusion(Strategy):
             self.caps[node] = caps
             if "examples" in caps:
                 self.participation.examples[int(caps.get("partition", node))] = int(caps["examples"])
+
+    def partition_of(self, node: int) -> int:
+        """The node's data partition (what seeds and ``owned`` windows follow); a node that reported none
+        stands in with its id."""
+        return int(self.caps[node].get("partition", node % 1009))
+
+    def client_seed(self, server_round: int, node: int) -> int:
+        """Seed of ``node``'s work in ``server_round`` (:func:`fedfusion.rounds.client_seed`)."""
+        return client_seed(int(self.train_config.get("seed", 0)), server_round, self.partition_of(node))
 
     def wire(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``state`` as a message carries it: tied aliases left out, floats in ``wire_dtype``."""
@@ -302,17 +321,15 @@ class SubModelFusion(Strategy):
         target = self.target = arrays.to_torch_state_dict()
         self.last = RoundLog(server_round=server_round)
         self.plans = {}
-        messages, offset = [], 0.0
-        for node in self.sample(grid, server_round):
+        messages = []
+        nodes = self.sample(grid, server_round)
+        widths = [self.widths[self.caps[node]["device"]] for node in nodes]
+        plans = plan_round(self.config, [(self.partition_of(n), w) for n, w in zip(nodes, widths)], self.policy,
+                           server_round, int(self.train_config.get("seed", 0)), self.stride, self.stagger,
+                           self.axes, self.scale)
+        for node, width, plan in zip(nodes, widths, plans):
             device = self.caps[node]["device"]
-            width = self.widths[device]
-            # per (run seed, round, partition): the same recipe repeats the same slices, batches and faults
-            seed = (int(self.train_config.get("seed", 0)) * 100003 + server_round * 1009
-                    + int(self.caps[node].get("partition", node % 1009)))
-            plan = plan_slice(self.config, width, self.policy, server_round, self.stride, offset, seed,
-                              axes=self.axes, scale=self.scale)
-            if self.stagger:
-                offset += width
+            seed = self.client_seed(server_round, node)
             sub_state = self.wire(extract(target, self.config, plan))
             sub = ArrayRecord(sub_state)
             spec = ConfigRecord({
@@ -406,7 +423,7 @@ class SubModelFusion(Strategy):
             self.last.aggregate_s = time.perf_counter() - start
             return None, MetricRecord({"clients_ok": ok})
         self.last.coverage = averager.coverage()
-        new = ArrayRecord(averager.result())
+        new = ArrayRecord(fold(averager, self.outer))
         self.last.aggregate_s = time.perf_counter() - start
         return new, MetricRecord({
             "train_loss": sum(losses) / ok, "num-examples": examples, "clients_ok": ok,

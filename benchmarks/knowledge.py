@@ -1,0 +1,378 @@
+"""Benchmark: federated knowledge. Does the target recall more of all clients' private facts than the small
+model the devices could train alone?
+
+Task (``fedfusion.facts``): seeded synthetic biographies (bioS-style: first/middle/last names, six random
+attributes, three paraphrases), each client owning a disjoint, Zipf-skewed set of people; a word-level
+tokenizer; probes = one prompt per (person, attribute), scored by greedy exact match (``probe_acc``), nats per
+answer token (``answer_loss``) and knowledge bits. The data and training both follow the seed.
+
+Every arm runs the library's in-process round loop (``fedfusion.inprocess``: the Flower strategy's planning,
+extraction, client training step and fold), so arms see the same clients, samples and seeds:
+
+- ``smallest_only``: every client trains the smallest width (FedAvg); scored is that small model itself;
+- ``oracle``: every client trains the whole target;
+- ``static`` / ``rolling`` / ``random`` / ``owned``: width slicing at each client's own width (``owned``: a
+  window fixed per client, see ``fedfusion.slicing``); ``*_nesterov`` / ``*_avgm``: the same with a server-side
+  outer optimizer on the aggregated change (``fedfusion.outer``).
+
+Regimes: ``phones`` (every client at width 1/4 of heads, MLP neurons and hidden dims: each holds ~1/11 of the
+target's parameters), ``mixed`` (half at 1/4, half at 3/8; adds the ``tier_<w>`` arms, each tier's own model
+trained by that tier's clients alone).
+
+    python benchmarks/knowledge.py [--seeds 0 1 2] [--regimes phones] [--arms ...] [--people 600]
+        [--rounds 40 --per-round 6 --steps 10] [--jobs 2] [--out knowledge]
+    python benchmarks/knowledge.py --capacity [--people 200 400 800 1600] [--seconds 60]
+
+``--capacity`` trains the smallest and the full model centrally (one process each, same seconds) on growing
+fact counts: the curve that shows whether capacity binds. Writes ``benchmarks/results/<out>.{json,md,png}``;
+finished (regime, arm, seed) runs are kept in ``<out>.partial.json`` so an interrupted run resumes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig
+
+from fedfusion.devices import load_catalog
+from fedfusion.energy import price_work
+from fedfusion.facts import (
+    encode_documents,
+    encode_probes,
+    facts_tokenizer,
+    load_facts,
+    probe_metrics,
+    write_facts,
+)
+from fedfusion.generative import GenerativeConfig
+from fedfusion.inprocess import GenerativeRun, SubModelRun, run_generative, run_submodel
+from fedfusion.models import model_from_state
+from fedfusion.outer import OuterConfig
+from fedfusion.slice_families import family_of
+from fedfusion.slicing import extract, plan_slice, sub_config
+from fedfusion.training import train_steps
+
+RESULTS = Path(__file__).resolve().parent / "results"
+# regime -> (client widths, dealt in equal shares; sliced axes). "tiny": clients hold a genuinely smaller Llama
+# (a quarter of the heads, MLP neurons and hidden dims: ~1/11 of the target's parameters); slicing the hidden
+# dims apart between clients breaks the target, so that regime runs the methods that do not fold slices.
+REGIMES = {"phones": ((0.125,), ("heads", "neurons")), "mixed": ((0.125, 0.25), ("heads", "neurons")),
+           "tiny": ((0.25,), ("heads", "neurons", "hidden"))}
+OUTER = {"nesterov": OuterConfig("nesterov", lr=0.7, momentum=0.9), "avgm": OuterConfig("avgm", lr=1.0, momentum=0.5),
+         "sum": OuterConfig("avgm", lr=6.0, momentum=0.0)}
+ARMS = ("smallest_only", "oracle", "static", "rolling", "random", "owned", "generative")
+
+
+def target_config(vocab: int, seq_len: int, hidden: int, intermediate: int, layers: int) -> LlamaConfig:
+    """The target: a small Llama with heads of 8 dims and tied embeddings."""
+    return LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                       num_attention_heads=hidden // 8, num_key_value_heads=hidden // 8, head_dim=8,
+                       max_position_embeddings=seq_len + 1, tie_word_embeddings=True)
+
+
+def build_task(people: int, clients: int, seed: int, a: dict, workdir: Path):
+    """(config, per-client windows, encoded probes) of a fresh facts dataset written to and read from files."""
+    paths = write_facts(workdir / f"facts-{people}-{clients}-{seed}", clients, people, seed)
+    facts = load_facts(paths["train"], paths["probes"])
+    tok = facts_tokenizer(facts)
+    windows = [encode_documents(tok, docs, a["seq_len"]) for docs in facts.documents]
+    cfg = target_config(len(tok), a["seq_len"], a["hidden"], a["intermediate"], a["layers"])
+    return cfg, windows, encode_probes(tok, facts.probes), tok.bos_token_id
+
+
+def arm_setup(arm: str, ladder: tuple[float, ...], clients: int,
+              default: OuterConfig) -> tuple[list[float], str, OuterConfig, float | None]:
+    """(widths per partition, policy, outer optimizer, width of the model scored: None = the target).
+
+    An arm is a base (smallest_only, oracle, tier_<w>, or a slicing policy) with an optional ``_<outer>`` suffix."""
+    base, outer = arm, default
+    for name, config in OUTER.items():
+        if arm.endswith(f"_{name}"):
+            base, outer = arm[: -len(name) - 1], config
+    widths = [ladder[i % len(ladder)] for i in range(clients)]
+    if base == "smallest_only":
+        return [min(ladder)] * clients, "static", outer, min(ladder)
+    if base == "oracle":
+        return [1.0] * clients, "static", outer, None
+    if base.startswith("tier_"):  # one tier's clients alone, training that tier's own model
+        w = float(base[5:])
+        return [w if x == w else 0.0 for x in widths], "static", outer, w
+    return widths, base, outer, None
+
+
+def scaled(arm: str) -> tuple[str, bool]:
+    """An arm without its ``_unscaled`` marker, and whether the folded scaler is on."""
+    return (arm.replace("_unscaled", ""), False) if "_unscaled" in arm else (arm, True)
+
+
+def run_arm(job: dict) -> dict:
+    """One (regime, arm, seed): the final probe metrics (mean of the last 3 rounds), their spread, and costs."""
+    torch.set_num_threads(1)
+    a = job["args"]
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg, windows, probes, bos = build_task(a["people"], a["clients"], job["seed"], a, Path(tmp))
+    arm, scale = scaled(job["arm"])
+    widths, policy, outer, scored = arm_setup(arm, REGIMES[job["regime"]][0], a["clients"],
+                                              OuterConfig(a["outer"], lr=a["outer_lr"]))
+    keep = [i for i, w in enumerate(widths) if w > 0]
+    torch.manual_seed(job["seed"])
+    initial = family_of(cfg).build(cfg).state_dict()
+    axes = REGIMES[job["regime"]][1]
+    small = plan_slice(cfg, scored, "static", axes=axes) if scored is not None else None
+
+    rounds = a["gen_rounds"] if arm.startswith("generative") else a["rounds"]
+
+    def evaluate(state: dict, rnd: int) -> dict | None:
+        if rnd <= rounds - 3 and rnd % a["eval_every"]:
+            return None
+        model = (model_from_state(cfg, state) if small is None
+                 else model_from_state(sub_config(cfg, small), extract(state, cfg, small)))
+        scores = probe_metrics(model, probes)
+        print(f"  {job['regime']} {job['arm']} seed {job['seed']} round {rnd}/{rounds}: probe_acc {scores['probe_acc']:.3f}",
+              flush=True)
+        return scores
+
+    start = time.perf_counter()
+    if policy == "generative":  # each client's own model: the smallest width, as smallest_only trains it
+        plan = plan_slice(cfg, min(widths), "static", axes=axes)
+        gen_run = GenerativeRun(cfg, sub_config(cfg, plan), windows, bos, rounds=a["gen_rounds"], per_round=a["per_round"],
+                                steps=a["gen_steps"], lr=a["gen_lr"], batch_size=a["batch"], seed=job["seed"],
+                                generative=GenerativeConfig(sample_fraction=a["gen_samples"], temperature=a["gen_temperature"],
+                                                            server_steps=a["gen_server_steps"], server_lr=a["gen_server_lr"]))
+        _, stats = run_generative(gen_run, initial, extract(initial, cfg, plan), evaluate)
+    else:
+        run = SubModelRun(cfg, [windows[i] for i in keep], [widths[i] for i in keep], policy=policy, rounds=a["rounds"],
+                          per_round=a["per_round"], steps=a["steps"], lr=a["lr"], batch_size=a["batch"], seed=job["seed"],
+                          stride=a["stride"], stagger=policy == "rolling", axes=axes, outer=outer, optimizer=a["optimizer"],
+                          scale=scale)
+        _, stats = run_submodel(run, initial, evaluate)
+    last = stats.history[-3:]
+    target_params = family_of(cfg).param_count(cfg)
+    phone = load_catalog(None)["phone"]
+    energy = price_work(phone, stats.flops, stats.bytes_down, stats.bytes_up).wall_j
+    server_j = price_work(load_catalog(None)["cloud-a100"], stats.server_flops, 0, 0).wall_j
+    return {
+        "probe_acc": statistics.mean(r["probe_acc"] for r in last),
+        "probe_acc_spread": max(r["probe_acc"] for r in last) - min(r["probe_acc"] for r in last),
+        "answer_loss": statistics.mean(r["answer_loss"] for r in last),
+        "knowledge_bits": statistics.mean(r["knowledge_bits"] for r in last),
+        "client_params_max": stats.max_client_params, "target_params": target_params,
+        "size_ratio": target_params / stats.max_client_params,
+        "bytes": stats.bytes_down + stats.bytes_up, "energy_j": energy, "server_j": server_j,
+        "wall_s": time.perf_counter() - start,
+        "client_s": stats.client_s, "server_s": stats.server_s, "history": stats.history,
+    }
+
+
+def capacity_point(job: dict) -> dict:
+    """Central training of one width on ``people`` people for a fixed time: probe accuracy reached."""
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg, windows, probes, _ = build_task(job["people"], 1, 0, job, Path(tmp))
+    torch.manual_seed(0)
+    state = family_of(cfg).build(cfg).state_dict()
+    plan = plan_slice(cfg, job["width"], "static", axes=REGIMES["phones"][1])
+    model = model_from_state(sub_config(cfg, plan), extract(state, cfg, plan))
+    start, steps = time.perf_counter(), 0
+    while time.perf_counter() - start < job["seconds"]:
+        train_steps(model, windows[0], 50, job["lr"], job["batch"], seed=steps)
+        steps += 50
+    return {**job, "steps": steps, "params": sum(p.numel() for p in model.parameters()), **probe_metrics(model, probes)}
+
+
+def _mean_sd(values: list[float]) -> str:
+    sd = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{statistics.mean(values):.3f} ± {sd:.3f}"
+
+
+def summarise(results: dict) -> dict:
+    """Per regime: gap closure of every arm on the mean probe accuracy; the best arm overall."""
+    out, best = {}, None
+    for regime, arms in results.items():
+        mean = {arm: statistics.mean(r["probe_acc"] for r in runs) for arm, runs in arms.items() if runs}
+        if "smallest_only" not in mean or "oracle" not in mean:
+            continue
+        span = mean["oracle"] - mean["smallest_only"]
+        closure = {arm: (m - mean["smallest_only"]) / span if span else float("nan") for arm, m in mean.items()}
+        out[regime] = {"span": span, "gap_closure": closure}
+        for arm, c in closure.items():
+            if arm in ("oracle", "smallest_only") or arm.startswith("tier_") or c != c:  # c != c: NaN
+                continue
+            ratio = statistics.mean(r["size_ratio"] for r in arms[arm])
+            if best is None or c > best["gap_closure"]:
+                best = {"regime": regime, "arm": arm, "gap_closure": c, "size_ratio": ratio}
+    return {"regimes": out, "best": best}
+
+
+def report(payload: dict) -> str:
+    a, summary = payload["args"], payload["summary"]
+    lines = ["# Federated knowledge: does the target recall more than any device's model could?", "",
+             f"Machine: {payload['machine']}. Seeds {a['seeds']}; {a['people']} people x 6 attributes "
+             f"({6 * a['people']} facts) over {a['clients']} clients (Zipf-skewed). Parameter-folding arms: {a['rounds']} "
+             f"rounds x {a['per_round']} clients x {a['steps']} local {a['optimizer']} step(s) (batch {a['batch']}, lr "
+             f"{a['lr']}, seq {a['seq_len']}), server optimizer {a['outer']} (lr {a['outer_lr']}) on each round's fold. "
+             f"Generative: {a['gen_rounds']} rounds x {a['per_round']} clients x {a['gen_steps']} local AdamW steps (lr "
+             f"{a['gen_lr']}) on each client's own model, {a['gen_samples']} sampled windows per own window, "
+             f"{a['gen_server_steps']} server steps (lr {a['gen_server_lr']}) per round. Probe metrics are the mean "
+             "of the last 3 rounds; `spread` is the largest round-to-round difference among those 3 (mean over "
+             "seeds): the noise next to any difference.", "",
+             "Command: `python benchmarks/knowledge.py " + " ".join(payload["argv"]) + "`", ""]
+    for regime, arms in payload["results"].items():
+        closure = summary["regimes"].get(regime, {}).get("gap_closure", {})
+        widths, axes = REGIMES[regime]
+        lines += [f"## {regime} (client widths {widths} of {', '.join(axes)})", "",
+                  "| arm | probe acc | spread | answer loss (nats) | knowledge bits | gap closure | size ratio | "
+                  "MB moved | clients' J (phone) | server J (A100) | wall s |", "|---" * 11 + "|"]
+        for arm, runs in arms.items():
+            if not runs:
+                continue
+            lines.append(
+                f"| {arm} | {_mean_sd([r['probe_acc'] for r in runs])} | "
+                f"{statistics.mean(r['probe_acc_spread'] for r in runs):.3f} | "
+                f"{_mean_sd([r['answer_loss'] for r in runs])} | {statistics.mean(r['knowledge_bits'] for r in runs):.0f} | "
+                f"{closure.get(arm, float('nan')):.2f} | {statistics.mean(r['size_ratio'] for r in runs):.1f} | "
+                f"{statistics.mean(r['bytes'] for r in runs) / 1e6:.1f} | {statistics.mean(r['energy_j'] for r in runs):.2f} | "
+                f"{statistics.mean(r['server_j'] for r in runs):.2f} | "
+                f"{statistics.mean(r['wall_s'] for r in runs):.0f} |")
+        if regime in summary["regimes"]:
+            lines += ["", f"Span (oracle - smallest-only probe accuracy): {summary['regimes'][regime]['span']:.3f}."]
+        lines.append("")
+    if summary["best"]:
+        b = summary["best"]
+        lines += [f"**Best arm**: `{b['arm']}` ({b['regime']}): gap closure {b['gap_closure']:.2f} at size ratio "
+                  f"{b['size_ratio']:.1f}.", ""]
+    lines += ["Gap closure = (arm - smallest_only) / (oracle - smallest_only) on mean probe accuracy. Size ratio = "
+              "target parameters / the largest client's trained parameters. Priced joules: the clients' counted "
+              "work (6 x params x tokens, plus 2 x params per sampled token) and bytes on the catalog's phone "
+              "profile; the server's own training (generative) on the cloud-a100 profile.", ""]
+    return "\n".join(lines)
+
+
+def plot(payload: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    regimes = payload["results"]
+    fig, axes = plt.subplots(1, len(regimes), figsize=(6 * len(regimes), 4), squeeze=False)
+    for ax, (regime, arms) in zip(axes[0], regimes.items()):
+        for arm, runs in arms.items():
+            rounds = [h["round"] for h in runs[0]["history"]]
+            accs = [statistics.mean(r["history"][i]["probe_acc"] for r in runs) for i in range(len(rounds))]
+            ax.plot(rounds, accs, marker=".", label=arm)
+        ax.set(title=regime, xlabel="round", ylabel="probe accuracy (mean over seeds)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def capacity(args: argparse.Namespace) -> None:
+    widths = (min(REGIMES["phones"][0]), 1.0)
+    jobs = [{**vars(args), "people": n, "width": w} for n in args.people_list for w in widths]
+    with ProcessPoolExecutor(args.jobs) as pool:
+        rows = list(pool.map(capacity_point, jobs))
+    lines = ["# Capacity curve: probe accuracy after central training for a fixed time", "",
+             f"Machine: {platform.platform()}, 1 thread per process, {args.jobs} processes; {args.seconds} s per point, "
+             f"batch {args.batch}, lr {args.lr}.", "", "| people (facts) | width | params | steps | probe acc | knowledge bits |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['people']} ({6 * r['people']}) | {r['width']} | {r['params']} | {r['steps']} | "
+                     f"{r['probe_acc']:.3f} | {r['knowledge_bits']:.0f} |")
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "knowledge_capacity.json").write_text(json.dumps(rows, indent=1))
+    (RESULTS / "knowledge_capacity.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def main() -> None:
+    import sys
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--regimes", nargs="+", default=["phones", "tiny"], choices=list(REGIMES))
+    parser.add_argument("--arms", nargs="+", default=list(ARMS))
+    parser.add_argument("--people", type=int, nargs="+", default=[400])
+    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=600)
+    parser.add_argument("--per-round", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=1)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--seq-len", type=int, default=48)
+    parser.add_argument("--stride", type=float, default=0.125)
+    parser.add_argument("--eval-every", type=int, default=50)
+    parser.add_argument("--optimizer", default="sgd", choices=["adamw", "sgd"], help="clients' local optimizer")
+    parser.add_argument("--outer", default="adam", help="server optimizer of every arm without an _<outer> suffix")
+    parser.add_argument("--outer-lr", type=float, default=3e-3)
+    parser.add_argument("--gen-steps", type=int, default=20, help="generative: local steps on each client's own model")
+    parser.add_argument("--gen-lr", type=float, default=3e-3)
+    parser.add_argument("--gen-rounds", type=int, default=60, help="generative: rounds (each with --gen-steps local steps)")
+    parser.add_argument("--gen-samples", type=float, default=0.5, help="generative: windows sampled per own window per round")
+    parser.add_argument("--gen-temperature", type=float, default=1.0)
+    parser.add_argument("--gen-server-steps", type=int, default=30)
+    parser.add_argument("--gen-server-lr", type=float, default=3e-3)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--intermediate", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--jobs", type=int, default=2, help="processes (1 torch thread each)")
+    parser.add_argument("--capacity", action="store_true", help="the capacity curve instead of the federated arms")
+    parser.add_argument("--seconds", type=float, default=60.0, help="--capacity: training seconds per point")
+    parser.add_argument("--out", default="knowledge")
+    args = parser.parse_args()
+    args.people_list = args.people
+    if args.capacity:
+        capacity(args)
+        return
+    args.people = args.people[0]
+    conf = {k: v for k, v in vars(args).items() if k not in ("capacity", "seconds", "people_list")}
+    partial = RESULTS / f"{args.out}.partial.json"
+    results: dict = json.loads(partial.read_text()) if partial.is_file() else {}
+    arms = list(args.arms)
+    if "mixed" in args.regimes:
+        arms += [f"tier_{w}" for w in REGIMES["mixed"][0] if f"tier_{w}" not in arms]
+    def wanted(regime: str, arm: str) -> bool:
+        if arm.startswith("tier_"):
+            return regime == "mixed"
+        if arm == "oracle" and regime != args.regimes[0]:
+            return False  # the oracle trains the whole target: the same run in every regime
+        return regime != "tiny" or scaled(arm)[0].split("_")[0] in ("smallest", "oracle", "generative")
+
+    jobs = [{"regime": g, "arm": arm, "seed": s, "args": conf} for g in args.regimes for arm in arms for s in args.seeds
+            if wanted(g, arm) and len(results.get(g, {}).get(arm, [])) <= args.seeds.index(s)]
+    RESULTS.mkdir(exist_ok=True)
+    with ProcessPoolExecutor(args.jobs) as pool:
+        for job, out in zip(jobs, pool.map(run_arm, jobs)):
+            results.setdefault(job["regime"], {}).setdefault(job["arm"], []).append({"seed": job["seed"], **out})
+            partial.write_text(json.dumps(results))
+            print(f"{job['regime']} {job['arm']} seed {job['seed']}: probe_acc {out['probe_acc']:.3f} "
+                  f"({out['wall_s']:.0f}s)", flush=True)
+    for arms_runs in results.values():
+        for runs in arms_runs.values():
+            runs.sort(key=lambda r: r["seed"])
+    first = results.get(args.regimes[0], {})
+    for regime in args.regimes[1:]:  # the one oracle run serves every regime
+        if "oracle" in first and regime in results:
+            results[regime]["oracle"] = first["oracle"]
+    payload = {"args": conf, "argv": sys.argv[1:], "results": results,
+               "machine": f"{platform.platform()}, Python {platform.python_version()}, torch {torch.__version__}, "
+                          f"{args.jobs} processes x 1 thread"}
+    payload["summary"] = summarise(results)
+    payload["best"] = payload["summary"]["best"]
+    (RESULTS / f"{args.out}.json").write_text(json.dumps(payload, indent=1))
+    (RESULTS / f"{args.out}.md").write_text(report(payload))
+    plot(payload, RESULTS / f"{args.out}.png")
+    partial.unlink(missing_ok=True)
+    print(report(payload))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""The library's in-process round loops: sub-model rounds as the Flower strategy runs them, and generative
+distillation, without Flower or Ray.
+
+For benchmarks and tests that compare many methods on the same clients, samples and seeds. Every step is
+the one the product path runs: :func:`fedfusion.rounds.plan_round` and :func:`fedfusion.rounds.client_seed`
+(the strategy's planning), :func:`fedfusion.slicing.extract` (what a message carries),
+:func:`fedfusion.training.train_steps` (what the client role runs) and :func:`fedfusion.rounds.fold` (the
+strategy's fold and outer step). Clients train one after another; there are no faults, messages or ledgers.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PretrainedConfig
+
+from fedfusion.generative import GenerativeConfig, SamplePool, sample_windows
+from fedfusion.models import model_from_state
+from fedfusion.outer import OuterConfig, OuterOptimizer
+from fedfusion.rounds import client_seed, fold, plan_round
+from fedfusion.slicing import SelectiveAverager, extract, sub_config
+from fedfusion.training import train_steps
+
+Evaluate = Callable[[dict[str, torch.Tensor], int], "dict[str, float] | None"]
+
+
+@dataclass(frozen=True)
+class SubModelRun:
+    """One sub-model federation: the target config, each partition's training windows and width, and the
+    round settings a recipe's ``fusion`` / ``selection`` / ``train`` sections give the Flower strategy."""
+
+    config: PretrainedConfig
+    windows: Sequence[torch.Tensor]  # per partition
+    widths: Sequence[float]  # per partition
+    policy: str = "rolling"
+    rounds: int = 10
+    per_round: int = 6
+    steps: int = 10
+    lr: float = 3e-3
+    batch_size: int = 32
+    seed: int = 0
+    stride: float = 0.125
+    stagger: bool = True
+    axes: tuple[str, ...] | None = None
+    scale: bool = True
+    weight_decay: float = 0.0
+    optimizer: str = "adamw"  # the clients' local optimizer (fedfusion.training.OPTIMIZERS)
+    outer: OuterConfig = field(default_factory=OuterConfig)
+
+
+@dataclass
+class RunStats:
+    """What a run cost: client-side work and traffic, server time."""
+
+    client_s: float = 0.0
+    server_s: float = 0.0
+    tokens: int = 0
+    flops: float = 0.0  # 6 x params x tokens, summed over client rounds
+    server_flops: float = 0.0  # the server's own training (generative distillation)
+    bytes_down: int = 0
+    bytes_up: int = 0
+    client_rounds: int = 0
+    max_client_params: int = 0
+    history: list[dict[str, float]] = field(default_factory=list)
+
+
+def _nbytes(state: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def run_submodel(run: SubModelRun, initial: dict[str, torch.Tensor], evaluate: Evaluate | None = None,
+                 ) -> tuple[dict[str, torch.Tensor], RunStats]:
+    """Train ``initial`` for ``run.rounds`` rounds; ``evaluate(state, round)`` is called after every round
+    (return None to skip a round) and its rows are kept in ``stats.history``. Returns the final target."""
+    if len(run.windows) != len(run.widths):
+        raise ValueError(f"{len(run.windows)} partitions of windows but {len(run.widths)} widths")
+    rng = random.Random(run.seed)  # the sampling draw, like the strategy's seeded random selector
+    outer = OuterOptimizer(run.outer) if run.outer.method != "none" else None
+    state, stats = {k: v.clone() for k, v in initial.items()}, RunStats()
+    for rnd in range(1, run.rounds + 1):
+        sampled = sorted(rng.sample(range(len(run.windows)), min(run.per_round, len(run.windows))))
+        start = time.perf_counter()
+        plans = plan_round(run.config, [(p, run.widths[p]) for p in sampled], run.policy, rnd, run.seed,
+                           run.stride, run.stagger, run.axes, run.scale)
+        averager = SelectiveAverager(state, run.config)
+        stats.server_s += time.perf_counter() - start
+        for partition, plan in zip(sampled, plans):
+            sent = extract(state, run.config, plan)
+            model = model_from_state(sub_config(run.config, plan), sent)
+            out = train_steps(model, run.windows[partition], run.steps, run.lr, run.batch_size,
+                              client_seed(run.seed, rnd, partition), run.weight_decay, run.optimizer)
+            params = sum(p.numel() for p in model.parameters())
+            reply = {k: v.detach() for k, v in model.state_dict().items()}
+            stats.client_s += out["train_s"]
+            stats.tokens += int(out["train_tokens"])
+            stats.flops += 6.0 * params * out["train_tokens"]
+            stats.bytes_down += _nbytes(sent)
+            stats.bytes_up += _nbytes(reply)
+            stats.client_rounds += 1
+            stats.max_client_params = max(stats.max_client_params, params)
+            t = time.perf_counter()
+            averager.add({k: reply[k] for k in sent}, plan)
+            stats.server_s += time.perf_counter() - t
+        t = time.perf_counter()
+        state = fold(averager, outer)
+        stats.server_s += time.perf_counter() - t
+        if evaluate is not None and (row := evaluate(state, rnd)) is not None:
+            stats.history.append({"round": rnd, **row})
+    return state, stats
+
+
+@dataclass(frozen=True)
+class GenerativeRun:
+    """One generative-distillation federation: each client trains its own small model (``client_config``,
+    kept on the device between rounds, never averaged) and sends samples of it; the server trains the target
+    (``config``) on every client's latest samples (:mod:`fedfusion.generative`)."""
+
+    config: PretrainedConfig
+    client_config: PretrainedConfig
+    windows: Sequence[torch.Tensor]  # per partition
+    bos_id: int
+    rounds: int = 10
+    per_round: int = 6
+    steps: int = 10
+    lr: float = 3e-3
+    batch_size: int = 32
+    seed: int = 0
+    generative: GenerativeConfig = field(default_factory=GenerativeConfig)
+
+
+def run_generative(run: GenerativeRun, initial: dict[str, torch.Tensor], client_initial: dict[str, torch.Tensor],
+                   evaluate: Evaluate | None = None) -> tuple[dict[str, torch.Tensor], RunStats]:
+    """Train the target ``initial`` from the clients' samples for ``run.rounds`` rounds (see :class:`GenerativeRun`);
+    every client's model starts from ``client_initial``. Uploads are counted as int32 token ids."""
+    rng, g = random.Random(run.seed), run.generative
+    devices: dict[int, dict[str, torch.Tensor]] = {}  # each client's own model, as its device keeps it
+    pool, stats = SamplePool(), RunStats()
+    target = model_from_state(run.config, initial)
+    target_params = sum(p.numel() for p in target.parameters())
+    for rnd in range(1, run.rounds + 1):
+        sampled = sorted(rng.sample(range(len(run.windows)), min(run.per_round, len(run.windows))))
+        for partition in sampled:
+            model = model_from_state(run.client_config, devices.get(partition, client_initial))
+            seed = client_seed(run.seed, rnd, partition)
+            out = train_steps(model, run.windows[partition], run.steps, run.lr, run.batch_size, seed)
+            devices[partition] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            start = time.perf_counter()
+            own = run.windows[partition]
+            samples = sample_windows(model, math.ceil(g.sample_fraction * len(own)), own.shape[1], run.bos_id,
+                                     g.temperature, seed)
+            pool.add(partition, samples, cap=len(own))
+            params = sum(p.numel() for p in model.parameters())
+            # sampling costs ~2 x params per generated token (forward only, KV-cached)
+            stats.client_s += out["train_s"] + time.perf_counter() - start
+            stats.tokens += int(out["train_tokens"])
+            stats.flops += 6.0 * params * out["train_tokens"] + 2.0 * params * samples.numel()
+            stats.bytes_up += samples.numel() * 4
+            stats.client_rounds += 1
+            stats.max_client_params = max(stats.max_client_params, params)
+        start = time.perf_counter()
+        out = train_steps(target, pool.windows(), g.server_steps, g.server_lr, g.server_batch,
+                          client_seed(run.seed, rnd, len(run.windows)))
+        stats.server_s += time.perf_counter() - start
+        stats.server_flops += 6.0 * target_params * out["train_tokens"]
+        if evaluate is not None and (row := evaluate(target.state_dict(), rnd)) is not None:
+            stats.history.append({"round": rnd, **row})
+    return target.state_dict(), stats

@@ -1,0 +1,100 @@
+"""Server-side outer optimizers and the shared round planning (plain tensors, no Flower)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from fedfusion import recipe as recipe_module
+from fedfusion.outer import OUTER_METHODS, OuterConfig, OuterOptimizer
+from fedfusion.rounds import client_seed, fold, plan_round
+from fedfusion.slice_families import family_of
+from fedfusion.slicing import POLICIES, SelectiveAverager, extract, plan_slice
+
+
+def _cfg() -> LlamaConfig:
+    return LlamaConfig(vocab_size=20, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=4, head_dim=4)
+
+
+def test_recipe_choices_are_the_modules_own():
+    assert recipe_module.CHOICES["fusion.policy"] == POLICIES
+    assert recipe_module.CHOICES["fusion.outer"] == OUTER_METHODS
+
+
+def test_none_is_plain_averaging_and_bad_settings_are_refused():
+    old, new = {"w": torch.zeros(3)}, {"w": torch.ones(3)}
+    assert OuterOptimizer(OuterConfig()).step(old, new) is new
+    for bad in ({"method": "sgdx"}, {"lr": 0.0}, {"momentum": 1.0}, {"eps": 0.0}):
+        with pytest.raises(ValueError):
+            OuterConfig(**bad)
+
+
+def test_avgm_and_nesterov_follow_their_formulas():
+    """Two rounds with a constant change d: heavy ball gives lr*d then lr*(1+mu)*d; Nesterov lr*(1+mu)*d then
+    lr*(1+mu+mu^2)*d (the look-ahead applies the updated momentum once more)."""
+    d, lr, mu = torch.tensor([0.5, -1.0]), 0.7, 0.9
+    for method, first, second in (("avgm", 1.0, 1 + mu), ("nesterov", 1 + mu, 1 + mu + mu * mu)):
+        opt = OuterOptimizer(OuterConfig(method, lr=lr, momentum=mu))
+        x0 = torch.zeros(2)
+        x1 = opt.step({"w": x0}, {"w": x0 + d})["w"]
+        assert torch.allclose(x1, lr * first * d)
+        x2 = opt.step({"w": x1}, {"w": x1 + d})["w"]
+        assert torch.allclose(x2 - x1, lr * second * d)
+
+
+def test_adam_step_is_normalised():
+    opt = OuterOptimizer(OuterConfig("adam", lr=0.1, momentum=0.0, beta2=0.0, eps=1e-12))
+    out = opt.step({"w": torch.zeros(2)}, {"w": torch.tensor([3.0, -0.001])})["w"]
+    assert torch.allclose(out, torch.tensor([0.1, -0.1]), atol=1e-6)  # sign(d) * lr when m = d and v = d^2
+
+
+def test_only_held_coordinates_move_and_keep_momentum():
+    opt = OuterOptimizer(OuterConfig("avgm", lr=1.0, momentum=0.5))
+    held = {"w": torch.tensor([True, False]), "b": torch.tensor([False])}
+    old = {"w": torch.zeros(2), "b": torch.zeros(1), "steps": torch.tensor([3])}
+    out = opt.step(old, {"w": torch.tensor([1.0, 5.0]), "b": torch.tensor([2.0]), "steps": torch.tensor([3])}, held)
+    assert out["w"].tolist() == [1.0, 0.0] and out["b"].tolist() == [0.0] and out["steps"].tolist() == [3]
+    out2 = opt.step(out, {"w": torch.tensor([1.0, 1.0]), "b": out["b"]}, {"w": torch.tensor([False, True])})
+    assert out2["w"].tolist() == [1.0, 1.0]  # coordinate 0 sat out: no stale momentum applied to it
+    state = opt.state_dict()
+    again = OuterOptimizer(OuterConfig("avgm", lr=1.0, momentum=0.5))
+    again.load_state_dict(state)
+    assert torch.equal(again.state["w"]["m"], opt.state["w"]["m"]) and again.steps == opt.steps == 2
+
+
+def test_fold_without_outer_is_the_selective_average():
+    cfg = _cfg()
+    torch.manual_seed(0)
+    state = family_of(cfg).build(cfg).state_dict()
+    averager = SelectiveAverager(state, cfg)
+    plan = plan_slice(cfg, 0.5, "rolling", 2)
+    averager.add({k: v + 1 for k, v in extract(state, cfg, plan).items()}, plan)
+    expected = averager.result()
+    assert all(torch.equal(fold(averager)[k], expected[k]) for k in expected)
+    stepped = fold(averager, OuterOptimizer(OuterConfig("avgm", lr=2.0, momentum=0.0)))
+    held = averager.held()
+    for k in state:
+        assert torch.allclose(stepped[k][held[k]], (state[k] + 2 * (expected[k] - state[k]))[held[k]], atol=1e-6)
+        assert torch.equal(stepped[k][~held[k]], state[k][~held[k]])
+
+
+def test_plan_round_matches_one_plan_per_client():
+    """The shared planner gives exactly the plans the strategy used to build client by client."""
+    cfg = _cfg()
+    clients = [(3, 0.25), (7, 0.5), (9, 0.25)]
+    for policy, stagger in (("rolling", True), ("rolling", False), ("random", False), ("static", False)):
+        plans = plan_round(cfg, clients, policy, 4, run_seed=5, stride=0.25, stagger=stagger)
+        offset = 0.0
+        for (p, w), plan in zip(clients, plans):
+            assert plan == plan_slice(cfg, w, policy, 4, 0.25, offset, client_seed(5, 4, p))
+            offset += w if stagger else 0.0
+
+
+def test_owned_windows_stay_with_their_client_and_tile_the_target():
+    cfg = _cfg()
+    for rnd in (1, 2, 7):
+        plans = plan_round(cfg, [(p, 0.25) for p in range(4)], "owned", rnd, run_seed=0)
+        assert [pl.neurons for pl in plans] == [tuple(range(8 * p, 8 * p + 8)) for p in range(4)]
+    assert plan_round(cfg, [(5, 0.25)], "owned", 3, 0)[0].neurons == tuple(range(8, 16))  # 5 x 1/4 mod 1 = 1/4
