@@ -85,7 +85,7 @@ def build_task(people: int, clients: int, seed: int, a: dict, workdir: Path):
     tok = facts_tokenizer(facts)
     windows = [encode_documents(tok, docs, a["seq_len"]) for docs in facts.documents]
     cfg = target_config(len(tok), a["seq_len"], a["hidden"], a["intermediate"], a["layers"])
-    return cfg, windows, encode_probes(tok, facts.probes), tok.bos_token_id
+    return cfg, windows, encode_probes(tok, facts.probes)
 
 
 def arm_setup(arm: str, ladder: tuple[float, ...], clients: int,
@@ -118,7 +118,7 @@ def run_arm(job: dict) -> dict:
     torch.set_num_threads(1)
     a = job["args"]
     with tempfile.TemporaryDirectory() as tmp:
-        cfg, windows, probes, bos = build_task(a["people"], a["clients"], job["seed"], a, Path(tmp))
+        cfg, windows, probes = build_task(a["people"], a["clients"], job["seed"], a, Path(tmp))
     arm, scale = scaled(job["arm"])
     widths, policy, outer, scored = arm_setup(arm, REGIMES[job["regime"]][0], a["clients"],
                                               OuterConfig(a["outer"], lr=a["outer_lr"]))
@@ -143,7 +143,7 @@ def run_arm(job: dict) -> dict:
     start = time.perf_counter()
     if policy == "generative":  # each client's own model: the smallest width, as smallest_only trains it
         plan = plan_slice(cfg, min(widths), "static", axes=axes)
-        gen_run = GenerativeRun(cfg, sub_config(cfg, plan), windows, bos, rounds=a["gen_rounds"], per_round=a["per_round"],
+        gen_run = GenerativeRun(cfg, sub_config(cfg, plan), windows, rounds=a["gen_rounds"], per_round=a["per_round"],
                                 steps=a["gen_steps"], lr=a["gen_lr"], batch_size=a["batch"], seed=job["seed"],
                                 generative=GenerativeConfig(sample_fraction=a["gen_samples"], temperature=a["gen_temperature"],
                                                             server_steps=a["gen_server_steps"], server_lr=a["gen_server_lr"]))
@@ -176,7 +176,7 @@ def capacity_point(job: dict) -> dict:
     """Central training of one width on ``people`` people for a fixed time: probe accuracy reached."""
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
-        cfg, windows, probes, _ = build_task(job["people"], 1, 0, job, Path(tmp))
+        cfg, windows, probes = build_task(job["people"], 1, 0, job, Path(tmp))
     torch.manual_seed(0)
     state = family_of(cfg).build(cfg).state_dict()
     plan = plan_slice(cfg, job["width"], "static", axes=REGIMES["phones"][1])

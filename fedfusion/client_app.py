@@ -18,7 +18,7 @@ app = ClientApp()
 # What a message's spec asks this client to be (spec["role"]): each module has train() and evaluate().
 # Imported on first use: the LoRA role pulls in peft and bitsandbytes (seconds per simulation actor).
 ROLES = {"submodel": "fedfusion.clients.submodel", "smallmodel": "fedfusion.clients.smallmodel",
-         "lora": "fedfusion.clients.lora"}
+         "lora": "fedfusion.clients.lora", "generative": "fedfusion.clients.generative"}
 
 
 def _role(spec: ConfigRecord) -> ModuleType:  # the role module: train(), evaluate(), num_examples()

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
+SAMPLES_KEY = "generated-ids"  # the reply's ArrayRecord key for the sampled token ids, next to the model's keys
+
 
 @dataclass(frozen=True)
 class GenerativeConfig:
@@ -40,17 +42,30 @@ class GenerativeConfig:
 
 
 @torch.no_grad()
-def sample_windows(model: PreTrainedModel, n: int, width: int, bos_id: int, temperature: float,
+def sample_windows(model: PreTrainedModel, own: torch.LongTensor, n: int, temperature: float,
                    seed: int) -> torch.LongTensor:
-    """``n`` windows of ``width`` token ids sampled from ``model`` (ancestral sampling, KV-cached), each opened
-    by ``<bos>``; seeded without touching the caller's global random state."""
+    """``n`` windows shaped like ``own`` (the client's training windows) sampled from ``model`` (ancestral
+    sampling, KV-cached), each opened by the first token of a random own window (``<bos>`` for facts); seeded
+    without touching the caller's global random state."""
     model.eval()
-    start = torch.full((n, 1), bos_id, dtype=torch.long, device=model.device)
+    gen = torch.Generator().manual_seed(seed)
+    start = own[torch.randint(len(own), (n,), generator=gen), :1].to(model.device)
+    width = own.shape[1]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return model.generate(input_ids=start, attention_mask=torch.ones_like(start), do_sample=True,
                               temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=width - 1,
-                              min_new_tokens=width - 1, pad_token_id=bos_id).cpu()
+                              min_new_tokens=width - 1, pad_token_id=int(start[0, 0])).cpu()
+
+
+def check_samples(samples: torch.Tensor, width: int, vocab: int, most: int) -> None:
+    """Raise ValueError unless ``samples`` are at most ``most`` windows of ``width`` token ids in [0, vocab)."""
+    if samples.dtype not in (torch.int32, torch.int64) or samples.dim() != 2 or samples.shape[1] != width:
+        raise ValueError(f"samples must be (n, {width}) integer token ids, got {tuple(samples.shape)} {samples.dtype}")
+    if not 0 < samples.shape[0] <= most:
+        raise ValueError(f"{samples.shape[0]} sampled windows; expected 1 to {most}")
+    if int(samples.min()) < 0 or int(samples.max()) >= vocab:
+        raise ValueError(f"sampled token ids outside the vocabulary [0, {vocab})")
 
 
 class SamplePool:

@@ -123,7 +123,6 @@ class GenerativeRun:
     config: PretrainedConfig
     client_config: PretrainedConfig
     windows: Sequence[torch.Tensor]  # per partition
-    bos_id: int
     rounds: int = 10
     per_round: int = 6
     steps: int = 10
@@ -151,8 +150,7 @@ def run_generative(run: GenerativeRun, initial: dict[str, torch.Tensor], client_
             devices[partition] = {k: v.detach().clone() for k, v in model.state_dict().items()}
             start = time.perf_counter()
             own = run.windows[partition]
-            samples = sample_windows(model, math.ceil(g.sample_fraction * len(own)), own.shape[1], run.bos_id,
-                                     g.temperature, seed)
+            samples = sample_windows(model, own, math.ceil(g.sample_fraction * len(own)), g.temperature, seed)
             pool.add(partition, samples, cap=len(own))
             params = sum(p.numel() for p in model.parameters())
             # sampling costs ~2 x params per generated token (forward only, KV-cached)

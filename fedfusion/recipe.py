@@ -147,6 +147,19 @@ class DistillConfig:
 
 
 @dataclass
+class GenerativeSection:
+    """Generative distillation (fusion.method=generative): each tier keeps its own model (the static slice of
+    the target at its fusion.widths), the target learns from the text those models write."""
+
+    sample_fraction: float = 0.5  # windows a sampled client writes per window of its own data
+    temperature: float = 1.0
+    server_steps: int = 30  # target training steps per round on every client's latest samples
+    server_lr: float = 3e-3
+    server_batch: int = 64
+    server_device: str = "cloud-a100"  # the catalog tier that prices the server's training
+
+
+@dataclass
 class LoRAConfig:
     """Heterogeneous-rank LoRA (fusion.method=lora): adapters of each tier's rank on one frozen base."""
 
@@ -248,6 +261,7 @@ class Recipe:
     fusion: FusionConfig = field(default_factory=FusionConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    generative: GenerativeSection = field(default_factory=GenerativeSection)
     selection: SelectionConfig = field(default_factory=SelectionConfig)
     availability: AvailabilitySection = field(default_factory=AvailabilitySection)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -260,7 +274,7 @@ class Recipe:
 CHOICES: dict[str, tuple[str, ...]] = {
     "data.source": ("shakespeare", "text", "facts", "chatterbot"),
     "data.split": ("category", "iid"),
-    "fusion.method": ("submodel", "distill", "lora"),
+    "fusion.method": ("submodel", "distill", "lora", "generative"),
     # restated so that loading a recipe imports no torch; tests hold them equal to slicing.POLICIES, outer.OUTER_METHODS
     "fusion.policy": ("static", "rolling", "random", "ordered", "owned"),
     "fusion.outer": ("none", "avgm", "nesterov", "adam"),
@@ -422,8 +436,9 @@ def validate(recipe: Recipe) -> None:
                               f"{recipe.population.num_clients} clients one")
         if recipe.data.skew < 0:
             raise RecipeError(f"data.skew: must be >= 0, got {recipe.data.skew}")
-        if recipe.fusion.method != "submodel":
-            raise RecipeError(f"fusion.method: data.source=facts runs with submodel fusion, got {recipe.fusion.method!r}")
+        if recipe.fusion.method not in ("submodel", "generative"):
+            raise RecipeError(f"fusion.method: data.source=facts runs with submodel or generative fusion, "
+                              f"got {recipe.fusion.method!r}")
         if recipe.model.pretrained:
             raise RecipeError("model.pretrained: data.source=facts builds its own word tokenizer; leave it unset")
     m = recipe.model
@@ -444,7 +459,8 @@ def validate(recipe: Recipe) -> None:
             raise RecipeError(f"population.mix.{tier}: unknown device; the catalog has {', '.join(sorted(catalog))}")
         if share <= 0:
             raise RecipeError(f"population.mix.{tier}: share must be > 0, got {share}")
-        if recipe.fusion.method == "submodel" and not recipe.fusion.auto_widths and tier not in recipe.fusion.widths:
+        if (recipe.fusion.method in ("submodel", "generative") and not recipe.fusion.auto_widths
+                and tier not in recipe.fusion.widths):
             raise RecipeError(f"fusion.widths: no width for tier {tier!r} of population.mix")
     if recipe.fusion.method == "distill":
         _validate_distill(recipe, catalog)
@@ -453,6 +469,16 @@ def validate(recipe: Recipe) -> None:
                           f"and only it does; got method {recipe.fusion.method!r} with source {recipe.data.source!r}")
     if recipe.fusion.method == "lora":
         _validate_lora(recipe)
+    if recipe.fusion.method == "generative":
+        g = recipe.generative
+        for name in ("sample_fraction", "temperature", "server_lr"):
+            _positive(f"generative.{name}", getattr(g, name))
+        for name in ("server_steps", "server_batch"):
+            if getattr(g, name) < 1:
+                raise RecipeError(f"generative.{name}: must be >= 1, got {getattr(g, name)}")
+        if g.server_device not in catalog:
+            raise RecipeError(f"generative.server_device: unknown device {g.server_device!r}; the catalog has "
+                              f"{', '.join(sorted(catalog))}")
     for tier, width in recipe.fusion.widths.items():
         if tier not in catalog:
             raise RecipeError(f"fusion.widths.{tier}: unknown device; the catalog has {', '.join(sorted(catalog))}")

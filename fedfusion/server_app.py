@@ -28,6 +28,7 @@ from fedfusion.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from fedfusion.clients.smallmodel import family_config
 from fedfusion.devices import Device, load_catalog
 from fedfusion.energy import price_work, train_flops
+from fedfusion.generative import GenerativeConfig
 from fedfusion.models import load_tokenizer
 from fedfusion.outer import OuterConfig
 from fedfusion.participation import Participation, jain_index
@@ -36,7 +37,7 @@ from fedfusion.recipe import Recipe, load_recipe
 from fedfusion.report import write_report
 from fedfusion.run_dir import RunDir, new_run_path, read_jsonl
 from fedfusion.selection import make_selector
-from fedfusion.strategies import DistillationFusion, LoRAFusion, SubModelFusion
+from fedfusion.strategies import DistillationFusion, GenerativeFusion, LoRAFusion, SubModelFusion
 from fedfusion.strategies.distillation import Family
 from fedfusion.strategies.lora import adapted_modules
 from fedfusion.strategies.quorum import QuorumGrid
@@ -93,6 +94,12 @@ def build_strategy(recipe: Recipe, target: Target) -> SubModelFusion:
     common.update(config=target.model.config, weighting=recipe.fusion.weighting)
     if recipe.fusion.method == "distill":
         return build_distillation(recipe, common)
+    if recipe.fusion.method == "generative":
+        g = recipe.generative
+        return GenerativeFusion(
+            generative=GenerativeConfig(g.sample_fraction, g.temperature, g.server_steps, g.server_lr, g.server_batch),
+            widths=dict(recipe.fusion.widths), axes=tuple(recipe.fusion.axes) if recipe.fusion.axes else None,
+            scale=recipe.fusion.scaler, **common)
     return SubModelFusion(
         widths=dict(recipe.fusion.widths),
         policy=recipe.fusion.policy,
@@ -280,7 +287,8 @@ def run_federation(grid: Grid, recipe: Recipe, run: RunDir, on_round: RoundCallb
             run.cut_ledgers(ckpt.round)
             log(INFO, "fedfusion: resuming %s after round %d of %d", run.path, ckpt.round, recipe.rounds)
         catalog = load_catalog(recipe.population.catalog)
-        server_device = catalog[recipe.distill.server_device] if recipe.fusion.method == "distill" else None
+        server_device = {"distill": catalog[recipe.distill.server_device],
+                         "generative": catalog[recipe.generative.server_device]}.get(recipe.fusion.method)
         recorder = RoundRecorder(run, strategy, target, on_round, catalog, recipe.output.checkpoint_every, ckpt,
                                  server_device)
         if recipe.selection.overselect > 0:

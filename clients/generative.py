@@ -1,0 +1,37 @@
+"""Client role for generative distillation: train this device's own small model, then write samples of it.
+
+The reply carries the trained model (so a stateless deployed node gets it back next round) and, under
+``fedfusion.generative.SAMPLES_KEY``, the sampled token windows the server trains the target on.
+"""
+
+from __future__ import annotations
+
+import torch
+from fedfusion.clients.submodel import (
+    _model,
+    client_windows,
+    evaluate,
+    inject_faults,
+    local_steps,
+    num_examples,
+    trained_reply,
+)
+from flwr.app import ConfigRecord
+
+from fedfusion.generative import SAMPLES_KEY, sample_windows
+from fedfusion.training import train_steps
+
+__all__ = ["evaluate", "num_examples", "train"]
+
+
+def train(state: dict[str, torch.Tensor], spec: ConfigRecord, partition: int,
+          accelerator: str = "cpu") -> tuple[dict, dict]:
+    """Train the device's model in ``state`` as ``spec`` says, then sample ``spec["samples"]`` windows from it."""
+    faults = inject_faults(spec, partition)
+    torch.set_num_threads(int(spec["threads"]))
+    windows = client_windows(str(spec["data-spec"]), partition, int(spec["seq-len"]), "train")
+    model = _model(state, spec, accelerator)
+    new_state, metrics = trained_reply(model, windows, faults, lambda: train_steps(model, windows, **local_steps(spec)))
+    new_state[SAMPLES_KEY] = sample_windows(model, windows, int(spec["samples"]), float(spec["temperature"]),
+                                            int(spec["seed"]))
+    return new_state, metrics
