@@ -76,6 +76,7 @@ def fault_check(out: Path) -> Counter:
     that missed the deadline (the deadline is too short for the machine).
     """
     from fedfusion.clients.submodel import inject_faults
+
     from fedfusion.recipe import load_recipe
 
     recipe = load_recipe(out / "recipe.yaml")
@@ -412,12 +413,12 @@ def cmd_fuzz(args: argparse.Namespace) -> dict:
     """
     import numpy as np
     import torch
+    from fedfusion.strategies import SubModelFusion
     from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
     from flwr.supercore.task_identity import TaskIdentity
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from fedfusion.slicing import SelectiveAverager
-    from fedfusion.strategies import SubModelFusion
 
     torch.set_num_threads(1)
     # Messages built outside a Flower runtime need a run/task identity (Flower sets it in a real run).

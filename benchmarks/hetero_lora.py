@@ -43,8 +43,8 @@ import time
 from pathlib import Path
 
 import torch
-
 from fedfusion.clients import lora as lora_client
+
 from fedfusion.data import build_char_tokenizer, encode_text, lm_windows, load_shakespeare_roles, split_text
 from fedfusion.instruct import encode_pairs, evaluate_instruct, generate_responses, pooled_held_out
 from fedfusion.lora import ClientLoRA, aggregate_lora, from_global, global_factors, merged_arrays, serve

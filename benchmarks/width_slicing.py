@@ -292,7 +292,8 @@ def _fmt(values: list[float]) -> str:
 def report(results: dict, systems: dict, args: argparse.Namespace) -> str:
     """Markdown tables and the three claims of the issue, computed from ``results``."""
     lines = ["# Width slicing: arms x regimes x tasks", "",
-             f"Seeds {args.seeds}; {args.rounds} rounds x {args.per_round} clients x {args.steps} local steps; machine: {platform.machine()}, {platform.python_version()}, torch {torch.__version__}, "
+             f"Seeds {args.seeds}; {args.rounds} rounds x {args.per_round} clients x {args.steps} local steps; "
+             f"machine: {platform.machine()}, {platform.python_version()}, torch {torch.__version__}, "
              "1 thread. Final metric = mean of the last 3 rounds' evaluations of the global model "
              "(smallest-only: the small model). Fashion-MNIST: test accuracy (higher is better); "
              "LM: held-out next-character loss (lower is better).", ""]
@@ -306,7 +307,8 @@ def report(results: dict, systems: dict, args: argparse.Namespace) -> str:
         lines.append("")
         mean = {g: {a: statistics.mean([r["metric"] for r in runs]) for a, runs in regimes[g].items()
                     if runs and all(r["metric"] is not None for r in runs)} for g in regimes}
-        if not {"smallest_only", "static", "rolling", "random", "ordered", "oracle"} <= set(mean.get("uniform", mean.get("small_to_large", {}))):
+        complete = {"smallest_only", "static", "rolling", "random", "ordered", "oracle"}
+        if not complete <= set(mean.get("uniform", mean.get("small_to_large", {}))):
             continue  # a partial set of arms: tables only
         if "small_to_large" in mean:
             m = mean["small_to_large"]
@@ -315,8 +317,9 @@ def report(results: dict, systems: dict, args: argparse.Namespace) -> str:
         if "uniform" in mean:
             m = mean["uniform"]
             beat = [a for a in ("static", "rolling", "random", "ordered") if better(m[a], m["smallest_only"]) == m[a]]
+            listed = ", ".join(f"{a} {m[a]:.4f}" for a in ("static", "rolling", "random", "ordered"))
             claims.append(f"- (b) {task}, uniform: smallest-only {m['smallest_only']:.4f}; methods beating it: "
-                          f"{', '.join(beat) or 'none'} ({', '.join(f'{a} {m[a]:.4f}' for a in ('static', 'rolling', 'random', 'ordered'))})")
+                          f"{', '.join(beat) or 'none'} ({listed})")
         if task == "lm":
             for g, m in mean.items():
                 closure = {a: (m["smallest_only"] - m[a]) / (m["smallest_only"] - m["oracle"])

@@ -124,7 +124,8 @@ def write_report(run: Path) -> Path:
              f"Held-out perplexity {first['eval_ppl']:.2f} -> **{last['eval_ppl']:.2f}**; "
              f"next-character accuracy {first['eval_acc']:.3f} -> **{last['eval_acc']:.3f}**."),
             "",
-            "Sample from the final target (top-k 10):",
+            ("Greedy answers of the final target to a few probes:" if "facts" in summary
+             else "Sample from the final target (top-k 10):"),
             "",
             "```",
             summary.get("sample", ""),

@@ -18,6 +18,8 @@ from fedfusion.population import tier_list
 from fedfusion.recipe import load_recipe
 from fedfusion.run_dir import read_jsonl
 
+pytestmark = pytest.mark.slow  # Flower's runtime (Ray or SuperLink processes): minutes, not seconds
+
 ROOT = Path(__file__).resolve().parents[1]
 OVERRIDES = [
     "rounds=1", "population.num_clients=2", "selection.clients_per_round=2", "model.hidden_size=32",

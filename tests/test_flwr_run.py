@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # Flower's runtime (Ray or SuperLink processes): minutes, not seconds
+
 ROOT = Path(__file__).resolve().parents[1]
 OVERRIDES = (
     "rounds=1 population.num_clients=3 selection.clients_per_round=2 model.hidden_size=32 model.num_heads=2 "

@@ -16,6 +16,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from fedfusion.cli import main
 from fedfusion.run_dir import read_jsonl
 
+pytestmark = pytest.mark.slow  # Flower's runtime (Ray or SuperLink processes): minutes, not seconds
+
 TINY = [
     "rounds=2", "population.num_clients=4", "selection.clients_per_round=3", "selection.evaluate_clients=1",
     "model.hidden_size=32", "model.num_heads=4", "model.num_kv_heads=2", "model.intermediate_size=64",
@@ -207,3 +209,22 @@ def test_lora_recipe_runs_on_flower_with_heterogeneous_ranks(tmp_path):
     assert (out / "adapter" / "adapter_config.json").is_file() and (out / "model" / "config.json").is_file()
     assert AutoModelForCausalLM.from_pretrained(out / "model") is not None
     assert rows[-1]["eval_loss"] < rows[0]["eval_loss"]
+
+
+def test_a_users_facts_run_end_to_end_with_generative_distillation(tmp_path):
+    """The knowledge recipe on a facts dataset written in the documented format, through Flower's simulation."""
+    from fedfusion.facts import write_facts
+
+    paths = write_facts(tmp_path / "facts", 4, 24, seed=7)
+    out = tmp_path / "knowledge"
+    assert main(["run", "knowledge", "rounds=2", f"data.path={paths['train']}", f"data.probes={paths['probes']}",
+                 "population.num_clients=4", "selection.clients_per_round=2", "train.local_steps=2",
+                 "generative.server_steps=2", "engine.cpus_per_client=1.0", "--out", str(out)]) == 0
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert [r["round"] for r in rows] == [0, 1, 2]
+    assert all(0 <= r["probe_acc"] <= 1 and r["answer_loss"] > 0 for r in rows)
+    assert all(r["clients_ok"] == 2 and r["server_flops"] > 0 and r["bytes_up"] > r["bytes_down"] for r in rows[1:])
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["facts"]["clients"] == 4 and summary["facts"]["probes"] == 24 * 6
+    assert (out / "report.md").read_text().startswith("# Run report") and "The target recalls" in (out / "report.md").read_text()
+    assert AutoTokenizer.from_pretrained(out / "model").get_vocab()["<bos>"] == 2
