@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from fedfusion.recipe import RecipeError, load_recipe
+from fedfusion.recipe import Recipe, RecipeError, load_recipe
 
 console = Console()
 
@@ -24,6 +24,12 @@ class _DropDeprecation(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return "is deprecated" not in record.getMessage()
+
+
+def _method(recipe: Recipe) -> str:
+    """The fusion method as a run's header names it (the slicing policy only where it applies)."""
+    f = recipe.fusion
+    return f"{f.method}/{f.policy}" if f.method == "submodel" else f.method
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -50,7 +56,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     verb = f"resuming after round {done}:" if args.resume else "running"
     console.print(f"[bold]fedfusion[/] {verb} {recipe.name}: {recipe.population.num_clients} clients, "
                   f"{recipe.selection.clients_per_round} per round, {recipe.rounds} rounds, "
-                  f"fusion={recipe.fusion.method}/{recipe.fusion.policy}; writing {run.path}")
+                  f"fusion={_method(recipe)}; writing {run.path}")
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")  # we request no GPUs; silence Ray's notice
     flwr_logger = logging.getLogger("flwr")
     flwr_logger.setLevel(logging.WARNING)
@@ -102,7 +108,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                      lora_plan_table(recipe, config), {}, left=("tier", "base", "fits", "max fit"), width=150)
         return 0
     widths = auto_widths(recipe, recipe.fusion.width_ladder) if recipe.fusion.auto_widths else None
-    title = f"plan for {recipe.name} ({recipe.fusion.method}/{recipe.fusion.policy}"
+    title = f"plan for {recipe.name} ({_method(recipe)}"
     title += ", widths fitted to memory)" if widths else ")"
     _print_table(title, plan_table(recipe, widths, ladder=recipe.fusion.width_ladder), {},
                  left=("tier", "slice", "fits"), width=150)

@@ -27,7 +27,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig
 
 from fedfusion.devices import Device, load_catalog
-from fedfusion.models import target_model_config
+from fedfusion.models import target_config, target_model_config
 from fedfusion.recipe import Recipe
 from fedfusion.slicing import plan_slice, sub_config
 
@@ -188,12 +188,21 @@ def fit_lora_rank(
     return None
 
 
+def _target(recipe: Recipe) -> PretrainedConfig:
+    """The target's config; a facts recipe's vocabulary is its own word tokenizer's."""
+    if recipe.data.source == "facts":
+        from fedfusion.population import data_spec, data_tokenizer
+
+        return target_config(recipe.model, data_tokenizer(data_spec(recipe)))
+    return target_model_config(recipe.model)
+
+
 def auto_widths(
     recipe: Recipe, ladder: Sequence[float] = WIDTH_LADDER, usable: float = USABLE,
 ) -> dict[str, float | None]:
     """For every tier of the population mix, :func:`fit_width` of the recipe's target (None: nothing fits)."""
     catalog = load_catalog(recipe.population.catalog)
-    target = target_model_config(recipe.model)
+    target = _target(recipe)
     return {tier: fit_width(target, catalog[tier], recipe.train.batch_size, recipe.train.seq_len, ladder, usable)
             for tier in recipe.population.mix}
 
@@ -214,7 +223,7 @@ def plan_table(
     round price ``6 * params * tokens`` FLOPs at the catalog's sustained TFLOPS and training watts.
     """
     catalog = load_catalog(recipe.population.catalog)
-    target = target_model_config(recipe.model)
+    target = _target(recipe)
     widths = recipe.fusion.widths if widths is None else widths
     batch, seq = recipe.train.batch_size, recipe.train.seq_len
     tokens = recipe.train.local_steps * batch * seq
