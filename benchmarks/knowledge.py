@@ -39,9 +39,11 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import torch
 from transformers import LlamaConfig
 
+from fedfusion.data import build_char_tokenizer, encode_text, lm_windows, load_shakespeare_roles, split_text
 from fedfusion.devices import load_catalog
 from fedfusion.energy import price_work
 from fedfusion.facts import (
@@ -58,9 +60,10 @@ from fedfusion.models import model_from_state
 from fedfusion.outer import OuterConfig
 from fedfusion.slice_families import family_of
 from fedfusion.slicing import extract, plan_slice, sub_config
-from fedfusion.training import train_steps
+from fedfusion.training import evaluate_lm, train_steps
 
 RESULTS = Path(__file__).resolve().parent / "results"
+PRIMARY = {"facts": ("probe_acc", "answer_loss"), "lm": ("eval_loss", "eval_acc")}  # task -> (gap-closure metric, other)
 # regime -> (client widths, dealt in equal shares; sliced axes). "tiny": clients hold a genuinely smaller Llama
 # (a quarter of the heads, MLP neurons and hidden dims: ~1/11 of the target's parameters); slicing the hidden
 # dims apart between clients breaks the target, so that regime runs the methods that do not fold slices.
@@ -78,14 +81,34 @@ def target_config(vocab: int, seq_len: int, hidden: int, intermediate: int, laye
                        max_position_embeddings=seq_len + 1, tie_word_embeddings=True)
 
 
+def build_lm_task(clients: int, seed: int, a: dict):
+    """(config, per-client windows, scorer) of Shakespeare by speaker (roles with >= 4000 characters, drawn by the
+    seed), character tokens; scored on every role's held-out tail (loss in nats/char, next-character accuracy)."""
+    tok = build_char_tokenizer()
+    roles = load_shakespeare_roles(min_chars=4000)
+    picked = np.random.default_rng(seed).choice(len(roles), size=clients, replace=False)
+    windows, held = [], []
+    for i in sorted(picked):
+        train, tail = split_text(roles[i].text, 0.1)
+        windows.append(lm_windows(encode_text(tok, train), a["seq_len"]))
+        held.append(lm_windows(encode_text(tok, tail), a["seq_len"])[:16])
+    cfg = target_config(len(tok), a["seq_len"], a["hidden"], a["intermediate"], a["layers"])
+    pooled = torch.cat(held)
+    return cfg, windows, lambda model: {k: v for k, v in evaluate_lm(model, pooled).items() if k != "eval_ppl"}
+
+
 def build_task(people: int, clients: int, seed: int, a: dict, workdir: Path):
-    """(config, per-client windows, encoded probes) of a fresh facts dataset written to and read from files."""
+    """(config, per-client windows, scorer) of the benchmark's task: a fresh facts dataset written to and read
+    from files (scored by its probes), or with ``a["task"] == "lm"`` Shakespeare (:func:`build_lm_task`)."""
+    if a.get("task") == "lm":
+        return build_lm_task(clients, seed, a)
     paths = write_facts(workdir / f"facts-{people}-{clients}-{seed}", clients, people, seed)
     facts = load_facts(paths["train"], paths["probes"])
     tok = facts_tokenizer(facts)
     windows = [encode_documents(tok, docs, a["seq_len"]) for docs in facts.documents]
     cfg = target_config(len(tok), a["seq_len"], a["hidden"], a["intermediate"], a["layers"])
-    return cfg, windows, encode_probes(tok, facts.probes)
+    probes = encode_probes(tok, facts.probes)
+    return cfg, windows, lambda model: probe_metrics(model, probes)
 
 
 def arm_setup(arm: str, ladder: tuple[float, ...], clients: int,
@@ -118,7 +141,7 @@ def run_arm(job: dict) -> dict:
     torch.set_num_threads(1)
     a = job["args"]
     with tempfile.TemporaryDirectory() as tmp:
-        cfg, windows, probes = build_task(a["people"], a["clients"], job["seed"], a, Path(tmp))
+        cfg, windows, score = build_task(a["people"], a["clients"], job["seed"], a, Path(tmp))
     arm, scale = scaled(job["arm"])
     widths, policy, outer, scored = arm_setup(arm, REGIMES[job["regime"]][0], a["clients"],
                                               OuterConfig(a["outer"], lr=a["outer_lr"]))
@@ -129,14 +152,15 @@ def run_arm(job: dict) -> dict:
     small = plan_slice(cfg, scored, "static", axes=axes) if scored is not None else None
 
     rounds = a["gen_rounds"] if arm.startswith("generative") else a["rounds"]
+    primary, _ = PRIMARY[a["task"]]
 
     def evaluate(state: dict, rnd: int) -> dict | None:
         if rnd <= rounds - 3 and rnd % a["eval_every"]:
             return None
         model = (model_from_state(cfg, state) if small is None
                  else model_from_state(sub_config(cfg, small), extract(state, cfg, small)))
-        scores = probe_metrics(model, probes)
-        print(f"  {job['regime']} {job['arm']} seed {job['seed']} round {rnd}/{rounds}: probe_acc {scores['probe_acc']:.3f}",
+        scores = score(model)
+        print(f"  {job['regime']} {job['arm']} seed {job['seed']} round {rnd}/{rounds}: {primary} {scores[primary]:.3f}",
               flush=True)
         return scores
 
@@ -160,10 +184,8 @@ def run_arm(job: dict) -> dict:
     energy = price_work(phone, stats.flops, stats.bytes_down, stats.bytes_up).wall_j
     server_j = price_work(load_catalog(None)["cloud-a100"], stats.server_flops, 0, 0).wall_j
     return {
-        "probe_acc": statistics.mean(r["probe_acc"] for r in last),
-        "probe_acc_spread": max(r["probe_acc"] for r in last) - min(r["probe_acc"] for r in last),
-        "answer_loss": statistics.mean(r["answer_loss"] for r in last),
-        "knowledge_bits": statistics.mean(r["knowledge_bits"] for r in last),
+        **{key: statistics.mean(r[key] for r in last) for key in last[0] if key != "round"},
+        "spread": max(r[primary] for r in last) - min(r[primary] for r in last),
         "client_params_max": stats.max_client_params, "target_params": target_params,
         "size_ratio": target_params / stats.max_client_params,
         "bytes": stats.bytes_down + stats.bytes_up, "energy_j": energy, "server_j": server_j,
@@ -176,7 +198,7 @@ def capacity_point(job: dict) -> dict:
     """Central training of one width on ``people`` people for a fixed time: probe accuracy reached."""
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
-        cfg, windows, probes = build_task(job["people"], 1, 0, job, Path(tmp))
+        cfg, windows, score = build_task(job["people"], 1, 0, job, Path(tmp))
     torch.manual_seed(0)
     state = family_of(cfg).build(cfg).state_dict()
     plan = plan_slice(cfg, job["width"], "static", axes=REGIMES["phones"][1])
@@ -185,7 +207,7 @@ def capacity_point(job: dict) -> dict:
     while time.perf_counter() - start < job["seconds"]:
         train_steps(model, windows[0], 50, job["lr"], job["batch"], seed=steps)
         steps += 50
-    return {**job, "steps": steps, "params": sum(p.numel() for p in model.parameters()), **probe_metrics(model, probes)}
+    return {**job, "steps": steps, "params": sum(p.numel() for p in model.parameters()), **score(model)}
 
 
 def _mean_sd(values: list[float]) -> str:
@@ -193,11 +215,13 @@ def _mean_sd(values: list[float]) -> str:
     return f"{statistics.mean(values):.3f} ± {sd:.3f}"
 
 
-def summarise(results: dict) -> dict:
-    """Per regime: gap closure of every arm on the mean probe accuracy; the best arm overall."""
+def summarise(results: dict, task: str = "facts") -> dict:
+    """Per regime: gap closure of every arm on the task's primary metric (facts: probe accuracy; lm: held-out
+    loss), from the means over seeds; the best arm overall."""
     out, best = {}, None
+    key, _ = PRIMARY[task]
     for regime, arms in results.items():
-        mean = {arm: statistics.mean(r["probe_acc"] for r in runs) for arm, runs in arms.items() if runs}
+        mean = {arm: statistics.mean(r[key] for r in runs) for arm, runs in arms.items() if runs}
         if "smallest_only" not in mean or "oracle" not in mean:
             continue
         span = mean["oracle"] - mean["smallest_only"]
@@ -212,44 +236,53 @@ def summarise(results: dict) -> dict:
     return {"regimes": out, "best": best}
 
 
+def _describe(a: dict) -> str:
+    task = (f"{a['people']} people x 6 attributes ({6 * a['people']} facts) over {a['clients']} clients (Zipf-skewed)"
+            if a["task"] == "facts" else
+            f"Shakespeare by speaker: {a['clients']} roles with >= 4,000 characters, character tokens, scored on "
+            "every role's held-out tail")
+    return (f"Seeds {a['seeds']}; {task}. Parameter-folding arms: {a['rounds']} rounds x {a['per_round']} clients x "
+            f"{a['steps']} local {a['optimizer']} step(s) (batch {a['batch']}, lr {a['lr']}, seq {a['seq_len']}), server "
+            f"optimizer {a['outer']} (lr {a['outer_lr']}) on each round's fold. Generative: {a['gen_rounds']} rounds x "
+            f"{a['per_round']} clients x {a['gen_steps']} local AdamW steps (lr {a['gen_lr']}) on each client's own "
+            f"model, {a['gen_samples']} sampled windows per own window, {a['gen_server_steps']} server steps (lr "
+            f"{a['gen_server_lr']}) per round. Metrics are the mean of the last 3 rounds; `spread` is the largest "
+            "round-to-round difference of the primary metric among those 3 (mean over seeds): the noise next to any "
+            "difference.")
+
+
 def report(payload: dict) -> str:
     a, summary = payload["args"], payload["summary"]
-    lines = ["# Federated knowledge: does the target recall more than any device's model could?", "",
-             f"Machine: {payload['machine']}. Seeds {a['seeds']}; {a['people']} people x 6 attributes "
-             f"({6 * a['people']} facts) over {a['clients']} clients (Zipf-skewed). Parameter-folding arms: {a['rounds']} "
-             f"rounds x {a['per_round']} clients x {a['steps']} local {a['optimizer']} step(s) (batch {a['batch']}, lr "
-             f"{a['lr']}, seq {a['seq_len']}), server optimizer {a['outer']} (lr {a['outer_lr']}) on each round's fold. "
-             f"Generative: {a['gen_rounds']} rounds x {a['per_round']} clients x {a['gen_steps']} local AdamW steps (lr "
-             f"{a['gen_lr']}) on each client's own model, {a['gen_samples']} sampled windows per own window, "
-             f"{a['gen_server_steps']} server steps (lr {a['gen_server_lr']}) per round. Probe metrics are the mean "
-             "of the last 3 rounds; `spread` is the largest round-to-round difference among those 3 (mean over "
-             "seeds): the noise next to any difference.", "",
+    primary, other = PRIMARY[a["task"]]
+    title = ("# Federated knowledge: does the target recall more than any device's model could?" if a["task"] == "facts"
+             else "# Shakespeare (LM): the knowledge benchmark's methods carried back to next-character prediction")
+    lines = [title, "", f"Machine: {payload['machine']}. {_describe(a)}", "",
              "Command: `python benchmarks/knowledge.py " + " ".join(payload["argv"]) + "`", ""]
+    extra = " knowledge bits |" if a["task"] == "facts" else ""
     for regime, arms in payload["results"].items():
         closure = summary["regimes"].get(regime, {}).get("gap_closure", {})
         widths, axes = REGIMES[regime]
         lines += [f"## {regime} (client widths {widths} of {', '.join(axes)})", "",
-                  "| arm | probe acc | spread | answer loss (nats) | knowledge bits | gap closure | size ratio | "
-                  "MB moved | clients' J (phone) | server J (A100) | wall s |", "|---" * 11 + "|"]
+                  f"| arm | {primary} | spread | {other} |{extra} gap closure | size ratio | "
+                  "MB moved | clients' J (phone) | server J (A100) | wall s |", "|---" * (10 + bool(extra)) + "|"]
         for arm, runs in arms.items():
             if not runs:
                 continue
+            bits = f" {statistics.mean(r['knowledge_bits'] for r in runs):.0f} |" if extra else ""
             lines.append(
-                f"| {arm} | {_mean_sd([r['probe_acc'] for r in runs])} | "
-                f"{statistics.mean(r['probe_acc_spread'] for r in runs):.3f} | "
-                f"{_mean_sd([r['answer_loss'] for r in runs])} | {statistics.mean(r['knowledge_bits'] for r in runs):.0f} | "
+                f"| {arm} | {_mean_sd([r[primary] for r in runs])} | {statistics.mean(r['spread'] for r in runs):.3f} | "
+                f"{_mean_sd([r[other] for r in runs])} |{bits} "
                 f"{closure.get(arm, float('nan')):.2f} | {statistics.mean(r['size_ratio'] for r in runs):.1f} | "
                 f"{statistics.mean(r['bytes'] for r in runs) / 1e6:.1f} | {statistics.mean(r['energy_j'] for r in runs):.2f} | "
-                f"{statistics.mean(r['server_j'] for r in runs):.2f} | "
-                f"{statistics.mean(r['wall_s'] for r in runs):.0f} |")
+                f"{statistics.mean(r['server_j'] for r in runs):.2f} | {statistics.mean(r['wall_s'] for r in runs):.0f} |")
         if regime in summary["regimes"]:
-            lines += ["", f"Span (oracle - smallest-only probe accuracy): {summary['regimes'][regime]['span']:.3f}."]
+            lines += ["", f"Span (oracle - smallest-only {primary}): {summary['regimes'][regime]['span']:.3f}."]
         lines.append("")
     if summary["best"]:
         b = summary["best"]
         lines += [f"**Best arm**: `{b['arm']}` ({b['regime']}): gap closure {b['gap_closure']:.2f} at size ratio "
                   f"{b['size_ratio']:.1f}.", ""]
-    lines += ["Gap closure = (arm - smallest_only) / (oracle - smallest_only) on mean probe accuracy. Size ratio = "
+    lines += [f"Gap closure = (arm - smallest_only) / (oracle - smallest_only) on the mean {primary}. Size ratio = "
               "target parameters / the largest client's trained parameters. Priced joules: the clients' counted "
               "work (6 x params x tokens, plus 2 x params per sampled token) and bytes on the catalog's phone "
               "profile; the server's own training (generative) on the cloud-a100 profile.", ""]
@@ -262,17 +295,28 @@ def plot(payload: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    primary, _ = PRIMARY[payload["args"]["task"]]
     regimes = payload["results"]
     fig, axes = plt.subplots(1, len(regimes), figsize=(6 * len(regimes), 4), squeeze=False)
     for ax, (regime, arms) in zip(axes[0], regimes.items()):
         for arm, runs in arms.items():
             rounds = [h["round"] for h in runs[0]["history"]]
-            accs = [statistics.mean(r["history"][i]["probe_acc"] for r in runs) for i in range(len(rounds))]
-            ax.plot(rounds, accs, marker=".", label=arm)
-        ax.set(title=regime, xlabel="round", ylabel="probe accuracy (mean over seeds)")
+            values = [statistics.mean(r["history"][i][primary] for r in runs) for i in range(len(rounds))]
+            ax.plot(rounds, values, marker=".", label=arm)
+        ax.set(title=regime, xlabel="round", ylabel=f"{primary} (mean over seeds)")
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def legacy(results: dict) -> dict:
+    """Rows written before the task option: ``probe_acc_spread`` is now ``spread``."""
+    for arms in results.values():
+        for runs in arms.values():
+            for r in runs:
+                if "probe_acc_spread" in r:
+                    r["spread"] = r.pop("probe_acc_spread")
+    return results
 
 
 def capacity(args: argparse.Namespace) -> None:
@@ -326,6 +370,9 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=2, help="processes (1 torch thread each)")
     parser.add_argument("--capacity", action="store_true", help="the capacity curve instead of the federated arms")
     parser.add_argument("--seconds", type=float, default=60.0, help="--capacity: training seconds per point")
+    parser.add_argument("--task", default="facts", choices=list(PRIMARY),
+                        help="facts (private facts, probes) or lm (Shakespeare next-character loss)")
+    parser.add_argument("--report-only", action="store_true", help="rewrite <out>.md/.png from <out>.json")
     parser.add_argument("--out", default="knowledge")
     args = parser.parse_args()
     args.people_list = args.people
@@ -333,9 +380,17 @@ def main() -> None:
         capacity(args)
         return
     args.people = args.people[0]
-    conf = {k: v for k, v in vars(args).items() if k not in ("capacity", "seconds", "people_list")}
+    if args.report_only:
+        payload = json.loads((RESULTS / f"{args.out}.json").read_text())
+        payload["args"].setdefault("task", "facts")
+        legacy(payload["results"])
+        (RESULTS / f"{args.out}.md").write_text(report(payload))
+        plot(payload, RESULTS / f"{args.out}.png")
+        print(report(payload))
+        return
+    conf = {k: v for k, v in vars(args).items() if k not in ("capacity", "seconds", "people_list", "report_only")}
     partial = RESULTS / f"{args.out}.partial.json"
-    results: dict = json.loads(partial.read_text()) if partial.is_file() else {}
+    results: dict = legacy(json.loads(partial.read_text())) if partial.is_file() else {}
     arms = list(args.arms)
     if "mixed" in args.regimes:
         arms += [f"tier_{w}" for w in REGIMES["mixed"][0] if f"tier_{w}" not in arms]
@@ -353,8 +408,8 @@ def main() -> None:
         for job, out in zip(jobs, pool.map(run_arm, jobs)):
             results.setdefault(job["regime"], {}).setdefault(job["arm"], []).append({"seed": job["seed"], **out})
             partial.write_text(json.dumps(results))
-            print(f"{job['regime']} {job['arm']} seed {job['seed']}: probe_acc {out['probe_acc']:.3f} "
-                  f"({out['wall_s']:.0f}s)", flush=True)
+            key = PRIMARY[args.task][0]
+            print(f"{job['regime']} {job['arm']} seed {job['seed']}: {key} {out[key]:.3f} ({out['wall_s']:.0f}s)", flush=True)
     for arms_runs in results.values():
         for runs in arms_runs.values():
             runs.sort(key=lambda r: r["seed"])
@@ -365,7 +420,7 @@ def main() -> None:
     payload = {"args": conf, "argv": sys.argv[1:], "results": results,
                "machine": f"{platform.platform()}, Python {platform.python_version()}, torch {torch.__version__}, "
                           f"{args.jobs} processes x 1 thread"}
-    payload["summary"] = summarise(results)
+    payload["summary"] = summarise(results, args.task)
     payload["best"] = payload["summary"]["best"]
     (RESULTS / f"{args.out}.json").write_text(json.dumps(payload, indent=1))
     (RESULTS / f"{args.out}.md").write_text(report(payload))

@@ -30,6 +30,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from fedfusion.data import read_jsonl
+
 SPECIAL_TOKENS = ("<pad>", "<unk>", "<bos>", "<eos>")
 
 # Name parts and attribute values: short made-up words, so no value is guessable from pretraining or spelling.
@@ -138,30 +140,6 @@ def write_facts(out: str | Path, num_clients: int, people: int, seed: int, skew:
         tmp.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
         tmp.replace(path)  # a reader never sees half a file
     return paths
-
-
-def read_jsonl(path: str | Path, required: Sequence[str]) -> list[dict]:
-    """Records of a jsonl file; a missing file, bad JSON or a record without a ``required`` field raises
-    ValueError naming the file and line."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"{path}: no such file")
-    rows = []
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}: line {number} is not JSON ({exc.msg})") from None
-            missing = [f for f in required if not isinstance(record, dict) or f not in record]
-            if missing:
-                raise ValueError(f"{path}: line {number} has no field {missing[0]!r}")
-            rows.append(record)
-    if not rows:
-        raise ValueError(f"{path}: no records")
-    return rows
 
 
 def client_documents(path: str | Path) -> dict[str, list[str]]:

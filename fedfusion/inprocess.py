@@ -29,8 +29,24 @@ from fedfusion.training import train_steps
 Evaluate = Callable[[dict[str, torch.Tensor], int], "dict[str, float] | None"]
 
 
+@dataclass(frozen=True, kw_only=True)
+class Rounds:
+    """What every in-process loop shares: the recipe's round count, sampling and local training settings."""
+
+    rounds: int = 10
+    per_round: int = 6
+    steps: int = 10
+    lr: float = 3e-3
+    batch_size: int = 32
+    seed: int = 0
+
+    def draw(self, rng: random.Random, population: int) -> list[int]:
+        """This round's sampled partitions, sorted (the strategy's seeded random selector, uniform)."""
+        return sorted(rng.sample(range(population), min(self.per_round, population)))
+
+
 @dataclass(frozen=True)
-class SubModelRun:
+class SubModelRun(Rounds):
     """One sub-model federation: the target config, each partition's training windows and width, and the
     round settings a recipe's ``fusion`` / ``selection`` / ``train`` sections give the Flower strategy."""
 
@@ -38,12 +54,6 @@ class SubModelRun:
     windows: Sequence[torch.Tensor]  # per partition
     widths: Sequence[float]  # per partition
     policy: str = "rolling"
-    rounds: int = 10
-    per_round: int = 6
-    steps: int = 10
-    lr: float = 3e-3
-    batch_size: int = 32
-    seed: int = 0
     stride: float = 0.125
     stagger: bool = True
     axes: tuple[str, ...] | None = None
@@ -68,6 +78,15 @@ class RunStats:
     max_client_params: int = 0
     history: list[dict[str, float]] = field(default_factory=list)
 
+    def client(self, out: dict[str, float], params: int, seconds: float, flops: float, down: int, up: int) -> None:
+        """Count one client round: ``out`` from ``train_steps``, plus work beyond it (``seconds``, ``flops``)."""
+        self.client_s += out["train_s"] + seconds
+        self.tokens += int(out["train_tokens"])
+        self.flops += 6.0 * params * out["train_tokens"] + flops
+        self.bytes_down, self.bytes_up = self.bytes_down + down, self.bytes_up + up
+        self.client_rounds += 1
+        self.max_client_params = max(self.max_client_params, params)
+
 
 def _nbytes(state: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in state.values())
@@ -83,7 +102,7 @@ def run_submodel(run: SubModelRun, initial: dict[str, torch.Tensor], evaluate: E
     outer = OuterOptimizer(run.outer) if run.outer.method != "none" else None
     state, stats = {k: v.clone() for k, v in initial.items()}, RunStats()
     for rnd in range(1, run.rounds + 1):
-        sampled = sorted(rng.sample(range(len(run.windows)), min(run.per_round, len(run.windows))))
+        sampled = run.draw(rng, len(run.windows))
         start = time.perf_counter()
         plans = plan_round(run.config, [(p, run.widths[p]) for p in sampled], run.policy, rnd, run.seed,
                            run.stride, run.stagger, run.axes, run.scale)
@@ -94,15 +113,8 @@ def run_submodel(run: SubModelRun, initial: dict[str, torch.Tensor], evaluate: E
             model = model_from_state(sub_config(run.config, plan), sent)
             out = train_steps(model, run.windows[partition], run.steps, run.lr, run.batch_size,
                               client_seed(run.seed, rnd, partition), run.weight_decay, run.optimizer)
-            params = sum(p.numel() for p in model.parameters())
             reply = {k: v.detach() for k, v in model.state_dict().items()}
-            stats.client_s += out["train_s"]
-            stats.tokens += int(out["train_tokens"])
-            stats.flops += 6.0 * params * out["train_tokens"]
-            stats.bytes_down += _nbytes(sent)
-            stats.bytes_up += _nbytes(reply)
-            stats.client_rounds += 1
-            stats.max_client_params = max(stats.max_client_params, params)
+            stats.client(out, sum(p.numel() for p in model.parameters()), 0.0, 0.0, _nbytes(sent), _nbytes(reply))
             t = time.perf_counter()
             averager.add({k: reply[k] for k in sent}, plan)
             stats.server_s += time.perf_counter() - t
@@ -115,7 +127,7 @@ def run_submodel(run: SubModelRun, initial: dict[str, torch.Tensor], evaluate: E
 
 
 @dataclass(frozen=True)
-class GenerativeRun:
+class GenerativeRun(Rounds):
     """One generative-distillation federation: each client trains its own small model (``client_config``,
     kept on the device between rounds, never averaged) and sends samples of it; the server trains the target
     (``config``) on every client's latest samples (:mod:`fedfusion.generative`)."""
@@ -123,12 +135,6 @@ class GenerativeRun:
     config: PretrainedConfig
     client_config: PretrainedConfig
     windows: Sequence[torch.Tensor]  # per partition
-    rounds: int = 10
-    per_round: int = 6
-    steps: int = 10
-    lr: float = 3e-3
-    batch_size: int = 32
-    seed: int = 0
     generative: GenerativeConfig = field(default_factory=GenerativeConfig)
 
 
@@ -142,8 +148,7 @@ def run_generative(run: GenerativeRun, initial: dict[str, torch.Tensor], client_
     target = model_from_state(run.config, initial)
     target_params = sum(p.numel() for p in target.parameters())
     for rnd in range(1, run.rounds + 1):
-        sampled = sorted(rng.sample(range(len(run.windows)), min(run.per_round, len(run.windows))))
-        for partition in sampled:
+        for partition in run.draw(rng, len(run.windows)):
             model = model_from_state(run.client_config, devices.get(partition, client_initial))
             seed = client_seed(run.seed, rnd, partition)
             out = train_steps(model, run.windows[partition], run.steps, run.lr, run.batch_size, seed)
@@ -153,13 +158,8 @@ def run_generative(run: GenerativeRun, initial: dict[str, torch.Tensor], client_
             samples = sample_windows(model, own, math.ceil(g.sample_fraction * len(own)), g.temperature, seed)
             pool.add(partition, samples, cap=len(own))
             params = sum(p.numel() for p in model.parameters())
-            # sampling costs ~2 x params per generated token (forward only, KV-cached)
-            stats.client_s += out["train_s"] + time.perf_counter() - start
-            stats.tokens += int(out["train_tokens"])
-            stats.flops += 6.0 * params * out["train_tokens"] + 2.0 * params * samples.numel()
-            stats.bytes_up += samples.numel() * 4
-            stats.client_rounds += 1
-            stats.max_client_params = max(stats.max_client_params, params)
+            # sampling costs ~2 x params per generated token (forward only, KV-cached); ids go up as int32
+            stats.client(out, params, time.perf_counter() - start, 2.0 * params * samples.numel(), 0, samples.numel() * 4)
         start = time.perf_counter()
         out = train_steps(target, pool.windows(), g.server_steps, g.server_lr, g.server_batch,
                           client_seed(run.seed, rnd, len(run.windows)))
