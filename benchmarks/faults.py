@@ -1,6 +1,8 @@
 """Benchmark for fault tolerance (issue #7): faulty clients on the quickstart, and fuzzed malformed replies.
 
 Two parts, results in ``benchmarks/results/faults.{json,md}`` (each part keeps the other's section):
+the markdown is rendered only from what the part just ran plus what ``faults.json`` holds (never from run
+directories, which a fresh clone lacks), and both files are replaced atomically once it has been rendered.
 
 ``sim``  runs the real CLI (Flower simulation engine) once per (arm, seed) on a reduced quickstart: fault-free,
          30% of sampled clients crashing or straggling past the round deadline (mean and median), 10% of
@@ -78,11 +80,10 @@ def fault_check(out: Path) -> Counter:
     from fedfusion.clients.submodel import inject_faults
 
     from fedfusion.recipe import load_recipe
+    from fedfusion.wire import fault_spec
 
     recipe = load_recipe(out / "recipe.yaml")
-    f = recipe.faults
-    spec_base = {"fault-crash-prob": f.crash_prob, "fault-straggler-prob": f.straggler_prob,
-                 "fault-straggler-delay-s": f.straggler_delay_s, "fault-corrupt-prob": f.corrupt_prob}
+    spec_base = fault_spec(recipe.faults)
     seen: Counter = Counter()
     for line in (out / "clients.jsonl").read_text().splitlines():
         if not line.strip():
@@ -123,13 +124,16 @@ def cmd_sim(args: argparse.Namespace) -> dict:
                 missing.append(f"{arm}-s{seed}")
                 continue
             summary = run_arm([*base, *arm_overrides, f"seed={seed}"], out, args.reuse or args.no_run)
-            walls = [r["wall_s"] for r in round_rows(out)]
+            trained = round_rows(out)
+            walls = [r["wall_s"] for r in trained]
             rows.append({"arm": arm, "seed": seed, **summary["final"], "outcomes": dict(client_outcomes(out)),
                          "drawn_vs_status": dict(fault_check(out)),
                          "energy_j": summary["energy_j"], "wasted_j": summary["wasted_j"],
                          "wall_s": summary["wall_s"], "round_wall_s_median": statistics.median(walls),
-                         "round_wall_s_max": max(walls), "void_rounds": sum(r["void"] for r in round_rows(out)),
-                         "last3_ppl": statistics.mean(r["eval_ppl"] for r in round_rows(out)[-3:]),
+                         "round_wall_s_max": max(walls), "void_rounds": sum(r["void"] for r in trained),
+                         "last3_ppl": statistics.mean(r["eval_ppl"] for r in trained[-3:]),
+                         # per training round, so the markdown and plot need only faults.json, not run_dir
+                         "ppl_by_round": [r["eval_ppl"] for r in trained],
                          "run_dir": str(out)})
             print(f"{arm} seed {seed}: ppl {summary['final']['eval_ppl']:.3f} {dict(client_outcomes(out))} "
                   f"{summary['wall_s']:.0f}s", flush=True)
@@ -147,7 +151,7 @@ def cmd_sim(args: argparse.Namespace) -> dict:
 
 
 def plot_sim(sim: dict, path: Path) -> None:
-    """Held-out perplexity per round, mean over seeds, one line per arm."""
+    """Held-out perplexity per round, mean over seeds, one line per arm (from the runs' ``ppl_by_round``)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -155,7 +159,7 @@ def plot_sim(sim: dict, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for arm, (label, _) in sim_arms(sim["settings"]["timeout_s"], sim["settings"]["straggler_delay_s"]).items():
-        curves = [[r["eval_ppl"] for r in round_rows(Path(run["run_dir"]))] for run in sim["runs"] if run["arm"] == arm]
+        curves = [run["ppl_by_round"] for run in sim["runs"] if run["arm"] == arm and run.get("ppl_by_round")]
         if curves:
             n = min(len(c) for c in curves)
             ax.plot(range(1, n + 1), [statistics.mean(c[i] for c in curves) for i in range(n)], marker="o", label=label)
@@ -236,12 +240,19 @@ def sim_markdown(sim: dict) -> list[str]:
     if verdicts:
         lines += ["", "Issue #7's criterion (the final metric stays within 2% of the fault-free run; lower ppl is "
                   "better, so a faulty arm ending lower is within it): " + "; ".join(verdicts) + "."]
-    swings = []
+    swings, unknown = [], 0
     for r in sim["runs"]:
         if r["arm"] in ("fault-free", "fault-free-median"):
-            ppl = [row["eval_ppl"] for row in round_rows(Path(r["run_dir"]))][-4:]
-            swings.append(max(abs(b / a - 1) for a, b in zip(ppl, ppl[1:])))
-    if swings:
+            if "ppl_by_round" not in r:  # results written before faults.json kept the per-round curve
+                unknown += 1
+                continue
+            ppl = r["ppl_by_round"][-4:]
+            if len(ppl) > 1:
+                swings.append(max(abs(b / a - 1) for a, b in zip(ppl, ppl[1:])))
+    if unknown:
+        lines += ["", "Resolution: faults.json holds no per-round curve for these runs (they predate it), so the "
+                  "round-to-round movement of the fault-free ppl is not restated here; run `sim` again to restate it."]
+    elif swings:
         lines += ["", f"Resolution: the fault-free runs' held-out ppl itself moves by up to {max(swings):.0%} from one "
                   "round to the next over their last 4 rounds (rolling slices update a different window of the target "
                   "each round), so a single final round cannot resolve 2%; the last-3-rounds mean is the steadier "
@@ -573,20 +584,41 @@ def fuzz_markdown(fuzz: dict) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------- main
-def write(report: dict) -> None:
-    """Write faults.json and faults.md from the ``sim`` and ``fuzz`` sections present."""
+def _replace(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically: a temporary file beside it, then a rename over it."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write(report: dict, ran: str) -> None:
+    """Write faults.json and faults.md from the ``sim`` and ``fuzz`` sections present.
+
+    Everything is rendered from ``report`` (the part that just ran, ``ran``, plus what faults.json held), and
+    only then are the files replaced, so a failure leaves both as they were. Only the part that ran redraws
+    its plot.
+    """
     RESULTS.mkdir(parents=True, exist_ok=True)
-    JSON_PATH.write_text(json.dumps(report, indent=2))
     m = report["machine"]
     lines = ["# Fault tolerance (issue #7)", "",
              f"Machine: {m['platform']}, {m['cpus']} CPUs (shared with other jobs while this ran), Python "
              f"{m['python']}.", ""]
     if "sim" in report:
-        plot_sim(report["sim"], RESULTS / "faults_ppl.png")
         lines += sim_markdown(report["sim"])
     if "fuzz" in report:
         lines += fuzz_markdown(report["fuzz"])
-    MD_PATH.write_text("\n".join(lines))
+    if ran == "sim":
+        plot = RESULTS / f".faults_ppl.{os.getpid()}.png"
+        try:
+            plot_sim(report["sim"], plot)
+            os.replace(plot, RESULTS / "faults_ppl.png")
+        finally:
+            plot.unlink(missing_ok=True)
+    _replace(JSON_PATH, json.dumps(report, indent=2))
+    _replace(MD_PATH, "\n".join(lines))
     print("\n".join(lines))
 
 
@@ -624,7 +656,7 @@ def main() -> None:
     report = json.loads(JSON_PATH.read_text()) if JSON_PATH.is_file() else {}  # read late: keep the other part
     report["machine"] = {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()}
     report[args.part] = part
-    write(report)
+    write(report, args.part)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from fedfusion.ordered import train_steps_ordered
 from fedfusion.population import client_token_windows
 from fedfusion.slice_families import config_from_dict
 from fedfusion.training import evaluate_lm, train_steps
+from fedfusion.wire import read_faults, read_train
 
 
 @lru_cache(maxsize=64)
@@ -47,16 +48,16 @@ def inject_faults(spec: ConfigRecord, partition: int) -> tuple[bool, float]:
     """
     rng = random.Random(int(spec["seed"]) * 7919 + partition)
     draws = [rng.random() for _ in range(3)]
-    if draws[0] < float(spec.get("fault-crash-prob", 0.0)):
+    faults = read_faults(spec)
+    if draws[0] < faults.crash_prob:
         raise RuntimeError(f"injected crash (faults.crash_prob) on partition {partition}")
-    delay = float(spec.get("fault-straggler-delay-s", 0.0)) if draws[1] < float(spec.get("fault-straggler-prob", 0.0)) else 0.0
-    return draws[2] < float(spec.get("fault-corrupt-prob", 0.0)), delay
+    delay = faults.straggler_delay_s if draws[1] < faults.straggler_prob else 0.0
+    return draws[2] < faults.corrupt_prob, delay
 
 
 def local_steps(spec: ConfigRecord) -> dict:
-    """The spec's local training settings, as ``train_steps`` takes them."""
-    return dict(steps=int(spec["local-steps"]), lr=float(spec["lr"]), batch_size=int(spec["batch-size"]),
-                seed=int(spec["seed"]), weight_decay=float(spec["weight-decay"]), optimizer=str(spec["optimizer"]))
+    """The spec's local training settings, as ``train_steps`` takes them (:func:`fedfusion.wire.read_train`)."""
+    return read_train(spec)
 
 
 def trained_reply(model: torch.nn.Module, windows: torch.Tensor, faults: tuple[bool, float],

@@ -520,6 +520,20 @@ def validate(recipe: Recipe) -> None:
             f"selection.clients_per_round: {recipe.selection.clients_per_round} exceeds "
             f"population.num_clients {recipe.population.num_clients}"
         )
+    # files the recipe names must exist before a run directory is made (population.catalog: load_catalog above;
+    # model.pretrained and lora.base may be hub ids, so they are not checked here)
+    named = []
+    if recipe.data.source in ("text", "facts") and recipe.data.path:
+        named.append(("data.path", recipe.data.path))
+    if recipe.data.probes:
+        named.append(("data.probes", recipe.data.probes))
+    if recipe.fusion.method == "distill" and recipe.distill.transfer.source == "text" and recipe.distill.transfer.path:
+        named.append(("distill.transfer.path", recipe.distill.transfer.path))
+    for key, name in named:
+        if not Path(name).exists():
+            raise RecipeError(f"{key}: {name}: no such file")
+        if not Path(name).is_file():
+            raise RecipeError(f"{key}: {name}: not a file")
 
 
 def _validate_distill(recipe: Recipe, catalog: dict) -> None:

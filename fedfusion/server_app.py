@@ -44,6 +44,7 @@ from fedfusion.strategies.quorum import QuorumGrid
 from fedfusion.strategies.submodel import ClientRound
 from fedfusion.targets import Target, lm_target, lora_data_spec, lora_target
 from fedfusion.transfer import family_tokenizer, transfer_text
+from fedfusion.wire import fault_spec, train_spec
 
 RoundCallback = Callable[[dict[str, Any]], None]
 
@@ -77,11 +78,8 @@ def build_strategy(recipe: Recipe, target: Target) -> SubModelFusion:
         participation=build_participation(recipe),
         query_config={"population": json.dumps(population), "data-spec": spec, "seq-len": train.seq_len},
         train_config={
-            "local-steps": train.local_steps, "lr": train.lr, "batch-size": train.batch_size,
-            "seq-len": train.seq_len, "weight-decay": train.weight_decay, "optimizer": train.optimizer, "seed": recipe.seed,
-            "threads": recipe.engine.threads_per_client, "data-spec": spec,
-            **{f"fault-{k.replace('_', '-')}": float(v) for k, v in asdict(recipe.faults).items()},
-            **privacy_spec(recipe),
+            **train_spec(train), "seed": recipe.seed, "threads": recipe.engine.threads_per_client, "data-spec": spec,
+            **fault_spec(recipe.faults), **privacy_spec(recipe),
         },
         max_norm_ratio=recipe.fusion.max_norm_ratio,
         evaluate_clients=recipe.selection.evaluate_clients,

@@ -99,3 +99,36 @@ def test_auto_widths_name_a_tier_that_fits_nothing():
             "model.intermediate_size=8192", "model.num_layers=24", "population.mix={phone-lowend: 1.0}"]
     with pytest.raises(RecipeError, match="fusion.auto_widths: tier 'phone-lowend' fits no width"):
         load_recipe("quickstart", huge)
+
+
+@pytest.mark.parametrize(
+    "recipe,overrides,key,missing",
+    [
+        ("quickstart", ["data.source=text", "data.path=/no/such.jsonl"], "data.path", "/no/such.jsonl"),
+        ("quickstart", ["data.source=facts", "data.path=/no/train.jsonl", "data.probes=/no/probes.jsonl",
+                        "population.num_clients=4", "selection.clients_per_round=2"], "data.path", "/no/train.jsonl"),
+        ("distill", ["distill.transfer.source=text", "distill.transfer.path=/no/transfer.txt"],
+         "distill.transfer.path", "/no/transfer.txt"),
+    ],
+)
+def test_files_the_recipe_names_must_exist(recipe, overrides, key, missing):
+    with pytest.raises(RecipeError, match=f"^{key.replace('.', r'[.]')}: {missing}: no such file$"):
+        load_recipe(recipe, overrides)
+
+
+def test_missing_probes_file_is_named_and_existing_files_pass(tmp_path):
+    train, probes = tmp_path / "train.jsonl", tmp_path / "probes.jsonl"
+    train.write_text("")
+    facts = ["data.source=facts", f"data.path={train}", f"data.probes={probes}", "population.num_clients=4",
+             "selection.clients_per_round=2"]
+    with pytest.raises(RecipeError, match=f"^data[.]probes: {probes}: no such file$"):
+        load_recipe("quickstart", facts)
+    with pytest.raises(RecipeError, match=f"^data[.]path: {tmp_path}: not a file$"):
+        load_recipe("quickstart", ["data.source=text", f"data.path={tmp_path}"])
+    probes.write_text("")
+    assert load_recipe("quickstart", facts).data.probes == str(probes)
+    assert load_recipe("quickstart", ["data.source=text", f"data.path={train}"]).data.path == str(train)
+    transfer = tmp_path / "public.txt"
+    transfer.write_text("text")
+    loaded = load_recipe("distill", ["distill.transfer.source=text", f"distill.transfer.path={transfer}"])
+    assert loaded.distill.transfer.path == str(transfer)

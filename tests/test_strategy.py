@@ -122,14 +122,15 @@ def test_unknown_device_is_not_sampled():
 
 def test_injected_faults_are_seeded_and_follow_the_recipe():
     from fedfusion.clients.submodel import inject_faults
+    from fedfusion.recipe import FaultConfig
+    from fedfusion.wire import fault_spec
 
-    spec = ConfigRecord({"seed": 5, "fault-crash-prob": 0.0, "fault-corrupt-prob": 1.0,
-                         "fault-straggler-prob": 1.0, "fault-straggler-delay-s": 2.5})
+    spec = ConfigRecord({"seed": 5, **fault_spec(FaultConfig(corrupt_prob=1.0, straggler_prob=1.0, straggler_delay_s=2.5))})
     assert inject_faults(spec, 3) == (True, 2.5)
     with pytest.raises(RuntimeError, match="injected crash"):
-        inject_faults(ConfigRecord({"seed": 5, "fault-crash-prob": 1.0}), 3)
+        inject_faults(ConfigRecord({"seed": 5, **fault_spec(FaultConfig(crash_prob=1.0))}), 3)
     assert inject_faults(ConfigRecord({"seed": 5}), 3) == (False, 0.0)
-    mixed = ConfigRecord({"seed": 9, "fault-corrupt-prob": 0.5})
+    mixed = ConfigRecord({"seed": 9, **fault_spec(FaultConfig(corrupt_prob=0.5))})
     draws = [inject_faults(mixed, p)[0] for p in range(40)]
     assert draws == [inject_faults(mixed, p)[0] for p in range(40)] and 5 < sum(draws) < 35
 

@@ -1,0 +1,107 @@
+"""Run reports: the headline shows the final AND the best round, comparisons say which is which, plots are titled."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import matplotlib.figure
+import pytest
+
+from fedfusion.report import compare_runs, plot_curves, write_report
+
+# the last round is worse than the best one (round 2), as in many real runs
+LOSSES = [4.1, 3.0, 2.2, 2.6, 2.9]
+ACCS = [0.05, 0.20, 0.31, 0.28, 0.25]
+
+
+def fake_run(path: Path, losses: list[float] = LOSSES, accs: list[float] = ACCS, facts: bool = False) -> Path:
+    path.mkdir(parents=True)
+    rows = [{"round": i, "eval_loss": loss, "eval_ppl": math.exp(loss), "eval_acc": acc, "energy_j": 10.0 * i,
+             "co2_g": 0.001 * i, **({"probe_acc": acc} if facts else {})}
+            for i, (loss, acc) in enumerate(zip(losses, accs))]
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pick = {k: 0 for k in ("eval_loss", "eval_ppl", "eval_acc")}
+    summary = {
+        "status": "ok", "name": path.name, "rounds": len(rows) - 1, "target_params": 123456,
+        "initial": {k: rows[0][k] for k in pick}, "final": {k: rows[-1][k] for k in pick},
+        "energy_j": sum(r["energy_j"] for r in rows), "wasted_j": 0.0, "co2_g": sum(r["co2_g"] for r in rows),
+        "virtual_s": 12.0, "wall_s": 3.0, "sample": "To be, or not",
+    }
+    if facts:
+        summary["facts"] = {"probe_acc": accs[-1], "best_probe_acc": max(accs), "largest_client_share": 0.4,
+                            "clients": 4, "probes": 40}
+    (path / "summary.json").write_text(json.dumps(summary))
+    return path
+
+
+def test_single_run_headline_shows_final_and_best_with_its_round(tmp_path):
+    text = write_report(fake_run(tmp_path / "run")).read_text()
+    ppl = [f"{math.exp(v):.2f}" for v in LOSSES]
+    assert (f"Held-out perplexity {ppl[0]} -> final **{ppl[4]}** (round 4), best **{ppl[2]}** (round 2)"
+            in text)
+    assert "next-character accuracy 0.050 -> final **0.250** (round 4), best **0.310** (round 2)" in text
+    assert "The final round is not the best one" in text
+
+
+def test_a_run_whose_last_round_is_best_says_so_plainly(tmp_path):
+    text = write_report(fake_run(tmp_path / "run", [4.0, 3.0, 2.0], [0.1, 0.2, 0.3])).read_text()
+    assert "final **0.300** (round 2), best **0.300** (round 2)" in text
+    assert "not the best" not in text
+
+
+def test_knowledge_run_headline_scores_probes_final_and_best(tmp_path):
+    text = write_report(fake_run(tmp_path / "facts", facts=True)).read_text()
+    assert "The target recalls 25.0 % of all 4 clients' 40 facts** after the final round (best: 31.0 % at round 2)" in text
+    assert "Probe answer loss 4.100 -> final **2.900** nats/token (round 4), best **2.200** nats/token (round 2)" in text
+    assert "probe accuracy 0.050 -> final **0.250** (round 4), best **0.310** (round 2)" in text
+    assert "Held-out perplexity" not in text
+
+
+def test_comparison_table_has_final_and_best_and_says_which_is_which(tmp_path):
+    a = fake_run(tmp_path / "dips")
+    b = fake_run(tmp_path / "steady", [4.0, 3.0, 2.0], [0.1, 0.2, 0.3])
+    text = compare_runs([a, b], tmp_path / "cmp").read_text()
+    assert "**final** is the last round's evaluation" in text and "**best** is the best round's" in text
+    header = next(line for line in text.splitlines() if line.startswith("| run |"))
+    cells = [c.strip() for c in header.strip("|").split("|")]
+    assert cells[:9] == ["run", "status", "rounds", "final loss", "final ppl", "final acc", "best loss (round)",
+                         "best ppl (round)", "best acc (round)"]
+    assert f"| dips | ok | 4 | 2.9000 | {math.exp(2.9):.3f} | 0.2500 | 2.2000 (2) | {math.exp(2.2):.3f} (2) | 0.3100 (2) |" in text
+    assert "| steady | ok | 2 | 2.0000 |" in text and "| 0.3000 (2) |" in text
+
+
+@pytest.fixture
+def saved_figures(monkeypatch):
+    figures = []
+    save = matplotlib.figure.Figure.savefig
+
+    def record(fig, *args, **kwargs):
+        fig.canvas.draw()  # ticks are placed by the locator at draw time
+        figures.append(fig)
+        return save(fig, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", record)
+    return figures
+
+
+def test_every_plot_has_a_title_and_integer_round_ticks(tmp_path, saved_figures):
+    paths = plot_curves([fake_run(tmp_path / "a"), fake_run(tmp_path / "b", [4.0, 3.5, 3.0], [0.1, 0.2, 0.3])],
+                        tmp_path / "plots")
+    assert len(saved_figures) == len(paths) == 4
+    round_axes = 0
+    for fig in saved_figures:
+        for ax in fig.axes:
+            assert ax.get_title(), f"untitled plot: {ax.get_ylabel()} vs {ax.get_xlabel()}"
+            if ax.get_xlabel() == "round":
+                round_axes += 1
+                ticks = ax.get_xticks()
+                assert len(ticks) and all(float(t).is_integer() for t in ticks), ticks
+    assert round_axes == 3
+
+
+def test_knowledge_run_plots_name_the_probe_metrics(tmp_path, saved_figures):
+    plot_curves([fake_run(tmp_path / "facts", facts=True)], tmp_path / "plots")
+    labels = [ax.get_ylabel() for fig in saved_figures for ax in fig.axes]
+    assert "probe accuracy" in labels and "next-character accuracy" not in labels
