@@ -15,13 +15,16 @@ extraction, client training step and fold), so arms see the same clients, sample
   window fixed per client, see ``fedfusion.slicing``); ``*_nesterov`` / ``*_avgm``: the same with a server-side
   outer optimizer on the aggregated change (``fedfusion.outer``).
 
-Regimes: ``phones`` (every client at width 1/4 of heads, MLP neurons and hidden dims: each holds ~1/11 of the
-target's parameters), ``mixed`` (half at 1/4, half at 3/8; adds the ``tier_<w>`` arms, each tier's own model
-trained by that tier's clients alone).
+Regimes: ``phones`` (every client at width 1/8 of attention heads and MLP neurons: ~1/4 of the target's
+parameters with the embeddings it keeps whole), ``tiny`` (width 1/4 of heads, neurons and hidden dims: a
+genuinely smaller Llama, ~1/11 of the target; only the arms that do not fold slices, since slicing hidden dims
+apart between clients breaks the target), ``mixed`` (half at 1/8, half at 1/4; adds ``tier_<w>`` arms, each
+tier's own model trained by that tier's clients alone; their partitions are renumbered, so their seeds differ).
 
-    python benchmarks/knowledge.py [--seeds 0 1 2] [--regimes phones] [--arms ...] [--people 600]
-        [--rounds 40 --per-round 6 --steps 10] [--jobs 2] [--out knowledge]
-    python benchmarks/knowledge.py --capacity [--people 200 400 800 1600] [--seconds 60]
+    python benchmarks/knowledge.py [--seeds 0 1 2] [--regimes phones tiny] [--arms ...] [--people 400]
+        [--rounds 600 --per-round 6 --steps 1] [--gen-rounds 60] [--task facts|lm] [--jobs 2] [--out knowledge]
+    python benchmarks/knowledge.py --capacity --people 100 200 400 800 [--seconds 60]
+    python benchmarks/knowledge.py --report-only [--out knowledge]
 
 ``--capacity`` trains the smallest and the full model centrally (one process each, same seconds) on growing
 fact counts: the curve that shows whether capacity binds. Writes ``benchmarks/results/<out>.{json,md,png}``;
@@ -204,8 +207,8 @@ def capacity_point(job: dict) -> dict:
     plan = plan_slice(cfg, job["width"], "static", axes=REGIMES["phones"][1])
     model = model_from_state(sub_config(cfg, plan), extract(state, cfg, plan))
     start, steps = time.perf_counter(), 0
-    while time.perf_counter() - start < job["seconds"]:
-        train_steps(model, windows[0], 50, job["lr"], job["batch"], seed=steps)
+    while time.perf_counter() - start < job["seconds"]:  # central AdamW, as one device would train alone
+        train_steps(model, windows[0], 50, job["capacity_lr"], job["batch"], seed=steps)
         steps += 50
     return {**job, "steps": steps, "params": sum(p.numel() for p in model.parameters()), **score(model)}
 
@@ -326,7 +329,8 @@ def capacity(args: argparse.Namespace) -> None:
         rows = list(pool.map(capacity_point, jobs))
     lines = ["# Capacity curve: probe accuracy after central training for a fixed time", "",
              f"Machine: {platform.platform()}, 1 thread per process, {args.jobs} processes; {args.seconds} s per point, "
-             f"batch {args.batch}, lr {args.lr}.", "", "| people (facts) | width | params | steps | probe acc | knowledge bits |",
+             f"batch {args.batch}, AdamW lr {args.capacity_lr}.", "",
+             "| people (facts) | width | params | steps | probe acc | knowledge bits |",
              "|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['people']} ({6 * r['people']}) | {r['width']} | {r['params']} | {r['steps']} | "
@@ -370,6 +374,7 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=2, help="processes (1 torch thread each)")
     parser.add_argument("--capacity", action="store_true", help="the capacity curve instead of the federated arms")
     parser.add_argument("--seconds", type=float, default=60.0, help="--capacity: training seconds per point")
+    parser.add_argument("--capacity-lr", type=float, default=3e-3, help="--capacity: AdamW learning rate")
     parser.add_argument("--task", default="facts", choices=list(PRIMARY),
                         help="facts (private facts, probes) or lm (Shakespeare next-character loss)")
     parser.add_argument("--report-only", action="store_true", help="rewrite <out>.md/.png from <out>.json")
@@ -388,9 +393,17 @@ def main() -> None:
         plot(payload, RESULTS / f"{args.out}.png")
         print(report(payload))
         return
-    conf = {k: v for k, v in vars(args).items() if k not in ("capacity", "seconds", "people_list", "report_only")}
+    conf = {k: v for k, v in vars(args).items()
+            if k not in ("capacity", "seconds", "capacity_lr", "people_list", "report_only")}
     partial = RESULTS / f"{args.out}.partial.json"
-    results: dict = legacy(json.loads(partial.read_text())) if partial.is_file() else {}
+    saved = json.loads(partial.read_text()) if partial.is_file() else {"args": conf, "results": {}}
+    same = ("task", "people", "clients", "rounds", "per_round", "steps", "batch", "lr", "seq_len", "optimizer", "outer",
+            "outer_lr", "gen_steps", "gen_lr", "gen_rounds", "gen_samples", "gen_temperature", "gen_server_steps",
+            "gen_server_lr", "hidden", "intermediate", "layers", "stride", "eval_every")
+    changed = [k for k in same if saved["args"].get(k, conf[k]) != conf[k]]
+    if changed:
+        raise SystemExit(f"{partial} was run with other settings ({', '.join(changed)}); use another --out or delete it")
+    results: dict = legacy(saved["results"])
     arms = list(args.arms)
     if "mixed" in args.regimes:
         arms += [f"tier_{w}" for w in REGIMES["mixed"][0] if f"tier_{w}" not in arms]
@@ -401,13 +414,16 @@ def main() -> None:
             return False  # the oracle trains the whole target: the same run in every regime
         return regime != "tiny" or scaled(arm)[0].split("_")[0] in ("smallest", "oracle", "generative")
 
+    def done(regime: str, arm: str) -> set[int]:
+        return {r["seed"] for r in results.get(regime, {}).get(arm, [])}
+
     jobs = [{"regime": g, "arm": arm, "seed": s, "args": conf} for g in args.regimes for arm in arms for s in args.seeds
-            if wanted(g, arm) and len(results.get(g, {}).get(arm, [])) <= args.seeds.index(s)]
+            if wanted(g, arm) and s not in done(g, arm)]
     RESULTS.mkdir(exist_ok=True)
     with ProcessPoolExecutor(args.jobs) as pool:
         for job, out in zip(jobs, pool.map(run_arm, jobs)):
             results.setdefault(job["regime"], {}).setdefault(job["arm"], []).append({"seed": job["seed"], **out})
-            partial.write_text(json.dumps(results))
+            partial.write_text(json.dumps({"args": conf, "results": results}))
             key = PRIMARY[args.task][0]
             print(f"{job['regime']} {job['arm']} seed {job['seed']}: {key} {out[key]:.3f} ({out['wall_s']:.0f}s)", flush=True)
     for arms_runs in results.values():

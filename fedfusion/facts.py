@@ -33,6 +33,7 @@ from transformers import PreTrainedTokenizerFast
 from fedfusion.data import read_jsonl
 
 SPECIAL_TOKENS = ("<pad>", "<unk>", "<bos>", "<eos>")
+MAX_PEOPLE = 40 ** 3 // 2  # distinct names drawn from 40 x 40 x 40 combinations, kept well below the space
 
 # Name parts and attribute values: short made-up words, so no value is guessable from pretraining or spelling.
 _SYLLABLES = ("ka", "lo", "mi", "ren", "ta", "vo", "sel", "dun", "ar", "bi", "cor", "fen", "gal", "hu", "ist",
@@ -93,6 +94,8 @@ def generate_facts(num_clients: int, people: int, seed: int, skew: float = 1.0, 
     """
     if num_clients < 1 or people < num_clients:
         raise ValueError(f"need people >= num_clients >= 1, got people={people}, num_clients={num_clients}")
+    if people + public > MAX_PEOPLE:
+        raise ValueError(f"people + public is {people + public}; names from three lists of 40 allow at most {MAX_PEOPLE}")
     if not 1 <= paraphrases <= min(len(t) for _, t in ATTRIBUTES.values()):
         raise ValueError(f"paraphrases must be in 1..3, got {paraphrases}")
     rng = random.Random(seed)

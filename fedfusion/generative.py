@@ -31,10 +31,11 @@ class GenerativeConfig:
     server_steps: int = 30  # target steps per round on the pooled samples
     server_lr: float = 3e-3
     server_batch: int = 64
+    max_windows: int = 4096  # the most training windows the server credits a client with (its samples and pool share)
 
     def __post_init__(self) -> None:
-        if self.server_steps < 1 or self.server_batch < 1:
-            raise ValueError(f"server_steps and server_batch must be >= 1, got {self}")
+        if self.server_steps < 1 or self.server_batch < 1 or self.max_windows < 1:
+            raise ValueError(f"server_steps, server_batch and max_windows must be >= 1, got {self}")
         if not self.sample_fraction > 0:
             raise ValueError(f"sample_fraction must be > 0, got {self.sample_fraction}")
         if not self.temperature > 0 or not self.server_lr > 0:

@@ -22,7 +22,7 @@ from transformers import PretrainedConfig
 from fedfusion.generative import GenerativeConfig, SamplePool, sample_windows
 from fedfusion.models import model_from_state
 from fedfusion.outer import OuterConfig, OuterOptimizer
-from fedfusion.rounds import client_seed, fold, plan_round
+from fedfusion.rounds import client_seed, fold, owned_starts, plan_round, server_seed
 from fedfusion.slicing import SelectiveAverager, extract, sub_config
 from fedfusion.training import train_steps
 
@@ -39,6 +39,8 @@ class Rounds:
     lr: float = 3e-3
     batch_size: int = 32
     seed: int = 0
+    weight_decay: float = 0.0
+    optimizer: str = "adamw"  # the clients' local optimizer (fedfusion.training.OPTIMIZERS)
 
     def draw(self, rng: random.Random, population: int) -> list[int]:
         """This round's sampled partitions, sorted (the strategy's seeded random selector, uniform)."""
@@ -58,8 +60,6 @@ class SubModelRun(Rounds):
     stagger: bool = True
     axes: tuple[str, ...] | None = None
     scale: bool = True
-    weight_decay: float = 0.0
-    optimizer: str = "adamw"  # the clients' local optimizer (fedfusion.training.OPTIMIZERS)
     outer: OuterConfig = field(default_factory=OuterConfig)
 
 
@@ -101,11 +101,12 @@ def run_submodel(run: SubModelRun, initial: dict[str, torch.Tensor], evaluate: E
     rng = random.Random(run.seed)  # the sampling draw, like the strategy's seeded random selector
     outer = OuterOptimizer(run.outer) if run.outer.method != "none" else None
     state, stats = {k: v.clone() for k, v in initial.items()}, RunStats()
+    owned = owned_starts(dict(enumerate(run.widths))) if run.policy == "owned" else None
     for rnd in range(1, run.rounds + 1):
         sampled = run.draw(rng, len(run.windows))
         start = time.perf_counter()
         plans = plan_round(run.config, [(p, run.widths[p]) for p in sampled], run.policy, rnd, run.seed,
-                           run.stride, run.stagger, run.axes, run.scale)
+                           run.stride, run.stagger, run.axes, run.scale, owned)
         averager = SelectiveAverager(state, run.config)
         stats.server_s += time.perf_counter() - start
         for partition, plan in zip(sampled, plans):
@@ -151,7 +152,8 @@ def run_generative(run: GenerativeRun, initial: dict[str, torch.Tensor], client_
         for partition in run.draw(rng, len(run.windows)):
             model = model_from_state(run.client_config, devices.get(partition, client_initial))
             seed = client_seed(run.seed, rnd, partition)
-            out = train_steps(model, run.windows[partition], run.steps, run.lr, run.batch_size, seed)
+            out = train_steps(model, run.windows[partition], run.steps, run.lr, run.batch_size, seed, run.weight_decay,
+                              run.optimizer)
             devices[partition] = {k: v.detach().clone() for k, v in model.state_dict().items()}
             start = time.perf_counter()
             own = run.windows[partition]
@@ -162,7 +164,7 @@ def run_generative(run: GenerativeRun, initial: dict[str, torch.Tensor], client_
             stats.client(out, params, time.perf_counter() - start, 2.0 * params * samples.numel(), 0, samples.numel() * 4)
         start = time.perf_counter()
         out = train_steps(target, pool.windows(), g.server_steps, g.server_lr, g.server_batch,
-                          client_seed(run.seed, rnd, len(run.windows)))
+                          server_seed(run.seed, rnd, len(run.windows)))
         stats.server_s += time.perf_counter() - start
         stats.server_flops += 6.0 * target_params * out["train_tokens"]
         if evaluate is not None and (row := evaluate(target.state_dict(), rnd)) is not None:

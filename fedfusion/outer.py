@@ -3,17 +3,21 @@
 The fold of a round gives ``new``; the change ``new - old`` is a pseudo-gradient step of size 1. An outer
 optimizer takes that change as its (negative) gradient and steps the target itself: FedAvgM (heavy-ball
 momentum), DiLoCo's Nesterov momentum, or FedAdam. Only coordinates some client held this round move and
-update their optimizer state; a coordinate nobody trained keeps its value and its momentum, so partial
-coverage (sliced clients) neither decays nor re-applies stale momentum to units that sat out.
+update their optimizer state; a coordinate nobody trained keeps its value and its momentum untouched while it
+sits out. Its momentum is neither decayed nor applied in those rounds; the next round that holds it again
+applies that (possibly old) momentum in full.
 
 ``none`` returns the fold as it is (plain averaging), which is what every method did before.
 """
 
 from __future__ import annotations
 
+import base64
 from dataclasses import dataclass
 
 import torch
+from safetensors.torch import load as load_tensors
+from safetensors.torch import save as save_tensors
 
 OUTER_METHODS = ("none", "avgm", "nesterov", "adam")
 
@@ -85,10 +89,14 @@ class OuterOptimizer:
         return out
 
     def state_dict(self) -> dict:
-        """Buffers and step count, for checkpoints."""
-        return {"steps": self.steps, "state": {k: {b: t.clone() for b, t in v.items()} for k, v in self.state.items()}}
+        """Step count and buffers (safetensors, base64): JSON-able, for checkpoints."""
+        flat = {f"{name}\t{buffer}": t.contiguous() for name, bufs in self.state.items() for buffer, t in bufs.items()}
+        return {"steps": self.steps, "buffers": base64.b64encode(save_tensors(flat)).decode() if flat else ""}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from :meth:`state_dict`."""
         self.steps = int(state["steps"])
-        self.state = {k: {b: t.clone() for b, t in v.items()} for k, v in state["state"].items()}
+        self.state = {}
+        for key, tensor in (load_tensors(base64.b64decode(state["buffers"])) if state["buffers"] else {}).items():
+            name, buffer = key.split("\t")
+            self.state.setdefault(name, {})[buffer] = tensor

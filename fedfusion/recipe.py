@@ -431,7 +431,7 @@ def validate(recipe: Recipe) -> None:
     if recipe.data.source == "facts":
         if bool(recipe.data.path) != bool(recipe.data.probes):
             raise RecipeError("data.probes: data.path and data.probes go together (your facts), or neither (generated)")
-        if recipe.data.people < recipe.population.num_clients:
+        if not recipe.data.path and recipe.data.people < recipe.population.num_clients:
             raise RecipeError(f"data.people: {recipe.data.people} people cannot give each of "
                               f"{recipe.population.num_clients} clients one")
         if recipe.data.skew < 0:
@@ -493,6 +493,11 @@ def validate(recipe: Recipe) -> None:
     if not 0 <= recipe.fusion.trim < 0.5:
         raise RecipeError(f"fusion.trim: must be in [0, 0.5), got {recipe.fusion.trim}")
     _positive("fusion.outer_lr", recipe.fusion.outer_lr)
+    if recipe.fusion.outer != "none" and recipe.fusion.method != "submodel":
+        raise RecipeError(f"fusion.outer: a server optimizer steps folded slices (fusion.method=submodel); "
+                          f"{recipe.fusion.method!r} does not use it")
+    if recipe.train.optimizer != "adamw" and recipe.fusion.method == "lora":
+        raise RecipeError("train.optimizer: LoRA clients train with AdamW; only 'adamw' applies to fusion.method=lora")
     if not 0 <= recipe.fusion.outer_momentum < 1:
         raise RecipeError(f"fusion.outer_momentum: must be in [0, 1), got {recipe.fusion.outer_momentum}")
     if not 0 < recipe.fusion.stride <= 1:

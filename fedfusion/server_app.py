@@ -96,6 +96,7 @@ def build_strategy(recipe: Recipe, target: Target) -> SubModelFusion:
         g = recipe.generative
         return GenerativeFusion(
             generative=GenerativeConfig(g.sample_fraction, g.temperature, g.server_steps, g.server_lr, g.server_batch),
+            population=recipe.population.num_clients,
             widths=dict(recipe.fusion.widths), axes=tuple(recipe.fusion.axes) if recipe.fusion.axes else None,
             scale=recipe.fusion.scaler, **common)
     return SubModelFusion(

@@ -35,7 +35,7 @@ from safetensors.torch import save as save_tensors
 from fedfusion.energy import WorkCost, price_work, train_flops
 from fedfusion.generative import SAMPLES_KEY, GenerativeConfig, SamplePool, check_samples
 from fedfusion.models import model_from_state
-from fedfusion.rounds import client_seed
+from fedfusion.rounds import server_seed
 from fedfusion.slicing import extract, plan_slice, sub_config
 from fedfusion.training import train_steps
 
@@ -44,9 +44,9 @@ class GenerativeFusion(SubModelFusion):
     """Each tier trains its own small model (a static slice of the target at the tier's width); the target learns
     from the text those models write. Inherits sampling, discovery, reply ordering and checkpointed sampling state."""
 
-    def __init__(self, generative: GenerativeConfig, **kwargs) -> None:
+    def __init__(self, generative: GenerativeConfig, population: int, **kwargs) -> None:
         super().__init__(policy="static", stride=1.0, stagger=False, **kwargs)
-        self.generative = generative
+        self.generative, self.population = generative, population
         self.devices: dict[int, dict[str, torch.Tensor]] = {}  # partition -> its own model, as last returned
         self.pool = SamplePool()
         self.examples: dict[int, int] = {}  # partition -> its training windows (caps its samples)
@@ -107,7 +107,8 @@ class GenerativeFusion(SubModelFusion):
             own = self.devices.get(partition) or extract(self.initial, self.config, plan)
             sent = self.wire(own)
             sub = ArrayRecord(sent)
-            windows = int(self.caps[node].get("examples", 1))
+            # the client's own count of training windows, capped by the server: a client cannot claim the pool
+            windows = min(int(self.caps[node].get("examples", 1)), self.generative.max_windows)
             self.examples[partition] = windows
             spec = ConfigRecord({
                 **config, **self.train_config, "role": "generative", "server-round": server_round, "width": width,
@@ -131,6 +132,7 @@ class GenerativeFusion(SubModelFusion):
         """Keep each good reply's model and samples, then train the target on every client's latest samples."""
         server_round += self.round_offset
         start = time.perf_counter()
+        self.server_cost = {"flops": 0.0, "seconds": 0.0, "tokens": 0.0}  # a void round trains nothing
         losses, width = [], int(self.train_config["seq-len"]) + 1
         for reply, row in self.replies_in_order(server_round, replies):
             partition = self.partition_of(row.node)
@@ -166,7 +168,7 @@ class GenerativeFusion(SubModelFusion):
         target = model_from_state(self.config, self.target)
         g = self.generative
         out = train_steps(target, self.pool.windows(), g.server_steps, g.server_lr, g.server_batch,
-                          client_seed(int(self.train_config.get("seed", 0)), server_round, -1))
+                          server_seed(int(self.train_config.get("seed", 0)), server_round, self.population))
         params = sum(p.numel() for p in target.parameters())
         self.server_cost = {"flops": train_flops(params, int(out["train_tokens"])), "seconds": out["train_s"],
                             "tokens": out["train_tokens"]}

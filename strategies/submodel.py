@@ -38,7 +38,7 @@ from fedfusion.models import config_aliases, full_state, wire_state
 from fedfusion.ordered import ordered_fractions
 from fedfusion.outer import OuterConfig, OuterOptimizer
 from fedfusion.participation import Participation
-from fedfusion.rounds import client_seed, fold, plan_round
+from fedfusion.rounds import client_seed, fold, owned_starts, plan_round
 from fedfusion.slicing import (
     SelectiveAverager,
     SlicePlan,
@@ -201,7 +201,10 @@ class SubModelFusion(Strategy):
         """Continue from a checkpoint taken after ``rounds_done`` rounds."""
         set_rng_state(self.rng, state["rng"])
         self.participation.load_state_dict(state["participation"])
-        if self.outer is not None and "outer" in state:
+        if self.outer is not None:
+            if "outer" not in state:
+                raise ValueError("the checkpoint holds no outer-optimizer state but fusion.outer is set: resuming "
+                                 "would restart its momentum; resume with the recipe the run was started with")
             self.outer.load_state_dict(state["outer"])
         self.round_offset = rounds_done
 
@@ -324,9 +327,11 @@ class SubModelFusion(Strategy):
         messages = []
         nodes = self.sample(grid, server_round)
         widths = [self.widths[self.caps[node]["device"]] for node in nodes]
+        owned = (owned_starts({self.partition_of(n): self.widths[c["device"]] for n, c in self.caps.items()})
+                 if self.policy == "owned" else None)
         plans = plan_round(self.config, [(self.partition_of(n), w) for n, w in zip(nodes, widths)], self.policy,
                            server_round, int(self.train_config.get("seed", 0)), self.stride, self.stagger,
-                           self.axes, self.scale)
+                           self.axes, self.scale, owned)
         for node, width, plan in zip(nodes, widths, plans):
             device = self.caps[node]["device"]
             seed = self.client_seed(server_round, node)

@@ -39,6 +39,8 @@ def test_generator_is_seeded_disjoint_and_skewed():
     assert not public_names & {r["text"].split(" ")[0:3].__str__() for r in records}
     sizes = Counter(p["client"] for p in probes)
     assert len(sizes) == 8 and max(sizes.values()) > 2 * min(sizes.values())  # Zipf-skewed ownership
+    with pytest.raises(ValueError, match="at most"):
+        generate_facts(2, 40_000, seed=0)
     equal = Counter(p["client"] for p in generate_facts(8, 200, seed=3, skew=0.0)[1])
     assert max(equal.values()) - min(equal.values()) <= len(ATTRIBUTES)
 

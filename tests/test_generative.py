@@ -49,7 +49,7 @@ def _strategy():
     torch.manual_seed(0)
     state = LlamaForCausalLM(cfg).state_dict()
     strategy = GenerativeFusion(
-        generative=GenerativeConfig(sample_fraction=0.5, server_steps=3, server_batch=4),
+        generative=GenerativeConfig(sample_fraction=0.5, server_steps=3, server_batch=4), population=20,
         config=cfg, widths={"phone": 0.25, "desktop": 0.5}, clients_per_round=2, min_clients=1,
         query_config={"population": "{}"}, participation=Participation(make_selector("random", seed=0), load_catalog()),
         train_config={"local-steps": 1, "lr": 0.1, "seed": 0, "seq-len": 8}, wait_nodes_s=1.0)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from fedfusion.recipe import FaultConfig
+from fedfusion.wire import fault_spec
+
 import json
 from importlib.util import find_spec
 
@@ -136,11 +139,12 @@ def test_a_merged_update_equals_adding_it_to_the_weights(base):
 def test_one_process_serves_different_ranks_and_faults_follow_the_spec(base):
     arrays, _ = client.train({}, spec(base, rank=2, alpha=2.0, **{"local-steps": 1}), partition=1)
     assert next(iter(factors(arrays)[0].values())).shape[0] == 2
-    arrays, _ = client.train({}, spec(base, rank=8, **{"local-steps": 1, "fault-corrupt-prob": 1.0}), partition=1)
+    arrays, _ = client.train({}, spec(base, rank=8, **{"local-steps": 1, **fault_spec(FaultConfig(corrupt_prob=1.0))}),
+                             partition=1)
     assert next(iter(factors(arrays)[0].values())).shape[0] == 8
     assert any(torch.isnan(v).any() for v in arrays.values())
     with pytest.raises(RuntimeError, match="injected crash"):
-        client.train({}, spec(base, **{"fault-crash-prob": 1.0}), partition=1)
+        client.train({}, spec(base, **fault_spec(FaultConfig(crash_prob=1.0))), partition=1)
     with pytest.raises(ValueError, match="outside the population"):
         client.train({}, spec(base), partition=21)
 

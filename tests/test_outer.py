@@ -8,7 +8,7 @@ from transformers import LlamaConfig
 
 from fedfusion import recipe as recipe_module
 from fedfusion.outer import OUTER_METHODS, OuterConfig, OuterOptimizer
-from fedfusion.rounds import client_seed, fold, plan_round
+from fedfusion.rounds import client_seed, fold, owned_starts, plan_round
 from fedfusion.slice_families import family_of
 from fedfusion.slicing import POLICIES, SelectiveAverager, extract, plan_slice
 
@@ -94,7 +94,56 @@ def test_plan_round_matches_one_plan_per_client():
 
 def test_owned_windows_stay_with_their_client_and_tile_the_target():
     cfg = _cfg()
+    starts = owned_starts({p: 0.25 for p in range(8)})
     for rnd in (1, 2, 7):
-        plans = plan_round(cfg, [(p, 0.25) for p in range(4)], "owned", rnd, run_seed=0)
+        plans = plan_round(cfg, [(p, 0.25) for p in range(4)], "owned", rnd, run_seed=0, owned=starts)
         assert [pl.neurons for pl in plans] == [tuple(range(8 * p, 8 * p + 8)) for p in range(4)]
-    assert plan_round(cfg, [(5, 0.25)], "owned", 3, 0)[0].neurons == tuple(range(8, 16))  # 5 x 1/4 mod 1 = 1/4
+    assert plan_round(cfg, [(5, 0.25)], "owned", 3, 0, owned=starts)[0].neurons == tuple(range(8, 16))  # 5/4 mod 1
+    mixed = owned_starts({0: 0.125, 1: 0.25, 2: 0.125, 3: 0.5})  # mixed widths still tile: no unit left out
+    plans = plan_round(cfg, [(p, w) for p, w in ((0, 0.125), (1, 0.25), (2, 0.125), (3, 0.5))], "owned", 1, 0, owned=mixed)
+    assert sorted(u for pl in plans for u in pl.neurons) == list(range(32))
+    with pytest.raises(ValueError, match="owned_starts"):
+        plan_round(cfg, [(0, 0.25)], "owned", 1, 0)
+
+
+def test_outer_state_survives_a_json_checkpoint_and_a_missing_one_is_refused():
+    """The strategy's checkpoint is JSON: the outer optimizer's buffers must round-trip through it exactly."""
+    import json
+
+    from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+
+    from fedfusion.devices import load_catalog
+    from fedfusion.participation import Participation
+    from fedfusion.selection import make_selector
+    from fedfusion.strategies import SubModelFusion
+    from tests.test_strategy import FakeGrid
+
+    from flwr.supercore.task_identity import TaskIdentity
+
+    TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 0
+    cfg = _cfg()
+
+    def make(outer):
+        return SubModelFusion(
+            config=cfg, widths={"phone": 0.5}, policy="rolling", stride=0.25, stagger=True, clients_per_round=2,
+            min_clients=1, query_config={"population": "{}"},
+            participation=Participation(make_selector("random", seed=0), load_catalog()),
+            train_config={"local-steps": 1, "lr": 0.1, "seed": 0}, wait_nodes_s=1.0, outer=outer)
+
+    torch.manual_seed(0)
+    state = family_of(cfg).build(cfg).state_dict()
+    strategy = make(OuterConfig("nesterov", lr=0.7, momentum=0.9))
+    grid = FakeGrid({11: "phone", 12: "phone"})
+    msgs = list(strategy.configure_train(1, ArrayRecord(state), ConfigRecord({}), grid))
+    metrics = MetricRecord({"num-examples": 4, "train_loss": 1.0, "train_s": 0.1})
+    replies = [Message(RecordDict({"arrays": ArrayRecord({k: v + 0.01 for k, v in m.content["arrays"].to_torch_state_dict().items()}),
+                                   "metrics": metrics}), reply_to=m) for m in msgs]
+    strategy.aggregate_train(1, replies)
+    saved = json.loads(json.dumps(strategy.state_dict()))  # what save_checkpoint writes
+    resumed = make(OuterConfig("nesterov", lr=0.7, momentum=0.9))
+    resumed.load_state_dict(saved, rounds_done=1)
+    assert resumed.outer.steps == 1 and set(resumed.outer.state) == set(strategy.outer.state)
+    assert all(torch.equal(resumed.outer.state[k]["m"], strategy.outer.state[k]["m"]) for k in strategy.outer.state)
+    plain = make(None).state_dict()
+    with pytest.raises(ValueError, match="no outer-optimizer state"):
+        make(OuterConfig("avgm")).load_state_dict(json.loads(json.dumps(plain)), rounds_done=1)
