@@ -397,6 +397,8 @@ def main() -> None:
             if k not in ("capacity", "seconds", "capacity_lr", "people_list", "report_only")}
     partial = RESULTS / f"{args.out}.partial.json"
     saved = json.loads(partial.read_text()) if partial.is_file() else {"args": conf, "results": {}}
+    if "results" not in saved:  # written before the settings were kept with the results
+        saved = {"args": conf, "results": saved}
     same = ("task", "people", "clients", "rounds", "per_round", "steps", "batch", "lr", "seq_len", "optimizer", "outer",
             "outer_lr", "gen_steps", "gen_lr", "gen_rounds", "gen_samples", "gen_temperature", "gen_server_steps",
             "gen_server_lr", "hidden", "intermediate", "layers", "stride", "eval_every")
