@@ -23,11 +23,12 @@ tier's own model trained by that tier's clients alone; their partitions are renu
 
     python benchmarks/knowledge.py [--seeds 0 1 2] [--regimes phones tiny] [--arms ...] [--people 400]
         [--rounds 600 --per-round 6 --steps 1] [--gen-rounds 60] [--task facts|lm] [--jobs 2] [--out knowledge]
-    python benchmarks/knowledge.py --capacity --people 100 200 400 800 [--seconds 60]
+    python benchmarks/knowledge.py --capacity --people 100 200 400 800 [--capacity-steps 1500]
     python benchmarks/knowledge.py --report-only [--out knowledge]
 
-``--capacity`` trains the smallest and the full model centrally (one process each, same seconds) on growing
-fact counts: the curve that shows whether capacity binds. Writes ``benchmarks/results/<out>.{json,md,png}``;
+``--capacity`` trains each regime's client model and the full target centrally (one device holding every fact,
+the same number of AdamW steps) on growing fact counts: the curve that shows whether capacity binds
+(``results/knowledge_capacity.{json,md}``). The federated run writes ``benchmarks/results/<out>.{json,md,png}``;
 finished (regime, arm, seed) runs are kept in ``<out>.partial.json`` so an interrupted run resumes.
 """
 
@@ -198,19 +199,19 @@ def run_arm(job: dict) -> dict:
 
 
 def capacity_point(job: dict) -> dict:
-    """Central training of one width on ``people`` people for a fixed time: probe accuracy reached."""
+    """Central training (AdamW, one device holding every fact) of one regime's small model or the full target on
+    ``people`` people for a fixed number of steps: the probe accuracy it reaches."""
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         cfg, windows, score = build_task(job["people"], 1, 0, job, Path(tmp))
     torch.manual_seed(0)
     state = family_of(cfg).build(cfg).state_dict()
-    plan = plan_slice(cfg, job["width"], "static", axes=REGIMES["phones"][1])
+    widths, axes = REGIMES[job["model"]] if job["model"] in REGIMES else ((1.0,), REGIMES["phones"][1])
+    plan = plan_slice(cfg, min(widths), "static", axes=axes)
     model = model_from_state(sub_config(cfg, plan), extract(state, cfg, plan))
-    start, steps = time.perf_counter(), 0
-    while time.perf_counter() - start < job["seconds"]:  # central AdamW, as one device would train alone
-        train_steps(model, windows[0], 50, job["capacity_lr"], job["batch"], seed=steps)
-        steps += 50
-    return {**job, "steps": steps, "params": sum(p.numel() for p in model.parameters()), **score(model)}
+    out = train_steps(model, windows[0], job["capacity_steps"], job["capacity_lr"], job["batch"], seed=0)
+    return {"people": job["people"], "model": job["model"], "steps": job["capacity_steps"], "train_s": out["train_s"],
+            "params": sum(p.numel() for p in model.parameters()), **score(model)}
 
 
 def _mean_sd(values: list[float]) -> str:
@@ -260,7 +261,9 @@ def report(payload: dict) -> str:
     title = ("# Federated knowledge: does the target recall more than any device's model could?" if a["task"] == "facts"
              else "# Shakespeare (LM): the knowledge benchmark's methods carried back to next-character prediction")
     lines = [title, "", f"Machine: {payload['machine']}. {_describe(a)}", "",
-             "Command: `python benchmarks/knowledge.py " + " ".join(payload["argv"]) + "`", ""]
+             "Command: `" + " ".join(["python benchmarks/knowledge.py", *payload["argv"]]) + "`"
+             + ("" if payload["argv"] else " (every default)") + ". Wall seconds were taken while other jobs shared "
+             "the 2 cores: compare them within this table only.", ""]
     extra = " knowledge bits |" if a["task"] == "facts" else ""
     for regime, arms in payload["results"].items():
         closure = summary["regimes"].get(regime, {}).get("gap_closure", {})
@@ -323,18 +326,19 @@ def legacy(results: dict) -> dict:
 
 
 def capacity(args: argparse.Namespace) -> None:
-    widths = (min(REGIMES["phones"][0]), 1.0)
-    jobs = [{**vars(args), "people": n, "width": w} for n in args.people_list for w in widths]
+    jobs = [{**vars(args), "people": n, "model": m} for n in args.people_list for m in ("tiny", "phones", "target")]
     with ProcessPoolExecutor(args.jobs) as pool:
         rows = list(pool.map(capacity_point, jobs))
-    lines = ["# Capacity curve: probe accuracy after central training for a fixed time", "",
-             f"Machine: {platform.platform()}, 1 thread per process, {args.jobs} processes; {args.seconds} s per point, "
-             f"batch {args.batch}, AdamW lr {args.capacity_lr}.", "",
-             "| people (facts) | width | params | steps | probe acc | knowledge bits |",
-             "|---|---|---|---|---|---|"]
+    lines = ["# Capacity curve: probe accuracy after central training", "",
+             f"Machine: {platform.platform()}, 1 thread per process, {args.jobs} processes. Each point: one model trained "
+             f"alone on every fact, {args.capacity_steps} AdamW steps (batch {args.batch}, lr {args.capacity_lr}); "
+             "`tiny` and `phones` are the two regimes' client models, `target` the whole target.", "",
+             "Command: `python benchmarks/knowledge.py --capacity --people "
+             + " ".join(str(n) for n in args.people_list) + f" --capacity-steps {args.capacity_steps}`", "",
+             "| people (facts) | model | params | probe acc | knowledge bits | train s |", "|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['people']} ({6 * r['people']}) | {r['width']} | {r['params']} | {r['steps']} | "
-                     f"{r['probe_acc']:.3f} | {r['knowledge_bits']:.0f} |")
+        lines.append(f"| {r['people']} ({6 * r['people']}) | {r['model']} | {r['params']:,} | {r['probe_acc']:.3f} | "
+                     f"{r['knowledge_bits']:.0f} | {r['train_s']:.0f} |")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "knowledge_capacity.json").write_text(json.dumps(rows, indent=1))
     (RESULTS / "knowledge_capacity.md").write_text("\n".join(lines) + "\n")
@@ -373,7 +377,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--jobs", type=int, default=2, help="processes (1 torch thread each)")
     parser.add_argument("--capacity", action="store_true", help="the capacity curve instead of the federated arms")
-    parser.add_argument("--seconds", type=float, default=60.0, help="--capacity: training seconds per point")
+    parser.add_argument("--capacity-steps", type=int, default=1500, help="--capacity: training steps per point")
     parser.add_argument("--capacity-lr", type=float, default=3e-3, help="--capacity: AdamW learning rate")
     parser.add_argument("--task", default="facts", choices=list(PRIMARY),
                         help="facts (private facts, probes) or lm (Shakespeare next-character loss)")
@@ -394,7 +398,7 @@ def main() -> None:
         print(report(payload))
         return
     conf = {k: v for k, v in vars(args).items()
-            if k not in ("capacity", "seconds", "capacity_lr", "people_list", "report_only")}
+            if k not in ("capacity", "capacity_steps", "capacity_lr", "people_list", "report_only")}
     partial = RESULTS / f"{args.out}.partial.json"
     saved = json.loads(partial.read_text()) if partial.is_file() else {"args": conf, "results": {}}
     if "results" not in saved:  # written before the settings were kept with the results
