@@ -308,8 +308,8 @@ def plot(payload: dict, path: Path) -> None:
         for arm, runs in arms.items():
             rounds = [h["round"] for h in runs[0]["history"]]
             values = [statistics.mean(r["history"][i][primary] for r in runs) for i in range(len(rounds))]
-            ax.plot(rounds, values, marker=".", label=arm)
-        ax.set(title=regime, xlabel="round", ylabel=f"{primary} (mean over seeds)")
+            ax.plot([r / rounds[-1] for r in rounds], values, marker=".", label=f"{arm} ({rounds[-1]} rounds)")
+        ax.set(title=regime, xlabel="share of the arm's rounds", ylabel=f"{primary} (mean over seeds)")
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
