@@ -27,6 +27,7 @@ from transformers import PreTrainedModel
 from fedfusion.data import sample_batch
 from fedfusion.slice_families import family_of
 from fedfusion.slicing import SlicePlan, extract, plan_slice, sub_config
+from fedfusion.training import make_optimizer
 
 
 def ordered_fractions(max_width: float, ladder: Iterable[float]) -> tuple[float, ...]:
@@ -96,15 +97,17 @@ def train_steps_ordered(
     model: PreTrainedModel, windows: torch.Tensor, steps: int, lr: float, batch_size: int, seed: int,
     fractions: Iterable[float], axes: Iterable[str] | None = None, distill: bool = False,
     weight_decay: float = 0.0,
+    optimizer: str = "adamw",
 ) -> dict[str, float]:
-    """FjORD local training of a causal LM: each AdamW step trains one sampled nested width.
+    """FjORD local training of a causal LM: each optimizer step (``optimizer``, as in ``train_steps``) trains one
+    sampled nested width.
 
     Same inputs and metrics as :func:`fedfusion.training.train_steps` (``train_loss`` is the mean loss of
     the sampled widths), plus ``mean_fraction``. ``distill``: self-distillation from the widest pass.
     """
     gen = torch.Generator().manual_seed(seed)
     od = OrderedDropout(model, fractions, axes, seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    opt = make_optimizer(model, optimizer, lr, weight_decay)
     model.train()
     start, total, widths = time.perf_counter(), 0.0, 0.0
     for _ in range(steps):

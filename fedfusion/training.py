@@ -24,6 +24,15 @@ def lm_loss(model: PreTrainedModel, batch: torch.Tensor, reduction: str = "mean"
     return loss, logits
 
 
+def make_optimizer(model: torch.nn.Module, name: str, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+    """The local optimizer every training loop uses: AdamW, or plain SGD (see :data:`OPTIMIZERS`)."""
+    if name not in OPTIMIZERS:
+        raise ValueError(f"optimizer {name!r} is not one of {', '.join(OPTIMIZERS)}")
+    if name == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    return torch.optim.SGD(model.parameters(), lr=lr, weight_decay=weight_decay)
+
+
 def train_steps(
     model: PreTrainedModel,
     windows: torch.Tensor,
@@ -43,11 +52,7 @@ def train_steps(
     moved to wherever ``model`` lives.
     """
     gen = torch.Generator().manual_seed(seed)
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer {optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
-    opt: torch.optim.Optimizer = (torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
-                                  if optimizer == "adamw" else
-                                  torch.optim.SGD(model.parameters(), lr=lr, weight_decay=weight_decay))
+    opt = make_optimizer(model, optimizer, lr, weight_decay)
     model.train()
     start, total = time.perf_counter(), 0.0
     for _ in range(steps):
