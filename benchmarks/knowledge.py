@@ -315,16 +315,6 @@ def plot(payload: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def legacy(results: dict) -> dict:
-    """Rows written before the task option: ``probe_acc_spread`` is now ``spread``."""
-    for arms in results.values():
-        for runs in arms.values():
-            for r in runs:
-                if "probe_acc_spread" in r:
-                    r["spread"] = r.pop("probe_acc_spread")
-    return results
-
-
 def capacity(args: argparse.Namespace) -> None:
     jobs = [{**vars(args), "people": n, "model": m} for n in args.people_list for m in ("tiny", "phones", "target")]
     with ProcessPoolExecutor(args.jobs) as pool:
@@ -391,8 +381,6 @@ def main() -> None:
     args.people = args.people[0]
     if args.report_only:
         payload = json.loads((RESULTS / f"{args.out}.json").read_text())
-        payload["args"].setdefault("task", "facts")
-        legacy(payload["results"])
         (RESULTS / f"{args.out}.md").write_text(report(payload))
         plot(payload, RESULTS / f"{args.out}.png")
         print(report(payload))
@@ -401,15 +389,13 @@ def main() -> None:
             if k not in ("capacity", "capacity_steps", "capacity_lr", "people_list", "report_only")}
     partial = RESULTS / f"{args.out}.partial.json"
     saved = json.loads(partial.read_text()) if partial.is_file() else {"args": conf, "results": {}}
-    if "results" not in saved:  # written before the settings were kept with the results
-        saved = {"args": conf, "results": saved}
     same = ("task", "people", "clients", "rounds", "per_round", "steps", "batch", "lr", "seq_len", "optimizer", "outer",
             "outer_lr", "gen_steps", "gen_lr", "gen_rounds", "gen_samples", "gen_temperature", "gen_server_steps",
             "gen_server_lr", "hidden", "intermediate", "layers", "stride", "eval_every")
     changed = [k for k in same if saved["args"].get(k, conf[k]) != conf[k]]
     if changed:
         raise SystemExit(f"{partial} was run with other settings ({', '.join(changed)}); use another --out or delete it")
-    results: dict = legacy(saved["results"])
+    results: dict = saved["results"]
     arms = list(args.arms)
     if "mixed" in args.regimes:
         arms += [f"tier_{w}" for w in REGIMES["mixed"][0] if f"tier_{w}" not in arms]

@@ -14,6 +14,7 @@ federation restarts, so the strategy queries the nodes again.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shutil
@@ -22,7 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load as load_tensors
 from safetensors.torch import load_file, save_file
+from safetensors.torch import save as save_tensors
 
 DIR = "checkpoint"
 
@@ -64,6 +67,16 @@ def load_checkpoint(run_path: Path) -> Checkpoint:
     state = json.loads((ckpt_dir / "state.json").read_text())
     return Checkpoint(round=int(state["round"]), target=load_file(str(ckpt_dir / "target.safetensors")),
                       elapsed_s=float(state["elapsed_s"]), strategy=state["strategy"])
+
+
+def pack_tensors(tensors: dict[str, torch.Tensor]) -> str:
+    """Tensors as one JSON-able string (safetensors, base64), for strategy state inside a checkpoint."""
+    return base64.b64encode(save_tensors({k: v.contiguous() for k, v in tensors.items()})).decode()
+
+
+def unpack_tensors(text: str) -> dict[str, torch.Tensor]:
+    """The tensors :func:`pack_tensors` wrote."""
+    return load_tensors(base64.b64decode(text))
 
 
 def rng_state(rng) -> list[Any]:

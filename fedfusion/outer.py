@@ -12,12 +12,11 @@ applies that (possibly old) momentum in full.
 
 from __future__ import annotations
 
-import base64
 from dataclasses import dataclass
 
 import torch
-from safetensors.torch import load as load_tensors
-from safetensors.torch import save as save_tensors
+
+from fedfusion.checkpoint import pack_tensors, unpack_tensors
 
 OUTER_METHODS = ("none", "avgm", "nesterov", "adam")
 
@@ -90,13 +89,13 @@ class OuterOptimizer:
 
     def state_dict(self) -> dict:
         """Step count and buffers (safetensors, base64): JSON-able, for checkpoints."""
-        flat = {f"{name}\t{buffer}": t.contiguous() for name, bufs in self.state.items() for buffer, t in bufs.items()}
-        return {"steps": self.steps, "buffers": base64.b64encode(save_tensors(flat)).decode() if flat else ""}
+        flat = {f"{name}\t{buffer}": t for name, bufs in self.state.items() for buffer, t in bufs.items()}
+        return {"steps": self.steps, "buffers": pack_tensors(flat) if flat else ""}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from :meth:`state_dict`."""
         self.steps = int(state["steps"])
         self.state = {}
-        for key, tensor in (load_tensors(base64.b64decode(state["buffers"])) if state["buffers"] else {}).items():
+        for key, tensor in (unpack_tensors(state["buffers"]) if state["buffers"] else {}).items():
             name, buffer = key.split("\t")
             self.state.setdefault(name, {})[buffer] = tensor

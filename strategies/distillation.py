@@ -23,7 +23,6 @@ priced like a client.
 
 from __future__ import annotations
 
-import base64
 import json
 import math
 import time
@@ -50,8 +49,6 @@ from flwr.app import (
 )
 from flwr.common.logger import log
 from flwr.serverapp import Grid
-from safetensors.torch import load as load_tensors
-from safetensors.torch import save as save_tensors
 from transformers import (
     LlamaConfig,
     PretrainedConfig,
@@ -60,6 +57,7 @@ from transformers import (
 )
 
 from fedfusion.align import BridgedWindows, TokenBridge
+from fedfusion.checkpoint import pack_tensors, unpack_tensors
 from fedfusion.data import encode_text, lm_windows
 from fedfusion.distill import (
     Teacher,
@@ -208,14 +206,14 @@ class DistillationFusion(SubModelFusion):
         """Sampling state plus the family models (safetensors, base64) and which families have trained:
         everything a resumed run needs, in a JSON-able dict."""
         return {**super().state_dict(), "trained": sorted(self.trained), "family_scores": self.family_scores,
-                "families": {n: base64.b64encode(save_tensors(s)).decode() for n, s in self.family_states.items()}}
+                "families": {n: pack_tensors(s) for n, s in self.family_states.items()}}
 
     def load_state_dict(self, state: dict, rounds_done: int) -> None:
         """Continue from a checkpoint taken after ``rounds_done`` rounds."""
         super().load_state_dict(state, rounds_done)
         self.trained = set(state["trained"])
         self.family_scores = state.get("family_scores", {})
-        self.family_states = {n: wire_state(load_tensors(base64.b64decode(b)), self.family_aliases[n])
+        self.family_states = {n: wire_state(unpack_tensors(b), self.family_aliases[n])
                               for n, b in state["families"].items()}
 
     def family_model(self, name: str) -> PreTrainedModel:

@@ -16,7 +16,6 @@ The server sees every client's samples, which carry its private data almost verb
 
 from __future__ import annotations
 
-import base64
 import json
 import math
 import time
@@ -29,10 +28,9 @@ from fedfusion.strategies.submodel import ClientRound, RoundLog, SubModelFusion,
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid
-from safetensors.torch import load as load_tensors
-from safetensors.torch import save as save_tensors
 
-from fedfusion.energy import WorkCost, price_work, train_flops
+from fedfusion.checkpoint import pack_tensors, unpack_tensors
+from fedfusion.energy import train_flops
 from fedfusion.generative import SAMPLES_KEY, GenerativeConfig, SamplePool, check_samples
 from fedfusion.models import model_from_state
 from fedfusion.rounds import server_seed
@@ -51,6 +49,7 @@ class GenerativeFusion(SubModelFusion):
         self.pool = SamplePool()
         self.examples: dict[int, int] = {}  # partition -> its training windows (caps its samples)
         self.initial: dict[str, torch.Tensor] | None = None  # the target before round 1: what device models start from
+        self.sent: dict[int, dict[str, torch.Tensor]] = {}  # node -> the model sent this round (a reply must match it)
 
     def summary(self) -> None:
         """Log the strategy's settings."""
@@ -59,35 +58,21 @@ class GenerativeFusion(SubModelFusion):
 
     def state_dict(self) -> dict:
         """Sampling state, every device's model and the sample pool (safetensors, base64) for a resumed run."""
-        pack = lambda tensors: base64.b64encode(save_tensors(tensors)).decode()  # noqa: E731
         return {**super().state_dict(), "examples": self.examples,
-                "devices": {str(p): pack(s) for p, s in self.devices.items()},
-                "pool": {str(p): pack({"ids": w.contiguous()}) for p, w in self.pool.kept.items()},
-                "initial": pack(self.initial) if self.initial is not None else None}
+                "devices": {str(p): pack_tensors(s) for p, s in self.devices.items()},
+                "pool": {str(p): pack_tensors({"ids": w}) for p, w in self.pool.kept.items()},
+                "initial": pack_tensors(self.initial) if self.initial is not None else None}
 
     def load_state_dict(self, state: dict, rounds_done: int) -> None:
         """Continue from a checkpoint taken after ``rounds_done`` rounds."""
         super().load_state_dict(state, rounds_done)
-        unpack = lambda text: load_tensors(base64.b64decode(text))  # noqa: E731
         self.examples = {int(p): int(n) for p, n in state["examples"].items()}
-        self.devices = {int(p): unpack(s) for p, s in state["devices"].items()}
-        self.pool.kept = {int(p): unpack(s)["ids"] for p, s in state["pool"].items()}
-        self.initial = unpack(state["initial"]) if state["initial"] else None
+        self.devices = {int(p): unpack_tensors(s) for p, s in state["devices"].items()}
+        self.pool.kept = {int(p): unpack_tensors(s)["ids"] for p, s in state["pool"].items()}
+        self.initial = unpack_tensors(state["initial"]) if state["initial"] else None
 
-    def _plan(self, width: float):
-        return plan_slice(self.config, width, "static", axes=self.axes, scale=self.scale)
-
-    def tier_costs(self) -> dict[str, WorkCost]:
-        """Each tier's planned work, priced once: training its own model, the model both ways (samples are
-        small next to it and priced when they arrive)."""
-        if not self.costs:
-            for tier, width in self.widths.items():
-                sub = self.wire(extract(self.target, self.config, self._plan(width)))
-                params, nbytes = sum(t.numel() for t in sub.values()), sum(t.nbytes for t in sub.values())
-                self.sizes[tier] = (params, nbytes)
-                self.costs[tier] = price_work(self.participation.catalog[tier], train_flops(params, self._tokens()),
-                                              nbytes, nbytes)
-        return self.costs
+    # tier_costs is sub-model fusion's: a tier's own model is the static slice at its width, priced both ways
+    # (samples are small next to it and counted when they arrive)
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -98,14 +83,14 @@ class GenerativeFusion(SubModelFusion):
         if self.initial is None:
             self.initial = {k: v.clone() for k, v in self.target.items()}
         self.last = RoundLog(server_round=server_round)
-        self.plans = {}
+        self.sent = {}
         messages = []
         for node in self.sample(grid, server_round):
             device, partition = self.caps[node]["device"], self.partition_of(node)
             width = self.widths[device]
-            plan = self._plan(width)
+            plan = plan_slice(self.config, width, "static", axes=self.axes, scale=self.scale)
             own = self.devices.get(partition) or extract(self.initial, self.config, plan)
-            sent = self.wire(own)
+            sent = self.sent[node] = self.wire(own)
             sub = ArrayRecord(sent)
             # the client's own count of training windows, capped by the server: a client cannot claim the pool
             windows = min(int(self.caps[node].get("examples", 1)), self.generative.max_windows)
@@ -117,7 +102,6 @@ class GenerativeFusion(SubModelFusion):
                 "samples": math.ceil(self.generative.sample_fraction * windows),
                 "temperature": self.generative.temperature,
             })
-            self.plans[node] = plan
             self.last.clients[node] = ClientRound(
                 node=node, device=device, width=width, partition=int(self.caps[node].get("partition", -1)),
                 bytes_down=sub.count_bytes(), params=sum(t.numel() for t in sent.values()),
@@ -142,8 +126,7 @@ class GenerativeFusion(SubModelFusion):
                 if samples is None:
                     raise ValueError(f"reply has no {SAMPLES_KEY!r} array")
                 n, loss, seconds, tokens = reply_metrics(reply.content["metrics"], row)
-                own = self.devices.get(partition) or extract(self.initial, self.config, self.plans[row.node])
-                check_update(arrays, self.wire(own))
+                check_update(arrays, self.sent[row.node])
                 if self.max_norm_ratio and state_norm(arrays) > self.max_norm_ratio * row.sent_norm:
                     raise ValueError(f"update norm {state_norm(arrays):.3g} is over {self.max_norm_ratio:g}x the "
                                      f"norm of the model sent ({row.sent_norm:.3g})")
