@@ -13,7 +13,14 @@ extraction, client training step and fold), so arms see the same clients, sample
 - ``oracle``: every client trains the whole target;
 - ``static`` / ``rolling`` / ``random`` / ``owned``: width slicing at each client's own width (``owned``: a
   window fixed per client, see ``fedfusion.slicing``); ``*_nesterov`` / ``*_avgm``: the same with a server-side
-  outer optimizer on the aggregated change (``fedfusion.outer``).
+  outer optimizer on the aggregated change (``fedfusion.outer``);
+- ``generative``: each client keeps a small model of its own and sends samples of it; the server trains the target
+  on them (``fedfusion.generative``). Also reported: what the devices' own models know at the end (the ceiling of
+  what their samples can carry) and the best single device's recall;
+- ``feddf_public``: FedDF on a public transfer set (biographies of as many people again, owned by nobody): the
+  smallest_only federation, with the target distilled from its model's logits on the public text with the
+  generative arm's server budget (``fedfusion.inprocess.run_transfer``). Public text cannot carry private facts:
+  this arm measures how much of the target's recall that leaves.
 
 Regimes: ``phones`` (every client at width 1/8 of attention heads and MLP neurons: ~1/4 of the target's
 parameters with the embeddings it keeps whole), ``tiny`` (width 1/4 of heads, neurons and hidden dims: a
@@ -40,14 +47,23 @@ import platform
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 from transformers import LlamaConfig
 
-from fedfusion.data import build_char_tokenizer, encode_text, lm_windows, load_shakespeare_roles, split_text
+from fedfusion.data import (
+    build_char_tokenizer,
+    encode_text,
+    lm_windows,
+    load_shakespeare_roles,
+    read_jsonl,
+    split_text,
+)
 from fedfusion.devices import load_catalog
 from fedfusion.energy import price_work
 from fedfusion.facts import (
@@ -55,11 +71,12 @@ from fedfusion.facts import (
     encode_probes,
     facts_tokenizer,
     load_facts,
+    probe_hits,
     probe_metrics,
     write_facts,
 )
 from fedfusion.generative import GenerativeConfig
-from fedfusion.inprocess import GenerativeRun, SubModelRun, run_generative, run_submodel
+from fedfusion.inprocess import GenerativeRun, SubModelRun, TransferRun, run_generative, run_submodel, run_transfer
 from fedfusion.models import model_from_state
 from fedfusion.outer import OuterConfig
 from fedfusion.slice_families import family_of
@@ -75,7 +92,7 @@ REGIMES = {"phones": ((0.125,), ("heads", "neurons")), "mixed": ((0.125, 0.25), 
            "tiny": ((0.25,), ("heads", "neurons", "hidden"))}
 OUTER = {"nesterov": OuterConfig("nesterov", lr=0.7, momentum=0.9), "avgm": OuterConfig("avgm", lr=1.0, momentum=0.5),
          "sum": OuterConfig("avgm", lr=6.0, momentum=0.0)}
-ARMS = ("smallest_only", "oracle", "static", "rolling", "random", "owned", "generative")
+ARMS = ("smallest_only", "oracle", "static", "rolling", "random", "owned", "generative", "feddf_public")
 
 
 def target_config(vocab: int, seq_len: int, hidden: int, intermediate: int, layers: int) -> LlamaConfig:
@@ -85,9 +102,22 @@ def target_config(vocab: int, seq_len: int, hidden: int, intermediate: int, laye
                        max_position_embeddings=seq_len + 1, tie_word_embeddings=True)
 
 
-def build_lm_task(clients: int, seed: int, a: dict):
-    """(config, per-client windows, scorer) of Shakespeare by speaker (roles with >= 4000 characters, drawn by the
-    seed), character tokens; scored on every role's held-out tail (loss in nats/char, next-character accuracy)."""
+@dataclass
+class Task:
+    """What every arm of one seed shares: the target config, each client's training windows, the scorer, and for
+    facts the public transfer windows and each probe's owner (its index into ``windows``)."""
+
+    config: LlamaConfig
+    windows: list[torch.Tensor]
+    score: Callable[[torch.nn.Module], dict[str, float]]
+    transfer: torch.Tensor | None = None
+    hits: Callable[[torch.nn.Module], torch.Tensor] | None = None
+    owner: torch.Tensor | None = None
+
+
+def build_lm_task(clients: int, seed: int, a: dict) -> Task:
+    """Shakespeare by speaker (roles with >= 4000 characters, drawn by the seed), character tokens; scored on
+    every role's held-out tail (loss in nats/char, next-character accuracy)."""
     tok = build_char_tokenizer()
     roles = load_shakespeare_roles(min_chars=4000)
     picked = np.random.default_rng(seed).choice(len(roles), size=clients, replace=False)
@@ -98,21 +128,25 @@ def build_lm_task(clients: int, seed: int, a: dict):
         held.append(lm_windows(encode_text(tok, tail), a["seq_len"])[:16])
     cfg = target_config(len(tok), a["seq_len"], a["hidden"], a["intermediate"], a["layers"])
     pooled = torch.cat(held)
-    return cfg, windows, lambda model: {k: v for k, v in evaluate_lm(model, pooled).items() if k != "eval_ppl"}
+    return Task(cfg, windows, lambda model: {k: v for k, v in evaluate_lm(model, pooled).items() if k != "eval_ppl"})
 
 
-def build_task(people: int, clients: int, seed: int, a: dict, workdir: Path):
-    """(config, per-client windows, scorer) of the benchmark's task: a fresh facts dataset written to and read
-    from files (scored by its probes), or with ``a["task"] == "lm"`` Shakespeare (:func:`build_lm_task`)."""
+def build_task(people: int, clients: int, seed: int, a: dict, workdir: Path) -> Task:
+    """The benchmark's task: a fresh facts dataset (and as many public people, owned by nobody, for the transfer
+    set) written to and read from files, scored by its probes; or with ``a["task"] == "lm"`` Shakespeare
+    (:func:`build_lm_task`)."""
     if a.get("task") == "lm":
         return build_lm_task(clients, seed, a)
-    paths = write_facts(workdir / f"facts-{people}-{clients}-{seed}", clients, people, seed)
+    paths = write_facts(workdir / f"facts-{people}-{clients}-{seed}", clients, people, seed, public=people)
     facts = load_facts(paths["train"], paths["probes"])
     tok = facts_tokenizer(facts)
     windows = [encode_documents(tok, docs, a["seq_len"]) for docs in facts.documents]
     cfg = target_config(len(tok), a["seq_len"], a["hidden"], a["intermediate"], a["layers"])
     probes = encode_probes(tok, facts.probes)
-    return cfg, windows, lambda model: probe_metrics(model, probes)
+    public = [str(r["text"]) for r in read_jsonl(paths["public"], ("client", "text"))]
+    owner = torch.tensor([facts.clients.index(p.client) for p in facts.probes])
+    return Task(cfg, windows, lambda model: probe_metrics(model, probes), encode_documents(tok, public, a["seq_len"]),
+                lambda model: probe_hits(model, probes), owner)
 
 
 def arm_setup(arm: str, ladder: tuple[float, ...], clients: int,
@@ -129,6 +163,8 @@ def arm_setup(arm: str, ladder: tuple[float, ...], clients: int,
         return [min(ladder)] * clients, "static", outer, min(ladder)
     if base == "oracle":
         return [1.0] * clients, "static", outer, None
+    if base == "feddf_public":  # the smallest_only federation, its model distilled into the target on public text
+        return [min(ladder)] * clients, "feddf", outer, None
     if base.startswith("tier_"):  # one tier's clients alone, training that tier's own model
         w = float(base[5:])
         return [w if x == w else 0.0 for x in widths], "static", outer, w
@@ -145,7 +181,8 @@ def run_arm(job: dict) -> dict:
     torch.set_num_threads(1)
     a = job["args"]
     with tempfile.TemporaryDirectory() as tmp:
-        cfg, windows, score = build_task(a["people"], a["clients"], job["seed"], a, Path(tmp))
+        task = build_task(a["people"], a["clients"], job["seed"], a, Path(tmp))
+    cfg, windows, score = task.config, task.windows, task.score
     arm, scale = scaled(job["arm"])
     widths, policy, outer, scored = arm_setup(arm, REGIMES[job["regime"]][0], a["clients"],
                                               OuterConfig(a["outer"], lr=a["outer_lr"]))
@@ -168,19 +205,27 @@ def run_arm(job: dict) -> dict:
               flush=True)
         return scores
 
-    start = time.perf_counter()
+    start, ceiling = time.perf_counter(), {}
+    run = SubModelRun(cfg, [windows[i] for i in keep], [widths[i] for i in keep],
+                      policy="static" if policy == "feddf" else policy, rounds=a["rounds"], per_round=a["per_round"],
+                      steps=a["steps"], lr=a["lr"], batch_size=a["batch"], seed=job["seed"], stride=a["stride"],
+                      stagger=policy == "rolling", axes=axes, outer=outer, optimizer=a["optimizer"], scale=scale)
     if policy == "generative":  # each client's own model: the smallest width, as smallest_only trains it
         plan = plan_slice(cfg, min(widths), "static", axes=axes)
         gen_run = GenerativeRun(cfg, sub_config(cfg, plan), windows, rounds=a["gen_rounds"], per_round=a["per_round"],
                                 steps=a["gen_steps"], lr=a["gen_lr"], batch_size=a["batch"], seed=job["seed"],
                                 generative=GenerativeConfig(sample_fraction=a["gen_samples"], temperature=a["gen_temperature"],
                                                             server_steps=a["gen_server_steps"], server_lr=a["gen_server_lr"]))
-        _, stats = run_generative(gen_run, initial, extract(initial, cfg, plan), evaluate)
+        _, stats, devices = run_generative(gen_run, initial, extract(initial, cfg, plan), evaluate)
+        if task.hits is not None:
+            ceiling = device_ceiling(task, gen_run.client_config, devices)
+    elif policy == "feddf":  # server budget as generative's: gen_server_steps every rounds / gen_rounds rounds
+        if task.transfer is None:
+            raise SystemExit("feddf_public needs the facts task's public transfer set")
+        transfer = TransferRun(run, task.transfer, every=max(1, a["rounds"] // a["gen_rounds"]),
+                               steps=a["gen_server_steps"], lr=a["gen_server_lr"])
+        _, stats = run_transfer(transfer, initial, initial, evaluate)
     else:
-        run = SubModelRun(cfg, [windows[i] for i in keep], [widths[i] for i in keep], policy=policy, rounds=a["rounds"],
-                          per_round=a["per_round"], steps=a["steps"], lr=a["lr"], batch_size=a["batch"], seed=job["seed"],
-                          stride=a["stride"], stagger=policy == "rolling", axes=axes, outer=outer, optimizer=a["optimizer"],
-                          scale=scale)
         _, stats = run_submodel(run, initial, evaluate)
     last = stats.history[-3:]
     target_params = family_of(cfg).param_count(cfg)
@@ -194,8 +239,22 @@ def run_arm(job: dict) -> dict:
         "size_ratio": target_params / stats.max_client_params,
         "bytes": stats.bytes_down + stats.bytes_up, "energy_j": energy, "server_j": server_j,
         "wall_s": time.perf_counter() - start,
-        "client_s": stats.client_s, "server_s": stats.server_s, "history": stats.history,
+        "client_s": stats.client_s, "server_s": stats.server_s, "history": stats.history, **ceiling,
     }
+
+
+def device_ceiling(task: Task, config: LlamaConfig, devices: dict[int, dict[str, torch.Tensor]]) -> dict[str, float]:
+    """What the devices' own models know at the end of a generative run: ``devices_union_acc``, the share of all
+    probes answered by the model of the client that owns them (what their samples can carry at best: the
+    target's ceiling), and ``best_device_acc``, the best single device's model scored on every probe. A client
+    never sampled has no model and answers nothing."""
+    assert task.hits is not None and task.owner is not None
+    union, best = 0, 0.0
+    for client, state in devices.items():
+        hits = task.hits(model_from_state(config, state))
+        union += int(hits[task.owner == client].sum())
+        best = max(best, float(hits.float().mean()))
+    return {"devices_union_acc": union / len(task.owner), "best_device_acc": best}
 
 
 def capacity_point(job: dict) -> dict:
@@ -203,7 +262,8 @@ def capacity_point(job: dict) -> dict:
     ``people`` people for a fixed number of steps: the probe accuracy it reaches."""
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
-        cfg, windows, score = build_task(job["people"], 1, 0, job, Path(tmp))
+        task = build_task(job["people"], 1, 0, job, Path(tmp))
+    cfg, windows, score = task.config, task.windows, task.score
     torch.manual_seed(0)
     state = family_of(cfg).build(cfg).state_dict()
     widths, axes = REGIMES[job["model"]] if job["model"] in REGIMES else ((1.0,), REGIMES["phones"][1])
@@ -264,6 +324,9 @@ def report(payload: dict) -> str:
              "Command: `" + " ".join(["python benchmarks/knowledge.py", *payload["argv"]]) + "`"
              + ("" if payload["argv"] else " (every default)") + ". Wall seconds were taken while other jobs shared "
              "the 2 cores: compare them within this table only.", ""]
+    if payload.get("earlier"):
+        lines += ["Runs of " + ", ".join(payload["earlier"]) + " come from an earlier invocation with the same settings "
+                  "on the same machine kind (resumed from `<out>.partial.json`).", ""]
     extra = " knowledge bits |" if a["task"] == "facts" else ""
     for regime, arms in payload["results"].items():
         closure = summary["regimes"].get(regime, {}).get("gap_closure", {})
@@ -283,6 +346,11 @@ def report(payload: dict) -> str:
                 f"{statistics.mean(r['server_j'] for r in runs):.2f} | {statistics.mean(r['wall_s'] for r in runs):.0f} |")
         if regime in summary["regimes"]:
             lines += ["", f"Span (oracle - smallest-only {primary}): {summary['regimes'][regime]['span']:.3f}."]
+        gen = [r for r in arms.get("generative", []) if "devices_union_acc" in r]
+        if gen:
+            lines += ["", "Generative's devices at the end of the run: each owner's own model recalls "
+                      f"{_mean_sd([r['devices_union_acc'] for r in gen])} of all probes (the ceiling of what their "
+                      f"samples can teach the target); the best single device alone {_mean_sd([r['best_device_acc'] for r in gen])}."]
         lines.append("")
     if summary["best"]:
         b = summary["best"]
@@ -396,6 +464,7 @@ def main() -> None:
     if changed:
         raise SystemExit(f"{partial} was run with other settings ({', '.join(changed)}); use another --out or delete it")
     results: dict = saved["results"]
+    earlier = sorted(f"{g}/{arm}" for g, arms_runs in results.items() for arm in arms_runs)
     arms = list(args.arms)
     if "mixed" in args.regimes:
         arms += [f"tier_{w}" for w in REGIMES["mixed"][0] if f"tier_{w}" not in arms]
@@ -404,7 +473,7 @@ def main() -> None:
             return regime == "mixed"
         if arm == "oracle" and regime != args.regimes[0]:
             return False  # the oracle trains the whole target: the same run in every regime
-        return regime != "tiny" or scaled(arm)[0].split("_")[0] in ("smallest", "oracle", "generative")
+        return regime != "tiny" or scaled(arm)[0].split("_")[0] in ("smallest", "oracle", "generative", "feddf")
 
     def done(regime: str, arm: str) -> set[int]:
         return {r["seed"] for r in results.get(regime, {}).get(arm, [])}
@@ -425,7 +494,7 @@ def main() -> None:
     for regime in args.regimes[1:]:  # the one oracle run serves every regime
         if "oracle" in first and regime in results:
             results[regime]["oracle"] = first["oracle"]
-    payload = {"args": conf, "argv": sys.argv[1:], "results": results,
+    payload = {"args": conf, "argv": sys.argv[1:], "results": results, "earlier": earlier,
                "machine": f"{platform.platform()}, Python {platform.python_version()}, torch {torch.__version__}, "
                           f"{args.jobs} processes x 1 thread"}
     payload["summary"] = summarise(results, args.task)

@@ -90,7 +90,8 @@ def generate_facts(num_clients: int, people: int, seed: int, skew: float = 1.0, 
     A person is rendered ``paraphrases`` times, document j using template (j + offset) of each attribute
     in a shuffled sentence order, so every paraphrase of every fact is seen once. Names are first, middle and
     last words drawn from three lists of 40, as bioS composes them. ``public`` more people, owned by nobody,
-    form a public transfer set (their biographies only; no probes).
+    form a public transfer set (their biographies only; no probes), drawn by a generator of their own: adding
+    them changes no client's data.
     """
     if num_clients < 1 or people < num_clients:
         raise ValueError(f"need people >= num_clients >= 1, got people={people}, num_clients={num_clients}")
@@ -102,7 +103,7 @@ def generate_facts(num_clients: int, people: int, seed: int, skew: float = 1.0, 
     firsts, middles, lasts = (_words(p, 40, rng) for p in ("", "e", "o"))
     values = {attr: _words("", n, random.Random(f"{seed}-{attr}")) for attr, (n, _) in ATTRIBUTES.items()}
     names: set[str] = set()
-    while len(names) < people + public:
+    while len(names) < people:
         names.add(f"{rng.choice(firsts)} {rng.choice(middles)} {rng.choice(lasts)}")
     ordered = sorted(names)
     rng.shuffle(ordered)
@@ -112,19 +113,35 @@ def generate_facts(num_clients: int, people: int, seed: int, skew: float = 1.0, 
     counts = [1 + math.floor(extra * w / sum(weights)) for w in weights]
     for k in sorted(range(num_clients), key=lambda k: -weights[k])[: people - sum(counts)]:
         counts[k] += 1
-    owners = [k for k, c in enumerate(counts) for _ in range(c)] + [-1] * public
-    records, probes, public_records = [], [], []
+    owners = [k for k, c in enumerate(counts) for _ in range(c)]
+    records, probes = [], []
     for name, owner in zip(ordered, owners):
-        facts = {attr: rng.choice(values[attr]) for attr in ATTRIBUTES}
-        offset = rng.randrange(paraphrases)
-        for j in range(paraphrases):
-            sentences = [ATTRIBUTES[a][1][(j + offset) % paraphrases].format(name=name, value=v) for a, v in facts.items()]
-            rng.shuffle(sentences)
-            (records if owner >= 0 else public_records).append({"client": owner, "text": " ".join(sentences)})
-        if owner >= 0:
-            probes += [{"prompt": _probe_prompt(ATTRIBUTES[a][1][0], name), "answer": v, "client": owner,
-                        "attribute": a} for a, v in facts.items()]
+        facts = _biography(name, values, paraphrases, rng, records, owner)
+        probes += [{"prompt": _probe_prompt(ATTRIBUTES[a][1][0], name), "answer": v, "client": owner,
+                    "attribute": a} for a, v in facts.items()]
+    # the public people come from a generator of their own, so adding them leaves the clients' data unchanged
+    public_rng, public_records = random.Random(f"{seed}-public"), []
+    public_names: list[str] = []
+    while len(public_names) < public:
+        name = f"{public_rng.choice(firsts)} {public_rng.choice(middles)} {public_rng.choice(lasts)}"
+        if name not in names:
+            names.add(name)
+            public_names.append(name)
+    for name in public_names:
+        _biography(name, values, paraphrases, public_rng, public_records, -1)
     return records, probes, public_records
+
+
+def _biography(name: str, values: dict[str, list[str]], paraphrases: int, rng: random.Random, out: list[dict],
+               owner: int) -> dict[str, str]:
+    """Draw one person's attributes and append their ``paraphrases`` documents to ``out``; returns the facts."""
+    facts = {attr: rng.choice(values[attr]) for attr in ATTRIBUTES}
+    offset = rng.randrange(paraphrases)
+    for j in range(paraphrases):
+        sentences = [ATTRIBUTES[a][1][(j + offset) % paraphrases].format(name=name, value=v) for a, v in facts.items()]
+        rng.shuffle(sentences)
+        out.append({"client": owner, "text": " ".join(sentences)})
+    return facts
 
 
 def write_facts(out: str | Path, num_clients: int, people: int, seed: int, skew: float = 1.0,
@@ -254,29 +271,38 @@ def encode_probes(tok: PreTrainedTokenizerFast, probes: Sequence[Probe]) -> Enco
     return EncodedProbes(ids, answer, entropy)
 
 
-@torch.no_grad()
 def probe_metrics(model: torch.nn.Module, probes: EncodedProbes, batch_size: int = 512) -> dict[str, float]:
     """``probe_acc``: fraction of probes whose answer greedy decoding reproduces exactly (with teacher forcing,
     the same as decoding: every answer token is the argmax given the right prefix); ``answer_loss``: mean
     nats per answer token; ``knowledge_bits``: sum over probes of log2(answers of its attribute) minus the
     answer's loss in bits, each probe clamped at 0 (Allen-Zhu & Li's bits, estimated from the loss)."""
+    right, nll, tokens = _per_probe(model, probes, batch_size)
+    bits = (probes.entropy - nll / math.log(2)).clamp_min(0).sum()
+    return {"probe_acc": float(right.float().mean()), "answer_loss": float(nll.sum()) / max(int(tokens.sum()), 1),
+            "knowledge_bits": float(bits)}
+
+
+def probe_hits(model: torch.nn.Module, probes: EncodedProbes, batch_size: int = 512) -> torch.BoolTensor:
+    """Per probe: whether greedy decoding reproduces its answer exactly (what ``probe_acc`` averages)."""
+    return _per_probe(model, probes, batch_size)[0]
+
+
+@torch.no_grad()
+def _per_probe(model: torch.nn.Module, probes: EncodedProbes,
+               batch_size: int) -> tuple[torch.BoolTensor, torch.Tensor, torch.Tensor]:
+    """Per probe: exact match, summed answer nats, answer tokens (on the CPU)."""
     model.eval()
-    hits, loss_sum, tokens, bits = 0, 0.0, 0, 0.0
     device = next(model.parameters()).device
+    right, nll, tokens = [], [], []
     for i in range(0, probes.ids.shape[0], batch_size):
         ids, mark = probes.ids[i: i + batch_size].to(device), probes.answer[i: i + batch_size].to(device)
         logits = model(input_ids=ids[:, :-1]).logits.float()
         target, where = ids[:, 1:], mark[:, 1:]
-        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), target, reduction="none")
-        right = (logits.argmax(-1) == target) | ~where
-        hits += int(right.all(dim=1).sum())
-        loss_sum += float(nll[where].sum())
-        tokens += int(where.sum())
-        loss_bits = (nll * where).sum(dim=1).cpu() / math.log(2)
-        bits += float((probes.entropy[i: i + batch_size] - loss_bits).clamp_min(0).sum())
-    n = probes.ids.shape[0]
-    return {"probe_acc": hits / n, "answer_loss": loss_sum / max(tokens, 1),
-            "knowledge_bits": bits}
+        loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), target, reduction="none")
+        right.append(((logits.argmax(-1) == target) | ~where).all(dim=1).cpu())
+        nll.append((loss * where).sum(dim=1).cpu())
+        tokens.append(where.sum(dim=1).cpu())
+    return torch.cat(right), torch.cat(nll), torch.cat(tokens)
 
 
 @torch.no_grad()

@@ -19,11 +19,12 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PretrainedConfig
 
+from fedfusion.distill import Teacher, distil, feddf_teacher, forward_flops
 from fedfusion.generative import GenerativeConfig, SamplePool, sample_windows
 from fedfusion.models import model_from_state
 from fedfusion.outer import OuterConfig, OuterOptimizer
 from fedfusion.rounds import client_seed, fold, owned_starts, plan_round, server_seed
-from fedfusion.slicing import SelectiveAverager, extract, sub_config
+from fedfusion.slicing import SelectiveAverager, extract, plan_slice, sub_config
 from fedfusion.training import train_steps
 
 Evaluate = Callable[[dict[str, torch.Tensor], int], "dict[str, float] | None"]
@@ -140,9 +141,12 @@ class GenerativeRun(Rounds):
 
 
 def run_generative(run: GenerativeRun, initial: dict[str, torch.Tensor], client_initial: dict[str, torch.Tensor],
-                   evaluate: Evaluate | None = None) -> tuple[dict[str, torch.Tensor], RunStats]:
+                   evaluate: Evaluate | None = None,
+                   ) -> tuple[dict[str, torch.Tensor], RunStats, dict[int, dict[str, torch.Tensor]]]:
     """Train the target ``initial`` from the clients' samples for ``run.rounds`` rounds (see :class:`GenerativeRun`);
-    every client's model starts from ``client_initial``. Uploads are counted as int32 token ids."""
+    every client's model starts from ``client_initial``. Uploads are counted as int32 token ids. Returns the
+    target, the costs and each sampled partition's own model as its device ends the run (what the samples
+    could carry: the ceiling of what the target can learn from them)."""
     rng, g = random.Random(run.seed), run.generative
     devices: dict[int, dict[str, torch.Tensor]] = {}  # each client's own model, as its device keeps it
     pool, stats = SamplePool(), RunStats()
@@ -169,4 +173,53 @@ def run_generative(run: GenerativeRun, initial: dict[str, torch.Tensor], client_
         stats.server_flops += 6.0 * target_params * out["train_tokens"]
         if evaluate is not None and (row := evaluate(target.state_dict(), rnd)) is not None:
             stats.history.append({"round": rnd, **row})
+    return target.state_dict(), stats, devices
+
+
+@dataclass(frozen=True)
+class TransferRun:
+    """FedDF on a public transfer set with one client family, as distillation fusion runs it: the clients
+    federate a small model (``run``: every partition at the width of ``run.widths``' smallest, static), and every
+    ``every`` rounds the server distils the target from that model's logits on the public ``transfer`` windows
+    (:func:`fedfusion.distill.distil` against :func:`fedfusion.distill.feddf_teacher`)."""
+
+    run: SubModelRun
+    transfer: torch.Tensor  # (n, seq_len + 1) token ids of text no client owns
+    every: int = 10
+    steps: int = 30
+    lr: float = 3e-3
+    batch_size: int = 64
+    temperature: float = 1.0
+
+
+def run_transfer(t: TransferRun, initial: dict[str, torch.Tensor], target_initial: dict[str, torch.Tensor],
+                 evaluate: Evaluate | None = None) -> tuple[dict[str, torch.Tensor], RunStats]:
+    """The clients' rounds from ``initial`` (:func:`run_submodel`) with the target, from ``target_initial``,
+    distilled from the family model every ``t.every`` rounds; ``evaluate`` sees the target after every round."""
+    cfg = t.run.config
+    plan = plan_slice(cfg, min(t.run.widths), "static", axes=t.run.axes)
+    target = model_from_state(cfg, target_initial)
+    server = RunStats()
+
+    def after_round(state: dict[str, torch.Tensor], rnd: int) -> dict[str, float] | None:
+        if rnd % t.every == 0:
+            family = model_from_state(sub_config(cfg, plan), extract(state, cfg, plan)).eval()
+            family_params = sum(p.numel() for p in family.parameters())
+
+            def teacher(rows: torch.Tensor) -> Teacher:
+                inputs = t.transfer[rows][:, :-1]
+                out = feddf_teacher(family(input_ids=inputs).logits[None], t.temperature)
+                out.flops = forward_flops(family_params, inputs.numel())
+                return out
+
+            start = time.perf_counter()
+            fused = distil(target, teacher, t.transfer, t.steps, t.lr, t.temperature, t.batch_size,
+                           server_seed(t.run.seed, rnd, len(t.run.windows)))
+            server.server_s += time.perf_counter() - start
+            server.server_flops += fused["flops"]
+        return evaluate(target.state_dict(), rnd) if evaluate is not None else None
+
+    _, stats = run_submodel(t.run, initial, after_round)
+    stats.server_s += server.server_s
+    stats.server_flops += server.server_flops
     return target.state_dict(), stats

@@ -37,6 +37,7 @@ def test_generator_is_seeded_disjoint_and_skewed():
     assert len(records) == 200 * 3 and len(public) == 10 * 3
     public_names = {r["text"].split(" ")[0:3].__str__() for r in public}
     assert not public_names & {r["text"].split(" ")[0:3].__str__() for r in records}
+    assert generate_facts(8, 200, seed=3)[:2] == (records, probes)  # a transfer set changes no client's data
     sizes = Counter(p["client"] for p in probes)
     assert len(sizes) == 8 and max(sizes.values()) > 2 * min(sizes.values())  # Zipf-skewed ownership
     with pytest.raises(ValueError, match="at most"):

@@ -1,0 +1,84 @@
+"""The library's in-process round loops (what benchmarks compare methods with): exactness against the steps
+they are made of."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaForCausalLM
+
+from fedfusion.distill import feddf_teacher, kd_loss
+from fedfusion.generative import GenerativeConfig
+from fedfusion.inprocess import GenerativeRun, SubModelRun, TransferRun, run_generative, run_submodel, run_transfer
+from fedfusion.models import model_from_state
+from fedfusion.rounds import client_seed
+from fedfusion.slicing import extract, plan_slice, sub_config
+from fedfusion.training import train_steps
+from tests.conftest import tiny_config
+
+
+def _setup(clients: int = 3):
+    cfg = tiny_config()
+    torch.manual_seed(0)
+    state = LlamaForCausalLM(cfg).state_dict()
+    gen = torch.Generator().manual_seed(1)
+    windows = [torch.randint(3, cfg.vocab_size, (12, 9), generator=gen) for _ in range(clients)]
+    return cfg, state, windows
+
+
+def test_one_full_width_client_per_round_is_that_clients_own_training():
+    cfg, state, windows = _setup(clients=1)
+    run = SubModelRun(cfg, windows, [1.0], policy="static", rounds=2, per_round=1, steps=3, lr=0.01, batch_size=4)
+    fused, stats = run_submodel(run, state)
+    model = model_from_state(cfg, state)
+    for rnd in (1, 2):
+        train_steps(model, windows[0], 3, 0.01, 4, client_seed(0, rnd, 0))
+        model = model_from_state(cfg, model.state_dict())  # each round starts a fresh optimizer, as a client does
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(fused[key], value, rtol=0, atol=1e-6)
+    assert stats.client_rounds == 2 and stats.tokens == 2 * 3 * 4 * 8
+
+
+def test_generative_returns_each_sampled_devices_own_model_and_counts_uploads_as_int32_ids():
+    cfg, state, windows = _setup()
+    plan = plan_slice(cfg, 0.5, "static")
+    small = sub_config(cfg, plan)
+    run = GenerativeRun(cfg, small, windows, rounds=2, per_round=2, steps=2, lr=0.01, batch_size=4,
+                        generative=GenerativeConfig(sample_fraction=0.5, server_steps=2, server_batch=4))
+    target, stats, devices = run_generative(run, state, extract(state, cfg, plan))
+    assert set(devices) <= {0, 1, 2} and len(devices) >= 2
+    start = extract(state, cfg, plan)
+    for own in devices.values():
+        assert own.keys() == start.keys() and any(not torch.equal(own[k], start[k]) for k in own)
+    assert stats.bytes_up == 4 * 2 * 2 * 6 * 9  # rounds x clients x ceil(0.5 x 12) windows x 9 ids x 4 bytes
+    assert any(not torch.equal(target[k], state[k]) for k in state) and stats.server_flops > 0
+
+
+def test_transfer_distillation_runs_the_same_federation_and_moves_the_target_only_on_its_rounds():
+    cfg, state, windows = _setup()
+    run = SubModelRun(cfg, windows, [0.5] * 3, policy="static", rounds=4, per_round=2, steps=2, lr=0.05, batch_size=4)
+    transfer = torch.randint(3, cfg.vocab_size, (10, 9), generator=torch.Generator().manual_seed(2))
+    seen: dict[int, dict[str, torch.Tensor]] = {}
+
+    def record(target: dict[str, torch.Tensor], rnd: int) -> dict[str, float]:
+        seen[rnd] = {k: v.clone() for k, v in target.items()}
+        return {}
+
+    small, plain = run_submodel(run, state)
+    target, stats = run_transfer(TransferRun(run, transfer, every=2, steps=5, lr=0.01, batch_size=4), state, state,
+                                 record)
+    assert (stats.flops, stats.bytes_up, stats.tokens) == (plain.flops, plain.bytes_up, plain.tokens)
+    moved = [any(not torch.equal(seen[r][k], (seen[r - 1] if r > 1 else state)[k]) for k in state) for r in (1, 2, 3, 4)]
+    assert moved == [False, True, False, True] and stats.server_flops > 0
+
+    plan = plan_slice(cfg, 0.5, "static")
+    teacher = model_from_state(sub_config(cfg, plan), extract(small, cfg, plan)).eval()
+    inputs = transfer[:, :-1]
+    with torch.no_grad():
+        soft = feddf_teacher(teacher(input_ids=inputs).logits[None]).log_probs
+
+        def kl(s: dict[str, torch.Tensor]) -> float:
+            return float(kd_loss(model_from_state(cfg, s)(input_ids=inputs).logits, soft))
+
+    assert kl(target) < kl(state)  # the target moved towards the federation's model on the public text
+    untouched, _ = run_transfer(TransferRun(run, transfer, every=5), state, state)
+    assert all(torch.equal(untouched[k], state[k]) for k in state)  # no distillation round within 4 rounds
