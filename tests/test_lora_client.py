@@ -10,6 +10,7 @@ from importlib.util import find_spec
 
 import pytest
 import torch
+from fedfusion import adapters
 from fedfusion.clients import lora as client
 from flwr.app import ConfigRecord
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -72,23 +73,23 @@ def test_training_replies_only_adapter_tensors_that_lower_the_clients_loss(base)
     merged = {}
     for m in A:
         merged[f"{m}.merged_A"], merged[f"{m}.merged_B"] = A[m], B[m] * (8.0 / 4)
-    with client.merged_update(plain, merged) as hooked:
+    with adapters.merged_update(plain, merged) as hooked:
         assert hooked == 4
         after = evaluate_instruct(plain, data)["eval_loss"]
     assert after < before - 0.05
-    assert not client.lora_layers(plain)  # the cached base lost its adapter layers again
+    assert not adapters.lora_layers(plain)  # the cached base lost its adapter layers again
     assert evaluate_instruct(plain, data)["eval_loss"] == pytest.approx(before)  # and its hooks
 
 
 def test_received_factors_load_into_the_first_components_and_round_trip(base):
-    model = client.attach_adapter(client.frozen_base(base, 0, "float32"), 6, 12.0, list(MODULES), 0.0, seed=0)
+    model = adapters.attach_adapter(client.frozen_base(base, 0, "float32"), 6, 12.0, list(MODULES), 0.0, seed=0)
     try:
-        fresh = client.adapter_factors(model)
+        fresh = adapters.adapter_factors(model)
         g = torch.Generator().manual_seed(1)
         sent = {k: torch.randn(4 if k.endswith("_A") else v.shape[0], *(v.shape[1:] if k.endswith("_A") else (4,)),
                                generator=g) for k, v in fresh.items()}
-        client.load_factors(model, sent)
-        got = client.adapter_factors(model)
+        adapters.load_factors(model, sent)
+        got = adapters.adapter_factors(model)
         for k, v in sent.items():
             if k.endswith("_A"):
                 assert torch.equal(got[k][:4], v) and torch.equal(got[k][4:], fresh[k][4:])
@@ -105,14 +106,14 @@ def test_received_factors_load_into_the_first_components_and_round_trip(base):
         frozen = {}
         for name in factors(got)[0]:
             frozen[f"{name}.merged_A"], frozen[f"{name}.merged_B"] = got[f"{name}.lora_A"], got[f"{name}.lora_B"] * 2.0
-        with client.merged_update(plain, frozen):
+        with adapters.merged_update(plain, frozen):
             torch.testing.assert_close(adapted, plain(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
-        model = client.attach_adapter(plain, 6, 12.0, list(MODULES), 0.0, seed=0)
+        model = adapters.attach_adapter(plain, 6, 12.0, list(MODULES), 0.0, seed=0)
         with pytest.raises(ValueError, match="do not fit adapter"):
-            client.load_factors(model, {k: torch.zeros(7, v.shape[1]) if k.endswith("_A") else torch.zeros(v.shape[0], 7)
+            adapters.load_factors(model, {k: torch.zeros(7, v.shape[1]) if k.endswith("_A") else torch.zeros(v.shape[0], 7)
                                         for k, v in fresh.items()})
         with pytest.raises(ValueError, match="does not match"):
-            client.load_factors(model, {"model.layers.0.mlp.up_proj.lora_A": torch.zeros(1, 64)})
+            adapters.load_factors(model, {"model.layers.0.mlp.up_proj.lora_A": torch.zeros(1, 64)})
     finally:
         model.unload()
 
@@ -123,16 +124,16 @@ def test_a_merged_update_equals_adding_it_to_the_weights(base):
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(3, 64, generator=g), torch.randn(64, 3, generator=g)
     ids = torch.randint(100, (2, 10))
-    with client.merged_update(plain, {f"{m}.merged_A": a, f"{m}.merged_B": b}):
+    with adapters.merged_update(plain, {f"{m}.merged_A": a, f"{m}.merged_B": b}):
         hooked = plain(input_ids=ids).logits
     edited = LlamaForCausalLM.from_pretrained(base)
     with torch.no_grad():
         edited.get_submodule(m).weight += b @ a
     torch.testing.assert_close(hooked, edited(input_ids=ids).logits, atol=1e-4, rtol=1e-4)
-    with client.merged_update(plain, {f"{m}.merged_W": b @ a}):  # the dense form FLoRA sends when smaller
+    with adapters.merged_update(plain, {f"{m}.merged_W": b @ a}):  # the dense form FLoRA sends when smaller
         torch.testing.assert_close(plain(input_ids=ids).logits, hooked, atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="does not have"):
-        with client.merged_update(plain, {"nope.merged_A": a, "nope.merged_B": b}):
+        with adapters.merged_update(plain, {"nope.merged_A": a, "nope.merged_B": b}):
             pass
 
 

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from fedfusion import adapters
 from fedfusion.clients import lora as client
 from fedfusion.strategies.lora import (
     LoRAFusion,
@@ -290,7 +291,7 @@ def test_two_rounds_with_real_clients_train_and_save_in_peft_and_hf_format(base,
     msg = evaluated[-1]
     partition, bits = msg.metadata.dst_node_id - 11, msg.content["config"]["quantize"]
     assert bits == QUANT[DEVICES[msg.metadata.dst_node_id]]  # scored on the base its device holds
-    with client.merged_update(client.frozen_base(base, bits, "float32"), msg.content["arrays"].to_torch_state_dict()):
+    with adapters.merged_update(client.frozen_base(base, bits, "float32"), msg.content["arrays"].to_torch_state_dict()):
         want = evaluate_instruct(client.frozen_base(base, bits, "float32"),
                                  client.client_data(DATA, partition, base, 96, "held_out"))["eval_loss"]
     assert strategy.last.fed_eval["fed_eval_loss"] == pytest.approx(want, rel=1e-4)
