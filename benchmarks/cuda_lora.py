@@ -8,11 +8,11 @@ above what was allocated before the base loaded) next to the planner's estimate,
 (the project's :func:`fedfusion.instruct.train_instruct` on :func:`fedfusion.adapters.attach_adapter`'s peft
 adapter) and the first loss against the float32 base's.
 
-Bases are randomly initialised Llamas of SmolLM2-135M's and SmolLM2-360M's shapes (no hub access is needed:
+Bases are randomly initialised Llamas of SmolLM2-135M's, -360M's and -1.7B's shapes (no hub access is needed:
 weights do not change memory or speed, and every precision starts from the same random weights); the batch is
 random token ids, every token a response token. 16-bit is a bfloat16 base; 8- and 4-bit compute in bfloat16.
 
-    python benchmarks/cuda_lora.py [--shapes 135m 360m] [--bits 32 16 8 4] [--rank 16] [--batch 8] [--seq 256]
+    python benchmarks/cuda_lora.py [--shapes 135m 360m 1.7b] [--bits 32 16 8 4] [--rank 16] [--batch 8] [--seq 256]
         [--steps 10] [--out-dir benchmarks/results]
 """
 
@@ -37,6 +37,7 @@ from fedfusion.pretrained import load_base
 SHAPES = {  # SmolLM2's published configs (hidden, intermediate, layers, heads, kv heads, vocab)
     "135m": (576, 1536, 30, 9, 3, 49152),
     "360m": (960, 2560, 32, 15, 5, 49152),
+    "1.7b": (2048, 8192, 24, 32, 32, 49152),
 }
 PRECISION = {32: (0, "float32"), 16: (0, "bfloat16"), 8: (8, "bfloat16"), 4: (4, "bfloat16")}  # bits -> (quantize, dtype)
 MB = 2**20

@@ -48,7 +48,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -481,8 +481,10 @@ def main() -> None:
     jobs = [{"regime": g, "arm": arm, "seed": s, "args": conf} for g in args.regimes for arm in arms for s in args.seeds
             if wanted(g, arm) and s not in done(g, arm)]
     RESULTS.mkdir(exist_ok=True)
-    with ProcessPoolExecutor(args.jobs) as pool:
-        for job, out in zip(jobs, pool.map(run_arm, jobs)):
+    with ProcessPoolExecutor(args.jobs) as pool:  # each run is kept as soon as it finishes
+        futures = {pool.submit(run_arm, job): job for job in jobs}
+        for future in as_completed(futures):
+            job, out = futures[future], future.result()
             results.setdefault(job["regime"], {}).setdefault(job["arm"], []).append({"seed": job["seed"], **out})
             partial.write_text(json.dumps({"args": conf, "results": results}))
             key = PRIMARY[args.task][0]

@@ -9,9 +9,12 @@ Memory model (:func:`estimate_memory`), per training step of ``batch`` sequences
 - **gradients**: 4 bytes per trainable parameter (all of them; with LoRA only the adapters).
 - **optimizer**: AdamW's two fp32 moments, 8 bytes per trainable parameter.
 - **activations** kept for backward: per token and layer ``10*hidden + 3*intermediate + 2*heads*seq``
-  values (attention inputs/outputs, norms, SwiGLU branches, attention scores and probabilities) plus
-  ``2*vocab`` per token for logits and their softmax; 4 bytes each, 2 with a 16-bit or quantised base.
-  No activation checkpointing, no fused attention.
+  values (attention inputs/outputs, norms, SwiGLU branches, attention scores and probabilities), 4 bytes
+  each, 2 with a 16-bit or quantised base; no activation checkpointing, no fused attention. Per token the
+  logits: ``vocab`` values in the model's dtype, the loss's float32 copy where that dtype is narrower, and
+  the float32 log-softmax cross-entropy keeps (8 bytes per vocabulary entry at fp32, 10 at 16 bits: on a
+  135M base with a 49k vocabulary this is a fifth of the peak, measured on CUDA in
+  ``benchmarks/results/cuda_lora.md``).
 
 A plan fits a device when its estimate is within ``usable`` (default 0.9) of the catalog's
 ``memory_gb`` (already the memory an app may use), the rest left for allocator fragmentation, the
@@ -115,9 +118,10 @@ def estimate_memory(
         raise ValueError("base_bits: a reduced-precision base needs lora_rank (full training keeps fp32 weights)")
     h, inter, heads, kv, d, layers = _dims(config)
     params = param_count(config)
-    act_values = batch * seq * (layers * (10 * h + 3 * inter + 2 * heads * seq) + 2 * config.vocab_size)
+    layer_values = batch * seq * layers * (10 * h + 3 * inter + 2 * heads * seq)
     if lora_rank is None:
-        return MemoryEstimate(4 * params, 4 * params, 8 * params, 4 * act_values, params, params)
+        return MemoryEstimate(4 * params, 4 * params, 8 * params, 4 * layer_values + _logit_bytes(config, batch, seq, 4),
+                              params, params)
     trainable = lora_params(config, lora_rank, lora_modules)
     linear = layers * (h * heads * d * 2 + h * kv * d * 2 + 3 * h * inter)
     act_bytes = base_bits // 8 if base_bits >= 16 else compute_bytes
@@ -125,8 +129,17 @@ def estimate_memory(
         weights = params * base_bits / 8
     else:
         weights = linear * _BITS_STORED[base_bits] / 8 + (params - linear) * act_bytes
-    return MemoryEstimate(int(weights) + 4 * trainable, 4 * trainable, 8 * trainable, act_bytes * act_values,
-                          params + trainable, trainable)
+    return MemoryEstimate(int(weights) + 4 * trainable, 4 * trainable, 8 * trainable,
+                          act_bytes * layer_values + _logit_bytes(config, batch, seq, act_bytes), params + trainable,
+                          trainable)
+
+
+def _logit_bytes(config: PretrainedConfig, batch: int, seq: int, act_bytes: int) -> int:
+    """The logits' bytes at the loss: the model's output (``act_bytes`` per value), its float32 copy where the
+    output is narrower (``fedfusion.training.lm_loss`` and ``fedfusion.instruct.response_loss`` upcast), and the
+    float32 log-softmax the cross-entropy keeps for backward."""
+    per_value = act_bytes + (4 if act_bytes < 4 else 0) + 4
+    return batch * seq * config.vocab_size * per_value
 
 
 def training_memory_bytes(config: PretrainedConfig, batch: int, seq: int) -> int:
