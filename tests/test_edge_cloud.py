@@ -71,11 +71,13 @@ def test_work_from_client_rows_follows_the_ledger_rule():
         {"device": "phone", "params": 1000, "tokens": 10, "bytes_down": 400, "bytes_up": 400, "status": "ok"},
         {"device": "phone", "params": 1000, "tokens": 10, "bytes_down": 400, "bytes_up": 400, "status": "failed"},
         {"device": "laptop", "params": 2000, "tokens": 5, "bytes_down": 800, "bytes_up": 800, "status": "rejected"},
+        {"device": "desktop", "params": 2000, "tokens": 5, "bytes_down": 800, "bytes_up": 0, "status": "cut"},
     ]
     work = {w.tier: w for w in work_from_clients(rows)}
     assert work["phone"].flops == 2 * 6 * 1000 * 10 and work["phone"].useful == 6 * 1000 * 10
     assert (work["phone"].bytes_down, work["phone"].bytes_up) == (800, 400)  # a failed client uploads nothing
     assert work["laptop"].useful == 0 and work["laptop"].bytes_up == 800
+    assert work["desktop"].bytes_up == 800  # a cut client's reply is still sent, the size of what it got
     with pytest.raises(ValueError, match="lacks 'tokens'"):
         work_from_clients([{"device": "phone", "params": 1, "status": "ok"}])
 
