@@ -335,11 +335,15 @@ def _pct(x: float) -> str:
     return f"{x:.0%}"
 
 
-def _flip(root: float | None, low: float, high: float | None, fmt: str, below: str, above: str) -> str:
-    """A break-even cell: the root when it lies in [low, high], else which side wins over the whole range."""
-    if root is not None and root >= low and (high is None or root <= high):
+def _flip(root: float | None, low: float, high: float | None, fmt: str, below: str, above: str,
+          edge_wins_now: bool) -> str:
+    """A break-even cell: the root when it lies in [low, high]; else which side wins over the whole range
+    (``below`` / ``above`` the range; without a positive root, the side that wins now wins everywhere)."""
+    if root is None:
+        return "always: the edge wins at any value" if edge_wins_now else "never: the edge loses at any value"
+    if root >= low and (high is None or root <= high):
         return format(root, fmt)
-    return below if root is None or root < low else above
+    return below if root < low else above
 
 
 def flip_table(work: Sequence[TierWork], **options: Any) -> list[dict[str, Any]]:
@@ -360,17 +364,23 @@ def flip_table(work: Sequence[TierWork], **options: Any) -> list[dict[str, Any]]
     attributional = {**options, "edge_embodied_share": 1.0, "edge_utilisation": 1.0, "cloud_utilisation": 1.0}
     consequential = {**attributional, "edge_embodied_share": 0.0}
     lifetimes = sorted({catalog[w.tier].lifetime_years for w in work})
+    edge, cloud_total = totals(work, **options)
+    wins = {"energy": edge["energy_kwh"] < cloud_total["energy_kwh"], "now": edge["co2_g"] < cloud_total["co2_g"]}
+    for view, opts in (("attributional", attributional), ("consequential", consequential)):
+        edge, cloud_total = totals(work, **opts)
+        wins[view] = edge["co2_g"] < cloud_total["co2_g"]
 
     def per_work(k: float) -> str:
         return f"x{k:.3g} the training per byte sent" if k > 0 else "never (no transfers)"
 
     return [
         {"lever": f"cloud sustained TFLOPS (energy; {cloud})", "now": f"{gpu.tflops:g}",
-         "break-even": _flip(solve(work, "cloud_tflops", "energy_kwh", **options), 0, None, ".3g", "never", "never"),
+         "break-even": _flip(solve(work, "cloud_tflops", "energy_kwh", **options), 0, None, ".3g", "never", "never",
+                             wins["energy"]),
          "reading": "the edge wins on energy when the cloud GPU sustains less"},
         {"lever": "datacenter PUE (energy)", "now": f"{pue:g}",
          "break-even": _flip(solve(work, "pue", "energy_kwh", **options), 1, None, ".3g",
-                             "edge wins at any PUE", "never"),
+                             "always: the edge wins at any PUE", "never", wins["energy"]),
          "reading": "the edge wins on energy when the PUE is higher"},
         {"lever": "edge compute energy vs radio energy", "now": f"compute {compute_j / (radio_j or 1):.3g}x radio",
          "break-even": per_work(radio_j / compute_j if compute_j else 0.0),
@@ -382,21 +392,20 @@ def flip_table(work: Sequence[TierWork], **options: Any) -> list[dict[str, Any]]
         {"lever": "edge embodied share (0 consequential, 1 attributional)", "now": f"{share:g}",
          "break-even": _flip(solve(work, "edge_embodied_share", **options), 0, 1, ".3g",
                              "never: the edge loses even with its embodied carbon sunk",
-                             "always: the edge wins even charged in full"),
+                             "always: the edge wins even charged in full", wins["now"]),
          "reading": "the edge wins on carbon when the share is lower"},
         {"lever": "edge grid intensity, g/kWh (attributional)",
          "now": ", ".join(f"{z} {table[z]:g}" for z in zones),
          "break-even": _flip(solve(work, "edge_grid_g_per_kwh", **attributional), 0, None, ".3g",
-                             "never: the edge loses even on a carbon-free grid", "never"),
+                             "never: the edge loses even on a carbon-free grid", "never", wins["attributional"]),
          "reading": "the edge wins on carbon when its grid is cleaner"},
         {"lever": "edge device lifetime, years (attributional)", "now": ", ".join(f"{x:g}" for x in lifetimes),
          "break-even": _flip(solve(work, "lifetime_years", **attributional), 0, None, ".3g",
-                             "never: the edge loses even with endless lifetimes", "never"),
+                             "never", "never", wins["attributional"]),
          "reading": "the edge wins on carbon when its devices last longer (or are busier: lifetime x utilisation counts)"},
         {"lever": "cloud utilisation (consequential)", "now": "100 %",
          "break-even": _flip(solve(work, "cloud_utilisation", **consequential), 0, 1, ".0%",
-                             "never",
-                             "always: the edge wins even against a fully used GPU"),
+                             "never", "always: the edge wins even against a fully used GPU", wins["consequential"]),
          "reading": "the edge wins on carbon when the cloud GPU is busy less of its life"},
     ]
 
@@ -481,7 +490,8 @@ def headline(work: Sequence[TierWork], **options: Any) -> str:
 def edge_cloud_markdown(work: Sequence[TierWork], **options: Any) -> str:
     """The report section: headline, carbon views, the edge's cost split, what flips the verdict, the full
     comparison, a sensitivity table and the assumptions, for ``options`` of :func:`edge_vs_cloud`."""
-    parts = edge_breakdown(work, **options)
+    attributional = {**options, "edge_embodied_share": 1.0, "edge_utilisation": 1.0, "cloud_utilisation": 1.0}
+    parts = edge_breakdown(work, **attributional)
     for row in parts:
         row["energy share"], row["CO2e share"] = _pct(row["energy share"]), _pct(row["CO2e share"])
     return "\n\n".join([
@@ -494,9 +504,9 @@ def edge_cloud_markdown(work: Sequence[TierWork], **options: Any) -> str:
         "### What flips the verdict (break-even points from the same pricing)",
         markdown_table(flip_table(work, **options)),
         "### Every device (attributional)",
-        markdown_table(edge_vs_cloud(work, **options)),
+        markdown_table(edge_vs_cloud(work, **attributional)),
         "### Sensitivity: edge/cloud CO2e by edge device lifetime and edge grid intensity (attributional)",
-        markdown_table(sensitivity(work, **options)),
+        markdown_table(sensitivity(work, **attributional)),
         "### Assumptions",
         "\n".join(f"- {a}" for a in assumptions(**options)),
     ])

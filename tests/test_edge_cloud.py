@@ -222,3 +222,12 @@ def test_seed_paper_ratios_equal_a_hand_computation_from_the_catalog():
         assert cloud_j * gpu.tflops / tflops / edge_j == pytest.approx(1.5)
     text = seed_paper.markdown(res)
     assert "laptop" in text and "cloud-a5000" in text and "in range" in text
+
+
+def test_a_lever_without_a_crossing_says_which_side_wins_everywhere():
+    # the seed paper's phone job: the edge's operational carbon alone is below the cloud's, so with its embodied
+    # carbon sunk no cloud utilisation makes the cloud win
+    flips = {r["lever"]: r["break-even"] for r in flip_table([seed_paper.work("phone")], cloud="cloud-a5000")}
+    assert flips["cloud utilisation (consequential)"] == "always: the edge wins at any value"
+    energy = solve([seed_paper.work("phone")], "cloud_tflops", "energy_kwh", cloud="cloud-a5000")
+    assert flips["cloud sustained TFLOPS (energy; cloud-a5000)"] == f"{energy:.3g}"
