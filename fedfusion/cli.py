@@ -15,6 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from fedfusion.recipe import Recipe, RecipeError, load_recipe
+from fedfusion.seed_paper import NAME as SEED_PAPER
 
 console = Console()
 
@@ -203,6 +204,28 @@ def cmd_facts(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_edge_cloud(args: argparse.Namespace) -> int:
+    """Price a named edge-vs-cloud setting (the seed paper's) and say whether it lands in the paper's ranges."""
+    from fedfusion.devices import load_catalog
+    from fedfusion.edge_cloud import check_cloud
+    from fedfusion.seed_paper import CLOUD, markdown, results
+
+    catalog = load_catalog(args.catalog)
+    cloud = args.cloud or CLOUD
+    check_cloud(cloud, catalog)
+    res = results(catalog, cloud)
+    text = markdown(res)
+    console.print(text, highlight=False, markup=False, soft_wrap=True)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        stem = f"edge_cloud_{args.setting.replace('-', '_')}" + ("" if cloud == CLOUD else f"_{cloud}")
+        (out / f"{stem}.md").write_text(text)
+        (out / f"{stem}.json").write_text(json.dumps(res, indent=1) + "\n")
+        console.print(f"wrote {out / stem}.md and .json")
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     """The argument parser (exposed for docs and tests)."""
     p = argparse.ArgumentParser(prog="fedfusion", description=__doc__)
@@ -241,6 +264,13 @@ def parser() -> argparse.ArgumentParser:
     facts.add_argument("--skew", type=float, default=1.0, help="Zipf exponent of people per client (0: equal shares)")
     facts.add_argument("--public", type=int, default=0, help="people nobody owns, written to public.jsonl")
     facts.set_defaults(func=cmd_facts)
+    edge = sub.add_parser("edge-cloud", help="price a named edge-vs-cloud setting (the seed paper's) from the catalog")
+    edge.add_argument("--setting", choices=(SEED_PAPER,), default=SEED_PAPER,
+                      help="OPT-125m, 100 steps, batch 16, seq 512 on the M2 Pro laptop and phone tiers vs one GPU")
+    edge.add_argument("--cloud", help="the catalog's cloud tier to compare with (default: the setting's, cloud-a5000)")
+    edge.add_argument("--catalog", help="a device catalog YAML (default: the built-in one)")
+    edge.add_argument("--out", help="also write edge_cloud_<setting>.md and .json into this folder")
+    edge.set_defaults(func=cmd_edge_cloud)
     report = sub.add_parser("report", help="report.md and plots for run directories")
     report.add_argument("runs", nargs="+")
     report.add_argument("--out", help="output folder for a comparison of several runs")

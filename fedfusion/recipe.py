@@ -17,6 +17,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from fedfusion.availability import AvailabilityConfig
 from fedfusion.devices import load_catalog
+from fedfusion.edge_cloud import DEFAULT_CLOUD, check_cloud
 from fedfusion.selection import make_selector
 
 
@@ -249,6 +250,13 @@ class OutputConfig:
 
 
 @dataclass
+class ReportConfig:
+    """What the run's report.md compares it with."""
+
+    cloud: str = DEFAULT_CLOUD  # the catalog's cloud tier that the edge-vs-cloud section prices the same work on
+
+
+@dataclass
 class Recipe:
     """One experiment."""
 
@@ -269,6 +277,7 @@ class Recipe:
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    report: ReportConfig = field(default_factory=ReportConfig)
 
 
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -462,6 +471,10 @@ def validate(recipe: Recipe) -> None:
         if (recipe.fusion.method in ("submodel", "generative") and not recipe.fusion.auto_widths
                 and tier not in recipe.fusion.widths):
             raise RecipeError(f"fusion.widths: no width for tier {tier!r} of population.mix")
+    try:
+        check_cloud(recipe.report.cloud, catalog)
+    except ValueError as exc:
+        raise RecipeError(f"report.{exc}") from None
     if recipe.fusion.method == "distill":
         _validate_distill(recipe, catalog)
     if (recipe.fusion.method == "lora") != (recipe.data.source == "chatterbot"):

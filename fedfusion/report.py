@@ -14,7 +14,7 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from fedfusion.devices import load_catalog  # noqa: E402
-from fedfusion.edge_cloud import edge_cloud_markdown, work_from_clients  # noqa: E402
+from fedfusion.edge_cloud import DEFAULT_CLOUD, check_cloud, edge_cloud_markdown, work_from_clients  # noqa: E402
 from fedfusion.run_dir import read_jsonl  # noqa: E402
 
 CURVES = (("eval_loss", "held-out loss (nats/char)"), ("eval_ppl", "held-out perplexity"),
@@ -123,9 +123,11 @@ def _edge_cloud_section(run: Path) -> str:
         return "## Edge vs cloud\n\nNo client work was recorded."
     recipe = OmegaConf.load(run / "recipe.yaml") if (run / "recipe.yaml").is_file() else {}
     catalog = load_catalog(OmegaConf.select(recipe, "population.catalog", default=None) if recipe else None)
-    cloud = next((name for name in ("cloud-a100", "cloud-h100") if name in catalog), None)
-    if cloud is None:
-        return "## Edge vs cloud\n\nThe device catalog has no cloud reference (cloud-a100 or cloud-h100)."
+    cloud = OmegaConf.select(recipe, "report.cloud", default=DEFAULT_CLOUD) if recipe else DEFAULT_CLOUD
+    try:
+        check_cloud(cloud, catalog)
+    except ValueError as exc:
+        return f"## Edge vs cloud\n\nNo cloud reference to price the work on: report.{exc}."
     return edge_cloud_markdown(work_from_clients(clients), catalog=catalog, cloud=cloud)
 
 

@@ -56,3 +56,13 @@ def test_report_compares_several_runs(tmp_path):
 def test_report_on_a_non_run_directory_is_a_clear_error(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == 2
     assert "metrics.jsonl" in capsys.readouterr().out
+
+
+def test_edge_cloud_seed_paper_writes_its_results(tmp_path, capsys):
+    assert main(["edge-cloud", "--setting", "seed-paper", "--out", str(tmp_path)]) == 0
+    assert "seed paper's setting" in capsys.readouterr().out
+    res = json.loads((tmp_path / "edge_cloud_seed_paper.json").read_text())
+    assert res["setting"]["cloud"] == "cloud-a5000" and set(res["devices"]) == {"laptop", "phone"}
+    assert (tmp_path / "edge_cloud_seed_paper.md").read_text().startswith("# Edge vs cloud")
+    assert main(["edge-cloud", "--cloud", "cloud-tpu"]) == 2
+    assert "its cloud tiers" in capsys.readouterr().out

@@ -26,8 +26,9 @@ SHELL_OPERATORS = {"&&", "||", ";", "|", ">", ">>", "2>&1"}
 USER_FILES = {"my-facts/train.jsonl", "my-facts/probes.jsonl"}
 
 
-def shown_commands() -> list[tuple[str, str]]:
-    """(where, command text) for every fedfusion run/plan/deploy in a fenced code block or an inline code span."""
+def shown_commands(command: re.Pattern[str] = COMMAND) -> list[tuple[str, str]]:
+    """(where, command text) for every fedfusion run/plan/deploy (or ``command``) in a fenced code block or an
+    inline code span."""
     found = []
     for doc in DOCS:
         lines = doc.read_text(encoding="utf-8").splitlines()
@@ -42,11 +43,11 @@ def shown_commands() -> list[tuple[str, str]]:
                 while line.rstrip().endswith("\\") and i < len(lines):  # shell line continuation
                     line = line.rstrip()[:-1] + " " + lines[i].strip()
                     i += 1
-                if (m := COMMAND.search(line)) is not None:
+                if (m := command.search(line)) is not None:
                     found.append((f"{doc.name}:{number}", line[m.start():]))
             else:
                 for span in re.findall(r"`([^`]+)`", line):
-                    if COMMAND.match(span):
+                    if command.match(span):
                         found.append((f"{doc.name}:{number}", span))
     return found
 
@@ -97,3 +98,20 @@ def test_shown_command_loads_its_recipe(where, command, tmp_path):
         overrides.append(item)
     recipe = args.recipe if not args.recipe.endswith(".yaml") else str(ROOT / args.recipe)
     load_recipe(recipe, overrides, fit_widths=args.command != "plan")  # RecipeError names the bad key
+
+
+EDGE_CLOUD = shown_commands(re.compile(r"\bfedfusion edge-cloud\b"))
+
+
+@pytest.mark.parametrize("where,command", EDGE_CLOUD, ids=[w for w, _ in EDGE_CLOUD])
+def test_shown_edge_cloud_command_runs(where, command, tmp_path):
+    """`fedfusion edge-cloud` prices from the catalog in well under a second, so the shown commands run whole
+    (writing into a temporary folder instead of the one shown)."""
+    from fedfusion.cli import main
+
+    argv = argv_of(command)
+    if argv is None:
+        pytest.skip("not a concrete command")
+    if "--out" in argv:
+        argv[argv.index("--out") + 1] = str(tmp_path)
+    assert main(argv) == 0

@@ -56,6 +56,12 @@ def test_bad_recipe_names_the_key(tmp_path, text, key):
         load_recipe(write(tmp_path, text))
 
 
+def test_report_cloud_is_a_catalog_cloud_tier():
+    assert load_recipe("quickstart", ["report.cloud=cloud-a5000"]).report.cloud == "cloud-a5000"
+    with pytest.raises(RecipeError, match="report.cloud: 'cloud-tpu' .* its cloud tiers: cloud-a5000, cloud-a100"):
+        load_recipe("quickstart", ["report.cloud=cloud-tpu"])
+
+
 def test_a_mapping_given_whole_replaces_the_default(tmp_path):
     recipe = load_recipe(write(tmp_path, "population:\n  mix: {phone: 1.0}\n"))
     assert recipe.population.mix == {"phone": 1.0}

@@ -105,3 +105,27 @@ def test_knowledge_run_plots_name_the_probe_metrics(tmp_path, saved_figures):
     plot_curves([fake_run(tmp_path / "facts", facts=True)], tmp_path / "plots")
     labels = [ax.get_ylabel() for fig in saved_figures for ax in fig.axes]
     assert "probe accuracy" in labels and "next-character accuracy" not in labels
+
+
+CLIENT_ROW = {"round": 1, "device": "laptop", "status": "ok", "params": 300_000, "tokens": 40_960,
+              "bytes_down": 1_200_000, "bytes_up": 1_200_000}
+
+
+def test_edge_cloud_section_names_the_recipe_cloud_both_views_and_the_dominant_cost(tmp_path):
+    run = fake_run(tmp_path / "run")
+    (run / "clients.jsonl").write_text(json.dumps(CLIENT_ROW) + "\n" + json.dumps({**CLIENT_ROW, "device": "phone"}) + "\n")
+    (run / "recipe.yaml").write_text("report:\n  cloud: cloud-a5000\n")
+    text = write_report(run).read_text()
+    section = text[text.index("## Edge vs cloud"):]
+    assert "**Cloud reference: one cloud NVIDIA RTX A5000" in section and "`report.cloud`" in section
+    assert "CO2e attributionally" in section and "consequentially" in section
+    assert "The edge's energy goes mostly to" in section and "CO2e mostly to" in section
+    assert "| consequential (seed paper) |" in section and "### What flips the verdict" in section
+
+
+def test_edge_cloud_section_without_the_recipe_cloud_lists_the_catalog_cloud_tiers(tmp_path):
+    run = fake_run(tmp_path / "run")
+    (run / "clients.jsonl").write_text(json.dumps(CLIENT_ROW) + "\n")
+    (run / "recipe.yaml").write_text("report:\n  cloud: cloud-tpu\n")
+    text = write_report(run).read_text()
+    assert "'cloud-tpu' is not in the device catalog; its cloud tiers: cloud-a5000, cloud-a100, cloud-h100" in text
