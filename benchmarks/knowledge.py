@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import tempfile
@@ -322,8 +323,8 @@ def report(payload: dict) -> str:
              else "# Shakespeare (LM): the knowledge benchmark's methods carried back to next-character prediction")
     lines = [title, "", f"Machine: {payload['machine']}. {_describe(a)}", "",
              "Command: `" + " ".join(["python benchmarks/knowledge.py", *payload["argv"]]) + "`"
-             + ("" if payload["argv"] else " (every default)") + ". Wall seconds were taken while other jobs shared "
-             "the 2 cores: compare them within this table only.", ""]
+             + ("" if payload["argv"] else " (every default)") + f". Wall seconds were taken with {a['jobs']} runs in parallel, one thread "
+             "each: compare them within this table only.", ""]
     if payload.get("earlier"):
         lines += ["Runs of " + ", ".join(payload["earlier"]) + " come from an earlier invocation with the same settings "
                   "on the same machine kind (resumed from `<out>.partial.json`).", ""]
@@ -456,7 +457,8 @@ def main() -> None:
     conf = {k: v for k, v in vars(args).items()
             if k not in ("capacity", "capacity_steps", "capacity_lr", "people_list", "report_only")}
     partial = RESULTS / f"{args.out}.partial.json"
-    saved = json.loads(partial.read_text()) if partial.is_file() else {"args": conf, "results": {}}
+    machine = f"{platform.platform()}, {os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}"
+    saved = json.loads(partial.read_text()) if partial.is_file() else {"args": conf, "results": {}, "machine": machine}
     same = ("task", "people", "clients", "rounds", "per_round", "steps", "batch", "lr", "seq_len", "optimizer", "outer",
             "outer_lr", "gen_steps", "gen_lr", "gen_rounds", "gen_samples", "gen_temperature", "gen_server_steps",
             "gen_server_lr", "hidden", "intermediate", "layers", "stride", "eval_every")
@@ -480,13 +482,16 @@ def main() -> None:
 
     jobs = [{"regime": g, "arm": arm, "seed": s, "args": conf} for g in args.regimes for arm in arms for s in args.seeds
             if wanted(g, arm) and s not in done(g, arm)]
+    ran_on = saved.get("machine", machine)
+    if jobs and results and ran_on != machine:  # one table, one machine: its runs must be comparable
+        raise SystemExit(f"{partial} holds runs from {ran_on}, not this machine ({machine}); use another --out")
     RESULTS.mkdir(exist_ok=True)
     with ProcessPoolExecutor(args.jobs) as pool:  # each run is kept as soon as it finishes
         futures = {pool.submit(run_arm, job): job for job in jobs}
         for future in as_completed(futures):
             job, out = futures[future], future.result()
             results.setdefault(job["regime"], {}).setdefault(job["arm"], []).append({"seed": job["seed"], **out})
-            partial.write_text(json.dumps({"args": conf, "results": results}))
+            partial.write_text(json.dumps({"args": conf, "results": results, "machine": ran_on}))
             key = PRIMARY[args.task][0]
             print(f"{job['regime']} {job['arm']} seed {job['seed']}: {key} {out[key]:.3f} ({out['wall_s']:.0f}s)", flush=True)
     for arms_runs in results.values():
@@ -497,8 +502,7 @@ def main() -> None:
         if "oracle" in first and regime in results:
             results[regime]["oracle"] = first["oracle"]
     payload = {"args": conf, "argv": sys.argv[1:], "results": results, "earlier": earlier,
-               "machine": f"{platform.platform()}, Python {platform.python_version()}, torch {torch.__version__}, "
-                          f"{args.jobs} processes x 1 thread"}
+               "machine": f"{ran_on}, {saved['args']['jobs'] if earlier and not jobs else args.jobs} processes x 1 thread"}
     payload["summary"] = summarise(results, args.task)
     payload["best"] = payload["summary"]["best"]
     (RESULTS / f"{args.out}.json").write_text(json.dumps(payload, indent=1))
