@@ -32,27 +32,41 @@ def _method(recipe: Recipe) -> str:
     return f"{f.method}/{f.policy}" if f.method == "submodel" else f.method
 
 
+def _load_for_run(ref: str, overrides: list[str]) -> Recipe:
+    """The recipe a run or deployment uses, validated and its ``fusion.auto_widths`` fitted, before anything is
+    written. Torch loads only where widths are fitted, so every other recipe error comes in about a second."""
+    recipe = load_recipe(ref, overrides)
+    if recipe.fusion.auto_widths:
+        from fedfusion.planner import fit_widths
+
+        fit_widths(recipe)
+    return recipe
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     """Validate the recipe, create the run directory, run the federation with live progress."""
-    from flwr.serverapp import Grid, ServerApp
-    from flwr.simulation import run_simulation
-
-    from fedfusion.checkpoint import load_checkpoint
-    from fedfusion.client_app import app as client_app
     from fedfusion.run_dir import RunDir, new_run_path
-    from fedfusion.server_app import run_federation
 
     if args.resume:
         if args.recipe or args.overrides or args.out:
             raise ValueError("--resume RUN_DIR continues that run with its own recipe.yaml; "
                              "give no recipe, overrides or --out with it")
+        from fedfusion.checkpoint import load_checkpoint
+
         run = RunDir.reopen(Path(args.resume))
         recipe, done = run.recipe, load_checkpoint(run.path).round
     elif args.recipe:
-        recipe = load_recipe(args.recipe, args.overrides)
+        recipe = _load_for_run(args.recipe, args.overrides)
         run, done = RunDir(new_run_path(recipe, args.out), recipe), 0
     else:
         raise ValueError("fedfusion run: give a recipe (e.g. quickstart) or --resume RUN_DIR")
+    # torch, Flower and the apps take seconds to import: only once the recipe is known to be good
+    from flwr.serverapp import Grid, ServerApp
+    from flwr.simulation import run_simulation
+
+    from fedfusion.client_app import app as client_app
+    from fedfusion.server_app import run_federation
+
     verb = f"resuming after round {done}:" if args.resume else "running"
     console.print(f"[bold]fedfusion[/] {verb} {recipe.name}: {recipe.population.num_clients} clients, "
                   f"{recipe.selection.clients_per_round} per round, {recipe.rounds} rounds, "
@@ -94,9 +108,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Print the per-tier assignment table."""
-    from fedfusion.planner import auto_widths, plan_table
+    recipe = load_recipe(args.recipe, args.overrides)
+    from fedfusion.planner import auto_widths, plan_table  # torch: after the recipe is known to be good
 
-    recipe = load_recipe(args.recipe, args.overrides, fit_widths=False)
     if recipe.fusion.method == "lora":
         from transformers import AutoConfig
 
@@ -177,7 +191,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     from fedfusion.deploy import deploy_local
     from fedfusion.run_dir import new_run_path
 
-    recipe = load_recipe(args.recipe, args.overrides)
+    recipe = _load_for_run(args.recipe, args.overrides)
     out = new_run_path(recipe, args.out)
     workdir = Path(args.workdir or f"{out}-deploy")
     result = deploy_local(Path.cwd(), args.recipe, args.overrides, workdir, out, args.unregistered,

@@ -327,12 +327,11 @@ def _merge(base: DictConfig, cfg: Any, what: str, replace: tuple[str, ...]) -> D
         raise RecipeError(f"{what}: bad key {key!r}: {msg}") from None
 
 
-def load_recipe(ref: str | Path, overrides: list[str] | tuple[str, ...] = (), fit_widths: bool = True) -> Recipe:
+def load_recipe(ref: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
     """Load a recipe file (or built-in name), apply ``key=value`` overrides, validate.
 
-    With ``fusion.auto_widths`` the planner fills ``fusion.widths`` (so the resolved recipe records them);
-    ``fit_widths=False`` leaves them as given (``fedfusion plan`` shows the fit, tiers that fit nothing
-    included).
+    Needs no torch, so a bad recipe is reported in about a second. ``fusion.auto_widths`` is resolved by
+    :func:`fedfusion.planner.fit_widths`, which a run calls before it writes anything.
     """
     path = resolve_recipe_path(ref)
     try:
@@ -354,21 +353,7 @@ def load_recipe(ref: str | Path, overrides: list[str] | tuple[str, ...] = (), fi
         cfg = _merge(cfg, dot, f"override {item!r}", (key,) if key in WHOLE_MAPPINGS else ())
     recipe: Recipe = OmegaConf.to_object(cfg)  # type: ignore[assignment]
     validate(recipe)
-    if recipe.fusion.auto_widths and fit_widths:
-        _fit_widths(recipe)
     return recipe
-
-
-def _fit_widths(recipe: Recipe) -> None:
-    from fedfusion.planner import auto_widths, plan_table  # the planner builds on recipes
-
-    fitted = auto_widths(recipe, recipe.fusion.width_ladder)
-    unfit = [tier for tier, width in fitted.items() if width is None]
-    if unfit:
-        row = next(r for r in plan_table(recipe, fitted, ladder=recipe.fusion.width_ladder) if r["tier"] == unfit[0])
-        raise RecipeError(f"fusion.auto_widths: tier {unfit[0]!r} fits no width of fusion.width_ladder "
-                          f"({row['fits']}); see `fedfusion plan`")
-    recipe.fusion.widths = {tier: float(width) for tier, width in fitted.items()}
 
 
 def _positive(key: str, value: float) -> None:

@@ -32,6 +32,7 @@ from fedfusion.generative import GenerativeConfig
 from fedfusion.models import load_tokenizer
 from fedfusion.outer import OuterConfig
 from fedfusion.participation import Participation, jain_index
+from fedfusion.planner import fit_widths
 from fedfusion.population import data_spec, facts_data, pooled_held_out, tier_list
 from fedfusion.recipe import Recipe, load_recipe
 from fedfusion.report import write_report
@@ -340,6 +341,7 @@ def main(grid: Grid, context: Context) -> None:
         recipe = run.recipe
     else:
         recipe = load_recipe(str(cfg.get("recipe", "quickstart")), shlex.split(str(cfg.get("overrides", ""))))
+        fit_widths(recipe)
         run = RunDir(new_run_path(recipe, str(cfg.get("out", "")) or None).resolve(), recipe)
     log(INFO, "fedfusion: writing the run to %s", run.path)
     run_federation(grid, recipe, run, resume=bool(resume))

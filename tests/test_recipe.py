@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from fedfusion.planner import fit_widths
 from fedfusion.recipe import RecipeError, load_recipe, to_yaml
 
 
@@ -85,20 +86,22 @@ def test_every_shipped_recipe_is_valid():
 
 def test_auto_widths_fit_each_tier_and_are_recorded_in_the_recipe():
     recipe = load_recipe("quickstart", ["fusion.auto_widths=true"])
+    fit_widths(recipe)
     assert recipe.fusion.widths == {"phone": 1.0, "laptop": 1.0, "desktop": 1.0}  # 1.1M parameters fit everywhere
     big = ["fusion.auto_widths=true", "model.hidden_size=1024", "model.num_heads=16", "model.num_kv_heads=16",
            "model.intermediate_size=4096", "model.num_layers=24", "train.batch_size=8"]
-    fitted = load_recipe("quickstart", big).fusion.widths
+    recipe = load_recipe("quickstart", big)
+    assert recipe.fusion.widths == {"phone": 0.125, "laptop": 0.25, "desktop": 0.5}  # loading leaves them as given
+    fit_widths(recipe)
+    fitted = recipe.fusion.widths
     assert fitted["phone"] < fitted["laptop"] <= fitted["desktop"] <= 1.0  # less memory, narrower slice
-    assert load_recipe("quickstart", big, fit_widths=False).fusion.widths == {"phone": 0.125, "laptop": 0.25,
-                                                                              "desktop": 0.5}
 
 
 def test_auto_widths_name_a_tier_that_fits_nothing():
     huge = ["fusion.auto_widths=true", "model.hidden_size=2048", "model.num_heads=16", "model.num_kv_heads=16",
             "model.intermediate_size=8192", "model.num_layers=24", "population.mix={phone-lowend: 1.0}"]
     with pytest.raises(RecipeError, match="fusion.auto_widths: tier 'phone-lowend' fits no width"):
-        load_recipe("quickstart", huge)
+        fit_widths(load_recipe("quickstart", huge))
 
 
 @pytest.mark.parametrize(
