@@ -435,6 +435,7 @@ def validate(recipe: Recipe) -> None:
         raise RecipeError(f"train.seq_len: {recipe.train.seq_len} exceeds model.max_position {m.max_position}")
     if not recipe.population.mix:
         raise RecipeError("population.mix: needs at least one tier")
+    _check_files(recipe)
     try:
         catalog = load_catalog(recipe.population.catalog)
     except ValueError as exc:
@@ -510,20 +511,43 @@ def validate(recipe: Recipe) -> None:
             f"selection.clients_per_round: {recipe.selection.clients_per_round} exceeds "
             f"population.num_clients {recipe.population.num_clients}"
         )
-    # files the recipe names must exist before a run directory is made (population.catalog: load_catalog above;
-    # model.pretrained and lora.base may be hub ids, so they are not checked here)
-    named = []
+
+
+def _check_files(recipe: Recipe) -> None:
+    """Every file and model directory the recipe names must exist, so that a run stops before its run directory
+    is made, with the key and the path, instead of failing minutes later in a loader."""
+    files = []
     if recipe.data.source in ("text", "facts") and recipe.data.path:
-        named.append(("data.path", recipe.data.path))
+        files.append(("data.path", recipe.data.path))
     if recipe.data.probes:
-        named.append(("data.probes", recipe.data.probes))
+        files.append(("data.probes", recipe.data.probes))
     if recipe.fusion.method == "distill" and recipe.distill.transfer.source == "text" and recipe.distill.transfer.path:
-        named.append(("distill.transfer.path", recipe.distill.transfer.path))
-    for key, name in named:
+        files.append(("distill.transfer.path", recipe.distill.transfer.path))
+    if recipe.population.catalog:
+        files.append(("population.catalog", recipe.population.catalog))
+    models = [("model.pretrained", recipe.model.pretrained)]
+    if recipe.fusion.method == "lora" and recipe.lora.base.endswith(".gguf"):
+        files.append(("lora.base", str(Path(recipe.lora.base).expanduser())))  # as fedfusion.pretrained reads it
+    elif recipe.fusion.method == "lora" and recipe.lora.base != "smollm2":  # smollm2: an installed package's file
+        models.append(("lora.base", recipe.lora.base))
+    for key, name in files:
         if not Path(name).exists():
             raise RecipeError(f"{key}: {name}: no such file")
         if not Path(name).is_file():
             raise RecipeError(f"{key}: {name}: not a file")
+    for key, name in models:
+        if not name or not _local_path(name):
+            continue  # unset, or a hub id (``name`` or ``org/name``), which from_pretrained resolves
+        if not Path(name).is_dir():
+            raise RecipeError(f"{key}: {name}: no such model directory")
+        if not (Path(name) / "config.json").is_file():
+            raise RecipeError(f"{key}: {name}: not a model directory (no config.json)")
+
+
+def _local_path(name: str) -> bool:
+    """Whether a model name is a local path rather than a hub id: it exists, or it cannot be a hub id (absolute,
+    explicitly relative, home-relative, or more than one ``/``). A missing ``dir/model`` reads as a hub id."""
+    return Path(name).exists() or name.startswith(("/", "./", "../", "~")) or name.count("/") > 1
 
 
 def _validate_distill(recipe: Recipe, catalog: dict) -> None:

@@ -112,6 +112,9 @@ def test_auto_widths_name_a_tier_that_fits_nothing():
                         "population.num_clients=4", "selection.clients_per_round=2"], "data.path", "/no/train.jsonl"),
         ("distill", ["distill.transfer.source=text", "distill.transfer.path=/no/transfer.txt"],
          "distill.transfer.path", "/no/transfer.txt"),
+        ("quickstart", ["population.catalog=/no/devices.yaml"], "population.catalog", "/no/devices.yaml"),
+        ("quickstart", ["fusion.method=lora", "data.source=chatterbot", "lora.base=/no/base.gguf"], "lora.base",
+         "/no/base.gguf"),
     ],
 )
 def test_files_the_recipe_names_must_exist(recipe, overrides, key, missing):
@@ -135,3 +138,16 @@ def test_missing_probes_file_is_named_and_existing_files_pass(tmp_path):
     transfer.write_text("text")
     loaded = load_recipe("distill", ["distill.transfer.source=text", f"distill.transfer.path={transfer}"])
     assert loaded.distill.transfer.path == str(transfer)
+
+
+@pytest.mark.parametrize("key,extra", [("model.pretrained", []),
+                                       ("lora.base", ["fusion.method=lora", "data.source=chatterbot"])])
+def test_a_model_given_as_a_path_must_be_a_model_directory_and_a_hub_id_is_left_to_the_hub(key, extra, tmp_path):
+    for missing in ("/no/model", "./no-model", "no/such/model"):
+        with pytest.raises(RecipeError, match=f"^{key.replace('.', '[.]')}: {missing}: no such model directory$"):
+            load_recipe("quickstart", [*extra, f"{key}={missing}"])
+    with pytest.raises(RecipeError, match=f"^{key.replace('.', '[.]')}: {tmp_path}: not a model directory"):
+        load_recipe("quickstart", [*extra, f"{key}={tmp_path}"])
+    (tmp_path / "config.json").write_text("{}")
+    assert load_recipe("quickstart", [*extra, f"{key}={tmp_path}"])
+    assert load_recipe("quickstart", [*extra, f"{key}=HuggingFaceTB/SmolLM2-135M"])  # a hub id: not checked here
