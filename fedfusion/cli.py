@@ -8,13 +8,14 @@ import logging
 import os
 import sys
 from pathlib import Path
+from textwrap import shorten
 from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from fedfusion.recipe import Recipe, RecipeError, load_recipe
+from fedfusion.recipe import Recipe, RecipeError, builtin_recipes, load_recipe
 
 console = Console()
 
@@ -217,9 +218,32 @@ def cmd_facts(args: argparse.Namespace) -> int:
     return 0
 
 
+EXAMPLES = (
+    "fedfusion run quickstart",
+    "fedfusion run quickstart fusion.policy=static rounds=4 --out runs/static",
+    "fedfusion plan quickstart fusion.auto_widths=true",
+    "fedfusion run --resume runs/static",
+    "fedfusion report runs/static",
+)
+
+
+def epilog() -> str:
+    """The help's closing text: the built-in recipes (read from the package, so a new recipe shows up) and
+    example commands."""
+    recipes = builtin_recipes()
+    width = max(map(len, recipes), default=0)
+    lines = ["built-in recipes (RECIPE may also be a YAML path):"]
+    lines += [f"  {name:<{width}}  {shorten(about, 110 - width, placeholder=' ...')}".rstrip()
+              for name, about in recipes.items()]
+    lines += ["", "examples:", *(f"  {command}" for command in EXAMPLES), "",
+              "key=value overrides set any recipe key (the README's Recipes section lists them)."]
+    return "\n".join(lines)
+
+
 def parser() -> argparse.ArgumentParser:
     """The argument parser (exposed for docs and tests)."""
-    p = argparse.ArgumentParser(prog="fedfusion", description=__doc__)
+    p = argparse.ArgumentParser(prog="fedfusion", description=__doc__, epilog=epilog(),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a recipe on Flower's simulation engine")
     run.add_argument("recipe", nargs="?", help="recipe file, or the name of a built-in recipe (e.g. quickstart)")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 from importlib import resources
+from itertools import takewhile
 from pathlib import Path
 from typing import Any, Optional
 
@@ -297,6 +298,17 @@ CHOICES: dict[str, tuple[str, ...]] = {
 def builtin_recipe_path(name: str) -> Path:
     """Path of a recipe shipped with the package (e.g. ``quickstart``)."""
     return Path(str(resources.files("fedfusion.recipes").joinpath(f"{name}.yaml")))
+
+
+def builtin_recipes() -> dict[str, str]:
+    """Name -> description of every recipe shipped with the package: the file's opening comment, as one line."""
+    found = {}
+    for entry in sorted(resources.files("fedfusion.recipes").iterdir(), key=lambda e: e.name):
+        if entry.name.endswith(".yaml"):
+            lines = entry.read_text(encoding="utf-8").splitlines()
+            comment = [line.lstrip("#").strip() for line in takewhile(lambda x: x.startswith("#"), lines)]
+            found[entry.name.removesuffix(".yaml")] = " ".join(comment)
+    return found
 
 
 def resolve_recipe_path(ref: str | Path) -> Path:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from fedfusion.cli import main
+from fedfusion.cli import EXAMPLES, main, parser
 from fedfusion.planner import llama_params, plan_table
 from fedfusion.recipe import load_recipe
 
@@ -105,3 +106,24 @@ def test_a_recipe_error_loads_neither_torch_nor_flower(tmp_path):
                  ["deploy", "quickstart", "population.num_clients=3"]):
         done, _ = _fedfusion(args, tmp_path, code)
         assert done.returncode == 2 and "loaded: []" in done.stdout, (args, done.stdout)
+
+
+def test_help_lists_every_built_in_recipe_and_examples_that_parse_and_load(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    for path in (ROOT / "recipes").glob("*.yaml"):
+        assert re.search(rf"^  {path.stem} +\S", out, re.MULTILINE), path.stem  # the name and its description
+    for command in EXAMPLES:
+        assert command in out
+        args = parser().parse_args(command.split()[1:])
+        if getattr(args, "recipe", None):
+            load_recipe(args.recipe, args.overrides)
+
+
+def test_the_readme_sample_error_is_what_the_cli_prints(tmp_path):
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    sample = re.search(r"e\.g\. `(error: ([\w.]+): '(\w+)' is not one of [^`]+)`", readme)
+    assert sample, "the README shows a sample recipe error"
+    done, _ = _fedfusion(["run", "quickstart", f"{sample[2]}={sample[3]}"], tmp_path)
+    assert done.stdout.strip() == sample[1]
