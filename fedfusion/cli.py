@@ -8,13 +8,14 @@ import logging
 import os
 import sys
 from pathlib import Path
+from textwrap import shorten
 from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from fedfusion.recipe import Recipe, RecipeError, load_recipe
+from fedfusion.recipe import Recipe, RecipeError, builtin_recipes, load_recipe
 from fedfusion.seed_paper import NAME as SEED_PAPER
 
 console = Console()
@@ -33,27 +34,41 @@ def _method(recipe: Recipe) -> str:
     return f"{f.method}/{f.policy}" if f.method == "submodel" else f.method
 
 
+def _load_for_run(ref: str, overrides: list[str]) -> Recipe:
+    """The recipe a run or deployment uses, validated and its ``fusion.auto_widths`` fitted, before anything is
+    written. Torch loads only where widths are fitted, so every other recipe error comes in about a second."""
+    recipe = load_recipe(ref, overrides)
+    if recipe.fusion.auto_widths:
+        from fedfusion.planner import fit_widths
+
+        fit_widths(recipe)
+    return recipe
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     """Validate the recipe, create the run directory, run the federation with live progress."""
-    from flwr.serverapp import Grid, ServerApp
-    from flwr.simulation import run_simulation
-
-    from fedfusion.checkpoint import load_checkpoint
-    from fedfusion.client_app import app as client_app
     from fedfusion.run_dir import RunDir, new_run_path
-    from fedfusion.server_app import run_federation
 
     if args.resume:
         if args.recipe or args.overrides or args.out:
             raise ValueError("--resume RUN_DIR continues that run with its own recipe.yaml; "
                              "give no recipe, overrides or --out with it")
+        from fedfusion.checkpoint import load_checkpoint
+
         run = RunDir.reopen(Path(args.resume))
         recipe, done = run.recipe, load_checkpoint(run.path).round
     elif args.recipe:
-        recipe = load_recipe(args.recipe, args.overrides)
+        recipe = _load_for_run(args.recipe, args.overrides)
         run, done = RunDir(new_run_path(recipe, args.out), recipe), 0
     else:
         raise ValueError("fedfusion run: give a recipe (e.g. quickstart) or --resume RUN_DIR")
+    # torch, Flower and the apps take seconds to import: only once the recipe is known to be good
+    from flwr.serverapp import Grid, ServerApp
+    from flwr.simulation import run_simulation
+
+    from fedfusion.client_app import app as client_app
+    from fedfusion.server_app import run_federation
+
     verb = f"resuming after round {done}:" if args.resume else "running"
     console.print(f"[bold]fedfusion[/] {verb} {recipe.name}: {recipe.population.num_clients} clients, "
                   f"{recipe.selection.clients_per_round} per round, {recipe.rounds} rounds, "
@@ -95,9 +110,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Print the per-tier assignment table."""
-    from fedfusion.planner import auto_widths, plan_table
+    recipe = load_recipe(args.recipe, args.overrides)
+    from fedfusion.planner import auto_widths, plan_table  # torch: after the recipe is known to be good
 
-    recipe = load_recipe(args.recipe, args.overrides, fit_widths=False)
     if recipe.fusion.method == "lora":
         from transformers import AutoConfig
 
@@ -178,7 +193,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     from fedfusion.deploy import deploy_local
     from fedfusion.run_dir import new_run_path
 
-    recipe = load_recipe(args.recipe, args.overrides)
+    recipe = _load_for_run(args.recipe, args.overrides)
     out = new_run_path(recipe, args.out)
     workdir = Path(args.workdir or f"{out}-deploy")
     result = deploy_local(Path.cwd(), args.recipe, args.overrides, workdir, out, args.unregistered,
@@ -226,9 +241,32 @@ def cmd_edge_cloud(args: argparse.Namespace) -> int:
     return 0
 
 
+EXAMPLES = (
+    "fedfusion run quickstart",
+    "fedfusion run quickstart fusion.policy=static rounds=4 --out runs/static",
+    "fedfusion plan quickstart fusion.auto_widths=true",
+    "fedfusion run --resume runs/static",
+    "fedfusion report runs/static",
+)
+
+
+def epilog() -> str:
+    """The help's closing text: the built-in recipes (read from the package, so a new recipe shows up) and
+    example commands."""
+    recipes = builtin_recipes()
+    width = max(map(len, recipes), default=0)
+    lines = ["built-in recipes (RECIPE may also be a YAML path):"]
+    lines += [f"  {name:<{width}}  {shorten(about, 110 - width, placeholder=' ...')}".rstrip()
+              for name, about in recipes.items()]
+    lines += ["", "examples:", *(f"  {command}" for command in EXAMPLES), "",
+              "key=value overrides set any recipe key (the README's Recipes section lists them)."]
+    return "\n".join(lines)
+
+
 def parser() -> argparse.ArgumentParser:
     """The argument parser (exposed for docs and tests)."""
-    p = argparse.ArgumentParser(prog="fedfusion", description=__doc__)
+    p = argparse.ArgumentParser(prog="fedfusion", description=__doc__, epilog=epilog(),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a recipe on Flower's simulation engine")
     run.add_argument("recipe", nargs="?", help="recipe file, or the name of a built-in recipe (e.g. quickstart)")

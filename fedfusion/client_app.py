@@ -12,7 +12,9 @@ from flwr.clientapp import ClientApp
 from fedfusion.clients.privacy import privacy_mod
 from fedfusion.devices import assign_tiers
 from fedfusion.hardware import capabilities, pick_accelerator
+from fedfusion.quiet import silence_expected_noise
 
+silence_expected_noise()  # in every simulation actor: it imports this module to unpickle the app
 app = ClientApp()
 
 # What a message's spec asks this client to be (spec["role"]): each module has train() and evaluate().

@@ -31,7 +31,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig
 
 from fedfusion.devices import Device, load_catalog
 from fedfusion.models import target_config, target_model_config
-from fedfusion.recipe import Recipe
+from fedfusion.recipe import Recipe, RecipeError
 from fedfusion.slicing import plan_slice, sub_config
 
 WIDTH_LADDER = (1.0, 0.5, 0.25, 0.125, 0.0625)  # FedRolex's capacity ladder
@@ -218,6 +218,21 @@ def auto_widths(
     target = _target(recipe)
     return {tier: fit_width(target, catalog[tier], recipe.train.batch_size, recipe.train.seq_len, ladder, usable)
             for tier in recipe.population.mix}
+
+
+def fit_widths(recipe: Recipe) -> None:
+    """With ``fusion.auto_widths``, set ``fusion.widths`` to :func:`auto_widths` (so the run's resolved recipe
+    records them); a tier that fits no width of ``fusion.width_ladder`` is a RecipeError naming it. Here and not
+    in the recipe module, so that validating a recipe needs no torch."""
+    if not recipe.fusion.auto_widths:
+        return
+    fitted = auto_widths(recipe, recipe.fusion.width_ladder)
+    unfit = [tier for tier, width in fitted.items() if width is None]
+    if unfit:
+        row = next(r for r in plan_table(recipe, fitted, ladder=recipe.fusion.width_ladder) if r["tier"] == unfit[0])
+        raise RecipeError(f"fusion.auto_widths: tier {unfit[0]!r} fits no width of fusion.width_ladder "
+                          f"({row['fits']}); see `fedfusion plan`")
+    recipe.fusion.widths = {tier: float(width) for tier, width in fitted.items()}
 
 
 def _mb(n: float) -> float:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 from importlib import resources
+from itertools import takewhile
 from pathlib import Path
 from typing import Any, Optional
 
@@ -308,6 +309,17 @@ def builtin_recipe_path(name: str) -> Path:
     return Path(str(resources.files("fedfusion.recipes").joinpath(f"{name}.yaml")))
 
 
+def builtin_recipes() -> dict[str, str]:
+    """Name -> description of every recipe shipped with the package: the file's opening comment, as one line."""
+    found = {}
+    for entry in sorted(resources.files("fedfusion.recipes").iterdir(), key=lambda e: e.name):
+        if entry.name.endswith(".yaml"):
+            lines = entry.read_text(encoding="utf-8").splitlines()
+            comment = [line.lstrip("#").strip() for line in takewhile(lambda x: x.startswith("#"), lines)]
+            found[entry.name.removesuffix(".yaml")] = " ".join(comment)
+    return found
+
+
 def resolve_recipe_path(ref: str | Path) -> Path:
     """A recipe reference is a file path, or the bare name of a built-in recipe."""
     path = Path(ref)
@@ -336,12 +348,11 @@ def _merge(base: DictConfig, cfg: Any, what: str, replace: tuple[str, ...]) -> D
         raise RecipeError(f"{what}: bad key {key!r}: {msg}") from None
 
 
-def load_recipe(ref: str | Path, overrides: list[str] | tuple[str, ...] = (), fit_widths: bool = True) -> Recipe:
+def load_recipe(ref: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
     """Load a recipe file (or built-in name), apply ``key=value`` overrides, validate.
 
-    With ``fusion.auto_widths`` the planner fills ``fusion.widths`` (so the resolved recipe records them);
-    ``fit_widths=False`` leaves them as given (``fedfusion plan`` shows the fit, tiers that fit nothing
-    included).
+    Needs no torch, so a bad recipe is reported in about a second. ``fusion.auto_widths`` is resolved by
+    :func:`fedfusion.planner.fit_widths`, which a run calls before it writes anything.
     """
     path = resolve_recipe_path(ref)
     try:
@@ -363,21 +374,7 @@ def load_recipe(ref: str | Path, overrides: list[str] | tuple[str, ...] = (), fi
         cfg = _merge(cfg, dot, f"override {item!r}", (key,) if key in WHOLE_MAPPINGS else ())
     recipe: Recipe = OmegaConf.to_object(cfg)  # type: ignore[assignment]
     validate(recipe)
-    if recipe.fusion.auto_widths and fit_widths:
-        _fit_widths(recipe)
     return recipe
-
-
-def _fit_widths(recipe: Recipe) -> None:
-    from fedfusion.planner import auto_widths, plan_table  # the planner builds on recipes
-
-    fitted = auto_widths(recipe, recipe.fusion.width_ladder)
-    unfit = [tier for tier, width in fitted.items() if width is None]
-    if unfit:
-        row = next(r for r in plan_table(recipe, fitted, ladder=recipe.fusion.width_ladder) if r["tier"] == unfit[0])
-        raise RecipeError(f"fusion.auto_widths: tier {unfit[0]!r} fits no width of fusion.width_ladder "
-                          f"({row['fits']}); see `fedfusion plan`")
-    recipe.fusion.widths = {tier: float(width) for tier, width in fitted.items()}
 
 
 def _positive(key: str, value: float) -> None:
@@ -459,6 +456,7 @@ def validate(recipe: Recipe) -> None:
         raise RecipeError(f"train.seq_len: {recipe.train.seq_len} exceeds model.max_position {m.max_position}")
     if not recipe.population.mix:
         raise RecipeError("population.mix: needs at least one tier")
+    _check_files(recipe)
     try:
         catalog = load_catalog(recipe.population.catalog)
     except ValueError as exc:
@@ -538,20 +536,43 @@ def validate(recipe: Recipe) -> None:
             f"selection.clients_per_round: {recipe.selection.clients_per_round} exceeds "
             f"population.num_clients {recipe.population.num_clients}"
         )
-    # files the recipe names must exist before a run directory is made (population.catalog: load_catalog above;
-    # model.pretrained and lora.base may be hub ids, so they are not checked here)
-    named = []
+
+
+def _check_files(recipe: Recipe) -> None:
+    """Every file and model directory the recipe names must exist, so that a run stops before its run directory
+    is made, with the key and the path, instead of failing minutes later in a loader."""
+    files = []
     if recipe.data.source in ("text", "facts") and recipe.data.path:
-        named.append(("data.path", recipe.data.path))
+        files.append(("data.path", recipe.data.path))
     if recipe.data.probes:
-        named.append(("data.probes", recipe.data.probes))
+        files.append(("data.probes", recipe.data.probes))
     if recipe.fusion.method == "distill" and recipe.distill.transfer.source == "text" and recipe.distill.transfer.path:
-        named.append(("distill.transfer.path", recipe.distill.transfer.path))
-    for key, name in named:
+        files.append(("distill.transfer.path", recipe.distill.transfer.path))
+    if recipe.population.catalog:
+        files.append(("population.catalog", recipe.population.catalog))
+    models = [("model.pretrained", recipe.model.pretrained)]
+    if recipe.fusion.method == "lora" and recipe.lora.base.endswith(".gguf"):
+        files.append(("lora.base", str(Path(recipe.lora.base).expanduser())))  # as fedfusion.pretrained reads it
+    elif recipe.fusion.method == "lora" and recipe.lora.base != "smollm2":  # smollm2: an installed package's file
+        models.append(("lora.base", recipe.lora.base))
+    for key, name in files:
         if not Path(name).exists():
             raise RecipeError(f"{key}: {name}: no such file")
         if not Path(name).is_file():
             raise RecipeError(f"{key}: {name}: not a file")
+    for key, name in models:
+        if not name or not _local_path(name):
+            continue  # unset, or a hub id (``name`` or ``org/name``), which from_pretrained resolves
+        if not Path(name).is_dir():
+            raise RecipeError(f"{key}: {name}: no such model directory")
+        if not (Path(name) / "config.json").is_file():
+            raise RecipeError(f"{key}: {name}: not a model directory (no config.json)")
+
+
+def _local_path(name: str) -> bool:
+    """Whether a model name is a local path rather than a hub id: it exists, or it cannot be a hub id (absolute,
+    explicitly relative, home-relative, or more than one ``/``). A missing ``dir/model`` reads as a hub id."""
+    return Path(name).exists() or name.startswith(("/", "./", "../", "~")) or name.count("/") > 1
 
 
 def _validate_distill(recipe: Recipe, catalog: dict) -> None:

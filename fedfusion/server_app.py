@@ -32,21 +32,24 @@ from fedfusion.generative import GenerativeConfig
 from fedfusion.models import load_tokenizer
 from fedfusion.outer import OuterConfig
 from fedfusion.participation import Participation, jain_index
+from fedfusion.planner import fit_widths
 from fedfusion.population import data_spec, facts_data, pooled_held_out, tier_list
+from fedfusion.quiet import silence_expected_noise
 from fedfusion.recipe import Recipe, load_recipe
 from fedfusion.report import write_report
 from fedfusion.run_dir import RunDir, new_run_path, read_jsonl
 from fedfusion.selection import make_selector
-from fedfusion.strategies import DistillationFusion, GenerativeFusion, LoRAFusion, SubModelFusion
-from fedfusion.strategies.distillation import Family
-from fedfusion.strategies.lora import adapted_modules
+from fedfusion.strategies.distillation import DistillationFusion, Family
+from fedfusion.strategies.generative import GenerativeFusion
+from fedfusion.strategies.lora import LoRAFusion, adapted_modules
 from fedfusion.strategies.quorum import QuorumGrid
-from fedfusion.strategies.submodel import ClientRound
+from fedfusion.strategies.submodel import ClientRound, SubModelFusion
 from fedfusion.targets import Target, lm_target, lora_data_spec, lora_target
 from fedfusion.transfer import family_tokenizer, transfer_text
 from fedfusion.wire import fault_spec, train_spec
 
 RoundCallback = Callable[[dict[str, Any]], None]
+silence_expected_noise()  # the server's side of a run, whether started by `fedfusion run` or `flwr run`
 
 
 def log_round(row: dict[str, Any]) -> None:
@@ -340,6 +343,7 @@ def main(grid: Grid, context: Context) -> None:
         recipe = run.recipe
     else:
         recipe = load_recipe(str(cfg.get("recipe", "quickstart")), shlex.split(str(cfg.get("overrides", ""))))
+        fit_widths(recipe)
         run = RunDir(new_run_path(recipe, str(cfg.get("out", "")) or None).resolve(), recipe)
     log(INFO, "fedfusion: writing the run to %s", run.path)
     run_federation(grid, recipe, run, resume=bool(resume))

@@ -1,8 +1,18 @@
-"""Flower server strategies (installed as ``fedfusion.strategies``)."""
+"""Flower server strategies (installed as ``fedfusion.strategies``).
 
-from fedfusion.strategies.distillation import DistillationFusion
-from fedfusion.strategies.generative import GenerativeFusion
-from fedfusion.strategies.lora import LoRAFusion
-from fedfusion.strategies.submodel import SubModelFusion
+Each class is imported on first use, so a server loads only the strategy its recipe runs.
+"""
 
-__all__ = ["DistillationFusion", "GenerativeFusion", "LoRAFusion", "SubModelFusion"]
+from importlib import import_module
+from typing import Any
+
+_MODULES = {"DistillationFusion": "distillation", "GenerativeFusion": "generative", "LoRAFusion": "lora",
+            "SubModelFusion": "submodel"}
+__all__ = list(_MODULES)
+
+
+def __getattr__(name: str) -> Any:
+    """``fedfusion.strategies.X``: the class from its own module, imported now."""
+    if name not in _MODULES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(f"{__name__}.{_MODULES[name]}"), name)

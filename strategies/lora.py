@@ -53,7 +53,6 @@ from flwr.app import (
 )
 from flwr.common.logger import log
 from flwr.serverapp import Grid
-from peft import LoraConfig
 from safetensors.torch import save_file
 
 from fedfusion.energy import WorkCost, price_work, train_flops
@@ -339,6 +338,8 @@ def save_adapter(arrays: ArrayRecord, out: str | Path, target_modules: list[str]
         pad = rank - a.shape[0]
         tensors[f"base_model.model.{m}.lora_A.weight"] = torch.cat([a, a.new_zeros(pad, a.shape[1])]).contiguous()
         tensors[f"base_model.model.{m}.lora_B.weight"] = torch.cat([b, b.new_zeros(b.shape[0], pad)], 1).contiguous()
+    from peft import LoraConfig  # peft imports bitsandbytes: only where an adapter is written
+
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     LoraConfig(r=rank, lora_alpha=rank, target_modules=list(target_modules), lora_dropout=0.0, bias="none",

@@ -3,11 +3,31 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
+import time
 from pathlib import Path
 
-from fedfusion.cli import main
+import pytest
+
+from fedfusion.cli import EXAMPLES, main, parser
 from fedfusion.planner import llama_params, plan_table
 from fedfusion.recipe import load_recipe
+
+ROOT = Path(__file__).parents[1]
+HEAVY = ("torch", "transformers", "flwr", "peft", "bitsandbytes", "ray")
+BAD_INPUTS = [  # (arguments, what the one error line must say)
+    (["run", "quickstart", "train.roundz=3"], "override 'train.roundz=3': bad key 'train.roundz'"),
+    (["run", "quickstart", "selection.clients_per_round=999"], "selection.clients_per_round: 999 exceeds"),
+    (["run", "quickstart", "data.source=text", "data.path=/no/such.jsonl"], "data.path: /no/such.jsonl: no such file"),
+    (["run", "quickstart", "population.catalog=/no/devices.yaml"], "population.catalog: /no/devices.yaml: no such"),
+    (["run", "quickstart", "model.pretrained=/no/model"], "model.pretrained: /no/model: no such model directory"),
+    (["run", "no/such/recipe.yaml"], "recipe 'no/such/recipe.yaml': no such file"),
+    (["plan", "quickstart", "fusion.policy=sideways"], "fusion.policy: 'sideways' is not one of"),
+    (["deploy", "quickstart", "population.num_clients=3"], "selection.clients_per_round: 6 exceeds"),
+]
 
 
 def test_plan_lists_every_tier_with_its_slice(capsys):
@@ -66,3 +86,54 @@ def test_edge_cloud_seed_paper_writes_its_results(tmp_path, capsys):
     assert (tmp_path / "edge_cloud_seed_paper.md").read_text().startswith("# Edge vs cloud")
     assert main(["edge-cloud", "--cloud", "cloud-tpu"]) == 2
     assert "its cloud tiers" in capsys.readouterr().out
+
+
+def _fedfusion(args: list[str], cwd: Path, code: str | None = None) -> tuple[subprocess.CompletedProcess, float]:
+    """Run ``python -m fedfusion ARGS`` (or ``python -c CODE``) on this source tree; the result and its wall time."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "COLUMNS": "300"}  # rich wraps at 80 columns when not on a terminal
+    argv = [sys.executable, "-c", code, *args] if code else [sys.executable, "-m", "fedfusion", *args]
+    start = time.perf_counter()
+    done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+    return done, time.perf_counter() - start
+
+
+@pytest.mark.parametrize("args,message", BAD_INPUTS, ids=[" ".join(a) for a, _ in BAD_INPUTS])
+def test_a_bad_input_is_reported_within_5_s_and_nothing_is_written(args, message, tmp_path):
+    done, wall = _fedfusion(args, tmp_path)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"error: {message}" in done.stdout
+    assert "Traceback" not in done.stderr and "Errno" not in done.stdout
+    assert list(tmp_path.iterdir()) == []  # no run directory, no deployment folder
+    assert wall < 5, f"{wall:.1f} s"
+
+
+def test_a_recipe_error_loads_neither_torch_nor_flower(tmp_path):
+    """What keeps recipe errors fast on any machine: the CLI validates before it imports the runtime."""
+    code = ("import sys; from fedfusion.cli import main; rc = main(sys.argv[1:]); "
+            f"print('loaded:', [m for m in {HEAVY!r} if m in sys.modules]); sys.exit(rc)")
+    for args in (["run", "quickstart", "train.roundz=3"], ["plan", "quickstart", "fusion.policy=sideways"],
+                 ["deploy", "quickstart", "population.num_clients=3"]):
+        done, _ = _fedfusion(args, tmp_path, code)
+        assert done.returncode == 2 and "loaded: []" in done.stdout, (args, done.stdout)
+
+
+def test_help_lists_every_built_in_recipe_and_examples_that_parse_and_load(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    for path in (ROOT / "recipes").glob("*.yaml"):
+        assert re.search(rf"^  {path.stem} +\S", out, re.MULTILINE), path.stem  # the name and its description
+    for command in EXAMPLES:
+        assert command in out
+        args = parser().parse_args(command.split()[1:])
+        if getattr(args, "recipe", None):
+            load_recipe(args.recipe, args.overrides)
+
+
+def test_the_readme_sample_error_is_what_the_cli_prints(tmp_path):
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    sample = re.search(r"e\.g\. `(error: ([\w.]+): '(\w+)' is not one of [^`]+)`", readme)
+    assert sample, "the README shows a sample recipe error"
+    done, _ = _fedfusion(["run", "quickstart", f"{sample[2]}={sample[3]}"], tmp_path)
+    assert done.stdout.strip() == sample[1]

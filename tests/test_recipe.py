@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from fedfusion.planner import fit_widths
 from fedfusion.recipe import RecipeError, load_recipe, to_yaml
 
 
@@ -91,20 +92,22 @@ def test_every_shipped_recipe_is_valid():
 
 def test_auto_widths_fit_each_tier_and_are_recorded_in_the_recipe():
     recipe = load_recipe("quickstart", ["fusion.auto_widths=true"])
+    fit_widths(recipe)
     assert recipe.fusion.widths == {"phone": 1.0, "laptop": 1.0, "desktop": 1.0}  # 1.1M parameters fit everywhere
     big = ["fusion.auto_widths=true", "model.hidden_size=1024", "model.num_heads=16", "model.num_kv_heads=16",
            "model.intermediate_size=4096", "model.num_layers=24", "train.batch_size=8"]
-    fitted = load_recipe("quickstart", big).fusion.widths
+    recipe = load_recipe("quickstart", big)
+    assert recipe.fusion.widths == {"phone": 0.125, "laptop": 0.25, "desktop": 0.5}  # loading leaves them as given
+    fit_widths(recipe)
+    fitted = recipe.fusion.widths
     assert fitted["phone"] < fitted["laptop"] <= fitted["desktop"] <= 1.0  # less memory, narrower slice
-    assert load_recipe("quickstart", big, fit_widths=False).fusion.widths == {"phone": 0.125, "laptop": 0.25,
-                                                                              "desktop": 0.5}
 
 
 def test_auto_widths_name_a_tier_that_fits_nothing():
     huge = ["fusion.auto_widths=true", "model.hidden_size=2048", "model.num_heads=16", "model.num_kv_heads=16",
             "model.intermediate_size=8192", "model.num_layers=24", "population.mix={phone-lowend: 1.0}"]
     with pytest.raises(RecipeError, match="fusion.auto_widths: tier 'phone-lowend' fits no width"):
-        load_recipe("quickstart", huge)
+        fit_widths(load_recipe("quickstart", huge))
 
 
 @pytest.mark.parametrize(
@@ -115,6 +118,9 @@ def test_auto_widths_name_a_tier_that_fits_nothing():
                         "population.num_clients=4", "selection.clients_per_round=2"], "data.path", "/no/train.jsonl"),
         ("distill", ["distill.transfer.source=text", "distill.transfer.path=/no/transfer.txt"],
          "distill.transfer.path", "/no/transfer.txt"),
+        ("quickstart", ["population.catalog=/no/devices.yaml"], "population.catalog", "/no/devices.yaml"),
+        ("quickstart", ["fusion.method=lora", "data.source=chatterbot", "lora.base=/no/base.gguf"], "lora.base",
+         "/no/base.gguf"),
     ],
 )
 def test_files_the_recipe_names_must_exist(recipe, overrides, key, missing):
@@ -138,3 +144,16 @@ def test_missing_probes_file_is_named_and_existing_files_pass(tmp_path):
     transfer.write_text("text")
     loaded = load_recipe("distill", ["distill.transfer.source=text", f"distill.transfer.path={transfer}"])
     assert loaded.distill.transfer.path == str(transfer)
+
+
+@pytest.mark.parametrize("key,extra", [("model.pretrained", []),
+                                       ("lora.base", ["fusion.method=lora", "data.source=chatterbot"])])
+def test_a_model_given_as_a_path_must_be_a_model_directory_and_a_hub_id_is_left_to_the_hub(key, extra, tmp_path):
+    for missing in ("/no/model", "./no-model", "no/such/model"):
+        with pytest.raises(RecipeError, match=f"^{key.replace('.', '[.]')}: {missing}: no such model directory$"):
+            load_recipe("quickstart", [*extra, f"{key}={missing}"])
+    with pytest.raises(RecipeError, match=f"^{key.replace('.', '[.]')}: {tmp_path}: not a model directory"):
+        load_recipe("quickstart", [*extra, f"{key}={tmp_path}"])
+    (tmp_path / "config.json").write_text("{}")
+    assert load_recipe("quickstart", [*extra, f"{key}={tmp_path}"])
+    assert load_recipe("quickstart", [*extra, f"{key}=HuggingFaceTB/SmolLM2-135M"])  # a hub id: not checked here
