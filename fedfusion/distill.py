@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from fedfusion.energy import train_flops
-from fedfusion.training import lm_loss
+from fedfusion.training import lm_loss, optimizer_step
 
 AVERAGES = ("logits", "probs")
 CONFIDENCES = ("variance", "entropy", "maxprob")
@@ -249,12 +249,7 @@ def distil(
         _, logits = lm_loss(student, batch)
         loss, parts = distillation_loss(logits, batch[:, 1:].to(logits.device), teacher, temperature,
                                         kd_weight, diversity_weight)
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"distillation loss became {loss.item()}")
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        for k, v in {"loss": loss.item(), **parts}.items():
+        for k, v in {"loss": optimizer_step(opt, loss, "distillation"), **parts}.items():
             sums[k] = sums.get(k, 0.0) + v
     tokens = steps * batch_size * (windows.shape[1] - 1)
     return {

@@ -30,6 +30,8 @@ import torch
 import yaml
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from fedfusion.training import optimizer_step
+
 IGNORE = -100
 FALLBACK_PROMPT = "Question: {prompt}\nAnswer: "
 SPLITS = ("category", "iid")
@@ -265,12 +267,7 @@ def train_instruct(model: PreTrainedModel, data: InstructData, steps: int, lr: f
     for _ in range(steps):
         ids, labels, mask = data.rows(torch.randint(len(data), (batch_size,), generator=gen))
         loss, _, _ = response_loss(model, ids, labels, mask)
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"training loss became {loss.item()}")
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        total += loss.item()
+        total += optimizer_step(opt, loss)
         tokens += int(mask.sum())
     return {"train_loss": total / steps, "train_tokens": float(tokens), "train_s": time.perf_counter() - start}
 

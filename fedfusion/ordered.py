@@ -27,7 +27,7 @@ from transformers import PreTrainedModel
 from fedfusion.data import sample_batch
 from fedfusion.slice_families import family_of
 from fedfusion.slicing import SlicePlan, extract, plan_slice, sub_config
-from fedfusion.training import make_optimizer
+from fedfusion.training import make_optimizer, optimizer_step
 
 
 def ordered_fractions(max_width: float, ladder: Iterable[float]) -> tuple[float, ...]:
@@ -124,11 +124,7 @@ def train_steps_ordered(
                 log_target=True, reduction="batchmean",
             )
             loss = loss + _ce(teacher, labels) + kl
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"training loss became {loss.item()}")
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+        optimizer_step(opt, loss)
         total += reported
         widths += fraction
     return {

@@ -33,6 +33,18 @@ def make_optimizer(model: torch.nn.Module, name: str, lr: float, weight_decay: f
     return torch.optim.SGD(model.parameters(), lr=lr, weight_decay=weight_decay)
 
 
+def optimizer_step(opt: torch.optim.Optimizer, loss: torch.Tensor, what: str = "training") -> float:
+    """The one local step every training loop takes: refuse a non-finite loss (naming ``what`` loss), zero the
+    gradients, back-propagate and step. Returns the loss. Clipping, a schedule or mixed precision go here, once."""
+    value = loss.item()
+    if not math.isfinite(value):
+        raise FloatingPointError(f"{what} loss became {value}")
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    return value
+
+
 def train_steps(
     model: PreTrainedModel,
     windows: torch.Tensor,
@@ -58,12 +70,7 @@ def train_steps(
     for _ in range(steps):
         batch = sample_batch(windows, batch_size, gen)
         loss, _ = lm_loss(model, batch)
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"training loss became {loss.item()}")
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        total += loss.item()
+        total += optimizer_step(opt, loss)
     return {
         "train_loss": total / steps,
         "train_tokens": float(steps * batch_size * (windows.shape[1] - 1)),

@@ -3,6 +3,7 @@ they are made of."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import LlamaForCausalLM
 
@@ -82,3 +83,22 @@ def test_transfer_distillation_runs_the_same_federation_and_moves_the_target_onl
     assert kl(target) < kl(state)  # the target moved towards the federation's model on the public text
     untouched, _ = run_transfer(TransferRun(run, transfer, every=5), state, state)
     assert all(torch.equal(untouched[k], state[k]) for k in state)  # no distillation round within 4 rounds
+
+
+def test_the_shared_local_step_refuses_a_non_finite_loss_and_changes_nothing():
+    from fedfusion.training import optimizer_step
+
+    layer = torch.nn.Linear(3, 2)
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    opt = torch.optim.AdamW(layer.parameters(), lr=0.1)
+    bad = layer(torch.ones(1, 3)).sum() * float("nan")
+    try:
+        optimizer_step(opt, bad, "distillation")
+    except FloatingPointError as exc:
+        assert "distillation loss became nan" in str(exc)
+    else:
+        raise AssertionError("a NaN loss was stepped")
+    assert all(torch.equal(before[k], v) for k, v in layer.state_dict().items())
+    expected = float((before["weight"].sum(1) + before["bias"]).sum())
+    assert optimizer_step(opt, layer(torch.ones(1, 3)).sum()) == pytest.approx(expected, rel=1e-6)
+    assert not torch.equal(before["bias"], layer.bias)
