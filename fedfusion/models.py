@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from functools import lru_cache
 
 import torch
@@ -124,3 +125,41 @@ def model_from_state(config: PretrainedConfig, state: dict[str, torch.Tensor]) -
 def count_params(model: torch.nn.Module) -> int:
     """Number of distinct parameters."""
     return sum(p.numel() for p in model.parameters())
+
+
+MODEL_TYPES = ("llama", "gpt2")
+
+
+def family_config(
+    model_type: str, tokenizer: PreTrainedTokenizerBase, hidden_size: int, num_layers: int, num_heads: int,
+    num_kv_heads: int | None = None, intermediate_size: int | None = None, max_position: int = 512,
+) -> PretrainedConfig:
+    """The config of a small family: a Llama (RMSNorm, SwiGLU, RoPE, GQA) or a GPT-2 (LayerNorm, GELU,
+    learned positions), sized to ``tokenizer``'s vocabulary. ``intermediate_size`` defaults to 4 x hidden."""
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"model_type {model_type!r} is not one of {', '.join(MODEL_TYPES)}")
+    if hidden_size % num_heads:
+        raise ValueError(f"num_heads {num_heads} does not divide hidden_size {hidden_size}")
+    ids = {"pad_token_id": tokenizer.pad_token_id, "bos_token_id": tokenizer.bos_token_id,
+           "eos_token_id": tokenizer.eos_token_id}
+    inner = intermediate_size or 4 * hidden_size
+    if model_type == "gpt2":
+        return GPT2Config(vocab_size=len(tokenizer), n_embd=hidden_size, n_layer=num_layers, n_head=num_heads,
+                          n_inner=inner, n_positions=max_position, **ids)
+    return LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=inner, num_hidden_layers=num_layers,
+        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads or num_heads,
+        head_dim=hidden_size // num_heads, max_position_embeddings=max_position, tie_word_embeddings=False, **ids,
+    )
+
+
+def small_model(config_json: str, state: dict[str, torch.Tensor] | None = None) -> PreTrainedModel:
+    """A causal LM of the family config (JSON of ``PretrainedConfig.to_dict()``), holding ``state`` if given."""
+    config = dict(json.loads(config_json))
+    model_type = config.pop("model_type", None)
+    if not model_type:
+        raise ValueError("model-config has no model_type")
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **config))
+    if state is not None:
+        model.load_state_dict(full_state(state, tied_aliases(model)), strict=True)
+    return model

@@ -25,11 +25,10 @@ from transformers.utils import logging as hf_logging
 
 from fedfusion.availability import AvailabilityConfig, AvailabilityModel
 from fedfusion.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
-from fedfusion.clients.smallmodel import family_config
 from fedfusion.devices import Device, load_catalog
 from fedfusion.energy import price_work, train_flops
 from fedfusion.generative import GenerativeConfig
-from fedfusion.models import load_tokenizer
+from fedfusion.models import family_config, load_tokenizer
 from fedfusion.outer import OuterConfig
 from fedfusion.participation import Participation, jain_index
 from fedfusion.planner import fit_widths

@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from logging import INFO, WARNING
 
 import torch
-from fedfusion.clients.smallmodel import small_model
 from fedfusion.strategies.submodel import (
     ClientRound,
     RoundLog,
@@ -68,7 +67,7 @@ from fedfusion.distill import (
     forward_flops,
 )
 from fedfusion.energy import WorkCost, price_work, train_flops
-from fedfusion.models import model_from_state, tied_aliases, wire_state
+from fedfusion.models import model_from_state, small_model, tied_aliases, wire_state
 from fedfusion.participation import Participation
 from fedfusion.training import evaluate_lm
 

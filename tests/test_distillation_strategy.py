@@ -12,6 +12,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
 from transformers import GPT2Config, LlamaConfig, LlamaForCausalLM
 
+from fedfusion import models
 from fedfusion.clients import smallmodel
 from fedfusion.data import build_char_tokenizer
 from fedfusion.devices import load_catalog
@@ -87,7 +88,7 @@ def test_each_node_gets_its_family_model_and_a_spec_to_rebuild_it(bpe):
         family = {"phone": "tiny", "laptop": "gpt"}[GRID[node]]
         assert spec["role"] == "smallmodel" and spec["family"] == family and spec["server-round"] == 2
         state = m.content["arrays"].to_torch_state_dict()
-        model = smallmodel.small_model(str(spec["model-config"]), state)  # the client can rebuild it
+        model = models.small_model(str(spec["model-config"]), state)  # the client can rebuild it
         assert type(model).__name__ == ("LlamaForCausalLM" if family == "tiny" else "GPT2LMHeadModel")
         row = strategy.last.clients[node]
         assert row.assignment == {"family": family} and row.params == sum(t.numel() for t in state.values())
@@ -214,13 +215,13 @@ def test_unknown_family_names_the_tier(bpe):
 
 def test_family_configs_and_tokenizers_build_the_models_they_name(bpe):
     for model_type, cls in (("llama", "LlamaForCausalLM"), ("gpt2", "GPT2LMHeadModel")):
-        config = smallmodel.family_config(model_type, bpe, hidden_size=16, num_layers=1, num_heads=2)
-        model = smallmodel.small_model(json.dumps(config.to_dict()))
+        config = models.family_config(model_type, bpe, hidden_size=16, num_layers=1, num_heads=2)
+        model = models.small_model(json.dumps(config.to_dict()))
         assert type(model).__name__ == cls and model.get_output_embeddings().weight.shape[0] == len(bpe)
     with pytest.raises(ValueError, match="model_type 'rnn'"):
-        smallmodel.family_config("rnn", bpe, 16, 1, 2)
+        models.family_config("rnn", bpe, 16, 1, 2)
     with pytest.raises(ValueError, match="num_heads 3 does not divide hidden_size 16"):
-        smallmodel.family_config("llama", bpe, 16, 1, 3)
+        models.family_config("llama", bpe, 16, 1, 3)
     assert family_tokenizer("target") is None and len(family_tokenizer("char")) == len(CHAR)
     assert len(family_tokenizer("bpe", TEXT, 280)) == 280
     with pytest.raises(ValueError, match="family tokenizer 'word'"):
