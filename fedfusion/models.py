@@ -21,7 +21,7 @@ from transformers import (
 )
 
 from fedfusion.data import build_char_tokenizer
-from fedfusion.recipe import ModelConfig
+from fedfusion.recipe import FAMILY_MODEL_TYPES, ModelConfig
 from fedfusion.slice_families import family_of
 
 
@@ -127,17 +127,14 @@ def count_params(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-MODEL_TYPES = ("llama", "gpt2")
-
-
 def family_config(
     model_type: str, tokenizer: PreTrainedTokenizerBase, hidden_size: int, num_layers: int, num_heads: int,
     num_kv_heads: int | None = None, intermediate_size: int | None = None, max_position: int = 512,
 ) -> PretrainedConfig:
     """The config of a small family: a Llama (RMSNorm, SwiGLU, RoPE, GQA) or a GPT-2 (LayerNorm, GELU,
     learned positions), sized to ``tokenizer``'s vocabulary. ``intermediate_size`` defaults to 4 x hidden."""
-    if model_type not in MODEL_TYPES:
-        raise ValueError(f"model_type {model_type!r} is not one of {', '.join(MODEL_TYPES)}")
+    if model_type not in FAMILY_MODEL_TYPES:
+        raise ValueError(f"model_type {model_type!r} is not one of {', '.join(FAMILY_MODEL_TYPES)}")
     if hidden_size % num_heads:
         raise ValueError(f"num_heads {num_heads} does not divide hidden_size {hidden_size}")
     ids = {"pad_token_id": tokenizer.pad_token_id, "bos_token_id": tokenizer.bos_token_id,

@@ -100,6 +100,9 @@ class FusionConfig:
     outer_momentum: float = 0.9  # avgm / nesterov momentum; adam's beta1
 
 
+FAMILY_MODEL_TYPES = ("llama", "gpt2")  # the architectures a small distillation family may take
+
+
 @dataclass
 class FamilyConfig:
     """A small model family that some tiers train in distillation fusion."""
@@ -585,8 +588,9 @@ def _validate_distill(recipe: Recipe, catalog: dict) -> None:
             raise RecipeError(f"distill.tier_family.{tier}: unknown family {family!r}; "
                               f"families: {', '.join(sorted(d.families))}")
     for name, f in d.families.items():
-        if f.model_type not in ("llama", "gpt2"):
-            raise RecipeError(f"distill.families.{name}.model_type: {f.model_type!r} is not one of llama, gpt2")
+        if f.model_type not in FAMILY_MODEL_TYPES:
+            raise RecipeError(f"distill.families.{name}.model_type: {f.model_type!r} is not one of "
+                              f"{', '.join(FAMILY_MODEL_TYPES)}")
         if f.tokenizer not in ("target", "char", "bpe"):
             raise RecipeError(f"distill.families.{name}.tokenizer: {f.tokenizer!r} is not one of target, char, bpe")
         for key in ("hidden_size", "num_layers", "num_heads"):
