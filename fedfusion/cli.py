@@ -49,7 +49,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         run = RunDir.reopen(Path(args.resume))
         if run.finished:
             console.print(f"{run.path} already finished ({run.recipe.rounds} rounds); nothing to resume, "
-                          "nothing changed", highlight=False)
+                          "nothing changed", highlight=False, soft_wrap=True)
             return 0
         recipe, done = run.recipe, load_checkpoint(run.path).round
     elif args.recipe:

@@ -55,11 +55,22 @@ def descendants() -> set[psutil.Process]:
     return set(psutil.Process().children(recursive=True))
 
 
+def _is_ray_worker(proc: psutil.Process) -> bool:
+    """A Ray worker process (an actor, idle or mid-task, or one still starting), not one of Ray's own services.
+
+    Ray retitles its workers ``ray::<Actor>`` / ``ray::IDLE`` and its agents ``ray::<Name>Agent``;
+    before the retitling a worker is ``python .../default_worker.py``."""
+    cmdline = proc.cmdline()
+    title = cmdline[0] if cmdline else ""
+    return (title.startswith("ray::") and not title.endswith("Agent")) or any(
+        arg.endswith("default_worker.py") for arg in cmdline)
+
+
 def kill_ray_workers() -> None:
-    """SIGKILL this process's Ray worker processes (actors mid-task), so the threads waiting on them return."""
+    """SIGKILL this process's Ray workers (actors mid-task), so Flower's threads waiting on them return."""
     for proc in descendants():
         try:
-            if proc.cmdline()[:1] and proc.cmdline()[0].startswith("ray::"):
+            if _is_ray_worker(proc):
                 proc.kill()
         except psutil.Error:  # gone already, or not ours to read
             continue
