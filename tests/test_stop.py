@@ -1,14 +1,17 @@
-"""StopGrid: a stop asked from another thread ends the strategy's wait for replies at the next poll."""
+"""Ctrl-C: the handler asks for a stop; StopGrid ends the strategy's wait for replies at the next poll."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 
 import pytest
+from fedfusion.strategies.stop import RunInterrupted, StopGrid
 from flwr.app import MessageType
 
-from fedfusion.strategies.stop import RunInterrupted, StopGrid
+from fedfusion.interrupt import CtrlC
 from tests.test_quorum import TimedGrid, _messages
 from tests.test_strategy import task_identity  # noqa: F401 (autouse fixture)
 
@@ -36,3 +39,15 @@ def test_after_a_stop_nothing_more_is_sent():
     with pytest.raises(RunInterrupted):
         StopGrid(inner, stop).send_and_receive(_messages([1], MessageType.QUERY), timeout=60)
     assert inner.pushed == {}
+
+
+def test_the_first_ctrl_c_asks_for_a_stop_the_second_raises_and_the_old_handler_comes_back():
+    calls = []
+    before = signal.getsignal(signal.SIGINT)
+    with CtrlC(lambda: calls.append("stop")) as ctrl_c:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert ctrl_c.stop.wait(5) and calls == ["stop"]
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)  # the handler runs (and raises) at the next bytecode, long before this ends
+    assert calls == ["stop"] and signal.getsignal(signal.SIGINT) is before
