@@ -56,6 +56,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         from fedfusion.checkpoint import load_checkpoint
 
         run = RunDir.reopen(Path(args.resume))
+        if run.finished:
+            console.print(f"{run.path} already finished ({run.recipe.rounds} rounds); nothing to resume, "
+                          "nothing changed", highlight=False, soft_wrap=True)
+            return 0
         recipe, done = run.recipe, load_checkpoint(run.path).round
     elif args.recipe:
         recipe = _load_for_run(args.recipe, args.overrides)
@@ -67,6 +71,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from flwr.simulation import run_simulation
 
     from fedfusion.client_app import app as client_app
+    from fedfusion.interrupt import EXIT_INTERRUPTED, CtrlC, descendants, kill_ray_workers, reap, silence_ray
     from fedfusion.server_app import run_federation
 
     verb = f"resuming after round {done}:" if args.resume else "running"
@@ -77,8 +82,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     flwr_logger = logging.getLogger("flwr")
     flwr_logger.setLevel(logging.WARNING)
     flwr_logger.addFilter(_DropDeprecation())
+    before = descendants()  # processes that are not this run's (a caller's own children stay untouched)
     with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console, transient=True) as progress:
+
+        def on_ctrl_c() -> None:
+            silence_ray()
+            progress.console.print("interrupted: stopping the run (Ctrl-C again to force)")
+
+        ctrl_c = CtrlC(on_ctrl_c)
         task = progress.add_task("rounds", total=recipe.rounds, completed=done)
 
         def on_round(row: dict[str, Any]) -> None:
@@ -94,15 +106,27 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         @server_app.main()
         def _main(grid: Grid, context: Any) -> None:
-            run_federation(grid, recipe, run, on_round=on_round, resume=bool(args.resume))
+            run_federation(grid, recipe, run, on_round=on_round, resume=bool(args.resume), stop=ctrl_c.stop)
+            if ctrl_c.stop.is_set():  # the clients still training would hold Flower's shutdown until they finish
+                flwr_logger.setLevel(logging.CRITICAL)  # their killed tasks are expected, not errors to show
+                kill_ray_workers()
 
-        run_simulation(
-            server_app=server_app, client_app=client_app, num_supernodes=recipe.population.num_clients,
-            backend_config={"client_resources": {"num_cpus": recipe.engine.cpus_per_client, "num_gpus": 0.0}},
-        )
-    summary_path = run.path / "summary.json"
-    if not summary_path.is_file() or json.loads(summary_path.read_text()).get("status") != "ok":
-        console.print(f"[red]run failed[/]; see {summary_path}")
+        with ctrl_c:
+            run_simulation(
+                server_app=server_app, client_app=client_app, num_supernodes=recipe.population.num_clients,
+                backend_config={"client_resources": {"num_cpus": recipe.engine.cpus_per_client, "num_gpus": 0.0}},
+            )
+    summary = run.read_summary() or {}
+    if summary.get("status") == "interrupted":
+        reap(before)
+        after = summary["resume_after"]
+        hint = (f"resume with: fedfusion run --resume {run.path}" if after is not None
+                else "no checkpoint yet, nothing to resume: run it again")
+        console.print(f"[yellow]interrupted[/] after round {summary['last_round']} of {recipe.rounds}; "
+                      f"{hint}", highlight=False, soft_wrap=True)
+        return EXIT_INTERRUPTED
+    if summary.get("status") != "ok":
+        console.print(f"[red]run failed[/]; see {run.path / 'summary.json'}")
         return 1
     console.print(f"done: {run.path} (report.md, metrics.jsonl, model/)")
     return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import time
 from pathlib import Path
@@ -44,9 +45,9 @@ class RunDir:
         self.path, self.recipe = path, recipe
         if fresh:
             self.path.mkdir(parents=True, exist_ok=True)
-            (self.path / "recipe.yaml").write_text(to_yaml(recipe))
+            write_atomic(self.path / "recipe.yaml", to_yaml(recipe))
             for name in ("metrics.jsonl", "clients.jsonl", "nodes.jsonl"):
-                (self.path / name).write_text("")
+                write_atomic(self.path / name, "")
 
     @classmethod
     def reopen(cls, path: Path) -> RunDir:
@@ -61,12 +62,13 @@ class RunDir:
             if not (self.path / name).is_file():
                 continue
             keep = [r for r in read_jsonl(self.path / name) if r["round"] <= last_round]
-            (self.path / name).write_text("".join(json.dumps(r) + "\n" for r in keep))
+            write_atomic(self.path / name, "".join(json.dumps(r) + "\n" for r in keep))
 
     def _append(self, name: str, rows: list[dict[str, Any]]) -> None:
-        with (self.path / name).open("a") as fh:
-            for row in rows:
-                fh.write(json.dumps(row) + "\n")
+        """Whole lines in one write, so a stop between two writes never leaves half a row."""
+        if rows:
+            with (self.path / name).open("a") as fh:
+                fh.write("".join(json.dumps(row) + "\n" for row in rows))
 
     def log_round(self, row: dict[str, Any]) -> None:
         """Append one row to metrics.jsonl."""
@@ -81,12 +83,29 @@ class RunDir:
         self._append("nodes.jsonl", rows)
 
     def write_summary(self, summary: dict[str, Any]) -> None:
-        """Write summary.json (status ``ok`` or ``failed`` with the error)."""
-        (self.path / "summary.json").write_text(json.dumps({**summary, "versions": versions()}, indent=2))
+        """Write summary.json (status ``ok``, ``interrupted``, or ``failed`` with the error), atomically."""
+        write_atomic(self.path / "summary.json", json.dumps({**summary, "versions": versions()}, indent=2))
+
+    def read_summary(self) -> dict[str, Any] | None:
+        """summary.json as the last part of the run left it (None: that part was killed before writing one)."""
+        path = self.path / "summary.json"
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    @property
+    def finished(self) -> bool:
+        """Whether the run completed (a resume then has nothing to do and must leave it as it is)."""
+        return (self.read_summary() or {}).get("status") == "ok"
 
     @property
     def model_dir(self) -> Path:
         return self.path / "model"
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` next to ``path`` and rename it into place: readers see the old file or the new, never half."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

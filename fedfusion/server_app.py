@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -42,6 +43,7 @@ from fedfusion.strategies.distillation import DistillationFusion, Family
 from fedfusion.strategies.generative import GenerativeFusion
 from fedfusion.strategies.lora import LoRAFusion, adapted_modules
 from fedfusion.strategies.quorum import QuorumGrid
+from fedfusion.strategies.stop import RunInterrupted, StopGrid
 from fedfusion.strategies.submodel import ClientRound, SubModelFusion
 from fedfusion.targets import Target, lm_target, lora_data_spec, lora_target
 from fedfusion.transfer import family_tokenizer, transfer_text
@@ -191,9 +193,10 @@ class RoundRecorder:
         self.start = self.last = time.perf_counter()
         self.rows: list[dict[str, Any]] = []
         self.offset = 0
+        self.saved_round: int | None = None  # the round of the last checkpoint, the one a resume continues after
         if resumed is not None:  # rounds up to the checkpoint are already in the ledger
             self.arrays = ArrayRecord(resumed.target)
-            self.offset = resumed.round
+            self.offset = self.saved_round = resumed.round
             self.start -= resumed.elapsed_s
             self.rows = read_jsonl(run.path / "metrics.jsonl")
 
@@ -248,6 +251,7 @@ class RoundRecorder:
             save_checkpoint(self.run.path, Checkpoint(
                 round=server_round, target=arrays.to_torch_state_dict(), elapsed_s=row["elapsed_s"],
                 strategy=self.strategy.state_dict()))
+            self.saved_round = server_round
         self.on_round(row)
         return MetricRecord({k: float(v) for k, v in metrics.items()})
 
@@ -269,13 +273,22 @@ def participation_fairness(run: RunDir, num_clients: int) -> float:
     return jain_index(counts)
 
 
+def earlier_wall_s(run: RunDir, ckpt: Checkpoint) -> float:
+    """Host seconds the run's earlier parts took: what their last summary says or, for a part killed before it
+    could write one, the time up to its last checkpoint (whichever is more; both count every earlier part)."""
+    summary = run.read_summary() or {}
+    return max(float(summary.get("wall_s", 0.0)), ckpt.elapsed_s)
+
+
 def run_federation(grid: Grid, recipe: Recipe, run: RunDir, on_round: RoundCallback = log_round,
-                   resume: bool = False) -> dict[str, Any]:
+                   resume: bool = False, stop: threading.Event | None = None) -> dict[str, Any]:
     """Train the recipe's target over the nodes of ``grid``; writes every output into ``run``.
 
-    With ``resume`` the run continues from the checkpoint in ``run`` (see :mod:`fedfusion.checkpoint`).
+    With ``resume`` the run continues from the checkpoint in ``run`` (see :mod:`fedfusion.checkpoint`);
+    its ``wall_s`` adds up every part. Setting ``stop`` ends the run at the strategy's next Grid call with
+    ``status: interrupted``, the last completed round and the round a resume continues after.
     """
-    started = time.perf_counter()
+    started, earlier_s = time.perf_counter(), 0.0
     try:
         target = lora_target(recipe)[0] if recipe.fusion.method == "lora" else lm_target(recipe)
         strategy = build_strategy(recipe, target)
@@ -285,6 +298,7 @@ def run_federation(grid: Grid, recipe: Recipe, run: RunDir, on_round: RoundCallb
             initial = ArrayRecord(ckpt.target)
             target.load(initial)
             strategy.load_state_dict(ckpt.strategy, ckpt.round)
+            earlier_s = earlier_wall_s(run, ckpt)
             run.cut_ledgers(ckpt.round)
             log(INFO, "fedfusion: resuming %s after round %d of %d", run.path, ckpt.round, recipe.rounds)
         catalog = load_catalog(recipe.population.catalog)
@@ -292,6 +306,8 @@ def run_federation(grid: Grid, recipe: Recipe, run: RunDir, on_round: RoundCallb
                          "generative": catalog[recipe.generative.server_device]}.get(recipe.fusion.method)
         recorder = RoundRecorder(run, strategy, target, on_round, catalog, recipe.output.checkpoint_every, ckpt,
                                  server_device)
+        if stop is not None:
+            grid = StopGrid(grid, stop)
         if recipe.selection.overselect > 0:
             grid = QuorumGrid(grid, quorum=recipe.selection.clients_per_round)
         strategy.start(
@@ -315,7 +331,7 @@ def run_federation(grid: Grid, recipe: Recipe, run: RunDir, on_round: RoundCallb
             "co2_g": sum(r["co2_g"] for r in rows), "virtual_s": sum(r["virtual_s"] for r in rows),
             "dropouts": sum(r.get("dropouts", 0) for r in rows),
             "participation_jain": participation_fairness(run, recipe.population.num_clients),
-            "wall_s": time.perf_counter() - started,
+            "wall_s": earlier_s + time.perf_counter() - started,
             "sample": target.sample(),
         }
         if recipe.data.source == "facts":
@@ -323,9 +339,16 @@ def run_federation(grid: Grid, recipe: Recipe, run: RunDir, on_round: RoundCallb
         run.write_summary(summary)
         write_report(run.path)
         return summary
+    except RunInterrupted:  # raised only by the Grid, so the recorder exists
+        summary = {"status": "interrupted", "name": recipe.name, "rounds": recipe.rounds,
+                   "last_round": recorder.rows[-1]["round"] if recorder.rows else None,
+                   "resume_after": recorder.saved_round,
+                   "wall_s": earlier_s + time.perf_counter() - started}
+        run.write_summary(summary)
+        return summary
     except BaseException as exc:
         run.write_summary({"status": "failed", "error": f"{type(exc).__name__}: {exc}",
-                           "wall_s": time.perf_counter() - started})
+                           "wall_s": earlier_s + time.perf_counter() - started})
         raise
 
 
@@ -339,6 +362,9 @@ def main(grid: Grid, context: Context) -> None:
     resume = str(cfg.get("resume", ""))
     if resume:
         run = RunDir.reopen(Path(resume).resolve())
+        if run.finished:
+            log(INFO, "fedfusion: %s already finished; nothing to resume, nothing changed", run.path)
+            return
         recipe = run.recipe
     else:
         recipe = load_recipe(str(cfg.get("recipe", "quickstart")), shlex.split(str(cfg.get("overrides", ""))))

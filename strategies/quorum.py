@@ -18,45 +18,20 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from flwr.app import Message, MessageType, RecordDict
+from fedfusion.strategies.wrapped import WrappedGrid
+from flwr.app import Message, MessageType
 from flwr.serverapp import Grid
-from flwr.supercore.run import Run
 
 
-class QuorumGrid(Grid):
+class QuorumGrid(WrappedGrid):
     """``grid`` with early-closing training rounds: see the module docstring."""
 
     def __init__(self, grid: Grid, quorum: int, pull_interval_s: float = 0.1) -> None:
         if quorum < 1:
             raise ValueError(f"quorum must be >= 1, got {quorum}")
-        self.grid, self.quorum, self.pull_interval_s = grid, quorum, pull_interval_s
+        super().__init__(grid)
+        self.quorum, self.pull_interval_s = quorum, pull_interval_s
         self.leftover: set[str] = set()  # ids of train messages whose replies were not waited for
-
-    def set_run(self, run: Run) -> None:
-        """Delegated."""
-        self.grid.set_run(run)
-
-    @property
-    def run(self) -> Run:
-        """Delegated."""
-        return self.grid.run
-
-    def create_message(self, content: RecordDict, message_type: str, dst_node_id: int, group_id: str,
-                       ttl: float | None = None) -> Message:
-        """Delegated."""
-        return self.grid.create_message(content, message_type, dst_node_id, group_id, ttl)
-
-    def get_node_ids(self) -> Iterable[int]:
-        """Delegated."""
-        return self.grid.get_node_ids()
-
-    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        """Delegated."""
-        return self.grid.push_messages(messages)
-
-    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        """Delegated."""
-        return self.grid.pull_messages(message_ids)
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
         """Training batches return at ``quorum`` good replies; anything else is the wrapped grid's."""

@@ -137,3 +137,19 @@ def test_the_readme_sample_error_is_what_the_cli_prints(tmp_path):
     assert sample, "the README shows a sample recipe error"
     done, _ = _fedfusion(["run", "quickstart", f"{sample[2]}={sample[3]}"], tmp_path)
     assert done.stdout.strip() == sample[1]
+
+
+def test_resuming_a_finished_run_says_so_and_changes_nothing(tmp_path, capsys):
+    from fedfusion.run_dir import RunDir
+
+    run = RunDir(tmp_path / "done", load_recipe("quickstart", ["rounds=2"]))
+    (run.path / "metrics.jsonl").write_text("".join(json.dumps({"round": r, "eval_loss": 4.0 - r}) + "\n"
+                                                    for r in range(3)))
+    (run.path / "checkpoint").mkdir()
+    (run.path / "checkpoint" / "state.json").write_text(json.dumps({"round": 2, "elapsed_s": 9.0, "strategy": {}}))
+    (run.path / "report.md").write_text("# Run report\n")
+    run.write_summary({"status": "ok", "rounds": 2, "wall_s": 12.5})
+    before = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in run.path.rglob("*") if p.is_file()}
+    assert main(["run", "--resume", str(run.path)]) == 0
+    assert "already finished" in capsys.readouterr().out
+    assert {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in run.path.rglob("*") if p.is_file()} == before

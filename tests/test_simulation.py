@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -144,6 +145,62 @@ def test_the_saved_recipe_reruns_the_same_and_a_run_killed_mid_way_resumes_to_th
             "bytes_down", "bytes_up", "params", "tokens", "energy_j", "co2_g")  # not node ids or host seconds
     pick = lambda rows: [{k: r[k] for k in keys} for r in rows]  # noqa: E731
     assert pick(read_jsonl(out / "clients.jsonl")) == pick(read_jsonl(run_dir / "clients.jsonl"))
+
+
+def _session_members(sid: int) -> list[int]:
+    """Live processes of session ``sid`` (a subprocess started with ``start_new_session`` and all it spawned)."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":  # fields after "(comm)": state, ppid, pgrp, session
+            members.append(int(stat.parent.name))
+    return members
+
+
+def test_one_ctrl_c_stops_the_run_cleanly_and_resume_then_matches_the_uninterrupted_run(run_dir, tmp_path):
+    """One SIGINT to the run's process group (what Ctrl-C in a terminal sends) once round 1 is checkpointed:
+    the run stops within 10 s with exit 130, no process of it is left, summary.json says interrupted after
+    round 1 and the output names the resume command; the resume ends equal to the uninterrupted run, and its
+    wall time adds both parts."""
+    out = tmp_path / "ctrl-c"
+    proc = subprocess.Popen([sys.executable, "-m", "fedfusion.cli", "run", str(run_dir / "recipe.yaml"), "--out", str(out)],
+                            start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        state, deadline = out / "checkpoint" / "state.json", time.monotonic() + 400
+        while proc.poll() is None and time.monotonic() < deadline and not state.is_file():
+            time.sleep(0.05)
+        spawned = psutil.Process(proc.pid).children(recursive=True)
+        assert spawned  # Ray's processes
+        sent = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)
+        output, _ = proc.communicate(timeout=60)
+        stopped_s = time.monotonic() - sent
+        print(f"stopped {stopped_s:.1f} s after SIGINT; output:\n{output}")
+        assert proc.returncode == 130, output
+        assert stopped_s <= 10, output
+        assert not [p for p in spawned if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert _session_members(proc.pid) == []
+    finally:
+        for pid in _session_members(proc.pid):
+            os.kill(pid, signal.SIGKILL)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["last_round"] == summary["resume_after"] == 1, summary
+    assert f"fedfusion run --resume {out}" in output and "Traceback" not in output, output
+    assert [r["round"] for r in read_jsonl(out / "metrics.jsonl")] == [0, 1]
+    started = time.monotonic()
+    assert main(["run", "--resume", str(out)]) == 0
+    part_s = time.monotonic() - started
+    resumed = json.loads((out / "summary.json").read_text())
+    first, again = read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(out / "metrics.jsonl")
+    # wall time = the interrupted part + the resumed part (which took at least its round and at most the call)
+    assert resumed["status"] == "ok"
+    assert summary["wall_s"] + again[2]["wall_s"] <= resumed["wall_s"] <= summary["wall_s"] + part_s
+    assert [r["round"] for r in again] == [0, 1, 2]
+    assert [r["eval_loss"] for r in again] == [r["eval_loss"] for r in first]
+    assert resumed["final"] == json.loads((run_dir / "summary.json").read_text())["final"]
 
 
 def test_gpt2_ordered_slicing_with_energy_selection_and_availability_runs_on_flower(tmp_path):

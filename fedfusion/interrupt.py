@@ -1,0 +1,94 @@
+"""Ctrl-C for ``fedfusion run``: one press stops the run at a safe point, cleans up Ray, and says how to resume.
+
+Flower's simulation gives the driver no stop: a KeyboardInterrupt in the main thread leaves the ServerApp
+thread waiting for replies until the round deadline and Ray's actors running. Instead, the first SIGINT only
+sets an event; the server's Grid (:class:`fedfusion.strategies.stop.StopGrid`) raises at its next call, the
+run records ``status: interrupted``, the actors still training are killed so Flower's workers return, Ray
+shuts down, and whatever process the run started and is still alive is terminated. A second SIGINT raises
+KeyboardInterrupt as usual, for a run that does not stop.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from types import FrameType, TracebackType
+
+import psutil
+
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for a program stopped by Ctrl-C
+
+
+class CtrlC:
+    """While active, the first SIGINT sets :attr:`stop` and calls ``on_first``; the next one raises."""
+
+    def __init__(self, on_first: Callable[[], None]) -> None:
+        self.stop, self.on_first = threading.Event(), on_first
+        self.previous: signal.Handlers | Callable | int | None = None
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.stop.is_set():
+            raise KeyboardInterrupt
+        self.stop.set()
+        self.on_first()
+
+    def __enter__(self) -> CtrlC:
+        self.previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        signal.signal(signal.SIGINT, self.previous)
+
+
+def silence_ray() -> None:
+    """Stop Ray's driver from echoing its processes' output (the switch Ray's own debugger uses): a terminal's
+    Ctrl-C also reaches Ray's agents, they die of it, and the raylet would report that at length."""
+    ray_worker = sys.modules.get("ray._private.worker")
+    if ray_worker is not None:
+        ray_worker._worker_logs_enabled = False
+
+
+def descendants() -> set[psutil.Process]:
+    """Every live process this one started, directly or not."""
+    return set(psutil.Process().children(recursive=True))
+
+
+def _is_ray_worker(proc: psutil.Process) -> bool:
+    """A Ray worker process (an actor, idle or mid-task, or one still starting), not one of Ray's own services.
+
+    Ray retitles its workers ``ray::<Actor>`` / ``ray::IDLE`` and its agents ``ray::<Name>Agent``;
+    before the retitling a worker is ``python .../default_worker.py``."""
+    cmdline = proc.cmdline()
+    title = cmdline[0] if cmdline else ""
+    return (title.startswith("ray::") and not title.endswith("Agent")) or any(
+        arg.endswith("default_worker.py") for arg in cmdline)
+
+
+def kill_ray_workers() -> None:
+    """SIGKILL this process's Ray workers (actors mid-task), so Flower's threads waiting on them return."""
+    for proc in descendants():
+        try:
+            if _is_ray_worker(proc):
+                proc.kill()
+        except psutil.Error:  # gone already, or not ours to read
+            continue
+
+
+def reap(keep: set[psutil.Process], grace_s: float = 3.0) -> list[psutil.Process]:
+    """Terminate the descendants not in ``keep``, SIGKILL those still alive after ``grace_s``; return them all."""
+    procs = list(descendants() - keep)
+    for proc in procs:
+        try:
+            proc.terminate()
+        except psutil.Error:
+            continue
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for proc in alive:
+        try:
+            proc.kill()
+        except psutil.Error:
+            continue
+    psutil.wait_procs(alive, timeout=grace_s)
+    return procs

@@ -1,0 +1,67 @@
+"""Stopping a run between safe points: a Grid that raises :class:`RunInterrupted` once a stop is asked.
+
+Flower's ``Strategy.start`` spends a round waiting in ``grid.send_and_receive`` for replies, up to the
+round deadline, and offers no way to stop. This wrapper polls for replies itself and checks a
+``threading.Event`` before every Grid call and between polls, so a stop asked from another thread (the
+CLI's Ctrl-C handler) ends the strategy's loop within one poll. It raises only at Grid calls, never while
+the server folds a round or writes its ledgers and checkpoint, so what a run has saved stays whole; a
+round whose replies were still coming in is dropped (the run resumes from its last checkpoint).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable
+
+from fedfusion.strategies.wrapped import WrappedGrid
+from flwr.app import Message
+from flwr.serverapp import Grid
+
+
+class RunInterrupted(Exception):
+    """A stop was asked while the strategy was talking to the nodes."""
+
+
+class StopGrid(WrappedGrid):
+    """``grid`` whose calls raise :class:`RunInterrupted` once ``stop`` is set."""
+
+    def __init__(self, grid: Grid, stop: threading.Event, pull_interval_s: float = 0.1) -> None:
+        super().__init__(grid)
+        self.stop, self.pull_interval_s = stop, pull_interval_s
+
+    def _check(self) -> None:
+        if self.stop.is_set():
+            raise RunInterrupted("stop asked")
+
+    def get_node_ids(self) -> Iterable[int]:
+        """Delegated, unless stopped."""
+        self._check()
+        return self.grid.get_node_ids()
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        """Delegated, unless stopped."""
+        self._check()
+        return self.grid.push_messages(messages)
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        """Delegated, unless stopped (also after the pull: replies that came in after a stop are not used)."""
+        self._check()
+        replies = self.grid.pull_messages(message_ids)
+        self._check()
+        return replies
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+        """Push, then pull until every reply is in or the deadline passes, as Flower's grids do, but stoppable."""
+        waiting = set(self.push_messages(messages))
+        end = time.monotonic() + timeout if timeout is not None else None
+        replies: list[Message] = []
+        while waiting:
+            got = list(self.pull_messages(waiting))
+            replies.extend(got)
+            waiting.difference_update(m.metadata.reply_to_message_id for m in got)
+            if not waiting or (end is not None and time.monotonic() >= end):
+                break
+            self.stop.wait(self.pull_interval_s)
+        self._check()
+        return replies

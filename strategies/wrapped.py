@@ -1,0 +1,46 @@
+"""A Grid that hands every call to another Grid: the base of the wrappers that change one behaviour."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from flwr.app import Message, RecordDict
+from flwr.serverapp import Grid
+from flwr.supercore.run import Run
+
+
+class WrappedGrid(Grid):
+    """Delegates every Grid call to ``grid``; subclasses override what they change."""
+
+    def __init__(self, grid: Grid) -> None:
+        self.grid = grid
+
+    def set_run(self, run: Run) -> None:
+        """Delegated."""
+        self.grid.set_run(run)
+
+    @property
+    def run(self) -> Run:
+        """Delegated."""
+        return self.grid.run
+
+    def create_message(self, content: RecordDict, message_type: str, dst_node_id: int, group_id: str,
+                       ttl: float | None = None) -> Message:
+        """Delegated."""
+        return self.grid.create_message(content, message_type, dst_node_id, group_id, ttl)
+
+    def get_node_ids(self) -> Iterable[int]:
+        """Delegated."""
+        return self.grid.get_node_ids()
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        """Delegated."""
+        return self.grid.push_messages(messages)
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        """Delegated."""
+        return self.grid.pull_messages(message_ids)
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+        """Delegated."""
+        return self.grid.send_and_receive(messages, timeout=timeout)

@@ -1,0 +1,53 @@
+"""Ctrl-C: the handler asks for a stop; StopGrid ends the strategy's wait for replies at the next poll."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+from fedfusion.strategies.stop import RunInterrupted, StopGrid
+from flwr.app import MessageType
+
+from fedfusion.interrupt import CtrlC
+from tests.test_quorum import TimedGrid, _messages
+from tests.test_strategy import task_identity  # noqa: F401 (autouse fixture)
+
+
+def test_without_a_stop_it_waits_for_every_reply_like_flowers_grids():
+    inner = TimedGrid({1: 1, 2: 3})
+    replies = StopGrid(inner, threading.Event(), pull_interval_s=0.0).send_and_receive(_messages([1, 2]), timeout=60)
+    assert len(replies) == 2 and inner.pulls == 3
+
+
+def test_a_stop_ends_a_round_that_is_waiting_for_replies_within_one_poll():
+    stop = threading.Event()
+    grid = StopGrid(TimedGrid({1: 10**9}), stop, pull_interval_s=0.05)
+    threading.Timer(0.2, stop.set).start()
+    started = time.monotonic()
+    with pytest.raises(RunInterrupted):
+        grid.send_and_receive(_messages([1]), timeout=600)
+    assert time.monotonic() - started < 1.0
+
+
+def test_after_a_stop_nothing_more_is_sent():
+    stop = threading.Event()
+    stop.set()
+    inner = TimedGrid({1: 1})
+    with pytest.raises(RunInterrupted):
+        StopGrid(inner, stop).send_and_receive(_messages([1], MessageType.QUERY), timeout=60)
+    assert inner.pushed == {}
+
+
+def test_the_first_ctrl_c_asks_for_a_stop_the_second_raises_and_the_old_handler_comes_back():
+    calls = []
+    before = signal.getsignal(signal.SIGINT)
+    with CtrlC(lambda: calls.append("stop")) as ctrl_c:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert ctrl_c.stop.wait(5) and calls == ["stop"]
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)  # the handler runs (and raises) at the next bytecode, long before this ends
+    assert calls == ["stop"] and signal.getsignal(signal.SIGINT) is before
