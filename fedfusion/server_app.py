@@ -352,6 +352,23 @@ def run_federation(grid: Grid, recipe: Recipe, run: RunDir, on_round: RoundCallb
         raise
 
 
+def check_federation(grid: Grid, expected: int, wait_s: float = 30.0, poll_s: float = 1.0) -> int:
+    """``flwr run .``: the federation's SuperNodes are the recipe's population, one per partition. Waits up to
+    ``wait_s`` for ``expected`` nodes to connect; fewer (e.g. a local federation's default ``num-supernodes``)
+    or more is a ValueError that names both numbers and the fix, raised before anything is written."""
+    deadline = time.monotonic() + wait_s
+    nodes = len(list(grid.get_node_ids()))
+    while nodes < expected and time.monotonic() < deadline:
+        time.sleep(poll_s)
+        nodes = len(list(grid.get_node_ids()))
+    if nodes != expected:
+        raise ValueError(
+            f"the federation has {nodes} SuperNodes but population.num_clients is {expected}: every client is one "
+            f"SuperNode, so run with --federation-config \"num-supernodes={expected}\" (or set the override "
+            f"population.num_clients={nodes})")
+    return nodes
+
+
 app = ServerApp()
 
 
@@ -366,9 +383,11 @@ def main(grid: Grid, context: Context) -> None:
             log(INFO, "fedfusion: %s already finished; nothing to resume, nothing changed", run.path)
             return
         recipe = run.recipe
+        check_federation(grid, recipe.population.num_clients)
     else:
         recipe = load_recipe(str(cfg.get("recipe", "quickstart")), shlex.split(str(cfg.get("overrides", ""))))
         fit_widths(recipe)
+        check_federation(grid, recipe.population.num_clients)
         run = RunDir(new_run_path(recipe, str(cfg.get("out", "")) or None).resolve(), recipe)
     log(INFO, "fedfusion: writing the run to %s", run.path)
     run_federation(grid, recipe, run, resume=bool(resume))

@@ -45,3 +45,22 @@ def test_flwr_run_writes_a_complete_run(tmp_path):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == [0, 1] and rows[1]["clients_ok"] == 2
     assert (out / "model" / "model.safetensors").is_file()
+
+
+@pytest.mark.skipif(shutil.which("pkill") is None, reason="needs pkill to stop the local SuperLink")
+def test_flwr_run_with_fewer_supernodes_than_clients_is_a_clear_error(tmp_path):
+    flwr_home, out = tmp_path / "flwr-home", tmp_path / "run"
+    flwr_home.mkdir()
+    bin_dir = str(Path(sys.executable).parent)
+    env = {**os.environ, "FLWR_HOME": str(flwr_home), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+           "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
+    cmd = [os.path.join(bin_dir, "flwr"), "run", ".", "--stream",
+           "--federation-config", "num-supernodes=2 client-resources-num-cpus=1",
+           "-c", f"recipe='quickstart' overrides='{OVERRIDES}' out='{out}'"]
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=480)
+    finally:
+        _stop_local_superlink(flwr_home)
+    said = proc.stdout + proc.stderr
+    assert "the federation has 2 SuperNodes but population.num_clients is 3" in said, said[-3000:]
+    assert not out.exists()  # refused before the run directory is made

@@ -1,0 +1,32 @@
+"""`flwr run .`: the federation's SuperNodes must be the recipe's population (issue: a local federation's default
+SuperNode count silently trained 2 of 32 clients)."""
+
+from __future__ import annotations
+
+import pytest
+
+from fedfusion.server_app import check_federation
+
+
+class Joining:
+    """A grid whose nodes connect one per poll, up to ``total``."""
+
+    def __init__(self, total: int, connected: int = 0) -> None:
+        self.total, self.seen = total, connected
+
+    def get_node_ids(self) -> list[int]:
+        self.seen = min(self.seen + 1, self.total)
+        return list(range(self.seen))
+
+
+def test_nodes_that_connect_within_the_wait_pass():
+    assert check_federation(Joining(4), 4, wait_s=5.0, poll_s=0.0) == 4
+
+
+@pytest.mark.parametrize("total", [2, 5])
+def test_fewer_or_more_supernodes_than_clients_is_an_error_naming_both_and_the_fix(total):
+    with pytest.raises(ValueError) as err:
+        check_federation(Joining(total, connected=total - 1), 4, wait_s=0.05, poll_s=0.01)
+    message = str(err.value)
+    assert f"has {total} SuperNodes but population.num_clients is 4" in message
+    assert 'num-supernodes=4' in message and f"population.num_clients={total}" in message
