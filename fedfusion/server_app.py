@@ -299,7 +299,7 @@ def run_federation(grid: Grid, recipe: Recipe, run: RunDir, on_round: RoundCallb
         rows = recorder.rows
         summary = {
             "status": "ok", "name": recipe.name, "rounds": recipe.rounds,
-            "target_params": target.params,
+            "target_params": target.params, "metric_names": target.metric_names,
             "initial": {k: rows[0][k] for k in ("eval_loss", "eval_ppl", "eval_acc")},
             "final": {k: rows[-1][k] for k in ("eval_loss", "eval_ppl", "eval_acc")},
             "clients_ok": sum(r["clients_ok"] for r in rows),
