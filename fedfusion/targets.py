@@ -127,10 +127,13 @@ def lora_target(recipe: Recipe) -> tuple[Target, dict[str, torch.Tensor]]:
     data = instruct.encode_pairs(tokenizer, pairs, recipe.train.seq_len)
 
     def save(out: Path, arrays: ArrayRecord) -> None:
+        """The global update as a peft adapter in ``adapter/``; the merged model in ``out`` only when the recipe
+        asks (``output.save_merged``): it is a whole copy of a base the user already has."""
         if not len(arrays):
             return  # no round produced an update: the base is unchanged
-        save_merged(model, original, arrays, tokenizer, out)
         save_adapter(arrays, out.parent / "adapter", list(lora.target_modules), resolve_base(lora.base))
+        if recipe.output.save_merged:
+            save_merged(model, original, arrays, tokenizer, out)
 
     def sample() -> str:
         prompts = [p.prompt for p in pairs[: lora.samples]]
