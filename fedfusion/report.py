@@ -185,32 +185,40 @@ def _work_section(run: Path, rows: list[dict]) -> list[str]:
         return []
     lines = ["## Who did the work", "", "| who | trained | params | client rounds ok | other | energy J | CO2e g |",
              "|---|---|---|---|---|---|---|"]
+    method = OmegaConf.select(_recipe(run), "fusion.method", default="")
     for tier in dict.fromkeys(c["device"] for c in clients):
         mine = [c for c in clients if c["device"] == tier]
-        trained = ", ".join(dict.fromkeys(_trained(c) for c in mine))
+        trained = ", ".join(dict.fromkeys(_trained(c, method) for c in mine))
         params = ", ".join(dict.fromkeys(f"{c['params']:,}" for c in mine if c.get("params")))
         ok = sum(c["status"] == "ok" for c in mine)
         lines.append(f"| {tier} | {trained} | {params} | {ok} | {len(mine) - ok} | "
                      f"{sum(c.get('energy_j') or 0.0 for c in mine):.4g} | {sum(c.get('co2_g') or 0.0 for c in mine):.4g} |")
     server_j = sum(r.get("server_energy_j") or 0.0 for r in rows)
     if server_j:
-        method = OmegaConf.select(_recipe(run), "fusion.method", default="")
         rounds = sum(1 for r in rows if r.get("server_flops"))
         lines.append(f"| server ({_server_device(run) or '?'}) | {SERVER_WORK.get(method, 'its own work')} | | "
                      f"{rounds} rounds | | {server_j:.4g} | {sum(r.get('server_co2_g') or 0.0 for r in rows):.4g} |")
-    return lines + ["", "params: what a client of that tier trained (priced at 6 x params x tokens); other: "
-                    "failed, rejected, timed-out, cut or dropped client rounds.", ""]
+    note = ("params: what a client of that tier trained (priced at 6 x params x tokens); other: failed, rejected, "
+            "timed-out, cut or dropped client rounds.")
+    if method == "generative":
+        note += (" A client's sampling (writing the windows it sends) is not priced; the samples' bytes are, in its "
+                 "upload.")
+    return lines + ["", note, ""]
 
 
-def _trained(client: dict) -> str:
-    """What one client round trained, from its ledger row."""
+def _trained(client: dict, method: str) -> str:
+    """What one client round trained, from its ledger row (and the run's fusion method)."""
     assignment = client.get("assignment") or {}
     if "family" in assignment:
         return f"family {assignment['family']}"
     if client.get("rank"):
         bits = client.get("quantize") or 0
         return f"LoRA rank {client['rank']}" + (f" on a {bits}-bit base" if bits else "")
-    return f"width {client['width']:g}" if client.get("width") is not None else "-"
+    if client.get("width") is None:
+        return "-"
+    if method == "generative":
+        return f"its own model (the static slice at width {client['width']:g})"
+    return f"width {client['width']:g} slice"
 
 
 def _family_section(rows: list[dict], summary: dict) -> list[str]:

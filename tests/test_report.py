@@ -183,3 +183,16 @@ def test_labels_follow_what_the_target_is_scored_on(tmp_path, saved_figures):
     assert "next-character" not in text
     labels = [ax.get_ylabel() for fig in saved_figures for ax in fig.axes]
     assert "next-token accuracy (response tokens)" in labels and "held-out response loss (nats/token)" in labels
+
+
+def test_generative_report_names_each_tiers_own_model_and_the_servers_training(tmp_path):
+    run = distill_run(tmp_path / "generative")
+    clients = [{**CLIENT_ROW, "round": i, "device": "phone", "width": 0.125, "params": 58_944, "energy_j": 0.5}
+               for i in range(1, 5)]
+    (run / "clients.jsonl").write_text("".join(json.dumps(c) + "\n" for c in clients))
+    (run / "recipe.yaml").write_text("fusion:\n  method: generative\ngenerative:\n  server_device: cloud-h100\n")
+    text = write_report(run).read_text()
+    assert "The server's training on the samples, priced on cloud-h100: 53.0 J" in text
+    assert "| phone | its own model (the static slice at width 0.125) | 58,944 | 4 | 0 | 2 |" in text
+    assert "| server (cloud-h100) | the server's training on the samples |" in text
+    assert "sampling (writing the windows it sends) is not priced" in text
