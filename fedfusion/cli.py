@@ -108,8 +108,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-PLAN_COSTS = {"MB down": "MB down", "MB up": "MB up", "compute s": "compute s", "transfer s": "transfer s",
-              "s/round": "s/round", "compute J": "compute J", "transfer J": "transfer J", "J/round": "J/round"}
+PLAN_COSTS = ("MB down", "MB up", "compute s", "transfer s", "s/round", "compute J", "transfer J", "J/round")
 PLAN_NOTE = ("s and J per round: the tier's training FLOPs and the bytes it moves, priced as the run's ledger "
              "prices them (fedfusion.energy.price_work; J drawn from the wall)")
 
@@ -127,15 +126,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
         config = AutoConfig.from_pretrained(resolve_base(recipe.lora.base))
         headers = {k: k for k in ("tier", "rank", "base", "trainable", "peak MB", "fp32 base MB", "device MB",
-                                  "fits", "max fit")}
+                                  "fits", "max fit", *PLAN_COSTS)}
         _print_table(f"plan for {recipe.name} (lora/{recipe.lora.method} on {recipe.lora.base}; memory estimated)",
-                     planner.lora_plan_table(recipe, config), {**headers, **PLAN_COSTS},
+                     planner.lora_plan_table(recipe, config), headers,
                      left=("tier", "base", "fits", "max fit"), width=190)
     elif method == "distill":
-        headers = {k: k for k in ("tier", "trains", "params", "peak MB", "device MB", "fits")}
+        headers = {k: k for k in ("tier", "trains", "params", "peak MB", "device MB", "fits", *PLAN_COSTS)}
         _print_table(f"plan for {recipe.name} (distill/{recipe.distill.teacher}: each tier trains its family's "
                      "model, the server distils them into the target)", planner.distill_plan_table(recipe),
-                     {**headers, **PLAN_COSTS}, left=("tier", "trains", "fits"), width=240)
+                     headers, left=("tier", "trains", "fits"), width=240)
     else:
         widths = planner.auto_widths(recipe, recipe.fusion.width_ladder) if recipe.fusion.auto_widths else None
         rows = planner.plan_table(recipe, widths, ladder=recipe.fusion.width_ladder)
@@ -145,8 +144,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             server = planner.generative_server_row(recipe)
             rows.append({**server, "width": None, "slice": server["trains"]})
         title += ", widths fitted to memory)" if widths else ")"
-        headers = {k: k for k in ("tier", "width", "slice", "params", "peak MB", "device MB", "fits")}
-        _print_table(title, rows, {**headers, **PLAN_COSTS}, left=("tier", "slice", "fits"), width=200)
+        headers = {k: k for k in ("tier", "width", "slice", "params", "peak MB", "device MB", "fits", *PLAN_COSTS)}
+        _print_table(title, rows, headers, left=("tier", "slice", "fits"), width=200)
         if method == "generative":
             console.print("a client's uplink also carries its samples (generative.sample_fraction x its windows "
                           "x (seq_len + 1) x 8 bytes), which the plan cannot know", highlight=False)
