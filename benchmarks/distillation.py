@@ -79,8 +79,8 @@ def family_scores(row: dict) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     for key, value in row.items():
         if key.startswith("family_"):
-            name, metric = key[len("family_"):].rsplit("_", 1)
-            out.setdefault(name, {})[metric] = value
+            metric = next(m for m in ("token_acc", "loss", "ppl", "acc") if key.endswith(f"_{m}"))  # longest first
+            out.setdefault(key[len("family_"):-len(metric) - 1], {})[metric] = value
     return out
 
 

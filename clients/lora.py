@@ -16,6 +16,8 @@ and the metrics ``num-examples``, ``train_loss``, ``train_tokens``, ``train_s``.
 
 The base and the encoded data are cached per process (Ray actors persist across rounds); the adapter is
 removed from the cached base after every message (``unload``), so one process can serve any rank.
+transformers' progress bars ("Loading weights", "Writing model shards") are off in a process that imports this
+role: every simulated client printed its own for every base it loaded, and the run shows its own progress.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 from fedfusion.clients.submodel import inject_faults
 from flwr.app import ConfigRecord
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers.utils import logging as hf_logging
 
 from fedfusion.adapters import adapter_factors, attach_adapter, load_factors, merged_update
 from fedfusion.instruct import (
@@ -37,6 +40,8 @@ from fedfusion.instruct import (
     train_instruct,
 )
 from fedfusion.pretrained import load_base, load_base_tokenizer
+
+hf_logging.disable_progress_bar()
 
 
 @lru_cache(maxsize=3)

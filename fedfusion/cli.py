@@ -132,26 +132,48 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_plan(args: argparse.Namespace) -> int:
-    """Print the per-tier assignment table."""
-    recipe = load_recipe(args.recipe, args.overrides)
-    from fedfusion.planner import auto_widths, plan_table  # torch: after the recipe is known to be good
+PLAN_COSTS = ("MB down", "MB up", "compute s", "transfer s", "s/round", "compute J", "transfer J", "J/round")
+PLAN_NOTE = ("s and J per round: the tier's training FLOPs and the bytes it moves, priced as the run's ledger "
+             "prices them (fedfusion.energy.price_work; J drawn from the wall)")
 
-    if recipe.fusion.method == "lora":
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Print what each tier trains and what one round of it costs (and the server's own work, where it has any)."""
+    recipe = load_recipe(args.recipe, args.overrides)
+    from fedfusion import planner  # torch: after the recipe is known to be good
+
+    method = recipe.fusion.method
+    if method == "lora":
         from transformers import AutoConfig
 
-        from fedfusion.planner import lora_plan_table
         from fedfusion.pretrained import resolve_base
 
         config = AutoConfig.from_pretrained(resolve_base(recipe.lora.base))
+        headers = {k: k for k in ("tier", "rank", "base", "trainable", "peak MB", "fp32 base MB", "device MB",
+                                  "fits", "max fit", *PLAN_COSTS)}
         _print_table(f"plan for {recipe.name} (lora/{recipe.lora.method} on {recipe.lora.base}; memory estimated)",
-                     lora_plan_table(recipe, config), {}, left=("tier", "base", "fits", "max fit"), width=150)
-        return 0
-    widths = auto_widths(recipe, recipe.fusion.width_ladder) if recipe.fusion.auto_widths else None
-    title = f"plan for {recipe.name} ({_method(recipe)}"
-    title += ", widths fitted to memory)" if widths else ")"
-    _print_table(title, plan_table(recipe, widths, ladder=recipe.fusion.width_ladder), {},
-                 left=("tier", "slice", "fits"), width=150)
+                     planner.lora_plan_table(recipe, config), headers,
+                     left=("tier", "base", "fits", "max fit"), width=190)
+    elif method == "distill":
+        headers = {k: k for k in ("tier", "trains", "params", "peak MB", "device MB", "fits", *PLAN_COSTS)}
+        _print_table(f"plan for {recipe.name} (distill/{recipe.distill.teacher}: each tier trains its family's "
+                     "model, the server distils them into the target)", planner.distill_plan_table(recipe),
+                     headers, left=("tier", "trains", "fits"), width=240)
+    else:
+        widths = planner.auto_widths(recipe, recipe.fusion.width_ladder) if recipe.fusion.auto_widths else None
+        rows = planner.plan_table(recipe, widths, ladder=recipe.fusion.width_ladder)
+        title = f"plan for {recipe.name} ({_method(recipe)}"
+        if method == "generative":
+            title += ": each tier keeps its own model, the static slice at its width; the server trains the target"
+            server = planner.generative_server_row(recipe)
+            rows.append({**server, "width": None, "slice": server["trains"]})
+        title += ", widths fitted to memory)" if widths else ")"
+        headers = {k: k for k in ("tier", "width", "slice", "params", "peak MB", "device MB", "fits", *PLAN_COSTS)}
+        _print_table(title, rows, headers, left=("tier", "slice", "fits"), width=200)
+        if method == "generative":
+            console.print("a client's uplink also carries its samples (generative.sample_fraction x its windows "
+                          "x (seq_len + 1) x 8 bytes), which the plan cannot know", highlight=False)
+    console.print(PLAN_NOTE, highlight=False)
     return 0
 
 

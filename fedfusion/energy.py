@@ -34,6 +34,12 @@ def train_flops(params: int, tokens: int) -> float:
     return 6.0 * params * tokens
 
 
+def lora_work_params(base_params: int, adapter_params: int) -> int:
+    """The parameter count whose :func:`train_flops` price a LoRA client's training: the frozen base costs its
+    forward and the activations' gradients (2 of the 3 thirds), the adapter all of it."""
+    return base_params * 2 // 3 + adapter_params
+
+
 @dataclass(frozen=True)
 class WorkCost:
     """What one piece of work costs on one device: seconds, joules and grams of CO2e."""
@@ -52,6 +58,20 @@ class WorkCost:
     def virtual_s(self) -> float:
         """Simulated duration: computing plus transferring (idle waiting is not work)."""
         return self.compute_s + self.comm_s
+
+    @property
+    def compute_wall_j(self) -> float:
+        """The share of ``wall_j`` drawn for computing (charger losses split in proportion)."""
+        return self._wall_share(self.compute_j)
+
+    @property
+    def radio_wall_j(self) -> float:
+        """The share of ``wall_j`` drawn for transfers (charger losses split in proportion)."""
+        return self._wall_share(self.radio_j)
+
+    def _wall_share(self, device_j: float) -> float:
+        total = self.compute_j + self.radio_j + self.idle_j
+        return self.wall_j * device_j / total if total else 0.0
 
     def to_dict(self) -> dict[str, float]:
         """All fields plus ``virtual_s``, for ledgers and JSON."""

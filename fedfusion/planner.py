@@ -19,6 +19,12 @@ Memory model (:func:`estimate_memory`), per training step of ``batch`` sequences
 A plan fits a device when its estimate is within ``usable`` (default 0.9) of the catalog's
 ``memory_gb`` (already the memory an app may use), the rest left for allocator fragmentation, the
 runtime and the data pipeline.
+
+Time and energy per round come from :func:`fedfusion.energy.price_work`, the cost model the run's ledger
+prices every client with: the tier's training FLOPs (``6 x params x tokens``) and the bytes it moves each
+round (what the server sends it, what it sends back), split into compute and transfer; joules are drawn
+from the wall (charger losses included), as the ledger's ``energy_j``. Bytes are the arrays' data only; a
+message adds a few hundred bytes of names and headers per array.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig
 
 from fedfusion.devices import Device, load_catalog
+from fedfusion.energy import lora_work_params, price_work, train_flops
 from fedfusion.models import target_config, target_model_config
 from fedfusion.recipe import Recipe, RecipeError
 from fedfusion.slicing import plan_slice, sub_config
@@ -216,7 +223,9 @@ def auto_widths(
     """For every tier of the population mix, :func:`fit_width` of the recipe's target (None: nothing fits)."""
     catalog = load_catalog(recipe.population.catalog)
     target = _target(recipe)
-    return {tier: fit_width(target, catalog[tier], recipe.train.batch_size, recipe.train.seq_len, ladder, usable)
+    axes = recipe.fusion.axes or None
+    return {tier: fit_width(target, catalog[tier], recipe.train.batch_size, recipe.train.seq_len, ladder, usable,
+                            axes)
             for tier in recipe.population.mix}
 
 
@@ -239,19 +248,40 @@ def _mb(n: float) -> float:
     return round(n / 2**20, 1)
 
 
+def priced(device: Device, flops: float, bytes_down: int, bytes_up: int) -> dict[str, float]:
+    """A plan row's cost columns: ``price_work`` of one round's FLOPs and transfers on ``device``, time and
+    wall joules split into compute and transfer (the totals are the ledger's ``virtual_s`` and ``energy_j``)."""
+    cost = price_work(device, flops, bytes_down, bytes_up)
+    return {"MB down": bytes_down / 2**20, "MB up": bytes_up / 2**20,
+            "compute s": cost.compute_s, "transfer s": cost.comm_s, "s/round": cost.virtual_s,
+            "compute J": cost.compute_wall_j, "transfer J": cost.radio_wall_j, "J/round": cost.wall_j}
+
+
+_UNPRICED = dict.fromkeys(("MB down", "MB up", "compute s", "transfer s", "s/round", "compute J", "transfer J",
+                           "J/round"))
+
+
+def _wire_bytes(recipe: Recipe) -> int:
+    """Bytes per value the server sends a sub-model in (``fusion.wire_dtype``, sub-model fusion only); replies
+    are float32."""
+    return 2 if recipe.fusion.method == "submodel" and recipe.fusion.wire_dtype == "float16" else 4
+
+
 def plan_table(
     recipe: Recipe, widths: Mapping[str, float | None] | None = None, usable: float = USABLE,
     ladder: Sequence[float] = WIDTH_LADDER,
 ) -> list[dict[str, Any]]:
-    """One row per tier of the population mix, narrowest first.
+    """One row per tier of the population mix, narrowest first: the slice it trains (sub-model fusion; under
+    generative distillation the static slice it keeps as its own model), parameters, memory, and one round's
+    cost (:func:`priced`: training FLOPs, the slice down in ``fusion.wire_dtype`` and back in float32).
 
     ``widths`` (default: the recipe's ``fusion.widths``; pass :func:`auto_widths` for auto-fit) may hold
     None for a tier that fits nothing: its row says so (with what ``ladder``'s smallest width would need)
-    instead of raising. Memory is :func:`training_memory_bytes`; seconds and joules per
-    round price ``6 * params * tokens`` FLOPs at the catalog's sustained TFLOPS and training watts.
+    instead of raising. Memory is :func:`training_memory_bytes`.
     """
     catalog = load_catalog(recipe.population.catalog)
     target = _target(recipe)
+    axes = recipe.fusion.axes or None
     widths = recipe.fusion.widths if widths is None else widths
     batch, seq = recipe.train.batch_size, recipe.train.seq_len
     tokens = recipe.train.local_steps * batch * seq
@@ -263,34 +293,102 @@ def plan_table(
         row: dict[str, Any] = {"tier": tier, "width": width}
         if width is None:
             smallest = min(ladder)
-            need = training_memory_bytes(sliced_config(target, smallest), batch, seq)
+            need = training_memory_bytes(sliced_config(target, smallest, axes), batch, seq)
             rows.append({**row, "slice": "-", "params": None, "peak MB": _mb(need),
                          "device MB": round(device.memory_gb * 1024),
                          "fits": f"NO: even width {smallest:g} needs {_mb(need)} MB, {_mb(budget)} MB usable",
-                         "s/round": None, "J/round": None})
+                         **_UNPRICED})
             continue
-        sub = sliced_config(target, width)
+        sub = sliced_config(target, width, axes)
         params = param_count(sub)
         mem = training_memory_bytes(sub, batch, seq)
-        seconds = 6 * params * tokens / (device.tflops * 1e12)
         rows.append({
             **row,
             "slice": f"{sub.num_attention_heads}/{target.num_attention_heads} heads, "
                      f"{_dims(sub)[1]}/{_dims(target)[1]} neurons",
             "params": params, "peak MB": _mb(mem), "device MB": round(device.memory_gb * 1024),
             "fits": "yes" if mem <= budget else "NO",
-            "s/round": seconds, "J/round": seconds * device.train_w,
+            **priced(device, train_flops(params, tokens), params * _wire_bytes(recipe), params * 4),
         })
     return rows
 
 
+def _family_label(name: str, config: PretrainedConfig, kind: str) -> str:
+    """e.g. ``small: gpt2 48x2, 4 heads, bpe 384``: the family, its width x layers, heads and tokenizer."""
+    h, _, heads, _, _, layers = _dims(config)
+    vocab = "" if kind == "target" else f" {config.vocab_size}"
+    return f"{name}: {config.model_type} {h}x{layers}, {heads} heads, {kind}{vocab}"
+
+
+def distill_plan_table(recipe: Recipe, usable: float = USABLE) -> list[dict[str, Any]]:
+    """One row per tier for distillation fusion: the family model it trains (FedAvg within the family), its
+    parameters, memory, and one round's cost (:func:`priced`: training FLOPs, the family model down and up in
+    float32); then the server's row (:func:`server_plan_row`). Builds the families as the run does (BPE
+    tokenizers trained on the transfer text), so the parameter counts are the run's."""
+    from fedfusion.distill import forward_flops
+    from fedfusion.models import load_tokenizer
+    from fedfusion.population import data_spec
+    from fedfusion.transfer import distill_families, transfer_text
+
+    catalog = load_catalog(recipe.population.catalog)
+    d, batch, seq = recipe.distill, recipe.train.batch_size, recipe.train.seq_len
+    text = transfer_text(d.transfer.source, data_spec(recipe), d.transfer.max_chars, d.transfer.path)
+    families = distill_families(recipe, load_tokenizer(recipe.model.pretrained), text)
+    tokens = recipe.train.local_steps * batch * seq
+    rows, trained = [], {}
+    for tier in recipe.population.mix:
+        device, name = catalog[tier], d.tier_family[tier]
+        config = families[name][0]
+        params = trained[name] = param_count(config)
+        mem = training_memory_bytes(config, batch, seq)
+        rows.append({
+            "tier": tier, "trains": _family_label(name, config, d.families[name].tokenizer),
+            "params": params, "peak MB": _mb(mem), "device MB": round(device.memory_gb * 1024),
+            "fits": "yes" if mem <= _budget(device, usable) else "NO",
+            **priced(device, train_flops(params, tokens), 4 * params, 4 * params),
+        })
+    target = param_count(_target(recipe))
+    server_tokens, back_tokens = (steps * d.server_batch_size * seq for steps in (d.server_steps, d.back_steps))
+    teachers = d.kd_weight > 0  # kd_weight 0 trains on the transfer text alone: no teacher runs
+    flops = train_flops(target, server_tokens) + teachers * sum(forward_flops(p, server_tokens)
+                                                                for p in trained.values())
+    if d.back_distill:
+        flops += sum(train_flops(p, back_tokens) + teachers * forward_flops(target, back_tokens)
+                     for p in trained.values())
+    what = f"distils {', '.join(sorted(trained))} in ({d.server_steps} steps)" + (
+        f", and back ({d.back_steps} each)" if d.back_distill else "")
+    return rows + [server_plan_row(recipe, d.server_device, what, flops, d.server_batch_size, usable)]
+
+
+def generative_server_row(recipe: Recipe, usable: float = USABLE) -> dict[str, Any]:
+    """The server's row under generative distillation: it trains the target on the clients' samples."""
+    g = recipe.generative
+    flops = train_flops(param_count(_target(recipe)), g.server_steps * g.server_batch * recipe.train.seq_len)
+    return server_plan_row(recipe, g.server_device, f"learns the samples ({g.server_steps} steps)",
+                           flops, g.server_batch, usable)
+
+
+def server_plan_row(recipe: Recipe, server_device: str, what: str, flops: float, batch: int,
+                    usable: float = USABLE) -> dict[str, Any]:
+    """The server's own work per round, priced on ``server_device`` as the ledger prices it (``server_energy_j``:
+    its FLOPs, no transfers); memory is training the target at the server's batch size."""
+    device = load_catalog(recipe.population.catalog)[server_device]
+    target = _target(recipe)
+    mem = training_memory_bytes(target, batch, recipe.train.seq_len)
+    return {"tier": f"server ({server_device})", "trains": what, "params": param_count(target),
+            "peak MB": _mb(mem), "device MB": round(device.memory_gb * 1024),
+            "fits": "yes" if mem <= _budget(device, usable) else "NO", **priced(device, flops, 0, 0)}
+
+
 def lora_plan_table(recipe: Recipe, base_config: PretrainedConfig, usable: float = USABLE) -> list[dict[str, Any]]:
     """One row per tier for LoRA fusion: its rank and base precision, trainable parameters, estimated peak
-    memory on its base and on an fp32 base, whether it fits, and the largest rank that would fit."""
+    memory on its base and on an fp32 base, whether it fits, the largest rank that would fit, and one round's
+    cost (:func:`priced`: the FLOPs of :func:`~fedfusion.energy.lora_work_params`, the float32 adapter each way)."""
     catalog = load_catalog(recipe.population.catalog)
     lora, batch, seq = recipe.lora, recipe.train.batch_size, recipe.train.seq_len
     modules = list(lora.target_modules)
     compute = getattr(torch, lora.dtype).itemsize  # a quantised base computes (and keeps its other weights) in lora.dtype
+    base_params, tokens = param_count(base_config), recipe.train.local_steps * batch * seq
     rows = []
     for tier in recipe.population.mix:
         device, rank, bits = catalog[tier], lora.ranks[tier], lora.quantize.get(tier, 0) or 32
@@ -303,5 +401,7 @@ def lora_plan_table(recipe: Recipe, base_config: PretrainedConfig, usable: float
             "peak MB": _mb(est.total), "fp32 base MB": _mb(fp32.total), "device MB": round(device.memory_gb * 1024),
             "fits": "yes" if est.total <= _budget(device, usable) else "NO",
             "max fit": f"r={best.rank} on {best.base_bits}-bit" if best else "nothing fits",
+            **priced(device, train_flops(lora_work_params(base_params, est.trainable), tokens), 4 * est.trainable,
+                     4 * est.trainable),
         })
     return rows

@@ -250,6 +250,9 @@ class OutputConfig:
 
     dir: str = "runs"
     save_model: bool = True
+    # LoRA: also write the base with the update merged in to model/ (a full copy of the base: 540 MB for SmolLM2-135M);
+    # adapter/ (the update alone) is always written
+    save_merged: bool = False
     checkpoint_every: int = 1  # rounds between checkpoints (0: none); `fedfusion run --resume RUN_DIR` continues
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from itertools import accumulate
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
@@ -17,11 +18,16 @@ from fedfusion.devices import load_catalog  # noqa: E402
 from fedfusion.edge_cloud import DEFAULT_CLOUD, check_cloud, edge_cloud_markdown, work_from_clients  # noqa: E402
 from fedfusion.run_dir import read_jsonl  # noqa: E402
 
-CURVES = (("eval_loss", "held-out loss (nats/char)"), ("eval_ppl", "held-out perplexity"),
-          ("eval_acc", "next-character accuracy"))
-# a knowledge run (data.source=facts, its summary has "facts") scores the same fields on its probes
-FACTS_CURVES = (("eval_loss", "probe answer loss (nats/token)"), ("eval_ppl", "probe answer perplexity"),
-                ("eval_acc", "probe accuracy"))
+# What eval_loss, eval_ppl and eval_acc measure, by how the target is scored: fedfusion.targets picks one for
+# the run and summary.json records it as metric_names
+CHAR_METRICS = {"eval_loss": "held-out loss (nats/char)", "eval_ppl": "held-out perplexity",
+                "eval_acc": "next-character accuracy"}
+TOKEN_METRICS = {"eval_loss": "held-out loss (nats/token)", "eval_ppl": "held-out perplexity (per token)",
+                 "eval_acc": "next-token accuracy"}
+FACTS_METRICS = {"eval_loss": "probe answer loss (nats/token)", "eval_ppl": "probe answer perplexity",
+                 "eval_acc": "probe accuracy"}
+RESPONSE_METRICS = {"eval_loss": "held-out response loss (nats/token)", "eval_ppl": "held-out response perplexity",
+                    "eval_acc": "next-token accuracy (response tokens)"}
 LOWER_IS_BETTER = {"eval_loss": True, "eval_ppl": True, "eval_acc": False, "probe_acc": False}
 
 
@@ -48,14 +54,16 @@ def _best(rows: list[dict], key: str) -> tuple[float, int] | None:
     return row[key], row["round"]
 
 
+def _metric_names(summary: dict) -> dict[str, str]:
+    """What the run's eval fields measure, as its summary records them; a run written before summaries did:
+    the probe metrics for a knowledge run, else the character-level ones."""
+    return summary.get("metric_names") or (FACTS_METRICS if "facts" in summary else CHAR_METRICS)
+
+
 def _curve_labels(runs: list[Path]) -> tuple[tuple[str, str], ...]:
-    kinds = {"facts" in _load(run)[1] for run in runs}
-    if kinds == {True}:
-        return FACTS_CURVES
-    if kinds == {False}:
-        return CURVES
-    return (("eval_loss", "held-out or probe answer loss"), ("eval_ppl", "held-out or probe answer perplexity"),
-            ("eval_acc", "next-character or probe accuracy"))  # runs of both kinds side by side
+    """(metric, label) of each curve; runs that measure different things side by side name each of them."""
+    names = [_metric_names(_load(run)[1]) for run in runs]
+    return tuple((key, " or ".join(dict.fromkeys(n[key] for n in names))) for key in ("eval_loss", "eval_ppl", "eval_acc"))
 
 
 def plot_curves(runs: list[Path], out_dir: Path) -> list[Path]:
@@ -94,7 +102,9 @@ def _plot_cost(runs: list[Path], out_dir: Path) -> Path:
         for ax, key in zip(axes, ("energy_j", "co2_g")):
             xs = list(accumulate(r.get(key, 0.0) for r in rows))
             ax.plot(xs, [r["eval_loss"] for r in rows], marker="o", label=_label(run))
-    axes[0].set_xlabel("cumulative energy, all clients (J, priced from counted work)")
+    server = any(r.get("server_energy_j") for run in runs for r in _load(run)[0])
+    axes[0].set_xlabel(f"cumulative energy, all clients{' and the server' if server else ''} "
+                       "(J, priced from counted work)")
     axes[1].set_xlabel("cumulative CO2e (g, operational + embodied)")
     axes[0].set_ylabel(loss)
     name = loss.split(" (")[0]
@@ -121,7 +131,7 @@ def _edge_cloud_section(run: Path) -> str:
     clients = read_jsonl(run / "clients.jsonl") if (run / "clients.jsonl").is_file() else []
     if not clients:
         return "## Edge vs cloud\n\nNo client work was recorded."
-    recipe = OmegaConf.load(run / "recipe.yaml") if (run / "recipe.yaml").is_file() else {}
+    recipe = _recipe(run)
     catalog = load_catalog(OmegaConf.select(recipe, "population.catalog", default=None) if recipe else None)
     cloud = OmegaConf.select(recipe, "report.cloud", default=DEFAULT_CLOUD) if recipe else DEFAULT_CLOUD
     try:
@@ -131,15 +141,124 @@ def _edge_cloud_section(run: Path) -> str:
     return edge_cloud_markdown(work_from_clients(clients), catalog=catalog, cloud=cloud)
 
 
+def _capital(text: str) -> str:
+    return text[:1].upper() + text[1:]
+
+
+def _recipe(run: Path) -> Any:
+    """The run's resolved recipe as an OmegaConf node ({} where the run directory has none)."""
+    return OmegaConf.load(run / "recipe.yaml") if (run / "recipe.yaml").is_file() else {}
+
+
+def _server_device(run: Path) -> str:
+    """The catalog tier the server's own work is priced on (distillation and generative fusion), else ''."""
+    recipe = _recipe(run)
+    method = OmegaConf.select(recipe, "fusion.method", default="") if recipe else ""
+    return OmegaConf.select(recipe, f"{method}.server_device", default="") if method in SERVER_WORK else ""
+
+
+SERVER_WORK = {"distill": "the server's distillation", "generative": "the server's training on the samples"}
+
+
+def _cost_line(run: Path, rows: list[dict], summary: dict) -> str:
+    """Energy, carbon and simulated time, the clients' work apart from the server's own (distillation and
+    generative fusion price the server's training too, and the run's totals include it)."""
+    server_j, server_g = (sum(r.get(k) or 0.0 for r in rows) for k in ("server_energy_j", "server_co2_g"))
+    clients = (f"Clients' work priced on their device profiles: {summary['energy_j'] - server_j:.1f} J "
+               f"({summary['wasted_j']:.1f} J wasted on failed, rejected, dropped or cut work), "
+               f"{summary['co2_g'] - server_g:.4f} g CO2e")
+    if not server_j:
+        return f"{clients}, {summary['virtual_s']:.1f} s of simulated time."
+    method = OmegaConf.select(_recipe(run), "fusion.method", default="")
+    work = SERVER_WORK.get(method, "the server's own work")
+    flops = sum(r.get("server_flops") or 0.0 for r in rows)
+    return (f"{clients}. {_capital(work)}, priced on {_server_device(run) or 'its device profile'}: "
+            f"{server_j:.1f} J ({flops:.3g} FLOPs), {server_g:.4f} g CO2e. Together {summary['energy_j']:.1f} J, "
+            f"{summary['co2_g']:.4f} g CO2e, {summary['virtual_s']:.1f} s of simulated time (the server's included).")
+
+
+def _work_section(run: Path, rows: list[dict]) -> list[str]:
+    """Who did the work: per device tier what its clients trained, how often, and its priced energy; then the
+    server's own training where it has any."""
+    clients = read_jsonl(run / "clients.jsonl") if (run / "clients.jsonl").is_file() else []
+    if not clients:
+        return []
+    lines = ["## Who did the work", "", "| who | trained | params | client rounds ok | other | energy J | CO2e g |",
+             "|---|---|---|---|---|---|---|"]
+    method = OmegaConf.select(_recipe(run), "fusion.method", default="")
+    for tier in dict.fromkeys(c["device"] for c in clients):
+        mine = [c for c in clients if c["device"] == tier]
+        trained = ", ".join(dict.fromkeys(_trained(c, method) for c in mine))
+        params = ", ".join(dict.fromkeys(f"{c['params']:,}" for c in mine if c.get("params")))
+        ok = sum(c["status"] == "ok" for c in mine)
+        lines.append(f"| {tier} | {trained} | {params} | {ok} | {len(mine) - ok} | "
+                     f"{sum(c.get('energy_j') or 0.0 for c in mine):.4g} | {sum(c.get('co2_g') or 0.0 for c in mine):.4g} |")
+    server_j = sum(r.get("server_energy_j") or 0.0 for r in rows)
+    if server_j:
+        rounds = sum(1 for r in rows if r.get("server_flops"))
+        lines.append(f"| server ({_server_device(run) or '?'}) | {SERVER_WORK.get(method, 'its own work')} | | "
+                     f"{rounds} rounds | | {server_j:.4g} | {sum(r.get('server_co2_g') or 0.0 for r in rows):.4g} |")
+    note = ("params: what a client of that tier trained (priced at 6 x params x tokens); other: failed, rejected, "
+            "timed-out, cut or dropped client rounds.")
+    if method == "generative":
+        note += (" A client's sampling (writing the windows it sends) is not priced; the samples' bytes are, in its "
+                 "upload.")
+    return lines + ["", note, ""]
+
+
+def _trained(client: dict, method: str) -> str:
+    """What one client round trained, from its ledger row (and the run's fusion method)."""
+    assignment = client.get("assignment") or {}
+    if "family" in assignment:
+        return f"family {assignment['family']}"
+    if client.get("rank"):
+        bits = client.get("quantize") or 0
+        return f"LoRA rank {client['rank']}" + (f" on a {bits}-bit base" if bits else "")
+    if client.get("width") is None:
+        return "-"
+    if method == "generative":
+        return f"its own model (the static slice at width {client['width']:g})"
+    return f"width {client['width']:g} slice"
+
+
+def _family_section(rows: list[dict], summary: dict) -> list[str]:
+    """Distillation fusion: every client family's held-out scores (per character, like the target's), final and
+    best, next to the target's."""
+    names = sorted({k[len("family_"):-len("_loss")] for r in rows for k in r
+                    if k.startswith("family_") and k.endswith("_loss")})
+    if not names:
+        return []
+    lines = ["## Client families", "",
+             "Each family model is scored after every round on the same held-out text as the target, in nats per "
+             "character whatever its tokenizer; accuracy is next-character accuracy for character-level families "
+             "and next-token accuracy (in the family's own tokens) for the others.", "",
+             "| model | final loss (nats/char) | final ppl | final acc | best loss (round) |", "|---|---|---|---|---|"]
+    last = rows[-1]
+    target_best = _best(rows, "eval_loss")
+    lines.append(f"| target | {last['eval_loss']:.4f} | {last['eval_ppl']:.3f} | {last['eval_acc']:.4f} "
+                 f"({_metric_names(summary)['eval_acc']}) | "
+                 f"{target_best[0]:.4f} ({target_best[1]}) |")
+    for name in names:
+        scored = [r for r in rows if r.get(f"family_{name}_loss") is not None]
+        final = scored[-1]
+        acc = (f"{final[f'family_{name}_acc']:.4f} (next-character accuracy)" if f"family_{name}_acc" in final else
+               f"{final[f'family_{name}_token_acc']:.4f} (next-token accuracy)" if f"family_{name}_token_acc" in final else "")
+        best = min(scored, key=lambda r: r[f"family_{name}_loss"])
+        lines.append(f"| family {name} | {final[f'family_{name}_loss']:.4f} | {final[f'family_{name}_ppl']:.3f} | "
+                     f"{acc} | {best[f'family_{name}_loss']:.4f} ({best['round']}) |")
+    return lines + [""]
+
+
 def _headline(rows: list[dict], summary: dict) -> list[str]:
     """Initial -> final, and the best round, of the run's two headline metrics: the last round is often
     not the best, and a report that shows only the last one misleads."""
     first, last = summary["initial"], summary["final"]
     final_round = rows[-1]["round"] if rows else summary.get("rounds")
+    names = _metric_names(summary)
     if "facts" in summary:
-        metrics = (("eval_loss", "Probe answer loss", ".3f", " nats/token"), ("eval_acc", "probe accuracy", ".3f", ""))
+        metrics = (("eval_loss", "Probe answer loss", ".3f", " nats/token"), ("eval_acc", names["eval_acc"], ".3f", ""))
     else:
-        metrics = (("eval_ppl", "Held-out perplexity", ".2f", ""), ("eval_acc", "next-character accuracy", ".3f", ""))
+        metrics = (("eval_ppl", _capital(names["eval_ppl"]), ".2f", ""), ("eval_acc", names["eval_acc"], ".3f", ""))
     parts, worse = [], []
     for key, name, fmt, unit in metrics:
         best = _best(rows, key) or (last[key], final_round)
@@ -174,9 +293,7 @@ def write_report(run: Path) -> Path:
     if summary.get("status") == "ok":
         lines += [
             f"Target: {summary['target_params']:,} parameters, {summary['rounds']} rounds, "
-            f"{summary['wall_s']:.0f} s wall. Clients' work priced on their device profiles: "
-            f"{summary['energy_j']:.1f} J ({summary['wasted_j']:.1f} J wasted on failed, rejected, dropped or cut work), "
-            f"{summary['co2_g']:.4f} g CO2e, {summary['virtual_s']:.1f} s of simulated time.",
+            f"{summary['wall_s']:.0f} s wall. " + _cost_line(run, rows, summary),
             "",
             *_headline(rows, summary),
             ("Greedy answers of the final target to a few probes:" if "facts" in summary
@@ -187,7 +304,8 @@ def write_report(run: Path) -> Path:
             "```",
             "",
         ]
-    lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += _family_section(rows, summary) + _work_section(run, rows)
+    lines += ["## Rounds", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |" for r in rows]
     lines += [""] + [f"![{p.stem}](plots/{p.name})" for p in plots] + [""]
     lines += [_edge_cloud_section(run), ""]

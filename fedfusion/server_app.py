@@ -46,7 +46,7 @@ from fedfusion.strategies.quorum import QuorumGrid
 from fedfusion.strategies.stop import RunInterrupted, StopGrid
 from fedfusion.strategies.submodel import ClientRound, SubModelFusion
 from fedfusion.targets import Target, lm_target, lora_data_spec, lora_target
-from fedfusion.transfer import family_tokenizer, transfer_text
+from fedfusion.transfer import distill_families, transfer_text
 from fedfusion.wire import fault_spec, train_spec
 
 RoundCallback = Callable[[dict[str, Any]], None]
@@ -125,12 +125,7 @@ def build_distillation(recipe: Recipe, common: dict[str, Any]) -> DistillationFu
     is scored each round on the same pooled held-out text as the target."""
     d, tokenizer = recipe.distill, load_tokenizer(recipe.model.pretrained)
     text = transfer_text(d.transfer.source, data_spec(recipe), d.transfer.max_chars, d.transfer.path)
-    families = {}
-    for name, f in d.families.items():
-        family_tok = family_tokenizer(f.tokenizer, text, f.bpe_vocab)
-        families[name] = Family(family_config(f.model_type, family_tok or tokenizer, f.hidden_size, f.num_layers,
-                                              f.num_heads, f.num_kv_heads, f.intermediate_size,
-                                              recipe.model.max_position), family_tok)
+    families = {name: Family(config, own) for name, (config, own) in distill_families(recipe, tokenizer, text).items()}
     return DistillationFusion(
         tokenizer=tokenizer, families=families, tier_family=dict(d.tier_family), transfer_text=text,
         teacher=d.teacher, average=d.average, confidence=d.confidence, temperature=d.temperature,
@@ -320,7 +315,7 @@ def run_federation(grid: Grid, recipe: Recipe, run: RunDir, on_round: RoundCallb
         rows = recorder.rows
         summary = {
             "status": "ok", "name": recipe.name, "rounds": recipe.rounds,
-            "target_params": target.params,
+            "target_params": target.params, "metric_names": target.metric_names,
             "initial": {k: rows[0][k] for k in ("eval_loss", "eval_ppl", "eval_acc")},
             "final": {k: rows[-1][k] for k in ("eval_loss", "eval_ppl", "eval_acc")},
             "clients_ok": sum(r["clients_ok"] for r in rows),

@@ -26,6 +26,7 @@ from fedfusion.models import build_target, count_params
 from fedfusion.population import data_spec, data_tokenizer, facts_data, pooled_held_out
 from fedfusion.pretrained import load_base, load_base_tokenizer, resolve_base
 from fedfusion.recipe import Recipe
+from fedfusion.report import CHAR_METRICS, FACTS_METRICS, RESPONSE_METRICS, TOKEN_METRICS
 from fedfusion.training import evaluate_lm
 
 
@@ -41,6 +42,7 @@ class Target:
     save: Callable[[Path, ArrayRecord], None]  # the run directory's model/ (and adapter/)
     sample: Callable[[], str]  # text for the report
     params: int
+    metric_names: dict[str, str]  # what evaluate's eval_loss, eval_ppl and eval_acc measure (fedfusion.report)
 
 
 def sample_text(model: torch.nn.Module, tokenizer, prompt: str = "KING:\n", chars: int = 200, seed: int = 0) -> str:
@@ -59,7 +61,9 @@ def lm_target(recipe: Recipe) -> Target:
     tokenizer = data_tokenizer(spec)
     model = build_target(recipe.model, tokenizer, recipe.seed)
     sample = partial(sample_text, model, tokenizer, seed=recipe.seed)
+    names = TOKEN_METRICS if recipe.model.pretrained else CHAR_METRICS  # a pretrained model brings its tokenizer
     if recipe.data.source == "facts":
+        names = FACTS_METRICS
         probes = facts_data(recipe.data, recipe.population.num_clients, recipe.seed).probes
         evaluate = facts_evaluator(model, tokenizer, probes)
         sample = partial(facts_sample, model, tokenizer, probes[:5])
@@ -74,7 +78,7 @@ def lm_target(recipe: Recipe) -> Target:
     return Target(
         model=model, tokenizer=tokenizer, initial=ArrayRecord(model.state_dict()),
         load=lambda arrays: model.load_state_dict(arrays.to_torch_state_dict()),
-        evaluate=evaluate, save=save, sample=sample, params=count_params(model),
+        evaluate=evaluate, save=save, sample=sample, params=count_params(model), metric_names=names,
     )
 
 
@@ -123,10 +127,13 @@ def lora_target(recipe: Recipe) -> tuple[Target, dict[str, torch.Tensor]]:
     data = instruct.encode_pairs(tokenizer, pairs, recipe.train.seq_len)
 
     def save(out: Path, arrays: ArrayRecord) -> None:
+        """The global update as a peft adapter in ``adapter/``; the merged model in ``out`` only when the recipe
+        asks (``output.save_merged``): it is a whole copy of a base the user already has."""
         if not len(arrays):
             return  # no round produced an update: the base is unchanged
-        save_merged(model, original, arrays, tokenizer, out)
         save_adapter(arrays, out.parent / "adapter", list(lora.target_modules), resolve_base(lora.base))
+        if recipe.output.save_merged:
+            save_merged(model, original, arrays, tokenizer, out)
 
     def sample() -> str:
         prompts = [p.prompt for p in pairs[: lora.samples]]
@@ -137,6 +144,6 @@ def lora_target(recipe: Recipe) -> tuple[Target, dict[str, torch.Tensor]]:
         model=model, tokenizer=tokenizer, initial=ArrayRecord(),
         load=lambda arrays: apply_global(model, original, arrays),
         evaluate=lambda: instruct.evaluate_instruct(model, data), save=save, sample=sample,
-        params=count_params(model),
+        params=count_params(model), metric_names=RESPONSE_METRICS,
     )
     return target, original

@@ -15,10 +15,11 @@ from __future__ import annotations
 from functools import lru_cache
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
+from transformers import PretrainedConfig, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from fedfusion.data import build_char_tokenizer, load_shakespeare_roles, load_text_file
 from fedfusion.population import population_data
+from fedfusion.recipe import Recipe
 
 SOURCES = ("shakespeare", "text")
 TOKENIZERS = ("target", "char", "bpe")
@@ -81,3 +82,18 @@ def family_tokenizer(kind: str, text: str = "", bpe_vocab: int = 512) -> PreTrai
     if kind == "target":
         return None
     return build_char_tokenizer() if kind == "char" else train_bpe(text, bpe_vocab)
+
+
+def distill_families(
+    recipe: Recipe, tokenizer: PreTrainedTokenizerBase, text: str,
+) -> dict[str, tuple[PretrainedConfig, PreTrainedTokenizerFast | None]]:
+    """Every family of ``recipe.distill``: its model config and its own tokenizer (None: the target's
+    ``tokenizer``), BPE tokenizers trained on the transfer ``text``. What the run trains and the plan prices."""
+    from fedfusion.clients.smallmodel import family_config  # the client role module: flwr loads with it
+
+    families = {}
+    for name, f in recipe.distill.families.items():
+        own = family_tokenizer(f.tokenizer, text, f.bpe_vocab)
+        families[name] = (family_config(f.model_type, own or tokenizer, f.hidden_size, f.num_layers, f.num_heads,
+                                        f.num_kv_heads, f.intermediate_size, recipe.model.max_position), own)
+    return families

@@ -15,7 +15,8 @@ family models live on the strategy):
    own tokens, as loss in nats per *character* (total nats / characters predicted), so character and BPE
    families compare with each other and with the character-level target; the scores go to
    ``last.fed_eval`` (``family_<name>_loss``, ``family_<name>_ppl`` and, for families whose every predicted
-   token is one character, ``family_<name>_acc``: next-character accuracy), which the run recorder writes.
+   token is one character, ``family_<name>_acc``: next-character accuracy; for the others
+   ``family_<name>_token_acc``, next-token accuracy in their own tokens), which the run recorder writes.
 
 The distillation's counted work is kept in :attr:`DistillationFusion.server_cost` so the server can be
 priced like a client.
@@ -447,14 +448,12 @@ def family_eval_set(tokenizer: PreTrainedTokenizerBase, text: str, seq_len: int)
 
 
 def score_per_char(model: PreTrainedModel, data: EvalSet) -> dict[str, float]:
-    """Held-out loss in nats per character (total nats / characters), its perplexity, and, for a
-    character-level tokenizer, next-character accuracy."""
+    """Held-out loss in nats per character (total nats / characters), its perplexity, and next-token
+    accuracy: ``acc`` for a character-level tokenizer (it is next-character accuracy, comparable with the
+    target's), ``token_acc`` for any other (in the family's own tokens, so not comparable across tokenizers)."""
     scores = evaluate_lm(model, data.windows)
     loss = scores["eval_loss"] * data.windows[:, 1:].numel() / data.chars
-    out = {"loss": loss, "ppl": math.exp(min(loss, 50.0))}
-    if data.char_level:
-        out["acc"] = scores["eval_acc"]
-    return out
+    return {"loss": loss, "ppl": math.exp(min(loss, 50.0)), ("acc" if data.char_level else "token_acc"): scores["eval_acc"]}
 
 
 def _max_len(config: PretrainedConfig) -> int | None:

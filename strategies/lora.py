@@ -55,7 +55,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from safetensors.torch import save_file
 
-from fedfusion.energy import WorkCost, price_work, train_flops
+from fedfusion.energy import WorkCost, lora_work_params, price_work, train_flops
 from fedfusion.lora import (
     METHODS,
     ClientLoRA,
@@ -153,7 +153,7 @@ class LoRAFusion(SubModelFusion):
         if not self.costs:
             for tier in self.ranks:
                 adapter = self.adapter_params(tier)
-                params, nbytes = self.base_params * 2 // 3 + adapter, 4 * adapter
+                params, nbytes = lora_work_params(self.base_params, adapter), 4 * adapter
                 self.sizes[tier] = (params, nbytes)
                 self.costs[tier] = price_work(self.participation.catalog[tier], train_flops(params, self._tokens()),
                                               nbytes, nbytes)
@@ -189,7 +189,7 @@ class LoRAFusion(SubModelFusion):
             adapter = self.adapter_params(device)
             self.last.clients[node] = LoRAClientRound(
                 node=node, device=device, width=1.0, partition=int(self.caps[node].get("partition", -1)),
-                bytes_down=record.count_bytes(), params=self.base_params * 2 // 3 + adapter,
+                bytes_down=record.count_bytes(), params=lora_work_params(self.base_params, adapter),
                 sent_norm=_update_norm(*start, alpha / rank), tokens=self._tokens(),
                 rank=rank, alpha=float(alpha), quantize=int(self.quantize.get(device, 0)), adapter_params=adapter,
             )

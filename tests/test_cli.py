@@ -41,6 +41,28 @@ def test_plan_lists_every_tier_with_its_slice(capsys):
     assert all(r["fits"] == "yes" for r in rows)
 
 
+def test_plan_splits_time_and_energy_into_compute_and_transfer(capsys):
+    assert main(["plan", "quickstart"]) == 0
+    out = capsys.readouterr().out
+    for column in ("MB down", "MB up", "compute s", "transfer s", "s/round", "compute J", "transfer J", "J/round"):
+        assert column in out
+    assert "priced as the run's ledger prices them" in " ".join(out.split())
+
+
+def test_plan_of_a_distillation_recipe_shows_family_models_and_the_server_not_slices(capsys):
+    assert main(["plan", "distill", "distill.transfer.max_chars=20000"]) == 0
+    out = capsys.readouterr().out
+    assert "tiny: llama 32x2" in out and "small: gpt2 48x2" in out and "server (cloud-a100)" in out
+    assert "neurons" not in out and "slice" not in out  # not the sub-model slicing table
+
+
+def test_plan_of_generative_distillation_names_each_tiers_own_model_and_the_server(capsys):
+    assert main(["plan", "knowledge"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "each tier keeps its own model, the static slice at its width" in out
+    assert "server (cloud-a100)" in out and "learns the samples (30 steps)" in out
+
+
 def test_devices_lists_the_catalog(capsys):
     assert main(["devices"]) == 0
     out = capsys.readouterr().out

@@ -284,7 +284,8 @@ def test_family_scores_are_per_character_for_char_and_bpe_models(bpe):
         scores = score_per_char(model, family_eval_set(tok, HELD_OUT, 16))
         assert scores["loss"] == pytest.approx(_nats_per_char(model, tok, HELD_OUT, 16), rel=1e-4)
         assert scores["ppl"] == pytest.approx(math.exp(scores["loss"]))
-        assert ("acc" in scores) == char_level
+        assert ("acc" in scores) == char_level and ("token_acc" in scores) != char_level  # BPE: next-token accuracy
+        assert 0 <= scores.get("acc", scores.get("token_acc")) <= 1
     # an untrained model is near uniform over its vocabulary per token: per char that is log(V) for the
     # character model and log(V) x tokens / chars for the BPE model
     char, subword = family_eval_set(CHAR, HELD_OUT, 16), family_eval_set(bpe, HELD_OUT, 16)
@@ -303,7 +304,8 @@ def test_every_trained_family_is_scored_each_round_and_void_rounds_keep_the_scor
     msgs = list(strategy.configure_train(2, ArrayRecord(target), ConfigRecord({}), FakeGrid(GRID)))
     strategy.aggregate_train(2, [_reply(m, _shifted(m, 0.01)) for m in msgs])
     scores = strategy.last.fed_eval
-    assert set(scores) == {"family_tiny_loss", "family_tiny_ppl", "family_tiny_acc", "family_gpt_loss", "family_gpt_ppl"}
+    assert set(scores) == {"family_tiny_loss", "family_tiny_ppl", "family_tiny_acc", "family_gpt_loss", "family_gpt_ppl",
+                           "family_gpt_token_acc"}
     assert scores["family_tiny_loss"] != tiny["loss"]  # re-scored after this round's FedAvg and back-distillation
     gpt = score_per_char(strategy.family_model("gpt"), family_eval_set(bpe, HELD_OUT, 16))
     assert scores["family_gpt_loss"] == gpt["loss"]

@@ -173,3 +173,15 @@ def test_a_4bit_base_trains_an_adapter(base):
     A, B = factors(arrays)
     assert all(torch.isfinite(t).all() for t in arrays.values()) and any(b.abs().sum() > 0 for b in B.values())
     assert metrics["train_loss"] > 0
+
+
+def test_a_client_process_loads_its_base_without_progress_bars(base):
+    """Every simulated LoRA client used to print transformers' "Loading weights" bar for every base it loaded."""
+    import subprocess
+    import sys
+
+    code = ("from fedfusion.clients import lora; "
+            f"lora.frozen_base({base!r}, 0, 'float32'); print('loaded')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert "loaded" in out.stdout
+    assert "Loading weights" not in out.stderr and "it/s]" not in out.stderr, out.stderr[-500:]

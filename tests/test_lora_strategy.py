@@ -383,3 +383,21 @@ def test_local_dp_noise_is_not_mistaken_for_an_absurd_update(base, shapes):
     strategy.aggregate_train(2, replies)
     assert {r.status for r in strategy.last.clients.values()} == {"ok"}
     assert make(shapes, method="flexlora").max_norm_ratio == 10.0  # on without local DP
+
+
+@pytest.mark.parametrize("merged", [False, True])
+def test_a_lora_run_writes_the_adapter_and_the_merged_base_only_when_asked(merged, base, tmp_path):
+    """The merged model is a whole copy of the base (540 MB for SmolLM2-135M): output.save_merged only."""
+    from fedfusion.recipe import load_recipe
+    from fedfusion.targets import lora_target
+
+    recipe = load_recipe("quickstart", ["fusion.method=lora", "data.source=chatterbot", f"lora.base={base}",
+                                        "lora.eval_pairs=4", "train.seq_len=96", f"output.save_merged={merged}"])
+    target, _ = lora_target(recipe)
+    modules = adapted_modules(target.model, list(recipe.lora.target_modules))
+    arrays = ArrayRecord({**{f"{m}.lora_A": torch.randn(2, i) for m, (o, i) in modules.items()},
+                          **{f"{m}.lora_B": torch.randn(o, 2) for m, (o, i) in modules.items()}})
+    target.save(tmp_path / "run" / "model", arrays)
+    assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").is_file()
+    assert (tmp_path / "run" / "model" / "config.json").is_file() == merged
+    assert target.metric_names["eval_acc"] == "next-token accuracy (response tokens)"

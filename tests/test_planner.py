@@ -137,3 +137,92 @@ def test_a_quantised_base_keeps_its_other_weights_and_activations_in_the_compute
     h, d, layers = cfg.hidden_size, cfg.head_dim, cfg.num_hidden_layers
     linear = layers * (h * d * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads) + 3 * h * cfg.intermediate_size)
     assert f32.weights - f16.weights == 2 * (f16.params - f16.trainable - linear) > 0
+
+
+# -- one round's cost: the ledger's cost model (fedfusion.energy.price_work), transfers included -----------------
+def _assert_priced_as_the_ledger(row, device, flops, bytes_down, bytes_up):
+    from fedfusion.energy import price_work
+
+    cost = price_work(device, flops, bytes_down, bytes_up)
+    assert row["J/round"] == pytest.approx(cost.wall_j, rel=1e-12)
+    assert row["s/round"] == pytest.approx(cost.virtual_s, rel=1e-12)
+    assert (row["compute s"], row["transfer s"]) == pytest.approx((cost.compute_s, cost.comm_s), rel=1e-12)
+    assert row["compute J"] + row["transfer J"] == pytest.approx(row["J/round"], rel=1e-12)
+    assert row["transfer J"] > 0 if bytes_down + bytes_up else row["transfer J"] == 0
+
+
+@pytest.mark.parametrize("wire", ["float32", "float16"])
+def test_plan_prices_each_tier_with_the_ledgers_cost_model_and_the_bytes_it_moves(wire):
+    """One owner of the cost model: a tier's planned round is price_work of its FLOPs, its slice down (in
+    fusion.wire_dtype) and its float32 reply up; those bytes are the sub-model the strategy sends."""
+    from fedfusion.energy import train_flops
+    from fedfusion.models import build_target, load_tokenizer
+    from fedfusion.slicing import extract, plan_slice
+
+    recipe = load_recipe("quickstart", [f"fusion.wire_dtype={wire}"])
+    catalog, t = load_catalog(), recipe.train
+    target = build_target(recipe.model, load_tokenizer(None), recipe.seed)
+    rows = plan_table(recipe)
+    for row in rows:
+        sub = extract(target.state_dict(), target.config, plan_slice(target.config, row["width"], "static"))
+        sent = sum(v.numel() * (2 if wire == "float16" else 4) for v in sub.values())
+        assert row["params"] == sum(v.numel() for v in sub.values())
+        assert row["MB down"] * 2**20 == sent and row["MB up"] * 2**20 == 4 * row["params"]
+        flops = train_flops(row["params"], t.local_steps * t.batch_size * t.seq_len)
+        _assert_priced_as_the_ledger(row, catalog[row["tier"]], flops, sent, 4 * row["params"])
+    laptop = next(r for r in rows if r["tier"] == "laptop")
+    assert laptop["transfer s"] > laptop["compute s"]  # what the compute-only plan missed (issue 14, item 11)
+
+
+def test_lora_plan_prices_the_adapter_each_way():
+    from transformers import LlamaConfig
+
+    from fedfusion.energy import lora_work_params, train_flops
+    from fedfusion.planner import lora_plan_table
+
+    base = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                       num_attention_heads=9, num_key_value_heads=3, head_dim=64)
+    recipe = load_recipe("quickstart", ["fusion.method=lora", "data.source=chatterbot"])
+    t = recipe.train
+    for row in lora_plan_table(recipe, base):
+        flops = train_flops(lora_work_params(param_count(base), row["trainable"]), t.local_steps * t.batch_size * t.seq_len)
+        _assert_priced_as_the_ledger(row, load_catalog()[row["tier"]], flops, 4 * row["trainable"], 4 * row["trainable"])
+
+
+def test_distill_plan_shows_each_tiers_family_model_and_the_servers_work():
+    from fedfusion.distill import forward_flops
+    from fedfusion.energy import train_flops
+    from fedfusion.models import load_tokenizer
+    from fedfusion.planner import distill_plan_table
+    from fedfusion.population import data_spec
+    from fedfusion.transfer import distill_families, transfer_text
+
+    recipe = load_recipe("distill", ["distill.transfer.max_chars=20000"])
+    d, t = recipe.distill, recipe.train
+    rows = {r["tier"]: r for r in distill_plan_table(recipe)}
+    assert list(rows) == ["phone", "laptop", "desktop", "server (cloud-a100)"]
+    assert rows["phone"]["trains"].startswith("tiny: llama 32x2") and rows["laptop"]["trains"].startswith("small: gpt2")
+    text = transfer_text(d.transfer.source, data_spec(recipe), d.transfer.max_chars)
+    built = {name: param_count(config) for name, (config, _) in
+             distill_families(recipe, load_tokenizer(None), text).items()}
+    assert rows["phone"]["params"] == built["tiny"] and rows["desktop"]["params"] == built["small"]
+    for tier in ("phone", "laptop", "desktop"):
+        p = rows[tier]["params"]
+        _assert_priced_as_the_ledger(rows[tier], load_catalog()[tier],
+                                     train_flops(p, t.local_steps * t.batch_size * t.seq_len), 4 * p, 4 * p)
+    server, target = rows["server (cloud-a100)"], rows["server (cloud-a100)"]["params"]
+    fwd, back = (s * d.server_batch_size * t.seq_len for s in (d.server_steps, d.back_steps))
+    flops = train_flops(target, fwd) + sum(forward_flops(p, fwd) + train_flops(p, back) + forward_flops(target, back)
+                                           for p in built.values())
+    _assert_priced_as_the_ledger(server, load_catalog()["cloud-a100"], flops, 0, 0)  # as the ledger prices the server
+
+
+def test_generative_server_row_prices_the_targets_training_on_the_samples():
+    from fedfusion.energy import train_flops
+    from fedfusion.planner import generative_server_row
+
+    recipe = load_recipe("knowledge")
+    g, row = recipe.generative, generative_server_row(recipe)
+    assert row["tier"] == "server (cloud-a100)" and row["trains"] == "learns the samples (30 steps)"
+    flops = train_flops(row["params"], g.server_steps * g.server_batch * recipe.train.seq_len)
+    _assert_priced_as_the_ledger(row, load_catalog()["cloud-a100"], flops, 0, 0)

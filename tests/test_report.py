@@ -129,3 +129,70 @@ def test_edge_cloud_section_without_the_recipe_cloud_lists_the_catalog_cloud_tie
     (run / "recipe.yaml").write_text("report:\n  cloud: cloud-tpu\n")
     text = write_report(run).read_text()
     assert "'cloud-tpu' is not in the device catalog; its cloud tiers: cloud-a5000, cloud-a100, cloud-h100" in text
+
+
+def distill_run(path: Path) -> Path:
+    """A distillation run: clients' rows add up to 19.54 J, the server's distillation to 52.97 J (issue 14)."""
+    run = fake_run(path)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for r in rows[1:]:
+        r.update({"server_energy_j": 52.97 / 4, "server_co2_g": 0.002, "server_flops": 1e12,
+                  "family_tiny_loss": 3.0 - 0.1 * r["round"], "family_tiny_ppl": math.exp(3.0 - 0.1 * r["round"]),
+                  "family_tiny_acc": 0.2, "family_small_loss": 2.8, "family_small_ppl": math.exp(2.8),
+                  "family_small_token_acc": 0.15})
+        r["energy_j"] = 19.54 / 4 + r["server_energy_j"]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary = json.loads((run / "summary.json").read_text())
+    summary.update(energy_j=sum(r["energy_j"] for r in rows), co2_g=0.01)
+    (run / "summary.json").write_text(json.dumps(summary))
+    clients = [{**CLIENT_ROW, "round": i, "device": d, "assignment": {"family": f}, "params": p, "energy_j": 19.54 / 8}
+               for i in range(1, 5) for d, f, p in (("phone", "tiny", 39_328), ("laptop", "small", 99_648))]
+    (run / "clients.jsonl").write_text("".join(json.dumps(c) + "\n" for c in clients))
+    (run / "recipe.yaml").write_text("fusion:\n  method: distill\ndistill:\n  server_device: cloud-a100\n")
+    return run
+
+
+def test_distill_report_separates_clients_from_the_server_and_scores_every_family(tmp_path):
+    text = write_report(distill_run(tmp_path / "distill")).read_text()
+    assert "Clients' work priced on their device profiles: 19.5 J" in text
+    assert "The server's distillation, priced on cloud-a100: 53.0 J (4e+12 FLOPs)" in text
+    assert "Together 72.5 J" in text
+    families = text[text.index("## Client families"):]
+    assert "| family tiny | 2.6000 |" in families and "0.2000 (next-character accuracy)" in families
+    assert "| family small | 2.8000 |" in families and "0.1500 (next-token accuracy)" in families
+    work = text[text.index("## Who did the work"):]
+    assert "| phone | family tiny | 39,328 | 4 | 0 | 9.77 |" in work
+    assert "| laptop | family small | 99,648 | 4 | 0 | 9.77 |" in work
+    assert "| server (cloud-a100) | the server's distillation |" in work and "| 52.97 |" in work
+
+
+def test_a_run_without_server_work_keeps_one_cost_line_and_no_family_table(tmp_path):
+    text = write_report(fake_run(tmp_path / "run")).read_text()
+    assert "Clients' work priced on their device profiles: 100.0 J" in text and "server" not in text.lower()
+    assert "## Client families" not in text
+
+
+def test_labels_follow_what_the_target_is_scored_on(tmp_path, saved_figures):
+    run = fake_run(tmp_path / "lora")
+    summary = json.loads((run / "summary.json").read_text())
+    names = {"eval_loss": "held-out response loss (nats/token)", "eval_ppl": "held-out response perplexity",
+             "eval_acc": "next-token accuracy (response tokens)"}
+    (run / "summary.json").write_text(json.dumps({**summary, "metric_names": names}))
+    text = write_report(run).read_text()
+    assert "Held-out response perplexity" in text and "next-token accuracy (response tokens) 0.050 -> final" in text
+    assert "next-character" not in text
+    labels = [ax.get_ylabel() for fig in saved_figures for ax in fig.axes]
+    assert "next-token accuracy (response tokens)" in labels and "held-out response loss (nats/token)" in labels
+
+
+def test_generative_report_names_each_tiers_own_model_and_the_servers_training(tmp_path):
+    run = distill_run(tmp_path / "generative")
+    clients = [{**CLIENT_ROW, "round": i, "device": "phone", "width": 0.125, "params": 58_944, "energy_j": 0.5}
+               for i in range(1, 5)]
+    (run / "clients.jsonl").write_text("".join(json.dumps(c) + "\n" for c in clients))
+    (run / "recipe.yaml").write_text("fusion:\n  method: generative\ngenerative:\n  server_device: cloud-h100\n")
+    text = write_report(run).read_text()
+    assert "The server's training on the samples, priced on cloud-h100: 53.0 J" in text
+    assert "| phone | its own model (the static slice at width 0.125) | 58,944 | 4 | 0 | 2 |" in text
+    assert "| server (cloud-h100) | the server's training on the samples |" in text
+    assert "sampling (writing the windows it sends) is not priced" in text
