@@ -29,7 +29,7 @@ from fedfusion.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from fedfusion.devices import Device, load_catalog
 from fedfusion.energy import price_work, train_flops
 from fedfusion.generative import GenerativeConfig
-from fedfusion.models import family_config, load_tokenizer
+from fedfusion.models import load_tokenizer
 from fedfusion.outer import OuterConfig
 from fedfusion.participation import Participation, jain_index
 from fedfusion.planner import fit_widths
