@@ -18,6 +18,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PretrainedConfig, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from fedfusion.data import build_char_tokenizer, load_shakespeare_roles, load_text_file
+from fedfusion.models import family_config
 from fedfusion.population import population_data
 from fedfusion.recipe import Recipe
 
@@ -89,8 +90,6 @@ def distill_families(
 ) -> dict[str, tuple[PretrainedConfig, PreTrainedTokenizerFast | None]]:
     """Every family of ``recipe.distill``: its model config and its own tokenizer (None: the target's
     ``tokenizer``), BPE tokenizers trained on the transfer ``text``. What the run trains and the plan prices."""
-    from fedfusion.clients.smallmodel import family_config  # the client role module: flwr loads with it
-
     families = {}
     for name, f in recipe.distill.families.items():
         own = family_tokenizer(f.tokenizer, text, f.bpe_vocab)
