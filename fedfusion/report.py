@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from itertools import accumulate
 from pathlib import Path
 from typing import Any
@@ -273,6 +274,39 @@ def _headline(rows: list[dict], summary: dict) -> list[str]:
     return lines
 
 
+def _participation_section(run: Path, summary: dict) -> list[str]:
+    """Who was selected and who took part: the selector, the availability model, dropouts, failures and cuts,
+    how many of the population ever trained, and Jain's fairness of their participation (what ``clients.jsonl``
+    and the summary measured)."""
+    path = run / "clients.jsonl"
+    if not path.is_file() or summary.get("status") != "ok":
+        return []
+    clients = read_jsonl(path)
+    recipe = _recipe(run)
+    selector = OmegaConf.select(recipe, "selection.method", default="random") if recipe else "random"
+    population = OmegaConf.select(recipe, "population.num_clients", default=None) if recipe else None
+    available = bool(OmegaConf.select(recipe, "availability.enabled", default=False)) if recipe else False
+    status = Counter(str(c.get("status")) for c in clients)
+    trained = {c.get("partition") for c in clients if c.get("status") == "ok"}
+    by_tier = Counter(str(c.get("device")) for c in clients if c.get("status") == "ok")
+    lines = ["## Selection and participation", "",
+             f"Selector **{selector}**; availability model **{'on' if available else 'off'}**"
+             + ("" if available else " (every client always available)") + ". Over the run the server asked "
+             f"{sum(status.values())} client rounds: {status.get('ok', 0)} ok, {status.get('dropped', 0)} dropped "
+             f"before training (unavailable), {status.get('cut', 0)} cut by over-selection, "
+             f"{sum(v for k, v in status.items() if k not in ('ok', 'dropped', 'cut'))} failed or rejected.", ""]
+    jain = summary.get("participation_jain")
+    if population:
+        lines += [f"{len(trained)} of the population's {population} clients trained at least once"
+                  + (f"; Jain's fairness of participation (1 = every client trained equally often): {jain:.2f}"
+                     if isinstance(jain, (int, float)) else "") + ".", ""]
+    if by_tier:
+        lines += ["| tier | client rounds ok | share |", "|---|---|---|"]
+        total = sum(by_tier.values())
+        lines += [f"| {tier} | {n} | {n / total:.0%} |" for tier, n in sorted(by_tier.items())] + [""]
+    return lines
+
+
 def write_report(run: Path) -> Path:
     """report.md and plots/ for one run directory."""
     rows, summary = _load(run)
@@ -304,7 +338,7 @@ def write_report(run: Path) -> Path:
             "```",
             "",
         ]
-    lines += _family_section(rows, summary) + _work_section(run, rows)
+    lines += _family_section(rows, summary) + _work_section(run, rows) + _participation_section(run, summary)
     lines += ["## Rounds", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |" for r in rows]
     lines += [""] + [f"![{p.stem}](plots/{p.name})" for p in plots] + [""]

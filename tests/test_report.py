@@ -196,3 +196,22 @@ def test_generative_report_names_each_tiers_own_model_and_the_servers_training(t
     assert "| phone | its own model (the static slice at width 0.125) | 58,944 | 4 | 0 | 2 |" in text
     assert "| server (cloud-h100) | the server's training on the samples |" in text
     assert "sampling (writing the windows it sends) is not priced" in text
+
+
+def test_participation_section_says_who_was_selected_dropped_cut_and_how_fairly(tmp_path):
+    run = fake_run(tmp_path / "run")
+    summary = json.loads((run / "summary.json").read_text())
+    (run / "summary.json").write_text(json.dumps({**summary, "participation_jain": 0.5}))
+    rows = [{**CLIENT_ROW, "partition": 0}, {**CLIENT_ROW, "partition": 0, "round": 2},
+            {**CLIENT_ROW, "partition": 1, "device": "phone", "status": "dropped"},
+            {**CLIENT_ROW, "partition": 2, "status": "cut"}, {**CLIENT_ROW, "partition": 3, "status": "failed"}]
+    (run / "clients.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run / "recipe.yaml").write_text("selection:\n  method: energy\npopulation:\n  num_clients: 4\n"
+                                     "availability:\n  enabled: true\n")
+    text = write_report(run).read_text()
+    section = text[text.index("## Selection and participation"):]
+    assert "Selector **energy**; availability model **on**." in section
+    assert "asked 5 client rounds: 2 ok, 1 dropped before training (unavailable), 1 cut by over-selection, " \
+           "1 failed or rejected" in section
+    assert "1 of the population's 4 clients trained at least once" in section and "equally often): 0.50." in section
+    assert "| laptop | 2 | 100% |" in section
