@@ -139,7 +139,11 @@ def _edge_cloud_section(run: Path) -> str:
         check_cloud(cloud, catalog)
     except ValueError as exc:
         return f"## Edge vs cloud\n\nNo cloud reference to price the work on: report.{exc}."
-    return edge_cloud_markdown(work_from_clients(clients), catalog=catalog, cloud=cloud)
+    work = work_from_clients(clients)
+    if not any(w.useful > 0 for w in work):
+        return ("## Edge vs cloud\n\nNo client work reached the model (every reply failed, was rejected or cut): "
+                "the cloud would have trained nothing, so there is nothing to compare.")
+    return edge_cloud_markdown(work, catalog=catalog, cloud=cloud)
 
 
 def _capital(text: str) -> str:
@@ -147,8 +151,8 @@ def _capital(text: str) -> str:
 
 
 def _recipe(run: Path) -> Any:
-    """The run's resolved recipe as an OmegaConf node ({} where the run directory has none)."""
-    return OmegaConf.load(run / "recipe.yaml") if (run / "recipe.yaml").is_file() else {}
+    """The run's resolved recipe as an OmegaConf node (an empty one where the run directory has none)."""
+    return OmegaConf.load(run / "recipe.yaml") if (run / "recipe.yaml").is_file() else OmegaConf.create({})
 
 
 def _server_device(run: Path) -> str:

@@ -48,19 +48,20 @@ def test_flwr_run_writes_a_complete_run(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("pkill") is None, reason="needs pkill to stop the local SuperLink")
-def test_flwr_run_with_fewer_supernodes_than_clients_is_a_clear_error(tmp_path):
+def test_flwr_run_with_more_supernodes_than_clients_is_a_clear_error(tmp_path):
+    """(Fewer SuperNodes wait 30 s for more to connect first: that case is held by tests/test_federation_check.py.)"""
     flwr_home, out = tmp_path / "flwr-home", tmp_path / "run"
     flwr_home.mkdir()
     bin_dir = str(Path(sys.executable).parent)
     env = {**os.environ, "FLWR_HOME": str(flwr_home), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
            "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
     cmd = [os.path.join(bin_dir, "flwr"), "run", ".", "--stream",
-           "--federation-config", "num-supernodes=2 client-resources-num-cpus=1",
+           "--federation-config", "num-supernodes=4 client-resources-num-cpus=1",
            "-c", f"recipe='quickstart' overrides='{OVERRIDES}' out='{out}'"]
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=480)
     finally:
         _stop_local_superlink(flwr_home)
     said = proc.stdout + proc.stderr
-    assert "the federation has 2 SuperNodes but population.num_clients is 3" in said, said[-3000:]
+    assert "the federation has 4 SuperNodes but population.num_clients is 3" in said, said[-3000:]
     assert not out.exists()  # refused before the run directory is made

@@ -215,3 +215,10 @@ def test_participation_section_says_who_was_selected_dropped_cut_and_how_fairly(
            "1 failed or rejected" in section
     assert "1 of the population's 4 clients trained at least once" in section and "equally often): 0.50." in section
     assert "| laptop | 2 | 100% |" in section
+
+
+def test_a_run_whose_every_reply_failed_has_no_edge_cloud_comparison_and_still_reports(tmp_path):
+    run = fake_run(tmp_path / "run")
+    (run / "clients.jsonl").write_text(json.dumps({**CLIENT_ROW, "status": "failed"}) + "\n")
+    text = write_report(run).read_text()
+    assert "No client work reached the model" in text[text.index("## Edge vs cloud"):]
