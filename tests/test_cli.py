@@ -120,6 +120,7 @@ def _fedfusion(args: list[str], cwd: Path, code: str | None = None) -> tuple[sub
     return done, time.perf_counter() - start
 
 
+@pytest.mark.slow  # a fresh Python process per case: seconds each
 @pytest.mark.parametrize("args,message", BAD_INPUTS, ids=[" ".join(a) for a, _ in BAD_INPUTS])
 def test_a_bad_input_is_reported_within_5_s_and_nothing_is_written(args, message, tmp_path):
     done, wall = _fedfusion(args, tmp_path)
@@ -130,6 +131,7 @@ def test_a_bad_input_is_reported_within_5_s_and_nothing_is_written(args, message
     assert wall < 5, f"{wall:.1f} s"
 
 
+@pytest.mark.slow  # a fresh Python process per case: seconds each
 def test_a_recipe_error_loads_neither_torch_nor_flower(tmp_path):
     """What keeps recipe errors fast on any machine: the CLI validates before it imports the runtime."""
     code = ("import sys; from fedfusion.cli import main; rc = main(sys.argv[1:]); "
@@ -153,6 +155,7 @@ def test_help_lists_every_built_in_recipe_and_examples_that_parse_and_load(capsy
             load_recipe(args.recipe, args.overrides)
 
 
+@pytest.mark.slow  # a fresh Python process per case: seconds each
 def test_the_readme_sample_error_is_what_the_cli_prints(tmp_path):
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     sample = re.search(r"e\.g\. `(error: ([\w.]+): '(\w+)' is not one of [^`]+)`", readme)

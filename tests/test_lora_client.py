@@ -175,6 +175,7 @@ def test_a_4bit_base_trains_an_adapter(base):
     assert metrics["train_loss"] > 0
 
 
+@pytest.mark.slow  # a fresh Python process per case: seconds each
 def test_a_client_process_loads_its_base_without_progress_bars(base):
     """Every simulated LoRA client used to print transformers' "Loading weights" bar for every base it loaded."""
     import subprocess

@@ -50,6 +50,7 @@ def test_the_torch_jit_deprecation_is_ignored_and_other_deprecations_are_not():
     assert [str(w.message) for w in caught] == ["`torch.jit.trace` is deprecated"]
 
 
+@pytest.mark.slow  # a fresh Python process per case: seconds each
 def test_only_lora_imports_peft_and_bitsandbytes():
     """A server and the sub-model, small-model and generative client roles load neither (LoRA clients do)."""
     code = ("import sys, fedfusion.server_app, fedfusion.client_app, fedfusion.strategies as s; "
