@@ -10,6 +10,8 @@ else those libraries say still reaches the user:
   when it is absent; it then uses its own 4-bit kernel.
 - importing bitsandbytes makes torch load its compiler, whose ``torch.utils.mkldnn`` still calls the
   deprecated ``torch.jit.script_method`` and warns about it.
+- peft asks a model ``is_gradient_checkpointing``, which transformers 5 renamed and warns about (FutureWarning)
+  in every LoRA client's first round.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ EXPECTED_LOGS = (
     ("bitsandbytes.backends.cpu.ops", "Failed to load CPU gemm_4bit_forward"),
 )
 JIT_DEPRECATION = r"`torch\.jit\.script_method` is deprecated"
+CHECKPOINTING_RENAME = r"`is_gradient_checkpointing` is deprecated"
 
 
 class _DropExpected(logging.Filter):
@@ -44,3 +47,4 @@ def silence_expected_noise() -> None:
         if not any(isinstance(f, _DropExpected) and f.prefix == prefix for f in logger.filters):
             logger.addFilter(_DropExpected(prefix))
     warnings.filterwarnings("ignore", message=JIT_DEPRECATION, category=DeprecationWarning)
+    warnings.filterwarnings("ignore", message=CHECKPOINTING_RENAME, category=FutureWarning)

@@ -50,6 +50,16 @@ def test_the_torch_jit_deprecation_is_ignored_and_other_deprecations_are_not():
     assert [str(w.message) for w in caught] == ["`torch.jit.trace` is deprecated"]
 
 
+def test_the_gradient_checkpointing_rename_is_ignored_and_other_future_warnings_are_not():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        silence_expected_noise()
+        warnings.warn("`is_gradient_checkpointing` is deprecated and will be removed in v6. Use "
+                      "`is_activation_checkpointing` instead.", FutureWarning)
+        warnings.warn("`use_cache` is deprecated", FutureWarning)
+    assert [str(w.message) for w in caught] == ["`use_cache` is deprecated"]
+
+
 @pytest.mark.slow  # a fresh Python process per case: seconds each
 def test_only_lora_imports_peft_and_bitsandbytes():
     """A server and the sub-model, small-model and generative client roles load neither (LoRA clients do)."""
