@@ -128,7 +128,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if summary.get("status") != "ok":
         console.print(f"[red]run failed[/]; see {run.path / 'summary.json'}")
         return 1
-    console.print(f"done: {run.path} (report.md, metrics.jsonl, model/)")
+    wrote = [name for name in ("report.md", "metrics.jsonl", "model/", "adapter/") if (run.path / name).exists()]
+    console.print(f"done: {run.path} ({', '.join(wrote)})")
     return 0
 
 
