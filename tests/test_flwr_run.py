@@ -25,20 +25,26 @@ def _stop_local_superlink(flwr_home: Path) -> None:
     subprocess.run(["pkill", "-f", f"flower-superlink.*{flwr_home}"], check=False)
 
 
-@pytest.mark.skipif(shutil.which("pkill") is None, reason="needs pkill to stop the local SuperLink")
-def test_flwr_run_writes_a_complete_run(tmp_path):
+def _flwr_run(tmp_path: Path, supernodes: int) -> tuple[subprocess.CompletedProcess, Path]:
+    """`flwr run . --stream` of the tiny quickstart on a local federation of ``supernodes`` SuperNodes (its own
+    FLWR_HOME, its SuperLink stopped afterwards); the finished process and the run directory it was given."""
     flwr_home, out = tmp_path / "flwr-home", tmp_path / "run"
     flwr_home.mkdir()
     bin_dir = str(Path(sys.executable).parent)
     env = {**os.environ, "FLWR_HOME": str(flwr_home), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
            "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
     cmd = [os.path.join(bin_dir, "flwr"), "run", ".", "--stream",
-           "--federation-config", "num-supernodes=3 client-resources-num-cpus=1",
+           "--federation-config", f"num-supernodes={supernodes} client-resources-num-cpus=1",
            "-c", f"recipe='quickstart' overrides='{OVERRIDES}' out='{out}'"]
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=480)
+        return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=480), out
     finally:
         _stop_local_superlink(flwr_home)
+
+
+@pytest.mark.skipif(shutil.which("pkill") is None, reason="needs pkill to stop the local SuperLink")
+def test_flwr_run_writes_a_complete_run(tmp_path):
+    proc, out = _flwr_run(tmp_path, supernodes=3)
     assert (out / "summary.json").is_file(), proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "ok"
@@ -50,18 +56,7 @@ def test_flwr_run_writes_a_complete_run(tmp_path):
 @pytest.mark.skipif(shutil.which("pkill") is None, reason="needs pkill to stop the local SuperLink")
 def test_flwr_run_with_more_supernodes_than_clients_is_a_clear_error(tmp_path):
     """(Fewer SuperNodes wait 30 s for more to connect first: that case is held by tests/test_federation_check.py.)"""
-    flwr_home, out = tmp_path / "flwr-home", tmp_path / "run"
-    flwr_home.mkdir()
-    bin_dir = str(Path(sys.executable).parent)
-    env = {**os.environ, "FLWR_HOME": str(flwr_home), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-           "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
-    cmd = [os.path.join(bin_dir, "flwr"), "run", ".", "--stream",
-           "--federation-config", "num-supernodes=4 client-resources-num-cpus=1",
-           "-c", f"recipe='quickstart' overrides='{OVERRIDES}' out='{out}'"]
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=480)
-    finally:
-        _stop_local_superlink(flwr_home)
+    proc, out = _flwr_run(tmp_path, supernodes=4)
     said = proc.stdout + proc.stderr
     assert "the federation has 4 SuperNodes but population.num_clients is 3" in said, said[-3000:]
     assert not out.exists()  # refused before the run directory is made
