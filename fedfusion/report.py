@@ -127,14 +127,12 @@ def _fmt(value: object) -> str:
     return "" if value is None else str(value)
 
 
-def _edge_cloud_section(run: Path) -> str:
+def _edge_cloud_section(recipe: Any, clients: list[dict]) -> str:
     """The run's client work priced on a cloud GPU instead (fedfusion.edge_cloud), or why it cannot be."""
-    clients = read_jsonl(run / "clients.jsonl") if (run / "clients.jsonl").is_file() else []
     if not clients:
         return "## Edge vs cloud\n\nNo client work was recorded."
-    recipe = _recipe(run)
-    catalog = load_catalog(OmegaConf.select(recipe, "population.catalog", default=None) if recipe else None)
-    cloud = OmegaConf.select(recipe, "report.cloud", default=DEFAULT_CLOUD) if recipe else DEFAULT_CLOUD
+    catalog = load_catalog(OmegaConf.select(recipe, "population.catalog", default=None))
+    cloud = OmegaConf.select(recipe, "report.cloud", default=DEFAULT_CLOUD)
     try:
         check_cloud(cloud, catalog)
     except ValueError as exc:
@@ -155,17 +153,16 @@ def _recipe(run: Path) -> Any:
     return OmegaConf.load(run / "recipe.yaml") if (run / "recipe.yaml").is_file() else OmegaConf.create({})
 
 
-def _server_device(run: Path) -> str:
+def _server_device(recipe: Any) -> str:
     """The catalog tier the server's own work is priced on (distillation and generative fusion), else ''."""
-    recipe = _recipe(run)
-    method = OmegaConf.select(recipe, "fusion.method", default="") if recipe else ""
+    method = OmegaConf.select(recipe, "fusion.method", default="")
     return OmegaConf.select(recipe, f"{method}.server_device", default="") if method in SERVER_WORK else ""
 
 
 SERVER_WORK = {"distill": "the server's distillation", "generative": "the server's training on the samples"}
 
 
-def _cost_line(run: Path, rows: list[dict], summary: dict) -> str:
+def _cost_line(recipe: Any, rows: list[dict], summary: dict) -> str:
     """Energy, carbon and simulated time, the clients' work apart from the server's own (distillation and
     generative fusion price the server's training too, and the run's totals include it)."""
     server_j, server_g = (sum(r.get(k) or 0.0 for r in rows) for k in ("server_energy_j", "server_co2_g"))
@@ -174,23 +171,22 @@ def _cost_line(run: Path, rows: list[dict], summary: dict) -> str:
                f"{summary['co2_g'] - server_g:.4f} g CO2e")
     if not server_j:
         return f"{clients}, {summary['virtual_s']:.1f} s of simulated time."
-    method = OmegaConf.select(_recipe(run), "fusion.method", default="")
+    method = OmegaConf.select(recipe, "fusion.method", default="")
     work = SERVER_WORK.get(method, "the server's own work")
     flops = sum(r.get("server_flops") or 0.0 for r in rows)
-    return (f"{clients}. {_capital(work)}, priced on {_server_device(run) or 'its device profile'}: "
+    return (f"{clients}. {_capital(work)}, priced on {_server_device(recipe) or 'its device profile'}: "
             f"{server_j:.1f} J ({flops:.3g} FLOPs), {server_g:.4f} g CO2e. Together {summary['energy_j']:.1f} J, "
             f"{summary['co2_g']:.4f} g CO2e, {summary['virtual_s']:.1f} s of simulated time (the server's included).")
 
 
-def _work_section(run: Path, rows: list[dict]) -> list[str]:
+def _work_section(recipe: Any, clients: list[dict], rows: list[dict]) -> list[str]:
     """Who did the work: per device tier what its clients trained, how often, and its priced energy; then the
     server's own training where it has any."""
-    clients = read_jsonl(run / "clients.jsonl") if (run / "clients.jsonl").is_file() else []
     if not clients:
         return []
     lines = ["## Who did the work", "", "| who | trained | params | client rounds ok | other | energy J | CO2e g |",
              "|---|---|---|---|---|---|---|"]
-    method = OmegaConf.select(_recipe(run), "fusion.method", default="")
+    method = OmegaConf.select(recipe, "fusion.method", default="")
     for tier in dict.fromkeys(c["device"] for c in clients):
         mine = [c for c in clients if c["device"] == tier]
         trained = ", ".join(dict.fromkeys(_trained(c, method) for c in mine))
@@ -201,7 +197,7 @@ def _work_section(run: Path, rows: list[dict]) -> list[str]:
     server_j = sum(r.get("server_energy_j") or 0.0 for r in rows)
     if server_j:
         rounds = sum(1 for r in rows if r.get("server_flops"))
-        lines.append(f"| server ({_server_device(run) or '?'}) | {SERVER_WORK.get(method, 'its own work')} | | "
+        lines.append(f"| server ({_server_device(recipe) or '?'}) | {SERVER_WORK.get(method, 'its own work')} | | "
                      f"{rounds} rounds | | {server_j:.4g} | {sum(r.get('server_co2_g') or 0.0 for r in rows):.4g} |")
     note = ("params: what a client of that tier trained (priced at 6 x params x tokens); other: failed, rejected, "
             "timed-out, cut or dropped client rounds.")
@@ -278,18 +274,15 @@ def _headline(rows: list[dict], summary: dict) -> list[str]:
     return lines
 
 
-def _participation_section(run: Path, summary: dict) -> list[str]:
+def _participation_section(recipe: Any, clients: list[dict], summary: dict) -> list[str]:
     """Who was selected and who took part: the selector, the availability model, dropouts, failures and cuts,
     how many of the population ever trained, and Jain's fairness of their participation (what ``clients.jsonl``
     and the summary measured)."""
-    path = run / "clients.jsonl"
-    if not path.is_file() or summary.get("status") != "ok":
+    if not clients or summary.get("status") != "ok":
         return []
-    clients = read_jsonl(path)
-    recipe = _recipe(run)
-    selector = OmegaConf.select(recipe, "selection.method", default="random") if recipe else "random"
-    population = OmegaConf.select(recipe, "population.num_clients", default=None) if recipe else None
-    available = bool(OmegaConf.select(recipe, "availability.enabled", default=False)) if recipe else False
+    selector = OmegaConf.select(recipe, "selection.method", default="random")
+    population = OmegaConf.select(recipe, "population.num_clients", default=None)
+    available = bool(OmegaConf.select(recipe, "availability.enabled", default=False))
     status = Counter(str(c.get("status")) for c in clients)
     trained = {c.get("partition") for c in clients if c.get("status") == "ok"}
     by_tier = Counter(str(c.get("device")) for c in clients if c.get("status") == "ok")
@@ -314,6 +307,8 @@ def _participation_section(run: Path, summary: dict) -> list[str]:
 def write_report(run: Path) -> Path:
     """report.md and plots/ for one run directory."""
     rows, summary = _load(run)
+    recipe = _recipe(run)
+    clients = read_jsonl(run / "clients.jsonl") if (run / "clients.jsonl").is_file() else []
     plots = plot_curves([run], run / "plots")
     cols = ("round", "eval_loss", "eval_ppl", "eval_acc", "train_loss", "coverage", "clients_ok",
             "clients_failed", "clients_cut", "bytes_down", "bytes_up", "energy_j", "co2_g", "virtual_s", "wall_s")
@@ -331,7 +326,7 @@ def write_report(run: Path) -> Path:
     if summary.get("status") == "ok":
         lines += [
             f"Target: {summary['target_params']:,} parameters, {summary['rounds']} rounds, "
-            f"{summary['wall_s']:.0f} s wall. " + _cost_line(run, rows, summary),
+            f"{summary['wall_s']:.0f} s wall. " + _cost_line(recipe, rows, summary),
             "",
             *_headline(rows, summary),
             ("Greedy answers of the final target to a few probes:" if "facts" in summary
@@ -342,11 +337,12 @@ def write_report(run: Path) -> Path:
             "```",
             "",
         ]
-    lines += _family_section(rows, summary) + _work_section(run, rows) + _participation_section(run, summary)
+    lines += (_family_section(rows, summary) + _work_section(recipe, clients, rows)
+              + _participation_section(recipe, clients, summary))
     lines += ["## Rounds", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |" for r in rows]
     lines += [""] + [f"![{p.stem}](plots/{p.name})" for p in plots] + [""]
-    lines += [_edge_cloud_section(run), ""]
+    lines += [_edge_cloud_section(recipe, clients), ""]
     path = run / "report.md"
     path.write_text("\n".join(lines))
     return path
