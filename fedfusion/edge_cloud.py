@@ -196,6 +196,11 @@ class CarbonView:
     cloud_utilisation: float
     assumption: str
 
+    def options(self) -> dict[str, float]:
+        """The :func:`edge_vs_cloud` options that price this view."""
+        return {"edge_embodied_share": self.edge_embodied_share, "edge_utilisation": self.edge_utilisation,
+                "cloud_utilisation": self.cloud_utilisation}
+
 
 CARBON_VIEWS = (
     CarbonView("attributional", 1.0, 1.0, 1.0,
@@ -212,14 +217,15 @@ CARBON_VIEWS = (
 )
 
 
+ATTRIBUTIONAL, CONSEQUENTIAL = CARBON_VIEWS[0], CARBON_VIEWS[1]
+
+
 def carbon_views(work: Sequence[TierWork], **options: Any) -> list[dict[str, Any]]:
     """Edge and cloud CO2e of the same work under each of :data:`CARBON_VIEWS`; ``options`` go to
     :func:`edge_vs_cloud` (their own embodied share and utilisations are replaced by each view's)."""
     rows = []
     for view in CARBON_VIEWS:
-        edge, cloud = totals(work, **{**options, "edge_embodied_share": view.edge_embodied_share,
-                                      "edge_utilisation": view.edge_utilisation,
-                                      "cloud_utilisation": view.cloud_utilisation})
+        edge, cloud = totals(work, **{**options, **view.options()})
         rows.append({"view": view.name, "edge CO2e g": edge["co2_g"], "cloud CO2e g": cloud["co2_g"],
                      "edge / cloud": edge["co2_g"] / cloud["co2_g"],
                      "cheaper": "edge" if edge["co2_g"] < cloud["co2_g"] else "cloud",
@@ -466,7 +472,7 @@ def headline(work: Sequence[TierWork], **options: Any) -> str:
     cloud = options.get("cloud", DEFAULT_CLOUD)
     check_cloud(cloud, catalog)
     views = {v["view"]: v for v in carbon_views(work, **options)}
-    attributional, consequential = views[CARBON_VIEWS[0].name], views[CARBON_VIEWS[1].name]
+    attributional, consequential = views[ATTRIBUTIONAL.name], views[CONSEQUENTIAL.name]
     energy = edge_vs_cloud(work, **options)[-1]["energy_kwh"]
     parts = edge_breakdown(work, **{**options, "edge_embodied_share": 1.0, "edge_utilisation": 1.0})
     on_energy = "edge" if energy < 1 else "cloud"

@@ -14,7 +14,17 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping
 
 from fedfusion.devices import Device, load_catalog
-from fedfusion.edge_cloud import CARBON_VIEWS, TierWork, carbon_views, markdown_table, solve, totals
+from fedfusion.edge_cloud import (
+    ATTRIBUTIONAL,
+    CARBON_VIEWS,
+    CONSEQUENTIAL,
+    CarbonView,
+    TierWork,
+    carbon_views,
+    markdown_table,
+    solve,
+    totals,
+)
 from fedfusion.energy import train_flops
 
 NAME = "seed-paper"
@@ -46,13 +56,9 @@ def decomposition(tier: str, **options: Any) -> list[dict[str, Any]]:
     pue, charger = options.get("pue", 1.2), options.get("charger_efficiency", 0.85)
     bare = {**options, "pue": 1.0, "charger_efficiency": 1.0}
     compute_only = [TierWork(tier, flops=train_flops(PARAMS, TOKENS))]
-    views = {v.name: v for v in CARBON_VIEWS}
-    consequential, attributional = views["consequential (seed paper)"], views["attributional"]
 
-    def carbon(view: Any) -> float:
-        return _ratio([work(tier)], "co2_g", **{**options, "edge_embodied_share": view.edge_embodied_share,
-                                            "edge_utilisation": view.edge_utilisation,
-                                            "cloud_utilisation": view.cloud_utilisation})
+    def carbon(view: CarbonView) -> float:
+        return _ratio([work(tier)], "co2_g", **{**options, **view.options()})
 
     steps = [
         ("device compute only (catalog watts / sustained TFLOPS)", _ratio(compute_only, "energy_kwh", **bare)),
@@ -60,8 +66,8 @@ def decomposition(tier: str, **options: Any) -> list[dict[str, Any]]:
         (f"+ edge charger {charger:.0%} efficient",
          _ratio(compute_only, "energy_kwh", **{**options, "pue": pue, "charger_efficiency": charger})),
         (f"+ edge radio: the model down and up ({2 * MODEL_BYTES / 1e9:g} GB)", _ratio([work(tier)], "energy_kwh", **options)),
-        ("carbon: + operational, same grid, + the cloud's embodied carbon (consequential)", carbon(consequential)),
-        ("carbon: + the edge's embodied carbon by busy time (attributional)", carbon(attributional)),
+        ("carbon: + operational, same grid, + the cloud's embodied carbon (consequential)", carbon(CONSEQUENTIAL)),
+        ("carbon: + the edge's embodied carbon by busy time (attributional)", carbon(ATTRIBUTIONAL)),
     ]
     return [{"step": name, f"cloud / {tier}": value} for name, value in steps]
 
@@ -81,7 +87,7 @@ def results(catalog: Mapping[str, Device] | None = None, cloud: str = CLOUD, **o
     for tier in EDGE_TIERS:
         views = carbon_views([work(tier)], **opts)
         energy = _ratio([work(tier)], "energy_kwh", **opts)
-        consequential = next(v for v in views if v["view"].startswith("consequential"))
+        consequential = next(v for v in views if v["view"] == CONSEQUENTIAL.name)
         conseq_opts = {**opts, "edge_embodied_share": 0.0}
         devices[tier] = {
             "description": catalog[tier].description,
@@ -115,7 +121,7 @@ def _range(values: list[float | None], fmt: str) -> str:
 def verdict(res: Mapping[str, Any]) -> str:
     """Whether the tool's pricing lands in the paper's ranges, and which numbers decide it, in a paragraph."""
     s, cloud, devices, cat = res["setting"], res["setting"]["cloud"], res["devices"], res["catalog"]
-    conseq = CARBON_VIEWS[1].name
+    conseq = CONSEQUENTIAL.name
 
     def each(fn: Callable[[str, Any], str], items: Mapping[str, Any] = devices) -> str:
         return ", ".join(f"{tier} {fn(tier, d)}" for tier, d in items.items())
@@ -130,7 +136,7 @@ def verdict(res: Mapping[str, Any]) -> str:
     embodied = each(lambda t, d: f"{d['carbon_advantage'][conseq] / d['energy_advantage'] - 1:.0%}")
     tflops = each(lambda t, d: f"{d['cloud_tflops_for_energy_range'][0]:.3g}")
     util = each(lambda t, d: _range(d["cloud_utilisation_for_carbon_range"][::-1], ".1%").replace(" / ", "-"))
-    attr = each(lambda t, d: f"{d['carbon_advantage'][CARBON_VIEWS[0].name]:.3g}x")
+    attr = each(lambda t, d: f"{d['carbon_advantage'][ATTRIBUTIONAL.name]:.3g}x")
     (low_e, high_e), (low_c, high_c) = s["paper_energy_range"], s["paper_carbon_range"]
     return (
         f"**Energy:** the edge's advantage (cloud / edge) over `{cloud}` is {energy} (paper: {low_e:g}-{high_e:g}x; in range: "
