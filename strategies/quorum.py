@@ -15,10 +15,9 @@ bit-reproducible across machines; without it (the default) nothing changes.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 
-from fedfusion.strategies.wrapped import WrappedGrid
+from fedfusion.strategies.wrapped import WrappedGrid, collect
 from flwr.app import Message, MessageType
 from flwr.serverapp import Grid
 
@@ -41,17 +40,7 @@ class QuorumGrid(WrappedGrid):
         messages = list(messages)
         if not messages or any(m.metadata.message_type != MessageType.TRAIN for m in messages):
             return self.grid.send_and_receive(messages, timeout=timeout)
-        waiting = set(self.grid.push_messages(messages))
-        end = time.monotonic() + timeout if timeout is not None else None
-        replies: list[Message] = []
-        while waiting:
-            got = list(self.grid.pull_messages(waiting))
-            replies.extend(got)
-            waiting.difference_update(m.metadata.reply_to_message_id for m in got)
-            if sum(not m.has_error() for m in replies) >= self.quorum:
-                break
-            if end is not None and time.monotonic() >= end:
-                break
-            time.sleep(self.pull_interval_s)
+        replies, waiting = collect(self.grid, messages, timeout, self.pull_interval_s,
+                                   enough=lambda got: sum(not m.has_error() for m in got) >= self.quorum)
         self.leftover |= waiting
         return replies

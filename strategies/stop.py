@@ -11,10 +11,9 @@ round whose replies were still coming in is dropped (the run resumes from its la
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterable
 
-from fedfusion.strategies.wrapped import WrappedGrid
+from fedfusion.strategies.wrapped import WrappedGrid, collect
 from flwr.app import Message
 from flwr.serverapp import Grid
 
@@ -53,15 +52,6 @@ class StopGrid(WrappedGrid):
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
         """Push, then pull until every reply is in or the deadline passes, as Flower's grids do, but stoppable."""
-        waiting = set(self.push_messages(messages))
-        end = time.monotonic() + timeout if timeout is not None else None
-        replies: list[Message] = []
-        while waiting:
-            got = list(self.pull_messages(waiting))
-            replies.extend(got)
-            waiting.difference_update(m.metadata.reply_to_message_id for m in got)
-            if not waiting or (end is not None and time.monotonic() >= end):
-                break
-            self.stop.wait(self.pull_interval_s)
+        replies, _ = collect(self, messages, timeout, self.pull_interval_s, pause=self.stop.wait)
         self._check()
         return replies

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 
 from flwr.app import Message, RecordDict
 from flwr.serverapp import Grid
@@ -44,3 +45,22 @@ class WrappedGrid(Grid):
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
         """Delegated."""
         return self.grid.send_and_receive(messages, timeout=timeout)
+
+
+def collect(grid: Grid, messages: Iterable[Message], timeout: float | None, pull_interval_s: float,
+            enough: Callable[[list[Message]], bool] = lambda replies: False,
+            pause: Callable[[float], object] = time.sleep) -> tuple[list[Message], set[str]]:
+    """Push ``messages`` through ``grid``, then pull until every reply is in, ``enough(replies)`` holds or the
+    deadline passes, pausing ``pull_interval_s`` between pulls (Flower's own grids wait the same way). Returns
+    the replies and the ids of the messages still unanswered."""
+    waiting = set(grid.push_messages(messages))
+    end = time.monotonic() + timeout if timeout is not None else None
+    replies: list[Message] = []
+    while waiting:
+        got = list(grid.pull_messages(waiting))
+        replies.extend(got)
+        waiting.difference_update(m.metadata.reply_to_message_id for m in got)
+        if not waiting or enough(replies) or (end is not None and time.monotonic() >= end):
+            break
+        pause(pull_interval_s)
+    return replies, waiting
