@@ -92,3 +92,22 @@ def reap(keep: set[psutil.Process], grace_s: float = 3.0) -> list[psutil.Process
             continue
     psutil.wait_procs(alive, timeout=grace_s)
     return procs
+
+
+_reaping_on_flower_exit = False
+
+
+def reap_on_flower_exit() -> None:
+    """Have Flower's exit path terminate every process this one started (once per process).
+
+    ``flwr stop`` ends a run's ``flwr-simulation`` process through Flower's graceful exit, which leaves Ray's
+    agents orphaned: they ignore SIGTERM and linger for a minute or more. Reaping the descendants (SIGKILL
+    after a short grace) from one of Flower's exit handlers ends them with the run. Elsewhere (``fedfusion
+    run``, a deployed SuperLink) Flower's exit path is not taken and the handler never runs."""
+    global _reaping_on_flower_exit
+    if _reaping_on_flower_exit:
+        return
+    from flwr.supercore.exit import add_exit_handler  # Flower's own exit hook (what flwr-simulation runs on stop)
+
+    add_exit_handler(lambda: reap(set(), grace_s=1.0), run_before_force_exit=True)
+    _reaping_on_flower_exit = True

@@ -29,6 +29,7 @@ from fedfusion.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from fedfusion.devices import Device, load_catalog
 from fedfusion.energy import price_work, train_flops
 from fedfusion.generative import GenerativeConfig
+from fedfusion.interrupt import reap_on_flower_exit
 from fedfusion.models import load_tokenizer
 from fedfusion.outer import OuterConfig
 from fedfusion.participation import Participation, jain_index
@@ -370,6 +371,7 @@ app = ServerApp()
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     """Entry point for ``flwr run .``: recipe, overrides and output directory come from the run config."""
+    reap_on_flower_exit()
     cfg = context.run_config
     resume = str(cfg.get("resume", ""))
     if resume:

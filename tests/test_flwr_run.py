@@ -7,13 +7,16 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 pytestmark = pytest.mark.slow  # Flower's runtime (Ray or SuperLink processes): minutes, not seconds
 
 ROOT = Path(__file__).resolve().parents[1]
+FLWR = os.path.join(os.path.dirname(sys.executable), "flwr")
 OVERRIDES = (
     "rounds=1 population.num_clients=3 selection.clients_per_round=2 model.hidden_size=32 model.num_heads=2 "
     "model.num_kv_heads=2 model.intermediate_size=32 model.num_layers=1 train.local_steps=1 data.eval_chars=2000"
@@ -25,19 +28,25 @@ def _stop_local_superlink(flwr_home: Path) -> None:
     subprocess.run(["pkill", "-f", f"flower-superlink.*{flwr_home}"], check=False)
 
 
+def _flwr_env(flwr_home: Path) -> dict[str, str]:
+    """The environment of a `flwr` command on its own FLWR_HOME, with this venv's executables first."""
+    return {**os.environ, "FLWR_HOME": str(flwr_home), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+            "PATH": str(Path(FLWR).parent) + os.pathsep + os.environ.get("PATH", "")}
+
+
+def _flwr_run_cmd(supernodes: int, overrides: str, out: Path) -> list[str]:
+    return [FLWR, "run", ".", "--stream", "--federation-config", f"num-supernodes={supernodes} client-resources-num-cpus=1",
+            "-c", f"recipe='quickstart' overrides='{overrides}' out='{out}'"]
+
+
 def _flwr_run(tmp_path: Path, supernodes: int) -> tuple[subprocess.CompletedProcess, Path]:
     """`flwr run . --stream` of the tiny quickstart on a local federation of ``supernodes`` SuperNodes (its own
     FLWR_HOME, its SuperLink stopped afterwards); the finished process and the run directory it was given."""
     flwr_home, out = tmp_path / "flwr-home", tmp_path / "run"
     flwr_home.mkdir()
-    bin_dir = str(Path(sys.executable).parent)
-    env = {**os.environ, "FLWR_HOME": str(flwr_home), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-           "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
-    cmd = [os.path.join(bin_dir, "flwr"), "run", ".", "--stream",
-           "--federation-config", f"num-supernodes={supernodes} client-resources-num-cpus=1",
-           "-c", f"recipe='quickstart' overrides='{OVERRIDES}' out='{out}'"]
     try:
-        return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=480), out
+        return subprocess.run(_flwr_run_cmd(supernodes, OVERRIDES, out), cwd=ROOT, env=_flwr_env(flwr_home),
+                              capture_output=True, text=True, timeout=480), out
     finally:
         _stop_local_superlink(flwr_home)
 
@@ -60,3 +69,33 @@ def test_flwr_run_with_more_supernodes_than_clients_is_a_clear_error(tmp_path):
     said = proc.stdout + proc.stderr
     assert "the federation has 4 SuperNodes but population.num_clients is 3" in said, said[-3000:]
     assert not out.exists()  # refused before the run directory is made
+
+
+@pytest.mark.skipif(shutil.which("pkill") is None, reason="needs pkill to stop the local SuperLink")
+def test_flwr_stop_leaves_no_process_of_the_run_behind(tmp_path):
+    """`flwr stop` ends the run's flwr-simulation process; Ray's agents used to outlive it by a minute or more."""
+    flwr_home, out = tmp_path / "flwr-home", tmp_path / "run"
+    flwr_home.mkdir()
+    env = _flwr_env(flwr_home)
+    cli = subprocess.Popen(_flwr_run_cmd(3, OVERRIDES.replace("rounds=1", "rounds=200"), out), cwd=ROOT, env=env,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        while not (out / "metrics.jsonl").is_file() or len((out / "metrics.jsonl").read_text().splitlines()) < 2:
+            assert time.monotonic() < deadline and cli.poll() is None, "the run never finished a round"
+            time.sleep(1)
+        superlink = next(p for p in psutil.process_iter(["cmdline"])
+                         if "flower-superlink" in " ".join(p.info["cmdline"] or [])
+                         and str(flwr_home) in " ".join(p.info["cmdline"]))
+        superexec = {c.pid for c in superlink.children() if "flower-superexec" in " ".join(c.cmdline())}
+        run_procs = [p for p in superlink.children(recursive=True) if p.pid not in superexec]
+        assert any("ray" in " ".join(p.cmdline()) for p in run_procs), [p.cmdline()[:1] for p in run_procs]
+        listed = subprocess.run([FLWR, "ls", "--format", "json"], env=env, capture_output=True, text=True, check=True)
+        run_id = json.loads(listed.stdout)["runs"][0]["run-id"]
+        subprocess.run([FLWR, "stop", str(run_id)], env=env, capture_output=True, check=True, timeout=60)
+        _, alive = psutil.wait_procs(run_procs, timeout=20)
+        alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert not alive, [" ".join(p.cmdline())[:80] for p in alive]
+    finally:
+        cli.kill()
+        _stop_local_superlink(flwr_home)
