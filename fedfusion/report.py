@@ -350,6 +350,7 @@ def write_report(run: Path) -> Path:
 
 def compare_runs(runs: list[Path], out_dir: Path) -> Path:
     """Side-by-side report of several runs: overlaid curves and a table of final and best metrics."""
+    out_dir.mkdir(parents=True, exist_ok=True)
     plots = plot_curves(runs, out_dir / "plots")
     loaded = [(run, *_load(run)) for run in runs]
     lines = ["# Comparison", "",

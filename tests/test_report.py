@@ -9,11 +9,20 @@ from pathlib import Path
 import matplotlib.figure
 import pytest
 
+from fedfusion import report
 from fedfusion.report import compare_runs, plot_curves, write_report
 
 # the last round is worse than the best one (round 2), as in many real runs
 LOSSES = [4.1, 3.0, 2.2, 2.6, 2.9]
 ACCS = [0.05, 0.20, 0.31, 0.28, 0.25]
+
+
+@pytest.fixture(autouse=True)
+def words_only(request, monkeypatch):
+    """Tests of a report's words skip rendering its plots (about a second each on 2 cores); the tests that
+    check the plots (they use ``saved_figures``) render them, and tests/test_cli.py renders a whole report."""
+    if "saved_figures" not in request.fixturenames:
+        monkeypatch.setattr(report, "plot_curves", lambda runs, out_dir: [])
 
 
 def fake_run(path: Path, losses: list[float] = LOSSES, accs: list[float] = ACCS, facts: bool = False) -> Path:
