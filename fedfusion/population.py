@@ -26,6 +26,7 @@ from fedfusion.facts import (
     generate_facts,
     load_facts,
 )
+from fedfusion.federated_data import client_texts
 from fedfusion.models import load_tokenizer
 from fedfusion.recipe import DataConfig, Recipe
 
@@ -70,6 +71,8 @@ def population_data(spec: str) -> tuple[ClientData, ...]:
         named = [(f"{roles[i].play}/{roles[i].speaker}", roles[i].text) for i in sorted(picked)]
     elif data.source == "facts":
         return _facts_clients(data, num_clients, seed)
+    elif data.source == "dataset":
+        named = client_texts(spec)
     elif (natural := _natural_partition(data.path)) is not None:
         _check_count(data.path, len(natural), num_clients)
         named = [(f"client-{cid}", "\n".join(docs)) for cid, docs in natural.items()]
