@@ -92,6 +92,9 @@ def partitions(spec: str) -> tuple[Any, ...]:
     data, num_clients, seed = parsed["data"], parsed["num_clients"], parsed["seed"]
     table = load_table(data)
     _check_columns(table, data, ("partitioner.by", "label_column"))
+    if len(table) < num_clients:
+        raise ValueError(f"population.num_clients: {data['dataset']} has {len(table)} rows, fewer than the "
+                         f"{num_clients} clients")
     if data["shuffle"]:
         table = table.shuffle(seed=seed)
     partitioner = make_partitioner(data["partitioner"], num_clients, seed)
@@ -236,3 +239,22 @@ def label_skew(sizes: PartitionSizes) -> dict[str, float]:
     shares = [max(c.values()) / sum(c.values()) for c in sizes.labels if c]
     return {"labels": len(every), "mean_labels": sum(len(c) for c in sizes.labels) / len(sizes.labels),
             "mean_top_share": sum(shares) / len(shares)}
+
+
+PARTITIONS_FILE = "partitions.json"  # in the run directory: the PartitionSizes of its population
+
+
+def write_partition_sizes(run_path: Path, recipe) -> None:
+    """Write the run's partition sizes once (a resumed run keeps the file its first part wrote)."""
+    path = Path(run_path) / PARTITIONS_FILE
+    if not path.is_file():
+        path.write_text(json.dumps(partition_sizes(recipe).as_dict()))
+
+
+def read_partition_sizes(run_path: Path) -> PartitionSizes | None:
+    """The run's partition sizes, or None for a run directory written before they were recorded."""
+    path = Path(run_path) / PARTITIONS_FILE
+    if not path.is_file():
+        return None
+    raw = json.loads(path.read_text())
+    return PartitionSizes(raw["unit"], tuple(raw["names"]), tuple(raw["examples"]), raw["label"], tuple(raw["labels"]))

@@ -25,6 +25,7 @@ from fedfusion.federated_data import is_local as is_local_dataset
 from fedfusion.federated_data import local_files
 from fedfusion.partitioners import check_partitioner
 from fedfusion.selection import make_selector
+from fedfusion.trackers import INSTALL, TRACKERS
 
 
 class RecipeError(ValueError):
@@ -271,6 +272,7 @@ class OutputConfig:
     # adapter/ (the update alone) is always written
     save_merged: bool = False
     checkpoint_every: int = 1  # rounds between checkpoints (0: none); `fedfusion run --resume RUN_DIR` continues
+    tracker: str = "none"  # none | tensorboard: every metrics.jsonl row also goes to <run>/tensorboard (fedfusion.trackers)
 
 
 @dataclass
@@ -446,6 +448,10 @@ def validate(recipe: Recipe) -> None:
     for name in ("start_clock_s", "round_interval_s", "deadline_s"):
         if getattr(recipe.availability, name) < 0:
             raise RecipeError(f"availability.{name}: must be >= 0, got {getattr(recipe.availability, name)}")
+    if recipe.output.tracker not in TRACKERS:
+        raise RecipeError(f"output.tracker: {recipe.output.tracker!r} is not one of {', '.join(TRACKERS)}")
+    if TRACKERS[recipe.output.tracker] and find_spec(TRACKERS[recipe.output.tracker]) is None:
+        raise RecipeError(f"output.tracker: {recipe.output.tracker} is not installed: {INSTALL[recipe.output.tracker]}")
     if recipe.output.checkpoint_every < 0:
         raise RecipeError(f"output.checkpoint_every: must be >= 0, got {recipe.output.checkpoint_every}")
     if recipe.privacy.mode != "none":
