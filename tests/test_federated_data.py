@@ -209,3 +209,24 @@ def test_plan_of_the_quickstart_prints_characters_per_role(capsys):
     assert main(["plan", "quickstart"]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("data:"))
     assert line.startswith("data: 32 clients,") and "characters in all" in line
+
+
+@pytest.mark.slow  # Flower's simulation engine (Ray)
+def test_a_recipe_trains_end_to_end_from_a_local_parquet_file_with_tensorboard(tmp_path):
+    from fedfusion.run_dir import read_jsonl
+
+    words = ("the river runs", "a quiet field", "under the hill", "bright morning")
+    rows = [{"text": " ".join(words[(i + k) % 4] for k in range(20)), "user": USERS[i % 4]} for i in range(40)]
+    pd.DataFrame(rows).to_parquet(tmp_path / "posts.parquet")
+    out = tmp_path / "run"
+    assert main(["run", "quickstart", "rounds=2", "population.num_clients=4", "selection.clients_per_round=2",
+                 "data.source=dataset", f"data.dataset={tmp_path / 'posts.parquet'}",
+                 "data.partitioner={name: natural, by: user}", "output.tracker=tensorboard",
+                 "model.hidden_size=32", "model.num_heads=4", "model.num_kv_heads=2", "model.intermediate_size=64",
+                 "model.num_layers=1", "train.local_steps=2", "train.batch_size=4", "train.seq_len=32",
+                 "engine.cpus_per_client=1.0", "--out", str(out)]) == 0
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert [r["round"] for r in metrics] == [0, 1, 2] and all(r["clients_ok"] == 2 for r in metrics[1:])
+    assert read_partition_sizes(out).names == tuple(f"user={u}" for u in sorted(USERS))
+    assert "## Data" in (out / "report.md").read_text()
+    assert any((out / "tensorboard").iterdir())
