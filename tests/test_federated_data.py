@@ -230,3 +230,20 @@ def test_a_recipe_trains_end_to_end_from_a_local_parquet_file_with_tensorboard(t
     assert read_partition_sizes(out).names == tuple(f"user={u}" for u in sorted(USERS))
     assert "## Data" in (out / "report.md").read_text()
     assert any((out / "tensorboard").iterdir())
+
+
+def test_a_hub_id_goes_to_load_dataset_with_its_subset_and_split(monkeypatch):
+    """Online users' path, without the network: the hub id, configuration and split reach ``datasets.load_dataset``."""
+    import datasets
+
+    calls = []
+
+    def fake_load(name, subset=None, split=None, **kwargs):
+        calls.append((name, subset, split))
+        return datasets.Dataset.from_list(records(40))
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load)
+    recipe = recipe_for("someone/reviews", "{name: dirichlet, by: label, alpha: 1.0, min_partition_size: 2}", 4,
+                        "data.subset=plain", "data.dataset_split=validation")
+    assert sum(len(p) for p in partitions(data_spec(recipe))) == 40
+    assert calls == [("someone/reviews", "plain", "validation")]
