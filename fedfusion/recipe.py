@@ -272,7 +272,8 @@ class OutputConfig:
     # adapter/ (the update alone) is always written
     save_merged: bool = False
     checkpoint_every: int = 1  # rounds between checkpoints (0: none); `fedfusion run --resume RUN_DIR` continues
-    tracker: str = "none"  # none | tensorboard: every metrics.jsonl row also goes to <run>/tensorboard (fedfusion.trackers)
+    # none | tensorboard (<run>/tensorboard) | mlflow (MLFLOW_TRACKING_URI): every metrics.jsonl row also goes there
+    tracker: str = "none"
 
 
 @dataclass

@@ -76,7 +76,7 @@ class RunDir:
         """Append one row to metrics.jsonl, and hand it to the recipe's tracker (``output.tracker``)."""
         self._append("metrics.jsonl", [row])
         if self.tracker is None and self.recipe.output.tracker != "none":
-            self.tracker = open_tracker(self.recipe.output.tracker, self.path)
+            self.tracker = open_tracker(self.recipe.output.tracker, self.path, self.recipe.name)
         if self.tracker is not None:
             self.tracker.log(row)
 
@@ -91,6 +91,9 @@ class RunDir:
     def write_summary(self, summary: dict[str, Any]) -> None:
         """Write summary.json (status ``ok``, ``interrupted``, or ``failed`` with the error), atomically."""
         write_atomic(self.path / "summary.json", json.dumps({**summary, "versions": versions()}, indent=2))
+        if self.tracker is not None:
+            self.tracker.close(summary.get("status", "failed"))
+            self.tracker = None
 
     def read_summary(self) -> dict[str, Any] | None:
         """summary.json as the last part of the run left it (None: that part was killed before writing one)."""
