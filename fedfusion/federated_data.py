@@ -45,6 +45,15 @@ def local_files(name: str) -> list[str]:
     return files
 
 
+def file_versions(data) -> list[tuple[str, int, int]]:
+    """(path, size, mtime in ns) of each local file a ``data.dataset`` names, empty for a hub id or built-in; part
+    of the data spec, so that a partition cached under it (token windows, fedfusion.cache) is rebuilt when a file
+    changes."""
+    if data.dataset in BUILTIN or not is_local(data.dataset):
+        return []
+    return [(f, (st := Path(f).stat()).st_size, st.st_mtime_ns) for f in local_files(data.dataset)]
+
+
 def _builtin_table(name: str, data: dict[str, Any]):
     from datasets import Dataset
 
@@ -166,8 +175,8 @@ def label_column(data: dict[str, Any]) -> str | None:
 
 def instruct_spec(data, num_clients: int, seed: int) -> str:
     """The instruction-pair data spec of a ``data.source: dataset`` recipe (see :func:`instruct_clients`)."""
-    return json.dumps({"source": "dataset", "data": asdict(data), "num_clients": num_clients, "seed": seed},
-                      sort_keys=True)
+    return json.dumps({"source": "dataset", "data": asdict(data), "num_clients": num_clients, "seed": seed,
+                       "files": file_versions(data)}, sort_keys=True)
 
 
 @dataclass(frozen=True)

@@ -247,3 +247,15 @@ def test_a_hub_id_goes_to_load_dataset_with_its_subset_and_split(monkeypatch):
                         "data.subset=plain", "data.dataset_split=validation")
     assert sum(len(p) for p in partitions(data_spec(recipe))) == 40
     assert calls == [("someone/reviews", "plain", "validation")]
+
+
+def test_a_changed_local_file_is_a_new_data_spec_and_a_new_partition(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records(40)))
+    recipe = recipe_for(path, "{name: iid}")
+    before, pairs_before = data_spec(recipe), lora_data_spec(recipe)
+    assert sum(len(p) for p in partitions(before)) == 40
+    path.write_text("".join(json.dumps(r) + "\n" for r in records(48)))
+    after = data_spec(recipe)
+    assert after != before and lora_data_spec(recipe) != pairs_before  # what was cached under the old spec is not reused
+    assert sum(len(p) for p in partitions(after)) == 48
