@@ -42,6 +42,10 @@ def _load_for_run(ref: str, overrides: list[str]) -> Recipe:
         from fedfusion.planner import fit_widths
 
         fit_widths(recipe)
+    if recipe.data.source == "dataset":  # load and partition it now: a missing column or a bad count stops here
+        from fedfusion.federated_data import partition_sizes
+
+        partition_sizes(recipe)
     return recipe
 
 

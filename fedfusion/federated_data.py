@@ -139,8 +139,7 @@ def client_texts(spec: str) -> list[tuple[str, str]]:
     """(name, text) of every client: its rows' ``data.text_column`` joined by newlines."""
     data = json.loads(spec)["data"]
     parts = partitions(spec)
-    if data["text_column"] not in parts[0].column_names:
-        _check_columns(parts[0], data, ("text_column",))
+    _check_columns(parts[0], data, ("text_column",))
     return [(client_name(data, i, p), "\n".join(str(t) for t in p[data["text_column"]])) for i, p in enumerate(parts)]
 
 
@@ -213,6 +212,7 @@ def partition_sizes(recipe) -> PartitionSizes:
     spec = data_spec(recipe)
     if recipe.data.source == "dataset":
         parts, label = partitions(spec), label_column(data)
+        _check_columns(parts[0], data, ("text_column",))
         names = tuple(client_name(data, i, p) for i, p in enumerate(parts))
         return PartitionSizes("rows", names, tuple(len(p) for p in parts), label,
                               tuple(dict(Counter(str(v) for v in p[label])) for p in parts) if label else ())

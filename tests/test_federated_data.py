@@ -259,3 +259,12 @@ def test_a_changed_local_file_is_a_new_data_spec_and_a_new_partition(tmp_path):
     after = data_spec(recipe)
     assert after != before and lora_data_spec(recipe) != pairs_before  # what was cached under the old spec is not reused
     assert sum(len(p) for p in partitions(after)) == 48
+
+
+def test_a_run_whose_dataset_lacks_the_text_column_stops_before_writing_anything(files, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["run", "quickstart", "data.source=dataset", f"data.dataset={files['csv']}", "data.text_column=body",
+                 "population.num_clients=4", "selection.clients_per_round=2", "--out", str(out)]) == 2
+    said = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
+    assert "error: data.text_column: " in said and "has no column 'body'; its columns: text, label, user" in said
+    assert not out.exists()
