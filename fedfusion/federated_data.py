@@ -55,6 +55,8 @@ def file_versions(data) -> list[tuple[str, int, int]]:
 
 
 def _builtin_table(name: str, data: dict[str, Any]):
+    """A built-in corpus as a table: Shakespeare's roles of at least ``data.min_chars`` characters, or every
+    chatterbot pair of ``data.language``."""
     from datasets import Dataset
 
     if name == "shakespeare":
@@ -108,9 +110,9 @@ def partitions(spec: str) -> tuple[Any, ...]:
         table = table.shuffle(seed=seed)
     partitioner = make_partitioner(data["partitioner"], num_clients, seed)
     partitioner.dataset = table
-    try:
+    try:  # the natural partitioner reads its ids here
         found = partitioner.num_partitions
-    except Exception as exc:  # flwr-datasets raises ValueError or its own errors while it partitions
+    except (ValueError, KeyError, IndexError) as exc:
         raise ValueError(f"data.partitioner: {exc}") from None
     if found != num_clients:
         raise ValueError(f"population.num_clients: {data['dataset']} has {found} distinct "
@@ -118,7 +120,7 @@ def partitions(spec: str) -> tuple[Any, ...]:
                          f"set population.num_clients={found}, got {num_clients}")
     try:
         parts = tuple(partitioner.load_partition(i) for i in range(num_clients))
-    except Exception as exc:
+    except (ValueError, KeyError, IndexError) as exc:  # e.g. Dirichlet sampling that cannot meet min_partition_size
         raise ValueError(f"data.partitioner: {exc}") from None
     for i, part in enumerate(parts):
         if len(part) == 0:

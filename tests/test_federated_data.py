@@ -268,3 +268,9 @@ def test_a_run_whose_dataset_lacks_the_text_column_stops_before_writing_anything
     said = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
     assert "error: data.text_column: " in said and "has no column 'body'; its columns: text, label, user" in said
     assert not out.exists()
+
+
+def test_a_dirichlet_draw_that_cannot_meet_its_minimum_is_a_partitioner_error(files):
+    recipe = recipe_for(files["jsonl"], "{name: dirichlet, by: label, alpha: 0.05, min_partition_size: 40}")
+    with pytest.raises(ValueError, match="data.partitioner: The max number of attempts"):
+        partitions(data_spec(recipe))
