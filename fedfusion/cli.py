@@ -42,6 +42,10 @@ def _load_for_run(ref: str, overrides: list[str]) -> Recipe:
         from fedfusion.planner import fit_widths
 
         fit_widths(recipe)
+    if recipe.data.source == "dataset":  # load and partition it now: a missing column or a bad count stops here
+        from fedfusion.federated_data import partition_sizes
+
+        partition_sizes(recipe)
     return recipe
 
 
@@ -175,6 +179,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
             console.print("a client's uplink also carries its samples (generative.sample_fraction x its windows "
                           "x (seq_len + 1) x 8 bytes), which the plan cannot know", highlight=False)
     console.print(PLAN_NOTE, highlight=False)
+    from fedfusion.federated_data import describe, partition_sizes
+
+    console.print("\n".join(describe(partition_sizes(recipe))), highlight=False, soft_wrap=True)
     return 0
 
 

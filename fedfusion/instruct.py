@@ -166,8 +166,12 @@ def instruct_clients(spec: str) -> tuple[ClientPairs, ...]:
     """Every client's pairs from a JSON data spec ``{"source": "chatterbot", "language", "num_clients",
     "split", "held_out", "seed"}``; deterministic, so server and clients agree without exchanging data."""
     s = json.loads(spec)
+    if s.get("source") == "dataset":
+        from fedfusion.federated_data import instruct_clients as dataset_clients
+
+        return dataset_clients(spec)
     if s.get("source") != "chatterbot":
-        raise ValueError(f"instruction data source must be 'chatterbot', got {s.get('source')!r}")
+        raise ValueError(f"instruction data source must be 'chatterbot' or 'dataset', got {s.get('source')!r}")
     train, held = split_held_out(load_chatterbot(s.get("language", "english")), float(s.get("held_out", 0.1)),
                                  int(s.get("seed", 0)))
     return tuple(partition_pairs(train, held, int(s["num_clients"]), s.get("split", "category"),
@@ -175,8 +179,13 @@ def instruct_clients(spec: str) -> tuple[ClientPairs, ...]:
 
 
 def pooled_held_out(spec: str, max_pairs: int | None = None) -> list[Pair]:
-    """The held-out pairs of every category (each once), in a seeded order, at most ``max_pairs``."""
+    """The held-out pairs of every category (each once), or of every client of a dataset, in a seeded order, at
+    most ``max_pairs``."""
     s = json.loads(spec)
+    if s.get("source") == "dataset":
+        pairs = [p for c in instruct_clients(spec) for p in c.held_out]
+        random.Random(int(s["seed"])).shuffle(pairs)
+        return pairs[:max_pairs] if max_pairs else pairs
     _, held = split_held_out(load_chatterbot(s.get("language", "english")), float(s.get("held_out", 0.1)),
                              int(s.get("seed", 0)))
     pairs = [p for c in sorted(held) for p in held[c]]

@@ -26,6 +26,7 @@ from fedfusion.facts import (
     generate_facts,
     load_facts,
 )
+from fedfusion.federated_data import client_texts, file_versions
 from fedfusion.models import load_tokenizer
 from fedfusion.recipe import DataConfig, Recipe
 
@@ -46,12 +47,13 @@ class ClientData:
 
 
 def data_spec(recipe: Recipe) -> str:
-    """The JSON spec from which any process rebuilds the population's data and tokenises it."""
-    return json.dumps(
-        {"data": asdict(recipe.data), "num_clients": recipe.population.num_clients, "seed": recipe.seed,
-         "tokenizer": recipe.model.pretrained},
-        sort_keys=True,
-    )
+    """The JSON spec from which any process rebuilds the population's data and tokenises it (with a dataset's
+    local files, their sizes and times: a changed file is a new spec)."""
+    spec = {"data": asdict(recipe.data), "num_clients": recipe.population.num_clients, "seed": recipe.seed,
+            "tokenizer": recipe.model.pretrained}
+    if recipe.data.source == "dataset":
+        spec["files"] = file_versions(recipe.data)
+    return json.dumps(spec, sort_keys=True)
 
 
 @lru_cache(maxsize=4)
@@ -70,6 +72,8 @@ def population_data(spec: str) -> tuple[ClientData, ...]:
         named = [(f"{roles[i].play}/{roles[i].speaker}", roles[i].text) for i in sorted(picked)]
     elif data.source == "facts":
         return _facts_clients(data, num_clients, seed)
+    elif data.source == "dataset":
+        named = client_texts(spec)
     elif (natural := _natural_partition(data.path)) is not None:
         _check_count(data.path, len(natural), num_clients)
         named = [(f"client-{cid}", "\n".join(docs)) for cid, docs in natural.items()]

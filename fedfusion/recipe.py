@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 from importlib import resources
+from importlib.util import find_spec
 from itertools import takewhile
 from pathlib import Path
 from typing import Any, Optional
@@ -19,7 +20,12 @@ from omegaconf.errors import OmegaConfBaseException
 from fedfusion.availability import AvailabilityConfig
 from fedfusion.devices import load_catalog
 from fedfusion.edge_cloud import DEFAULT_CLOUD, check_cloud
+from fedfusion.federated_data import BUILTIN as BUILTIN_DATASETS
+from fedfusion.federated_data import is_local as is_local_dataset
+from fedfusion.federated_data import local_files
+from fedfusion.partitioners import check_partitioner
 from fedfusion.selection import make_selector
+from fedfusion.trackers import INSTALL, TRACKERS
 
 
 class RecipeError(ValueError):
@@ -31,6 +37,7 @@ class DataConfig:
     """Where client text comes from and how it is split."""
 
     # shakespeare: one per (play, speaker) | text: a local file | facts: private facts (fedfusion.facts) | chatterbot (lora)
+    # | dataset: a Hugging Face dataset split by a flwr-datasets partitioner (fedfusion.federated_data)
     source: str = "shakespeare"
     path: Optional[str] = None  # local .txt/.jsonl file when source=text; the training records when source=facts
     probes: Optional[str] = None  # source=facts: the probes file (jsonl: prompt, answer, client)
@@ -42,6 +49,17 @@ class DataConfig:
     eval_chars: int = 40000  # cap on the pooled held-out text the server evaluates on
     split: str = "category"  # chatterbot: category (one topic per client, non-IID) | iid
     language: str = "english"  # chatterbot corpus language
+    # source=dataset: a hub id, local .jsonl/.json/.csv/.parquet/.txt file(s) (a path or glob), or shakespeare | chatterbot
+    dataset: Optional[str] = None
+    subset: Optional[str] = None  # hub dataset configuration
+    dataset_split: str = "train"  # hub dataset split
+    text_column: str = "text"  # language-model text
+    prompt_column: str = "prompt"  # instruction pairs (fusion.method=lora)
+    response_column: str = "response"
+    label_column: Optional[str] = None  # whose skew plan and report show (default: the partitioner's `by`)
+    shuffle: bool = True  # seeded shuffle before partitioning; false keeps file order (iid then cuts contiguous shards)
+    # flwr-datasets partitioner and its parameters (fedfusion.partitioners): iid | dirichlet | shard | pathological | natural
+    partitioner: dict[str, Any] = field(default_factory=lambda: {"name": "iid"})
 
 
 @dataclass
@@ -254,6 +272,8 @@ class OutputConfig:
     # adapter/ (the update alone) is always written
     save_merged: bool = False
     checkpoint_every: int = 1  # rounds between checkpoints (0: none); `fedfusion run --resume RUN_DIR` continues
+    # none | tensorboard (<run>/tensorboard) | mlflow (MLFLOW_TRACKING_URI): every metrics.jsonl row also goes there
+    tracker: str = "none"
 
 
 @dataclass
@@ -288,7 +308,7 @@ class Recipe:
 
 
 CHOICES: dict[str, tuple[str, ...]] = {
-    "data.source": ("shakespeare", "text", "facts", "chatterbot"),
+    "data.source": ("shakespeare", "text", "facts", "chatterbot", "dataset"),
     "data.split": ("category", "iid"),
     "fusion.method": ("submodel", "distill", "lora", "generative"),
     # restated so that loading a recipe imports no torch; tests hold them equal to slicing.POLICIES, outer.OUTER_METHODS
@@ -338,7 +358,7 @@ def resolve_recipe_path(ref: str | Path) -> Path:
 
 # Mappings a recipe states whole: given in a file (or as a whole override) they replace the default
 # rather than merge into it, so ``mix: {phone: 1.0}`` means phones only.
-WHOLE_MAPPINGS = ("population.mix", "fusion.widths", "selection.options", "availability.model", "distill.families",
+WHOLE_MAPPINGS = ("data.partitioner", "population.mix", "fusion.widths", "selection.options", "availability.model", "distill.families",
                   "distill.tier_family", "lora.ranks", "lora.quantize")
 
 
@@ -429,6 +449,10 @@ def validate(recipe: Recipe) -> None:
     for name in ("start_clock_s", "round_interval_s", "deadline_s"):
         if getattr(recipe.availability, name) < 0:
             raise RecipeError(f"availability.{name}: must be >= 0, got {getattr(recipe.availability, name)}")
+    if recipe.output.tracker not in TRACKERS:
+        raise RecipeError(f"output.tracker: {recipe.output.tracker!r} is not one of {', '.join(TRACKERS)}")
+    if TRACKERS[recipe.output.tracker] and find_spec(TRACKERS[recipe.output.tracker]) is None:
+        raise RecipeError(f"output.tracker: {recipe.output.tracker} is not installed: {INSTALL[recipe.output.tracker]}")
     if recipe.output.checkpoint_every < 0:
         raise RecipeError(f"output.checkpoint_every: must be >= 0, got {recipe.output.checkpoint_every}")
     if recipe.privacy.mode != "none":
@@ -440,6 +464,8 @@ def validate(recipe: Recipe) -> None:
         raise RecipeError(f"data.held_out: must be in (0, 1), got {recipe.data.held_out}")
     if recipe.data.source == "text" and not recipe.data.path:
         raise RecipeError("data.path: required when data.source is 'text'")
+    if recipe.data.source == "dataset":
+        _validate_dataset(recipe)
     if recipe.data.source == "facts":
         if bool(recipe.data.path) != bool(recipe.data.probes):
             raise RecipeError("data.probes: data.path and data.probes go together (your facts), or neither (generated)")
@@ -481,9 +507,9 @@ def validate(recipe: Recipe) -> None:
         raise RecipeError(f"report.{exc}") from None
     if recipe.fusion.method == "distill":
         _validate_distill(recipe, catalog)
-    if (recipe.fusion.method == "lora") != (recipe.data.source == "chatterbot"):
-        raise RecipeError(f"data.source: fusion.method=lora trains on instruction pairs (data.source=chatterbot) "
-                          f"and only it does; got method {recipe.fusion.method!r} with source {recipe.data.source!r}")
+    if (recipe.fusion.method == "lora") != (recipe.data.source == "chatterbot") and recipe.data.source != "dataset":
+        raise RecipeError(f"data.source: fusion.method=lora trains on instruction pairs (data.source=chatterbot or "
+                          f"dataset) and only it does; got method {recipe.fusion.method!r} with source {recipe.data.source!r}")
     if recipe.fusion.method == "lora":
         _validate_lora(recipe)
     if recipe.fusion.method == "generative":
@@ -579,6 +605,29 @@ def _local_path(name: str) -> bool:
     """Whether a model name is a local path rather than a hub id: it exists, or it cannot be a hub id (absolute,
     explicitly relative, home-relative, or more than one ``/``). A missing ``dir/model`` reads as a hub id."""
     return Path(name).exists() or name.startswith(("/", "./", "../", "~")) or name.count("/") > 1
+
+
+def _validate_dataset(recipe: Recipe) -> None:
+    """data.source=dataset: a dataset is named, flwr-datasets is installed, the partitioner is well formed, local
+    files exist (columns are checked when the data loads, the first thing a run does)."""
+    d = recipe.data
+    if not d.dataset:
+        raise RecipeError("data.dataset: required when data.source is 'dataset' (a hub id, local file(s), "
+                          f"or one of {', '.join(BUILTIN_DATASETS)})")
+    if find_spec("flwr_datasets") is None:
+        raise RecipeError("data.source: 'dataset' needs flwr-datasets: pip install 'fedfusion[datasets]'")
+    try:
+        check_partitioner(d.partitioner)
+    except ValueError as exc:
+        raise RecipeError(f"data.partitioner.{exc}") from None
+    if recipe.fusion.method == "distill" and recipe.distill.transfer.source == "shakespeare":
+        raise RecipeError("distill.transfer.source: with data.source=dataset the transfer text is a file "
+                          "(distill.transfer.source=text, distill.transfer.path=...)")
+    if d.dataset not in BUILTIN_DATASETS and is_local_dataset(d.dataset):
+        try:
+            local_files(d.dataset)
+        except ValueError as exc:
+            raise RecipeError(f"data.dataset: {exc}") from None
 
 
 def _validate_distill(recipe: Recipe, catalog: dict) -> None:

@@ -17,6 +17,7 @@ from omegaconf import OmegaConf  # noqa: E402
 
 from fedfusion.devices import load_catalog  # noqa: E402
 from fedfusion.edge_cloud import DEFAULT_CLOUD, check_cloud, edge_cloud_markdown, work_from_clients  # noqa: E402
+from fedfusion.federated_data import describe, read_partition_sizes  # noqa: E402
 from fedfusion.run_dir import read_jsonl  # noqa: E402
 
 # What eval_loss, eval_ppl and eval_acc measure, by how the target is scored: fedfusion.targets picks one for
@@ -119,6 +120,35 @@ def _plot_cost(runs: list[Path], out_dir: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _data_section(run: Path) -> list[str]:
+    """Examples per client (a histogram) and, where the data has labels, each client's label mix."""
+    sizes = read_partition_sizes(run)
+    if sizes is None:
+        return []
+    (run / "plots").mkdir(parents=True, exist_ok=True)
+    fig, axes = plt.subplots(1, 2 if sizes.labels else 1, figsize=(11 if sizes.labels else 6, 4), squeeze=False)
+    axes[0, 0].hist(sizes.examples, bins=min(20, max(1, len(set(sizes.examples)))), color="tab:blue")
+    axes[0, 0].set_xlabel(f"{sizes.unit} per client")
+    axes[0, 0].set_ylabel("clients")
+    axes[0, 0].set_title(f"Data per client ({len(sizes.examples)} clients)", fontsize=10)
+    if sizes.labels:
+        labels = sorted({label for counts in sizes.labels for label in counts})
+        bottom = [0] * len(sizes.labels)
+        for label in labels:
+            heights = [counts.get(label, 0) for counts in sizes.labels]
+            axes[0, 1].bar(range(len(heights)), heights, bottom=bottom, label=label if len(labels) <= 12 else None)
+            bottom = [b + h for b, h in zip(bottom, heights)]
+        axes[0, 1].set_xlabel("client")
+        axes[0, 1].set_ylabel(sizes.unit)
+        axes[0, 1].set_title(f"Each client's {sizes.label} mix ({len(labels)} labels)", fontsize=10)
+        if len(labels) <= 12:
+            axes[0, 1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(run / "plots" / "partitions.png", dpi=110)
+    plt.close(fig)
+    return ["## Data", "", *(f"    {line}" for line in describe(sizes)), "", "![partitions](plots/partitions.png)", ""]
 
 
 def _fmt(value: object) -> str:
@@ -337,6 +367,7 @@ def write_report(run: Path) -> Path:
             "```",
             "",
         ]
+    lines += _data_section(run)
     lines += (_family_section(rows, summary) + _work_section(recipe, clients, rows)
               + _participation_section(recipe, clients, summary))
     lines += ["## Rounds", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]

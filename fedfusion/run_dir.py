@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from fedfusion.recipe import Recipe, load_recipe, to_yaml
+from fedfusion.trackers import Tracker, open_tracker
 
 
 def new_run_path(recipe: Recipe, out: str | Path | None) -> Path:
@@ -43,6 +44,7 @@ class RunDir:
 
     def __init__(self, path: Path, recipe: Recipe, fresh: bool = True) -> None:
         self.path, self.recipe = path, recipe
+        self.tracker: Tracker | None = None  # opened with the first row, so a run that fails to start makes none
         if fresh:
             self.path.mkdir(parents=True, exist_ok=True)
             write_atomic(self.path / "recipe.yaml", to_yaml(recipe))
@@ -71,8 +73,12 @@ class RunDir:
                 fh.write("".join(json.dumps(row) + "\n" for row in rows))
 
     def log_round(self, row: dict[str, Any]) -> None:
-        """Append one row to metrics.jsonl."""
+        """Append one row to metrics.jsonl, and hand it to the recipe's tracker (``output.tracker``)."""
         self._append("metrics.jsonl", [row])
+        if self.tracker is None and self.recipe.output.tracker != "none":
+            self.tracker = open_tracker(self.recipe.output.tracker, self.path, self.recipe.name)
+        if self.tracker is not None:
+            self.tracker.log(row)
 
     def log_clients(self, rows: list[dict[str, Any]]) -> None:
         """Append client rows to clients.jsonl."""
@@ -85,6 +91,9 @@ class RunDir:
     def write_summary(self, summary: dict[str, Any]) -> None:
         """Write summary.json (status ``ok``, ``interrupted``, or ``failed`` with the error), atomically."""
         write_atomic(self.path / "summary.json", json.dumps({**summary, "versions": versions()}, indent=2))
+        if self.tracker is not None:
+            self.tracker.close(summary.get("status", "failed"))
+            self.tracker = None
 
     def read_summary(self) -> dict[str, Any] | None:
         """summary.json as the last part of the run left it (None: that part was killed before writing one)."""

@@ -28,6 +28,7 @@ from fedfusion.availability import AvailabilityConfig, AvailabilityModel
 from fedfusion.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from fedfusion.devices import Device, load_catalog
 from fedfusion.energy import price_work, train_flops
+from fedfusion.federated_data import write_partition_sizes
 from fedfusion.generative import GenerativeConfig
 from fedfusion.interrupt import reap_on_flower_exit
 from fedfusion.models import load_tokenizer
@@ -288,6 +289,7 @@ def run_federation(grid: Grid, recipe: Recipe, run: RunDir, on_round: RoundCallb
     try:
         target = lora_target(recipe)[0] if recipe.fusion.method == "lora" else lm_target(recipe)
         strategy = build_strategy(recipe, target)
+        write_partition_sizes(run.path, recipe)  # the population's data is built by now: plan and report show it
         ckpt = load_checkpoint(run.path) if resume else None
         initial = target.initial
         if ckpt is not None:

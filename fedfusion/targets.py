@@ -22,6 +22,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from fedfusion import instruct
 from fedfusion.data import encode_text, lm_windows
 from fedfusion.facts import Probe, encode_probes, greedy_answer, probe_metrics
+from fedfusion.federated_data import instruct_spec
 from fedfusion.models import build_target, count_params
 from fedfusion.population import data_spec, data_tokenizer, facts_data, pooled_held_out
 from fedfusion.pretrained import load_base, load_base_tokenizer, resolve_base
@@ -104,6 +105,8 @@ def facts_evaluator(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
 def lora_data_spec(recipe: Recipe) -> str:
     """The JSON spec from which server and clients rebuild the same instruction-pair partitions."""
     d = recipe.data
+    if d.source == "dataset":
+        return instruct_spec(d, recipe.population.num_clients, recipe.seed)
     return json.dumps({"source": "chatterbot", "language": d.language, "num_clients": recipe.population.num_clients,
                        "split": d.split, "held_out": d.held_out, "seed": recipe.seed}, sort_keys=True)
 

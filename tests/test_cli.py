@@ -26,6 +26,9 @@ BAD_INPUTS = [  # (arguments, what the one error line must say)
     (["run", "quickstart", "model.pretrained=/no/model"], "model.pretrained: /no/model: no such model directory"),
     (["run", "no/such/recipe.yaml"], "recipe 'no/such/recipe.yaml': no such file"),
     (["plan", "quickstart", "fusion.policy=sideways"], "fusion.policy: 'sideways' is not one of"),
+    (["run", "quickstart", "data.source=dataset", "data.dataset=shakespeare", "data.partitioner.name=dirichlet"],
+     "data.partitioner.by: the dirichlet partitioner needs it"),
+    (["run", "quickstart", "data.source=dataset", "data.dataset=/no/such.parquet"], "data.dataset: /no/such.parquet: no such file"),
     (["deploy", "quickstart", "population.num_clients=3"], "selection.clients_per_round: 6 exceeds"),
 ]
 

@@ -22,9 +22,10 @@ COMMAND = re.compile(r"\bfedfusion (run|plan|deploy)\b")
 PLACEHOLDER = re.compile(r"^[A-Z][A-Z0-9_]*$")  # RECIPE, RUN_DIR: a synopsis, not a command to copy
 SHELL_OPERATORS = {"&&", "||", ";", "|", ">", ">>", "2>&1"}
 # Files the docs tell users to create themselves before the command that names them (docs/knowledge.md:
-# `fedfusion facts my-facts` writes these two); the test stands in empty files for them, so that the rest of
-# the command (recipe, every other override) is still checked.
-USER_FILES = {"my-facts/train.jsonl", "my-facts/probes.jsonl"}
+# `fedfusion facts my-facts` writes the first two; the README's data section asks for your own parquet file);
+# the test stands in empty files for them, so that the rest of the command (recipe, every other override) is
+# still checked.
+USER_FILES = {"my-facts/train.jsonl", "my-facts/probes.jsonl", "my-data/posts.parquet"}
 
 
 def shown_commands(command: re.Pattern[str] = COMMAND) -> list[tuple[str, str]]:
