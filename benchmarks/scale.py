@@ -1,0 +1,240 @@
+"""Server memory and per-round time of one federation as its population grows (issue #17, section 4).
+
+One `fedfusion run` per population size (default 100, 1,000 and 10,000 virtual clients), each through Flower's
+simulation engine exactly as a user runs it, with 50 clients sampled per round and a small target (a one-layer
+Llama, hidden 64) trained one local step, so that what grows with the population is the federation's own cost,
+not training. The data is a text file cut into one equal shard per client (``data.source: text``), built from
+the Shakespeare plays repeated to 1,500 characters per client.
+
+Measured, per size: the resident memory (RSS) of the `fedfusion run` process, which holds the server (strategy,
+central evaluation, ledgers) and Flower's simulation engine (its node registry and message store), sampled every
+0.2 s: its peak, and its value as each round's metrics row lands; the Ray client actors' RSS (separate
+processes); and from metrics.jsonl each round's host seconds (round 1 includes the capability QUERY of every
+node) next to the seconds its clients trained (``train_s`` summed, over the 2 cores they were given).
+
+    python benchmarks/scale.py                      # 100, 1,000 and 10,000 clients
+    python benchmarks/scale.py --sizes 100 1000     # some sizes only (the results file keeps the others)
+
+Writes benchmarks/results/scale.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+OUT = Path(__file__).parent / "results"
+PER_ROUND, ROUNDS, CHARS_PER_CLIENT = 50, 4, 1500
+SETTINGS = [
+    f"rounds={ROUNDS}", f"selection.clients_per_round={PER_ROUND}", "data.source=text", "data.eval_chars=4000",
+    "model.hidden_size=64", "model.num_heads=8", "model.num_kv_heads=8", "model.intermediate_size=128",
+    "model.num_layers=1", "train.local_steps=1", "train.batch_size=4", "train.seq_len=32",
+    "engine.cpus_per_client=1", "output.save_model=false", "output.checkpoint_every=0",
+]
+MB = 2**20
+
+
+def corpus(path: Path, clients: int) -> Path:
+    """A text file of ``clients`` x CHARS_PER_CLIENT characters: the Shakespeare roles' text, repeated."""
+    from fedfusion.data import load_shakespeare_roles
+
+    text = "\n".join(role.text for role in load_shakespeare_roles(min_chars=0))
+    need = clients * CHARS_PER_CLIENT
+    path.write_text((text * (need // len(text) + 1))[:need], encoding="utf-8")
+    return path
+
+
+class Sampler(threading.Thread):
+    """RSS of a process (and separately of its Ray actors) every ``period_s``, and at each new metrics row."""
+
+    def __init__(self, pid: int, metrics: Path, period_s: float = 0.2) -> None:
+        super().__init__(daemon=True)
+        self.proc, self.metrics, self.period_s = psutil.Process(pid), metrics, period_s
+        self.peak = self.actors_peak = 0
+        self.at_round: dict[int, int] = {}
+        self.done = threading.Event()
+
+    def _actors(self) -> int:
+        total = 0
+        for child in self.proc.children(recursive=True):
+            try:
+                if child.cmdline()[:1] and child.cmdline()[0].startswith("ray::ClientAppActor"):
+                    total += child.memory_info().rss
+            except psutil.Error:
+                continue
+        return total
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            try:
+                rss = self.proc.memory_info().rss
+            except psutil.Error:
+                return
+            self.peak = max(self.peak, rss)
+            self.actors_peak = max(self.actors_peak, self._actors())
+            if self.metrics.exists():
+                rows = self.metrics.read_text().count("\n")
+                if rows and rows - 1 not in self.at_round:
+                    self.at_round[rows - 1] = rss
+            time.sleep(self.period_s)
+
+
+def run_size(clients: int, work: Path) -> dict[str, Any]:
+    """One federation of ``clients`` virtual clients; its memory and per-round timings."""
+    data = corpus(work / f"text-{clients}.txt", clients)
+    out = work / f"run-{clients}"
+    cmd = [sys.executable, "-m", "fedfusion", "run", "quickstart", *SETTINGS, f"data.path={data}",
+           f"population.num_clients={clients}", "--out", str(out)]
+    env = {**os.environ, "FEDFUSION_CACHE": str(work / "cache")}
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    sampler = Sampler(proc.pid, out / "metrics.jsonl")
+    sampler.start()
+    log, _ = proc.communicate()
+    sampler.done.set()
+    sampler.join()
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise RuntimeError(f"{clients} clients: fedfusion run exited {proc.returncode}:\n{log[-3000:]}")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    ledger = [json.loads(line) for line in (out / "clients.jsonl").read_text().splitlines()]
+    rounds = []
+    for row in rows[1:]:
+        trained = [c["train_s"] for c in ledger if c["round"] == row["round"] and c["status"] == "ok"]
+        rounds.append({"round": row["round"], "wall_s": row["wall_s"], "clients_ok": row["clients_ok"],
+                       "train_s_sum": sum(trained), "rss_mb": sampler.at_round.get(row["round"], 0) / MB})
+    steady = [r["wall_s"] for r in rounds[1:]]
+    return {
+        "clients": clients, "command": " ".join(cmd[1:]), "run_wall_s": wall,
+        "server_rss_peak_mb": sampler.peak / MB, "actors_rss_peak_mb": sampler.actors_peak / MB,
+        "server_rss_round0_mb": sampler.at_round.get(0, 0) / MB,
+        "round1_wall_s": rounds[0]["wall_s"], "steady_round_wall_s": statistics.median(steady),
+        "steady_train_s_per_core": statistics.median(r["train_s_sum"] for r in rounds[1:]) / 2,
+        "rounds": rounds,
+    }
+
+
+def per_node_bytes(nodes: int) -> dict[str, float]:
+    """Bytes per node held for the whole run, by owner, traced in this process (tracemalloc):
+
+    - ``flower_registry``: Flower's simulation engine registering ``nodes`` SuperNodes, as ``run_simulation``
+      does (its in-memory LinkState, and a node-info store with a Context per node);
+    - ``fedfusion_caps``: the strategy's capability table after the QUERY round (a real :class:`SubModelFusion`
+      answered by every node with a real capability reply, as :func:`fedfusion.client_app.query` builds it).
+    """
+    import tracemalloc
+
+    import torch
+    from fedfusion.strategies import SubModelFusion
+    from flwr.app import ConfigRecord, Message, RecordDict
+    from flwr.server.superlink.fleet.vce.vce_api import _register_node_info_stores, _register_nodes
+    from flwr.server.superlink.linkstate import LinkStateFactory
+    from flwr.supercore.constant import FLWR_IN_MEMORY_DB_NAME
+    from flwr.supercore.object_store import ObjectStoreFactory
+    from flwr.supercore.run import Run
+    from flwr.supercore.task_identity import TaskIdentity
+    from flwr.superlink.federation import NoOpFederationManager
+    from transformers import LlamaConfig
+
+    from fedfusion.devices import assign_tiers, load_catalog
+    from fedfusion.hardware import capabilities
+    from fedfusion.participation import Participation
+    from fedfusion.selection import make_selector
+
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    factory = LinkStateFactory(FLWR_IN_MEMORY_DB_NAME, NoOpFederationManager(), ObjectStoreFactory())
+    mapping = _register_nodes(nodes, factory)
+    stores = _register_node_info_stores(mapping, Run.create_empty(run_id=1))
+    flower = tracemalloc.get_traced_memory()[0] - before
+
+    tiers = assign_tiers({"phone": 0.5, "laptop": 0.3, "desktop": 0.2}, nodes, 0)
+
+    class Grid:  # every node answers the capability query as the real client does
+        def get_node_ids(self) -> list[int]:
+            return list(mapping)
+
+        def send_and_receive(self, messages, timeout=None):
+            return [Message(RecordDict({"caps": ConfigRecord({
+                "device": tiers[mapping[m.metadata.dst_node_id]], "partition": mapping[m.metadata.dst_node_id],
+                "examples": 42, **capabilities("cpu")})}), reply_to=m) for m in messages]
+
+    TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 0
+    strategy = SubModelFusion(
+        config=LlamaConfig(hidden_size=64, num_attention_heads=8, num_hidden_layers=1, intermediate_size=128),
+        widths={"phone": 0.125, "laptop": 0.25, "desktop": 0.5}, policy="rolling", stride=0.125, stagger=True,
+        clients_per_round=PER_ROUND, min_clients=1, participation=Participation(make_selector("random"), load_catalog()),
+        query_config={"population": "{}"}, train_config={"seed": 0})
+    grid = Grid()
+    torch.set_num_threads(1)
+    before = tracemalloc.get_traced_memory()[0]
+    strategy.query_nodes(grid, list(mapping))
+    ours = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    assert len(strategy.caps) == nodes and len(stores) == nodes
+    return {"nodes": nodes, "flower_registry": flower / nodes, "fedfusion_caps": ours / nodes}
+
+
+def machine() -> dict[str, Any]:
+    return {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
+            "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
+            "load_average_at_start": os.getloadavg()[0]}
+
+
+def write(report: dict[str, Any]) -> None:
+    OUT.mkdir(exist_ok=True)
+    (OUT / "scale.json").write_text(json.dumps(report, indent=2) + "\n")
+    m = report["machine"]
+    lines = [
+        "# Scale: server memory and round time as the population grows",
+        "",
+        f"Machine: {m['platform']}, {m['cpus']} CPUs, {m['memory_gb']} GB; **shared with other jobs while this ran** "
+        f"(load average {m['load_average_at_start']:.1f} at the start of the last run), so seconds are noisy and "
+        "memory is not. Command: `python benchmarks/scale.py` (one `fedfusion run` per size, settings below).",
+        "",
+        f"Settings: {PER_ROUND} clients per round, {ROUNDS} rounds, a one-layer Llama target (hidden 64), one local "
+        f"step per client, {CHARS_PER_CLIENT} characters of text per client, 2 client actors (1 CPU each). Round 1 "
+        "includes the capability QUERY of every node; rounds 2+ are the steady state.",
+        "",
+        "| clients | server RSS before round 1 MB | server RSS peak MB | after round 1 MB | after last round MB | "
+        "actors RSS peak MB | round 1 s | steady round s (median) | clients' train s per core (median) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in sorted(report["sizes"].values(), key=lambda r: r["clients"]):
+        lines.append(
+            f"| {r['clients']:,} | {r['server_rss_round0_mb']:.0f} | {r['server_rss_peak_mb']:.0f} | "
+            f"{r['rounds'][0]['rss_mb']:.0f} | {r['rounds'][-1]['rss_mb']:.0f} | {r['actors_rss_peak_mb']:.0f} | "
+            f"{r['round1_wall_s']:.1f} | {r['steady_round_wall_s']:.1f} | {r['steady_train_s_per_core']:.2f} |")
+    lines += ["", *report.get("notes", [])]
+    (OUT / "scale.md").write_text("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[100, 1000, 10000])
+    args = parser.parse_args()
+    path = OUT / "scale.json"
+    report = json.loads(path.read_text()) if path.exists() else {"sizes": {}}
+    with tempfile.TemporaryDirectory(prefix="ffscale") as tmp:
+        for clients in args.sizes:
+            report["machine"] = machine()
+            result = run_size(clients, Path(tmp))
+            report["sizes"][str(clients)] = result
+            print(json.dumps({k: v for k, v in result.items() if k not in ("rounds", "command")}), flush=True)
+            write(report)
+
+
+if __name__ == "__main__":
+    main()
