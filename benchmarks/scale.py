@@ -126,13 +126,18 @@ def run_size(clients: int, work: Path) -> dict[str, Any]:
     }
 
 
-def per_node_bytes(nodes: int) -> dict[str, float]:
-    """Bytes per node held for the whole run, by owner, traced in this process (tracemalloc):
+def registry_probe(nodes: int) -> dict[str, float]:
+    """What a population of ``nodes`` costs the server process by itself, without running clients. Bytes per node
+    held for the whole run, by owner, traced in this process (tracemalloc):
 
     - ``flower_registry``: Flower's simulation engine registering ``nodes`` SuperNodes, as ``run_simulation``
       does (its in-memory LinkState, and a node-info store with a Context per node);
     - ``fedfusion_caps``: the strategy's capability table after the QUERY round (a real :class:`SubModelFusion`
-      answered by every node with a real capability reply, as :func:`fedfusion.client_app.query` builds it).
+      answered by every node with a real capability reply, as :func:`fedfusion.client_app.query` builds it);
+
+    and seconds per round that grow with the population: the strategy's sampling (wait for nodes, the QUERY
+    check, the participation draw over every known client) and one sweep of Flower's engine polling every node
+    for a message (it sweeps every 0.1 s, whether or not a node was sampled).
     """
     import tracemalloc
 
@@ -184,13 +189,48 @@ def per_node_bytes(nodes: int) -> dict[str, float]:
     ours = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
     assert len(strategy.caps) == nodes and len(stores) == nodes
-    return {"nodes": nodes, "flower_registry": flower / nodes, "fedfusion_caps": ours / nodes}
+    start = time.perf_counter()
+    for server_round in range(2, 7):
+        assert len(strategy.sample(grid, server_round)) == PER_ROUND
+    sample_s = (time.perf_counter() - start) / 5
+    state = factory.state()
+    start = time.perf_counter()
+    for node in mapping:  # what Flower's engine does every 0.1 s (vce_api.add_messages_to_queue)
+        state.get_message_ins(node_id=node, limit=1)
+    sweep_s = time.perf_counter() - start
+    return {"nodes": nodes, "flower_registry_bytes_per_node": flower / nodes,
+            "fedfusion_caps_bytes_per_node": ours / nodes, "fedfusion_sample_ms": sample_s * 1e3,
+            "flower_poll_sweep_ms": sweep_s * 1e3}
 
 
 def machine() -> dict[str, Any]:
     return {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
             "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
             "load_average_at_start": os.getloadavg()[0]}
+
+
+def findings(report: dict[str, Any]) -> list[str]:
+    """What the numbers say, computed from them: memory per client between the run sizes, growth over rounds."""
+    runs = sorted(report["sizes"].values(), key=lambda r: r["clients"])
+    lines = []
+    for r in runs:
+        rounds = r["rounds"]
+        lines.append(f"- {r['clients']:,} clients: server RSS {rounds[0]['rss_mb']:.0f} MB after round 1 (every node "
+                     f"queried), {rounds[-1]['rss_mb']:.0f} MB after round {rounds[-1]['round']}: "
+                     f"{rounds[-1]['rss_mb'] - rounds[0]['rss_mb']:+.0f} MB over the rounds that sample "
+                     f"{PER_ROUND} of them.")
+    if len(runs) > 1:
+        lo, hi = runs[0], runs[-1]
+        per = (hi["rounds"][-1]["rss_mb"] - lo["rounds"][-1]["rss_mb"]) * MB / (hi["clients"] - lo["clients"])
+        lines.append(f"- From {lo['clients']:,} to {hi['clients']:,} clients the server's RSS after the last round "
+                     f"changes by {per / 1024:.1f} KB per client (RSS also moves with the allocator and the "
+                     "machine's load; the probe below traces the bytes).")
+    for p in report.get("probe", []):
+        lines.append(f"- Probe, {p['nodes']:,} nodes: Flower's node registry {p['flower_registry_bytes_per_node']:.0f} "
+                     f"B/node, fedfusion's capability table {p['fedfusion_caps_bytes_per_node']:.0f} B/node; the "
+                     f"strategy's sampling {p['fedfusion_sample_ms']:.1f} ms/round; one sweep of Flower's engine "
+                     f"polling every node {p['flower_poll_sweep_ms']:.0f} ms (repeated every 0.1 s).")
+    return lines
 
 
 def write(report: dict[str, Any]) -> None:
@@ -217,16 +257,24 @@ def write(report: dict[str, Any]) -> None:
             f"| {r['clients']:,} | {r['server_rss_round0_mb']:.0f} | {r['server_rss_peak_mb']:.0f} | "
             f"{r['rounds'][0]['rss_mb']:.0f} | {r['rounds'][-1]['rss_mb']:.0f} | {r['actors_rss_peak_mb']:.0f} | "
             f"{r['round1_wall_s']:.1f} | {r['steady_round_wall_s']:.1f} | {r['steady_train_s_per_core']:.2f} |")
-    lines += ["", *report.get("notes", [])]
+    lines += ["", "## Findings (computed from the numbers above)", "", *findings(report), "",
+              *report.get("notes", [])]
     (OUT / "scale.md").write_text("\n".join(lines) + "\n")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", type=int, nargs="+", default=[100, 1000, 10000])
+    parser.add_argument("--sizes", type=int, nargs="*", default=[100, 1000, 10000], help="populations to run")
+    parser.add_argument("--probe", type=int, nargs="*", default=[100, 1000, 10000],
+                        help="populations to probe in-process (registry bytes per node, sampling and polling time)")
     args = parser.parse_args()
     path = OUT / "scale.json"
     report = json.loads(path.read_text()) if path.exists() else {"sizes": {}}
+    report["machine"] = machine()
+    if args.probe:
+        report["probe"] = [registry_probe(n) for n in args.probe]
+        print(json.dumps(report["probe"]), flush=True)
+        write(report)
     with tempfile.TemporaryDirectory(prefix="ffscale") as tmp:
         for clients in args.sizes:
             report["machine"] = machine()
