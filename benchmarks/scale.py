@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -62,7 +63,7 @@ class Sampler(threading.Thread):
     def __init__(self, pid: int, metrics: Path, period_s: float = 0.2) -> None:
         super().__init__(daemon=True)
         self.proc, self.metrics, self.period_s = psutil.Process(pid), metrics, period_s
-        self.peak = self.actors_peak = 0
+        self.peak = self.actors_peak = self.last = 0
         self.at_round: dict[int, int] = {}
         self.done = threading.Event()
 
@@ -82,7 +83,7 @@ class Sampler(threading.Thread):
                 rss = self.proc.memory_info().rss
             except psutil.Error:
                 return
-            self.peak = max(self.peak, rss)
+            self.peak, self.last = max(self.peak, rss), rss
             self.actors_peak = max(self.actors_peak, self._actors())
             if self.metrics.exists():
                 rows = self.metrics.read_text().count("\n")
@@ -91,37 +92,63 @@ class Sampler(threading.Thread):
             time.sleep(self.period_s)
 
 
-def run_size(clients: int, work: Path) -> dict[str, Any]:
-    """One federation of ``clients`` virtual clients; its memory and per-round timings."""
+def stop(proc: subprocess.Popen) -> None:
+    """Stop a `fedfusion run` the way a user does: Ctrl-C (it stops at the next round boundary), Ctrl-C again
+    (forced), then SIGKILL to it and every process it started (its private Ray instance) if still alive."""
+    family = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+    for _ in range(2):
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    for pid in family:
+        try:
+            psutil.Process(pid).kill()
+        except psutil.Error:
+            continue
+
+
+def run_size(clients: int, work: Path, limit_s: float) -> dict[str, Any]:
+    """One federation of ``clients`` virtual clients; its memory and per-round timings. A run still going after
+    ``limit_s`` is stopped and reported as far as it got (``finished: false``)."""
     data = corpus(work / f"text-{clients}.txt", clients)
     out = work / f"run-{clients}"
     cmd = [sys.executable, "-m", "fedfusion", "run", "quickstart", *SETTINGS, f"data.path={data}",
            f"population.num_clients={clients}", "--out", str(out)]
     env = {**os.environ, "FEDFUSION_CACHE": str(work / "cache")}
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    sampler = Sampler(proc.pid, out / "metrics.jsonl")
-    sampler.start()
-    log, _ = proc.communicate()
+    log_path = work / f"run-{clients}.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+        sampler = Sampler(proc.pid, out / "metrics.jsonl")
+        sampler.start()
+        try:
+            proc.wait(timeout=limit_s)
+        except subprocess.TimeoutExpired:
+            stop(proc)
     sampler.done.set()
     sampler.join()
     wall = time.perf_counter() - start
-    if proc.returncode != 0:
-        raise RuntimeError(f"{clients} clients: fedfusion run exited {proc.returncode}:\n{log[-3000:]}")
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    finished = proc.returncode == 0 and (out / "summary.json").exists()
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] if out.exists() else []
+    if not finished and not rows:
+        raise RuntimeError(f"{clients} clients: fedfusion run exited {proc.returncode}:\n{log_path.read_text()[-3000:]}")
     ledger = [json.loads(line) for line in (out / "clients.jsonl").read_text().splitlines()]
     rounds = []
     for row in rows[1:]:
         trained = [c["train_s"] for c in ledger if c["round"] == row["round"] and c["status"] == "ok"]
         rounds.append({"round": row["round"], "wall_s": row["wall_s"], "clients_ok": row["clients_ok"],
                        "train_s_sum": sum(trained), "rss_mb": sampler.at_round.get(row["round"], 0) / MB})
-    steady = [r["wall_s"] for r in rounds[1:]]
+    steady = rounds[1:]
     return {
-        "clients": clients, "command": " ".join(cmd[1:]), "run_wall_s": wall,
-        "server_rss_peak_mb": sampler.peak / MB, "actors_rss_peak_mb": sampler.actors_peak / MB,
-        "server_rss_round0_mb": sampler.at_round.get(0, 0) / MB,
-        "round1_wall_s": rounds[0]["wall_s"], "steady_round_wall_s": statistics.median(steady),
-        "steady_train_s_per_core": statistics.median(r["train_s_sum"] for r in rounds[1:]) / 2,
+        "clients": clients, "command": " ".join(cmd[1:]), "finished": finished, "run_wall_s": wall,
+        "limit_s": limit_s, "server_rss_peak_mb": sampler.peak / MB, "actors_rss_peak_mb": sampler.actors_peak / MB,
+        "server_rss_round0_mb": sampler.at_round.get(0, 0) / MB, "server_rss_last_mb": sampler.last / MB,
+        "round1_wall_s": rounds[0]["wall_s"] if rounds else None,
+        "steady_round_wall_s": statistics.median(r["wall_s"] for r in steady) if steady else None,
+        "steady_train_s_per_core": statistics.median(r["train_s_sum"] for r in steady) / 2 if steady else None,
         "rounds": rounds,
     }
 
@@ -211,7 +238,7 @@ def machine() -> dict[str, Any]:
 
 def findings(report: dict[str, Any]) -> list[str]:
     """What the numbers say, computed from them: memory per client between the run sizes, growth over rounds."""
-    runs = sorted(report["sizes"].values(), key=lambda r: r["clients"])
+    runs = sorted((r for r in report["sizes"].values() if r["rounds"]), key=lambda r: r["clients"])
     lines = []
     for r in runs:
         rounds = r["rounds"]
@@ -231,6 +258,10 @@ def findings(report: dict[str, Any]) -> list[str]:
                      f"strategy's sampling {p['fedfusion_sample_ms']:.1f} ms/round; one sweep of Flower's engine "
                      f"polling every node {p['flower_poll_sweep_ms']:.0f} ms (repeated every 0.1 s).")
     return lines
+
+
+def _num(value: float | None, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
 
 
 def write(report: dict[str, Any]) -> None:
@@ -253,10 +284,14 @@ def write(report: dict[str, Any]) -> None:
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in sorted(report["sizes"].values(), key=lambda r: r["clients"]):
-        lines.append(
-            f"| {r['clients']:,} | {r['server_rss_round0_mb']:.0f} | {r['server_rss_peak_mb']:.0f} | "
-            f"{r['rounds'][0]['rss_mb']:.0f} | {r['rounds'][-1]['rss_mb']:.0f} | {r['actors_rss_peak_mb']:.0f} | "
-            f"{r['round1_wall_s']:.1f} | {r['steady_round_wall_s']:.1f} | {r['steady_train_s_per_core']:.2f} |")
+        rounds = r["rounds"]
+        cells = [f"{r['clients']:,}", f"{r['server_rss_round0_mb']:.0f}", f"{r['server_rss_peak_mb']:.0f}",
+                 f"{rounds[0]['rss_mb']:.0f}" if rounds else "-", f"{rounds[-1]['rss_mb']:.0f}" if rounds else "-",
+                 f"{r['actors_rss_peak_mb']:.0f}", _num(r["round1_wall_s"], 1), _num(r["steady_round_wall_s"], 1),
+                 _num(r["steady_train_s_per_core"], 2)]
+        if not r.get("finished", True):
+            cells[0] += f" (stopped after {r['run_wall_s'] / 60:.0f} min, {len(rounds)} rounds done)"
+        lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "## Findings (computed from the numbers above)", "", *findings(report), "",
               *report.get("notes", [])]
     (OUT / "scale.md").write_text("\n".join(lines) + "\n")
@@ -265,6 +300,7 @@ def write(report: dict[str, Any]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="*", default=[100, 1000, 10000], help="populations to run")
+    parser.add_argument("--limit-min", type=float, default=60, help="stop a run still going after this many minutes")
     parser.add_argument("--probe", type=int, nargs="*", default=[100, 1000, 10000],
                         help="populations to probe in-process (registry bytes per node, sampling and polling time)")
     args = parser.parse_args()
@@ -278,7 +314,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="ffscale") as tmp:
         for clients in args.sizes:
             report["machine"] = machine()
-            result = run_size(clients, Path(tmp))
+            result = run_size(clients, Path(tmp), args.limit_min * 60)
             report["sizes"][str(clients)] = result
             print(json.dumps({k: v for k, v in result.items() if k not in ("rounds", "command")}), flush=True)
             write(report)
