@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import platform
 import signal
@@ -45,6 +46,26 @@ SETTINGS = [
     "engine.cpus_per_client=1", "output.save_model=false", "output.checkpoint_every=0",
 ]
 MB = 2**20
+NOTES = [
+    "## What grows with the population, and why",
+    "",
+    "- **Memory.** Per client the server keeps one row in each of two tables: Flower's node registry (every "
+    "SuperNode of the simulation: its LinkState entry and a Context) and the strategy's capability table (device "
+    "tier, partition, examples and the host facts the node reported), plus the simulation's dataset text. No "
+    "per-client model, optimizer or ledger state is kept: the ledgers go to disk each round, and rounds that sample "
+    "the same number of clients leave the RSS where it was. The probe's bytes per node are that growth.",
+    "- **Time.** What grows is Flower's simulation engine: every 0.1 s it asks the in-memory LinkState for each "
+    "node's next message (`vce_api.add_messages_to_queue`), and `InMemoryLinkState.get_message_ins` looks through "
+    "every stored message, checking each, for every node: a sweep costs nodes x pending messages, and it runs "
+    "in the server's process. A training round keeps `clients_per_round` messages pending; the capability QUERY "
+    "keeps every node's pending at once, so round 1 is quadratic in the population. Sending the QUERY in batches "
+    "does not help (the same nodes x messages checks, spread over more sweeps); the fix belongs in Flower "
+    "(pending messages indexed by destination node). fedfusion's own per-round work over the population (the "
+    "sampling) is the probe's sampling time.",
+    "- **10,000 clients.** Where the table marks a run as stopped, it did not finish within the time limit on this "
+    "shared machine; its memory columns are what it reached (the peak while every node was registered and its "
+    "QUERY message pending), and its round times follow from the probe's sweep times.",
+]
 
 
 def corpus(path: Path, clients: int) -> Path:
@@ -164,7 +185,8 @@ def registry_probe(nodes: int) -> dict[str, float]:
 
     and seconds per round that grow with the population: the strategy's sampling (wait for nodes, the QUERY
     check, the participation draw over every known client) and one sweep of Flower's engine polling every node
-    for a message (it sweeps every 0.1 s, whether or not a node was sampled).
+    for a message (:func:`poll_sweep_s`) with none, a round's and (up to 1,000 nodes) a QUERY round's messages
+    pending.
     """
     import tracemalloc
 
@@ -220,14 +242,47 @@ def registry_probe(nodes: int) -> dict[str, float]:
     for server_round in range(2, 7):
         assert len(strategy.sample(grid, server_round)) == PER_ROUND
     sample_s = (time.perf_counter() - start) / 5
-    state = factory.state()
-    start = time.perf_counter()
-    for node in mapping:  # what Flower's engine does every 0.1 s (vce_api.add_messages_to_queue)
-        state.get_message_ins(node_id=node, limit=1)
-    sweep_s = time.perf_counter() - start
     return {"nodes": nodes, "flower_registry_bytes_per_node": flower / nodes,
             "fedfusion_caps_bytes_per_node": ours / nodes, "fedfusion_sample_ms": sample_s * 1e3,
-            "flower_poll_sweep_ms": sweep_s * 1e3}
+            "flower_poll_sweep_ms": {str(p): poll_sweep_s(factory, list(mapping), p) * 1e3
+                                     for p in (0, PER_ROUND, nodes) if p <= 1000}}
+
+
+def poll_sweep_s(factory: Any, nodes: list[int], pending: int) -> float:
+    """Seconds of one sweep of Flower's simulation engine over every node while ``pending`` messages (to as many
+    nodes) await their replies: the engine asks the LinkState for each node's next message every 0.1 s
+    (``vce_api.add_messages_to_queue``), and the in-memory LinkState looks through every stored message, checking
+    each, for each node (``InMemoryLinkState.get_message_ins``). The second sweep is timed: the first delivers."""
+    from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+    from flwr.proto.task_pb2 import Task
+    from flwr.server.superlink.linkstate.in_memory_linkstate import RunRecord
+    from flwr.supercore.constant import NOOP_FEDERATION_ID
+    from flwr.supercore.run import Run
+    from flwr.supercore.task_identity import TaskIdentity
+    from flwr.superlink.grid.inmemory_grid import InMemoryGrid
+
+    state = factory.state()
+    run_id = len(state.run_ids) + 7  # a fresh run per call, registered as run_simulation registers its own
+    run = Run.create_empty(run_id=run_id)
+    run.primary_task_id, run.federation_id = run_id, NOOP_FEDERATION_ID
+    state.run_ids[run_id] = RunRecord(run=run)
+    state.task_store[run_id] = Task(task_id=run_id, run_id=run_id)
+    grid = InMemoryGrid(factory)
+    grid.set_run(run)
+    TaskIdentity.run_id = run_id  # messages take their run from the task identity
+    messages = [Message(RecordDict({"config": ConfigRecord({"k": 1})}), dst_node_id=n, message_type=MessageType.QUERY)
+                for n in nodes[:pending]]
+    for m in messages:
+        m.metadata.__dict__["_src_node_id"] = 1  # the SuperLink's id, as the Grid's own create_message sets it
+    stored = [i for i in grid.push_messages(messages) if i]
+    assert len(stored) == pending, f"{len(stored)} of {pending} messages stored"
+    for _ in range(2):
+        start = time.perf_counter()
+        for node in nodes:
+            state.get_message_ins(node_id=node, limit=1)
+        seconds = time.perf_counter() - start
+    state.delete_messages(message_ins_ids=set(stored))
+    return seconds
 
 
 def machine() -> dict[str, Any]:
@@ -253,10 +308,11 @@ def findings(report: dict[str, Any]) -> list[str]:
                      f"changes by {per / 1024:.1f} KB per client (RSS also moves with the allocator and the "
                      "machine's load; the probe below traces the bytes).")
     for p in report.get("probe", []):
+        sweeps = ", ".join(f"{float(ms) / 1e3:.2f} s with {int(k):,} pending" for k, ms in p["flower_poll_sweep_ms"].items())
         lines.append(f"- Probe, {p['nodes']:,} nodes: Flower's node registry {p['flower_registry_bytes_per_node']:.0f} "
                      f"B/node, fedfusion's capability table {p['fedfusion_caps_bytes_per_node']:.0f} B/node; the "
                      f"strategy's sampling {p['fedfusion_sample_ms']:.1f} ms/round; one sweep of Flower's engine "
-                     f"polling every node {p['flower_poll_sweep_ms']:.0f} ms (repeated every 0.1 s).")
+                     f"over every node (it sweeps again 0.1 s after each): {sweeps}.")
     return lines
 
 
@@ -292,8 +348,7 @@ def write(report: dict[str, Any]) -> None:
         if not r.get("finished", True):
             cells[0] += f" (stopped after {r['run_wall_s'] / 60:.0f} min, {len(rounds)} rounds done)"
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "## Findings (computed from the numbers above)", "", *findings(report), "",
-              *report.get("notes", [])]
+    lines += ["", "## Findings (computed from the numbers above)", "", *findings(report), "", *NOTES]
     (OUT / "scale.md").write_text("\n".join(lines) + "\n")
 
 
@@ -308,6 +363,7 @@ def main() -> None:
     report = json.loads(path.read_text()) if path.exists() else {"sizes": {}}
     report["machine"] = machine()
     if args.probe:
+        logging.getLogger("flwr").setLevel(logging.WARNING)  # one line per pushed message otherwise
         report["probe"] = [registry_probe(n) for n in args.probe]
         print(json.dumps(report["probe"]), flush=True)
         write(report)
