@@ -22,9 +22,9 @@ from typing import Any
 WIRE_PREFIX = "measured-j-"  # reply metric key of one meter's joules, e.g. measured-j-nvml
 _GPU_METERS = {"NVIDIAGPUs": "nvml", "AMDGPUs": "amdsmi"}  # Zeus's GPU backends by class name
 _SOC_METERS = {"AppleSilicon": "apple", "Jetson": "jetson"}
-# the top-level parts of an Apple Silicon measurement (mJ) that add up to the chip without counting a part twice:
-# cpu_total_mj already holds the per-core and per-cluster figures
-_APPLE_PARTS = ("cpu_total_mj", "dram_mj", "gpu_mj", "gpu_sram_mj", "ane_mj")
+# the top-level parts of a SoC measurement (mJ) that add up to the chip without counting a part twice, where it
+# gives no total: Apple Silicon's (cpu_total_mj already holds the per-core and per-cluster figures), a Jetson's
+_SOC_PARTS = ("cpu_total_mj", "dram_mj", "gpu_mj", "gpu_sram_mj", "ane_mj", "cpu_energy_mj", "gpu_energy_mj")
 _windows = itertools.count()
 
 
@@ -43,9 +43,13 @@ def _monitor(gpu: int | None) -> Any:
     try:
         return ZeusMonitor(gpu_indices=[] if gpu is None else [gpu])
     except Exception as exc:  # a meter must never stop training: the priced energy is still reported
-        logging.getLogger(__name__).warning("energy meter unavailable (%s: %s); this client reports no measured "
-                                            "joules", type(exc).__name__, exc)
+        _unread(exc)
         return None
+
+
+def _unread(exc: Exception) -> None:
+    logging.getLogger(__name__).warning("energy meter unreadable (%s: %s); this work reports no measured joules",
+                                        type(exc).__name__, exc)
 
 
 def make_monitor(gpu: int | None) -> Any | None:
@@ -54,10 +58,10 @@ def make_monitor(gpu: int | None) -> Any | None:
 
 
 def _soc_joules(measurement: Any) -> float:
-    """Joules of a Zeus SoC measurement: a Jetson's board total, or the sum of an Apple chip's parts."""
+    """Joules of a Zeus SoC measurement: a Jetson's board total where it has one, else the sum of its parts."""
     total = getattr(measurement, "total_energy_mj", None)
     if total is None:
-        total = sum(getattr(measurement, part, None) or 0 for part in _APPLE_PARTS)
+        total = sum(getattr(measurement, part, None) or 0 for part in _SOC_PARTS)
     return float(total) / 1000
 
 
@@ -93,13 +97,21 @@ class HostMeter:
         self._monitor = make_monitor(self.gpu)
         if self._monitor is not None:
             self._key = f"fedfusion-{next(_windows)}"
-            self._monitor.begin_window(self._key)
+            try:
+                self._monitor.begin_window(self._key)
+            except Exception as exc:  # a meter that fails to read must not stop the training it measures
+                _unread(exc)
+                self._monitor = None
         return self
 
     def __exit__(self, kind: type[BaseException] | None, *exc: Any) -> None:
         if self._monitor is None:
             return
-        measurement = self._monitor.end_window(self._key, cancel=kind is not None)
+        try:
+            measurement = self._monitor.end_window(self._key, cancel=kind is not None)
+        except Exception as error:
+            _unread(error)
+            return
         self.joules = {} if kind is not None else meter_joules(self._monitor, measurement)
 
     def metrics(self) -> dict[str, float]:

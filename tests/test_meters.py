@@ -67,6 +67,17 @@ def test_work_that_fails_cancels_its_window_and_reports_nothing(fake):
     assert len(fake.cancelled) == 1 and not fake.open and meter.metrics() == {}
 
 
+def test_a_meter_that_fails_to_read_leaves_the_training_alone(monkeypatch):
+    class Broken(FakeMonitor):
+        def end_window(self, key: str, cancel: bool = False):
+            raise RuntimeError("NVML: GPU is lost")
+
+    monkeypatch.setattr(meters, "make_monitor", lambda gpu: Broken(reading()))
+    with HostMeter(gpu=0) as meter:
+        done = True
+    assert done and meter.metrics() == {}
+
+
 def test_without_zeus_nothing_is_measured(monkeypatch):
     monkeypatch.setattr(meters, "zeus_installed", lambda: False)
     with HostMeter() as meter:
