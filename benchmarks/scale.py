@@ -62,9 +62,15 @@ NOTES = [
     "does not help (the same nodes x messages checks, spread over more sweeps); the fix belongs in Flower "
     "(pending messages indexed by destination node). fedfusion's own per-round work over the population (the "
     "sampling) is the probe's sampling time.",
-    "- **10,000 clients.** Where the table marks a run as stopped, it did not finish within the time limit on this "
-    "shared machine; its memory columns are what it reached (the peak while every node was registered and its "
-    "QUERY message pending), and its round times follow from the probe's sweep times.",
+    "- **10,000 clients: the QUERY is the wall.** Every node answers one capability query before it can be "
+    "sampled, and on this machine each costs a fraction of a second of the two actors' time, so 10,000 of them do "
+    "not fit the round deadline (`selection.timeout_s`, 600 s). When it expires the unanswered queries stay queued "
+    "in Flower's engine: the round's training messages wait behind them and time out too (their training takes "
+    "well under a second), and the next round sends the QUERY to the unanswered nodes again. So a 10,000-client "
+    "federation needs a deadline that fits the whole QUERY, or more cores; on the fedfusion side the fix is to "
+    "send the QUERY in bounded batches (a deadline then strands one batch, not thousands of queries) and to stop "
+    "re-sending it every round to nodes that have not answered. The stopped run's memory columns are what it "
+    "reached with every node registered and queried.",
 ]
 
 
@@ -103,6 +109,8 @@ class Sampler(threading.Thread):
             try:
                 rss = self.proc.memory_info().rss
             except psutil.Error:
+                return
+            if not rss:  # an exited process not yet reaped reads 0
                 return
             self.peak, self.last = max(self.peak, rss), rss
             self.actors_peak = max(self.actors_peak, self._actors())
@@ -157,6 +165,7 @@ def run_size(clients: int, work: Path, limit_s: float) -> dict[str, Any]:
     if not finished and not rows:
         raise RuntimeError(f"{clients} clients: fedfusion run exited {proc.returncode}:\n{log_path.read_text()[-3000:]}")
     ledger = [json.loads(line) for line in (out / "clients.jsonl").read_text().splitlines()]
+    answered = len((out / "nodes.jsonl").read_text().splitlines())  # nodes whose capability answer arrived
     rounds = []
     for row in rows[1:]:
         trained = [c["train_s"] for c in ledger if c["round"] == row["round"] and c["status"] == "ok"]
@@ -165,6 +174,7 @@ def run_size(clients: int, work: Path, limit_s: float) -> dict[str, Any]:
     steady = rounds[1:]
     return {
         "clients": clients, "command": " ".join(cmd[1:]), "finished": finished, "run_wall_s": wall,
+        "nodes_answered_query": answered,
         "limit_s": limit_s, "server_rss_peak_mb": sampler.peak / MB, "actors_rss_peak_mb": sampler.actors_peak / MB,
         "server_rss_round0_mb": sampler.at_round.get(0, 0) / MB, "server_rss_last_mb": sampler.last / MB,
         "round1_wall_s": rounds[0]["wall_s"] if rounds else None,
@@ -294,15 +304,22 @@ def machine() -> dict[str, Any]:
 def findings(report: dict[str, Any]) -> list[str]:
     """What the numbers say, computed from them: memory per client between the run sizes, growth over rounds."""
     runs = sorted((r for r in report["sizes"].values() if r["rounds"]), key=lambda r: r["clients"])
+    complete = [r for r in runs if r.get("finished", True)]
     lines = []
     for r in runs:
         rounds = r["rounds"]
+        if not r.get("finished", True):
+            done = "; ".join(f"round {x['round']}: {x['wall_s']:.0f} s, {x['clients_ok']} of {PER_ROUND} clients ok"
+                             for x in rounds)
+            lines.append(f"- {r['clients']:,} clients: stopped after {r['run_wall_s'] / 60:.0f} min ({done}); server "
+                         f"RSS {r['server_rss_round0_mb']:.0f} MB before round 1, peak {r['server_rss_peak_mb']:.0f} MB.")
+            continue
         lines.append(f"- {r['clients']:,} clients: server RSS {rounds[0]['rss_mb']:.0f} MB after round 1 (every node "
                      f"queried), {rounds[-1]['rss_mb']:.0f} MB after round {rounds[-1]['round']}: "
                      f"{rounds[-1]['rss_mb'] - rounds[0]['rss_mb']:+.0f} MB over the rounds that sample "
                      f"{PER_ROUND} of them.")
-    if len(runs) > 1:
-        lo, hi = runs[0], runs[-1]
+    if len(complete) > 1:
+        lo, hi = complete[0], complete[-1]
         per = (hi["rounds"][-1]["rss_mb"] - lo["rounds"][-1]["rss_mb"]) * MB / (hi["clients"] - lo["clients"])
         lines.append(f"- From {lo['clients']:,} to {hi['clients']:,} clients the server's RSS after the last round "
                      f"changes by {per / 1024:.1f} KB per client (RSS also moves with the allocator and the "
