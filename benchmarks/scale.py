@@ -59,8 +59,8 @@ NOTES = [
     "every stored message, checking each, for every node: a sweep costs nodes x pending messages, and it runs "
     "in the server's process. A training round keeps `clients_per_round` messages pending; the capability QUERY "
     "keeps every node's pending at once, so round 1 is quadratic in the population. Sending the QUERY in batches "
-    "does not help (the same nodes x messages checks, spread over more sweeps); the fix belongs in Flower "
-    "(pending messages indexed by destination node). fedfusion's own per-round work over the population (the "
+    "does not make it cheaper (the same nodes x messages checks, spread over more sweeps); that fix belongs in "
+    "Flower (pending messages indexed by destination node). fedfusion's own per-round work over the population (the "
     "sampling) is the probe's sampling time.",
     "- **10,000 clients: the QUERY is the wall.** Every node answers one capability query before it can be "
     "sampled, and on this machine each costs a fraction of a second of the two actors' time, so 10,000 of them do "
@@ -68,7 +68,7 @@ NOTES = [
     "in Flower's engine: the round's training messages wait behind them and time out too (their training takes "
     "well under a second), and the next round sends the QUERY to the unanswered nodes again. So a 10,000-client "
     "federation needs a deadline that fits the whole QUERY, or more cores; on the fedfusion side the fix is to "
-    "send the QUERY in bounded batches (a deadline then strands one batch, not thousands of queries) and to stop "
+    "send the QUERY in bounded batches (not for speed: a deadline then strands one batch, not thousands of queries) and to stop "
     "re-sending it every round to nodes that have not answered. The stopped run's memory columns are what it "
     "reached with every node registered and queried.",
 ]
@@ -378,7 +378,9 @@ def main() -> None:
     args = parser.parse_args()
     path = OUT / "scale.json"
     report = json.loads(path.read_text()) if path.exists() else {"sizes": {}}
-    report["machine"] = machine()
+    if args.probe or args.sizes:
+        report["machine"] = machine()
+    write(report)  # with neither: the report rewritten from the results file
     if args.probe:
         logging.getLogger("flwr").setLevel(logging.WARNING)  # one line per pushed message otherwise
         report["probe"] = [registry_probe(n) for n in args.probe]
