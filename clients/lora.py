@@ -39,6 +39,7 @@ from fedfusion.instruct import (
     instruct_clients,
     train_instruct,
 )
+from fedfusion.meters import HostMeter, gpu_index
 from fedfusion.pretrained import load_base, load_base_tokenizer
 
 hf_logging.disable_progress_bar()
@@ -95,9 +96,11 @@ def train(arrays: dict[str, torch.Tensor], spec: ConfigRecord, partition: int,
                                float(spec.get("lora-dropout", 0.0)), int(spec["seed"]))
         try:
             load_factors(model, arrays)
-            stats = train_instruct(model, data, steps=int(spec["local-steps"]), lr=float(spec["lr"]),
-                                   batch_size=int(spec["batch-size"]), seed=int(spec["seed"]),
-                                   weight_decay=float(spec.get("weight-decay", 0.0)))
+            with HostMeter(gpu_index(base.device)) as meter:  # the host's own meters (labelled, not priced)
+                stats = train_instruct(model, data, steps=int(spec["local-steps"]), lr=float(spec["lr"]),
+                                       batch_size=int(spec["batch-size"]), seed=int(spec["seed"]),
+                                       weight_decay=float(spec.get("weight-decay", 0.0)))
+            stats.update(meter.metrics())
             factors = adapter_factors(model)
             sent = [k for k in arrays if k.endswith((".lora_A", ".lora_B"))]
             if sent:  # reply in the order received: Flower's DP mods compare the key lists as sent

@@ -12,7 +12,7 @@ import torch
 from flwr.app import ConfigRecord
 
 from fedfusion.cache import cached_tensor
-from fedfusion.energy import EnergyMeter
+from fedfusion.meters import HostMeter, gpu_index
 from fedfusion.models import model_from_state, tied_aliases, wire_state
 from fedfusion.ordered import train_steps_ordered
 from fedfusion.population import client_token_windows
@@ -62,14 +62,13 @@ def local_steps(spec: ConfigRecord) -> dict:
 
 def trained_reply(model: torch.nn.Module, windows: torch.Tensor, faults: tuple[bool, float],
                   fit: Callable[[], dict]) -> tuple[dict, dict]:
-    """Run ``fit()`` (local training of ``model``) under the host energy meter, then apply the injected
+    """Run ``fit()`` (local training of ``model``) under the host's energy meters, then apply the injected
     ``faults`` (from :func:`inject_faults`: corrupt?, straggle seconds); returns the state (tied aliases left
     out, in the model's float32 whatever dtype it arrived in) and reply metrics."""
     corrupt, delay = faults
-    with EnergyMeter() as meter:  # the host's own energy, where RAPL is readable (labelled, not priced)
+    with HostMeter(gpu_index(next(model.parameters()).device)) as meter:  # the host's own meters (labelled, not priced)
         stats = fit()
-    if meter.joules is not None:
-        stats["measured_rapl_j"] = meter.joules
+    stats.update(meter.metrics())
     new_state = wire_state({k: v.detach().cpu() for k, v in model.state_dict().items()}, tied_aliases(model))
     if corrupt:
         next(iter(new_state.values())).view(-1)[0] = float("nan")

@@ -49,6 +49,15 @@ def _load_for_run(ref: str, overrides: list[str]) -> Recipe:
     return recipe
 
 
+def backend_config(recipe: Recipe) -> dict[str, Any]:
+    """Flower's Ray backend settings: each virtual client's resources and, with ``engine.ray_address``, the
+    existing cluster to join (``ray.init(address=...)``) instead of a private one-machine Ray instance."""
+    config: dict[str, Any] = {"client_resources": {"num_cpus": recipe.engine.cpus_per_client, "num_gpus": 0.0}}
+    if recipe.engine.ray_address:
+        config["init_args"] = {"address": recipe.engine.ray_address}
+    return config
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     """Validate the recipe, create the run directory, run the federation with live progress."""
     from fedfusion.run_dir import RunDir, new_run_path
@@ -81,7 +90,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     verb = f"resuming after round {done}:" if args.resume else "running"
     console.print(f"[bold]fedfusion[/] {verb} {recipe.name}: {recipe.population.num_clients} clients, "
                   f"{recipe.selection.clients_per_round} per round, {recipe.rounds} rounds, "
-                  f"fusion={_method(recipe)}; writing {run.path}")
+                  f"fusion={_method(recipe)}"
+                  + (f", on the Ray cluster at {recipe.engine.ray_address}" if recipe.engine.ray_address else "")
+                  + f"; writing {run.path}")
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")  # we request no GPUs; silence Ray's notice
     flwr_logger = logging.getLogger("flwr")
     flwr_logger.setLevel(logging.WARNING)
@@ -118,7 +129,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         with ctrl_c:
             run_simulation(
                 server_app=server_app, client_app=client_app, num_supernodes=recipe.population.num_clients,
-                backend_config={"client_resources": {"num_cpus": recipe.engine.cpus_per_client, "num_gpus": 0.0}},
+                backend_config=backend_config(recipe),
             )
     summary = run.read_summary() or {}
     if summary.get("status") == "interrupted":

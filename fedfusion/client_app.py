@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+from functools import lru_cache
 from types import ModuleType
 
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
@@ -40,6 +41,15 @@ def _accelerator(context: Context) -> str:
     return pick_accelerator(str(preferred) if preferred is not None else None)
 
 
+@lru_cache(maxsize=4)
+def population_tiers(population: str) -> tuple[str, ...]:
+    """Every virtual client's device tier for a population spec (``mix``, ``num_clients``, ``seed``), computed once
+    per process: a QUERY round asks every node of the population, and each answer would otherwise redo the
+    whole population's draw (10,000 queries x 10,000 tiers)."""
+    spec = json.loads(population)
+    return tuple(assign_tiers(spec["mix"], spec["num_clients"], spec["seed"]))
+
+
 @app.query()
 def query(msg: Message, context: Context) -> Message:
     """Report this node's device tier, partition, data size and the host's measured capabilities.
@@ -50,8 +60,7 @@ def query(msg: Message, context: Context) -> Message:
     config = msg.content["config"]
     device = context.node_config.get("device")
     if device is None:
-        population = json.loads(str(config["population"]))
-        device = assign_tiers(population["mix"], population["num_clients"], population["seed"])[_partition(context)]
+        device = population_tiers(str(config["population"]))[_partition(context)]
     examples = _role(config).num_examples(config, _partition(context))
     caps = ConfigRecord({"device": str(device), "partition": _partition(context), "examples": int(examples),
                          **capabilities(_accelerator(context))})

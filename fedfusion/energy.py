@@ -4,17 +4,13 @@ Simulated clients do not run on the devices they stand for, so their time and en
 counted work (training FLOPs, bytes moved) at the catalog's rates rather than measured. Following the
 edge-vs-cloud debate (seed paper vs Patterson et al.), chargers and power supplies lose energy before
 the device sees it, the grid zone sets operational carbon, and manufacturing (embodied) carbon is
-charged by the share of the device's lifetime the work keeps it busy. :class:`EnergyMeter` measures the
-host itself through Linux RAPL where the counters are readable.
+charged by the share of the device's lifetime the work keeps it busy. What a host's own meters measure is
+:mod:`fedfusion.meters`' concern, reported next to these prices, never in their place.
 """
 
 from __future__ import annotations
 
-import re
-import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
-from typing import Any
 
 from fedfusion.devices import Device
 
@@ -121,70 +117,3 @@ def price_work(
 def round_wall_time(costs: list[WorkCost]) -> float:
     """Simulated seconds one synchronous round takes: its slowest client's (0 for no clients)."""
     return max((c.virtual_s for c in costs), default=0.0)
-
-
-_POWERCAP = "/sys/class/powercap"
-_PACKAGE_DIR = re.compile(r"intel-rapl:\d+")  # top-level domains; subdomains are intel-rapl:N:M
-
-
-def _rapl_counters(root: str | Path) -> dict[str, tuple[int, int]] | None:
-    """(energy_uj, max_energy_range_uj) of every RAPL package domain, or None when there is none or one
-    cannot be read (energy_uj is root-only on many kernels); psys and subdomains are skipped, as they
-    overlap the packages."""
-    counters = {}
-    try:
-        for domain in sorted(Path(root).iterdir()):
-            if not _PACKAGE_DIR.fullmatch(domain.name):
-                continue
-            if not (domain / "name").read_text().strip().startswith("package"):
-                continue
-            counters[domain.name] = (
-                int((domain / "energy_uj").read_text()),
-                int((domain / "max_energy_range_uj").read_text()),
-            )
-    except (OSError, ValueError):
-        return None
-    return counters or None
-
-
-def read_rapl_joules(root: str | Path = _POWERCAP) -> float | None:
-    """Current RAPL energy counter summed over CPU packages, in joules; None without readable RAPL.
-
-    A raw counter: it wraps around, so differences belong in :class:`EnergyMeter`.
-    """
-    counters = _rapl_counters(root)
-    return None if counters is None else sum(uj for uj, _ in counters.values()) / 1e6
-
-
-class EnergyMeter:
-    """Context manager measuring the host's package energy (RAPL) and wall seconds of a block.
-
-    After the block: ``seconds``; ``joules`` and ``source == "rapl"`` when RAPL was readable at both ends,
-    else ``joules is None`` and ``source == "none"``. RAPL counts the whole CPU package, not only this
-    process, so other load on the machine is included.
-    """
-
-    def __init__(self, root: str | Path = _POWERCAP) -> None:
-        self.root = root
-        self.joules: float | None = None
-        self.source = "none"
-        self.seconds = 0.0
-        self._start: dict[str, tuple[int, int]] | None = None
-        self._t0 = 0.0
-
-    def __enter__(self) -> EnergyMeter:
-        self._start = _rapl_counters(self.root)
-        self._t0 = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.seconds = time.perf_counter() - self._t0
-        end = _rapl_counters(self.root)
-        if self._start is None or end is None or end.keys() != self._start.keys():
-            self.joules, self.source = None, "none"
-            return
-        total_uj = 0
-        for domain, (before, _) in self._start.items():
-            after, span = end[domain]
-            total_uj += after - before if after >= before else after + span - before  # wrapped once
-        self.joules, self.source = total_uj / 1e6, "rapl"

@@ -260,6 +260,9 @@ class EngineConfig:
 
     cpus_per_client: float = 1.0
     threads_per_client: int = 1  # torch threads inside each client actor
+    # an existing Ray cluster to run the virtual clients on ("auto", or the head's "host:port" as `ray start --head`
+    # prints it); empty: Flower starts a private one-machine Ray instance
+    ray_address: str = ""
 
 
 @dataclass
@@ -408,6 +411,16 @@ def _positive(key: str, value: float) -> None:
         raise RecipeError(f"{key}: must be > 0, got {value}")
 
 
+def _check_ray_address(address: str) -> None:
+    """``engine.ray_address``: empty, ``auto`` or ``host:port`` (a Ray Client ``ray://`` address is not one the
+    simulation engine can drive: its actor pool runs in this process, which must join the cluster)."""
+    host, _, port = address.rpartition(":")
+    if address in ("", "auto") or (host and "/" not in host and port.isdigit() and 0 < int(port) < 65536):
+        return
+    raise RecipeError(f"engine.ray_address: {address!r} is not 'auto' or the head's host:port "
+                      "(e.g. 127.0.0.1:6379, as `ray start --head` prints it)")
+
+
 def validate(recipe: Recipe) -> None:
     """Value checks beyond types; raises RecipeError naming the first bad key."""
     for key, allowed in CHOICES.items():
@@ -453,6 +466,7 @@ def validate(recipe: Recipe) -> None:
         raise RecipeError(f"output.tracker: {recipe.output.tracker!r} is not one of {', '.join(TRACKERS)}")
     if TRACKERS[recipe.output.tracker] and find_spec(TRACKERS[recipe.output.tracker]) is None:
         raise RecipeError(f"output.tracker: {recipe.output.tracker} is not installed: {INSTALL[recipe.output.tracker]}")
+    _check_ray_address(recipe.engine.ray_address)
     if recipe.output.checkpoint_every < 0:
         raise RecipeError(f"output.checkpoint_every: must be >= 0, got {recipe.output.checkpoint_every}")
     if recipe.privacy.mode != "none":

@@ -176,6 +176,12 @@ def price_client(row: ClientRound, catalog: dict[str, Device]) -> dict[str, floa
             "co2_embodied_g": cost.co2_embodied_g, "wasted": not ok}
 
 
+def ledger_row(server_round: int, row: ClientRound, catalog: dict[str, Device]) -> dict[str, Any]:
+    """One clients.jsonl row: what the client did (its measured joules included, where it had a meter) and
+    its priced energy (:func:`price_client`)."""
+    return {"round": server_round, **asdict(row), **price_client(row, catalog)}
+
+
 class RoundRecorder:
     """Flower's ``evaluate_fn``: scores the target centrally and writes the round's ledger rows."""
 
@@ -207,7 +213,7 @@ class RoundRecorder:
         metrics = self.target.evaluate()
         clients = list(self.strategy.last.clients.values()) if server_round > 0 else []
         ok = [c for c in clients if c.status == "ok"]
-        ledger = [{"round": server_round, **asdict(c), **price_client(c, self.catalog)} for c in clients]
+        ledger = [ledger_row(server_round, c, self.catalog) for c in clients]
         server = {"virtual_s": 0.0, "energy_j": 0.0, "co2_g": 0.0}
         if server_round > 0 and self.server_device is not None and self.strategy.server_cost["flops"]:
             cost = price_work(self.server_device, self.strategy.server_cost["flops"], 0, 0)

@@ -34,6 +34,7 @@ from transformers import PretrainedConfig
 
 from fedfusion.checkpoint import rng_state, set_rng_state
 from fedfusion.energy import WorkCost, price_work, train_flops
+from fedfusion.meters import read_measured
 from fedfusion.models import config_aliases, full_state, wire_state
 from fedfusion.ordered import ordered_fractions
 from fedfusion.outer import OuterConfig, OuterOptimizer
@@ -68,7 +69,7 @@ class ClientRound:
     tokens: int = 0  # tokens trained: planned when sent, as reported once the reply arrives
     error: str | None = None
     measured_j: float | None = None  # host energy the client measured while training (not the priced device)
-    measured_source: str | None = None  # e.g. "rapl"
+    measured_source: str | None = None  # the meters read, e.g. "nvml+rapl" (fedfusion.meters)
 
 
 @dataclass
@@ -95,9 +96,11 @@ def state_norm(state: dict[str, torch.Tensor]) -> float:
 def reply_metrics(metrics: MetricRecord, row: ClientRound) -> tuple[int, float, float, int]:
     """A reply's (num-examples, train_loss, train_s, train_tokens), read and checked before its update is
     used, so a reply with broken numbers is rejected whole instead of half folded in. A host energy
-    reading the client measured (RAPL) goes into ``row.measured_j`` whatever becomes of the update."""
-    if "measured_rapl_j" in metrics:
-        row.measured_j, row.measured_source = float(metrics["measured_rapl_j"]), "rapl"
+    reading the client measured (:func:`fedfusion.meters.read_measured`) goes into ``row.measured_j`` and
+    ``row.measured_source`` whatever becomes of the update."""
+    measured = read_measured(metrics)
+    if measured is not None:
+        row.measured_j, row.measured_source = measured
     n, loss, seconds = int(metrics["num-examples"]), float(metrics["train_loss"]), float(metrics["train_s"])
     tokens = int(metrics.get("train_tokens", row.tokens))
     if n <= 0:

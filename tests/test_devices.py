@@ -28,6 +28,19 @@ def test_assignment_follows_the_mix_and_is_reproducible():
     assert Counter(assign_tiers({"a": 1, "b": 1, "c": 1}, 7, seed=0)).most_common(1)[0][1] == 3
 
 
+def test_a_client_answers_its_tier_from_the_population_drawn_once_per_process():
+    """A QUERY round asks every node: the client draws the population's tiers once, not once per query."""
+    import json
+
+    from fedfusion.client_app import population_tiers
+
+    population = json.dumps({"mix": {"phone": 0.5, "laptop": 0.3, "desktop": 0.2}, "num_clients": 50, "seed": 7})
+    population_tiers.cache_clear()
+    assert population_tiers(population) == tuple(assign_tiers({"phone": 0.5, "laptop": 0.3, "desktop": 0.2}, 50, 7))
+    population_tiers(population)
+    assert population_tiers.cache_info().hits == 1 and population_tiers.cache_info().misses == 1
+
+
 def test_user_catalog_errors_name_the_tier(tmp_path):
     bad = tmp_path / "c.yaml"
     bad.write_text("watch:\n  memory_gb: 1\n")

@@ -1,19 +1,16 @@
-"""Pricing counted work (time, joules, carbon) and the RAPL meter on a fake powercap tree."""
+"""Pricing counted work: time, joules, carbon."""
 
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
 from fedfusion.devices import Device, load_catalog
 from fedfusion.energy import (
     GRID_G_PER_KWH,
-    EnergyMeter,
     WorkCost,
     price_work,
-    read_rapl_joules,
     round_wall_time,
     train_flops,
 )
@@ -111,46 +108,3 @@ def test_errors_name_the_problem():
             price_work(TOY, 1e9, 0, 0, charger_efficiency=bad, grid=GRID)
     with pytest.raises(ValueError, match="non-negative"):
         price_work(TOY, -1.0, 0, 0, grid=GRID)
-
-
-def domain(root: Path, name: str, label: str, energy_uj: int | str, max_uj: int = 10_000_000) -> Path:
-    """One fake powercap domain directory."""
-    d = root / name
-    d.mkdir(parents=True, exist_ok=True)
-    (d / "name").write_text(f"{label}\n")
-    (d / "energy_uj").write_text(f"{energy_uj}\n")
-    (d / "max_energy_range_uj").write_text(f"{max_uj}\n")
-    return d
-
-
-def test_rapl_sums_packages_only(tmp_path):
-    domain(tmp_path, "intel-rapl:0", "package-0", 1_000_000)
-    domain(tmp_path, "intel-rapl:1", "package-1", 2_500_000)
-    domain(tmp_path, "intel-rapl:0:0", "core", 999_999)  # subdomain of package 0
-    domain(tmp_path, "intel-rapl:2", "psys", 7_000_000)  # platform: overlaps the packages
-    domain(tmp_path, "intel-rapl-mmio:0", "package-0", 5_000_000)  # second view of package 0
-    assert read_rapl_joules(tmp_path) == pytest.approx(3.5)
-
-
-def test_rapl_absent_or_unreadable_is_none(tmp_path):
-    assert read_rapl_joules(tmp_path / "missing") is None
-    assert read_rapl_joules(tmp_path) is None  # a powercap class without RAPL
-    domain(tmp_path, "intel-rapl:0", "package-0", "not a number")
-    assert read_rapl_joules(tmp_path) is None
-
-
-def test_energy_meter_handles_counter_wrap_around(tmp_path):
-    domain(tmp_path, "intel-rapl:0", "package-0", 10_000_000 - 1_000)
-    domain(tmp_path, "intel-rapl:1", "package-1", 100)
-    with EnergyMeter(tmp_path) as meter:
-        domain(tmp_path, "intel-rapl:0", "package-0", 500)  # wrapped at max_energy_range_uj
-        domain(tmp_path, "intel-rapl:1", "package-1", 2_000_100)
-    assert meter.source == "rapl"
-    assert meter.joules == pytest.approx((1_500 + 2_000_000) / 1e6)
-    assert meter.seconds >= 0
-
-
-def test_energy_meter_without_powercap_measures_time_only(tmp_path):
-    with EnergyMeter(tmp_path / "missing") as meter:
-        sum(range(1000))
-    assert meter.source == "none" and meter.joules is None and meter.seconds > 0

@@ -209,11 +209,12 @@ def test_a_measured_host_energy_reading_is_kept_and_labelled():
     strategy, state = make_strategy()
     grid = FakeGrid({11: "phone", 12: "desktop", 13: "phone"})
     msgs = list(strategy.configure_train(1, ArrayRecord(state), ConfigRecord({}), grid))
-    metrics = MetricRecord({"num-examples": 10, "train_loss": 1.0, "train_s": 0.1, "measured_rapl_j": 42.5})
+    metrics = MetricRecord({"num-examples": 10, "train_loss": 1.0, "train_s": 0.1, "measured-j-rapl": 40.0,
+                            "measured-j-nvml": 2.5})
     replies = [Message(RecordDict({"arrays": m.content["arrays"], "metrics": metrics}), reply_to=m) for m in msgs]
     strategy.aggregate_train(1, replies)
     rows = strategy.last.clients.values()
-    assert all(r.status == "ok" and r.measured_j == 42.5 and r.measured_source == "rapl" for r in rows)
+    assert all(r.status == "ok" and r.measured_j == 42.5 and r.measured_source == "nvml+rapl" for r in rows)
 
 
 @pytest.mark.parametrize("family", ["gpt2", "opt"])

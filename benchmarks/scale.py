@@ -1,0 +1,399 @@
+"""Server memory and per-round time of one federation as its population grows (issue #17, section 4).
+
+One `fedfusion run` per population size (default 100, 1,000 and 10,000 virtual clients), each through Flower's
+simulation engine exactly as a user runs it, with 50 clients sampled per round and a small target (a one-layer
+Llama, hidden 64) trained one local step, so that what grows with the population is the federation's own cost,
+not training. The data is a text file cut into one equal shard per client (``data.source: text``), built from
+the Shakespeare plays repeated to 1,500 characters per client.
+
+Measured, per size: the resident memory (RSS) of the `fedfusion run` process, which holds the server (strategy,
+central evaluation, ledgers) and Flower's simulation engine (its node registry and message store), sampled every
+0.2 s: its peak, and its value as each round's metrics row lands; the Ray client actors' RSS (separate
+processes); and from metrics.jsonl each round's host seconds (round 1 includes the capability QUERY of every
+node) next to the seconds its clients trained (``train_s`` summed, over the 2 cores they were given).
+
+    python benchmarks/scale.py                      # 100, 1,000 and 10,000 clients
+    python benchmarks/scale.py --sizes 100 1000     # some sizes only (the results file keeps the others)
+
+Writes benchmarks/results/scale.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+OUT = Path(__file__).parent / "results"
+PER_ROUND, ROUNDS, CHARS_PER_CLIENT = 50, 4, 1500
+SETTINGS = [
+    f"rounds={ROUNDS}", f"selection.clients_per_round={PER_ROUND}", "data.source=text", "data.eval_chars=4000",
+    "model.hidden_size=64", "model.num_heads=8", "model.num_kv_heads=8", "model.intermediate_size=128",
+    "model.num_layers=1", "train.local_steps=1", "train.batch_size=4", "train.seq_len=32",
+    "engine.cpus_per_client=1", "output.save_model=false", "output.checkpoint_every=0",
+]
+MB = 2**20
+NOTES = [
+    "## What grows with the population, and why",
+    "",
+    "- **Memory.** Per client the server keeps one row in each of two tables: Flower's node registry (every "
+    "SuperNode of the simulation: its LinkState entry and a Context) and the strategy's capability table (device "
+    "tier, partition, examples and the host facts the node reported), plus the simulation's dataset text. No "
+    "per-client model, optimizer or ledger state is kept: the ledgers go to disk each round, and rounds that sample "
+    "the same number of clients leave the RSS where it was. The probe's bytes per node are that growth.",
+    "- **Time.** What grows is Flower's simulation engine: every 0.1 s it asks the in-memory LinkState for each "
+    "node's next message (`vce_api.add_messages_to_queue`), and `InMemoryLinkState.get_message_ins` looks through "
+    "every stored message, checking each, for every node: a sweep costs nodes x pending messages, and it runs "
+    "in the server's process. A training round keeps `clients_per_round` messages pending; the capability QUERY "
+    "keeps every node's pending at once, so round 1 is quadratic in the population. Sending the QUERY in batches "
+    "does not make it cheaper (the same nodes x messages checks, spread over more sweeps); that fix belongs in "
+    "Flower (pending messages indexed by destination node). fedfusion's own per-round work over the population (the "
+    "sampling) is the probe's sampling time.",
+    "- **10,000 clients: the QUERY is the wall.** Every node answers one capability query before it can be "
+    "sampled, and on this machine each costs a fraction of a second of the two actors' time, so 10,000 of them do "
+    "not fit the round deadline (`selection.timeout_s`, 600 s). When it expires the unanswered queries stay queued "
+    "in Flower's engine: the round's training messages wait behind them and time out too (their training takes "
+    "well under a second), and the next round sends the QUERY to the unanswered nodes again. So a 10,000-client "
+    "federation needs a deadline that fits the whole QUERY, or more cores; on the fedfusion side the fix is to "
+    "send the QUERY in bounded batches (not for speed: a deadline then strands one batch, not thousands of queries) and to stop "
+    "re-sending it every round to nodes that have not answered. The stopped run's memory columns are what it "
+    "reached with every node registered and queried.",
+]
+
+
+def corpus(path: Path, clients: int) -> Path:
+    """A text file of ``clients`` x CHARS_PER_CLIENT characters: the Shakespeare roles' text, repeated."""
+    from fedfusion.data import load_shakespeare_roles
+
+    text = "\n".join(role.text for role in load_shakespeare_roles(min_chars=0))
+    need = clients * CHARS_PER_CLIENT
+    path.write_text((text * (need // len(text) + 1))[:need], encoding="utf-8")
+    return path
+
+
+class Sampler(threading.Thread):
+    """RSS of a process (and separately of its Ray actors) every ``period_s``, and at each new metrics row."""
+
+    def __init__(self, pid: int, metrics: Path, period_s: float = 0.2) -> None:
+        super().__init__(daemon=True)
+        self.proc, self.metrics, self.period_s = psutil.Process(pid), metrics, period_s
+        self.peak = self.actors_peak = self.last = 0
+        self.at_round: dict[int, int] = {}
+        self.done = threading.Event()
+
+    def _actors(self) -> int:
+        total = 0
+        for child in self.proc.children(recursive=True):
+            try:
+                if child.cmdline()[:1] and child.cmdline()[0].startswith("ray::ClientAppActor"):
+                    total += child.memory_info().rss
+            except psutil.Error:
+                continue
+        return total
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            try:
+                rss = self.proc.memory_info().rss
+            except psutil.Error:
+                return
+            if not rss:  # an exited process not yet reaped reads 0
+                return
+            self.peak, self.last = max(self.peak, rss), rss
+            self.actors_peak = max(self.actors_peak, self._actors())
+            if self.metrics.exists():
+                rows = self.metrics.read_text().count("\n")
+                if rows and rows - 1 not in self.at_round:
+                    self.at_round[rows - 1] = rss
+            time.sleep(self.period_s)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Stop a `fedfusion run` the way a user does: Ctrl-C (it stops at the next round boundary), Ctrl-C again
+    (forced), then SIGKILL to it and every process it started (its private Ray instance) if still alive."""
+    family = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+    for _ in range(2):
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    for pid in family:
+        try:
+            psutil.Process(pid).kill()
+        except psutil.Error:
+            continue
+
+
+def run_size(clients: int, work: Path, limit_s: float) -> dict[str, Any]:
+    """One federation of ``clients`` virtual clients; its memory and per-round timings. A run still going after
+    ``limit_s`` is stopped and reported as far as it got (``finished: false``)."""
+    data = corpus(work / f"text-{clients}.txt", clients)
+    out = work / f"run-{clients}"
+    cmd = [sys.executable, "-m", "fedfusion", "run", "quickstart", *SETTINGS, f"data.path={data}",
+           f"population.num_clients={clients}", "--out", str(out)]
+    env = {**os.environ, "FEDFUSION_CACHE": str(work / "cache")}
+    start = time.perf_counter()
+    log_path = work / f"run-{clients}.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+        sampler = Sampler(proc.pid, out / "metrics.jsonl")
+        sampler.start()
+        try:
+            proc.wait(timeout=limit_s)
+        except subprocess.TimeoutExpired:
+            stop(proc)
+    sampler.done.set()
+    sampler.join()
+    wall = time.perf_counter() - start
+    finished = proc.returncode == 0 and (out / "summary.json").exists()
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] if out.exists() else []
+    if not finished and not rows:
+        raise RuntimeError(f"{clients} clients: fedfusion run exited {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+    ledger = [json.loads(line) for line in (out / "clients.jsonl").read_text().splitlines()]
+    answered = len((out / "nodes.jsonl").read_text().splitlines())  # nodes whose capability answer arrived
+    rounds = []
+    for row in rows[1:]:
+        trained = [c["train_s"] for c in ledger if c["round"] == row["round"] and c["status"] == "ok"]
+        rounds.append({"round": row["round"], "wall_s": row["wall_s"], "clients_ok": row["clients_ok"],
+                       "train_s_sum": sum(trained), "rss_mb": sampler.at_round.get(row["round"], 0) / MB})
+    steady = rounds[1:]
+    return {
+        "clients": clients, "command": " ".join(cmd[1:]), "finished": finished, "run_wall_s": wall,
+        "nodes_answered_query": answered,
+        "limit_s": limit_s, "server_rss_peak_mb": sampler.peak / MB, "actors_rss_peak_mb": sampler.actors_peak / MB,
+        "server_rss_round0_mb": sampler.at_round.get(0, 0) / MB, "server_rss_last_mb": sampler.last / MB,
+        "round1_wall_s": rounds[0]["wall_s"] if rounds else None,
+        "steady_round_wall_s": statistics.median(r["wall_s"] for r in steady) if steady else None,
+        "steady_train_s_per_core": statistics.median(r["train_s_sum"] for r in steady) / 2 if steady else None,
+        "rounds": rounds,
+    }
+
+
+def registry_probe(nodes: int) -> dict[str, float]:
+    """What a population of ``nodes`` costs the server process by itself, without running clients. Bytes per node
+    held for the whole run, by owner, traced in this process (tracemalloc):
+
+    - ``flower_registry``: Flower's simulation engine registering ``nodes`` SuperNodes, as ``run_simulation``
+      does (its in-memory LinkState, and a node-info store with a Context per node);
+    - ``fedfusion_caps``: the strategy's capability table after the QUERY round (a real :class:`SubModelFusion`
+      answered by every node with a real capability reply, as :func:`fedfusion.client_app.query` builds it);
+
+    and seconds per round that grow with the population: the strategy's sampling (wait for nodes, the QUERY
+    check, the participation draw over every known client) and one sweep of Flower's engine polling every node
+    for a message (:func:`poll_sweep_s`) with none, a round's and (up to 1,000 nodes) a QUERY round's messages
+    pending.
+    """
+    import tracemalloc
+
+    import torch
+    from fedfusion.strategies import SubModelFusion
+    from flwr.app import ConfigRecord, Message, RecordDict
+    from flwr.server.superlink.fleet.vce.vce_api import _register_node_info_stores, _register_nodes
+    from flwr.server.superlink.linkstate import LinkStateFactory
+    from flwr.supercore.constant import FLWR_IN_MEMORY_DB_NAME
+    from flwr.supercore.object_store import ObjectStoreFactory
+    from flwr.supercore.run import Run
+    from flwr.supercore.task_identity import TaskIdentity
+    from flwr.superlink.federation import NoOpFederationManager
+    from transformers import LlamaConfig
+
+    from fedfusion.devices import assign_tiers, load_catalog
+    from fedfusion.hardware import capabilities
+    from fedfusion.participation import Participation
+    from fedfusion.selection import make_selector
+
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    factory = LinkStateFactory(FLWR_IN_MEMORY_DB_NAME, NoOpFederationManager(), ObjectStoreFactory())
+    mapping = _register_nodes(nodes, factory)
+    stores = _register_node_info_stores(mapping, Run.create_empty(run_id=1))
+    flower = tracemalloc.get_traced_memory()[0] - before
+
+    tiers = assign_tiers({"phone": 0.5, "laptop": 0.3, "desktop": 0.2}, nodes, 0)
+
+    class Grid:  # every node answers the capability query as the real client does
+        def get_node_ids(self) -> list[int]:
+            return list(mapping)
+
+        def send_and_receive(self, messages, timeout=None):
+            return [Message(RecordDict({"caps": ConfigRecord({
+                "device": tiers[mapping[m.metadata.dst_node_id]], "partition": mapping[m.metadata.dst_node_id],
+                "examples": 42, **capabilities("cpu")})}), reply_to=m) for m in messages]
+
+    TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 0
+    strategy = SubModelFusion(
+        config=LlamaConfig(hidden_size=64, num_attention_heads=8, num_hidden_layers=1, intermediate_size=128),
+        widths={"phone": 0.125, "laptop": 0.25, "desktop": 0.5}, policy="rolling", stride=0.125, stagger=True,
+        clients_per_round=PER_ROUND, min_clients=1, participation=Participation(make_selector("random"), load_catalog()),
+        query_config={"population": "{}"}, train_config={"seed": 0})
+    grid = Grid()
+    torch.set_num_threads(1)
+    before = tracemalloc.get_traced_memory()[0]
+    strategy.query_nodes(grid, list(mapping))
+    ours = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    assert len(strategy.caps) == nodes and len(stores) == nodes
+    start = time.perf_counter()
+    for server_round in range(2, 7):
+        assert len(strategy.sample(grid, server_round)) == PER_ROUND
+    sample_s = (time.perf_counter() - start) / 5
+    return {"nodes": nodes, "flower_registry_bytes_per_node": flower / nodes,
+            "fedfusion_caps_bytes_per_node": ours / nodes, "fedfusion_sample_ms": sample_s * 1e3,
+            "flower_poll_sweep_ms": {str(p): poll_sweep_s(factory, list(mapping), p) * 1e3
+                                     for p in (0, PER_ROUND, nodes) if p <= 1000}}
+
+
+def poll_sweep_s(factory: Any, nodes: list[int], pending: int) -> float:
+    """Seconds of one sweep of Flower's simulation engine over every node while ``pending`` messages (to as many
+    nodes) await their replies: the engine asks the LinkState for each node's next message every 0.1 s
+    (``vce_api.add_messages_to_queue``), and the in-memory LinkState looks through every stored message, checking
+    each, for each node (``InMemoryLinkState.get_message_ins``). The second sweep is timed: the first delivers."""
+    from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+    from flwr.proto.task_pb2 import Task
+    from flwr.server.superlink.linkstate.in_memory_linkstate import RunRecord
+    from flwr.supercore.constant import NOOP_FEDERATION_ID
+    from flwr.supercore.run import Run
+    from flwr.supercore.task_identity import TaskIdentity
+    from flwr.superlink.grid.inmemory_grid import InMemoryGrid
+
+    state = factory.state()
+    run_id = len(state.run_ids) + 7  # a fresh run per call, registered as run_simulation registers its own
+    run = Run.create_empty(run_id=run_id)
+    run.primary_task_id, run.federation_id = run_id, NOOP_FEDERATION_ID
+    state.run_ids[run_id] = RunRecord(run=run)
+    state.task_store[run_id] = Task(task_id=run_id, run_id=run_id)
+    grid = InMemoryGrid(factory)
+    grid.set_run(run)
+    TaskIdentity.run_id = run_id  # messages take their run from the task identity
+    messages = [Message(RecordDict({"config": ConfigRecord({"k": 1})}), dst_node_id=n, message_type=MessageType.QUERY)
+                for n in nodes[:pending]]
+    for m in messages:
+        m.metadata.__dict__["_src_node_id"] = 1  # the SuperLink's id, as the Grid's own create_message sets it
+    stored = [i for i in grid.push_messages(messages) if i]
+    assert len(stored) == pending, f"{len(stored)} of {pending} messages stored"
+    for _ in range(2):
+        start = time.perf_counter()
+        for node in nodes:
+            state.get_message_ins(node_id=node, limit=1)
+        seconds = time.perf_counter() - start
+    state.delete_messages(message_ins_ids=set(stored))
+    return seconds
+
+
+def machine() -> dict[str, Any]:
+    return {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
+            "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
+            "load_average_at_start": os.getloadavg()[0]}
+
+
+def findings(report: dict[str, Any]) -> list[str]:
+    """What the numbers say, computed from them: memory per client between the run sizes, growth over rounds."""
+    runs = sorted((r for r in report["sizes"].values() if r["rounds"]), key=lambda r: r["clients"])
+    complete = [r for r in runs if r.get("finished", True)]
+    lines = []
+    for r in runs:
+        rounds = r["rounds"]
+        if not r.get("finished", True):
+            done = "; ".join(f"round {x['round']}: {x['wall_s']:.0f} s, {x['clients_ok']} of {PER_ROUND} clients ok"
+                             for x in rounds)
+            lines.append(f"- {r['clients']:,} clients: stopped after {r['run_wall_s'] / 60:.0f} min ({done}); server "
+                         f"RSS {r['server_rss_round0_mb']:.0f} MB before round 1, peak {r['server_rss_peak_mb']:.0f} MB.")
+            continue
+        lines.append(f"- {r['clients']:,} clients: server RSS {rounds[0]['rss_mb']:.0f} MB after round 1 (every node "
+                     f"queried), {rounds[-1]['rss_mb']:.0f} MB after round {rounds[-1]['round']}: "
+                     f"{rounds[-1]['rss_mb'] - rounds[0]['rss_mb']:+.0f} MB over the rounds that sample "
+                     f"{PER_ROUND} of them.")
+    if len(complete) > 1:
+        lo, hi = complete[0], complete[-1]
+        per = (hi["rounds"][-1]["rss_mb"] - lo["rounds"][-1]["rss_mb"]) * MB / (hi["clients"] - lo["clients"])
+        lines.append(f"- From {lo['clients']:,} to {hi['clients']:,} clients the server's RSS after the last round "
+                     f"changes by {per / 1024:.1f} KB per client (RSS also moves with the allocator and the "
+                     "machine's load; the probe below traces the bytes).")
+    for p in report.get("probe", []):
+        sweeps = ", ".join(f"{float(ms) / 1e3:.2f} s with {int(k):,} pending" for k, ms in p["flower_poll_sweep_ms"].items())
+        lines.append(f"- Probe, {p['nodes']:,} nodes: Flower's node registry {p['flower_registry_bytes_per_node']:.0f} "
+                     f"B/node, fedfusion's capability table {p['fedfusion_caps_bytes_per_node']:.0f} B/node; the "
+                     f"strategy's sampling {p['fedfusion_sample_ms']:.1f} ms/round; one sweep of Flower's engine "
+                     f"over every node (it sweeps again 0.1 s after each): {sweeps}.")
+    return lines
+
+
+def _num(value: float | None, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def write(report: dict[str, Any]) -> None:
+    OUT.mkdir(exist_ok=True)
+    (OUT / "scale.json").write_text(json.dumps(report, indent=2) + "\n")
+    m = report["machine"]
+    lines = [
+        "# Scale: server memory and round time as the population grows",
+        "",
+        f"Machine: {m['platform']}, {m['cpus']} CPUs, {m['memory_gb']} GB; **shared with other jobs while this ran** "
+        f"(load average {m['load_average_at_start']:.1f} at the start of the last run), so seconds are noisy and "
+        "memory is not. Command: `python benchmarks/scale.py` (one `fedfusion run` per size, settings below).",
+        "",
+        f"Settings: {PER_ROUND} clients per round, {ROUNDS} rounds, a one-layer Llama target (hidden 64), one local "
+        f"step per client, {CHARS_PER_CLIENT} characters of text per client, 2 client actors (1 CPU each). Round 1 "
+        "includes the capability QUERY of every node; rounds 2+ are the steady state.",
+        "",
+        "| clients | server RSS before round 1 MB | server RSS peak MB | after round 1 MB | after last round MB | "
+        "actors RSS peak MB | round 1 s | steady round s (median) | clients' train s per core (median) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in sorted(report["sizes"].values(), key=lambda r: r["clients"]):
+        rounds = r["rounds"]
+        cells = [f"{r['clients']:,}", f"{r['server_rss_round0_mb']:.0f}", f"{r['server_rss_peak_mb']:.0f}",
+                 f"{rounds[0]['rss_mb']:.0f}" if rounds else "-", f"{rounds[-1]['rss_mb']:.0f}" if rounds else "-",
+                 f"{r['actors_rss_peak_mb']:.0f}", _num(r["round1_wall_s"], 1), _num(r["steady_round_wall_s"], 1),
+                 _num(r["steady_train_s_per_core"], 2)]
+        if not r.get("finished", True):
+            cells[0] += f" (stopped after {r['run_wall_s'] / 60:.0f} min, {len(rounds)} rounds done)"
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "## Findings (computed from the numbers above)", "", *findings(report), "", *NOTES]
+    (OUT / "scale.md").write_text("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="*", default=[100, 1000, 10000], help="populations to run")
+    parser.add_argument("--limit-min", type=float, default=60, help="stop a run still going after this many minutes")
+    parser.add_argument("--probe", type=int, nargs="*", default=[100, 1000, 10000],
+                        help="populations to probe in-process (registry bytes per node, sampling and polling time)")
+    args = parser.parse_args()
+    path = OUT / "scale.json"
+    report = json.loads(path.read_text()) if path.exists() else {"sizes": {}}
+    if args.probe or args.sizes:
+        report["machine"] = machine()
+    write(report)  # with neither: the report rewritten from the results file
+    if args.probe:
+        logging.getLogger("flwr").setLevel(logging.WARNING)  # one line per pushed message otherwise
+        report["probe"] = [registry_probe(n) for n in args.probe]
+        print(json.dumps(report["probe"]), flush=True)
+        write(report)
+    with tempfile.TemporaryDirectory(prefix="ffscale") as tmp:
+        for clients in args.sizes:
+            report["machine"] = machine()
+            result = run_size(clients, Path(tmp), args.limit_min * 60)
+            report["sizes"][str(clients)] = result
+            print(json.dumps({k: v for k, v in result.items() if k not in ("rounds", "command")}), flush=True)
+            write(report)
+
+
+if __name__ == "__main__":
+    main()
