@@ -46,6 +46,7 @@ from fedfusion.slicing import (
     plan_slice,
     sub_config,
 )
+from fedfusion.wire import DROPPED
 
 
 @dataclass
@@ -98,6 +99,8 @@ def reply_metrics(metrics: MetricRecord, row: ClientRound) -> tuple[int, float, 
     reading the client measured (RAPL) goes into ``row.measured_j`` whatever becomes of the update."""
     if "measured_rapl_j" in metrics:
         row.measured_j, row.measured_source = float(metrics["measured_rapl_j"]), "rapl"
+    if "measured_device_j" in metrics:  # a phone's own meter, relayed by a device gateway
+        row.measured_j, row.measured_source = float(metrics["measured_device_j"]), "device"
     n, loss, seconds = int(metrics["num-examples"]), float(metrics["train_loss"]), float(metrics["train_s"])
     tokens = int(metrics.get("train_tokens", row.tokens))
     if n <= 0:
@@ -367,8 +370,9 @@ class SubModelFusion(Strategy):
             if row is None or row.status != "sent":  # not sent this round, or a second reply from the node
                 continue
             if reply.has_error():
-                row.status, row.error = "failed", error_line(reply.error.reason)
-                log(WARNING, "round %d node %d: client failed: %s", server_round, row.node, row.error)
+                row.error = error_line(reply.error.reason)
+                row.status = "dropped" if DROPPED in row.error else "failed"  # a gateway's phone missed its deadline
+                log(WARNING, "round %d node %d: client %s: %s", server_round, row.node, row.status, row.error)
                 continue
             yield reply, row
 
