@@ -179,7 +179,7 @@ def test_runtime_training_matches_torch(phone_program, optimizer):
     recipe, program, _ = phone_program
     state, config = _phone_state(recipe)
     windows = client_windows(data_spec(recipe), 0, recipe.train.seq_len, "train")
-    steps, lr, batch = 8, (3e-3 if optimizer == "adamw" else 0.5), recipe.train.batch_size
+    steps, lr, batch = 8, (3e-3 if optimizer == "adamw" else 0.1), recipe.train.batch_size
 
     runner = ProgramRunner(program)
     runner.load(state)
