@@ -60,7 +60,7 @@ class ProgramRunner:
         from executorch.extension.pybindings.portable_lib import _load_for_executorch_from_buffer
         from executorch.extension.training import TrainingModule
 
-        self.manifest = program.manifest
+        self.program, self.manifest = program, program.manifest  # the runtime reads the buffers in place: keep them
         self.module = TrainingModule(_load_for_executorch_from_buffer(program.pte, program.ptd))
         self.method = str(self.manifest["method"])
         # The runtime exposes the parameter views only after a first call: one call on zero inputs, once per load.

@@ -183,6 +183,14 @@ class Gateway:
         self._expire(task)
         return task
 
+    def collected(self, task: Task) -> None:
+        """The node has the task's outcome: a finished task is forgotten; a dropped one keeps only its record, so
+        that a late result is answered 409, not 404."""
+        with self.lock:
+            if task.status == "done":
+                self.tasks.pop(task.id, None)
+            task.weights = b""
+
     def _expire(self, task: Task) -> None:
         with self.lock:
             if task.status in ("queued", "running") and time.monotonic() >= task.deadline:
@@ -288,8 +296,10 @@ class _Handler(BaseHTTPRequestHandler):
             task = gateway.outcome(parts[1], float(query.get("wait", ["0"])[0]))
             if task.status == "done":
                 self._send(200, task.result or b"", "application/octet-stream")
+                gateway.collected(task)
             elif task.status == "dropped":
                 self._json(410, {"status": "dropped", "reason": task.reason, "device": task.device})
+                gateway.collected(task)
             else:
                 self._json(202, {"status": task.status, "device": task.device})
         else:

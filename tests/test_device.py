@@ -109,6 +109,7 @@ def test_gateway_task_life_cycle(gateway):
     status, body = call(f"{url}/v1/node/tasks/{task}?wait=5", "GET", secret)
     tensors, meta = unpack(body)
     assert status == 200 and torch.equal(tensors["w"], torch.zeros(2)) and meta["metrics"]["train_loss"] == 2.0
+    assert call(f"{url}/v1/node/tasks/{task}?wait=0", "GET", secret)[0] == 404  # delivered, then forgotten
 
 
 def test_gateway_drops_a_task_past_its_deadline(gateway):
@@ -264,7 +265,8 @@ def _take_and_vanish(url: str, token: str) -> None:
 
 @pytest.mark.slow
 def test_gpt2_slice_exports_and_trains_as_torch(tmp_path):
-    """GPT-2 (tied lm_head): the program keeps one embedding whose gradient sums both uses, as torch does."""
+    """GPT-2 (tied lm_head): the program keeps one embedding whose gradient sums both uses, as torch does. Dropout
+    off: the program draws its own masks, so with dropout no two runs (torch's included) agree step by step."""
     pytest.importorskip("executorch")
     from transformers import GPT2Config
 
@@ -276,7 +278,7 @@ def test_gpt2_slice_exports_and_trains_as_torch(tmp_path):
     from fedfusion.training import train_steps
 
     target_config = GPT2Config(vocab_size=50, n_embd=32, n_layer=2, n_head=4, n_inner=64, n_positions=32,
-                               bos_token_id=0, eos_token_id=0)
+                               bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     torch.manual_seed(0)
     target = family_of(target_config).build(target_config)
     plan = plan_slice(target_config, 0.5, "static")
@@ -291,7 +293,9 @@ def test_gpt2_slice_exports_and_trains_as_torch(tmp_path):
     theirs = train_steps(model, windows, 4, 1e-2, 2, seed=3)
     assert abs(mine["train_loss"] - theirs["train_loss"]) <= 1e-5
     trained = dict(model.named_parameters())
-    assert max(float((runner.params[k] - trained[k].detach()).abs().max()) for k in state) <= 1e-5
+    moved = torch.cat([(runner.params[k] - state[k]).flatten() for k in state])
+    expected = torch.cat([(trained[k].detach() - state[k]).flatten() for k in state])
+    assert float((moved - expected).norm() / expected.norm()) <= 1e-3
 
 
 @pytest.mark.slow
