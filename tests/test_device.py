@@ -307,3 +307,31 @@ def test_unexportable_family_names_family_and_op():
 
     with pytest.raises(DeviceExportError, match=r"^cnn model: .*operator \S+view"):
         export_program(FedCNNConfig(channels=[8, 16], groups=4, image_size=8), 2, 0)
+
+
+def test_a_gateway_dropout_is_a_dropped_row_with_its_work():
+    """The error reply of a node whose phone missed the deadline is recorded as ``dropped`` (priced as wasted
+    work, like a simulated dropout), not ``failed``; a device's own energy reading is kept with source 'device'."""
+    from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from fedfusion.devices import load_catalog
+    from fedfusion.server_app import price_client
+    from fedfusion.wire import DROPPED
+    from tests.test_strategy import FakeGrid, make_strategy
+
+    TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 0  # as tests/test_strategy.py does
+    strategy, state = make_strategy()
+    msgs = {m.metadata.dst_node_id: m for m in
+            strategy.configure_train(1, ArrayRecord(state), ConfigRecord({}), FakeGrid({11: "phone", 12: "phone"}))}
+    trained = msgs[11].content["arrays"].to_torch_state_dict()
+    metrics = MetricRecord({"num-examples": 10, "train_loss": 1.0, "train_s": 0.1, "measured_device_j": 42.0})
+    replies = [Message(RecordDict({"arrays": ArrayRecord(trained), "metrics": metrics}), reply_to=msgs[11]),
+               Message(Error(code=1, reason=f"DeviceDropped: {DROPPED} device phone-a took the task and sent no "
+                                            "result before its deadline"), reply_to=msgs[12])]
+    strategy.aggregate_train(1, replies)
+    ok, dropped = strategy.last.clients[11], strategy.last.clients[12]
+    assert (ok.status, ok.measured_j, ok.measured_source) == ("ok", 42.0, "device")
+    assert dropped.status == "dropped" and "phone-a" in dropped.error
+    priced = price_client(dropped, load_catalog())
+    assert priced["wasted"] and priced["energy_j"] > 0  # its planned work and download were spent for nothing
