@@ -22,6 +22,9 @@ from fedfusion.gateway import call, pack, unpack
 from fedfusion.wire import DROPPED
 
 DEADLINE_S = 600.0
+# how long queuing a task may take: the gateway exports a program the first time it sees a sub-model shape (a minute
+# or more on a small CPU), before the phone's deadline starts
+SUBMIT_TIMEOUT_S = 1800.0
 # what a reply may carry of a device's metrics (the strategy reads the first four; the energy is the phone's own meter)
 DEVICE_METRICS = {"num-examples": int, "train_loss": float, "train_s": float, "train_tokens": float,
                   "device_step_s": float, "measured_device_j": float}
@@ -51,7 +54,7 @@ def relay(state: dict[str, torch.Tensor], spec: ConfigRecord, partition: int,
     task_spec = {k: spec[k] for k in SPEC_KEYS if k in spec} | {"partition": partition}
     body = pack(state, {"spec": task_spec, "model_config": json.loads(str(spec["model-config"])),
                         "deadline_s": deadline_s})
-    status, answer = call(f"{url}/v1/node/tasks", "POST", secret, body, timeout=deadline_s)
+    status, answer = call(f"{url}/v1/node/tasks", "POST", secret, body, timeout=SUBMIT_TIMEOUT_S)
     if status != 200:
         raise RuntimeError(f"gateway {url} refused the task ({status}): {answer.decode(errors='replace')[:300]}")
     task = json.loads(answer)["task"]
