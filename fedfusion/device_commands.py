@@ -39,6 +39,8 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     from fedfusion.gateway import Gateway, GatewayServer, Tokens
 
     host, _, port = args.listen.rpartition(":")
+    if not port.isdigit():
+        raise ValueError(f"--listen {args.listen!r}: give HOST:PORT, e.g. 127.0.0.1:8765")
     programs = Path(args.programs)
     programs.mkdir(parents=True, exist_ok=True)
     server = GatewayServer((host or "127.0.0.1", int(port)), Gateway(Tokens(Path(args.tokens)), programs))
