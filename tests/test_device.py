@@ -316,6 +316,7 @@ def test_unexportable_family_names_family_and_op():
         export_program(FedCNNConfig(channels=[8, 16], groups=4, image_size=8), 2, 0)
 
 
+@pytest.mark.slow
 def test_a_gateway_dropout_is_a_dropped_row_with_its_work():
     """The error reply of a node whose phone missed the deadline is recorded as ``dropped`` (priced as wasted
     work, like a simulated dropout), not ``failed``; a device's own energy reading is kept with source 'device'."""
