@@ -378,6 +378,9 @@ def parser() -> argparse.ArgumentParser:
     report.add_argument("runs", nargs="+")
     report.add_argument("--out", help="output folder for a comparison of several runs")
     report.set_defaults(func=cmd_report)
+    from fedfusion.device_commands import add_parsers
+
+    add_parsers(sub)  # export-device, gateway, device
     return p
 
 

@@ -71,8 +71,13 @@ def query(msg: Message, context: Context) -> Message:
 def train(msg: Message, context: Context) -> Message:
     """Train the received model as its spec says and reply with the new weights and metrics."""
     spec = msg.content["config"]
-    state, metrics = _role(spec).train(msg.content["arrays"].to_torch_state_dict(), spec, _partition(context),
-                                       _accelerator(context))
+    state = msg.content["arrays"].to_torch_state_dict()
+    if "gateway" in context.node_config:  # this node serves phones: one of them trains (fedfusion.clients.device)
+        from fedfusion.clients.device import relay
+
+        state, metrics = relay(state, spec, _partition(context), context.node_config)
+    else:
+        state, metrics = _role(spec).train(state, spec, _partition(context), _accelerator(context))
     content = RecordDict({"arrays": ArrayRecord(state), "metrics": MetricRecord(metrics)})
     return Message(content, reply_to=msg)
 

@@ -208,7 +208,7 @@ def fit_lora_rank(
     return None
 
 
-def _target(recipe: Recipe) -> PretrainedConfig:
+def recipe_target(recipe: Recipe) -> PretrainedConfig:
     """The target's config; a facts recipe's vocabulary is its own word tokenizer's."""
     if recipe.data.source == "facts":
         from fedfusion.population import data_spec, data_tokenizer
@@ -222,7 +222,7 @@ def auto_widths(
 ) -> dict[str, float | None]:
     """For every tier of the population mix, :func:`fit_width` of the recipe's target (None: nothing fits)."""
     catalog = load_catalog(recipe.population.catalog)
-    target = _target(recipe)
+    target = recipe_target(recipe)
     axes = recipe.fusion.axes or None
     return {tier: fit_width(target, catalog[tier], recipe.train.batch_size, recipe.train.seq_len, ladder, usable,
                             axes)
@@ -280,7 +280,7 @@ def plan_table(
     instead of raising. Memory is :func:`training_memory_bytes`.
     """
     catalog = load_catalog(recipe.population.catalog)
-    target = _target(recipe)
+    target = recipe_target(recipe)
     axes = recipe.fusion.axes or None
     widths = recipe.fusion.widths if widths is None else widths
     batch, seq = recipe.train.batch_size, recipe.train.seq_len
@@ -347,7 +347,7 @@ def distill_plan_table(recipe: Recipe, usable: float = USABLE) -> list[dict[str,
             "fits": "yes" if mem <= _budget(device, usable) else "NO",
             **priced(device, train_flops(params, tokens), 4 * params, 4 * params),
         })
-    target = param_count(_target(recipe))
+    target = param_count(recipe_target(recipe))
     server_tokens, back_tokens = (steps * d.server_batch_size * seq for steps in (d.server_steps, d.back_steps))
     teachers = d.kd_weight > 0  # kd_weight 0 trains on the transfer text alone: no teacher runs
     flops = train_flops(target, server_tokens) + teachers * sum(forward_flops(p, server_tokens)
@@ -363,7 +363,7 @@ def distill_plan_table(recipe: Recipe, usable: float = USABLE) -> list[dict[str,
 def generative_server_row(recipe: Recipe, usable: float = USABLE) -> dict[str, Any]:
     """The server's row under generative distillation: it trains the target on the clients' samples."""
     g = recipe.generative
-    flops = train_flops(param_count(_target(recipe)), g.server_steps * g.server_batch * recipe.train.seq_len)
+    flops = train_flops(param_count(recipe_target(recipe)), g.server_steps * g.server_batch * recipe.train.seq_len)
     return server_plan_row(recipe, g.server_device, f"learns the samples ({g.server_steps} steps)",
                            flops, g.server_batch, usable)
 
@@ -373,7 +373,7 @@ def server_plan_row(recipe: Recipe, server_device: str, what: str, flops: float,
     """The server's own work per round, priced on ``server_device`` as the ledger prices it (``server_energy_j``:
     its FLOPs, no transfers); memory is training the target at the server's batch size."""
     device = load_catalog(recipe.population.catalog)[server_device]
-    target = _target(recipe)
+    target = recipe_target(recipe)
     mem = training_memory_bytes(target, batch, recipe.train.seq_len)
     return {"tier": f"server ({server_device})", "trains": what, "params": param_count(target),
             "peak MB": _mb(mem), "device MB": round(device.memory_gb * 1024),

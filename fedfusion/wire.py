@@ -13,6 +13,8 @@ from typing import Any
 
 from fedfusion.recipe import FaultConfig, TrainConfig
 
+# how an error reply says that a phone behind a device gateway missed its deadline: the strategy records a dropout
+DROPPED = "device dropped:"
 FAULT_KEYS = {f.name: "fault-" + f.name.replace("_", "-") for f in fields(FaultConfig)}
 TRAIN_KEYS = {f.name: f.name.replace("_", "-") for f in fields(TrainConfig)} | {"local_steps": "local-steps"}
 

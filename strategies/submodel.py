@@ -47,6 +47,7 @@ from fedfusion.slicing import (
     plan_slice,
     sub_config,
 )
+from fedfusion.wire import DROPPED
 
 
 @dataclass
@@ -370,8 +371,9 @@ class SubModelFusion(Strategy):
             if row is None or row.status != "sent":  # not sent this round, or a second reply from the node
                 continue
             if reply.has_error():
-                row.status, row.error = "failed", error_line(reply.error.reason)
-                log(WARNING, "round %d node %d: client failed: %s", server_round, row.node, row.error)
+                row.error = error_line(reply.error.reason)
+                row.status = "dropped" if DROPPED in row.error else "failed"  # a gateway's phone missed its deadline
+                log(WARNING, "round %d node %d: client %s: %s", server_round, row.node, row.status, row.error)
                 continue
             yield reply, row
 

@@ -1,0 +1,78 @@
+"""Client role of a SuperNode that serves phones: each train message becomes a task on the node's device gateway
+(:mod:`fedfusion.gateway`), and the phone's result becomes the reply, as :mod:`fedfusion.clients.submodel` replies.
+
+Turned on per node: ``--node-config 'gateway="http://127.0.0.1:8765" gateway-secret-file="/path/secret"'``.
+A phone that misses the deadline (``gateway-deadline-s``, default :data:`DEADLINE_S`) makes the reply an error
+whose reason starts with :data:`DROPPED`, which the strategy records as a ``dropped`` row, with the work it was
+sent, as a simulated client that misses its deadline.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from flwr.app import ConfigRecord
+
+from fedfusion.gateway import call, pack, unpack
+from fedfusion.meters import WIRE_PREFIX
+from fedfusion.wire import DROPPED
+
+DEADLINE_S = 600.0
+# how long queuing a task may take: the gateway exports a program the first time it sees a sub-model shape (a minute
+# or more on a small CPU), before the phone's deadline starts
+SUBMIT_TIMEOUT_S = 1800.0
+# what a reply may carry of a device's metrics (the strategy reads the first four; the energy is the phone's own meter)
+DEVICE_METRICS = {"num-examples": int, "train_loss": float, "train_s": float, "train_tokens": float,
+                  "device_step_s": float, "measured_device_j": float}
+# the phone's meter reaches the ledger as one more meter, source "device" (fedfusion.meters owns the reply keys)
+DEVICE_METER_KEY = WIRE_PREFIX + "device"
+SPEC_KEYS = ("local-steps", "lr", "batch-size", "weight-decay", "optimizer", "seed", "seq-len", "data-spec",
+             "server-round")  # what a device needs of a message's spec; the program holds the model
+
+
+class DeviceDropped(RuntimeError):
+    """The phone behind the gateway did not deliver before the deadline."""
+
+
+def _gateway(node_config: Mapping[str, Any]) -> tuple[str, str, float]:
+    url = str(node_config["gateway"]).rstrip("/")
+    if "gateway-secret-file" not in node_config:
+        raise ValueError("node config: gateway needs gateway-secret-file (the gateway's node secret)")
+    secret = Path(str(node_config["gateway-secret-file"])).read_text().strip()
+    return url, secret, float(node_config.get("gateway-deadline-s", DEADLINE_S))
+
+
+def relay(state: dict[str, torch.Tensor], spec: ConfigRecord, partition: int,
+          node_config: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict]:
+    """Hand one train message to the gateway and wait for a phone's result; returns (state, metrics)."""
+    url, secret, deadline_s = _gateway(node_config)
+    if str(spec.get("role", "submodel")) != "submodel" or str(spec.get("policy", "")) == "ordered":
+        raise ValueError(f"a device gateway serves width slices (role submodel, any policy but ordered); this message "
+                         f"is role {spec.get('role')!r}, policy {spec.get('policy')!r}")
+    task_spec = {k: spec[k] for k in SPEC_KEYS if k in spec} | {"partition": partition}
+    body = pack(state, {"spec": task_spec, "model_config": json.loads(str(spec["model-config"])),
+                        "deadline_s": deadline_s})
+    status, answer = call(f"{url}/v1/node/tasks", "POST", secret, body, timeout=SUBMIT_TIMEOUT_S)
+    if status != 200:
+        raise RuntimeError(f"gateway {url} refused the task ({status}): {answer.decode(errors='replace')[:300]}")
+    task = json.loads(answer)["task"]
+    end = time.monotonic() + deadline_s + 30  # the gateway drops the task at its deadline; this only guards a hang
+    while time.monotonic() < end:
+        status, answer = call(f"{url}/v1/node/tasks/{task}?wait=10", "GET", secret, timeout=60)
+        if status == 200:
+            tensors, meta = unpack(answer)
+            metrics = meta["metrics"]
+            kept = {k: kind(metrics[k]) for k, kind in DEVICE_METRICS.items() if k in metrics}
+            if "measured_device_j" in kept:
+                kept[DEVICE_METER_KEY] = kept.pop("measured_device_j")
+            return tensors, kept
+        if status == 410:
+            raise DeviceDropped(f"{DROPPED} {json.loads(answer)['reason']}")
+        if status != 202:
+            raise RuntimeError(f"gateway {url}: task {task} answered {status}: {answer.decode(errors='replace')[:300]}")
+    raise DeviceDropped(f"{DROPPED} gateway {url} gave no outcome for task {task}")

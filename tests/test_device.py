@@ -1,0 +1,347 @@
+"""Phones as clients: the client-code optimizer, the gateway's API and refusals (fast), and, with an exported
+ExecuTorch program (slow: an export takes tens of seconds on 2 cores), runtime-vs-torch parity and a gateway +
+reference device round trip as a SuperNode would drive it."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import torch
+
+from fedfusion.device_runtime import ClientOptimizer
+from fedfusion.gateway import Gateway, GatewayServer, Tokens, call, pack, unpack, write_tokens
+from fedfusion.training import make_optimizer
+
+QUICK = ["model.num_layers=2", "train.batch_size=4", "train.seq_len=16", "train.local_steps=4"]
+
+
+@pytest.mark.parametrize("name,wd", [("adamw", 0.0), ("adamw", 0.1), ("sgd", 0.01)])
+def test_client_optimizer_steps_as_torch(name, wd):
+    """The optimizer a phone runs over named gradients moves weights as torch.optim does, step for step."""
+    gen = torch.Generator().manual_seed(0)
+    start = {"a": torch.randn(5, 3, generator=gen), "b": torch.randn(7, generator=gen)}
+    module = torch.nn.ParameterDict({k: torch.nn.Parameter(v.clone()) for k, v in start.items()})
+    opt = make_optimizer(module, name, 0.01, wd)
+    mine, client = {k: v.clone() for k, v in start.items()}, ClientOptimizer(name, 0.01, wd)
+    for _ in range(6):
+        grads = {k: torch.randn(v.shape, generator=gen) for k, v in start.items()}
+        for k, p in module.items():
+            p.grad = grads[k].clone()
+        opt.step()
+        client.step(mine, grads)
+    for k in start:
+        assert torch.allclose(mine[k], module[k].detach(), atol=1e-6), k
+        assert not torch.equal(mine[k], start[k])
+
+
+def test_pack_round_trip_and_garbage():
+    tensors = {"w": torch.arange(6.0).view(2, 3)}
+    back, meta = unpack(pack(tensors, {"metrics": {"train_loss": 1.5}}))
+    assert torch.equal(back["w"], tensors["w"]) and meta == {"metrics": {"train_loss": 1.5}}
+    with pytest.raises(ValueError, match="safetensors"):
+        unpack(b"\x05\x00\x00\x00\x00\x00\x00\x00garbage")
+
+
+@pytest.fixture
+def gateway(tmp_path):
+    """A gateway on a loopback port with devices A and B; programs/ holds a stand-in manifest so tasks need no export."""
+    tokens = tmp_path / "tokens.json"
+    secret = write_tokens(tokens, {"tok-a": "phone-a", "tok-b": "phone-b"})
+    programs = tmp_path / "programs"
+    programs.mkdir()
+    gw = Gateway(Tokens(tokens), programs)
+    gw.program_for = lambda *args: "abc123"  # no export in the fast tests: the program's id is all a task holds
+    server = GatewayServer(("127.0.0.1", 0), gw)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server, secret, tokens
+    server.shutdown()
+    server.server_close()
+
+
+def _submit(url: str, secret: str, deadline_s: float) -> str:
+    body = pack({"w": torch.ones(2)}, {"spec": {"batch-size": 4, "seq-len": 16}, "model_config": {},
+                                       "deadline_s": deadline_s})
+    status, answer = call(f"{url}/v1/node/tasks", "POST", secret, body)
+    assert status == 200, answer
+    return json.loads(answer)["task"]
+
+
+def test_gateway_refuses_unknown_and_revoked_tokens(gateway):
+    server, secret, tokens = gateway
+    url = server.url
+    assert call(f"{url}/v1/register", "POST", "nope", b"")[0] == 401
+    assert call(f"{url}/v1/node/tasks", "POST", "tok-a", b"")[0] == 401  # a device token is no node secret
+    assert call(f"{url}/v1/register", "POST", "tok-a", b"")[0] == 200
+    data = json.loads(tokens.read_text())
+    data["revoked"] = ["tok-a"]
+    tokens.write_text(json.dumps(data))
+    import os
+
+    os.utime(tokens, (time.time() + 5, time.time() + 5))  # a new mtime even within the file system's resolution
+    assert call(f"{url}/v1/register", "POST", "tok-a", b"")[0] == 403
+    assert call(f"{url}/v1/task", "GET", "tok-a")[0] == 403
+    assert call(f"{url}/v1/register", "POST", "tok-b", b"")[0] == 200
+
+
+def test_gateway_task_life_cycle(gateway):
+    """A task goes to one device; another device cannot read or answer it; a result comes back to the node."""
+    server, secret, _ = gateway
+    url = server.url
+    assert call(f"{url}/v1/task", "GET", "tok-a")[0] == 403  # not registered yet
+    for token in ("tok-a", "tok-b"):
+        call(f"{url}/v1/register", "POST", token, b"")
+    assert call(f"{url}/v1/task", "GET", "tok-a")[0] == 204
+    task = _submit(url, secret, 30)
+    status, body = call(f"{url}/v1/task", "GET", "tok-a")
+    assert status == 200 and json.loads(body)["program"] == "abc123"
+    assert call(f"{url}/v1/task", "GET", "tok-b")[0] == 204  # taken
+    assert call(f"{url}/v1/tasks/{task}/weights", "GET", "tok-b")[0] == 403
+    weights, _ = unpack(call(f"{url}/v1/tasks/{task}/weights", "GET", "tok-a")[1])
+    assert torch.equal(weights["w"], torch.ones(2))
+    assert call(f"{url}/v1/node/tasks/{task}?wait=0", "GET", secret)[0] == 202
+    assert call(f"{url}/v1/tasks/{task}/result", "POST", "tok-a", pack({"w": torch.zeros(2)}, {}))[0] == 400  # no metrics
+    result = pack({"w": torch.zeros(2)}, {"metrics": {"train_loss": 2.0}})
+    assert call(f"{url}/v1/tasks/{task}/result", "POST", "tok-a", result)[0] == 200
+    status, body = call(f"{url}/v1/node/tasks/{task}?wait=5", "GET", secret)
+    tensors, meta = unpack(body)
+    assert status == 200 and torch.equal(tensors["w"], torch.zeros(2)) and meta["metrics"]["train_loss"] == 2.0
+    assert call(f"{url}/v1/node/tasks/{task}?wait=0", "GET", secret)[0] == 404  # delivered, then forgotten
+
+
+def test_gateway_drops_a_task_past_its_deadline(gateway):
+    """A device that takes a task and goes silent makes it a dropout; its late result is refused (409)."""
+    server, secret, _ = gateway
+    url = server.url
+    call(f"{url}/v1/register", "POST", "tok-a", b"")
+    task = _submit(url, secret, 0.5)
+    assert call(f"{url}/v1/task", "GET", "tok-a")[0] == 200
+    status, body = call(f"{url}/v1/node/tasks/{task}?wait=5", "GET", secret)
+    assert status == 410 and "phone-a" in json.loads(body)["reason"]
+    late = pack({"w": torch.zeros(2)}, {"metrics": {"train_loss": 1.0}})
+    assert call(f"{url}/v1/tasks/{task}/result", "POST", "tok-a", late)[0] == 409
+    untaken = _submit(url, secret, 0.2)
+    status, body = call(f"{url}/v1/node/tasks/{untaken}?wait=5", "GET", secret)
+    assert status == 410 and "no device took" in json.loads(body)["reason"]
+
+
+def test_export_device_refuses_a_tier_without_a_width():
+    from fedfusion.device_program import tier_config
+    from fedfusion.recipe import load_recipe
+
+    with pytest.raises(ValueError, match="--tier 'watch'"):
+        tier_config(load_recipe("quickstart"), "watch")
+    with pytest.raises(ValueError, match="fusion.method .distill."):
+        tier_config(load_recipe("distill"), "phone")
+
+
+def test_export_device_command_reports_a_bad_tier_before_writing(tmp_path, capsys):
+    from fedfusion.cli import main
+
+    assert main(["export-device", "quickstart", "--tier", "watch", "--out", str(tmp_path / "p")]) == 2
+    assert "--tier 'watch'" in capsys.readouterr().out and not (tmp_path / "p").exists()
+
+
+# -- with ExecuTorch (the [device] extra) -----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def phone_program(tmp_path_factory):
+    """The quickstart phone tier's program (2 layers, batch 4 x 16 tokens), exported once for the slow tests."""
+    pytest.importorskip("executorch")
+    from fedfusion.device_program import export_tier
+    from fedfusion.recipe import load_recipe
+
+    recipe = load_recipe("quickstart", QUICK)
+    out = tmp_path_factory.mktemp("programs")
+    program = export_tier(recipe, "phone")
+    program.save(out)
+    return recipe, program, out
+
+
+def _phone_state(recipe, server_round: int = 3):
+    """A rolling slice of a seeded quickstart target, as the strategy sends it, with its sub-model config."""
+    from fedfusion.models import build_target, load_tokenizer
+    from fedfusion.slicing import extract, plan_slice, sub_config
+
+    target = build_target(recipe.model, load_tokenizer(None), recipe.seed)
+    plan = plan_slice(target.config, recipe.fusion.widths["phone"], "rolling", server_round, recipe.fusion.stride)
+    return extract(target.state_dict(), target.config, plan), sub_config(target.config, plan)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_runtime_training_matches_torch(phone_program, optimizer):
+    """k steps through the ExecuTorch program (client-code optimizer, no autograd) equal k torch steps: loss per step
+    within 1e-5, relative update error within 1e-3; and the loss falls."""
+    from fedfusion.clients.submodel import client_windows
+
+    from fedfusion.data import sample_batch
+    from fedfusion.device_runtime import ProgramRunner, train_program
+    from fedfusion.models import model_from_state
+    from fedfusion.population import data_spec
+    from fedfusion.training import lm_loss, optimizer_step
+
+    recipe, program, _ = phone_program
+    state, config = _phone_state(recipe)
+    windows = client_windows(data_spec(recipe), 0, recipe.train.seq_len, "train")
+    steps, lr, batch = 8, (3e-3 if optimizer == "adamw" else 0.1), recipe.train.batch_size
+
+    runner = ProgramRunner(program)
+    runner.load(state)
+    stats = train_program(runner, windows, steps, lr, batch, seed=11, optimizer=optimizer)
+
+    model = model_from_state(config, state)
+    opt, gen, losses = make_optimizer(model, optimizer, lr, 0.0), torch.Generator().manual_seed(11), []
+    for _ in range(steps):
+        losses.append(optimizer_step(opt, lm_loss(model, sample_batch(windows, batch, gen))[0]))
+
+    assert max(abs(a - b) for a, b in zip(stats["losses"], losses)) <= 1e-5
+    mine, ref = runner.weights(), dict(model.named_parameters())
+    moved = torch.cat([(mine[k] - state[k]).flatten() for k in mine])
+    expected = torch.cat([(ref[k].detach() - state[k]).flatten() for k in mine])
+    assert float((moved - expected).norm() / expected.norm()) <= 1e-3
+    assert sum(losses[-3:]) / 3 < losses[0]
+
+
+@pytest.mark.slow
+def test_manifest_describes_the_program(phone_program):
+    recipe, program, out = phone_program
+    m = program.manifest
+    state, _ = _phone_state(recipe)
+    assert {p["name"]: p["shape"] for p in m["parameters"]} == {k: list(v.shape) for k, v in state.items()}
+    assert m["inputs"] == [{"name": "tokens", "shape": [4, 17], "dtype": "int64"}]
+    assert m["optimizer"]["name"] == recipe.train.optimizer and m["optimizer"]["lr"] == recipe.train.lr
+    assert (out / f"{program.program_id}.pte").stat().st_size == len(program.pte)
+    # weights are not baked in: the program is far smaller than its float32 parameters
+    assert len(program.pte) < sum(4 * v.numel() for v in state.values()) <= len(program.ptd)
+
+
+@pytest.mark.slow
+def test_gateway_and_reference_device_end_to_end(phone_program, tmp_path):
+    """A SuperNode's relay hands a message to the gateway, the reference device trains it through the runtime, and
+    the node gets an update of the sub-model's keys; a device killed mid-task makes the next one a dropout."""
+    from fedfusion.clients.device import DeviceDropped, relay
+    from flwr.app import ConfigRecord
+
+    from fedfusion.population import data_spec
+    from fedfusion.reference_device import DeviceRefused, ReferenceDevice
+    from fedfusion.wire import DROPPED, train_spec
+
+    recipe, program, programs = phone_program
+    tokens = tmp_path / "tokens.json"
+    secret = write_tokens(tokens, {"tok-a": "phone-a"})
+    (tmp_path / "secret").write_text(secret)
+    server = GatewayServer(("127.0.0.1", 0), Gateway(Tokens(tokens), programs))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(DeviceRefused, match="401"):
+            ReferenceDevice(server.url, "wrong").register()
+        state, config = _phone_state(recipe)
+        spec = ConfigRecord({**train_spec(recipe.train), "seed": 5, "data-spec": data_spec(recipe), "role": "submodel",
+                             "policy": "rolling", "model-config": json.dumps(config.to_dict()), "server-round": 3})
+        node = {"gateway": server.url, "gateway-secret-file": str(tmp_path / "secret"), "gateway-deadline-s": 60.0}
+        device = ReferenceDevice(server.url, "tok-a")
+        worker = threading.Thread(target=device.serve, kwargs={"tasks": 1, "poll_s": 0.1, "echo": lambda s: None})
+        worker.start()
+        new, metrics = relay(state, spec, 2, node)
+        worker.join(timeout=60)
+        assert set(new) == set(state) and all(new[k].shape == state[k].shape for k in state)
+        assert any(not torch.equal(new[k], state[k]) for k in state)
+        assert metrics["num-examples"] > 0 and metrics["train_tokens"] == recipe.train.local_steps * 4 * 16
+        # a device that takes the task and dies: the node's reply is a dropout, not a hang
+        node["gateway-deadline-s"] = 1.0
+        killed = threading.Thread(target=lambda: _take_and_vanish(server.url, "tok-a"))
+        killed.start()
+        with pytest.raises(DeviceDropped, match=DROPPED):
+            relay(state, spec, 2, node)
+        killed.join()
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _take_and_vanish(url: str, token: str) -> None:
+    """A phone that registers, takes the next task and is then killed (never answers)."""
+    call(f"{url}/v1/register", "POST", token, b"")
+    while call(f"{url}/v1/task", "GET", token)[0] != 200:
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_gpt2_slice_exports_and_trains_as_torch(tmp_path):
+    """GPT-2 (tied lm_head): the program keeps one embedding whose gradient sums both uses, as torch does. Dropout
+    off: the program draws its own masks, so with dropout no two runs (torch's included) agree step by step."""
+    pytest.importorskip("executorch")
+    from transformers import GPT2Config
+
+    from fedfusion.device_program import export_program
+    from fedfusion.device_runtime import ProgramRunner, train_program
+    from fedfusion.models import config_aliases, model_from_state, wire_state
+    from fedfusion.slice_families import family_of
+    from fedfusion.slicing import extract, plan_slice, sub_config
+    from fedfusion.training import train_steps
+
+    target_config = GPT2Config(vocab_size=50, n_embd=32, n_layer=2, n_head=4, n_inner=64, n_positions=32,
+                               bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    target = family_of(target_config).build(target_config)
+    plan = plan_slice(target_config, 0.5, "static")
+    config = sub_config(target_config, plan)
+    state = wire_state(extract(target.state_dict(), target_config, plan), config_aliases(config))
+    runner = ProgramRunner(export_program(config, 2, 8))
+    assert set(runner.params) == set(state)  # lm_head.weight travels as its alias, not twice
+    runner.load(state)
+    windows = torch.randint(0, 50, (20, 9), generator=torch.Generator().manual_seed(1))
+    mine = train_program(runner, windows, 4, 1e-2, 2, seed=3)
+    model = model_from_state(config, state)
+    theirs = train_steps(model, windows, 4, 1e-2, 2, seed=3)
+    assert abs(mine["train_loss"] - theirs["train_loss"]) <= 1e-5
+    trained = dict(model.named_parameters())
+    moved = torch.cat([(runner.params[k] - state[k]).flatten() for k in state])
+    expected = torch.cat([(trained[k].detach() - state[k]).flatten() for k in state])
+    assert float((moved - expected).norm() / expected.norm()) <= 1e-3
+
+
+@pytest.mark.slow
+def test_unexportable_family_names_family_and_op():
+    """The CNN's GroupNorm views a parameter, which ExecuTorch cannot emit with external weights: a clear error."""
+    pytest.importorskip("executorch")
+    from fedfusion.cnn import FedCNNConfig
+    from fedfusion.device_program import DeviceExportError, export_program
+
+    with pytest.raises(DeviceExportError, match=r"^cnn model: .*operator \S+view"):
+        export_program(FedCNNConfig(channels=[8, 16], groups=4, image_size=8), 2, 0)
+
+
+@pytest.mark.slow
+def test_a_gateway_dropout_is_a_dropped_row_with_its_work():
+    """The error reply of a node whose phone missed the deadline is recorded as ``dropped`` (priced as wasted
+    work, like a simulated dropout), not ``failed``; a device's own energy reading is kept with source 'device'."""
+    from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from fedfusion.clients.device import DEVICE_METER_KEY
+    from fedfusion.devices import load_catalog
+    from fedfusion.server_app import price_client
+    from fedfusion.wire import DROPPED
+    from tests.test_strategy import FakeGrid, make_strategy
+
+    TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 0  # as tests/test_strategy.py does
+    strategy, state = make_strategy()
+    msgs = {m.metadata.dst_node_id: m for m in
+            strategy.configure_train(1, ArrayRecord(state), ConfigRecord({}), FakeGrid({11: "phone", 12: "phone"}))}
+    trained = msgs[11].content["arrays"].to_torch_state_dict()
+    metrics = MetricRecord({"num-examples": 10, "train_loss": 1.0, "train_s": 0.1,
+                            DEVICE_METER_KEY: 42.0})
+    replies = [Message(RecordDict({"arrays": ArrayRecord(trained), "metrics": metrics}), reply_to=msgs[11]),
+               Message(Error(code=1, reason=f"DeviceDropped: {DROPPED} device phone-a took the task and sent no "
+                                            "result before its deadline"), reply_to=msgs[12])]
+    strategy.aggregate_train(1, replies)
+    ok, dropped = strategy.last.clients[11], strategy.last.clients[12]
+    assert (ok.status, ok.measured_j, ok.measured_source) == ("ok", 42.0, "device")
+    assert dropped.status == "dropped" and "phone-a" in dropped.error
+    priced = price_client(dropped, load_catalog())
+    assert priced["wasted"] and priced["energy_j"] > 0  # its planned work and download were spent for nothing

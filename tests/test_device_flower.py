@@ -1,0 +1,71 @@
+"""A phone in a real Flower deployment: SuperLink with TLS and node auth, one ordinary SuperNode and one that serves
+phones through a device gateway, 2 rounds of the quickstart. Round 1: a reference device trains through ExecuTorch.
+Round 2: a second device takes the task and is killed; the node's reply is a dropout and the round completes."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+
+from fedfusion.deploy import LocalFederation, make_deploy_files
+from fedfusion.gateway import Gateway, GatewayServer, Tokens, write_tokens
+from fedfusion.run_dir import read_jsonl
+from tests.test_device import _take_and_vanish
+
+pytestmark = pytest.mark.slow  # SuperLink and SuperNode processes plus an ExecuTorch export: minutes
+
+ROOT = Path(__file__).resolve().parents[1]
+OVERRIDES = [
+    "rounds=2", "population.num_clients=2", "selection.clients_per_round=2", "model.num_layers=1",
+    "train.local_steps=2", "train.batch_size=4", "train.seq_len=16", "data.eval_chars=2000",
+]
+
+
+def test_a_gateway_node_trains_through_a_reference_device(tmp_path, monkeypatch):
+    pytest.importorskip("executorch")
+    from fedfusion.reference_device import ReferenceDevice
+
+    monkeypatch.chdir(ROOT)
+    tokens = tmp_path / "tokens.json"
+    (tmp_path / "node.secret").write_text(write_tokens(tokens, {"tok-a": "phone-a", "tok-b": "phone-b"}))
+    server = GatewayServer(("127.0.0.1", 0), Gateway(Tokens(tokens), tmp_path / "programs"))
+    (tmp_path / "programs").mkdir()
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    device = ReferenceDevice(server.url, "tok-a")
+    trained: list[int] = []
+
+    def devices() -> None:
+        trained.append(device.serve(tasks=1, poll_s=0.2, echo=lambda s: None))
+        _take_and_vanish(server.url, "tok-b")  # the second device is killed once it has the task
+
+    worker = threading.Thread(target=devices, daemon=True)
+    worker.start()
+    out = tmp_path / "run"
+    files = make_deploy_files(tmp_path / "certs", ["127.0.0.1", "localhost"], 2)
+    fed = LocalFederation(tmp_path / "deploy", files)
+    try:
+        fed.start_superlink()
+        for i in range(2):
+            fed.register(files.node_keys[i], f"node{i}")
+        fed.start_supernode("node0", files.node_keys[0], 'partition-id=0 num-partitions=2 device="phone"')
+        fed.start_supernode("node1", files.node_keys[1],
+                            f'partition-id=1 num-partitions=2 device="phone" gateway="{server.url}" '
+                            f'gateway-secret-file="{tmp_path / "node.secret"}" gateway-deadline-s=60')
+        config = f'recipe="quickstart" overrides="{" ".join(OVERRIDES)}" out="{out}"'
+        proc = fed.run_app(ROOT, config, timeout=1800)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:] + fed.log("node1")[-4000:]
+    finally:
+        fed.stop()
+        server.shutdown()
+        server.server_close()
+    worker.join(timeout=60)
+    assert trained == [1]
+    rows = {(r["round"], r["partition"]): r for r in read_jsonl(out / "clients.jsonl")}
+    assert {k: r["status"] for k, r in rows.items()} == {(1, 0): "ok", (1, 1): "ok", (2, 0): "ok", (2, 1): "dropped"}
+    assert "phone-b" in rows[2, 1]["error"] and rows[2, 1]["wasted"]
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert metrics[-1]["eval_loss"] < metrics[0]["eval_loss"]  # the target changed, for the better
+    assert json.loads((out / "summary.json").read_text())["status"] == "ok"
