@@ -2,7 +2,7 @@
 
 The per-client seed, the slice plans of a round's sampled clients (stagger and ``owned`` offsets) and the
 fold of a round's accepted updates (selective averaging, then the optional outer optimizer) live here, so
-``fedfusion.strategies.submodel`` and :mod:`fedfusion.inprocess` cannot drift apart.
+:class:`fedfusion.fusion.submodel.SubModelMethod` and :mod:`fedfusion.inprocess` cannot drift apart.
 """
 
 from __future__ import annotations
