@@ -8,10 +8,8 @@ Round flow (``Strategy.start`` drives it):
    error reply is ``failed``; broken train metrics, a reply the method's check refuses, or an update norm over
    ``max_norm_ratio`` times the norm sent is ``rejected``; silent nodes ``timeout`` (or ``cut`` once an
    over-selection quorum closed the round). Fewer than ``min_clients`` good replies leave the target unchanged
-   (a void round). Otherwise each method folds its own updates, in :data:`FOLD_ORDER`: slices first (an average
-   of what the devices trained), then the server-side methods that train the whole target from what the
-   devices sent (generative samples, then distillation from the family models), each starting from the
-   previous method's result.
+   (a void round). Otherwise each method folds its own updates, in :data:`fedfusion.rounds.FOLD_ORDER`
+   (:func:`fedfusion.rounds.fold_round`, which the in-process driver runs too).
 3. After Flower's central evaluation (``evaluate_fn``) the round is over: a frozen
    :class:`~fedfusion.fusion.base.RoundReport` goes to every listener (the run recorder writes ledgers and the
    checkpoint from it).
@@ -44,9 +42,8 @@ from fedfusion.fusion.base import (
     read_train_metrics,
 )
 from fedfusion.participation import Participation
-from fedfusion.rounds import client_seed
+from fedfusion.rounds import client_seed, fold_order, fold_round, round_payloads
 
-FOLD_ORDER = ("submodel", "lora", "generative", "distill")  # the order methods fold a round into one target
 Listener = Callable[[RoundReport], None]
 
 
@@ -101,8 +98,7 @@ class FusionStrategy(Strategy):
         if overselect < 0:
             raise ValueError(f"overselect must be >= 0, got {overselect}")
         self.methods = dict(methods)
-        unique = {id(m): m for m in self.methods.values()}.values()
-        self.fold_order = sorted(unique, key=lambda m: FOLD_ORDER.index(m.name) if m.name in FOLD_ORDER else len(FOLD_ORDER))
+        self.fold_order = fold_order(self.methods)
         self.participation, self.clients_per_round, self.min_clients = participation, clients_per_round, min_clients
         self.query_config, self.train_config = dict(query_config or {}), dict(train_config or {})
         self.weighting, self.evaluate_clients = weighting, evaluate_clients
@@ -259,13 +255,8 @@ class FusionStrategy(Strategy):
         clients = {n: Client(self.partition_of(n), self.caps[n]["device"],
                              client_seed(self.run_seed, server_round, self.partition_of(n)), self.caps[n])
                    for n in nodes}
-        for method in self.fold_order:  # each method plans its own clients together, in sample order
-            mine = [n for n in nodes if self.methods[clients[n].tier] is method]
-            if not mine:
-                continue
-            method.observe(population)
-            for node, payload in zip(mine, method.payloads(server_round, target, [clients[n] for n in mine])):
-                self.round.payloads[node] = payload
+        payloads = round_payloads(self.methods, server_round, target, [clients[n] for n in nodes], population)
+        self.round.payloads = dict(zip(nodes, payloads))
         messages = []
         for node in nodes:
             payload = self.round.payloads[node]
@@ -334,7 +325,7 @@ class FusionStrategy(Strategy):
 
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Check every reply; fold the good ones, each method its own, in :data:`FOLD_ORDER`."""
+        """Check every reply; fold the good ones, each method its own (:func:`fedfusion.rounds.fold_round`)."""
         start = time.perf_counter()
         updates: list[Update] = []
         for reply, row in self.replies_in_order(replies):
@@ -352,24 +343,14 @@ class FusionStrategy(Strategy):
                 self.round.number, ok, self.min_clients)
             self.round.aggregate_s = time.perf_counter() - start
             return None, MetricRecord({"clients_ok": ok})
-        target = self.round.target
-        stats: dict[str, float] = {}
-        coverage = 0.0
-        for method in self.fold_order:
-            mine = [u for u in updates if self.methods[u.payload.client.tier] is method]
-            if not mine:
-                continue
-            folded = method.fold(self.round.number, target, mine)
-            target, coverage = folded.target, max(coverage, folded.coverage)
-            stats.update(folded.stats)
-            for key, value in folded.server_cost.items():
-                self.round.server_cost[key] += value
-        self.round.coverage = coverage
+        folded = fold_round(self.methods, self.round.number, self.round.target, updates)
+        self.round.coverage, self.round.server_cost = folded.coverage, dict(folded.server_cost)
         self.round.aggregate_s = time.perf_counter() - start
         good = [r for r in self.round.rows.values() if r.status == "ok"]
-        return ArrayRecord(target), MetricRecord({
+        return ArrayRecord(folded.target), MetricRecord({
             "train_loss": sum(r.train_loss or 0.0 for r in good) / ok,
-            "num-examples": sum(r.examples for r in good), "clients_ok": ok, "coverage": coverage, **stats,
+            "num-examples": sum(r.examples for r in good), "clients_ok": ok, "coverage": folded.coverage,
+            **folded.stats,
             "server_flops": self.round.server_cost["flops"], "server_s": self.round.server_cost["seconds"],
         })
 
