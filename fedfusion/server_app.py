@@ -39,7 +39,7 @@ from fedfusion.participation import Participation, jain_index
 from fedfusion.planner import fit_widths
 from fedfusion.population import data_spec, facts_data, pooled_held_out, tier_list
 from fedfusion.quiet import silence_expected_noise
-from fedfusion.recipe import Recipe, load_recipe
+from fedfusion.recipe import Recipe, load_recipe, tier_methods, uses
 from fedfusion.report import write_report
 from fedfusion.run_dir import RunDir, new_run_path, read_jsonl
 from fedfusion.selection import make_selector
@@ -72,32 +72,37 @@ def build_participation(recipe: Recipe) -> Participation:
 
 
 def build_methods(recipe: Recipe, target: Target) -> dict[str, FusionMethod]:
-    """The fusion method of every device tier of the recipe's population (``fusion.method``)."""
-    method = recipe.fusion.method
-    tiers = list(recipe.population.mix)
-    if method == "lora":
-        lora = build_lora(recipe, target)
-        return {tier: lora for tier in tiers}
-    if method == "distill":
-        distill = build_distillation(recipe, target)
-        return {tier: distill for tier in tiers}
-    f, config = recipe.fusion, target.model.config
-    template = target.initial.to_torch_state_dict()
-    axes = tuple(f.axes) if f.axes else None
-    if method == "generative":
-        g = recipe.generative
-        generative = GenerativeMethod(
-            config, dict(f.widths), template,
-            GenerativeConfig(g.sample_fraction, g.temperature, g.server_steps, g.server_lr, g.server_batch),
-            seq_len=recipe.train.seq_len, population=recipe.population.num_clients, run_seed=recipe.seed, axes=axes,
-            scale=f.scaler)
-        return {tier: generative for tier in tiers}
-    submodel = SubModelMethod(
-        config, dict(f.widths), template, policy=f.policy, stride=f.stride, stagger=f.stagger and f.policy == "rolling",
-        run_seed=recipe.seed, aggregate=f.aggregate, trim=f.trim, axes=axes, scale=f.scaler,
+    """The fusion method of every device tier of the recipe's population (``fusion.method``, or per tier
+    ``fusion.tiers`` for a mixed federation): one object per method, serving the tiers assigned to it."""
+    assigned = tier_methods(recipe)
+    tiers: dict[str, list[str]] = {}
+    for tier, name in assigned.items():
+        tiers.setdefault(name, []).append(tier)
+    builders = {"submodel": build_submodel, "generative": build_generative, "distill": build_distillation,
+                "lora": build_lora}
+    built = {name: builders[name](recipe, target, mine) for name, mine in tiers.items()}
+    return {tier: built[name] for tier, name in assigned.items()}
+
+
+def build_submodel(recipe: Recipe, target: Target, tiers: list[str]) -> SubModelMethod:
+    """Width slicing for ``tiers`` at their ``fusion.widths``."""
+    f = recipe.fusion
+    return SubModelMethod(
+        target.model.config, {t: f.widths[t] for t in tiers}, target.initial.to_torch_state_dict(), policy=f.policy,
+        stride=f.stride, stagger=f.stagger and f.policy == "rolling", run_seed=recipe.seed, aggregate=f.aggregate,
+        trim=f.trim, axes=tuple(f.axes) if f.axes else None, scale=f.scaler,
         ordered_ladder=tuple(f.ordered_ladder) if f.ordered_ladder else None, ordered_distill=f.ordered_distill,
         wire_dtype=f.wire_dtype, outer=OuterConfig(f.outer, f.outer_lr, f.outer_momentum))
-    return {tier: submodel for tier in tiers}
+
+
+def build_generative(recipe: Recipe, target: Target, tiers: list[str]) -> GenerativeMethod:
+    """Generative distillation for ``tiers``: each keeps the static slice at its ``fusion.widths`` as its own model."""
+    f, g = recipe.fusion, recipe.generative
+    return GenerativeMethod(
+        target.model.config, {t: f.widths[t] for t in tiers}, target.initial.to_torch_state_dict(),
+        GenerativeConfig(g.sample_fraction, g.temperature, g.server_steps, g.server_lr, g.server_batch),
+        seq_len=recipe.train.seq_len, population=recipe.population.num_clients, run_seed=recipe.seed,
+        axes=tuple(f.axes) if f.axes else None, scale=f.scaler)
 
 
 def build_strategy(recipe: Recipe, target: Target, listeners: Sequence[Listener] = ()) -> FusionStrategy:
@@ -129,13 +134,14 @@ def build_strategy(recipe: Recipe, target: Target, listeners: Sequence[Listener]
     )
 
 
-def build_distillation(recipe: Recipe, target: Target) -> DistillMethod:
-    """Distillation fusion: one global model per small family, a transfer set no client owns; every family
-    is scored each round on the same pooled held-out text as the target."""
+def build_distillation(recipe: Recipe, target: Target, tiers: list[str]) -> DistillMethod:
+    """Distillation fusion for ``tiers``: one global model per small family, a transfer set no client owns; every
+    family is scored each round on the same pooled held-out text as the target."""
     d, tokenizer = recipe.distill, load_tokenizer(recipe.model.pretrained)
     text = transfer_text(d.transfer.source, data_spec(recipe), d.transfer.max_chars, d.transfer.path)
     families = {name: Family(config, own) for name, (config, own) in distill_families(recipe, tokenizer, text).items()}
-    return DistillMethod(target.model.config, tokenizer, families, dict(d.tier_family), text, recipe.train.seq_len, d,
+    return DistillMethod(target.model.config, tokenizer, families, {t: d.tier_family[t] for t in tiers}, text,
+                         recipe.train.seq_len, d,
                          eval_text=pooled_held_out(data_spec(recipe), recipe.data.eval_chars), run_seed=recipe.seed)
 
 
@@ -146,10 +152,9 @@ def lora_client_spec(recipe: Recipe) -> dict[str, str | float]:
             "lora-dropout": lora.dropout}
 
 
-def build_lora(recipe: Recipe, target: Target) -> LoRAMethod:
-    """Heterogeneous-rank LoRA on the target's frozen base; clients load the same base themselves."""
+def build_lora(recipe: Recipe, target: Target, tiers: list[str]) -> LoRAMethod:
+    """Heterogeneous-rank LoRA for ``tiers`` on the target's frozen base; clients load the same base themselves."""
     lora = recipe.lora
-    tiers = list(recipe.population.mix)
     return LoRAMethod(
         modules=adapted_modules(target.model, list(lora.target_modules)),
         ranks={t: lora.ranks[t] for t in tiers}, alphas={t: lora.alpha for t in tiers},
@@ -302,8 +307,8 @@ def run_federation(grid: Grid, recipe: Recipe, run: RunDir, on_round: RoundCallb
         target = lora_target(recipe)[0] if recipe.fusion.method == "lora" else lm_target(recipe)
         ckpt = load_checkpoint(run.path) if resume else None
         catalog = load_catalog(recipe.population.catalog)
-        server_device = {"distill": catalog[recipe.distill.server_device],
-                         "generative": catalog[recipe.generative.server_device]}.get(recipe.fusion.method)
+        server_device = (catalog[recipe.distill.server_device] if uses(recipe, "distill") else
+                         catalog[recipe.generative.server_device] if uses(recipe, "generative") else None)
         strategy = build_strategy(recipe, target)
         recorder = RoundRecorder(run, strategy.state_dict, target, on_round, catalog, recipe.output.checkpoint_every,
                                  ckpt, server_device)
