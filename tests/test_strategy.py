@@ -99,6 +99,7 @@ def test_bad_replies_are_rejected_and_logged_and_good_ones_fold_in():
                                                    _reply(msgs[13], None, error="device crashed")])
     status = {n: c.status for n, c in strategy.round.rows.items()}
     assert status == {11: "ok", 12: "rejected", 13: "failed"}
+    assert {r.method for r in strategy.round.rows.values()} == {"submodel"}  # clients.jsonl's method field
     assert "NaN" in strategy.round.rows[12].error and "crashed" in strategy.round.rows[13].error
     assert metrics["clients_ok"] == 1
     new = arrays.to_torch_state_dict()
