@@ -80,7 +80,7 @@ def run_arm(arm: str, seed: int, rounds: int, overrides: list[str], work: Path) 
     fit_widths(recipe)
     out = work / f"{arm}-s{seed}"
     start = time.perf_counter()
-    summary = run_federation(LocalGrid(recipe.population.num_clients), RunDir(out, recipe), lambda row: None)
+    summary = run_federation(LocalGrid(recipe.population.num_clients), recipe, RunDir(out, recipe), lambda row: None)
     rows = read_jsonl(out / "metrics.jsonl")
     clients = read_jsonl(out / "clients.jsonl")
     return {"arm": arm, "seed": seed, "final_loss": rows[-1]["eval_loss"], "best_loss": min(r["eval_loss"] for r in rows),
