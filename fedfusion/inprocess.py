@@ -81,7 +81,7 @@ class RunStats:
     max_client_params: int = 0
     history: list[dict[str, float]] = field(default_factory=list)
 
-    def client(self, out: dict[str, float], params: int, seconds: float, flops: float, down: int, up: int) -> None:
+    def client(self, out: Mapping[str, float], params: int, seconds: float, flops: float, down: int, up: int) -> None:
         """Count one client round: ``out`` from ``train_steps``, plus work beyond it (``seconds``, ``flops``)."""
         self.client_s += out["train_s"] + seconds
         self.tokens += int(out["train_tokens"])

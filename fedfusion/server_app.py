@@ -195,7 +195,8 @@ class CentralEvaluation:
     def __call__(self, server_round: int, arrays: ArrayRecord) -> MetricRecord:
         if server_round > 0:
             self.target.load(arrays)
-        return MetricRecord(self.target.evaluate())
+        metrics: dict[str, int | float | list[int] | list[float]] = dict(self.target.evaluate())
+        return MetricRecord(metrics)
 
 
 class RoundRecorder:
@@ -233,7 +234,7 @@ class RoundRecorder:
         first = server_round == 0
         row = {
             "round": server_round, **report.metrics,
-            "train_loss": sum(c.train_loss for c in ok) / len(ok) if ok else None,
+            "train_loss": sum(c.train_loss or 0.0 for c in ok) / len(ok) if ok else None,
             "coverage": None if first else report.coverage,
             "bytes_down": sum(c.bytes_down for c in clients),
             "bytes_up": sum(c.bytes_up for c in clients),

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from logging import INFO, WARNING
-from typing import Any
+from typing import Any, cast
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.common.logger import log
@@ -147,7 +147,7 @@ class FusionStrategy(Strategy):
             if server_round == 0 and self.round_offset:
                 return None  # a resumed run: the checkpointed target was scored when it was saved
             metrics = evaluate_fn(server_round, arrays) if evaluate_fn is not None else None
-            report = self.report(server_round, arrays, dict(metrics) if metrics is not None else {})
+            report = self.report(server_round, arrays, dict(metrics.items()) if metrics is not None else {})
             for listener in self.listeners:
                 listener(report)
             return metrics
@@ -155,7 +155,7 @@ class FusionStrategy(Strategy):
         return super().start(grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config,
                              evaluate_and_report)
 
-    def report(self, server_round: int, arrays: ArrayRecord, metrics: dict[str, float]) -> RoundReport:
+    def report(self, server_round: int, arrays: ArrayRecord, metrics: Mapping[str, Any]) -> RoundReport:
         """The frozen account of round ``server_round`` (0: the target before training)."""
         nodes = {n: dict(c) for n, c in self.caps.items()}
         if server_round == 0:
@@ -282,7 +282,7 @@ class FusionStrategy(Strategy):
             if row is None or row.status != "sent":  # not sent this round, or a second reply from the node
                 continue
             if reply.has_error():
-                rows[row.node] = replace(row, status="failed", error=error_line(reply.error.reason))
+                rows[row.node] = replace(row, status="failed", error=error_line(reply.error.reason or ""))
                 log(WARNING, "round %d node %d: client failed: %s", self.round.number, row.node, rows[row.node].error)
                 continue
             yield reply, row
@@ -294,7 +294,7 @@ class FusionStrategy(Strategy):
         if "measured_rapl_j" in metrics:
             row = self.round.rows[row.node] = replace(row, measured_j=float(metrics["measured_rapl_j"]),
                                                       measured_source="rapl")
-        record = reply.content["arrays"]
+        record = cast(ArrayRecord, reply.content["arrays"])  # anything else fails here and is rejected
         state = record.to_torch_state_dict()
         self.round.rows[row.node] = replace(row, bytes_up=record.count_bytes())
         train = read_train_metrics(metrics, row.tokens)

@@ -169,7 +169,7 @@ class RoundReport:
     """
 
     round: int
-    metrics: Mapping[str, float]  # the target's central evaluation (empty when the run does not evaluate)
+    metrics: Mapping[str, Any]  # the target's central evaluation (empty when the run does not evaluate)
     clients: tuple[ClientRound, ...] = ()
     coverage: float = 0.0
     void: bool = False

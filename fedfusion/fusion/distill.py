@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import LlamaConfig, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from fedfusion.align import BridgedWindows, TokenBridge
 from fedfusion.checkpoint import pack_tensors, unpack_tensors
@@ -65,7 +65,7 @@ class DistillMethod(FusionMethod):
 
     name, role, noun = "distill", "smallmodel", "family model"
 
-    def __init__(self, config: LlamaConfig, tokenizer: PreTrainedTokenizerBase, families: dict[str, Family],
+    def __init__(self, config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase, families: dict[str, Family],
                  tier_family: dict[str, str], transfer_text: str, seq_len: int, settings: DistillConfig,
                  eval_text: str = "", run_seed: int = 0) -> None:
         if settings.teacher not in TEACHERS:
