@@ -9,7 +9,7 @@ directories, which a fresh clone lacks), and both files are replaced atomically 
          them replying with a corrupted (NaN) update. Reports final eval ppl/loss per arm, the relative
          difference to the fault-free arm with the same seed (same sample: faults are drawn client-side),
          client outcomes and wasted energy.
-``fuzz`` drives ``SubModelFusion.configure_train`` / ``aggregate_train`` directly (no Ray) with hand-built
+``fuzz`` drives ``FusionStrategy.configure_train`` / ``aggregate_train`` (width slicing) directly (no Ray) with hand-built
          reply Messages: many kinds of malformed update mixed with good ones. Counts accepted, rejected,
          logged and server crashes, and checks the good replies still fold in exactly.
 
@@ -80,6 +80,7 @@ def fault_check(out: Path) -> Counter:
     from fedfusion.clients.submodel import inject_faults
 
     from fedfusion.recipe import load_recipe
+    from fedfusion.rounds import client_seed
     from fedfusion.wire import fault_spec
 
     recipe = load_recipe(out / "recipe.yaml")
@@ -89,8 +90,7 @@ def fault_check(out: Path) -> Counter:
         if not line.strip():
             continue
         row = json.loads(line)
-        # the per-client seed the strategy puts in the message (strategies/submodel.py, configure_train)
-        seed = recipe.seed * 100003 + row["round"] * 1009 + row["partition"]
+        seed = client_seed(recipe.seed, row["round"], row["partition"])  # the seed the strategy puts in the message
         try:
             corrupt, delay = inject_faults({**spec_base, "seed": seed}, row["partition"])
             drawn = "corrupt" if corrupt else "straggler" if delay else "none"
@@ -424,11 +424,12 @@ def cmd_fuzz(args: argparse.Namespace) -> dict:
     """
     import numpy as np
     import torch
-    from fedfusion.strategies import SubModelFusion
+    from fedfusion.strategies import FusionStrategy
     from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
     from flwr.supercore.task_identity import TaskIdentity
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from fedfusion.fusion.submodel import SubModelMethod
     from fedfusion.slicing import SelectiveAverager
 
     torch.set_num_threads(1)
@@ -449,10 +450,11 @@ def cmd_fuzz(args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
     state = LlamaForCausalLM(cfg).state_dict()
     devices = {11 + i: ("phone", "laptop", "desktop")[i % 3] for i in range(8)}
-    strategy = SubModelFusion(
-        config=cfg, widths={"phone": 0.25, "laptop": 0.5, "desktop": 1.0}, policy="rolling", stride=0.25,
-        stagger=True, clients_per_round=len(devices), min_clients=1, query_config={"population": "{}"},
-        train_config={"local-steps": 1, "lr": 0.1, "seed": 0}, wait_nodes_s=1.0, aggregate=args.aggregate,
+    method = SubModelMethod(cfg, {"phone": 0.25, "laptop": 0.5, "desktop": 1.0}, state, policy="rolling", stride=0.25,
+                            stagger=True, aggregate=args.aggregate)
+    strategy = FusionStrategy(
+        {tier: method for tier in method.widths}, clients_per_round=len(devices), min_clients=1,
+        query_config={"population": "{}"}, train_config={"local-steps": 1, "lr": 0.1, "seed": 0}, wait_nodes_s=1.0,
         participation=Participation(make_selector("random", seed=args.seed), load_catalog()),
     )
     grid = FakeGrid(devices)
@@ -502,15 +504,15 @@ def cmd_fuzz(args: argparse.Namespace) -> dict:
             continue
         warnings = counter.lines[before:]
         for node, kind in planned.items():
-            row = strategy.last.clients[node]
+            row = strategy.round.rows[node]
             per_kind[kind][row.status] += 1
             if row.status in ("rejected", "failed"):
                 logged = bool(row.error) and any(f"node {node}:" in line for line in warnings)
                 per_kind[kind]["logged" if logged else "NOT-logged"] += 1
-        reference = SelectiveAverager(state, cfg, args.aggregate, strategy.trim)
-        for node in strategy.last.clients:  # sample order, as the strategy folds
+        reference = SelectiveAverager(state, cfg, args.aggregate, method.trim)
+        for node in strategy.round.rows:  # sample order, as the strategy folds
             if node in goods:
-                reference.add(goods[node], strategy.plans[node])
+                reference.add(goods[node], strategy.round.payloads[node].context[0])
         if goods:
             want, got = reference.result(), arrays.to_torch_state_dict()
             exact += all(torch.equal(want[k], got[k]) for k in want)
@@ -539,7 +541,7 @@ def cmd_fuzz(args: argparse.Namespace) -> dict:
     return {"settings": {"n": args.n, "metric_n": args.metric_n, "seed": args.seed, "aggregate": args.aggregate,
                          "kinds": list(KINDS), "metric_kinds": list(METRIC_KINDS), "nodes_per_round": len(devices),
                          "target": "Llama 2 layers, hidden 32, 4 heads / 2 kv heads, MLP 48",
-                         "widths": strategy.widths, "max_norm_ratio": strategy.max_norm_ratio},
+                         "widths": method.widths, "max_norm_ratio": strategy.max_norm_ratio},
             "summary": summary, "per_kind": {k: dict(v) for k, v in per_kind.items()}, "command": args.command_line}
 
 
@@ -548,7 +550,7 @@ def fuzz_markdown(fuzz: dict) -> list[str]:
     lines = [
         "## Fuzzed malformed updates", "",
         f"Command: `{fuzz['command']}`" + (f" ({fuzz['code']['note']})" if fuzz.get("code", {}).get("note") else ""), "",
-        f"No Ray: `SubModelFusion.configure_train` / `aggregate_train` are driven directly with hand-built reply "
+        f"No Ray: `FusionStrategy.configure_train` / `aggregate_train` (width slicing) are driven directly with hand-built reply "
         f"Messages ({f['nodes_per_round']} nodes a round, widths {f['widths']}, `{f['aggregate']}` aggregation, "
         f"`max_norm_ratio={f['max_norm_ratio']:g}`, target {f['target']}). In most rounds each reply is good "
         f"(~20%: the slice sent plus a small random shift), an error reply (5%), missing (3%, must end as "

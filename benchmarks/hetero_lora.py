@@ -18,10 +18,10 @@ Parts (each cached as JSON under ``--work``, so an interrupted run resumes with 
    8-bit, bf16 and fp32 base, each in its own process.
 
 The federated loop runs in-process, clients one after another: it is a benchmark of the aggregation math,
-not of the Flower path. It does what :class:`fedfusion.strategies.lora.LoRAFusion` does per round
-(``from_global`` -> ``serve`` for each client's start, FLoRA's ``merged_*`` update, ``global_factors(
-aggregate_lora(...), merged)`` with example-count weights) and trains every client with the real client
-code (:func:`fedfusion.clients.lora.train`: peft adapter on the cached frozen base).
+not of the Flower path. The library's LoRA method (:class:`fedfusion.fusion.lora.LoRAMethod`, what the Flower
+strategy runs) goes through the in-process driver (:func:`fedfusion.inprocess.run_rounds`, example-count
+weights), and every client trains with the real client code (:func:`fedfusion.clients.lora.train`: peft adapter
+on the cached frozen base).
 
     python benchmarks/hetero_lora.py --seeds 0 1 2 [--reuse] [--skip-real] [--skip-systems]
         [--regimes few_rounds many_rounds] [--arms ...] [--work runs/bench-hetero-lora]
@@ -46,8 +46,11 @@ import torch
 from fedfusion.clients import lora as lora_client
 
 from fedfusion.data import build_char_tokenizer, encode_text, lm_windows, load_shakespeare_roles, split_text
+from fedfusion.fusion.base import Payload
+from fedfusion.fusion.lora import LoRAMethod, adapted_modules, split_global
+from fedfusion.inprocess import Rounds, run_rounds
 from fedfusion.instruct import encode_pairs, evaluate_instruct, generate_responses, pooled_held_out
-from fedfusion.lora import ClientLoRA, aggregate_lora, from_global, global_factors, merged_arrays, serve
+from fedfusion.lora import merged_arrays
 from fedfusion.models import build_target, count_params
 from fedfusion.recipe import ModelConfig
 
@@ -151,40 +154,38 @@ def evaluate_global(base: str, A: dict, B: dict, held, quantize: int = 0, dtype:
 
 def federated(base: str, method: str, ranks: tuple[int, ...], spec: str, rounds: int, steps: int, seed: int,
               held, args: argparse.Namespace, quantize: int = 0, dtype: str = "float32") -> dict:
-    """``rounds`` rounds of LoRA fusion with ``method`` over clients of ``ranks``, the way LoRAFusion runs
-    them; eval loss of the global update after every round (round 0: the base), bytes per client."""
-    A, B = {}, {}  # the global update (what Flower carries between rounds); empty: none yet
-    curve = [evaluate_global(base, A, B, held, quantize, dtype)]
-    comm, agg_s, train_loss = [], [], []
-    for rnd in range(1, rounds + 1):
-        agg = from_global(method, A, B) if A else None
-        merged = (A, B) if method == "flora" and A else None
-        frozen = merged_arrays(A, B) if merged is not None else {}
-        clients, losses = [], []
-        for k, rank in enumerate(ranks):
-            start = serve(agg, rank, ALPHA) if agg is not None else None
-            out: dict[str, torch.Tensor] = {}
-            if start is not None:
-                out.update({f"{m}.lora_A": a for m, a in start[0].items()})
-                out.update({f"{m}.lora_B": b for m, b in start[1].items()})
-            out.update(frozen)
-            round_seed = seed * 100003 + rnd * 1009 + k  # LoRAFusion._seed
-            factors, metrics = lora_client.train(out, client_spec(base, rank, round_seed, steps, args, spec,
-                                                                  quantize, dtype), k)
-            comm.append({"round": rnd, "client": k, "rank": rank, "down": nbytes(out), "up": nbytes(factors)})
-            a = {n.removesuffix(".lora_A"): t for n, t in factors.items() if n.endswith(".lora_A")}
-            b = {n.removesuffix(".lora_B"): t for n, t in factors.items() if n.endswith(".lora_B")}
-            clients.append(ClientLoRA(a, b, ALPHA, float(metrics["num-examples"])))
-            losses.append(metrics["train_loss"])
-        t0 = time.perf_counter()
-        A, B = global_factors(aggregate_lora(clients, method), merged)
-        agg_s.append(time.perf_counter() - t0)
-        train_loss.append(statistics.mean(losses))
-        curve.append(evaluate_global(base, A, B, held, quantize, dtype))
+    """``rounds`` rounds of the library's LoRA method (:class:`fedfusion.fusion.lora.LoRAMethod`) with ``method``
+    over clients of ``ranks`` (every client every round), through the in-process driver
+    (:func:`fedfusion.inprocess.run_rounds`); eval loss of the global update after every round (round 0: the
+    base), bytes per client."""
+    tiers = [f"rank{r}" for r in ranks]
+    modules = adapted_modules(lora_client.frozen_base(base, quantize, dtype, "cpu"), args.modules.split(","))
+    lora = LoRAMethod(modules, {t: r for t, r in zip(tiers, ranks)}, {t: ALPHA for t in tiers},
+                      {t: quantize for t in tiers}, method, base_params=0)
+    curve = [evaluate_global(base, {}, {}, held, quantize, dtype)]
+    comm, train_loss, losses = [], [], []
+
+    def train(rnd: int, payload: Payload) -> tuple[dict, dict]:
+        k, rank = payload.client.partition, payload.row["rank"]
+        factors, metrics = lora_client.train(
+            payload.arrays, {**client_spec(base, rank, payload.client.seed, steps, args, spec, quantize, dtype),
+                             **payload.spec}, k)
+        comm.append({"round": rnd, "client": k, "rank": rank, "down": nbytes(payload.arrays), "up": nbytes(factors)})
+        losses.append(metrics["train_loss"])
+        return factors, metrics
+
+    def evaluate(state: dict, rnd: int) -> dict:
+        train_loss.append(statistics.mean(losses[-len(ranks):]))
+        curve.append(evaluate_global(base, *split_global(state), held, quantize, dtype))
+        return {}
+
+    state, stats = run_rounds({t: lora for t in tiers}, tiers, {}, train,
+                              Rounds(rounds=rounds, per_round=len(ranks), seed=seed), evaluate, weighting="examples")
+    A, _ = split_global(state)
     run = {"eval_loss": [c["eval_loss"] for c in curve], "eval_acc": [c["eval_acc"] for c in curve],
-           "train_loss": train_loss, "aggregate_s": agg_s, "comm": comm,
+           "train_loss": train_loss, "server_s": stats.server_s, "comm": comm,
            "global_rank": max(a.shape[0] for a in A.values())}
-    return run, (A, B)
+    return run, split_global(state)
 
 
 def fast_run(base: str, arm: str, regime: str, seed: int, held, args: argparse.Namespace) -> dict | None:

@@ -190,7 +190,7 @@ def registry_probe(nodes: int) -> dict[str, float]:
 
     - ``flower_registry``: Flower's simulation engine registering ``nodes`` SuperNodes, as ``run_simulation``
       does (its in-memory LinkState, and a node-info store with a Context per node);
-    - ``fedfusion_caps``: the strategy's capability table after the QUERY round (a real :class:`SubModelFusion`
+    - ``fedfusion_caps``: the strategy's capability table after the QUERY round (a real :class:`FusionStrategy` over a width-slicing method
       answered by every node with a real capability reply, as :func:`fedfusion.client_app.query` builds it);
 
     and seconds per round that grow with the population: the strategy's sampling (wait for nodes, the QUERY
@@ -201,7 +201,7 @@ def registry_probe(nodes: int) -> dict[str, float]:
     import tracemalloc
 
     import torch
-    from fedfusion.strategies import SubModelFusion
+    from fedfusion.strategies.fusion import FusionStrategy
     from flwr.app import ConfigRecord, Message, RecordDict
     from flwr.server.superlink.fleet.vce.vce_api import _register_node_info_stores, _register_nodes
     from flwr.server.superlink.linkstate import LinkStateFactory
@@ -213,6 +213,7 @@ def registry_probe(nodes: int) -> dict[str, float]:
     from transformers import LlamaConfig
 
     from fedfusion.devices import assign_tiers, load_catalog
+    from fedfusion.fusion.submodel import SubModelMethod
     from fedfusion.hardware import capabilities
     from fedfusion.participation import Participation
     from fedfusion.selection import make_selector
@@ -236,10 +237,14 @@ def registry_probe(nodes: int) -> dict[str, float]:
                 "examples": 42, **capabilities("cpu")})}), reply_to=m) for m in messages]
 
     TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 0
-    strategy = SubModelFusion(
-        config=LlamaConfig(hidden_size=64, num_attention_heads=8, num_hidden_layers=1, intermediate_size=128),
-        widths={"phone": 0.125, "laptop": 0.25, "desktop": 0.5}, policy="rolling", stride=0.125, stagger=True,
-        clients_per_round=PER_ROUND, min_clients=1, participation=Participation(make_selector("random"), load_catalog()),
+    config = LlamaConfig(hidden_size=64, num_attention_heads=8, num_hidden_layers=1, intermediate_size=128)
+    from transformers import LlamaForCausalLM
+
+    method = SubModelMethod(config, {"phone": 0.125, "laptop": 0.25, "desktop": 0.5},
+                            LlamaForCausalLM(config).state_dict(), policy="rolling", stride=0.125, stagger=True)
+    strategy = FusionStrategy(
+        dict.fromkeys(("phone", "laptop", "desktop"), method), clients_per_round=PER_ROUND, min_clients=1,
+        participation=Participation(make_selector("random"), load_catalog()),
         query_config={"population": "{}"}, train_config={"seed": 0})
     grid = Grid()
     torch.set_num_threads(1)

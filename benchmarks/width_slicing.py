@@ -8,9 +8,10 @@ clients that hold the target), static (HeteroFL), rolling (FedRolex window, stag
 default), random (Federated Dropout), ordered (FjORD, nested widths per local step) and oracle (every
 client trains the target).
 
-The federated loop runs in-process over the slicing engine (plan_slice / extract / SelectiveAverager,
-the same calls the Flower strategy makes), without Flower or Ray, so every arm sees the same clients,
-samples and seeds and the run fits a laptop; the Flower path is measured by ``quickstart_policies.py``.
+Every arm runs the library's width-slicing method (``fedfusion.fusion.submodel.SubModelMethod``) through the
+in-process driver (``fedfusion.inprocess.run_rounds``: the Flower strategy's payloads, checks and fold, without
+Flower or Ray), so every arm sees the same clients, samples and seeds and the run fits a laptop; the Flower path
+is measured by ``quickstart_policies.py``.
 Client training runs one after another here, so the systems figures also give the server's share of a
 round whose clients run in parallel (server time / (server time + slowest client)).
 
@@ -46,9 +47,12 @@ from transformers import LlamaConfig
 
 from fedfusion.cnn import FedCNNConfig
 from fedfusion.data import build_char_tokenizer, encode_text, lm_windows, load_shakespeare_roles, split_text
+from fedfusion.fusion.base import Payload
+from fedfusion.fusion.submodel import SubModelMethod
+from fedfusion.inprocess import Rounds, run_rounds
 from fedfusion.ordered import OrderedDropout, ordered_fractions
 from fedfusion.slice_families import family_of
-from fedfusion.slicing import SelectiveAverager, extract, plan_slice, sub_config, sub_scales
+from fedfusion.slicing import extract, plan_slice, sub_config, sub_scales
 
 RESULTS = Path(__file__).resolve().parent / "results"
 FMNIST = Path("/usr/share/datasets/fashion-mnist")
@@ -184,7 +188,8 @@ def local_train(task: Task, model, client: int, seed: int, fractions: tuple[floa
 
 
 def run_arm(task: Task, arm: str, regime: str, seed: int) -> dict:
-    """One federated run; returns the final metric (mean of the last 3 rounds) and timings."""
+    """One federated run of the library's width-slicing method through the in-process driver
+    (:func:`fedfusion.inprocess.run_rounds`); returns the final metric (mean of the last 3 rounds) and timings."""
     cfg = task.config
     family = family_of(cfg)
     widths = client_widths(regime, len(task.clients), seed)
@@ -193,47 +198,41 @@ def run_arm(task: Task, arm: str, regime: str, seed: int) -> dict:
         return {"metric": None, "note": "no client holds the target"}
     torch.manual_seed(seed)
     state = family.build(cfg).state_dict()
-    rng = random.Random(seed)
-    evals, server_s, client_s, slowest_s = [], 0.0, 0.0, 0.0
-    for rnd in range(1, task.rounds + 1):
-        sampled = sorted(rng.sample(range(len(task.clients)), task.per_round))
-        t0 = time.perf_counter()
-        avg, offset, jobs = SelectiveAverager(state, cfg), 0.0, []
-        for c in sampled:
-            w = {"smallest_only": smallest, "oracle": 1.0}.get(arm, widths[c])
-            if arm == "exclusive_largest" and w < 1.0:
-                continue
-            plan = plan_slice(cfg, w, POLICY.get(arm, "static"), rnd, task.stride, offset, seed * 100003 + rnd * 1009 + c,
-                              scale=not arm.endswith("_unscaled"))
-            offset += w if arm.startswith("rolling") else 0.0
-            jobs.append((c, w, plan, extract(state, cfg, plan)))
-        server_s += time.perf_counter() - t0
-        slowest = 0.0
-        for c, w, plan, sub_state in jobs:
-            sub = family.build(sub_config(cfg, plan))
-            sub.load_state_dict(sub_state)
-            fractions = ordered_fractions(w, ladder) if arm == "ordered" else None
-            scales = sub_scales(cfg, plan, state) if arm.endswith("_lrscaled") else None
-            took = local_train(task, sub, c, seed * 7919 + rnd * 31 + c, fractions if fractions != (1.0,) else None, scales)
-            client_s, slowest = client_s + took, max(slowest, took)
-            t1 = time.perf_counter()
-            avg.add({k: v.detach() for k, v in sub.state_dict().items()}, plan)
-            server_s += time.perf_counter() - t1
-        slowest_s += slowest
-        if jobs:
-            t2 = time.perf_counter()
-            state = avg.result()
-            server_s += time.perf_counter() - t2
-        if rnd > task.rounds - 3:
-            if arm == "smallest_only":  # the global model of smallest-only is the small model itself
-                plan = plan_slice(cfg, smallest, "static")
-                model = family.build(sub_config(cfg, plan))
-                model.load_state_dict(extract(state, cfg, plan))
-            else:
-                model = family.build(cfg)
-                model.load_state_dict(state)
-            evals.append(task.evaluate(model))
-    return {"metric": statistics.mean(evals), "server_s": server_s, "client_s": client_s, "slowest_s": slowest_s}
+    held = [{"smallest_only": smallest, "oracle": 1.0}.get(arm, w) for w in widths]
+    tiers = [None if arm == "exclusive_largest" and w < 1.0 else f"w{w:g}" for w in held]
+    method = SubModelMethod(cfg, {f"w{w:g}": w for w in set(held)}, state, policy=POLICY.get(arm, "static"),
+                            stride=task.stride, stagger=arm.startswith("rolling"), run_seed=seed,
+                            scale=not arm.endswith("_unscaled"))
+    slowest: dict[int, float] = {}  # round -> its slowest client's training seconds
+
+    def train(rnd: int, payload: Payload) -> tuple[dict, dict]:
+        plan, sliced_from = payload.context
+        sub = family.build(sub_config(cfg, plan))
+        sub.load_state_dict(payload.arrays)
+        c, w = payload.client.partition, payload.width
+        fractions = ordered_fractions(w, ladder) if arm == "ordered" else None
+        scales = sub_scales(cfg, plan, sliced_from) if arm.endswith("_lrscaled") else None
+        took = local_train(task, sub, c, seed * 7919 + rnd * 31 + c, fractions if fractions != (1.0,) else None, scales)
+        slowest[rnd] = max(slowest.get(rnd, 0.0), took)
+        reply = {k: v.detach() for k, v in sub.state_dict().items()}
+        return reply, {"train_s": took, "train_tokens": 0, "num-examples": len(task.clients[c][0])}
+
+    def evaluate(state: dict, rnd: int) -> dict | None:
+        if rnd <= task.rounds - 3:
+            return None
+        if arm == "smallest_only":  # the global model of smallest-only is the small model itself
+            plan = plan_slice(cfg, smallest, "static")
+            model = family.build(sub_config(cfg, plan))
+            model.load_state_dict(extract(state, cfg, plan))
+        else:
+            model = family.build(cfg)
+            model.load_state_dict(state)
+        return {"metric": task.evaluate(model)}
+
+    _, stats = run_rounds({t: method for t in set(tiers) if t is not None}, tiers, state, train,
+                          Rounds(rounds=task.rounds, per_round=task.per_round, seed=seed), evaluate)
+    return {"metric": statistics.mean(r["metric"] for r in stats.history), "server_s": stats.server_s,
+            "client_s": stats.client_s, "slowest_s": sum(slowest.values())}
 
 
 def systems_bytes() -> list[dict]:

@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from fedfusion.recipe import Recipe, RecipeError, builtin_recipes, load_recipe
+from fedfusion.recipe import Recipe, RecipeError, builtin_recipes, load_recipe, tier_methods
 from fedfusion.seed_paper import NAME as SEED_PAPER
 
 console = Console()
@@ -31,6 +31,8 @@ class _DropDeprecation(logging.Filter):
 def _method(recipe: Recipe) -> str:
     """The fusion method as a run's header names it (the slicing policy only where it applies)."""
     f = recipe.fusion
+    if f.method == "mixed":
+        return "mixed(" + ", ".join(f"{tier}={method}" for tier, method in tier_methods(recipe).items()) + ")"
     return f"{f.method}/{f.policy}" if f.method == "submodel" else f.method
 
 
@@ -170,6 +172,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         _print_table(f"plan for {recipe.name} (lora/{recipe.lora.method} on {recipe.lora.base}; memory estimated)",
                      planner.lora_plan_table(recipe, config), headers,
                      left=("tier", "base", "fits", "max fit"), width=190)
+    elif method == "mixed":
+        headers = {k: k for k in ("tier", "method", "trains", "params", "peak MB", "device MB", "fits", *PLAN_COSTS)}
+        _print_table(f"plan for {recipe.name} ({_method(recipe)}: each tier trains what its method gives it; every "
+                     "round folds them into one target, slices first, then the server's distillation)",
+                     planner.mixed_plan_table(recipe), headers, left=("tier", "method", "trains", "fits"), width=240)
     elif method == "distill":
         headers = {k: k for k in ("tier", "trains", "params", "peak MB", "device MB", "fits", *PLAN_COSTS)}
         _print_table(f"plan for {recipe.name} (distill/{recipe.distill.teacher}: each tier trains its family's "

@@ -1,30 +1,32 @@
-"""The library's in-process round loops: sub-model rounds as the Flower strategy runs them, and generative
-distillation, without Flower or Ray.
+"""The library's in-process driver: the fusion method objects (:mod:`fedfusion.fusion`) run round by round
+without Flower or Ray, and the loops built on it (width slicing, generative distillation, transfer distillation).
 
-For benchmarks and tests that compare many methods on the same clients, samples and seeds. Every step is
-the one the product path runs: :func:`fedfusion.rounds.plan_round` and :func:`fedfusion.rounds.client_seed`
-(the strategy's planning), :func:`fedfusion.slicing.extract` (what a message carries),
-:func:`fedfusion.training.train_steps` (what the client role runs) and :func:`fedfusion.rounds.fold` (the
-strategy's fold and outer step). Clients train one after another; there are no faults, messages or ledgers.
+For benchmarks and tests that compare many methods on the same clients, samples and seeds. :func:`run_rounds`
+takes the steps the Flower strategy takes (:func:`fedfusion.rounds.round_payloads`, the methods' checks,
+:func:`fedfusion.rounds.fold_round`, seeds from :func:`fedfusion.rounds.client_seed`); the caller says how a
+client trains a payload. Clients train one after another; there are no faults, messages or ledgers.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from transformers import PretrainedConfig
 
 from fedfusion.distill import Teacher, distil, feddf_teacher, forward_flops
+from fedfusion.fusion.base import Client, FusionMethod, Payload, State
+from fedfusion.fusion.submodel import SubModelMethod
 from fedfusion.generative import GenerativeConfig, SamplePool, sample_windows
 from fedfusion.models import model_from_state
-from fedfusion.outer import OuterConfig, OuterOptimizer
-from fedfusion.rounds import client_seed, fold, owned_starts, plan_round, server_seed
-from fedfusion.slicing import SelectiveAverager, extract, plan_slice, sub_config
+from fedfusion.outer import OuterConfig
+from fedfusion.rounds import client_seed, fold_round, round_payloads, server_seed
+from fedfusion.slicing import extract, plan_slice, sub_config
 from fedfusion.training import train_steps
 
 Evaluate = Callable[[dict[str, torch.Tensor], int], "dict[str, float] | None"]
@@ -79,7 +81,7 @@ class RunStats:
     max_client_params: int = 0
     history: list[dict[str, float]] = field(default_factory=list)
 
-    def client(self, out: dict[str, float], params: int, seconds: float, flops: float, down: int, up: int) -> None:
+    def client(self, out: Mapping[str, float], params: int, seconds: float, flops: float, down: int, up: int) -> None:
         """Count one client round: ``out`` from ``train_steps``, plus work beyond it (``seconds``, ``flops``)."""
         self.client_s += out["train_s"] + seconds
         self.tokens += int(out["train_tokens"])
@@ -93,39 +95,70 @@ def _nbytes(state: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in state.values())
 
 
-def run_submodel(run: SubModelRun, initial: dict[str, torch.Tensor], evaluate: Evaluate | None = None,
-                 ) -> tuple[dict[str, torch.Tensor], RunStats]:
-    """Train ``initial`` for ``run.rounds`` rounds; ``evaluate(state, round)`` is called after every round
-    (return None to skip a round) and its rows are kept in ``stats.history``. Returns the final target."""
-    if len(run.windows) != len(run.widths):
-        raise ValueError(f"{len(run.windows)} partitions of windows but {len(run.widths)} widths")
-    rng = random.Random(run.seed)  # the sampling draw, like the strategy's seeded random selector
-    outer = OuterOptimizer(run.outer) if run.outer.method != "none" else None
-    state, stats = {k: v.clone() for k, v in initial.items()}, RunStats()
-    owned = owned_starts(dict(enumerate(run.widths))) if run.policy == "owned" else None
-    for rnd in range(1, run.rounds + 1):
-        sampled = run.draw(rng, len(run.windows))
+Train = Callable[[int, Payload], "tuple[State, Mapping[str, float]]"]
+
+
+def run_rounds(methods: Mapping[str, FusionMethod], tiers: Sequence[str | None], initial: State, train: Train,
+               rounds: Rounds, evaluate: Evaluate | None = None, weighting: str = "uniform") -> tuple[State, RunStats]:
+    """The driver: ``rounds.rounds`` rounds of the fusion ``methods`` (tier -> method, one or several) over the
+    partitions whose tiers ``tiers`` lists (None: a partition that is sampled but never trains), without Flower.
+
+    Each round samples ``rounds.per_round`` partitions (:meth:`Rounds.draw`), asks the methods for their payloads
+    (:func:`fedfusion.rounds.round_payloads`, seeds from :func:`fedfusion.rounds.client_seed`), runs
+    ``train(round, payload) -> (reply, metrics)`` for each client in turn (``metrics``: ``train_s``,
+    ``train_tokens`` and ``num-examples``), checks every reply with its method and folds them
+    (:func:`fedfusion.rounds.fold_round`): the Flower strategy's round, less messages, faults and ledgers.
+    ``evaluate(target, round)`` is called after every round; its rows go to ``stats.history``."""
+    rng = random.Random(rounds.seed)  # the sampling draw, like the strategy's seeded random selector
+    state, stats = dict(initial), RunStats()
+    for rnd in range(1, rounds.rounds + 1):
+        sampled = rounds.draw(rng, len(tiers))
+        clients = [Client(p, tier, client_seed(rounds.seed, rnd, p)) for p in sampled if (tier := tiers[p]) is not None]
         start = time.perf_counter()
-        plans = plan_round(run.config, [(p, run.widths[p]) for p in sampled], run.policy, rnd, run.seed,
-                           run.stride, run.stagger, run.axes, run.scale, owned)
-        averager = SelectiveAverager(state, run.config)
+        payloads = round_payloads(methods, rnd, state, clients)
         stats.server_s += time.perf_counter() - start
-        for partition, plan in zip(sampled, plans):
-            sent = extract(state, run.config, plan)
-            model = model_from_state(sub_config(run.config, plan), sent)
-            out = train_steps(model, run.windows[partition], run.steps, run.lr, run.batch_size,
-                              client_seed(run.seed, rnd, partition), run.weight_decay, run.optimizer)
-            reply = {k: v.detach() for k, v in model.state_dict().items()}
-            stats.client(out, sum(p.numel() for p in model.parameters()), 0.0, 0.0, _nbytes(sent), _nbytes(reply))
-            t = time.perf_counter()
-            averager.add({k: reply[k] for k in sent}, plan)
-            stats.server_s += time.perf_counter() - t
-        t = time.perf_counter()
-        state = fold(averager, outer)
-        stats.server_s += time.perf_counter() - t
+        updates = []
+        for payload in payloads:
+            reply, metrics = train(rnd, payload)
+            stats.client(metrics, payload.params, 0.0, 0.0, _nbytes(payload.arrays), _nbytes(reply))
+            start = time.perf_counter()
+            weight = float(metrics["num-examples"]) if weighting == "examples" else 1.0
+            updates.append(methods[payload.client.tier].check(payload, reply, weight))
+            stats.server_s += time.perf_counter() - start
+        if updates:
+            start = time.perf_counter()
+            folded = fold_round(methods, rnd, state, updates)
+            state = folded.target
+            stats.server_s += time.perf_counter() - start
+            stats.server_flops += folded.server_cost.get("flops", 0.0)
         if evaluate is not None and (row := evaluate(state, rnd)) is not None:
             stats.history.append({"round": rnd, **row})
     return state, stats
+
+
+def run_submodel(run: SubModelRun, initial: dict[str, torch.Tensor], evaluate: Evaluate | None = None,
+                 ) -> tuple[dict[str, torch.Tensor], RunStats]:
+    """Train ``initial`` for ``run.rounds`` rounds of width slicing (:class:`~fedfusion.fusion.submodel.SubModelMethod`
+    through :func:`run_rounds`, each client running :func:`fedfusion.training.train_steps` as the client role
+    does); ``evaluate(state, round)`` is called after every round (return None to skip a round) and its rows are
+    kept in ``stats.history``. Returns the final target."""
+    if len(run.windows) != len(run.widths):
+        raise ValueError(f"{len(run.windows)} partitions of windows but {len(run.widths)} widths")
+    tiers = [f"w{w:g}" for w in run.widths]
+    method = SubModelMethod(run.config, {t: w for t, w in zip(tiers, run.widths)}, initial, policy=run.policy,
+                            stride=run.stride, stagger=run.stagger, run_seed=run.seed, axes=run.axes, scale=run.scale,
+                            outer=run.outer)
+    method.observe(dict(enumerate(tiers)))  # ``owned`` windows tile the whole population from round 1
+
+    def train(rnd: int, payload: Payload) -> tuple[State, dict[str, float]]:
+        model = model_from_state(run.config.__class__.from_dict(json.loads(payload.spec["model-config"])),
+                                 payload.arrays)
+        p = payload.client.partition
+        out = train_steps(model, run.windows[p], run.steps, run.lr, run.batch_size, payload.client.seed,
+                          run.weight_decay, run.optimizer)
+        return {k: v.detach() for k, v in model.state_dict().items()}, {**out, "num-examples": len(run.windows[p])}
+
+    return run_rounds({t: method for t in tiers}, tiers, initial, train, run, evaluate)
 
 
 @dataclass(frozen=True)

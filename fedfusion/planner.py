@@ -38,7 +38,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig
 from fedfusion.devices import Device, load_catalog
 from fedfusion.energy import lora_work_params, price_work, train_flops
 from fedfusion.models import target_config, target_model_config
-from fedfusion.recipe import Recipe, RecipeError
+from fedfusion.recipe import Recipe, RecipeError, tier_methods
 from fedfusion.slicing import plan_slice, sub_config
 
 WIDTH_LADDER = (1.0, 0.5, 0.25, 0.125, 0.0625)  # FedRolex's capacity ladder
@@ -269,7 +269,7 @@ def _wire_bytes(recipe: Recipe) -> int:
 
 def plan_table(
     recipe: Recipe, widths: Mapping[str, float | None] | None = None, usable: float = USABLE,
-    ladder: Sequence[float] = WIDTH_LADDER,
+    ladder: Sequence[float] = WIDTH_LADDER, tiers: Sequence[str] | None = None,
 ) -> list[dict[str, Any]]:
     """One row per tier of the population mix, narrowest first: the slice it trains (sub-model fusion; under
     generative distillation the static slice it keeps as its own model), parameters, memory, and one round's
@@ -277,7 +277,8 @@ def plan_table(
 
     ``widths`` (default: the recipe's ``fusion.widths``; pass :func:`auto_widths` for auto-fit) may hold
     None for a tier that fits nothing: its row says so (with what ``ladder``'s smallest width would need)
-    instead of raising. Memory is :func:`training_memory_bytes`.
+    instead of raising. Memory is :func:`training_memory_bytes`. ``tiers`` (default: every tier of the mix) picks
+    the tiers to plan (a mixed federation's slicing tiers).
     """
     catalog = load_catalog(recipe.population.catalog)
     target = recipe_target(recipe)
@@ -286,7 +287,7 @@ def plan_table(
     batch, seq = recipe.train.batch_size, recipe.train.seq_len
     tokens = recipe.train.local_steps * batch * seq
     rows = []
-    for tier in sorted(recipe.population.mix, key=lambda t: (widths.get(t) is not None, widths.get(t) or 0)):
+    for tier in sorted(tiers or recipe.population.mix, key=lambda t: (widths.get(t) is not None, widths.get(t) or 0)):
         device = catalog[tier]
         width = widths.get(tier)
         budget = _budget(device, usable)
@@ -320,11 +321,13 @@ def _family_label(name: str, config: PretrainedConfig, kind: str) -> str:
     return f"{name}: {config.model_type} {h}x{layers}, {heads} heads, {kind}{vocab}"
 
 
-def distill_plan_table(recipe: Recipe, usable: float = USABLE) -> list[dict[str, Any]]:
+def distill_plan_table(recipe: Recipe, usable: float = USABLE, tiers: Sequence[str] | None = None,
+                       ) -> list[dict[str, Any]]:
     """One row per tier for distillation fusion: the family model it trains (FedAvg within the family), its
     parameters, memory, and one round's cost (:func:`priced`: training FLOPs, the family model down and up in
     float32); then the server's row (:func:`server_plan_row`). Builds the families as the run does (BPE
-    tokenizers trained on the transfer text), so the parameter counts are the run's."""
+    tokenizers trained on the transfer text), so the parameter counts are the run's. ``tiers`` (default: every tier
+    of the mix) picks the tiers to plan (a mixed federation's distillation tiers)."""
     from fedfusion.distill import forward_flops
     from fedfusion.models import load_tokenizer
     from fedfusion.population import data_spec
@@ -336,7 +339,7 @@ def distill_plan_table(recipe: Recipe, usable: float = USABLE) -> list[dict[str,
     families = distill_families(recipe, load_tokenizer(recipe.model.pretrained), text)
     tokens = recipe.train.local_steps * batch * seq
     rows, trained = [], {}
-    for tier in recipe.population.mix:
+    for tier in tiers or recipe.population.mix:
         device, name = catalog[tier], d.tier_family[tier]
         config = families[name][0]
         params = trained[name] = param_count(config)
@@ -358,6 +361,28 @@ def distill_plan_table(recipe: Recipe, usable: float = USABLE) -> list[dict[str,
     what = f"distils {', '.join(sorted(trained))} in ({d.server_steps} steps)" + (
         f", and back ({d.back_steps} each)" if d.back_distill else "")
     return rows + [server_plan_row(recipe, d.server_device, what, flops, d.server_batch_size, usable)]
+
+
+def mixed_plan_table(recipe: Recipe, usable: float = USABLE) -> list[dict[str, Any]]:
+    """A mixed federation (``fusion.tiers``): every tier's row from its own method's table, with a ``method`` column
+    (what it trains under ``trains``), then the server's rows of the methods that have server work."""
+    methods = tier_methods(recipe)
+    mine = {m: [t for t, n in methods.items() if n == m] for m in dict.fromkeys(methods.values())}
+    rows: list[dict[str, Any]] = []
+    if "submodel" in mine or "generative" in mine:
+        slicing = plan_table(recipe, usable=usable, tiers=mine.get("submodel", []) + mine.get("generative", []))
+        rows += [{"method": methods[r["tier"]], **r,
+                  "trains": f"width {r['width']:g}: {r['slice']}" if r["width"] is not None else r["slice"]}
+                 for r in slicing]
+    server = []
+    if "distill" in mine:
+        *family_rows, distill_server = distill_plan_table(recipe, usable, mine["distill"])
+        rows += [{"method": "distill", **r} for r in family_rows]
+        server.append({"method": "distill", **distill_server})
+    if "generative" in mine:
+        server.append({"method": "generative", **generative_server_row(recipe, usable)})
+    order = list(recipe.population.mix)
+    return sorted(rows, key=lambda r: order.index(r["tier"])) + server
 
 
 def generative_server_row(recipe: Recipe, usable: float = USABLE) -> dict[str, Any]:

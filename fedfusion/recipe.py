@@ -116,6 +116,10 @@ class FusionConfig:
     outer: str = "none"
     outer_lr: float = 1.0
     outer_momentum: float = 0.9  # avgm / nesterov momentum; adam's beta1
+    # method=mixed: each tier's method (submodel | distill | generative); a method's per-tier settings stay in its
+    # own section (a submodel or generative tier's width in fusion.widths, a distill tier's family in
+    # distill.tier_family). Every round folds them into one target in fedfusion.rounds.FOLD_ORDER.
+    tiers: dict[str, str] = field(default_factory=dict)
 
 
 FAMILY_MODEL_TYPES = ("llama", "gpt2")  # the architectures a small distillation family may take
@@ -313,7 +317,7 @@ class Recipe:
 CHOICES: dict[str, tuple[str, ...]] = {
     "data.source": ("shakespeare", "text", "facts", "chatterbot", "dataset"),
     "data.split": ("category", "iid"),
-    "fusion.method": ("submodel", "distill", "lora", "generative"),
+    "fusion.method": ("submodel", "distill", "lora", "generative", "mixed"),
     # restated so that loading a recipe imports no torch; tests hold them equal to slicing.POLICIES, outer.OUTER_METHODS
     "fusion.policy": ("static", "rolling", "random", "ordered", "owned"),
     "fusion.outer": ("none", "avgm", "nesterov", "adam"),
@@ -361,8 +365,8 @@ def resolve_recipe_path(ref: str | Path) -> Path:
 
 # Mappings a recipe states whole: given in a file (or as a whole override) they replace the default
 # rather than merge into it, so ``mix: {phone: 1.0}`` means phones only.
-WHOLE_MAPPINGS = ("data.partitioner", "population.mix", "fusion.widths", "selection.options", "availability.model", "distill.families",
-                  "distill.tier_family", "lora.ranks", "lora.quantize")
+WHOLE_MAPPINGS = ("data.partitioner", "population.mix", "fusion.widths", "fusion.tiers", "selection.options",
+                  "availability.model", "distill.families", "distill.tier_family", "lora.ranks", "lora.quantize")
 
 
 def _merge(base: DictConfig, cfg: Any, what: str, replace: tuple[str, ...]) -> DictConfig:
@@ -488,7 +492,7 @@ def validate(recipe: Recipe) -> None:
                               f"{recipe.population.num_clients} clients one")
         if recipe.data.skew < 0:
             raise RecipeError(f"data.skew: must be >= 0, got {recipe.data.skew}")
-        if recipe.fusion.method not in ("submodel", "generative"):
+        if not set(tier_methods(recipe).values()) <= {"submodel", "generative"}:
             raise RecipeError(f"fusion.method: data.source=facts runs with submodel or generative fusion, "
                               f"got {recipe.fusion.method!r}")
         if recipe.model.pretrained:
@@ -502,6 +506,8 @@ def validate(recipe: Recipe) -> None:
         raise RecipeError(f"train.seq_len: {recipe.train.seq_len} exceeds model.max_position {m.max_position}")
     if not recipe.population.mix:
         raise RecipeError("population.mix: needs at least one tier")
+    _validate_tiers(recipe)
+    methods = tier_methods(recipe)
     _check_files(recipe)
     try:
         catalog = load_catalog(recipe.population.catalog)
@@ -512,21 +518,20 @@ def validate(recipe: Recipe) -> None:
             raise RecipeError(f"population.mix.{tier}: unknown device; the catalog has {', '.join(sorted(catalog))}")
         if share <= 0:
             raise RecipeError(f"population.mix.{tier}: share must be > 0, got {share}")
-        if (recipe.fusion.method in ("submodel", "generative") and not recipe.fusion.auto_widths
-                and tier not in recipe.fusion.widths):
+        if methods[tier] in ("submodel", "generative") and not recipe.fusion.auto_widths and tier not in recipe.fusion.widths:
             raise RecipeError(f"fusion.widths: no width for tier {tier!r} of population.mix")
     try:
         check_cloud(recipe.report.cloud, catalog)
     except ValueError as exc:
         raise RecipeError(f"report.{exc}") from None
-    if recipe.fusion.method == "distill":
+    if uses(recipe, "distill"):
         _validate_distill(recipe, catalog)
     if (recipe.fusion.method == "lora") != (recipe.data.source == "chatterbot") and recipe.data.source != "dataset":
         raise RecipeError(f"data.source: fusion.method=lora trains on instruction pairs (data.source=chatterbot or "
                           f"dataset) and only it does; got method {recipe.fusion.method!r} with source {recipe.data.source!r}")
     if recipe.fusion.method == "lora":
         _validate_lora(recipe)
-    if recipe.fusion.method == "generative":
+    if uses(recipe, "generative"):
         g = recipe.generative
         for name in ("sample_fraction", "temperature", "server_lr"):
             _positive(f"generative.{name}", getattr(g, name))
@@ -541,7 +546,7 @@ def validate(recipe: Recipe) -> None:
             raise RecipeError(f"fusion.widths.{tier}: unknown device; the catalog has {', '.join(sorted(catalog))}")
         if not 0 < width <= 1:
             raise RecipeError(f"fusion.widths.{tier}: must be in (0, 1], got {width}")
-    if recipe.fusion.wire_dtype != "float32" and recipe.fusion.method != "submodel":
+    if recipe.fusion.wire_dtype != "float32" and not uses(recipe, "submodel"):
         raise RecipeError(f"fusion.wire_dtype: {recipe.fusion.wire_dtype} applies to fusion.method=submodel only")
     if recipe.fusion.max_norm_ratio < 0:
         raise RecipeError(f"fusion.max_norm_ratio: must be >= 0, got {recipe.fusion.max_norm_ratio}")
@@ -550,7 +555,7 @@ def validate(recipe: Recipe) -> None:
     if not 0 <= recipe.fusion.trim < 0.5:
         raise RecipeError(f"fusion.trim: must be in [0, 0.5), got {recipe.fusion.trim}")
     _positive("fusion.outer_lr", recipe.fusion.outer_lr)
-    if recipe.fusion.outer != "none" and recipe.fusion.method != "submodel":
+    if recipe.fusion.outer != "none" and not uses(recipe, "submodel"):
         raise RecipeError(f"fusion.outer: a server optimizer steps folded slices (fusion.method=submodel); "
                           f"{recipe.fusion.method!r} does not use it")
     if recipe.train.optimizer != "adamw" and recipe.fusion.method == "lora":
@@ -592,7 +597,7 @@ def _check_files(recipe: Recipe) -> None:
         files.append(("data.path", recipe.data.path))
     if recipe.data.probes:
         files.append(("data.probes", recipe.data.probes))
-    if recipe.fusion.method == "distill" and recipe.distill.transfer.source == "text" and recipe.distill.transfer.path:
+    if uses(recipe, "distill") and recipe.distill.transfer.source == "text" and recipe.distill.transfer.path:
         files.append(("distill.transfer.path", recipe.distill.transfer.path))
     if recipe.population.catalog:
         files.append(("population.catalog", recipe.population.catalog))
@@ -613,6 +618,42 @@ def _check_files(recipe: Recipe) -> None:
             raise RecipeError(f"{key}: {name}: no such model directory")
         if not (Path(name) / "config.json").is_file():
             raise RecipeError(f"{key}: {name}: not a model directory (no config.json)")
+
+
+MIXABLE = ("submodel", "distill", "generative")  # the methods fusion.method=mixed combines (all train the whole target)
+
+
+def tier_methods(recipe: Recipe) -> dict[str, str]:
+    """The fusion method of every tier of the population: ``fusion.tiers`` for ``fusion.method=mixed``, otherwise
+    ``fusion.method`` for each."""
+    if recipe.fusion.method == "mixed":
+        return {tier: recipe.fusion.tiers.get(tier, "") for tier in recipe.population.mix}
+    return {tier: recipe.fusion.method for tier in recipe.population.mix}
+
+
+def uses(recipe: Recipe, method: str) -> bool:
+    """Whether some tier of the recipe's population trains with ``method``."""
+    return method in tier_methods(recipe).values()
+
+
+def _validate_tiers(recipe: Recipe) -> None:
+    """``fusion.tiers``: given exactly for fusion.method=mixed, one known, mixable method for every tier of the mix."""
+    f = recipe.fusion
+    if f.method != "mixed":
+        if f.tiers:
+            raise RecipeError(f"fusion.tiers: per-tier methods need fusion.method=mixed, got {f.method!r}")
+        return
+    for tier in recipe.population.mix:
+        if tier not in f.tiers:
+            raise RecipeError(f"fusion.tiers: no method for tier {tier!r} of population.mix")
+    for tier, method in f.tiers.items():
+        if tier not in recipe.population.mix:
+            raise RecipeError(f"fusion.tiers.{tier}: not a tier of population.mix ({', '.join(recipe.population.mix)})")
+        if method == "lora":
+            raise RecipeError(f"fusion.tiers.{tier}: lora cannot be mixed: its target is a frozen pretrained base plus "
+                              f"one adapter update, the others train the whole target; use one of {', '.join(MIXABLE)}")
+        if method not in MIXABLE:
+            raise RecipeError(f"fusion.tiers.{tier}: {method!r} is not one of {', '.join(MIXABLE)}")
 
 
 def _local_path(name: str) -> bool:
@@ -646,8 +687,8 @@ def _validate_dataset(recipe: Recipe) -> None:
 
 def _validate_distill(recipe: Recipe, catalog: dict) -> None:
     d = recipe.distill
-    for tier in recipe.population.mix:
-        if tier not in d.tier_family:
+    for tier, method in tier_methods(recipe).items():
+        if method == "distill" and tier not in d.tier_family:
             raise RecipeError(f"distill.tier_family: no family for tier {tier!r} of population.mix")
     for tier, family in d.tier_family.items():
         if family not in d.families:

@@ -183,10 +183,17 @@ def _recipe(run: Path) -> Any:
     return OmegaConf.load(run / "recipe.yaml") if (run / "recipe.yaml").is_file() else OmegaConf.create({})
 
 
+def _server_method(recipe: Any) -> str:
+    """The method whose server work the run prices (distill before generative in a mixed federation), else ''."""
+    method = OmegaConf.select(recipe, "fusion.method", default="")
+    used = set((OmegaConf.select(recipe, "fusion.tiers", default=None) or {}).values()) if method == "mixed" else {method}
+    return next((m for m in SERVER_WORK if m in used), "")
+
+
 def _server_device(recipe: Any) -> str:
     """The catalog tier the server's own work is priced on (distillation and generative fusion), else ''."""
-    method = OmegaConf.select(recipe, "fusion.method", default="")
-    return OmegaConf.select(recipe, f"{method}.server_device", default="") if method in SERVER_WORK else ""
+    method = _server_method(recipe)
+    return OmegaConf.select(recipe, f"{method}.server_device", default="") if method else ""
 
 
 SERVER_WORK = {"distill": "the server's distillation", "generative": "the server's training on the samples"}
@@ -201,8 +208,7 @@ def _cost_line(recipe: Any, rows: list[dict], summary: dict) -> str:
                f"{summary['co2_g'] - server_g:.4f} g CO2e")
     if not server_j:
         return f"{clients}, {summary['virtual_s']:.1f} s of simulated time."
-    method = OmegaConf.select(recipe, "fusion.method", default="")
-    work = SERVER_WORK.get(method, "the server's own work")
+    work = SERVER_WORK.get(_server_method(recipe), "the server's own work")
     flops = sum(r.get("server_flops") or 0.0 for r in rows)
     return (f"{clients}. {_capital(work)}, priced on {_server_device(recipe) or 'its device profile'}: "
             f"{server_j:.1f} J ({flops:.3g} FLOPs), {server_g:.4f} g CO2e. Together {summary['energy_j']:.1f} J, "
@@ -227,7 +233,7 @@ def _work_section(recipe: Any, clients: list[dict], rows: list[dict]) -> list[st
     server_j = sum(r.get("server_energy_j") or 0.0 for r in rows)
     if server_j:
         rounds = sum(1 for r in rows if r.get("server_flops"))
-        lines.append(f"| server ({_server_device(recipe) or '?'}) | {SERVER_WORK.get(method, 'its own work')} | | "
+        lines.append(f"| server ({_server_device(recipe) or '?'}) | {SERVER_WORK.get(_server_method(recipe), 'its own work')} | | "
                      f"{rounds} rounds | | {server_j:.4g} | {sum(r.get('server_co2_g') or 0.0 for r in rows):.4g} |")
     note = ("params: what a client of that tier trained (priced at 6 x params x tokens); other: failed, rejected, "
             "timed-out, cut or dropped client rounds.")
@@ -238,7 +244,8 @@ def _work_section(recipe: Any, clients: list[dict], rows: list[dict]) -> list[st
 
 
 def _trained(client: dict, method: str) -> str:
-    """What one client round trained, from its ledger row (and the run's fusion method)."""
+    """What one client round trained, from its ledger row (its ``method``, or the run's fusion method)."""
+    method = client.get("method") or method
     assignment = client.get("assignment") or {}
     if "family" in assignment:
         return f"family {assignment['family']}"

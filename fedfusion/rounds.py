@@ -1,8 +1,9 @@
-"""What every sub-model round does, written once for the Flower strategy and the in-process driver.
+"""What every round does, written once for the Flower strategy and the in-process driver.
 
-The per-client seed, the slice plans of a round's sampled clients (stagger and ``owned`` offsets) and the
-fold of a round's accepted updates (selective averaging, then the optional outer optimizer) live here, so
-``fedfusion.strategies.submodel`` and :mod:`fedfusion.inprocess` cannot drift apart.
+The per-client seed, the slice plans of a round's sampled clients (stagger and ``owned`` offsets), the fold of a
+sub-model round (selective averaging, then the optional outer optimizer), and, for any mix of fusion methods,
+each sampled client's payload and the fold of a round's accepted updates in :data:`FOLD_ORDER`: so
+:class:`fedfusion.strategies.fusion.FusionStrategy` and :mod:`fedfusion.inprocess` cannot drift apart.
 """
 
 from __future__ import annotations
@@ -12,8 +13,15 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 from transformers import PretrainedConfig
 
+from fedfusion.fusion.base import Client, Fold, FusionMethod, Payload, State, Update
 from fedfusion.outer import OuterOptimizer
 from fedfusion.slicing import SelectiveAverager, SlicePlan, plan_slice
+
+# The order in which the methods of a mixed federation fold one round into the target: the slice average first
+# (what devices trained of the target itself), then LoRA's update, then the server-side methods that train the
+# whole target from what devices sent (generative samples, then distillation from the family models), each from
+# the previous method's result.
+FOLD_ORDER = ("submodel", "lora", "generative", "distill")
 
 
 def client_seed(run_seed: int, server_round: int, partition: int) -> int:
@@ -62,3 +70,40 @@ def fold(averager: SelectiveAverager, outer: OuterOptimizer | None = None) -> di
     """The round's new target: the selective average, stepped by ``outer`` over the coordinates clients held."""
     new = averager.result()
     return new if outer is None else outer.step(averager.target, new, averager.held())
+
+
+def fold_order(methods: Mapping[str, FusionMethod]) -> list[FusionMethod]:
+    """The distinct methods of a tier -> method map, in :data:`FOLD_ORDER`."""
+    unique = {id(m): m for m in methods.values()}.values()
+    return sorted(unique, key=lambda m: FOLD_ORDER.index(m.name) if m.name in FOLD_ORDER else len(FOLD_ORDER))
+
+
+def round_payloads(methods: Mapping[str, FusionMethod], server_round: int, target: State,
+                   clients: Sequence[Client], population: Mapping[int, str] | None = None) -> list[Payload]:
+    """Every sampled client's payload, in sample order: each method plans all of its own clients at once (staggered
+    slices follow each other), after :meth:`~FusionMethod.observe` of the known population (partition -> tier)."""
+    out: dict[int, Payload] = {}
+    for method in fold_order(methods):
+        mine = [i for i, c in enumerate(clients) if methods[c.tier] is method]
+        if mine:
+            method.observe(population if population is not None else {c.partition: c.tier for c in clients})
+            out.update(zip(mine, method.payloads(server_round, target, [clients[i] for i in mine])))
+    return [out[i] for i in range(len(clients))]
+
+
+def fold_round(methods: Mapping[str, FusionMethod], server_round: int, target: State,
+               updates: Sequence[Update]) -> Fold:
+    """A round's accepted updates (sample order) folded into one target: each method folds its own, in
+    :data:`FOLD_ORDER`, starting from the previous method's result; coverage is the largest any method reached,
+    stats are merged and the server's costs added up."""
+    coverage, stats, cost = 0.0, {}, {"flops": 0.0, "seconds": 0.0, "tokens": 0.0}
+    for method in fold_order(methods):
+        mine = [u for u in updates if methods[u.payload.client.tier] is method]
+        if not mine:
+            continue
+        folded = method.fold(server_round, target, mine)
+        target, coverage = folded.target, max(coverage, folded.coverage)
+        stats.update(folded.stats)
+        for key, value in folded.server_cost.items():
+            cost[key] += value
+    return Fold(target, coverage, stats, cost)

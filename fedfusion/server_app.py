@@ -12,8 +12,7 @@ import shlex
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
-from dataclasses import asdict
+from collections.abc import Callable, Sequence
 from logging import INFO
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,11 @@ from fedfusion.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from fedfusion.devices import Device, load_catalog
 from fedfusion.energy import price_work, train_flops
 from fedfusion.federated_data import write_partition_sizes
+from fedfusion.fusion.base import ClientRound, FusionMethod, RoundReport
+from fedfusion.fusion.distill import DistillMethod, Family
+from fedfusion.fusion.generative import GenerativeMethod
+from fedfusion.fusion.lora import LoRAMethod, adapted_modules
+from fedfusion.fusion.submodel import SubModelMethod
 from fedfusion.generative import GenerativeConfig
 from fedfusion.interrupt import reap_on_flower_exit
 from fedfusion.models import load_tokenizer
@@ -37,16 +41,13 @@ from fedfusion.participation import Participation, jain_index
 from fedfusion.planner import fit_widths
 from fedfusion.population import data_spec, facts_data, pooled_held_out, tier_list
 from fedfusion.quiet import silence_expected_noise
-from fedfusion.recipe import Recipe, load_recipe
+from fedfusion.recipe import Recipe, load_recipe, tier_methods, uses
 from fedfusion.report import write_report
 from fedfusion.run_dir import RunDir, new_run_path, read_jsonl
 from fedfusion.selection import make_selector
-from fedfusion.strategies.distillation import DistillationFusion, Family
-from fedfusion.strategies.generative import GenerativeFusion
-from fedfusion.strategies.lora import LoRAFusion, adapted_modules
+from fedfusion.strategies.fusion import FusionStrategy, Listener
 from fedfusion.strategies.quorum import QuorumGrid
 from fedfusion.strategies.stop import RunInterrupted, StopGrid
-from fedfusion.strategies.submodel import ClientRound, SubModelFusion
 from fedfusion.targets import Target, lm_target, lora_data_spec, lora_target
 from fedfusion.transfer import distill_families, transfer_text
 from fedfusion.wire import fault_spec, train_spec
@@ -72,84 +73,95 @@ def build_participation(recipe: Recipe) -> Participation:
     return Participation(selector, catalog, model, avail.start_clock_s, avail.round_interval_s, avail.deadline_s)
 
 
-def build_strategy(recipe: Recipe, target: Target) -> SubModelFusion:
-    """The fusion strategy a recipe names (``fusion.method``), with the specs its messages carry."""
+def build_methods(recipe: Recipe, target: Target) -> dict[str, FusionMethod]:
+    """The fusion method of every device tier of the recipe's population (``fusion.method``, or per tier
+    ``fusion.tiers`` for a mixed federation): one object per method, serving the tiers assigned to it."""
+    assigned = tier_methods(recipe)
+    tiers: dict[str, list[str]] = {}
+    for tier, name in assigned.items():
+        tiers.setdefault(name, []).append(tier)
+    builders = {"submodel": build_submodel, "generative": build_generative, "distill": build_distillation,
+                "lora": build_lora}
+    built = {name: builders[name](recipe, target, mine) for name, mine in tiers.items()}
+    return {tier: built[name] for tier, name in assigned.items()}
+
+
+def build_submodel(recipe: Recipe, target: Target, tiers: list[str]) -> SubModelMethod:
+    """Width slicing for ``tiers`` at their ``fusion.widths``."""
+    f = recipe.fusion
+    return SubModelMethod(
+        target.model.config, {t: f.widths[t] for t in tiers}, target.initial.to_torch_state_dict(), policy=f.policy,
+        stride=f.stride, stagger=f.stagger and f.policy == "rolling", run_seed=recipe.seed, aggregate=f.aggregate,
+        trim=f.trim, axes=tuple(f.axes) if f.axes else None, scale=f.scaler,
+        ordered_ladder=tuple(f.ordered_ladder) if f.ordered_ladder else None, ordered_distill=f.ordered_distill,
+        wire_dtype=f.wire_dtype, outer=OuterConfig(f.outer, f.outer_lr, f.outer_momentum))
+
+
+def build_generative(recipe: Recipe, target: Target, tiers: list[str]) -> GenerativeMethod:
+    """Generative distillation for ``tiers``: each keeps the static slice at its ``fusion.widths`` as its own model."""
+    f, g = recipe.fusion, recipe.generative
+    return GenerativeMethod(
+        target.model.config, {t: f.widths[t] for t in tiers}, target.initial.to_torch_state_dict(),
+        GenerativeConfig(g.sample_fraction, g.temperature, g.server_steps, g.server_lr, g.server_batch),
+        seq_len=recipe.train.seq_len, population=recipe.population.num_clients, run_seed=recipe.seed,
+        axes=tuple(f.axes) if f.axes else None, scale=f.scaler)
+
+
+def build_strategy(recipe: Recipe, target: Target, listeners: Sequence[Listener] = ()) -> FusionStrategy:
+    """The fusion strategy over the recipe's methods, with the specs its messages carry."""
     train = recipe.train
     population = {"mix": dict(recipe.population.mix), "num_clients": recipe.population.num_clients,
                   "seed": recipe.seed}
     spec = lora_data_spec(recipe) if recipe.fusion.method == "lora" else data_spec(recipe)
-    common = dict(
+    query = {"population": json.dumps(population), "data-spec": spec, "seq-len": train.seq_len}
+    if recipe.fusion.method == "lora":
+        query.update(lora_client_spec(recipe), role="lora")  # LoRA clients count instruction pairs
+    return FusionStrategy(
+        build_methods(recipe, target),
+        participation=build_participation(recipe),
         clients_per_round=recipe.selection.clients_per_round,
         min_clients=recipe.selection.min_clients,
-        participation=build_participation(recipe),
-        query_config={"population": json.dumps(population), "data-spec": spec, "seq-len": train.seq_len},
+        query_config=query,
         train_config={
             **train_spec(train), "seed": recipe.seed, "threads": recipe.engine.threads_per_client, "data-spec": spec,
             **fault_spec(recipe.faults), **privacy_spec(recipe),
         },
-        max_norm_ratio=recipe.fusion.max_norm_ratio,
+        weighting=recipe.fusion.weighting,
         evaluate_clients=recipe.selection.evaluate_clients,
         seed=recipe.seed,
-        query_timeout_s=recipe.selection.timeout_s,
+        max_norm_ratio=recipe.fusion.max_norm_ratio,
         overselect=recipe.selection.overselect,
-    )
-    if recipe.fusion.method == "lora":
-        return build_lora(recipe, target, common)
-    common.update(config=target.model.config, weighting=recipe.fusion.weighting)
-    if recipe.fusion.method == "distill":
-        return build_distillation(recipe, common)
-    if recipe.fusion.method == "generative":
-        g = recipe.generative
-        return GenerativeFusion(
-            generative=GenerativeConfig(g.sample_fraction, g.temperature, g.server_steps, g.server_lr, g.server_batch),
-            population=recipe.population.num_clients,
-            widths=dict(recipe.fusion.widths), axes=tuple(recipe.fusion.axes) if recipe.fusion.axes else None,
-            scale=recipe.fusion.scaler, **common)
-    return SubModelFusion(
-        widths=dict(recipe.fusion.widths),
-        policy=recipe.fusion.policy,
-        stride=recipe.fusion.stride,
-        stagger=recipe.fusion.stagger and recipe.fusion.policy == "rolling",
-        aggregate=recipe.fusion.aggregate,
-        trim=recipe.fusion.trim,
-        axes=tuple(recipe.fusion.axes) if recipe.fusion.axes else None,
-        scale=recipe.fusion.scaler,
-        ordered_ladder=tuple(recipe.fusion.ordered_ladder) if recipe.fusion.ordered_ladder else None,
-        ordered_distill=recipe.fusion.ordered_distill,
-        wire_dtype=recipe.fusion.wire_dtype,
-        outer=OuterConfig(recipe.fusion.outer, recipe.fusion.outer_lr, recipe.fusion.outer_momentum),
-        **common,
+        query_timeout_s=recipe.selection.timeout_s,
+        listeners=listeners,
     )
 
 
-def build_distillation(recipe: Recipe, common: dict[str, Any]) -> DistillationFusion:
-    """Distillation fusion: one global model per small family, a transfer set no client owns; every family
-    is scored each round on the same pooled held-out text as the target."""
+def build_distillation(recipe: Recipe, target: Target, tiers: list[str]) -> DistillMethod:
+    """Distillation fusion for ``tiers``: one global model per small family, a transfer set no client owns; every
+    family is scored each round on the same pooled held-out text as the target."""
     d, tokenizer = recipe.distill, load_tokenizer(recipe.model.pretrained)
     text = transfer_text(d.transfer.source, data_spec(recipe), d.transfer.max_chars, d.transfer.path)
     families = {name: Family(config, own) for name, (config, own) in distill_families(recipe, tokenizer, text).items()}
-    return DistillationFusion(
-        tokenizer=tokenizer, families=families, tier_family=dict(d.tier_family), transfer_text=text,
-        teacher=d.teacher, average=d.average, confidence=d.confidence, temperature=d.temperature,
-        kd_weight=d.kd_weight, diversity_weight=d.diversity_weight, server_steps=d.server_steps,
-        server_lr=d.server_lr, server_batch_size=d.server_batch_size, back_distill=d.back_distill,
-        back_steps=d.back_steps, back_lr=d.back_lr,
-        eval_text=pooled_held_out(data_spec(recipe), recipe.data.eval_chars), **common)
+    return DistillMethod(target.model.config, tokenizer, families, {t: d.tier_family[t] for t in tiers}, text,
+                         recipe.train.seq_len, d,
+                         eval_text=pooled_held_out(data_spec(recipe), recipe.data.eval_chars), run_seed=recipe.seed)
 
 
-def build_lora(recipe: Recipe, target: Target, common: dict[str, Any]) -> LoRAFusion:
-    """Heterogeneous-rank LoRA on the target's frozen base; clients load the same base themselves."""
+def lora_client_spec(recipe: Recipe) -> dict[str, str | float]:
+    """What every LoRA client needs to load the same frozen base and adapt the same modules."""
     lora = recipe.lora
-    tiers = list(recipe.population.mix)
-    lora_spec = {"role": "lora", "base": lora.base, "dtype": lora.dtype,
-                 "target-modules": ",".join(lora.target_modules), "lora-dropout": lora.dropout}
-    common["query_config"].update(lora_spec)
-    common["train_config"].update(lora_spec)
-    return LoRAFusion(
+    return {"base": lora.base, "dtype": lora.dtype, "target-modules": ",".join(lora.target_modules),
+            "lora-dropout": lora.dropout}
+
+
+def build_lora(recipe: Recipe, target: Target, tiers: list[str]) -> LoRAMethod:
+    """Heterogeneous-rank LoRA for ``tiers`` on the target's frozen base; clients load the same base themselves."""
+    lora = recipe.lora
+    return LoRAMethod(
         modules=adapted_modules(target.model, list(lora.target_modules)),
         ranks={t: lora.ranks[t] for t in tiers}, alphas={t: lora.alpha for t in tiers},
         quantize={t: lora.quantize.get(t, 0) for t in tiers}, method=lora.method, base_params=target.params,
-        weighting=recipe.fusion.weighting, **common)
+        client_spec=lora_client_spec(recipe))
 
 
 def privacy_spec(recipe: Recipe) -> dict[str, str | float]:
@@ -179,58 +191,67 @@ def price_client(row: ClientRound, catalog: dict[str, Device]) -> dict[str, floa
 def ledger_row(server_round: int, row: ClientRound, catalog: dict[str, Device]) -> dict[str, Any]:
     """One clients.jsonl row: what the client did (its measured joules included, where it had a meter) and
     its priced energy (:func:`price_client`)."""
-    return {"round": server_round, **asdict(row), **price_client(row, catalog)}
+    return {"round": server_round, **row.to_dict(), **price_client(row, catalog)}
+
+
+class CentralEvaluation:
+    """Flower's ``evaluate_fn``: the target scored on the server (round 0: before training)."""
+
+    def __init__(self, target: Target) -> None:
+        self.target = target
+
+    def __call__(self, server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        if server_round > 0:
+            self.target.load(arrays)
+        metrics: dict[str, int | float | list[int] | list[float]] = dict(self.target.evaluate())
+        return MetricRecord(metrics)
 
 
 class RoundRecorder:
-    """Flower's ``evaluate_fn``: scores the target centrally and writes the round's ledger rows."""
+    """A listener of the strategy's round reports: writes the round's ledger rows, the progress line and, every
+    ``checkpoint_every`` rounds, the checkpoint (``state`` gives the strategy's state for it)."""
 
-    def __init__(self, run: RunDir, strategy: SubModelFusion, target: Target, on_round: RoundCallback,
+    def __init__(self, run: RunDir, state: Callable[[], dict[str, Any]], target: Target, on_round: RoundCallback,
                  catalog: dict[str, Device], checkpoint_every: int = 0, resumed: Checkpoint | None = None,
                  server_device: Device | None = None) -> None:
-        self.run, self.strategy, self.target = run, strategy, target
+        self.run, self.state, self.target = run, state, target
         self.on_round, self.catalog = on_round, catalog
         self.arrays = target.initial  # the target's arrays after the last round seen
         self.nodes_logged: set[int] = set()  # nodes whose capabilities are in nodes.jsonl
         self.checkpoint_every, self.server_device = checkpoint_every, server_device
         self.start = self.last = time.perf_counter()
         self.rows: list[dict[str, Any]] = []
-        self.offset = 0
         self.saved_round: int | None = None  # the round of the last checkpoint, the one a resume continues after
         if resumed is not None:  # rounds up to the checkpoint are already in the ledger
             self.arrays = ArrayRecord(resumed.target)
-            self.offset = self.saved_round = resumed.round
+            self.saved_round = resumed.round
             self.start -= resumed.elapsed_s
             self.rows = read_jsonl(run.path / "metrics.jsonl")
 
-    def __call__(self, server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
-        if server_round == 0 and self.offset:
-            return None  # the checkpointed target was scored when it was saved
-        server_round += self.offset
+    def __call__(self, report: RoundReport) -> None:
+        server_round, clients = report.round, report.clients
         if server_round > 0:
-            self.target.load(arrays)
-            self.arrays = arrays
-        metrics = self.target.evaluate()
-        clients = list(self.strategy.last.clients.values()) if server_round > 0 else []
+            self.arrays = report.arrays
         ok = [c for c in clients if c.status == "ok"]
         ledger = [ledger_row(server_round, c, self.catalog) for c in clients]
         server = {"virtual_s": 0.0, "energy_j": 0.0, "co2_g": 0.0}
-        if server_round > 0 and self.server_device is not None and self.strategy.server_cost["flops"]:
-            cost = price_work(self.server_device, self.strategy.server_cost["flops"], 0, 0)
+        if server_round > 0 and self.server_device is not None and report.server_cost["flops"]:
+            cost = price_work(self.server_device, report.server_cost["flops"], 0, 0)
             server = {"virtual_s": cost.virtual_s, "energy_j": cost.wall_j, "co2_g": cost.co2_g}
         now = time.perf_counter()
+        first = server_round == 0
         row = {
-            "round": server_round, **metrics,
-            "train_loss": sum(c.train_loss for c in ok) / len(ok) if ok else None,
-            "coverage": self.strategy.last.coverage if server_round > 0 else None,
+            "round": server_round, **report.metrics,
+            "train_loss": sum(c.train_loss or 0.0 for c in ok) / len(ok) if ok else None,
+            "coverage": None if first else report.coverage,
             "bytes_down": sum(c.bytes_down for c in clients),
             "bytes_up": sum(c.bytes_up for c in clients),
             "clients_ok": len(ok), "clients_cut": sum(c.status == "cut" for c in clients),
             "clients_failed": sum(c.status not in ("ok", "cut") for c in clients),
             "dropouts": sum(c.status == "dropped" for c in clients),
-            "clock_s": self.strategy.last.clock_s if server_round > 0 else None,
-            "void": bool(self.strategy.last.void) if server_round > 0 else False,
-            "aggregate_s": self.strategy.last.aggregate_s if server_round > 0 else 0.0,
+            "clock_s": None if first else report.clock_s,
+            "void": report.void,
+            "aggregate_s": report.aggregate_s,
             "wall_s": now - self.last, "elapsed_s": now - self.start,
             # simulated time advances by the slowest client the round waited for (not the ones over-selection
             # cut), then the server's own work; energy and carbon add up over all of them
@@ -238,25 +259,24 @@ class RoundRecorder:
             "energy_j": sum(c["energy_j"] for c in ledger) + server["energy_j"],
             "wasted_j": sum(c["energy_j"] for c in ledger if c["wasted"]),
             "co2_g": sum(c["co2_g"] for c in ledger) + server["co2_g"],
-            "server_flops": self.strategy.server_cost["flops"] if server_round > 0 else 0.0,
-            "server_s": self.strategy.server_cost["seconds"] if server_round > 0 else 0.0,
+            "server_flops": report.server_cost["flops"],
+            "server_s": report.server_cost["seconds"],
             "server_energy_j": server["energy_j"], "server_co2_g": server["co2_g"],
-            **(self.strategy.last.fed_eval if server_round > 0 else {}),
+            **report.fed_eval,
         }
         self.last = now
         self.rows.append(row)
         self.run.log_round(row)
         self.run.log_clients(ledger)
-        new_nodes = {n: c for n, c in self.strategy.caps.items() if n not in self.nodes_logged}
+        new_nodes = {n: c for n, c in report.nodes.items() if n not in self.nodes_logged}
         self.run.log_nodes([{"round": server_round, "node": n, **dict(c)} for n, c in new_nodes.items()])
         self.nodes_logged |= set(new_nodes)
         if self.checkpoint_every and server_round and server_round % self.checkpoint_every == 0:
             save_checkpoint(self.run.path, Checkpoint(
-                round=server_round, target=arrays.to_torch_state_dict(), elapsed_s=row["elapsed_s"],
-                strategy=self.strategy.state_dict()))
+                round=server_round, target=report.arrays.to_torch_state_dict(), elapsed_s=row["elapsed_s"],
+                strategy=self.state()))
             self.saved_round = server_round
         self.on_round(row)
-        return MetricRecord({k: float(v) for k, v in metrics.items()})
 
 
 def facts_summary(recipe: Recipe, rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -294,9 +314,15 @@ def run_federation(grid: Grid, recipe: Recipe, run: RunDir, on_round: RoundCallb
     started, earlier_s = time.perf_counter(), 0.0
     try:
         target = lora_target(recipe)[0] if recipe.fusion.method == "lora" else lm_target(recipe)
+        ckpt = load_checkpoint(run.path) if resume else None
+        catalog = load_catalog(recipe.population.catalog)
+        server_device = (catalog[recipe.distill.server_device] if uses(recipe, "distill") else
+                         catalog[recipe.generative.server_device] if uses(recipe, "generative") else None)
         strategy = build_strategy(recipe, target)
         write_partition_sizes(run.path, recipe)  # the population's data is built by now: plan and report show it
-        ckpt = load_checkpoint(run.path) if resume else None
+        recorder = RoundRecorder(run, strategy.state_dict, target, on_round, catalog, recipe.output.checkpoint_every,
+                                 ckpt, server_device)
+        strategy.listeners.append(recorder)
         initial = target.initial
         if ckpt is not None:
             initial = ArrayRecord(ckpt.target)
@@ -305,18 +331,13 @@ def run_federation(grid: Grid, recipe: Recipe, run: RunDir, on_round: RoundCallb
             earlier_s = earlier_wall_s(run, ckpt)
             run.cut_ledgers(ckpt.round)
             log(INFO, "fedfusion: resuming %s after round %d of %d", run.path, ckpt.round, recipe.rounds)
-        catalog = load_catalog(recipe.population.catalog)
-        server_device = {"distill": catalog[recipe.distill.server_device],
-                         "generative": catalog[recipe.generative.server_device]}.get(recipe.fusion.method)
-        recorder = RoundRecorder(run, strategy, target, on_round, catalog, recipe.output.checkpoint_every, ckpt,
-                                 server_device)
         if stop is not None:
             grid = StopGrid(grid, stop)
         if recipe.selection.overselect > 0:
             grid = QuorumGrid(grid, quorum=recipe.selection.clients_per_round)
         strategy.start(
             grid=grid, initial_arrays=initial, num_rounds=recipe.rounds - (ckpt.round if ckpt else 0),
-            timeout=recipe.selection.timeout_s, evaluate_fn=recorder,
+            timeout=recipe.selection.timeout_s, evaluate_fn=CentralEvaluation(target),
         )
         if recipe.output.save_model:
             hf_logging.disable_progress_bar()  # the run's own progress is the one to show

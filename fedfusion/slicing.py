@@ -283,6 +283,28 @@ def _robust_reduce(stack: torch.Tensor, rule: str, trim: float) -> torch.Tensor:
     return torch.where(keep, ordered, 0.0).sum(0) / keep.sum(0).clamp_min(1)
 
 
+def stage_update(target: dict[str, torch.Tensor], config: PretrainedConfig, sub: dict[str, torch.Tensor],
+                 plan: SlicePlan) -> list[tuple[str, tuple[torch.Tensor | None, ...], torch.Tensor]]:
+    """A client's trained sub-model as (target tensor, slice index, value with the scaler undone); a mismatched
+    key or shape, or NaN/Inf, raises ValueError naming it."""
+    slices = tensor_slices(target, config, plan)
+    expected = {sl.sub_name: (name, sl) for name, sl in slices.items()}
+    if set(sub) != set(expected):
+        missing, extra = set(expected) - set(sub), set(sub) - set(expected)
+        raise ValueError(f"update keys differ from the plan's sub-model: missing {sorted(missing)[:3]}, "
+                         f"extra {sorted(extra)[:3]}")
+    staged = []
+    for sub_name, value in sub.items():
+        name, sl = expected[sub_name]
+        shape = _sliced_shape(target[name].shape, sl.index)
+        if tuple(value.shape) != shape:
+            raise ValueError(f"{sub_name}: shape {tuple(value.shape)} does not match its slice {shape}")
+        if not torch.isfinite(value).all():
+            raise ValueError(f"{sub_name}: update holds NaN or Inf")
+        staged.append((name, sl.index, value.float() / sl.scale))
+    return staged
+
+
 class SelectiveAverager:
     """Folds client sub-models into the target, each coordinate over the clients whose slice held it.
 
@@ -308,21 +330,7 @@ class SelectiveAverager:
     def add(self, sub: dict[str, torch.Tensor], plan: SlicePlan, weight: float = 1.0) -> None:
         """Fold one client's trained sub-model in; a mismatched key or shape, or NaN/Inf, raises ValueError
         before anything is added, so a bad update never touches the sums."""
-        slices = tensor_slices(self.target, self.config, plan)
-        expected = {sl.sub_name: (name, sl) for name, sl in slices.items()}
-        if set(sub) != set(expected):
-            missing, extra = set(expected) - set(sub), set(sub) - set(expected)
-            raise ValueError(f"update keys differ from the plan's sub-model: missing {sorted(missing)[:3]}, "
-                             f"extra {sorted(extra)[:3]}")
-        staged = []
-        for sub_name, value in sub.items():
-            name, sl = expected[sub_name]
-            shape = _sliced_shape(self.target[name].shape, sl.index)
-            if tuple(value.shape) != shape:
-                raise ValueError(f"{sub_name}: shape {tuple(value.shape)} does not match its slice {shape}")
-            if not torch.isfinite(value).all():
-                raise ValueError(f"{sub_name}: update holds NaN or Inf")
-            staged.append((name, sl.index, value.float() / sl.scale))
+        staged = stage_update(self.target, self.config, sub, plan)
         if self.rule != "mean":  # robust rules keep the slices and ignore weights
             self.kept.append({name: (index, value) for name, index, value in staged})
             weight = 1.0

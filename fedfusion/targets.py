@@ -23,6 +23,7 @@ from fedfusion import instruct
 from fedfusion.data import encode_text, lm_windows
 from fedfusion.facts import Probe, encode_probes, greedy_answer, probe_metrics
 from fedfusion.federated_data import instruct_spec
+from fedfusion.fusion.lora import adapted_modules, apply_global, save_adapter, save_merged, snapshot
 from fedfusion.models import build_target, count_params
 from fedfusion.population import data_spec, data_tokenizer, facts_data, pooled_held_out
 from fedfusion.pretrained import load_base, load_base_tokenizer, resolve_base
@@ -114,14 +115,6 @@ def lora_data_spec(recipe: Recipe) -> str:
 def lora_target(recipe: Recipe) -> tuple[Target, dict[str, torch.Tensor]]:
     """A frozen pretrained base plus the global LoRA update (empty before round 1); also the base's
     original weights of the adapted modules, which every round's update is applied to."""
-    from fedfusion.strategies.lora import (
-        adapted_modules,
-        apply_global,
-        save_adapter,
-        save_merged,
-        snapshot,
-    )
-
     lora = recipe.lora
     tokenizer = load_base_tokenizer(lora.base)  # converts and caches a GGUF base once, before any client
     model = load_base(lora.base)
@@ -134,9 +127,10 @@ def lora_target(recipe: Recipe) -> tuple[Target, dict[str, torch.Tensor]]:
         asks (``output.save_merged``): it is a whole copy of a base the user already has."""
         if not len(arrays):
             return  # no round produced an update: the base is unchanged
-        save_adapter(arrays, out.parent / "adapter", list(lora.target_modules), resolve_base(lora.base))
+        state = arrays.to_torch_state_dict()
+        save_adapter(state, out.parent / "adapter", list(lora.target_modules), resolve_base(lora.base))
         if recipe.output.save_merged:
-            save_merged(model, original, arrays, tokenizer, out)
+            save_merged(model, original, state, tokenizer, out)
 
     def sample() -> str:
         prompts = [p.prompt for p in pairs[: lora.samples]]
@@ -145,7 +139,7 @@ def lora_target(recipe: Recipe) -> tuple[Target, dict[str, torch.Tensor]]:
 
     target = Target(
         model=model, tokenizer=tokenizer, initial=ArrayRecord(),
-        load=lambda arrays: apply_global(model, original, arrays),
+        load=lambda arrays: apply_global(model, original, arrays.to_torch_state_dict()),
         evaluate=lambda: instruct.evaluate_instruct(model, data), save=save, sample=sample,
         params=count_params(model), metric_names=RESPONSE_METRICS,
     )

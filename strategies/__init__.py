@@ -1,18 +1,14 @@
-"""Flower server strategies (installed as ``fedfusion.strategies``).
-
-Each class is imported on first use, so a server loads only the strategy its recipe runs.
-"""
+"""Flower server strategies (installed as ``fedfusion.strategies``): :class:`FusionStrategy`, the one strategy
+that drives every fusion method (:mod:`fedfusion.fusion`), and the Grid wrappers it runs behind."""
 
 from importlib import import_module
 from typing import Any
 
-_MODULES = {"DistillationFusion": "distillation", "GenerativeFusion": "generative", "LoRAFusion": "lora",
-            "SubModelFusion": "submodel"}
-__all__ = list(_MODULES)
+__all__ = ["FusionStrategy"]
 
 
 def __getattr__(name: str) -> Any:
-    """``fedfusion.strategies.X``: the class from its own module, imported now."""
-    if name not in _MODULES:
+    """``fedfusion.strategies.FusionStrategy``, imported on first use."""
+    if name != "FusionStrategy":
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(import_module(f"{__name__}.{_MODULES[name]}"), name)
+    return import_module(f"{__name__}.fusion").FusionStrategy

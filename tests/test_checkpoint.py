@@ -13,7 +13,7 @@ from fedfusion.checkpoint import Checkpoint, load_checkpoint, rng_state, save_ch
 from fedfusion.cli import main
 from fedfusion.recipe import load_recipe
 from fedfusion.run_dir import RunDir, read_jsonl
-from tests.test_strategy import FakeGrid, make_strategy, task_identity  # noqa: F401 (autouse fixture)
+from tests.test_strategy import FakeGrid, make_strategy, plans, task_identity  # noqa: F401 (autouse fixture)
 
 
 def test_checkpoint_round_trips_target_and_state(tmp_path):
@@ -74,7 +74,7 @@ def test_a_restored_strategy_samples_and_slices_like_the_uninterrupted_one():
     assert [m.metadata.dst_node_id for m in again] == [m.metadata.dst_node_id for m in third]
     assert [m.content["config"]["seed"] for m in again] == [m.content["config"]["seed"] for m in third]
     assert all(m.content["config"]["server-round"] == 3 for m in again)
-    assert resumed.plans == straight.plans
+    assert plans(resumed) == plans(straight)
 
 
 def test_resume_refuses_a_recipe_or_overrides(tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""DistillationFusion on hand-built Flower Messages (no Ray): per-family messages, FedAvg within families,
+"""FusionStrategy driving distillation (DistillMethod) on hand-built Flower Messages (no Ray): per-family messages, FedAvg within families,
 distillation into the target and back, rejection of bad replies, void rounds; and the small-model client role."""
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ from fedfusion.clients import smallmodel
 from fedfusion.data import build_char_tokenizer
 from fedfusion.devices import load_catalog
 from fedfusion.participation import Participation
-from fedfusion.recipe import DataConfig
+from fedfusion.recipe import DataConfig, DistillConfig
 from fedfusion.selection import make_selector
-from fedfusion.strategies.distillation import DistillationFusion, Family, family_eval_set, score_per_char
+from fedfusion.fusion.distill import DistillMethod, Family, family_eval_set, score_per_char
+from fedfusion.strategies import FusionStrategy
 from fedfusion.transfer import family_tokenizer, train_bpe, wrap_tokenizer
 from tests.test_strategy import FakeGrid, task_identity  # noqa: F401  (autouse fixture)
 
@@ -47,21 +48,33 @@ def llama(hidden: int, vocab: int) -> LlamaConfig:
                        max_position_embeddings=256, tie_word_embeddings=False)
 
 
-def make(bpe, min_clients: int = 1, back_distill: bool = False, teacher: str = "feddf", **kw):
+def make(bpe, min_clients: int = 1, back_distill: bool = False, teacher: str = "feddf", eval_text: str = "",
+         diversity_weight: float = 0.0) -> tuple[FusionStrategy, dict]:
     families = {"tiny": Family(llama(16, len(CHAR))),
                 "gpt": Family(GPT2Config(vocab_size=len(bpe), n_embd=16, n_layer=1, n_head=2, n_positions=256,
                                          bos_token_id=2, eos_token_id=3), bpe)}
-    strategy = DistillationFusion(
-        config=llama(32, len(CHAR)), tokenizer=CHAR, families=families,
-        tier_family={"phone": "tiny", "laptop": "gpt"}, transfer_text=TEXT, clients_per_round=3,
+    settings = DistillConfig(teacher=teacher, kd_weight=1.0, diversity_weight=diversity_weight, server_steps=4,
+                             server_batch_size=4, back_distill=back_distill, back_steps=2)
+    method = DistillMethod(llama(32, len(CHAR)), CHAR, families, {"phone": "tiny", "laptop": "gpt"}, TEXT, 16,
+                           settings, eval_text=eval_text)
+    strategy = FusionStrategy(
+        {"phone": method, "laptop": method}, clients_per_round=3,
         min_clients=min_clients, participation=Participation(make_selector("random", seed=0), load_catalog()),
         query_config={"population": "{}"},
-        train_config={"local-steps": 1, "lr": 0.1, "seed": 0, "seq-len": 16, "batch-size": 2},
-        teacher=teacher, server_steps=4, server_batch_size=4, back_distill=back_distill, back_steps=2,
-        wait_nodes_s=1.0, **kw,
+        train_config={"local-steps": 1, "lr": 0.1, "seed": 0, "seq-len": 16, "batch-size": 2}, wait_nodes_s=1.0,
     )
     torch.manual_seed(0)
-    return strategy, LlamaForCausalLM(strategy.config).state_dict()
+    return strategy, LlamaForCausalLM(method.config).state_dict()
+
+
+def dm(strategy: FusionStrategy) -> DistillMethod:
+    """The strategy's distillation method (every tier's)."""
+    return strategy.methods["phone"]
+
+
+def fed_eval(strategy: FusionStrategy) -> dict:
+    """The fed_eval part of the round's report: the family scores and any federated evaluation."""
+    return dict(strategy.report(1, None, {}).fed_eval)
 
 
 def _reply(msg: Message, arrays: dict | None, error: str | None = None, n: int = 10) -> Message:
@@ -90,7 +103,7 @@ def test_each_node_gets_its_family_model_and_a_spec_to_rebuild_it(bpe):
         state = m.content["arrays"].to_torch_state_dict()
         model = models.small_model(str(spec["model-config"]), state)  # the client can rebuild it
         assert type(model).__name__ == ("LlamaForCausalLM" if family == "tiny" else "GPT2LMHeadModel")
-        row = strategy.last.clients[node]
+        row = strategy.round.rows[node]
         assert row.assignment == {"family": family} and row.params == sum(t.numel() for t in state.values())
     tok = {m.content["config"]["family"]: str(m.content["config"]["tokenizer-json"]) for m in msgs}
     assert tok["tiny"] == ""  # the target's tokenizer
@@ -99,23 +112,23 @@ def test_each_node_gets_its_family_model_and_a_spec_to_rebuild_it(bpe):
 
 def test_families_are_averaged_and_distilled_into_the_target(bpe):
     strategy, target = make(bpe)
-    before = {k: {n: t.clone() for n, t in s.items()} for k, s in strategy.family_states.items()}
+    before = {k: {n: t.clone() for n, t in s.items()} for k, s in dm(strategy).family_states.items()}
     msgs = {m.metadata.dst_node_id: m for m in strategy.configure_train(1, ArrayRecord(target), ConfigRecord({}), FakeGrid(GRID))}
     arrays, metrics = strategy.aggregate_train(1, [_reply(msgs[11], _shifted(msgs[11], 0.01)),
                                                    _reply(msgs[13], _shifted(msgs[13], 0.03)),
                                                    _reply(msgs[12], _shifted(msgs[12], -0.01))])
-    assert metrics["clients_ok"] == 3 and strategy.last.coverage == 1.0 and not strategy.last.void
+    assert metrics["clients_ok"] == 3 and strategy.round.coverage == 1.0 and not strategy.round.void
     for name, shift in (("tiny", 0.02), ("gpt", -0.01)):  # FedAvg within each family
-        for k, v in strategy.family_states[name].items():
+        for k, v in dm(strategy).family_states[name].items():
             torch.testing.assert_close(v, before[name][k] + shift)
     new = arrays.to_torch_state_dict()
     assert new.keys() == target.keys() and any(not torch.equal(new[k], target[k]) for k in target)
     # the server's counted work: the target's training plus both teachers' forward passes
     tokens = 4 * 4 * 16
     target_params = sum(t.numel() for t in target.values())
-    assert strategy.server_cost["tokens"] == tokens
-    assert strategy.server_cost["flops"] > 6 * target_params * tokens
-    assert metrics["server_flops"] == strategy.server_cost["flops"] and strategy.server_cost["seconds"] > 0
+    assert strategy.round.server_cost["tokens"] == tokens
+    assert strategy.round.server_cost["flops"] > 6 * target_params * tokens
+    assert metrics["server_flops"] == strategy.round.server_cost["flops"] and strategy.round.server_cost["seconds"] > 0
 
 
 @pytest.mark.parametrize("teacher", ["feddf", "fedet"])
@@ -127,24 +140,24 @@ def test_back_distillation_moves_every_trained_family(bpe, teacher):
     for name in ("tiny", "gpt"):
         sent = next(m for m in msgs.values() if m.content["config"]["family"] == name)
         sent_state = sent.content["arrays"].to_torch_state_dict()
-        assert any(not torch.equal(strategy.family_states[name][k], sent_state[k]) for k in sent_state)
+        assert any(not torch.equal(dm(strategy).family_states[name][k], sent_state[k]) for k in sent_state)
         assert metrics[f"back_kd_{name}"] >= 0
 
 
 def test_untrained_families_neither_teach_nor_learn(bpe):
     strategy, target = make(bpe, back_distill=True)
-    gpt_before = {k: v.clone() for k, v in strategy.family_states["gpt"].items()}
+    gpt_before = {k: v.clone() for k, v in dm(strategy).family_states["gpt"].items()}
     grid = FakeGrid({11: "phone", 13: "phone"})
     msgs = list(strategy.configure_train(1, ArrayRecord(target), ConfigRecord({}), grid))
     _, metrics = strategy.aggregate_train(1, [_reply(m, _shifted(m, 0.0)) for m in msgs])
-    assert strategy.trained == {"tiny"} and "back_kd_tiny" in metrics and "back_kd_gpt" not in metrics
-    for k, v in strategy.family_states["gpt"].items():
+    assert dm(strategy).trained == {"tiny"} and "back_kd_tiny" in metrics and "back_kd_gpt" not in metrics
+    for k, v in dm(strategy).family_states["gpt"].items():
         assert torch.equal(v, gpt_before[k])
 
 
 def test_bad_replies_are_rejected_and_good_ones_fold_in(bpe):
     strategy, target = make(bpe)
-    before = {k: v.clone() for k, v in strategy.family_states["tiny"].items()}
+    before = {k: v.clone() for k, v in dm(strategy).family_states["tiny"].items()}
     msgs = {m.metadata.dst_node_id: m for m in strategy.configure_train(1, ArrayRecord(target), ConfigRecord({}), FakeGrid(GRID))}
     nan = _shifted(msgs[13], 0.0)
     nan["model.norm.weight"][0] = float("nan")
@@ -152,27 +165,27 @@ def test_bad_replies_are_rejected_and_good_ones_fold_in(bpe):
     wrong_shape["transformer.wte.weight"] = torch.zeros(3, 3)
     _, metrics = strategy.aggregate_train(1, [_reply(msgs[11], _shifted(msgs[11], 0.5)), _reply(msgs[13], nan),
                                               _reply(msgs[12], wrong_shape)])
-    status = {n: c.status for n, c in strategy.last.clients.items()}
+    status = {n: c.status for n, c in strategy.round.rows.items()}
     assert status == {11: "ok", 12: "rejected", 13: "rejected"} and metrics["clients_ok"] == 1
-    assert "NaN" in strategy.last.clients[13].error and "shape" in strategy.last.clients[12].error
-    for k, v in strategy.family_states["tiny"].items():  # only node 11's update averaged in
+    assert "NaN" in strategy.round.rows[13].error and "shape" in strategy.round.rows[12].error
+    for k, v in dm(strategy).family_states["tiny"].items():  # only node 11's update averaged in
         torch.testing.assert_close(v, before[k] + 0.5)
-    assert strategy.trained == {"tiny"}
+    assert dm(strategy).trained == {"tiny"}
 
 
 def test_errors_absurd_norms_and_missing_replies(bpe):
     strategy, target = make(bpe, min_clients=2)
     msgs = {m.metadata.dst_node_id: m for m in strategy.configure_train(1, ArrayRecord(target), ConfigRecord({}), FakeGrid(GRID))}
-    before = {k: {n: t.clone() for n, t in s.items()} for k, s in strategy.family_states.items()}
+    before = {k: {n: t.clone() for n, t in s.items()} for k, s in dm(strategy).family_states.items()}
     huge = {k: v * 1000 for k, v in msgs[11].content["arrays"].to_torch_state_dict().items()}
     arrays, metrics = strategy.aggregate_train(1, [_reply(msgs[11], huge), _reply(msgs[12], None, error="boom\nRuntimeError: device crashed")])
-    status = {n: c.status for n, c in strategy.last.clients.items()}
+    status = {n: c.status for n, c in strategy.round.rows.items()}
     assert status == {11: "rejected", 12: "failed", 13: "timeout"}
-    assert "norm" in strategy.last.clients[11].error and strategy.last.clients[12].error == "RuntimeError: device crashed"
+    assert "norm" in strategy.round.rows[11].error and strategy.round.rows[12].error == "RuntimeError: device crashed"
     # a void round: the target (no arrays returned) and every family stay as they were, and nothing is charged
-    assert arrays is None and metrics["clients_ok"] == 0 and strategy.last.void
-    assert strategy.server_cost["flops"] == 0.0 and not strategy.trained
-    for name, state in strategy.family_states.items():
+    assert arrays is None and metrics["clients_ok"] == 0 and strategy.round.void
+    assert strategy.round.server_cost["flops"] == 0.0 and not dm(strategy).trained
+    for name, state in dm(strategy).family_states.items():
         assert all(torch.equal(v, before[name][k]) for k, v in state.items())
 
 
@@ -184,9 +197,9 @@ def test_checkpoint_state_restores_families_and_sampling(bpe):
     saved = json.loads(json.dumps(strategy.state_dict()))  # what a checkpoint writes and reads back
     resumed, _ = make(bpe)
     resumed.load_state_dict(saved, rounds_done=1)
-    assert resumed.trained == strategy.trained and strategy.trained
-    for name, state in strategy.family_states.items():
-        assert all(torch.equal(resumed.family_states[name][k], v) for k, v in state.items())
+    assert dm(resumed).trained == dm(strategy).trained and dm(strategy).trained
+    for name, state in dm(strategy).family_states.items():
+        assert all(torch.equal(dm(resumed).family_states[name][k], v) for k, v in state.items())
     # both continue with the same sample, round number and family models
     a = [list(strategy.configure_train(r, arrays, ConfigRecord({}), grid)) for r in (2, 3)]
     b = [list(resumed.configure_train(r, arrays, ConfigRecord({}), grid)) for r in (1, 2)]
@@ -200,17 +213,14 @@ def test_checkpoint_state_restores_families_and_sampling(bpe):
 
 def test_unknown_family_names_the_tier(bpe):
     with pytest.raises(ValueError, match="tier_family.laptop: unknown family 'huge'"):
-        DistillationFusion(
-            config=llama(32, len(CHAR)), tokenizer=CHAR, families={"tiny": Family(llama(16, len(CHAR)))},
-            tier_family={"phone": "tiny", "laptop": "huge"}, transfer_text=TEXT, clients_per_round=1,
-            min_clients=1, participation=None, query_config={}, train_config={"seq-len": 16},
-        )
+        DistillMethod(llama(32, len(CHAR)), CHAR, {"tiny": Family(llama(16, len(CHAR)))},
+                      {"phone": "tiny", "laptop": "huge"}, TEXT, 16, DistillConfig())
     with pytest.raises(ValueError, match="family 'tiny': vocab_size 7"):
-        DistillationFusion(
-            config=llama(32, len(CHAR)), tokenizer=CHAR, families={"tiny": Family(llama(16, 7))},
-            tier_family={"phone": "tiny"}, transfer_text=TEXT, clients_per_round=1, min_clients=1,
-            participation=None, query_config={}, train_config={"seq-len": 16},
-        )
+        DistillMethod(llama(32, len(CHAR)), CHAR, {"tiny": Family(llama(16, 7))}, {"phone": "tiny"}, TEXT, 16,
+                      DistillConfig())
+    with pytest.raises(ValueError, match="teacher 'mean' is not one of feddf, fedet"):
+        DistillMethod(llama(32, len(CHAR)), CHAR, {"tiny": Family(llama(16, len(CHAR)))}, {"phone": "tiny"}, TEXT, 16,
+                      DistillConfig(teacher="mean"))
 
 
 def test_family_configs_and_tokenizers_build_the_models_they_name(bpe):
@@ -280,7 +290,7 @@ def test_family_scores_are_per_character_for_char_and_bpe_models(bpe):
     strategy, _ = make(bpe)
     torch.manual_seed(1)
     for name, tok, char_level in (("tiny", CHAR, True), ("gpt", bpe, False)):
-        model = strategy.family_model(name)
+        model = dm(strategy).family_model(name)
         scores = score_per_char(model, family_eval_set(tok, HELD_OUT, 16))
         assert scores["loss"] == pytest.approx(_nats_per_char(model, tok, HELD_OUT, 16), rel=1e-4)
         assert scores["ppl"] == pytest.approx(math.exp(scores["loss"]))
@@ -289,42 +299,42 @@ def test_family_scores_are_per_character_for_char_and_bpe_models(bpe):
     # an untrained model is near uniform over its vocabulary per token: per char that is log(V) for the
     # character model and log(V) x tokens / chars for the BPE model
     char, subword = family_eval_set(CHAR, HELD_OUT, 16), family_eval_set(bpe, HELD_OUT, 16)
-    assert score_per_char(strategy.family_model("tiny"), char)["loss"] == pytest.approx(math.log(len(CHAR)), rel=0.1)
+    assert score_per_char(dm(strategy).family_model("tiny"), char)["loss"] == pytest.approx(math.log(len(CHAR)), rel=0.1)
     per_char = math.log(len(bpe)) * subword.windows[:, 1:].numel() / subword.chars
-    assert score_per_char(strategy.family_model("gpt"), subword)["loss"] == pytest.approx(per_char, rel=0.1)
+    assert score_per_char(dm(strategy).family_model("gpt"), subword)["loss"] == pytest.approx(per_char, rel=0.1)
 
 
 def test_every_trained_family_is_scored_each_round_and_void_rounds_keep_the_scores(bpe):
     strategy, target = make(bpe, back_distill=True, eval_text=HELD_OUT)
     msgs = list(strategy.configure_train(1, ArrayRecord(target), ConfigRecord({}), FakeGrid({11: "phone", 13: "phone"})))
     strategy.aggregate_train(1, [_reply(m, _shifted(m, 0.01)) for m in msgs])
-    tiny = score_per_char(strategy.family_model("tiny"), family_eval_set(CHAR, HELD_OUT, 16))
-    assert strategy.last.fed_eval == {"family_tiny_loss": tiny["loss"], "family_tiny_ppl": tiny["ppl"],
+    tiny = score_per_char(dm(strategy).family_model("tiny"), family_eval_set(CHAR, HELD_OUT, 16))
+    assert fed_eval(strategy) == {"family_tiny_loss": tiny["loss"], "family_tiny_ppl": tiny["ppl"],
                                       "family_tiny_acc": tiny["acc"]}  # the untrained gpt family is not scored
     msgs = list(strategy.configure_train(2, ArrayRecord(target), ConfigRecord({}), FakeGrid(GRID)))
     strategy.aggregate_train(2, [_reply(m, _shifted(m, 0.01)) for m in msgs])
-    scores = strategy.last.fed_eval
+    scores = fed_eval(strategy)
     assert set(scores) == {"family_tiny_loss", "family_tiny_ppl", "family_tiny_acc", "family_gpt_loss", "family_gpt_ppl",
                            "family_gpt_token_acc"}
     assert scores["family_tiny_loss"] != tiny["loss"]  # re-scored after this round's FedAvg and back-distillation
-    gpt = score_per_char(strategy.family_model("gpt"), family_eval_set(bpe, HELD_OUT, 16))
+    gpt = score_per_char(dm(strategy).family_model("gpt"), family_eval_set(bpe, HELD_OUT, 16))
     assert scores["family_gpt_loss"] == gpt["loss"]
     # the target's federated evaluation is merged, not substituted
     reply = Message(RecordDict({"metrics": MetricRecord({"num-examples": 4, "eval_loss": 2.0, "eval_acc": 0.5})}),
                     reply_to=msgs[0])
     strategy.aggregate_evaluate(2, [reply])
-    assert strategy.last.fed_eval == {**scores, "fed_eval_loss": 2.0, "fed_eval_acc": 0.5}
+    assert fed_eval(strategy) == {**scores, "fed_eval_loss": 2.0, "fed_eval_acc": 0.5}
     # a void round changes no family, and reports the same scores
     msgs = list(strategy.configure_train(3, ArrayRecord(target), ConfigRecord({}), FakeGrid(GRID)))
     strategy.aggregate_train(3, [_reply(m, None, error="boom") for m in msgs])
-    assert strategy.last.void and strategy.last.fed_eval == scores
+    assert strategy.round.void and fed_eval(strategy) == scores
     resumed, _ = make(bpe, eval_text=HELD_OUT)  # a resumed run reports them too until the next round scores
     resumed.load_state_dict(json.loads(json.dumps(strategy.state_dict())), rounds_done=3)
-    assert resumed.family_eval() == scores
+    assert dm(resumed).metrics() == scores
 
 
 def test_without_eval_text_nothing_is_scored(bpe):
     strategy, target = make(bpe)
     msgs = list(strategy.configure_train(1, ArrayRecord(target), ConfigRecord({}), FakeGrid(GRID)))
     strategy.aggregate_train(1, [_reply(m, _shifted(m, 0.0)) for m in msgs])
-    assert strategy.last.fed_eval == {}
+    assert fed_eval(strategy) == {}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
@@ -12,7 +14,8 @@ from fedfusion.devices import load_catalog
 from fedfusion.generative import SAMPLES_KEY, GenerativeConfig, SamplePool, check_samples, sample_windows
 from fedfusion.participation import Participation
 from fedfusion.selection import make_selector
-from fedfusion.strategies import GenerativeFusion
+from fedfusion.fusion.generative import GenerativeMethod
+from fedfusion.strategies import FusionStrategy
 from tests.conftest import tiny_config
 from tests.test_strategy import FakeGrid, task_identity  # noqa: F401  (autouse fixture)
 
@@ -48,9 +51,11 @@ def _strategy():
     cfg = tiny_config(heads=4, kv_heads=4, hidden=32, inter=48)
     torch.manual_seed(0)
     state = LlamaForCausalLM(cfg).state_dict()
-    strategy = GenerativeFusion(
-        generative=GenerativeConfig(sample_fraction=0.5, server_steps=3, server_batch=4), population=20,
-        config=cfg, widths={"phone": 0.25, "desktop": 0.5}, clients_per_round=2, min_clients=1,
+    method = GenerativeMethod(cfg, {"phone": 0.25, "desktop": 0.5}, state,
+                              GenerativeConfig(sample_fraction=0.5, server_steps=3, server_batch=4), seq_len=8,
+                              population=20)
+    strategy = FusionStrategy(
+        {"phone": method, "desktop": method}, clients_per_round=2, min_clients=1,
         query_config={"population": "{}"}, participation=Participation(make_selector("random", seed=0), load_catalog()),
         train_config={"local-steps": 1, "lr": 0.1, "seed": 0, "seq-len": 8}, wait_nodes_s=1.0)
     return strategy, state, cfg
@@ -71,24 +76,22 @@ def test_strategy_keeps_device_models_rejects_bad_samples_and_trains_the_target(
     good = {**own, SAMPLES_KEY: torch.randint(0, cfg.vocab_size, (1, 9))}
     bad = {**msgs[12].content["arrays"].to_torch_state_dict(), SAMPLES_KEY: torch.randint(0, cfg.vocab_size, (1, 5))}
     arrays, metrics = strategy.aggregate_train(1, [_reply(msgs[11], good), _reply(msgs[12], bad)])
-    assert {n: c.status for n, c in strategy.last.clients.items()} == {11: "ok", 12: "rejected"}
-    assert "integer token ids" in strategy.last.clients[12].error
-    assert metrics["clients_ok"] == 1 and strategy.server_cost["flops"] > 0
+    assert {n: c.status for n, c in strategy.round.rows.items()} == {11: "ok", 12: "rejected"}
+    assert "integer token ids" in strategy.round.rows[12].error
+    assert metrics["clients_ok"] == 1 and strategy.round.server_cost["flops"] > 0
     new = arrays.to_torch_state_dict()
     assert any(not torch.equal(new[k], state[k]) for k in state)  # the target trained on the samples
-    assert all(torch.equal(strategy.devices[11][k], own[k]) for k in own)  # node 11's model is kept as returned
+    assert all(torch.equal(strategy.methods["phone"].devices[11][k], own[k]) for k in own)  # node 11's model is kept as returned
     again = {m.metadata.dst_node_id: m for m in strategy.configure_train(2, arrays, ConfigRecord({}), grid)}
     sent = again[11].content["arrays"].to_torch_state_dict()  # both nodes train every round (2 per round)
     assert all(torch.equal(sent[k], own[k]) for k in own)  # its own model back, not a fresh slice
     restored, _, _ = _strategy()
-    restored.load_state_dict(strategy.state_dict(), 2)
-    assert torch.equal(restored.pool.windows(), strategy.pool.windows())
-    assert all(torch.equal(restored.devices[11][k], strategy.devices[11][k]) for k in own)
+    restored.load_state_dict(json.loads(json.dumps(strategy.state_dict())), 2)
+    assert torch.equal(restored.methods["phone"].pool.windows(), strategy.methods["phone"].pool.windows())
+    assert all(torch.equal(restored.methods["phone"].devices[11][k], strategy.methods["phone"].devices[11][k]) for k in own)
 
 
 def test_client_role_trains_and_samples(tmp_path):
-    import json
-
     from fedfusion.population import data_spec
     from fedfusion.recipe import load_recipe
     from fedfusion.slicing import extract, plan_slice, sub_config

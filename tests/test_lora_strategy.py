@@ -1,4 +1,4 @@
-"""LoRAFusion on hand-built Flower Messages and on in-process clients over a tiny base (no Ray)."""
+"""FusionStrategy driving heterogeneous-rank LoRA (LoRAMethod) on hand-built Flower Messages and on in-process clients over a tiny base (no Ray)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 from fedfusion import adapters
 from fedfusion.clients import lora as client
-from fedfusion.strategies.lora import (
-    LoRAFusion,
+from fedfusion.fusion.lora import (
+    LoRAMethod,
     adapted_modules,
     apply_global,
     save_adapter,
@@ -44,6 +44,7 @@ from fedfusion.lora import (
 from fedfusion.participation import Participation
 from fedfusion.pretrained import load_base_tokenizer
 from fedfusion.selection import make_selector
+from fedfusion.strategies import FusionStrategy
 from tests.test_lora_client import DATA, MODULES, save_tiny_base
 
 RANKS = {"phone": 2, "laptop": 4, "desktop": 8}
@@ -103,14 +104,16 @@ class FakeGrid:
         return replies
 
 
-def make(shapes, method="flexlora", base="unused", min_clients=1, ranks=RANKS, alphas=ALPHAS, **train) -> LoRAFusion:
-    config = {"base": base, "dtype": "float32", "target-modules": ",".join(MODULES), "lora-dropout": 0.0,
-              "local-steps": 2, "lr": 1e-2, "batch-size": 4, "seq-len": 96, "weight-decay": 0.0, "seed": 0,
+def make(shapes, method="flexlora", base="unused", min_clients=1, ranks=RANKS, alphas=ALPHAS, **train) -> FusionStrategy:
+    lora = LoRAMethod(modules=shapes, ranks=ranks, alphas=alphas, quantize=QUANT, method=method, base_params=1000,
+                      client_spec={"base": base, "dtype": "float32", "target-modules": ",".join(MODULES),
+                                   "lora-dropout": 0.0})
+    config = {"local-steps": 2, "lr": 1e-2, "batch-size": 4, "seq-len": 96, "weight-decay": 0.0, "seed": 0,
               "threads": 1, "data-spec": DATA, **train}
-    return LoRAFusion(modules=shapes, ranks=ranks, alphas=alphas, quantize=QUANT, method=method, base_params=1000,
-                      clients_per_round=3, min_clients=min_clients, query_config={"population": "{}"},
-                      participation=Participation(make_selector("random", seed=0), load_catalog()),
-                      train_config=config, wait_nodes_s=0.5)
+    return FusionStrategy({tier: lora for tier in ranks}, clients_per_round=3, min_clients=min_clients,
+                          query_config={"population": "{}"}, weighting="examples",
+                          participation=Participation(make_selector("random", seed=0), load_catalog()),
+                          train_config=config, wait_nodes_s=0.5)
 
 
 def random_client(shapes, rank, alpha, weight, seed) -> ClientLoRA:
@@ -185,8 +188,8 @@ def test_each_node_gets_its_tier_rank_alpha_and_precision_in_its_own_message(sha
         for mod, (o, i) in shapes.items():
             assert sent[f"{mod}.lora_A"].shape == (RANKS[tier], i) and sent[f"{mod}.lora_A"].abs().sum() > 0
             assert sent[f"{mod}.lora_B"].shape == (o, RANKS[tier]) and not sent[f"{mod}.lora_B"].any()
-        row = strategy.last.clients[m.metadata.dst_node_id]
-        assert row.rank == RANKS[tier] and row.adapter_params == RANKS[tier] * sum(o + i for o, i in shapes.values())
+        row = strategy.round.rows[m.metadata.dst_node_id]
+        assert row.extra["rank"] == RANKS[tier] and row.extra["adapter_params"] == RANKS[tier] * sum(o + i for o, i in shapes.values())
 
 
 def test_bad_replies_are_rejected_and_good_ones_aggregate_exactly(shapes):
@@ -202,11 +205,11 @@ def test_bad_replies_are_rejected_and_good_ones_aggregate_exactly(shapes):
         reply(msgs[11], as_arrays(good[11]), n=10), reply(msgs[12], nan), reply(msgs[13], as_arrays(good[13]), n=30),
         reply(msgs[14], wrong_rank), reply(msgs[15], None, error="Traceback ...\nRuntimeError: out of memory"),
     ])
-    rows = strategy.last.clients
+    rows = strategy.round.rows
     assert {n: r.status for n, r in rows.items()} == {11: "ok", 12: "rejected", 13: "ok", 14: "rejected", 15: "failed"}
     assert "NaN" in rows[12].error and "expected (2, 64)" in rows[14].error and rows[15].error == "RuntimeError: out of memory"
-    assert metrics["clients_ok"] == 2 and metrics["num-examples"] == 40 and strategy.last.coverage == 1.0
-    A, B = split_global(arrays)
+    assert metrics["clients_ok"] == 2 and metrics["num-examples"] == 40 and strategy.round.coverage == 1.0
+    A, B = split_global(arrays.to_torch_state_dict())
     want = aggregate_lora([good[11], good[13]], "hetlora")
     for m in shapes:
         torch.testing.assert_close(B[m] @ A[m], want.delta[m], **CLOSE)
@@ -227,8 +230,8 @@ def test_a_reply_far_larger_than_the_adapter_sent_is_rejected(shapes):
     served = {n: m.content["arrays"].to_torch_state_dict() for n, m in msgs.items()}
     wild = {k: v * 100 if k.endswith("lora_B") else v for k, v in served[13].items()}
     strategy.aggregate_train(1, [reply(msgs[11], served[11]), reply(msgs[12], served[12]), reply(msgs[13], wild)])
-    assert {n: r.status for n, r in strategy.last.clients.items()} == {11: "ok", 12: "ok", 13: "rejected"}
-    assert "over 10x the norm" in strategy.last.clients[13].error
+    assert {n: r.status for n, r in strategy.round.rows.items()} == {11: "ok", 12: "ok", 13: "rejected"}
+    assert "over 10x the norm" in strategy.round.rows[13].error
 
 
 def test_missing_keys_and_too_few_good_replies_leave_the_global_unchanged(shapes):
@@ -237,9 +240,9 @@ def test_missing_keys_and_too_few_good_replies_leave_the_global_unchanged(shapes
     partial = as_arrays(random_client(shapes, 2, 4.0, 1, 0))
     partial.pop("model.layers.0.self_attn.q_proj.lora_A")
     arrays, metrics = strategy.aggregate_train(1, [reply(msgs[0], partial)])
-    assert arrays is None and strategy.last.void and metrics["clients_ok"] == 0
-    assert "missing ['model.layers.0.self_attn.q_proj.lora_A']" in strategy.last.clients[11].error
-    assert sorted(r.status for r in strategy.last.clients.values()) == ["rejected", "timeout", "timeout"]
+    assert arrays is None and strategy.round.void and metrics["clients_ok"] == 0
+    assert "missing ['model.layers.0.self_attn.q_proj.lora_A']" in strategy.round.rows[11].error
+    assert sorted(r.status for r in strategy.round.rows.values()) == ["rejected", "timeout", "timeout"]
 
 
 def test_flora_sends_the_merged_update_and_fresh_adapters(shapes):
@@ -251,7 +254,7 @@ def test_flora_sends_the_merged_update_and_fresh_adapters(shapes):
         got = msg.content["arrays"].to_torch_state_dict()
         assert set(got) == {f"{m}.{kind}_{x}" for m in shapes for x in "AB" for kind in ("merged", "lora")}
         assert not any(got[f"{m}.lora_B"].any() for m in shapes)  # fresh adapters on the merged update
-        assert strategy.last.clients[msg.metadata.dst_node_id].bytes_down == msg.content["arrays"].count_bytes()
+        assert strategy.round.rows[msg.metadata.dst_node_id].bytes_down == msg.content["arrays"].count_bytes()
 
 
 def test_settings_that_cannot_work_are_refused_with_the_key(shapes):
@@ -278,12 +281,12 @@ def test_two_rounds_with_real_clients_train_and_save_in_peft_and_hf_format(base,
     losses = []
 
     def evaluate(server_round, arrays):
-        apply_global(model, original, arrays)
+        apply_global(model, original, arrays.to_torch_state_dict())
         losses.append(evaluate_instruct(model, held)["eval_loss"])
 
     grid = FakeGrid(DEVICES, train=True)
     result = strategy.start(grid=grid, initial_arrays=ArrayRecord(), num_rounds=2, evaluate_fn=evaluate)
-    assert [r.status for r in strategy.last.clients.values()] == ["ok"] * 3
+    assert [r.status for r in strategy.round.rows.values()] == ["ok"] * 3
     assert losses[-1] < losses[0] - 0.1
     # federated evaluation: the node scored base + global update on its own held-out pairs
     evaluated = [m for m in grid.sent if m.metadata.message_type == MessageType.EVALUATE]
@@ -294,10 +297,10 @@ def test_two_rounds_with_real_clients_train_and_save_in_peft_and_hf_format(base,
     with adapters.merged_update(client.frozen_base(base, bits, "float32"), msg.content["arrays"].to_torch_state_dict()):
         want = evaluate_instruct(client.frozen_base(base, bits, "float32"),
                                  client.client_data(DATA, partition, base, 96, "held_out"))["eval_loss"]
-    assert strategy.last.fed_eval["fed_eval_loss"] == pytest.approx(want, rel=1e-4)
+    assert strategy.round.fed_eval["fed_eval_loss"] == pytest.approx(want, rel=1e-4)
     # the global adapter in peft format reproduces the merged model
-    save_adapter(result.arrays, tmp_path / "adapter", list(MODULES), base)
-    merged = save_merged(model, original, result.arrays, tok, tmp_path / "model")
+    save_adapter(result.arrays.to_torch_state_dict(), tmp_path / "adapter", list(MODULES), base)
+    merged = save_merged(model, original, result.arrays.to_torch_state_dict(), tok, tmp_path / "model")
     ids = torch.randint(100, (2, 12))
     peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), tmp_path / "adapter")
     want = AutoModelForCausalLM.from_pretrained(merged)(input_ids=ids).logits
@@ -315,7 +318,7 @@ def test_a_round_without_learning_leaves_the_global_update_unchanged(method, bas
     B = {m: 0.1 * torch.randn(o, 4, generator=g) for m, (o, _) in shapes.items()}
     start = ArrayRecord({**{f"{m}.lora_A": a for m, a in A.items()}, **{f"{m}.lora_B": b for m, b in B.items()}})
     result = strategy.start(grid=FakeGrid({13: "desktop"}, train=True), initial_arrays=start, num_rounds=1)
-    A2, B2 = split_global(result.arrays)
+    A2, B2 = split_global(result.arrays.to_torch_state_dict())
     for m in shapes:
         torch.testing.assert_close(B2[m] @ A2[m], B[m] @ A[m], **CLOSE)
 
@@ -355,7 +358,7 @@ def test_dp_clipping_bounds_each_lora_clients_adapter_update(method, base, shape
         assert norm == pytest.approx(0.001, rel=1e-3)
         replies.append(out)
     strategy.aggregate_train(2, replies)
-    assert {r.status for r in strategy.last.clients.values()} == {"ok"}
+    assert {r.status for r in strategy.round.rows.values()} == {"ok"}
 
 
 def test_local_dp_noise_is_not_mistaken_for_an_absurd_update(base, shapes):
@@ -381,7 +384,7 @@ def test_local_dp_noise_is_not_mistaken_for_an_absurd_update(base, shapes):
 
     replies = [privacy_mod(m, ctx, train) for m in strategy.configure_train(2, arrays, ConfigRecord({}), FakeGrid(DEVICES))]
     strategy.aggregate_train(2, replies)
-    assert {r.status for r in strategy.last.clients.values()} == {"ok"}
+    assert {r.status for r in strategy.round.rows.values()} == {"ok"}
     assert make(shapes, method="flexlora").max_norm_ratio == 10.0  # on without local DP
 
 

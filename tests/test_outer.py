@@ -115,7 +115,8 @@ def test_outer_state_survives_a_json_checkpoint_and_a_missing_one_is_refused():
     from fedfusion.devices import load_catalog
     from fedfusion.participation import Participation
     from fedfusion.selection import make_selector
-    from fedfusion.strategies import SubModelFusion
+    from fedfusion.fusion.submodel import SubModelMethod
+    from fedfusion.strategies import FusionStrategy
     from tests.test_strategy import FakeGrid
 
     from flwr.supercore.task_identity import TaskIdentity
@@ -123,15 +124,16 @@ def test_outer_state_survives_a_json_checkpoint_and_a_missing_one_is_refused():
     TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 0
     cfg = _cfg()
 
-    def make(outer):
-        return SubModelFusion(
-            config=cfg, widths={"phone": 0.5}, policy="rolling", stride=0.25, stagger=True, clients_per_round=2,
-            min_clients=1, query_config={"population": "{}"},
-            participation=Participation(make_selector("random", seed=0), load_catalog()),
-            train_config={"local-steps": 1, "lr": 0.1, "seed": 0}, wait_nodes_s=1.0, outer=outer)
-
     torch.manual_seed(0)
     state = family_of(cfg).build(cfg).state_dict()
+
+    def make(outer):
+        method = SubModelMethod(cfg, {"phone": 0.5}, state, policy="rolling", stride=0.25, stagger=True, outer=outer)
+        return FusionStrategy(
+            {"phone": method}, clients_per_round=2, min_clients=1, query_config={"population": "{}"},
+            participation=Participation(make_selector("random", seed=0), load_catalog()),
+            train_config={"local-steps": 1, "lr": 0.1, "seed": 0}, wait_nodes_s=1.0)
+
     strategy = make(OuterConfig("nesterov", lr=0.7, momentum=0.9))
     grid = FakeGrid({11: "phone", 12: "phone"})
     msgs = list(strategy.configure_train(1, ArrayRecord(state), ConfigRecord({}), grid))
@@ -142,8 +144,9 @@ def test_outer_state_survives_a_json_checkpoint_and_a_missing_one_is_refused():
     saved = json.loads(json.dumps(strategy.state_dict()))  # what save_checkpoint writes
     resumed = make(OuterConfig("nesterov", lr=0.7, momentum=0.9))
     resumed.load_state_dict(saved, rounds_done=1)
-    assert resumed.outer.steps == 1 and set(resumed.outer.state) == set(strategy.outer.state)
-    assert all(torch.equal(resumed.outer.state[k]["m"], strategy.outer.state[k]["m"]) for k in strategy.outer.state)
+    before, after = strategy.methods["phone"].outer, resumed.methods["phone"].outer
+    assert after.steps == 1 and set(after.state) == set(before.state)
+    assert all(torch.equal(after.state[k]["m"], before.state[k]["m"]) for k in before.state)
     plain = make(None).state_dict()
     with pytest.raises(ValueError, match="no outer-optimizer state"):
         make(OuterConfig("avgm")).load_state_dict(json.loads(json.dumps(plain)), rounds_done=1)

@@ -107,7 +107,7 @@ def test_strategy_logs_dropped_clients_without_sending_them_work():
     strategy.participation.deadline_s = 1e-9  # every client is predicted too slow
     grid = FakeGrid({11: "phone", 12: "desktop", 13: "phone"})
     assert list(strategy.configure_train(1, ArrayRecord(state), ConfigRecord({}), grid)) == []
-    rows = strategy.last.clients.values()
+    rows = strategy.round.rows.values()
     assert {r.status for r in rows} == {"dropped"} and all(r.params > 0 and r.bytes_down > 0 for r in rows)
     arrays, metrics = strategy.aggregate_train(1, [])
     assert arrays is None and metrics["clients_ok"] == 0

@@ -17,7 +17,7 @@ from tests.test_strategy import task_identity  # noqa: F401 (autouse fixture)
 
 
 def _train_message(spec: dict) -> tuple[Message, dict[str, torch.Tensor]]:
-    """A TRAIN message carrying a real half-width sub-model, as SubModelFusion builds it."""
+    """A TRAIN message carrying a real half-width sub-model, as FusionStrategy builds it for a sub-model client."""
     cfg = tiny_config()
     torch.manual_seed(0)
     from transformers import LlamaForCausalLM

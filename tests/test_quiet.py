@@ -65,7 +65,7 @@ def test_only_lora_imports_peft_and_bitsandbytes():
     """A server and the sub-model, small-model and generative client roles load neither (LoRA clients do)."""
     code = ("import sys, fedfusion.server_app, fedfusion.client_app, fedfusion.strategies as s; "
             "import fedfusion.clients.submodel, fedfusion.clients.smallmodel, fedfusion.clients.generative; "
-            "s.SubModelFusion, s.LoRAFusion; print(sorted(m for m in ('peft', 'bitsandbytes') if m in sys.modules))")
+            "s.FusionStrategy, fedfusion.server_app.LoRAMethod; print(sorted(m for m in ('peft', 'bitsandbytes') if m in sys.modules))")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
@@ -74,8 +74,8 @@ def test_only_lora_imports_peft_and_bitsandbytes():
 
 def test_strategies_resolve_lazily_by_name():
     import fedfusion.strategies as strategies
-    from fedfusion.strategies.submodel import SubModelFusion
+    from fedfusion.strategies.fusion import FusionStrategy
 
-    assert strategies.SubModelFusion is SubModelFusion
+    assert strategies.FusionStrategy is FusionStrategy
     with pytest.raises(AttributeError, match="NoSuchFusion"):
         strategies.NoSuchFusion  # noqa: B018

@@ -89,14 +89,14 @@ def test_over_selection_samples_extra_clients_and_records_the_ones_not_waited_fo
     assert len(msgs) == 3
     ok = [_reply(m, m.content["arrays"].to_torch_state_dict()) for m in msgs[:2]]
     strategy.aggregate_train(1, ok)
-    statuses = sorted(c.status for c in strategy.last.clients.values())
+    statuses = sorted(c.status for c in strategy.round.rows.values())
     assert statuses == ["cut", "ok", "ok"]
-    cut = next(c for c in strategy.last.clients.values() if c.status == "cut")
+    cut = next(c for c in strategy.round.rows.values() if c.status == "cut")
     assert "closed once 2 updates" in cut.error
     # short of the quorum, a silent client timed out as without over-selection
     msgs = list(strategy.configure_train(2, ArrayRecord(state), ConfigRecord({}), grid))
     strategy.aggregate_train(2, [_reply(msgs[0], msgs[0].content["arrays"].to_torch_state_dict())])
-    assert sorted(c.status for c in strategy.last.clients.values()) == ["ok", "timeout", "timeout"]
+    assert sorted(c.status for c in strategy.round.rows.values()) == ["ok", "timeout", "timeout"]
 
 
 def test_overselect_is_checked():

@@ -157,3 +157,27 @@ def test_a_model_given_as_a_path_must_be_a_model_directory_and_a_hub_id_is_left_
     (tmp_path / "config.json").write_text("{}")
     assert load_recipe("quickstart", [*extra, f"{key}={tmp_path}"])
     assert load_recipe("quickstart", [*extra, f"{key}=HuggingFaceTB/SmolLM2-135M"])  # a hub id: not checked here
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["fusion.tiers={phone: distill}"], "fusion.tiers: per-tier methods need fusion.method=mixed, got 'submodel'"),
+    (["fusion.tiers={phone: distill, laptop: submodel}"], "fusion.tiers: no method for tier 'desktop'"),
+    (["fusion.tiers.desktop=lora"], "fusion.tiers.desktop: lora cannot be mixed"),
+    (["fusion.tiers.desktop=slicing"], "fusion.tiers.desktop: 'slicing' is not one of submodel, distill, generative"),
+    (["fusion.tiers.tablet=submodel"], "fusion.tiers.tablet: not a tier of population.mix"),
+    (["fusion.widths={laptop: 0.25}"], "fusion.widths: no width for tier 'desktop'"),
+    (["distill.tier_family={laptop: tiny}"], "distill.tier_family: no family for tier 'phone'"),
+])
+def test_a_mixed_recipe_names_what_is_wrong_with_its_tiers(overrides, match):
+    recipe = "quickstart" if overrides[0].startswith("fusion.tiers={phone: distill}") else "mixed"
+    with pytest.raises(RecipeError, match=match):
+        load_recipe(recipe, overrides)
+
+
+def test_a_mixed_recipe_assigns_each_tier_its_method():
+    from fedfusion.recipe import tier_methods, uses
+
+    recipe = load_recipe("mixed")
+    assert tier_methods(recipe) == {"phone": "distill", "laptop": "submodel", "desktop": "submodel"}
+    assert uses(recipe, "distill") and not uses(recipe, "generative")
+    assert tier_methods(load_recipe("quickstart")) == {t: "submodel" for t in ("phone", "laptop", "desktop")}

@@ -288,3 +288,19 @@ def test_a_users_facts_run_end_to_end_with_generative_distillation(tmp_path):
     assert summary["facts"]["clients"] == 4 and summary["facts"]["probes"] == 24 * 6
     assert (out / "report.md").read_text().startswith("# Run report") and "The target recalls" in (out / "report.md").read_text()
     assert AutoTokenizer.from_pretrained(out / "model").get_vocab()["<bos>"] == 2
+
+
+def test_a_mixed_federation_runs_on_flower_with_a_method_per_tier(tmp_path):
+    """Phones distil a tiny family, laptops and desktops train slices: one run, one target, a method on every row."""
+    out = tmp_path / "mixed"
+    assert main(["run", "mixed", *TINY, "population.num_clients=6", "selection.clients_per_round=6",
+                 "distill.server_steps=2", "distill.back_steps=1", "distill.transfer.max_chars=5000",
+                 "--out", str(out)]) == 0
+    clients = read_jsonl(out / "clients.jsonl")
+    assert {c["device"]: c["method"] for c in clients} == {"phone": "distill", "laptop": "submodel",
+                                                           "desktop": "submodel"}
+    assert all(c["status"] == "ok" for c in clients) and len(clients) == 2 * 6
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert all(r["clients_ok"] == 6 and r["server_flops"] > 0 and "family_tiny_loss" in r for r in rows[1:])
+    assert rows[-1]["eval_loss"] < rows[0]["eval_loss"]
+    assert json.loads((out / "summary.json").read_text())["status"] == "ok"

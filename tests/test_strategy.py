@@ -1,4 +1,5 @@
-"""SubModelFusion on hand-built Flower Messages: per-node messages, specs, and rejection of bad replies."""
+"""FusionStrategy driving width slicing (SubModelMethod) on hand-built Flower Messages: per-node messages, specs,
+and rejection of bad replies."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from fedfusion.devices import load_catalog
 from fedfusion.participation import Participation
 from fedfusion.selection import make_selector
 from fedfusion.slicing import extract
-from fedfusion.strategies import SubModelFusion
+from fedfusion.fusion.submodel import SubModelMethod
+from fedfusion.strategies import FusionStrategy
 from tests.conftest import tiny_config
 
 
@@ -41,17 +43,23 @@ class FakeGrid:
                 for m in messages]
 
 
-def make_strategy(min_clients: int = 1, aggregate: str = "mean") -> tuple[SubModelFusion, dict]:
+def make_strategy(min_clients: int = 1, aggregate: str = "mean", wire_dtype: str = "float32") -> tuple[FusionStrategy, dict]:
     cfg = tiny_config(heads=4, kv_heads=4, hidden=32, inter=48)
     torch.manual_seed(0)
     state = LlamaForCausalLM(cfg).state_dict()
-    strategy = SubModelFusion(
-        config=cfg, widths={"phone": 0.25, "desktop": 0.5}, policy="rolling", stride=0.25, stagger=True,
-        clients_per_round=3, min_clients=min_clients, query_config={"population": "{}"},
-        participation=Participation(make_selector("random", seed=0), load_catalog()),
-        train_config={"local-steps": 1, "lr": 0.1, "seed": 0}, wait_nodes_s=1.0, aggregate=aggregate,
+    method = SubModelMethod(cfg, {"phone": 0.25, "desktop": 0.5}, state, policy="rolling", stride=0.25, stagger=True,
+                            aggregate=aggregate, wire_dtype=wire_dtype)
+    strategy = FusionStrategy(
+        {"phone": method, "desktop": method}, clients_per_round=3, min_clients=min_clients,
+        query_config={"population": "{}"}, participation=Participation(make_selector("random", seed=0), load_catalog()),
+        train_config={"local-steps": 1, "lr": 0.1, "seed": 0}, wait_nodes_s=1.0,
     )
     return strategy, state
+
+
+def plans(strategy: FusionStrategy) -> dict:
+    """Each sampled node's slice plan this round."""
+    return {node: payload.context[0] for node, payload in strategy.round.payloads.items()}
 
 
 def test_each_node_gets_its_own_message_with_its_slice_and_spec():
@@ -69,7 +77,7 @@ def test_each_node_gets_its_own_message_with_its_slice_and_spec():
         assert sub["model.layers.0.mlp.up_proj.weight"].shape[0] == cfg["intermediate_size"] == 48 * width
         assert sub["model.layers.0.self_attn.q_proj.weight"].shape[0] == cfg["num_attention_heads"] * 8
     # staggered: the three windows of this round do not overlap
-    units = [u for p in strategy.plans.values() for u in p.neurons]
+    units = [u for p in plans(strategy).values() for u in p.neurons]
     assert len(units) == len(set(units))
 
 
@@ -89,15 +97,17 @@ def test_bad_replies_are_rejected_and_logged_and_good_ones_fold_in():
     nan["model.norm.weight"][0] = float("nan")
     arrays, metrics = strategy.aggregate_train(1, [_reply(msgs[11], good), _reply(msgs[12], nan),
                                                    _reply(msgs[13], None, error="device crashed")])
-    status = {n: c.status for n, c in strategy.last.clients.items()}
+    status = {n: c.status for n, c in strategy.round.rows.items()}
     assert status == {11: "ok", 12: "rejected", 13: "failed"}
-    assert "NaN" in strategy.last.clients[12].error and "crashed" in strategy.last.clients[13].error
+    assert {r.method for r in strategy.round.rows.values()} == {"submodel"}  # clients.jsonl's method field
+    assert "NaN" in strategy.round.rows[12].error and "crashed" in strategy.round.rows[13].error
     assert metrics["clients_ok"] == 1
     new = arrays.to_torch_state_dict()
-    plan = strategy.plans[11]
-    expected = extract(state, strategy.config, plan)
+    plan = plans(strategy)[11]
+    plan_config = strategy.methods["phone"].config
+    expected = extract(state, plan_config, plan)
     # node 11's slice moved by exactly its update (scaler undone); everything else unchanged
-    got = extract(new, strategy.config, plan)
+    got = extract(new, plan_config, plan)
     np.testing.assert_allclose(got["model.norm.weight"], expected["model.norm.weight"] + 1.0, rtol=1e-6)
     outside = sorted(set(range(48)) - set(plan.neurons))
     assert torch.equal(new["model.layers.0.mlp.up_proj.weight"][outside], state["model.layers.0.mlp.up_proj.weight"][outside])
@@ -109,8 +119,8 @@ def test_too_few_good_replies_leave_the_target_unchanged():
     msgs = list(strategy.configure_train(1, ArrayRecord(state), ConfigRecord({}), grid))
     replies = [_reply(msgs[0], msgs[0].content["arrays"].to_torch_state_dict())]  # two nodes never answer
     arrays, metrics = strategy.aggregate_train(1, replies)
-    assert arrays is None and metrics["clients_ok"] == 1 and strategy.last.void
-    assert sorted(c.status for c in strategy.last.clients.values()) == ["ok", "timeout", "timeout"]
+    assert arrays is None and metrics["clients_ok"] == 1 and strategy.round.void
+    assert sorted(c.status for c in strategy.round.rows.values()) == ["ok", "timeout", "timeout"]
 
 
 def test_unknown_device_is_not_sampled():
@@ -188,7 +198,7 @@ def test_fuzzed_malformed_replies_are_all_rejected_logged_and_leave_the_target_u
                    for i, m in enumerate(msgs)]
         arrays, metrics = strategy.aggregate_train(rnd, replies)
         assert arrays is None and metrics["clients_ok"] == 0
-        rows = strategy.last.clients.values()
+        rows = strategy.round.rows.values()
         assert all(r.status == "rejected" and r.error for r in rows), [(r.status, r.error) for r in rows]
 
 
@@ -202,7 +212,7 @@ def test_a_good_update_with_broken_train_metrics_is_rejected_whole():
                for m, metrics in zip(msgs, bad)]
     arrays, metrics = strategy.aggregate_train(1, replies)
     assert arrays is None and metrics["clients_ok"] == 0
-    assert {r.status for r in strategy.last.clients.values()} == {"rejected"}
+    assert {r.status for r in strategy.round.rows.values()} == {"rejected"}
 
 
 def test_a_measured_host_energy_reading_is_kept_and_labelled():
@@ -213,7 +223,7 @@ def test_a_measured_host_energy_reading_is_kept_and_labelled():
                             "measured-j-nvml": 2.5})
     replies = [Message(RecordDict({"arrays": m.content["arrays"], "metrics": metrics}), reply_to=m) for m in msgs]
     strategy.aggregate_train(1, replies)
-    rows = strategy.last.clients.values()
+    rows = strategy.round.rows.values()
     assert all(r.status == "ok" and r.measured_j == 42.5 and r.measured_source == "nvml+rapl" for r in rows)
 
 
@@ -231,9 +241,9 @@ def test_tied_embeddings_travel_once_and_stay_tied(family):
     assert alias == "lm_head.weight"
     torch.manual_seed(0)
     state = family_of(cfg).build(cfg).state_dict()
-    strategy = SubModelFusion(
-        config=cfg, widths={"phone": 0.5, "desktop": 1.0}, policy="rolling", stride=0.25, stagger=False,
-        clients_per_round=2, min_clients=1, query_config={"population": "{}"},
+    method = SubModelMethod(cfg, {"phone": 0.5, "desktop": 1.0}, state, policy="rolling", stride=0.25)
+    strategy = FusionStrategy(
+        {"phone": method, "desktop": method}, clients_per_round=2, min_clients=1, query_config={"population": "{}"},
         participation=Participation(make_selector("random", seed=0), load_catalog()),
         train_config={"local-steps": 1, "lr": 0.1, "seed": 0}, wait_nodes_s=1.0,
     )
@@ -241,7 +251,7 @@ def test_tied_embeddings_travel_once_and_stay_tied(family):
     replies = []
     for m in msgs:
         sent = m.content["arrays"].to_torch_state_dict()
-        row = strategy.last.clients[m.metadata.dst_node_id]
+        row = strategy.round.rows[m.metadata.dst_node_id]
         sub = model_from_state(cfg.__class__.from_dict(json.loads(m.content["config"]["model-config"])), sent)
         assert alias not in sent and source in sent
         assert row.params == sum(p.numel() for p in sub.parameters()) == sum(t.numel() for t in sent.values())
@@ -266,16 +276,16 @@ def test_an_fp16_downlink_halves_the_bytes_sent_and_loses_no_part_of_an_update()
     sizes = {}
     stepped = {}
     for dtype, step in (("float32", 0.0), ("float16", 0.0), ("float32", 2e-4), ("float16", 2e-4)):
-        strategy, state = make_strategy()
-        strategy.wire_dtype = {"float32": torch.float32, "float16": torch.float16}[dtype]
+        strategy, state = make_strategy(wire_dtype=dtype)
+        wire_dtype = {"float32": torch.float32, "float16": torch.float16}[dtype]
         msgs = list(strategy.configure_train(1, ArrayRecord(state), ConfigRecord({}), grid))
         sent = [m.content["arrays"].to_torch_state_dict() for m in msgs]
-        assert {t.dtype for s in sent for t in s.values()} == {strategy.wire_dtype}
+        assert {t.dtype for s in sent for t in s.values()} == {wire_dtype}
         sizes[dtype] = sum(sum(t.nbytes for t in s.values()) for s in sent)
         replies = []
         for m, s in zip(msgs, sent):  # every client moves every weight it holds by ``step`` (after the scaler)
-            plan = strategy.plans[m.metadata.dst_node_id]
-            model = model_from_state(sub_config(strategy.config, plan), s)
+            plan = plans(strategy)[m.metadata.dst_node_id]
+            model = model_from_state(sub_config(strategy.methods["phone"].config, plan), s)
             with torch.no_grad():
                 for p in model.parameters():
                     p.add_(step)

@@ -1,0 +1,398 @@
+"""The one Flower strategy: drives any fusion method (:mod:`fedfusion.fusion`), or several at once, one per tier.
+
+Round flow (``Strategy.start`` drives it):
+1. ``configure_train``: a QUERY round for nodes not seen yet (their device tier), then the participation draw
+   (:mod:`fedfusion.participation`); every sampled node gets a fresh Message with the payload the method of its
+   tier makes for it, the common training spec and its seed (:func:`fedfusion.rounds.client_seed`).
+2. ``aggregate_train``: replies in sample order (not arrival order, so float sums and reruns repeat exactly); an
+   error reply is ``failed``; broken train metrics, a reply the method's check refuses, or an update norm over
+   ``max_norm_ratio`` times the norm sent is ``rejected``; silent nodes ``timeout`` (or ``cut`` once an
+   over-selection quorum closed the round). Fewer than ``min_clients`` good replies leave the target unchanged
+   (a void round). Otherwise each method folds its own updates, in :data:`fedfusion.rounds.FOLD_ORDER`
+   (:func:`fedfusion.rounds.fold_round`, which the in-process driver runs too).
+3. After Flower's central evaluation (``evaluate_fn``) the round is over: a frozen
+   :class:`~fedfusion.fusion.base.RoundReport` goes to every listener (the run recorder writes ledgers and the
+   checkpoint from it).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
+from logging import INFO, WARNING
+from typing import Any, cast
+
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.common.logger import log
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result, Strategy
+
+from fedfusion.checkpoint import rng_state, set_rng_state
+from fedfusion.energy import WorkCost, price_work, train_flops
+from fedfusion.fusion.base import (
+    Client,
+    ClientRound,
+    FusionMethod,
+    Payload,
+    RoundReport,
+    Update,
+    read_train_metrics,
+)
+from fedfusion.meters import read_measured
+from fedfusion.participation import Participation
+from fedfusion.rounds import client_seed, fold_order, fold_round, round_payloads
+from fedfusion.wire import DROPPED
+
+Listener = Callable[[RoundReport], None]
+
+
+def error_line(reason: str) -> str:
+    """The exception line of an error reply (Ray wraps the client's traceback around it)."""
+    lines = [line.strip() for line in reason.strip().splitlines() if line.strip()]
+    return (lines[-1] if lines else "unknown error")[:500]
+
+
+@dataclass
+class _Round:
+    """The round in progress (the strategy's only per-round mutable state); frozen into a RoundReport at its end."""
+
+    number: int = 0
+    target: dict[str, Any] = field(default_factory=dict)  # the target this round started from
+    rows: dict[int, ClientRound] = field(default_factory=dict)  # node -> row, in sample order
+    payloads: dict[int, Payload] = field(default_factory=dict)
+    coverage: float = 0.0
+    void: bool = False
+    aggregate_s: float = 0.0
+    clock_s: float = 0.0
+    fed_eval: dict[str, float] = field(default_factory=dict)
+    server_cost: dict[str, float] = field(default_factory=lambda: {"flops": 0.0, "seconds": 0.0, "tokens": 0.0})
+
+
+class FusionStrategy(Strategy):
+    """Node discovery, participation, seeds, reply checks, quorum cuts and the void-round rule, written once for
+    every fusion method. ``methods`` maps a device tier to the method its clients train with (one object may
+    serve several tiers); a node whose tier has no method is not sampled."""
+
+    def __init__(
+        self,
+        methods: Mapping[str, FusionMethod],
+        participation: Participation,
+        clients_per_round: int,
+        min_clients: int = 1,
+        query_config: Mapping[str, Any] | None = None,
+        train_config: Mapping[str, Any] | None = None,
+        weighting: str = "uniform",
+        evaluate_clients: int = 0,
+        seed: int = 0,
+        max_norm_ratio: float = 10.0,
+        overselect: float = 0.0,
+        wait_nodes_s: float = 60.0,
+        query_timeout_s: float = 600.0,
+        listeners: Iterable[Listener] = (),
+    ) -> None:
+        if not methods:
+            raise ValueError("no fusion method: map at least one device tier to a method")
+        if weighting not in ("uniform", "examples"):
+            raise ValueError(f"weighting must be uniform or examples, got {weighting!r}")
+        if overselect < 0:
+            raise ValueError(f"overselect must be >= 0, got {overselect}")
+        self.methods = dict(methods)
+        self.fold_order = fold_order(self.methods)
+        self.participation, self.clients_per_round, self.min_clients = participation, clients_per_round, min_clients
+        self.query_config, self.train_config = dict(query_config or {}), dict(train_config or {})
+        self.weighting, self.evaluate_clients = weighting, evaluate_clients
+        self.run_seed = int(self.train_config.get("seed", seed))
+        self.rng = random.Random(seed)
+        # local DP adds noise to every coordinate of a reply, so its norm says nothing about abuse: no norm check
+        self.max_norm_ratio = 0.0 if str(self.train_config.get("dp-mode", "none")) == "local" else max_norm_ratio
+        # over-selection: sample this many more, and the round closes at clients_per_round replies (QuorumGrid)
+        self.overselect = overselect
+        self.wait_nodes_s, self.query_timeout_s = wait_nodes_s, query_timeout_s
+        self.listeners = list(listeners)
+        self.caps: dict[int, dict[str, Any]] = {}
+        self.costs: dict[str, WorkCost] = {}
+        self.round = _Round()
+        self.round_offset = 0  # rounds done before a resume: Flower counts from 1 again, the run does not
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint must keep for a resumed run to sample and fold as the uninterrupted one would."""
+        return {"rng": rng_state(self.rng), "participation": self.participation.state_dict(),
+                "methods": {m.name: m.state_dict() for m in self.fold_order}}
+
+    def load_state_dict(self, state: dict[str, Any], rounds_done: int) -> None:
+        """Continue from a checkpoint taken after ``rounds_done`` rounds."""
+        set_rng_state(self.rng, state["rng"])
+        self.participation.load_state_dict(state["participation"])
+        for method in self.fold_order:
+            method.load_state_dict(state.get("methods", {}).get(method.name, {}))
+        self.round_offset = rounds_done
+
+    def summary(self) -> None:
+        """Log the strategy's settings."""
+        tiers = {tier: m.name for tier, m in self.methods.items()}
+        log(INFO, "FusionStrategy: tiers=%s clients/round=%d", tiers, self.clients_per_round)
+        for method in self.fold_order:
+            log(INFO, "  %s", method.describe())
+
+    # -- the loop: Flower's own, with a report after each round's central evaluation ----------------
+    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float = 3600,
+              train_config: ConfigRecord | None = None, evaluate_config: ConfigRecord | None = None,
+              evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None) -> Result:
+        """Flower's ``Strategy.start``; ``evaluate_fn`` is central evaluation only, and once it has scored a
+        round, the round's :class:`RoundReport` goes to every listener."""
+
+        def evaluate_and_report(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+            if server_round == 0 and self.round_offset:
+                return None  # a resumed run: the checkpointed target was scored when it was saved
+            metrics = evaluate_fn(server_round, arrays) if evaluate_fn is not None else None
+            report = self.report(server_round, arrays, dict(metrics.items()) if metrics is not None else {})
+            for listener in self.listeners:
+                listener(report)
+            return metrics
+
+        return super().start(grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config,
+                             evaluate_and_report)
+
+    def report(self, server_round: int, arrays: ArrayRecord, metrics: Mapping[str, Any]) -> RoundReport:
+        """The frozen account of round ``server_round`` (0: the target before training)."""
+        nodes = {n: dict(c) for n, c in self.caps.items()}
+        if server_round == 0:
+            return RoundReport(round=0, metrics=metrics, nodes=nodes, arrays=arrays)
+        r = self.round
+        fed_eval = {k: v for m in self.fold_order for k, v in m.metrics().items()} | r.fed_eval
+        return RoundReport(round=r.number, metrics=metrics, clients=tuple(r.rows.values()), coverage=r.coverage,
+                           void=r.void, aggregate_s=r.aggregate_s, clock_s=r.clock_s, fed_eval=fed_eval,
+                           server_cost=dict(r.server_cost), nodes=nodes, arrays=arrays)
+
+    # -- capability discovery and sampling ------------------------------------------------------
+    def _wait_for_nodes(self, grid: Grid) -> list[int]:
+        deadline = time.monotonic() + self.wait_nodes_s
+        nodes = list(grid.get_node_ids())
+        while len(nodes) < self.clients_per_round and time.monotonic() < deadline:
+            time.sleep(0.5)
+            nodes = list(grid.get_node_ids())
+        if len(nodes) < self.min_clients:
+            raise RuntimeError(
+                f"only {len(nodes)} nodes connected after {self.wait_nodes_s:.0f}s; need selection.min_clients={self.min_clients}"
+            )
+        return sorted(nodes)
+
+    def query_nodes(self, grid: Grid, nodes: list[int]) -> None:
+        """QUERY every node not seen yet for its capabilities (device tier, partition, data size)."""
+        new = [n for n in nodes if n not in self.caps]
+        if not new:
+            return
+        msgs = [Message(RecordDict({"config": ConfigRecord(dict(self.query_config))}), dst_node_id=n,
+                        message_type=MessageType.QUERY) for n in new]
+        # The first message to a node may start its process (a Ray actor importing torch): allow the
+        # round deadline, not the short registration wait.
+        for reply in grid.send_and_receive(msgs, timeout=self.query_timeout_s):
+            node = reply.metadata.src_node_id
+            if reply.has_error():
+                log(WARNING, "node %s: capability query failed: %s", node, reply.error.reason)
+                continue
+            caps = dict(reply.content["caps"])
+            if caps.get("device") not in self.methods:
+                log(WARNING, "node %s: device %r has no fusion method in the recipe; it is not sampled",
+                    node, caps.get("device"))
+                continue
+            self.caps[node] = caps
+            if "examples" in caps:
+                self.participation.examples[int(caps.get("partition", node))] = int(caps["examples"])
+
+    def partition_of(self, node: int) -> int:
+        """The node's data partition (what seeds and ``owned`` windows follow); a node that reported none
+        stands in with its id."""
+        return int(self.caps[node].get("partition", node % 1009))
+
+    def tokens(self) -> int:
+        """Tokens one client trains in a round (steps x batch x sequence length)."""
+        c = self.train_config
+        return int(c.get("local-steps", 0)) * int(c.get("batch-size", 0)) * int(c.get("seq-len", 0))
+
+    def tier_costs(self) -> dict[str, WorkCost]:
+        """Each tier's planned work priced on its device, from what its method says the work is (once per run)."""
+        if not self.costs:
+            for tier, method in self.methods.items():
+                cost = method.tier_cost(tier)
+                self.costs[tier] = price_work(self.participation.catalog[tier], train_flops(cost.params, self.tokens()),
+                                              cost.nbytes, cost.nbytes)
+        return self.costs
+
+    def sample(self, grid: Grid, server_round: int) -> list[int]:
+        """The participation draw over known, usable nodes: the nodes to train (dropouts are logged, not sent)."""
+        nodes = self._wait_for_nodes(grid)
+        self.query_nodes(grid, nodes)
+        # Clients are known by partition, not node id (random per run), so a seed reproduces the same draw.
+        by_partition = {int(self.caps[n].get("partition", n)): n for n in nodes if n in self.caps}
+        if not by_partition:
+            log(WARNING, "no node has answered the capability query; this round trains nobody")
+        k = self.clients_per_round + math.ceil(round(self.clients_per_round * self.overselect, 9))
+        draw = self.participation.draw(server_round, {p: self.caps[n]["device"] for p, n in by_partition.items()},
+                                       k, self.tier_costs())
+        self.round.clock_s = draw.clock_s
+        for p in draw.dropped:
+            node, device = by_partition[p], self.caps[by_partition[p]]["device"]
+            method = self.methods[device]
+            cost = method.tier_cost(device)
+            self.round.rows[node] = ClientRound(
+                node=node, device=device, width=cost.width, method=method.name, partition=p, status="dropped",
+                params=cost.params, bytes_down=cost.nbytes, tokens=self.tokens(),
+                error="left its availability window or missed the virtual deadline before finishing")
+        return [by_partition[p] for p in draw.train]
+
+    # -- train --------------------------------------------------------------------------------
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        """One fresh Message per sampled node: the payload its tier's method makes and the common spec."""
+        server_round += self.round_offset
+        target = arrays.to_torch_state_dict()
+        self.round = _Round(number=server_round, target=target)
+        nodes = self.sample(grid, server_round)
+        population = {self.partition_of(n): c["device"] for n, c in self.caps.items()}
+        clients = {n: Client(self.partition_of(n), self.caps[n]["device"],
+                             client_seed(self.run_seed, server_round, self.partition_of(n)), self.caps[n])
+                   for n in nodes}
+        payloads = round_payloads(self.methods, server_round, target, [clients[n] for n in nodes], population)
+        self.round.payloads = dict(zip(nodes, payloads))
+        messages = []
+        for node in nodes:
+            payload = self.round.payloads[node]
+            record = ArrayRecord(payload.arrays)
+            spec = ConfigRecord({**config, **self.train_config, **payload.spec, "server-round": server_round,
+                                 "seed": payload.client.seed})
+            self.round.rows[node] = ClientRound(
+                node=node, device=payload.client.tier, width=payload.width, method=self.methods[payload.client.tier].name,
+                assignment=payload.assignment, partition=int(self.caps[node].get("partition", -1)),
+                bytes_down=record.count_bytes(), params=payload.params, sent_norm=payload.sent_norm,
+                tokens=self.tokens(), extra=payload.row)
+            messages.append(Message(RecordDict({"arrays": record, "config": spec}), dst_node_id=node,
+                                    message_type=MessageType.TRAIN))
+        return messages
+
+    def replies_in_order(self, replies: Iterable[Message]) -> Iterator[tuple[Message, ClientRound]]:
+        """This round's replies in sample order, each node once; error replies are recorded as ``failed`` and
+        not yielded."""
+        rows = self.round.rows
+        position = {node: i for i, node in enumerate(rows)}
+        for reply in sorted(replies, key=lambda m: position.get(m.metadata.src_node_id, len(position))):
+            row = rows.get(reply.metadata.src_node_id)
+            if row is None or row.status != "sent":  # not sent this round, or a second reply from the node
+                continue
+            if reply.has_error():
+                error = error_line(reply.error.reason or "")
+                status = "dropped" if DROPPED in error else "failed"  # a gateway's phone missed its deadline
+                rows[row.node] = replace(row, status=status, error=error)
+                log(WARNING, "round %d node %d: client %s: %s", self.round.number, row.node, status, error)
+                continue
+            yield reply, row
+
+    def accept(self, reply: Message, row: ClientRound) -> Update:
+        """The method's checked update from ``reply``, or an exception saying why it cannot be used. The row
+        learns the reply's upload and any host energy the client measured, whatever becomes of the update."""
+        metrics = reply.content["metrics"]
+        measured = read_measured(metrics)
+        if measured is not None:
+            row = self.round.rows[row.node] = replace(row, measured_j=measured[0], measured_source=measured[1])
+        record = cast(ArrayRecord, reply.content["arrays"])  # anything else fails here and is rejected
+        state = record.to_torch_state_dict()
+        self.round.rows[row.node] = replace(row, bytes_up=record.count_bytes())
+        train = read_train_metrics(metrics, row.tokens)
+        payload = self.round.payloads[row.node]
+        method = self.methods[row.device]
+        update = method.check(payload, state, float(train.examples) if self.weighting == "examples" else 1.0)
+        if self.max_norm_ratio and payload.sent_norm and update.norm > self.max_norm_ratio * payload.sent_norm:
+            raise ValueError(f"update norm {update.norm:.3g} is over {self.max_norm_ratio:g}x the norm of the "
+                             f"{method.noun} sent ({payload.sent_norm:.3g})")
+        self.round.rows[row.node] = replace(self.round.rows[row.node], status="ok", examples=train.examples,
+                                            train_loss=train.loss, train_s=train.seconds, tokens=train.tokens)
+        return update
+
+    def close_round(self) -> None:
+        """Clients still silent timed out, or, when over-selection's quorum of replies closed the round early,
+        were cut; the participation draw learns how every client did."""
+        rows = self.round.rows
+        answered = sum(row.status in ("ok", "rejected") for row in rows.values())
+        cut = self.overselect > 0 and answered >= self.clients_per_round
+        for node, row in rows.items():
+            if row.status == "sent" and cut:
+                rows[node] = replace(row, status="cut",
+                                     error=f"the round closed once {answered} updates had arrived (over-selection)")
+            elif row.status == "sent":
+                rows[node] = replace(row, status="timeout", error="no reply before the round deadline")
+        self.participation.settle(self.round.number, {r.partition: (r.status, r.examples, r.train_loss)
+                                                      for r in rows.values()})
+
+    def aggregate_train(self, server_round: int,
+                        replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Check every reply; fold the good ones, each method its own (:func:`fedfusion.rounds.fold_round`)."""
+        start = time.perf_counter()
+        updates: list[Update] = []
+        for reply, row in self.replies_in_order(replies):
+            try:
+                updates.append(self.accept(reply, row))
+            except Exception as exc:  # an untrusted reply can be malformed in any way; it must not stop the run
+                row = self.round.rows[row.node]
+                self.round.rows[row.node] = replace(row, status="rejected", error=str(exc)[:500])
+                log(WARNING, "round %d node %d: update rejected: %s", self.round.number, row.node, str(exc)[:500])
+        self.close_round()
+        ok = len(updates)
+        self.round.void = ok < self.min_clients or ok == 0
+        if self.round.void:
+            log(WARNING, "round %d: %d good replies < selection.min_clients=%d; target unchanged",
+                self.round.number, ok, self.min_clients)
+            self.round.aggregate_s = time.perf_counter() - start
+            return None, MetricRecord({"clients_ok": ok})
+        folded = fold_round(self.methods, self.round.number, self.round.target, updates)
+        self.round.coverage, self.round.server_cost = folded.coverage, dict(folded.server_cost)
+        self.round.aggregate_s = time.perf_counter() - start
+        good = [r for r in self.round.rows.values() if r.status == "ok"]
+        return ArrayRecord(folded.target), MetricRecord({
+            "train_loss": sum(r.train_loss or 0.0 for r in good) / ok,
+            "num-examples": sum(r.examples for r in good), "clients_ok": ok, "coverage": folded.coverage,
+            **folded.stats,
+            "server_flops": self.round.server_cost["flops"], "server_s": self.round.server_cost["seconds"],
+        })
+
+    # -- federated evaluation (optional; the server also evaluates centrally) -------------------
+    def evaluation_nodes(self) -> list[int]:
+        """A seeded sample of ``evaluate_clients`` known nodes, sorted; not the nodes over-selection just cut
+        (a deployed node still busy with that training would hold the evaluation round up)."""
+        cut = {n for n, row in self.round.rows.items() if row.status == "cut"}
+        known = sorted(n for n in self.caps if n not in cut)
+        return sorted(self.rng.sample(known, min(self.evaluate_clients, len(known))))
+
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                           grid: Grid) -> Iterable[Message]:
+        """Send the target, as its tier's method has it scored, to ``evaluate_clients`` known nodes."""
+        if self.evaluate_clients <= 0:
+            return []
+        server_round += self.round_offset
+        target = arrays.to_torch_state_dict()
+        records: dict[str, ArrayRecord] = {}  # one record per method, shared by its nodes
+        messages = []
+        for node in self.evaluation_nodes():
+            tier = self.caps[node]["device"]
+            method = self.methods[tier]
+            state, spec = method.evaluation(target, tier)
+            if method.name not in records:
+                records[method.name] = ArrayRecord(state)
+            messages.append(Message(
+                RecordDict({"arrays": records[method.name], "config": ConfigRecord(
+                    {**config, **self.train_config, **spec, "server-round": server_round})}),
+                dst_node_id=node, message_type=MessageType.EVALUATE))
+        return messages
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        """Example-weighted mean of the clients' held-out loss and accuracy."""
+        good = [r.content["metrics"] for r in replies if not r.has_error()]
+        total = sum(int(m["num-examples"]) for m in good)
+        if not total:
+            return None
+        self.round.fed_eval = {f"fed_{k}": sum(float(m[k]) * int(m["num-examples"]) for m in good) / total
+                               for k in ("eval_loss", "eval_acc")}
+        return MetricRecord(self.round.fed_eval)
