@@ -122,6 +122,7 @@ def test_measured_joules_reach_clients_jsonl_next_to_the_priced_energy(fake, tmp
     """Client role (trained_reply under the meter) -> reply metrics -> strategy -> the recorder's ledger row ->
     clients.jsonl: each row carries the measured joules and their meters, and the priced energy beside them."""
     from fedfusion.clients.submodel import trained_reply
+    from transformers import LlamaConfig
 
     from fedfusion.devices import load_catalog
     from fedfusion.models import model_from_state
@@ -135,7 +136,7 @@ def test_measured_joules_reach_clients_jsonl_next_to_the_priced_energy(fake, tmp
     replies = []
     for m in msgs:
         spec = json.loads(m.content["config"]["model-config"])
-        model = model_from_state(strategy.config.__class__.from_dict(spec), m.content["arrays"].to_torch_state_dict())
+        model = model_from_state(LlamaConfig.from_dict(spec), m.content["arrays"].to_torch_state_dict())
         new, metrics = trained_reply(model, torch.zeros(3, 2), (False, 0.0),
                                      lambda: {"train_loss": 1.0, "train_s": 0.1})
         replies.append(Message(RecordDict({"arrays": ArrayRecord(new), "metrics": MetricRecord(metrics)}), reply_to=m))
