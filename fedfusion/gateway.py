@@ -294,12 +294,14 @@ class _Handler(BaseHTTPRequestHandler):
             self._json(200, {"task": gateway.submit(self._body())})
         elif method == "GET" and len(parts) == 2 and parts[0] == "tasks":
             task = gateway.outcome(parts[1], float(query.get("wait", ["0"])[0]))
+            # the task is marked collected before the answer goes out: a node's next request may arrive at once
             if task.status == "done":
-                self._send(200, task.result or b"", "application/octet-stream")
+                result = task.result or b""
                 gateway.collected(task)
+                self._send(200, result, "application/octet-stream")
             elif task.status == "dropped":
-                self._json(410, {"status": "dropped", "reason": task.reason, "device": task.device})
                 gateway.collected(task)
+                self._json(410, {"status": "dropped", "reason": task.reason, "device": task.device})
             else:
                 self._json(202, {"status": task.status, "device": task.device})
         else:
