@@ -26,6 +26,16 @@ def model(request) -> LlamaForCausalLM:
     return LlamaForCausalLM(tiny_config(heads=heads, kv_heads=kv)).eval()
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models train fastest on one thread (and do not fight other processes for cores); modules that train
+    them use it with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def private_cache(tmp_path_factory):
     """Tests (and the Ray workers they start, which inherit the environment) never touch ~/.cache."""

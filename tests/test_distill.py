@@ -23,14 +23,7 @@ from fedfusion.distill import (
 from fedfusion.energy import train_flops
 from tests.conftest import tiny_config
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models train fastest on one thread (and do not fight other processes for cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest
 
 
 def _kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:

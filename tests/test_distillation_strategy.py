@@ -24,17 +24,11 @@ from fedfusion.strategies import FusionStrategy
 from fedfusion.transfer import family_tokenizer, train_bpe, wrap_tokenizer
 from tests.test_strategy import FakeGrid, task_identity  # noqa: F401  (autouse fixture)
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest
+
 TEXT = ("Now is the winter of our discontent made glorious summer by this sun of York; and all the clouds "
         "that lour'd upon our house in the deep bosom of the ocean buried.\n") * 12
 CHAR = build_char_tokenizer()
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

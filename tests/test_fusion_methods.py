@@ -24,18 +24,11 @@ from fedfusion.rounds import FOLD_ORDER, client_seed, fold_order, fold_round, ro
 from fedfusion.slicing import SelectiveAverager
 from tests.conftest import tiny_config
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest
+
 ROOT = Path(__file__).resolve().parents[1]
 CHAR = build_char_tokenizer()
 TEXT = "Now is the winter of our discontent made glorious summer by this sun of York.\n" * 8
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one thread is fastest (and fair to a shared machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _target(cfg=None) -> tuple[LlamaConfig, dict]:

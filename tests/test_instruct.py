@@ -25,17 +25,10 @@ from fedfusion.instruct import (
     train_instruct,
 )
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest
+
 TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}<eos>\n{% endfor %}"
             "{% if add_generation_prompt %}[assistant] {% endif %}")
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models train faster on one thread than on an oversubscribed pool."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def chat_tokenizer():
