@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from functools import lru_cache
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -47,12 +48,15 @@ class ClientData:
 
 
 def data_spec(recipe: Recipe) -> str:
-    """The JSON spec from which any process rebuilds the population's data and tokenises it (with a dataset's
-    local files, their sizes and times: a changed file is a new spec)."""
+    """The JSON spec from which any process rebuilds the population's data and tokenises it (with the local
+    files it reads, their sizes and times: a changed file is a new spec, so nothing cached under the old one is reused)."""
     spec = {"data": asdict(recipe.data), "num_clients": recipe.population.num_clients, "seed": recipe.seed,
             "tokenizer": recipe.model.pretrained}
     if recipe.data.source == "dataset":
         spec["files"] = file_versions(recipe.data)
+    elif recipe.data.source == "text":
+        stat = Path(recipe.data.path).stat()
+        spec["files"] = [(recipe.data.path, stat.st_size, stat.st_mtime_ns)]
     return json.dumps(spec, sort_keys=True)
 
 

@@ -261,6 +261,16 @@ def test_a_changed_local_file_is_a_new_data_spec_and_a_new_partition(tmp_path):
     assert sum(len(p) for p in partitions(after)) == 48
 
 
+def test_a_changed_text_file_is_a_new_data_spec(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text("To be, or not to be, that is the question.\n" * 50)
+    recipe = load_recipe("quickstart", ["data.source=text", f"data.path={path}"])
+    before = data_spec(recipe)
+    assert data_spec(recipe) == before  # the same file is the same spec: its cache is reused
+    path.write_text("Now is the winter of our discontent.\n" * 60)
+    assert data_spec(recipe) != before
+
+
 def test_a_run_whose_dataset_lacks_the_text_column_stops_before_writing_anything(files, tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["run", "quickstart", "data.source=dataset", f"data.dataset={files['csv']}", "data.text_column=body",
