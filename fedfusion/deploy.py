@@ -16,6 +16,7 @@ import contextlib
 import datetime
 import ipaddress
 import os
+import shlex
 import shutil
 import socket
 import subprocess
@@ -225,6 +226,7 @@ def deploy_local(app_dir: Path, recipe_ref: str, overrides: list[str], workdir: 
     from fedfusion.recipe import load_recipe
 
     recipe = load_recipe(recipe_ref, overrides)
+    config = run_config(recipe_ref, overrides, out)  # refuses what flwr run cannot carry before anything starts
     if not (app_dir / "pyproject.toml").is_file():
         raise FileNotFoundError(f"{app_dir}: no pyproject.toml; run from the fedfusion source tree (flwr run needs it)")
     n = recipe.population.num_clients
@@ -244,7 +246,6 @@ def deploy_local(app_dir: Path, recipe_ref: str, overrides: list[str], workdir: 
                                                           f'partition-id=0 num-partitions={n} device="{tiers[0]}"',
                                                           max_retries=0)
                   for j in range(unregistered)}
-        config = f"recipe={_toml(recipe_ref)} overrides={_toml(' '.join(overrides))} out={_toml(str(out.resolve()))}"
         proc = fed.run_app(app_dir, config, timeout)
         for p in rogues.values():
             try:
@@ -257,6 +258,17 @@ def deploy_local(app_dir: Path, recipe_ref: str, overrides: list[str], workdir: 
         return DeployResult(proc.returncode, proc.stdout + proc.stderr, refused, admitted)
     finally:
         fed.stop()
+
+
+def run_config(recipe_ref: str, overrides: list[str], out: Path) -> str:
+    """The ``-c`` run config of ``flwr run`` for the ServerApp: the overrides shell-quoted, since the ServerApp
+    splits them with ``shlex`` (``population.mix={phone: 0.5, laptop: 0.5}`` is one override). Flower reads a
+    quoted value up to the next quote of its kind, so an override with a quote in it cannot travel: refused."""
+    for override in overrides:
+        if '"' in override or "'" in override:
+            raise ValueError(f"override {override!r}: flwr run's -c run config cannot carry quotes; leave them out")
+    return (f"recipe={_toml(recipe_ref)} overrides={_toml(shlex.join(overrides))} "
+            f"out={_toml(str(out.resolve()))}")
 
 
 def _toml(value: str) -> str:

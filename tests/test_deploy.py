@@ -60,3 +60,20 @@ def test_quickstart_over_tls_with_registered_supernodes_refuses_an_unregistered_
     assert "Failed to activate SuperNode" in (workdir / "logs" / "unregistered0.log").read_text()
     left = subprocess.run(["pgrep", "-f", str(workdir)], capture_output=True, text=True).stdout.split()
     assert left == [], "processes left running"
+
+
+def test_the_run_config_carries_overrides_with_spaces_whole(tmp_path):
+    """Flower parses ``-c`` as TOML and the ServerApp splits the overrides with shlex: a mapping override with
+    spaces must come back as one override (joined with plain spaces it broke the recipe's YAML)."""
+    import shlex
+
+    from flwr.common.config import parse_config_args
+
+    from fedfusion.deploy import run_config
+
+    overrides = ["population.mix={phone: 0.5, laptop: 0.5}", "rounds=2", "name=two words"]
+    parsed = parse_config_args([run_config("quickstart", overrides, tmp_path / "run")])
+    assert shlex.split(parsed["overrides"]) == overrides
+    assert parsed["recipe"] == "quickstart" and parsed["out"] == str((tmp_path / "run").resolve())
+    with pytest.raises(ValueError, match="override \"name=it's\": flwr run's -c run config cannot carry quotes"):
+        run_config("quickstart", ["name=it's"], tmp_path / "run")
