@@ -1,7 +1,7 @@
 """Benchmark: a mixed-method federation against each single method at the same device mix.
 
-Arms, all on the quickstart's population (phones 50%, laptops 30%, desktops 20%) and target:
-``submodel`` (every tier trains a width slice: phones 1/8, laptops 1/4, desktops 1/2, rolling and staggered),
+Language-model task (``--task lm``, the default), all arms on the quickstart's population (phones 50%, laptops
+30%, desktops 20%) and target: ``submodel`` (every tier trains a width slice: phones 1/8, laptops 1/4, desktops 1/2, rolling and staggered),
 ``distill`` (every tier trains a small family model: phones the 40K ``tiny`` Llama, laptops and desktops the
 ``small`` GPT-2 with its own BPE, as recipes/distill.yaml) and ``mixed`` (recipes/mixed.yaml: phones distil
 ``tiny``, laptops and desktops train the same slices as ``submodel``). Each arm runs the recipe through the
@@ -11,9 +11,16 @@ simulation (no process start-up, so the arms fit a shared 2-core machine; the ro
 and ledgers are the ones ``fedfusion run`` writes). Reported: the target's final held-out loss per character,
 its best, and the priced client and server energy, per seed and as mean +- std.
 
-    python benchmarks/mixed.py --seeds 0 1 2 [--rounds 6] [--arms mixed submodel distill] [overrides ...]
+Knowledge task (``--task knowledge``): recipes/knowledge.yaml's private facts over 16 clients, half phones (width
+1/8) and half laptops (width 1/4): ``submodel`` (every tier trains its slice of the target, rolling and
+staggered), ``generative`` (every tier trains a small model of its own of that width and sends samples of it)
+and ``mixed`` (phones generative, laptops slices). Reported: the share of all clients' facts the target recalls
+(``probe_acc``), final and best.
 
-Writes ``benchmarks/results/mixed.{json,md}``.
+    python benchmarks/mixed.py --seeds 0 1 2 [--rounds 6] [--arms mixed submodel distill] [overrides ...]
+    python benchmarks/mixed.py --task knowledge --out mixed_knowledge [--rounds 30] [overrides ...]
+
+Writes ``benchmarks/results/<out>.{json,md}`` (default ``mixed``).
 """
 
 from __future__ import annotations
@@ -29,10 +36,20 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
-ARMS = {  # arm -> (recipe, overrides that put it on the common device mix)
-    "submodel": ("quickstart", []),
-    "distill": ("distill", []),
-    "mixed": ("mixed", []),
+KNOWLEDGE_MIX = ["population.mix={phone: 0.5, laptop: 0.5}", "fusion.widths={phone: 0.125, laptop: 0.25}",
+                 "fusion.policy=rolling", "fusion.stagger=true"]
+TASKS = {  # task -> (primary metric, lower is better, arm -> (recipe, overrides that put it on the common device mix))
+    "lm": ("eval_loss", True, {
+        "submodel": ("quickstart", []),
+        "distill": ("distill", []),
+        "mixed": ("mixed", []),
+    }),
+    "knowledge": ("probe_acc", False, {
+        "submodel": ("knowledge", [*KNOWLEDGE_MIX, "fusion.method=submodel"]),
+        "generative": ("knowledge", [*KNOWLEDGE_MIX, "fusion.method=generative"]),
+        "mixed": ("knowledge", [*KNOWLEDGE_MIX, "fusion.method=mixed",
+                                "fusion.tiers={phone: generative, laptop: submodel}"]),
+    }),
 }
 
 
@@ -65,7 +82,7 @@ class LocalGrid:
         return replies
 
 
-def run_arm(arm: str, seed: int, rounds: int, overrides: list[str], work: Path) -> dict:
+def run_arm(task: str, arm: str, seed: int, rounds: int, overrides: list[str], work: Path) -> dict:
     """One run of ``arm``; its per-round metrics and totals."""
     from flwr.supercore.task_identity import TaskIdentity
 
@@ -75,7 +92,8 @@ def run_arm(arm: str, seed: int, rounds: int, overrides: list[str], work: Path) 
     from fedfusion.server_app import run_federation
 
     TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 0  # messages outside a Flower runtime
-    name, extra = ARMS[arm]
+    metric, lower, arms = TASKS[task]
+    name, extra = arms[arm]
     recipe = load_recipe(name, [*extra, f"seed={seed}", f"rounds={rounds}", "output.save_model=false", *overrides])
     fit_widths(recipe)
     out = work / f"{arm}-s{seed}"
@@ -83,8 +101,9 @@ def run_arm(arm: str, seed: int, rounds: int, overrides: list[str], work: Path) 
     summary = run_federation(LocalGrid(recipe.population.num_clients), recipe, RunDir(out, recipe), lambda row: None)
     rows = read_jsonl(out / "metrics.jsonl")
     clients = read_jsonl(out / "clients.jsonl")
-    return {"arm": arm, "seed": seed, "final_loss": rows[-1]["eval_loss"], "best_loss": min(r["eval_loss"] for r in rows),
-            "initial_loss": rows[0]["eval_loss"], "curve": [r["eval_loss"] for r in rows],
+    best = min if lower else max
+    return {"arm": arm, "seed": seed, "metric": metric, "final": rows[-1][metric], "best": best(r[metric] for r in rows),
+            "initial": rows[0][metric], "curve": [r[metric] for r in rows],
             "client_j": sum(r["energy_j"] - r["server_energy_j"] for r in rows),
             "server_j": sum(r["server_energy_j"] for r in rows), "bytes": summary["bytes_down"] + summary["bytes_up"],
             "methods": sorted({c["method"] for c in clients}), "wall_s": time.perf_counter() - start}
@@ -94,22 +113,31 @@ def _stat(values: list[float]) -> str:
     return f"{statistics.mean(values):.4f} +- {statistics.stdev(values):.4f}" if len(values) > 1 else f"{values[0]:.4f}"
 
 
+METRIC_TEXT = {
+    "eval_loss": ("final loss (nats/char)", "best loss", "Loss: the target's held-out loss per character (the "
+                  "quickstart's pooled held-out text), lower is better"),
+    "probe_acc": ("final probe_acc", "best probe_acc", "probe_acc: the share of all clients' private facts the target "
+                  "recalls by greedy exact match, higher is better"),
+}
+
+
 def markdown(report: dict) -> str:
+    metric = TASKS[report["settings"].get("task", "lm")][0]
+    final, best, meaning = METRIC_TEXT[metric]
     lines = ["# Mixed-method federation vs each single method (same device mix)", "",
              f"Command: `{report['command']}`  ", f"Machine: {report['machine']}  ",
              f"Settings: {report['settings']}", "",
-             "| arm | methods | final loss (nats/char) | best loss | client J | server J | MB moved | seeds |",
+             f"| arm | methods | {final} | {best} | client J | server J | MB moved | seeds |",
              "|---|---|---|---|---|---|---|---|"]
     for arm in report["settings"]["arms"]:
         runs = [r for r in report["runs"] if r["arm"] == arm]
         if not runs:
             continue
-        lines.append(f"| {arm} | {', '.join(runs[0]['methods'])} | {_stat([r['final_loss'] for r in runs])} | "
-                     f"{_stat([r['best_loss'] for r in runs])} | {_stat([r['client_j'] for r in runs])} | "
+        lines.append(f"| {arm} | {', '.join(runs[0]['methods'])} | {_stat([r['final'] for r in runs])} | "
+                     f"{_stat([r['best'] for r in runs])} | {_stat([r['client_j'] for r in runs])} | "
                      f"{_stat([r['server_j'] for r in runs])} | {statistics.mean(r['bytes'] for r in runs) / 1e6:.1f} | "
                      f"{len(runs)} |")
-    lines += ["", "Loss: the target's held-out loss per character (the quickstart's pooled held-out text), lower is "
-              "better; mean +- standard deviation over seeds. Energy: the ledger's priced device work "
+    lines += ["", f"{meaning}; mean +- standard deviation over seeds. Energy: the ledger's priced device work "
               "(fedfusion.energy.price_work), server = distillation priced on its server device.", ""]
     return "\n".join(lines)
 
@@ -118,10 +146,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    parser.add_argument("--task", default="lm", choices=list(TASKS))
+    parser.add_argument("--arms", nargs="+", help="default: every arm of the task")
     parser.add_argument("--out", default="mixed", help="results/<out>.{json,md}")
     parser.add_argument("overrides", nargs="*", help="key=value overrides applied to every arm")
     args = parser.parse_args()
+    arms = TASKS[args.task][2]
+    args.arms = args.arms or list(arms)
+    if unknown := set(args.arms) - set(arms):
+        parser.error(f"--arms {sorted(unknown)}: task {args.task} has arms {', '.join(arms)}")
     import torch
 
     torch.set_num_threads(1)
@@ -129,13 +162,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for seed in args.seeds:
             for arm in args.arms:
-                run = run_arm(arm, seed, args.rounds, args.overrides, Path(tmp))
+                run = run_arm(args.task, arm, seed, args.rounds, args.overrides, Path(tmp))
                 runs.append(run)
-                print(f"{arm} seed {seed}: loss {run['initial_loss']:.4f} -> {run['final_loss']:.4f} "
+                print(f"{arm} seed {seed}: {run['metric']} {run['initial']:.4f} -> {run['final']:.4f} "
                       f"({run['wall_s']:.0f}s)", flush=True)
     report = {"benchmark": "mixed", "command": "python benchmarks/mixed.py " + shlex.join(sys.argv[1:]),
               "machine": f"{platform.platform()}, python {platform.python_version()}, torch {torch.__version__}",
-              "settings": {"seeds": args.seeds, "rounds": args.rounds, "arms": args.arms, "overrides": args.overrides},
+              "settings": {"task": args.task, "seeds": args.seeds, "rounds": args.rounds, "arms": args.arms, "overrides": args.overrides},
               "runs": runs}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{args.out}.json").write_text(json.dumps(report, indent=1))

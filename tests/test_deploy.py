@@ -62,6 +62,33 @@ def test_quickstart_over_tls_with_registered_supernodes_refuses_an_unregistered_
     assert left == [], "processes left running"
 
 
+MIXED = [  # a phone distilling its own tiny model and a laptop training a quarter slice, in one round
+    "rounds=1", "population.num_clients=2", "population.mix={phone: 0.5, laptop: 0.5}",
+    "fusion.tiers={phone: distill, laptop: submodel}", "fusion.widths={laptop: 0.25}", "selection.clients_per_round=2",
+    "model.hidden_size=32", "model.num_heads=4", "model.num_kv_heads=4", "model.intermediate_size=32",
+    "model.num_layers=1", "train.local_steps=1", "data.eval_chars=2000", "distill.server_steps=2",
+    "distill.back_steps=1", "distill.transfer.max_chars=2000",
+]
+
+
+@pytest.mark.skipif(shutil.which("pgrep") is None, reason="needs pgrep to check that every process stopped")
+def test_a_mixed_method_federation_deploys(tmp_path, monkeypatch, capsys):
+    """recipes/mixed.yaml over a real SuperLink and SuperNodes: each node trains with its tier's method, and the
+    ledger says which."""
+    monkeypatch.chdir(ROOT)
+    out, workdir = tmp_path / "run", tmp_path / "deploy"
+    assert main(["deploy", "mixed", *MIXED, "--out", str(out), "--workdir", str(workdir)]) == 0, \
+        capsys.readouterr().out[-4000:]
+    assert json.loads((out / "summary.json").read_text())["status"] == "ok"
+    clients = read_jsonl(out / "clients.jsonl")
+    assert sorted((c["device"], c["method"], c["status"]) for c in clients) == [
+        ("laptop", "submodel", "ok"), ("phone", "distill", "ok")]
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert [r["round"] for r in metrics] == [0, 1] and metrics[1]["eval_loss"] != metrics[0]["eval_loss"]
+    left = subprocess.run(["pgrep", "-f", str(workdir)], capture_output=True, text=True).stdout.split()
+    assert left == [], "processes left running"
+
+
 def test_the_run_config_carries_overrides_with_spaces_whole(tmp_path):
     """Flower parses ``-c`` as TOML and the ServerApp splits the overrides with shlex: a mapping override with
     spaces must come back as one override (joined with plain spaces it broke the recipe's YAML)."""
