@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from fedfusion.energy import train_flops
-from fedfusion.training import lm_loss, optimizer_step
+from fedfusion.training import lm_loss, optimizer_step, seeded_randomness
 
 AVERAGES = ("logits", "probs")
 CONFIDENCES = ("variance", "entropy", "maxprob")
@@ -238,19 +238,20 @@ def distil(
     student.train()
     start, teacher_flops = time.perf_counter(), 0.0
     sums: dict[str, float] = {}
-    for _ in range(steps):
-        rows = torch.randint(len(windows), (batch_size,), generator=gen)
-        batch = windows[rows]
-        teacher = None
-        if kd_weight > 0:  # LM training alone (kd_weight=0) runs and charges no teacher
-            with torch.no_grad():
-                teacher = teacher_fn(rows)
-            teacher_flops += teacher.flops
-        _, logits = lm_loss(student, batch)
-        loss, parts = distillation_loss(logits, batch[:, 1:].to(logits.device), teacher, temperature,
-                                        kd_weight, diversity_weight)
-        for k, v in {"loss": optimizer_step(opt, loss, "distillation"), **parts}.items():
-            sums[k] = sums.get(k, 0.0) + v
+    with seeded_randomness(seed, next(student.parameters()).device):
+        for _ in range(steps):
+            rows = torch.randint(len(windows), (batch_size,), generator=gen)
+            batch = windows[rows]
+            teacher = None
+            if kd_weight > 0:  # LM training alone (kd_weight=0) runs and charges no teacher
+                with torch.no_grad():
+                    teacher = teacher_fn(rows)
+                teacher_flops += teacher.flops
+            _, logits = lm_loss(student, batch)
+            loss, parts = distillation_loss(logits, batch[:, 1:].to(logits.device), teacher, temperature,
+                                            kd_weight, diversity_weight)
+            for k, v in {"loss": optimizer_step(opt, loss, "distillation"), **parts}.items():
+                sums[k] = sums.get(k, 0.0) + v
     tokens = steps * batch_size * (windows.shape[1] - 1)
     return {
         **{k: v / steps for k, v in sums.items()},

@@ -30,7 +30,7 @@ import torch
 import yaml
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from fedfusion.training import optimizer_step
+from fedfusion.training import optimizer_step, seeded_randomness
 
 IGNORE = -100
 FALLBACK_PROMPT = "Question: {prompt}\nAnswer: "
@@ -273,11 +273,12 @@ def train_instruct(model: PreTrainedModel, data: InstructData, steps: int, lr: f
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     model.train()
     start, total, tokens = time.perf_counter(), 0.0, 0
-    for _ in range(steps):
-        ids, labels, mask = data.rows(torch.randint(len(data), (batch_size,), generator=gen))
-        loss, _, _ = response_loss(model, ids, labels, mask)
-        total += optimizer_step(opt, loss)
-        tokens += int(mask.sum())
+    with seeded_randomness(seed, next(model.parameters()).device):
+        for _ in range(steps):
+            ids, labels, mask = data.rows(torch.randint(len(data), (batch_size,), generator=gen))
+            loss, _, _ = response_loss(model, ids, labels, mask)
+            total += optimizer_step(opt, loss)
+            tokens += int(mask.sum())
     return {"train_loss": total / steps, "train_tokens": float(tokens), "train_s": time.perf_counter() - start}
 
 

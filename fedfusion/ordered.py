@@ -27,7 +27,7 @@ from transformers import PreTrainedModel
 from fedfusion.data import sample_batch
 from fedfusion.slice_families import family_of
 from fedfusion.slicing import SlicePlan, extract, plan_slice, sub_config
-from fedfusion.training import make_optimizer, optimizer_step
+from fedfusion.training import make_optimizer, optimizer_step, seeded_randomness
 
 
 def ordered_fractions(max_width: float, ladder: Iterable[float]) -> tuple[float, ...]:
@@ -110,23 +110,24 @@ def train_steps_ordered(
     opt = make_optimizer(model, optimizer, lr, weight_decay)
     model.train()
     start, total, widths = time.perf_counter(), 0.0, 0.0
-    for _ in range(steps):
-        batch = sample_batch(windows, batch_size, gen)
-        labels = batch[:, 1:]
-        fraction = od.sample()
-        logits = _lm_logits(od, fraction, batch)
-        loss = _ce(logits, labels)
-        reported = loss.item()
-        if distill and fraction < 1.0:
-            teacher = _lm_logits(od, 1.0, batch)
-            kl = torch.nn.functional.kl_div(
-                torch.log_softmax(logits, -1).flatten(0, 1), torch.log_softmax(teacher.detach(), -1).flatten(0, 1),
-                log_target=True, reduction="batchmean",
-            )
-            loss = loss + _ce(teacher, labels) + kl
-        optimizer_step(opt, loss)
-        total += reported
-        widths += fraction
+    with seeded_randomness(seed, next(model.parameters()).device):
+        for _ in range(steps):
+            batch = sample_batch(windows, batch_size, gen)
+            labels = batch[:, 1:]
+            fraction = od.sample()
+            logits = _lm_logits(od, fraction, batch)
+            loss = _ce(logits, labels)
+            reported = loss.item()
+            if distill and fraction < 1.0:
+                teacher = _lm_logits(od, 1.0, batch)
+                kl = torch.nn.functional.kl_div(
+                    torch.log_softmax(logits, -1).flatten(0, 1), torch.log_softmax(teacher.detach(), -1).flatten(0, 1),
+                    log_target=True, reduction="batchmean",
+                )
+                loss = loss + _ce(teacher, labels) + kl
+            optimizer_step(opt, loss)
+            total += reported
+            widths += fraction
     return {
         "train_loss": total / steps,
         "train_tokens": float(steps * batch_size * (windows.shape[1] - 1)),

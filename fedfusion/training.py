@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from transformers import PreTrainedModel
@@ -45,6 +47,17 @@ def optimizer_step(opt: torch.optim.Optimizer, loss: torch.Tensor, what: str = "
     return value
 
 
+@contextmanager
+def seeded_randomness(seed: int, device: torch.device) -> Iterator[None]:
+    """Run the block with torch's global generators (the CPU's and ``device``'s) seeded by ``seed``, restoring
+    them after: dropout draws from the global generator, so without this a client's training would depend on
+    what its process ran before (a Ray actor serves many clients, in an order that changes between runs)."""
+    accelerators = [device.index or 0] if device.type in ("cuda", "mps") else []
+    with torch.random.fork_rng(devices=accelerators, device_type=device.type if accelerators else "cuda"):
+        torch.manual_seed(seed)
+        yield
+
+
 def train_steps(
     model: PreTrainedModel,
     windows: torch.Tensor,
@@ -61,16 +74,17 @@ def train_steps(
     touches, which a server-side outer optimizer can then scale; see :mod:`fedfusion.outer`).
 
     Batches are drawn on the CPU with a seeded generator (the same batches on any accelerator) and
-    moved to wherever ``model`` lives.
+    moved to wherever ``model`` lives; dropout, where the model has any, follows ``seed`` too.
     """
     gen = torch.Generator().manual_seed(seed)
     opt = make_optimizer(model, optimizer, lr, weight_decay)
     model.train()
     start, total = time.perf_counter(), 0.0
-    for _ in range(steps):
-        batch = sample_batch(windows, batch_size, gen)
-        loss, _ = lm_loss(model, batch)
-        total += optimizer_step(opt, loss)
+    with seeded_randomness(seed, model.device):
+        for _ in range(steps):
+            batch = sample_batch(windows, batch_size, gen)
+            loss, _ = lm_loss(model, batch)
+            total += optimizer_step(opt, loss)
     return {
         "train_loss": total / steps,
         "train_tokens": float(steps * batch_size * (windows.shape[1] - 1)),

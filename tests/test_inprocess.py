@@ -102,3 +102,23 @@ def test_the_shared_local_step_refuses_a_non_finite_loss_and_changes_nothing():
     expected = float((before["weight"].sum(1) + before["bias"]).sum())
     assert optimizer_step(opt, layer(torch.ones(1, 3)).sum()) == pytest.approx(expected, rel=1e-6)
     assert not torch.equal(before["bias"], layer.bias)
+
+
+def test_dropout_follows_the_messages_seed_not_the_processs_history():
+    """A Ray actor trains many clients, in an order that changes between runs: a model with dropout (GPT-2 family
+    models have it by default) must train the same from the same seed whatever the process drew before, and
+    leave the process's own generator where it was."""
+    cfg, _, windows = _setup(1)
+    cfg = cfg.__class__.from_dict({**cfg.to_dict(), "attention_dropout": 0.5})
+    torch.manual_seed(0)
+    init = LlamaForCausalLM(cfg).state_dict()
+    losses = []
+    for history in (0, 7):
+        torch.manual_seed(history)
+        model = model_from_state(cfg, init)
+        after = torch.random.get_rng_state()
+        losses.append(train_steps(model, windows[0], 3, 1e-2, 4, seed=11)["train_loss"])
+        assert torch.equal(torch.random.get_rng_state(), after)
+    assert losses[0] == losses[1]
+    model = model_from_state(cfg, init)
+    assert train_steps(model, windows[0], 3, 1e-2, 4, seed=12)["train_loss"] != losses[0]
