@@ -17,6 +17,7 @@ from fedfusion.selection import make_selector
 from fedfusion.slicing import extract
 from fedfusion.fusion.submodel import SubModelMethod
 from fedfusion.strategies import FusionStrategy
+from fedfusion.wire import Caps
 from tests.conftest import tiny_config
 
 
@@ -38,8 +39,8 @@ class FakeGrid:
         return list(self.devices)
 
     def send_and_receive(self, messages, timeout=None):
-        return [Message(RecordDict({"caps": ConfigRecord({"device": self.devices[m.metadata.dst_node_id],
-                                                          "partition": m.metadata.dst_node_id})}), reply_to=m)
+        return [Message(RecordDict({"caps": ConfigRecord(Caps(self.devices[m.metadata.dst_node_id],
+                                                              m.metadata.dst_node_id, 1).to_config())}), reply_to=m)
                 for m in messages]
 
 
@@ -132,15 +133,16 @@ def test_unknown_device_is_not_sampled():
 
 def test_injected_faults_are_seeded_and_follow_the_recipe():
     from fedfusion.clients.submodel import inject_faults
-    from fedfusion.recipe import FaultConfig
-    from fedfusion.wire import fault_spec
+    from fedfusion.wire import FaultSpec, RoundSpec
 
-    spec = ConfigRecord({"seed": 5, **fault_spec(FaultConfig(corrupt_prob=1.0, straggler_prob=1.0, straggler_delay_s=2.5))})
-    assert inject_faults(spec, 3) == (True, 2.5)
+    def spec(seed: int, faults: FaultSpec | None = None) -> ConfigRecord:
+        return ConfigRecord({**RoundSpec(1, seed).to_config(), **(faults.to_config() if faults else {})})
+
+    assert inject_faults(spec(5, FaultSpec(corrupt_prob=1.0, straggler_prob=1.0, straggler_delay_s=2.5)), 3) == (True, 2.5)
     with pytest.raises(RuntimeError, match="injected crash"):
-        inject_faults(ConfigRecord({"seed": 5, **fault_spec(FaultConfig(crash_prob=1.0))}), 3)
-    assert inject_faults(ConfigRecord({"seed": 5}), 3) == (False, 0.0)
-    mixed = ConfigRecord({"seed": 9, **fault_spec(FaultConfig(corrupt_prob=0.5))})
+        inject_faults(spec(5, FaultSpec(crash_prob=1.0)), 3)
+    assert inject_faults(spec(5), 3) == (False, 0.0)
+    mixed = spec(9, FaultSpec(corrupt_prob=0.5))
     draws = [inject_faults(mixed, p)[0] for p in range(40)]
     assert draws == [inject_faults(mixed, p)[0] for p in range(40)] and 5 < sum(draws) < 35
 
