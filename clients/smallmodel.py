@@ -46,7 +46,8 @@ def _windows(spec: ConfigRecord, partition: int, split: str) -> torch.Tensor:
 
 
 def _model(state: dict[str, torch.Tensor], spec: ConfigRecord, accelerator: str) -> PreTrainedModel:
-    return small_model(json.dumps(ModelSpec.from_config(spec).model_config), state).to(accelerator)
+    model = small_model(json.dumps(ModelSpec.from_config(spec).model_config), state)
+    return model.to(accelerator)  # type: ignore[arg-type]  # transformers' functools.wraps on .to reads as unbound
 
 
 def train(state: dict[str, torch.Tensor], spec: ConfigRecord, partition: int,

@@ -44,7 +44,8 @@ def _windows(spec: ConfigRecord, partition: int, split: str) -> torch.Tensor:
 
 
 def _model(state: dict[str, torch.Tensor], spec: ConfigRecord, accelerator: str = "cpu") -> PreTrainedModel:
-    return model_from_state(config_from_dict(ModelSpec.from_config(spec).model_config), state).to(accelerator)
+    model = model_from_state(config_from_dict(ModelSpec.from_config(spec).model_config), state)
+    return model.to(accelerator)  # type: ignore[arg-type]  # transformers' functools.wraps on .to reads as unbound
 
 
 def set_threads(spec: ConfigRecord) -> None:

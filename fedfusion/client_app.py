@@ -50,7 +50,7 @@ def query(msg: Message, context: Context) -> Message:
     In deployment the tier comes from ``--node-config 'device="..."'``; in simulation, where a virtual
     node only knows its partition id, it is derived from the recipe's seeded population mix.
     """
-    config = msg.content["config"]
+    config = msg.content.config_records["config"]
     device = context.node_config.get("device")
     if device is None:
         p = PopulationSpec.from_config(config)
@@ -64,8 +64,8 @@ def query(msg: Message, context: Context) -> Message:
 @app.train(mods=[privacy_mod])
 def train(msg: Message, context: Context) -> Message:
     """Train the received model as its spec says and reply with the new weights and metrics."""
-    spec = msg.content["config"]
-    state = msg.content["arrays"].to_torch_state_dict()
+    spec = msg.content.config_records["config"]
+    state = msg.content.array_records["arrays"].to_torch_state_dict()
     if "gateway" in context.node_config:  # this node serves phones: one of them trains (fedfusion.clients.device)
         from fedfusion.clients.device import relay
 
@@ -79,7 +79,7 @@ def train(msg: Message, context: Context) -> Message:
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
     """Score the received model on this node's held-out text."""
-    spec = msg.content["config"]
-    metrics = _role(spec).evaluate(msg.content["arrays"].to_torch_state_dict(), spec, _partition(context),
+    spec = msg.content.config_records["config"]
+    metrics = _role(spec).evaluate(msg.content.array_records["arrays"].to_torch_state_dict(), spec, _partition(context),
                                    _accelerator(context))
     return Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)

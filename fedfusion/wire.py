@@ -11,7 +11,7 @@ renaming a field renames its key on both sides. Reading refuses a missing key or
 the key; each spec checks its values against the constants of the module that owns them.
 
 A new spec is one more frozen dataclass deriving from :class:`Spec`: fields with plain types (str, int, float,
-bool) travel as they are, others through a codec (:func:`json_field`, :func:`csv_field`).
+bool) travel as they are, others through a codec (``field(metadata=JSON)`` or ``CSV``).
 """
 
 from __future__ import annotations
@@ -50,14 +50,14 @@ def _json_decode(text: str) -> Any:
     return tuple(value) if isinstance(value, list) else value
 
 
-def json_field(**kwargs: Any) -> Any:
-    """A field that travels as JSON text (a JSON list comes back as a tuple)."""
-    return field(metadata={CODEC: (json.dumps, _json_decode)}, **kwargs)
+def _csv_decode(text: str) -> tuple[str, ...]:
+    return tuple(name.strip() for name in text.split(",") if name.strip())
 
 
-def csv_field(**kwargs: Any) -> Any:
-    """A tuple of names that travels as one comma-separated string."""
-    return field(metadata={CODEC: (",".join, lambda s: tuple(n.strip() for n in s.split(",") if n.strip()))}, **kwargs)
+# field metadata of a field that travels as JSON text (a JSON list comes back as a tuple), or of a tuple of names
+# that travels as one comma-separated string: ``x: T = field(metadata=JSON)``
+JSON: dict[str, Any] = {CODEC: (json.dumps, _json_decode)}
+CSV: dict[str, Any] = {CODEC: (",".join, _csv_decode)}
 
 
 def _plain(kind: type, key: str, value: Any) -> Any:
@@ -251,7 +251,7 @@ class PrivacySpec(Spec):
 class ModelSpec(Spec):
     """The Hugging Face config (``PretrainedConfig.to_dict()``) of the model a client rebuilds from the arrays."""
 
-    model_config: dict[str, Any] = json_field()
+    model_config: dict[str, Any] = field(metadata=JSON)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_config, dict) or not self.model_config.get("model_type"):
@@ -264,7 +264,7 @@ class SliceSpec(Spec):
 
     width: float
     policy: str
-    axes: tuple[str, ...] | None = json_field()
+    axes: tuple[str, ...] | None = field(metadata=JSON)
 
     def __post_init__(self) -> None:
         _check(self, "policy", POLICIES)
@@ -276,7 +276,7 @@ class OrderedSpec(Spec):
     widest teaches the narrower ones."""
 
     prefix = "ordered-"
-    fractions: tuple[float, ...] = json_field()
+    fractions: tuple[float, ...] = field(metadata=JSON)
     distill: bool
 
 
@@ -305,7 +305,7 @@ class LoRABaseSpec(Spec):
 
     base: str
     dtype: str
-    target_modules: tuple[str, ...] = csv_field()
+    target_modules: tuple[str, ...] = field(metadata=CSV)
     lora_dropout: float
 
     def __post_init__(self) -> None:
@@ -342,7 +342,7 @@ class PopulationSpec(Spec):
     """The recipe's seeded population (sent in the capability query): a simulated node draws its tier from it."""
 
     prefix = "population-"
-    mix: dict[str, float] = json_field()
+    mix: dict[str, float] = field(metadata=JSON)
     num_clients: int
     seed: int
 

@@ -398,10 +398,19 @@ class FusionStrategy(Strategy):
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         """Example-weighted mean of the clients' held-out loss and accuracy."""
-        good = [r.content["metrics"] for r in replies if not r.has_error()]
-        total = sum(int(m["num-examples"]) for m in good)
+        good = [r.content.metric_records["metrics"] for r in replies if not r.has_error()]
+        examples = [_number(m, "num-examples") for m in good]
+        total = sum(examples)
         if not total:
             return None
-        self.round.fed_eval = {f"fed_{k}": sum(float(m[k]) * int(m["num-examples"]) for m in good) / total
+        self.round.fed_eval = {f"fed_{k}": sum(_number(m, k) * n for m, n in zip(good, examples)) / total
                                for k in ("eval_loss", "eval_acc")}
-        return MetricRecord(self.round.fed_eval)
+        return MetricRecord({k: v for k, v in self.round.fed_eval.items()})
+
+
+def _number(record: MetricRecord, key: str) -> float:
+    """One scalar of a reply's metrics (a list where a number belongs raises, naming the key)."""
+    value = record[key]
+    if not isinstance(value, int | float):
+        raise ValueError(f"metric {key!r} is not a number: {value!r}")
+    return float(value)

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 from safetensors.torch import save_file
+from transformers import PreTrainedModel
 
 from fedfusion.energy import lora_work_params
 from fedfusion.fusion.base import Client, Fold, FusionMethod, Payload, State, TierCost, Update
@@ -229,7 +230,7 @@ def save_adapter(state: Mapping[str, torch.Tensor], out: str | Path, target_modu
     return out
 
 
-def save_merged(model: torch.nn.Module, original: dict[str, torch.Tensor], state: Mapping[str, torch.Tensor],
+def save_merged(model: PreTrainedModel, original: dict[str, torch.Tensor], state: Mapping[str, torch.Tensor],
                 tokenizer: Any, out: str | Path) -> Path:
     """Write the base with the global update merged in (``save_pretrained``, tokenizer included)."""
     apply_global(model, original, state)
