@@ -44,6 +44,22 @@ class FakeGrid:
                 for m in messages]
 
 
+def test_a_capability_reply_missing_a_key_is_refused_naming_it(caplog):
+    class Partial(FakeGrid):  # node 12 leaves out its example count
+        def send_and_receive(self, messages, timeout=None):
+            replies = super().send_and_receive(messages, timeout)
+            for reply in replies:
+                if reply.metadata.src_node_id == 12:
+                    del reply.content["caps"]["examples"]
+            return replies
+
+    strategy, state = make_strategy()
+    grid = Partial({11: "phone", 12: "desktop", 13: "phone"})
+    msgs = list(strategy.configure_train(1, ArrayRecord(state), ConfigRecord({}), grid))
+    assert sorted(m.metadata.dst_node_id for m in msgs) == [11, 13] and 12 not in strategy.caps
+    assert "node 12: capability reply refused: message spec lacks 'examples'" in caplog.text
+
+
 def make_strategy(min_clients: int = 1, aggregate: str = "mean", wire_dtype: str = "float32") -> tuple[FusionStrategy, dict]:
     cfg = tiny_config(heads=4, kv_heads=4, hidden=32, inter=48)
     torch.manual_seed(0)
