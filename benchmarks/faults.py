@@ -81,10 +81,10 @@ def fault_check(out: Path) -> Counter:
 
     from fedfusion.recipe import load_recipe
     from fedfusion.rounds import client_seed
-    from fedfusion.wire import fault_spec
+    from fedfusion.wire import FaultSpec, RoundSpec
 
     recipe = load_recipe(out / "recipe.yaml")
-    spec_base = fault_spec(recipe.faults)
+    spec_base = FaultSpec.from_recipe(recipe.faults).to_config()
     seen: Counter = Counter()
     for line in (out / "clients.jsonl").read_text().splitlines():
         if not line.strip():
@@ -92,7 +92,7 @@ def fault_check(out: Path) -> Counter:
         row = json.loads(line)
         seed = client_seed(recipe.seed, row["round"], row["partition"])  # the seed the strategy puts in the message
         try:
-            corrupt, delay = inject_faults({**spec_base, "seed": seed}, row["partition"])
+            corrupt, delay = inject_faults({**spec_base, **RoundSpec(row["round"], seed).to_config()}, row["partition"])
             drawn = "corrupt" if corrupt else "straggler" if delay else "none"
         except RuntimeError:
             drawn = "crash"
@@ -284,8 +284,11 @@ class FakeGrid:
     def send_and_receive(self, messages, timeout=None):
         from flwr.app import ConfigRecord, Message, RecordDict
 
-        return [Message(RecordDict({"caps": ConfigRecord({"device": self.devices[m.metadata.dst_node_id],
-                                                          "partition": m.metadata.dst_node_id})}), reply_to=m)
+        from fedfusion.wire import Caps
+
+        # one example each: what the strategy assumes of a node whose data size it does not know
+        return [Message(RecordDict({"caps": ConfigRecord(Caps(self.devices[m.metadata.dst_node_id],
+                                                              m.metadata.dst_node_id, 1).to_config())}), reply_to=m)
                 for m in messages]
 
 

@@ -53,6 +53,7 @@ from fedfusion.instruct import encode_pairs, evaluate_instruct, generate_respons
 from fedfusion.lora import merged_arrays
 from fedfusion.models import build_target, count_params
 from fedfusion.recipe import ModelConfig
+from fedfusion.wire import AdapterSpec, ClientSpec, LoRABaseSpec, QuantizeSpec, RoleSpec, RoundSpec, TrainSpec, merge
 
 RESULTS = Path(__file__).resolve().parent / "results"
 RANKS = (16, 8, 4, 4, 2, 2, 1, 1)  # client k's rank (client k holds categories k, k+8, ... of chatterbot)
@@ -136,12 +137,15 @@ def dense_bytes(base: str, modules: str) -> int:
 
 
 # -- one federated run ----------------------------------------------------------------------------------
-def client_spec(base: str, rank: int, seed: int, steps: int, args: argparse.Namespace, spec: str,
-                quantize: int = 0, dtype: str = "float32") -> dict:
-    """The train spec a client gets (the keys ``fedfusion.clients.lora.train`` reads)."""
-    return {"base": base, "data-spec": spec, "seq-len": args.seq_len, "target-modules": args.modules,
-            "rank": rank, "alpha": ALPHA, "quantize": quantize, "dtype": dtype, "seed": seed, "local-steps": steps,
-            "lr": args.lr, "batch-size": args.batch, "threads": 1}
+def base_spec(base: str, args: argparse.Namespace, dtype: str = "float32") -> LoRABaseSpec:
+    """The frozen base and adapted modules every client of a run loads."""
+    return LoRABaseSpec(base, dtype, tuple(args.modules.split(",")), 0.0)
+
+
+def client_spec(seed: int, steps: int, args: argparse.Namespace, spec: str, server_round: int = 0) -> dict:
+    """What a client is told besides its adapter and base (:mod:`fedfusion.wire`): its data, training and seed."""
+    return merge(ClientSpec(spec, args.seq_len, 1), TrainSpec(steps, args.lr, args.batch, 0.0, "adamw"),
+                 RoundSpec(server_round, seed))
 
 
 def evaluate_global(base: str, A: dict, B: dict, held, quantize: int = 0, dtype: str = "float32") -> dict:
@@ -161,14 +165,14 @@ def federated(base: str, method: str, ranks: tuple[int, ...], spec: str, rounds:
     tiers = [f"rank{r}" for r in ranks]
     modules = adapted_modules(lora_client.frozen_base(base, quantize, dtype, "cpu"), args.modules.split(","))
     lora = LoRAMethod(modules, {t: r for t, r in zip(tiers, ranks)}, {t: ALPHA for t in tiers},
-                      {t: quantize for t in tiers}, method, base_params=0)
+                      {t: quantize for t in tiers}, method, base_params=0, base=base_spec(base, args, dtype))
     curve = [evaluate_global(base, {}, {}, held, quantize, dtype)]
     comm, train_loss, losses = [], [], []
 
     def train(rnd: int, payload: Payload) -> tuple[dict, dict]:
         k, rank = payload.client.partition, payload.row["rank"]
         factors, metrics = lora_client.train(
-            payload.arrays, {**client_spec(base, rank, payload.client.seed, steps, args, spec, quantize, dtype),
+            payload.arrays, {**client_spec(payload.client.seed, steps, args, spec, rnd),
                              **payload.spec}, k)
         comm.append({"round": rnd, "client": k, "rank": rank, "down": nbytes(payload.arrays), "up": nbytes(factors)})
         losses.append(metrics["train_loss"])
@@ -261,14 +265,16 @@ def probe(tier: str, args: argparse.Namespace) -> None:
     """(run in a subprocess) One SmolLM2 client's training steps on a ``tier`` base; prints its peak RSS
     after the imports, after loading the base, after encoding its data and after training."""
     bits, dtype = PROBE_TIERS[tier]
-    spec = client_spec("smollm2", 4, 0, args.probe_steps, argparse.Namespace(
-        **{**vars(args), "seq_len": args.real_seq_len, "batch": args.real_batch, "lr": args.real_lr}),
-        data_spec(len(REAL_RANKS)), bits, dtype)
+    probe = argparse.Namespace(**{**vars(args), "seq_len": args.real_seq_len, "batch": args.real_batch,
+                                  "lr": args.real_lr})
+    spec = {**client_spec(0, args.probe_steps, probe, data_spec(len(REAL_RANKS))),
+            **merge(RoleSpec("lora"), base_spec("smollm2", probe, dtype), QuantizeSpec(bits),
+                    AdapterSpec("flexlora", 4, ALPHA))}
     imports = peak_rss_mb()
     t0 = time.perf_counter()
     lora_client.frozen_base("smollm2", bits, dtype, "cpu")
     load_s, loaded = time.perf_counter() - t0, peak_rss_mb()
-    lora_client.client_data(spec["data-spec"], 0, "smollm2", spec["seq-len"], "train")
+    lora_client.client_data(data_spec(len(REAL_RANKS)), 0, "smollm2", args.real_seq_len, "train")
     data = peak_rss_mb()
     _, metrics = lora_client.train({}, spec, 0)
     print(json.dumps({"tier": tier, "bits": bits, "dtype": dtype, "peak_rss_mb": peak_rss_mb()["vmhwm"],

@@ -20,7 +20,7 @@ from flwr.app import ConfigRecord
 
 from fedfusion.gateway import call, pack, unpack
 from fedfusion.meters import WIRE_PREFIX
-from fedfusion.wire import DROPPED
+from fedfusion.wire import DROPPED, ClientSpec, ModelSpec, RoleSpec, RoundSpec, SliceSpec, TrainSpec, merge
 
 DEADLINE_S = 600.0
 # how long queuing a task may take: the gateway exports a program the first time it sees a sub-model shape (a minute
@@ -31,8 +31,6 @@ DEVICE_METRICS = {"num-examples": int, "train_loss": float, "train_s": float, "t
                   "device_step_s": float, "measured_device_j": float}
 # the phone's meter reaches the ledger as one more meter, source "device" (fedfusion.meters owns the reply keys)
 DEVICE_METER_KEY = WIRE_PREFIX + "device"
-SPEC_KEYS = ("local-steps", "lr", "batch-size", "weight-decay", "optimizer", "seed", "seq-len", "data-spec",
-             "server-round")  # what a device needs of a message's spec; the program holds the model
 
 
 class DeviceDropped(RuntimeError):
@@ -51,11 +49,15 @@ def relay(state: dict[str, torch.Tensor], spec: ConfigRecord, partition: int,
           node_config: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict]:
     """Hand one train message to the gateway and wait for a phone's result; returns (state, metrics)."""
     url, secret, deadline_s = _gateway(node_config)
-    if str(spec.get("role", "submodel")) != "submodel" or str(spec.get("policy", "")) == "ordered":
+    role = RoleSpec.from_config(spec).role
+    policy = SliceSpec.from_config(spec).policy if role == "submodel" else None
+    if role != "submodel" or policy == "ordered":
         raise ValueError(f"a device gateway serves width slices (role submodel, any policy but ordered); this message "
-                         f"is role {spec.get('role')!r}, policy {spec.get('policy')!r}")
-    task_spec = {k: spec[k] for k in SPEC_KEYS if k in spec} | {"partition": partition}
-    body = pack(state, {"spec": task_spec, "model_config": json.loads(str(spec["model-config"])),
+                         f"is role {role!r}, policy {policy!r}")
+    # what a device needs of the message (the program holds the model): its data, training settings and round
+    task_spec = merge(ClientSpec.from_config(spec), TrainSpec.from_config(spec), RoundSpec.from_config(spec))
+    task_spec["partition"] = partition
+    body = pack(state, {"spec": task_spec, "model_config": ModelSpec.from_config(spec).model_config,
                         "deadline_s": deadline_s})
     status, answer = call(f"{url}/v1/node/tasks", "POST", secret, body, timeout=SUBMIT_TIMEOUT_S)
     if status != 200:

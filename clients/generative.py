@@ -9,29 +9,33 @@ from __future__ import annotations
 import torch
 from fedfusion.clients.submodel import (
     _model,
-    client_windows,
+    _windows,
     evaluate,
     inject_faults,
     local_steps,
     num_examples,
+    set_threads,
     trained_reply,
 )
 from flwr.app import ConfigRecord
 
 from fedfusion.generative import SAMPLES_KEY, sample_windows
 from fedfusion.training import train_steps
+from fedfusion.wire import GenerativeSpec, RoundSpec
 
 __all__ = ["evaluate", "num_examples", "train"]
 
 
 def train(state: dict[str, torch.Tensor], spec: ConfigRecord, partition: int,
           accelerator: str = "cpu") -> tuple[dict, dict]:
-    """Train the device's model in ``state`` as ``spec`` says, then sample ``spec["samples"]`` windows from it."""
+    """Train the device's model in ``state`` as ``spec`` says, then sample the windows its
+    :class:`~fedfusion.wire.GenerativeSpec` asks for from it."""
     faults = inject_faults(spec, partition)
-    torch.set_num_threads(int(spec["threads"]))
-    windows = client_windows(str(spec["data-spec"]), partition, int(spec["seq-len"]), "train")
+    ask = GenerativeSpec.from_config(spec)
+    set_threads(spec)
+    windows = _windows(spec, partition, "train")
     model = _model(state, spec, accelerator)
     new_state, metrics = trained_reply(model, windows, faults, lambda: train_steps(model, windows, **local_steps(spec)))
-    new_state[SAMPLES_KEY] = sample_windows(model, windows, int(spec["samples"]), float(spec["temperature"]),
-                                            int(spec["seed"]))
+    new_state[SAMPLES_KEY] = sample_windows(model, windows, ask.samples, ask.temperature,
+                                            RoundSpec.from_config(spec).seed)
     return new_state, metrics

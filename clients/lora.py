@@ -26,7 +26,7 @@ import time
 from functools import lru_cache
 
 import torch
-from fedfusion.clients.submodel import inject_faults
+from fedfusion.clients.submodel import inject_faults, set_threads
 from flwr.app import ConfigRecord
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
@@ -41,6 +41,7 @@ from fedfusion.instruct import (
 )
 from fedfusion.meters import HostMeter, gpu_index
 from fedfusion.pretrained import load_base, load_base_tokenizer
+from fedfusion.wire import AdapterSpec, ClientSpec, LoRABaseSpec, QuantizeSpec, RoundSpec, TrainSpec
 
 hf_logging.disable_progress_bar()
 
@@ -67,39 +68,36 @@ def client_data(data_spec: str, partition: int, base: str, seq_len: int, split: 
 
 
 def num_examples(spec: ConfigRecord, partition: int) -> int:
-    """This client's number of training pairs, for the capability query (``data-spec``, ``base``, ``seq-len``)."""
-    return len(client_data(str(spec["data-spec"]), partition, str(spec["base"]), int(spec["seq-len"]), "train"))
+    """This client's number of training pairs, for the capability query (its client and LoRA base specs)."""
+    return len(_data(spec, partition, "train"))
 
 
-def target_modules(spec: ConfigRecord) -> list[str]:
-    """The module names to adapt, from the spec's comma-separated ``target-modules``."""
-    names = [n.strip() for n in str(spec["target-modules"]).split(",") if n.strip()]
-    if not names:
-        raise ValueError("target-modules is empty")
-    return names
+def _data(spec: ConfigRecord, partition: int, split: str) -> InstructData:
+    client = ClientSpec.from_config(spec)
+    return client_data(client.data_spec, partition, LoRABaseSpec.from_config(spec).base, client.seq_len, split)
 
 
 def _base(spec: ConfigRecord, accelerator: str) -> PreTrainedModel:
-    return frozen_base(str(spec["base"]), int(spec.get("quantize", 0)), str(spec.get("dtype", "float32")), accelerator)
+    base = LoRABaseSpec.from_config(spec)
+    return frozen_base(base.base, QuantizeSpec.from_config(spec).quantize, base.dtype, accelerator)
 
 
 def train(arrays: dict[str, torch.Tensor], spec: ConfigRecord, partition: int,
           accelerator: str = "cpu") -> tuple[dict, dict]:
     """Train this client's adapter as ``spec`` says; returns the adapter tensors and reply metrics."""
     corrupt, delay = inject_faults(spec, partition)
-    torch.set_num_threads(int(spec.get("threads", 1)))
-    base_name = str(spec["base"])
-    data = client_data(str(spec["data-spec"]), partition, base_name, int(spec["seq-len"]), "train")
+    set_threads(spec)
+    data = _data(spec, partition, "train")
+    adapter, lora, train = AdapterSpec.from_config(spec), LoRABaseSpec.from_config(spec), TrainSpec.from_config(spec)
+    seed = RoundSpec.from_config(spec).seed
     base = _base(spec, accelerator)
     with merged_update(base, arrays):  # hooks sit on the base layers, which peft keeps as base_layer
-        model = attach_adapter(base, int(spec["rank"]), float(spec["alpha"]), target_modules(spec),
-                               float(spec.get("lora-dropout", 0.0)), int(spec["seed"]))
+        model = attach_adapter(base, adapter.rank, adapter.alpha, list(lora.target_modules), lora.lora_dropout, seed)
         try:
             load_factors(model, arrays)
             with HostMeter(gpu_index(base.device)) as meter:  # the host's own meters (labelled, not priced)
-                stats = train_instruct(model, data, steps=int(spec["local-steps"]), lr=float(spec["lr"]),
-                                       batch_size=int(spec["batch-size"]), seed=int(spec["seed"]),
-                                       weight_decay=float(spec.get("weight-decay", 0.0)))
+                stats = train_instruct(model, data, steps=train.local_steps, lr=train.lr, batch_size=train.batch_size,
+                                       seed=seed, weight_decay=train.weight_decay)
             stats.update(meter.metrics())
             factors = adapter_factors(model)
             sent = [k for k in arrays if k.endswith((".lora_A", ".lora_B"))]
@@ -116,8 +114,8 @@ def train(arrays: dict[str, torch.Tensor], spec: ConfigRecord, partition: int,
 def evaluate(arrays: dict[str, torch.Tensor], spec: ConfigRecord, partition: int, accelerator: str = "cpu") -> dict:
     """Response loss of base + the global update (sent as frozen ``m.merged_*`` arrays) on this
     client's held-out pairs."""
-    torch.set_num_threads(int(spec.get("threads", 1)))
-    data = client_data(str(spec["data-spec"]), partition, str(spec["base"]), int(spec["seq-len"]), "held_out")
+    set_threads(spec)
+    data = _data(spec, partition, "held_out")
     base = _base(spec, accelerator)
     with merged_update(base, arrays):
         return {"num-examples": len(data), **evaluate_instruct(base, data)}

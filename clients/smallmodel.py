@@ -7,6 +7,7 @@ The message carries the family's global weights, its Hugging Face config (any ca
 
 from __future__ import annotations
 
+import json
 from functools import lru_cache
 
 import torch
@@ -14,15 +15,18 @@ from fedfusion.clients.submodel import (
     client_windows,
     inject_faults,
     local_steps,
+    set_threads,
     trained_reply,
 )
 from flwr.app import ConfigRecord
+from transformers import PreTrainedModel
 
 from fedfusion.data import encode_text, lm_windows
 from fedfusion.models import small_model
 from fedfusion.population import population_data
 from fedfusion.training import evaluate_lm, train_steps
 from fedfusion.transfer import wrap_tokenizer
+from fedfusion.wire import ClientSpec, FamilySpec, ModelSpec
 
 
 @lru_cache(maxsize=64)
@@ -37,23 +41,27 @@ def family_windows(data_spec: str, partition: int, seq_len: int, split: str, tok
 
 
 def _windows(spec: ConfigRecord, partition: int, split: str) -> torch.Tensor:
-    return family_windows(str(spec["data-spec"]), partition, int(spec["seq-len"]), split,
-                          str(spec.get("tokenizer-json", "")))
+    client = ClientSpec.from_config(spec)
+    return family_windows(client.data_spec, partition, client.seq_len, split, FamilySpec.from_config(spec).tokenizer_json)
+
+
+def _model(state: dict[str, torch.Tensor], spec: ConfigRecord, accelerator: str) -> PreTrainedModel:
+    model = small_model(json.dumps(ModelSpec.from_config(spec).model_config), state)
+    return model.to(accelerator)  # type: ignore[arg-type]  # transformers' functools.wraps on .to reads as unbound
 
 
 def train(state: dict[str, torch.Tensor], spec: ConfigRecord, partition: int,
           accelerator: str = "cpu") -> tuple[dict, dict]:
     """Train the family model in ``state`` as ``spec`` says; returns the new state and reply metrics."""
     faults = inject_faults(spec, partition)  # an injected crash happens before any work
-    torch.set_num_threads(int(spec["threads"]))
+    set_threads(spec)
     windows = _windows(spec, partition, "train")
-    model = small_model(str(spec["model-config"]), state).to(accelerator)
+    model = _model(state, spec, accelerator)
     return trained_reply(model, windows, faults, lambda: train_steps(model, windows, **local_steps(spec)))
 
 
 def evaluate(state: dict[str, torch.Tensor], spec: ConfigRecord, partition: int, accelerator: str = "cpu") -> dict:
     """Score the family model in ``state`` on this client's held-out text (in the family's tokens)."""
-    torch.set_num_threads(int(spec["threads"]))
+    set_threads(spec)
     windows = _windows(spec, partition, "held_out")
-    return {"num-examples": int(windows.shape[0]),
-            **evaluate_lm(small_model(str(spec["model-config"]), state).to(accelerator), windows)}
+    return {"num-examples": int(windows.shape[0]), **evaluate_lm(_model(state, spec, accelerator), windows)}

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-import json
 import random
 import time
 from collections.abc import Callable
 from functools import lru_cache
+from typing import Any
 
 import torch
 from flwr.app import ConfigRecord
+from transformers import PreTrainedModel
 
 from fedfusion.cache import cached_tensor
 from fedfusion.meters import HostMeter, gpu_index
@@ -18,7 +19,7 @@ from fedfusion.ordered import train_steps_ordered
 from fedfusion.population import client_token_windows
 from fedfusion.slice_families import config_from_dict
 from fedfusion.training import evaluate_lm, train_steps
-from fedfusion.wire import read_faults, read_train
+from fedfusion.wire import ClientSpec, FaultSpec, ModelSpec, OrderedSpec, RoundSpec, SliceSpec, read_train
 
 
 @lru_cache(maxsize=64)
@@ -33,12 +34,23 @@ def client_windows(spec: str, partition: int, seq_len: int, split: str) -> torch
 
 
 def num_examples(spec: ConfigRecord, partition: int) -> int:
-    """This client's number of training windows, for the capability query (``data-spec``, ``seq-len``)."""
-    return int(client_windows(str(spec["data-spec"]), partition, int(spec["seq-len"]), "train").shape[0])
+    """This client's number of training windows, for the capability query (its :class:`ClientSpec`)."""
+    return int(_windows(spec, partition, "train").shape[0])
 
 
-def _model(state: dict[str, torch.Tensor], spec: ConfigRecord, accelerator: str = "cpu"):
-    return model_from_state(config_from_dict(json.loads(str(spec["model-config"]))), state).to(accelerator)
+def _windows(spec: ConfigRecord, partition: int, split: str) -> torch.Tensor:
+    client = ClientSpec.from_config(spec)
+    return client_windows(client.data_spec, partition, client.seq_len, split)
+
+
+def _model(state: dict[str, torch.Tensor], spec: ConfigRecord, accelerator: str = "cpu") -> PreTrainedModel:
+    model = model_from_state(config_from_dict(ModelSpec.from_config(spec).model_config), state)
+    return model.to(accelerator)  # type: ignore[arg-type]  # transformers' functools.wraps on .to reads as unbound
+
+
+def set_threads(spec: ConfigRecord) -> None:
+    """Use the torch threads the message's :class:`ClientSpec` allows."""
+    torch.set_num_threads(ClientSpec.from_config(spec).threads)
 
 
 def inject_faults(spec: ConfigRecord, partition: int) -> tuple[bool, float]:
@@ -46,16 +58,16 @@ def inject_faults(spec: ConfigRecord, partition: int) -> tuple[bool, float]:
 
     Drawn from a generator seeded by the message's seed and the partition, so a run's faults repeat.
     """
-    rng = random.Random(int(spec["seed"]) * 7919 + partition)
+    rng = random.Random(RoundSpec.from_config(spec).seed * 7919 + partition)
     draws = [rng.random() for _ in range(3)]
-    faults = read_faults(spec)
+    faults = FaultSpec.read(spec)
     if draws[0] < faults.crash_prob:
         raise RuntimeError(f"injected crash (faults.crash_prob) on partition {partition}")
     delay = faults.straggler_delay_s if draws[1] < faults.straggler_prob else 0.0
     return draws[2] < faults.corrupt_prob, delay
 
 
-def local_steps(spec: ConfigRecord) -> dict:
+def local_steps(spec: ConfigRecord) -> dict[str, Any]:
     """The spec's local training settings, as ``train_steps`` takes them (:func:`fedfusion.wire.read_train`)."""
     return read_train(spec)
 
@@ -80,17 +92,16 @@ def train(state: dict[str, torch.Tensor], spec: ConfigRecord, partition: int,
           accelerator: str = "cpu") -> tuple[dict, dict]:
     """Train the sub-model in ``state`` on ``accelerator`` as ``spec`` says; returns the new state and metrics."""
     faults = inject_faults(spec, partition)  # an injected crash happens before any work
-    torch.set_num_threads(int(spec["threads"]))
-    windows = client_windows(str(spec["data-spec"]), partition, int(spec["seq-len"]), "train")
+    set_threads(spec)
+    windows = _windows(spec, partition, "train")
     model = _model(state, spec, accelerator)
+    sliced = SliceSpec.from_config(spec)
 
-    def fit() -> dict:
-        if str(spec.get("policy", "")) == "ordered":  # FjORD: a nested width per step, up to this sub-model
-            return train_steps_ordered(
-                model, windows, fractions=json.loads(str(spec["ordered-fractions"])),
-                axes=json.loads(str(spec.get("axes", "null"))), distill=bool(spec.get("ordered-distill", False)),
-                **local_steps(spec),
-            )
+    def fit() -> dict[str, float]:
+        if sliced.policy == "ordered":  # FjORD: a nested width per step, up to this sub-model
+            ordered = OrderedSpec.from_config(spec)
+            return train_steps_ordered(model, windows, fractions=ordered.fractions, axes=sliced.axes,
+                                       distill=ordered.distill, **local_steps(spec))
         return train_steps(model, windows, **local_steps(spec))
 
     return trained_reply(model, windows, faults, fit)
@@ -98,6 +109,6 @@ def train(state: dict[str, torch.Tensor], spec: ConfigRecord, partition: int,
 
 def evaluate(state: dict[str, torch.Tensor], spec: ConfigRecord, partition: int, accelerator: str = "cpu") -> dict:
     """Score the model in ``state`` on this client's held-out text."""
-    torch.set_num_threads(int(spec["threads"]))
-    windows = client_windows(str(spec["data-spec"]), partition, int(spec["seq-len"]), "held_out")
+    set_threads(spec)
+    windows = _windows(spec, partition, "held_out")
     return {"num-examples": int(windows.shape[0]), **evaluate_lm(_model(state, spec, accelerator), windows)}

@@ -24,8 +24,9 @@ def attach_adapter(base: PreTrainedModel, rank: int, alpha: float, modules: list
                    seed: int) -> PeftModel:
     """peft LoRA of ``rank``/``alpha`` (scaling alpha / rank) on ``modules`` of ``base``; seeded init."""
     torch.manual_seed(seed)
-    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=modules, lora_dropout=dropout, bias="none",
-                        use_rslora=False, task_type="CAUSAL_LM")
+    # peft annotates lora_alpha as int, but uses it as a number (scaling = alpha / rank): a float alpha is kept as is
+    config = LoraConfig(r=rank, lora_alpha=alpha,  # type: ignore[arg-type]
+                        target_modules=modules, lora_dropout=dropout, bias="none", use_rslora=False, task_type="CAUSAL_LM")
     return get_peft_model(base, config)
 
 
@@ -39,9 +40,17 @@ def adapter_factors(model: PeftModel) -> dict[str, torch.Tensor]:
     """The adapter's tensors as reply arrays: ``m.lora_A`` (rank, in) and ``m.lora_B`` (out, rank), float32."""
     out = {}
     for name, layer in lora_layers(model).items():
-        out[f"{name}.lora_A"] = layer.lora_A["default"].weight.detach().float().cpu().clone()
-        out[f"{name}.lora_B"] = layer.lora_B["default"].weight.detach().float().cpu().clone()
+        out[f"{name}.lora_A"] = factor(layer, "lora_A").detach().float().cpu().clone()
+        out[f"{name}.lora_B"] = factor(layer, "lora_B").detach().float().cpu().clone()
     return out
+
+
+def factor(layer: LoraLayer, which: str) -> torch.Tensor:
+    """The weight of a LoRA layer's ``lora_A`` or ``lora_B`` Linear of its one (``default``) adapter."""
+    linear = getattr(layer, which)["default"]
+    if not isinstance(linear, torch.nn.Linear):
+        raise TypeError(f"{which} of a LoRA layer is a {type(linear).__name__}, not a Linear")
+    return linear.weight
 
 
 def load_factors(model: PeftModel, arrays: dict[str, torch.Tensor]) -> None:
@@ -56,7 +65,7 @@ def load_factors(model: PeftModel, arrays: dict[str, torch.Tensor]) -> None:
     with torch.no_grad():
         for name, layer in layers.items():
             a, b = arrays[f"{name}.lora_A"], arrays[f"{name}.lora_B"]
-            wa, wb = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+            wa, wb = factor(layer, "lora_A"), factor(layer, "lora_B")
             k = a.shape[0]
             if k > wa.shape[0] or a.shape[1] != wa.shape[1] or b.shape != (wb.shape[0], k):
                 raise ValueError(f"{name}: received A {tuple(a.shape)}, B {tuple(b.shape)} do not fit adapter "
@@ -76,6 +85,7 @@ def merged_update(model: PreTrainedModel, arrays: dict[str, torch.Tensor]) -> It
         for name in names:
             if name not in modules:
                 raise ValueError(f"merged update names module {name!r}, which the base does not have")
+            factors: tuple[torch.Tensor, ...]
             if f"{name}.merged_W" in arrays:
                 factors = (arrays[f"{name}.merged_W"].to(model.device).T,)
             else:  # x A^T B^T: never forms the (out, in) product

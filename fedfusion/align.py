@@ -48,11 +48,13 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from fedfusion.data import as_text
+
 
 def vocab_surfaces(tokenizer: PreTrainedTokenizerBase) -> list[str]:
     """Surface string of every id in the vocabulary (special tokens are empty strings)."""
     special = set(tokenizer.all_special_ids)
-    return ["" if i in special else tokenizer.decode([i]) for i in range(len(tokenizer))]
+    return ["" if i in special else as_text(tokenizer.decode([i]), "decode") for i in range(len(tokenizer))]
 
 
 def char_alignment(src: str, dst: str) -> np.ndarray:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import json
 from functools import lru_cache
 from types import ModuleType
 
@@ -14,21 +13,16 @@ from fedfusion.clients.privacy import privacy_mod
 from fedfusion.devices import assign_tiers
 from fedfusion.hardware import capabilities, pick_accelerator
 from fedfusion.quiet import silence_expected_noise
+from fedfusion.wire import ROLES, Caps, PopulationSpec, RoleSpec
 
 silence_expected_noise()  # in every simulation actor: it imports this module to unpickle the app
 app = ClientApp()
 
-# What a message's spec asks this client to be (spec["role"]): each module has train() and evaluate().
-# Imported on first use: the LoRA role pulls in peft and bitsandbytes (seconds per simulation actor).
-ROLES = {"submodel": "fedfusion.clients.submodel", "smallmodel": "fedfusion.clients.smallmodel",
-         "lora": "fedfusion.clients.lora", "generative": "fedfusion.clients.generative"}
 
-
-def _role(spec: ConfigRecord) -> ModuleType:  # the role module: train(), evaluate(), num_examples()
-    role = str(spec.get("role", "submodel"))
-    if role not in ROLES:
-        raise ValueError(f"message spec role {role!r} is unknown; this client knows {', '.join(ROLES)}")
-    return importlib.import_module(ROLES[role])
+def _role(spec: ConfigRecord) -> ModuleType:
+    """The module of the role the spec asks for (train(), evaluate(), num_examples()), imported on first use: the
+    LoRA role pulls in peft and bitsandbytes (seconds per simulation actor)."""
+    return importlib.import_module(ROLES[RoleSpec.from_config(spec).role])
 
 
 def _partition(context: Context) -> int:
@@ -42,12 +36,11 @@ def _accelerator(context: Context) -> str:
 
 
 @lru_cache(maxsize=4)
-def population_tiers(population: str) -> tuple[str, ...]:
-    """Every virtual client's device tier for a population spec (``mix``, ``num_clients``, ``seed``), computed once
-    per process: a QUERY round asks every node of the population, and each answer would otherwise redo the
-    whole population's draw (10,000 queries x 10,000 tiers)."""
-    spec = json.loads(population)
-    return tuple(assign_tiers(spec["mix"], spec["num_clients"], spec["seed"]))
+def population_tiers(mix: tuple[tuple[str, float], ...], num_clients: int, seed: int) -> tuple[str, ...]:
+    """Every virtual client's device tier for a population (:class:`PopulationSpec`), computed once per process: a
+    QUERY round asks every node of the population, and each answer would otherwise redo the whole population's
+    draw (10,000 queries x 10,000 tiers)."""
+    return tuple(assign_tiers(dict(mix), num_clients, seed))
 
 
 @app.query()
@@ -57,12 +50,13 @@ def query(msg: Message, context: Context) -> Message:
     In deployment the tier comes from ``--node-config 'device="..."'``; in simulation, where a virtual
     node only knows its partition id, it is derived from the recipe's seeded population mix.
     """
-    config = msg.content["config"]
+    config = msg.content.config_records["config"]
     device = context.node_config.get("device")
     if device is None:
-        device = population_tiers(str(config["population"]))[_partition(context)]
+        p = PopulationSpec.from_config(config)
+        device = population_tiers(tuple(p.mix.items()), p.num_clients, p.seed)[_partition(context)]
     examples = _role(config).num_examples(config, _partition(context))
-    caps = ConfigRecord({"device": str(device), "partition": _partition(context), "examples": int(examples),
+    caps = ConfigRecord({**Caps(str(device), _partition(context), int(examples)).to_config(),
                          **capabilities(_accelerator(context))})
     return Message(RecordDict({"caps": caps}), reply_to=msg)
 
@@ -70,8 +64,8 @@ def query(msg: Message, context: Context) -> Message:
 @app.train(mods=[privacy_mod])
 def train(msg: Message, context: Context) -> Message:
     """Train the received model as its spec says and reply with the new weights and metrics."""
-    spec = msg.content["config"]
-    state = msg.content["arrays"].to_torch_state_dict()
+    spec = msg.content.config_records["config"]
+    state = msg.content.array_records["arrays"].to_torch_state_dict()
     if "gateway" in context.node_config:  # this node serves phones: one of them trains (fedfusion.clients.device)
         from fedfusion.clients.device import relay
 
@@ -85,7 +79,7 @@ def train(msg: Message, context: Context) -> Message:
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
     """Score the received model on this node's held-out text."""
-    spec = msg.content["config"]
-    metrics = _role(spec).evaluate(msg.content["arrays"].to_torch_state_dict(), spec, _partition(context),
+    spec = msg.content.config_records["config"]
+    metrics = _role(spec).evaluate(msg.content.array_records["arrays"].to_torch_state_dict(), spec, _partition(context),
                                    _accelerator(context))
     return Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)

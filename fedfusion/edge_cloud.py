@@ -174,7 +174,7 @@ def edge_vs_cloud(
     cloud_rows = [_row("cloud", cloud, cloud_zone or gpu.zone, useful, cloud_cost, 1.0 / cloud_utilisation),
                   *upload_rows]
     edge_total, cloud_total = _total("edge", edge_rows), _total("cloud", cloud_rows)
-    ratio = {"side": "edge / cloud", "device": "ratio", "zone": ""}
+    ratio: dict[str, Any] = {"side": "edge / cloud", "device": "ratio", "zone": ""}
     for key in ("flops", "busy_h", "energy_kwh", "co2_operational_g", "co2_embodied_g", "co2_g"):
         ratio[key] = edge_total[key] / cloud_total[key] if cloud_total[key] else float("inf")
     return [*edge_rows, edge_total, *cloud_rows, cloud_total, ratio]

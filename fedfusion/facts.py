@@ -25,12 +25,13 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from fedfusion.data import read_jsonl
+from fedfusion.data import as_text, read_jsonl
 
 SPECIAL_TOKENS = ("<pad>", "<unk>", "<bos>", "<eos>")
 MAX_PEOPLE = 40 ** 3 // 2  # distinct names drawn from 40 x 40 x 40 combinations, kept well below the space
@@ -114,13 +115,14 @@ def generate_facts(num_clients: int, people: int, seed: int, skew: float = 1.0, 
     for k in sorted(range(num_clients), key=lambda k: -weights[k])[: people - sum(counts)]:
         counts[k] += 1
     owners = [k for k, c in enumerate(counts) for _ in range(c)]
-    records, probes = [], []
+    records: list[dict] = []
+    probes: list[dict[str, Any]] = []
     for name, owner in zip(ordered, owners):
         facts = _biography(name, values, paraphrases, rng, records, owner)
         probes += [{"prompt": _probe_prompt(ATTRIBUTES[a][1][0], name), "answer": v, "client": owner,
                     "attribute": a} for a, v in facts.items()]
     # the public people come from a generator of their own, so adding them leaves the clients' data unchanged
-    public_rng, public_records = random.Random(f"{seed}-public"), []
+    public_rng, public_records = random.Random(f"{seed}-public"), list[dict]()
     public_names: list[str] = []
     while len(public_names) < public:
         name = f"{public_rng.choice(firsts)} {public_rng.choice(middles)} {public_rng.choice(lasts)}"
@@ -219,7 +221,7 @@ def facts_tokenizer(facts: Facts) -> PreTrainedTokenizerFast:
     return build_word_tokenizer([*texts, *(p.prompt for p in facts.probes), *(p.answer for p in facts.probes)])
 
 
-def encode_documents(tok: PreTrainedTokenizerFast, documents: Sequence[str], seq_len: int) -> torch.LongTensor:
+def encode_documents(tok: PreTrainedTokenizerBase, documents: Sequence[str], seq_len: int) -> torch.Tensor:
     """(n, seq_len + 1) windows of whole documents, each opened by ``<bos>``, packed in order and padded with
     ``<pad>``; a document longer than a window is cut into window-sized pieces (ValueError if ``seq_len`` < 2)."""
     if seq_len < 2:
@@ -245,12 +247,12 @@ def encode_documents(tok: PreTrainedTokenizerFast, documents: Sequence[str], seq
 class EncodedProbes:
     """Probes as one padded batch: ``ids`` = <bos> prompt answer, ``answer`` marks the answer positions."""
 
-    ids: torch.LongTensor
-    answer: torch.BoolTensor
+    ids: torch.Tensor
+    answer: torch.Tensor
     entropy: torch.Tensor  # per probe: log2 of the number of distinct answers of its attribute (knowledge bits)
 
 
-def encode_probes(tok: PreTrainedTokenizerFast, probes: Sequence[Probe]) -> EncodedProbes:
+def encode_probes(tok: PreTrainedTokenizerBase, probes: Sequence[Probe]) -> EncodedProbes:
     """Tokenise probes for :func:`probe_metrics`."""
     seqs, marks = [], []
     for p in probes:
@@ -282,14 +284,14 @@ def probe_metrics(model: torch.nn.Module, probes: EncodedProbes, batch_size: int
             "knowledge_bits": float(bits)}
 
 
-def probe_hits(model: torch.nn.Module, probes: EncodedProbes, batch_size: int = 512) -> torch.BoolTensor:
+def probe_hits(model: torch.nn.Module, probes: EncodedProbes, batch_size: int = 512) -> torch.Tensor:
     """Per probe: whether greedy decoding reproduces its answer exactly (what ``probe_acc`` averages)."""
     return _per_probe(model, probes, batch_size)[0]
 
 
 @torch.no_grad()
 def _per_probe(model: torch.nn.Module, probes: EncodedProbes,
-               batch_size: int) -> tuple[torch.BoolTensor, torch.Tensor, torch.Tensor]:
+               batch_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per probe: exact match, summed answer nats, answer tokens (on the CPU)."""
     model.eval()
     device = next(model.parameters()).device
@@ -306,7 +308,7 @@ def _per_probe(model: torch.nn.Module, probes: EncodedProbes,
 
 
 @torch.no_grad()
-def greedy_answer(model: torch.nn.Module, tok: PreTrainedTokenizerFast, prompt: str, max_tokens: int = 4) -> str:
+def greedy_answer(model: torch.nn.Module, tok: PreTrainedTokenizerBase, prompt: str, max_tokens: int = 4) -> str:
     """The model's greedy continuation of ``<bos> prompt`` up to the first ``.`` or ``max_tokens`` tokens."""
     model.eval()
     ids = torch.tensor([[tok.bos_token_id, *tok.encode(prompt, add_special_tokens=False)]])
@@ -317,4 +319,4 @@ def greedy_answer(model: torch.nn.Module, tok: PreTrainedTokenizerFast, prompt: 
             break
         out.append(nxt)
         ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
-    return tok.decode(out)
+    return as_text(tok.decode(out), "decode")

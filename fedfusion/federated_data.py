@@ -218,10 +218,10 @@ def partition_sizes(recipe) -> PartitionSizes:
         names = tuple(client_name(data, i, p) for i, p in enumerate(parts))
         return PartitionSizes("rows", names, tuple(len(p) for p in parts), label,
                               tuple(dict(Counter(str(v) for v in p[label])) for p in parts) if label else ())
-    clients = population_data(spec)
+    people = population_data(spec)
     if recipe.data.source == "facts":
-        return PartitionSizes("documents", tuple(c.name for c in clients), tuple(len(c.documents) for c in clients))
-    return PartitionSizes("characters", tuple(c.name for c in clients), tuple(len(c.train) for c in clients))
+        return PartitionSizes("documents", tuple(c.name for c in people), tuple(len(c.documents) for c in people))
+    return PartitionSizes("characters", tuple(c.name for c in people), tuple(len(c.train) for c in people))
 
 
 def describe(sizes: PartitionSizes, bins: int = 8, width: int = 40) -> list[str]:

@@ -81,7 +81,9 @@ class Tokens:
 
     def __init__(self, path: Path) -> None:
         self.path, self.mtime = path, -1.0
-        self.node, self.devices, self.revoked = "", {}, set()
+        self.node = ""
+        self.devices: dict[str, str] = {}  # token -> device name
+        self.revoked: set[str] = set()
         self._reload()
 
     def _reload(self) -> None:
@@ -347,7 +349,7 @@ class GatewayServer(ThreadingHTTPServer):
     @property
     def url(self) -> str:
         host, port = self.server_address[:2]
-        return f"http://{host}:{port}"
+        return f"http://{host.decode() if isinstance(host, bytes) else host}:{port}"
 
 
 def call(url: str, method: str, token: str, body: bytes | None = None, timeout: float = 60.0) -> tuple[int, bytes]:

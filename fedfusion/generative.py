@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
+from fedfusion.models import generate
+
 SAMPLES_KEY = "generated-ids"  # the reply's ArrayRecord key for the sampled token ids, next to the model's keys
 
 
@@ -43,8 +45,8 @@ class GenerativeConfig:
 
 
 @torch.no_grad()
-def sample_windows(model: PreTrainedModel, own: torch.LongTensor, n: int, temperature: float,
-                   seed: int) -> torch.LongTensor:
+def sample_windows(model: PreTrainedModel, own: torch.Tensor, n: int, temperature: float,
+                   seed: int) -> torch.Tensor:
     """``n`` windows shaped like ``own`` (the client's training windows) sampled from ``model`` (ancestral
     sampling, KV-cached), each opened by the first token of a random own window (``<bos>`` for facts); seeded
     without touching the caller's global random state."""
@@ -54,9 +56,9 @@ def sample_windows(model: PreTrainedModel, own: torch.LongTensor, n: int, temper
     width = own.shape[1]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return model.generate(input_ids=start, attention_mask=torch.ones_like(start), do_sample=True,
-                              temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=width - 1,
-                              min_new_tokens=width - 1, pad_token_id=int(start[0, 0])).cpu()
+        return generate(model, input_ids=start, attention_mask=torch.ones_like(start), do_sample=True,
+                        temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=width - 1,
+                        min_new_tokens=width - 1, pad_token_id=int(start[0, 0])).cpu()
 
 
 def check_samples(samples: torch.Tensor, width: int, vocab: int, most: int) -> None:
@@ -74,15 +76,15 @@ class SamplePool:
     server trains the target on. A client's newer samples come from a better-trained model."""
 
     def __init__(self) -> None:
-        self.kept: dict[int, torch.LongTensor] = {}
+        self.kept: dict[int, torch.Tensor] = {}
 
-    def add(self, client: int, windows: torch.LongTensor, cap: int) -> None:
+    def add(self, client: int, windows: torch.Tensor, cap: int) -> None:
         """Append ``client``'s new samples, keeping its newest ``cap``."""
         old = self.kept.get(client)
         joined = windows if old is None else torch.cat([old, windows])
         self.kept[client] = joined[-cap:]
 
-    def windows(self) -> torch.LongTensor:
+    def windows(self) -> torch.Tensor:
         """All clients' kept samples as one tensor (client order)."""
         if not self.kept:
             raise ValueError("no client has sent samples yet")

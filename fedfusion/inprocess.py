@@ -9,7 +9,6 @@ client trains a payload. Clients train one after another; there are no faults, m
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import time
@@ -28,6 +27,7 @@ from fedfusion.outer import OuterConfig
 from fedfusion.rounds import client_seed, fold_round, round_payloads, server_seed
 from fedfusion.slicing import extract, plan_slice, sub_config
 from fedfusion.training import train_steps
+from fedfusion.wire import ModelSpec
 
 Evaluate = Callable[[dict[str, torch.Tensor], int], "dict[str, float] | None"]
 
@@ -151,7 +151,7 @@ def run_submodel(run: SubModelRun, initial: dict[str, torch.Tensor], evaluate: E
     method.observe(dict(enumerate(tiers)))  # ``owned`` windows tile the whole population from round 1
 
     def train(rnd: int, payload: Payload) -> tuple[State, dict[str, float]]:
-        model = model_from_state(run.config.__class__.from_dict(json.loads(payload.spec["model-config"])),
+        model = model_from_state(run.config.__class__.from_dict(ModelSpec.from_config(payload.spec).model_config),
                                  payload.arrays)
         p = payload.client.partition
         out = train_steps(model, run.windows[p], run.steps, run.lr, run.batch_size, payload.client.seed,

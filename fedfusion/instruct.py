@@ -25,11 +25,17 @@ from dataclasses import dataclass
 from functools import lru_cache
 from importlib.util import find_spec
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import yaml
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+if TYPE_CHECKING:  # peft imports bitsandbytes: the LoRA client role loads it, not every user of this module
+    from peft import PeftModel
+
+from fedfusion.data import as_text
+from fedfusion.models import generate
 from fedfusion.training import optimizer_step, seeded_randomness
 
 IGNORE = -100
@@ -202,8 +208,8 @@ def prompt_text(tokenizer: PreTrainedTokenizerBase, prompt: str) -> str:
     """The text a model continues to answer ``prompt``: the chat template's user turn plus generation
     prompt, or the documented fallback."""
     if tokenizer.chat_template:
-        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                             add_generation_prompt=True)
+        return as_text(tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                     add_generation_prompt=True), "apply_chat_template")
     return FALLBACK_PROMPT.format(prompt=prompt)
 
 
@@ -212,9 +218,9 @@ def encode_pair(tokenizer: PreTrainedTokenizerBase, pair: Pair, max_len: int) ->
     leaves no response token."""
     prompt_ids = _ids(tokenizer, prompt_text(tokenizer, pair.prompt))
     if tokenizer.chat_template:
-        full = tokenizer.apply_chat_template(
+        full = as_text(tokenizer.apply_chat_template(
             [{"role": "user", "content": pair.prompt}, {"role": "assistant", "content": pair.response}],
-            tokenize=False)
+            tokenize=False), "apply_chat_template")
         full_ids = _ids(tokenizer, full)
     else:
         full_ids = prompt_ids + _ids(tokenizer, pair.response)
@@ -251,7 +257,7 @@ def encode_pairs(tokenizer: PreTrainedTokenizerBase, pairs: list[Pair] | tuple[P
 
 
 # -- training and evaluation --------------------------------------------------------------------------
-def response_loss(model: PreTrainedModel, ids: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor,
+def response_loss(model: PreTrainedModel | PeftModel, ids: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor,
                   reduction: str = "mean") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Next-token cross-entropy on response tokens only; also the shifted logits and labels."""
     ids, labels, mask = ids.to(model.device), labels.to(model.device), mask.to(model.device)
@@ -262,7 +268,7 @@ def response_loss(model: PreTrainedModel, ids: torch.Tensor, labels: torch.Tenso
     return loss, logits, target
 
 
-def train_instruct(model: PreTrainedModel, data: InstructData, steps: int, lr: float, batch_size: int,
+def train_instruct(model: PreTrainedModel | PeftModel, data: InstructData, steps: int, lr: float, batch_size: int,
                    seed: int, weight_decay: float = 0.0) -> dict[str, float]:
     """``steps`` AdamW steps over the trainable parameters on seeded random batches of ``data``;
     mean loss, tokens processed and seconds."""
@@ -294,8 +300,8 @@ def evaluate_instruct(model: PreTrainedModel, data: InstructData, batch_size: in
         loss_sum += loss.item()
         correct += int(((logits.argmax(-1) == target) & scored).sum())
         count += int(scored.sum())
-    loss = loss_sum / count
-    return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), "eval_acc": correct / count}
+    mean = loss_sum / count
+    return {"eval_loss": mean, "eval_ppl": math.exp(min(mean, 50.0)), "eval_acc": correct / count}
 
 
 @torch.no_grad()
@@ -306,7 +312,7 @@ def generate_responses(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBas
     answers = []
     for prompt in prompts:
         ids = torch.tensor([_ids(tokenizer, prompt_text(tokenizer, prompt))])
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, pad_token_id=tokenizer.pad_token_id)
-        answers.append(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip())
+        out = generate(model, ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                       do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        answers.append(as_text(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True), "decode").strip())
     return answers

@@ -47,7 +47,7 @@ def silence_ray() -> None:
     Ctrl-C also reaches Ray's agents, they die of it, and the raylet would report that at length."""
     ray_worker = sys.modules.get("ray._private.worker")
     if ray_worker is not None:
-        ray_worker._worker_logs_enabled = False
+        vars(ray_worker)["_worker_logs_enabled"] = False  # a module global of Ray's, not a declared attribute
 
 
 def descendants() -> set[psutil.Process]:
@@ -109,5 +109,8 @@ def reap_on_flower_exit() -> None:
         return
     from flwr.supercore.exit import add_exit_handler  # Flower's own exit hook (what flwr-simulation runs on stop)
 
-    add_exit_handler(lambda: reap(set(), grace_s=1.0), run_before_force_exit=True)
+    def reap_children() -> None:
+        reap(set(), grace_s=1.0)
+
+    add_exit_handler(reap_children, run_before_force_exit=True)
     _reaping_on_flower_exit = True

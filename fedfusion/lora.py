@@ -21,7 +21,9 @@ is the method's global update at rank r. Math runs in float64; results are float
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -135,6 +137,11 @@ class LoRAAggregate:
         return A, B
 
 
+def _sum(terms: list[torch.Tensor]) -> torch.Tensor:
+    """The terms added left to right (at least one)."""
+    return functools.reduce(operator.add, terms)
+
+
 def _f32(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {n: t.float() for n, t in tensors.items()}
 
@@ -227,8 +234,8 @@ def aggregate_lora(clients: list[ClientLoRA], method: str) -> LoRAAggregate:
         if len(set(ranks)) > 1 or len(set(alphas)) > 1:
             raise ValueError(f"fedavg needs one rank and one alpha for all clients, got ranks {ranks}, alphas {alphas}")
         s = clients[0].scale
-        A = {n: sum(pk * c.A[n].double() for c, pk in zip(clients, p)) for n in names}
-        B = {n: sum(pk * c.B[n].double() for c, pk in zip(clients, p)) for n in names}
+        A = {n: _sum([pk * c.A[n].double() for c, pk in zip(clients, p)]) for n in names}
+        B = {n: _sum([pk * c.B[n].double() for c, pk in zip(clients, p)]) for n in names}
         delta = {n: (s * B[n] @ A[n]).float() for n in names}
         return LoRAAggregate(method, delta, False, _f32(A), _f32(B), s)
     if method in ("zeropad", "hetlora"):
@@ -248,7 +255,7 @@ def aggregate_lora(clients: list[ClientLoRA], method: str) -> LoRAAggregate:
 
 
 # -- the global update as one low-rank pair per module (what the Flower layer carries between rounds) ------
-def compress_factors(A: torch.Tensor, B: torch.Tensor, rtol: float = 1e-6) -> Factors:
+def compress_factors(A: torch.Tensor, B: torch.Tensor, rtol: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
     """Factors (A', B') with ``B' @ A' == B @ A`` to float tolerance and the fewest rows: the product's
     singular directions whose singular value exceeds ``rtol`` times the largest (at least one).
 

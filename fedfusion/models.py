@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 from functools import lru_cache
+from typing import Any
 
 import torch
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
+    GenerationMixin,
     GPT2Config,
     LlamaConfig,
     MistralConfig,
@@ -23,6 +25,17 @@ from transformers import (
 from fedfusion.data import build_char_tokenizer
 from fedfusion.recipe import FAMILY_MODEL_TYPES, ModelConfig
 from fedfusion.slice_families import family_of
+
+
+def generate(model: torch.nn.Module, inputs: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
+    """``model.generate(inputs, **kwargs)``'s token ids; TypeError for a model that cannot generate (not a causal
+    LM) or for settings that make it return more than the ids."""
+    if not isinstance(model, GenerationMixin):
+        raise TypeError(f"{type(model).__name__} cannot generate text")
+    out = model.generate(inputs, **kwargs)
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"generate returned a {type(out).__name__}, not token ids")
+    return out
 
 
 @lru_cache(maxsize=4)

@@ -19,6 +19,7 @@ Every fusion strategy asks the same question each round, so it lives here, witho
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,7 +110,7 @@ class Participation:
         self.examples = {int(k): int(v) for k, v in state["examples"].items()}
 
 
-def jain_index(counts: list[float]) -> float:
+def jain_index(counts: Sequence[float]) -> float:
     """Jain's fairness index (sum x)^2 / (n * sum x^2): 1 when all participate equally, 1/n when one does all."""
     total, squares = sum(counts), sum(c * c for c in counts)
     return total * total / (len(counts) * squares) if squares else 0.0

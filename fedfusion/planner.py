@@ -53,7 +53,8 @@ def llama_params(config: LlamaConfig) -> int:
     """Parameter count of a Llama config (untied embeddings unless the config ties them)."""
     h, i, v, layers = config.hidden_size, config.intermediate_size, config.vocab_size, config.num_hidden_layers
     d = getattr(config, "head_dim", None) or h // config.num_attention_heads
-    attn = h * d * (2 * config.num_attention_heads + 2 * config.num_key_value_heads)
+    kv = config.num_key_value_heads or config.num_attention_heads  # LlamaConfig's own default: one per head
+    attn = h * d * (2 * config.num_attention_heads + 2 * kv)
     per_layer = attn + 3 * h * i + 2 * h
     heads = 1 if config.tie_word_embeddings else 2
     return layers * per_layer + heads * v * h + h
@@ -61,7 +62,7 @@ def llama_params(config: LlamaConfig) -> int:
 
 def param_count(config: PretrainedConfig) -> int:
     """Parameters of a causal-LM config: closed form for Llama-style configs, else counted on the meta device."""
-    if getattr(config, "model_type", "") == "llama":
+    if isinstance(config, LlamaConfig):
         return llama_params(config)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
@@ -241,7 +242,7 @@ def fit_widths(recipe: Recipe) -> None:
         row = next(r for r in plan_table(recipe, fitted, ladder=recipe.fusion.width_ladder) if r["tier"] == unfit[0])
         raise RecipeError(f"fusion.auto_widths: tier {unfit[0]!r} fits no width of fusion.width_ladder "
                           f"({row['fits']}); see `fedfusion plan`")
-    recipe.fusion.widths = {tier: float(width) for tier, width in fitted.items()}
+    recipe.fusion.widths = {tier: float(width) for tier, width in fitted.items() if width is not None}  # all fit
 
 
 def _mb(n: float) -> float:

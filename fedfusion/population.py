@@ -55,9 +55,17 @@ def data_spec(recipe: Recipe) -> str:
     if recipe.data.source == "dataset":
         spec["files"] = file_versions(recipe.data)
     elif recipe.data.source == "text":
-        stat = Path(recipe.data.path).stat()
-        spec["files"] = [(recipe.data.path, stat.st_size, stat.st_mtime_ns)]
+        path = _text_path(recipe.data)
+        stat = Path(path).stat()
+        spec["files"] = [(path, stat.st_size, stat.st_mtime_ns)]
     return json.dumps(spec, sort_keys=True)
+
+
+def _text_path(data: DataConfig) -> str:
+    """The file of ``data.source=text`` (the recipe's validation requires it; a hand-made spec may lack it)."""
+    if not data.path:
+        raise ValueError("data.source=text needs data.path")
+    return data.path
 
 
 @lru_cache(maxsize=4)
@@ -82,7 +90,7 @@ def population_data(spec: str) -> tuple[ClientData, ...]:
         _check_count(data.path, len(natural), num_clients)
         named = [(f"client-{cid}", "\n".join(docs)) for cid, docs in natural.items()]
     else:
-        text = load_text_file(data.path)
+        text = load_text_file(_text_path(data))
         size = len(text) // num_clients
         named = [(f"shard-{i}", text[i * size : (i + 1) * size]) for i in range(num_clients)]
     return tuple(ClientData(name, *split_text(text, data.held_out)) for name, text in named)

@@ -68,7 +68,7 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kwargs)
     # The weights are plain floats now; the GGUF marker only stops save_pretrained.
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]  # undeclared in transformers: typed by nn.Module.__getattr__
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     _save_atomically(model, tokenizer, out)
@@ -155,7 +155,8 @@ def load_base(name: str = DEFAULT_BASE, quantize: int = 0, dtype: str = "float32
     if quantize:
         model = AutoModelForCausalLM.from_pretrained(quantized_copy(path, quantize, dtype, cache), device_map=device)
     else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).to(device)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
+        model = model.to(device)  # type: ignore[arg-type]  # transformers' functools.wraps on .to reads as unbound
     model.requires_grad_(False)
     return model.eval()
 

@@ -374,11 +374,14 @@ def _merge(base: DictConfig, cfg: Any, what: str, replace: tuple[str, ...]) -> D
         base = base.copy()
         for key in replace:
             OmegaConf.update(base, key, {}, merge=False)
-        return OmegaConf.merge(base, cfg)
+        merged = OmegaConf.merge(base, cfg)
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None) or "?"
         msg = str(exc).splitlines()[0]
         raise RecipeError(f"{what}: bad key {key!r}: {msg}") from None
+    if not isinstance(merged, DictConfig):  # a structured recipe merges into a mapping; say so if it did not
+        raise RecipeError(f"{what}: not a mapping of recipe sections")
+    return merged
 
 
 def load_recipe(ref: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
@@ -468,7 +471,8 @@ def validate(recipe: Recipe) -> None:
             raise RecipeError(f"availability.{name}: must be >= 0, got {getattr(recipe.availability, name)}")
     if recipe.output.tracker not in TRACKERS:
         raise RecipeError(f"output.tracker: {recipe.output.tracker!r} is not one of {', '.join(TRACKERS)}")
-    if TRACKERS[recipe.output.tracker] and find_spec(TRACKERS[recipe.output.tracker]) is None:
+    tracker_module = TRACKERS[recipe.output.tracker]
+    if tracker_module and find_spec(tracker_module) is None:
         raise RecipeError(f"output.tracker: {recipe.output.tracker} is not installed: {INSTALL[recipe.output.tracker]}")
     _check_ray_address(recipe.engine.ray_address)
     if recipe.output.checkpoint_every < 0:
@@ -611,13 +615,13 @@ def _check_files(recipe: Recipe) -> None:
             raise RecipeError(f"{key}: {name}: no such file")
         if not Path(name).is_file():
             raise RecipeError(f"{key}: {name}: not a file")
-    for key, name in models:
-        if not name or not _local_path(name):
+    for key, model in models:
+        if not model or not _local_path(model):
             continue  # unset, or a hub id (``name`` or ``org/name``), which from_pretrained resolves
-        if not Path(name).is_dir():
-            raise RecipeError(f"{key}: {name}: no such model directory")
-        if not (Path(name) / "config.json").is_file():
-            raise RecipeError(f"{key}: {name}: not a model directory (no config.json)")
+        if not Path(model).is_dir():
+            raise RecipeError(f"{key}: {model}: no such model directory")
+        if not (Path(model) / "config.json").is_file():
+            raise RecipeError(f"{key}: {model}: not a model directory (no config.json)")
 
 
 MIXABLE = ("submodel", "distill", "generative")  # the methods fusion.method=mixed combines (all train the whole target)

@@ -56,14 +56,15 @@ class ReferenceDevice:
         import torch
 
         from fedfusion.clients.submodel import client_windows
-        from fedfusion.wire import read_train
+        from fedfusion.wire import ClientSpec, read_train
 
         torch.set_num_threads(self.threads)
         spec = task["spec"]
         runner = self.runner(str(task["program"]))
         weights, _ = unpack(_ok(*self.get(f"/v1/tasks/{task['task']}/weights"), "weights"))
         runner.load(weights)
-        windows = client_windows(str(spec["data-spec"]), int(spec["partition"]), int(spec["seq-len"]), "train")
+        client = ClientSpec.from_config(spec)
+        windows = client_windows(client.data_spec, int(spec["partition"]), client.seq_len, "train")
         stats = train_program(runner, windows, **read_train(spec))
         metrics = {"num-examples": int(windows.shape[0]), "train_loss": stats["train_loss"],
                    "train_s": stats["train_s"], "train_tokens": stats["train_tokens"],

@@ -272,7 +272,7 @@ def _family_section(rows: list[dict], summary: dict) -> list[str]:
              "and next-token accuracy (in the family's own tokens) for the others.", "",
              "| model | final loss (nats/char) | final ppl | final acc | best loss (round) |", "|---|---|---|---|---|"]
     last = rows[-1]
-    target_best = _best(rows, "eval_loss")
+    target_best = _best(rows, "eval_loss") or (last["eval_loss"], last["round"])
     lines.append(f"| target | {last['eval_loss']:.4f} | {last['eval_ppl']:.3f} | {last['eval_acc']:.4f} "
                  f"({_metric_names(summary)['eval_acc']}) | "
                  f"{target_best[0]:.4f} ({target_best[1]}) |")

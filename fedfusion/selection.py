@@ -114,7 +114,7 @@ class Candidates:
         if missing:
             raise ValueError(f"costs: no WorkCost for group {missing[0]!r}")
         table = np.array([[costs[g].virtual_s, costs[g].wall_j, costs[g].co2_g] for g in names]).reshape(-1, 3)
-        return cls(ids, duration_s=table[inverse, 0], energy_j=table[inverse, 1], co2_g=table[inverse, 2], **columns)
+        return cls(np.asarray(ids), duration_s=table[inverse, 0], energy_j=table[inverse, 1], co2_g=table[inverse, 2], **columns)
 
     def need(self, name: str, selector: str) -> np.ndarray:
         """A column the selector cannot work without, or a ValueError naming it."""
@@ -411,7 +411,7 @@ class EnergySelector(OortSelector):
             factor = factor * (np.maximum(c, 1e-12) / max(float(np.median(c)), 1e-12)) ** self.carbon_weight
         on_battery = self._on_battery(candidates)
         if on_battery.any():
-            factor = np.where(on_battery, factor / np.maximum(candidates.battery, 1e-3), factor)
+            factor = np.where(on_battery, factor / np.maximum(candidates.need("battery", self.name), 1e-3), factor)
         return factor
 
 
@@ -533,7 +533,7 @@ def selector_options(name: str) -> list[str]:
     named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     for klass in SELECTORS[name].__mro__[:-1]:  # up to Selector; object takes nothing
         if "__init__" in vars(klass):
-            params = inspect.signature(klass.__init__).parameters.values()
+            params = inspect.signature(vars(klass)["__init__"]).parameters.values()
             options |= {p.name for p in params if p.kind in named and p.name != "self"}
     return sorted(options)
 

@@ -7,7 +7,6 @@ the same function through :data:`app`, with the recipe given as run config
 
 from __future__ import annotations
 
-import json
 import shlex
 import threading
 import time
@@ -20,7 +19,6 @@ from typing import Any
 from flwr.app import ArrayRecord, Context, MetricRecord
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
-from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 from transformers.utils import logging as hf_logging
 
 from fedfusion.availability import AvailabilityConfig, AvailabilityModel
@@ -50,7 +48,17 @@ from fedfusion.strategies.quorum import QuorumGrid
 from fedfusion.strategies.stop import RunInterrupted, StopGrid
 from fedfusion.targets import Target, lm_target, lora_data_spec, lora_target
 from fedfusion.transfer import distill_families, transfer_text
-from fedfusion.wire import fault_spec, train_spec
+from fedfusion.wire import (
+    ClientSpec,
+    FaultSpec,
+    LoRABaseSpec,
+    PopulationSpec,
+    PrivacySpec,
+    RoleSpec,
+    RoundSpec,
+    TrainSpec,
+    merge,
+)
 
 RoundCallback = Callable[[dict[str, Any]], None]
 silence_expected_noise()  # the server's side of a run, whether started by `fedfusion run` or `flwr run`
@@ -109,13 +117,12 @@ def build_generative(recipe: Recipe, target: Target, tiers: list[str]) -> Genera
 
 def build_strategy(recipe: Recipe, target: Target, listeners: Sequence[Listener] = ()) -> FusionStrategy:
     """The fusion strategy over the recipe's methods, with the specs its messages carry."""
-    train = recipe.train
-    population = {"mix": dict(recipe.population.mix), "num_clients": recipe.population.num_clients,
-                  "seed": recipe.seed}
-    spec = lora_data_spec(recipe) if recipe.fusion.method == "lora" else data_spec(recipe)
-    query = {"population": json.dumps(population), "data-spec": spec, "seq-len": train.seq_len}
-    if recipe.fusion.method == "lora":
-        query.update(lora_client_spec(recipe), role="lora")  # LoRA clients count instruction pairs
+    lora = recipe.fusion.method == "lora"
+    client = ClientSpec(lora_data_spec(recipe) if lora else data_spec(recipe), recipe.train.seq_len,
+                        recipe.engine.threads_per_client)
+    population = PopulationSpec(dict(recipe.population.mix), recipe.population.num_clients, recipe.seed)
+    # the role that counts a node's examples: LoRA clients count instruction pairs of the base's tokens
+    query = merge(client, population, RoleSpec("lora" if lora else "submodel"), *([lora_client_spec(recipe)] if lora else []))
     return FusionStrategy(
         build_methods(recipe, target),
         participation=build_participation(recipe),
@@ -123,8 +130,9 @@ def build_strategy(recipe: Recipe, target: Target, listeners: Sequence[Listener]
         min_clients=recipe.selection.min_clients,
         query_config=query,
         train_config={
-            **train_spec(train), "seed": recipe.seed, "threads": recipe.engine.threads_per_client, "data-spec": spec,
-            **fault_spec(recipe.faults), **privacy_spec(recipe),
+            **merge(client, TrainSpec.from_recipe(recipe.train), FaultSpec.from_recipe(recipe.faults),
+                    PrivacySpec.from_recipe(recipe.privacy)),
+            RoundSpec.key("seed"): recipe.seed,  # the run's seed; each message carries its client's own
         },
         weighting=recipe.fusion.weighting,
         evaluate_clients=recipe.selection.evaluate_clients,
@@ -147,11 +155,10 @@ def build_distillation(recipe: Recipe, target: Target, tiers: list[str]) -> Dist
                          eval_text=pooled_held_out(data_spec(recipe), recipe.data.eval_chars), run_seed=recipe.seed)
 
 
-def lora_client_spec(recipe: Recipe) -> dict[str, str | float]:
+def lora_client_spec(recipe: Recipe) -> LoRABaseSpec:
     """What every LoRA client needs to load the same frozen base and adapt the same modules."""
     lora = recipe.lora
-    return {"base": lora.base, "dtype": lora.dtype, "target-modules": ",".join(lora.target_modules),
-            "lora-dropout": lora.dropout}
+    return LoRABaseSpec(lora.base, lora.dtype, tuple(lora.target_modules), lora.dropout)
 
 
 def build_lora(recipe: Recipe, target: Target, tiers: list[str]) -> LoRAMethod:
@@ -161,15 +168,12 @@ def build_lora(recipe: Recipe, target: Target, tiers: list[str]) -> LoRAMethod:
         modules=adapted_modules(target.model, list(lora.target_modules)),
         ranks={t: lora.ranks[t] for t in tiers}, alphas={t: lora.alpha for t in tiers},
         quantize={t: lora.quantize.get(t, 0) for t in tiers}, method=lora.method, base_params=target.params,
-        client_spec=lora_client_spec(recipe))
+        base=lora_client_spec(recipe))
 
 
-def privacy_spec(recipe: Recipe) -> dict[str, str | float]:
-    """The spec keys the client's privacy mod reads (``clipping_norm`` is the key Flower's mods expect)."""
-    p = recipe.privacy
-    if p.mode == "none":
-        return {"dp-mode": "none"}
-    return {"dp-mode": p.mode, KEY_CLIPPING_NORM: p.clipping_norm, "dp-epsilon": p.epsilon, "dp-delta": p.delta}
+def privacy_spec(recipe: Recipe) -> dict[str, Any]:
+    """The spec entries the client's privacy mod reads (:class:`fedfusion.wire.PrivacySpec`)."""
+    return PrivacySpec.from_recipe(recipe.privacy).to_config()
 
 
 def price_client(row: ClientRound, catalog: dict[str, Device]) -> dict[str, float]:

@@ -62,7 +62,7 @@ class Family:
     default_axes: tuple[str, ...] = ()
     layer_key: re.Pattern | None = None  # group 2 = the layer index in a parameter name
     hidden_follows_heads = False
-    auto = AutoModelForCausalLM
+    auto: type[AutoModelForCausalLM] | type[AutoModelForImageClassification] = AutoModelForCausalLM
 
     def sizes(self, config: PretrainedConfig) -> dict[str, int]:
         """Units per axis (depth: number of layers)."""

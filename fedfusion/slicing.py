@@ -236,7 +236,8 @@ def _take(t: torch.Tensor, index: tuple[torch.Tensor | None, ...]) -> torch.Tens
 
 
 def _sliced_shape(shape: torch.Size, index: tuple[torch.Tensor | None, ...]) -> tuple[int, ...]:
-    return tuple(len(index[d]) if d < len(index) and index[d] is not None else n for d, n in enumerate(shape))
+    padded = [*index, *[None] * (len(shape) - len(index))]
+    return tuple(n if idx is None else len(idx) for n, idx in zip(shape, padded))
 
 
 def extract(state: dict[str, torch.Tensor], config: PretrainedConfig, plan: SlicePlan) -> dict[str, torch.Tensor]:
@@ -251,19 +252,20 @@ def extract(state: dict[str, torch.Tensor], config: PretrainedConfig, plan: Slic
 
 def _scatter(dst: torch.Tensor, index: tuple[torch.Tensor | None, ...], src: torch.Tensor, accumulate: bool) -> None:
     """dst[slice] (+)= src for the slice ``index`` describes."""
-    dims = [d for d, idx in enumerate(index) if idx is not None]
-    if not dims:
+    sliced = {d: idx for d, idx in enumerate(index) if idx is not None}
+    if not sliced:
         if accumulate:
             dst += src
         else:
             dst.copy_(src)
-    elif len(dims) == 1:
-        (dst.index_add_ if accumulate else dst.index_copy_)(dims[0], index[dims[0]], src)
+    elif len(sliced) == 1:
+        [(d, idx)] = sliced.items()
+        (dst.index_add_ if accumulate else dst.index_copy_)(d, idx, src)
     else:  # several sliced dims: broadcast index tensors over the leading dims
-        last = dims[-1]
+        last = max(sliced)
         mesh = []
         for d in range(last + 1):
-            idx = index[d] if d < len(index) and index[d] is not None else torch.arange(dst.shape[d])
+            idx = sliced[d] if d in sliced else torch.arange(dst.shape[d])
             mesh.append(idx.view(*([1] * d), -1, *([1] * (last - d))))
         dst.index_put_(tuple(mesh), src, accumulate=accumulate)
 

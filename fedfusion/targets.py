@@ -24,7 +24,7 @@ from fedfusion.data import encode_text, lm_windows
 from fedfusion.facts import Probe, encode_probes, greedy_answer, probe_metrics
 from fedfusion.federated_data import instruct_spec
 from fedfusion.fusion.lora import adapted_modules, apply_global, save_adapter, save_merged, snapshot
-from fedfusion.models import build_target, count_params
+from fedfusion.models import build_target, count_params, generate
 from fedfusion.population import data_spec, data_tokenizer, facts_data, pooled_held_out
 from fedfusion.pretrained import load_base, load_base_tokenizer, resolve_base
 from fedfusion.recipe import Recipe
@@ -51,8 +51,8 @@ def sample_text(model: torch.nn.Module, tokenizer, prompt: str = "KING:\n", char
     """A seeded top-k sample from the target, so the report shows what it learned to write."""
     torch.manual_seed(seed)
     ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=chars, do_sample=True, top_k=10,
-                         pad_token_id=tokenizer.pad_token_id)
+    out = generate(model, ids, attention_mask=torch.ones_like(ids), max_new_tokens=chars, do_sample=True, top_k=10,
+                   pad_token_id=tokenizer.pad_token_id)
     return tokenizer.decode(out[0])
 
 

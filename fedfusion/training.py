@@ -104,5 +104,5 @@ def evaluate_lm(model: PreTrainedModel, windows: torch.Tensor, batch_size: int =
         loss_sum += loss.item()
         correct += int((logits.argmax(-1) == labels).sum())
         count += labels.numel()
-    loss = loss_sum / count
-    return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), "eval_acc": correct / count}
+    mean = loss_sum / count
+    return {"eval_loss": mean, "eval_ppl": math.exp(min(mean, 50.0)), "eval_acc": correct / count}

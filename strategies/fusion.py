@@ -44,7 +44,7 @@ from fedfusion.fusion.base import (
 from fedfusion.meters import read_measured
 from fedfusion.participation import Participation
 from fedfusion.rounds import client_seed, fold_order, fold_round, round_payloads
-from fedfusion.wire import DROPPED
+from fedfusion.wire import DROPPED, Caps, ClientSpec, PrivacySpec, RoundSpec, SpecError, TrainSpec
 
 Listener = Callable[[RoundReport], None]
 
@@ -104,10 +104,11 @@ class FusionStrategy(Strategy):
         self.participation, self.clients_per_round, self.min_clients = participation, clients_per_round, min_clients
         self.query_config, self.train_config = dict(query_config or {}), dict(train_config or {})
         self.weighting, self.evaluate_clients = weighting, evaluate_clients
-        self.run_seed = int(self.train_config.get("seed", seed))
+        self.run_seed = int(self.train_config.get(RoundSpec.key("seed"), seed))
         self.rng = random.Random(seed)
         # local DP adds noise to every coordinate of a reply, so its norm says nothing about abuse: no norm check
-        self.max_norm_ratio = 0.0 if str(self.train_config.get("dp-mode", "none")) == "local" else max_norm_ratio
+        local_dp = self.train_config.get(PrivacySpec.key("mode")) == "local"
+        self.max_norm_ratio = 0.0 if local_dp else max_norm_ratio
         # over-selection: sample this many more, and the round closes at clients_per_round replies (QuorumGrid)
         self.overselect = overselect
         self.wait_nodes_s, self.query_timeout_s = wait_nodes_s, query_timeout_s
@@ -196,23 +197,31 @@ class FusionStrategy(Strategy):
                 log(WARNING, "node %s: capability query failed: %s", node, reply.error.reason)
                 continue
             caps = dict(reply.content["caps"])
-            if caps.get("device") not in self.methods:
+            try:
+                known = Caps.from_config(caps)
+            except SpecError as e:
+                log(WARNING, "node %s: capability reply refused: %s", node, e)
+                continue
+            if known.device not in self.methods:
                 log(WARNING, "node %s: device %r has no fusion method in the recipe; it is not sampled",
-                    node, caps.get("device"))
+                    node, known.device)
                 continue
             self.caps[node] = caps
-            if "examples" in caps:
-                self.participation.examples[int(caps.get("partition", node))] = int(caps["examples"])
+            self.participation.examples[known.partition] = known.examples
 
     def partition_of(self, node: int) -> int:
-        """The node's data partition (what seeds and ``owned`` windows follow); a node that reported none
-        stands in with its id."""
-        return int(self.caps[node].get("partition", node % 1009))
+        """The node's data partition (what seeds and ``owned`` windows follow)."""
+        return int(self.caps[node][Caps.key("partition")])
+
+    def device_of(self, node: int) -> str:
+        """The node's device tier, as its capability reply said."""
+        return str(self.caps[node][Caps.key("device")])
 
     def tokens(self) -> int:
         """Tokens one client trains in a round (steps x batch x sequence length)."""
         c = self.train_config
-        return int(c.get("local-steps", 0)) * int(c.get("batch-size", 0)) * int(c.get("seq-len", 0))
+        steps, batch = c.get(TrainSpec.key("local_steps"), 0), c.get(TrainSpec.key("batch_size"), 0)
+        return int(steps) * int(batch) * int(c.get(ClientSpec.key("seq_len"), 0))
 
     def tier_costs(self) -> dict[str, WorkCost]:
         """Each tier's planned work priced on its device, from what its method says the work is (once per run)."""
@@ -228,15 +237,15 @@ class FusionStrategy(Strategy):
         nodes = self._wait_for_nodes(grid)
         self.query_nodes(grid, nodes)
         # Clients are known by partition, not node id (random per run), so a seed reproduces the same draw.
-        by_partition = {int(self.caps[n].get("partition", n)): n for n in nodes if n in self.caps}
+        by_partition = {self.partition_of(n): n for n in nodes if n in self.caps}
         if not by_partition:
             log(WARNING, "no node has answered the capability query; this round trains nobody")
         k = self.clients_per_round + math.ceil(round(self.clients_per_round * self.overselect, 9))
-        draw = self.participation.draw(server_round, {p: self.caps[n]["device"] for p, n in by_partition.items()},
+        draw = self.participation.draw(server_round, {p: self.device_of(n) for p, n in by_partition.items()},
                                        k, self.tier_costs())
         self.round.clock_s = draw.clock_s
         for p in draw.dropped:
-            node, device = by_partition[p], self.caps[by_partition[p]]["device"]
+            node, device = by_partition[p], self.device_of(by_partition[p])
             method = self.methods[device]
             cost = method.tier_cost(device)
             self.round.rows[node] = ClientRound(
@@ -253,8 +262,8 @@ class FusionStrategy(Strategy):
         target = arrays.to_torch_state_dict()
         self.round = _Round(number=server_round, target=target)
         nodes = self.sample(grid, server_round)
-        population = {self.partition_of(n): c["device"] for n, c in self.caps.items()}
-        clients = {n: Client(self.partition_of(n), self.caps[n]["device"],
+        population = {self.partition_of(n): self.device_of(n) for n in self.caps}
+        clients = {n: Client(self.partition_of(n), self.device_of(n),
                              client_seed(self.run_seed, server_round, self.partition_of(n)), self.caps[n])
                    for n in nodes}
         payloads = round_payloads(self.methods, server_round, target, [clients[n] for n in nodes], population)
@@ -263,11 +272,11 @@ class FusionStrategy(Strategy):
         for node in nodes:
             payload = self.round.payloads[node]
             record = ArrayRecord(payload.arrays)
-            spec = ConfigRecord({**config, **self.train_config, **payload.spec, "server-round": server_round,
-                                 "seed": payload.client.seed})
+            spec = ConfigRecord({**config, **self.train_config, **payload.spec,
+                                 **RoundSpec(server_round, payload.client.seed).to_config()})
             self.round.rows[node] = ClientRound(
                 node=node, device=payload.client.tier, width=payload.width, method=self.methods[payload.client.tier].name,
-                assignment=payload.assignment, partition=int(self.caps[node].get("partition", -1)),
+                assignment=payload.assignment, partition=self.partition_of(node),
                 bytes_down=record.count_bytes(), params=payload.params, sent_norm=payload.sent_norm,
                 tokens=self.tokens(), extra=payload.row)
             messages.append(Message(RecordDict({"arrays": record, "config": spec}), dst_node_id=node,
@@ -376,23 +385,32 @@ class FusionStrategy(Strategy):
         records: dict[str, ArrayRecord] = {}  # one record per method, shared by its nodes
         messages = []
         for node in self.evaluation_nodes():
-            tier = self.caps[node]["device"]
+            tier = self.device_of(node)
             method = self.methods[tier]
             state, spec = method.evaluation(target, tier)
             if method.name not in records:
                 records[method.name] = ArrayRecord(state)
             messages.append(Message(
                 RecordDict({"arrays": records[method.name], "config": ConfigRecord(
-                    {**config, **self.train_config, **spec, "server-round": server_round})}),
+                    {**config, **self.train_config, **spec, **RoundSpec(server_round, self.run_seed).to_config()})}),
                 dst_node_id=node, message_type=MessageType.EVALUATE))
         return messages
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         """Example-weighted mean of the clients' held-out loss and accuracy."""
-        good = [r.content["metrics"] for r in replies if not r.has_error()]
-        total = sum(int(m["num-examples"]) for m in good)
+        good = [r.content.metric_records["metrics"] for r in replies if not r.has_error()]
+        examples = [_number(m, "num-examples") for m in good]
+        total = sum(examples)
         if not total:
             return None
-        self.round.fed_eval = {f"fed_{k}": sum(float(m[k]) * int(m["num-examples"]) for m in good) / total
+        self.round.fed_eval = {f"fed_{k}": sum(_number(m, k) * n for m, n in zip(good, examples)) / total
                                for k in ("eval_loss", "eval_acc")}
-        return MetricRecord(self.round.fed_eval)
+        return MetricRecord({k: v for k, v in self.round.fed_eval.items()})
+
+
+def _number(record: MetricRecord, key: str) -> float:
+    """One scalar of a reply's metrics (a list where a number belongs raises, naming the key)."""
+    value = record[key]
+    if not isinstance(value, int | float):
+        raise ValueError(f"metric {key!r} is not a number: {value!r}")
+    return float(value)

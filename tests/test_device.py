@@ -228,7 +228,7 @@ def test_gateway_and_reference_device_end_to_end(phone_program, tmp_path):
 
     from fedfusion.population import data_spec
     from fedfusion.reference_device import DeviceRefused, ReferenceDevice
-    from fedfusion.wire import DROPPED, train_spec
+    from fedfusion.wire import DROPPED, ClientSpec, ModelSpec, RoleSpec, RoundSpec, SliceSpec, TrainSpec, merge
 
     recipe, program, programs = phone_program
     tokens = tmp_path / "tokens.json"
@@ -240,8 +240,9 @@ def test_gateway_and_reference_device_end_to_end(phone_program, tmp_path):
         with pytest.raises(DeviceRefused, match="401"):
             ReferenceDevice(server.url, "wrong").register()
         state, config = _phone_state(recipe)
-        spec = ConfigRecord({**train_spec(recipe.train), "seed": 5, "data-spec": data_spec(recipe), "role": "submodel",
-                             "policy": "rolling", "model-config": json.dumps(config.to_dict()), "server-round": 3})
+        spec = ConfigRecord(merge(TrainSpec.from_recipe(recipe.train), RoundSpec(3, 5), RoleSpec("submodel"),
+                                  ClientSpec(data_spec(recipe), recipe.train.seq_len, 1), SliceSpec(0.125, "rolling", None),
+                                  ModelSpec(config.to_dict())))
         node = {"gateway": server.url, "gateway-secret-file": str(tmp_path / "secret"), "gateway-deadline-s": 60.0}
         device = ReferenceDevice(server.url, "tok-a")
         worker = threading.Thread(target=device.serve, kwargs={"tasks": 1, "poll_s": 0.1, "echo": lambda s: None})

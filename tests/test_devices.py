@@ -30,14 +30,12 @@ def test_assignment_follows_the_mix_and_is_reproducible():
 
 def test_a_client_answers_its_tier_from_the_population_drawn_once_per_process():
     """A QUERY round asks every node: the client draws the population's tiers once, not once per query."""
-    import json
-
     from fedfusion.client_app import population_tiers
 
-    population = json.dumps({"mix": {"phone": 0.5, "laptop": 0.3, "desktop": 0.2}, "num_clients": 50, "seed": 7})
+    population = (("phone", 0.5), ("laptop", 0.3), ("desktop", 0.2)), 50, 7
     population_tiers.cache_clear()
-    assert population_tiers(population) == tuple(assign_tiers({"phone": 0.5, "laptop": 0.3, "desktop": 0.2}, 50, 7))
-    population_tiers(population)
+    assert population_tiers(*population) == tuple(assign_tiers({"phone": 0.5, "laptop": 0.3, "desktop": 0.2}, 50, 7))
+    population_tiers(*population)
     assert population_tiers.cache_info().hits == 1 and population_tiers.cache_info().misses == 1
 
 

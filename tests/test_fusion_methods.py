@@ -22,6 +22,7 @@ from fedfusion.lora import ClientLoRA, aggregate_lora
 from fedfusion.recipe import DistillConfig
 from fedfusion.rounds import FOLD_ORDER, client_seed, fold_order, fold_round, round_payloads
 from fedfusion.slicing import SelectiveAverager
+from fedfusion.wire import LoRABaseSpec
 from tests.conftest import tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest
@@ -85,7 +86,7 @@ def test_submodel_check_refuses_a_broken_reply_by_name(breakage):
 def test_lora_fold_is_the_exact_heterogeneous_aggregate_and_a_wrong_rank_is_refused():
     modules = {"a.q_proj": (12, 10), "a.v_proj": (6, 10)}
     method = LoRAMethod(modules, {"phone": 2, "desktop": 4}, {"phone": 4.0, "desktop": 8.0}, {}, "zeropad",
-                        base_params=1000)
+                        base_params=1000, base=LoRABaseSpec("unused", "float32", ("q_proj", "v_proj"), 0.0))
     payloads = method.payloads(1, {}, _clients({0: "phone", 1: "desktop"}))
     assert [p.row["rank"] for p in payloads] == [2, 4] and method.tier_cost("desktop").nbytes == 4 * 4 * (22 + 16)
     g = torch.Generator().manual_seed(0)
@@ -199,7 +200,7 @@ def _imports(path: Path) -> set[str]:
 
 def test_methods_import_no_flower_and_the_server_no_client_role():
     flower_free = [*sorted((ROOT / "fedfusion" / "fusion").glob("*.py")), ROOT / "fedfusion" / "rounds.py",
-                   ROOT / "fedfusion" / "inprocess.py", ROOT / "fedfusion" / "targets.py"]
+                   ROOT / "fedfusion" / "inprocess.py", ROOT / "fedfusion" / "wire.py", ROOT / "fedfusion" / "targets.py"]
     for path in flower_free[:-1]:
         assert not {n for n in _imports(path) if n.split(".")[0] == "flwr"}, path
     server = [ROOT / "fedfusion" / "server_app.py", ROOT / "fedfusion" / "targets.py",

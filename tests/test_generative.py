@@ -16,6 +16,7 @@ from fedfusion.participation import Participation
 from fedfusion.selection import make_selector
 from fedfusion.fusion.generative import GenerativeMethod
 from fedfusion.strategies import FusionStrategy
+from fedfusion.wire import ClientSpec, GenerativeSpec, ModelSpec, RoundSpec, TrainSpec, merge
 from tests.conftest import tiny_config
 from tests.test_strategy import FakeGrid, task_identity  # noqa: F401  (autouse fixture)
 
@@ -103,9 +104,8 @@ def test_client_role_trains_and_samples(tmp_path):
     target = lm_target(recipe)
     cfg = target.model.config
     plan = plan_slice(cfg, 0.25, "static")
-    spec = ConfigRecord({"data-spec": data_spec(recipe), "seq-len": 48, "threads": 1, "local-steps": 2, "lr": 1e-2,
-                         "batch-size": 4, "seed": 5, "weight-decay": 0.0, "optimizer": "adamw", "samples": 3,
-                         "temperature": 1.0, "model-config": json.dumps(sub_config(cfg, plan).to_dict())})
+    spec = ConfigRecord(merge(ClientSpec(data_spec(recipe), 48, 1), TrainSpec(2, 1e-2, 4, 0.0, "adamw"), RoundSpec(1, 5),
+                              GenerativeSpec(0.25, 3, 1.0), ModelSpec(sub_config(cfg, plan).to_dict())))
     state, metrics = role.train(extract(target.model.state_dict(), cfg, plan), spec, partition=1)
     samples = state.pop(SAMPLES_KEY)
     assert samples.shape == (3, 49) and bool((samples[:, 0] == target.tokenizer.bos_token_id).all())

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from fedfusion.recipe import FaultConfig
-from fedfusion.wire import fault_spec
+from fedfusion.wire import AdapterSpec, ClientSpec, FaultSpec, LoRABaseSpec, QuantizeSpec, RoundSpec, TrainSpec, merge
 
 import json
 from importlib.util import find_spec
@@ -39,9 +38,8 @@ def save_tiny_base(path) -> str:
 
 
 def spec(base: str, **kw) -> ConfigRecord:
-    values = {"base": base, "quantize": 0, "dtype": "float32", "rank": 4, "alpha": 8.0,
-              "target-modules": ",".join(MODULES), "lora-dropout": 0.0, "local-steps": 8, "lr": 1e-2,
-              "batch-size": 4, "seq-len": 96, "weight-decay": 0.0, "seed": 3, "threads": 1, "data-spec": DATA}
+    values = merge(ClientSpec(DATA, 96, 1), TrainSpec(8, 1e-2, 4, 0.0, "adamw"), RoundSpec(1, 3),
+                   LoRABaseSpec(base, "float32", tuple(MODULES), 0.0), QuantizeSpec(0), AdapterSpec("flexlora", 4, 8.0))
     return ConfigRecord({**values, **kw})
 
 
@@ -140,12 +138,12 @@ def test_a_merged_update_equals_adding_it_to_the_weights(base):
 def test_one_process_serves_different_ranks_and_faults_follow_the_spec(base):
     arrays, _ = client.train({}, spec(base, rank=2, alpha=2.0, **{"local-steps": 1}), partition=1)
     assert next(iter(factors(arrays)[0].values())).shape[0] == 2
-    arrays, _ = client.train({}, spec(base, rank=8, **{"local-steps": 1, **fault_spec(FaultConfig(corrupt_prob=1.0))}),
+    arrays, _ = client.train({}, spec(base, rank=8, **{"local-steps": 1, **FaultSpec(corrupt_prob=1.0).to_config()}),
                              partition=1)
     assert next(iter(factors(arrays)[0].values())).shape[0] == 8
     assert any(torch.isnan(v).any() for v in arrays.values())
     with pytest.raises(RuntimeError, match="injected crash"):
-        client.train({}, spec(base, **fault_spec(FaultConfig(crash_prob=1.0))), partition=1)
+        client.train({}, spec(base, **FaultSpec(crash_prob=1.0).to_config()), partition=1)
     with pytest.raises(ValueError, match="outside the population"):
         client.train({}, spec(base), partition=21)
 

@@ -17,6 +17,7 @@ from fedfusion.fusion.lora import (
     snapshot,
     split_global,
 )
+from fedfusion.wire import Caps, ClientSpec, FaultSpec, LoRABaseSpec, PrivacySpec, TrainSpec, merge
 from flwr.app import (
     ArrayRecord,
     ConfigRecord,
@@ -91,7 +92,7 @@ class FakeGrid:
             node = m.metadata.dst_node_id
             self.sent.append(m)
             if m.metadata.message_type == MessageType.QUERY:
-                content = RecordDict({"caps": ConfigRecord({"device": self.devices[node], "partition": node - 11})})
+                content = RecordDict({"caps": ConfigRecord(Caps(self.devices[node], node - 11, 1).to_config())})
             elif m.metadata.message_type == MessageType.EVALUATE:
                 metrics = client.evaluate(m.content["arrays"].to_torch_state_dict(), m.content["config"], node - 11)
                 content = RecordDict({"metrics": MetricRecord(metrics)})
@@ -106,10 +107,9 @@ class FakeGrid:
 
 def make(shapes, method="flexlora", base="unused", min_clients=1, ranks=RANKS, alphas=ALPHAS, **train) -> FusionStrategy:
     lora = LoRAMethod(modules=shapes, ranks=ranks, alphas=alphas, quantize=QUANT, method=method, base_params=1000,
-                      client_spec={"base": base, "dtype": "float32", "target-modules": ",".join(MODULES),
-                                   "lora-dropout": 0.0})
-    config = {"local-steps": 2, "lr": 1e-2, "batch-size": 4, "seq-len": 96, "weight-decay": 0.0, "seed": 0,
-              "threads": 1, "data-spec": DATA, **train}
+                      base=LoRABaseSpec(base, "float32", tuple(MODULES), 0.0))
+    config = {**merge(ClientSpec(DATA, 96, 1), TrainSpec(2, 1e-2, 4, 0.0, "adamw"), FaultSpec(),
+                      PrivacySpec("none", 1.0, 10.0, 1e-5)), "seed": 0, **train}
     return FusionStrategy({tier: lora for tier in ranks}, clients_per_round=3, min_clients=min_clients,
                           query_config={"population": "{}"}, weighting="examples",
                           participation=Participation(make_selector("random", seed=0), load_catalog()),

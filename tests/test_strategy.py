@@ -17,6 +17,7 @@ from fedfusion.selection import make_selector
 from fedfusion.slicing import extract
 from fedfusion.fusion.submodel import SubModelMethod
 from fedfusion.strategies import FusionStrategy
+from fedfusion.wire import Caps
 from tests.conftest import tiny_config
 
 
@@ -38,9 +39,25 @@ class FakeGrid:
         return list(self.devices)
 
     def send_and_receive(self, messages, timeout=None):
-        return [Message(RecordDict({"caps": ConfigRecord({"device": self.devices[m.metadata.dst_node_id],
-                                                          "partition": m.metadata.dst_node_id})}), reply_to=m)
+        return [Message(RecordDict({"caps": ConfigRecord(Caps(self.devices[m.metadata.dst_node_id],
+                                                              m.metadata.dst_node_id, 1).to_config())}), reply_to=m)
                 for m in messages]
+
+
+def test_a_capability_reply_missing_a_key_is_refused_naming_it(caplog):
+    class Partial(FakeGrid):  # node 12 leaves out its example count
+        def send_and_receive(self, messages, timeout=None):
+            replies = super().send_and_receive(messages, timeout)
+            for reply in replies:
+                if reply.metadata.src_node_id == 12:
+                    del reply.content["caps"]["examples"]
+            return replies
+
+    strategy, state = make_strategy()
+    grid = Partial({11: "phone", 12: "desktop", 13: "phone"})
+    msgs = list(strategy.configure_train(1, ArrayRecord(state), ConfigRecord({}), grid))
+    assert sorted(m.metadata.dst_node_id for m in msgs) == [11, 13] and 12 not in strategy.caps
+    assert "node 12: capability reply refused: message spec lacks 'examples'" in caplog.text
 
 
 def make_strategy(min_clients: int = 1, aggregate: str = "mean", wire_dtype: str = "float32") -> tuple[FusionStrategy, dict]:
@@ -132,15 +149,16 @@ def test_unknown_device_is_not_sampled():
 
 def test_injected_faults_are_seeded_and_follow_the_recipe():
     from fedfusion.clients.submodel import inject_faults
-    from fedfusion.recipe import FaultConfig
-    from fedfusion.wire import fault_spec
+    from fedfusion.wire import FaultSpec, RoundSpec
 
-    spec = ConfigRecord({"seed": 5, **fault_spec(FaultConfig(corrupt_prob=1.0, straggler_prob=1.0, straggler_delay_s=2.5))})
-    assert inject_faults(spec, 3) == (True, 2.5)
+    def spec(seed: int, faults: FaultSpec | None = None) -> ConfigRecord:
+        return ConfigRecord({**RoundSpec(1, seed).to_config(), **(faults.to_config() if faults else {})})
+
+    assert inject_faults(spec(5, FaultSpec(corrupt_prob=1.0, straggler_prob=1.0, straggler_delay_s=2.5)), 3) == (True, 2.5)
     with pytest.raises(RuntimeError, match="injected crash"):
-        inject_faults(ConfigRecord({"seed": 5, **fault_spec(FaultConfig(crash_prob=1.0))}), 3)
-    assert inject_faults(ConfigRecord({"seed": 5}), 3) == (False, 0.0)
-    mixed = ConfigRecord({"seed": 9, **fault_spec(FaultConfig(corrupt_prob=0.5))})
+        inject_faults(spec(5, FaultSpec(crash_prob=1.0)), 3)
+    assert inject_faults(spec(5), 3) == (False, 0.0)
+    mixed = spec(9, FaultSpec(corrupt_prob=0.5))
     draws = [inject_faults(mixed, p)[0] for p in range(40)]
     assert draws == [inject_faults(mixed, p)[0] for p in range(40)] and 5 < sum(draws) < 35
 

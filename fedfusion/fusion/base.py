@@ -84,7 +84,7 @@ class FusionMethod(ABC):
     """One way to turn what devices can train into an update of the target (see the module docstring)."""
 
     name: str = ""  # the recipe's fusion.method, written into every ledger row
-    role: str = ""  # the client role that trains its payloads (fedfusion.client_app.ROLES)
+    role: str = ""  # the client role that trains its payloads (fedfusion.wire.ROLES)
     noun: str = "model"  # what a payload is called in rejection messages
 
     @abstractmethod

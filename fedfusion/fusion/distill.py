@@ -43,6 +43,7 @@ from fedfusion.fusion.base import (
 from fedfusion.models import config_aliases, model_from_state, small_model, tied_aliases, wire_state
 from fedfusion.recipe import DistillConfig
 from fedfusion.training import evaluate_lm
+from fedfusion.wire import FamilySpec, ModelSpec, RoleSpec, merge
 
 TEACHERS = ("feddf", "fedet")
 
@@ -140,8 +141,8 @@ class DistillMethod(FusionMethod):
         for client in clients:
             name = self.tier_family[client.tier]
             state = self.family_states[name]
-            spec = {"role": self.role, "family": name, "model-config": json.dumps(self.families[name].config.to_dict()),
-                    "tokenizer-json": self.tokenizer_json[name]}
+            spec = merge(RoleSpec(self.role), ModelSpec(self.families[name].config.to_dict()),
+                         FamilySpec(name, self.tokenizer_json[name]))
             params = sum(t.numel() for t in state.values())
             out.append(Payload(client, state, spec, width=params / target_params, params=params,
                                sent_norm=state_norm(state), assignment={"family": name}, context=name))
@@ -172,7 +173,7 @@ class DistillMethod(FusionMethod):
 
     def evaluation(self, target: State, tier: str) -> tuple[State, dict[str, Any]]:
         """The whole target, scored by a sub-model client (it is a Llama of the target's config)."""
-        return wire_state(target, self.aliases), {"role": "submodel", "model-config": json.dumps(self.config.to_dict())}
+        return wire_state(target, self.aliases), merge(RoleSpec("submodel"), ModelSpec(self.config.to_dict()))
 
     def metrics(self) -> dict[str, float]:
         """The latest family scores as flat ``family_<name>_<metric>`` floats for the round's metrics row."""

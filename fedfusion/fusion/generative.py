@@ -11,7 +11,6 @@ The server sees every client's samples, which carry its private data almost verb
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -39,6 +38,7 @@ from fedfusion.models import model_from_state
 from fedfusion.rounds import server_seed
 from fedfusion.slicing import extract, plan_slice, sub_config
 from fedfusion.training import train_steps
+from fedfusion.wire import Caps, GenerativeSpec, ModelSpec, RoleSpec, merge
 
 
 class GenerativeMethod(FusionMethod):
@@ -93,11 +93,11 @@ class GenerativeMethod(FusionMethod):
             own = self.devices.get(client.partition) or extract(self.initial, self.config, plan)
             sent = self.wire(own)
             # the client's own count of training windows, capped by the server: a client cannot claim the pool
-            windows = min(int(client.caps.get("examples", 1)), self.generative.max_windows)
+            windows = min(int(client.caps.get(Caps.key("examples"), 1)), self.generative.max_windows)
             self.examples[client.partition] = windows
-            spec = {"role": self.role, "width": width, "model-config": json.dumps(sub_config(self.config, plan).to_dict()),
-                    "samples": math.ceil(self.generative.sample_fraction * windows),
-                    "temperature": self.generative.temperature}
+            spec = merge(RoleSpec(self.role), ModelSpec(sub_config(self.config, plan).to_dict()),
+                         GenerativeSpec(width, math.ceil(self.generative.sample_fraction * windows),
+                                        self.generative.temperature))
             out.append(Payload(client, sent, spec, width, params=sum(t.numel() for t in sent.values()),
                                sent_norm=state_norm(sent), context=sent))
         return out
@@ -130,4 +130,4 @@ class GenerativeMethod(FusionMethod):
         return Fold(new, 1.0, {"server_loss": out["train_loss"]}, cost)
 
     def evaluation(self, target: State, tier: str) -> tuple[State, dict[str, Any]]:
-        return self.wire(target), {"role": "submodel", "model-config": json.dumps(self.config.to_dict())}
+        return self.wire(target), merge(RoleSpec("submodel"), ModelSpec(self.config.to_dict()))

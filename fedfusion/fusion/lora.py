@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 from safetensors.torch import save_file
+from transformers import PreTrainedModel
 
 from fedfusion.energy import lora_work_params
 from fedfusion.fusion.base import Client, Fold, FusionMethod, Payload, State, TierCost, Update
@@ -44,6 +45,7 @@ from fedfusion.lora import (
     starting_adapter,
 )
 from fedfusion.pretrained import QUANTIZE
+from fedfusion.wire import AdapterSpec, LoRABaseSpec, QuantizeSpec, RoleSpec, merge
 
 Shapes = dict[str, tuple[int, int]]
 
@@ -83,18 +85,18 @@ class LoRAMethod(FusionMethod):
     """Heterogeneous-rank LoRA fusion (zeropad, HetLoRA, FlexLoRA, FLoRA, or FedAvg for one rank).
 
     ``ranks``/``alphas``/``quantize`` map a device tier to its adapter rank, LoRA alpha and base bits (0, 4 or
-    8); ``modules`` maps each adapted module of the base to its (out, in); ``client_spec`` is what every LoRA
-    client needs to load the same base (base, dtype, target modules, dropout).
+    8); ``modules`` maps each adapted module of the base to its (out, in); ``base`` is what every LoRA client
+    needs to load the same base (base, dtype, target modules, dropout).
     """
 
     name, role, noun = "lora", "lora", "adapter"
 
     def __init__(self, modules: Shapes, ranks: dict[str, int], alphas: dict[str, float], quantize: dict[str, int],
-                 method: str, base_params: int, client_spec: Mapping[str, Any] | None = None) -> None:
+                 method: str, base_params: int, base: LoRABaseSpec) -> None:
         _check(modules, ranks, alphas, quantize, method)
         self.modules, self.ranks, self.alphas, self.quantize = modules, ranks, alphas, quantize
         self.method, self.base_params = method, base_params
-        self.client_spec = dict(client_spec or {})
+        self.base = base
         self.merged: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] | None = None
 
     def describe(self) -> str:
@@ -129,8 +131,7 @@ class LoRAMethod(FusionMethod):
                 arrays[f"{m}.lora_A"], arrays[f"{m}.lora_B"] = start[0][m], start[1][m]
             arrays.update(frozen)
             adapter = self.adapter_params(client.tier)
-            spec = {**self.client_spec, "role": self.role, "method": self.method, "rank": rank,
-                    "alpha": float(alpha), "quantize": quantize}
+            spec = merge(RoleSpec(self.role), self.base, QuantizeSpec(quantize), AdapterSpec(self.method, rank, alpha))
             out.append(Payload(client, arrays, spec, width=1.0, params=lora_work_params(self.base_params, adapter),
                                sent_norm=update_norm(*start, alpha / rank),
                                row={"rank": rank, "alpha": float(alpha), "quantize": quantize,
@@ -162,8 +163,8 @@ class LoRAMethod(FusionMethod):
 
     def evaluation(self, target: State, tier: str) -> tuple[State, dict[str, Any]]:
         """The global update as a frozen ``m.merged_*`` update on the client's own copy of the base."""
-        return merged_arrays(*split_global(target)), {**self.client_spec, "role": self.role,
-                                                       "quantize": int(self.quantize.get(tier, 0))}
+        return merged_arrays(*split_global(target)), merge(RoleSpec(self.role), self.base,
+                                                            QuantizeSpec(int(self.quantize.get(tier, 0))))
 
 
 def _check(modules: Shapes, ranks: dict[str, int], alphas: dict[str, float], quantize: dict[str, int],
@@ -229,7 +230,7 @@ def save_adapter(state: Mapping[str, torch.Tensor], out: str | Path, target_modu
     return out
 
 
-def save_merged(model: torch.nn.Module, original: dict[str, torch.Tensor], state: Mapping[str, torch.Tensor],
+def save_merged(model: PreTrainedModel, original: dict[str, torch.Tensor], state: Mapping[str, torch.Tensor],
                 tokenizer: Any, out: str | Path) -> Path:
     """Write the base with the global update merged in (``save_pretrained``, tokenizer included)."""
     apply_global(model, original, state)

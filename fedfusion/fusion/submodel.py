@@ -6,7 +6,6 @@ HeteroFL (static), FedRolex (rolling, optionally staggered), Federated Dropout (
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -19,6 +18,7 @@ from fedfusion.ordered import ordered_fractions
 from fedfusion.outer import OuterConfig, OuterOptimizer
 from fedfusion.rounds import fold, owned_starts, plan_round
 from fedfusion.slicing import SelectiveAverager, SlicePlan, extract, plan_slice, stage_update, sub_config
+from fedfusion.wire import ModelSpec, OrderedSpec, RoleSpec, SliceSpec, Spec, merge
 
 WIRE_DTYPES = {"float32": torch.float32, "float16": torch.float16}  # Flower's arrays are numpy: no bfloat16
 
@@ -87,14 +87,11 @@ class SubModelMethod(FusionMethod):
         out = []
         for client, width, plan in zip(clients, widths, plans):
             sent = self.wire(extract(target, self.config, plan))
-            spec: dict[str, Any] = {
-                "role": self.role, "width": width, "policy": self.policy,
-                "model-config": json.dumps(sub_config(self.config, plan).to_dict()),
-                "axes": json.dumps(list(self.axes) if self.axes else None),
-            }
+            specs: list[Spec] = [RoleSpec(self.role), ModelSpec(sub_config(self.config, plan).to_dict()),
+                                 SliceSpec(width, self.policy, self.axes or None)]
             if self.policy == "ordered":
-                spec["ordered-fractions"] = json.dumps(ordered_fractions(width, self.ordered_ladder))
-                spec["ordered-distill"] = self.ordered_distill
+                specs.append(OrderedSpec(tuple(ordered_fractions(width, self.ordered_ladder)), self.ordered_distill))
+            spec = merge(*specs)
             out.append(Payload(client, sent, spec, width, params=sum(t.numel() for t in sent.values()),
                                sent_norm=state_norm(sent), assignment=plan.assignment(), context=(plan, target)))
         return out
@@ -127,7 +124,7 @@ class SubModelMethod(FusionMethod):
         return Fold(fold(averager, self.outer), coverage)
 
     def evaluation(self, target: State, tier: str) -> tuple[State, dict[str, Any]]:
-        return self.wire(target), {"role": self.role, "model-config": json.dumps(self.config.to_dict())}
+        return self.wire(target), merge(RoleSpec(self.role), ModelSpec(self.config.to_dict()))
 
     def state_dict(self) -> dict[str, Any]:
         return {"outer": self.outer.state_dict()} if self.outer is not None else {}
