@@ -1,16 +1,18 @@
 """Server memory and per-round time of one federation as its population grows (issue #17, section 4).
 
 One `fedfusion run` per population size (default 100, 1,000 and 10,000 virtual clients), each through Flower's
-simulation engine exactly as a user runs it, with 50 clients sampled per round and a small target (a one-layer
-Llama, hidden 64) trained one local step, so that what grows with the population is the federation's own cost,
-not training. The data is a text file cut into one equal shard per client (``data.source: text``), built from
+simulation engine exactly as a user runs it, with 50 clients sampled per round from a pool of 200
+(``selection.pool``: a population of at most 200 is queried whole in round 1; a larger one is drawn from a random
+200 of its nodes each round, the new ones queried for their capabilities) and a small target (a one-layer Llama,
+hidden 64) trained one local step, so that what grows with the population is the federation's own cost, not
+training. The data is a text file cut into one equal shard per client (``data.source: text``), built from
 the Shakespeare plays repeated to 1,500 characters per client.
 
 Measured, per size: the resident memory (RSS) of the `fedfusion run` process, which holds the server (strategy,
 central evaluation, ledgers) and Flower's simulation engine (its node registry and message store), sampled every
 0.2 s: its peak, and its value as each round's metrics row lands; the Ray client actors' RSS (separate
-processes); and from metrics.jsonl each round's host seconds (round 1 includes the capability QUERY of every
-node) next to the seconds its clients trained (``train_s`` summed, over the 2 cores they were given).
+processes); and from metrics.jsonl each round's host seconds (each includes the capability QUERY of its pool's
+new nodes) next to the seconds its clients trained (``train_s`` summed, over the 2 cores they were given).
 
     python benchmarks/scale.py                      # 100, 1,000 and 10,000 clients
     python benchmarks/scale.py --sizes 100 1000     # some sizes only (the results file keeps the others)
@@ -38,9 +40,9 @@ from typing import Any
 import psutil
 
 OUT = Path(__file__).parent / "results"
-PER_ROUND, ROUNDS, CHARS_PER_CLIENT = 50, 4, 1500
+PER_ROUND, POOL, ROUNDS, CHARS_PER_CLIENT = 50, 200, 4, 1500
 SETTINGS = [
-    f"rounds={ROUNDS}", f"selection.clients_per_round={PER_ROUND}", "data.source=text", "data.eval_chars=4000",
+    f"rounds={ROUNDS}", f"selection.clients_per_round={PER_ROUND}", f"selection.pool={POOL}", "data.source=text", "data.eval_chars=4000",
     "model.hidden_size=64", "model.num_heads=8", "model.num_kv_heads=8", "model.intermediate_size=128",
     "model.num_layers=1", "train.local_steps=1", "train.batch_size=4", "train.seq_len=32",
     "engine.cpus_per_client=1", "output.save_model=false", "output.checkpoint_every=0",
@@ -185,18 +187,19 @@ def run_size(clients: int, work: Path, limit_s: float) -> dict[str, Any]:
 
 
 def registry_probe(nodes: int) -> dict[str, float]:
-    """What a population of ``nodes`` costs the server process by itself, without running clients. Bytes per node
-    held for the whole run, by owner, traced in this process (tracemalloc):
+    """What a population of ``nodes`` costs the server process by itself, without running clients. Bytes held for
+    the whole run, by owner, traced in this process (tracemalloc):
 
     - ``flower_registry``: Flower's simulation engine registering ``nodes`` SuperNodes, as ``run_simulation``
-      does (its in-memory LinkState, and a node-info store with a Context per node);
-    - ``fedfusion_caps``: the strategy's capability table after the QUERY round (a real :class:`FusionStrategy` over a width-slicing method
-      answered by every node with a real capability reply, as :func:`fedfusion.client_app.query` builds it);
+      does (its in-memory LinkState, and a node-info store with a Context per node), per node;
+    - ``fedfusion_state``: what the strategy holds after ROUNDS participation draws with ``selection.pool`` POOL
+      (a real :class:`FusionStrategy` over a width-slicing method, every node answering with a real capability reply,
+      as :func:`fedfusion.client_app.query` builds it), with the number of nodes its pools queried;
 
-    and seconds per round that grow with the population: the strategy's sampling (wait for nodes, the QUERY
-    check, the participation draw over every known client) and one sweep of Flower's engine polling every node
-    for a message (:func:`poll_sweep_s`) with none, a round's and (up to 1,000 nodes) a QUERY round's messages
-    pending.
+    and seconds per round that grow with the population: the strategy's sampling (wait for nodes, the pool, the
+    QUERY of its new nodes, the participation draw over it) and one sweep of Flower's engine polling every node
+    for a message (:func:`poll_sweep_s`) with none, a round's, a pool's and (up to 1,000 nodes) every node's
+    messages pending.
     """
     import tracemalloc
 
@@ -244,23 +247,25 @@ def registry_probe(nodes: int) -> dict[str, float]:
                             LlamaForCausalLM(config).state_dict(), policy="rolling", stride=0.125, stagger=True)
     strategy = FusionStrategy(
         dict.fromkeys(("phone", "laptop", "desktop"), method), clients_per_round=PER_ROUND, min_clients=1,
-        participation=Participation(make_selector("random"), load_catalog()),
+        participation=Participation(make_selector("random"), load_catalog()), pool=POOL,
         query_config={"population": "{}"}, train_config={"seed": 0})
     grid = Grid()
     torch.set_num_threads(1)
     before = tracemalloc.get_traced_memory()[0]
-    strategy.query_nodes(grid, list(mapping))
+    for server_round in range(1, ROUNDS + 1):
+        assert len(strategy.sample(grid, server_round)) == PER_ROUND
     ours = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
-    assert len(strategy.caps) == nodes and len(stores) == nodes
+    queried = len(strategy.caps)
+    assert len(stores) == nodes and queried <= ROUNDS * POOL
     start = time.perf_counter()
-    for server_round in range(2, 7):
+    for server_round in range(ROUNDS + 1, ROUNDS + 6):
         assert len(strategy.sample(grid, server_round)) == PER_ROUND
     sample_s = (time.perf_counter() - start) / 5
-    return {"nodes": nodes, "flower_registry_bytes_per_node": flower / nodes,
-            "fedfusion_caps_bytes_per_node": ours / nodes, "fedfusion_sample_ms": sample_s * 1e3,
+    return {"nodes": nodes, "flower_registry_bytes_per_node": flower / nodes, "fedfusion_state_bytes": ours,
+            "fedfusion_nodes_queried": queried, "fedfusion_sample_ms": sample_s * 1e3,
             "flower_poll_sweep_ms": {str(p): poll_sweep_s(factory, list(mapping), p) * 1e3
-                                     for p in (0, PER_ROUND, nodes) if p <= 1000}}
+                                     for p in sorted({0, PER_ROUND, min(POOL, nodes), nodes}) if p <= 1000}}
 
 
 def poll_sweep_s(factory: Any, nodes: list[int], pending: int) -> float:
@@ -332,9 +337,11 @@ def findings(report: dict[str, Any]) -> list[str]:
     for p in report.get("probe", []):
         sweeps = ", ".join(f"{float(ms) / 1e3:.2f} s with {int(k):,} pending" for k, ms in p["flower_poll_sweep_ms"].items())
         lines.append(f"- Probe, {p['nodes']:,} nodes: Flower's node registry {p['flower_registry_bytes_per_node']:.0f} "
-                     f"B/node, fedfusion's capability table {p['fedfusion_caps_bytes_per_node']:.0f} B/node; the "
-                     f"strategy's sampling {p['fedfusion_sample_ms']:.1f} ms/round; one sweep of Flower's engine "
-                     f"over every node (it sweeps again 0.1 s after each): {sweeps}.")
+                     f"B/node; fedfusion's strategy after {ROUNDS} draws {p['fedfusion_state_bytes'] / 1024:.0f} KB "
+                     f"({p['fedfusion_nodes_queried']:,} nodes queried, "
+                     f"{p['fedfusion_state_bytes'] / p['fedfusion_nodes_queried']:.0f} B each); its sampling "
+                     f"{p['fedfusion_sample_ms']:.1f} ms/round; one sweep of Flower's engine over every node (it sweeps "
+                     f"again 0.1 s after each): {sweeps}.")
     return lines
 
 
