@@ -51,28 +51,24 @@ MB = 2**20
 NOTES = [
     "## What grows with the population, and why",
     "",
-    "- **Memory.** Per client the server keeps one row in each of two tables: Flower's node registry (every "
-    "SuperNode of the simulation: its LinkState entry and a Context) and the strategy's capability table (device "
-    "tier, partition, examples and the host facts the node reported), plus the simulation's dataset text. No "
-    "per-client model, optimizer or ledger state is kept: the ledgers go to disk each round, and rounds that sample "
-    "the same number of clients leave the RSS where it was. The probe's bytes per node are that growth.",
+    "- **Memory.** Per client the server keeps Flower's node registry (every SuperNode of the simulation: its "
+    "LinkState entry and a Context) and the simulation's dataset text. fedfusion's strategy keeps the capability "
+    "answers (device tier, partition, examples, host facts) of the nodes its candidate pools held: all of a "
+    "population within `selection.pool`, else at most `pool` new nodes a round, whatever the population. No "
+    "per-client model, optimizer or ledger state is kept: the ledgers go to disk each round. The probe's bytes "
+    "are that growth, by owner.",
     "- **Time.** What grows is Flower's simulation engine: every 0.1 s it asks the in-memory LinkState for each "
     "node's next message (`vce_api.add_messages_to_queue`), and `InMemoryLinkState.get_message_ins` looks through "
-    "every stored message, checking each, for every node: a sweep costs nodes x pending messages, and it runs "
-    "in the server's process. A training round keeps `clients_per_round` messages pending; the capability QUERY "
-    "keeps every node's pending at once, so round 1 is quadratic in the population. Sending the QUERY in batches "
-    "does not make it cheaper (the same nodes x messages checks, spread over more sweeps); that fix belongs in "
-    "Flower (pending messages indexed by destination node). fedfusion's own per-round work over the population (the "
-    "sampling) is the probe's sampling time.",
-    "- **10,000 clients: the QUERY is the wall.** Every node answers one capability query before it can be "
-    "sampled, and on this machine each costs a fraction of a second of the two actors' time, so 10,000 of them do "
-    "not fit the round deadline (`selection.timeout_s`, 600 s). When it expires the unanswered queries stay queued "
-    "in Flower's engine: the round's training messages wait behind them and time out too (their training takes "
-    "well under a second), and the next round sends the QUERY to the unanswered nodes again. So a 10,000-client "
-    "federation needs a deadline that fits the whole QUERY, or more cores; on the fedfusion side the fix is to "
-    "send the QUERY in bounded batches (not for speed: a deadline then strands one batch, not thousands of queries) and to stop "
-    "re-sending it every round to nodes that have not answered. The stopped run's memory columns are what it "
-    "reached with every node registered and queried.",
+    "every stored message, checking each, for every node: a sweep costs nodes x pending messages, and it runs in "
+    "the server's process. A training round keeps `clients_per_round` messages pending, a pool's QUERY at most "
+    "`pool`; so a round costs the population times the pool, not the population squared. fedfusion's own "
+    "per-round work over the population (the pool and the draw) is the probe's sampling time.",
+    "- **Why a pool and not a QUERY of everyone in batches.** Until `selection.pool`, round 1 sent the QUERY to "
+    "every node at once; at 10,000 nodes it outlasted the 600 s round deadline on this machine and the run was "
+    "stopped after 31 minutes with no client trained (this file at commit a233ac9). Batches would not have "
+    "helped: the same nodes x messages checks spread over more sweeps, and still every node asked. The server "
+    "cannot skip the QUERY either: it learns which partition (and, deployed, which device tier) a node is only "
+    "from its answer, since Flower gives a server no view of a node's config and node ids are random per run.",
 ]
 
 
@@ -324,10 +320,10 @@ def findings(report: dict[str, Any]) -> list[str]:
             lines.append(f"- {r['clients']:,} clients: stopped after {r['run_wall_s'] / 60:.0f} min ({done}); server "
                          f"RSS {r['server_rss_round0_mb']:.0f} MB before round 1, peak {r['server_rss_peak_mb']:.0f} MB.")
             continue
-        lines.append(f"- {r['clients']:,} clients: server RSS {rounds[0]['rss_mb']:.0f} MB after round 1 (every node "
-                     f"queried), {rounds[-1]['rss_mb']:.0f} MB after round {rounds[-1]['round']}: "
+        lines.append(f"- {r['clients']:,} clients: server RSS {rounds[0]['rss_mb']:.0f} MB after round 1, "
+                     f"{rounds[-1]['rss_mb']:.0f} MB after round {rounds[-1]['round']}: "
                      f"{rounds[-1]['rss_mb'] - rounds[0]['rss_mb']:+.0f} MB over the rounds that sample "
-                     f"{PER_ROUND} of them.")
+                     f"{PER_ROUND} of them; {r.get('nodes_answered_query', '?')} nodes queried in all.")
     if len(complete) > 1:
         lo, hi = complete[0], complete[-1]
         per = (hi["rounds"][-1]["rss_mb"] - lo["rounds"][-1]["rss_mb"]) * MB / (hi["clients"] - lo["clients"])
@@ -361,16 +357,19 @@ def write(report: dict[str, Any]) -> None:
         "memory is not. Command: `python benchmarks/scale.py` (one `fedfusion run` per size, settings below).",
         "",
         f"Settings: {PER_ROUND} clients per round, {ROUNDS} rounds, a one-layer Llama target (hidden 64), one local "
-        f"step per client, {CHARS_PER_CLIENT} characters of text per client, 2 client actors (1 CPU each). Round 1 "
-        "includes the capability QUERY of every node; rounds 2+ are the steady state.",
+        f"step per client, {CHARS_PER_CLIENT} characters of text per client, 2 client actors (1 CPU each), "
+        f"`selection.pool={POOL}`. Each round includes the capability QUERY of its pool's new nodes (a population "
+        f"within the pool: all of it, in round 1); rounds 2+ are the steady state.",
         "",
-        "| clients | server RSS before round 1 MB | server RSS peak MB | after round 1 MB | after last round MB | "
-        "actors RSS peak MB | round 1 s | steady round s (median) | clients' train s per core (median) |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| clients | nodes queried | server RSS before round 1 MB | server RSS peak MB | after round 1 MB | "
+        "after last round MB | actors RSS peak MB | round 1 s | steady round s (median) | "
+        "clients' train s per core (median) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in sorted(report["sizes"].values(), key=lambda r: r["clients"]):
         rounds = r["rounds"]
-        cells = [f"{r['clients']:,}", f"{r['server_rss_round0_mb']:.0f}", f"{r['server_rss_peak_mb']:.0f}",
+        queried = f"{r['nodes_answered_query']:,}" if "nodes_answered_query" in r else "-"  # older results lack it
+        cells = [f"{r['clients']:,}", queried, f"{r['server_rss_round0_mb']:.0f}", f"{r['server_rss_peak_mb']:.0f}",
                  f"{rounds[0]['rss_mb']:.0f}" if rounds else "-", f"{rounds[-1]['rss_mb']:.0f}" if rounds else "-",
                  f"{r['actors_rss_peak_mb']:.0f}", _num(r["round1_wall_s"], 1), _num(r["steady_round_wall_s"], 1),
                  _num(r["steady_train_s_per_core"], 2)]
@@ -392,6 +391,8 @@ def main() -> None:
     report = json.loads(path.read_text()) if path.exists() else {"sizes": {}}
     if args.probe or args.sizes:
         report["machine"] = machine()
+    if args.probe:
+        report.pop("probe", None)  # measured again below
     write(report)  # with neither: the report rewritten from the results file
     if args.probe:
         logging.getLogger("flwr").setLevel(logging.WARNING)  # one line per pushed message otherwise
