@@ -226,6 +226,8 @@ def registry_probe(nodes: int) -> dict[str, float]:
 
     tiers = assign_tiers({"phone": 0.5, "laptop": 0.3, "desktop": 0.2}, nodes, 0)
 
+    host = capabilities("cpu")  # measured once: the sampling time is the server's, not the fake nodes'
+
     class Grid:  # every node answers the capability query as the real client does
         def get_node_ids(self) -> list[int]:
             return list(mapping)
@@ -233,7 +235,7 @@ def registry_probe(nodes: int) -> dict[str, float]:
         def send_and_receive(self, messages, timeout=None):
             return [Message(RecordDict({"caps": ConfigRecord({
                 "device": tiers[mapping[m.metadata.dst_node_id]], "partition": mapping[m.metadata.dst_node_id],
-                "examples": 42, **capabilities("cpu")})}), reply_to=m) for m in messages]
+                "examples": 42, **host})}), reply_to=m) for m in messages]
 
     TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 0
     config = LlamaConfig(hidden_size=64, num_attention_heads=8, num_hidden_layers=1, intermediate_size=128)
