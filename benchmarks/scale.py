@@ -1,16 +1,18 @@
 """Server memory and per-round time of one federation as its population grows (issue #17, section 4).
 
 One `fedfusion run` per population size (default 100, 1,000 and 10,000 virtual clients), each through Flower's
-simulation engine exactly as a user runs it, with 50 clients sampled per round and a small target (a one-layer
-Llama, hidden 64) trained one local step, so that what grows with the population is the federation's own cost,
-not training. The data is a text file cut into one equal shard per client (``data.source: text``), built from
+simulation engine exactly as a user runs it, with 50 clients sampled per round from a pool of 200
+(``selection.pool``: a population of at most 200 is queried whole in round 1; a larger one is drawn from a random
+200 of its nodes each round, the new ones queried for their capabilities) and a small target (a one-layer Llama,
+hidden 64) trained one local step, so that what grows with the population is the federation's own cost, not
+training. The data is a text file cut into one equal shard per client (``data.source: text``), built from
 the Shakespeare plays repeated to 1,500 characters per client.
 
 Measured, per size: the resident memory (RSS) of the `fedfusion run` process, which holds the server (strategy,
 central evaluation, ledgers) and Flower's simulation engine (its node registry and message store), sampled every
 0.2 s: its peak, and its value as each round's metrics row lands; the Ray client actors' RSS (separate
-processes); and from metrics.jsonl each round's host seconds (round 1 includes the capability QUERY of every
-node) next to the seconds its clients trained (``train_s`` summed, over the 2 cores they were given).
+processes); and from metrics.jsonl each round's host seconds (each includes the capability QUERY of its pool's
+new nodes) next to the seconds its clients trained (``train_s`` summed, over the 2 cores they were given).
 
     python benchmarks/scale.py                      # 100, 1,000 and 10,000 clients
     python benchmarks/scale.py --sizes 100 1000     # some sizes only (the results file keeps the others)
@@ -38,9 +40,9 @@ from typing import Any
 import psutil
 
 OUT = Path(__file__).parent / "results"
-PER_ROUND, ROUNDS, CHARS_PER_CLIENT = 50, 4, 1500
+PER_ROUND, POOL, ROUNDS, CHARS_PER_CLIENT = 50, 200, 4, 1500
 SETTINGS = [
-    f"rounds={ROUNDS}", f"selection.clients_per_round={PER_ROUND}", "data.source=text", "data.eval_chars=4000",
+    f"rounds={ROUNDS}", f"selection.clients_per_round={PER_ROUND}", f"selection.pool={POOL}", "data.source=text", "data.eval_chars=4000",
     "model.hidden_size=64", "model.num_heads=8", "model.num_kv_heads=8", "model.intermediate_size=128",
     "model.num_layers=1", "train.local_steps=1", "train.batch_size=4", "train.seq_len=32",
     "engine.cpus_per_client=1", "output.save_model=false", "output.checkpoint_every=0",
@@ -49,28 +51,24 @@ MB = 2**20
 NOTES = [
     "## What grows with the population, and why",
     "",
-    "- **Memory.** Per client the server keeps one row in each of two tables: Flower's node registry (every "
-    "SuperNode of the simulation: its LinkState entry and a Context) and the strategy's capability table (device "
-    "tier, partition, examples and the host facts the node reported), plus the simulation's dataset text. No "
-    "per-client model, optimizer or ledger state is kept: the ledgers go to disk each round, and rounds that sample "
-    "the same number of clients leave the RSS where it was. The probe's bytes per node are that growth.",
+    "- **Memory.** Per client the server keeps Flower's node registry (every SuperNode of the simulation: its "
+    "LinkState entry and a Context) and the simulation's dataset text. fedfusion's strategy keeps the capability "
+    "answers (device tier, partition, examples, host facts) of the nodes its candidate pools held: all of a "
+    "population within `selection.pool`, else at most `pool` new nodes a round, whatever the population. No "
+    "per-client model, optimizer or ledger state is kept: the ledgers go to disk each round. The probe's bytes "
+    "are that growth, by owner.",
     "- **Time.** What grows is Flower's simulation engine: every 0.1 s it asks the in-memory LinkState for each "
     "node's next message (`vce_api.add_messages_to_queue`), and `InMemoryLinkState.get_message_ins` looks through "
-    "every stored message, checking each, for every node: a sweep costs nodes x pending messages, and it runs "
-    "in the server's process. A training round keeps `clients_per_round` messages pending; the capability QUERY "
-    "keeps every node's pending at once, so round 1 is quadratic in the population. Sending the QUERY in batches "
-    "does not make it cheaper (the same nodes x messages checks, spread over more sweeps); that fix belongs in "
-    "Flower (pending messages indexed by destination node). fedfusion's own per-round work over the population (the "
-    "sampling) is the probe's sampling time.",
-    "- **10,000 clients: the QUERY is the wall.** Every node answers one capability query before it can be "
-    "sampled, and on this machine each costs a fraction of a second of the two actors' time, so 10,000 of them do "
-    "not fit the round deadline (`selection.timeout_s`, 600 s). When it expires the unanswered queries stay queued "
-    "in Flower's engine: the round's training messages wait behind them and time out too (their training takes "
-    "well under a second), and the next round sends the QUERY to the unanswered nodes again. So a 10,000-client "
-    "federation needs a deadline that fits the whole QUERY, or more cores; on the fedfusion side the fix is to "
-    "send the QUERY in bounded batches (not for speed: a deadline then strands one batch, not thousands of queries) and to stop "
-    "re-sending it every round to nodes that have not answered. The stopped run's memory columns are what it "
-    "reached with every node registered and queried.",
+    "every stored message, checking each, for every node: a sweep costs nodes x pending messages, and it runs in "
+    "the server's process. A training round keeps `clients_per_round` messages pending, a pool's QUERY at most "
+    "`pool`; so a round costs the population times the pool, not the population squared. fedfusion's own "
+    "per-round work over the population (the pool and the draw) is the probe's sampling time.",
+    "- **Why a pool and not a QUERY of everyone in batches.** Until `selection.pool`, round 1 sent the QUERY to "
+    "every node at once; at 10,000 nodes it outlasted the 600 s round deadline on this machine and the run was "
+    "stopped after 31 minutes with no client trained (this file at commit a233ac9). Batches would not have "
+    "helped: the same nodes x messages checks spread over more sweeps, and still every node asked. The server "
+    "cannot skip the QUERY either: it learns which partition (and, deployed, which device tier) a node is only "
+    "from its answer, since Flower gives a server no view of a node's config and node ids are random per run.",
 ]
 
 
@@ -185,18 +183,19 @@ def run_size(clients: int, work: Path, limit_s: float) -> dict[str, Any]:
 
 
 def registry_probe(nodes: int) -> dict[str, float]:
-    """What a population of ``nodes`` costs the server process by itself, without running clients. Bytes per node
-    held for the whole run, by owner, traced in this process (tracemalloc):
+    """What a population of ``nodes`` costs the server process by itself, without running clients. Bytes held for
+    the whole run, by owner, traced in this process (tracemalloc):
 
     - ``flower_registry``: Flower's simulation engine registering ``nodes`` SuperNodes, as ``run_simulation``
-      does (its in-memory LinkState, and a node-info store with a Context per node);
-    - ``fedfusion_caps``: the strategy's capability table after the QUERY round (a real :class:`FusionStrategy` over a width-slicing method
-      answered by every node with a real capability reply, as :func:`fedfusion.client_app.query` builds it);
+      does (its in-memory LinkState, and a node-info store with a Context per node), per node;
+    - ``fedfusion_state``: what the strategy holds after ROUNDS participation draws with ``selection.pool`` POOL
+      (a real :class:`FusionStrategy` over a width-slicing method, every node answering with a real capability reply,
+      as :func:`fedfusion.client_app.query` builds it), with the number of nodes its pools queried;
 
-    and seconds per round that grow with the population: the strategy's sampling (wait for nodes, the QUERY
-    check, the participation draw over every known client) and one sweep of Flower's engine polling every node
-    for a message (:func:`poll_sweep_s`) with none, a round's and (up to 1,000 nodes) a QUERY round's messages
-    pending.
+    and seconds per round that grow with the population: the strategy's sampling (wait for nodes, the pool, the
+    QUERY of its new nodes, the participation draw over it) and one sweep of Flower's engine polling every node
+    for a message (:func:`poll_sweep_s`) with none, a round's, a pool's and (up to 1,000 nodes) every node's
+    messages pending.
     """
     import tracemalloc
 
@@ -227,6 +226,8 @@ def registry_probe(nodes: int) -> dict[str, float]:
 
     tiers = assign_tiers({"phone": 0.5, "laptop": 0.3, "desktop": 0.2}, nodes, 0)
 
+    host = capabilities("cpu")  # measured once: the sampling time is the server's, not the fake nodes'
+
     class Grid:  # every node answers the capability query as the real client does
         def get_node_ids(self) -> list[int]:
             return list(mapping)
@@ -234,7 +235,7 @@ def registry_probe(nodes: int) -> dict[str, float]:
         def send_and_receive(self, messages, timeout=None):
             return [Message(RecordDict({"caps": ConfigRecord({
                 "device": tiers[mapping[m.metadata.dst_node_id]], "partition": mapping[m.metadata.dst_node_id],
-                "examples": 42, **capabilities("cpu")})}), reply_to=m) for m in messages]
+                "examples": 42, **host})}), reply_to=m) for m in messages]
 
     TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 0
     config = LlamaConfig(hidden_size=64, num_attention_heads=8, num_hidden_layers=1, intermediate_size=128)
@@ -244,23 +245,25 @@ def registry_probe(nodes: int) -> dict[str, float]:
                             LlamaForCausalLM(config).state_dict(), policy="rolling", stride=0.125, stagger=True)
     strategy = FusionStrategy(
         dict.fromkeys(("phone", "laptop", "desktop"), method), clients_per_round=PER_ROUND, min_clients=1,
-        participation=Participation(make_selector("random"), load_catalog()),
+        participation=Participation(make_selector("random"), load_catalog()), pool=POOL,
         query_config={"population": "{}"}, train_config={"seed": 0})
     grid = Grid()
     torch.set_num_threads(1)
     before = tracemalloc.get_traced_memory()[0]
-    strategy.query_nodes(grid, list(mapping))
+    for server_round in range(1, ROUNDS + 1):
+        assert len(strategy.sample(grid, server_round)) == PER_ROUND
     ours = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
-    assert len(strategy.caps) == nodes and len(stores) == nodes
+    queried = len(strategy.caps)
+    assert len(stores) == nodes and queried <= ROUNDS * POOL
     start = time.perf_counter()
-    for server_round in range(2, 7):
+    for server_round in range(ROUNDS + 1, ROUNDS + 6):
         assert len(strategy.sample(grid, server_round)) == PER_ROUND
     sample_s = (time.perf_counter() - start) / 5
-    return {"nodes": nodes, "flower_registry_bytes_per_node": flower / nodes,
-            "fedfusion_caps_bytes_per_node": ours / nodes, "fedfusion_sample_ms": sample_s * 1e3,
+    return {"nodes": nodes, "flower_registry_bytes_per_node": flower / nodes, "fedfusion_state_bytes": ours,
+            "fedfusion_nodes_queried": queried, "fedfusion_sample_ms": sample_s * 1e3,
             "flower_poll_sweep_ms": {str(p): poll_sweep_s(factory, list(mapping), p) * 1e3
-                                     for p in (0, PER_ROUND, nodes) if p <= 1000}}
+                                     for p in sorted({0, PER_ROUND, min(POOL, nodes), nodes}) if p <= 1000}}
 
 
 def poll_sweep_s(factory: Any, nodes: list[int], pending: int) -> float:
@@ -319,10 +322,10 @@ def findings(report: dict[str, Any]) -> list[str]:
             lines.append(f"- {r['clients']:,} clients: stopped after {r['run_wall_s'] / 60:.0f} min ({done}); server "
                          f"RSS {r['server_rss_round0_mb']:.0f} MB before round 1, peak {r['server_rss_peak_mb']:.0f} MB.")
             continue
-        lines.append(f"- {r['clients']:,} clients: server RSS {rounds[0]['rss_mb']:.0f} MB after round 1 (every node "
-                     f"queried), {rounds[-1]['rss_mb']:.0f} MB after round {rounds[-1]['round']}: "
+        lines.append(f"- {r['clients']:,} clients: server RSS {rounds[0]['rss_mb']:.0f} MB after round 1, "
+                     f"{rounds[-1]['rss_mb']:.0f} MB after round {rounds[-1]['round']}: "
                      f"{rounds[-1]['rss_mb'] - rounds[0]['rss_mb']:+.0f} MB over the rounds that sample "
-                     f"{PER_ROUND} of them.")
+                     f"{PER_ROUND} of them; {r.get('nodes_answered_query', '?')} nodes queried in all.")
     if len(complete) > 1:
         lo, hi = complete[0], complete[-1]
         per = (hi["rounds"][-1]["rss_mb"] - lo["rounds"][-1]["rss_mb"]) * MB / (hi["clients"] - lo["clients"])
@@ -332,9 +335,11 @@ def findings(report: dict[str, Any]) -> list[str]:
     for p in report.get("probe", []):
         sweeps = ", ".join(f"{float(ms) / 1e3:.2f} s with {int(k):,} pending" for k, ms in p["flower_poll_sweep_ms"].items())
         lines.append(f"- Probe, {p['nodes']:,} nodes: Flower's node registry {p['flower_registry_bytes_per_node']:.0f} "
-                     f"B/node, fedfusion's capability table {p['fedfusion_caps_bytes_per_node']:.0f} B/node; the "
-                     f"strategy's sampling {p['fedfusion_sample_ms']:.1f} ms/round; one sweep of Flower's engine "
-                     f"over every node (it sweeps again 0.1 s after each): {sweeps}.")
+                     f"B/node; fedfusion's strategy after {ROUNDS} draws {p['fedfusion_state_bytes'] / 1024:.0f} KB "
+                     f"({p['fedfusion_nodes_queried']:,} nodes queried, "
+                     f"{p['fedfusion_state_bytes'] / p['fedfusion_nodes_queried']:.0f} B each); its sampling "
+                     f"{p['fedfusion_sample_ms']:.1f} ms/round; one sweep of Flower's engine over every node (it sweeps "
+                     f"again 0.1 s after each): {sweeps}.")
     return lines
 
 
@@ -354,16 +359,19 @@ def write(report: dict[str, Any]) -> None:
         "memory is not. Command: `python benchmarks/scale.py` (one `fedfusion run` per size, settings below).",
         "",
         f"Settings: {PER_ROUND} clients per round, {ROUNDS} rounds, a one-layer Llama target (hidden 64), one local "
-        f"step per client, {CHARS_PER_CLIENT} characters of text per client, 2 client actors (1 CPU each). Round 1 "
-        "includes the capability QUERY of every node; rounds 2+ are the steady state.",
+        f"step per client, {CHARS_PER_CLIENT} characters of text per client, 2 client actors (1 CPU each), "
+        f"`selection.pool={POOL}`. Each round includes the capability QUERY of its pool's new nodes (a population "
+        f"within the pool: all of it, in round 1); rounds 2+ are the steady state.",
         "",
-        "| clients | server RSS before round 1 MB | server RSS peak MB | after round 1 MB | after last round MB | "
-        "actors RSS peak MB | round 1 s | steady round s (median) | clients' train s per core (median) |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| clients | nodes queried | server RSS before round 1 MB | server RSS peak MB | after round 1 MB | "
+        "after last round MB | actors RSS peak MB | round 1 s | steady round s (median) | "
+        "clients' train s per core (median) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in sorted(report["sizes"].values(), key=lambda r: r["clients"]):
         rounds = r["rounds"]
-        cells = [f"{r['clients']:,}", f"{r['server_rss_round0_mb']:.0f}", f"{r['server_rss_peak_mb']:.0f}",
+        queried = f"{r['nodes_answered_query']:,}" if "nodes_answered_query" in r else "-"  # older results lack it
+        cells = [f"{r['clients']:,}", queried, f"{r['server_rss_round0_mb']:.0f}", f"{r['server_rss_peak_mb']:.0f}",
                  f"{rounds[0]['rss_mb']:.0f}" if rounds else "-", f"{rounds[-1]['rss_mb']:.0f}" if rounds else "-",
                  f"{r['actors_rss_peak_mb']:.0f}", _num(r["round1_wall_s"], 1), _num(r["steady_round_wall_s"], 1),
                  _num(r["steady_train_s_per_core"], 2)]
@@ -385,6 +393,8 @@ def main() -> None:
     report = json.loads(path.read_text()) if path.exists() else {"sizes": {}}
     if args.probe or args.sizes:
         report["machine"] = machine()
+    if args.probe:
+        report.pop("probe", None)  # measured again below
     write(report)  # with neither: the report rewritten from the results file
     if args.probe:
         logging.getLogger("flwr").setLevel(logging.WARNING)  # one line per pushed message otherwise

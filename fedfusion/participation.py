@@ -19,7 +19,8 @@ Every fusion strategy asks the same question each round, so it lives here, witho
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,11 @@ from fedfusion.availability import AvailabilityModel
 from fedfusion.devices import Device
 from fedfusion.energy import WorkCost
 from fedfusion.selection import Candidates, Outcome, Selector, statistical_utility
+
+
+def draw_size(clients_per_round: int, overselect: float) -> int:
+    """Clients a round draws: ``clients_per_round`` and, with over-selection, that fraction more (rounded up)."""
+    return clients_per_round + math.ceil(round(clients_per_round * overselect, 9))
 
 
 @dataclass(frozen=True)
@@ -52,6 +58,14 @@ class Participation:
         self.deadline_s = float(deadline_s)
         self.examples: dict[int, int] = {}  # per client, once it reports it
         self.planned: dict[int, WorkCost] = {}
+
+    def eligible(self, round: int, clients: Iterable[int]) -> int:
+        """How many of ``clients`` (partition ids) the availability model lets train in ``round`` (all of them
+        without one): what a candidate pool must hold for the draw to find its ``k``."""
+        ids = np.asarray(sorted(clients), dtype=np.int64)
+        if self.availability is None or not len(ids):
+            return len(ids)
+        return int(self.availability.state(round, self.clock_s, ids).eligible.sum())
 
     def draw(self, round: int, clients: dict[int, str], k: int, costs: dict[str, WorkCost]) -> Draw:
         """Pick up to ``k`` of ``clients`` (partition id -> device tier) for ``round``.

@@ -23,6 +23,7 @@ from fedfusion.edge_cloud import DEFAULT_CLOUD, check_cloud
 from fedfusion.federated_data import BUILTIN as BUILTIN_DATASETS
 from fedfusion.federated_data import is_local as is_local_dataset
 from fedfusion.federated_data import local_files
+from fedfusion.participation import draw_size
 from fedfusion.partitioners import check_partitioner
 from fedfusion.selection import make_selector
 from fedfusion.trackers import INSTALL, TRACKERS
@@ -213,6 +214,7 @@ class SelectionConfig:
     evaluate_clients: int = 0  # clients that also score the target on their held-out text each round
     timeout_s: float = 600.0  # per-round deadline for replies
     overselect: float = 0.0  # sample (1 + overselect) x clients_per_round; the round closes at clients_per_round updates
+    pool: int = 1000  # nodes a round draws from: all up to this many, else a random pool of them (queried once each)
 
 
 @dataclass
@@ -454,6 +456,10 @@ def validate(recipe: Recipe) -> None:
     if not 0 <= recipe.selection.overselect <= 4:
         raise RecipeError(f"selection.overselect: must be in [0, 4] (extra clients sampled per round, as a fraction "
                           f"of clients_per_round), got {recipe.selection.overselect}")
+    sampled = draw_size(recipe.selection.clients_per_round, recipe.selection.overselect)
+    if recipe.selection.pool < sampled:
+        raise RecipeError(f"selection.pool: must be at least the {sampled} clients a round draws "
+                          f"(clients_per_round with overselect), got {recipe.selection.pool}")
     if "seed" in recipe.selection.options:
         raise RecipeError("selection.options.seed: the selector is seeded by the recipe's seed")
     try:

@@ -140,6 +140,7 @@ def build_strategy(recipe: Recipe, target: Target, listeners: Sequence[Listener]
         max_norm_ratio=recipe.fusion.max_norm_ratio,
         overselect=recipe.selection.overselect,
         query_timeout_s=recipe.selection.timeout_s,
+        pool=recipe.selection.pool,
         listeners=listeners,
     )
 

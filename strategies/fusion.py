@@ -1,9 +1,11 @@
 """The one Flower strategy: drives any fusion method (:mod:`fedfusion.fusion`), or several at once, one per tier.
 
 Round flow (``Strategy.start`` drives it):
-1. ``configure_train``: a QUERY round for nodes not seen yet (their device tier), then the participation draw
-   (:mod:`fedfusion.participation`); every sampled node gets a fresh Message with the payload the method of its
-   tier makes for it, the common training spec and its seed (:func:`fedfusion.rounds.client_seed`).
+1. ``configure_train``: the round's candidate pool (every connected node up to ``pool`` of them, else a random
+   ``pool`` of them, more while too few are eligible), a QUERY round for the pool's nodes not seen yet (their
+   device tier), then the participation draw over the pool (:mod:`fedfusion.participation`); every sampled node
+   gets a fresh Message with the payload the method of its tier makes for it, the common training spec and its
+   seed (:func:`fedfusion.rounds.client_seed`).
 2. ``aggregate_train``: replies in sample order (not arrival order, so float sums and reruns repeat exactly); an
    error reply is ``failed``; broken train metrics, a reply the method's check refuses, or an update norm over
    ``max_norm_ratio`` times the norm sent is ``rejected``; silent nodes ``timeout`` (or ``cut`` once an
@@ -17,7 +19,6 @@ Round flow (``Strategy.start`` drives it):
 
 from __future__ import annotations
 
-import math
 import random
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -42,7 +43,7 @@ from fedfusion.fusion.base import (
     read_train_metrics,
 )
 from fedfusion.meters import read_measured
-from fedfusion.participation import Participation
+from fedfusion.participation import Participation, draw_size
 from fedfusion.rounds import client_seed, fold_order, fold_round, round_payloads
 from fedfusion.wire import DROPPED, Caps, ClientSpec, PrivacySpec, RoundSpec, SpecError, TrainSpec
 
@@ -74,7 +75,14 @@ class _Round:
 class FusionStrategy(Strategy):
     """Node discovery, participation, seeds, reply checks, quorum cuts and the void-round rule, written once for
     every fusion method. ``methods`` maps a device tier to the method its clients train with (one object may
-    serve several tiers); a node whose tier has no method is not sampled."""
+    serve several tiers); a node whose tier has no method is not sampled.
+
+    ``pool`` bounds the nodes a round considers: a population of at most ``pool`` nodes is queried whole in round 1
+    and every draw is over all of it; a larger one is drawn from a seeded random ``pool`` of its nodes each round
+    (for a random selector the same as a draw over all of them), and only those are queried, each once: the server
+    learns a node's partition and tier only from its answer (Flower gives a server no view of a node's config, and
+    a deployed device reports its own tier), and in Flower's simulation engine the QUERY of every node costs
+    nodes x pending messages per sweep, so 10,000 of them outlast any round deadline."""
 
     def __init__(
         self,
@@ -91,6 +99,7 @@ class FusionStrategy(Strategy):
         overselect: float = 0.0,
         wait_nodes_s: float = 60.0,
         query_timeout_s: float = 600.0,
+        pool: int = 1000,
         listeners: Iterable[Listener] = (),
     ) -> None:
         if not methods:
@@ -111,12 +120,21 @@ class FusionStrategy(Strategy):
         self.max_norm_ratio = 0.0 if local_dp else max_norm_ratio
         # over-selection: sample this many more, and the round closes at clients_per_round replies (QuorumGrid)
         self.overselect = overselect
+        if pool < self.per_round_draw:
+            raise ValueError(f"pool must hold at least the {self.per_round_draw} clients a round draws, got {pool}")
+        self.pool = pool
         self.wait_nodes_s, self.query_timeout_s = wait_nodes_s, query_timeout_s
         self.listeners = list(listeners)
         self.caps: dict[int, dict[str, Any]] = {}
+        self.unusable: set[int] = set()  # nodes that answered with a tier no method trains: never asked again
         self.costs: dict[str, WorkCost] = {}
         self.round = _Round()
         self.round_offset = 0  # rounds done before a resume: Flower counts from 1 again, the run does not
+
+    @property
+    def per_round_draw(self) -> int:
+        """Clients a round draws (``clients_per_round``, and over-selection's extra ones)."""
+        return draw_size(self.clients_per_round, self.overselect)
 
     # -- checkpoints ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -183,8 +201,9 @@ class FusionStrategy(Strategy):
         return sorted(nodes)
 
     def query_nodes(self, grid: Grid, nodes: list[int]) -> None:
-        """QUERY every node not seen yet for its capabilities (device tier, partition, data size)."""
-        new = [n for n in nodes if n not in self.caps]
+        """QUERY every node of ``nodes`` not seen yet for its capabilities (device tier, partition, data size); a
+        node that did not answer is asked again when a later round's pool holds it."""
+        new = [n for n in nodes if n not in self.caps and n not in self.unusable]
         if not new:
             return
         msgs = [Message(RecordDict({"config": ConfigRecord(dict(self.query_config))}), dst_node_id=n,
@@ -205,6 +224,7 @@ class FusionStrategy(Strategy):
             if known.device not in self.methods:
                 log(WARNING, "node %s: device %r has no fusion method in the recipe; it is not sampled",
                     node, known.device)
+                self.unusable.add(node)
                 continue
             self.caps[node] = caps
             self.participation.examples[known.partition] = known.examples
@@ -232,17 +252,32 @@ class FusionStrategy(Strategy):
                                               cost.nbytes, cost.nbytes)
         return self.costs
 
+    def candidates(self, grid: Grid, nodes: list[int], server_round: int) -> dict[int, int]:
+        """The round's pool of known, usable nodes by partition (partition -> node), its new nodes queried: every
+        connected node when there are at most ``pool``, else a seeded random ``pool`` of them, and a further batch of
+        ``pool`` while fewer than the round's draw are eligible to train and connected nodes remain."""
+        if len(nodes) <= self.pool:
+            batches = [nodes]
+        else:
+            shuffled = random.Random(f"pool:{self.run_seed}:{server_round}").sample(nodes, len(nodes))
+            batches = [sorted(shuffled[i:i + self.pool]) for i in range(0, len(shuffled), self.pool)]
+        pool: dict[int, int] = {}
+        for batch in batches:
+            self.query_nodes(grid, batch)
+            # Clients are known by partition, not node id (random per run), so a seed reproduces the same draw
+            # (of a population within ``pool``: a larger one's pool is drawn over the run's node ids).
+            pool.update({self.partition_of(n): n for n in batch if n in self.caps})
+            if len(batches) > 1 and self.participation.eligible(server_round, pool) >= self.per_round_draw:
+                break
+        return pool
+
     def sample(self, grid: Grid, server_round: int) -> list[int]:
-        """The participation draw over known, usable nodes: the nodes to train (dropouts are logged, not sent)."""
-        nodes = self._wait_for_nodes(grid)
-        self.query_nodes(grid, nodes)
-        # Clients are known by partition, not node id (random per run), so a seed reproduces the same draw.
-        by_partition = {self.partition_of(n): n for n in nodes if n in self.caps}
+        """The participation draw over the round's pool: the nodes to train (dropouts are logged, not sent)."""
+        by_partition = self.candidates(grid, self._wait_for_nodes(grid), server_round)
         if not by_partition:
             log(WARNING, "no node has answered the capability query; this round trains nobody")
-        k = self.clients_per_round + math.ceil(round(self.clients_per_round * self.overselect, 9))
         draw = self.participation.draw(server_round, {p: self.device_of(n) for p, n in by_partition.items()},
-                                       k, self.tier_costs())
+                                       self.per_round_draw, self.tier_costs())
         self.round.clock_s = draw.clock_s
         for p in draw.dropped:
             node, device = by_partition[p], self.device_of(by_partition[p])

@@ -119,3 +119,20 @@ def test_jain_index_bounds():
     assert jain_index([3, 3, 3, 3]) == 1.0
     assert jain_index([4, 0, 0, 0]) == 0.25
     assert jain_index([0, 0]) == 0.0
+
+
+def test_a_pool_takes_another_batch_while_too_few_of_its_nodes_are_available():
+    from tests.test_strategy import CountingGrid, pooled_strategy
+
+    tiers = {n: ("phone", "desktop")[n % 2] for n in range(3000)}  # the fake grid's partition is the node id
+    avail = AvailabilityModel.for_tiers([tiers[n] for n in range(3000)], CATALOG, seed=3)
+    clock = 18 * 3600.0  # about 1% of these devices are in a window
+    strategy = pooled_strategy(pool=10)
+    strategy.participation = Participation(make_selector("random", seed=0), CATALOG, avail, start_clock_s=clock)
+    grid = CountingGrid(tiers)
+    drawn = strategy.sample(grid, 1)
+    eligible = set(avail.available(1, clock).tolist())
+    found = np.cumsum([len(eligible.intersection(batch)) for batch in grid.queries])
+    assert len(grid.queries) > 1 and all(len(b) == 10 for b in grid.queries)
+    assert found[-1] >= 3 and (found[:-1] < 3).all()  # it stops at the first batch that makes up the draw
+    assert len(drawn) == 3 and set(drawn) <= eligible

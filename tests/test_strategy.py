@@ -322,3 +322,67 @@ def test_an_fp16_downlink_halves_the_bytes_sent_and_loses_no_part_of_an_update()
     for k, v in stepped["float32"].items():  # the fp16 downlink folds the same update as the float32 one
         torch.testing.assert_close(stepped["float16"][k], v, rtol=0, atol=1e-6)
     assert sizes["float16"] * 2 == sizes["float32"]
+
+
+class CountingGrid(FakeGrid):
+    """A FakeGrid that records every QUERY batch it is sent (the node ids of each)."""
+
+    def __init__(self, devices: dict[int, str]) -> None:
+        super().__init__(devices)
+        self.queries: list[list[int]] = []
+
+    def send_and_receive(self, messages, timeout=None):
+        self.queries.append([m.metadata.dst_node_id for m in messages])
+        return super().send_and_receive(messages, timeout)
+
+
+def pooled_strategy(pool: int, clients_per_round: int = 3) -> FusionStrategy:
+    cfg = tiny_config(heads=4, kv_heads=4, hidden=32, inter=48)
+    method = SubModelMethod(cfg, {"phone": 0.25, "desktop": 0.5}, LlamaForCausalLM(cfg).state_dict(),
+                            policy="rolling", stride=0.25)
+    return FusionStrategy(
+        {"phone": method, "desktop": method}, clients_per_round=clients_per_round, pool=pool,
+        query_config={"population": "{}"}, participation=Participation(make_selector("random", seed=0), load_catalog()),
+        train_config={"seed": 0}, wait_nodes_s=1.0,
+    )
+
+
+def test_a_population_within_the_pool_is_queried_whole_once_and_drawn_from_whole():
+    grid = CountingGrid({n: ("phone", "desktop")[n % 2] for n in range(1, 41)})
+    strategy = pooled_strategy(pool=40)
+    drawn = [strategy.sample(grid, r) for r in (1, 2, 3)]
+    assert grid.queries == [list(range(1, 41))]  # round 1 asks everyone, later rounds no one
+    assert all(len(d) == 3 for d in drawn) and len(strategy.caps) == 40
+
+
+def test_a_larger_population_is_queried_lazily_in_pools_never_twice_and_drawn_over_all_of_it():
+    nodes = range(1000, 6000)
+    grid = CountingGrid({n: ("phone", "desktop")[n % 2] for n in nodes})
+    strategy = pooled_strategy(pool=20)
+    drawn = [n for r in range(1, 31) for n in strategy.sample(grid, r)]
+    asked = [n for batch in grid.queries for n in batch]
+    assert all(len(batch) <= 20 for batch in grid.queries) and len(asked) == len(set(asked))
+    assert len(strategy.caps) == len(asked) <= 30 * 20  # the server holds only the nodes its pools held
+    assert len(drawn) == 90 and set(drawn) <= set(strategy.caps)
+    # each round's pool is drawn over every node, not over those known already: later rounds train new nodes
+    assert len(set(drawn)) > 80
+
+
+def test_a_pool_short_of_usable_nodes_takes_another_batch_and_a_useless_node_is_never_asked_again():
+    devices = {n: "toaster" for n in range(1, 101)} | {n: "phone" for n in range(101, 111)}
+    grid = CountingGrid(devices)
+    strategy = pooled_strategy(pool=10)
+    for r in (1, 2, 3):
+        assert len(strategy.sample(grid, r)) == 3
+    asked = [n for batch in grid.queries for n in batch]
+    assert len(grid.queries) > 3 and len(asked) == len(set(asked))  # more than one batch a round, none repeated
+    assert strategy.unusable == {n for n in asked if devices[n] == "toaster"}
+
+
+def test_a_pool_smaller_than_the_draw_is_refused():
+    with pytest.raises(ValueError, match="pool must hold at least the 6 clients"):
+        pooled_strategy(pool=5, clients_per_round=6)
+    from fedfusion.recipe import RecipeError, load_recipe
+
+    with pytest.raises(RecipeError, match="selection.pool: must be at least the 9 clients"):
+        load_recipe("quickstart", ["selection.pool=8", "selection.overselect=0.5"])
