@@ -51,3 +51,17 @@ def read_train(spec: Mapping[str, Any]) -> dict[str, Any]:
 
     return dict(steps=int(get("local_steps")), lr=float(get("lr")), batch_size=int(get("batch_size")),
                 weight_decay=float(get("weight_decay")), optimizer=str(get("optimizer")), seed=int(spec["seed"]))
+
+
+# how a client replies: the uplink format (fedfusion.quantize.UPLINK) and error feedback on a quantised uplink
+WIRE_KEYS = {"up": "wire-up", "error_feedback": "wire-error-feedback"}
+
+
+def wire_spec(up: str, error_feedback: bool) -> dict[str, Any]:
+    """The spec entries of the uplink's wire format (the downlink's format travels in the arrays themselves)."""
+    return {WIRE_KEYS["up"]: up, WIRE_KEYS["error_feedback"]: bool(error_feedback)}
+
+
+def read_wire(spec: Mapping[str, Any]) -> tuple[str, bool]:
+    """(uplink format, error feedback) a spec asks for; a spec without them (an older server) gets float32."""
+    return str(spec.get(WIRE_KEYS["up"], "float32")), bool(spec.get(WIRE_KEYS["error_feedback"], False))
