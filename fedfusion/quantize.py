@@ -70,14 +70,16 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, shape: tuple[int, ...],
     8-bit, uint8 codes packed int4. Raises ValueError on sizes that do not fit ``shape`` (an untrusted reply)."""
     n = math.prod(shape)
     blocks = -(-n // block)
-    if codes.dtype == torch.uint8:
-        codes = torch.stack([(codes & 0x0F).to(torch.int8) - 8, (codes >> 4).to(torch.int8) - 8], 1).flatten()
-    elif codes.dtype != torch.int8:
+    if codes.dtype not in (torch.int8, torch.uint8):
         raise ValueError(f"codes must be int8 or uint8 (packed int4), got {codes.dtype}")
-    if codes.dim() != 1 or codes.numel() != blocks * block or scale.shape != (blocks,):
-        raise ValueError(f"{codes.numel()} codes and {scale.numel()} scales do not make a tensor of shape {shape}")
+    per_byte = 2 if codes.dtype == torch.uint8 else 1
+    if codes.dim() != 1 or codes.numel() * per_byte != blocks * block or scale.shape != (blocks,):
+        raise ValueError(f"{codes.numel()} codes ({codes.dtype}) and {scale.numel()} scales do not make a tensor of "
+                         f"shape {shape}")
     if scale.dtype != torch.float16 or not torch.isfinite(scale).all():
         raise ValueError("scales must be finite float16")
+    if per_byte == 2:
+        codes = torch.stack([(codes & 0x0F).to(torch.int8) - 8, (codes >> 4).to(torch.int8) - 8], 1).flatten()
     return (codes.view(blocks, block).float() * scale.float().unsqueeze(1)).flatten()[:n].view(shape)
 
 
