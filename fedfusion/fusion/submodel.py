@@ -37,7 +37,7 @@ class SliceWire:
     (:mod:`fedfusion.quantize`); the target stays float32."""
 
     def __init__(self, config: PretrainedConfig, wire: Wire | None = None) -> None:
-        self.wire = wire or Wire()
+        self.formats = wire or Wire()
         self.aliases = config_aliases(config)  # tied keys messages leave out
 
     def exact(self, state: State) -> State:
@@ -46,12 +46,12 @@ class SliceWire:
 
     def __call__(self, state: State) -> State:
         """``state`` as a message carries it down."""
-        return self.wire.send(self.exact(state))
+        return self.formats.send(self.exact(state))
 
     def cost(self, state: State, width: float) -> TierCost:
         """Parameters and bytes each way of ``state`` (a quantised reply has the payload's shapes)."""
         exact = self.exact(state)
-        up = state_size(encode(exact, self.wire.up)).nbytes
+        up = state_size(encode(exact, self.formats.up)).nbytes
         return replace(state_size(self(state), width), params=sum(t.numel() for t in exact.values()), nbytes_up=up)
 
     def index(self, target: State, config: PretrainedConfig, plan: SlicePlan, sent: State) -> torch.Tensor:
@@ -114,11 +114,11 @@ class SubModelMethod(FusionMethod):
         out = []
         for client, width, plan in zip(clients, widths, plans):
             exact = self.wire.exact(extract(target, self.config, plan))
-            sent = self.wire.wire.send(exact)
-            if self.wire.wire.up != "float32" and self.wire.wire.error_feedback:
+            sent = self.wire.formats.send(exact)
+            if self.wire.formats.up != "float32" and self.wire.formats.error_feedback:
                 sent[INDEX_KEY] = self.wire.index(target, self.config, plan, exact)
             spec: dict[str, Any] = {
-                **wire_spec(self.wire.wire.up, self.wire.wire.error_feedback),
+                **wire_spec(self.wire.formats.up, self.wire.formats.error_feedback),
                 "role": self.role, "width": width, "policy": self.policy,
                 "model-config": json.dumps(sub_config(self.config, plan).to_dict()),
                 "axes": json.dumps(list(self.axes) if self.axes else None),
@@ -141,8 +141,8 @@ class SubModelMethod(FusionMethod):
         """A reply as the averager takes it: the client's change from what it received, added to the exact float32
         slice (:meth:`fedfusion.quantize.Wire.update`), so neither a lossy downlink nor a quantised uplink's
         rounding of the weights themselves loses any part of the update; tied aliases restored."""
-        if not self.wire.wire.lossless:
-            reply = self.wire.wire.update(reply, self.wire.exact(extract(target, self.config, plan)))
+        if not self.wire.formats.lossless:
+            reply = self.wire.formats.update(reply, self.wire.exact(extract(target, self.config, plan)))
         return full_state(reply, self.wire.aliases)  # aliases are rebuilt from what they alias
 
     def fold(self, server_round: int, target: State, updates: Sequence[Update]) -> Fold:
@@ -154,7 +154,7 @@ class SubModelMethod(FusionMethod):
 
     def evaluation(self, target: State, tier: str) -> tuple[State, dict[str, Any]]:
         # the target is scored, not its int8/int4 copy: float16 at most
-        fmt = "float32" if self.wire.wire.down == "float32" else "float16"
+        fmt = "float32" if self.wire.formats.down == "float32" else "float16"
         return encode(self.wire.exact(target), fmt), {"role": self.role, "model-config": json.dumps(self.config.to_dict())}
 
     def state_dict(self) -> dict[str, Any]:
