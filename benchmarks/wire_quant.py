@@ -104,19 +104,22 @@ def summarise(results: dict) -> dict:
             ratio = [(r["bytes_down"] + r["bytes_up"]) / (base[r["seed"]]["bytes_down"] + base[r["seed"]]["bytes_up"])
                      for r in paired]
             sign = -1.0 if higher else 1.0  # positive = worse than float32
-            loss = [sign * (r[metric] - base[r["seed"]][metric]) / abs(base[r["seed"]][metric]) for r in paired]
+            worse = [sign * (r[metric] - base[r["seed"]][metric]) for r in paired]
+            loss = [w / abs(base[r["seed"]][metric]) for w, r in zip(worse, paired) if base[r["seed"]][metric]]
             out[task][arm] = {
                 "seeds": [r["seed"] for r in runs], metric: _stats([r[metric] for r in runs]),
                 "spread": statistics.mean(r["spread"] for r in runs),
                 "bytes_down": statistics.mean(r["bytes_down"] for r in runs),
                 "bytes_up": statistics.mean(r["bytes_up"] for r in runs),
-                "bytes_ratio": _stats(ratio), "loss_vs_float32": _stats(loss),
+                "bytes_ratio": _stats(ratio), "loss_vs_float32": _stats(loss), "worse_by": _stats(worse),
                 "down_ratio": _stats([r["bytes_down"] / base[r["seed"]]["bytes_down"] for r in paired]),
                 "up_ratio": _stats([r["bytes_up"] / base[r["seed"]]["bytes_up"] for r in paired]),
                 "wall_s": statistics.mean(r["wall_s"] for r in runs),
             }
             if task == "knowledge":
                 out[task][arm]["answer_loss"] = _stats([r["answer_loss"] for r in runs])
+            else:  # a client whose reply failed or was rejected would make an arm look cheap
+                out[task][arm]["clients_ok"] = f"{sum(r['clients_ok'] for r in runs)}/{sum(r['client_rows'] for r in runs)}"
     return out
 
 
@@ -143,7 +146,8 @@ def report(payload: dict) -> str:
         f"Command: `python benchmarks/wire_quant.py {' '.join(payload['argv'])}`", "",
         "Arms: down / up format, error feedback on the quantised uplink (blockwise absmax, 64 values per float16 "
         "scale; vectors go float16; `fedfusion.quantize`). `bytes ratio` = (down + up bytes) / the float32 arm's, "
-        "paired by seed. `loss vs float32` = the paired relative change of the metric, positive = worse. `spread` = "
+        "paired by seed. `worse by` = the paired change of the metric against float32, signed so that positive = worse; "
+        "`loss vs float32` = the same relative to the float32 arm's value. `spread` = "
         "the largest round-to-round change of the metric over the last 3 evaluations (mean over seeds): the noise "
         "next to any difference.", "",
     ]
@@ -161,18 +165,23 @@ def report(payload: dict) -> str:
                       f"Metric: `{metric}` (higher is better), mean of the last 3 evaluations; `answer_loss` beside "
                       "it; bytes counted by the in-process driver from the arrays each client got and sent.", ""]
         extra = " | answer_loss" if task == "knowledge" else ""
-        lines += [f"| arm (down/up, EF) | {metric}{extra} | loss vs float32 | spread | MB down | MB up | bytes ratio "
-                  "| down ratio | up ratio | wall s |",
-                  "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if extra else "")]
+        lines += [f"| arm (down/up, EF) | {metric}{extra} | worse by | loss vs float32 | spread | MB down | MB up "
+                  "| bytes ratio | down ratio | up ratio | wall s |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if extra else "")]
         for arm, s in arms.items():
             down, up, ef = ARMS[arm]
             cells = [f"{arm} ({down}/{up}{', EF' if ef and up != 'float32' else ''})", _fmt(s[metric])]
             if extra:
                 cells.append(_fmt(s["answer_loss"]))
-            cells += [_fmt(s["loss_vs_float32"], pct=True), f"{s['spread']:.4f}", f"{s['bytes_down'] / 2**20:.2f}",
+            cells += [_fmt(s["worse_by"], 4), _fmt(s["loss_vs_float32"], pct=True), f"{s['spread']:.4f}",
+                      f"{s['bytes_down'] / 2**20:.2f}",
                       f"{s['bytes_up'] / 2**20:.2f}", _fmt(s["bytes_ratio"]), _fmt(s["down_ratio"]),
                       _fmt(s["up_ratio"]), f"{s['wall_s']:.0f}"]
             lines.append("| " + " | ".join(cells) + " |")
+        if task == "quickstart":
+            lines += ["", "Client rows ok (all seeds): " + ", ".join(f"{arm} {s['clients_ok']}" for arm, s in arms.items())
+                      + ". Error feedback carries over only when a client is sampled again (the quickstart samples 6 "
+                      "of 32 clients a round)."]
         lines.append("")
     return "\n".join(lines)
 
