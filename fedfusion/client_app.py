@@ -79,19 +79,19 @@ def train(msg: Message, context: Context) -> Message:
     their change, error feedback kept in ``context.state``) and metrics."""
     spec = msg.content["config"]
     arrays = msg.content["arrays"].to_torch_state_dict()
-    state = decode(arrays)  # a quantised downlink, as float32
+    received = decode(arrays)  # a quantised downlink, as float32 (roles copy it into their models)
     if "gateway" in context.node_config:  # this node serves phones: one of them trains (fedfusion.clients.device)
         from fedfusion.clients.device import relay
 
-        state, metrics = relay(state, spec, _partition(context), context.node_config)
+        state, metrics = relay(received, spec, _partition(context), context.node_config)
     else:
-        state, metrics = _role(spec).train(state, spec, _partition(context), _accelerator(context))
+        state, metrics = _role(spec).train(received, spec, _partition(context), _accelerator(context))
     up, feedback = read_wire(spec)
     residual = None
     if feedback and up != "float32":
         kept = context.state.get(RESIDUAL)
         residual = kept.to_torch_state_dict() if isinstance(kept, ArrayRecord) else {}
-    reply, left = client_reply(state, arrays, up, residual)
+    reply, left = client_reply(state, arrays, up, residual, received)
     if residual is not None:
         context.state[RESIDUAL] = ArrayRecord(left)
     content = RecordDict({"arrays": ArrayRecord(reply), "metrics": MetricRecord(metrics)})

@@ -154,15 +154,15 @@ def run_submodel(run: SubModelRun, initial: dict[str, torch.Tensor], evaluate: E
     residuals: dict[int, State] = {}  # each partition's uplink error feedback, as its node keeps it
 
     def train(rnd: int, payload: Payload) -> tuple[State, dict[str, float]]:
-        model = model_from_state(run.config.__class__.from_dict(json.loads(payload.spec["model-config"])),
-                                 decode(payload.arrays))
+        received = decode(payload.arrays)
+        model = model_from_state(run.config.__class__.from_dict(json.loads(payload.spec["model-config"])), received)
         p = payload.client.partition
         out = train_steps(model, run.windows[p], run.steps, run.lr, run.batch_size, payload.client.seed,
                           run.weight_decay, run.optimizer)
         trained = wire_state({k: v.detach() for k, v in model.state_dict().items()}, tied_aliases(model))
         feedback = run.wire.error_feedback and run.wire.up != "float32"
         reply, residuals[p] = client_reply(trained, payload.arrays, run.wire.up,
-                                           residuals.get(p, {}) if feedback else None)
+                                           residuals.get(p, {}) if feedback else None, received)
         return reply, {**out, "num-examples": len(run.windows[p])}
 
     return run_rounds({t: method for t in tiers}, tiers, initial, train, run, evaluate)

@@ -107,6 +107,18 @@ def encode(state: Mapping[str, torch.Tensor], fmt: str) -> State:
     return out
 
 
+def roundtrip(state: Mapping[str, torch.Tensor], fmt: str) -> tuple[State, State]:
+    """(:func:`encode` of ``state``, what :func:`decode` makes of it), without decoding the message again."""
+    sent = encode(state, fmt)
+    back: State = {}
+    for k, t in state.items():
+        if k + CODES in sent:
+            back[k] = dequantize(sent[k + CODES], sent[k + SCALE], tuple(t.shape))
+        else:
+            back[k] = sent[k].float() if sent[k].is_floating_point() else sent[k]
+    return sent, back
+
+
 def decode(arrays: Mapping[str, torch.Tensor]) -> State:
     """What :func:`encode` sent, as float32 (non-float tensors as they are); a malformed quantised entry raises
     ValueError naming its key."""
@@ -218,7 +230,7 @@ class Wire:
 
     def received(self, exact: Mapping[str, torch.Tensor]) -> State:
         """What a client decodes from :meth:`send` (the same rounding on both ends: no need to send it back)."""
-        return decode(self.send(exact)) if self.down != "float32" else dict(exact)
+        return roundtrip(exact, self.down)[1] if self.down != "float32" else dict(exact)
 
     def update(self, reply: Mapping[str, torch.Tensor], exact: Mapping[str, torch.Tensor]) -> State:
         """A reply as trained values on the exact float32 state sent: ``exact + (trained - received)``. A quantised
@@ -243,14 +255,15 @@ class Wire:
 
 
 def client_reply(trained: Mapping[str, torch.Tensor], arrays: Mapping[str, torch.Tensor], up: str,
-                 residual: Mapping[str, torch.Tensor] | None) -> tuple[State, State]:
+                 residual: Mapping[str, torch.Tensor] | None,
+                 received: Mapping[str, torch.Tensor] | None = None) -> tuple[State, State]:
     """A client's reply and its residual for the next round: ``trained`` (what it trained from the message's
-    ``arrays``) as ``up`` sends it. A quantised ``up`` sends the change from what was received plus, with
-    error feedback (``residual`` not None, {} in the first round), the residual of the previous upload, and
-    returns the new residual in target coordinates (:func:`carry`)."""
+    ``arrays``, which decode to ``received``) as ``up`` sends it. A quantised ``up`` sends the change from what
+    was received plus, with error feedback (``residual`` not None, {} in the first round), the residual of the
+    previous upload, and returns the new residual in target coordinates (:func:`carry`)."""
     if up == "float32":
-        return {k: v.float() if v.is_floating_point() else v for k, v in trained.items()}, {}
-    received = decode(arrays)
+        return dict(trained), {}
+    received = decode(arrays) if received is None else received
     index = unpack_index(arrays[INDEX_KEY], list(received)) if INDEX_KEY in arrays else None
     delta: State = {}
     for k, v in trained.items():
@@ -266,8 +279,7 @@ def client_reply(trained: Mapping[str, torch.Tensor], arrays: Mapping[str, torch
     shapes = {k: tuple(v.shape) for k, v in delta.items() if v.is_floating_point()}
     carried = carry(residual, shapes, index)
     fed = {k: v + carried[k] if k in carried else v for k, v in delta.items()}
-    sent = encode(fed, up)
-    got = decode(sent)
+    sent, got = roundtrip(fed, up)
     left = {k: fed[k] - got[k] for k in shapes}
     return sent, store(left, index)
 
@@ -310,16 +322,20 @@ def carry(stored: Mapping[str, torch.Tensor], shapes: Mapping[str, tuple[int, ..
         old = stored.get(f"t{tid}")
         if old is None or old.dim() != len(shape):
             continue
-        where_old, where_new = [], []
+        where_old, where_new, same = [], [], True
         for d, n in enumerate(shape):
             was = stored.get(f"t{tid}::d{d}", torch.arange(old.shape[d]))
             now = dims[d] if d < len(dims) and dims[d] is not None else torch.arange(n)
             if len(was) != old.shape[d] or len(now) != n:
                 break
+            same = same and torch.equal(was, now)
             o, w = _positions(was, now)
             where_old.append(o)
             where_new.append(w)
         else:
+            if same:  # the slice did not move
+                out[k] = old
+                continue
             value = torch.zeros(shape)
             value[torch.meshgrid(*where_new, indexing="ij")] = old[torch.meshgrid(*where_old, indexing="ij")]
             out[k] = value
