@@ -19,7 +19,8 @@ last 3 evaluations of the float32 arm) and the float32 arm's standard deviation 
         [--jobs 2] [--out wire_quant] [--smoke]
 
 ``--smoke`` runs 2 quickstart rounds of 2 clients x 2 steps and 20 knowledge rounds (seed 0): it checks the script,
-it measures nothing. Finished runs are kept in ``<out>.partial.json`` so an interrupted run resumes.
+it measures nothing. Finished runs are kept in ``<out>.partial.json`` (until both tasks are done), so an interrupted
+run resumes and the two tasks can run at different times (``--tasks knowledge``, then ``--tasks quickstart``).
 """
 
 from __future__ import annotations
@@ -116,8 +117,10 @@ def summarise(results: dict) -> dict:
                 "up_ratio": _stats([r["bytes_up"] / base[r["seed"]]["bytes_up"] for r in paired]),
                 "wall_s": statistics.mean(r["wall_s"] for r in runs),
             }
-            if task == "knowledge":
+            if task == "knowledge":  # probe_acc moves in steps of one probe; answer_loss is the smoother measure
                 out[task][arm]["answer_loss"] = _stats([r["answer_loss"] for r in runs])
+                out[task][arm]["answer_loss_vs_float32"] = _stats(
+                    [(r["answer_loss"] - base[r["seed"]]["answer_loss"]) / base[r["seed"]]["answer_loss"] for r in paired])
             else:  # a client whose reply failed or was rejected would make an arm look cheap
                 out[task][arm]["clients_ok"] = f"{sum(r['clients_ok'] for r in runs)}/{sum(r['client_rows'] for r in runs)}"
     return out
@@ -164,15 +167,15 @@ def report(payload: dict) -> str:
                       f"{a['people']} people, {a['clients']} clients", "",
                       f"Metric: `{metric}` (higher is better), mean of the last 3 evaluations; `answer_loss` beside "
                       "it; bytes counted by the in-process driver from the arrays each client got and sent.", ""]
-        extra = " | answer_loss" if task == "knowledge" else ""
+        extra = " | answer_loss | answer_loss vs float32" if task == "knowledge" else ""
         lines += [f"| arm (down/up, EF) | {metric}{extra} | worse by | loss vs float32 | spread | MB down | MB up "
                   "| bytes ratio | down ratio | up ratio | wall s |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if extra else "")]
+                  "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if extra else "")]
         for arm, s in arms.items():
             down, up, ef = ARMS[arm]
             cells = [f"{arm} ({down}/{up}{', EF' if ef and up != 'float32' else ''})", _fmt(s[metric])]
             if extra:
-                cells.append(_fmt(s["answer_loss"]))
+                cells += [_fmt(s["answer_loss"]), _fmt(s["answer_loss_vs_float32"], pct=True)]
             cells += [_fmt(s["worse_by"], 4), _fmt(s["loss_vs_float32"], pct=True), f"{s['spread']:.4f}",
                       f"{s['bytes_down'] / 2**20:.2f}",
                       f"{s['bytes_up'] / 2**20:.2f}", _fmt(s["bytes_ratio"]), _fmt(s["down_ratio"]),
@@ -234,10 +237,11 @@ def main() -> None:
         for runs in arms.values():
             runs.sort(key=lambda r: r["seed"])
     payload = {**settings, "argv": sys.argv[1:], "seeds": seeds, "machine": saved["machine"], "results": results,
-               "summary": summarise({t: results[t] for t in args.tasks if t in results})}
+               "summary": summarise(results)}
     (RESULTS / f"{name}.json").write_text(json.dumps(payload, indent=1))
     (RESULTS / f"{name}.md").write_text(report(payload))
-    partial.unlink(missing_ok=True)
+    if all(not todo(task) for task in METRICS):  # every task done: a later call with --tasks starts afresh
+        partial.unlink(missing_ok=True)
     print(report(payload))
 
 
