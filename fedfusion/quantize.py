@@ -222,6 +222,7 @@ class Wire:
 
     @property
     def lossless(self) -> bool:
+        """Whether both ways are float32 (replies are then folded as they come)."""
         return self.down == "float32" and self.up == "float32"
 
     def send(self, exact: Mapping[str, torch.Tensor]) -> State:
