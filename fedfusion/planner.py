@@ -262,10 +262,11 @@ _UNPRICED = dict.fromkeys(("MB down", "MB up", "compute s", "transfer s", "s/rou
                            "J/round"))
 
 
-def _wire_bytes(recipe: Recipe, params: int) -> tuple[int, int]:
-    """Bytes a sub-model of ``params`` values goes down in (``fusion.wire_dtype``) and its reply up in
-    (``fusion.wire_up``): :func:`fedfusion.quantize.encoded_bytes`, as one matrix (float32 unless sub-model fusion)."""
-    if recipe.fusion.method != "submodel":
+def _wire_bytes(recipe: Recipe, tier: str, params: int) -> tuple[int, int]:
+    """Bytes a ``tier`` sub-model of ``params`` values goes down in (``fusion.wire_dtype``) and its reply up in
+    (``fusion.wire_up``): :func:`fedfusion.quantize.encoded_bytes`, as one matrix (float32 unless the tier trains
+    with sub-model fusion)."""
+    if tier_methods(recipe).get(tier) != "submodel":
         return 4 * params, 4 * params
     return encoded_bytes(recipe.fusion.wire_dtype, params), encoded_bytes(recipe.fusion.wire_up, params)
 
@@ -312,7 +313,7 @@ def plan_table(
                      f"{_dims(sub)[1]}/{_dims(target)[1]} neurons",
             "params": params, "peak MB": _mb(mem), "device MB": round(device.memory_gb * 1024),
             "fits": "yes" if mem <= budget else "NO",
-            **priced(device, train_flops(params, tokens), *_wire_bytes(recipe, params)),
+            **priced(device, train_flops(params, tokens), *_wire_bytes(recipe, tier, params)),
         })
     return rows
 

@@ -244,3 +244,14 @@ def test_generative_server_row_prices_the_targets_training_on_the_samples():
     assert row["tier"] == "server (cloud-a100)" and row["trains"] == "learns the samples (30 steps)"
     flops = train_flops(row["params"], g.server_steps * g.server_batch * recipe.train.seq_len)
     _assert_priced_as_the_ledger(row, load_catalog()["cloud-a100"], flops, 0, 0)
+
+
+def test_plan_prices_the_wire_of_a_mixed_federations_slicing_tiers_only():
+    """fusion.method=mixed: the sub-model tiers' slices travel in the wire's formats (the strategy sends them so);
+    a tier of another method is not priced by them."""
+    from fedfusion.quantize import encoded_bytes
+
+    recipe = load_recipe("mixed", ["fusion.wire_dtype=int8", "fusion.wire_up=int4"])
+    (row,) = plan_table(recipe, tiers=["laptop"])
+    assert row["MB down"] * 2**20 == encoded_bytes("int8", row["params"])
+    assert row["MB up"] * 2**20 == encoded_bytes("int4", row["params"])
