@@ -80,6 +80,7 @@ from fedfusion.generative import GenerativeConfig
 from fedfusion.inprocess import GenerativeRun, SubModelRun, TransferRun, run_generative, run_submodel, run_transfer
 from fedfusion.models import model_from_state
 from fedfusion.outer import OuterConfig
+from fedfusion.quantize import Wire
 from fedfusion.slice_families import family_of
 from fedfusion.slicing import extract, plan_slice, sub_config
 from fedfusion.training import evaluate_lm, train_steps
@@ -210,7 +211,8 @@ def run_arm(job: dict) -> dict:
     run = SubModelRun(cfg, [windows[i] for i in keep], [widths[i] for i in keep],
                       policy="static" if policy == "feddf" else policy, rounds=a["rounds"], per_round=a["per_round"],
                       steps=a["steps"], lr=a["lr"], batch_size=a["batch"], seed=job["seed"], stride=a["stride"],
-                      stagger=policy == "rolling", axes=axes, outer=outer, optimizer=a["optimizer"], scale=scale)
+                      stagger=policy == "rolling", axes=axes, outer=outer, optimizer=a["optimizer"], scale=scale,
+                      wire=Wire(a.get("wire_down", "float32"), a.get("wire_up", "float32"), a.get("error_feedback", True)))
     if policy == "generative":  # each client's own model: the smallest width, as smallest_only trains it
         plan = plan_slice(cfg, min(widths), "static", axes=axes)
         gen_run = GenerativeRun(cfg, sub_config(cfg, plan), windows, rounds=a["gen_rounds"], per_round=a["per_round"],
@@ -238,7 +240,8 @@ def run_arm(job: dict) -> dict:
         "spread": max(r[primary] for r in last) - min(r[primary] for r in last),
         "client_params_max": stats.max_client_params, "target_params": target_params,
         "size_ratio": target_params / stats.max_client_params,
-        "bytes": stats.bytes_down + stats.bytes_up, "energy_j": energy, "server_j": server_j,
+        "bytes": stats.bytes_down + stats.bytes_up, "bytes_down": stats.bytes_down, "bytes_up": stats.bytes_up,
+        "energy_j": energy, "server_j": server_j,
         "wall_s": time.perf_counter() - start,
         "client_s": stats.client_s, "server_s": stats.server_s, "history": stats.history, **ceiling,
     }
@@ -404,9 +407,8 @@ def capacity(args: argparse.Namespace) -> None:
     print("\n".join(lines))
 
 
-def main() -> None:
-    import sys
-
+def arguments() -> argparse.ArgumentParser:
+    """The benchmark's command line (its defaults are every run's settings; benchmarks/wire_quant.py reuses them)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--regimes", nargs="+", default=["phones", "tiny"], choices=list(REGIMES))
@@ -442,7 +444,13 @@ def main() -> None:
                         help="facts (private facts, probes) or lm (Shakespeare next-character loss)")
     parser.add_argument("--report-only", action="store_true", help="rewrite <out>.md/.png from <out>.json")
     parser.add_argument("--out", default="knowledge")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    import sys
+
+    args = arguments().parse_args()
     args.people_list = args.people
     if args.capacity:
         capacity(args)

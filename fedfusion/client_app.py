@@ -12,8 +12,9 @@ from flwr.clientapp import ClientApp
 from fedfusion.clients.privacy import privacy_mod
 from fedfusion.devices import assign_tiers
 from fedfusion.hardware import capabilities, pick_accelerator
+from fedfusion.quantize import client_reply, decode
 from fedfusion.quiet import silence_expected_noise
-from fedfusion.wire import ROLES, Caps, PopulationSpec, RoleSpec
+from fedfusion.wire import ROLES, Caps, PopulationSpec, RoleSpec, WireSpec
 
 silence_expected_noise()  # in every simulation actor: it imports this module to unpickle the app
 app = ClientApp()
@@ -61,18 +62,32 @@ def query(msg: Message, context: Context) -> Message:
     return Message(RecordDict({"caps": caps}), reply_to=msg)
 
 
+# where a node keeps its uplink's error-feedback residual between rounds (Flower's context.state persists per node)
+RESIDUAL = "wire-residual"
+
+
 @app.train(mods=[privacy_mod])
 def train(msg: Message, context: Context) -> Message:
-    """Train the received model as its spec says and reply with the new weights and metrics."""
+    """Train the received model as its spec says and reply with the new weights (or, with a quantised uplink,
+    their change, error feedback kept in ``context.state``) and metrics."""
     spec = msg.content.config_records["config"]
-    state = msg.content.array_records["arrays"].to_torch_state_dict()
+    arrays = msg.content.array_records["arrays"].to_torch_state_dict()
+    received = decode(arrays)  # a quantised downlink, as float32 (roles copy it into their models)
     if "gateway" in context.node_config:  # this node serves phones: one of them trains (fedfusion.clients.device)
         from fedfusion.clients.device import relay
 
-        state, metrics = relay(state, spec, _partition(context), context.node_config)
+        state, metrics = relay(received, spec, _partition(context), context.node_config)
     else:
-        state, metrics = _role(spec).train(state, spec, _partition(context), _accelerator(context))
-    content = RecordDict({"arrays": ArrayRecord(state), "metrics": MetricRecord(metrics)})
+        state, metrics = _role(spec).train(received, spec, _partition(context), _accelerator(context))
+    wire = WireSpec.read(spec)
+    residual = None
+    if wire.error_feedback and wire.up != "float32":
+        kept = context.state.get(RESIDUAL)
+        residual = kept.to_torch_state_dict() if isinstance(kept, ArrayRecord) else {}
+    reply, left = client_reply(state, arrays, wire.up, residual, received)
+    if residual is not None:
+        context.state[RESIDUAL] = ArrayRecord(left)
+    content = RecordDict({"arrays": ArrayRecord(reply), "metrics": MetricRecord(metrics)})
     return Message(content, reply_to=msg)
 
 
@@ -80,6 +95,6 @@ def train(msg: Message, context: Context) -> Message:
 def evaluate(msg: Message, context: Context) -> Message:
     """Score the received model on this node's held-out text."""
     spec = msg.content.config_records["config"]
-    metrics = _role(spec).evaluate(msg.content.array_records["arrays"].to_torch_state_dict(), spec, _partition(context),
-                                   _accelerator(context))
+    metrics = _role(spec).evaluate(decode(msg.content.array_records["arrays"].to_torch_state_dict()), spec,
+                                   _partition(context), _accelerator(context))
     return Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)

@@ -22,8 +22,9 @@ from fedfusion.distill import Teacher, distil, feddf_teacher, forward_flops
 from fedfusion.fusion.base import Client, FusionMethod, Payload, State
 from fedfusion.fusion.submodel import SubModelMethod
 from fedfusion.generative import GenerativeConfig, SamplePool, sample_windows
-from fedfusion.models import model_from_state
+from fedfusion.models import model_from_state, tied_aliases, wire_state
 from fedfusion.outer import OuterConfig
+from fedfusion.quantize import Wire, client_reply, decode
 from fedfusion.rounds import client_seed, fold_round, round_payloads, server_seed
 from fedfusion.slicing import extract, plan_slice, sub_config
 from fedfusion.training import train_steps
@@ -64,6 +65,7 @@ class SubModelRun(Rounds):
     axes: tuple[str, ...] | None = None
     scale: bool = True
     outer: OuterConfig = field(default_factory=OuterConfig)
+    wire: Wire = field(default_factory=Wire)  # how payloads travel down and replies up (fedfusion.quantize)
 
 
 @dataclass
@@ -147,16 +149,22 @@ def run_submodel(run: SubModelRun, initial: dict[str, torch.Tensor], evaluate: E
     tiers = [f"w{w:g}" for w in run.widths]
     method = SubModelMethod(run.config, {t: w for t, w in zip(tiers, run.widths)}, initial, policy=run.policy,
                             stride=run.stride, stagger=run.stagger, run_seed=run.seed, axes=run.axes, scale=run.scale,
-                            outer=run.outer)
+                            outer=run.outer, wire=run.wire)
     method.observe(dict(enumerate(tiers)))  # ``owned`` windows tile the whole population from round 1
+    residuals: dict[int, State] = {}  # each partition's uplink error feedback, as its node keeps it
 
     def train(rnd: int, payload: Payload) -> tuple[State, dict[str, float]]:
+        received = decode(payload.arrays)
         model = model_from_state(run.config.__class__.from_dict(ModelSpec.from_config(payload.spec).model_config),
-                                 payload.arrays)
+                                 received)
         p = payload.client.partition
         out = train_steps(model, run.windows[p], run.steps, run.lr, run.batch_size, payload.client.seed,
                           run.weight_decay, run.optimizer)
-        return {k: v.detach() for k, v in model.state_dict().items()}, {**out, "num-examples": len(run.windows[p])}
+        trained = wire_state({k: v.detach() for k, v in model.state_dict().items()}, tied_aliases(model))
+        feedback = run.wire.error_feedback and run.wire.up != "float32"
+        reply, residuals[p] = client_reply(trained, payload.arrays, run.wire.up,
+                                           residuals.get(p, {}) if feedback else None, received)
+        return reply, {**out, "num-examples": len(run.windows[p])}
 
     return run_rounds({t: method for t in tiers}, tiers, initial, train, run, evaluate)
 

@@ -38,6 +38,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig
 from fedfusion.devices import Device, load_catalog
 from fedfusion.energy import lora_work_params, price_work, train_flops
 from fedfusion.models import target_config, target_model_config
+from fedfusion.quantize import encoded_bytes
 from fedfusion.recipe import Recipe, RecipeError, tier_methods
 from fedfusion.slicing import plan_slice, sub_config
 
@@ -262,10 +263,13 @@ _UNPRICED = dict.fromkeys(("MB down", "MB up", "compute s", "transfer s", "s/rou
                            "J/round"))
 
 
-def _wire_bytes(recipe: Recipe) -> int:
-    """Bytes per value the server sends a sub-model in (``fusion.wire_dtype``, sub-model fusion only); replies
-    are float32."""
-    return 2 if recipe.fusion.method == "submodel" and recipe.fusion.wire_dtype == "float16" else 4
+def _wire_bytes(recipe: Recipe, tier: str, params: int) -> tuple[int, int]:
+    """Bytes a ``tier`` sub-model of ``params`` values goes down in (``fusion.wire_dtype``) and its reply up in
+    (``fusion.wire_up``): :func:`fedfusion.quantize.encoded_bytes`, as one matrix (float32 unless the tier trains
+    with sub-model fusion)."""
+    if tier_methods(recipe).get(tier) != "submodel":
+        return 4 * params, 4 * params
+    return encoded_bytes(recipe.fusion.wire_dtype, params), encoded_bytes(recipe.fusion.wire_up, params)
 
 
 def plan_table(
@@ -274,7 +278,7 @@ def plan_table(
 ) -> list[dict[str, Any]]:
     """One row per tier of the population mix, narrowest first: the slice it trains (sub-model fusion; under
     generative distillation the static slice it keeps as its own model), parameters, memory, and one round's
-    cost (:func:`priced`: training FLOPs, the slice down in ``fusion.wire_dtype`` and back in float32).
+    cost (:func:`priced`: training FLOPs, the slice down in ``fusion.wire_dtype`` and back in ``fusion.wire_up``).
 
     ``widths`` (default: the recipe's ``fusion.widths``; pass :func:`auto_widths` for auto-fit) may hold
     None for a tier that fits nothing: its row says so (with what ``ladder``'s smallest width would need)
@@ -310,7 +314,7 @@ def plan_table(
                      f"{_dims(sub)[1]}/{_dims(target)[1]} neurons",
             "params": params, "peak MB": _mb(mem), "device MB": round(device.memory_gb * 1024),
             "fits": "yes" if mem <= budget else "NO",
-            **priced(device, train_flops(params, tokens), params * _wire_bytes(recipe), params * 4),
+            **priced(device, train_flops(params, tokens), *_wire_bytes(recipe, tier, params)),
         })
     return rows
 
@@ -409,7 +413,8 @@ def server_plan_row(recipe: Recipe, server_device: str, what: str, flops: float,
 def lora_plan_table(recipe: Recipe, base_config: PretrainedConfig, usable: float = USABLE) -> list[dict[str, Any]]:
     """One row per tier for LoRA fusion: its rank and base precision, trainable parameters, estimated peak
     memory on its base and on an fp32 base, whether it fits, the largest rank that would fit, and one round's
-    cost (:func:`priced`: the FLOPs of :func:`~fedfusion.energy.lora_work_params`, the float32 adapter each way)."""
+    cost (:func:`priced`: the FLOPs of :func:`~fedfusion.energy.lora_work_params`, the adapter down in
+    ``fusion.wire_dtype`` and up in ``fusion.wire_up``)."""
     catalog = load_catalog(recipe.population.catalog)
     lora, batch, seq = recipe.lora, recipe.train.batch_size, recipe.train.seq_len
     modules = list(lora.target_modules)
@@ -427,7 +432,8 @@ def lora_plan_table(recipe: Recipe, base_config: PretrainedConfig, usable: float
             "peak MB": _mb(est.total), "fp32 base MB": _mb(fp32.total), "device MB": round(device.memory_gb * 1024),
             "fits": "yes" if est.total <= _budget(device, usable) else "NO",
             "max fit": f"r={best.rank} on {best.base_bits}-bit" if best else "nothing fits",
-            **priced(device, train_flops(lora_work_params(base_params, est.trainable), tokens), 4 * est.trainable,
-                     4 * est.trainable),
+            **priced(device, train_flops(lora_work_params(base_params, est.trainable), tokens),
+                     encoded_bytes(recipe.fusion.wire_dtype, est.trainable), encoded_bytes(recipe.fusion.wire_up,
+                                                                                         est.trainable)),
         })
     return rows

@@ -112,7 +112,11 @@ class FusionConfig:
     aggregate: str = "mean"  # mean | median | trimmed_mean (coordinate-wise, over the clients that held it)
     trim: float = 0.2  # trimmed_mean: fraction of values dropped at each end
     max_norm_ratio: float = 10.0  # reject a reply whose L2 norm exceeds this multiple of what was sent (0: off)
-    wire_dtype: str = "float32"  # submodel: float16 halves the bytes sent to clients (replies stay float32)
+    # submodel / lora, how payloads travel down: float32 | float16 | int8 | int4 (blockwise absmax, fedfusion.quantize);
+    # the server folds each reply's change from what it sent onto the exact float32 target
+    wire_dtype: str = "float32"
+    wire_up: str = "float32"  # how replies travel up: float32 | int8 | int4 (the change from what was received)
+    error_feedback: bool = True  # a quantised uplink carries over what its rounding left out to the next upload
     # submodel: a server step on each round's aggregated change (fedfusion.outer): none | avgm | nesterov | adam
     outer: str = "none"
     outer_lr: float = 1.0
@@ -327,7 +331,9 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model.family": ("llama", "mistral", "qwen2", "gpt2", "opt"),
     "fusion.weighting": ("uniform", "examples"),
     "fusion.aggregate": ("mean", "median", "trimmed_mean"),
-    "fusion.wire_dtype": ("float32", "float16"),  # Flower's arrays are numpy: no bfloat16
+    # Flower's arrays are numpy: no bfloat16; restated (tests hold them equal to quantize.FORMATS, quantize.UPLINK)
+    "fusion.wire_dtype": ("float32", "float16", "int8", "int4"),
+    "fusion.wire_up": ("float32", "int8", "int4"),
     "selection.method": ("random", "oort", "energy", "carbon_budget"),
     "privacy.mode": ("none", "clip", "local"),
     "distill.teacher": ("feddf", "fedet"),
@@ -556,8 +562,7 @@ def validate(recipe: Recipe) -> None:
             raise RecipeError(f"fusion.widths.{tier}: unknown device; the catalog has {', '.join(sorted(catalog))}")
         if not 0 < width <= 1:
             raise RecipeError(f"fusion.widths.{tier}: must be in (0, 1], got {width}")
-    if recipe.fusion.wire_dtype != "float32" and not uses(recipe, "submodel"):
-        raise RecipeError(f"fusion.wire_dtype: {recipe.fusion.wire_dtype} applies to fusion.method=submodel only")
+    _validate_wire(recipe)
     if recipe.fusion.max_norm_ratio < 0:
         raise RecipeError(f"fusion.max_norm_ratio: must be >= 0, got {recipe.fusion.max_norm_ratio}")
     if not recipe.fusion.width_ladder or not all(0 < w <= 1 for w in recipe.fusion.width_ladder):
@@ -597,6 +602,22 @@ def validate(recipe: Recipe) -> None:
             f"selection.clients_per_round: {recipe.selection.clients_per_round} exceeds "
             f"population.num_clients {recipe.population.num_clients}"
         )
+
+
+def _validate_wire(recipe: Recipe) -> None:
+    """The wire formats apply to the tiers whose replies are the model trained (sub-models, LoRA adapters), and a
+    quantised message is not what Flower's DP mods can clip (they compare reply and payload value by value)."""
+    f = recipe.fusion
+    for key, value in (("wire_dtype", f.wire_dtype), ("wire_up", f.wire_up)):
+        if value == "float32":
+            continue
+        if not (uses(recipe, "submodel") or uses(recipe, "lora")):
+            raise RecipeError(f"fusion.{key}: {value} applies to the tiers of fusion.method=submodel or lora only, "
+                              f"got {f.method!r}")
+        if recipe.privacy.mode != "none" and value in ("int8", "int4"):
+            raise RecipeError(f"fusion.{key}: {value} cannot go with privacy.mode={recipe.privacy.mode} (Flower's "
+                              "DP mods clip the reply against the payload value by value); use float32 or float16 down "
+                              "and float32 up")
 
 
 def _check_files(recipe: Recipe) -> None:

@@ -38,6 +38,7 @@ from fedfusion.outer import OuterConfig
 from fedfusion.participation import Participation, jain_index
 from fedfusion.planner import fit_widths
 from fedfusion.population import data_spec, facts_data, pooled_held_out, tier_list
+from fedfusion.quantize import Wire
 from fedfusion.quiet import silence_expected_noise
 from fedfusion.recipe import Recipe, load_recipe, tier_methods, uses
 from fedfusion.report import write_report
@@ -102,7 +103,13 @@ def build_submodel(recipe: Recipe, target: Target, tiers: list[str]) -> SubModel
         stride=f.stride, stagger=f.stagger and f.policy == "rolling", run_seed=recipe.seed, aggregate=f.aggregate,
         trim=f.trim, axes=tuple(f.axes) if f.axes else None, scale=f.scaler,
         ordered_ladder=tuple(f.ordered_ladder) if f.ordered_ladder else None, ordered_distill=f.ordered_distill,
-        wire_dtype=f.wire_dtype, outer=OuterConfig(f.outer, f.outer_lr, f.outer_momentum))
+        wire=recipe_wire(recipe), outer=OuterConfig(f.outer, f.outer_lr, f.outer_momentum))
+
+
+def recipe_wire(recipe: Recipe) -> Wire:
+    """How payloads travel down and replies up (``fusion.wire_dtype``, ``fusion.wire_up``, ``fusion.error_feedback``)."""
+    f = recipe.fusion
+    return Wire(f.wire_dtype, f.wire_up, f.error_feedback)
 
 
 def build_generative(recipe: Recipe, target: Target, tiers: list[str]) -> GenerativeMethod:
@@ -169,7 +176,7 @@ def build_lora(recipe: Recipe, target: Target, tiers: list[str]) -> LoRAMethod:
         modules=adapted_modules(target.model, list(lora.target_modules)),
         ranks={t: lora.ranks[t] for t in tiers}, alphas={t: lora.alpha for t in tiers},
         quantize={t: lora.quantize.get(t, 0) for t in tiers}, method=lora.method, base_params=target.params,
-        base=lora_client_spec(recipe))
+        base=lora_client_spec(recipe), wire=recipe_wire(recipe))
 
 
 def privacy_spec(recipe: Recipe) -> dict[str, Any]:

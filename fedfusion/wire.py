@@ -23,6 +23,7 @@ from typing import Any, ClassVar, Self, get_type_hints
 
 from fedfusion.lora import METHODS as LORA_METHODS
 from fedfusion.pretrained import DTYPES, QUANTIZE
+from fedfusion.quantize import UPLINK
 from fedfusion.recipe import CHOICES, FaultConfig, PrivacyConfig, TrainConfig
 from fedfusion.slicing import POLICIES
 from fedfusion.training import OPTIMIZERS
@@ -336,6 +337,25 @@ class AdapterSpec(Spec):
         _check(self, "method", LORA_METHODS)
 
 
+# -- how a client replies -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class WireSpec(Spec):
+    """The uplink's format (:data:`fedfusion.quantize.UPLINK`) and whether a quantised uplink keeps its rounding
+    error for the next reply (error feedback). The downlink's format travels in the arrays themselves."""
+
+    prefix = "wire-"
+    up: str = "float32"
+    error_feedback: bool = False
+
+    def __post_init__(self) -> None:
+        _check(self, "up", UPLINK)
+
+    @classmethod
+    def read(cls, config: Mapping[str, Any]) -> WireSpec:
+        """The uplink a message asks for (float32 when it carries no wire key)."""
+        return cls.from_config_if_any(config) or cls()
+
+
 # -- the capability query ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class PopulationSpec(Spec):
@@ -359,4 +379,4 @@ class Caps(Spec):
 
 SPEC_TYPES: tuple[type[Spec], ...] = (ClientSpec, RoundSpec, RoleSpec, TrainSpec, FaultSpec, PrivacySpec, ModelSpec,
                                       SliceSpec, OrderedSpec, FamilySpec, GenerativeSpec, LoRABaseSpec, QuantizeSpec,
-                                      AdapterSpec, PopulationSpec, Caps)
+                                      AdapterSpec, WireSpec, PopulationSpec, Caps)

@@ -249,7 +249,7 @@ class FusionStrategy(Strategy):
             for tier, method in self.methods.items():
                 cost = method.tier_cost(tier)
                 self.costs[tier] = price_work(self.participation.catalog[tier], train_flops(cost.params, self.tokens()),
-                                              cost.nbytes, cost.nbytes)
+                                              cost.nbytes, cost.bytes_up)
         return self.costs
 
     def candidates(self, grid: Grid, nodes: list[int], server_round: int) -> dict[int, int]:

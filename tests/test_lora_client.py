@@ -184,3 +184,30 @@ def test_a_client_process_loads_its_base_without_progress_bars(base):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
     assert "loaded" in out.stdout
     assert "Loading weights" not in out.stderr and "it/s]" not in out.stderr, out.stderr[-500:]
+
+
+def test_the_client_app_trains_a_quantised_adapter_and_replies_its_int4_change(base):
+    """Through the real ClientApp handler and LoRA role: an int8 adapter down, its int4 change up with the residual in
+    context.state; the method folds the reply onto the exact adapter it sent, and the adapter moved."""
+    from flwr.app import ArrayRecord, Context, Message, RecordDict
+    from flwr.supercore.task_identity import TaskIdentity
+
+    import fedfusion.client_app as client_app
+    from fedfusion.fusion.base import Client
+    from fedfusion.fusion.lora import LoRAMethod, adapted_modules
+    from fedfusion.quantize import Wire
+
+    TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 0
+    modules = adapted_modules(client.frozen_base(base, 0, "float32"), list(MODULES))
+    method = LoRAMethod(modules, {"phone": 4}, {"phone": 8.0}, {}, "fedavg", base_params=1000,
+                        wire=Wire("int8", "int4"))
+    (payload,) = method.payloads(1, {}, [Client(0, "phone", seed=3)])
+    config = ConfigRecord({**dict(spec(base, **{"local-steps": 3})), **payload.spec})
+    ctx = Context(run_id=1, node_id=1, node_config={"partition-id": 0}, state=RecordDict(), run_config={})
+    msg = Message(RecordDict({"arrays": ArrayRecord(payload.arrays), "config": config}), dst_node_id=1,
+                  message_type="train")
+    reply = client_app.train(msg, ctx).content["arrays"].to_torch_state_dict()
+    assert all(v.dtype == torch.uint8 for k, v in reply.items() if k.endswith("::q")) and "wire-residual" in ctx.state
+    update = method.check(payload, reply, 1.0)
+    moved = max(float((update.data.B[m] - payload.context[f"{m}.lora_B"]).abs().max()) for m in modules)
+    assert moved > 0  # B starts at 0: any trained change shows

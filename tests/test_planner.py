@@ -174,6 +174,24 @@ def test_plan_prices_each_tier_with_the_ledgers_cost_model_and_the_bytes_it_move
     assert laptop["transfer s"] > laptop["compute s"]  # what the compute-only plan missed (issue 14, item 11)
 
 
+@pytest.mark.parametrize("down, up", [("int8", "int8"), ("int4", "int4"), ("float16", "int4")])
+def test_plan_prices_a_quantised_wire_at_the_bytes_its_arrays_carry(down, up):
+    """fusion.wire_dtype / fusion.wire_up: the plan's MB down and up are quantize.encoded_bytes of the slice's
+    parameters, within 3 % of the arrays quantize.encode makes of the real slice (per-tensor padding, shape arrays,
+    float16 vectors)."""
+    from fedfusion.models import build_target, load_tokenizer
+    from fedfusion.quantize import encode
+    from fedfusion.slicing import extract, plan_slice
+
+    recipe = load_recipe("quickstart", [f"fusion.wire_dtype={down}", f"fusion.wire_up={up}"])
+    target = build_target(recipe.model, load_tokenizer(None), recipe.seed)
+    for row in plan_table(recipe):
+        sub = extract(target.state_dict(), target.config, plan_slice(target.config, row["width"], "static"))
+        for fmt, planned in ((down, row["MB down"]), (up, row["MB up"])):
+            actual = sum(v.nbytes for v in encode(sub, fmt).values())
+            assert planned * 2**20 == pytest.approx(actual, rel=0.03)
+
+
 def test_lora_plan_prices_the_adapter_each_way():
     from transformers import LlamaConfig
 
@@ -226,3 +244,14 @@ def test_generative_server_row_prices_the_targets_training_on_the_samples():
     assert row["tier"] == "server (cloud-a100)" and row["trains"] == "learns the samples (30 steps)"
     flops = train_flops(row["params"], g.server_steps * g.server_batch * recipe.train.seq_len)
     _assert_priced_as_the_ledger(row, load_catalog()["cloud-a100"], flops, 0, 0)
+
+
+def test_plan_prices_the_wire_of_a_mixed_federations_slicing_tiers_only():
+    """fusion.method=mixed: the sub-model tiers' slices travel in the wire's formats (the strategy sends them so);
+    a tier of another method is not priced by them."""
+    from fedfusion.quantize import encoded_bytes
+
+    recipe = load_recipe("mixed", ["fusion.wire_dtype=int8", "fusion.wire_up=int4"])
+    (row,) = plan_table(recipe, tiers=["laptop"])
+    assert row["MB down"] * 2**20 == encoded_bytes("int8", row["params"])
+    assert row["MB up"] * 2**20 == encoded_bytes("int4", row["params"])

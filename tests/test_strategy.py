@@ -13,6 +13,7 @@ from transformers import LlamaForCausalLM
 
 from fedfusion.devices import load_catalog
 from fedfusion.participation import Participation
+from fedfusion.quantize import Wire
 from fedfusion.selection import make_selector
 from fedfusion.slicing import extract
 from fedfusion.fusion.submodel import SubModelMethod
@@ -65,7 +66,7 @@ def make_strategy(min_clients: int = 1, aggregate: str = "mean", wire_dtype: str
     torch.manual_seed(0)
     state = LlamaForCausalLM(cfg).state_dict()
     method = SubModelMethod(cfg, {"phone": 0.25, "desktop": 0.5}, state, policy="rolling", stride=0.25, stagger=True,
-                            aggregate=aggregate, wire_dtype=wire_dtype)
+                            aggregate=aggregate, wire=Wire(wire_dtype))
     strategy = FusionStrategy(
         {"phone": method, "desktop": method}, clients_per_round=3, min_clients=min_clients,
         query_config={"population": "{}"}, participation=Participation(make_selector("random", seed=0), load_catalog()),

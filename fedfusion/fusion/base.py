@@ -72,12 +72,19 @@ class Fold:
 
 @dataclass(frozen=True)
 class TierCost:
-    """What one tier's round of work is: parameters trained (priced), bytes moved each way, and the fraction of the
-    target's width it holds (1 for methods whose clients run a whole model: LoRA, a family model)."""
+    """What one tier's round of work is: parameters trained (priced), bytes sent down (and up, where a quantised
+    uplink makes them differ), and the fraction of the target's width it holds (1 for methods whose clients run a
+    whole model: LoRA, a family model)."""
 
     params: int
     nbytes: int
     width: float = 1.0
+    nbytes_up: int | None = None  # None: as many as go down
+
+    @property
+    def bytes_up(self) -> int:
+        """Bytes of one reply."""
+        return self.nbytes if self.nbytes_up is None else self.nbytes_up
 
 
 class FusionMethod(ABC):

@@ -45,7 +45,8 @@ from fedfusion.lora import (
     starting_adapter,
 )
 from fedfusion.pretrained import QUANTIZE
-from fedfusion.wire import AdapterSpec, LoRABaseSpec, QuantizeSpec, RoleSpec, merge
+from fedfusion.quantize import Wire, encoded_bytes
+from fedfusion.wire import AdapterSpec, LoRABaseSpec, QuantizeSpec, RoleSpec, WireSpec, merge
 
 Shapes = dict[str, tuple[int, int]]
 
@@ -92,11 +93,12 @@ class LoRAMethod(FusionMethod):
     name, role, noun = "lora", "lora", "adapter"
 
     def __init__(self, modules: Shapes, ranks: dict[str, int], alphas: dict[str, float], quantize: dict[str, int],
-                 method: str, base_params: int, base: LoRABaseSpec) -> None:
+                 method: str, base_params: int, base: LoRABaseSpec, wire: Wire | None = None) -> None:
         _check(modules, ranks, alphas, quantize, method)
         self.modules, self.ranks, self.alphas, self.quantize = modules, ranks, alphas, quantize
         self.method, self.base_params = method, base_params
         self.base = base
+        self.wire = wire or Wire()
         self.merged: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] | None = None
 
     def describe(self) -> str:
@@ -109,9 +111,15 @@ class LoRAMethod(FusionMethod):
 
     def tier_cost(self, tier: str) -> TierCost:
         """The frozen base's forward and activation gradients plus the adapter's training, and the adapter's
-        float32 bytes each way (FLoRA's downlink, the merged update, grows with the rounds and is counted as sent)."""
-        adapter = self.adapter_params(tier)
-        return TierCost(lora_work_params(self.base_params, adapter), 4 * adapter)
+        bytes each way in the wire's formats (FLoRA's downlink, the merged update, grows with the rounds and is
+        counted as sent)."""
+        r = self.ranks[tier]
+
+        def nbytes(fmt: str) -> int:
+            return sum(encoded_bytes(fmt, r * i) + encoded_bytes(fmt, o * r) for o, i in self.modules.values())
+
+        return TierCost(lora_work_params(self.base_params, self.adapter_params(tier)), nbytes(self.wire.down),
+                        nbytes_up=nbytes(self.wire.up))
 
     def payloads(self, server_round: int, target: State, clients: Sequence[Client]) -> list[Payload]:
         """Each client's whole starting adapter at its rank (served components in front, fresh ones behind;
@@ -131,16 +139,21 @@ class LoRAMethod(FusionMethod):
                 arrays[f"{m}.lora_A"], arrays[f"{m}.lora_B"] = start[0][m], start[1][m]
             arrays.update(frozen)
             adapter = self.adapter_params(client.tier)
-            spec = merge(RoleSpec(self.role), self.base, QuantizeSpec(quantize), AdapterSpec(self.method, rank, alpha))
-            out.append(Payload(client, arrays, spec, width=1.0, params=lora_work_params(self.base_params, adapter),
+            spec = merge(RoleSpec(self.role), self.base, QuantizeSpec(quantize), AdapterSpec(self.method, rank, alpha),
+                         WireSpec(self.wire.up, self.wire.error_feedback))
+            out.append(Payload(client, self.wire.send(arrays), spec, width=1.0,
+                               params=lora_work_params(self.base_params, adapter),
                                sent_norm=update_norm(*start, alpha / rank),
                                row={"rank": rank, "alpha": float(alpha), "quantize": quantize,
-                                    "adapter_params": adapter}))
+                                    "adapter_params": adapter}, context=arrays))
         return out
 
     def check(self, payload: Payload, reply: State, weight: float) -> Update:
-        """A reply's A and B per module, or ValueError naming what is wrong: keys, shapes, NaN/Inf."""
+        """A reply's A and B per module (a quantised reply's change added to the exact adapter sent), or ValueError
+        naming what is wrong: keys, shapes, NaN/Inf."""
         rank, alpha = payload.row["rank"], payload.row["alpha"]
+        if not self.wire.lossless:
+            reply = self.wire.update(reply, payload.context)
         want = {f"{m}.lora_{x}" for m in self.modules for x in "AB"}
         if set(reply) != want:
             missing, extra = sorted(want - set(reply)), sorted(set(reply) - want)

@@ -7,6 +7,7 @@ HeteroFL (static), FedRolex (rolling, optionally staggered), Federated Dropout (
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -16,26 +17,52 @@ from fedfusion.fusion.base import Client, Fold, FusionMethod, Payload, State, Ti
 from fedfusion.models import config_aliases, full_state, wire_state
 from fedfusion.ordered import ordered_fractions
 from fedfusion.outer import OuterConfig, OuterOptimizer
+from fedfusion.quantize import INDEX_KEY, Wire, encode, pack_index
 from fedfusion.rounds import fold, owned_starts, plan_round
-from fedfusion.slicing import SelectiveAverager, SlicePlan, extract, plan_slice, stage_update, sub_config
-from fedfusion.wire import ModelSpec, OrderedSpec, RoleSpec, SliceSpec, Spec, merge
-
-WIRE_DTYPES = {"float32": torch.float32, "float16": torch.float16}  # Flower's arrays are numpy: no bfloat16
+from fedfusion.slicing import (
+    SelectiveAverager,
+    SlicePlan,
+    extract,
+    plan_slice,
+    stage_update,
+    sub_config,
+    tensor_slices,
+)
+from fedfusion.wire import ModelSpec, OrderedSpec, RoleSpec, SliceSpec, Spec, WireSpec, merge
 
 
 class SliceWire:
-    """How a target-shaped state travels: tied aliases left out, floats in the wire dtype (float16 halves the
-    downlink; replies and the target stay float32)."""
+    """How a target-shaped state travels: tied aliases left out, down and up as ``wire`` says
+    (:mod:`fedfusion.quantize`); the target stays float32."""
 
-    def __init__(self, config: PretrainedConfig, wire_dtype: str = "float32") -> None:
-        if wire_dtype not in WIRE_DTYPES:
-            raise ValueError(f"wire_dtype {wire_dtype!r}: use one of {', '.join(WIRE_DTYPES)}")
-        self.dtype = WIRE_DTYPES[wire_dtype]
+    def __init__(self, config: PretrainedConfig, wire: Wire | None = None) -> None:
+        self.formats = wire or Wire()
         self.aliases = config_aliases(config)  # tied keys messages leave out
 
+    def exact(self, state: State) -> State:
+        """``state`` without its tied aliases, in float32: what the server keeps of a payload."""
+        return {k: v.float() if v.is_floating_point() else v for k, v in wire_state(state, self.aliases).items()}
+
     def __call__(self, state: State) -> State:
-        """``state`` as a message carries it."""
-        return {k: v.to(self.dtype) if v.is_floating_point() else v for k, v in wire_state(state, self.aliases).items()}
+        """``state`` as a message carries it down."""
+        return self.formats.send(self.exact(state))
+
+    def cost(self, state: State, width: float) -> TierCost:
+        """Parameters and bytes each way of ``state`` (a quantised reply has the payload's shapes)."""
+        exact = self.exact(state)
+        up = state_size(encode(exact, self.formats.up)).nbytes
+        return replace(state_size(self(state), width), params=sum(t.numel() for t in exact.values()), nbytes_up=up)
+
+    def index(self, target: State, config: PretrainedConfig, plan: SlicePlan, sent: State) -> torch.Tensor:
+        """The target coordinates of every array sent (:func:`fedfusion.quantize.pack_index`), so a client keeps
+        its uplink residual where it belongs in the target while its window moves."""
+        ids = {name: i for i, name in enumerate(sorted(target))}
+        out = {}
+        for name, sl in tensor_slices(target, config, plan).items():
+            if sl.sub_name in sent:
+                dims = sl.index + (None,) * (sent[sl.sub_name].dim() - len(sl.index))
+                out[sl.sub_name] = (ids[name], dims)
+        return pack_index(out)
 
 
 class SubModelMethod(FusionMethod):
@@ -52,18 +79,17 @@ class SubModelMethod(FusionMethod):
                  policy: str = "rolling", stride: float = 0.125, stagger: bool = False, run_seed: int = 0,
                  aggregate: str = "mean", trim: float = 0.2, axes: tuple[str, ...] | None = None, scale: bool = True,
                  ordered_ladder: tuple[float, ...] | None = None, ordered_distill: bool = False,
-                 wire_dtype: str = "float32", outer: OuterConfig | None = None) -> None:
+                 wire: Wire | None = None, outer: OuterConfig | None = None) -> None:
         self.config, self.widths, self.policy, self.stride = config, widths, policy, stride
         self.stagger, self.run_seed, self.aggregate, self.trim = stagger, run_seed, aggregate, trim
         self.axes, self.scale = axes, scale
         self.ordered_ladder = ordered_ladder or tuple(sorted(set(widths.values())))
         self.ordered_distill = ordered_distill
-        self.wire = SliceWire(config, wire_dtype)
+        self.wire = SliceWire(config, wire)
         # a damped server step on each round's fold (fedfusion.outer); None: plain selective averaging
         self.outer = OuterOptimizer(outer) if outer is not None and outer.method != "none" else None
         # sub-model sizes depend only on the width, so they are priced once per run
-        self.costs = {tier: state_size(self.wire(extract(template, config, self._static(w))), w)
-                      for tier, w in widths.items()}
+        self.costs = {tier: self.wire.cost(extract(template, config, self._static(w)), w) for tier, w in widths.items()}
         self.owned: dict[int, float] | None = None
 
     def _static(self, width: float) -> SlicePlan:
@@ -86,45 +112,45 @@ class SubModelMethod(FusionMethod):
                            server_round, self.run_seed, self.stride, self.stagger, self.axes, self.scale, self.owned)
         out = []
         for client, width, plan in zip(clients, widths, plans):
-            sent = self.wire(extract(target, self.config, plan))
+            exact = self.wire.exact(extract(target, self.config, plan))
+            sent = self.wire.formats.send(exact)
+            if self.wire.formats.up != "float32" and self.wire.formats.error_feedback:
+                sent[INDEX_KEY] = self.wire.index(target, self.config, plan, exact)
             specs: list[Spec] = [RoleSpec(self.role), ModelSpec(sub_config(self.config, plan).to_dict()),
-                                 SliceSpec(width, self.policy, self.axes or None)]
+                                 SliceSpec(width, self.policy, self.axes or None),
+                                 WireSpec(self.wire.formats.up, self.wire.formats.error_feedback)]
             if self.policy == "ordered":
                 specs.append(OrderedSpec(tuple(ordered_fractions(width, self.ordered_ladder)), self.ordered_distill))
-            spec = merge(*specs)
-            out.append(Payload(client, sent, spec, width, params=sum(t.numel() for t in sent.values()),
-                               sent_norm=state_norm(sent), assignment=plan.assignment(), context=(plan, target)))
+            out.append(Payload(client, sent, merge(*specs), width, params=sum(t.numel() for t in exact.values()),
+                               sent_norm=state_norm(exact), assignment=plan.assignment(), context=(plan, target)))
         return out
 
     def check(self, payload: Payload, reply: State, weight: float) -> Update:
+        """The reply as the trained sub-model on the exact slice sent (:meth:`_from_wire`), checked."""
         plan, target = payload.context
-        sub = wire_state(reply, self.wire.aliases)  # a stray alias is dropped
-        norm = state_norm(sub)
-        stage_update(target, self.config, self._from_wire(sub, plan, target), plan)  # raises on a bad key, shape or value
-        return Update(payload, weight, norm, sub)
+        trained = self._from_wire(wire_state(reply, self.wire.aliases), plan, target)  # a stray alias is dropped
+        stage_update(target, self.config, trained, plan)  # raises on a bad key, shape or value
+        return Update(payload, weight, state_norm(wire_state(trained, self.wire.aliases)), trained)
 
     def _from_wire(self, reply: State, plan: SlicePlan, target: State) -> State:
-        """A reply as the averager takes it: tied aliases restored; with a float16 downlink, the reply's change
-        from the float16 values sent is added to the exact float32 slice, so rounding the download loses no part
-        of the update."""
-        reply = full_state(reply, self.wire.aliases)  # aliases are rebuilt from what they alias
-        if self.wire.dtype == torch.float32:
-            return reply
-        exact = extract(target, self.config, plan)
-        sent = {k: v.to(self.wire.dtype).float() for k, v in exact.items()}
-        return {k: exact[k] + (v.float() - sent[k]) if k in exact and v.shape == exact[k].shape else v
-                for k, v in reply.items()}
+        """A reply as the averager takes it: the client's change from what it received, added to the exact float32
+        slice (:meth:`fedfusion.quantize.Wire.update`), so neither a lossy downlink nor a quantised uplink's
+        rounding of the weights themselves loses any part of the update; tied aliases restored."""
+        if not self.wire.formats.lossless:
+            reply = self.wire.formats.update(reply, self.wire.exact(extract(target, self.config, plan)))
+        return full_state(reply, self.wire.aliases)  # aliases are rebuilt from what they alias
 
     def fold(self, server_round: int, target: State, updates: Sequence[Update]) -> Fold:
         averager = SelectiveAverager(target, self.config, self.aggregate, self.trim)
         for update in updates:
-            plan, sent_from = update.payload.context
-            averager.add(self._from_wire(update.data, plan, sent_from), plan, weight=update.weight)
+            averager.add(update.data, plan=update.payload.context[0], weight=update.weight)
         coverage = averager.coverage()
         return Fold(fold(averager, self.outer), coverage)
 
     def evaluation(self, target: State, tier: str) -> tuple[State, dict[str, Any]]:
-        return self.wire(target), merge(RoleSpec(self.role), ModelSpec(self.config.to_dict()))
+        # the target is scored, not its int8/int4 copy: float16 at most
+        fmt = "float32" if self.wire.formats.down == "float32" else "float16"
+        return encode(self.wire.exact(target), fmt), merge(RoleSpec(self.role), ModelSpec(self.config.to_dict()))
 
     def state_dict(self) -> dict[str, Any]:
         return {"outer": self.outer.state_dict()} if self.outer is not None else {}
