@@ -200,7 +200,7 @@ def test_the_client_app_trains_a_quantised_adapter_and_replies_its_int4_change(b
     TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 0
     modules = adapted_modules(client.frozen_base(base, 0, "float32"), list(MODULES))
     method = LoRAMethod(modules, {"phone": 4}, {"phone": 8.0}, {}, "fedavg", base_params=1000,
-                        wire=Wire("int8", "int4"))
+                        base=LoRABaseSpec(base, "float32", tuple(MODULES), 0.0), wire=Wire("int8", "int4"))
     (payload,) = method.payloads(1, {}, [Client(0, "phone", seed=3)])
     config = ConfigRecord({**dict(spec(base, **{"local-steps": 3})), **payload.spec})
     ctx = Context(run_id=1, node_id=1, node_config={"partition-id": 0}, state=RecordDict(), run_config={})

@@ -318,12 +318,14 @@ def test_the_client_apps_train_handler_keeps_its_residual_in_context_state(monke
 # -- LoRA and the ledger ------------------------------------------------------------------------------------------
 def test_a_lora_reply_is_its_quantised_change_added_to_the_exact_adapter_sent():
     from fedfusion.fusion.lora import LoRAMethod
+    from fedfusion.wire import LoRABaseSpec, WireSpec
 
     modules = {"layers.0.q": (16, 12), "layers.0.v": (16, 12)}
     wire = Wire("int8", "int4")
-    method = LoRAMethod(modules, {"phone": 4}, {"phone": 8.0}, {}, "fedavg", base_params=1000, wire=wire)
+    method = LoRAMethod(modules, {"phone": 4}, {"phone": 8.0}, {}, "fedavg", base_params=1000,
+                        base=LoRABaseSpec("base", "float32", ("q", "v"), 0.0), wire=wire)
     (payload,) = method.payloads(1, {}, [Client(0, "phone", seed=3)])
-    assert payload.spec["wire-up"] == "int4" and any(k.endswith("::q") for k in payload.arrays)
+    assert WireSpec.read(payload.spec) == WireSpec("int4", True) and any(k.endswith("::q") for k in payload.arrays)
     received = decode(payload.arrays)
     torch.manual_seed(0)
     change = {k: 1e-2 * torch.randn_like(v) for k, v in received.items()}

@@ -34,6 +34,7 @@ from fedfusion.wire import (
     Spec,
     SpecError,
     TrainSpec,
+    WireSpec,
     merge,
     read_train,
 )
@@ -54,6 +55,7 @@ EXAMPLES: list[Spec] = [
     LoRABaseSpec("smollm2", "bfloat16", ("q_proj", "v_proj"), 0.05),
     QuantizeSpec(4),
     AdapterSpec("hetlora", 8, 16.0),
+    WireSpec("int4", True),
     PopulationSpec({"phone": 0.5, "desktop": 0.5}, 32, 1),
     Caps("phone", 5, 120),
 ]
