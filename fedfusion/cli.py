@@ -86,7 +86,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     from flwr.simulation import run_simulation
 
     from fedfusion.client_app import app as client_app
-    from fedfusion.interrupt import EXIT_INTERRUPTED, CtrlC, descendants, kill_ray_workers, reap, silence_ray
+    from fedfusion.interrupt import (
+        EXIT_INTERRUPTED,
+        CtrlC,
+        EngineWatch,
+        descendants,
+        kill_ray_workers,
+        reap,
+        silence_ray,
+    )
     from fedfusion.server_app import run_federation
 
     verb = f"resuming after round {done}:" if args.resume else "running"
@@ -128,11 +136,19 @@ def cmd_run(args: argparse.Namespace) -> int:
                 flwr_logger.setLevel(logging.CRITICAL)  # their killed tasks are expected, not errors to show
                 kill_ray_workers()
 
-        with ctrl_c:
-            run_simulation(
-                server_app=server_app, client_app=client_app, num_supernodes=recipe.population.num_clients,
-                backend_config=backend_config(recipe),
-            )
+        watch = EngineWatch(ctrl_c.stop)
+        flwr_logger.addHandler(watch)
+        try:
+            with ctrl_c:
+                run_simulation(
+                    server_app=server_app, client_app=client_app, num_supernodes=recipe.population.num_clients,
+                    backend_config=backend_config(recipe),
+                )
+        except RuntimeError:  # Flower re-raises its engine's failure once the ServerApp thread has ended
+            if ctrl_c.stop.failure is None:
+                raise
+        finally:
+            flwr_logger.removeHandler(watch)
     summary = run.read_summary() or {}
     if summary.get("status") == "interrupted":
         reap(before)
@@ -143,7 +159,9 @@ def cmd_run(args: argparse.Namespace) -> int:
                       f"{hint}", highlight=False, soft_wrap=True)
         return EXIT_INTERRUPTED
     if summary.get("status") != "ok":
-        console.print(f"[red]run failed[/]; see {run.path / 'summary.json'}")
+        reap(before)
+        console.print(f"[red]run failed[/]: {summary.get('error', '')}; see {run.path / 'summary.json'}",
+                      highlight=False, soft_wrap=True)
         return 1
     wrote = [name for name in ("report.md", "metrics.jsonl", "model/", "adapter/") if (run.path / name).exists()]
     console.print(f"done: {run.path} ({', '.join(wrote)})")

@@ -10,13 +10,16 @@ KeyboardInterrupt as usual, for a run that does not stop.
 
 from __future__ import annotations
 
+import logging
 import signal
 import sys
-import threading
 from collections.abc import Callable
+from pathlib import Path
 from types import FrameType, TracebackType
 
 import psutil
+
+from fedfusion.strategies.stop import StopRequest
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for a program stopped by Ctrl-C
 
@@ -25,7 +28,7 @@ class CtrlC:
     """While active, the first SIGINT sets :attr:`stop` and calls ``on_first``; the next one raises."""
 
     def __init__(self, on_first: Callable[[], None]) -> None:
-        self.stop, self.on_first = threading.Event(), on_first
+        self.stop, self.on_first = StopRequest(), on_first
         self.previous: signal.Handlers | Callable | int | None = None
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
@@ -40,6 +43,25 @@ class CtrlC:
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         signal.signal(signal.SIGINT, self.previous)
+
+
+class EngineWatch(logging.Handler):
+    """Fails the run when Flower's simulation engine itself dies (Ray cannot start, the backend crashes).
+
+    Flower then logs the error from its engine loop (``vce_api.run_api``) and waits for the ServerApp thread,
+    which would go on waiting for replies that never come, round after round, up to each round's deadline. This
+    handler, on Flower's logger, turns that record into ``stop.fail(reason)``: the server's Grid raises at its
+    next poll, the run is recorded as failed with Flower's reason, and the command ends. A client's own
+    exception is logged from the engine's worker, not its main loop, and stays an error reply."""
+
+    def __init__(self, stop: StopRequest) -> None:
+        super().__init__(logging.ERROR)
+        self.stop = stop
+
+    def emit(self, record: logging.LogRecord) -> None:
+        path = Path(record.pathname)
+        if record.funcName == "run_api" and path.name == "vce_api.py" and path.parent.name == "vce":
+            self.stop.fail(f"Flower's simulation engine failed: {record.getMessage()}")
 
 
 def silence_ray() -> None:

@@ -378,7 +378,11 @@ def run_federation(grid: Grid, recipe: Recipe, run: RunDir, on_round: RoundCallb
         run.write_summary(summary)
         write_report(run.path)
         return summary
-    except RunInterrupted:  # raised only by the Grid, so the recorder exists
+    except RunInterrupted as exc:  # raised only by the Grid, so the recorder exists
+        if exc.failure is not None:  # not a user's stop: what runs the clients died
+            run.write_summary({"status": "failed", "error": exc.failure,
+                               "wall_s": earlier_s + time.perf_counter() - started})
+            raise RuntimeError(exc.failure) from exc
         summary = {"status": "interrupted", "name": recipe.name, "rounds": recipe.rounds,
                    "last_round": recorder.rows[-1]["round"] if recorder.rows else None,
                    "resume_after": recorder.saved_round,

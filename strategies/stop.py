@@ -19,7 +19,25 @@ from flwr.serverapp import Grid
 
 
 class RunInterrupted(Exception):
-    """A stop was asked while the strategy was talking to the nodes."""
+    """A stop was asked while the strategy was talking to the nodes; ``failure`` says why when it was not a user's
+    stop but a failure of what runs the clients (see :class:`StopRequest`)."""
+
+    def __init__(self, message: str, failure: str | None = None) -> None:
+        super().__init__(message)
+        self.failure = failure
+
+
+class StopRequest(threading.Event):
+    """The event a :class:`StopGrid` polls: ``set()`` is a user's stop (Ctrl-C), ``fail(reason)`` a stop because
+    the clients' runtime died (the run is then recorded as failed, with the reason)."""
+
+    failure: str | None = None
+
+    def fail(self, reason: str) -> None:
+        """Stop the run as failed, keeping the first reason given."""
+        if self.failure is None:
+            self.failure = reason
+        self.set()
 
 
 class StopGrid(WrappedGrid):
@@ -31,7 +49,8 @@ class StopGrid(WrappedGrid):
 
     def _check(self) -> None:
         if self.stop.is_set():
-            raise RunInterrupted("stop asked")
+            failure = getattr(self.stop, "failure", None)
+            raise RunInterrupted(failure or "stop asked", failure)
 
     def get_node_ids(self) -> Iterable[int]:
         """Delegated, unless stopped."""

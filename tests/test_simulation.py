@@ -304,3 +304,20 @@ def test_a_mixed_federation_runs_on_flower_with_a_method_per_tier(tmp_path):
     assert all(r["clients_ok"] == 6 and r["server_flops"] > 0 and "family_tiny_loss" in r for r in rows[1:])
     assert rows[-1]["eval_loss"] < rows[0]["eval_loss"]
     assert json.loads((out / "summary.json").read_text())["status"] == "ok"
+
+
+def test_a_simulation_engine_that_cannot_start_fails_the_run_at_once(tmp_path, monkeypatch, capsys):
+    """Flower's engine dies before any client runs (here: client resources its Ray backend refuses). Flower then
+    waits for the ServerApp thread, which used to wait for replies round after round (10 minutes each); the run
+    must end within seconds, recorded as failed with Flower's reason."""
+    import fedfusion.cli as cli
+
+    monkeypatch.setattr(cli, "backend_config", lambda recipe: {"client_resources": {"num_cpus": "one"}})
+    out = tmp_path / "run"
+    started = time.monotonic()
+    assert main(["run", "quickstart", *TINY, "rounds=3", "--out", str(out)]) == 1
+    assert time.monotonic() - started < 120
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "failed"
+    assert "simulation engine failed" in summary["error"] and "client resources" in summary["error"]
+    assert "run failed" in capsys.readouterr().out
