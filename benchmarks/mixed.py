@@ -138,7 +138,8 @@ def markdown(report: dict) -> str:
                      f"{_stat([r['server_j'] for r in runs])} | {statistics.mean(r['bytes'] for r in runs) / 1e6:.1f} | "
                      f"{len(runs)} |")
     lines += ["", f"{meaning}; mean +- standard deviation over seeds. Energy: the ledger's priced device work "
-              "(fedfusion.energy.price_work), server = distillation priced on its server device.", ""]
+              "(fedfusion.energy.price_work), server = the server's own training (distillation, or learning from the "
+              "generated text) priced on its server device.", ""]
     return "\n".join(lines)
 
 
