@@ -235,7 +235,7 @@ def _take(t: torch.Tensor, index: tuple[torch.Tensor | None, ...]) -> torch.Tens
     return t
 
 
-def _sliced_shape(shape: torch.Size, index: tuple[torch.Tensor | None, ...]) -> tuple[int, ...]:
+def sliced_shape(shape: torch.Size, index: tuple[torch.Tensor | None, ...]) -> tuple[int, ...]:
     padded = [*index, *[None] * (len(shape) - len(index))]
     return tuple(n if idx is None else len(idx) for n, idx in zip(shape, padded))
 
@@ -250,7 +250,7 @@ def extract(state: dict[str, torch.Tensor], config: PretrainedConfig, plan: Slic
     return out
 
 
-def _scatter(dst: torch.Tensor, index: tuple[torch.Tensor | None, ...], src: torch.Tensor, accumulate: bool) -> None:
+def scatter(dst: torch.Tensor, index: tuple[torch.Tensor | None, ...], src: torch.Tensor, accumulate: bool) -> None:
     """dst[slice] (+)= src for the slice ``index`` describes."""
     sliced = {d: idx for d, idx in enumerate(index) if idx is not None}
     if not sliced:
@@ -298,7 +298,7 @@ def stage_update(target: dict[str, torch.Tensor], config: PretrainedConfig, sub:
     staged = []
     for sub_name, value in sub.items():
         name, sl = expected[sub_name]
-        shape = _sliced_shape(target[name].shape, sl.index)
+        shape = sliced_shape(target[name].shape, sl.index)
         if tuple(value.shape) != shape:
             raise ValueError(f"{sub_name}: shape {tuple(value.shape)} does not match its slice {shape}")
         if not torch.isfinite(value).all():
@@ -338,8 +338,8 @@ class SelectiveAverager:
             weight = 1.0
         for name, index, value in staged:
             if self.rule == "mean":
-                _scatter(self.sums[name], index, weight * value, accumulate=True)
-            _scatter(self.counts[name], index, torch.full_like(value, weight), accumulate=True)
+                scatter(self.sums[name], index, weight * value, accumulate=True)
+            scatter(self.counts[name], index, torch.full_like(value, weight), accumulate=True)
         self.clients += 1
 
     def coverage(self) -> float:
@@ -356,7 +356,7 @@ class SelectiveAverager:
         for i, client in enumerate(self.kept):
             if name in client:  # absent: this client's plan dropped the layer
                 index, value = client[name]
-                _scatter(stack[i], index, value, accumulate=False)
+                scatter(stack[i], index, value, accumulate=False)
         return _robust_reduce(stack, self.rule, self.trim)
 
     def result(self) -> dict[str, torch.Tensor]:

@@ -244,7 +244,7 @@ def test_a_rolling_clients_uploads_track_its_changes_across_rounds():
     changes, summed in target coordinates, stay far closer to the client's true changes than without feedback
     (which loses every small change: 8 held rounds x 2e-3 and more), the residual a unit has when its window
     leaves it (under half a step) is what error feedback loses."""
-    from fedfusion.slicing import _scatter, stage_update
+    from fedfusion.slicing import scatter, stage_update
 
     errors = {}
     for feedback in (True, False):
@@ -267,7 +267,7 @@ def test_a_rolling_clients_uploads_track_its_changes_across_rounds():
             for sums, sub in ((got, uploaded), (truth, change)):
                 for name, index, value in stage_update(state, method.config, sub, plan):
                     if name in sums:
-                        _scatter(sums[name], index, value, accumulate=True)
+                        scatter(sums[name], index, value, accumulate=True)
         errors[feedback] = max(float((got[k] - truth[k]).abs().max()) for k in got)
     assert errors[False] > 8 * 2e-3
     assert errors[True] < 0.5 * errors[False]

@@ -1,0 +1,96 @@
+"""Function-preserving growth (fedfusion.growth): the grown target computes what the small model computes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GPT2Config, LlamaConfig, OPTConfig
+
+from fedfusion.growth import grow
+from fedfusion.slice_families import family_of
+from fedfusion.slicing import plan_slice, sub_config
+from fedfusion.training import train_steps
+
+
+def llama(tied: bool = True) -> LlamaConfig:
+    return LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=8,
+                       num_key_value_heads=4, head_dim=8, tie_word_embeddings=tied, max_position_embeddings=32)
+
+
+def gpt2() -> GPT2Config:
+    return GPT2Config(vocab_size=40, n_embd=32, n_layer=4, n_head=4, n_inner=64, n_positions=32,
+                      bos_token_id=0, eos_token_id=0)
+
+
+def opt() -> OPTConfig:
+    return OPTConfig(vocab_size=40, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, ffn_dim=64,
+                     word_embed_proj_dim=32, max_position_embeddings=32, pad_token_id=1, bos_token_id=0, eos_token_id=0)
+
+
+def trained_small(config, plan, seed: int = 0):
+    """A sub-model of ``plan`` whose weights are far from any initialisation (as after training)."""
+    torch.manual_seed(seed)
+    small = family_of(config).build(sub_config(config, plan))
+    with torch.no_grad():
+        for p in small.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return small.eval()
+
+
+CASES = [
+    (llama(), 0.25, ("heads", "neurons")),
+    (llama(), 0.25, ("heads", "neurons", "hidden")),
+    (llama(tied=False), 0.25, ("heads", "neurons", "hidden")),
+    (llama(), 0.5, ("heads", "neurons", "hidden", "depth")),
+    (gpt2(), 0.25, ("neurons", "depth")),
+    (opt(), 0.5, ("neurons", "depth")),
+]
+
+
+@pytest.mark.parametrize(("config", "width", "axes"), CASES, ids=lambda c: getattr(c, "model_type", str(c)))
+def test_the_grown_target_computes_the_small_models_logits(config, width, axes):
+    plan = plan_slice(config, width, "static", axes=axes)
+    small = trained_small(config, plan)
+    torch.manual_seed(1)
+    target = family_of(config).build(config).eval()
+    target.load_state_dict(grow(small.state_dict(), config, plan, target.state_dict()))
+    ids = torch.randint(0, config.vocab_size, (3, 20))
+    with torch.no_grad():
+        want, got = small(input_ids=ids).logits, target(input_ids=ids).logits
+    assert want.abs().max() > 0.5  # a model that says something, so equality is not trivial
+    assert (want - got).abs().max() <= 1e-5
+    assert sum(p.numel() for p in target.parameters()) > 1.5 * sum(p.numel() for p in small.parameters())
+
+
+def test_new_units_do_not_stay_silent_or_identical_after_a_step():
+    config = llama()
+    plan = plan_slice(config, 0.25, "static", axes=("heads", "neurons"))
+    torch.manual_seed(1)
+    target = family_of(config).build(config)
+    target.load_state_dict(grow(trained_small(config, plan).state_dict(), config, plan, target.state_dict()))
+    down = target.model.layers[0].mlp.down_proj.weight
+    kept = len(plan.neurons)
+    assert down[:, kept:].abs().max() == 0  # the new neurons start silent
+    train_steps(target, torch.randint(0, config.vocab_size, (16, 17)), steps=2, lr=1e-2, batch_size=8, seed=0)
+    new = down[:, kept:].detach()
+    assert (new.abs().sum(0) > 0).all()  # every new neuron now writes to the residual stream
+    assert torch.cdist(new.T, new.T).fill_diagonal_(1.0).min() > 0  # and no two of them write the same thing
+
+
+def test_a_layernorm_family_refuses_to_grow_its_hidden_dims():
+    config = gpt2()
+    plan = plan_slice(config, 0.5, "static", axes=("heads", "hidden"))
+    small = trained_small(config, plan)
+    with pytest.raises(ValueError, match="gpt2 model normalises with LayerNorm"):
+        grow(small.state_dict(), config, plan, family_of(config).build(config).state_dict())
+
+
+def test_a_small_model_of_another_plan_is_refused_naming_its_keys():
+    config = llama()
+    plan = plan_slice(config, 0.25, "static", axes=("heads", "neurons", "depth"))
+    other = plan_slice(config, 0.25, "static", axes=("heads", "neurons"))
+    with pytest.raises(ValueError, match="missing|extra"):
+        grow(trained_small(config, other).state_dict(), config, plan, family_of(config).build(config).state_dict())
+    wrong = plan_slice(config, 0.5, "static", axes=("heads", "neurons"))
+    with pytest.raises(ValueError, match="has shape"):
+        grow(trained_small(config, wrong).state_dict(), config, other, family_of(config).build(config).state_dict())
