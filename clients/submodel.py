@@ -73,15 +73,16 @@ def local_steps(spec: ConfigRecord) -> dict[str, Any]:
 
 
 def trained_reply(model: torch.nn.Module, windows: torch.Tensor, faults: tuple[bool, float],
-                  fit: Callable[[], dict]) -> tuple[dict, dict]:
+                  fit: Callable[[], dict], trained: Callable[[], dict] | None = None) -> tuple[dict, dict]:
     """Run ``fit()`` (local training of ``model``) under the host's energy meters, then apply the injected
-    ``faults`` (from :func:`inject_faults`: corrupt?, straggle seconds); returns the state (tied aliases left
-    out, in the model's float32 whatever dtype it arrived in) and reply metrics."""
+    ``faults`` (from :func:`inject_faults`: corrupt?, straggle seconds); returns the state (``trained()``, by
+    default the model's state with tied aliases left out, in float32 whatever dtype it arrived in) and metrics."""
     corrupt, delay = faults
     with HostMeter(gpu_index(next(model.parameters()).device)) as meter:  # the host's own meters (labelled, not priced)
         stats = fit()
     stats.update(meter.metrics())
-    new_state = wire_state({k: v.detach().cpu() for k, v in model.state_dict().items()}, tied_aliases(model))
+    new_state = (trained() if trained is not None else
+                 wire_state({k: v.detach().cpu() for k, v in model.state_dict().items()}, tied_aliases(model)))
     if corrupt:
         next(iter(new_state.values())).view(-1)[0] = float("nan")
     time.sleep(delay)

@@ -30,9 +30,10 @@ def train_flops(params: int, tokens: int) -> float:
     return 6.0 * params * tokens
 
 
-def lora_work_params(base_params: int, adapter_params: int) -> int:
-    """The parameter count whose :func:`train_flops` price a LoRA client's training: the frozen base costs its
-    forward and the activations' gradients (2 of the 3 thirds), the adapter all of it."""
+def frozen_work_params(base_params: int, adapter_params: int) -> int:
+    """The parameter count whose :func:`train_flops` price training on a frozen base (a LoRA client's adapters, a
+    full-forward window of the target): the frozen base costs its forward and the activations' gradients (2 of
+    the 3 thirds), the trained part all of it."""
     return base_params * 2 // 3 + adapter_params
 
 

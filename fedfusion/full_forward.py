@@ -25,6 +25,7 @@ from fedfusion.models import config_aliases, model_from_state
 from fedfusion.slicing import SlicePlan, scatter, sliced_shape, tensor_slices
 
 State = dict[str, torch.Tensor]
+FROZEN = "frozen/"  # the key prefix of the frozen target in a full-forward payload (the window's keys have none)
 
 
 class WindowModel(torch.nn.Module):
@@ -81,3 +82,13 @@ def window_params(config: PretrainedConfig, state: State, plan: SlicePlan) -> in
     aliases = config_aliases(config)
     slices = tensor_slices([n for n in state if n not in aliases], config, plan)
     return sum(math.prod(sliced_shape(state[name].shape, sl.index)) for name, sl in slices.items())
+
+
+def from_payload(config: PretrainedConfig, received: State, plan: SlicePlan) -> WindowModel:
+    """The model a device trains from a full-forward payload (decoded): the frozen target under :data:`FROZEN`
+    keys with the window's exact values written in, the window trainable."""
+    frozen = {k.removeprefix(FROZEN): v for k, v in received.items() if k.startswith(FROZEN)}
+    window = {k: v for k, v in received.items() if not k.startswith(FROZEN)}
+    if not frozen:
+        raise ValueError(f"a full-forward payload carries the frozen target under {FROZEN!r} keys; none arrived")
+    return WindowModel(config, place(frozen, window, config, plan), window, plan)

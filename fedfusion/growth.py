@@ -21,22 +21,24 @@ coordinates of a freshly initialised target and silences everything else:
   (GPT-2, OPT) subtract the mean over the hidden dims, which zero dims would shift: their hidden axis is not
   grown (a ValueError says so).
 
-No Flower import: the schedule that uses it is :mod:`fedfusion.fusion.submodel`'s ``grow`` round.
+The factors live with each family (:meth:`~fedfusion.slice_families.Family.growth_factor`) and a plan marked
+``grown`` applies them in :func:`~fedfusion.slicing.tensor_slices`, so extracting the small model from the grown
+target, training it as an ordinary slice and folding it back keep the target equal to it: a grow-then-fuse run
+(:class:`~fedfusion.fusion.submodel.SubModelMethod`'s ``grow_round``) starts from :func:`silence`. No Flower.
 """
 
 from __future__ import annotations
 
-import math
+from dataclasses import replace
 
 import torch
 from transformers import PretrainedConfig
 
 from fedfusion.slice_families import family_of
-from fedfusion.slicing import SlicePlan, scatter, sliced_shape, tensor_slices
+from fedfusion.slicing import SlicePlan, extract, scatter, sliced_shape, tensor_slices
 
 State = dict[str, torch.Tensor]
 _UNIT_AXES = ("heads", "neurons")
-_EMBEDDINGS = ("embed_tokens.weight",)
 
 
 def writers(config: PretrainedConfig, names: list[str]) -> set[str]:
@@ -47,35 +49,34 @@ def writers(config: PretrainedConfig, names: list[str]) -> set[str]:
     return weights | {n[: -len("weight")] + "bias" for n in weights if n[: -len("weight")] + "bias" in names}
 
 
-def hidden_factor(config: PretrainedConfig, plan: SlicePlan) -> float:
-    """sqrt(N / n) for a plan that keeps n of the target's N residual dims (1 when it keeps them all);
-    ValueError for a LayerNorm family whose hidden dims the plan slices."""
-    family = family_of(config)
-    total, kept = family.sizes(config).get("hidden"), plan.units("hidden")
-    if total is None or kept is None or len(kept) == total:
-        return 1.0
-    if family.name != "llama":
-        raise ValueError(f"growth: a {family.name} model normalises with LayerNorm over its hidden dims, which new "
-                         "zero dims would shift; grow it along heads, neurons or depth only")
-    return math.sqrt(total / len(kept))
+def grown_plan(plan: SlicePlan) -> SlicePlan:
+    """``plan`` as the small model grown into the target holds it: extracting it gives the small model back."""
+    return replace(plan, scale=False, grown=True, shared=True)
+
+
+def silence(config: PretrainedConfig, plan: SlicePlan, state: State) -> State:
+    """``state`` grown from its own ``plan`` slice: the units outside it silenced (their residual writes zeroed),
+    so the target computes what that slice computes. The start of a grow-then-fuse run."""
+    return grow(extract_small(state, config, plan), config, plan, state)
+
+
+def extract_small(state: State, config: PretrainedConfig, plan: SlicePlan) -> State:
+    """The small model a grown target holds in ``plan``'s units."""
+    return extract(state, config, grown_plan(plan))
 
 
 def grow(small: State, config: PretrainedConfig, plan: SlicePlan, base: State) -> State:
     """The target state (``base``'s shapes, ``config``'s family) that computes what ``small`` computes.
 
-    ``small``: the state of the plan's sub-model (``sub_config(config, plan)``), e.g. ``extract(target, config,
-    plan)`` of a smallest-only federation; ``base``: a fresh target initialisation, which new units' input
-    weights keep. Raises ValueError when ``small`` does not match the plan or the family cannot grow that axis."""
-    c = hidden_factor(config, plan)
-    slices = tensor_slices(base, config, plan)
+    ``small``: the state of the plan's sub-model (``sub_config(config, plan)``), e.g. a smallest-only federation's
+    model; ``base``: a target initialisation, whose values new units' input weights keep. Raises ValueError when
+    ``small`` does not match the plan or the family cannot grow that axis."""
+    slices = tensor_slices(base, config, grown_plan(plan))
     expected = {sl.sub_name for sl in slices.values()}
     if set(small) != expected:
         missing, extra = sorted(expected - set(small))[:3], sorted(set(small) - expected)[:3]
         raise ValueError(f"growth: the small model's keys differ from the plan's sub-model: missing {missing}, extra {extra}")
-    silent = writers(config, list(base))
-    if c != 1.0:  # the token embedding writes the residual stream (and is the lm_head when tied)
-        tied = bool(getattr(config, "tie_word_embeddings", False))
-        silent |= {n for n in base if n.endswith(_EMBEDDINGS) or (tied and n.endswith("lm_head.weight"))}
+    silent = writers(config, list(base)) | {n for n, sl in slices.items() if sl.scale < 1.0}  # + grown embeddings
     out: State = {}
     for name, init in base.items():
         value = torch.zeros_like(init) if name in silent else init.detach().clone()
@@ -84,21 +85,6 @@ def grow(small: State, config: PretrainedConfig, plan: SlicePlan, base: State) -
             src = small[sl.sub_name].to(value.dtype)
             if tuple(src.shape) != (shape := sliced_shape(value.shape, sl.index)):
                 raise ValueError(f"growth: {sl.sub_name} has shape {tuple(src.shape)}, its slice of {name} {shape}")
-            if c != 1.0:
-                src = src * _hidden_scale(name, config, name in silent, c)
-            scatter(value, sl.index, src, accumulate=False)
+            scatter(value, sl.index, src / sl.scale, accumulate=False)
         out[name] = value
     return out
-
-
-def _hidden_scale(name: str, config: PretrainedConfig, writes: bool, c: float) -> float:
-    """What a kept tensor is multiplied by when the residual stream's kept dims grow by ``c``: writes by ``c``;
-    norms by ``1 / c`` (they see ``c`` times the input at the same mean square); the final norm once more when
-    the lm_head is the (grown) embedding."""
-    if writes:
-        return c
-    if not name.endswith("norm.weight"):
-        return 1.0
-    final = "hidden" in family_of(config).rule(name, config).contracts
-    return 1 / c**2 if final and getattr(config, "tie_word_embeddings", False) else 1 / c
-

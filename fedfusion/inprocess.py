@@ -19,16 +19,17 @@ import torch
 from transformers import PretrainedConfig
 
 from fedfusion.distill import Teacher, distil, feddf_teacher, forward_flops
+from fedfusion.full_forward import WindowModel, from_payload
 from fedfusion.fusion.base import Client, FusionMethod, Payload, State
 from fedfusion.fusion.submodel import SubModelMethod
 from fedfusion.generative import GenerativeConfig, SamplePool, sample_windows
 from fedfusion.models import model_from_state, tied_aliases, wire_state
 from fedfusion.outer import OuterConfig
 from fedfusion.quantize import Wire, client_reply, decode
-from fedfusion.rounds import client_seed, fold_round, round_payloads, server_seed
+from fedfusion.rounds import client_seed, fold_round, initial_state, round_payloads, server_seed
 from fedfusion.slicing import extract, plan_slice, sub_config
 from fedfusion.training import train_steps
-from fedfusion.wire import ModelSpec
+from fedfusion.wire import ModelSpec, RoleSpec, WindowSpec
 
 Evaluate = Callable[[dict[str, torch.Tensor], int], "dict[str, float] | None"]
 
@@ -66,6 +67,10 @@ class SubModelRun(Rounds):
     scale: bool = True
     outer: OuterConfig = field(default_factory=OuterConfig)
     wire: Wire = field(default_factory=Wire)  # how payloads travel down and replies up (fedfusion.quantize)
+    forward: str = "slice"  # slice | full (fedfusion.fusion.submodel)
+    frozen: str = "int8"  # full: the frozen target's format
+    window_shared: bool = False  # full: embeddings and norms in every window
+    grow_round: int = 0  # rounds of the smallest slice before the grown target trains
 
 
 @dataclass
@@ -112,7 +117,7 @@ def run_rounds(methods: Mapping[str, FusionMethod], tiers: Sequence[str | None],
     (:func:`fedfusion.rounds.fold_round`): the Flower strategy's round, less messages, faults and ledgers.
     ``evaluate(target, round)`` is called after every round; its rows go to ``stats.history``."""
     rng = random.Random(rounds.seed)  # the sampling draw, like the strategy's seeded random selector
-    state, stats = dict(initial), RunStats()
+    state, stats = initial_state(methods, dict(initial)), RunStats()
     for rnd in range(1, rounds.rounds + 1):
         sampled = rounds.draw(rng, len(tiers))
         clients = [Client(p, tier, client_seed(rounds.seed, rnd, p)) for p in sampled if (tier := tiers[p]) is not None]
@@ -149,19 +154,23 @@ def run_submodel(run: SubModelRun, initial: dict[str, torch.Tensor], evaluate: E
     tiers = [f"w{w:g}" for w in run.widths]
     method = SubModelMethod(run.config, {t: w for t, w in zip(tiers, run.widths)}, initial, policy=run.policy,
                             stride=run.stride, stagger=run.stagger, run_seed=run.seed, axes=run.axes, scale=run.scale,
-                            outer=run.outer, wire=run.wire)
+                            outer=run.outer, wire=run.wire, forward=run.forward, frozen=run.frozen,
+                            window_shared=run.window_shared, grow_round=run.grow_round)
     method.observe(dict(enumerate(tiers)))  # ``owned`` windows tile the whole population from round 1
     residuals: dict[int, State] = {}  # each partition's uplink error feedback, as its node keeps it
 
     def train(rnd: int, payload: Payload) -> tuple[State, dict[str, float]]:
         received = decode(payload.arrays)
-        model = model_from_state(run.config.__class__.from_dict(ModelSpec.from_config(payload.spec).model_config),
-                                 received)
+        config = run.config.__class__.from_dict(ModelSpec.from_config(payload.spec).model_config)
+        full = RoleSpec.from_config(payload.spec).role == "window"  # the client role fedfusion.clients.window
+        model = (from_payload(config, received, WindowSpec.from_config(payload.spec).plan()) if full
+                 else model_from_state(config, received))
         p = payload.client.partition
         out = train_steps(model, run.windows[p], run.steps, run.lr, run.batch_size, payload.client.seed,
                           run.weight_decay, run.optimizer)
-        trained = wire_state({k: v.detach() for k, v in model.state_dict().items()}, tied_aliases(model))
-        feedback = run.wire.error_feedback and run.wire.up != "float32"
+        trained = (model.trained() if isinstance(model, WindowModel) else
+                   wire_state({k: v.detach() for k, v in model.state_dict().items()}, tied_aliases(model)))
+        feedback = run.wire.error_feedback and run.wire.up != "float32" and not full
         reply, residuals[p] = client_reply(trained, payload.arrays, run.wire.up,
                                            residuals.get(p, {}) if feedback else None, received)
         return reply, {**out, "num-examples": len(run.windows[p])}

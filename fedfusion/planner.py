@@ -36,7 +36,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig
 
 from fedfusion.devices import Device, load_catalog
-from fedfusion.energy import lora_work_params, price_work, train_flops
+from fedfusion.energy import frozen_work_params, price_work, train_flops
 from fedfusion.models import target_config, target_model_config
 from fedfusion.quantize import encoded_bytes
 from fedfusion.recipe import Recipe, RecipeError, tier_methods
@@ -413,7 +413,7 @@ def server_plan_row(recipe: Recipe, server_device: str, what: str, flops: float,
 def lora_plan_table(recipe: Recipe, base_config: PretrainedConfig, usable: float = USABLE) -> list[dict[str, Any]]:
     """One row per tier for LoRA fusion: its rank and base precision, trainable parameters, estimated peak
     memory on its base and on an fp32 base, whether it fits, the largest rank that would fit, and one round's
-    cost (:func:`priced`: the FLOPs of :func:`~fedfusion.energy.lora_work_params`, the adapter down in
+    cost (:func:`priced`: the FLOPs of :func:`~fedfusion.energy.frozen_work_params`, the adapter down in
     ``fusion.wire_dtype`` and up in ``fusion.wire_up``)."""
     catalog = load_catalog(recipe.population.catalog)
     lora, batch, seq = recipe.lora, recipe.train.batch_size, recipe.train.seq_len
@@ -432,7 +432,7 @@ def lora_plan_table(recipe: Recipe, base_config: PretrainedConfig, usable: float
             "peak MB": _mb(est.total), "fp32 base MB": _mb(fp32.total), "device MB": round(device.memory_gb * 1024),
             "fits": "yes" if est.total <= _budget(device, usable) else "NO",
             "max fit": f"r={best.rank} on {best.base_bits}-bit" if best else "nothing fits",
-            **priced(device, train_flops(lora_work_params(base_params, est.trainable), tokens),
+            **priced(device, train_flops(frozen_work_params(base_params, est.trainable), tokens),
                      encoded_bytes(recipe.fusion.wire_dtype, est.trainable), encoded_bytes(recipe.fusion.wire_up,
                                                                                          est.trainable)),
         })

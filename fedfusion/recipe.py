@@ -121,6 +121,14 @@ class FusionConfig:
     outer: str = "none"
     outer_lr: float = 1.0
     outer_momentum: float = 0.9  # avgm / nesterov momentum; adam's beta1
+    # submodel: slice (a client runs its slice as a small model) | full (a client holds the whole target, frozen
+    # in frozen_dtype, and trains its slice's coordinates with the exact gradient of the target's loss)
+    forward: str = "slice"
+    frozen_dtype: str = "int8"  # full: how the frozen target travels and sits on the device (float32 | float16 | int8 | int4)
+    window_shared: bool = False  # full: the window also trains the tensors on no sliced axis (embeddings, norms)
+    # submodel: rounds 1..grow_round train the smallest width's static slice of a target silenced around it (the
+    # target equals that small model: smallest-only training); later rounds train the whole grown target. 0: off
+    grow_round: int = 0
     # method=mixed: each tier's method (submodel | distill | generative); a method's per-tier settings stay in its
     # own section (a submodel or generative tier's width in fusion.widths, a distill tier's family in
     # distill.tier_family). Every round folds them into one target in fedfusion.rounds.FOLD_ORDER.
@@ -334,6 +342,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     # Flower's arrays are numpy: no bfloat16; restated (tests hold them equal to quantize.FORMATS, quantize.UPLINK)
     "fusion.wire_dtype": ("float32", "float16", "int8", "int4"),
     "fusion.wire_up": ("float32", "int8", "int4"),
+    "fusion.forward": ("slice", "full"),  # restated: tests hold it equal to fusion.submodel.FORWARDS
+    "fusion.frozen_dtype": ("float32", "float16", "int8", "int4"),
     "selection.method": ("random", "oort", "energy", "carbon_budget"),
     "privacy.mode": ("none", "clip", "local"),
     "distill.teacher": ("feddf", "fedet"),
@@ -563,6 +573,7 @@ def validate(recipe: Recipe) -> None:
         if not 0 < width <= 1:
             raise RecipeError(f"fusion.widths.{tier}: must be in (0, 1], got {width}")
     _validate_wire(recipe)
+    _validate_growth(recipe)
     if recipe.fusion.max_norm_ratio < 0:
         raise RecipeError(f"fusion.max_norm_ratio: must be >= 0, got {recipe.fusion.max_norm_ratio}")
     if not recipe.fusion.width_ladder or not all(0 < w <= 1 for w in recipe.fusion.width_ladder):
@@ -602,6 +613,19 @@ def validate(recipe: Recipe) -> None:
             f"selection.clients_per_round: {recipe.selection.clients_per_round} exceeds "
             f"population.num_clients {recipe.population.num_clients}"
         )
+
+
+def _validate_growth(recipe: Recipe) -> None:
+    """Growth and full-forward windows are width slicing's: they need its tiers, and a window reaches its own
+    coordinates only with the ordinary policies."""
+    f = recipe.fusion
+    if f.grow_round < 0 or f.grow_round > recipe.rounds:
+        raise RecipeError(f"fusion.grow_round: must be in [0, rounds={recipe.rounds}], got {f.grow_round}")
+    if (f.grow_round or f.forward == "full") and f.method != "submodel":
+        raise RecipeError(f"fusion.grow_round / fusion.forward=full apply to fusion.method=submodel, got {f.method!r}")
+    if f.forward == "full" and f.policy == "ordered":
+        raise RecipeError("fusion.forward=full: policy 'ordered' trains nested sub-models in their own forward pass; "
+                          "use static, rolling, random or owned")
 
 
 def _validate_wire(recipe: Recipe) -> None:

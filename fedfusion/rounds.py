@@ -72,6 +72,14 @@ def fold(averager: SelectiveAverager, outer: OuterOptimizer | None = None) -> di
     return new if outer is None else outer.step(averager.target, new, averager.held())
 
 
+def initial_state(methods: Mapping[str, FusionMethod], target: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The target a fresh run starts from: each method's :meth:`~fedfusion.fusion.base.FusionMethod.begin`, in
+    :data:`FOLD_ORDER`."""
+    for method in fold_order(methods):
+        target = method.begin(target)
+    return target
+
+
 def fold_order(methods: Mapping[str, FusionMethod]) -> list[FusionMethod]:
     """The distinct methods of a tier -> method map, in :data:`FOLD_ORDER`."""
     unique = {id(m): m for m in methods.values()}.values()

@@ -42,6 +42,7 @@ from fedfusion.quantize import Wire
 from fedfusion.quiet import silence_expected_noise
 from fedfusion.recipe import Recipe, load_recipe, tier_methods, uses
 from fedfusion.report import write_report
+from fedfusion.rounds import initial_state
 from fedfusion.run_dir import RunDir, new_run_path, read_jsonl
 from fedfusion.selection import make_selector
 from fedfusion.strategies.fusion import FusionStrategy, Listener
@@ -96,14 +97,16 @@ def build_methods(recipe: Recipe, target: Target) -> dict[str, FusionMethod]:
 
 
 def build_submodel(recipe: Recipe, target: Target, tiers: list[str]) -> SubModelMethod:
-    """Width slicing for ``tiers`` at their ``fusion.widths``."""
+    """Width slicing for ``tiers`` at their ``fusion.widths`` (in their own or the full forward pass, after
+    ``fusion.grow_round`` rounds of the smallest slice)."""
     f = recipe.fusion
     return SubModelMethod(
         target.model.config, {t: f.widths[t] for t in tiers}, target.initial.to_torch_state_dict(), policy=f.policy,
         stride=f.stride, stagger=f.stagger and f.policy == "rolling", run_seed=recipe.seed, aggregate=f.aggregate,
         trim=f.trim, axes=tuple(f.axes) if f.axes else None, scale=f.scaler,
         ordered_ladder=tuple(f.ordered_ladder) if f.ordered_ladder else None, ordered_distill=f.ordered_distill,
-        wire=recipe_wire(recipe), outer=OuterConfig(f.outer, f.outer_lr, f.outer_momentum))
+        wire=recipe_wire(recipe), outer=OuterConfig(f.outer, f.outer_lr, f.outer_momentum), forward=f.forward,
+        frozen=f.frozen_dtype, window_shared=f.window_shared, grow_round=f.grow_round)
 
 
 def recipe_wire(recipe: Recipe) -> Wire:
@@ -337,7 +340,7 @@ def run_federation(grid: Grid, recipe: Recipe, run: RunDir, on_round: RoundCallb
         recorder = RoundRecorder(run, strategy.state_dict, target, on_round, catalog, recipe.output.checkpoint_every,
                                  ckpt, server_device)
         strategy.listeners.append(recorder)
-        initial = target.initial
+        initial = ArrayRecord(initial_state(strategy.methods, target.initial.to_torch_state_dict()))
         if ckpt is not None:
             initial = ArrayRecord(ckpt.target)
             target.load(initial)

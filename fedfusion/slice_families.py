@@ -89,6 +89,14 @@ class Family:
         """A copy of ``config`` with ``counts`` units per axis and the per-layer settings of ``layers``."""
         raise NotImplementedError
 
+    def growth_factor(self, name: str, config: PretrainedConfig, c: float) -> float:
+        """What growing a small model into the target multiplies its tensor ``name`` by when the residual stream's
+        kept dims grow by ``c = sqrt(N / n)`` (:mod:`fedfusion.growth`); 1 when no hidden dim is added."""
+        if c == 1.0:
+            return 1.0
+        raise ValueError(f"growth: a {self.name} model normalises with LayerNorm over its hidden dims, which new zero "
+                         "dims would shift; grow it along heads, neurons or depth only")
+
     def build(self, config: PretrainedConfig):
         """A freshly initialised model of ``config`` (the class ordinary HF code would pick)."""
         return self.auto.from_config(config)
@@ -145,6 +153,21 @@ class LlamaFamily(Family):
         if proj in ("gate_proj", "up_proj"):
             return Rule((Dim("neurons"), H), ("hidden",)) if kind == "weight" else Rule((Dim("neurons"),))
         return Rule((H, Dim("neurons")), ("neurons",)) if kind == "weight" else Rule((H,))
+
+    def growth_factor(self, name, config, c):
+        """Writes into the residual stream (token embedding, o_proj, down_proj; the lm_head when tied) grow by ``c``
+        so every RMSNorm sees the same mean square over N dims (zeros included) as over n; norms shrink by ``c`` so
+        what layers read is unchanged, the final norm once more when the lm_head (the embedding) grew."""
+        if c == 1.0:
+            return 1.0
+        tied = bool(getattr(config, "tie_word_embeddings", False))
+        if re.search(r"(embed_tokens\.weight|\.(o_proj|down_proj)\.(weight|bias))$", name) or (
+                tied and name.endswith("lm_head.weight")):
+            return c
+        if name.endswith("norm.weight"):
+            final = self.layer_key is not None and self.layer_key.search(name) is None
+            return 1 / c**2 if final and tied else 1 / c
+        return 1.0
 
     def sub_config(self, config, counts, layers):
         group = config.num_attention_heads // config.num_key_value_heads

@@ -46,7 +46,11 @@ class SlicePlan:
 
     ``attn_units``: attention units (kv groups); ``neurons``: MLP neurons; ``hidden``: residual dims;
     ``layers``: kept layers (target indices, in order); ``channels``: CNN GroupNorm groups.
-    ``scale``: fold the HeteroFL scaler into the weights (see the module docstring).
+    ``scale``: fold the HeteroFL scaler into the weights (see the module docstring). ``grown``: the plan's
+    units hold a small model grown into the target (:mod:`fedfusion.growth`): the family's growth factor
+    instead (so extracting gives that small model back exactly). ``shared``: whether tensors on no sliced axis
+    (embeddings, norms, with the hidden axis whole) belong to the slice; a full-forward window may leave them
+    frozen.
     """
 
     attn_units: tuple[int, ...] | None = None
@@ -55,15 +59,37 @@ class SlicePlan:
     layers: tuple[int, ...] | None = None
     channels: tuple[int, ...] | None = None
     scale: bool = True
+    grown: bool = False
+    shared: bool = True
 
     def units(self, axis: str) -> tuple[int, ...] | None:
         """The kept units of ``axis`` (a name of :data:`AXES`)."""
         return getattr(self, _FIELD[axis])
 
+    @classmethod
+    def from_assignment(cls, runs: dict[str, list[list[int]]], scale: bool = True, shared: bool = True) -> SlicePlan:
+        """The plan :meth:`assignment` describes (as a message carries it); ValueError for an unknown field or a
+        malformed run."""
+        unknown = set(runs) - set(_FIELD.values())
+        if unknown:
+            raise ValueError(f"plan: unknown unit fields {sorted(unknown)}; use {', '.join(_FIELD.values())}")
+        units = {}
+        for name, spans in runs.items():
+            if not all(isinstance(r, list) and len(r) == 2 and 0 <= r[0] <= r[1] for r in spans):
+                raise ValueError(f"plan.{name}: runs must be [first, last] pairs, got {spans}")
+            units[name] = tuple(u for first, last in spans for u in range(first, last + 1))
+        return cls.of(units, scale=scale, shared=shared)
+
+    @classmethod
+    def of(cls, units: dict[str, tuple[int, ...]], scale: bool = True, shared: bool = True) -> SlicePlan:
+        """A plan from its unit fields by name (absent: None)."""
+        return cls(attn_units=units.get("attn_units"), neurons=units.get("neurons"), hidden=units.get("hidden"),
+                   layers=units.get("layers"), channels=units.get("channels"), scale=scale, shared=shared)
+
     def assignment(self) -> dict[str, list[list[int]]]:
         """Every axis the plan holds, as inclusive runs (for the clients.jsonl assignment column)."""
         return {f.name: as_ranges(getattr(self, f.name)) for f in fields(self)
-                if f.name != "scale" and getattr(self, f.name) is not None}
+                if f.name in _FIELD.values() and getattr(self, f.name) is not None}
 
 
 def as_ranges(units: tuple[int, ...]) -> list[list[int]]:
@@ -152,7 +178,7 @@ def plan_slice(
             if axis == "hidden" and family.hidden_follows_heads:
                 n = len(kept["heads"]) * family.head_dim(config)
             kept[axis] = _choose(total, n, policy, server_round, stride, offset, gen)
-    return SlicePlan(**{_FIELD[a]: units for a, units in kept.items()}, scale=scale)
+    return SlicePlan.of({_FIELD[a]: units for a, units in kept.items()}, scale=scale)
 
 
 def _check_plan(config: PretrainedConfig, plan: SlicePlan) -> tuple[dict[str, int], dict[str, tuple[int, ...]]]:
@@ -202,6 +228,7 @@ def tensor_slices(names: Iterable[str], config: PretrainedConfig, plan: SlicePla
     family = family_of(config)
     sizes, kept = _check_plan(config, plan)
     position = {layer: j for j, layer in enumerate(kept["depth"])} if "depth" in kept else {}
+    grown = math.sqrt(sizes["hidden"] / len(kept["hidden"])) if plan.grown and "hidden" in kept else 1.0
     out = {}
     for name in names:
         sub_name = name
@@ -213,7 +240,12 @@ def tensor_slices(names: Iterable[str], config: PretrainedConfig, plan: SlicePla
             sub_name = f"{name[:match.start(2)]}{position[layer]}{name[match.end(2):]}"
         rule = family.rule(name, config)
         index = tuple(None if d is None else _dim_index(d, kept[d.axis], sizes[d.axis]) for d in rule.dims)
-        scale = math.prod(sizes[a] / len(kept[a]) for a in rule.contracts) if plan.scale else 1.0
+        if not plan.shared and all(i is None for i in index):
+            continue
+        if plan.scale:
+            scale = math.prod(sizes[a] / len(kept[a]) for a in rule.contracts)
+        else:
+            scale = 1 / family.growth_factor(name, config, grown) if plan.grown else 1.0
         out[name] = TensorSlice(sub_name, index, scale)
     return out
 

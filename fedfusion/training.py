@@ -11,11 +11,12 @@ import torch
 from transformers import PreTrainedModel
 
 from fedfusion.data import sample_batch
+from fedfusion.full_forward import WindowModel
 
 OPTIMIZERS = ("adamw", "sgd")
 
 
-def lm_loss(model: PreTrainedModel, batch: torch.Tensor, reduction: str = "mean") -> tuple[torch.Tensor, torch.Tensor]:
+def lm_loss(model: PreTrainedModel | WindowModel, batch: torch.Tensor, reduction: str = "mean") -> tuple[torch.Tensor, torch.Tensor]:
     """Next-token cross-entropy of ``batch`` windows (input = [:, :-1], target = [:, 1:]) and the logits."""
     batch = batch.to(model.device)
     inputs, labels = batch[:, :-1], batch[:, 1:]
@@ -59,7 +60,7 @@ def seeded_randomness(seed: int, device: torch.device) -> Iterator[None]:
 
 
 def train_steps(
-    model: PreTrainedModel,
+    model: PreTrainedModel | WindowModel,
     windows: torch.Tensor,
     steps: int,
     lr: float,

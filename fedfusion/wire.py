@@ -25,14 +25,14 @@ from fedfusion.lora import METHODS as LORA_METHODS
 from fedfusion.pretrained import DTYPES, QUANTIZE
 from fedfusion.quantize import UPLINK
 from fedfusion.recipe import CHOICES, FaultConfig, PrivacyConfig, TrainConfig
-from fedfusion.slicing import POLICIES
+from fedfusion.slicing import POLICIES, SlicePlan
 from fedfusion.training import OPTIMIZERS
 
 # how an error reply says that a phone behind a device gateway missed its deadline: the strategy records a dropout
 DROPPED = "device dropped:"
 # What a message's spec asks a client to be (RoleSpec.role), and the module of fedfusion.clients that plays it
 # (train(), evaluate(), num_examples()); the client app imports it on first use.
-ROLES = {"submodel": "fedfusion.clients.submodel", "smallmodel": "fedfusion.clients.smallmodel",
+ROLES = {"submodel": "fedfusion.clients.submodel", "window": "fedfusion.clients.window", "smallmodel": "fedfusion.clients.smallmodel",
          "lora": "fedfusion.clients.lora", "generative": "fedfusion.clients.generative"}
 
 KEY = "wire-key"  # field metadata: the field's key, where another library fixes it
@@ -272,6 +272,19 @@ class SliceSpec(Spec):
 
 
 @dataclass(frozen=True)
+class WindowSpec(Spec):
+    """A full-forward window (role window): the target units it trains (``SlicePlan.assignment()`` runs) and
+    whether the tensors on no sliced axis (embeddings, norms) are part of it."""
+
+    units: dict[str, list[list[int]]] = field(metadata=JSON)
+    shared: bool
+
+    def plan(self) -> SlicePlan:
+        """The window as a slice plan of the target (no scaler: the target runs whole)."""
+        return SlicePlan.from_assignment(self.units, scale=False, shared=self.shared)
+
+
+@dataclass(frozen=True)
 class OrderedSpec(Spec):
     """FjORD's nested widths (sent only with policy ``ordered``): the fractions each step samples, and whether the
     widest teaches the narrower ones."""
@@ -378,5 +391,5 @@ class Caps(Spec):
 
 
 SPEC_TYPES: tuple[type[Spec], ...] = (ClientSpec, RoundSpec, RoleSpec, TrainSpec, FaultSpec, PrivacySpec, ModelSpec,
-                                      SliceSpec, OrderedSpec, FamilySpec, GenerativeSpec, LoRABaseSpec, QuantizeSpec,
+                                      SliceSpec, WindowSpec, OrderedSpec, FamilySpec, GenerativeSpec, LoRABaseSpec, QuantizeSpec,
                                       AdapterSpec, WireSpec, PopulationSpec, Caps)

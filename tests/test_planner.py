@@ -195,7 +195,7 @@ def test_plan_prices_a_quantised_wire_at_the_bytes_its_arrays_carry(down, up):
 def test_lora_plan_prices_the_adapter_each_way():
     from transformers import LlamaConfig
 
-    from fedfusion.energy import lora_work_params, train_flops
+    from fedfusion.energy import frozen_work_params, train_flops
     from fedfusion.planner import lora_plan_table
 
     base = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -203,7 +203,7 @@ def test_lora_plan_prices_the_adapter_each_way():
     recipe = load_recipe("quickstart", ["fusion.method=lora", "data.source=chatterbot"])
     t = recipe.train
     for row in lora_plan_table(recipe, base):
-        flops = train_flops(lora_work_params(param_count(base), row["trainable"]), t.local_steps * t.batch_size * t.seq_len)
+        flops = train_flops(frozen_work_params(param_count(base), row["trainable"]), t.local_steps * t.batch_size * t.seq_len)
         _assert_priced_as_the_ledger(row, load_catalog()[row["tier"]], flops, 4 * row["trainable"], 4 * row["trainable"])
 
 

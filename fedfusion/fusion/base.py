@@ -112,6 +112,11 @@ class FusionMethod(ABC):
     def fold(self, server_round: int, target: State, updates: Sequence[Update]) -> Fold:
         """The round's accepted updates (at least one, in sample order) folded into ``target``."""
 
+    def begin(self, target: State) -> State:
+        """The target a fresh run starts from (not a resumed one): the built target, or a method's own start
+        (e.g. a grow-then-fuse run's silenced target)."""
+        return target
+
     def observe(self, population: Mapping[int, str]) -> None:
         """Called before :meth:`payloads` with the tier of every partition known so far (partition -> tier);
         most methods need nothing of it."""

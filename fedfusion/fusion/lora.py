@@ -32,7 +32,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import PreTrainedModel
 
-from fedfusion.energy import lora_work_params
+from fedfusion.energy import frozen_work_params
 from fedfusion.fusion.base import Client, Fold, FusionMethod, Payload, State, TierCost, Update
 from fedfusion.lora import (
     METHODS,
@@ -118,7 +118,7 @@ class LoRAMethod(FusionMethod):
         def nbytes(fmt: str) -> int:
             return sum(encoded_bytes(fmt, r * i) + encoded_bytes(fmt, o * r) for o, i in self.modules.values())
 
-        return TierCost(lora_work_params(self.base_params, self.adapter_params(tier)), nbytes(self.wire.down),
+        return TierCost(frozen_work_params(self.base_params, self.adapter_params(tier)), nbytes(self.wire.down),
                         nbytes_up=nbytes(self.wire.up))
 
     def payloads(self, server_round: int, target: State, clients: Sequence[Client]) -> list[Payload]:
@@ -142,7 +142,7 @@ class LoRAMethod(FusionMethod):
             spec = merge(RoleSpec(self.role), self.base, QuantizeSpec(quantize), AdapterSpec(self.method, rank, alpha),
                          WireSpec(self.wire.up, self.wire.error_feedback))
             out.append(Payload(client, self.wire.send(arrays), spec, width=1.0,
-                               params=lora_work_params(self.base_params, adapter),
+                               params=frozen_work_params(self.base_params, adapter),
                                sent_norm=update_norm(*start, alpha / rank),
                                row={"rank": rank, "alpha": float(alpha), "quantize": quantize,
                                     "adapter_params": adapter}, context=arrays))

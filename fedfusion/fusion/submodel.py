@@ -2,6 +2,13 @@
 
 HeteroFL (static), FedRolex (rolling, optionally staggered), Federated Dropout (random), FjORD (ordered) and
 ``owned`` windows; the fold is :func:`fedfusion.rounds.fold` (the average, then the optional outer optimizer).
+
+Two forward passes: ``slice`` (a client runs its slice as a small model of its own, as HeteroFL and FedRolex do)
+and ``full`` (a client holds the whole target frozen, sent in ``frozen`` format, and trains its slice's
+coordinates with the exact gradient of the target's loss: :mod:`fedfusion.full_forward`). With ``grow_round``
+the run first trains what every device holds, the smallest width's static prefix of a target silenced around
+it (:func:`fedfusion.growth.silence`: the target *is* that small model, so these rounds are smallest-only
+training), and from the next round on trains the whole grown target under the method's own policy.
 """
 
 from __future__ import annotations
@@ -13,7 +20,10 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig
 
+from fedfusion.energy import frozen_work_params
+from fedfusion.full_forward import FROZEN
 from fedfusion.fusion.base import Client, Fold, FusionMethod, Payload, State, TierCost, Update, state_norm, state_size
+from fedfusion.growth import grown_plan, silence
 from fedfusion.models import config_aliases, full_state, wire_state
 from fedfusion.ordered import ordered_fractions
 from fedfusion.outer import OuterConfig, OuterOptimizer
@@ -28,7 +38,9 @@ from fedfusion.slicing import (
     sub_config,
     tensor_slices,
 )
-from fedfusion.wire import ModelSpec, OrderedSpec, RoleSpec, SliceSpec, Spec, WireSpec, merge
+from fedfusion.wire import ModelSpec, OrderedSpec, RoleSpec, SliceSpec, Spec, WindowSpec, WireSpec, merge
+
+FORWARDS = ("slice", "full")
 
 
 class SliceWire:
@@ -79,7 +91,13 @@ class SubModelMethod(FusionMethod):
                  policy: str = "rolling", stride: float = 0.125, stagger: bool = False, run_seed: int = 0,
                  aggregate: str = "mean", trim: float = 0.2, axes: tuple[str, ...] | None = None, scale: bool = True,
                  ordered_ladder: tuple[float, ...] | None = None, ordered_distill: bool = False,
-                 wire: Wire | None = None, outer: OuterConfig | None = None) -> None:
+                 wire: Wire | None = None, outer: OuterConfig | None = None, forward: str = "slice",
+                 frozen: str = "int8", window_shared: bool = False, grow_round: int = 0) -> None:
+        if forward not in FORWARDS:
+            raise ValueError(f"forward {forward!r} is not one of {', '.join(FORWARDS)}")
+        if forward == "full" and policy == "ordered":
+            raise ValueError("policy 'ordered' trains nested sub-models in their own forward pass; use forward 'slice'")
+        self.forward, self.frozen, self.window_shared, self.grow_round = forward, frozen, window_shared, grow_round
         self.config, self.widths, self.policy, self.stride = config, widths, policy, stride
         self.stagger, self.run_seed, self.aggregate, self.trim = stagger, run_seed, aggregate, trim
         self.axes, self.scale = axes, scale
@@ -88,12 +106,42 @@ class SubModelMethod(FusionMethod):
         self.wire = SliceWire(config, wire)
         # a damped server step on each round's fold (fedfusion.outer); None: plain selective averaging
         self.outer = OuterOptimizer(outer) if outer is not None and outer.method != "none" else None
+        self.target_params = sum(t.numel() for t in self.wire.exact(template).values())
+        self.frozen_bytes = state_size(encode(self.wire.exact(template), frozen)).nbytes if forward == "full" else 0
         # sub-model sizes depend only on the width, so they are priced once per run
-        self.costs = {tier: self.wire.cost(extract(template, config, self._static(w)), w) for tier, w in widths.items()}
+        self.costs = {tier: self._cost(template, w) for tier, w in widths.items()}
         self.owned: dict[int, float] | None = None
 
     def _static(self, width: float) -> SlicePlan:
         return plan_slice(self.config, width, "static", axes=self.axes, scale=self.scale)
+
+    def _small(self) -> SlicePlan:
+        """The model every device holds before growth: the smallest width's static prefix, as grown."""
+        return grown_plan(plan_slice(self.config, min(self.widths.values()), "static", axes=self.axes))
+
+    def _cost(self, template: State, width: float) -> TierCost:
+        """A tier's round after growth (the grow rounds train the smallest slice: cheaper, priced as this)."""
+        if self.forward == "slice":
+            return self.wire.cost(extract(template, self.config, self._static(width)), width)
+        plan = replace(self._static(width), scale=False, shared=self.window_shared)
+        window = self.wire.cost(extract(template, self.config, plan), width)
+        return replace(window, params=frozen_work_params(self.target_params, window.params),
+                       nbytes=window.nbytes + self.frozen_bytes)
+
+    def begin(self, target: State) -> State:
+        """With ``grow_round``, the target silenced around the smallest slice (:func:`fedfusion.growth.silence`)."""
+        return silence(self.config, self._small(), target) if self.grow_round else target
+
+    def _plans(self, server_round: int, clients: Sequence[Client]) -> tuple[list[SlicePlan], list[float], bool]:
+        """This round's plans, widths and whether clients run the whole target (full forward)."""
+        if server_round <= self.grow_round:
+            return [self._small()] * len(clients), [min(self.widths.values())] * len(clients), False
+        widths = [self.widths[c.tier] for c in clients]
+        full = self.forward == "full"
+        plans = plan_round(self.config, [(c.partition, w) for c, w in zip(clients, widths)], self.policy,
+                           server_round, self.run_seed, self.stride, self.stagger, self.axes, self.scale and not full,
+                           self.owned)
+        return ([replace(p, shared=self.window_shared) for p in plans] if full else plans), widths, full
 
     def observe(self, population: Mapping[int, str]) -> None:
         """``owned`` windows tile the widths of every partition known so far that this method trains."""
@@ -101,28 +149,36 @@ class SubModelMethod(FusionMethod):
             self.owned = owned_starts({p: self.widths[t] for p, t in population.items() if t in self.widths})
 
     def describe(self) -> str:
-        return f"submodel: policy={self.policy} stride={self.stride} stagger={self.stagger} widths={self.widths}"
+        grow = f" grow_round={self.grow_round}" if self.grow_round else ""
+        full = f" forward=full frozen={self.frozen}" if self.forward == "full" else ""
+        return f"submodel: policy={self.policy} stride={self.stride} stagger={self.stagger} widths={self.widths}{grow}{full}"
 
     def tier_cost(self, tier: str) -> TierCost:
         return self.costs[tier]
 
     def payloads(self, server_round: int, target: State, clients: Sequence[Client]) -> list[Payload]:
-        widths = [self.widths[c.tier] for c in clients]
-        plans = plan_round(self.config, [(c.partition, w) for c, w in zip(clients, widths)], self.policy,
-                           server_round, self.run_seed, self.stride, self.stagger, self.axes, self.scale, self.owned)
+        plans, widths, full = self._plans(server_round, clients)
+        frozen = {FROZEN + k: v for k, v in encode(self.wire.exact(target), self.frozen).items()} if full else {}
+        policy = "static" if server_round <= self.grow_round else self.policy
         out = []
         for client, width, plan in zip(clients, widths, plans):
             exact = self.wire.exact(extract(target, self.config, plan))
             sent = self.wire.formats.send(exact)
-            if self.wire.formats.up != "float32" and self.wire.formats.error_feedback:
+            feedback = self.wire.formats.error_feedback and not full  # a residual keyed by window would not follow it
+            if self.wire.formats.up != "float32" and feedback:
                 sent[INDEX_KEY] = self.wire.index(target, self.config, plan, exact)
-            specs: list[Spec] = [RoleSpec(self.role), ModelSpec(sub_config(self.config, plan).to_dict()),
-                                 SliceSpec(width, self.policy, self.axes or None),
-                                 WireSpec(self.wire.formats.up, self.wire.formats.error_feedback)]
-            if self.policy == "ordered":
+            trained = sum(t.numel() for t in exact.values())
+            specs: list[Spec] = [SliceSpec(width, policy, self.axes or None), WireSpec(self.wire.formats.up, feedback)]
+            if full:
+                specs += [RoleSpec("window"), ModelSpec(self.config.to_dict()), WindowSpec(plan.assignment(), plan.shared)]
+            else:
+                specs += [RoleSpec(self.role), ModelSpec(sub_config(self.config, plan).to_dict())]
+            if policy == "ordered":
                 specs.append(OrderedSpec(tuple(ordered_fractions(width, self.ordered_ladder)), self.ordered_distill))
-            out.append(Payload(client, sent, merge(*specs), width, params=sum(t.numel() for t in exact.values()),
-                               sent_norm=state_norm(exact), assignment=plan.assignment(), context=(plan, target)))
+            out.append(Payload(client, {**sent, **frozen}, merge(*specs), width,
+                               params=frozen_work_params(self.target_params, trained) if full else trained,
+                               sent_norm=state_norm(exact), assignment=plan.assignment(), context=(plan, target),
+                               row={"trained_params": trained, "forward": "full" if full else "slice"}))
         return out
 
     def check(self, payload: Payload, reply: State, weight: float) -> Update:
