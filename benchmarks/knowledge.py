@@ -161,7 +161,7 @@ def arm_setup(arm: str, ladder: tuple[float, ...], clients: int,
         if arm.endswith(f"_{name}"):
             base, outer = arm[: -len(name) - 1], config
     widths = [ladder[i % len(ladder)] for i in range(clients)]
-    if base == "smallest_only":
+    if base == "smallest_only_hetero":  # the HeteroFL-scaled small model (earlier results' smallest_only)
         return [min(ladder)] * clients, "static", outer, min(ladder)
     if base == "oracle":
         return [1.0] * clients, "static", outer, None
@@ -171,6 +171,30 @@ def arm_setup(arm: str, ladder: tuple[float, ...], clients: int,
         w = float(base[5:])
         return [w if x == w else 0.0 for x in widths], "static", outer, w
     return widths, base, outer, None
+
+
+# Grow-then-fuse arms (fedfusion.growth; SubModelMethod's grow_round and forward): the first --grow-round rounds
+# train the smallest slice of a target silenced around it (smallest-only training: the target *is* that small
+# model), then the whole grown target trains as the arm says. smallest_only is the same run that never grows.
+GROWTH = {
+    "smallest_only": dict(policy="static", grow_round=-1),
+    "grow_oracle": dict(policy="static", full_width=True),  # then every client trains the whole target (a reference
+    #                                                         no device of the regime could hold)
+    "grow_rolling": dict(policy="rolling", stagger=True),  # then rolling slices in their own forward pass
+    "grow_ff": dict(policy="rolling", stagger=False, forward="full"),  # then full-forward windows, one per round
+    "grow_ffst": dict(policy="rolling", stagger=True, forward="full"),  # full-forward windows laid end to end
+    "ff": dict(policy="rolling", stagger=False, forward="full", grow_round=0),  # full-forward from scratch
+}
+
+
+def growth_fields(arm: str, rounds: int, grow_round: int) -> dict | None:
+    """The SubModelRun settings of a grow-then-fuse arm (None for other arms); ``grow_round`` -1 means every round."""
+    if arm not in GROWTH:
+        return None
+    fields = dict(GROWTH[arm])
+    fields.pop("full_width", None)
+    g = fields.pop("grow_round", grow_round)
+    return {"stagger": False, "scale": False, **fields, "grow_round": rounds if g == -1 else g}
 
 
 def scaled(arm: str) -> tuple[str, bool]:
@@ -188,6 +212,11 @@ def run_arm(job: dict) -> dict:
     arm, scale = scaled(job["arm"])
     widths, policy, outer, scored = arm_setup(arm, REGIMES[job["regime"]][0], a["clients"],
                                               OuterConfig(a["outer"], lr=a["outer_lr"]))
+    growth = growth_fields(arm, a["rounds"], a["grow_round"])
+    if growth is not None:  # every client at the smallest width until growth; the target is scored throughout
+        widths, scored = [min(REGIMES[job["regime"]][0])] * a["clients"], None
+        if GROWTH[arm].get("full_width"):
+            widths = [1.0] * a["clients"]
     keep = [i for i, w in enumerate(widths) if w > 0]
     torch.manual_seed(job["seed"])
     initial = family_of(cfg).build(cfg).state_dict()
@@ -208,11 +237,12 @@ def run_arm(job: dict) -> dict:
         return scores
 
     start, ceiling = time.perf_counter(), {}
-    run = SubModelRun(cfg, [windows[i] for i in keep], [widths[i] for i in keep],
-                      policy="static" if policy == "feddf" else policy, rounds=a["rounds"], per_round=a["per_round"],
-                      steps=a["steps"], lr=a["lr"], batch_size=a["batch"], seed=job["seed"], stride=a["stride"],
-                      stagger=policy == "rolling", axes=axes, outer=outer, optimizer=a["optimizer"], scale=scale,
-                      wire=Wire(a.get("wire_down", "float32"), a.get("wire_up", "float32"), a.get("error_feedback", True)))
+    settings = dict(policy="static" if policy == "feddf" else policy, stagger=policy == "rolling", scale=scale)
+    run = SubModelRun(cfg, [windows[i] for i in keep], [widths[i] for i in keep], rounds=a["rounds"],
+                      per_round=a["per_round"], steps=a["steps"], lr=a["lr"], batch_size=a["batch"], seed=job["seed"],
+                      stride=a["stride"], axes=axes, outer=outer, optimizer=a["optimizer"],
+                      wire=Wire(a.get("wire_down", "float32"), a.get("wire_up", "float32"), a.get("error_feedback", True)),
+                      frozen=a["frozen"], window_width=a["window_width"], **{**settings, **(growth or {})})
     if policy == "generative":  # each client's own model: the smallest width, as smallest_only trains it
         plan = plan_slice(cfg, min(widths), "static", axes=axes)
         gen_run = GenerativeRun(cfg, sub_config(cfg, plan), windows, rounds=a["gen_rounds"], per_round=a["per_round"],
@@ -423,6 +453,10 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--seq-len", type=int, default=48)
     parser.add_argument("--stride", type=float, default=0.125)
     parser.add_argument("--eval-every", type=int, default=50)
+    parser.add_argument("--grow-round", type=int, default=300, help="grow_* arms: the last round of the small model")
+    parser.add_argument("--frozen", default="int8", help="full-forward arms: the frozen target's format")
+    parser.add_argument("--window-width", type=float, default=None,
+                        help="full-forward arms: each window's fraction of the units (default: the regime's width)")
     parser.add_argument("--optimizer", default="sgd", choices=["adamw", "sgd"], help="clients' local optimizer")
     parser.add_argument("--outer", default="adam", help="server optimizer of every arm without an _<outer> suffix")
     parser.add_argument("--outer-lr", type=float, default=3e-3)
@@ -469,7 +503,7 @@ def main() -> None:
     saved = json.loads(partial.read_text()) if partial.is_file() else {"args": conf, "results": {}, "machine": machine}
     same = ("task", "people", "clients", "rounds", "per_round", "steps", "batch", "lr", "seq_len", "optimizer", "outer",
             "outer_lr", "gen_steps", "gen_lr", "gen_rounds", "gen_samples", "gen_temperature", "gen_server_steps",
-            "gen_server_lr", "hidden", "intermediate", "layers", "stride", "eval_every")
+            "gen_server_lr", "hidden", "intermediate", "layers", "stride", "eval_every", "grow_round", "frozen", "window_width")
     changed = [k for k in same if saved["args"].get(k, conf[k]) != conf[k]]
     if changed:
         raise SystemExit(f"{partial} was run with other settings ({', '.join(changed)}); use another --out or delete it")
@@ -483,7 +517,7 @@ def main() -> None:
             return regime == "mixed"
         if arm == "oracle" and regime != args.regimes[0]:
             return False  # the oracle trains the whole target: the same run in every regime
-        return regime != "tiny" or scaled(arm)[0].split("_")[0] in ("smallest", "oracle", "generative", "feddf")
+        return regime != "tiny" or scaled(arm)[0].split("_")[0] in ("smallest", "oracle", "generative", "feddf", "grow", "ff")
 
     def done(regime: str, arm: str) -> set[int]:
         return {r["seed"] for r in results.get(regime, {}).get(arm, [])}

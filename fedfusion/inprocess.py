@@ -71,6 +71,7 @@ class SubModelRun(Rounds):
     frozen: str = "int8"  # full: the frozen target's format
     window_shared: bool = False  # full: embeddings and norms in every window
     grow_round: int = 0  # rounds of the smallest slice before the grown target trains
+    window_width: float | None = None  # full: every window's fraction of the units (None: the partition's width)
 
 
 @dataclass
@@ -85,17 +86,19 @@ class RunStats:
     bytes_down: int = 0
     bytes_up: int = 0
     client_rounds: int = 0
-    max_client_params: int = 0
+    max_client_params: int = 0  # the most parameters one client trained in a round
     history: list[dict[str, float]] = field(default_factory=list)
 
-    def client(self, out: Mapping[str, float], params: int, seconds: float, flops: float, down: int, up: int) -> None:
-        """Count one client round: ``out`` from ``train_steps``, plus work beyond it (``seconds``, ``flops``)."""
+    def client(self, out: Mapping[str, float], params: int, seconds: float, flops: float, down: int, up: int,
+               trained: int | None = None) -> None:
+        """Count one client round: ``out`` from ``train_steps``, plus work beyond it (``seconds``, ``flops``);
+        ``params`` price the work (6 FLOPs each per token), ``trained`` (default ``params``) are what it trained."""
         self.client_s += out["train_s"] + seconds
         self.tokens += int(out["train_tokens"])
         self.flops += 6.0 * params * out["train_tokens"] + flops
         self.bytes_down, self.bytes_up = self.bytes_down + down, self.bytes_up + up
         self.client_rounds += 1
-        self.max_client_params = max(self.max_client_params, params)
+        self.max_client_params = max(self.max_client_params, params if trained is None else trained)
 
 
 def _nbytes(state: dict[str, torch.Tensor]) -> int:
@@ -127,7 +130,8 @@ def run_rounds(methods: Mapping[str, FusionMethod], tiers: Sequence[str | None],
         updates = []
         for payload in payloads:
             reply, metrics = train(rnd, payload)
-            stats.client(metrics, payload.params, 0.0, 0.0, _nbytes(payload.arrays), _nbytes(reply))
+            stats.client(metrics, payload.params, 0.0, 0.0, _nbytes(payload.arrays), _nbytes(reply),
+                         payload.row.get("trained_params"))
             start = time.perf_counter()
             weight = float(metrics["num-examples"]) if weighting == "examples" else 1.0
             updates.append(methods[payload.client.tier].check(payload, reply, weight))
@@ -155,7 +159,8 @@ def run_submodel(run: SubModelRun, initial: dict[str, torch.Tensor], evaluate: E
     method = SubModelMethod(run.config, {t: w for t, w in zip(tiers, run.widths)}, initial, policy=run.policy,
                             stride=run.stride, stagger=run.stagger, run_seed=run.seed, axes=run.axes, scale=run.scale,
                             outer=run.outer, wire=run.wire, forward=run.forward, frozen=run.frozen,
-                            window_shared=run.window_shared, grow_round=run.grow_round)
+                            window_shared=run.window_shared, grow_round=run.grow_round,
+                            window_widths={t: run.window_width for t in tiers} if run.window_width else None)
     method.observe(dict(enumerate(tiers)))  # ``owned`` windows tile the whole population from round 1
     residuals: dict[int, State] = {}  # each partition's uplink error feedback, as its node keeps it
 

@@ -126,6 +126,7 @@ class FusionConfig:
     forward: str = "slice"
     frozen_dtype: str = "int8"  # full: how the frozen target travels and sits on the device (float32 | float16 | int8 | int4)
     window_shared: bool = False  # full: the window also trains the tensors on no sliced axis (embeddings, norms)
+    window_widths: dict[str, float] = field(default_factory=dict)  # full: a tier's window (fraction of units); default its width
     # submodel: rounds 1..grow_round train the smallest width's static slice of a target silenced around it (the
     # target equals that small model: smallest-only training); later rounds train the whole grown target. 0: off
     grow_round: int = 0
@@ -626,6 +627,11 @@ def _validate_growth(recipe: Recipe) -> None:
     if f.forward == "full" and f.policy == "ordered":
         raise RecipeError("fusion.forward=full: policy 'ordered' trains nested sub-models in their own forward pass; "
                           "use static, rolling, random or owned")
+    for tier, width in f.window_widths.items():
+        if tier not in f.widths:
+            raise RecipeError(f"fusion.window_widths.{tier}: not a tier of fusion.widths ({', '.join(f.widths)})")
+        if not 0 < width <= 1:
+            raise RecipeError(f"fusion.window_widths.{tier}: must be in (0, 1], got {width}")
 
 
 def _validate_wire(recipe: Recipe) -> None:

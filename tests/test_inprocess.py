@@ -13,7 +13,7 @@ from fedfusion.inprocess import GenerativeRun, SubModelRun, TransferRun, run_gen
 from fedfusion.models import model_from_state
 from fedfusion.rounds import client_seed
 from fedfusion.slicing import extract, plan_slice, sub_config
-from fedfusion.training import train_steps
+from fedfusion.training import evaluate_lm, train_steps
 from tests.conftest import tiny_config
 
 
@@ -122,3 +122,35 @@ def test_dropout_follows_the_messages_seed_not_the_processs_history():
     assert losses[0] == losses[1]
     model = model_from_state(cfg, init)
     assert train_steps(model, windows[0], 3, 1e-2, 4, seed=12)["train_loss"] != losses[0]
+
+
+def test_grow_rounds_are_smallest_only_training_and_the_grown_target_equals_it():
+    """During ``grow_round`` rounds the target is the smallest slice's model: its held-out loss equals that of the
+    small model a plain smallest-only federation trains (same clients, seeds and steps)."""
+    cfg, state, windows = _setup()
+    common = dict(policy="static", rounds=3, per_round=2, steps=3, lr=0.02, batch_size=4, scale=False)
+    grown, _ = run_submodel(SubModelRun(cfg, windows, [0.5] * 3, grow_round=3, **common), state)
+    small_only, _ = run_submodel(SubModelRun(cfg, windows, [0.5] * 3, **common), state)
+    plan = plan_slice(cfg, 0.5, "static", scale=False)
+    held = torch.cat(windows)
+    target_loss = evaluate_lm(model_from_state(cfg, grown), held)["eval_loss"]
+    small_loss = evaluate_lm(model_from_state(sub_config(cfg, plan), extract(small_only, cfg, plan)), held)["eval_loss"]
+    assert abs(target_loss - small_loss) <= 1e-5
+    assert abs(target_loss - evaluate_lm(model_from_state(cfg, state), held)["eval_loss"]) > 1e-3  # it trained
+
+
+@pytest.mark.parametrize("frozen", ["float32", "int8"])
+def test_full_forward_windows_after_growth_move_only_their_units_and_lower_the_loss(frozen):
+    cfg, state, windows = _setup()
+    run = SubModelRun(cfg, windows, [0.5] * 3, policy="rolling", stride=0.5, stagger=False, rounds=4, per_round=3,
+                      steps=4, lr=0.02, batch_size=4, grow_round=2, forward="full", frozen=frozen)
+    seen: dict[int, dict[str, torch.Tensor]] = {}
+    fused, stats = run_submodel(run, state, lambda s, rnd: seen.setdefault(rnd, dict(s)) and None)
+    before, after = seen[2], fused
+    embed = "model.embed_tokens.weight"
+    assert torch.equal(before[embed], after[embed])  # windows leave what no unit owns (embeddings, norms) alone
+    down = "model.layers.0.mlp.down_proj.weight"
+    assert not torch.equal(before[down], after[down])
+    held = torch.cat(windows)
+    assert evaluate_lm(model_from_state(cfg, after), held)["eval_loss"] < evaluate_lm(model_from_state(cfg, before), held)["eval_loss"]
+    assert stats.bytes_down > stats.bytes_up  # the frozen target goes down, only windows come back

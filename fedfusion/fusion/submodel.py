@@ -29,6 +29,7 @@ from fedfusion.ordered import ordered_fractions
 from fedfusion.outer import OuterConfig, OuterOptimizer
 from fedfusion.quantize import INDEX_KEY, Wire, encode, pack_index
 from fedfusion.rounds import fold, owned_starts, plan_round
+from fedfusion.slice_families import family_of
 from fedfusion.slicing import (
     SelectiveAverager,
     SlicePlan,
@@ -92,12 +93,17 @@ class SubModelMethod(FusionMethod):
                  aggregate: str = "mean", trim: float = 0.2, axes: tuple[str, ...] | None = None, scale: bool = True,
                  ordered_ladder: tuple[float, ...] | None = None, ordered_distill: bool = False,
                  wire: Wire | None = None, outer: OuterConfig | None = None, forward: str = "slice",
-                 frozen: str = "int8", window_shared: bool = False, grow_round: int = 0) -> None:
+                 frozen: str = "int8", window_shared: bool = False, grow_round: int = 0,
+                 window_widths: dict[str, float] | None = None) -> None:
         if forward not in FORWARDS:
             raise ValueError(f"forward {forward!r} is not one of {', '.join(FORWARDS)}")
         if forward == "full" and policy == "ordered":
             raise ValueError("policy 'ordered' trains nested sub-models in their own forward pass; use forward 'slice'")
         self.forward, self.frozen, self.window_shared, self.grow_round = forward, frozen, window_shared, grow_round
+        # a full-forward window is a set of units (heads, neurons, layers): the residual stream stays whole in it
+        self.window_axes = tuple(a for a in (axes or family_of(config).default_axes) if a != "hidden")
+        # full forward: each tier's window, as a fraction of the units (default: the tier's width)
+        self.window_widths = {t: (window_widths or {}).get(t, w) for t, w in widths.items()}
         self.config, self.widths, self.policy, self.stride = config, widths, policy, stride
         self.stagger, self.run_seed, self.aggregate, self.trim = stagger, run_seed, aggregate, trim
         self.axes, self.scale = axes, scale
@@ -109,7 +115,7 @@ class SubModelMethod(FusionMethod):
         self.target_params = sum(t.numel() for t in self.wire.exact(template).values())
         self.frozen_bytes = state_size(encode(self.wire.exact(template), frozen)).nbytes if forward == "full" else 0
         # sub-model sizes depend only on the width, so they are priced once per run
-        self.costs = {tier: self._cost(template, w) for tier, w in widths.items()}
+        self.costs = {tier: self._cost(template, tier) for tier in widths}
         self.owned: dict[int, float] | None = None
 
     def _static(self, width: float) -> SlicePlan:
@@ -119,11 +125,13 @@ class SubModelMethod(FusionMethod):
         """The model every device holds before growth: the smallest width's static prefix, as grown."""
         return grown_plan(plan_slice(self.config, min(self.widths.values()), "static", axes=self.axes))
 
-    def _cost(self, template: State, width: float) -> TierCost:
+    def _cost(self, template: State, tier: str) -> TierCost:
         """A tier's round after growth (the grow rounds train the smallest slice: cheaper, priced as this)."""
         if self.forward == "slice":
-            return self.wire.cost(extract(template, self.config, self._static(width)), width)
-        plan = replace(self._static(width), scale=False, shared=self.window_shared)
+            return self.wire.cost(extract(template, self.config, self._static(self.widths[tier])), self.widths[tier])
+        width = self.window_widths[tier]
+        plan = plan_slice(self.config, width, "static", axes=self.window_axes, scale=False)
+        plan = replace(plan, shared=self.window_shared)
         window = self.wire.cost(extract(template, self.config, plan), width)
         return replace(window, params=frozen_work_params(self.target_params, window.params),
                        nbytes=window.nbytes + self.frozen_bytes)
@@ -136,11 +144,11 @@ class SubModelMethod(FusionMethod):
         """This round's plans, widths and whether clients run the whole target (full forward)."""
         if server_round <= self.grow_round:
             return [self._small()] * len(clients), [min(self.widths.values())] * len(clients), False
-        widths = [self.widths[c.tier] for c in clients]
         full = self.forward == "full"
+        widths = [(self.window_widths if full else self.widths)[c.tier] for c in clients]
         plans = plan_round(self.config, [(c.partition, w) for c, w in zip(clients, widths)], self.policy,
-                           server_round, self.run_seed, self.stride, self.stagger, self.axes, self.scale and not full,
-                           self.owned)
+                           server_round, self.run_seed, self.stride, self.stagger, self.window_axes if full else self.axes,
+                           self.scale and not full, self.owned)
         return ([replace(p, shared=self.window_shared) for p in plans] if full else plans), widths, full
 
     def observe(self, population: Mapping[int, str]) -> None:
