@@ -29,7 +29,7 @@ message adds a few hundred bytes of names and headers per array.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -37,6 +37,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig
 
 from fedfusion.devices import Device, load_catalog
 from fedfusion.energy import frozen_work_params, price_work, train_flops
+from fedfusion.full_forward import window_params
 from fedfusion.models import target_config, target_model_config
 from fedfusion.quantize import encoded_bytes
 from fedfusion.recipe import Recipe, RecipeError, tier_methods
@@ -112,9 +113,10 @@ class MemoryEstimate:
 
 def estimate_memory(
     config: PretrainedConfig, batch: int, seq: int, lora_rank: int | None = None, base_bits: int = 32,
-    lora_modules: Sequence[str] = LORA_MODULES, compute_bytes: int = 2,
+    lora_modules: Sequence[str] = LORA_MODULES, compute_bytes: int = 2, window: int | None = None,
 ) -> MemoryEstimate:
-    """Peak training memory of full fine-tuning (``lora_rank=None``, fp32) or LoRA on a ``base_bits`` base.
+    """Peak training memory of full fine-tuning (``lora_rank=None``, fp32), LoRA on a ``base_bits`` base, or a
+    full-forward window of ``window`` parameters (fp32, with its AdamW state) on a frozen ``base_bits`` target.
 
     A 4/8-bit base keeps its non-linear weights (embeddings, norms) and its activations in the compute dtype,
     ``compute_bytes`` per value (bitsandbytes' compute dtype: 4 for float32, 2 for float16/bfloat16); a
@@ -123,15 +125,15 @@ def estimate_memory(
         raise ValueError(f"batch and seq must be >= 1, got {batch}, {seq}")
     if base_bits not in _BITS_STORED:
         raise ValueError(f"base_bits: must be one of {', '.join(map(str, _BITS_STORED))}, got {base_bits}")
-    if lora_rank is None and base_bits != 32:
-        raise ValueError("base_bits: a reduced-precision base needs lora_rank (full training keeps fp32 weights)")
+    if lora_rank is None and window is None and base_bits != 32:
+        raise ValueError("base_bits: a reduced-precision base needs lora_rank or window (full training keeps fp32 weights)")
     h, inter, heads, kv, d, layers = _dims(config)
     params = param_count(config)
     layer_values = batch * seq * layers * (10 * h + 3 * inter + 2 * heads * seq)
-    if lora_rank is None:
+    if lora_rank is None and window is None:
         return MemoryEstimate(4 * params, 4 * params, 8 * params, 4 * layer_values + _logit_bytes(config, batch, seq, 4),
                               params, params)
-    trainable = lora_params(config, lora_rank, lora_modules)
+    trainable = lora_params(config, lora_rank, lora_modules) if lora_rank is not None else int(window or 0)
     linear = layers * (h * heads * d * 2 + h * kv * d * 2 + 3 * h * inter)
     act_bytes = base_bits // 8 if base_bits >= 16 else compute_bytes
     if base_bits >= 16:
@@ -139,8 +141,8 @@ def estimate_memory(
     else:
         weights = linear * _BITS_STORED[base_bits] / 8 + (params - linear) * act_bytes
     return MemoryEstimate(int(weights) + 4 * trainable, 4 * trainable, 8 * trainable,
-                          act_bytes * layer_values + _logit_bytes(config, batch, seq, act_bytes), params + trainable,
-                          trainable)
+                          act_bytes * layer_values + _logit_bytes(config, batch, seq, act_bytes),
+                          params + (trainable if window is None else 0), trainable)
 
 
 def _logit_bytes(config: PretrainedConfig, batch: int, seq: int, act_bytes: int) -> int:
@@ -305,6 +307,9 @@ def plan_table(
                          "fits": f"NO: even width {smallest:g} needs {_mb(need)} MB, {_mb(budget)} MB usable",
                          **_UNPRICED})
             continue
+        if recipe.fusion.forward == "full" and tier_methods(recipe).get(tier) == "submodel":
+            rows.append({**row, **window_row(recipe, target, tier, device, budget, tokens)})
+            continue
         sub = sliced_config(target, width, axes)
         params = param_count(sub)
         mem = training_memory_bytes(sub, batch, seq)
@@ -317,6 +322,33 @@ def plan_table(
             **priced(device, train_flops(params, tokens), *_wire_bytes(recipe, tier, params)),
         })
     return rows
+
+
+_FROZEN_BITS = {"float32": 32, "float16": 16, "int8": 8, "int4": 4}
+
+
+def window_row(recipe: Recipe, target: PretrainedConfig, tier: str, device: Device, budget: float,
+               tokens: int) -> dict[str, Any]:
+    """A full-forward tier's plan (``fusion.forward=full``): its window of units (``fusion.window_widths``, else its
+    width; the residual stream whole), the frozen target held in ``fusion.frozen_dtype`` plus the window's weights,
+    gradients and AdamW state and the whole target's activations; the frozen target down (every round) and the
+    window both ways; the target's forward and activation gradients plus the window's training as FLOPs."""
+    f = recipe.fusion
+    width = f.window_widths.get(tier, f.widths[tier])
+    axes = tuple(a for a in (f.axes or ("heads", "neurons")) if a != "hidden")
+    plan = replace(plan_slice(target, width, "static", axes=axes, scale=False), shared=f.window_shared)
+    with torch.device("meta"):
+        state = AutoModelForCausalLM.from_config(target).state_dict()
+    window = window_params(target, state, plan)
+    total = param_count(target)
+    mem = estimate_memory(target, recipe.train.batch_size, recipe.train.seq_len, base_bits=_FROZEN_BITS[f.frozen_dtype],
+                          window=window).total
+    down = encoded_bytes(f.frozen_dtype, total) + encoded_bytes(f.wire_dtype, window)
+    return {"width": width, "slice": f"window of {width:g} of the units, full forward ({f.frozen_dtype} target)",
+            "params": window, "peak MB": _mb(mem), "device MB": round(device.memory_gb * 1024),
+            "fits": "yes" if mem <= budget else "NO",
+            **priced(device, train_flops(frozen_work_params(total, window), tokens), down,
+                     encoded_bytes(f.wire_up, window))}
 
 
 def _family_label(name: str, config: PretrainedConfig, kind: str) -> str:

@@ -321,3 +321,20 @@ def test_a_simulation_engine_that_cannot_start_fails_the_run_at_once(tmp_path, m
     assert summary["status"] == "failed"
     assert "simulation engine failed" in summary["error"] and "client resources" in summary["error"]
     assert "run failed" in capsys.readouterr().out
+
+
+def test_grow_then_full_forward_windows_run_on_flower(tmp_path):
+    """fusion.grow_round: round 1 trains the smallest slice of a silenced target (the target is that small model);
+    round 2 sends every client the whole target frozen in int8 plus its window (role window), exact window back."""
+    out = tmp_path / "grow"
+    assert main(["run", "quickstart", *TINY, "fusion.grow_round=1", "fusion.forward=full", "fusion.frozen_dtype=int8",
+                 "--out", str(out)]) == 0
+    clients = read_jsonl(out / "clients.jsonl")
+    assert all(c["status"] == "ok" for c in clients) and len(clients) == 2 * 3
+    grow = [c for c in clients if c["round"] == 1]
+    full = [c for c in clients if c["round"] == 2]
+    assert all(c["width"] == 0.125 and c["forward"] == "slice" for c in grow)  # every tier at the smallest width
+    assert all(c["forward"] == "full" and c["bytes_down"] > c["bytes_up"] for c in full)  # the frozen target went down
+    assert all(0 < c["trained_params"] < c["params"] for c in full)  # priced: the frozen target's work too
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert rows[2]["eval_loss"] < rows[0]["eval_loss"]
