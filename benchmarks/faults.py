@@ -78,6 +78,7 @@ def fault_check(out: Path) -> Counter:
     that missed the deadline (the deadline is too short for the machine).
     """
     from fedfusion.clients.submodel import inject_faults
+
     from fedfusion.config.recipe import load_recipe
     from fedfusion.fusion.rounds import client_seed
     from fedfusion.wire.specs import FaultSpec, RoundSpec
@@ -426,13 +427,13 @@ def cmd_fuzz(args: argparse.Namespace) -> dict:
     """
     import numpy as np
     import torch
+    from fedfusion.strategies import FusionStrategy
     from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
     from flwr.supercore.task_identity import TaskIdentity
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from fedfusion.fusion.submodel.method import SubModelMethod
     from fedfusion.models.slicing import SelectiveAverager
-    from fedfusion.strategies import FusionStrategy
 
     torch.set_num_threads(1)
     # Messages built outside a Flower runtime need a run/task identity (Flower sets it in a real run).

@@ -200,6 +200,7 @@ def registry_probe(nodes: int) -> dict[str, float]:
     import tracemalloc
 
     import torch
+    from fedfusion.strategies.fusion import FusionStrategy
     from flwr.app import ConfigRecord, Message, RecordDict
     from flwr.server.superlink.fleet.vce.vce_api import _register_node_info_stores, _register_nodes
     from flwr.server.superlink.linkstate import LinkStateFactory
@@ -215,7 +216,6 @@ def registry_probe(nodes: int) -> dict[str, float]:
     from fedfusion.fusion.submodel.method import SubModelMethod
     from fedfusion.selection.participation import Participation
     from fedfusion.selection.selectors import make_selector
-    from fedfusion.strategies.fusion import FusionStrategy
 
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]

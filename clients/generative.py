@@ -7,8 +7,6 @@ The reply carries the trained model (so a stateless deployed node gets it back n
 from __future__ import annotations
 
 import torch
-from flwr.app import ConfigRecord
-
 from fedfusion.clients.submodel import (
     _model,
     _windows,
@@ -19,6 +17,8 @@ from fedfusion.clients.submodel import (
     set_threads,
     trained_reply,
 )
+from flwr.app import ConfigRecord
+
 from fedfusion.models.samples import SAMPLES_KEY, sample_windows
 from fedfusion.train.loop import train_steps
 from fedfusion.wire.specs import GenerativeSpec, RoundSpec

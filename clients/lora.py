@@ -26,11 +26,11 @@ import time
 from functools import lru_cache
 
 import torch
+from fedfusion.clients.submodel import inject_faults, set_threads
 from flwr.app import ConfigRecord
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
-from fedfusion.clients.submodel import inject_faults, set_threads
 from fedfusion.data.instruct import instruct_clients
 from fedfusion.devices.meters import HostMeter, gpu_index
 from fedfusion.models.adapters import adapter_factors, attach_adapter, load_factors, merged_update

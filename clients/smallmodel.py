@@ -11,10 +11,10 @@ import json
 from functools import lru_cache
 
 import torch
+from fedfusion.clients.submodel import inject_faults, local_steps, set_threads, trained_reply
 from flwr.app import ConfigRecord
 from transformers import PreTrainedModel
 
-from fedfusion.clients.submodel import inject_faults, local_steps, set_threads, trained_reply
 from fedfusion.data.population import client_windows, population_data
 from fedfusion.data.text import encode_text, lm_windows
 from fedfusion.models.build import small_model

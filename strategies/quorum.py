@@ -17,10 +17,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from fedfusion.strategies.wrapped import WrappedGrid, collect
 from flwr.app import Message, MessageType
 from flwr.serverapp import Grid
-
-from fedfusion.strategies.wrapped import WrappedGrid, collect
 
 
 class QuorumGrid(WrappedGrid):

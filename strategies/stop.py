@@ -13,10 +13,9 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable
 
+from fedfusion.strategies.wrapped import WrappedGrid, collect
 from flwr.app import Message
 from flwr.serverapp import Grid
-
-from fedfusion.strategies.wrapped import WrappedGrid, collect
 
 
 class RunInterrupted(Exception):
