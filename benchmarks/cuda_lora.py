@@ -1,11 +1,11 @@
 """Benchmark (needs a CUDA GPU): LoRA on a frozen 32-, 16-, 8- and 4-bit base, measured against the planner.
 
-What a CPU run cannot check: that a base quantised on the CPU (:func:`fedfusion.pretrained.quantized_copy`)
+What a CPU run cannot check: that a base quantised on the CPU (:func:`fedfusion.models.pretrained.quantized_copy`)
 loads and trains on CUDA through bitsandbytes, and whether the memory model that sizes every tier's LoRA rank
-and base precision (:func:`fedfusion.planner.estimate_memory`) holds on a real accelerator. Per base shape and
+and base precision (:func:`fedfusion.run.planner.estimate_memory`) holds on a real accelerator. Per base shape and
 precision it records the measured weight memory and peak training memory (``torch.cuda.max_memory_allocated``
 above what was allocated before the base loaded) next to the planner's estimate, the time of a training step
-(the project's :func:`fedfusion.instruct.train_instruct` on :func:`fedfusion.adapters.attach_adapter`'s peft
+(the project's :func:`fedfusion.train.instruct.train_instruct` on :func:`fedfusion.models.adapters.attach_adapter`'s peft
 adapter) and the first loss against the float32 base's.
 
 Bases are randomly initialised Llamas of SmolLM2-135M's, -360M's and -1.7B's shapes (no hub access is needed:
@@ -29,10 +29,10 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from fedfusion.adapters import adapter_factors, attach_adapter
-from fedfusion.instruct import InstructData, response_loss, train_instruct
-from fedfusion.planner import LORA_MODULES, estimate_memory
-from fedfusion.pretrained import load_base
+from fedfusion.models.adapters import adapter_factors, attach_adapter
+from fedfusion.models.pretrained import load_base
+from fedfusion.run.planner import LORA_MODULES, estimate_memory
+from fedfusion.train.instruct import InstructData, response_loss, train_instruct
 
 SHAPES = {  # SmolLM2's published configs (hidden, intermediate, layers, heads, kv heads, vocab)
     "135m": (576, 1536, 30, 9, 3, 49152),
@@ -101,7 +101,7 @@ def report(payload: dict) -> str:
                          f"{r['peak_mb'] / r['peak_est_mb']:.2f} | {r['step_ms']:.1f} | {r['first_loss']:.4f}{delta} | "
                          f"{r['finite']} |")
     lines += ["", "Weights: allocated after loading the base and attaching the adapter. Peak: the most allocated "
-              "during training, both above the allocation before loading. Planned: `fedfusion.planner.estimate_memory` "
+              "during training, both above the allocation before loading. Planned: `fedfusion.run.planner.estimate_memory` "
               "(which assumes no fused attention: PyTorch's SDPA keeps no seq x seq probabilities, so the planner "
               "over-counts activations there).", ""]
     return "\n".join(lines)

@@ -18,15 +18,15 @@ import sys
 from pathlib import Path
 
 import torch
-from fedfusion.clients.submodel import client_windows
 
-from fedfusion.device_program import export_tier
-from fedfusion.device_runtime import ProgramRunner, train_program
-from fedfusion.models import build_target, load_tokenizer, model_from_state
-from fedfusion.population import data_spec
-from fedfusion.recipe import load_recipe
-from fedfusion.slicing import extract, plan_slice, sub_config
-from fedfusion.training import train_steps
+from fedfusion.config.recipe import load_recipe
+from fedfusion.data.population import client_windows, data_spec
+from fedfusion.data.text import load_tokenizer
+from fedfusion.models.build import build_target, model_from_state
+from fedfusion.models.slicing import extract, plan_slice, sub_config
+from fedfusion.phone.commands import export_tier
+from fedfusion.phone.runtime import ProgramRunner, train_program
+from fedfusion.train.loop import train_steps
 
 STEPS, SEED, LR = 20, 7, 3e-3
 OUT = Path(__file__).parent / "results"

@@ -29,7 +29,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fedfusion.recipe import load_recipe
+from fedfusion.config.recipe import load_recipe
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # Cheaper than the recipe's defaults so the arms fit a 2-core machine shared with other benchmarks; the report

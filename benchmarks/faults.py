@@ -32,9 +32,9 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from fedfusion.devices import load_catalog
-from fedfusion.participation import Participation
-from fedfusion.selection import make_selector
+from fedfusion.devices.catalog import load_catalog
+from fedfusion.selection.participation import Participation
+from fedfusion.selection.selectors import make_selector
 
 RESULTS = Path(__file__).resolve().parent / "results"
 JSON_PATH, MD_PATH = RESULTS / "faults.json", RESULTS / "faults.md"
@@ -79,9 +79,9 @@ def fault_check(out: Path) -> Counter:
     """
     from fedfusion.clients.submodel import inject_faults
 
-    from fedfusion.recipe import load_recipe
-    from fedfusion.rounds import client_seed
-    from fedfusion.wire import FaultSpec, RoundSpec
+    from fedfusion.config.recipe import load_recipe
+    from fedfusion.fusion.rounds import client_seed
+    from fedfusion.wire.specs import FaultSpec, RoundSpec
 
     recipe = load_recipe(out / "recipe.yaml")
     spec_base = FaultSpec.from_recipe(recipe.faults).to_config()
@@ -172,7 +172,7 @@ def plot_sim(sim: dict, path: Path) -> None:
 
 
 def sim_markdown(sim: dict) -> list[str]:
-    from fedfusion.recipe import load_recipe
+    from fedfusion.config.recipe import load_recipe
 
     s = sim["settings"]
     recipe = load_recipe("quickstart", s["overrides"])
@@ -284,7 +284,7 @@ class FakeGrid:
     def send_and_receive(self, messages, timeout=None):
         from flwr.app import ConfigRecord, Message, RecordDict
 
-        from fedfusion.wire import Caps
+        from fedfusion.wire.specs import Caps
 
         # one example each: what the strategy assumes of a node whose data size it does not know
         return [Message(RecordDict({"caps": ConfigRecord(Caps(self.devices[m.metadata.dst_node_id],
@@ -432,8 +432,8 @@ def cmd_fuzz(args: argparse.Namespace) -> dict:
     from flwr.supercore.task_identity import TaskIdentity
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from fedfusion.fusion.submodel import SubModelMethod
-    from fedfusion.slicing import SelectiveAverager
+    from fedfusion.fusion.submodel.method import SubModelMethod
+    from fedfusion.models.slicing import SelectiveAverager
 
     torch.set_num_threads(1)
     # Messages built outside a Flower runtime need a run/task identity (Flower sets it in a real run).

@@ -10,7 +10,7 @@ Parts (each cached as JSON under ``--work``, so an interrupted run resumes with 
    Client k has rank ``RANKS[k]``; every arm sees the same clients, data, seeds and total local steps, in two
    regimes (few rounds x many local steps, many rounds x few local steps). Score: response loss of base +
    global update on the pooled held-out pairs of every category, after every round.
-2. **real arm**: SmolLM2-135M-Instruct (``fedfusion.pretrained.load_base`` default, offline GGUF package),
+2. **real arm**: SmolLM2-135M-Instruct (``fedfusion.models.pretrained.load_base`` default, offline GGUF package),
    a few rounds of short sequences on 4 clients: held-out response loss before/after for the best method of
    the fast arm and for zeropad, and a few greedy generations.
 3. **systems**: bytes per client per round by rank, down and up, counted on the tensors actually sent; peak
@@ -18,8 +18,8 @@ Parts (each cached as JSON under ``--work``, so an interrupted run resumes with 
    8-bit, bf16 and fp32 base, each in its own process.
 
 The federated loop runs in-process, clients one after another: it is a benchmark of the aggregation math,
-not of the Flower path. The library's LoRA method (:class:`fedfusion.fusion.lora.LoRAMethod`, what the Flower
-strategy runs) goes through the in-process driver (:func:`fedfusion.inprocess.run_rounds`, example-count
+not of the Flower path. The library's LoRA method (:class:`fedfusion.fusion.lora.method.LoRAMethod`, what the Flower
+strategy runs) goes through the in-process driver (:func:`fedfusion.fusion.inprocess.run_rounds`, example-count
 weights), and every client trains with the real client code (:func:`fedfusion.clients.lora.train`: peft adapter
 on the cached frozen base).
 
@@ -45,15 +45,16 @@ from pathlib import Path
 import torch
 from fedfusion.clients import lora as lora_client
 
-from fedfusion.data import build_char_tokenizer, encode_text, lm_windows, load_shakespeare_roles, split_text
+from fedfusion.config.recipe import ModelConfig
+from fedfusion.data.instruct import pooled_held_out
+from fedfusion.data.text import build_char_tokenizer, encode_text, lm_windows, load_shakespeare_roles, split_text
 from fedfusion.fusion.base import Payload
-from fedfusion.fusion.lora import LoRAMethod, adapted_modules, split_global
-from fedfusion.inprocess import Rounds, run_rounds
-from fedfusion.instruct import encode_pairs, evaluate_instruct, generate_responses, pooled_held_out
-from fedfusion.lora import merged_arrays
-from fedfusion.models import build_target, count_params
-from fedfusion.recipe import ModelConfig
-from fedfusion.wire import AdapterSpec, ClientSpec, LoRABaseSpec, QuantizeSpec, RoleSpec, RoundSpec, TrainSpec, merge
+from fedfusion.fusion.inprocess import Rounds, run_rounds
+from fedfusion.fusion.lora.aggregate import merged_arrays
+from fedfusion.fusion.lora.method import LoRAMethod, adapted_modules, split_global
+from fedfusion.models.build import build_target, count_params
+from fedfusion.train.instruct import encode_pairs, evaluate_instruct, generate_responses
+from fedfusion.wire.specs import AdapterSpec, ClientSpec, LoRABaseSpec, QuantizeSpec, RoleSpec, RoundSpec, TrainSpec, merge
 
 RESULTS = Path(__file__).resolve().parent / "results"
 RANKS = (16, 8, 4, 4, 2, 2, 1, 1)  # client k's rank (client k holds categories k, k+8, ... of chatterbot)
@@ -72,7 +73,7 @@ TINY = ModelConfig(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=4, i
                    max_position=512)
 REAL_RANKS = (8, 4, 2, 1)
 PROBE_TIERS = {"4bit": (4, "float32"), "8bit": (8, "float32"), "bf16": (0, "bfloat16"), "fp32": (0, "float32")}
-PLANNER_BITS = {"4bit": 4, "8bit": 8, "bf16": 16, "fp32": 32}  # fedfusion.planner's base_bits of each tier
+PLANNER_BITS = {"4bit": 4, "8bit": 8, "bf16": 16, "fp32": 32}  # fedfusion.run.planner's base_bits of each tier
 PROMPTS = ("What is your favorite book?", "Tell me a joke.", "What is a computer?")
 
 
@@ -143,7 +144,7 @@ def base_spec(base: str, args: argparse.Namespace, dtype: str = "float32") -> Lo
 
 
 def client_spec(seed: int, steps: int, args: argparse.Namespace, spec: str, server_round: int = 0) -> dict:
-    """What a client is told besides its adapter and base (:mod:`fedfusion.wire`): its data, training and seed."""
+    """What a client is told besides its adapter and base (:mod:`fedfusion.wire.specs`): its data, training and seed."""
     return merge(ClientSpec(spec, args.seq_len, 1), TrainSpec(steps, args.lr, args.batch, 0.0, "adamw"),
                  RoundSpec(server_round, seed))
 
@@ -158,9 +159,9 @@ def evaluate_global(base: str, A: dict, B: dict, held, quantize: int = 0, dtype:
 
 def federated(base: str, method: str, ranks: tuple[int, ...], spec: str, rounds: int, steps: int, seed: int,
               held, args: argparse.Namespace, quantize: int = 0, dtype: str = "float32") -> dict:
-    """``rounds`` rounds of the library's LoRA method (:class:`fedfusion.fusion.lora.LoRAMethod`) with ``method``
+    """``rounds`` rounds of the library's LoRA method (:class:`fedfusion.fusion.lora.method.LoRAMethod`) with ``method``
     over clients of ``ranks`` (every client every round), through the in-process driver
-    (:func:`fedfusion.inprocess.run_rounds`); eval loss of the global update after every round (round 0: the
+    (:func:`fedfusion.fusion.inprocess.run_rounds`); eval loss of the global update after every round (round 0: the
     base), bytes per client."""
     tiers = [f"rank{r}" for r in ranks]
     modules = adapted_modules(lora_client.frozen_base(base, quantize, dtype, "cpu"), args.modules.split(","))
@@ -292,7 +293,7 @@ def systems(args: argparse.Namespace) -> dict | None:
         return json.loads(path.read_text())
     if getattr(args, "finished_only", False):
         return None
-    from fedfusion.pretrained import quantized_copy, resolve_base
+    from fedfusion.models.pretrained import quantized_copy, resolve_base
 
     for bits in {b for b, _ in PROBE_TIERS.values() if b}:
         quantized_copy(resolve_base("smollm2"), bits, "float32")
@@ -310,11 +311,11 @@ def systems(args: argparse.Namespace) -> dict | None:
 
 
 def planner_estimates(args: argparse.Namespace) -> dict[str, dict[str, float]]:
-    """fedfusion.planner's estimate (MB) of each probed tier's training memory, for comparison with the probe."""
+    """fedfusion.run.planner's estimate (MB) of each probed tier's training memory, for comparison with the probe."""
     from transformers import AutoConfig
 
-    from fedfusion.planner import estimate_memory
-    from fedfusion.pretrained import resolve_base
+    from fedfusion.models.pretrained import resolve_base
+    from fedfusion.run.planner import estimate_memory
 
     config = AutoConfig.from_pretrained(resolve_base("smollm2"))
     out = {}
@@ -527,7 +528,7 @@ def markdown(report: dict) -> str:
                          f"{r['after_data_mb']:.0f} | {r['peak_rss_mb']:.0f} | "
                          f"{r['peak_rss_mb'] - r['after_imports_mb']:.0f} | {plan} | {r['ru_maxrss_mb']:.0f} | "
                          f"{r['load_s']:.1f} | {r['train_s'] / r['steps']:.1f} |")
-        lines += ["", "The planner's estimate (`fedfusion.planner.estimate_memory`, same batch, sequence, rank and "
+        lines += ["", "The planner's estimate (`fedfusion.run.planner.estimate_memory`, same batch, sequence, rank and "
                   "modules) counts the model's training memory only, so compare it with peak - imports; it "
                   "prices activations at 2 bytes for a quantised or 16-bit base, while these quantised tiers compute "
                   "in float32 (`lora.dtype` default)."]
@@ -632,7 +633,7 @@ def main() -> None:
             if len({r["arm"] for r in found if r["regime"] == g and r["seed"] == k}) == len(args.arms)}
     runs = [r for r in found if (r["regime"], r["seed"]) in done]
     left_out = sorted(f"{r['regime']}-{r['arm']}-s{r['seed']}" for r in found if (r["regime"], r["seed"]) not in done)
-    from fedfusion.instruct import instruct_clients
+    from fedfusion.data.instruct import instruct_clients
 
     clients = [{"client": k, "rank": RANKS[k], "categories": list(c.categories), "train_pairs": len(c.train)}
                for k, c in enumerate(instruct_clients(spec))]

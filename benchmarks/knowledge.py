@@ -1,25 +1,25 @@
 """Benchmark: federated knowledge. Does the target recall more of all clients' private facts than the small
 model the devices could train alone?
 
-Task (``fedfusion.facts``): seeded synthetic biographies (bioS-style: first/middle/last names, six random
+Task (``fedfusion.data.facts``): seeded synthetic biographies (bioS-style: first/middle/last names, six random
 attributes, three paraphrases), each client owning a disjoint, Zipf-skewed set of people; a word-level
 tokenizer; probes = one prompt per (person, attribute), scored by greedy exact match (``probe_acc``), nats per
 answer token (``answer_loss``) and knowledge bits. The data and training both follow the seed.
 
-Every arm runs the library's in-process round loop (``fedfusion.inprocess``: the Flower strategy's planning,
+Every arm runs the library's in-process round loop (``fedfusion.fusion.inprocess``: the Flower strategy's planning,
 extraction, client training step and fold), so arms see the same clients, samples and seeds:
 
 - ``smallest_only``: every client trains the smallest width (FedAvg); scored is that small model itself;
 - ``oracle``: every client trains the whole target;
 - ``static`` / ``rolling`` / ``random`` / ``owned``: width slicing at each client's own width (``owned``: a
-  window fixed per client, see ``fedfusion.slicing``); ``*_nesterov`` / ``*_avgm``: the same with a server-side
-  outer optimizer on the aggregated change (``fedfusion.outer``);
+  window fixed per client, see ``fedfusion.models.slicing``); ``*_nesterov`` / ``*_avgm``: the same with a server-side
+  outer optimizer on the aggregated change (``fedfusion.fusion.outer``);
 - ``generative``: each client keeps a small model of its own and sends samples of it; the server trains the target
-  on them (``fedfusion.generative``). Also reported: what the devices' own models know at the end (the ceiling of
+  on them (``fedfusion.models.samples``). Also reported: what the devices' own models know at the end (the ceiling of
   what their samples can carry) and the best single device's recall;
 - ``feddf_public``: FedDF on a public transfer set (biographies of as many people again, owned by nobody): the
   smallest_only federation, with the target distilled from its model's logits on the public text with the
-  generative arm's server budget (``fedfusion.inprocess.run_transfer``). Public text cannot carry private facts:
+  generative arm's server budget (``fedfusion.fusion.inprocess.run_transfer``). Public text cannot carry private facts:
   this arm measures how much of the target's recall that leaves.
 
 Regimes: ``phones`` (every client at width 1/8 of attention heads and MLP neurons: ~1/4 of the target's
@@ -57,17 +57,7 @@ import numpy as np
 import torch
 from transformers import LlamaConfig
 
-from fedfusion.data import (
-    build_char_tokenizer,
-    encode_text,
-    lm_windows,
-    load_shakespeare_roles,
-    read_jsonl,
-    split_text,
-)
-from fedfusion.devices import load_catalog
-from fedfusion.energy import price_work
-from fedfusion.facts import (
+from fedfusion.data.facts import (
     encode_documents,
     encode_probes,
     facts_tokenizer,
@@ -76,14 +66,24 @@ from fedfusion.facts import (
     probe_metrics,
     write_facts,
 )
-from fedfusion.generative import GenerativeConfig
-from fedfusion.inprocess import GenerativeRun, SubModelRun, TransferRun, run_generative, run_submodel, run_transfer
-from fedfusion.models import model_from_state
-from fedfusion.outer import OuterConfig
-from fedfusion.quantize import Wire
-from fedfusion.slice_families import family_of
-from fedfusion.slicing import extract, plan_slice, sub_config
-from fedfusion.training import evaluate_lm, train_steps
+from fedfusion.data.text import (
+    build_char_tokenizer,
+    encode_text,
+    lm_windows,
+    load_shakespeare_roles,
+    read_jsonl,
+    split_text,
+)
+from fedfusion.devices.catalog import load_catalog
+from fedfusion.devices.energy import price_work
+from fedfusion.fusion.inprocess import GenerativeRun, SubModelRun, TransferRun, run_generative, run_submodel, run_transfer
+from fedfusion.fusion.outer import OuterConfig
+from fedfusion.models.build import model_from_state
+from fedfusion.models.families import family_of
+from fedfusion.models.samples import GenerativeConfig
+from fedfusion.models.slicing import extract, plan_slice, sub_config
+from fedfusion.train.loop import evaluate_lm, train_steps
+from fedfusion.wire.quantize import Wire
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PRIMARY = {"facts": ("probe_acc", "answer_loss"), "lm": ("eval_loss", "eval_acc")}  # task -> (gap-closure metric, other)

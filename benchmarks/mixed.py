@@ -5,7 +5,7 @@ Language-model task (``--task lm``, the default), all arms on the quickstart's p
 ``distill`` (every tier trains a small family model: phones the 40K ``tiny`` Llama, laptops and desktops the
 ``small`` GPT-2 with its own BPE, as recipes/distill.yaml) and ``mixed`` (recipes/mixed.yaml: phones distil
 ``tiny``, laptops and desktops train the same slices as ``submodel``). Each arm runs the recipe through the
-ServerApp's own code (``fedfusion.server_app.run_federation``: FusionStrategy, the method objects, the real
+ServerApp's own code (``fedfusion.run.federation.run_federation``: FusionStrategy, the method objects, the real
 ClientApp handlers and client roles), with the messages delivered in-process instead of by Flower's Ray
 simulation (no process start-up, so the arms fit a shared 2-core machine; the round, its payloads, checks, folds
 and ledgers are the ones ``fedfusion run`` writes). Reported: the target's final held-out loss per character,
@@ -86,10 +86,10 @@ def run_arm(task: str, arm: str, seed: int, rounds: int, overrides: list[str], w
     """One run of ``arm``; its per-round metrics and totals."""
     from flwr.supercore.task_identity import TaskIdentity
 
-    from fedfusion.planner import fit_widths
-    from fedfusion.recipe import load_recipe
-    from fedfusion.run_dir import RunDir, read_jsonl
-    from fedfusion.server_app import run_federation
+    from fedfusion.config.recipe import load_recipe
+    from fedfusion.run.federation import run_federation
+    from fedfusion.run.planner import fit_widths
+    from fedfusion.run.run_dir import RunDir, read_jsonl
 
     TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 0  # messages outside a Flower runtime
     metric, lower, arms = TASKS[task]
@@ -138,7 +138,7 @@ def markdown(report: dict) -> str:
                      f"{_stat([r['server_j'] for r in runs])} | {statistics.mean(r['bytes'] for r in runs) / 1e6:.1f} | "
                      f"{len(runs)} |")
     lines += ["", f"{meaning}; mean +- standard deviation over seeds. Energy: the ledger's priced device work "
-              "(fedfusion.energy.price_work), server = the server's own training (distillation, or learning from the "
+              "(fedfusion.devices.energy.price_work), server = the server's own training (distillation, or learning from the "
               "generated text) priced on its server device.", ""]
     return "\n".join(lines)
 

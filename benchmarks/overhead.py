@@ -33,7 +33,7 @@ def _rows(path: Path) -> list[dict]:
 
 def round_table(run: Path, cores_total: int) -> list[dict]:
     """Per round (1..): wall, ideal, ratio and the split of the wall time."""
-    from fedfusion.recipe import load_recipe
+    from fedfusion.config.recipe import load_recipe
 
     recipe_cpus = load_recipe(str(run / "recipe.yaml")).engine.cpus_per_client
     clients = _rows(run / "clients.jsonl")

@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fedfusion.recipe import load_recipe
+from fedfusion.config.recipe import load_recipe
 
 ARMS = {  # id -> (label, overrides)
     "static": ("static (HeteroFL prefix)", ["fusion.policy=static"]),

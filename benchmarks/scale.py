@@ -74,7 +74,7 @@ NOTES = [
 
 def corpus(path: Path, clients: int) -> Path:
     """A text file of ``clients`` x CHARS_PER_CLIENT characters: the Shakespeare roles' text, repeated."""
-    from fedfusion.data import load_shakespeare_roles
+    from fedfusion.data.text import load_shakespeare_roles
 
     text = "\n".join(role.text for role in load_shakespeare_roles(min_chars=0))
     need = clients * CHARS_PER_CLIENT
@@ -211,11 +211,11 @@ def registry_probe(nodes: int) -> dict[str, float]:
     from flwr.superlink.federation import NoOpFederationManager
     from transformers import LlamaConfig
 
-    from fedfusion.devices import assign_tiers, load_catalog
-    from fedfusion.fusion.submodel import SubModelMethod
-    from fedfusion.hardware import capabilities
-    from fedfusion.participation import Participation
-    from fedfusion.selection import make_selector
+    from fedfusion.devices.catalog import assign_tiers, load_catalog
+    from fedfusion.devices.hardware import capabilities
+    from fedfusion.fusion.submodel.method import SubModelMethod
+    from fedfusion.selection.participation import Participation
+    from fedfusion.selection.selectors import make_selector
 
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]

@@ -40,12 +40,13 @@ from pathlib import Path
 
 import yaml
 
-from fedfusion.devices import load_catalog
-from fedfusion.energy import price_work, train_flops
-from fedfusion.models import build_target, load_tokenizer
-from fedfusion.recipe import Recipe, load_recipe
-from fedfusion.run_dir import read_jsonl
-from fedfusion.slicing import extract, plan_slice
+from fedfusion.config.recipe import Recipe, load_recipe
+from fedfusion.data.text import load_tokenizer
+from fedfusion.devices.catalog import load_catalog
+from fedfusion.devices.energy import price_work, train_flops
+from fedfusion.models.build import build_target
+from fedfusion.models.slicing import extract, plan_slice
+from fedfusion.run.run_dir import read_jsonl
 
 SELECTORS = ("random", "oort", "energy", "carbon_budget")
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import numpy as np
 
-from fedfusion.availability import AvailabilityModel
-from fedfusion.devices import assign_tiers, load_catalog
-from fedfusion.energy import price_work
-from fedfusion.selection import Candidates, Outcome, make_selector
+from fedfusion.devices.availability import AvailabilityModel
+from fedfusion.devices.catalog import assign_tiers, load_catalog
+from fedfusion.devices.energy import price_work
+from fedfusion.selection.selectors import Candidates, Outcome, make_selector
 
 N, K, ROUNDS, SEED = 100_000, 100, 30, 0
 ZONES = ("USA", "DEU", "FRA", "IND", "SWE")

@@ -8,8 +8,8 @@ clients that hold the target), static (HeteroFL), rolling (FedRolex window, stag
 default), random (Federated Dropout), ordered (FjORD, nested widths per local step) and oracle (every
 client trains the target).
 
-Every arm runs the library's width-slicing method (``fedfusion.fusion.submodel.SubModelMethod``) through the
-in-process driver (``fedfusion.inprocess.run_rounds``: the Flower strategy's payloads, checks and fold, without
+Every arm runs the library's width-slicing method (``fedfusion.fusion.submodel.method.SubModelMethod``) through the
+in-process driver (``fedfusion.fusion.inprocess.run_rounds``: the Flower strategy's payloads, checks and fold, without
 Flower or Ray), so every arm sees the same clients, samples and seeds and the run fits a laptop; the Flower path
 is measured by ``quickstart_policies.py``.
 Client training runs one after another here, so the systems figures also give the server's share of a
@@ -45,14 +45,14 @@ import numpy as np
 import torch
 from transformers import LlamaConfig
 
-from fedfusion.cnn import FedCNNConfig
-from fedfusion.data import build_char_tokenizer, encode_text, lm_windows, load_shakespeare_roles, split_text
+from fedfusion.data.text import build_char_tokenizer, encode_text, lm_windows, load_shakespeare_roles, split_text
 from fedfusion.fusion.base import Payload
-from fedfusion.fusion.submodel import SubModelMethod
-from fedfusion.inprocess import Rounds, run_rounds
-from fedfusion.ordered import OrderedDropout, ordered_fractions
-from fedfusion.slice_families import family_of
-from fedfusion.slicing import extract, plan_slice, sub_config, sub_scales
+from fedfusion.fusion.inprocess import Rounds, run_rounds
+from fedfusion.fusion.submodel.method import SubModelMethod
+from fedfusion.models.cnn import FedCNNConfig
+from fedfusion.models.families import family_of
+from fedfusion.models.slicing import extract, plan_slice, sub_config, sub_scales
+from fedfusion.train.ordered import OrderedDropout, ordered_fractions
 
 RESULTS = Path(__file__).resolve().parent / "results"
 FMNIST = Path("/usr/share/datasets/fashion-mnist")
@@ -189,7 +189,7 @@ def local_train(task: Task, model, client: int, seed: int, fractions: tuple[floa
 
 def run_arm(task: Task, arm: str, regime: str, seed: int) -> dict:
     """One federated run of the library's width-slicing method through the in-process driver
-    (:func:`fedfusion.inprocess.run_rounds`); returns the final metric (mean of the last 3 rounds) and timings."""
+    (:func:`fedfusion.fusion.inprocess.run_rounds`); returns the final metric (mean of the last 3 rounds) and timings."""
     cfg = task.config
     family = family_of(cfg)
     widths = client_widths(regime, len(task.clients), seed)
@@ -263,8 +263,8 @@ def memory_probe(clients: int, rule: str) -> dict[str, int]:
         "def hwm():\n"
         "    return int(re.search(r'VmHWM:\\s+(\\d+) kB', open('/proc/self/status').read()).group(1)) * 1024\n"
         "from transformers import LlamaConfig\n"
-        "from fedfusion.slicing import SelectiveAverager, extract, plan_slice\n"
-        "from fedfusion.slice_families import family_of\n"
+        "from fedfusion.models.slicing import SelectiveAverager, extract, plan_slice\n"
+        "from fedfusion.models.families import family_of\n"
         "cfg = LlamaConfig(vocab_size=100, hidden_size=256, intermediate_size=1024, num_hidden_layers=8,"
         " num_attention_heads=8, num_key_value_heads=8, head_dim=32)\n"
         "state = {k: v.clone() for k, v in family_of(cfg).build(cfg).state_dict().items()}\n"

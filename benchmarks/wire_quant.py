@@ -1,5 +1,5 @@
 """Benchmark: bytes on the wire. What do int8 / int4 payloads and uploads (``fusion.wire_dtype``, ``fusion.wire_up``,
-``fusion.error_feedback``; :mod:`fedfusion.quantize`) cost the target against float32, and what do they save?
+``fusion.error_feedback``; :mod:`fedfusion.wire.quantize`) cost the target against float32, and what do they save?
 
 Two tasks, the same wire arms, paired by seed:
 
@@ -148,7 +148,7 @@ def report(payload: dict) -> str:
         f"Machine: {payload['machine']}. Seeds {payload['seeds']}.{smoke}", "",
         f"Command: `python benchmarks/wire_quant.py {' '.join(payload['argv'])}`", "",
         "Arms: down / up format, error feedback on the quantised uplink (blockwise absmax, 64 values per float16 "
-        "scale; vectors go float16; `fedfusion.quantize`). `bytes ratio` = (down + up bytes) / the float32 arm's, "
+        "scale; vectors go float16; `fedfusion.wire.quantize`). `bytes ratio` = (down + up bytes) / the float32 arm's, "
         "paired by seed. `worse by` = the paired change of the metric against float32, signed so that positive = worse; "
         "`loss vs float32` = the same relative to the float32 arm's value. `spread` = "
         "the largest round-to-round change of the metric over the last 3 evaluations (mean over seeds): the noise "

@@ -1,5 +1,5 @@
 """Client role of a SuperNode that serves phones: each train message becomes a task on the node's device gateway
-(:mod:`fedfusion.gateway`), and the phone's result becomes the reply, as :mod:`fedfusion.clients.submodel` replies.
+(:mod:`fedfusion.phone.gateway`), and the phone's result becomes the reply, as :mod:`fedfusion.clients.submodel` replies.
 
 Turned on per node: ``--node-config 'gateway="http://127.0.0.1:8765" gateway-secret-file="/path/secret"'``.
 A phone that misses the deadline (``gateway-deadline-s``, default :data:`DEADLINE_S`) makes the reply an error
@@ -18,18 +18,19 @@ from typing import Any
 import torch
 from flwr.app import ConfigRecord
 
-from fedfusion.gateway import call, pack, unpack
-from fedfusion.meters import WIRE_PREFIX
-from fedfusion.wire import DROPPED, ClientSpec, ModelSpec, RoleSpec, RoundSpec, SliceSpec, TrainSpec, merge
+from fedfusion.devices.meters import WIRE_PREFIX
+from fedfusion.phone.gateway import call, pack, unpack
+from fedfusion.wire.keys import NUM_EXAMPLES
+from fedfusion.wire.specs import DROPPED, ClientSpec, ModelSpec, RoleSpec, RoundSpec, SliceSpec, TrainSpec, merge
 
 DEADLINE_S = 600.0
 # how long queuing a task may take: the gateway exports a program the first time it sees a sub-model shape (a minute
 # or more on a small CPU), before the phone's deadline starts
 SUBMIT_TIMEOUT_S = 1800.0
 # what a reply may carry of a device's metrics (the strategy reads the first four; the energy is the phone's own meter)
-DEVICE_METRICS = {"num-examples": int, "train_loss": float, "train_s": float, "train_tokens": float,
+DEVICE_METRICS = {NUM_EXAMPLES: int, "train_loss": float, "train_s": float, "train_tokens": float,
                   "device_step_s": float, "measured_device_j": float}
-# the phone's meter reaches the ledger as one more meter, source "device" (fedfusion.meters owns the reply keys)
+# the phone's meter reaches the ledger as one more meter, source "device" (fedfusion.devices.meters owns the reply keys)
 DEVICE_METER_KEY = WIRE_PREFIX + "device"
 
 

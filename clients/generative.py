@@ -1,7 +1,7 @@
 """Client role for generative distillation: train this device's own small model, then write samples of it.
 
 The reply carries the trained model (so a stateless deployed node gets it back next round) and, under
-``fedfusion.generative.SAMPLES_KEY``, the sampled token windows the server trains the target on.
+``fedfusion.models.samples.SAMPLES_KEY``, the sampled token windows the server trains the target on.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from fedfusion.clients.submodel import (
 )
 from flwr.app import ConfigRecord
 
-from fedfusion.generative import SAMPLES_KEY, sample_windows
-from fedfusion.training import train_steps
-from fedfusion.wire import GenerativeSpec, RoundSpec
+from fedfusion.models.samples import SAMPLES_KEY, sample_windows
+from fedfusion.train.loop import train_steps
+from fedfusion.wire.specs import GenerativeSpec, RoundSpec
 
 __all__ = ["evaluate", "num_examples", "train"]
 
@@ -29,7 +29,7 @@ __all__ = ["evaluate", "num_examples", "train"]
 def train(state: dict[str, torch.Tensor], spec: ConfigRecord, partition: int,
           accelerator: str = "cpu") -> tuple[dict, dict]:
     """Train the device's model in ``state`` as ``spec`` says, then sample the windows its
-    :class:`~fedfusion.wire.GenerativeSpec` asks for from it."""
+    :class:`~fedfusion.wire.specs.GenerativeSpec` asks for from it."""
     faults = inject_faults(spec, partition)
     ask = GenerativeSpec.from_config(spec)
     set_threads(spec)

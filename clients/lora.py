@@ -31,17 +31,13 @@ from flwr.app import ConfigRecord
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
-from fedfusion.adapters import adapter_factors, attach_adapter, load_factors, merged_update
-from fedfusion.instruct import (
-    InstructData,
-    encode_pairs,
-    evaluate_instruct,
-    instruct_clients,
-    train_instruct,
-)
-from fedfusion.meters import HostMeter, gpu_index
-from fedfusion.pretrained import load_base, load_base_tokenizer
-from fedfusion.wire import AdapterSpec, ClientSpec, LoRABaseSpec, QuantizeSpec, RoundSpec, TrainSpec
+from fedfusion.data.instruct import instruct_clients
+from fedfusion.devices.meters import HostMeter, gpu_index
+from fedfusion.models.adapters import adapter_factors, attach_adapter, load_factors, merged_update
+from fedfusion.models.pretrained import load_base, load_base_tokenizer
+from fedfusion.train.instruct import InstructData, encode_pairs, evaluate_instruct, train_instruct
+from fedfusion.wire.keys import NUM_EXAMPLES
+from fedfusion.wire.specs import AdapterSpec, ClientSpec, LoRABaseSpec, QuantizeSpec, RoundSpec, TrainSpec
 
 hf_logging.disable_progress_bar()
 
@@ -108,7 +104,7 @@ def train(arrays: dict[str, torch.Tensor], spec: ConfigRecord, partition: int,
     if corrupt:
         next(iter(factors.values())).view(-1)[0] = float("nan")
     time.sleep(delay)
-    return factors, {"num-examples": len(data), **stats}
+    return factors, {NUM_EXAMPLES: len(data), **stats}
 
 
 def evaluate(arrays: dict[str, torch.Tensor], spec: ConfigRecord, partition: int, accelerator: str = "cpu") -> dict:
@@ -118,4 +114,4 @@ def evaluate(arrays: dict[str, torch.Tensor], spec: ConfigRecord, partition: int
     data = _data(spec, partition, "held_out")
     base = _base(spec, accelerator)
     with merged_update(base, arrays):
-        return {"num-examples": len(data), **evaluate_instruct(base, data)}
+        return {NUM_EXAMPLES: len(data), **evaluate_instruct(base, data)}

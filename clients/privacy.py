@@ -1,7 +1,7 @@
 """Client-side differential privacy chosen per message: Flower's own mods, switched by the spec.
 
 A ClientApp's mods are fixed when it is built, but the recipe decides privacy per run, so this one mod
-reads the message's :class:`~fedfusion.wire.PrivacySpec` and hands over to Flower's ``fixedclipping_mod`` (clip the
+reads the message's :class:`~fedfusion.wire.specs.PrivacySpec` and hands over to Flower's ``fixedclipping_mod`` (clip the
 update ``reply - received`` to ``clipping_norm``) or ``LocalDpMod`` (clip, then add Gaussian noise
 calibrated to (epsilon, delta) with sensitivity = clipping_norm). Both compare the reply with the arrays
 this client received, key by key, never with the full target: a sub-model's reply has its sub-model's
@@ -15,8 +15,8 @@ from flwr.app import ArrayRecord, Context, Message
 from flwr.clientapp.mod import LocalDpMod, fixedclipping_mod
 from flwr.clientapp.typing import ClientAppCallable
 
-from fedfusion.lora import FROZEN_SUFFIXES
-from fedfusion.wire import PrivacySpec
+from fedfusion.wire.keys import FROZEN_SUFFIXES
+from fedfusion.wire.specs import PrivacySpec
 
 
 def privacy_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:

@@ -11,22 +11,17 @@ import json
 from functools import lru_cache
 
 import torch
-from fedfusion.clients.submodel import (
-    client_windows,
-    inject_faults,
-    local_steps,
-    set_threads,
-    trained_reply,
-)
+from fedfusion.clients.submodel import inject_faults, local_steps, set_threads, trained_reply
 from flwr.app import ConfigRecord
 from transformers import PreTrainedModel
 
-from fedfusion.data import encode_text, lm_windows
-from fedfusion.models import small_model
-from fedfusion.population import population_data
-from fedfusion.training import evaluate_lm, train_steps
-from fedfusion.transfer import wrap_tokenizer
-from fedfusion.wire import ClientSpec, FamilySpec, ModelSpec
+from fedfusion.data.population import client_windows, population_data
+from fedfusion.data.text import encode_text, lm_windows
+from fedfusion.models.build import small_model
+from fedfusion.train.loop import evaluate_lm, train_steps
+from fedfusion.train.transfer import wrap_tokenizer
+from fedfusion.wire.keys import NUM_EXAMPLES
+from fedfusion.wire.specs import ClientSpec, FamilySpec, ModelSpec
 
 
 @lru_cache(maxsize=64)
@@ -64,4 +59,4 @@ def evaluate(state: dict[str, torch.Tensor], spec: ConfigRecord, partition: int,
     """Score the family model in ``state`` on this client's held-out text (in the family's tokens)."""
     set_threads(spec)
     windows = _windows(spec, partition, "held_out")
-    return {"num-examples": int(windows.shape[0]), **evaluate_lm(_model(state, spec, accelerator), windows)}
+    return {NUM_EXAMPLES: int(windows.shape[0]), **evaluate_lm(_model(state, spec, accelerator), windows)}

@@ -5,32 +5,20 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
-from functools import lru_cache
 from typing import Any
 
 import torch
 from flwr.app import ConfigRecord
 from transformers import PreTrainedModel
 
-from fedfusion.cache import cached_tensor
-from fedfusion.meters import HostMeter, gpu_index
-from fedfusion.models import model_from_state, tied_aliases, wire_state
-from fedfusion.ordered import train_steps_ordered
-from fedfusion.population import client_token_windows
-from fedfusion.slice_families import config_from_dict
-from fedfusion.training import evaluate_lm, train_steps
-from fedfusion.wire import ClientSpec, FaultSpec, ModelSpec, OrderedSpec, RoundSpec, SliceSpec, read_train
-
-
-@lru_cache(maxsize=64)
-def client_windows(spec: str, partition: int, seq_len: int, split: str) -> torch.Tensor:
-    """Token windows of one client's ``train`` or ``held_out`` text.
-
-    Cached in memory (simulation's Ray actors persist) and on disk (a deployed node starts a fresh
-    process per message).
-    """
-    return cached_tensor("windows", f"{spec}|{partition}|{seq_len}|{split}",
-                         lambda: client_token_windows(spec, partition, seq_len, split))
+from fedfusion.data.population import client_windows
+from fedfusion.devices.meters import HostMeter, gpu_index
+from fedfusion.models.build import model_from_state, tied_aliases, wire_state
+from fedfusion.models.families import config_from_dict
+from fedfusion.train.loop import evaluate_lm, train_steps
+from fedfusion.train.ordered import train_steps_ordered
+from fedfusion.wire.keys import NUM_EXAMPLES
+from fedfusion.wire.specs import ClientSpec, FaultSpec, ModelSpec, OrderedSpec, RoundSpec, SliceSpec, read_train
 
 
 def num_examples(spec: ConfigRecord, partition: int) -> int:
@@ -68,7 +56,7 @@ def inject_faults(spec: ConfigRecord, partition: int) -> tuple[bool, float]:
 
 
 def local_steps(spec: ConfigRecord) -> dict[str, Any]:
-    """The spec's local training settings, as ``train_steps`` takes them (:func:`fedfusion.wire.read_train`)."""
+    """The spec's local training settings, as ``train_steps`` takes them (:func:`fedfusion.wire.specs.read_train`)."""
     return read_train(spec)
 
 
@@ -86,7 +74,7 @@ def trained_reply(model: torch.nn.Module, windows: torch.Tensor, faults: tuple[b
     if corrupt:
         next(iter(new_state.values())).view(-1)[0] = float("nan")
     time.sleep(delay)
-    return new_state, {"num-examples": int(windows.shape[0]), **stats}
+    return new_state, {NUM_EXAMPLES: int(windows.shape[0]), **stats}
 
 
 def train(state: dict[str, torch.Tensor], spec: ConfigRecord, partition: int,
@@ -112,4 +100,4 @@ def evaluate(state: dict[str, torch.Tensor], spec: ConfigRecord, partition: int,
     """Score the model in ``state`` on this client's held-out text."""
     set_threads(spec)
     windows = _windows(spec, partition, "held_out")
-    return {"num-examples": int(windows.shape[0]), **evaluate_lm(_model(state, spec, accelerator), windows)}
+    return {NUM_EXAMPLES: int(windows.shape[0]), **evaluate_lm(_model(state, spec, accelerator), windows)}

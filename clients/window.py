@@ -7,10 +7,10 @@ import torch
 from fedfusion.clients.submodel import _windows, evaluate, inject_faults, local_steps, num_examples, set_threads, trained_reply
 from flwr.app import ConfigRecord
 
-from fedfusion.full_forward import from_payload
-from fedfusion.slice_families import config_from_dict
-from fedfusion.training import train_steps
-from fedfusion.wire import ModelSpec, WindowSpec
+from fedfusion.models.families import config_from_dict
+from fedfusion.models.full_forward import from_payload, window_plan
+from fedfusion.train.loop import train_steps
+from fedfusion.wire.specs import ModelSpec, WindowSpec
 
 __all__ = ["evaluate", "num_examples", "train"]
 
@@ -22,6 +22,6 @@ def train(state: dict[str, torch.Tensor], spec: ConfigRecord, partition: int,
     set_threads(spec)
     windows = _windows(spec, partition, "train")
     config = config_from_dict(ModelSpec.from_config(spec).model_config)
-    model = from_payload(config, state, WindowSpec.from_config(spec).plan()).to(accelerator)
+    model = from_payload(config, state, window_plan(WindowSpec.from_config(spec))).to(accelerator)
     return trained_reply(model, windows, faults, lambda: train_steps(model, windows, **local_steps(spec)),
                          lambda: {k: v.cpu() for k, v in model.trained().items()})

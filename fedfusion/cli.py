@@ -15,8 +15,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from fedfusion.recipe import Recipe, RecipeError, builtin_recipes, load_recipe, tier_methods
-from fedfusion.seed_paper import NAME as SEED_PAPER
+from fedfusion.config.recipe import Recipe, RecipeError, builtin_recipes, tier_methods
+from fedfusion.run.check import load_checked
+from fedfusion.run.seed_paper import NAME as SEED_PAPER
 
 console = Console()
 
@@ -39,13 +40,13 @@ def _method(recipe: Recipe) -> str:
 def _load_for_run(ref: str, overrides: list[str]) -> Recipe:
     """The recipe a run or deployment uses, validated and its ``fusion.auto_widths`` fitted, before anything is
     written. Torch loads only where widths are fitted, so every other recipe error comes in about a second."""
-    recipe = load_recipe(ref, overrides)
+    recipe = load_checked(ref, overrides)
     if recipe.fusion.auto_widths:
-        from fedfusion.planner import fit_widths
+        from fedfusion.run.planner import fit_widths
 
         fit_widths(recipe)
     if recipe.data.source == "dataset":  # load and partition it now: a missing column or a bad count stops here
-        from fedfusion.federated_data import partition_sizes
+        from fedfusion.data.population import partition_sizes
 
         partition_sizes(recipe)
     return recipe
@@ -62,13 +63,13 @@ def backend_config(recipe: Recipe) -> dict[str, Any]:
 
 def cmd_run(args: argparse.Namespace) -> int:
     """Validate the recipe, create the run directory, run the federation with live progress."""
-    from fedfusion.run_dir import RunDir, new_run_path
+    from fedfusion.run.run_dir import RunDir, new_run_path
 
     if args.resume:
         if args.recipe or args.overrides or args.out:
             raise ValueError("--resume RUN_DIR continues that run with its own recipe.yaml; "
                              "give no recipe, overrides or --out with it")
-        from fedfusion.checkpoint import load_checkpoint
+        from fedfusion.run.checkpoint import load_checkpoint
 
         run = RunDir.reopen(Path(args.resume))
         if run.finished:
@@ -86,7 +87,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     from flwr.simulation import run_simulation
 
     from fedfusion.client_app import app as client_app
-    from fedfusion.interrupt import (
+    from fedfusion.run.federation import run_federation
+    from fedfusion.run.interrupt import (
         EXIT_INTERRUPTED,
         CtrlC,
         EngineWatch,
@@ -95,7 +97,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         reap,
         silence_ray,
     )
-    from fedfusion.server_app import run_federation
 
     verb = f"resuming after round {done}:" if args.resume else "running"
     console.print(f"[bold]fedfusion[/] {verb} {recipe.name}: {recipe.population.num_clients} clients, "
@@ -170,19 +171,19 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 PLAN_COSTS = ("MB down", "MB up", "compute s", "transfer s", "s/round", "compute J", "transfer J", "J/round")
 PLAN_NOTE = ("s and J per round: the tier's training FLOPs and the bytes it moves, priced as the run's ledger "
-             "prices them (fedfusion.energy.price_work; J drawn from the wall)")
+             "prices them (fedfusion.devices.energy.price_work; J drawn from the wall)")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Print what each tier trains and what one round of it costs (and the server's own work, where it has any)."""
-    recipe = load_recipe(args.recipe, args.overrides)
-    from fedfusion import planner  # torch: after the recipe is known to be good
+    recipe = load_checked(args.recipe, args.overrides)
+    from fedfusion.run import planner  # torch: after the recipe is known to be good
 
     method = recipe.fusion.method
     if method == "lora":
         from transformers import AutoConfig
 
-        from fedfusion.pretrained import resolve_base
+        from fedfusion.models.pretrained import resolve_base
 
         config = AutoConfig.from_pretrained(resolve_base(recipe.lora.base))
         headers = {k: k for k in ("tier", "rank", "base", "trainable", "peak MB", "fp32 base MB", "device MB",
@@ -215,7 +216,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             console.print("a client's uplink also carries its samples (generative.sample_fraction x its windows "
                           "x (seq_len + 1) x 8 bytes), which the plan cannot know", highlight=False)
     console.print(PLAN_NOTE, highlight=False)
-    from fedfusion.federated_data import describe, partition_sizes
+    from fedfusion.data.federated import describe
+    from fedfusion.data.population import partition_sizes
 
     console.print("\n".join(describe(partition_sizes(recipe))), highlight=False, soft_wrap=True)
     return 0
@@ -223,7 +225,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_devices(args: argparse.Namespace) -> int:
     """Print the device catalog (built-in, or the file given)."""
-    from fedfusion.devices import catalog_rows, load_catalog
+    from fedfusion.devices.catalog import catalog_rows, load_catalog
 
     headers = {"name": "tier", "memory_gb": "mem GB", "tflops": "TFLOPS", "train_w": "train W", "idle_w": "idle W",
                "battery_wh": "batt Wh", "up_mbps": "up Mb/s", "down_mbps": "down Mb/s", "embodied_kg": "kgCO2e",
@@ -255,7 +257,7 @@ def _cell(value: Any) -> str:
 
 def cmd_report(args: argparse.Namespace) -> int:
     """report.md + plots for one run, or a side-by-side comparison of several."""
-    from fedfusion.report import compare_runs, write_report
+    from fedfusion.run.report import compare_runs, write_report
 
     runs = [Path(p) for p in args.runs]
     if len(runs) == 1:
@@ -281,7 +283,7 @@ def cmd_certs(args: argparse.Namespace) -> int:
 def cmd_deploy(args: argparse.Namespace) -> int:
     """Run a recipe over a loopback SuperLink + SuperNodes with TLS and SuperNode authentication."""
     from fedfusion.deploy import deploy_local
-    from fedfusion.run_dir import new_run_path
+    from fedfusion.run.run_dir import new_run_path
 
     recipe = _load_for_run(args.recipe, args.overrides)
     out = new_run_path(recipe, args.out)
@@ -300,7 +302,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
 
 def cmd_facts(args: argparse.Namespace) -> int:
     """Write a synthetic facts dataset in the documented file format (train.jsonl, probes.jsonl, public.jsonl)."""
-    from fedfusion.facts import write_facts
+    from fedfusion.data.facts import write_facts
 
     paths = write_facts(Path(args.dir), args.clients, args.people, args.seed, args.skew, public=args.public)
     console.print("wrote " + ", ".join(str(p) for p in paths.values())
@@ -311,9 +313,9 @@ def cmd_facts(args: argparse.Namespace) -> int:
 
 def cmd_edge_cloud(args: argparse.Namespace) -> int:
     """Price a named edge-vs-cloud setting (the seed paper's) and say whether it lands in the paper's ranges."""
-    from fedfusion.devices import load_catalog
-    from fedfusion.edge_cloud import check_cloud
-    from fedfusion.seed_paper import CLOUD, markdown, results
+    from fedfusion.devices.catalog import load_catalog
+    from fedfusion.run.edge_cloud import check_cloud
+    from fedfusion.run.seed_paper import CLOUD, markdown, results
 
     catalog = load_catalog(args.catalog)
     cloud = args.cloud or CLOUD
@@ -403,7 +405,7 @@ def parser() -> argparse.ArgumentParser:
     report.add_argument("runs", nargs="+")
     report.add_argument("--out", help="output folder for a comparison of several runs")
     report.set_defaults(func=cmd_report)
-    from fedfusion.device_commands import add_parsers
+    from fedfusion.phone.commands import add_parsers
 
     add_parsers(sub)  # export-device, gateway, device
     return p

@@ -10,11 +10,11 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 
 from fedfusion.clients.privacy import privacy_mod
-from fedfusion.devices import assign_tiers
-from fedfusion.hardware import capabilities, pick_accelerator
-from fedfusion.quantize import client_reply, decode
-from fedfusion.quiet import silence_expected_noise
-from fedfusion.wire import ROLES, Caps, PopulationSpec, RoleSpec, WireSpec
+from fedfusion.devices.catalog import assign_tiers
+from fedfusion.devices.hardware import capabilities, pick_accelerator
+from fedfusion.run.quiet import silence_expected_noise
+from fedfusion.wire.quantize import client_reply, decode
+from fedfusion.wire.specs import ROLES, Caps, PopulationSpec, RoleSpec, WireSpec
 
 silence_expected_noise()  # in every simulation actor: it imports this module to unpickle the app
 app = ClientApp()

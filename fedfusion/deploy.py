@@ -222,10 +222,10 @@ def deploy_local(app_dir: Path, recipe_ref: str, overrides: list[str], workdir: 
     ``--node-config 'partition-id=i num-partitions=N device="<tier of client i>"'``. ``unregistered``
     extra SuperNodes start with keys nobody registered, to show that the SuperLink refuses them.
     """
-    from fedfusion.population import tier_list
-    from fedfusion.recipe import load_recipe
+    from fedfusion.data.population import tier_list
+    from fedfusion.run.check import load_checked
 
-    recipe = load_recipe(recipe_ref, overrides)
+    recipe = load_checked(recipe_ref, overrides)
     config = run_config(recipe_ref, overrides, out)  # refuses what flwr run cannot carry before anything starts
     if not (app_dir / "pyproject.toml").is_file():
         raise FileNotFoundError(f"{app_dir}: no pyproject.toml; run from the fedfusion source tree (flwr run needs it)")

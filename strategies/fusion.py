@@ -3,15 +3,15 @@
 Round flow (``Strategy.start`` drives it):
 1. ``configure_train``: the round's candidate pool (every connected node up to ``pool`` of them, else a random
    ``pool`` of them, more while too few are eligible), a QUERY round for the pool's nodes not seen yet (their
-   device tier), then the participation draw over the pool (:mod:`fedfusion.participation`); every sampled node
+   device tier), then the participation draw over the pool (:mod:`fedfusion.selection.participation`); every sampled node
    gets a fresh Message with the payload the method of its tier makes for it, the common training spec and its
-   seed (:func:`fedfusion.rounds.client_seed`).
+   seed (:func:`fedfusion.fusion.rounds.client_seed`).
 2. ``aggregate_train``: replies in sample order (not arrival order, so float sums and reruns repeat exactly); an
    error reply is ``failed``; broken train metrics, a reply the method's check refuses, or an update norm over
    ``max_norm_ratio`` times the norm sent is ``rejected``; silent nodes ``timeout`` (or ``cut`` once an
    over-selection quorum closed the round). Fewer than ``min_clients`` good replies leave the target unchanged
-   (a void round). Otherwise each method folds its own updates, in :data:`fedfusion.rounds.FOLD_ORDER`
-   (:func:`fedfusion.rounds.fold_round`, which the in-process driver runs too).
+   (a void round). Otherwise each method folds its own updates, in :data:`fedfusion.fusion.rounds.FOLD_ORDER`
+   (:func:`fedfusion.fusion.rounds.fold_round`, which the in-process driver runs too).
 3. After Flower's central evaluation (``evaluate_fn``) the round is over: a frozen
    :class:`~fedfusion.fusion.base.RoundReport` goes to every listener (the run recorder writes ledgers and the
    checkpoint from it).
@@ -31,8 +31,8 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
-from fedfusion.checkpoint import rng_state, set_rng_state
-from fedfusion.energy import WorkCost, price_work, train_flops
+from fedfusion.devices.energy import WorkCost, price_work, train_flops
+from fedfusion.devices.meters import read_measured
 from fedfusion.fusion.base import (
     Client,
     ClientRound,
@@ -42,10 +42,11 @@ from fedfusion.fusion.base import (
     Update,
     read_train_metrics,
 )
-from fedfusion.meters import read_measured
-from fedfusion.participation import Participation, draw_size
-from fedfusion.rounds import client_seed, fold_order, fold_round, round_payloads
-from fedfusion.wire import DROPPED, Caps, ClientSpec, PrivacySpec, RoundSpec, SpecError, TrainSpec
+from fedfusion.fusion.rounds import client_seed, fold_order, fold_round, round_payloads
+from fedfusion.fusion.state import rng_state, set_rng_state
+from fedfusion.selection.participation import Participation, draw_size
+from fedfusion.wire.keys import NUM_EXAMPLES
+from fedfusion.wire.specs import DROPPED, Caps, ClientSpec, PrivacySpec, RoundSpec, SpecError, TrainSpec
 
 Listener = Callable[[RoundReport], None]
 
@@ -373,7 +374,7 @@ class FusionStrategy(Strategy):
 
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Check every reply; fold the good ones, each method its own (:func:`fedfusion.rounds.fold_round`)."""
+        """Check every reply; fold the good ones, each method its own (:func:`fedfusion.fusion.rounds.fold_round`)."""
         start = time.perf_counter()
         updates: list[Update] = []
         for reply, row in self.replies_in_order(replies):
@@ -397,7 +398,7 @@ class FusionStrategy(Strategy):
         good = [r for r in self.round.rows.values() if r.status == "ok"]
         return ArrayRecord(folded.target), MetricRecord({
             "train_loss": sum(r.train_loss or 0.0 for r in good) / ok,
-            "num-examples": sum(r.examples for r in good), "clients_ok": ok, "coverage": folded.coverage,
+            NUM_EXAMPLES: sum(r.examples for r in good), "clients_ok": ok, "coverage": folded.coverage,
             **folded.stats,
             "server_flops": self.round.server_cost["flops"], "server_s": self.round.server_cost["seconds"],
         })
@@ -434,7 +435,7 @@ class FusionStrategy(Strategy):
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         """Example-weighted mean of the clients' held-out loss and accuracy."""
         good = [r.content.metric_records["metrics"] for r in replies if not r.has_error()]
-        examples = [_number(m, "num-examples") for m in good]
+        examples = [_number(m, NUM_EXAMPLES) for m in good]
         total = sum(examples)
         if not total:
             return None

@@ -9,9 +9,9 @@ import pytest
 import torch
 from tokenizers import Tokenizer, normalizers
 
-from fedfusion.align import TokenBridge, char_alignment, token_starts
-from fedfusion.data import build_char_tokenizer, encode_text
-from fedfusion.transfer import train_bpe, wrap_tokenizer
+from fedfusion.data.text import build_char_tokenizer, encode_text
+from fedfusion.fusion.distill.align import TokenBridge, char_alignment, token_starts
+from fedfusion.train.transfer import train_bpe, wrap_tokenizer
 
 TEXT = "the theme of the thee to the top then to them " * 20
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fedfusion.availability import AvailabilityConfig, AvailabilityModel, device_kind
-from fedfusion.devices import load_catalog
+from fedfusion.devices.availability import AvailabilityConfig, AvailabilityModel, device_kind
+from fedfusion.devices.catalog import load_catalog
 
 H = 3600.0
 

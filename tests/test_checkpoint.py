@@ -9,10 +9,11 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord
 
-from fedfusion.checkpoint import Checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from fedfusion.cli import main
-from fedfusion.recipe import load_recipe
-from fedfusion.run_dir import RunDir, read_jsonl
+from fedfusion.config.recipe import load_recipe
+from fedfusion.fusion.state import rng_state, set_rng_state
+from fedfusion.run.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from fedfusion.run.run_dir import RunDir, read_jsonl
 from tests.test_strategy import FakeGrid, make_strategy, plans, task_identity  # noqa: F401 (autouse fixture)
 
 
@@ -85,7 +86,7 @@ def test_resume_refuses_a_recipe_or_overrides(tmp_path, capsys):
 
 
 def test_a_resumed_runs_earlier_parts_count_from_their_summary_or_else_their_last_checkpoint(tmp_path):
-    from fedfusion.server_app import earlier_wall_s
+    from fedfusion.run.federation import earlier_wall_s
 
     run = RunDir(tmp_path / "r", load_recipe("quickstart", ["rounds=3"]))
     ckpt = Checkpoint(round=1, target={}, elapsed_s=30.0)

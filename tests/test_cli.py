@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from fedfusion.cli import EXAMPLES, main, parser
-from fedfusion.planner import llama_params, plan_table
-from fedfusion.recipe import load_recipe
+from fedfusion.config.recipe import load_recipe
+from fedfusion.run.planner import llama_params, plan_table
 
 ROOT = Path(__file__).parents[1]
 HEAVY = ("torch", "transformers", "flwr", "peft", "bitsandbytes", "ray")
@@ -139,8 +139,10 @@ def test_a_recipe_error_loads_neither_torch_nor_flower(tmp_path):
     """What keeps recipe errors fast on any machine: the CLI validates before it imports the runtime."""
     code = ("import sys; from fedfusion.cli import main; rc = main(sys.argv[1:]); "
             f"print('loaded:', [m for m in {HEAVY!r} if m in sys.modules]); sys.exit(rc)")
+    # the last two fail in check_recipe (the device catalog, the selector's options), after the recipe loaded
     for args in (["run", "quickstart", "train.roundz=3"], ["plan", "quickstart", "fusion.policy=sideways"],
-                 ["deploy", "quickstart", "population.num_clients=3"]):
+                 ["deploy", "quickstart", "population.num_clients=3"], ["run", "quickstart", "population.mix={toaster: 1.0}"],
+                 ["plan", "quickstart", "selection.method=oort", "selection.options={alpha: -1}"]):
         done, _ = _fedfusion(args, tmp_path, code)
         assert done.returncode == 2 and "loaded: []" in done.stdout, (args, done.stdout)
 
@@ -168,7 +170,7 @@ def test_the_readme_sample_error_is_what_the_cli_prints(tmp_path):
 
 
 def test_resuming_a_finished_run_says_so_and_changes_nothing(tmp_path, capsys):
-    from fedfusion.run_dir import RunDir
+    from fedfusion.run.run_dir import RunDir
 
     run = RunDir(tmp_path / "done", load_recipe("quickstart", ["rounds=2"]))
     (run.path / "metrics.jsonl").write_text("".join(json.dumps({"round": r, "eval_loss": 4.0 - r}) + "\n"

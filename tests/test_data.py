@@ -1,4 +1,4 @@
-"""Tests for fedfusion.data: Shakespeare roles, text splits, the char tokenizer and LM windows."""
+"""Tests for fedfusion.data.text: Shakespeare roles, text splits, the char tokenizer and LM windows."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from fedfusion.data import (
+from fedfusion.data.text import (
     Role,
     _spoken_lines,
     build_char_tokenizer,

@@ -13,10 +13,10 @@ from cryptography.hazmat.primitives.serialization import load_ssh_private_key
 from flwr.cli.supernode.register import try_load_public_key
 
 from fedfusion.cli import main
+from fedfusion.config.recipe import load_recipe
+from fedfusion.data.population import tier_list
 from fedfusion.deploy import make_deploy_files
-from fedfusion.population import tier_list
-from fedfusion.recipe import load_recipe
-from fedfusion.run_dir import read_jsonl
+from fedfusion.run.run_dir import read_jsonl
 
 pytestmark = pytest.mark.slow  # Flower's runtime (Ray or SuperLink processes): minutes, not seconds
 

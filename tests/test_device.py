@@ -11,9 +11,9 @@ import time
 import pytest
 import torch
 
-from fedfusion.device_runtime import ClientOptimizer
-from fedfusion.gateway import Gateway, GatewayServer, Tokens, call, pack, unpack, write_tokens
-from fedfusion.training import make_optimizer
+from fedfusion.phone.gateway import Gateway, GatewayServer, Tokens, call, pack, unpack, write_tokens
+from fedfusion.phone.runtime import ClientOptimizer
+from fedfusion.train.loop import make_optimizer
 
 QUICK = ["model.num_layers=2", "train.batch_size=4", "train.seq_len=16", "train.local_steps=4"]
 
@@ -129,8 +129,8 @@ def test_gateway_drops_a_task_past_its_deadline(gateway):
 
 
 def test_export_device_refuses_a_tier_without_a_width():
-    from fedfusion.device_program import tier_config
-    from fedfusion.recipe import load_recipe
+    from fedfusion.config.recipe import load_recipe
+    from fedfusion.phone.commands import tier_config
 
     with pytest.raises(ValueError, match="--tier 'watch'"):
         tier_config(load_recipe("quickstart"), "watch")
@@ -151,8 +151,8 @@ def test_export_device_command_reports_a_bad_tier_before_writing(tmp_path, capsy
 def phone_program(tmp_path_factory):
     """The quickstart phone tier's program (2 layers, batch 4 x 16 tokens), exported once for the slow tests."""
     pytest.importorskip("executorch")
-    from fedfusion.device_program import export_tier
-    from fedfusion.recipe import load_recipe
+    from fedfusion.config.recipe import load_recipe
+    from fedfusion.phone.commands import export_tier
 
     recipe = load_recipe("quickstart", QUICK)
     out = tmp_path_factory.mktemp("programs")
@@ -163,8 +163,9 @@ def phone_program(tmp_path_factory):
 
 def _phone_state(recipe, server_round: int = 3):
     """A rolling slice of a seeded quickstart target, as the strategy sends it, with its sub-model config."""
-    from fedfusion.models import build_target, load_tokenizer
-    from fedfusion.slicing import extract, plan_slice, sub_config
+    from fedfusion.data.text import load_tokenizer
+    from fedfusion.models.build import build_target
+    from fedfusion.models.slicing import extract, plan_slice, sub_config
 
     target = build_target(recipe.model, load_tokenizer(None), recipe.seed)
     plan = plan_slice(target.config, recipe.fusion.widths["phone"], "rolling", server_round, recipe.fusion.stride)
@@ -176,13 +177,11 @@ def _phone_state(recipe, server_round: int = 3):
 def test_runtime_training_matches_torch(phone_program, optimizer):
     """k steps through the ExecuTorch program (client-code optimizer, no autograd) equal k torch steps: loss per step
     within 1e-5, relative update error within 1e-3; and the loss falls."""
-    from fedfusion.clients.submodel import client_windows
-
-    from fedfusion.data import sample_batch
-    from fedfusion.device_runtime import ProgramRunner, train_program
-    from fedfusion.models import model_from_state
-    from fedfusion.population import data_spec
-    from fedfusion.training import lm_loss, optimizer_step
+    from fedfusion.data.population import client_windows, data_spec
+    from fedfusion.data.text import sample_batch
+    from fedfusion.models.build import model_from_state
+    from fedfusion.phone.runtime import ProgramRunner, train_program
+    from fedfusion.train.loop import lm_loss, optimizer_step
 
     recipe, program, _ = phone_program
     state, config = _phone_state(recipe)
@@ -223,12 +222,12 @@ def test_manifest_describes_the_program(phone_program):
 def test_gateway_and_reference_device_end_to_end(phone_program, tmp_path):
     """A SuperNode's relay hands a message to the gateway, the reference device trains it through the runtime, and
     the node gets an update of the sub-model's keys; a device killed mid-task makes the next one a dropout."""
-    from fedfusion.clients.device import DeviceDropped, relay
     from flwr.app import ConfigRecord
 
-    from fedfusion.population import data_spec
-    from fedfusion.reference_device import DeviceRefused, ReferenceDevice
-    from fedfusion.wire import DROPPED, ClientSpec, ModelSpec, RoleSpec, RoundSpec, SliceSpec, TrainSpec, merge
+    from fedfusion.clients.device import DeviceDropped, relay
+    from fedfusion.data.population import data_spec
+    from fedfusion.phone.reference import DeviceRefused, ReferenceDevice
+    from fedfusion.wire.specs import DROPPED, ClientSpec, ModelSpec, RoleSpec, RoundSpec, SliceSpec, TrainSpec, merge
 
     recipe, program, programs = phone_program
     tokens = tmp_path / "tokens.json"
@@ -278,12 +277,12 @@ def test_gpt2_slice_exports_and_trains_as_torch(tmp_path):
     pytest.importorskip("executorch")
     from transformers import GPT2Config
 
-    from fedfusion.device_program import export_program
-    from fedfusion.device_runtime import ProgramRunner, train_program
-    from fedfusion.models import config_aliases, model_from_state, wire_state
-    from fedfusion.slice_families import family_of
-    from fedfusion.slicing import extract, plan_slice, sub_config
-    from fedfusion.training import train_steps
+    from fedfusion.models.build import config_aliases, model_from_state, wire_state
+    from fedfusion.models.families import family_of
+    from fedfusion.models.slicing import extract, plan_slice, sub_config
+    from fedfusion.phone.program import export_program
+    from fedfusion.phone.runtime import ProgramRunner, train_program
+    from fedfusion.train.loop import train_steps
 
     target_config = GPT2Config(vocab_size=50, n_embd=32, n_layer=2, n_head=4, n_inner=64, n_positions=32,
                                bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -310,8 +309,8 @@ def test_gpt2_slice_exports_and_trains_as_torch(tmp_path):
 def test_unexportable_family_names_family_and_op():
     """The CNN's GroupNorm views a parameter, which ExecuTorch cannot emit with external weights: a clear error."""
     pytest.importorskip("executorch")
-    from fedfusion.cnn import FedCNNConfig
-    from fedfusion.device_program import DeviceExportError, export_program
+    from fedfusion.models.cnn import FedCNNConfig
+    from fedfusion.phone.program import DeviceExportError, export_program
 
     with pytest.raises(DeviceExportError, match=r"^cnn model: .*operator \S+view"):
         export_program(FedCNNConfig(channels=[8, 16], groups=4, image_size=8), 2, 0)
@@ -325,9 +324,9 @@ def test_a_gateway_dropout_is_a_dropped_row_with_its_work():
     from flwr.supercore.task_identity import TaskIdentity
 
     from fedfusion.clients.device import DEVICE_METER_KEY
-    from fedfusion.devices import load_catalog
-    from fedfusion.server_app import price_client
-    from fedfusion.wire import DROPPED
+    from fedfusion.devices.catalog import load_catalog
+    from fedfusion.run.federation import price_client
+    from fedfusion.wire.specs import DROPPED
     from tests.test_strategy import FakeGrid, make_strategy
 
     TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 0  # as tests/test_strategy.py does

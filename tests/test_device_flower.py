@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from fedfusion.deploy import LocalFederation, make_deploy_files
-from fedfusion.gateway import Gateway, GatewayServer, Tokens, write_tokens
-from fedfusion.run_dir import read_jsonl
+from fedfusion.phone.gateway import Gateway, GatewayServer, Tokens, write_tokens
+from fedfusion.run.run_dir import read_jsonl
 from tests.test_device import _take_and_vanish
 
 pytestmark = pytest.mark.slow  # SuperLink and SuperNode processes plus an ExecuTorch export: minutes
@@ -26,7 +26,7 @@ OVERRIDES = [
 
 def test_a_gateway_node_trains_through_a_reference_device(tmp_path, monkeypatch):
     pytest.importorskip("executorch")
-    from fedfusion.reference_device import ReferenceDevice
+    from fedfusion.phone.reference import ReferenceDevice
 
     monkeypatch.chdir(ROOT)
     tokens = tmp_path / "tokens.json"

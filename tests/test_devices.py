@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fedfusion.devices import assign_tiers, catalog_rows, load_catalog
+from fedfusion.devices.catalog import assign_tiers, catalog_rows, load_catalog
 
 
 def test_builtin_catalog_has_the_three_tiers_with_numbers():

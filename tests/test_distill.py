@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaForCausalLM
 
-from fedfusion.distill import (
+from fedfusion.devices.energy import train_flops
+from fedfusion.train.distill import (
     Teacher,
     confidence,
     distil,
@@ -20,7 +21,6 @@ from fedfusion.distill import (
     forward_flops,
     kd_loss,
 )
-from fedfusion.energy import train_flops
 from tests.conftest import tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest

@@ -12,16 +12,16 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
 from transformers import GPT2Config, LlamaConfig, LlamaForCausalLM
 
-from fedfusion import models
 from fedfusion.clients import smallmodel
-from fedfusion.data import build_char_tokenizer
-from fedfusion.devices import load_catalog
-from fedfusion.participation import Participation
-from fedfusion.recipe import DataConfig, DistillConfig
-from fedfusion.selection import make_selector
-from fedfusion.fusion.distill import DistillMethod, Family, family_eval_set, score_per_char
+from fedfusion.config.recipe import DataConfig, DistillConfig
+from fedfusion.data.text import build_char_tokenizer
+from fedfusion.devices.catalog import load_catalog
+from fedfusion.fusion.distill.method import DistillMethod, Family, family_eval_set, score_per_char
+from fedfusion.models import build as models
+from fedfusion.selection.participation import Participation
+from fedfusion.selection.selectors import make_selector
 from fedfusion.strategies import FusionStrategy
-from fedfusion.transfer import family_tokenizer, train_bpe, wrap_tokenizer
+from fedfusion.train.transfer import family_tokenizer, train_bpe, wrap_tokenizer
 from tests.test_strategy import FakeGrid, task_identity  # noqa: F401  (autouse fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from fedfusion.cli import parser
-from fedfusion.planner import fit_widths
-from fedfusion.recipe import load_recipe
+from fedfusion.run.check import load_checked
+from fedfusion.run.planner import fit_widths
 
 ROOT = Path(__file__).parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -99,7 +99,7 @@ def test_shown_command_loads_its_recipe(where, command, tmp_path):
             item = f"{key}={tmp_path / value}"
         overrides.append(item)
     recipe = args.recipe if not args.recipe.endswith(".yaml") else str(ROOT / args.recipe)
-    loaded = load_recipe(recipe, overrides)  # RecipeError names the bad key
+    loaded = load_checked(recipe, overrides)  # RecipeError names the bad key
     if args.command != "plan":  # plan shows the fit, tiers that fit nothing included; a run stops on them
         fit_widths(loaded)
 

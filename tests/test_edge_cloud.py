@@ -6,14 +6,28 @@ import dataclasses
 
 import pytest
 
-from fedfusion import seed_paper
-from fedfusion.devices import Device, load_catalog
-from fedfusion.edge_cloud import (
-    CARBON_VIEWS, EDGE_COLUMN, EDGE_PARTS, TierWork, assumptions, carbon_views, cloud_tiers, edge_breakdown,
-    edge_cloud_markdown, edge_vs_cloud, flip_table, headline, markdown_table, sensitivity, solve, totals,
+from fedfusion.devices.catalog import Device, load_catalog
+from fedfusion.devices.energy import GRID_G_PER_KWH, price_work
+from fedfusion.run import seed_paper
+from fedfusion.run.edge_cloud import (
+    CARBON_VIEWS,
+    EDGE_COLUMN,
+    EDGE_PARTS,
+    TierWork,
+    assumptions,
+    carbon_views,
+    cloud_tiers,
+    edge_breakdown,
+    edge_cloud_markdown,
+    edge_vs_cloud,
+    flip_table,
+    headline,
+    markdown_table,
+    sensitivity,
+    solve,
+    totals,
     work_from_clients,
 )
-from fedfusion.energy import GRID_G_PER_KWH, price_work
 
 CAT = load_catalog()
 WORK = [TierWork("phone", 4e15, 2e8, 2e8, useful_flops=3e15), TierWork("laptop", 6e15, 3e8, 3e8)]

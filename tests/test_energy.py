@@ -6,8 +6,8 @@ from dataclasses import replace
 
 import pytest
 
-from fedfusion.devices import Device, load_catalog
-from fedfusion.energy import (
+from fedfusion.devices.catalog import Device, load_catalog
+from fedfusion.devices.energy import (
     GRID_G_PER_KWH,
     WorkCost,
     price_work,

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from fedfusion.facts import (
+from fedfusion.data.facts import (
     ATTRIBUTES,
     encode_documents,
     encode_probes,
@@ -92,7 +92,7 @@ def test_user_facts_with_string_clients_and_other_attributes(tmp_path):
 
 def test_documents_are_packed_whole_and_padded():
     records, probes, _ = generate_facts(1, 6, seed=0)
-    from fedfusion.facts import Facts, Probe
+    from fedfusion.data.facts import Facts, Probe
 
     facts = Facts(("0",), (tuple(r["text"] for r in records),), tuple(Probe(p["prompt"], p["answer"], "0") for p in probes))
     tok = facts_tokenizer(facts)
@@ -108,7 +108,7 @@ def test_documents_are_packed_whole_and_padded():
 def test_probe_metrics_equal_greedy_decoding():
     """Teacher-forced exact match must agree with decoding the answer token by token."""
     records, probes, _ = generate_facts(2, 10, seed=0)
-    from fedfusion.facts import Facts, Probe
+    from fedfusion.data.facts import Facts, Probe
 
     facts = Facts(("0", "1"), ((records[0]["text"],), (records[1]["text"],)),
                   tuple(Probe(p["prompt"], p["answer"], str(p["client"]), p["attribute"]) for p in probes))
@@ -136,7 +136,7 @@ def test_probe_metrics_equal_greedy_decoding():
 
 
 def _facts_recipe(tmp_path, *extra: str):
-    from fedfusion.recipe import load_recipe
+    from fedfusion.config.recipe import load_recipe
 
     paths = write_facts(tmp_path / "facts", 4, 24, seed=2)
     return load_recipe("quickstart", [
@@ -146,8 +146,8 @@ def _facts_recipe(tmp_path, *extra: str):
 
 
 def test_a_users_facts_files_feed_clients_and_the_target(tmp_path):
-    from fedfusion.population import client_token_windows, data_spec, data_tokenizer, population_data
-    from fedfusion.targets import lm_target
+    from fedfusion.data.population import client_token_windows, data_spec, data_tokenizer, population_data
+    from fedfusion.run.targets import lm_target
 
     recipe, paths = _facts_recipe(tmp_path)
     spec = data_spec(recipe)
@@ -168,8 +168,8 @@ def test_a_users_facts_files_feed_clients_and_the_target(tmp_path):
 
 
 def test_generated_facts_need_no_files_and_bad_facts_recipes_are_refused(tmp_path):
-    from fedfusion.population import population_data, data_spec
-    from fedfusion.recipe import RecipeError, load_recipe
+    from fedfusion.config.recipe import RecipeError, load_recipe
+    from fedfusion.data.population import data_spec, population_data
 
     recipe = load_recipe("quickstart", ["data.source=facts", "data.people=40", "population.num_clients=4", "selection.clients_per_round=2"])
     clients = population_data(data_spec(recipe))
@@ -186,8 +186,8 @@ def test_generated_facts_need_no_files_and_bad_facts_recipes_are_refused(tmp_pat
 
 
 def test_text_files_with_a_client_field_keep_their_partition(tmp_path):
-    from fedfusion.population import data_spec, population_data
-    from fedfusion.recipe import load_recipe
+    from fedfusion.config.recipe import load_recipe
+    from fedfusion.data.population import data_spec, population_data
 
     path = tmp_path / "corpus.jsonl"
     path.write_text("".join(json.dumps({"client": c, "text": t * 30}) + "\n"

@@ -13,20 +13,18 @@ pytest.importorskip("flwr_datasets")
 import pandas as pd  # noqa: E402  (installed with flwr-datasets' datasets)
 
 from fedfusion.cli import main  # noqa: E402
-from fedfusion.federated_data import (  # noqa: E402
-    PartitionSizes,
-    describe,
-    label_skew,
+from fedfusion.config.recipe import RecipeError  # noqa: E402
+from fedfusion.data.federated import PartitionSizes, describe, label_skew, partitions, read_partition_sizes  # noqa: E402
+from fedfusion.data.instruct import instruct_clients, pooled_held_out  # noqa: E402
+from fedfusion.data.population import (  # noqa: E402  # noqa: E402
+    data_spec,
+    lora_data_spec,  # noqa: E402
     partition_sizes,
-    partitions,
-    read_partition_sizes,
+    population_data,
     write_partition_sizes,
 )
-from fedfusion.instruct import instruct_clients, pooled_held_out  # noqa: E402
-from fedfusion.population import data_spec, population_data  # noqa: E402
-from fedfusion.recipe import RecipeError, load_recipe  # noqa: E402
-from fedfusion.report import write_report  # noqa: E402
-from fedfusion.targets import lora_data_spec  # noqa: E402
+from fedfusion.run.check import load_checked
+from fedfusion.run.report import write_report  # noqa: E402
 
 LABELS = ("sport", "music", "food", "travel")
 USERS = ("ann", "bob", "cy", "dee")
@@ -51,7 +49,7 @@ def files(tmp_path_factory) -> dict[str, Path]:
 
 
 def recipe_for(path: Path | str, partitioner: str, clients: int = 4, *more: str):
-    return load_recipe("quickstart", ["data.source=dataset", f"data.dataset={path}", f"data.partitioner={partitioner}",
+    return load_checked("quickstart", ["data.source=dataset", f"data.dataset={path}", f"data.partitioner={partitioner}",
                                       f"population.num_clients={clients}", "selection.clients_per_round=2", *more])
 
 
@@ -133,12 +131,12 @@ def test_instruction_pairs_come_from_the_prompt_and_response_columns(files):
 
 
 def test_the_built_in_corpora_are_datasets_like_any_other():
-    recipe = load_recipe("quickstart", ["data.source=dataset", "data.dataset=shakespeare", "data.min_chars=20000",
+    recipe = load_checked("quickstart", ["data.source=dataset", "data.dataset=shakespeare", "data.min_chars=20000",
                                         "data.partitioner={name: natural, by: role}", "population.num_clients=4",
                                         "selection.clients_per_round=2", "data.shuffle=false"])
     with pytest.raises(ValueError, match="population.num_clients: shakespeare has (\\d+) distinct 'role'"):
         partitions(data_spec(recipe))
-    recipe = load_recipe("quickstart", ["data.source=dataset", "data.dataset=chatterbot", "fusion.method=lora",
+    recipe = load_checked("quickstart", ["data.source=dataset", "data.dataset=chatterbot", "fusion.method=lora",
                                         "data.partitioner={name: dirichlet, by: category, alpha: 0.1}",
                                         "population.num_clients=4", "selection.clients_per_round=2"])
     sizes = partition_sizes(recipe)
@@ -172,7 +170,7 @@ def test_a_bad_partitioner_is_a_recipe_error_naming_the_key(files, partitioner, 
 
 def test_a_dataset_recipe_without_a_dataset_or_with_a_missing_file_is_a_recipe_error(tmp_path):
     with pytest.raises(RecipeError, match="data.dataset: required when data.source is 'dataset'"):
-        load_recipe("quickstart", ["data.source=dataset"])
+        load_checked("quickstart", ["data.source=dataset"])
     with pytest.raises(RecipeError, match=f"data.dataset: {tmp_path}/no.parquet: no such file"):
         recipe_for(tmp_path / "no.parquet", "{name: iid}")
 
@@ -213,7 +211,7 @@ def test_plan_of_the_quickstart_prints_characters_per_role(capsys):
 
 @pytest.mark.slow  # Flower's simulation engine (Ray)
 def test_a_recipe_trains_end_to_end_from_a_local_parquet_file_with_tensorboard(tmp_path):
-    from fedfusion.run_dir import read_jsonl
+    from fedfusion.run.run_dir import read_jsonl
 
     words = ("the river runs", "a quiet field", "under the hill", "bright morning")
     rows = [{"text": " ".join(words[(i + k) % 4] for k in range(20)), "user": USERS[i % 4]} for i in range(40)]
@@ -264,7 +262,7 @@ def test_a_changed_local_file_is_a_new_data_spec_and_a_new_partition(tmp_path):
 def test_a_changed_text_file_is_a_new_data_spec(tmp_path):
     path = tmp_path / "corpus.txt"
     path.write_text("To be, or not to be, that is the question.\n" * 50)
-    recipe = load_recipe("quickstart", ["data.source=text", f"data.path={path}"])
+    recipe = load_checked("quickstart", ["data.source=text", f"data.path={path}"])
     before = data_spec(recipe)
     assert data_spec(recipe) == before  # the same file is the same spec: its cache is reused
     path.write_text("Now is the winter of our discontent.\n" * 60)

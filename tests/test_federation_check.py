@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from fedfusion.server_app import check_federation
+from fedfusion.run.federation import check_federation
 
 
 class Joining:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig
 
-from fedfusion.full_forward import WindowModel, place, window_params
-from fedfusion.models import model_from_state
-from fedfusion.slice_families import family_of
-from fedfusion.slicing import extract, plan_slice, scatter, tensor_slices
-from fedfusion.training import train_steps
+from fedfusion.models.build import model_from_state
+from fedfusion.models.families import family_of
+from fedfusion.models.full_forward import WindowModel, place, window_params
+from fedfusion.models.slicing import extract, plan_slice, scatter, tensor_slices
+from fedfusion.train.loop import train_steps
 
 
 def config() -> LlamaConfig:

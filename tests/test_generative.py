@@ -10,13 +10,13 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from transformers import LlamaForCausalLM
 
 from fedfusion.clients import generative as role
-from fedfusion.devices import load_catalog
-from fedfusion.generative import SAMPLES_KEY, GenerativeConfig, SamplePool, check_samples, sample_windows
-from fedfusion.participation import Participation
-from fedfusion.selection import make_selector
-from fedfusion.fusion.generative import GenerativeMethod
+from fedfusion.devices.catalog import load_catalog
+from fedfusion.fusion.generative.method import GenerativeMethod
+from fedfusion.models.samples import SAMPLES_KEY, GenerativeConfig, SamplePool, check_samples, sample_windows
+from fedfusion.selection.participation import Participation
+from fedfusion.selection.selectors import make_selector
 from fedfusion.strategies import FusionStrategy
-from fedfusion.wire import ClientSpec, GenerativeSpec, ModelSpec, RoundSpec, TrainSpec, merge
+from fedfusion.wire.specs import ClientSpec, GenerativeSpec, ModelSpec, RoundSpec, TrainSpec, merge
 from tests.conftest import tiny_config
 from tests.test_strategy import FakeGrid, task_identity  # noqa: F401  (autouse fixture)
 
@@ -93,13 +93,13 @@ def test_strategy_keeps_device_models_rejects_bad_samples_and_trains_the_target(
 
 
 def test_client_role_trains_and_samples(tmp_path):
-    from fedfusion.population import data_spec
-    from fedfusion.recipe import load_recipe
-    from fedfusion.slicing import extract, plan_slice, sub_config
+    from fedfusion.config.recipe import load_recipe
+    from fedfusion.data.population import data_spec
+    from fedfusion.models.slicing import extract, plan_slice, sub_config
 
     recipe = load_recipe("quickstart", ["data.source=facts", "data.people=20", "population.num_clients=2",
                                         "selection.clients_per_round=2", "fusion.method=generative"])
-    from fedfusion.targets import lm_target
+    from fedfusion.run.targets import lm_target
 
     target = lm_target(recipe)
     cfg = target.model.config

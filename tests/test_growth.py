@@ -6,10 +6,10 @@ import pytest
 import torch
 from transformers import GPT2Config, LlamaConfig, OPTConfig
 
-from fedfusion.growth import grow
-from fedfusion.slice_families import family_of
-from fedfusion.slicing import plan_slice, sub_config
-from fedfusion.training import train_steps
+from fedfusion.models.families import family_of
+from fedfusion.models.growth import grow
+from fedfusion.models.slicing import plan_slice, sub_config
+from fedfusion.train.loop import train_steps
 
 
 def llama(tied: bool = True) -> LlamaConfig:

@@ -6,8 +6,8 @@ import psutil
 import pytest
 import torch
 
-from fedfusion.cache import cached_tensor
-from fedfusion.hardware import capabilities, pick_accelerator
+from fedfusion.data.cache import cached_tensor
+from fedfusion.devices.hardware import capabilities, pick_accelerator
 
 
 def test_accelerator_is_picked_or_checked():

@@ -7,13 +7,13 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from fedfusion.distill import feddf_teacher, kd_loss
-from fedfusion.generative import GenerativeConfig
-from fedfusion.inprocess import GenerativeRun, SubModelRun, TransferRun, run_generative, run_submodel, run_transfer
-from fedfusion.models import model_from_state
-from fedfusion.rounds import client_seed
-from fedfusion.slicing import extract, plan_slice, sub_config
-from fedfusion.training import evaluate_lm, train_steps
+from fedfusion.fusion.inprocess import GenerativeRun, SubModelRun, TransferRun, run_generative, run_submodel, run_transfer
+from fedfusion.fusion.rounds import client_seed
+from fedfusion.models.build import model_from_state
+from fedfusion.models.samples import GenerativeConfig
+from fedfusion.models.slicing import extract, plan_slice, sub_config
+from fedfusion.train.distill import feddf_teacher, kd_loss
+from fedfusion.train.loop import evaluate_lm, train_steps
 from tests.conftest import tiny_config
 
 
@@ -86,7 +86,7 @@ def test_transfer_distillation_runs_the_same_federation_and_moves_the_target_onl
 
 
 def test_the_shared_local_step_refuses_a_non_finite_loss_and_changes_nothing():
-    from fedfusion.training import optimizer_step
+    from fedfusion.train.loop import optimizer_step
 
     layer = torch.nn.Linear(3, 2)
     before = {k: v.clone() for k, v in layer.state_dict().items()}

@@ -9,21 +9,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from fedfusion.data import build_char_tokenizer
-from fedfusion.instruct import (
-    IGNORE,
-    Pair,
-    encode_pair,
-    encode_pairs,
-    evaluate_instruct,
-    generate_responses,
-    instruct_clients,
-    load_chatterbot,
-    partition_pairs,
-    pooled_held_out,
-    split_held_out,
-    train_instruct,
-)
+from fedfusion.data.instruct import instruct_clients, pooled_held_out
+from fedfusion.data.pairs import Pair, load_chatterbot, partition_pairs, split_held_out
+from fedfusion.data.text import build_char_tokenizer
+from fedfusion.train.instruct import IGNORE, encode_pair, encode_pairs, evaluate_instruct, generate_responses, train_instruct
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest
 

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from fedfusion.lora import METHODS, ClientLoRA, aggregate_lora, effective_delta, flora_stack, merged_arrays
+from fedfusion.config.choices import LORA_METHODS as METHODS
+from fedfusion.fusion.lora.aggregate import ClientLoRA, aggregate_lora, effective_delta, flora_stack, merged_arrays
 
 SHAPES = {"q_proj": (16, 24), "v_proj": (20, 24), "o_proj": (24, 16)}  # module -> (out, in); min dim 16
 RANKS, ALPHAS, WEIGHTS = [8, 4, 2, 1], [16.0, 4.0, 8.0, 1.0], [10.0, 30.0, 20.0, 40.0]

@@ -2,21 +2,20 @@
 
 from __future__ import annotations
 
-from fedfusion.wire import AdapterSpec, ClientSpec, FaultSpec, LoRABaseSpec, QuantizeSpec, RoundSpec, TrainSpec, merge
-
 import json
 from importlib.util import find_spec
 
 import pytest
 import torch
-from fedfusion import adapters
-from fedfusion.clients import lora as client
 from flwr.app import ConfigRecord
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from fedfusion.data import build_char_tokenizer
-from fedfusion.instruct import evaluate_instruct
-from fedfusion.lora import effective_delta
+from fedfusion.clients import lora as client
+from fedfusion.data.text import build_char_tokenizer
+from fedfusion.fusion.lora.aggregate import effective_delta
+from fedfusion.models import adapters
+from fedfusion.train.instruct import evaluate_instruct
+from fedfusion.wire.specs import AdapterSpec, ClientSpec, FaultSpec, LoRABaseSpec, QuantizeSpec, RoundSpec, TrainSpec, merge
 
 TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}<eos>{% endfor %}"
             "{% if add_generation_prompt %}<assistant>{% endif %}")
@@ -194,8 +193,8 @@ def test_the_client_app_trains_a_quantised_adapter_and_replies_its_int4_change(b
 
     import fedfusion.client_app as client_app
     from fedfusion.fusion.base import Client
-    from fedfusion.fusion.lora import LoRAMethod, adapted_modules
-    from fedfusion.quantize import Wire
+    from fedfusion.fusion.lora.method import LoRAMethod, adapted_modules
+    from fedfusion.wire.quantize import Wire
 
     TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 0
     modules = adapted_modules(client.frozen_base(base, 0, "float32"), list(MODULES))

@@ -6,18 +6,6 @@ import json
 
 import pytest
 import torch
-from fedfusion import adapters
-from fedfusion.clients import lora as client
-from fedfusion.fusion.lora import (
-    LoRAMethod,
-    adapted_modules,
-    apply_global,
-    save_adapter,
-    save_merged,
-    snapshot,
-    split_global,
-)
-from fedfusion.wire import Caps, ClientSpec, FaultSpec, LoRABaseSpec, PrivacySpec, TrainSpec, merge
 from flwr.app import (
     ArrayRecord,
     ConfigRecord,
@@ -30,10 +18,11 @@ from flwr.app import (
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-from fedfusion.devices import load_catalog
-from fedfusion.instruct import encode_pairs, evaluate_instruct, pooled_held_out
-from fedfusion.lora import (
-    METHODS,
+from fedfusion.clients import lora as client
+from fedfusion.config.choices import LORA_METHODS
+from fedfusion.data.instruct import pooled_held_out
+from fedfusion.devices.catalog import load_catalog
+from fedfusion.fusion.lora.aggregate import (
     ClientLoRA,
     aggregate_lora,
     compress_factors,
@@ -42,10 +31,22 @@ from fedfusion.lora import (
     global_factors,
     serve,
 )
-from fedfusion.participation import Participation
-from fedfusion.pretrained import load_base_tokenizer
-from fedfusion.selection import make_selector
+from fedfusion.fusion.lora.method import (
+    LoRAMethod,
+    adapted_modules,
+    apply_global,
+    save_adapter,
+    save_merged,
+    snapshot,
+    split_global,
+)
+from fedfusion.models import adapters
+from fedfusion.models.pretrained import load_base_tokenizer
+from fedfusion.selection.participation import Participation
+from fedfusion.selection.selectors import make_selector
 from fedfusion.strategies import FusionStrategy
+from fedfusion.train.instruct import encode_pairs, evaluate_instruct
+from fedfusion.wire.specs import Caps, ClientSpec, FaultSpec, LoRABaseSpec, PrivacySpec, TrainSpec, merge
 from tests.test_lora_client import DATA, MODULES, save_tiny_base
 
 RANKS = {"phone": 2, "laptop": 4, "desktop": 8}
@@ -133,7 +134,7 @@ def as_arrays(c: ClientLoRA) -> dict[str, torch.Tensor]:
     return {**{f"{m}.lora_A": a for m, a in c.A.items()}, **{f"{m}.lora_B": b for m, b in c.B.items()}}
 
 
-# -- the math added to fedfusion.lora for the Flower layer ------------------------------------------------
+# -- the math added to fedfusion.fusion.lora.aggregate for the Flower layer ------------------------------------------------
 def test_compress_factors_is_exact_and_keeps_only_the_numerical_rank():
     g = torch.Generator().manual_seed(0)
     A = torch.randn(3, 20, generator=g).repeat(4, 1)  # 12 rows spanning 3 directions
@@ -147,7 +148,7 @@ def test_compress_factors_is_exact_and_keeps_only_the_numerical_rank():
         compress_factors(torch.zeros(2, 5), torch.zeros(4, 3))
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", LORA_METHODS)
 def test_global_factors_carry_the_aggregate_and_serve_every_rank(method, shapes):
     ranks = [4, 4, 4] if method == "fedavg" else [8, 4, 2]
     alphas = [8.0, 8.0, 8.0] if method == "fedavg" else [8.0, 8.0, 4.0]
@@ -330,8 +331,8 @@ def test_dp_clipping_bounds_each_lora_clients_adapter_update(method, base, shape
     from flwr.app import Context
 
     from fedfusion.clients.privacy import privacy_mod
-    from fedfusion.recipe import load_recipe
-    from fedfusion.server_app import privacy_spec
+    from fedfusion.config.recipe import load_recipe
+    from fedfusion.run.federation import privacy_spec
 
     dp = privacy_spec(load_recipe("quickstart", ["privacy.mode=clip", "privacy.clipping_norm=0.001"]))
     strategy = make(shapes, method=method, base=base, **dp)
@@ -367,8 +368,8 @@ def test_local_dp_noise_is_not_mistaken_for_an_absurd_update(base, shapes):
     from flwr.app import Context
 
     from fedfusion.clients.privacy import privacy_mod
-    from fedfusion.recipe import load_recipe
-    from fedfusion.server_app import privacy_spec
+    from fedfusion.config.recipe import load_recipe
+    from fedfusion.run.federation import privacy_spec
 
     dp = privacy_spec(load_recipe("quickstart", ["privacy.mode=local"]))
     strategy = make(shapes, method="flexlora", base=base, **dp)
@@ -391,8 +392,8 @@ def test_local_dp_noise_is_not_mistaken_for_an_absurd_update(base, shapes):
 @pytest.mark.parametrize("merged", [False, True])
 def test_a_lora_run_writes_the_adapter_and_the_merged_base_only_when_asked(merged, base, tmp_path):
     """The merged model is a whole copy of the base (540 MB for SmolLM2-135M): output.save_merged only."""
-    from fedfusion.recipe import load_recipe
-    from fedfusion.targets import lora_target
+    from fedfusion.config.recipe import load_recipe
+    from fedfusion.run.targets import lora_target
 
     recipe = load_recipe("quickstart", ["fusion.method=lora", "data.source=chatterbot", f"lora.base={base}",
                                         "lora.eval_pairs=4", "train.seq_len=96", f"output.save_merged={merged}"])

@@ -11,8 +11,8 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
-from fedfusion import meters
-from fedfusion.meters import WIRE_PREFIX, HostMeter, meter_joules, read_measured
+from fedfusion.devices import meters
+from fedfusion.devices.meters import WIRE_PREFIX, HostMeter, meter_joules, read_measured
 from tests.test_strategy import FakeGrid, make_strategy, task_identity  # noqa: F401  (task_identity: a fixture)
 
 NVIDIAGPUs = type("NVIDIAGPUs", (), {})  # Zeus names its GPU backends by class: the meter reads the name
@@ -121,14 +121,14 @@ def test_real_zeus_reads_as_the_fake_does():
 def test_measured_joules_reach_clients_jsonl_next_to_the_priced_energy(fake, tmp_path):
     """Client role (trained_reply under the meter) -> reply metrics -> strategy -> the recorder's ledger row ->
     clients.jsonl: each row carries the measured joules and their meters, and the priced energy beside them."""
-    from fedfusion.clients.submodel import trained_reply
     from transformers import LlamaConfig
 
-    from fedfusion.devices import load_catalog
-    from fedfusion.models import model_from_state
-    from fedfusion.recipe import load_recipe
-    from fedfusion.run_dir import RunDir, read_jsonl
-    from fedfusion.server_app import ledger_row
+    from fedfusion.clients.submodel import trained_reply
+    from fedfusion.config.recipe import load_recipe
+    from fedfusion.devices.catalog import load_catalog
+    from fedfusion.models.build import model_from_state
+    from fedfusion.run.federation import ledger_row
+    from fedfusion.run.run_dir import RunDir, read_jsonl
 
     strategy, state = make_strategy()
     msgs = list(strategy.configure_train(1, ArrayRecord(state), ConfigRecord({}),

@@ -6,10 +6,10 @@ import pytest
 import torch
 from transformers import GPT2Config
 
-from fedfusion.cnn import FedCNNConfig
-from fedfusion.ordered import OrderedDropout, nested_plan, ordered_fractions, train_steps_ordered
-from fedfusion.slice_families import family_of
-from fedfusion.slicing import extract, plan_slice, sub_config
+from fedfusion.models.cnn import FedCNNConfig
+from fedfusion.models.families import family_of
+from fedfusion.models.slicing import extract, plan_slice, sub_config
+from fedfusion.train.ordered import OrderedDropout, nested_plan, ordered_fractions, train_steps_ordered
 from tests.conftest import tiny_config
 
 torch.set_num_threads(1)

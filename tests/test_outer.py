@@ -6,11 +6,13 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from fedfusion import recipe as recipe_module
-from fedfusion.outer import OUTER_METHODS, OuterConfig, OuterOptimizer
-from fedfusion.rounds import client_seed, fold, owned_starts, plan_round
-from fedfusion.slice_families import family_of
-from fedfusion.slicing import POLICIES, SelectiveAverager, extract, plan_slice
+from fedfusion.config import choices
+from fedfusion.fusion import outer
+from fedfusion.fusion.outer import OuterConfig, OuterOptimizer
+from fedfusion.fusion.rounds import client_seed, fold, owned_starts, plan_round
+from fedfusion.models import slicing
+from fedfusion.models.families import family_of
+from fedfusion.models.slicing import SelectiveAverager, extract, plan_slice
 
 
 def _cfg() -> LlamaConfig:
@@ -19,8 +21,9 @@ def _cfg() -> LlamaConfig:
 
 
 def test_recipe_choices_are_the_modules_own():
-    assert recipe_module.CHOICES["fusion.policy"] == POLICIES
-    assert recipe_module.CHOICES["fusion.outer"] == OUTER_METHODS
+    """The recipe checks the very tuples the slicer and the outer optimizer act on (one home: config.choices)."""
+    assert choices.CHOICES["fusion.policy"] is slicing.POLICIES is choices.POLICIES
+    assert choices.CHOICES["fusion.outer"] is outer.OUTER_METHODS is choices.OUTER_METHODS
 
 
 def test_none_is_plain_averaging_and_bad_settings_are_refused():
@@ -111,15 +114,14 @@ def test_outer_state_survives_a_json_checkpoint_and_a_missing_one_is_refused():
     import json
 
     from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+    from flwr.supercore.task_identity import TaskIdentity
 
-    from fedfusion.devices import load_catalog
-    from fedfusion.participation import Participation
-    from fedfusion.selection import make_selector
-    from fedfusion.fusion.submodel import SubModelMethod
+    from fedfusion.devices.catalog import load_catalog
+    from fedfusion.fusion.submodel.method import SubModelMethod
+    from fedfusion.selection.participation import Participation
+    from fedfusion.selection.selectors import make_selector
     from fedfusion.strategies import FusionStrategy
     from tests.test_strategy import FakeGrid
-
-    from flwr.supercore.task_identity import TaskIdentity
 
     TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 0
     cfg = _cfg()

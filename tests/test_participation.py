@@ -7,11 +7,11 @@ import json
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord
 
-from fedfusion.availability import AvailabilityModel
-from fedfusion.devices import load_catalog
-from fedfusion.energy import price_work
-from fedfusion.participation import Participation
-from fedfusion.selection import make_selector
+from fedfusion.devices.availability import AvailabilityModel
+from fedfusion.devices.catalog import load_catalog
+from fedfusion.devices.energy import price_work
+from fedfusion.selection.participation import Participation
+from fedfusion.selection.selectors import make_selector
 from tests.test_strategy import FakeGrid, make_strategy, task_identity  # noqa: F401 (autouse fixture)
 
 CATALOG = load_catalog()
@@ -114,7 +114,7 @@ def test_strategy_logs_dropped_clients_without_sending_them_work():
 
 
 def test_jain_index_bounds():
-    from fedfusion.participation import jain_index
+    from fedfusion.selection.participation import jain_index
 
     assert jain_index([3, 3, 3, 3]) == 1.0
     assert jain_index([4, 0, 0, 0]) == 0.25

@@ -7,12 +7,20 @@ import dataclasses
 import pytest
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM
 
-from fedfusion.devices import load_catalog
-from fedfusion.planner import (
-    WIDTH_LADDER, auto_widths, estimate_memory, fit_lora_rank, fit_width, lora_params, param_count, plan_table,
-    sliced_config, training_memory_bytes,
+from fedfusion.config.recipe import load_recipe
+from fedfusion.devices.catalog import load_catalog
+from fedfusion.run.planner import (
+    WIDTH_LADDER,
+    auto_widths,
+    estimate_memory,
+    fit_lora_rank,
+    fit_width,
+    lora_params,
+    param_count,
+    plan_table,
+    sliced_config,
+    training_memory_bytes,
 )
-from fedfusion.recipe import load_recipe
 from tests.conftest import tiny_config
 
 PHONE = load_catalog()["phone"]
@@ -111,8 +119,8 @@ def test_bad_inputs_are_named():
 def test_lora_plan_rows_show_rank_precision_and_the_4bit_saving():
     from transformers import LlamaConfig
 
-    from fedfusion.planner import lora_plan_table
-    from fedfusion.recipe import load_recipe
+    from fedfusion.config.recipe import load_recipe
+    from fedfusion.run.planner import lora_plan_table
 
     base = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                        num_attention_heads=9, num_key_value_heads=3, head_dim=64)  # SmolLM2-135M's shape
@@ -139,9 +147,9 @@ def test_a_quantised_base_keeps_its_other_weights_and_activations_in_the_compute
     assert f32.weights - f16.weights == 2 * (f16.params - f16.trainable - linear) > 0
 
 
-# -- one round's cost: the ledger's cost model (fedfusion.energy.price_work), transfers included -----------------
+# -- one round's cost: the ledger's cost model (fedfusion.devices.energy.price_work), transfers included -----------------
 def _assert_priced_as_the_ledger(row, device, flops, bytes_down, bytes_up):
-    from fedfusion.energy import price_work
+    from fedfusion.devices.energy import price_work
 
     cost = price_work(device, flops, bytes_down, bytes_up)
     assert row["J/round"] == pytest.approx(cost.wall_j, rel=1e-12)
@@ -155,9 +163,10 @@ def _assert_priced_as_the_ledger(row, device, flops, bytes_down, bytes_up):
 def test_plan_prices_each_tier_with_the_ledgers_cost_model_and_the_bytes_it_moves(wire):
     """One owner of the cost model: a tier's planned round is price_work of its FLOPs, its slice down (in
     fusion.wire_dtype) and its float32 reply up; those bytes are the sub-model the strategy sends."""
-    from fedfusion.energy import train_flops
-    from fedfusion.models import build_target, load_tokenizer
-    from fedfusion.slicing import extract, plan_slice
+    from fedfusion.data.text import load_tokenizer
+    from fedfusion.devices.energy import train_flops
+    from fedfusion.models.build import build_target
+    from fedfusion.models.slicing import extract, plan_slice
 
     recipe = load_recipe("quickstart", [f"fusion.wire_dtype={wire}"])
     catalog, t = load_catalog(), recipe.train
@@ -179,9 +188,10 @@ def test_plan_prices_a_quantised_wire_at_the_bytes_its_arrays_carry(down, up):
     """fusion.wire_dtype / fusion.wire_up: the plan's MB down and up are quantize.encoded_bytes of the slice's
     parameters, within 3 % of the arrays quantize.encode makes of the real slice (per-tensor padding, shape arrays,
     float16 vectors)."""
-    from fedfusion.models import build_target, load_tokenizer
-    from fedfusion.quantize import encode
-    from fedfusion.slicing import extract, plan_slice
+    from fedfusion.data.text import load_tokenizer
+    from fedfusion.models.build import build_target
+    from fedfusion.models.slicing import extract, plan_slice
+    from fedfusion.wire.quantize import encode
 
     recipe = load_recipe("quickstart", [f"fusion.wire_dtype={down}", f"fusion.wire_up={up}"])
     target = build_target(recipe.model, load_tokenizer(None), recipe.seed)
@@ -195,8 +205,8 @@ def test_plan_prices_a_quantised_wire_at_the_bytes_its_arrays_carry(down, up):
 def test_lora_plan_prices_the_adapter_each_way():
     from transformers import LlamaConfig
 
-    from fedfusion.energy import frozen_work_params, train_flops
-    from fedfusion.planner import lora_plan_table
+    from fedfusion.devices.energy import frozen_work_params, train_flops
+    from fedfusion.run.planner import lora_plan_table
 
     base = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                        num_attention_heads=9, num_key_value_heads=3, head_dim=64)
@@ -208,12 +218,12 @@ def test_lora_plan_prices_the_adapter_each_way():
 
 
 def test_distill_plan_shows_each_tiers_family_model_and_the_servers_work():
-    from fedfusion.distill import forward_flops
-    from fedfusion.energy import train_flops
-    from fedfusion.models import load_tokenizer
-    from fedfusion.planner import distill_plan_table
-    from fedfusion.population import data_spec
-    from fedfusion.transfer import distill_families, transfer_text
+    from fedfusion.data.population import data_spec
+    from fedfusion.data.text import load_tokenizer
+    from fedfusion.devices.energy import train_flops
+    from fedfusion.run.planner import distill_plan_table
+    from fedfusion.train.distill import forward_flops
+    from fedfusion.train.transfer import distill_families, transfer_text
 
     recipe = load_recipe("distill", ["distill.transfer.max_chars=20000"])
     d, t = recipe.distill, recipe.train
@@ -236,8 +246,8 @@ def test_distill_plan_shows_each_tiers_family_model_and_the_servers_work():
 
 
 def test_generative_server_row_prices_the_targets_training_on_the_samples():
-    from fedfusion.energy import train_flops
-    from fedfusion.planner import generative_server_row
+    from fedfusion.devices.energy import train_flops
+    from fedfusion.run.planner import generative_server_row
 
     recipe = load_recipe("knowledge")
     g, row = recipe.generative, generative_server_row(recipe)
@@ -249,7 +259,7 @@ def test_generative_server_row_prices_the_targets_training_on_the_samples():
 def test_plan_prices_the_wire_of_a_mixed_federations_slicing_tiers_only():
     """fusion.method=mixed: the sub-model tiers' slices travel in the wire's formats (the strategy sends them so);
     a tier of another method is not priced by them."""
-    from fedfusion.quantize import encoded_bytes
+    from fedfusion.wire.quantize import encoded_bytes
 
     recipe = load_recipe("mixed", ["fusion.wire_dtype=int8", "fusion.wire_up=int4"])
     (row,) = plan_table(recipe, tiers=["laptop"])

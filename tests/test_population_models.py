@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from fedfusion.clients.submodel import client_windows
-from fedfusion.models import build_target, load_tokenizer, target_model_config
-from fedfusion.planner import plan_table
-from fedfusion.population import data_spec, pooled_held_out, population_data, tier_list
-from fedfusion.recipe import load_recipe
+from fedfusion.config.recipe import load_recipe
+from fedfusion.data.population import client_windows, data_spec, pooled_held_out, population_data, tier_list
+from fedfusion.data.text import load_tokenizer
+from fedfusion.models.build import build_target, target_model_config
+from fedfusion.run.planner import plan_table
 from tests.conftest import tiny_config
 
 

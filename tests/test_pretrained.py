@@ -10,9 +10,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from fedfusion import pretrained
-from fedfusion.data import build_char_tokenizer
-from fedfusion.pretrained import (
+from fedfusion.data.text import build_char_tokenizer
+from fedfusion.models import pretrained
+from fedfusion.models.pretrained import (
     load_base,
     load_base_tokenizer,
     quantization_config,

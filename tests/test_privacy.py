@@ -8,10 +8,10 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 
 from fedfusion.clients.privacy import privacy_mod
-from fedfusion.models import model_from_state
-from fedfusion.recipe import RecipeError, load_recipe
-from fedfusion.server_app import privacy_spec
-from fedfusion.slicing import extract, plan_slice, sub_config
+from fedfusion.config.recipe import RecipeError, load_recipe
+from fedfusion.models.build import model_from_state
+from fedfusion.models.slicing import extract, plan_slice, sub_config
+from fedfusion.run.federation import privacy_spec
 from tests.conftest import tiny_config
 from tests.test_strategy import task_identity  # noqa: F401 (autouse fixture)
 

@@ -1,4 +1,4 @@
-"""Bytes on the wire (fedfusion.quantize): the quantiser's round trip, exact downlink folds, error feedback on the
+"""Bytes on the wire (fedfusion.wire.quantize): the quantiser's round trip, exact downlink folds, error feedback on the
 uplink (also across moving slices), and the ClientApp's train handler keeping the residual in context.state."""
 
 from __future__ import annotations
@@ -8,13 +8,15 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from transformers import LlamaForCausalLM
 
+from fedfusion.config.choices import CHOICES
+from fedfusion.config.recipe import RecipeError, load_recipe
 from fedfusion.fusion.base import Client
-from fedfusion.fusion.submodel import SubModelMethod
-from fedfusion.quantize import (
+from fedfusion.fusion.submodel.method import SubModelMethod
+from fedfusion.models.slicing import extract
+from fedfusion.wire import quantize as codec
+from fedfusion.wire.quantize import (
     BLOCK,
-    FORMATS,
-    INDEX_KEY,
-    UPLINK,
+    WIRE_FORMATS,
     Wire,
     carry,
     client_reply,
@@ -27,8 +29,6 @@ from fedfusion.quantize import (
     store,
     unpack_index,
 )
-from fedfusion.recipe import CHOICES, RecipeError, load_recipe
-from fedfusion.slicing import extract
 from tests.conftest import tiny_config
 
 
@@ -106,7 +106,7 @@ def test_formats_bytes_and_vectors():
     """Matrices are quantised, vectors (norm gains) go as float16, integer tensors as they are; the bytes are what
     the arrays carry and what encoded_bytes prices."""
     state = {"w": torch.randn(128, 96), "norm": torch.ones(96), "ids": torch.arange(5)}
-    for fmt in FORMATS:
+    for fmt in WIRE_FORMATS:
         sent = encode(state, fmt)
         assert torch.equal(sent["ids"], state["ids"])
         values = {k: v for k, v in sent.items() if k.startswith("w")}
@@ -118,7 +118,7 @@ def test_formats_bytes_and_vectors():
 
 
 def test_recipe_choices_are_the_quantisers_formats():
-    assert CHOICES["fusion.wire_dtype"] == FORMATS and CHOICES["fusion.wire_up"] == UPLINK
+    assert CHOICES["fusion.wire_dtype"] is codec.WIRE_FORMATS and CHOICES["fusion.wire_up"] is codec.UPLINK
 
 
 @pytest.mark.parametrize("overrides, match", [
@@ -244,7 +244,7 @@ def test_a_rolling_clients_uploads_track_its_changes_across_rounds():
     changes, summed in target coordinates, stay far closer to the client's true changes than without feedback
     (which loses every small change: 8 held rounds x 2e-3 and more), the residual a unit has when its window
     leaves it (under half a step) is what error feedback loses."""
-    from fedfusion.slicing import scatter, stage_update
+    from fedfusion.models.slicing import scatter, stage_update
 
     errors = {}
     for feedback in (True, False):
@@ -317,8 +317,8 @@ def test_the_client_apps_train_handler_keeps_its_residual_in_context_state(monke
 
 # -- LoRA and the ledger ------------------------------------------------------------------------------------------
 def test_a_lora_reply_is_its_quantised_change_added_to_the_exact_adapter_sent():
-    from fedfusion.fusion.lora import LoRAMethod
-    from fedfusion.wire import LoRABaseSpec, WireSpec
+    from fedfusion.fusion.lora.method import LoRAMethod
+    from fedfusion.wire.specs import LoRABaseSpec, WireSpec
 
     modules = {"layers.0.q": (16, 12), "layers.0.v": (16, 12)}
     wire = Wire("int8", "int4")
@@ -347,10 +347,11 @@ def test_the_ledger_counts_the_bytes_the_messages_carried():
     scales, shapes, index, and Flower's ~130 bytes of npy header and key per array); on a slice of 64 x 256 layers
     an int4 wire moves under a quarter of the float32 bytes each way (on the 32 x 48 test model the headers of
     three arrays per tensor would weigh a third)."""
-    from fedfusion.devices import load_catalog
-    from fedfusion.participation import Participation
-    from fedfusion.selection import make_selector
     from fedfusion.strategies import FusionStrategy
+
+    from fedfusion.devices.catalog import load_catalog
+    from fedfusion.selection.participation import Participation
+    from fedfusion.selection.selectors import make_selector
     from tests.test_strategy import FakeGrid
 
     grid = FakeGrid({11: "phone", 12: "phone"})

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from fedfusion.quiet import EXPECTED_LOGS, silence_expected_noise
+from fedfusion.run.quiet import EXPECTED_LOGS, silence_expected_noise
 
 ROOT = Path(__file__).parents[1]
 
@@ -63,9 +63,9 @@ def test_the_gradient_checkpointing_rename_is_ignored_and_other_future_warnings_
 @pytest.mark.slow  # a fresh Python process per case: seconds each
 def test_only_lora_imports_peft_and_bitsandbytes():
     """A server and the sub-model, small-model and generative client roles load neither (LoRA clients do)."""
-    code = ("import sys, fedfusion.server_app, fedfusion.client_app, fedfusion.strategies as s; "
+    code = ("import sys, fedfusion.server_app, fedfusion.run.federation, fedfusion.client_app, fedfusion.strategies as s; "
             "import fedfusion.clients.submodel, fedfusion.clients.smallmodel, fedfusion.clients.generative; "
-            "s.FusionStrategy, fedfusion.server_app.LoRAMethod; print(sorted(m for m in ('peft', 'bitsandbytes') if m in sys.modules))")
+            "s.FusionStrategy, fedfusion.run.federation.LoRAMethod; print(sorted(m for m in ('peft', 'bitsandbytes') if m in sys.modules))")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr

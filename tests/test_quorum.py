@@ -8,7 +8,7 @@ from uuid import uuid4
 import pytest
 from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MessageType, MetricRecord, RecordDict
 
-from fedfusion.recipe import RecipeError, load_recipe
+from fedfusion.config.recipe import RecipeError, load_recipe
 from fedfusion.strategies.quorum import QuorumGrid
 from tests.test_strategy import FakeGrid, _reply, make_strategy, task_identity  # noqa: F401 (autouse fixture)
 

@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from fedfusion.cli import backend_config
-from fedfusion.recipe import RecipeError, load_recipe
+from fedfusion.config.recipe import RecipeError, load_recipe
 
 RAY = str(Path(sys.executable).parent / "ray")
 TINY = [

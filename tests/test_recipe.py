@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from fedfusion.planner import fit_widths
-from fedfusion.recipe import RecipeError, load_recipe, to_yaml
+from fedfusion.config.recipe import RecipeError, to_yaml
+from fedfusion.run.check import load_checked
+from fedfusion.run.planner import fit_widths
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -18,20 +19,20 @@ def write(tmp_path: Path, text: str) -> Path:
 
 
 def test_builtin_quickstart_loads_with_small_to_large_widths():
-    recipe = load_recipe("quickstart")
+    recipe = load_checked("quickstart")
     assert recipe.fusion.policy == "rolling"
     assert max(recipe.fusion.widths.values()) <= 0.5
     assert set(recipe.population.mix) <= set(recipe.fusion.widths)
 
 
 def test_overrides_apply_with_types():
-    recipe = load_recipe("quickstart", ["rounds=3", "fusion.policy=static", "train.lr=0.01"])
+    recipe = load_checked("quickstart", ["rounds=3", "fusion.policy=static", "train.lr=0.01"])
     assert (recipe.rounds, recipe.fusion.policy, recipe.train.lr) == (3, "static", 0.01)
 
 
 def test_resolved_recipe_reloads_identically(tmp_path):
-    recipe = load_recipe("quickstart", ["rounds=2", "fusion.widths.phone=0.25"])
-    again = load_recipe(write(tmp_path, to_yaml(recipe)))
+    recipe = load_checked("quickstart", ["rounds=2", "fusion.widths.phone=0.25"])
+    again = load_checked(write(tmp_path, to_yaml(recipe)))
     assert again == recipe
 
 
@@ -54,49 +55,49 @@ def test_resolved_recipe_reloads_identically(tmp_path):
 )
 def test_bad_recipe_names_the_key(tmp_path, text, key):
     with pytest.raises(RecipeError, match=key.replace(".", r"\.")):
-        load_recipe(write(tmp_path, text))
+        load_checked(write(tmp_path, text))
 
 
 def test_report_cloud_is_a_catalog_cloud_tier():
-    assert load_recipe("quickstart", ["report.cloud=cloud-a5000"]).report.cloud == "cloud-a5000"
+    assert load_checked("quickstart", ["report.cloud=cloud-a5000"]).report.cloud == "cloud-a5000"
     with pytest.raises(RecipeError, match="report.cloud: 'cloud-tpu' .* its cloud tiers: cloud-a5000, cloud-a100"):
-        load_recipe("quickstart", ["report.cloud=cloud-tpu"])
+        load_checked("quickstart", ["report.cloud=cloud-tpu"])
 
 
 def test_a_mapping_given_whole_replaces_the_default(tmp_path):
-    recipe = load_recipe(write(tmp_path, "population:\n  mix: {phone: 1.0}\n"))
+    recipe = load_checked(write(tmp_path, "population:\n  mix: {phone: 1.0}\n"))
     assert recipe.population.mix == {"phone": 1.0}
-    assert load_recipe("quickstart", ["population.mix={laptop: 1.0}"]).population.mix == {"laptop": 1.0}
-    assert load_recipe("quickstart", ["fusion.widths.phone=0.25"]).fusion.widths["laptop"] == 0.25
+    assert load_checked("quickstart", ["population.mix={laptop: 1.0}"]).population.mix == {"laptop": 1.0}
+    assert load_checked("quickstart", ["fusion.widths.phone=0.25"]).fusion.widths["laptop"] == 0.25
 
 
 def test_bad_override_names_the_key():
     with pytest.raises(RecipeError, match="selection.clients_per_rnd"):
-        load_recipe("quickstart", ["selection.clients_per_rnd=3"])
+        load_checked("quickstart", ["selection.clients_per_rnd=3"])
     with pytest.raises(RecipeError, match="key=value"):
-        load_recipe("quickstart", ["rounds"])
+        load_checked("quickstart", ["rounds"])
 
 
 def test_missing_recipe_and_non_mapping_are_clear(tmp_path):
     with pytest.raises(RecipeError, match="no such file"):
-        load_recipe(tmp_path / "nope.yaml")
+        load_checked(tmp_path / "nope.yaml")
     with pytest.raises(RecipeError, match="mapping"):
-        load_recipe(write(tmp_path, "- a\n- b\n"))
+        load_checked(write(tmp_path, "- a\n- b\n"))
 
 
 def test_every_shipped_recipe_is_valid():
     for path in sorted(Path(__file__).parents[1].joinpath("recipes").glob("*.yaml")):
         assert OmegaConf.load(path)  # parses
-        load_recipe(path)
+        load_checked(path)
 
 
 def test_auto_widths_fit_each_tier_and_are_recorded_in_the_recipe():
-    recipe = load_recipe("quickstart", ["fusion.auto_widths=true"])
+    recipe = load_checked("quickstart", ["fusion.auto_widths=true"])
     fit_widths(recipe)
     assert recipe.fusion.widths == {"phone": 1.0, "laptop": 1.0, "desktop": 1.0}  # 1.1M parameters fit everywhere
     big = ["fusion.auto_widths=true", "model.hidden_size=1024", "model.num_heads=16", "model.num_kv_heads=16",
            "model.intermediate_size=4096", "model.num_layers=24", "train.batch_size=8"]
-    recipe = load_recipe("quickstart", big)
+    recipe = load_checked("quickstart", big)
     assert recipe.fusion.widths == {"phone": 0.125, "laptop": 0.25, "desktop": 0.5}  # loading leaves them as given
     fit_widths(recipe)
     fitted = recipe.fusion.widths
@@ -107,7 +108,7 @@ def test_auto_widths_name_a_tier_that_fits_nothing():
     huge = ["fusion.auto_widths=true", "model.hidden_size=2048", "model.num_heads=16", "model.num_kv_heads=16",
             "model.intermediate_size=8192", "model.num_layers=24", "population.mix={phone-lowend: 1.0}"]
     with pytest.raises(RecipeError, match="fusion.auto_widths: tier 'phone-lowend' fits no width"):
-        fit_widths(load_recipe("quickstart", huge))
+        fit_widths(load_checked("quickstart", huge))
 
 
 @pytest.mark.parametrize(
@@ -125,7 +126,7 @@ def test_auto_widths_name_a_tier_that_fits_nothing():
 )
 def test_files_the_recipe_names_must_exist(recipe, overrides, key, missing):
     with pytest.raises(RecipeError, match=f"^{key.replace('.', r'[.]')}: {missing}: no such file$"):
-        load_recipe(recipe, overrides)
+        load_checked(recipe, overrides)
 
 
 def test_missing_probes_file_is_named_and_existing_files_pass(tmp_path):
@@ -134,15 +135,15 @@ def test_missing_probes_file_is_named_and_existing_files_pass(tmp_path):
     facts = ["data.source=facts", f"data.path={train}", f"data.probes={probes}", "population.num_clients=4",
              "selection.clients_per_round=2"]
     with pytest.raises(RecipeError, match=f"^data[.]probes: {probes}: no such file$"):
-        load_recipe("quickstart", facts)
+        load_checked("quickstart", facts)
     with pytest.raises(RecipeError, match=f"^data[.]path: {tmp_path}: not a file$"):
-        load_recipe("quickstart", ["data.source=text", f"data.path={tmp_path}"])
+        load_checked("quickstart", ["data.source=text", f"data.path={tmp_path}"])
     probes.write_text("")
-    assert load_recipe("quickstart", facts).data.probes == str(probes)
-    assert load_recipe("quickstart", ["data.source=text", f"data.path={train}"]).data.path == str(train)
+    assert load_checked("quickstart", facts).data.probes == str(probes)
+    assert load_checked("quickstart", ["data.source=text", f"data.path={train}"]).data.path == str(train)
     transfer = tmp_path / "public.txt"
     transfer.write_text("text")
-    loaded = load_recipe("distill", ["distill.transfer.source=text", f"distill.transfer.path={transfer}"])
+    loaded = load_checked("distill", ["distill.transfer.source=text", f"distill.transfer.path={transfer}"])
     assert loaded.distill.transfer.path == str(transfer)
 
 
@@ -151,12 +152,12 @@ def test_missing_probes_file_is_named_and_existing_files_pass(tmp_path):
 def test_a_model_given_as_a_path_must_be_a_model_directory_and_a_hub_id_is_left_to_the_hub(key, extra, tmp_path):
     for missing in ("/no/model", "./no-model", "no/such/model"):
         with pytest.raises(RecipeError, match=f"^{key.replace('.', '[.]')}: {missing}: no such model directory$"):
-            load_recipe("quickstart", [*extra, f"{key}={missing}"])
+            load_checked("quickstart", [*extra, f"{key}={missing}"])
     with pytest.raises(RecipeError, match=f"^{key.replace('.', '[.]')}: {tmp_path}: not a model directory"):
-        load_recipe("quickstart", [*extra, f"{key}={tmp_path}"])
+        load_checked("quickstart", [*extra, f"{key}={tmp_path}"])
     (tmp_path / "config.json").write_text("{}")
-    assert load_recipe("quickstart", [*extra, f"{key}={tmp_path}"])
-    assert load_recipe("quickstart", [*extra, f"{key}=HuggingFaceTB/SmolLM2-135M"])  # a hub id: not checked here
+    assert load_checked("quickstart", [*extra, f"{key}={tmp_path}"])
+    assert load_checked("quickstart", [*extra, f"{key}=HuggingFaceTB/SmolLM2-135M"])  # a hub id: not checked here
 
 
 @pytest.mark.parametrize("overrides, match", [
@@ -171,13 +172,13 @@ def test_a_model_given_as_a_path_must_be_a_model_directory_and_a_hub_id_is_left_
 def test_a_mixed_recipe_names_what_is_wrong_with_its_tiers(overrides, match):
     recipe = "quickstart" if overrides[0].startswith("fusion.tiers={phone: distill}") else "mixed"
     with pytest.raises(RecipeError, match=match):
-        load_recipe(recipe, overrides)
+        load_checked(recipe, overrides)
 
 
 def test_a_mixed_recipe_assigns_each_tier_its_method():
-    from fedfusion.recipe import tier_methods, uses
+    from fedfusion.config.recipe import tier_methods, uses
 
-    recipe = load_recipe("mixed")
+    recipe = load_checked("mixed")
     assert tier_methods(recipe) == {"phone": "distill", "laptop": "submodel", "desktop": "submodel"}
     assert uses(recipe, "distill") and not uses(recipe, "generative")
-    assert tier_methods(load_recipe("quickstart")) == {t: "submodel" for t in ("phone", "laptop", "desktop")}
+    assert tier_methods(load_checked("quickstart")) == {t: "submodel" for t in ("phone", "laptop", "desktop")}

@@ -7,11 +7,18 @@ import json
 import numpy as np
 import pytest
 
-from fedfusion.devices import load_catalog
-from fedfusion.energy import price_work
-from fedfusion.selection import (
-    SELECTORS, Candidates, CarbonBudgetSelector, EnergySelector, OortSelector, Outcome, make_selector,
-    selector_options, statistical_utility,
+from fedfusion.devices.catalog import load_catalog
+from fedfusion.devices.energy import price_work
+from fedfusion.selection.selectors import (
+    SELECTORS,
+    Candidates,
+    CarbonBudgetSelector,
+    EnergySelector,
+    OortSelector,
+    Outcome,
+    make_selector,
+    selector_options,
+    statistical_utility,
 )
 
 BUDGETS = {"USA": 5000.0, "FRA": 2000.0, "IND": 800.0}

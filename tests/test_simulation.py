@@ -15,7 +15,7 @@ import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from fedfusion.cli import main
-from fedfusion.run_dir import read_jsonl
+from fedfusion.run.run_dir import read_jsonl
 
 pytestmark = pytest.mark.slow  # Flower's runtime (Ray or SuperLink processes): minutes, not seconds
 
@@ -245,7 +245,7 @@ def test_distillation_recipe_runs_on_flower_and_prices_the_server(tmp_path):
 def test_lora_recipe_runs_on_flower_with_heterogeneous_ranks(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from fedfusion.data import build_char_tokenizer
+    from fedfusion.data.text import build_char_tokenizer
 
     base = tmp_path / "tiny-base"
     tok = build_char_tokenizer()
@@ -273,7 +273,7 @@ def test_lora_recipe_runs_on_flower_with_heterogeneous_ranks(tmp_path):
 
 def test_a_users_facts_run_end_to_end_with_generative_distillation(tmp_path):
     """The knowledge recipe on a facts dataset written in the documented format, through Flower's simulation."""
-    from fedfusion.facts import write_facts
+    from fedfusion.data.facts import write_facts
 
     paths = write_facts(tmp_path / "facts", 4, 24, seed=7)
     out = tmp_path / "knowledge"

@@ -9,10 +9,17 @@ import pytest
 import torch
 from transformers import GPT2Config, LlamaConfig, MistralConfig, OPTConfig, Qwen2Config
 
-from fedfusion.cnn import FedCNNConfig
-from fedfusion.slice_families import config_from_dict, family_of
-from fedfusion.slicing import (
-    SelectiveAverager, SlicePlan, axis_sizes, extract, plan_slice, rolling_step, sub_config, tensor_slices,
+from fedfusion.models.cnn import FedCNNConfig
+from fedfusion.models.families import config_from_dict, family_of
+from fedfusion.models.slicing import (
+    SelectiveAverager,
+    SlicePlan,
+    axis_sizes,
+    extract,
+    plan_slice,
+    rolling_step,
+    sub_config,
+    tensor_slices,
 )
 
 torch.set_num_threads(1)

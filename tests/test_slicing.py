@@ -8,9 +8,17 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from fedfusion.models import model_from_state
-from fedfusion.slicing import (
-    SelectiveAverager, SlicePlan, as_ranges, axis_sizes, extract, plan_slice, rolling_step, sub_config, sub_scales,
+from fedfusion.models.build import model_from_state
+from fedfusion.models.slicing import (
+    SelectiveAverager,
+    SlicePlan,
+    as_ranges,
+    axis_sizes,
+    extract,
+    plan_slice,
+    rolling_step,
+    sub_config,
+    sub_scales,
     units_kept,
 )
 

@@ -11,14 +11,14 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
 from transformers import LlamaForCausalLM
 
-from fedfusion.devices import load_catalog
-from fedfusion.participation import Participation
-from fedfusion.quantize import Wire
-from fedfusion.selection import make_selector
-from fedfusion.slicing import extract
-from fedfusion.fusion.submodel import SubModelMethod
+from fedfusion.devices.catalog import load_catalog
+from fedfusion.fusion.submodel.method import SubModelMethod
+from fedfusion.models.slicing import extract
+from fedfusion.selection.participation import Participation
+from fedfusion.selection.selectors import make_selector
 from fedfusion.strategies import FusionStrategy
-from fedfusion.wire import Caps
+from fedfusion.wire.quantize import Wire
+from fedfusion.wire.specs import Caps
 from tests.conftest import tiny_config
 
 
@@ -150,7 +150,7 @@ def test_unknown_device_is_not_sampled():
 
 def test_injected_faults_are_seeded_and_follow_the_recipe():
     from fedfusion.clients.submodel import inject_faults
-    from fedfusion.wire import FaultSpec, RoundSpec
+    from fedfusion.wire.specs import FaultSpec, RoundSpec
 
     def spec(seed: int, faults: FaultSpec | None = None) -> ConfigRecord:
         return ConfigRecord({**RoundSpec(1, seed).to_config(), **(faults.to_config() if faults else {})})
@@ -251,8 +251,8 @@ def test_tied_embeddings_travel_once_and_stay_tied(family):
     """GPT-2 and OPT tie lm_head to the token embedding: a message carries that tensor once, bytes and priced
     parameters count it once, and the folded target keeps lm_head equal to the embedding."""
     from fedfusion.clients.submodel import trained_reply
-    from fedfusion.models import config_aliases, model_from_state
-    from fedfusion.slice_families import family_of
+    from fedfusion.models.build import config_aliases, model_from_state
+    from fedfusion.models.families import family_of
     from tests.test_slice_families import CONFIGS
 
     cfg = CONFIGS[family]()
@@ -288,8 +288,8 @@ def test_tied_embeddings_travel_once_and_stay_tied(family):
 
 def test_an_fp16_downlink_halves_the_bytes_sent_and_loses_no_part_of_an_update():
     from fedfusion.clients.submodel import trained_reply
-    from fedfusion.models import model_from_state
-    from fedfusion.slicing import sub_config
+    from fedfusion.models.build import model_from_state
+    from fedfusion.models.slicing import sub_config
 
     grid = FakeGrid({11: "phone", 12: "desktop", 13: "phone"})
     sizes = {}
@@ -383,7 +383,8 @@ def test_a_pool_short_of_usable_nodes_takes_another_batch_and_a_useless_node_is_
 def test_a_pool_smaller_than_the_draw_is_refused():
     with pytest.raises(ValueError, match="pool must hold at least the 6 clients"):
         pooled_strategy(pool=5, clients_per_round=6)
-    from fedfusion.recipe import RecipeError, load_recipe
+    from fedfusion.config.recipe import RecipeError
+    from fedfusion.run.check import load_checked
 
     with pytest.raises(RecipeError, match="selection.pool: must be at least the 9 clients"):
-        load_recipe("quickstart", ["selection.pool=8", "selection.overselect=0.5"])
+        load_checked("quickstart", ["selection.pool=8", "selection.overselect=0.5"])

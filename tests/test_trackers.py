@@ -7,10 +7,11 @@ import math
 
 import pytest
 
-import fedfusion.run_dir
-from fedfusion.recipe import RecipeError, load_recipe
-from fedfusion.run_dir import RunDir, read_jsonl
-from fedfusion.trackers import scalars
+import fedfusion.run.run_dir
+from fedfusion.config.recipe import RecipeError
+from fedfusion.run.check import load_checked
+from fedfusion.run.run_dir import RunDir, read_jsonl
+from fedfusion.run.trackers import scalars
 
 ROWS = [{"round": 0, "eval_loss": 4.6, "train_loss": None, "void": False, "clients_ok": 0},
         {"round": 1, "eval_loss": 3.1, "train_loss": 3.4, "void": True, "clients_ok": 6, "name": "text"},
@@ -27,9 +28,9 @@ def test_every_metrics_row_reaches_the_tracker_as_written_and_the_summary_closes
         def close(self, status):
             closed.append(status)
 
-    monkeypatch.setattr(fedfusion.run_dir, "open_tracker",
+    monkeypatch.setattr(fedfusion.run.run_dir, "open_tracker",
                         lambda name, path, experiment: Fake() if (name, experiment) == ("tensorboard", "quickstart") else None)
-    run = RunDir(tmp_path / "run", load_recipe("quickstart", ["output.tracker=tensorboard"]))
+    run = RunDir(tmp_path / "run", load_checked("quickstart", ["output.tracker=tensorboard"]))
     for row in ROWS[:2]:
         run.log_round(row)
     assert seen == read_jsonl(run.path / "metrics.jsonl") == ROWS[:2]
@@ -38,8 +39,8 @@ def test_every_metrics_row_reaches_the_tracker_as_written_and_the_summary_closes
 
 
 def test_without_a_tracker_nothing_is_opened(tmp_path, monkeypatch):
-    monkeypatch.setattr(fedfusion.run_dir, "open_tracker", lambda *a: pytest.fail("no tracker was asked for"))
-    RunDir(tmp_path / "run", load_recipe("quickstart")).log_round(ROWS[0])
+    monkeypatch.setattr(fedfusion.run.run_dir, "open_tracker", lambda *a: pytest.fail("no tracker was asked for"))
+    RunDir(tmp_path / "run", load_checked("quickstart")).log_round(ROWS[0])
 
 
 def test_scalars_keep_numbers_and_booleans_and_drop_none_nan_text_and_the_step():
@@ -51,7 +52,7 @@ def test_tensorboard_event_files_hold_each_rows_scalars_at_its_round(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    run = RunDir(tmp_path / "run", load_recipe("quickstart", ["output.tracker=tensorboard"]))
+    run = RunDir(tmp_path / "run", load_checked("quickstart", ["output.tracker=tensorboard"]))
     for row in ROWS:
         run.log_round(row)
     events = EventAccumulator(str(run.path / "tensorboard"))
@@ -70,7 +71,7 @@ def test_mlflow_gets_one_run_per_run_directory_with_each_rows_metrics_at_its_rou
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file:{tmp_path / 'mlruns'}")
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # a local store for the test; users name their server
-    run = RunDir(tmp_path / "run-a", load_recipe("quickstart", ["output.tracker=mlflow"]))
+    run = RunDir(tmp_path / "run-a", load_checked("quickstart", ["output.tracker=mlflow"]))
     for row in ROWS:
         run.log_round(row)
     run.write_summary({"status": "ok"})
@@ -84,7 +85,7 @@ def test_mlflow_gets_one_run_per_run_directory_with_each_rows_metrics_at_its_rou
 
 def test_an_unknown_or_missing_tracker_is_a_recipe_error(monkeypatch):
     with pytest.raises(RecipeError, match="output.tracker: 'wandb' is not one of none, tensorboard, mlflow"):
-        load_recipe("quickstart", ["output.tracker=wandb"])
-    monkeypatch.setattr("fedfusion.recipe.find_spec", lambda name: None)
+        load_checked("quickstart", ["output.tracker=wandb"])
+    monkeypatch.setattr("fedfusion.run.check.find_spec", lambda name: None)
     with pytest.raises(RecipeError, match=r"output.tracker: tensorboard is not installed: pip install 'fedfusion\[tracking\]'"):
-        load_recipe("quickstart", ["output.tracker=tensorboard"])
+        load_checked("quickstart", ["output.tracker=tensorboard"])

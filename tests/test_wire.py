@@ -10,10 +10,10 @@ import pytest
 from flwr.app import ConfigRecord
 from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 
-from fedfusion.lora import METHODS
-from fedfusion.recipe import FaultConfig, PrivacyConfig, TrainConfig
-from fedfusion.slicing import POLICIES
-from fedfusion.wire import (
+from fedfusion.config.choices import LORA_METHODS as METHODS
+from fedfusion.config.choices import POLICIES
+from fedfusion.config.recipe import FaultConfig, PrivacyConfig, TrainConfig
+from fedfusion.wire.specs import (
     ROLES,
     SPEC_TYPES,
     AdapterSpec,
@@ -31,10 +31,10 @@ from fedfusion.wire import (
     RoleSpec,
     RoundSpec,
     SliceSpec,
-    WindowSpec,
     Spec,
     SpecError,
     TrainSpec,
+    WindowSpec,
     WireSpec,
     merge,
     read_train,

@@ -1,7 +1,7 @@
 """Fusion methods without Flower: one object per method (width slicing, LoRA, distillation, generative) behind
 the :class:`~fedfusion.fusion.base.FusionMethod` protocol; the Flower strategy and the in-process driver run them.
 
-Each method lives in its own module (``fedfusion.fusion.submodel``, ``.lora``, ``.distill``, ``.generative``),
+Each method lives in its own module (``fedfusion.fusion.submodel.method``, ``.lora``, ``.distill``, ``.generative``),
 imported where it is used.
 """
 

@@ -1,7 +1,8 @@
+
 """The fusion-method protocol: what a method must say, without Flower.
 
 A method deals in dicts of tensors and plain spec dicts; the round engine
-(:class:`fedfusion.strategies.fusion.FusionStrategy`, or the in-process driver :mod:`fedfusion.inprocess`) does
+(:class:`fedfusion.strategies.fusion.FusionStrategy`, or the in-process driver :mod:`fedfusion.fusion.inprocess`) does
 discovery, sampling, seeds, reply ordering, quorum cuts and the void-round rule once for every method, and
 asks the method assigned to a client's tier for that client's payload, the check of its reply and the fold.
 """
@@ -15,6 +16,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+
+from fedfusion.wire.keys import NUM_EXAMPLES
 
 State = dict[str, torch.Tensor]
 
@@ -91,7 +94,7 @@ class FusionMethod(ABC):
     """One way to turn what devices can train into an update of the target (see the module docstring)."""
 
     name: str = ""  # the recipe's fusion.method, written into every ledger row
-    role: str = ""  # the client role that trains its payloads (fedfusion.wire.ROLES)
+    role: str = ""  # the client role that trains its payloads (fedfusion.wire.specs.ROLES)
     noun: str = "model"  # what a payload is called in rejection messages
 
     @abstractmethod
@@ -164,7 +167,7 @@ class ClientRound:
     tokens: int = 0  # tokens trained: planned when sent, as reported once the reply arrives
     error: str | None = None
     measured_j: float | None = None  # host energy the client measured while training (not the priced device)
-    measured_source: str | None = None  # the meters read, e.g. "nvml+rapl" (fedfusion.meters)
+    measured_source: str | None = None  # the meters read, e.g. "nvml+rapl" (fedfusion.devices.meters)
     extra: dict[str, Any] = field(default_factory=dict)  # the method's own fields (Payload.row)
 
     def to_dict(self) -> dict[str, Any]:
@@ -228,7 +231,7 @@ class TrainMetrics:
 def read_train_metrics(metrics: Mapping[str, Any], planned_tokens: int) -> TrainMetrics:
     """A reply's (num-examples, train_loss, train_s, train_tokens), read and checked before its update is used, so
     a reply with broken numbers is rejected whole instead of half folded in; a missing key raises KeyError."""
-    n, loss, seconds = int(metrics["num-examples"]), float(metrics["train_loss"]), float(metrics["train_s"])
+    n, loss, seconds = int(metrics[NUM_EXAMPLES]), float(metrics["train_loss"]), float(metrics["train_s"])
     tokens = int(metrics.get("train_tokens", planned_tokens))
     if n <= 0:
         raise ValueError(f"num-examples is {n}")

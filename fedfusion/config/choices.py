@@ -1,0 +1,63 @@
+"""Every allowed-value list, in one place: the recipe checks values against these, and the modules that act on a
+value (slicing, the outer optimizers, the wire codec, ...) import the same tuple, so a list is never restated.
+
+Imports nothing, so a recipe loads without torch or any implementation module.
+"""
+
+from __future__ import annotations
+
+DATA_SOURCES = ("shakespeare", "text", "facts", "chatterbot", "dataset")
+CHAT_SPLITS = ("category", "iid")  # data.split: one chatterbot topic per client (non-IID) | iid
+BUILTIN_DATASETS = ("shakespeare", "chatterbot")  # data.source=dataset without a hub id or a local file
+FUSION_METHODS = ("submodel", "distill", "lora", "generative", "mixed")
+MIXABLE = ("submodel", "distill", "generative")  # the methods fusion.method=mixed combines (all train the whole target)
+POLICIES = ("static", "rolling", "random", "ordered", "owned")  # fusion.policy: how a slice is placed
+AXES = ("heads", "neurons", "hidden", "depth")  # fusion.axes
+OUTER_METHODS = ("none", "avgm", "nesterov", "adam")  # fusion.outer: the server's step on a round's change
+OPTIMIZERS = ("adamw", "sgd")  # train.optimizer
+MODEL_FAMILIES = ("llama", "mistral", "qwen2", "gpt2", "opt")  # model.family
+FAMILY_MODEL_TYPES = ("llama", "gpt2")  # the architectures a small distillation family may take
+FAMILY_TOKENIZERS = ("target", "char", "bpe")  # distill.families.*.tokenizer
+WEIGHTINGS = ("uniform", "examples")
+AGGREGATES = ("mean", "median", "trimmed_mean")
+# Flower's arrays are numpy: no bfloat16. float16 up would only halve: int8 is the cheaper lossy choice
+WIRE_FORMATS = ("float32", "float16", "int8", "int4")  # fusion.wire_dtype (down)
+UPLINK = ("float32", "int8", "int4")  # fusion.wire_up
+FORWARDS = ("slice", "full")  # fusion.forward: a slice's own small forward pass | the whole target's
+SELECTORS = ("random", "oort", "energy", "carbon_budget")
+PRIVACY_MODES = ("none", "clip", "local")
+TEACHERS = ("feddf", "fedet")
+AVERAGES = ("logits", "probs")
+CONFIDENCES = ("variance", "entropy", "maxprob")
+TRANSFER_SOURCES = ("shakespeare", "text")
+LORA_METHODS = ("fedavg", "zeropad", "hetlora", "flexlora", "flora")
+LORA_DTYPES = ("float32", "bfloat16", "float16")  # an unquantised base
+QUANTIZE_BITS = (0, 4, 8)  # lora.quantize: a base's bits per tier (0: none)
+TRACKERS = ("none", "tensorboard", "mlflow")  # output.tracker
+DEFAULT_CLOUD = "cloud-a100"  # the catalog's cloud reference when a recipe names none (report.cloud)
+
+# recipe key -> its allowed values
+CHOICES: dict[str, tuple[str, ...]] = {
+    "data.source": DATA_SOURCES,
+    "data.split": CHAT_SPLITS,
+    "fusion.method": FUSION_METHODS,
+    "fusion.policy": POLICIES,
+    "fusion.outer": OUTER_METHODS,
+    "train.optimizer": OPTIMIZERS,
+    "model.family": MODEL_FAMILIES,
+    "fusion.weighting": WEIGHTINGS,
+    "fusion.aggregate": AGGREGATES,
+    "fusion.wire_dtype": WIRE_FORMATS,
+    "fusion.wire_up": UPLINK,
+    "fusion.forward": FORWARDS,
+    "fusion.frozen_dtype": WIRE_FORMATS,
+    "selection.method": SELECTORS,
+    "privacy.mode": PRIVACY_MODES,
+    "distill.teacher": TEACHERS,
+    "distill.average": AVERAGES,
+    "distill.confidence": CONFIDENCES,
+    "distill.transfer.source": TRANSFER_SOURCES,
+    "lora.method": LORA_METHODS,
+    "lora.dtype": LORA_DTYPES,
+    "output.tracker": TRACKERS,
+}

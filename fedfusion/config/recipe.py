@@ -1,0 +1,674 @@
+"""Recipes: the typed schema of an experiment, loading, overrides and validation.
+
+A recipe is a YAML file checked against the dataclasses below (OmegaConf structured configs), so an
+unknown key or a wrong type fails at load time with the key's full name; value checks
+(allowed choices, ranges, cross-section consistency) follow in :func:`validate`. The package imports nothing of
+fedfusion's implementation: checks that need one (the device catalog, the selector's options, the files a recipe
+names, the partitioner, an installed tracker) are :func:`fedfusion.run.check.check_recipe`'s, which a run calls
+before it writes anything or imports torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from importlib import resources
+from itertools import takewhile
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from fedfusion.config.choices import AXES, BUILTIN_DATASETS, CHOICES, DEFAULT_CLOUD, FAMILY_MODEL_TYPES, FAMILY_TOKENIZERS, MIXABLE
+
+
+class RecipeError(ValueError):
+    """A recipe (file, override or value) is invalid; the message names the key."""
+
+
+@dataclass
+class DataConfig:
+    """Where client text comes from and how it is split."""
+
+    # shakespeare: one per (play, speaker) | text: a local file | facts: private facts (fedfusion.data.facts) | chatterbot (lora)
+    # | dataset: a Hugging Face dataset split by a flwr-datasets partitioner (fedfusion.data.federated)
+    source: str = "shakespeare"
+    path: Optional[str] = None  # local .txt/.jsonl file when source=text; the training records when source=facts
+    probes: Optional[str] = None  # source=facts: the probes file (jsonl: prompt, answer, client)
+    # source=facts without path: synthetic biographies generated from the recipe seed (fedfusion.data.facts)
+    people: int = 400
+    skew: float = 1.0  # Zipf exponent of how many people each client owns (0: equal shares)
+    min_chars: int = 2000  # a Shakespeare role needs this much text to become a client
+    held_out: float = 0.1  # tail fraction of each client's text kept for evaluation
+    eval_chars: int = 40000  # cap on the pooled held-out text the server evaluates on
+    split: str = "category"  # chatterbot: category (one topic per client, non-IID) | iid
+    language: str = "english"  # chatterbot corpus language
+    # source=dataset: a hub id, local .jsonl/.json/.csv/.parquet/.txt file(s) (a path or glob), or shakespeare | chatterbot
+    dataset: Optional[str] = None
+    subset: Optional[str] = None  # hub dataset configuration
+    dataset_split: str = "train"  # hub dataset split
+    text_column: str = "text"  # language-model text
+    prompt_column: str = "prompt"  # instruction pairs (fusion.method=lora)
+    response_column: str = "response"
+    label_column: Optional[str] = None  # whose skew plan and report show (default: the partitioner's `by`)
+    shuffle: bool = True  # seeded shuffle before partitioning; false keeps file order (iid then cuts contiguous shards)
+    # flwr-datasets partitioner and its parameters (fedfusion.data.partitioners): iid | dirichlet | shard | pathological | natural
+    partitioner: dict[str, Any] = field(default_factory=lambda: {"name": "iid"})
+
+
+@dataclass
+class ModelConfig:
+    """The target model: a Llama-architecture causal LM built from this config, or a pretrained one."""
+
+    pretrained: Optional[str] = None  # local path or hub id; overrides the sizes below
+    family: str = "llama"  # llama | mistral | qwen2 | gpt2 | opt: the architecture built from the sizes below
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 8
+    num_kv_heads: int = 8
+    intermediate_size: int = 512
+    max_position: int = 512
+
+
+@dataclass
+class PopulationConfig:
+    """The virtual clients: how many, and which device tier each one is."""
+
+    num_clients: int = 32
+    mix: dict[str, float] = field(
+        default_factory=lambda: {"phone": 0.5, "laptop": 0.3, "desktop": 0.2}
+    )
+    catalog: Optional[str] = None  # a user device catalog (YAML) replacing the built-in one
+
+
+@dataclass
+class FusionConfig:
+    """How client work is folded into the target."""
+
+    method: str = "submodel"
+    # static (HeteroFL prefix) | rolling (FedRolex window) | random (Federated Dropout) | ordered (FjORD)
+    policy: str = "rolling"
+    # heads | neurons | hidden | depth; None = the family's default (llama: heads, neurons)
+    axes: Optional[list[str]] = None
+    scaler: bool = True  # fold HeteroFL's scaler into the sliced weights (the sub-model estimates the full sums)
+    # ordered: the widths a client samples from (<= its own); None = the values of fusion.widths
+    ordered_ladder: Optional[list[float]] = None
+    ordered_distill: bool = False  # ordered: self-distillation from the client's widest pass (FjORD's KD)
+    widths: dict[str, float] = field(
+        default_factory=lambda: {"phone": 0.125, "laptop": 0.25, "desktop": 0.5}
+    )
+    auto_widths: bool = False  # widths := the widest of width_ladder whose training fits each tier's memory
+    width_ladder: list[float] = field(default_factory=lambda: [1.0, 0.5, 0.25, 0.125, 0.0625])
+    stride: float = 0.125  # rolling: fraction of each axis the window advances per round
+    stagger: bool = True  # rolling: each client's window starts where the previous one's ended
+    weighting: str = "uniform"  # uniform (FedRolex) | examples (weight by num-examples)
+    aggregate: str = "mean"  # mean | median | trimmed_mean (coordinate-wise, over the clients that held it)
+    trim: float = 0.2  # trimmed_mean: fraction of values dropped at each end
+    max_norm_ratio: float = 10.0  # reject a reply whose L2 norm exceeds this multiple of what was sent (0: off)
+    # submodel / lora, how payloads travel down: float32 | float16 | int8 | int4 (blockwise absmax, fedfusion.wire.quantize);
+    # the server folds each reply's change from what it sent onto the exact float32 target
+    wire_dtype: str = "float32"
+    wire_up: str = "float32"  # how replies travel up: float32 | int8 | int4 (the change from what was received)
+    error_feedback: bool = True  # a quantised uplink carries over what its rounding left out to the next upload
+    # submodel: a server step on each round's aggregated change (fedfusion.fusion.outer): none | avgm | nesterov | adam
+    outer: str = "none"
+    outer_lr: float = 1.0
+    outer_momentum: float = 0.9  # avgm / nesterov momentum; adam's beta1
+    # submodel: slice (a client runs its slice as a small model) | full (a client holds the whole target, frozen
+    # in frozen_dtype, and trains its slice's coordinates with the exact gradient of the target's loss)
+    forward: str = "slice"
+    frozen_dtype: str = "int8"  # full: how the frozen target travels and sits on the device (float32 | float16 | int8 | int4)
+    window_shared: bool = False  # full: the window also trains the tensors on no sliced axis (embeddings, norms)
+    window_widths: dict[str, float] = field(default_factory=dict)  # full: a tier's window (fraction of units); default its width
+    # submodel: rounds 1..grow_round train the smallest width's static slice of a target silenced around it (the
+    # target equals that small model: smallest-only training); later rounds train the whole grown target. 0: off
+    grow_round: int = 0
+    # method=mixed: each tier's method (submodel | distill | generative); a method's per-tier settings stay in its
+    # own section (a submodel or generative tier's width in fusion.widths, a distill tier's family in
+    # distill.tier_family). Every round folds them into one target in fedfusion.fusion.rounds.FOLD_ORDER.
+    tiers: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class FamilyConfig:
+    """A small model family that some tiers train in distillation fusion."""
+
+    model_type: str = "llama"  # llama | gpt2
+    hidden_size: int = 32
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: Optional[int] = None  # llama: default num_heads
+    intermediate_size: Optional[int] = None  # default 4 x hidden_size
+    tokenizer: str = "target"  # target (the target's) | char | bpe (trained on the transfer text)
+    bpe_vocab: int = 512
+
+
+@dataclass
+class TransferConfig:
+    """The server's unlabeled transfer set, disjoint from every client's data."""
+
+    source: str = "shakespeare"  # shakespeare: roles no client owns | text: a local file (e.g. the KJV)
+    path: Optional[str] = None
+    max_chars: int = 100000
+
+
+@dataclass
+class DistillConfig:
+    """Distillation fusion (fusion.method=distill): small families per tier, distilled into the target."""
+
+    families: dict[str, FamilyConfig] = field(default_factory=lambda: {
+        "tiny": FamilyConfig(), "small": FamilyConfig(hidden_size=48, model_type="gpt2", tokenizer="bpe",
+                                                      bpe_vocab=384)})
+    tier_family: dict[str, str] = field(default_factory=lambda: {"phone": "tiny", "laptop": "small",
+                                                                  "desktop": "small"})
+    teacher: str = "fedet"  # feddf (average) | fedet (confidence-weighted consensus + diversity)
+    average: str = "logits"  # feddf: logits | probs
+    confidence: str = "variance"  # fedet: variance | entropy | maxprob
+    diversity_weight: float = 0.1  # fedet
+    temperature: float = 1.0
+    kd_weight: float = 0.1  # 1: pure distillation (FedDF); lower mixes in the LM loss on the transfer text
+    server_steps: int = 100
+    server_lr: float = 1e-3
+    server_batch_size: int = 16
+    back_distill: bool = True  # the target teaches each family back (FedMKT)
+    back_steps: int = 10
+    back_lr: float = 1e-3
+    server_device: str = "cloud-a100"  # the catalog tier that prices the server's distillation work
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+
+
+@dataclass
+class GenerativeSection:
+    """Generative distillation (fusion.method=generative): each tier keeps its own model (the static slice of
+    the target at its fusion.widths), the target learns from the text those models write."""
+
+    sample_fraction: float = 0.5  # windows a sampled client writes per window of its own data
+    temperature: float = 1.0
+    server_steps: int = 30  # target training steps per round on every client's latest samples
+    server_lr: float = 3e-3
+    server_batch: int = 64
+    server_device: str = "cloud-a100"  # the catalog tier that prices the server's training
+
+
+@dataclass
+class LoRAConfig:
+    """Heterogeneous-rank LoRA (fusion.method=lora): adapters of each tier's rank on one frozen base."""
+
+    base: str = "smollm2"  # smollm2 (offline GGUF package) | a local model directory | a .gguf file | a hub id
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
+    ranks: dict[str, int] = field(default_factory=lambda: {"phone": 4, "laptop": 8, "desktop": 32})
+    alpha: float = 16.0
+    quantize: dict[str, int] = field(default_factory=lambda: {"phone": 4, "laptop": 8, "desktop": 0})  # base bits
+    dtype: str = "float32"  # unquantised base: float32 | bfloat16 | float16
+    dropout: float = 0.0
+    method: str = "flexlora"  # fedavg (equal ranks) | zeropad | hetlora | flexlora | flora
+    eval_pairs: int = 200  # held-out pairs the server scores the target on
+    samples: int = 3  # generations shown in the report
+
+
+@dataclass
+class SelectionConfig:
+    """Which clients train in a round."""
+
+    method: str = "random"  # random | oort | energy | carbon_budget (fedfusion.selection.selectors)
+    options: dict[str, Any] = field(default_factory=dict)  # the selector's knobs, e.g. {alpha: 2.0}
+    clients_per_round: int = 6
+    min_clients: int = 1  # a round with fewer successful replies leaves the target unchanged
+    evaluate_clients: int = 0  # clients that also score the target on their held-out text each round
+    timeout_s: float = 600.0  # per-round deadline for replies
+    overselect: float = 0.0  # sample (1 + overselect) x clients_per_round; the round closes at clients_per_round updates
+    pool: int = 1000  # nodes a round draws from: all up to this many, else a random pool of them (queried once each)
+
+
+@dataclass
+class AvailabilitySection:
+    """When virtual devices may train (diurnal windows, battery, network; fedfusion.devices.availability)."""
+
+    enabled: bool = False  # off: every client is always available and never drops out
+    start_clock_s: float = 0.0  # simulated time of round 1, seconds after midnight UTC of day 0
+    round_interval_s: float = 600.0  # simulated time between round starts (longer if the slowest client is)
+    deadline_s: float = 0.0  # virtual round deadline: a client predicted slower drops out (0: none)
+    model: dict[str, float] = field(default_factory=dict)  # AvailabilityConfig knobs, e.g. {wifi_prob: 0.8}
+
+
+@dataclass
+class TrainConfig:
+    """Local training on each client."""
+
+    local_steps: int = 40
+    lr: float = 3e-3
+    batch_size: int = 16
+    seq_len: int = 64
+    weight_decay: float = 0.0
+    optimizer: str = "adamw"  # adamw | sgd (pair sgd with a server-side fusion.outer=adam: FedAdam)
+
+
+@dataclass
+class FaultConfig:
+    """Injected client faults, for testing and benchmarking robustness (all off by default)."""
+
+    crash_prob: float = 0.0  # a sampled client raises instead of training
+    straggler_prob: float = 0.0  # a sampled client sleeps straggler_delay_s before replying
+    straggler_delay_s: float = 0.0
+    corrupt_prob: float = 0.0  # a sampled client replies with NaN in its update
+
+
+@dataclass
+class PrivacyConfig:
+    """Client-side differential privacy, applied to each client's update by Flower's own mods."""
+
+    mode: str = "none"  # none | clip (fixedclipping_mod: bound the update's L2 norm) | local (LocalDpMod: + noise)
+    clipping_norm: float = 1.0  # L2 bound on a client's update (also the sensitivity LocalDpMod calibrates to)
+    epsilon: float = 10.0  # local: per-round privacy budget of one client's update
+    delta: float = 1e-5  # local
+
+
+@dataclass
+class EngineConfig:
+    """Flower simulation engine resources."""
+
+    cpus_per_client: float = 1.0
+    threads_per_client: int = 1  # torch threads inside each client actor
+    # an existing Ray cluster to run the virtual clients on ("auto", or the head's "host:port" as `ray start --head`
+    # prints it); empty: Flower starts a private one-machine Ray instance
+    ray_address: str = ""
+
+
+@dataclass
+class OutputConfig:
+    """Where and what the run writes."""
+
+    dir: str = "runs"
+    save_model: bool = True
+    # LoRA: also write the base with the update merged in to model/ (a full copy of the base: 540 MB for SmolLM2-135M);
+    # adapter/ (the update alone) is always written
+    save_merged: bool = False
+    checkpoint_every: int = 1  # rounds between checkpoints (0: none); `fedfusion run --resume RUN_DIR` continues
+    # none | tensorboard (<run>/tensorboard) | mlflow (MLFLOW_TRACKING_URI): every metrics.jsonl row also goes there
+    tracker: str = "none"
+
+
+@dataclass
+class ReportConfig:
+    """What the run's report.md compares it with."""
+
+    cloud: str = DEFAULT_CLOUD  # the catalog's cloud tier that the edge-vs-cloud section prices the same work on
+
+
+@dataclass
+class Recipe:
+    """One experiment."""
+
+    name: str = "quickstart"
+    seed: int = 0
+    rounds: int = 12
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    population: PopulationConfig = field(default_factory=PopulationConfig)
+    fusion: FusionConfig = field(default_factory=FusionConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    generative: GenerativeSection = field(default_factory=GenerativeSection)
+    selection: SelectionConfig = field(default_factory=SelectionConfig)
+    availability: AvailabilitySection = field(default_factory=AvailabilitySection)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    faults: FaultConfig = field(default_factory=FaultConfig)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    report: ReportConfig = field(default_factory=ReportConfig)
+
+
+def builtin_recipe_path(name: str) -> Path:
+    """Path of a recipe shipped with the package (e.g. ``quickstart``)."""
+    return Path(str(resources.files("fedfusion.recipes").joinpath(f"{name}.yaml")))
+
+
+def builtin_recipes() -> dict[str, str]:
+    """Name -> description of every recipe shipped with the package: the file's opening comment, as one line."""
+    found = {}
+    for entry in sorted(resources.files("fedfusion.recipes").iterdir(), key=lambda e: e.name):
+        if entry.name.endswith(".yaml"):
+            lines = entry.read_text(encoding="utf-8").splitlines()
+            comment = [line.lstrip("#").strip() for line in takewhile(lambda x: x.startswith("#"), lines)]
+            found[entry.name.removesuffix(".yaml")] = " ".join(comment)
+    return found
+
+
+def resolve_recipe_path(ref: str | Path) -> Path:
+    """A recipe reference is a file path, or the bare name of a built-in recipe."""
+    path = Path(ref)
+    if path.is_file():
+        return path
+    if path.suffix == "" and builtin_recipe_path(str(ref)).is_file():
+        return builtin_recipe_path(str(ref))
+    raise RecipeError(f"recipe {str(ref)!r}: no such file and no built-in recipe of that name")
+
+
+# Mappings a recipe states whole: given in a file (or as a whole override) they replace the default
+# rather than merge into it, so ``mix: {phone: 1.0}`` means phones only.
+WHOLE_MAPPINGS = ("data.partitioner", "population.mix", "fusion.widths", "fusion.tiers", "selection.options",
+                  "availability.model", "distill.families", "distill.tier_family", "lora.ranks", "lora.quantize")
+
+
+def _merge(base: DictConfig, cfg: Any, what: str, replace: tuple[str, ...]) -> DictConfig:
+    try:
+        base = base.copy()
+        for key in replace:
+            OmegaConf.update(base, key, {}, merge=False)
+        merged = OmegaConf.merge(base, cfg)
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or "?"
+        msg = str(exc).splitlines()[0]
+        raise RecipeError(f"{what}: bad key {key!r}: {msg}") from None
+    if not isinstance(merged, DictConfig):  # a structured recipe merges into a mapping; say so if it did not
+        raise RecipeError(f"{what}: not a mapping of recipe sections")
+    return merged
+
+
+def load_recipe(ref: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
+    """Load a recipe file (or built-in name), apply ``key=value`` overrides, validate.
+
+    Needs no torch, so a bad recipe is reported in about a second; :func:`fedfusion.run.check.check_recipe` adds
+    the checks that need the implementation. ``fusion.auto_widths`` is resolved by
+    :func:`fedfusion.run.planner.fit_widths`, which a run calls before it writes anything.
+    """
+    path = resolve_recipe_path(ref)
+    try:
+        raw = OmegaConf.load(path)
+    except Exception as exc:  # yaml errors come in several types
+        raise RecipeError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(raw, DictConfig):
+        raise RecipeError(f"{path}: a recipe must be a mapping of sections")
+    given = tuple(k for k in WHOLE_MAPPINGS if OmegaConf.select(raw, k, default=None) is not None)
+    cfg = _merge(OmegaConf.structured(Recipe), raw, str(path), given)
+    for item in overrides:
+        if "=" not in item:
+            raise RecipeError(f"override {item!r}: expected key=value")
+        key = item.split("=", 1)[0].strip()
+        try:
+            dot = OmegaConf.from_dotlist([item])
+        except OmegaConfBaseException as exc:
+            raise RecipeError(f"override {item!r}: {str(exc).splitlines()[0]}") from None
+        cfg = _merge(cfg, dot, f"override {item!r}", (key,) if key in WHOLE_MAPPINGS else ())
+    recipe: Recipe = OmegaConf.to_object(cfg)  # type: ignore[assignment]
+    validate(recipe)
+    return recipe
+
+
+def _positive(key: str, value: float) -> None:
+    if value <= 0:
+        raise RecipeError(f"{key}: must be > 0, got {value}")
+
+
+def _check_ray_address(address: str) -> None:
+    """``engine.ray_address``: empty, ``auto`` or ``host:port`` (a Ray Client ``ray://`` address is not one the
+    simulation engine can drive: its actor pool runs in this process, which must join the cluster)."""
+    host, _, port = address.rpartition(":")
+    if address in ("", "auto") or (host and "/" not in host and port.isdigit() and 0 < int(port) < 65536):
+        return
+    raise RecipeError(f"engine.ray_address: {address!r} is not 'auto' or the head's host:port "
+                      "(e.g. 127.0.0.1:6379, as `ray start --head` prints it)")
+
+
+def validate(recipe: Recipe) -> None:
+    """Value checks beyond types; raises RecipeError naming the first bad key."""
+    for key, allowed in CHOICES.items():
+        value: Any = recipe
+        for part in key.split("."):
+            value = getattr(value, part)
+        if value not in allowed:
+            raise RecipeError(f"{key}: {value!r} is not one of {', '.join(allowed)}")
+    for key in (
+        "rounds", "population.num_clients", "selection.clients_per_round", "selection.min_clients",
+        "selection.timeout_s", "train.local_steps", "train.lr", "train.batch_size", "train.seq_len",
+        "engine.cpus_per_client", "engine.threads_per_client", "model.hidden_size", "model.num_layers",
+        "model.num_heads", "model.num_kv_heads", "model.intermediate_size", "data.eval_chars",
+    ):
+        obj: Any = recipe
+        for part in key.split("."):
+            obj = getattr(obj, part)
+        _positive(key, obj)
+    for name in ("crash_prob", "straggler_prob", "corrupt_prob"):
+        if not 0 <= getattr(recipe.faults, name) <= 1:
+            raise RecipeError(f"faults.{name}: must be in [0, 1], got {getattr(recipe.faults, name)}")
+    if recipe.faults.straggler_delay_s < 0:
+        raise RecipeError(f"faults.straggler_delay_s: must be >= 0, got {recipe.faults.straggler_delay_s}")
+    if not 0 <= recipe.selection.overselect <= 4:
+        raise RecipeError(f"selection.overselect: must be in [0, 4] (extra clients sampled per round, as a fraction "
+                          f"of clients_per_round), got {recipe.selection.overselect}")
+    if "seed" in recipe.selection.options:
+        raise RecipeError("selection.options.seed: the selector is seeded by the recipe's seed")
+    for name in ("start_clock_s", "round_interval_s", "deadline_s"):
+        if getattr(recipe.availability, name) < 0:
+            raise RecipeError(f"availability.{name}: must be >= 0, got {getattr(recipe.availability, name)}")
+    _check_ray_address(recipe.engine.ray_address)
+    if recipe.output.checkpoint_every < 0:
+        raise RecipeError(f"output.checkpoint_every: must be >= 0, got {recipe.output.checkpoint_every}")
+    if recipe.privacy.mode != "none":
+        for name in ("clipping_norm", "epsilon", "delta"):
+            _positive(f"privacy.{name}", getattr(recipe.privacy, name))
+        if recipe.privacy.delta >= 1:
+            raise RecipeError(f"privacy.delta: must be < 1, got {recipe.privacy.delta}")
+    if not 0 < recipe.data.held_out < 1:
+        raise RecipeError(f"data.held_out: must be in (0, 1), got {recipe.data.held_out}")
+    if recipe.data.source == "text" and not recipe.data.path:
+        raise RecipeError("data.path: required when data.source is 'text'")
+    if recipe.data.source == "dataset" and not recipe.data.dataset:
+        raise RecipeError("data.dataset: required when data.source is 'dataset' (a hub id, local file(s), "
+                          f"or one of {', '.join(BUILTIN_DATASETS)})")
+    if recipe.data.source == "dataset" and recipe.fusion.method == "distill" and recipe.distill.transfer.source == "shakespeare":
+        raise RecipeError("distill.transfer.source: with data.source=dataset the transfer text is a file "
+                          "(distill.transfer.source=text, distill.transfer.path=...)")
+    if recipe.data.source == "facts":
+        if bool(recipe.data.path) != bool(recipe.data.probes):
+            raise RecipeError("data.probes: data.path and data.probes go together (your facts), or neither (generated)")
+        if not recipe.data.path and recipe.data.people < recipe.population.num_clients:
+            raise RecipeError(f"data.people: {recipe.data.people} people cannot give each of "
+                              f"{recipe.population.num_clients} clients one")
+        if recipe.data.skew < 0:
+            raise RecipeError(f"data.skew: must be >= 0, got {recipe.data.skew}")
+        if not set(tier_methods(recipe).values()) <= {"submodel", "generative"}:
+            raise RecipeError(f"fusion.method: data.source=facts runs with submodel or generative fusion, "
+                              f"got {recipe.fusion.method!r}")
+        if recipe.model.pretrained:
+            raise RecipeError("model.pretrained: data.source=facts builds its own word tokenizer; leave it unset")
+    m = recipe.model
+    if m.hidden_size % m.num_heads:
+        raise RecipeError(f"model.num_heads: {m.num_heads} does not divide hidden_size {m.hidden_size}")
+    if m.num_heads % m.num_kv_heads:
+        raise RecipeError(f"model.num_kv_heads: {m.num_kv_heads} does not divide num_heads {m.num_heads}")
+    if recipe.train.seq_len > m.max_position:
+        raise RecipeError(f"train.seq_len: {recipe.train.seq_len} exceeds model.max_position {m.max_position}")
+    if not recipe.population.mix:
+        raise RecipeError("population.mix: needs at least one tier")
+    _validate_tiers(recipe)
+    methods = tier_methods(recipe)
+    for tier, share in recipe.population.mix.items():
+        if share <= 0:
+            raise RecipeError(f"population.mix.{tier}: share must be > 0, got {share}")
+        if methods[tier] in ("submodel", "generative") and not recipe.fusion.auto_widths and tier not in recipe.fusion.widths:
+            raise RecipeError(f"fusion.widths: no width for tier {tier!r} of population.mix")
+    if uses(recipe, "distill"):
+        _validate_distill(recipe)
+    if (recipe.fusion.method == "lora") != (recipe.data.source == "chatterbot") and recipe.data.source != "dataset":
+        raise RecipeError(f"data.source: fusion.method=lora trains on instruction pairs (data.source=chatterbot or "
+                          f"dataset) and only it does; got method {recipe.fusion.method!r} with source {recipe.data.source!r}")
+    if recipe.fusion.method == "lora":
+        _validate_lora(recipe)
+    if uses(recipe, "generative"):
+        g = recipe.generative
+        for name in ("sample_fraction", "temperature", "server_lr"):
+            _positive(f"generative.{name}", getattr(g, name))
+        for name in ("server_steps", "server_batch"):
+            if getattr(g, name) < 1:
+                raise RecipeError(f"generative.{name}: must be >= 1, got {getattr(g, name)}")
+    for tier, width in recipe.fusion.widths.items():
+        if not 0 < width <= 1:
+            raise RecipeError(f"fusion.widths.{tier}: must be in (0, 1], got {width}")
+    _validate_wire(recipe)
+    _validate_growth(recipe)
+    if recipe.fusion.max_norm_ratio < 0:
+        raise RecipeError(f"fusion.max_norm_ratio: must be >= 0, got {recipe.fusion.max_norm_ratio}")
+    if not recipe.fusion.width_ladder or not all(0 < w <= 1 for w in recipe.fusion.width_ladder):
+        raise RecipeError(f"fusion.width_ladder: needs widths in (0, 1], got {recipe.fusion.width_ladder}")
+    if not 0 <= recipe.fusion.trim < 0.5:
+        raise RecipeError(f"fusion.trim: must be in [0, 0.5), got {recipe.fusion.trim}")
+    _positive("fusion.outer_lr", recipe.fusion.outer_lr)
+    if recipe.fusion.outer != "none" and not uses(recipe, "submodel"):
+        raise RecipeError(f"fusion.outer: a server optimizer steps folded slices (fusion.method=submodel); "
+                          f"{recipe.fusion.method!r} does not use it")
+    if recipe.train.optimizer != "adamw" and recipe.fusion.method == "lora":
+        raise RecipeError("train.optimizer: LoRA clients train with AdamW; only 'adamw' applies to fusion.method=lora")
+    if not 0 <= recipe.fusion.outer_momentum < 1:
+        raise RecipeError(f"fusion.outer_momentum: must be in [0, 1), got {recipe.fusion.outer_momentum}")
+    if not 0 < recipe.fusion.stride <= 1:
+        raise RecipeError(f"fusion.stride: must be in (0, 1], got {recipe.fusion.stride}")
+    axes = recipe.fusion.axes
+    for axis in axes or ():
+        if axis not in AXES:
+            raise RecipeError(f"fusion.axes: {axis!r} is not one of {', '.join(AXES)}")
+    if axes is not None and not axes:
+        raise RecipeError("fusion.axes: name at least one axis, or leave it unset for the family's default")
+    fused = recipe.model.family in ("gpt2", "opt") and not recipe.model.pretrained
+    if axes and fused and (("heads" in axes) != ("hidden" in axes)):
+        raise RecipeError(f"fusion.axes: a {recipe.model.family} model slices 'heads' and 'hidden' together "
+                          "(head_dim = hidden / heads)")
+    for width in recipe.fusion.ordered_ladder or ():
+        if not 0 < width <= 1:
+            raise RecipeError(f"fusion.ordered_ladder: widths must be in (0, 1], got {width}")
+    if recipe.selection.min_clients > recipe.selection.clients_per_round:
+        raise RecipeError(
+            f"selection.min_clients: {recipe.selection.min_clients} exceeds clients_per_round "
+            f"{recipe.selection.clients_per_round}"
+        )
+    if recipe.selection.clients_per_round > recipe.population.num_clients:
+        raise RecipeError(
+            f"selection.clients_per_round: {recipe.selection.clients_per_round} exceeds "
+            f"population.num_clients {recipe.population.num_clients}"
+        )
+
+
+def _validate_growth(recipe: Recipe) -> None:
+    """Growth and full-forward windows are width slicing's: they need its tiers, and a window reaches its own
+    coordinates only with the ordinary policies."""
+    f = recipe.fusion
+    if f.grow_round < 0 or f.grow_round > recipe.rounds:
+        raise RecipeError(f"fusion.grow_round: must be in [0, rounds={recipe.rounds}], got {f.grow_round}")
+    if (f.grow_round or f.forward == "full") and f.method != "submodel":
+        raise RecipeError(f"fusion.grow_round / fusion.forward=full apply to fusion.method=submodel, got {f.method!r}")
+    if f.forward == "full" and f.policy == "ordered":
+        raise RecipeError("fusion.forward=full: policy 'ordered' trains nested sub-models in their own forward pass; "
+                          "use static, rolling, random or owned")
+    for tier, width in f.window_widths.items():
+        if tier not in f.widths:
+            raise RecipeError(f"fusion.window_widths.{tier}: not a tier of fusion.widths ({', '.join(f.widths)})")
+        if not 0 < width <= 1:
+            raise RecipeError(f"fusion.window_widths.{tier}: must be in (0, 1], got {width}")
+
+
+def _validate_wire(recipe: Recipe) -> None:
+    """The wire formats apply to the tiers whose replies are the model trained (sub-models, LoRA adapters), and a
+    quantised message is not what Flower's DP mods can clip (they compare reply and payload value by value)."""
+    f = recipe.fusion
+    for key, value in (("wire_dtype", f.wire_dtype), ("wire_up", f.wire_up)):
+        if value == "float32":
+            continue
+        if not (uses(recipe, "submodel") or uses(recipe, "lora")):
+            raise RecipeError(f"fusion.{key}: {value} applies to the tiers of fusion.method=submodel or lora only, "
+                              f"got {f.method!r}")
+        if recipe.privacy.mode != "none" and value in ("int8", "int4"):
+            raise RecipeError(f"fusion.{key}: {value} cannot go with privacy.mode={recipe.privacy.mode} (Flower's "
+                              "DP mods clip the reply against the payload value by value); use float32 or float16 down "
+                              "and float32 up")
+
+
+def tier_methods(recipe: Recipe) -> dict[str, str]:
+    """The fusion method of every tier of the population: ``fusion.tiers`` for ``fusion.method=mixed``, otherwise
+    ``fusion.method`` for each."""
+    if recipe.fusion.method == "mixed":
+        return {tier: recipe.fusion.tiers.get(tier, "") for tier in recipe.population.mix}
+    return {tier: recipe.fusion.method for tier in recipe.population.mix}
+
+
+def uses(recipe: Recipe, method: str) -> bool:
+    """Whether some tier of the recipe's population trains with ``method``."""
+    return method in tier_methods(recipe).values()
+
+
+def _validate_tiers(recipe: Recipe) -> None:
+    """``fusion.tiers``: given exactly for fusion.method=mixed, one known, mixable method for every tier of the mix."""
+    f = recipe.fusion
+    if f.method != "mixed":
+        if f.tiers:
+            raise RecipeError(f"fusion.tiers: per-tier methods need fusion.method=mixed, got {f.method!r}")
+        return
+    for tier in recipe.population.mix:
+        if tier not in f.tiers:
+            raise RecipeError(f"fusion.tiers: no method for tier {tier!r} of population.mix")
+    for tier, method in f.tiers.items():
+        if tier not in recipe.population.mix:
+            raise RecipeError(f"fusion.tiers.{tier}: not a tier of population.mix ({', '.join(recipe.population.mix)})")
+        if method == "lora":
+            raise RecipeError(f"fusion.tiers.{tier}: lora cannot be mixed: its target is a frozen pretrained base plus "
+                              f"one adapter update, the others train the whole target; use one of {', '.join(MIXABLE)}")
+        if method not in MIXABLE:
+            raise RecipeError(f"fusion.tiers.{tier}: {method!r} is not one of {', '.join(MIXABLE)}")
+
+
+def _validate_distill(recipe: Recipe) -> None:
+    d = recipe.distill
+    for tier, method in tier_methods(recipe).items():
+        if method == "distill" and tier not in d.tier_family:
+            raise RecipeError(f"distill.tier_family: no family for tier {tier!r} of population.mix")
+    for tier, family in d.tier_family.items():
+        if family not in d.families:
+            raise RecipeError(f"distill.tier_family.{tier}: unknown family {family!r}; "
+                              f"families: {', '.join(sorted(d.families))}")
+    for name, f in d.families.items():
+        if f.model_type not in FAMILY_MODEL_TYPES:
+            raise RecipeError(f"distill.families.{name}.model_type: {f.model_type!r} is not one of "
+                              f"{', '.join(FAMILY_MODEL_TYPES)}")
+        if f.tokenizer not in FAMILY_TOKENIZERS:
+            raise RecipeError(f"distill.families.{name}.tokenizer: {f.tokenizer!r} is not one of {', '.join(FAMILY_TOKENIZERS)}")
+        for key in ("hidden_size", "num_layers", "num_heads"):
+            _positive(f"distill.families.{name}.{key}", getattr(f, key))
+        if f.hidden_size % f.num_heads:
+            raise RecipeError(f"distill.families.{name}.num_heads: {f.num_heads} does not divide hidden_size "
+                              f"{f.hidden_size}")
+        if f.tokenizer == "bpe" and f.bpe_vocab < 260:
+            raise RecipeError(f"distill.families.{name}.bpe_vocab: must be >= 260 (bytes + specials), got {f.bpe_vocab}")
+    for key in ("temperature", "server_steps", "server_lr", "server_batch_size", "back_steps", "back_lr"):
+        _positive(f"distill.{key}", getattr(d, key))
+    if not 0 <= d.kd_weight <= 1:
+        raise RecipeError(f"distill.kd_weight: must be in [0, 1], got {d.kd_weight}")
+    if d.diversity_weight < 0:
+        raise RecipeError(f"distill.diversity_weight: must be >= 0, got {d.diversity_weight}")
+    if d.transfer.source == "text" and not d.transfer.path:
+        raise RecipeError("distill.transfer.path: required when distill.transfer.source is 'text'")
+    _positive("distill.transfer.max_chars", d.transfer.max_chars)
+
+
+def _validate_lora(recipe: Recipe) -> None:
+    lora = recipe.lora
+    for tier in recipe.population.mix:
+        if tier not in lora.ranks:
+            raise RecipeError(f"lora.ranks: no rank for tier {tier!r} of population.mix")
+    for tier, rank in lora.ranks.items():
+        _positive(f"lora.ranks.{tier}", rank)
+    for tier, bits in lora.quantize.items():
+        if bits not in (0, 4, 8):
+            raise RecipeError(f"lora.quantize.{tier}: must be 0 (none), 4 or 8 bits, got {bits}")
+    if not lora.target_modules:
+        raise RecipeError("lora.target_modules: name at least one module (e.g. q_proj)")
+    if lora.method == "fedavg" and len({lora.ranks[t] for t in recipe.population.mix}) > 1:
+        raise RecipeError("lora.method: fedavg needs one rank for every tier; use zeropad, hetlora, flexlora or flora")
+    for key in ("alpha", "eval_pairs"):
+        _positive(f"lora.{key}", getattr(lora, key))
+    if not 0 <= lora.dropout < 1:
+        raise RecipeError(f"lora.dropout: must be in [0, 1), got {lora.dropout}")
+
+
+def to_yaml(recipe: Recipe) -> str:
+    """The fully resolved recipe as YAML (re-loading it reproduces the run)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(recipe))

@@ -1,0 +1,1 @@
+"""Client data: sources, partitioners, tokenizers, and the population (who holds what)."""

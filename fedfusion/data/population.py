@@ -1,0 +1,240 @@
+"""Who the virtual clients are: each one's text partition and device tier, derived from the recipe.
+
+Server and clients compute the same population from the same (data spec, size, seed), so a client
+needs only its partition id and the spec carried in the message, never server state.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from fedfusion.config.recipe import DataConfig, Recipe
+from fedfusion.data.cache import cached_tensor
+from fedfusion.data.facts import (
+    Facts,
+    client_documents,
+    client_order,
+    encode_documents,
+    facts_from_records,
+    facts_tokenizer,
+    generate_facts,
+    load_facts,
+)
+from fedfusion.data.federated import (
+    PARTITIONS_FILE,
+    PartitionSizes,
+    check_columns,
+    client_name,
+    client_texts,
+    file_versions,
+    instruct_spec,
+    label_column,
+    partitions,
+)
+from fedfusion.data.text import encode_text, lm_windows, load_shakespeare_roles, load_text_file, load_tokenizer, split_text
+from fedfusion.devices.catalog import assign_tiers
+
+
+@dataclass(frozen=True)
+class ClientData:
+    """One client's local text: a name (e.g. play/speaker), training text and held-out continuation.
+
+    With ``documents`` (data.source=facts) the client's data is whole documents, tokenised as such
+    (:func:`fedfusion.data.facts.encode_documents`); ``train`` and ``held_out`` join them for display and sizes.
+    """
+
+    name: str
+    train: str
+    held_out: str
+    documents: tuple[str, ...] = ()
+    held_out_documents: tuple[str, ...] = ()
+
+
+def data_spec(recipe: Recipe) -> str:
+    """The JSON spec from which any process rebuilds the population's data and tokenises it (with the local
+    files it reads, their sizes and times: a changed file is a new spec, so nothing cached under the old one is reused)."""
+    spec = {"data": asdict(recipe.data), "num_clients": recipe.population.num_clients, "seed": recipe.seed,
+            "tokenizer": recipe.model.pretrained}
+    if recipe.data.source == "dataset":
+        spec["files"] = file_versions(recipe.data)
+    elif recipe.data.source == "text":
+        path = _text_path(recipe.data)
+        stat = Path(path).stat()
+        spec["files"] = [(path, stat.st_size, stat.st_mtime_ns)]
+    return json.dumps(spec, sort_keys=True)
+
+
+def _text_path(data: DataConfig) -> str:
+    """The file of ``data.source=text`` (the recipe's validation requires it; a hand-made spec may lack it)."""
+    if not data.path:
+        raise ValueError("data.source=text needs data.path")
+    return data.path
+
+
+@lru_cache(maxsize=4)
+def population_data(spec: str) -> tuple[ClientData, ...]:
+    """Every client's data for a spec from :func:`data_spec` (cached per process)."""
+    parsed = json.loads(spec)
+    data, num_clients, seed = DataConfig(**parsed["data"]), parsed["num_clients"], parsed["seed"]
+    if data.source == "shakespeare":
+        roles = load_shakespeare_roles(min_chars=data.min_chars)
+        if len(roles) < num_clients:
+            raise ValueError(
+                f"population.num_clients: {num_clients} clients requested but only {len(roles)} "
+                f"Shakespeare roles have data.min_chars={data.min_chars} characters"
+            )
+        picked = np.random.default_rng(seed).choice(len(roles), size=num_clients, replace=False)
+        named = [(f"{roles[i].play}/{roles[i].speaker}", roles[i].text) for i in sorted(picked)]
+    elif data.source == "facts":
+        return _facts_clients(data, num_clients, seed)
+    elif data.source == "dataset":
+        named = client_texts(spec)
+    elif (natural := _natural_partition(data.path)) is not None:
+        _check_count(data.path, len(natural), num_clients)
+        named = [(f"client-{cid}", "\n".join(docs)) for cid, docs in natural.items()]
+    else:
+        text = load_text_file(_text_path(data))
+        size = len(text) // num_clients
+        named = [(f"shard-{i}", text[i * size : (i + 1) * size]) for i in range(num_clients)]
+    return tuple(ClientData(name, *split_text(text, data.held_out)) for name, text in named)
+
+
+def _check_count(path: str | None, found: int, num_clients: int) -> None:
+    if found != num_clients:
+        raise ValueError(f"population.num_clients: {path} holds {found} clients (its 'client' field); "
+                         f"set population.num_clients={found}, got {num_clients}")
+
+
+def _natural_partition(path: str | None) -> dict[str, list[str]] | None:
+    """A jsonl text file whose every record names its ``client``: each client's texts (the file's own
+    partition); None for any other file, which is cut into equal shards."""
+    if path is None or not str(path).endswith(".jsonl"):
+        return None
+    with open(path, encoding="utf-8") as f:
+        first = next((line for line in f if line.strip()), "")
+    if '"client"' not in first:
+        return None
+    docs = client_documents(path)
+    return {cid: docs[cid] for cid in client_order(docs)}
+
+
+def facts_data(data: DataConfig, num_clients: int, seed: int) -> Facts:
+    """The facts of a data.source=facts recipe: the user's files, or biographies generated from the seed."""
+    if data.path and data.probes:
+        facts = load_facts(data.path, data.probes)
+        _check_count(data.path, len(facts.clients), num_clients)
+        return facts
+    records, probes, _ = generate_facts(num_clients, data.people, seed, data.skew)
+    return facts_from_records(records, probes)
+
+
+def _facts_clients(data: DataConfig, num_clients: int, seed: int) -> tuple[ClientData, ...]:
+    """Each facts client: its documents, and its probes written out as held-out documents."""
+    facts = facts_data(data, num_clients, seed)
+    asked: dict[str, list[str]] = {c: [] for c in facts.clients}
+    for p in facts.probes:
+        asked[p.client].append(f"{p.prompt} {p.answer}")
+    return tuple(ClientData(f"client-{cid}", "\n".join(docs), "\n".join(asked[cid]), docs, tuple(asked[cid]))
+                 for cid, docs in zip(facts.clients, facts.documents))
+
+
+def data_tokenizer(spec: str) -> PreTrainedTokenizerBase:
+    """The tokenizer every process uses for a data spec: the word tokenizer built from a facts dataset's
+    own files, else the model's (``model.pretrained``, or the fixed character tokenizer)."""
+    parsed = json.loads(spec)
+    if parsed["data"]["source"] == "facts":
+        return _facts_tokenizer(spec)
+    return load_tokenizer(parsed["tokenizer"])
+
+
+@lru_cache(maxsize=4)
+def _facts_tokenizer(spec: str) -> PreTrainedTokenizerBase:
+    parsed = json.loads(spec)
+    return facts_tokenizer(facts_data(DataConfig(**parsed["data"]), parsed["num_clients"], parsed["seed"]))
+
+
+def client_token_windows(spec: str, partition: int, seq_len: int, split: str) -> torch.Tensor:
+    """Token windows of one client's ``train`` or ``held_out`` data: whole documents packed per window for
+    facts, consecutive windows of the text otherwise."""
+    clients = population_data(spec)
+    if not 0 <= partition < len(clients):
+        raise ValueError(f"partition-id {partition} is outside the population of {len(clients)} clients")
+    client, tok = clients[partition], data_tokenizer(spec)
+    if client.documents:
+        return encode_documents(tok, client.documents if split == "train" else client.held_out_documents, seq_len)
+    return lm_windows(encode_text(tok, getattr(client, split)), seq_len)
+
+
+def tier_list(recipe: Recipe) -> list[str]:
+    """Device tier of every client (seeded by the recipe)."""
+    return assign_tiers(recipe.population.mix, recipe.population.num_clients, recipe.seed)
+
+
+def pooled_held_out(spec: str, max_chars: int) -> str:
+    """Held-out text of all clients, an equal share from each, at most ``max_chars`` in all."""
+    clients = population_data(spec)
+    share = max(1, max_chars // len(clients))
+    return "\n".join(c.held_out[:share] for c in clients)
+
+
+def partition_sizes(recipe) -> PartitionSizes:
+    """Each client's share of the recipe's data (every source, not only datasets), as plan and report show it."""
+    from collections import Counter
+
+    from fedfusion.data.population import data_spec, lora_data_spec, population_data
+
+    data = asdict(recipe.data)
+    if recipe.fusion.method == "lora":
+        from fedfusion.data.instruct import instruct_clients as pairs_of
+
+        clients = pairs_of(lora_data_spec(recipe))
+        label = "category" if recipe.data.source == "chatterbot" else label_column(data)
+        return PartitionSizes("pairs", tuple(f"client-{i}" for i in range(len(clients))),
+                              tuple(len(c.train) for c in clients), label,
+                              tuple(dict(Counter(p.category for p in c.train)) for c in clients) if label else ())
+    spec = data_spec(recipe)
+    if recipe.data.source == "dataset":
+        parts, label = partitions(spec), label_column(data)
+        check_columns(parts[0], data, ("text_column",))
+        names = tuple(client_name(data, i, p) for i, p in enumerate(parts))
+        return PartitionSizes("rows", names, tuple(len(p) for p in parts), label,
+                              tuple(dict(Counter(str(v) for v in p[label])) for p in parts) if label else ())
+    people = population_data(spec)
+    if recipe.data.source == "facts":
+        return PartitionSizes("documents", tuple(c.name for c in people), tuple(len(c.documents) for c in people))
+    return PartitionSizes("characters", tuple(c.name for c in people), tuple(len(c.train) for c in people))
+
+
+
+def write_partition_sizes(run_path: Path, recipe) -> None:
+    """Write the run's partition sizes once (a resumed run keeps the file its first part wrote)."""
+    path = Path(run_path) / PARTITIONS_FILE
+    if not path.is_file():
+        path.write_text(json.dumps(partition_sizes(recipe).as_dict()))
+
+
+def lora_data_spec(recipe: Recipe) -> str:
+    """The JSON spec from which server and clients rebuild the same instruction-pair partitions."""
+    d = recipe.data
+    if d.source == "dataset":
+        return instruct_spec(d, recipe.population.num_clients, recipe.seed)
+    return json.dumps({"source": "chatterbot", "language": d.language, "num_clients": recipe.population.num_clients,
+                       "split": d.split, "held_out": d.held_out, "seed": recipe.seed}, sort_keys=True)
+
+
+@lru_cache(maxsize=64)
+def client_windows(spec: str, partition: int, seq_len: int, split: str) -> torch.Tensor:
+    """Token windows of one client's ``train`` or ``held_out`` text.
+
+    Cached in memory (simulation's Ray actors persist) and on disk (a deployed node starts a fresh
+    process per message).
+    """
+    return cached_tensor("windows", f"{spec}|{partition}|{seq_len}|{split}",
+                         lambda: client_token_windows(spec, partition, seq_len, split))

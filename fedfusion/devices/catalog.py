@@ -1,0 +1,107 @@
+"""Device catalog and the seeded assignment of device tiers to virtual clients."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+
+@dataclass(frozen=True)
+class Device:
+    """One device tier: what it can hold, how fast it trains and talks, what it draws and what it cost to make."""
+
+    name: str
+    description: str
+    memory_gb: float
+    tflops: float
+    train_w: float
+    idle_w: float
+    battery_wh: float | None  # None: on mains power
+    up_mbps: float
+    down_mbps: float
+    radio_w: float
+    embodied_kg: float  # lifecycle kgCO2e
+    lifetime_years: float
+    zone: str  # default grid zone, a key of fedfusion.devices.energy.GRID_G_PER_KWH
+    sources: str  # where each number comes from, or "assumed"
+
+
+_TEXT = ("description", "zone", "sources")
+_POSITIVE = ("memory_gb", "tflops", "train_w", "idle_w", "up_mbps", "down_mbps", "radio_w",
+             "embodied_kg", "lifetime_years")
+_FIELDS = _TEXT + _POSITIVE + ("battery_wh",)
+
+
+def _positive(value: Any) -> bool:
+    """A finite number above zero (YAML booleans are not numbers here)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def _device(name: str, fields: Any) -> Device:
+    """One tier's fields checked and typed; a ValueError names the offending field."""
+    if not isinstance(fields, dict):
+        raise ValueError(f"tier {name!r}: expected a mapping of fields")
+    missing = [f for f in _FIELDS if f not in fields]
+    if missing:
+        raise ValueError(f"tier {name!r} lacks {', '.join(missing)}")
+    unknown = sorted(set(fields) - set(_FIELDS))
+    if unknown:
+        raise ValueError(f"tier {name!r}: unknown field {', '.join(map(str, unknown))}")
+    for f in _TEXT:
+        if not isinstance(fields[f], str) or not fields[f].strip():
+            raise ValueError(f"tier {name!r}: {f} must be a non-empty string, got {fields[f]!r}")
+    for f in _POSITIVE:
+        if not _positive(fields[f]):
+            raise ValueError(f"tier {name!r}: {f} must be a positive number, got {fields[f]!r}")
+    battery = fields["battery_wh"]
+    if battery is not None and not _positive(battery):
+        raise ValueError(f"tier {name!r}: battery_wh must be a positive number or null, got {battery!r}")
+    values: dict[str, Any] = {f: fields[f].strip() for f in _TEXT} | {f: float(fields[f]) for f in _POSITIVE}
+    return Device(name=name, **values, battery_wh=None if battery is None else float(battery))
+
+
+def load_catalog(path: str | Path | None = None) -> dict[str, Device]:
+    """The built-in catalog, or a user YAML file of the same shape (tier -> fields), validated."""
+    src = Path(path) if path else Path(str(resources.files("fedfusion.catalog").joinpath("devices.yaml")))
+    try:
+        raw = yaml.safe_load(src.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ValueError(f"device catalog {src}: cannot read: {exc}") from None
+    if not isinstance(raw, dict) or not raw:
+        raise ValueError(f"device catalog {src}: expected a mapping of tier name -> fields")
+    catalog = {}
+    for name, fields in raw.items():
+        try:
+            catalog[str(name)] = _device(str(name), fields)
+        except ValueError as exc:
+            raise ValueError(f"device catalog {src}: {exc}") from None
+    return catalog
+
+
+def catalog_rows(catalog: dict[str, Device]) -> list[dict[str, Any]]:
+    """One row per tier, in catalog order, for a table of the catalog."""
+    keys = ("name", "description", "memory_gb", "tflops", "train_w", "idle_w", "battery_wh",
+            "up_mbps", "down_mbps", "embodied_kg", "lifetime_years", "zone")
+    return [{k: getattr(device, k) for k in keys} for device in catalog.values()]
+
+
+def assign_tiers(mix: dict[str, float], num_clients: int, seed: int) -> list[str]:
+    """Tier of each client: counts proportional to ``mix`` (largest remainder), order shuffled by ``seed``.
+
+    The same (mix, num_clients, seed) always gives the same list, on the server and on every client.
+    """
+    names = sorted(mix)
+    shares = np.array([mix[n] for n in names], dtype=float)
+    exact = shares / shares.sum() * num_clients
+    counts = np.floor(exact).astype(int)
+    for i in np.argsort(-(exact - counts), kind="stable")[: num_clients - counts.sum()]:
+        counts[i] += 1
+    tiers = [n for n, c in zip(names, counts) for _ in range(c)]
+    order = np.random.default_rng(seed).permutation(num_clients)
+    return [tiers[i] for i in order]

@@ -1,0 +1,1 @@
+"""Distillation of small model families into the target (FedDF, Fed-ET)."""

@@ -1,0 +1,1 @@
+"""Generative distillation: devices' own models write text the target learns from."""

@@ -1,0 +1,281 @@
+"""The library's in-process driver: the fusion method objects (:mod:`fedfusion.fusion`) run round by round
+without Flower or Ray, and the loops built on it (width slicing, generative distillation, transfer distillation).
+
+For benchmarks and tests that compare many methods on the same clients, samples and seeds. :func:`run_rounds`
+takes the steps the Flower strategy takes (:func:`fedfusion.fusion.rounds.round_payloads`, the methods' checks,
+:func:`fedfusion.fusion.rounds.fold_round`, seeds from :func:`fedfusion.fusion.rounds.client_seed`); the caller says how a
+client trains a payload. Clients train one after another; there are no faults, messages or ledgers.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PretrainedConfig
+
+from fedfusion.fusion.base import Client, FusionMethod, Payload, State
+from fedfusion.fusion.outer import OuterConfig
+from fedfusion.fusion.rounds import client_seed, fold_round, initial_state, round_payloads, server_seed
+from fedfusion.fusion.submodel.method import SubModelMethod
+from fedfusion.models.build import model_from_state, tied_aliases, wire_state
+from fedfusion.models.full_forward import WindowModel, from_payload, window_plan
+from fedfusion.models.samples import GenerativeConfig, SamplePool, sample_windows
+from fedfusion.models.slicing import extract, plan_slice, sub_config
+from fedfusion.train.distill import Teacher, distil, feddf_teacher, forward_flops
+from fedfusion.train.loop import train_steps
+from fedfusion.wire.keys import NUM_EXAMPLES
+from fedfusion.wire.quantize import Wire, client_reply, decode
+from fedfusion.wire.specs import ModelSpec, RoleSpec, WindowSpec
+
+Evaluate = Callable[[dict[str, torch.Tensor], int], "dict[str, float] | None"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rounds:
+    """What every in-process loop shares: the recipe's round count, sampling and local training settings."""
+
+    rounds: int = 10
+    per_round: int = 6
+    steps: int = 10
+    lr: float = 3e-3
+    batch_size: int = 32
+    seed: int = 0
+    weight_decay: float = 0.0
+    optimizer: str = "adamw"  # the clients' local optimizer (fedfusion.train.loop.OPTIMIZERS)
+
+    def draw(self, rng: random.Random, population: int) -> list[int]:
+        """This round's sampled partitions, sorted (the strategy's seeded random selector, uniform)."""
+        return sorted(rng.sample(range(population), min(self.per_round, population)))
+
+
+@dataclass(frozen=True)
+class SubModelRun(Rounds):
+    """One sub-model federation: the target config, each partition's training windows and width, and the
+    round settings a recipe's ``fusion`` / ``selection`` / ``train`` sections give the Flower strategy."""
+
+    config: PretrainedConfig
+    windows: Sequence[torch.Tensor]  # per partition
+    widths: Sequence[float]  # per partition
+    policy: str = "rolling"
+    stride: float = 0.125
+    stagger: bool = True
+    axes: tuple[str, ...] | None = None
+    scale: bool = True
+    outer: OuterConfig = field(default_factory=OuterConfig)
+    wire: Wire = field(default_factory=Wire)  # how payloads travel down and replies up (fedfusion.wire.quantize)
+    forward: str = "slice"  # slice | full (fedfusion.fusion.submodel.method)
+    frozen: str = "int8"  # full: the frozen target's format
+    window_shared: bool = False  # full: embeddings and norms in every window
+    grow_round: int = 0  # rounds of the smallest slice before the grown target trains
+    window_width: float | None = None  # full: every window's fraction of the units (None: the partition's width)
+
+
+@dataclass
+class RunStats:
+    """What a run cost: client-side work and traffic, server time."""
+
+    client_s: float = 0.0
+    server_s: float = 0.0
+    tokens: int = 0
+    flops: float = 0.0  # 6 x params x tokens, summed over client rounds
+    server_flops: float = 0.0  # the server's own training (generative distillation)
+    bytes_down: int = 0
+    bytes_up: int = 0
+    client_rounds: int = 0
+    max_client_params: int = 0  # the most parameters one client trained in a round
+    history: list[dict[str, float]] = field(default_factory=list)
+
+    def client(self, out: Mapping[str, float], params: int, seconds: float, flops: float, down: int, up: int,
+               trained: int | None = None) -> None:
+        """Count one client round: ``out`` from ``train_steps``, plus work beyond it (``seconds``, ``flops``);
+        ``params`` price the work (6 FLOPs each per token), ``trained`` (default ``params``) are what it trained."""
+        self.client_s += out["train_s"] + seconds
+        self.tokens += int(out["train_tokens"])
+        self.flops += 6.0 * params * out["train_tokens"] + flops
+        self.bytes_down, self.bytes_up = self.bytes_down + down, self.bytes_up + up
+        self.client_rounds += 1
+        self.max_client_params = max(self.max_client_params, params if trained is None else trained)
+
+
+def _nbytes(state: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+Train = Callable[[int, Payload], "tuple[State, Mapping[str, float]]"]
+
+
+def run_rounds(methods: Mapping[str, FusionMethod], tiers: Sequence[str | None], initial: State, train: Train,
+               rounds: Rounds, evaluate: Evaluate | None = None, weighting: str = "uniform") -> tuple[State, RunStats]:
+    """The driver: ``rounds.rounds`` rounds of the fusion ``methods`` (tier -> method, one or several) over the
+    partitions whose tiers ``tiers`` lists (None: a partition that is sampled but never trains), without Flower.
+
+    Each round samples ``rounds.per_round`` partitions (:meth:`Rounds.draw`), asks the methods for their payloads
+    (:func:`fedfusion.fusion.rounds.round_payloads`, seeds from :func:`fedfusion.fusion.rounds.client_seed`), runs
+    ``train(round, payload) -> (reply, metrics)`` for each client in turn (``metrics``: ``train_s``,
+    ``train_tokens`` and ``num-examples``), checks every reply with its method and folds them
+    (:func:`fedfusion.fusion.rounds.fold_round`): the Flower strategy's round, less messages, faults and ledgers.
+    ``evaluate(target, round)`` is called after every round; its rows go to ``stats.history``."""
+    rng = random.Random(rounds.seed)  # the sampling draw, like the strategy's seeded random selector
+    state, stats = initial_state(methods, dict(initial)), RunStats()
+    for rnd in range(1, rounds.rounds + 1):
+        sampled = rounds.draw(rng, len(tiers))
+        clients = [Client(p, tier, client_seed(rounds.seed, rnd, p)) for p in sampled if (tier := tiers[p]) is not None]
+        start = time.perf_counter()
+        payloads = round_payloads(methods, rnd, state, clients)
+        stats.server_s += time.perf_counter() - start
+        updates = []
+        for payload in payloads:
+            reply, metrics = train(rnd, payload)
+            stats.client(metrics, payload.params, 0.0, 0.0, _nbytes(payload.arrays), _nbytes(reply),
+                         payload.row.get("trained_params"))
+            start = time.perf_counter()
+            weight = float(metrics[NUM_EXAMPLES]) if weighting == "examples" else 1.0
+            updates.append(methods[payload.client.tier].check(payload, reply, weight))
+            stats.server_s += time.perf_counter() - start
+        if updates:
+            start = time.perf_counter()
+            folded = fold_round(methods, rnd, state, updates)
+            state = folded.target
+            stats.server_s += time.perf_counter() - start
+            stats.server_flops += folded.server_cost.get("flops", 0.0)
+        if evaluate is not None and (row := evaluate(state, rnd)) is not None:
+            stats.history.append({"round": rnd, **row})
+    return state, stats
+
+
+def run_submodel(run: SubModelRun, initial: dict[str, torch.Tensor], evaluate: Evaluate | None = None,
+                 ) -> tuple[dict[str, torch.Tensor], RunStats]:
+    """Train ``initial`` for ``run.rounds`` rounds of width slicing (:class:`~fedfusion.fusion.submodel.method.SubModelMethod`
+    through :func:`run_rounds`, each client running :func:`fedfusion.train.loop.train_steps` as the client role
+    does); ``evaluate(state, round)`` is called after every round (return None to skip a round) and its rows are
+    kept in ``stats.history``. Returns the final target."""
+    if len(run.windows) != len(run.widths):
+        raise ValueError(f"{len(run.windows)} partitions of windows but {len(run.widths)} widths")
+    tiers = [f"w{w:g}" for w in run.widths]
+    method = SubModelMethod(run.config, {t: w for t, w in zip(tiers, run.widths)}, initial, policy=run.policy,
+                            stride=run.stride, stagger=run.stagger, run_seed=run.seed, axes=run.axes, scale=run.scale,
+                            outer=run.outer, wire=run.wire, forward=run.forward, frozen=run.frozen,
+                            window_shared=run.window_shared, grow_round=run.grow_round,
+                            window_widths={t: run.window_width for t in tiers} if run.window_width else None)
+    method.observe(dict(enumerate(tiers)))  # ``owned`` windows tile the whole population from round 1
+    residuals: dict[int, State] = {}  # each partition's uplink error feedback, as its node keeps it
+
+    def train(rnd: int, payload: Payload) -> tuple[State, dict[str, float]]:
+        received = decode(payload.arrays)
+        config = run.config.__class__.from_dict(ModelSpec.from_config(payload.spec).model_config)
+        full = RoleSpec.from_config(payload.spec).role == "window"  # the client role fedfusion.clients.window
+        model = (from_payload(config, received, window_plan(WindowSpec.from_config(payload.spec))) if full
+                 else model_from_state(config, received))
+        p = payload.client.partition
+        out = train_steps(model, run.windows[p], run.steps, run.lr, run.batch_size, payload.client.seed,
+                          run.weight_decay, run.optimizer)
+        trained = (model.trained() if isinstance(model, WindowModel) else
+                   wire_state({k: v.detach() for k, v in model.state_dict().items()}, tied_aliases(model)))
+        feedback = run.wire.error_feedback and run.wire.up != "float32" and not full
+        reply, residuals[p] = client_reply(trained, payload.arrays, run.wire.up,
+                                           residuals.get(p, {}) if feedback else None, received)
+        return reply, {**out, NUM_EXAMPLES: len(run.windows[p])}
+
+    return run_rounds({t: method for t in tiers}, tiers, initial, train, run, evaluate)
+
+
+@dataclass(frozen=True)
+class GenerativeRun(Rounds):
+    """One generative-distillation federation: each client trains its own small model (``client_config``,
+    kept on the device between rounds, never averaged) and sends samples of it; the server trains the target
+    (``config``) on every client's latest samples (:mod:`fedfusion.models.samples`)."""
+
+    config: PretrainedConfig
+    client_config: PretrainedConfig
+    windows: Sequence[torch.Tensor]  # per partition
+    generative: GenerativeConfig = field(default_factory=GenerativeConfig)
+
+
+def run_generative(run: GenerativeRun, initial: dict[str, torch.Tensor], client_initial: dict[str, torch.Tensor],
+                   evaluate: Evaluate | None = None,
+                   ) -> tuple[dict[str, torch.Tensor], RunStats, dict[int, dict[str, torch.Tensor]]]:
+    """Train the target ``initial`` from the clients' samples for ``run.rounds`` rounds (see :class:`GenerativeRun`);
+    every client's model starts from ``client_initial``. Uploads are counted as int32 token ids. Returns the
+    target, the costs and each sampled partition's own model as its device ends the run (what the samples
+    could carry: the ceiling of what the target can learn from them)."""
+    rng, g = random.Random(run.seed), run.generative
+    devices: dict[int, dict[str, torch.Tensor]] = {}  # each client's own model, as its device keeps it
+    pool, stats = SamplePool(), RunStats()
+    target = model_from_state(run.config, initial)
+    target_params = sum(p.numel() for p in target.parameters())
+    for rnd in range(1, run.rounds + 1):
+        for partition in run.draw(rng, len(run.windows)):
+            model = model_from_state(run.client_config, devices.get(partition, client_initial))
+            seed = client_seed(run.seed, rnd, partition)
+            out = train_steps(model, run.windows[partition], run.steps, run.lr, run.batch_size, seed, run.weight_decay,
+                              run.optimizer)
+            devices[partition] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            start = time.perf_counter()
+            own = run.windows[partition]
+            samples = sample_windows(model, own, math.ceil(g.sample_fraction * len(own)), g.temperature, seed)
+            pool.add(partition, samples, cap=len(own))
+            params = sum(p.numel() for p in model.parameters())
+            # sampling costs ~2 x params per generated token (forward only, KV-cached); ids go up as int32
+            stats.client(out, params, time.perf_counter() - start, 2.0 * params * samples.numel(), 0, samples.numel() * 4)
+        start = time.perf_counter()
+        out = train_steps(target, pool.windows(), g.server_steps, g.server_lr, g.server_batch,
+                          server_seed(run.seed, rnd, len(run.windows)))
+        stats.server_s += time.perf_counter() - start
+        stats.server_flops += 6.0 * target_params * out["train_tokens"]
+        if evaluate is not None and (row := evaluate(target.state_dict(), rnd)) is not None:
+            stats.history.append({"round": rnd, **row})
+    return target.state_dict(), stats, devices
+
+
+@dataclass(frozen=True)
+class TransferRun:
+    """FedDF on a public transfer set with one client family, as distillation fusion runs it: the clients
+    federate a small model (``run``: every partition at the width of ``run.widths``' smallest, static), and every
+    ``every`` rounds the server distils the target from that model's logits on the public ``transfer`` windows
+    (:func:`fedfusion.train.distill.distil` against :func:`fedfusion.train.distill.feddf_teacher`)."""
+
+    run: SubModelRun
+    transfer: torch.Tensor  # (n, seq_len + 1) token ids of text no client owns
+    every: int = 10
+    steps: int = 30
+    lr: float = 3e-3
+    batch_size: int = 64
+    temperature: float = 1.0
+
+
+def run_transfer(t: TransferRun, initial: dict[str, torch.Tensor], target_initial: dict[str, torch.Tensor],
+                 evaluate: Evaluate | None = None) -> tuple[dict[str, torch.Tensor], RunStats]:
+    """The clients' rounds from ``initial`` (:func:`run_submodel`) with the target, from ``target_initial``,
+    distilled from the family model every ``t.every`` rounds; ``evaluate`` sees the target after every round."""
+    cfg = t.run.config
+    plan = plan_slice(cfg, min(t.run.widths), "static", axes=t.run.axes)
+    target = model_from_state(cfg, target_initial)
+    server = RunStats()
+
+    def after_round(state: dict[str, torch.Tensor], rnd: int) -> dict[str, float] | None:
+        if rnd % t.every == 0:
+            family = model_from_state(sub_config(cfg, plan), extract(state, cfg, plan)).eval()
+            family_params = sum(p.numel() for p in family.parameters())
+
+            def teacher(rows: torch.Tensor) -> Teacher:
+                inputs = t.transfer[rows][:, :-1]
+                out = feddf_teacher(family(input_ids=inputs).logits[None], t.temperature)
+                out.flops = forward_flops(family_params, inputs.numel())
+                return out
+
+            start = time.perf_counter()
+            fused = distil(target, teacher, t.transfer, t.steps, t.lr, t.temperature, t.batch_size,
+                           server_seed(t.run.seed, rnd, len(t.run.windows)))
+            server.server_s += time.perf_counter() - start
+            server.server_flops += fused["flops"]
+        return evaluate(target.state_dict(), rnd) if evaluate is not None else None
+
+    _, stats = run_submodel(t.run, initial, after_round)
+    stats.server_s += server.server_s
+    stats.server_flops += server.server_flops
+    return target.state_dict(), stats

@@ -1,0 +1,1 @@
+"""Heterogeneous-rank LoRA: the method and its aggregation math."""

@@ -1,0 +1,117 @@
+"""What every round does, written once for the Flower strategy and the in-process driver.
+
+The per-client seed, the slice plans of a round's sampled clients (stagger and ``owned`` offsets), the fold of a
+sub-model round (selective averaging, then the optional outer optimizer), and, for any mix of fusion methods,
+each sampled client's payload and the fold of a round's accepted updates in :data:`FOLD_ORDER`: so
+:class:`fedfusion.strategies.fusion.FusionStrategy` and :mod:`fedfusion.fusion.inprocess` cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+import torch
+from transformers import PretrainedConfig
+
+from fedfusion.fusion.base import Client, Fold, FusionMethod, Payload, State, Update
+from fedfusion.fusion.outer import OuterOptimizer
+from fedfusion.models.slicing import SelectiveAverager, SlicePlan, plan_slice
+
+# The order in which the methods of a mixed federation fold one round into the target: the slice average first
+# (what devices trained of the target itself), then LoRA's update, then the server-side methods that train the
+# whole target from what devices sent (generative samples, then distillation from the family models), each from
+# the previous method's result.
+FOLD_ORDER = ("submodel", "lora", "generative", "distill")
+
+
+def client_seed(run_seed: int, server_round: int, partition: int) -> int:
+    """The seed of one client's work in one round: the same recipe repeats the same slices, batches and faults."""
+    return run_seed * 100003 + server_round * 1009 + partition
+
+
+def server_seed(run_seed: int, server_round: int, population: int) -> int:
+    """The seed of the server's own training in a round: the seed of a partition no client has."""
+    return client_seed(run_seed, server_round, population)
+
+
+def owned_starts(widths: Mapping[int, float]) -> dict[int, float]:
+    """Where each partition's ``owned`` window starts: the widths of the partitions before it laid end to end
+    (mod 1), so the population's windows tile the target whatever their widths."""
+    starts, at = {}, 0.0
+    for partition in sorted(widths):
+        starts[partition] = at % 1.0
+        at += widths[partition]
+    return starts
+
+
+def plan_round(config: PretrainedConfig, clients: Sequence[tuple[int, float]], policy: str, server_round: int,
+               run_seed: int, stride: float = 0.125, stagger: bool = False, axes: Iterable[str] | None = None,
+               scale: bool = True, owned: Mapping[int, float] | None = None) -> list[SlicePlan]:
+    """Slice plans of a round's sampled ``clients`` ((partition, width), in sample order).
+
+    ``stagger`` (rolling) lays the windows end to end in sample order; ``owned`` starts each client's window
+    where ``owned`` (from :func:`owned_starts` over the whole population) says, every round, so clients tile
+    the target and keep their units.
+    """
+    if policy == "owned" and owned is None:
+        raise ValueError("policy 'owned' needs every partition's window start (owned_starts)")
+    plans, offset = [], 0.0
+    axes = tuple(axes) if axes is not None else None
+    for partition, width in clients:
+        start = owned[partition] if owned is not None and policy == "owned" else offset
+        plans.append(plan_slice(config, width, policy, server_round, stride, start,
+                                client_seed(run_seed, server_round, partition), axes=axes, scale=scale))
+        if stagger:
+            offset += width
+    return plans
+
+
+def fold(averager: SelectiveAverager, outer: OuterOptimizer | None = None) -> dict[str, torch.Tensor]:
+    """The round's new target: the selective average, stepped by ``outer`` over the coordinates clients held."""
+    new = averager.result()
+    return new if outer is None else outer.step(averager.target, new, averager.held())
+
+
+def initial_state(methods: Mapping[str, FusionMethod], target: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The target a fresh run starts from: each method's :meth:`~fedfusion.fusion.base.FusionMethod.begin`, in
+    :data:`FOLD_ORDER`."""
+    for method in fold_order(methods):
+        target = method.begin(target)
+    return target
+
+
+def fold_order(methods: Mapping[str, FusionMethod]) -> list[FusionMethod]:
+    """The distinct methods of a tier -> method map, in :data:`FOLD_ORDER`."""
+    unique = {id(m): m for m in methods.values()}.values()
+    return sorted(unique, key=lambda m: FOLD_ORDER.index(m.name) if m.name in FOLD_ORDER else len(FOLD_ORDER))
+
+
+def round_payloads(methods: Mapping[str, FusionMethod], server_round: int, target: State,
+                   clients: Sequence[Client], population: Mapping[int, str] | None = None) -> list[Payload]:
+    """Every sampled client's payload, in sample order: each method plans all of its own clients at once (staggered
+    slices follow each other), after :meth:`~FusionMethod.observe` of the known population (partition -> tier)."""
+    out: dict[int, Payload] = {}
+    for method in fold_order(methods):
+        mine = [i for i, c in enumerate(clients) if methods[c.tier] is method]
+        if mine:
+            method.observe(population if population is not None else {c.partition: c.tier for c in clients})
+            out.update(zip(mine, method.payloads(server_round, target, [clients[i] for i in mine])))
+    return [out[i] for i in range(len(clients))]
+
+
+def fold_round(methods: Mapping[str, FusionMethod], server_round: int, target: State,
+               updates: Sequence[Update]) -> Fold:
+    """A round's accepted updates (sample order) folded into one target: each method folds its own, in
+    :data:`FOLD_ORDER`, starting from the previous method's result; coverage is the largest any method reached,
+    stats are merged and the server's costs added up."""
+    coverage, stats, cost = 0.0, {}, {"flops": 0.0, "seconds": 0.0, "tokens": 0.0}
+    for method in fold_order(methods):
+        mine = [u for u in updates if methods[u.payload.client.tier] is method]
+        if not mine:
+            continue
+        folded = method.fold(server_round, target, mine)
+        target, coverage = folded.target, max(coverage, folded.coverage)
+        stats.update(folded.stats)
+        for key, value in folded.server_cost.items():
+            cost[key] += value
+    return Fold(target, coverage, stats, cost)

@@ -1,0 +1,226 @@
+"""Width slicing as a fusion method: each client trains a slice of the target, folded by selective averaging.
+
+HeteroFL (static), FedRolex (rolling, optionally staggered), Federated Dropout (random), FjORD (ordered) and
+``owned`` windows; the fold is :func:`fedfusion.fusion.rounds.fold` (the average, then the optional outer optimizer).
+
+Two forward passes: ``slice`` (a client runs its slice as a small model of its own, as HeteroFL and FedRolex do)
+and ``full`` (a client holds the whole target frozen, sent in ``frozen`` format, and trains its slice's
+coordinates with the exact gradient of the target's loss: :mod:`fedfusion.models.full_forward`). With
+``grow_round`` the run first trains what every device holds, the smallest width's static prefix of a target
+silenced around it (:func:`fedfusion.models.growth.silence`: the target *is* that small model, so these rounds
+are smallest-only training), and from the next round on trains the whole grown target under its own policy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+from transformers import PretrainedConfig
+
+from fedfusion.config.choices import FORWARDS
+from fedfusion.devices.energy import frozen_work_params
+from fedfusion.fusion.base import Client, Fold, FusionMethod, Payload, State, TierCost, Update, state_norm, state_size
+from fedfusion.fusion.outer import OuterConfig, OuterOptimizer
+from fedfusion.fusion.rounds import fold, owned_starts, plan_round
+from fedfusion.models.build import config_aliases, full_state, wire_state
+from fedfusion.models.families import family_of
+from fedfusion.models.full_forward import FROZEN
+from fedfusion.models.growth import grown_plan, silence
+from fedfusion.models.slicing import (
+    SelectiveAverager,
+    SlicePlan,
+    extract,
+    plan_slice,
+    stage_update,
+    sub_config,
+    tensor_slices,
+)
+from fedfusion.train.ordered import ordered_fractions
+from fedfusion.wire.quantize import INDEX_KEY, Wire, encode, pack_index
+from fedfusion.wire.specs import ModelSpec, OrderedSpec, RoleSpec, SliceSpec, Spec, WindowSpec, WireSpec, merge
+
+
+class SliceWire:
+    """How a target-shaped state travels: tied aliases left out, down and up as ``wire`` says
+    (:mod:`fedfusion.wire.quantize`); the target stays float32."""
+
+    def __init__(self, config: PretrainedConfig, wire: Wire | None = None) -> None:
+        self.formats = wire or Wire()
+        self.aliases = config_aliases(config)  # tied keys messages leave out
+
+    def exact(self, state: State) -> State:
+        """``state`` without its tied aliases, in float32: what the server keeps of a payload."""
+        return {k: v.float() if v.is_floating_point() else v for k, v in wire_state(state, self.aliases).items()}
+
+    def __call__(self, state: State) -> State:
+        """``state`` as a message carries it down."""
+        return self.formats.send(self.exact(state))
+
+    def cost(self, state: State, width: float) -> TierCost:
+        """Parameters and bytes each way of ``state`` (a quantised reply has the payload's shapes)."""
+        exact = self.exact(state)
+        up = state_size(encode(exact, self.formats.up)).nbytes
+        return replace(state_size(self(state), width), params=sum(t.numel() for t in exact.values()), nbytes_up=up)
+
+    def index(self, target: State, config: PretrainedConfig, plan: SlicePlan, sent: State) -> torch.Tensor:
+        """The target coordinates of every array sent (:func:`fedfusion.wire.quantize.pack_index`), so a client keeps
+        its uplink residual where it belongs in the target while its window moves."""
+        ids = {name: i for i, name in enumerate(sorted(target))}
+        out = {}
+        for name, sl in tensor_slices(target, config, plan).items():
+            if sl.sub_name in sent:
+                dims = sl.index + (None,) * (sent[sl.sub_name].dim() - len(sl.index))
+                out[sl.sub_name] = (ids[name], dims)
+        return pack_index(out)
+
+
+class SubModelMethod(FusionMethod):
+    """Width-sliced partial training on a Llama-family (or GPT-2 / OPT / CNN) target.
+
+    ``widths`` maps a tier to the fraction of every layer its clients hold. With ``stagger`` (rolling only) the
+    sampled clients' windows are laid end to end around the axis in sample order, so a round covers
+    min(1, sum of widths) of every layer instead of the widest window.
+    """
+
+    name, role, noun = "submodel", "submodel", "sub-model"
+
+    def __init__(self, config: PretrainedConfig, widths: dict[str, float], template: State, *,
+                 policy: str = "rolling", stride: float = 0.125, stagger: bool = False, run_seed: int = 0,
+                 aggregate: str = "mean", trim: float = 0.2, axes: tuple[str, ...] | None = None, scale: bool = True,
+                 ordered_ladder: tuple[float, ...] | None = None, ordered_distill: bool = False,
+                 wire: Wire | None = None, outer: OuterConfig | None = None, forward: str = "slice",
+                 frozen: str = "int8", window_shared: bool = False, grow_round: int = 0,
+                 window_widths: dict[str, float] | None = None) -> None:
+        if forward not in FORWARDS:
+            raise ValueError(f"forward {forward!r} is not one of {', '.join(FORWARDS)}")
+        if forward == "full" and policy == "ordered":
+            raise ValueError("policy 'ordered' trains nested sub-models in their own forward pass; use forward 'slice'")
+        self.forward, self.frozen, self.window_shared, self.grow_round = forward, frozen, window_shared, grow_round
+        # a full-forward window is a set of units (heads, neurons, layers): the residual stream stays whole in it
+        self.window_axes = tuple(a for a in (axes or family_of(config).default_axes) if a != "hidden")
+        # full forward: each tier's window, as a fraction of the units (default: the tier's width)
+        self.window_widths = {t: (window_widths or {}).get(t, w) for t, w in widths.items()}
+        self.config, self.widths, self.policy, self.stride = config, widths, policy, stride
+        self.stagger, self.run_seed, self.aggregate, self.trim = stagger, run_seed, aggregate, trim
+        self.axes, self.scale = axes, scale
+        self.ordered_ladder = ordered_ladder or tuple(sorted(set(widths.values())))
+        self.ordered_distill = ordered_distill
+        self.wire = SliceWire(config, wire)
+        # a damped server step on each round's fold (fedfusion.fusion.outer); None: plain selective averaging
+        self.outer = OuterOptimizer(outer) if outer is not None and outer.method != "none" else None
+        self.target_params = sum(t.numel() for t in self.wire.exact(template).values())
+        self.frozen_bytes = state_size(encode(self.wire.exact(template), frozen)).nbytes if forward == "full" else 0
+        # sub-model sizes depend only on the width, so they are priced once per run
+        self.costs = {tier: self._cost(template, tier) for tier in widths}
+        self.owned: dict[int, float] | None = None
+
+    def _static(self, width: float) -> SlicePlan:
+        return plan_slice(self.config, width, "static", axes=self.axes, scale=self.scale)
+
+    def _small(self) -> SlicePlan:
+        """The model every device holds before growth: the smallest width's static prefix, as grown."""
+        return grown_plan(plan_slice(self.config, min(self.widths.values()), "static", axes=self.axes))
+
+    def _cost(self, template: State, tier: str) -> TierCost:
+        """A tier's round after growth (the grow rounds train the smallest slice: cheaper, priced as this)."""
+        if self.forward == "slice":
+            return self.wire.cost(extract(template, self.config, self._static(self.widths[tier])), self.widths[tier])
+        width = self.window_widths[tier]
+        plan = plan_slice(self.config, width, "static", axes=self.window_axes, scale=False)
+        plan = replace(plan, shared=self.window_shared)
+        window = self.wire.cost(extract(template, self.config, plan), width)
+        return replace(window, params=frozen_work_params(self.target_params, window.params),
+                       nbytes=window.nbytes + self.frozen_bytes)
+
+    def begin(self, target: State) -> State:
+        """With ``grow_round``, the target silenced around the smallest slice (:func:`fedfusion.models.growth.silence`)."""
+        return silence(self.config, self._small(), target) if self.grow_round else target
+
+    def _plans(self, server_round: int, clients: Sequence[Client]) -> tuple[list[SlicePlan], list[float], bool]:
+        """This round's plans, widths and whether clients run the whole target (full forward)."""
+        if server_round <= self.grow_round:
+            return [self._small()] * len(clients), [min(self.widths.values())] * len(clients), False
+        full = self.forward == "full"
+        widths = [(self.window_widths if full else self.widths)[c.tier] for c in clients]
+        plans = plan_round(self.config, [(c.partition, w) for c, w in zip(clients, widths)], self.policy,
+                           server_round, self.run_seed, self.stride, self.stagger, self.window_axes if full else self.axes,
+                           self.scale and not full, self.owned)
+        return ([replace(p, shared=self.window_shared) for p in plans] if full else plans), widths, full
+
+    def observe(self, population: Mapping[int, str]) -> None:
+        """``owned`` windows tile the widths of every partition known so far that this method trains."""
+        if self.policy == "owned":
+            self.owned = owned_starts({p: self.widths[t] for p, t in population.items() if t in self.widths})
+
+    def describe(self) -> str:
+        grow = f" grow_round={self.grow_round}" if self.grow_round else ""
+        full = f" forward=full frozen={self.frozen}" if self.forward == "full" else ""
+        return f"submodel: policy={self.policy} stride={self.stride} stagger={self.stagger} widths={self.widths}{grow}{full}"
+
+    def tier_cost(self, tier: str) -> TierCost:
+        return self.costs[tier]
+
+    def payloads(self, server_round: int, target: State, clients: Sequence[Client]) -> list[Payload]:
+        plans, widths, full = self._plans(server_round, clients)
+        frozen = {FROZEN + k: v for k, v in encode(self.wire.exact(target), self.frozen).items()} if full else {}
+        policy = "static" if server_round <= self.grow_round else self.policy
+        out = []
+        for client, width, plan in zip(clients, widths, plans):
+            exact = self.wire.exact(extract(target, self.config, plan))
+            sent = self.wire.formats.send(exact)
+            feedback = self.wire.formats.error_feedback and not full  # a residual keyed by window would not follow it
+            if self.wire.formats.up != "float32" and feedback:
+                sent[INDEX_KEY] = self.wire.index(target, self.config, plan, exact)
+            trained = sum(t.numel() for t in exact.values())
+            specs: list[Spec] = [SliceSpec(width, policy, self.axes or None), WireSpec(self.wire.formats.up, feedback)]
+            if full:
+                specs += [RoleSpec("window"), ModelSpec(self.config.to_dict()), WindowSpec(plan.assignment(), plan.shared)]
+            else:
+                specs += [RoleSpec(self.role), ModelSpec(sub_config(self.config, plan).to_dict())]
+            if policy == "ordered":
+                specs.append(OrderedSpec(tuple(ordered_fractions(width, self.ordered_ladder)), self.ordered_distill))
+            out.append(Payload(client, {**sent, **frozen}, merge(*specs), width,
+                               params=frozen_work_params(self.target_params, trained) if full else trained,
+                               sent_norm=state_norm(exact), assignment=plan.assignment(), context=(plan, target),
+                               row={"trained_params": trained, "forward": "full" if full else "slice"}))
+        return out
+
+    def check(self, payload: Payload, reply: State, weight: float) -> Update:
+        """The reply as the trained sub-model on the exact slice sent (:meth:`_from_wire`), checked."""
+        plan, target = payload.context
+        trained = self._from_wire(wire_state(reply, self.wire.aliases), plan, target)  # a stray alias is dropped
+        stage_update(target, self.config, trained, plan)  # raises on a bad key, shape or value
+        return Update(payload, weight, state_norm(wire_state(trained, self.wire.aliases)), trained)
+
+    def _from_wire(self, reply: State, plan: SlicePlan, target: State) -> State:
+        """A reply as the averager takes it: the client's change from what it received, added to the exact float32
+        slice (:meth:`fedfusion.wire.quantize.Wire.update`), so neither a lossy downlink nor a quantised uplink's
+        rounding of the weights themselves loses any part of the update; tied aliases restored."""
+        if not self.wire.formats.lossless:
+            reply = self.wire.formats.update(reply, self.wire.exact(extract(target, self.config, plan)))
+        return full_state(reply, self.wire.aliases)  # aliases are rebuilt from what they alias
+
+    def fold(self, server_round: int, target: State, updates: Sequence[Update]) -> Fold:
+        averager = SelectiveAverager(target, self.config, self.aggregate, self.trim)
+        for update in updates:
+            averager.add(update.data, plan=update.payload.context[0], weight=update.weight)
+        coverage = averager.coverage()
+        return Fold(fold(averager, self.outer), coverage)
+
+    def evaluation(self, target: State, tier: str) -> tuple[State, dict[str, Any]]:
+        # the target is scored, not its int8/int4 copy: float16 at most
+        fmt = "float32" if self.wire.formats.down == "float32" else "float16"
+        return encode(self.wire.exact(target), fmt), merge(RoleSpec(self.role), ModelSpec(self.config.to_dict()))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"outer": self.outer.state_dict()} if self.outer is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.outer is not None:
+            if "outer" not in state:
+                raise ValueError("the checkpoint holds no outer-optimizer state but fusion.outer is set: resuming "
+                                 "would restart its momentum; resume with the recipe the run was started with")
+            self.outer.load_state_dict(state["outer"])

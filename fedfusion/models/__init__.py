@@ -1,0 +1,1 @@
+"""Models: the target and small families, slicing, pretrained bases, adapters, sampling."""

@@ -1,0 +1,1 @@
+"""Phones as clients: device programs, their runtime, the reference device, the gateway."""

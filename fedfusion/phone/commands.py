@@ -1,0 +1,121 @@
+"""The ``fedfusion`` commands for phones: ``export-device`` (a tier's on-device training program), ``gateway``
+(the HTTP service phones train through) and ``device`` (the reference device). See docs/devices.md.
+
+Part of the CLI (``fedfusion.cli`` adds these parsers), so it may use what a run is built from (``fedfusion.run``);
+the rest of ``fedfusion.phone`` needs only models, training and the wire."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from fedfusion.config.recipe import Recipe
+    from fedfusion.phone.program import DeviceProgram
+
+
+def cmd_export_device(args: argparse.Namespace) -> int:
+    """Export the recipe's tier's training program and manifest into ``--out``."""
+    from fedfusion.run.check import load_checked
+
+    recipe = load_checked(args.recipe, args.overrides)  # a bad recipe or tier is reported before anything is written
+    tier_config(recipe, args.tier)
+    program = export_tier(recipe, args.tier)
+    paths = program.save(Path(args.out))
+    m = program.manifest
+    params = sum(_numel(p["shape"]) for p in m["parameters"])
+    print(f"{args.tier}: {m['family']} sub-model, {params:,} parameters, input {m['inputs'][0]['shape']}, "
+          f"exported in {m['export_s']} s")
+    for kind, path in paths.items():
+        print(f"  {kind}: {path} ({path.stat().st_size:,} bytes)")
+    return 0
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def cmd_gateway(args: argparse.Namespace) -> int:
+    """Serve phones until interrupted."""
+    from fedfusion.phone.gateway import Gateway, GatewayServer, Tokens
+
+    host, _, port = args.listen.rpartition(":")
+    if not port.isdigit():
+        raise ValueError(f"--listen {args.listen!r}: give HOST:PORT, e.g. 127.0.0.1:8765")
+    programs = Path(args.programs)
+    programs.mkdir(parents=True, exist_ok=True)
+    server = GatewayServer((host or "127.0.0.1", int(port)), Gateway(Tokens(Path(args.tokens)), programs))
+    print(f"device gateway on {server.url} (programs in {programs}); Ctrl-C stops it", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
+
+
+def cmd_device(args: argparse.Namespace) -> int:
+    """Run the reference device against a gateway."""
+    from fedfusion.phone.reference import DeviceRefused, ReferenceDevice
+
+    device = ReferenceDevice(args.gateway, args.token, args.threads)
+    try:
+        done = device.serve(tasks=args.tasks, idle_s=args.idle)
+    except DeviceRefused as exc:
+        print(f"error: {exc}")
+        return 3
+    print(json.dumps({"tasks": done}))
+    return 0
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    """Add the device commands to the ``fedfusion`` parser."""
+    export = sub.add_parser("export-device", help="write a tier's on-device (ExecuTorch) training program + manifest")
+    export.add_argument("recipe")
+    export.add_argument("overrides", nargs="*")
+    export.add_argument("--tier", required=True, help="the device tier, e.g. phone")
+    export.add_argument("--out", default="device-programs", help="folder for <id>.pte, <id>.ptd, <id>.json")
+    export.set_defaults(func=cmd_export_device)
+    gateway = sub.add_parser("gateway", help="serve phones over HTTP for a SuperNode (docs/devices.md)")
+    gateway.add_argument("--listen", default="127.0.0.1:8765", help="HOST:PORT")
+    gateway.add_argument("--tokens", required=True, help='JSON file {"node": secret, "devices": {token: name}, "revoked": []}')
+    gateway.add_argument("--programs", default="device-programs", help="folder of exported programs (filled on demand)")
+    gateway.set_defaults(func=cmd_gateway)
+    device = sub.add_parser("device", help="the reference device: train a gateway's tasks through ExecuTorch")
+    device.add_argument("--gateway", required=True, help="the gateway's URL, e.g. http://127.0.0.1:8765")
+    device.add_argument("--token", required=True, help="this device's token")
+    device.add_argument("--tasks", type=int, help="stop after this many tasks (default: run until interrupted)")
+    device.add_argument("--idle", type=float, help="stop after this many seconds without a task")
+    device.add_argument("--threads", type=int, default=1, help="CPU threads of the runtime's host side")
+    device.set_defaults(func=cmd_device)
+
+
+def tier_config(recipe: Recipe, tier: str) -> PretrainedConfig:
+    """The sub-model config a tier trains under the recipe: its width's slice of the target along the recipe's
+    axes (the shape every slicing policy gives that width)."""
+    from fedfusion.run.planner import fit_widths, recipe_target, sliced_config  # torch: after the recipe is checked
+
+    if recipe.fusion.method != "submodel":
+        raise ValueError(f"fusion.method {recipe.fusion.method!r}: on-device programs exist for width slices "
+                         "(fusion.method=submodel) only")
+    fit_widths(recipe)
+    if tier not in recipe.fusion.widths:
+        raise ValueError(f"--tier {tier!r}: the recipe's fusion.widths has {', '.join(recipe.fusion.widths)}")
+    return sliced_config(recipe_target(recipe), recipe.fusion.widths[tier], recipe.fusion.axes or None)
+
+
+
+def export_tier(recipe: Recipe, tier: str) -> DeviceProgram:
+    """The training program of ``tier``'s sub-model, fed the recipe's batch and sequence shape."""
+    from fedfusion.phone.program import export_program
+
+    return export_program(tier_config(recipe, tier), recipe.train.batch_size, recipe.train.seq_len, recipe.train,
+                          recipe.seed)

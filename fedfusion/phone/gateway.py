@@ -1,0 +1,366 @@
+"""The device gateway: a small HTTP service through which phones take a SuperNode's training tasks.
+
+Flower has no working phone client (its Kotlin and Swift SDKs speak RPCs the 1.42 Fleet API retired), so a phone
+does not talk to the SuperLink. It talks to a gateway beside a SuperNode; the SuperNode's ClientApp
+(:mod:`fedfusion.clients.device`) hands each train message to the gateway and replies to Flower with what a phone
+sent back, so from Flower's side the node is an ordinary sub-model client. The API (docs/devices.md) is:
+
+Device side, every call with ``Authorization: Bearer <device token>``:
+
+- ``POST /v1/register``                       -> 200 ``{"device": name}``
+- ``GET  /v1/task``                           -> 204 (nothing to do) or 200 ``{"task", "program", "deadline_s", "spec"}``
+- ``GET  /v1/programs/<id>/<file>``           -> ``program.pte``, ``weights.ptd`` or ``manifest.json``
+- ``GET  /v1/tasks/<task>/weights``           -> the round's weights (safetensors)
+- ``POST /v1/tasks/<task>/result``            body: trained weights (safetensors; ``__metadata__.metrics`` = JSON)
+                                               -> 200, 409 (past the deadline) or 403 (not this device's task)
+
+Node side, with ``Authorization: Bearer <node secret>``:
+
+- ``POST /v1/node/tasks``                     body: weights (safetensors; ``__metadata__`` = spec, model_config,
+                                               deadline_s) -> 200 ``{"task": id}``
+- ``GET  /v1/node/tasks/<task>?wait=S``       -> 200 result (safetensors), 202 still running, 410 dropped (JSON reason)
+
+Tokens come from a JSON file (``{"node": secret, "devices": {token: name}, "revoked": [token, ...]}``) re-read
+when it changes, so revoking a device is an edit of that file. Unknown tokens get 401, revoked ones 403.
+A task a device took and did not finish by its deadline, or that no device took, is dropped: the node replies
+with a dropout, as a simulated client that misses its deadline.
+
+Plain ``http.server``: put it behind a TLS-terminating proxy for anything beyond a lab network.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlparse
+
+import torch
+from safetensors.torch import load as load_tensors
+from safetensors.torch import save as save_tensors
+
+PROGRAM_FILES = {"program.pte": "pte", "weights.ptd": "ptd", "manifest.json": "json"}
+
+
+def pack(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> bytes:
+    """Named tensors as safetensors bytes, ``meta`` (JSON-able values) in its ``__metadata__``: the wire format
+    of weights both ways (a phone parses it with a few lines: 8-byte header length, JSON header, raw data)."""
+    return save_tensors({k: v.detach().cpu().float().contiguous() for k, v in tensors.items()},
+                        metadata={k: json.dumps(v) for k, v in meta.items()})
+
+
+def unpack(body: bytes) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The tensors and metadata of :func:`pack`'s bytes; ValueError for a body that is not safetensors."""
+    if len(body) < 8:
+        raise ValueError("body is not safetensors: shorter than its header length")
+    (size,) = struct.unpack("<Q", body[:8])
+    try:
+        header = json.loads(body[8:8 + size])
+        meta = {k: json.loads(v) for k, v in header.get("__metadata__", {}).items()}
+        return load_tensors(body), meta
+    except Exception as exc:  # malformed JSON or tensor data from an untrusted device
+        raise ValueError(f"body is not valid safetensors: {exc}") from None
+
+
+class Refused(Exception):
+    """A request the gateway turns away, with its HTTP status."""
+
+    def __init__(self, status: int, reason: str) -> None:
+        super().__init__(reason)
+        self.status, self.reason = status, reason
+
+
+class Tokens:
+    """Who may call: the node secret and the device tokens, read from a JSON file and re-read when it changes."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.mtime = path, -1.0
+        self.node = ""
+        self.devices: dict[str, str] = {}  # token -> device name
+        self.revoked: set[str] = set()
+        self._reload()
+
+    def _reload(self) -> None:
+        mtime = self.path.stat().st_mtime
+        if mtime == self.mtime:
+            return
+        data = json.loads(self.path.read_text())
+        if not isinstance(data.get("node"), str) or not data["node"] or not isinstance(data.get("devices"), dict):
+            raise ValueError(f"{self.path}: needs {{'node': secret, 'devices': {{token: name}}, 'revoked': [...]}}")
+        self.node, self.devices, self.revoked = data["node"], dict(data["devices"]), set(data.get("revoked", []))
+        self.mtime = mtime
+
+    def device(self, token: str) -> str:
+        """The device name of ``token``; Refused 401 (unknown) or 403 (revoked)."""
+        self._reload()
+        if token in self.revoked:
+            raise Refused(403, "this device token is revoked")
+        if token not in self.devices:
+            raise Refused(401, "unknown device token")
+        return str(self.devices[token])
+
+    def check_node(self, token: str) -> None:
+        self._reload()
+        if not secrets.compare_digest(token.encode(), self.node.encode()):
+            raise Refused(401, "unknown node secret")
+
+
+def write_tokens(path: Path, devices: dict[str, str], node: str | None = None) -> str:
+    """Write a tokens file for ``devices`` (token -> name) and a fresh node secret (or ``node``); returns the secret."""
+    node = node or secrets.token_urlsafe(24)
+    path.write_text(json.dumps({"node": node, "devices": devices, "revoked": []}, indent=1) + "\n")
+    return node
+
+
+@dataclass
+class Task:
+    """One train message, as the gateway holds it until a device finishes it or its deadline passes."""
+
+    id: str
+    program: str
+    spec: dict[str, Any]
+    weights: bytes
+    deadline: float  # time.monotonic()
+    device: str | None = None
+    result: bytes | None = None
+    status: str = "queued"  # queued -> running -> done | dropped
+    reason: str = ""
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class Gateway:
+    """Tasks and programs behind the HTTP API (no Flower; :class:`GatewayServer` serves it)."""
+
+    def __init__(self, tokens: Tokens, programs: Path) -> None:
+        self.tokens, self.programs = tokens, programs
+        self.tasks: dict[str, Task] = {}
+        self.registered: set[str] = set()
+        self.lock = threading.Lock()
+        self.export_lock = threading.Lock()
+
+    # -- programs -------------------------------------------------------------------------------------------
+    def program_for(self, model_config: dict, batch_size: int, seq_len: int) -> str:
+        """The id of the training program of this sub-model shape: found in ``programs`` (by its manifest's
+        key), else exported there once (tens of seconds; ``fedfusion export-device --out`` prepares it)."""
+        from fedfusion.models.families import config_from_dict
+        from fedfusion.phone.program import export_program, program_key
+
+        config = config_from_dict(model_config)
+        key = program_key(config, batch_size, seq_len)
+        with self.export_lock:
+            for manifest in self.programs.glob("*.json"):
+                if json.loads(manifest.read_text()).get("key") == key:
+                    return manifest.stem
+            return export_program(config, batch_size, seq_len).save(self.programs)["json"].stem
+
+    def program_file(self, program: str, name: str) -> bytes:
+        if name not in PROGRAM_FILES or not program.isalnum():
+            raise Refused(404, f"no program file {name!r}")
+        path = self.programs / f"{program}.{PROGRAM_FILES[name]}"
+        if not path.is_file():
+            raise Refused(404, f"no program {program!r}")
+        return path.read_bytes()
+
+    # -- node side ------------------------------------------------------------------------------------------
+    def submit(self, body: bytes) -> str:
+        """Queue a task from a node's request body; returns its id."""
+        tensors, meta = unpack(body)
+        spec, deadline_s = dict(meta["spec"]), float(meta["deadline_s"])
+        program = self.program_for(meta["model_config"], int(spec["batch-size"]), int(spec["seq-len"]))
+        task = Task(secrets.token_hex(8), program, spec, pack(tensors, {}), time.monotonic() + deadline_s)
+        with self.lock:
+            self.tasks[task.id] = task
+        return task.id
+
+    def outcome(self, task_id: str, wait_s: float) -> Task:
+        """The task once it is done or dropped, or as it stands after ``wait_s`` seconds."""
+        task = self._task(task_id)
+        task.done.wait(max(0.0, min(wait_s, task.deadline - time.monotonic())))
+        self._expire(task)
+        return task
+
+    def collected(self, task: Task) -> None:
+        """The node has the task's outcome: a finished task is forgotten; a dropped one keeps only its record, so
+        that a late result is answered 409, not 404."""
+        with self.lock:
+            if task.status == "done":
+                self.tasks.pop(task.id, None)
+            task.weights = b""
+
+    def _expire(self, task: Task) -> None:
+        with self.lock:
+            if task.status in ("queued", "running") and time.monotonic() >= task.deadline:
+                task.status = "dropped"
+                task.reason = (f"device {task.device} took the task and sent no result before its deadline"
+                               if task.device else "no device took the task before its deadline")
+                task.done.set()
+
+    def _task(self, task_id: str) -> Task:
+        with self.lock:
+            task = self.tasks.get(task_id)
+        if task is None:
+            raise Refused(404, f"no task {task_id!r}")
+        return task
+
+    # -- device side ----------------------------------------------------------------------------------------
+    def register(self, device: str) -> dict[str, Any]:
+        with self.lock:
+            self.registered.add(device)
+        return {"device": device}
+
+    def pull(self, device: str) -> Task | None:
+        """The oldest queued task still in time, now this device's; None if there is none."""
+        if device not in self.registered:
+            raise Refused(403, "register first (POST /v1/register)")
+        for task in list(self.tasks.values()):
+            self._expire(task)
+        with self.lock:
+            for task in self.tasks.values():
+                if task.status == "queued":
+                    task.status, task.device = "running", device
+                    return task
+        return None
+
+    def own(self, device: str, task_id: str) -> Task:
+        task = self._task(task_id)
+        if task.device != device:
+            raise Refused(403, "this task is not this device's")
+        return task
+
+    def push(self, device: str, task_id: str, body: bytes) -> None:
+        """Accept a device's result (checked to be safetensors with metrics) unless its deadline has passed."""
+        task = self.own(device, task_id)
+        _, meta = unpack(body)
+        if not isinstance(meta.get("metrics"), dict):
+            raise Refused(400, "result lacks __metadata__.metrics")
+        self._expire(task)
+        with self.lock:
+            if task.status != "running":
+                raise Refused(409, f"task is {task.status}: {task.reason}")
+            task.result, task.status = body, "done"
+            task.done.set()
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: GatewayServer
+
+    def log_message(self, format: str, *args: Any) -> None:  # quiet: a phone polls every second
+        pass
+
+    def _send(self, status: int, body: bytes = b"", kind: str = "application/json") -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _json(self, status: int, data: dict) -> None:
+        self._send(status, json.dumps(data).encode())
+
+    def _token(self) -> str:
+        auth = self.headers.get("Authorization", "")
+        if not auth.startswith("Bearer "):
+            raise Refused(401, "missing Authorization: Bearer <token>")
+        return auth.removeprefix("Bearer ").strip()
+
+    def _body(self) -> bytes:
+        return self.rfile.read(int(self.headers.get("Content-Length", 0)))
+
+    def _route(self, method: str) -> None:
+        gateway = self.server.gateway
+        url = urlparse(self.path)
+        parts = [p for p in url.path.split("/") if p]
+        try:
+            if parts[:2] == ["v1", "node"]:
+                gateway.tokens.check_node(self._token())
+                self._node(method, parts[2:], parse_qs(url.query))
+                return
+            if parts[:1] != ["v1"]:
+                raise Refused(404, "not found")
+            device = gateway.tokens.device(self._token())
+            self._device(method, device, parts[1:])
+        except Refused as exc:
+            self._json(exc.status, {"error": exc.reason})
+        except (ValueError, KeyError) as exc:
+            self._json(400, {"error": str(exc)[:500]})
+
+    def _node(self, method: str, parts: list[str], query: dict[str, list[str]]) -> None:
+        gateway = self.server.gateway
+        if method == "POST" and parts == ["tasks"]:
+            self._json(200, {"task": gateway.submit(self._body())})
+        elif method == "GET" and len(parts) == 2 and parts[0] == "tasks":
+            task = gateway.outcome(parts[1], float(query.get("wait", ["0"])[0]))
+            # the task is marked collected before the answer goes out: a node's next request may arrive at once
+            if task.status == "done":
+                result = task.result or b""
+                gateway.collected(task)
+                self._send(200, result, "application/octet-stream")
+            elif task.status == "dropped":
+                gateway.collected(task)
+                self._json(410, {"status": "dropped", "reason": task.reason, "device": task.device})
+            else:
+                self._json(202, {"status": task.status, "device": task.device})
+        else:
+            raise Refused(404, "not found")
+
+    def _device(self, method: str, device: str, parts: list[str]) -> None:
+        gateway = self.server.gateway
+        if method == "POST" and parts == ["register"]:
+            self._json(200, gateway.register(device))
+        elif method == "GET" and parts == ["task"]:
+            task = gateway.pull(device)
+            if task is None:
+                self._send(204)
+            else:
+                self._json(200, {"task": task.id, "program": task.program, "spec": task.spec,
+                                 "deadline_s": round(task.deadline - time.monotonic(), 3)})
+        elif method == "GET" and len(parts) == 3 and parts[0] == "programs":
+            self._send(200, gateway.program_file(parts[1], parts[2]), "application/octet-stream")
+        elif method == "GET" and len(parts) == 3 and parts[0] == "tasks" and parts[2] == "weights":
+            self._send(200, gateway.own(device, parts[1]).weights, "application/octet-stream")
+        elif method == "POST" and len(parts) == 3 and parts[0] == "tasks" and parts[2] == "result":
+            gateway.push(device, parts[1], self._body())
+            self._json(200, {"status": "accepted"})
+        else:
+            raise Refused(404, "not found")
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+        self._route("GET")
+
+    def do_POST(self) -> None:  # noqa: N802
+        self._route("POST")
+
+
+class GatewayServer(ThreadingHTTPServer):
+    """The HTTP front of a :class:`Gateway` (one thread per request)."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], gateway: Gateway) -> None:
+        super().__init__(address, _Handler)
+        self.gateway = gateway
+
+    @property
+    def url(self) -> str:
+        host, port = self.server_address[:2]
+        return f"http://{host.decode() if isinstance(host, bytes) else host}:{port}"
+
+
+def call(url: str, method: str, token: str, body: bytes | None = None, timeout: float = 60.0) -> tuple[int, bytes]:
+    """One request to a gateway as a device or node makes it: (HTTP status, body); refusals are returned, not
+    raised, so callers branch on the status as a phone app would."""
+    from urllib.error import HTTPError
+    from urllib.request import Request, urlopen
+
+    request = Request(url, data=body, method=method, headers={"Authorization": f"Bearer {token}"})
+    try:
+        with urlopen(request, timeout=timeout) as response:
+            return response.status, response.read()
+    except HTTPError as exc:
+        return exc.code, exc.read()

@@ -1,0 +1,101 @@
+"""The reference device: a process that takes training tasks from a gateway and trains them only through the
+ExecuTorch runtime, as the phone apps must (``fedfusion device --gateway URL --token T``).
+
+Per task: fetch the program once (cached by id), the round's weights, copy them into the program, run the task's
+local steps with the client-code optimizer, send the trained weights and metrics back. Its local data stands in
+for a phone's own: the partition the task names, read as a simulated client reads it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+
+from fedfusion.phone.gateway import call, pack, unpack
+from fedfusion.phone.program import DeviceProgram
+from fedfusion.phone.runtime import ProgramRunner, train_program
+from fedfusion.wire.keys import NUM_EXAMPLES
+
+
+class DeviceRefused(RuntimeError):
+    """The gateway refused this device (unknown or revoked token)."""
+
+
+def _ok(status: int, body: bytes, what: str) -> bytes:
+    if status in (401, 403):
+        raise DeviceRefused(f"{what}: gateway refused this device ({status}): {body.decode(errors='replace')}")
+    if status != 200:
+        raise RuntimeError(f"{what}: gateway answered {status}: {body.decode(errors='replace')[:300]}")
+    return body
+
+
+class ReferenceDevice:
+    """One device's session with a gateway."""
+
+    def __init__(self, gateway: str, token: str, threads: int = 1) -> None:
+        self.gateway, self.token, self.threads = gateway.rstrip("/"), token, threads
+        self.runners: dict[str, ProgramRunner] = {}
+
+    def get(self, path: str) -> tuple[int, bytes]:
+        return call(self.gateway + path, "GET", self.token)
+
+    def register(self) -> str:
+        body = _ok(*call(self.gateway + "/v1/register", "POST", self.token, b""), "register")
+        return str(json.loads(body)["device"])
+
+    def runner(self, program: str) -> ProgramRunner:
+        if program not in self.runners:
+            files = {name: _ok(*self.get(f"/v1/programs/{program}/{name}"), f"program {name}")
+                     for name in ("program.pte", "weights.ptd", "manifest.json")}
+            self.runners[program] = ProgramRunner(DeviceProgram(files["program.pte"], files["weights.ptd"],
+                                                                json.loads(files["manifest.json"])))
+        return self.runners[program]
+
+    def run_task(self, task: dict) -> dict:
+        """Train one task through the runtime and send the result; returns the metrics sent."""
+        import torch
+
+        from fedfusion.data.population import client_windows
+        from fedfusion.wire.specs import ClientSpec, read_train
+
+        torch.set_num_threads(self.threads)
+        spec = task["spec"]
+        runner = self.runner(str(task["program"]))
+        weights, _ = unpack(_ok(*self.get(f"/v1/tasks/{task['task']}/weights"), "weights"))
+        runner.load(weights)
+        client = ClientSpec.from_config(spec)
+        windows = client_windows(client.data_spec, int(spec["partition"]), client.seq_len, "train")
+        stats = train_program(runner, windows, **read_train(spec))
+        metrics = {NUM_EXAMPLES: int(windows.shape[0]), "train_loss": stats["train_loss"],
+                   "train_s": stats["train_s"], "train_tokens": stats["train_tokens"],
+                   "device_step_s": stats["train_s"] / max(1, len(stats["losses"]))}
+        _ok(*call(f"{self.gateway}/v1/tasks/{task['task']}/result", "POST", self.token,
+                  pack(runner.weights(), {"metrics": metrics})), "result")
+        return metrics
+
+    def serve(self, tasks: int | None = None, poll_s: float = 1.0, idle_s: float | None = None,
+              echo: Callable[[str], None] = print) -> int:
+        """Register, then take and train tasks until ``tasks`` are done or nothing came for ``idle_s`` seconds
+        (None: forever). Returns the number of tasks trained."""
+        echo(f"registered with {self.gateway} as {self.register()}")
+        done, idle_since = 0, time.monotonic()
+        while tasks is None or done < tasks:
+            status, body = self.get("/v1/task")
+            if status == 204:
+                if idle_s is not None and time.monotonic() - idle_since > idle_s:
+                    break
+                time.sleep(poll_s)
+                continue
+            task = json.loads(_ok(status, body, "task"))
+            try:
+                metrics = self.run_task(task)
+            except DeviceRefused:
+                raise
+            except RuntimeError as exc:  # e.g. 409: finished after the deadline; the next task may fit
+                echo(f"task {task['task']}: {exc}")
+                continue
+            done, idle_since = done + 1, time.monotonic()
+            echo(f"task {task['task']} (program {task['program']}): loss {metrics['train_loss']:.4f}, "
+                 f"{metrics['device_step_s'] * 1000:.0f} ms/step")
+        return done

@@ -1,0 +1,1 @@
+"""A run: building it from a recipe, the recorder, run directory, checkpoints, report, planner."""

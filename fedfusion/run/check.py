@@ -1,0 +1,133 @@
+"""The recipe checks that need the implementation: the device catalog, the selector's options, the availability
+model's knobs, the files and model directories a recipe names, the dataset's partitioner, an installed tracker.
+
+``fedfusion.config`` imports nothing of fedfusion, so these run here, when a run is built: still before the run
+directory is written and before torch is imported, so a bad recipe exits 2 with nothing written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from importlib.util import find_spec
+from pathlib import Path
+
+from fedfusion.config.choices import BUILTIN_DATASETS
+from fedfusion.config.recipe import Recipe, RecipeError, load_recipe, uses
+from fedfusion.data.federated import is_local as is_local_dataset
+from fedfusion.data.federated import local_files
+from fedfusion.data.partitioners import check_partitioner
+from fedfusion.devices.availability import AvailabilityConfig
+from fedfusion.devices.catalog import load_catalog
+from fedfusion.run.edge_cloud import check_cloud
+from fedfusion.run.trackers import INSTALL, TRACKERS
+from fedfusion.selection.participation import draw_size
+from fedfusion.selection.selectors import make_selector
+
+
+def load_checked(ref: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
+    """:func:`fedfusion.config.recipe.load_recipe`, then :func:`check_recipe`: what a run starts from."""
+    return check_recipe(load_recipe(ref, overrides))
+
+
+def check_recipe(recipe: Recipe) -> Recipe:
+    """The checks of a loaded recipe that need the implementation; raises RecipeError naming the first bad key."""
+    sampled = draw_size(recipe.selection.clients_per_round, recipe.selection.overselect)
+    if recipe.selection.pool < sampled:
+        raise RecipeError(f"selection.pool: must be at least the {sampled} clients a round draws "
+                          f"(clients_per_round with overselect), got {recipe.selection.pool}")
+    try:
+        make_selector(recipe.selection.method, **recipe.selection.options)
+    except (TypeError, ValueError) as exc:
+        raise RecipeError(f"selection.options: {exc}") from None
+    try:
+        AvailabilityConfig(**recipe.availability.model)
+    except TypeError as exc:
+        raise RecipeError(f"availability.model: {exc}; knobs: {', '.join(f.name for f in fields(AvailabilityConfig))}") from None
+    except ValueError as exc:
+        raise RecipeError(f"availability.model: {exc}") from None
+    tracker_module = TRACKERS[recipe.output.tracker]
+    if tracker_module and find_spec(tracker_module) is None:
+        raise RecipeError(f"output.tracker: {recipe.output.tracker} is not installed: {INSTALL[recipe.output.tracker]}")
+    if recipe.data.source == "dataset":
+        _check_dataset(recipe)
+    _check_files(recipe)
+    _check_devices(recipe)
+    return recipe
+
+
+def _check_devices(recipe: Recipe) -> None:
+    """Every tier the recipe names is in the device catalog, and the report's cloud is one of its cloud tiers."""
+    try:
+        catalog = load_catalog(recipe.population.catalog)
+    except ValueError as exc:
+        raise RecipeError(f"population.catalog: {exc}") from None
+    known = ", ".join(sorted(catalog))
+    for tier in recipe.population.mix:
+        if tier not in catalog:
+            raise RecipeError(f"population.mix.{tier}: unknown device; the catalog has {known}")
+    try:
+        check_cloud(recipe.report.cloud, catalog)
+    except ValueError as exc:
+        raise RecipeError(f"report.{exc}") from None
+    if uses(recipe, "distill") and recipe.distill.server_device not in catalog:
+        raise RecipeError(f"distill.server_device: {recipe.distill.server_device!r} is not in the device catalog")
+    if uses(recipe, "generative") and recipe.generative.server_device not in catalog:
+        raise RecipeError(f"generative.server_device: unknown device {recipe.generative.server_device!r}; the catalog "
+                          f"has {known}")
+    for tier in recipe.fusion.widths:
+        if tier not in catalog:
+            raise RecipeError(f"fusion.widths.{tier}: unknown device; the catalog has {known}")
+
+
+def _check_dataset(recipe: Recipe) -> None:
+    """data.source=dataset: flwr-datasets is installed, the partitioner is well formed, local files exist (columns
+    are checked when the data loads, the first thing a run does)."""
+    d = recipe.data
+    if find_spec("flwr_datasets") is None:
+        raise RecipeError("data.source: 'dataset' needs flwr-datasets: pip install 'fedfusion[datasets]'")
+    try:
+        check_partitioner(d.partitioner)
+    except ValueError as exc:
+        raise RecipeError(f"data.partitioner.{exc}") from None
+    if d.dataset and d.dataset not in BUILTIN_DATASETS and is_local_dataset(d.dataset):
+        try:
+            local_files(d.dataset)
+        except ValueError as exc:
+            raise RecipeError(f"data.dataset: {exc}") from None
+
+
+def _check_files(recipe: Recipe) -> None:
+    """Every file and model directory the recipe names must exist, so that a run stops before its run directory
+    is made, with the key and the path, instead of failing minutes later in a loader."""
+    files = []
+    if recipe.data.source in ("text", "facts") and recipe.data.path:
+        files.append(("data.path", recipe.data.path))
+    if recipe.data.probes:
+        files.append(("data.probes", recipe.data.probes))
+    if uses(recipe, "distill") and recipe.distill.transfer.source == "text" and recipe.distill.transfer.path:
+        files.append(("distill.transfer.path", recipe.distill.transfer.path))
+    if recipe.population.catalog:
+        files.append(("population.catalog", recipe.population.catalog))
+    models = [("model.pretrained", recipe.model.pretrained)]
+    if recipe.fusion.method == "lora" and recipe.lora.base.endswith(".gguf"):
+        files.append(("lora.base", str(Path(recipe.lora.base).expanduser())))  # as fedfusion.models.pretrained reads it
+    elif recipe.fusion.method == "lora" and recipe.lora.base != "smollm2":  # smollm2: an installed package's file
+        models.append(("lora.base", recipe.lora.base))
+    for key, name in files:
+        if not Path(name).exists():
+            raise RecipeError(f"{key}: {name}: no such file")
+        if not Path(name).is_file():
+            raise RecipeError(f"{key}: {name}: not a file")
+    for key, model in models:
+        if not model or not _local_path(model):
+            continue  # unset, or a hub id (``name`` or ``org/name``), which from_pretrained resolves
+        if not Path(model).is_dir():
+            raise RecipeError(f"{key}: {model}: no such model directory")
+        if not (Path(model) / "config.json").is_file():
+            raise RecipeError(f"{key}: {model}: not a model directory (no config.json)")
+
+
+def _local_path(name: str) -> bool:
+    """Whether a model name is a local path rather than a hub id: it exists, or it cannot be a hub id (absolute,
+    explicitly relative, home-relative, or more than one ``/``). A missing ``dir/model`` reads as a hub id."""
+    return Path(name).exists() or name.startswith(("/", "./", "../", "~")) or name.count("/") > 1

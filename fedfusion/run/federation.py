@@ -1,0 +1,411 @@
+"""One federation from a recipe: build the target and each tier's method, run the fusion strategy, evaluate
+centrally, record and price every round, write the run.
+
+``fedfusion run`` calls :func:`run_federation` through Flower's simulation engine; ``flwr run .`` reaches the same
+function through :data:`fedfusion.server_app.app`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from logging import INFO
+from typing import Any
+
+from flwr.app import ArrayRecord, MetricRecord
+from flwr.common.logger import log
+from flwr.serverapp import Grid
+from transformers.utils import logging as hf_logging
+
+from fedfusion.config.recipe import Recipe, tier_methods, uses
+from fedfusion.data.population import data_spec, facts_data, lora_data_spec, pooled_held_out, tier_list, write_partition_sizes
+from fedfusion.data.text import load_tokenizer
+from fedfusion.devices.availability import AvailabilityConfig, AvailabilityModel
+from fedfusion.devices.catalog import Device, load_catalog
+from fedfusion.devices.energy import price_work, train_flops
+from fedfusion.fusion.base import ClientRound, FusionMethod, RoundReport
+from fedfusion.fusion.distill.method import DistillMethod, Family
+from fedfusion.fusion.generative.method import GenerativeMethod
+from fedfusion.fusion.lora.method import LoRAMethod, adapted_modules
+from fedfusion.fusion.outer import OuterConfig
+from fedfusion.fusion.rounds import initial_state
+from fedfusion.fusion.submodel.method import SubModelMethod
+from fedfusion.models.samples import GenerativeConfig
+from fedfusion.run.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from fedfusion.run.quiet import silence_expected_noise
+from fedfusion.run.report import write_report
+from fedfusion.run.run_dir import RunDir, read_jsonl
+from fedfusion.run.targets import Target, lm_target, lora_target
+from fedfusion.selection.participation import Participation, jain_index
+from fedfusion.selection.selectors import make_selector
+from fedfusion.strategies.fusion import FusionStrategy, Listener
+from fedfusion.strategies.quorum import QuorumGrid
+from fedfusion.strategies.stop import RunInterrupted, StopGrid
+from fedfusion.train.transfer import distill_families, transfer_text
+from fedfusion.wire.quantize import Wire
+from fedfusion.wire.specs import (
+    ClientSpec,
+    FaultSpec,
+    LoRABaseSpec,
+    PopulationSpec,
+    PrivacySpec,
+    RoleSpec,
+    RoundSpec,
+    TrainSpec,
+    merge,
+)
+
+RoundCallback = Callable[[dict[str, Any]], None]
+silence_expected_noise()  # the server's side of a run, whether started by `fedfusion run` or `flwr run`
+
+
+def log_round(row: dict[str, Any]) -> None:
+    """Default progress: one log line per round."""
+    log(INFO, "round %d: eval_loss=%.4f ppl=%.2f acc=%.3f clients ok=%d failed=%d cut=%d (%.1fs)",
+        row["round"], row["eval_loss"], row["eval_ppl"], row["eval_acc"], row["clients_ok"],
+        row["clients_failed"], row.get("clients_cut", 0), row["wall_s"])
+
+
+def build_participation(recipe: Recipe) -> Participation:
+    """The recipe's selector and (optional) availability model over its population."""
+    catalog = load_catalog(recipe.population.catalog)
+    avail = recipe.availability
+    model = (AvailabilityModel.for_tiers(tier_list(recipe), catalog, seed=recipe.seed,
+                                         config=AvailabilityConfig(**avail.model)) if avail.enabled else None)
+    selector = make_selector(recipe.selection.method, seed=recipe.seed, **recipe.selection.options)
+    return Participation(selector, catalog, model, avail.start_clock_s, avail.round_interval_s, avail.deadline_s)
+
+
+def build_methods(recipe: Recipe, target: Target) -> dict[str, FusionMethod]:
+    """The fusion method of every device tier of the recipe's population (``fusion.method``, or per tier
+    ``fusion.tiers`` for a mixed federation): one object per method, serving the tiers assigned to it."""
+    assigned = tier_methods(recipe)
+    tiers: dict[str, list[str]] = {}
+    for tier, name in assigned.items():
+        tiers.setdefault(name, []).append(tier)
+    builders = {"submodel": build_submodel, "generative": build_generative, "distill": build_distillation,
+                "lora": build_lora}
+    built = {name: builders[name](recipe, target, mine) for name, mine in tiers.items()}
+    return {tier: built[name] for tier, name in assigned.items()}
+
+
+def build_submodel(recipe: Recipe, target: Target, tiers: list[str]) -> SubModelMethod:
+    """Width slicing for ``tiers`` at their ``fusion.widths`` (in their own or the full forward pass, after
+    ``fusion.grow_round`` rounds of the smallest slice)."""
+    f = recipe.fusion
+    return SubModelMethod(
+        target.model.config, {t: f.widths[t] for t in tiers}, target.initial.to_torch_state_dict(), policy=f.policy,
+        stride=f.stride, stagger=f.stagger and f.policy == "rolling", run_seed=recipe.seed, aggregate=f.aggregate,
+        trim=f.trim, axes=tuple(f.axes) if f.axes else None, scale=f.scaler,
+        ordered_ladder=tuple(f.ordered_ladder) if f.ordered_ladder else None, ordered_distill=f.ordered_distill,
+        wire=recipe_wire(recipe), outer=OuterConfig(f.outer, f.outer_lr, f.outer_momentum), forward=f.forward,
+        frozen=f.frozen_dtype, window_shared=f.window_shared, grow_round=f.grow_round,
+        window_widths={t: f.window_widths[t] for t in tiers if t in f.window_widths} or None)
+
+
+def recipe_wire(recipe: Recipe) -> Wire:
+    """How payloads travel down and replies up (``fusion.wire_dtype``, ``fusion.wire_up``, ``fusion.error_feedback``)."""
+    f = recipe.fusion
+    return Wire(f.wire_dtype, f.wire_up, f.error_feedback)
+
+
+def build_generative(recipe: Recipe, target: Target, tiers: list[str]) -> GenerativeMethod:
+    """Generative distillation for ``tiers``: each keeps the static slice at its ``fusion.widths`` as its own model."""
+    f, g = recipe.fusion, recipe.generative
+    return GenerativeMethod(
+        target.model.config, {t: f.widths[t] for t in tiers}, target.initial.to_torch_state_dict(),
+        GenerativeConfig(g.sample_fraction, g.temperature, g.server_steps, g.server_lr, g.server_batch),
+        seq_len=recipe.train.seq_len, population=recipe.population.num_clients, run_seed=recipe.seed,
+        axes=tuple(f.axes) if f.axes else None, scale=f.scaler)
+
+
+def build_strategy(recipe: Recipe, target: Target, listeners: Sequence[Listener] = ()) -> FusionStrategy:
+    """The fusion strategy over the recipe's methods, with the specs its messages carry."""
+    lora = recipe.fusion.method == "lora"
+    client = ClientSpec(lora_data_spec(recipe) if lora else data_spec(recipe), recipe.train.seq_len,
+                        recipe.engine.threads_per_client)
+    population = PopulationSpec(dict(recipe.population.mix), recipe.population.num_clients, recipe.seed)
+    # the role that counts a node's examples: LoRA clients count instruction pairs of the base's tokens
+    query = merge(client, population, RoleSpec("lora" if lora else "submodel"), *([lora_client_spec(recipe)] if lora else []))
+    return FusionStrategy(
+        build_methods(recipe, target),
+        participation=build_participation(recipe),
+        clients_per_round=recipe.selection.clients_per_round,
+        min_clients=recipe.selection.min_clients,
+        query_config=query,
+        train_config={
+            **merge(client, TrainSpec.from_recipe(recipe.train), FaultSpec.from_recipe(recipe.faults),
+                    PrivacySpec.from_recipe(recipe.privacy)),
+            RoundSpec.key("seed"): recipe.seed,  # the run's seed; each message carries its client's own
+        },
+        weighting=recipe.fusion.weighting,
+        evaluate_clients=recipe.selection.evaluate_clients,
+        seed=recipe.seed,
+        max_norm_ratio=recipe.fusion.max_norm_ratio,
+        overselect=recipe.selection.overselect,
+        query_timeout_s=recipe.selection.timeout_s,
+        pool=recipe.selection.pool,
+        listeners=listeners,
+    )
+
+
+def build_distillation(recipe: Recipe, target: Target, tiers: list[str]) -> DistillMethod:
+    """Distillation fusion for ``tiers``: one global model per small family, a transfer set no client owns; every
+    family is scored each round on the same pooled held-out text as the target."""
+    d, tokenizer = recipe.distill, load_tokenizer(recipe.model.pretrained)
+    text = transfer_text(d.transfer.source, data_spec(recipe), d.transfer.max_chars, d.transfer.path)
+    families = {name: Family(config, own) for name, (config, own) in distill_families(recipe, tokenizer, text).items()}
+    return DistillMethod(target.model.config, tokenizer, families, {t: d.tier_family[t] for t in tiers}, text,
+                         recipe.train.seq_len, d,
+                         eval_text=pooled_held_out(data_spec(recipe), recipe.data.eval_chars), run_seed=recipe.seed)
+
+
+def lora_client_spec(recipe: Recipe) -> LoRABaseSpec:
+    """What every LoRA client needs to load the same frozen base and adapt the same modules."""
+    lora = recipe.lora
+    return LoRABaseSpec(lora.base, lora.dtype, tuple(lora.target_modules), lora.dropout)
+
+
+def build_lora(recipe: Recipe, target: Target, tiers: list[str]) -> LoRAMethod:
+    """Heterogeneous-rank LoRA for ``tiers`` on the target's frozen base; clients load the same base themselves."""
+    lora = recipe.lora
+    return LoRAMethod(
+        modules=adapted_modules(target.model, list(lora.target_modules)),
+        ranks={t: lora.ranks[t] for t in tiers}, alphas={t: lora.alpha for t in tiers},
+        quantize={t: lora.quantize.get(t, 0) for t in tiers}, method=lora.method, base_params=target.params,
+        base=lora_client_spec(recipe), wire=recipe_wire(recipe))
+
+
+def privacy_spec(recipe: Recipe) -> dict[str, Any]:
+    """The spec entries the client's privacy mod reads (:class:`fedfusion.wire.specs.PrivacySpec`)."""
+    return PrivacySpec.from_recipe(recipe.privacy).to_config()
+
+
+def price_client(row: ClientRound, catalog: dict[str, Device]) -> dict[str, float]:
+    """Energy ledger fields of one client round, priced from counted work on its device profile.
+
+    A client that failed or timed out is charged its planned work and download; a rejected one its
+    work both ways; a cut one (over-selection closed the round without it) its work, its download and an
+    upload the size of that download (its reply is still sent; Flower cannot cancel it): that energy was
+    spent and bought nothing (``wasted``).
+    """
+    ok = row.status == "ok"
+    up = row.bytes_up if row.status in ("ok", "rejected") else row.bytes_down if row.status == "cut" else 0
+    cost = price_work(catalog[row.device], train_flops(row.params, row.tokens), row.bytes_down, up)
+    return {"virtual_s": cost.virtual_s, "compute_s": cost.compute_s, "comm_s": cost.comm_s,
+            "energy_j": cost.wall_j, "co2_g": cost.co2_g, "co2_operational_g": cost.co2_operational_g,
+            "co2_embodied_g": cost.co2_embodied_g, "wasted": not ok}
+
+
+def ledger_row(server_round: int, row: ClientRound, catalog: dict[str, Device]) -> dict[str, Any]:
+    """One clients.jsonl row: what the client did (its measured joules included, where it had a meter) and
+    its priced energy (:func:`price_client`)."""
+    return {"round": server_round, **row.to_dict(), **price_client(row, catalog)}
+
+
+class CentralEvaluation:
+    """Flower's ``evaluate_fn``: the target scored on the server (round 0: before training)."""
+
+    def __init__(self, target: Target) -> None:
+        self.target = target
+
+    def __call__(self, server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        start = time.perf_counter()
+        if server_round > 0:
+            self.target.load(arrays)
+        metrics: dict[str, int | float | list[int] | list[float]] = dict(self.target.evaluate())
+        metrics["eval_s"] = time.perf_counter() - start  # part of the round's wall time (benchmarks/overhead.py)
+        return MetricRecord(metrics)
+
+
+class RoundRecorder:
+    """A listener of the strategy's round reports: writes the round's ledger rows, the progress line and, every
+    ``checkpoint_every`` rounds, the checkpoint (``state`` gives the strategy's state for it)."""
+
+    def __init__(self, run: RunDir, state: Callable[[], dict[str, Any]], target: Target, on_round: RoundCallback,
+                 catalog: dict[str, Device], checkpoint_every: int = 0, resumed: Checkpoint | None = None,
+                 server_device: Device | None = None) -> None:
+        self.run, self.state, self.target = run, state, target
+        self.on_round, self.catalog = on_round, catalog
+        self.arrays = target.initial  # the target's arrays after the last round seen
+        self.nodes_logged: set[int] = set()  # nodes whose capabilities are in nodes.jsonl
+        self.checkpoint_every, self.server_device = checkpoint_every, server_device
+        self.start = self.last = time.perf_counter()
+        self.rows: list[dict[str, Any]] = []
+        self.saved_round: int | None = None  # the round of the last checkpoint, the one a resume continues after
+        if resumed is not None:  # rounds up to the checkpoint are already in the ledger
+            self.arrays = ArrayRecord(resumed.target)
+            self.saved_round = resumed.round
+            self.start -= resumed.elapsed_s
+            self.rows = read_jsonl(run.path / "metrics.jsonl")
+
+    def __call__(self, report: RoundReport) -> None:
+        server_round, clients = report.round, report.clients
+        if server_round > 0:
+            self.arrays = report.arrays
+        ok = [c for c in clients if c.status == "ok"]
+        ledger = [ledger_row(server_round, c, self.catalog) for c in clients]
+        server = {"virtual_s": 0.0, "energy_j": 0.0, "co2_g": 0.0}
+        if server_round > 0 and self.server_device is not None and report.server_cost["flops"]:
+            cost = price_work(self.server_device, report.server_cost["flops"], 0, 0)
+            server = {"virtual_s": cost.virtual_s, "energy_j": cost.wall_j, "co2_g": cost.co2_g}
+        now = time.perf_counter()
+        first = server_round == 0
+        row = {
+            "round": server_round, **report.metrics,
+            "train_loss": sum(c.train_loss or 0.0 for c in ok) / len(ok) if ok else None,
+            "coverage": None if first else report.coverage,
+            "bytes_down": sum(c.bytes_down for c in clients),
+            "bytes_up": sum(c.bytes_up for c in clients),
+            "clients_ok": len(ok), "clients_cut": sum(c.status == "cut" for c in clients),
+            "clients_failed": sum(c.status not in ("ok", "cut") for c in clients),
+            "dropouts": sum(c.status == "dropped" for c in clients),
+            "clock_s": None if first else report.clock_s,
+            "void": report.void,
+            "aggregate_s": report.aggregate_s,
+            "wall_s": now - self.last, "elapsed_s": now - self.start,
+            # simulated time advances by the slowest client the round waited for (not the ones over-selection
+            # cut), then the server's own work; energy and carbon add up over all of them
+            "virtual_s": max((c["virtual_s"] for c in ledger if c["status"] != "cut"), default=0.0) + server["virtual_s"],
+            "energy_j": sum(c["energy_j"] for c in ledger) + server["energy_j"],
+            "wasted_j": sum(c["energy_j"] for c in ledger if c["wasted"]),
+            "co2_g": sum(c["co2_g"] for c in ledger) + server["co2_g"],
+            "server_flops": report.server_cost["flops"],
+            "server_s": report.server_cost["seconds"],
+            "server_energy_j": server["energy_j"], "server_co2_g": server["co2_g"],
+            **report.fed_eval,
+        }
+        self.last = now
+        self.rows.append(row)
+        self.run.log_round(row)
+        self.run.log_clients(ledger)
+        new_nodes = {n: c for n, c in report.nodes.items() if n not in self.nodes_logged}
+        self.run.log_nodes([{"round": server_round, "node": n, **dict(c)} for n, c in new_nodes.items()])
+        self.nodes_logged |= set(new_nodes)
+        if self.checkpoint_every and server_round and server_round % self.checkpoint_every == 0:
+            save_checkpoint(self.run.path, Checkpoint(
+                round=server_round, target=report.arrays.to_torch_state_dict(), elapsed_s=row["elapsed_s"],
+                strategy=self.state()))
+            self.saved_round = server_round
+        self.on_round(row)
+
+
+def facts_summary(recipe: Recipe, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the target recalls of all clients' facts, against the largest share any one client owns."""
+    probes = facts_data(recipe.data, recipe.population.num_clients, recipe.seed).probes
+    owned = Counter(p.client for p in probes)
+    return {"probe_acc": rows[-1]["probe_acc"], "best_probe_acc": max(r["probe_acc"] for r in rows),
+            "largest_client_share": max(owned.values()) / len(probes), "clients": len(owned), "probes": len(probes)}
+
+
+def participation_fairness(run: RunDir, num_clients: int) -> float:
+    """Jain's index of how many rounds each client of the population trained in (never picked: 0)."""
+    counts = [0] * num_clients
+    for row in read_jsonl(run.path / "clients.jsonl"):
+        if row["status"] == "ok" and 0 <= row["partition"] < num_clients:
+            counts[row["partition"]] += 1
+    return jain_index(counts)
+
+
+def earlier_wall_s(run: RunDir, ckpt: Checkpoint) -> float:
+    """Host seconds the run's earlier parts took: what their last summary says or, for a part killed before it
+    could write one, the time up to its last checkpoint (whichever is more; both count every earlier part)."""
+    summary = run.read_summary() or {}
+    return max(float(summary.get("wall_s", 0.0)), ckpt.elapsed_s)
+
+
+def run_federation(grid: Grid, recipe: Recipe, run: RunDir, on_round: RoundCallback = log_round,
+                   resume: bool = False, stop: threading.Event | None = None) -> dict[str, Any]:
+    """Train the recipe's target over the nodes of ``grid``; writes every output into ``run``.
+
+    With ``resume`` the run continues from the checkpoint in ``run`` (see :mod:`fedfusion.run.checkpoint`);
+    its ``wall_s`` adds up every part. Setting ``stop`` ends the run at the strategy's next Grid call with
+    ``status: interrupted``, the last completed round and the round a resume continues after.
+    """
+    started, earlier_s = time.perf_counter(), 0.0
+    try:
+        target = lora_target(recipe)[0] if recipe.fusion.method == "lora" else lm_target(recipe)
+        ckpt = load_checkpoint(run.path) if resume else None
+        catalog = load_catalog(recipe.population.catalog)
+        server_device = (catalog[recipe.distill.server_device] if uses(recipe, "distill") else
+                         catalog[recipe.generative.server_device] if uses(recipe, "generative") else None)
+        strategy = build_strategy(recipe, target)
+        write_partition_sizes(run.path, recipe)  # the population's data is built by now: plan and report show it
+        recorder = RoundRecorder(run, strategy.state_dict, target, on_round, catalog, recipe.output.checkpoint_every,
+                                 ckpt, server_device)
+        strategy.listeners.append(recorder)
+        initial = ArrayRecord(initial_state(strategy.methods, target.initial.to_torch_state_dict()))
+        if ckpt is not None:
+            initial = ArrayRecord(ckpt.target)
+            target.load(initial)
+            strategy.load_state_dict(ckpt.strategy, ckpt.round)
+            earlier_s = earlier_wall_s(run, ckpt)
+            run.cut_ledgers(ckpt.round)
+            log(INFO, "fedfusion: resuming %s after round %d of %d", run.path, ckpt.round, recipe.rounds)
+        if stop is not None:
+            grid = StopGrid(grid, stop)
+        if recipe.selection.overselect > 0:
+            grid = QuorumGrid(grid, quorum=recipe.selection.clients_per_round)
+        strategy.start(
+            grid=grid, initial_arrays=initial, num_rounds=recipe.rounds - (ckpt.round if ckpt else 0),
+            timeout=recipe.selection.timeout_s, evaluate_fn=CentralEvaluation(target),
+        )
+        if recipe.output.save_model:
+            hf_logging.disable_progress_bar()  # the run's own progress is the one to show
+            target.save(run.model_dir, recorder.arrays)
+        rows = recorder.rows
+        summary = {
+            "status": "ok", "name": recipe.name, "rounds": recipe.rounds,
+            "target_params": target.params, "metric_names": target.metric_names,
+            "initial": {k: rows[0][k] for k in ("eval_loss", "eval_ppl", "eval_acc")},
+            "final": {k: rows[-1][k] for k in ("eval_loss", "eval_ppl", "eval_acc")},
+            "clients_ok": sum(r["clients_ok"] for r in rows),
+            "clients_failed": sum(r["clients_failed"] for r in rows),
+            "clients_cut": sum(r.get("clients_cut", 0) for r in rows),
+            "bytes_down": sum(r["bytes_down"] for r in rows), "bytes_up": sum(r["bytes_up"] for r in rows),
+            "energy_j": sum(r["energy_j"] for r in rows), "wasted_j": sum(r["wasted_j"] for r in rows),
+            "co2_g": sum(r["co2_g"] for r in rows), "virtual_s": sum(r["virtual_s"] for r in rows),
+            "dropouts": sum(r.get("dropouts", 0) for r in rows),
+            "participation_jain": participation_fairness(run, recipe.population.num_clients),
+            "wall_s": earlier_s + time.perf_counter() - started,
+            "sample": target.sample(),
+        }
+        if recipe.data.source == "facts":
+            summary["facts"] = facts_summary(recipe, rows)
+        run.write_summary(summary)
+        write_report(run.path)
+        return summary
+    except RunInterrupted as exc:  # raised only by the Grid, so the recorder exists
+        if exc.failure is not None:  # not a user's stop: what runs the clients died
+            run.write_summary({"status": "failed", "error": exc.failure,
+                               "wall_s": earlier_s + time.perf_counter() - started})
+            raise RuntimeError(exc.failure) from exc
+        summary = {"status": "interrupted", "name": recipe.name, "rounds": recipe.rounds,
+                   "last_round": recorder.rows[-1]["round"] if recorder.rows else None,
+                   "resume_after": recorder.saved_round,
+                   "wall_s": earlier_s + time.perf_counter() - started}
+        run.write_summary(summary)
+        return summary
+    except BaseException as exc:
+        run.write_summary({"status": "failed", "error": f"{type(exc).__name__}: {exc}",
+                           "wall_s": earlier_s + time.perf_counter() - started})
+        raise
+
+
+def check_federation(grid: Grid, expected: int, wait_s: float = 30.0, poll_s: float = 1.0) -> int:
+    """``flwr run .``: the federation's SuperNodes are the recipe's population, one per partition. Waits up to
+    ``wait_s`` for ``expected`` nodes to connect; fewer (e.g. a local federation's default ``num-supernodes``)
+    or more is a ValueError that names both numbers and the fix, raised before anything is written."""
+    deadline = time.monotonic() + wait_s
+    nodes = len(list(grid.get_node_ids()))
+    while nodes < expected and time.monotonic() < deadline:
+        time.sleep(poll_s)
+        nodes = len(list(grid.get_node_ids()))
+    if nodes != expected:
+        raise ValueError(
+            f"the federation has {nodes} SuperNodes but population.num_clients is {expected}: every client is one "
+            f"SuperNode, so run with --federation-config \"num-supernodes={expected}\" (or set the override "
+            f"population.num_clients={nodes})")
+    return nodes

@@ -1,0 +1,471 @@
+"""Per-tier plan: what each device tier trains, its size, estimated peak memory, time and energy; and
+auto-fit: the widest sub-model (or the LoRA rank and base precision) that fits each tier's memory.
+
+Memory model (:func:`estimate_memory`), per training step of ``batch`` sequences of ``seq`` tokens:
+
+- **weights**: every parameter at 4 bytes (fp32). With LoRA the frozen base is stored at ``base_bits``:
+  the decoder's linear layers quantised (4 bit: 4.5 bits per weight, 8 bit: 8.5, counting
+  bitsandbytes' per-block scales), embeddings, norms and lm_head at 16 bit, or everything at 16/32 bit.
+- **gradients**: 4 bytes per trainable parameter (all of them; with LoRA only the adapters).
+- **optimizer**: AdamW's two fp32 moments, 8 bytes per trainable parameter.
+- **activations** kept for backward: per token and layer ``10*hidden + 3*intermediate + 2*heads*seq``
+  values (attention inputs/outputs, norms, SwiGLU branches, attention scores and probabilities), 4 bytes
+  each, 2 with a 16-bit or quantised base; no activation checkpointing, no fused attention. Per token the
+  logits: ``vocab`` values in the model's dtype, the loss's float32 copy where that dtype is narrower, and
+  the float32 log-softmax cross-entropy keeps (8 bytes per vocabulary entry at fp32, 10 at 16 bits: on a
+  135M base with a 49k vocabulary this is a fifth of the peak, measured on CUDA in
+  ``benchmarks/results/cuda_lora.md``).
+
+A plan fits a device when its estimate is within ``usable`` (default 0.9) of the catalog's
+``memory_gb`` (already the memory an app may use), the rest left for allocator fragmentation, the
+runtime and the data pipeline.
+
+Time and energy per round come from :func:`fedfusion.devices.energy.price_work`, the cost model the run's ledger
+prices every client with: the tier's training FLOPs (``6 x params x tokens``) and the bytes it moves each
+round (what the server sends it, what it sends back), split into compute and transfer; joules are drawn
+from the wall (charger losses included), as the ledger's ``energy_j``. Bytes are the arrays' data only; a
+message adds a few hundred bytes of names and headers per array.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Mapping, Sequence
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig
+
+from fedfusion.config.recipe import Recipe, RecipeError, tier_methods
+from fedfusion.devices.catalog import Device, load_catalog
+from fedfusion.devices.energy import frozen_work_params, price_work, train_flops
+from fedfusion.models.build import target_config, target_model_config
+from fedfusion.models.full_forward import window_params
+from fedfusion.models.slicing import plan_slice, sub_config
+from fedfusion.wire.quantize import encoded_bytes
+
+WIDTH_LADDER = (1.0, 0.5, 0.25, 0.125, 0.0625)  # FedRolex's capacity ladder
+LORA_RANKS = (64, 32, 16, 8, 4, 2, 1)
+BASE_BITS = (32, 16, 8, 4)  # preferred first: full precision, bf16, 8-bit, 4-bit
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+USABLE = 0.9
+_BITS_STORED = {32: 32.0, 16: 16.0, 8: 8.5, 4: 4.5}  # bits per quantised weight, block scales included
+
+
+def llama_params(config: LlamaConfig) -> int:
+    """Parameter count of a Llama config (untied embeddings unless the config ties them)."""
+    h, i, v, layers = config.hidden_size, config.intermediate_size, config.vocab_size, config.num_hidden_layers
+    d = getattr(config, "head_dim", None) or h // config.num_attention_heads
+    kv = config.num_key_value_heads or config.num_attention_heads  # LlamaConfig's own default: one per head
+    attn = h * d * (2 * config.num_attention_heads + 2 * kv)
+    per_layer = attn + 3 * h * i + 2 * h
+    heads = 1 if config.tie_word_embeddings else 2
+    return layers * per_layer + heads * v * h + h
+
+
+def param_count(config: PretrainedConfig) -> int:
+    """Parameters of a causal-LM config: closed form for Llama-style configs, else counted on the meta device."""
+    if isinstance(config, LlamaConfig):
+        return llama_params(config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def _dims(config: PretrainedConfig) -> tuple[int, int, int, int, int, int]:
+    """(hidden, intermediate, heads, kv heads, head_dim, layers) of a transformer config."""
+    h = config.hidden_size
+    inter = getattr(config, "intermediate_size", None) or getattr(config, "ffn_dim", None) \
+        or getattr(config, "n_inner", None) or 4 * h
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    d = getattr(config, "head_dim", None) or h // heads
+    return h, inter, heads, kv, d, config.num_hidden_layers
+
+
+def lora_params(config: PretrainedConfig, rank: int, modules: Sequence[str] = LORA_MODULES) -> int:
+    """Trainable parameters of rank-``rank`` LoRA adapters on ``modules`` of every decoder layer (Llama names)."""
+    h, inter, heads, kv, d, layers = _dims(config)
+    shapes = {"q_proj": (h, heads * d), "k_proj": (h, kv * d), "v_proj": (h, kv * d), "o_proj": (heads * d, h),
+              "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+    unknown = [m for m in modules if m not in shapes]
+    if unknown:
+        raise ValueError(f"lora modules: unknown module {unknown[0]!r}; known: {', '.join(shapes)}")
+    if rank < 1:
+        raise ValueError(f"lora rank: must be >= 1, got {rank}")
+    return layers * sum(rank * (shapes[m][0] + shapes[m][1]) for m in modules)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Estimated peak training memory, by part, in bytes (see the module docstring)."""
+
+    weights: int
+    grads: int
+    optimizer: int
+    activations: int
+    params: int  # all parameters of the model trained (base included)
+    trainable: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.grads + self.optimizer + self.activations
+
+
+def estimate_memory(
+    config: PretrainedConfig, batch: int, seq: int, lora_rank: int | None = None, base_bits: int = 32,
+    lora_modules: Sequence[str] = LORA_MODULES, compute_bytes: int = 2, window: int | None = None,
+) -> MemoryEstimate:
+    """Peak training memory of full fine-tuning (``lora_rank=None``, fp32), LoRA on a ``base_bits`` base, or a
+    full-forward window of ``window`` parameters (fp32, with its AdamW state) on a frozen ``base_bits`` target.
+
+    A 4/8-bit base keeps its non-linear weights (embeddings, norms) and its activations in the compute dtype,
+    ``compute_bytes`` per value (bitsandbytes' compute dtype: 4 for float32, 2 for float16/bfloat16); a
+    32- or 16-bit base keeps them in its own precision."""
+    if batch < 1 or seq < 1:
+        raise ValueError(f"batch and seq must be >= 1, got {batch}, {seq}")
+    if base_bits not in _BITS_STORED:
+        raise ValueError(f"base_bits: must be one of {', '.join(map(str, _BITS_STORED))}, got {base_bits}")
+    if lora_rank is None and window is None and base_bits != 32:
+        raise ValueError("base_bits: a reduced-precision base needs lora_rank or window (full training keeps fp32 weights)")
+    h, inter, heads, kv, d, layers = _dims(config)
+    params = param_count(config)
+    layer_values = batch * seq * layers * (10 * h + 3 * inter + 2 * heads * seq)
+    if lora_rank is None and window is None:
+        return MemoryEstimate(4 * params, 4 * params, 8 * params, 4 * layer_values + _logit_bytes(config, batch, seq, 4),
+                              params, params)
+    trainable = lora_params(config, lora_rank, lora_modules) if lora_rank is not None else int(window or 0)
+    linear = layers * (h * heads * d * 2 + h * kv * d * 2 + 3 * h * inter)
+    act_bytes = base_bits // 8 if base_bits >= 16 else compute_bytes
+    if base_bits >= 16:
+        weights = params * base_bits / 8
+    else:
+        weights = linear * _BITS_STORED[base_bits] / 8 + (params - linear) * act_bytes
+    return MemoryEstimate(int(weights) + 4 * trainable, 4 * trainable, 8 * trainable,
+                          act_bytes * layer_values + _logit_bytes(config, batch, seq, act_bytes),
+                          params + (trainable if window is None else 0), trainable)
+
+
+def _logit_bytes(config: PretrainedConfig, batch: int, seq: int, act_bytes: int) -> int:
+    """The logits' bytes at the loss: the model's output (``act_bytes`` per value), its float32 copy where the
+    output is narrower (``fedfusion.train.loop.lm_loss`` and ``fedfusion.train.instruct.response_loss`` upcast), and the
+    float32 log-softmax the cross-entropy keeps for backward."""
+    per_value = act_bytes + (4 if act_bytes < 4 else 0) + 4
+    return batch * seq * config.vocab_size * per_value
+
+
+def training_memory_bytes(config: PretrainedConfig, batch: int, seq: int) -> int:
+    """fp32 AdamW training estimate: weights + grads + 2 moments, plus stored activations and logits."""
+    return estimate_memory(config, batch, seq).total
+
+
+def _budget(device: Device, usable: float) -> float:
+    if not 0 < usable <= 1:
+        raise ValueError(f"usable: must be in (0, 1], got {usable}")
+    return device.memory_gb * 2**30 * usable
+
+
+def sliced_config(config: PretrainedConfig, width: float, axes: Sequence[str] | None = None) -> PretrainedConfig:
+    """The config of the width-``width`` static sub-model (the size every policy gives that width)."""
+    return config if width == 1 else sub_config(config, plan_slice(config, width, "static", axes=axes))
+
+
+def fit_width(
+    config: PretrainedConfig, device: Device, batch: int, seq: int, ladder: Sequence[float] = WIDTH_LADDER,
+    usable: float = USABLE, axes: Sequence[str] | None = None,
+) -> float | None:
+    """The largest width of ``ladder`` whose sub-model trains within ``usable`` of the device's memory, or None."""
+    budget = _budget(device, usable)
+    if not ladder or any(not 0 < w <= 1 for w in ladder):
+        raise ValueError(f"ladder: widths must be in (0, 1], got {list(ladder)}")
+    for width in sorted(ladder, reverse=True):
+        if training_memory_bytes(sliced_config(config, width, axes), batch, seq) <= budget:
+            return width
+    return None
+
+
+@dataclass(frozen=True)
+class LoraFit:
+    """A LoRA assignment that fits: adapter rank, bits of the frozen base, estimated bytes."""
+
+    rank: int
+    base_bits: int
+    memory: MemoryEstimate
+
+
+def fit_lora_rank(
+    config: PretrainedConfig, device: Device, batch: int, seq: int, ranks: Sequence[int] = LORA_RANKS,
+    base_bits: Sequence[int] = BASE_BITS, modules: Sequence[str] = LORA_MODULES, usable: float = USABLE,
+    compute_bytes: int = 2,
+) -> LoraFit | None:
+    """The most precise base (in ``base_bits`` order) on which some rank fits, with the largest rank that
+    fits on it; None if no (rank, precision) fits. Precision comes first: the base dominates memory,
+    the adapters barely count."""
+    budget = _budget(device, usable)
+    if not ranks:
+        raise ValueError("ranks: give at least one LoRA rank")
+    for bits in base_bits:
+        for rank in sorted(ranks, reverse=True):
+            est = estimate_memory(config, batch, seq, lora_rank=rank, base_bits=bits, lora_modules=modules,
+                                  compute_bytes=compute_bytes)
+            if est.total <= budget:
+                return LoraFit(rank, bits, est)
+    return None
+
+
+def recipe_target(recipe: Recipe) -> PretrainedConfig:
+    """The target's config; a facts recipe's vocabulary is its own word tokenizer's."""
+    if recipe.data.source == "facts":
+        from fedfusion.data.population import data_spec, data_tokenizer
+
+        return target_config(recipe.model, data_tokenizer(data_spec(recipe)))
+    return target_model_config(recipe.model)
+
+
+def auto_widths(
+    recipe: Recipe, ladder: Sequence[float] = WIDTH_LADDER, usable: float = USABLE,
+) -> dict[str, float | None]:
+    """For every tier of the population mix, :func:`fit_width` of the recipe's target (None: nothing fits)."""
+    catalog = load_catalog(recipe.population.catalog)
+    target = recipe_target(recipe)
+    axes = recipe.fusion.axes or None
+    return {tier: fit_width(target, catalog[tier], recipe.train.batch_size, recipe.train.seq_len, ladder, usable,
+                            axes)
+            for tier in recipe.population.mix}
+
+
+def fit_widths(recipe: Recipe) -> None:
+    """With ``fusion.auto_widths``, set ``fusion.widths`` to :func:`auto_widths` (so the run's resolved recipe
+    records them); a tier that fits no width of ``fusion.width_ladder`` is a RecipeError naming it. Here and not
+    in the recipe module, so that validating a recipe needs no torch."""
+    if not recipe.fusion.auto_widths:
+        return
+    fitted = auto_widths(recipe, recipe.fusion.width_ladder)
+    unfit = [tier for tier, width in fitted.items() if width is None]
+    if unfit:
+        row = next(r for r in plan_table(recipe, fitted, ladder=recipe.fusion.width_ladder) if r["tier"] == unfit[0])
+        raise RecipeError(f"fusion.auto_widths: tier {unfit[0]!r} fits no width of fusion.width_ladder "
+                          f"({row['fits']}); see `fedfusion plan`")
+    recipe.fusion.widths = {tier: float(width) for tier, width in fitted.items() if width is not None}  # all fit
+
+
+def _mb(n: float) -> float:
+    return round(n / 2**20, 1)
+
+
+def priced(device: Device, flops: float, bytes_down: int, bytes_up: int) -> dict[str, float]:
+    """A plan row's cost columns: ``price_work`` of one round's FLOPs and transfers on ``device``, time and
+    wall joules split into compute and transfer (the totals are the ledger's ``virtual_s`` and ``energy_j``)."""
+    cost = price_work(device, flops, bytes_down, bytes_up)
+    return {"MB down": bytes_down / 2**20, "MB up": bytes_up / 2**20,
+            "compute s": cost.compute_s, "transfer s": cost.comm_s, "s/round": cost.virtual_s,
+            "compute J": cost.compute_wall_j, "transfer J": cost.radio_wall_j, "J/round": cost.wall_j}
+
+
+_UNPRICED = dict.fromkeys(("MB down", "MB up", "compute s", "transfer s", "s/round", "compute J", "transfer J",
+                           "J/round"))
+
+
+def _wire_bytes(recipe: Recipe, tier: str, params: int) -> tuple[int, int]:
+    """Bytes a ``tier`` sub-model of ``params`` values goes down in (``fusion.wire_dtype``) and its reply up in
+    (``fusion.wire_up``): :func:`fedfusion.wire.quantize.encoded_bytes`, as one matrix (float32 unless the tier trains
+    with sub-model fusion)."""
+    if tier_methods(recipe).get(tier) != "submodel":
+        return 4 * params, 4 * params
+    return encoded_bytes(recipe.fusion.wire_dtype, params), encoded_bytes(recipe.fusion.wire_up, params)
+
+
+def plan_table(
+    recipe: Recipe, widths: Mapping[str, float | None] | None = None, usable: float = USABLE,
+    ladder: Sequence[float] = WIDTH_LADDER, tiers: Sequence[str] | None = None,
+) -> list[dict[str, Any]]:
+    """One row per tier of the population mix, narrowest first: the slice it trains (sub-model fusion; under
+    generative distillation the static slice it keeps as its own model), parameters, memory, and one round's
+    cost (:func:`priced`: training FLOPs, the slice down in ``fusion.wire_dtype`` and back in ``fusion.wire_up``).
+
+    ``widths`` (default: the recipe's ``fusion.widths``; pass :func:`auto_widths` for auto-fit) may hold
+    None for a tier that fits nothing: its row says so (with what ``ladder``'s smallest width would need)
+    instead of raising. Memory is :func:`training_memory_bytes`. ``tiers`` (default: every tier of the mix) picks
+    the tiers to plan (a mixed federation's slicing tiers).
+    """
+    catalog = load_catalog(recipe.population.catalog)
+    target = recipe_target(recipe)
+    axes = recipe.fusion.axes or None
+    widths = recipe.fusion.widths if widths is None else widths
+    batch, seq = recipe.train.batch_size, recipe.train.seq_len
+    tokens = recipe.train.local_steps * batch * seq
+    rows = []
+    for tier in sorted(tiers or recipe.population.mix, key=lambda t: (widths.get(t) is not None, widths.get(t) or 0)):
+        device = catalog[tier]
+        width = widths.get(tier)
+        budget = _budget(device, usable)
+        row: dict[str, Any] = {"tier": tier, "width": width}
+        if width is None:
+            smallest = min(ladder)
+            need = training_memory_bytes(sliced_config(target, smallest, axes), batch, seq)
+            rows.append({**row, "slice": "-", "params": None, "peak MB": _mb(need),
+                         "device MB": round(device.memory_gb * 1024),
+                         "fits": f"NO: even width {smallest:g} needs {_mb(need)} MB, {_mb(budget)} MB usable",
+                         **_UNPRICED})
+            continue
+        if recipe.fusion.forward == "full" and tier_methods(recipe).get(tier) == "submodel":
+            rows.append({**row, **window_row(recipe, target, tier, device, budget, tokens)})
+            continue
+        sub = sliced_config(target, width, axes)
+        params = param_count(sub)
+        mem = training_memory_bytes(sub, batch, seq)
+        rows.append({
+            **row,
+            "slice": f"{sub.num_attention_heads}/{target.num_attention_heads} heads, "
+                     f"{_dims(sub)[1]}/{_dims(target)[1]} neurons",
+            "params": params, "peak MB": _mb(mem), "device MB": round(device.memory_gb * 1024),
+            "fits": "yes" if mem <= budget else "NO",
+            **priced(device, train_flops(params, tokens), *_wire_bytes(recipe, tier, params)),
+        })
+    return rows
+
+
+_FROZEN_BITS = {"float32": 32, "float16": 16, "int8": 8, "int4": 4}
+
+
+def window_row(recipe: Recipe, target: PretrainedConfig, tier: str, device: Device, budget: float,
+               tokens: int) -> dict[str, Any]:
+    """A full-forward tier's plan (``fusion.forward=full``): its window of units (``fusion.window_widths``, else its
+    width; the residual stream whole), the frozen target held in ``fusion.frozen_dtype`` plus the window's weights,
+    gradients and AdamW state and the whole target's activations; the frozen target down (every round) and the
+    window both ways; the target's forward and activation gradients plus the window's training as FLOPs."""
+    f = recipe.fusion
+    width = f.window_widths.get(tier, f.widths[tier])
+    axes = tuple(a for a in (f.axes or ("heads", "neurons")) if a != "hidden")
+    plan = replace(plan_slice(target, width, "static", axes=axes, scale=False), shared=f.window_shared)
+    with torch.device("meta"):
+        state = AutoModelForCausalLM.from_config(target).state_dict()
+    window = window_params(target, state, plan)
+    total = param_count(target)
+    mem = estimate_memory(target, recipe.train.batch_size, recipe.train.seq_len, base_bits=_FROZEN_BITS[f.frozen_dtype],
+                          window=window).total
+    down = encoded_bytes(f.frozen_dtype, total) + encoded_bytes(f.wire_dtype, window)
+    return {"width": width, "slice": f"window of {width:g} of the units, full forward ({f.frozen_dtype} target)",
+            "params": window, "peak MB": _mb(mem), "device MB": round(device.memory_gb * 1024),
+            "fits": "yes" if mem <= budget else "NO",
+            **priced(device, train_flops(frozen_work_params(total, window), tokens), down,
+                     encoded_bytes(f.wire_up, window))}
+
+
+def _family_label(name: str, config: PretrainedConfig, kind: str) -> str:
+    """e.g. ``small: gpt2 48x2, 4 heads, bpe 384``: the family, its width x layers, heads and tokenizer."""
+    h, _, heads, _, _, layers = _dims(config)
+    vocab = "" if kind == "target" else f" {config.vocab_size}"
+    return f"{name}: {config.model_type} {h}x{layers}, {heads} heads, {kind}{vocab}"
+
+
+def distill_plan_table(recipe: Recipe, usable: float = USABLE, tiers: Sequence[str] | None = None,
+                       ) -> list[dict[str, Any]]:
+    """One row per tier for distillation fusion: the family model it trains (FedAvg within the family), its
+    parameters, memory, and one round's cost (:func:`priced`: training FLOPs, the family model down and up in
+    float32); then the server's row (:func:`server_plan_row`). Builds the families as the run does (BPE
+    tokenizers trained on the transfer text), so the parameter counts are the run's. ``tiers`` (default: every tier
+    of the mix) picks the tiers to plan (a mixed federation's distillation tiers)."""
+    from fedfusion.data.population import data_spec
+    from fedfusion.data.text import load_tokenizer
+    from fedfusion.train.distill import forward_flops
+    from fedfusion.train.transfer import distill_families, transfer_text
+
+    catalog = load_catalog(recipe.population.catalog)
+    d, batch, seq = recipe.distill, recipe.train.batch_size, recipe.train.seq_len
+    text = transfer_text(d.transfer.source, data_spec(recipe), d.transfer.max_chars, d.transfer.path)
+    families = distill_families(recipe, load_tokenizer(recipe.model.pretrained), text)
+    tokens = recipe.train.local_steps * batch * seq
+    rows, trained = [], {}
+    for tier in tiers or recipe.population.mix:
+        device, name = catalog[tier], d.tier_family[tier]
+        config = families[name][0]
+        params = trained[name] = param_count(config)
+        mem = training_memory_bytes(config, batch, seq)
+        rows.append({
+            "tier": tier, "trains": _family_label(name, config, d.families[name].tokenizer),
+            "params": params, "peak MB": _mb(mem), "device MB": round(device.memory_gb * 1024),
+            "fits": "yes" if mem <= _budget(device, usable) else "NO",
+            **priced(device, train_flops(params, tokens), 4 * params, 4 * params),
+        })
+    target = param_count(recipe_target(recipe))
+    server_tokens, back_tokens = (steps * d.server_batch_size * seq for steps in (d.server_steps, d.back_steps))
+    teachers = d.kd_weight > 0  # kd_weight 0 trains on the transfer text alone: no teacher runs
+    flops = train_flops(target, server_tokens) + teachers * sum(forward_flops(p, server_tokens)
+                                                                for p in trained.values())
+    if d.back_distill:
+        flops += sum(train_flops(p, back_tokens) + teachers * forward_flops(target, back_tokens)
+                     for p in trained.values())
+    what = f"distils {', '.join(sorted(trained))} in ({d.server_steps} steps)" + (
+        f", and back ({d.back_steps} each)" if d.back_distill else "")
+    return rows + [server_plan_row(recipe, d.server_device, what, flops, d.server_batch_size, usable)]
+
+
+def mixed_plan_table(recipe: Recipe, usable: float = USABLE) -> list[dict[str, Any]]:
+    """A mixed federation (``fusion.tiers``): every tier's row from its own method's table, with a ``method`` column
+    (what it trains under ``trains``), then the server's rows of the methods that have server work."""
+    methods = tier_methods(recipe)
+    mine = {m: [t for t, n in methods.items() if n == m] for m in dict.fromkeys(methods.values())}
+    rows: list[dict[str, Any]] = []
+    if "submodel" in mine or "generative" in mine:
+        slicing = plan_table(recipe, usable=usable, tiers=mine.get("submodel", []) + mine.get("generative", []))
+        rows += [{"method": methods[r["tier"]], **r,
+                  "trains": f"width {r['width']:g}: {r['slice']}" if r["width"] is not None else r["slice"]}
+                 for r in slicing]
+    server = []
+    if "distill" in mine:
+        *family_rows, distill_server = distill_plan_table(recipe, usable, mine["distill"])
+        rows += [{"method": "distill", **r} for r in family_rows]
+        server.append({"method": "distill", **distill_server})
+    if "generative" in mine:
+        server.append({"method": "generative", **generative_server_row(recipe, usable)})
+    order = list(recipe.population.mix)
+    return sorted(rows, key=lambda r: order.index(r["tier"])) + server
+
+
+def generative_server_row(recipe: Recipe, usable: float = USABLE) -> dict[str, Any]:
+    """The server's row under generative distillation: it trains the target on the clients' samples."""
+    g = recipe.generative
+    flops = train_flops(param_count(recipe_target(recipe)), g.server_steps * g.server_batch * recipe.train.seq_len)
+    return server_plan_row(recipe, g.server_device, f"learns the samples ({g.server_steps} steps)",
+                           flops, g.server_batch, usable)
+
+
+def server_plan_row(recipe: Recipe, server_device: str, what: str, flops: float, batch: int,
+                    usable: float = USABLE) -> dict[str, Any]:
+    """The server's own work per round, priced on ``server_device`` as the ledger prices it (``server_energy_j``:
+    its FLOPs, no transfers); memory is training the target at the server's batch size."""
+    device = load_catalog(recipe.population.catalog)[server_device]
+    target = recipe_target(recipe)
+    mem = training_memory_bytes(target, batch, recipe.train.seq_len)
+    return {"tier": f"server ({server_device})", "trains": what, "params": param_count(target),
+            "peak MB": _mb(mem), "device MB": round(device.memory_gb * 1024),
+            "fits": "yes" if mem <= _budget(device, usable) else "NO", **priced(device, flops, 0, 0)}
+
+
+def lora_plan_table(recipe: Recipe, base_config: PretrainedConfig, usable: float = USABLE) -> list[dict[str, Any]]:
+    """One row per tier for LoRA fusion: its rank and base precision, trainable parameters, estimated peak
+    memory on its base and on an fp32 base, whether it fits, the largest rank that would fit, and one round's
+    cost (:func:`priced`: the FLOPs of :func:`~fedfusion.devices.energy.frozen_work_params`, the adapter down in
+    ``fusion.wire_dtype`` and up in ``fusion.wire_up``)."""
+    catalog = load_catalog(recipe.population.catalog)
+    lora, batch, seq = recipe.lora, recipe.train.batch_size, recipe.train.seq_len
+    modules = list(lora.target_modules)
+    compute = getattr(torch, lora.dtype).itemsize  # a quantised base computes (and keeps its other weights) in lora.dtype
+    base_params, tokens = param_count(base_config), recipe.train.local_steps * batch * seq
+    rows = []
+    for tier in recipe.population.mix:
+        device, rank, bits = catalog[tier], lora.ranks[tier], lora.quantize.get(tier, 0) or 32
+        est = estimate_memory(base_config, batch, seq, lora_rank=rank, base_bits=bits, lora_modules=modules,
+                              compute_bytes=compute)
+        fp32 = estimate_memory(base_config, batch, seq, lora_rank=rank, base_bits=32, lora_modules=modules)
+        best = fit_lora_rank(base_config, device, batch, seq, modules=modules, usable=usable, compute_bytes=compute)
+        rows.append({
+            "tier": tier, "rank": rank, "base": f"{bits}-bit", "trainable": est.trainable,
+            "peak MB": _mb(est.total), "fp32 base MB": _mb(fp32.total), "device MB": round(device.memory_gb * 1024),
+            "fits": "yes" if est.total <= _budget(device, usable) else "NO",
+            "max fit": f"r={best.rank} on {best.base_bits}-bit" if best else "nothing fits",
+            **priced(device, train_flops(frozen_work_params(base_params, est.trainable), tokens),
+                     encoded_bytes(recipe.fusion.wire_dtype, est.trainable), encoded_bytes(recipe.fusion.wire_up,
+                                                                                         est.trainable)),
+        })
+    return rows

@@ -1,0 +1,419 @@
+"""Reports: plots and a markdown summary of one run, or several runs side by side."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from itertools import accumulate
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+
+from fedfusion.config.choices import DEFAULT_CLOUD  # noqa: E402
+from fedfusion.data.federated import describe, read_partition_sizes  # noqa: E402
+from fedfusion.devices.catalog import load_catalog  # noqa: E402
+from fedfusion.run.edge_cloud import check_cloud, edge_cloud_markdown, work_from_clients  # noqa: E402
+from fedfusion.run.run_dir import read_jsonl  # noqa: E402
+
+# What eval_loss, eval_ppl and eval_acc measure, by how the target is scored: fedfusion.run.targets picks one for
+# the run and summary.json records it as metric_names
+CHAR_METRICS = {"eval_loss": "held-out loss (nats/char)", "eval_ppl": "held-out perplexity",
+                "eval_acc": "next-character accuracy"}
+TOKEN_METRICS = {"eval_loss": "held-out loss (nats/token)", "eval_ppl": "held-out perplexity (per token)",
+                 "eval_acc": "next-token accuracy"}
+FACTS_METRICS = {"eval_loss": "probe answer loss (nats/token)", "eval_ppl": "probe answer perplexity",
+                 "eval_acc": "probe accuracy"}
+RESPONSE_METRICS = {"eval_loss": "held-out response loss (nats/token)", "eval_ppl": "held-out response perplexity",
+                    "eval_acc": "next-token accuracy (response tokens)"}
+LOWER_IS_BETTER = {"eval_loss": True, "eval_ppl": True, "eval_acc": False, "probe_acc": False}
+
+
+def _load(run: Path) -> tuple[list[dict], dict]:
+    metrics = run / "metrics.jsonl"
+    if not metrics.is_file():
+        raise FileNotFoundError(f"{run}: no metrics.jsonl; is this a fedfusion run directory?")
+    summary_path = run / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {"status": "incomplete"}
+    return read_jsonl(metrics), summary
+
+
+def _label(run: Path) -> str:
+    return run.resolve().name
+
+
+def _best(rows: list[dict], key: str) -> tuple[float, int] | None:
+    """The best value of ``key`` over all rounds (round 0, the initial target, included) and its round;
+    the earliest such round on ties; None where no row has the key."""
+    scored = [r for r in rows if r.get(key) is not None]
+    if not scored:
+        return None
+    row = (min if LOWER_IS_BETTER[key] else max)(scored, key=lambda r: r[key])
+    return row[key], row["round"]
+
+
+def _metric_names(summary: dict) -> dict[str, str]:
+    """What the run's eval fields measure, as its summary records them; a run written before summaries did:
+    the probe metrics for a knowledge run, else the character-level ones."""
+    return summary.get("metric_names") or (FACTS_METRICS if "facts" in summary else CHAR_METRICS)
+
+
+def _curve_labels(runs: list[Path]) -> tuple[tuple[str, str], ...]:
+    """(metric, label) of each curve; runs that measure different things side by side name each of them."""
+    names = [_metric_names(_load(run)[1]) for run in runs]
+    return tuple((key, " or ".join(dict.fromkeys(n[key] for n in names))) for key in ("eval_loss", "eval_ppl", "eval_acc"))
+
+
+def plot_curves(runs: list[Path], out_dir: Path) -> list[Path]:
+    """One PNG per metric, every run as a line against the round number."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for key, title in _curve_labels(runs):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for run in runs:
+            rows, _ = _load(run)
+            ax.plot([r["round"] for r in rows], [r[key] for r in rows], marker="o", label=_label(run))
+        ax.set_title(f"{title[0].upper()}{title[1:]} by round ({'higher' if key == 'eval_acc' else 'lower'} is better)",
+                     fontsize=10)
+        ax.set_xlabel("round")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_ylabel(title)
+        if key == "eval_ppl":
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = out_dir / f"{key}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    paths.append(_plot_cost(runs, out_dir))
+    return paths
+
+
+def _plot_cost(runs: list[Path], out_dir: Path) -> Path:
+    """Held-out loss against cumulative energy and cumulative CO2e: what the learning cost."""
+    loss = _curve_labels(runs)[0][1]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    for run in runs:
+        rows, _ = _load(run)
+        for ax, key in zip(axes, ("energy_j", "co2_g")):
+            xs = list(accumulate(r.get(key, 0.0) for r in rows))
+            ax.plot(xs, [r["eval_loss"] for r in rows], marker="o", label=_label(run))
+    server = any(r.get("server_energy_j") for run in runs for r in _load(run)[0])
+    axes[0].set_xlabel(f"cumulative energy, all clients{' and the server' if server else ''} "
+                       "(J, priced from counted work)")
+    axes[1].set_xlabel("cumulative CO2e (g, operational + embodied)")
+    axes[0].set_ylabel(loss)
+    name = loss.split(" (")[0]
+    axes[0].set_title(f"{name[0].upper()}{name[1:]} against cumulative energy", fontsize=10)
+    axes[1].set_title(f"{name[0].upper()}{name[1:]} against cumulative CO2e", fontsize=10)
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    path = out_dir / "loss_vs_cost.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _data_section(run: Path) -> list[str]:
+    """Examples per client (a histogram) and, where the data has labels, each client's label mix."""
+    sizes = read_partition_sizes(run)
+    if sizes is None:
+        return []
+    (run / "plots").mkdir(parents=True, exist_ok=True)
+    fig, axes = plt.subplots(1, 2 if sizes.labels else 1, figsize=(11 if sizes.labels else 6, 4), squeeze=False)
+    axes[0, 0].hist(sizes.examples, bins=min(20, max(1, len(set(sizes.examples)))), color="tab:blue")
+    axes[0, 0].set_xlabel(f"{sizes.unit} per client")
+    axes[0, 0].set_ylabel("clients")
+    axes[0, 0].set_title(f"Data per client ({len(sizes.examples)} clients)", fontsize=10)
+    if sizes.labels:
+        labels = sorted({label for counts in sizes.labels for label in counts})
+        bottom = [0] * len(sizes.labels)
+        for label in labels:
+            heights = [counts.get(label, 0) for counts in sizes.labels]
+            axes[0, 1].bar(range(len(heights)), heights, bottom=bottom, label=label if len(labels) <= 12 else None)
+            bottom = [b + h for b, h in zip(bottom, heights)]
+        axes[0, 1].set_xlabel("client")
+        axes[0, 1].set_ylabel(sizes.unit)
+        axes[0, 1].set_title(f"Each client's {sizes.label} mix ({len(labels)} labels)", fontsize=10)
+        if len(labels) <= 12:
+            axes[0, 1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(run / "plots" / "partitions.png", dpi=110)
+    plt.close(fig)
+    return ["## Data", "", *(f"    {line}" for line in describe(sizes)), "", "![partitions](plots/partitions.png)", ""]
+
+
+def _fmt(value: object) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return "" if value is None else str(value)
+
+
+def _edge_cloud_section(recipe: Any, clients: list[dict]) -> str:
+    """The run's client work priced on a cloud GPU instead (fedfusion.run.edge_cloud), or why it cannot be."""
+    if not clients:
+        return "## Edge vs cloud\n\nNo client work was recorded."
+    catalog = load_catalog(OmegaConf.select(recipe, "population.catalog", default=None))
+    cloud = OmegaConf.select(recipe, "report.cloud", default=DEFAULT_CLOUD)
+    try:
+        check_cloud(cloud, catalog)
+    except ValueError as exc:
+        return f"## Edge vs cloud\n\nNo cloud reference to price the work on: report.{exc}."
+    work = work_from_clients(clients)
+    if not any(w.useful > 0 for w in work):
+        return ("## Edge vs cloud\n\nNo client work reached the model (every reply failed, was rejected or cut): "
+                "the cloud would have trained nothing, so there is nothing to compare.")
+    return edge_cloud_markdown(work, catalog=catalog, cloud=cloud)
+
+
+def _capital(text: str) -> str:
+    return text[:1].upper() + text[1:]
+
+
+def _recipe(run: Path) -> Any:
+    """The run's resolved recipe as an OmegaConf node (an empty one where the run directory has none)."""
+    return OmegaConf.load(run / "recipe.yaml") if (run / "recipe.yaml").is_file() else OmegaConf.create({})
+
+
+def _server_method(recipe: Any) -> str:
+    """The method whose server work the run prices (distill before generative in a mixed federation), else ''."""
+    method = OmegaConf.select(recipe, "fusion.method", default="")
+    used = set((OmegaConf.select(recipe, "fusion.tiers", default=None) or {}).values()) if method == "mixed" else {method}
+    return next((m for m in SERVER_WORK if m in used), "")
+
+
+def _server_device(recipe: Any) -> str:
+    """The catalog tier the server's own work is priced on (distillation and generative fusion), else ''."""
+    method = _server_method(recipe)
+    return OmegaConf.select(recipe, f"{method}.server_device", default="") if method else ""
+
+
+SERVER_WORK = {"distill": "the server's distillation", "generative": "the server's training on the samples"}
+
+
+def _cost_line(recipe: Any, rows: list[dict], summary: dict) -> str:
+    """Energy, carbon and simulated time, the clients' work apart from the server's own (distillation and
+    generative fusion price the server's training too, and the run's totals include it)."""
+    server_j, server_g = (sum(r.get(k) or 0.0 for r in rows) for k in ("server_energy_j", "server_co2_g"))
+    clients = (f"Clients' work priced on their device profiles: {summary['energy_j'] - server_j:.1f} J "
+               f"({summary['wasted_j']:.1f} J wasted on failed, rejected, dropped or cut work), "
+               f"{summary['co2_g'] - server_g:.4f} g CO2e")
+    if not server_j:
+        return f"{clients}, {summary['virtual_s']:.1f} s of simulated time."
+    work = SERVER_WORK.get(_server_method(recipe), "the server's own work")
+    flops = sum(r.get("server_flops") or 0.0 for r in rows)
+    return (f"{clients}. {_capital(work)}, priced on {_server_device(recipe) or 'its device profile'}: "
+            f"{server_j:.1f} J ({flops:.3g} FLOPs), {server_g:.4f} g CO2e. Together {summary['energy_j']:.1f} J, "
+            f"{summary['co2_g']:.4f} g CO2e, {summary['virtual_s']:.1f} s of simulated time (the server's included).")
+
+
+def _work_section(recipe: Any, clients: list[dict], rows: list[dict]) -> list[str]:
+    """Who did the work: per device tier what its clients trained, how often, and its priced energy; then the
+    server's own training where it has any."""
+    if not clients:
+        return []
+    lines = ["## Who did the work", "", "| who | trained | params | client rounds ok | other | energy J | CO2e g |",
+             "|---|---|---|---|---|---|---|"]
+    method = OmegaConf.select(recipe, "fusion.method", default="")
+    for tier in dict.fromkeys(c["device"] for c in clients):
+        mine = [c for c in clients if c["device"] == tier]
+        trained = ", ".join(dict.fromkeys(_trained(c, method) for c in mine))
+        params = ", ".join(dict.fromkeys(f"{c['params']:,}" for c in mine if c.get("params")))
+        ok = sum(c["status"] == "ok" for c in mine)
+        lines.append(f"| {tier} | {trained} | {params} | {ok} | {len(mine) - ok} | "
+                     f"{sum(c.get('energy_j') or 0.0 for c in mine):.4g} | {sum(c.get('co2_g') or 0.0 for c in mine):.4g} |")
+    server_j = sum(r.get("server_energy_j") or 0.0 for r in rows)
+    if server_j:
+        rounds = sum(1 for r in rows if r.get("server_flops"))
+        lines.append(f"| server ({_server_device(recipe) or '?'}) | {SERVER_WORK.get(_server_method(recipe), 'its own work')} | | "
+                     f"{rounds} rounds | | {server_j:.4g} | {sum(r.get('server_co2_g') or 0.0 for r in rows):.4g} |")
+    note = ("params: what a client of that tier trained (priced at 6 x params x tokens); other: failed, rejected, "
+            "timed-out, cut or dropped client rounds.")
+    if method == "generative":
+        note += (" A client's sampling (writing the windows it sends) is not priced; the samples' bytes are, in its "
+                 "upload.")
+    return lines + ["", note, ""]
+
+
+def _trained(client: dict, method: str) -> str:
+    """What one client round trained, from its ledger row (its ``method``, or the run's fusion method)."""
+    method = client.get("method") or method
+    assignment = client.get("assignment") or {}
+    if "family" in assignment:
+        return f"family {assignment['family']}"
+    if client.get("rank"):
+        bits = client.get("quantize") or 0
+        return f"LoRA rank {client['rank']}" + (f" on a {bits}-bit base" if bits else "")
+    if client.get("width") is None:
+        return "-"
+    if method == "generative":
+        return f"its own model (the static slice at width {client['width']:g})"
+    return f"width {client['width']:g} slice"
+
+
+def _family_section(rows: list[dict], summary: dict) -> list[str]:
+    """Distillation fusion: every client family's held-out scores (per character, like the target's), final and
+    best, next to the target's."""
+    names = sorted({k[len("family_"):-len("_loss")] for r in rows for k in r
+                    if k.startswith("family_") and k.endswith("_loss")})
+    if not names:
+        return []
+    lines = ["## Client families", "",
+             "Each family model is scored after every round on the same held-out text as the target, in nats per "
+             "character whatever its tokenizer; accuracy is next-character accuracy for character-level families "
+             "and next-token accuracy (in the family's own tokens) for the others.", "",
+             "| model | final loss (nats/char) | final ppl | final acc | best loss (round) |", "|---|---|---|---|---|"]
+    last = rows[-1]
+    target_best = _best(rows, "eval_loss") or (last["eval_loss"], last["round"])
+    lines.append(f"| target | {last['eval_loss']:.4f} | {last['eval_ppl']:.3f} | {last['eval_acc']:.4f} "
+                 f"({_metric_names(summary)['eval_acc']}) | "
+                 f"{target_best[0]:.4f} ({target_best[1]}) |")
+    for name in names:
+        scored = [r for r in rows if r.get(f"family_{name}_loss") is not None]
+        final = scored[-1]
+        acc = (f"{final[f'family_{name}_acc']:.4f} (next-character accuracy)" if f"family_{name}_acc" in final else
+               f"{final[f'family_{name}_token_acc']:.4f} (next-token accuracy)" if f"family_{name}_token_acc" in final else "")
+        best = min(scored, key=lambda r: r[f"family_{name}_loss"])
+        lines.append(f"| family {name} | {final[f'family_{name}_loss']:.4f} | {final[f'family_{name}_ppl']:.3f} | "
+                     f"{acc} | {best[f'family_{name}_loss']:.4f} ({best['round']}) |")
+    return lines + [""]
+
+
+def _headline(rows: list[dict], summary: dict) -> list[str]:
+    """Initial -> final, and the best round, of the run's two headline metrics: the last round is often
+    not the best, and a report that shows only the last one misleads."""
+    first, last = summary["initial"], summary["final"]
+    final_round = rows[-1]["round"] if rows else summary.get("rounds")
+    names = _metric_names(summary)
+    if "facts" in summary:
+        metrics = (("eval_loss", "Probe answer loss", ".3f", " nats/token"), ("eval_acc", names["eval_acc"], ".3f", ""))
+    else:
+        metrics = (("eval_ppl", _capital(names["eval_ppl"]), ".2f", ""), ("eval_acc", names["eval_acc"], ".3f", ""))
+    parts, worse = [], []
+    for key, name, fmt, unit in metrics:
+        best = _best(rows, key) or (last[key], final_round)
+        parts.append(f"{name} {first[key]:{fmt}} -> final **{last[key]:{fmt}}**{unit} (round {final_round}), "
+                     f"best **{best[0]:{fmt}}**{unit} (round {best[1]})")
+        if best[1] != final_round and best[0] != last[key]:
+            worse.append(f"{name.lower()} was best at round {best[1]}")
+    lines = ["; ".join(parts) + ".", ""]
+    if worse:
+        lines += [f"The final round is not the best one ({', '.join(worse)}): the final figures, and any saved "
+                  "model, are those of the final round.", ""]
+    return lines
+
+
+def _participation_section(recipe: Any, clients: list[dict], summary: dict) -> list[str]:
+    """Who was selected and who took part: the selector, the availability model, dropouts, failures and cuts,
+    how many of the population ever trained, and Jain's fairness of their participation (what ``clients.jsonl``
+    and the summary measured)."""
+    if not clients or summary.get("status") != "ok":
+        return []
+    selector = OmegaConf.select(recipe, "selection.method", default="random")
+    population = OmegaConf.select(recipe, "population.num_clients", default=None)
+    available = bool(OmegaConf.select(recipe, "availability.enabled", default=False))
+    status = Counter(str(c.get("status")) for c in clients)
+    trained = {c.get("partition") for c in clients if c.get("status") == "ok"}
+    by_tier = Counter(str(c.get("device")) for c in clients if c.get("status") == "ok")
+    lines = ["## Selection and participation", "",
+             f"Selector **{selector}**; availability model **{'on' if available else 'off'}**"
+             + ("" if available else " (every client always available)") + ". Over the run the server asked "
+             f"{sum(status.values())} client rounds: {status.get('ok', 0)} ok, {status.get('dropped', 0)} dropped "
+             f"before training (unavailable), {status.get('cut', 0)} cut by over-selection, "
+             f"{sum(v for k, v in status.items() if k not in ('ok', 'dropped', 'cut'))} failed or rejected.", ""]
+    jain = summary.get("participation_jain")
+    if population:
+        lines += [f"{len(trained)} of the population's {population} clients trained at least once"
+                  + (f"; Jain's fairness of participation (1 = every client trained equally often): {jain:.2f}"
+                     if isinstance(jain, (int, float)) else "") + ".", ""]
+    if by_tier:
+        lines += ["| tier | client rounds ok | share |", "|---|---|---|"]
+        total = sum(by_tier.values())
+        lines += [f"| {tier} | {n} | {n / total:.0%} |" for tier, n in sorted(by_tier.items())] + [""]
+    return lines
+
+
+def write_report(run: Path) -> Path:
+    """report.md and plots/ for one run directory."""
+    rows, summary = _load(run)
+    recipe = _recipe(run)
+    clients = read_jsonl(run / "clients.jsonl") if (run / "clients.jsonl").is_file() else []
+    plots = plot_curves([run], run / "plots")
+    cols = ("round", "eval_loss", "eval_ppl", "eval_acc", "train_loss", "coverage", "clients_ok",
+            "clients_failed", "clients_cut", "bytes_down", "bytes_up", "energy_j", "co2_g", "virtual_s", "wall_s")
+    lines = [f"# Run report: {_label(run)}", ""]
+    if "facts" in summary:  # federated knowledge: lead with what the target recalls
+        f = summary["facts"]
+        best_round = _best(rows, "probe_acc")
+        at = f" at round {best_round[1]}" if best_round else ""
+        lines += [f"**The target recalls {100 * f['probe_acc']:.1f} % of all {f['clients']} clients' {f['probes']} facts** "
+                  f"after the final round (best: {100 * f['best_probe_acc']:.1f} %{at}); a device training alone sees "
+                  "only its own facts, "
+                  f"so the best any single device could recall alone is {100 * f['largest_client_share']:.1f} % "
+                  "(the largest client's share, with perfect memory).", ""]
+    lines += [f"Status: **{summary.get('status')}**", ""]
+    if summary.get("status") == "ok":
+        lines += [
+            f"Target: {summary['target_params']:,} parameters, {summary['rounds']} rounds, "
+            f"{summary['wall_s']:.0f} s wall. " + _cost_line(recipe, rows, summary),
+            "",
+            *_headline(rows, summary),
+            ("Greedy answers of the final target to a few probes:" if "facts" in summary
+             else "Sample from the final target (top-k 10):"),
+            "",
+            "```",
+            summary.get("sample", ""),
+            "```",
+            "",
+        ]
+    lines += _data_section(run)
+    lines += (_family_section(rows, summary) + _work_section(recipe, clients, rows)
+              + _participation_section(recipe, clients, summary))
+    lines += ["## Rounds", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |" for r in rows]
+    lines += [""] + [f"![{p.stem}](plots/{p.name})" for p in plots] + [""]
+    lines += [_edge_cloud_section(recipe, clients), ""]
+    path = run / "report.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def compare_runs(runs: list[Path], out_dir: Path) -> Path:
+    """Side-by-side report of several runs: overlaid curves and a table of final and best metrics."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plots = plot_curves(runs, out_dir / "plots")
+    loaded = [(run, *_load(run)) for run in runs]
+    lines = ["# Comparison", "",
+             "**final** is the last round's evaluation (what the run ends with); **best** is the best round's "
+             "(lowest loss and perplexity, highest accuracy, round 0 = the initial target included), with that "
+             "round in parentheses. Where they differ, the run ended worse than it had been.", ""]
+    facts = [_label(run) for run, _, summary in loaded if "facts" in summary]
+    if facts:
+        lines += [f"Knowledge runs ({', '.join(facts)}) score their probes: loss is the probe answer loss "
+                  "(nats/token), acc the probe accuracy.", ""]
+    lines += ["| run | status | rounds | final loss | final ppl | final acc | best loss (round) | best ppl (round) | "
+              "best acc (round) | energy J | CO2e g | wall s |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for run, rows, summary in loaded:
+        last = rows[-1]
+        energy, co2 = (sum(r.get(k, 0.0) for r in rows) for k in ("energy_j", "co2_g"))
+        best = {}
+        for key, fmt in (("eval_loss", ".4f"), ("eval_ppl", ".3f"), ("eval_acc", ".4f")):
+            value = _best(rows, key)
+            best[key] = f"{value[0]:{fmt}} ({value[1]})" if value else ""
+        lines.append(f"| {_label(run)} | {summary.get('status')} | {last['round']} | {last['eval_loss']:.4f} | "
+                     f"{last['eval_ppl']:.3f} | {last['eval_acc']:.4f} | {best['eval_loss']} | {best['eval_ppl']} | "
+                     f"{best['eval_acc']} | {energy:.4g} | {co2:.4g} | {_fmt(summary.get('wall_s'))} |")
+    lines += [""] + [f"![{p.stem}](plots/{p.name})" for p in plots] + [""]
+    path = out_dir / "report.md"
+    path.write_text("\n".join(lines))
+    return path

@@ -1,0 +1,1 @@
+"""Who trains in a round: selectors and the participation draw."""

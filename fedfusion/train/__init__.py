@@ -1,0 +1,1 @@
+"""Local training: the training step and loops, evaluation, distillation losses, the transfer set."""

@@ -1,0 +1,1 @@
+"""What messages carry: typed specs, record and metric keys, the quantised codec."""

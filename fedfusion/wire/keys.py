@@ -1,0 +1,8 @@
+"""Record and metric keys that more than one side of a message reads or writes, each spelled once."""
+
+from __future__ import annotations
+
+# a reply's MetricRecord: how many examples the client trained or evaluated on (Flower's FedAvg weighs by it too)
+NUM_EXAMPLES = "num-examples"
+# wire arrays a LoRA client applies, never trains (FLoRA's merged update): the DP mods leave them alone
+FROZEN_SUFFIXES = (".merged_A", ".merged_B", ".merged_W")

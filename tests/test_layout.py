@@ -1,0 +1,128 @@
+"""The package layout is the map of the flow: config -> wire, devices -> data -> models -> train -> fusion ->
+selection, run -> entry points. Every module's whole import closure (module-level and function-level imports,
+read from the source, nothing imported) stays inside the packages its own package may use, so there is no
+import cycle anywhere and a recipe loads without importing any implementation."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).parents[1]
+DIRS = {"fedfusion": ROOT / "fedfusion", "fedfusion.strategies": ROOT / "strategies", "fedfusion.clients": ROOT / "clients"}
+
+# what each package may import directly; what it may reach through them follows (the closure below)
+USES = {
+    "config": set(),
+    "wire": {"config"},
+    "devices": {"config"},
+    "data": {"config", "devices", "wire"},
+    "models": {"config", "data", "wire"},
+    "train": {"models", "data"},
+    "fusion": {"config", "wire", "devices", "data", "models", "train"},
+    "selection": {"config", "devices"},
+    "phone": {"models", "train", "wire"},
+    "strategies": {"fusion", "selection", "wire", "devices"},
+    "clients": {"wire", "data", "models", "train", "phone"},
+    "run": {"config", "wire", "devices", "data", "models", "train", "fusion", "selection", "strategies"},
+}
+ENTRY_POINTS = {"fedfusion", "fedfusion.__main__", "fedfusion.cli", "fedfusion.server_app", "fedfusion.client_app",
+                "fedfusion.deploy", "fedfusion.phone.commands"}  # phone.commands: the CLI's phone commands
+
+
+def allowed(package: str) -> set[str]:
+    """``package`` and every package it reaches through USES."""
+    seen, todo = {package}, [package]
+    while todo:
+        for used in USES[todo.pop()]:
+            if used not in seen:
+                seen.add(used)
+                todo.append(used)
+    return seen
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for name, folder in DIRS.items():
+        for path in folder.rglob("*.py"):
+            parts = [p for p in path.relative_to(folder).with_suffix("").parts if p != "__init__"]
+            found[".".join([name, *parts])] = path
+    return found
+
+
+MODULES = modules()
+
+
+def imports(module: str) -> set[str]:
+    """The project modules ``module`` imports anywhere in its source (``from a.b import c`` counts ``a.b.c``
+    when that is a module, else ``a.b``)."""
+    path, found = MODULES[module], set()
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + [base]).strip(".")
+            names = [f"{base}.{a.name}" for a in node.names] + [base]
+        else:
+            continue
+        for name in names:
+            while name and name not in MODULES:
+                name = name.rpartition(".")[0]
+            if name and name != module:
+                found.add(name)
+    return found
+
+
+EDGES = {m: imports(m) for m in MODULES}
+
+
+def package_of(module: str) -> str | None:
+    """The layout package a module belongs to; None for entry points and the root."""
+    if module in ENTRY_POINTS:
+        return None
+    parts = module.split(".")
+    return parts[1] if parts[1] in USES else None
+
+
+def closure(module: str) -> dict[str, list[str]]:
+    """Every module ``module`` reaches through imports, each with one import chain that reaches it."""
+    paths, todo = {module: [module]}, [module]
+    while todo:
+        here = todo.pop()
+        for nxt in sorted(EDGES[here]):
+            if nxt not in paths:
+                paths[nxt] = [*paths[here], nxt]
+                todo.append(nxt)
+    del paths[module]
+    return paths
+
+
+def test_every_module_reaches_only_the_packages_below_it():
+    bad = []
+    for module in sorted(MODULES):
+        package = package_of(module)
+        if package is None:
+            continue
+        ok = allowed(package)
+        for reached, chain in closure(module).items():
+            if reached != "fedfusion" and (package_of(reached) not in ok or reached in ENTRY_POINTS):
+                bad.append(f"{package}: {' -> '.join(chain)}")
+    assert not bad, "imports against the layout:\n" + "\n".join(bad)
+
+
+def test_no_import_cycle_anywhere():
+    cyclic = sorted(m for m in MODULES if m in closure(m))
+    assert not cyclic, f"modules that import themselves through others: {cyclic}"
+
+
+def test_every_module_lives_in_a_package_of_the_layout():
+    flat = sorted(m for m in MODULES if package_of(m) is None and m not in ENTRY_POINTS and m.count(".") > 0
+                  and m.split(".")[1] not in ("catalog", "recipes"))
+    assert not flat, f"modules outside the layout's packages: {flat}"
+
+
+def test_the_root_package_imports_nothing_of_fedfusion():
+    assert not EDGES["fedfusion"]
