@@ -1,0 +1,169 @@
+"""The server's unit scheduler: plan a phase, send one message per device, verify, re-dispatch, assemble.
+
+Workers are callables ``bytes -> bytes | None`` (``None``: no reply before the deadline). In-process they are
+``compute_units`` or one of the emulated behaviours of ``fedfusion.units.workers``; on Flower they wrap a
+message round trip. The engine records per phase what moved (measured serialised bytes per device) so the
+timeline (``fedfusion.units.timeline``) can price the step under links, micro-batches and churn.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from fedfusion.units.devices import UnitDevice
+from fedfusion.units.messages import Gemm, compute_units, decode_reply, encode_units, formula_bytes
+from fedfusion.units.plan import LAYOUTS, CostModel, GemmShape, PhasePlan, Tile, plan_phase
+from fedfusion.units.verify import Freivalds, Strikes
+
+Worker = Callable[[bytes], "bytes | None"]
+
+
+@dataclass
+class PhaseRecord:
+    """One phase as it ran: shapes, plan, measured and formula bytes per device, faults and server time."""
+
+    chain: int
+    shapes: list[GemmShape]
+    plan: PhasePlan
+    down_bytes: dict[int, int] = field(default_factory=dict)
+    up_bytes: dict[int, int] = field(default_factory=dict)
+    formula_down: dict[int, int] = field(default_factory=dict)
+    formula_up: dict[int, int] = field(default_factory=dict)
+    redispatched: int = 0
+    failed_devices: list[int] = field(default_factory=list)
+    verify_s: float = 0.0
+    server_s: float = 0.0
+
+
+@dataclass
+class UnitEngine:
+    """Routes GEMMs through sub-matrix units on ``devices``; exact up to the summation order of k-splits."""
+
+    devices: list[UnitDevice]
+    workers: list[Worker] | None = None
+    verifier: Freivalds | None = field(default_factory=lambda: Freivalds(seed=0))
+    strikes: Strikes = field(default_factory=Strikes)
+    layouts: tuple[str, ...] = LAYOUTS
+    max_groups: int | None = None
+    record: bool = True
+    chain: int = 0  # the micro-batch the next phases belong to (set by the training loop)
+    offline: set[int] = field(default_factory=set)
+    trace: list[PhaseRecord] = field(default_factory=list)
+    server_fallback: int = 0  # tiles the server computed itself because no device was left
+    _models: dict[int, CostModel] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.workers is None:
+            self.workers = [compute_units] * len(self.devices)
+        if len(self.workers) != len(self.devices):
+            raise ValueError("one worker per device")
+
+    def cost_model(self, elem_bytes: int) -> CostModel:
+        if elem_bytes not in self._models:
+            self._models[elem_bytes] = CostModel(self.devices, elem_bytes)
+        return self._models[elem_bytes]
+
+    def live(self) -> list[int]:
+        """Devices that may get units: online and not blocked."""
+        return [d for d in range(len(self.devices)) if d not in self.offline and not self.strikes.blocked(d)]
+
+    def phase(self, gemms: list[Gemm]) -> list[torch.Tensor]:
+        """Compute every GEMM of one phase through units and return the products."""
+        start, worker_s = time.perf_counter(), 0.0
+        elem = gemms[0].a.base.element_size()
+        cm = self.cost_model(elem)
+        shapes = [g.shape for g in gemms]
+        plan = plan_phase(cm, self.live(), shapes, self.layouts, self.max_groups)
+        rec = PhaseRecord(self.chain, shapes, plan)
+        results: dict[int, torch.Tensor] = {}
+        pending = dict(enumerate(plan.tiles))
+        tried: dict[int, set[int]] = {uid: set() for uid in pending}
+        first = True
+        while pending:
+            by_dev: dict[int, list[int]] = {}
+            for uid, tile in pending.items():
+                by_dev.setdefault(tile.device, []).append(uid)
+            for dev, uids in by_dev.items():
+                units = [(uid, gemms[pending[uid].gemm], pending[uid]) for uid in uids]
+                payload = encode_units(len(self.trace), units)
+                rec.down_bytes[dev] = rec.down_bytes.get(dev, 0) + len(payload)
+                if first:
+                    fd, fu = formula_bytes([u[2] for u in units], gemms, elem)
+                    rec.formula_down[dev], rec.formula_up[dev] = fd, fu
+                t0 = time.perf_counter()
+                reply = self.workers[dev](payload)  # type: ignore[index]
+                worker_s += time.perf_counter() - t0
+                for uid in uids:
+                    tried[uid].add(dev)
+                if reply is None:
+                    self.offline.add(dev)
+                    rec.failed_devices.append(dev)
+                    continue
+                rec.up_bytes[dev] = rec.up_bytes.get(dev, 0) + len(reply)
+                got = decode_reply(reply)
+                bad = False
+                for uid, tile, g in ((u, pending[u], gemms[pending[u].gemm]) for u in uids):
+                    c = got.get(uid)
+                    a, b = g.blocks(tile)
+                    v0 = time.perf_counter()
+                    ok = c is not None and (self.verifier.check(a, b, c) if self.verifier else c.shape == (
+                        tile.i1 - tile.i0, tile.j1 - tile.j0))
+                    rec.verify_s += time.perf_counter() - v0
+                    if ok:
+                        results[uid] = c  # type: ignore[assignment]
+                    else:
+                        bad = True
+                if bad:
+                    self.strikes.strike(dev)
+                    rec.failed_devices.append(dev)
+            first = False
+            for uid in [u for u in pending if u in results]:
+                del pending[uid]
+            for uid, tile in list(pending.items()):
+                pending[uid] = self._reassign(cm, tile, tried[uid], results, plan.tiles)
+                rec.redispatched += 1
+            for uid, tile in [(u, t) for u, t in pending.items() if t.device < 0]:
+                a, b = gemms[tile.gemm].blocks(tile)
+                results[uid] = a @ b
+                self.server_fallback += 1
+                del pending[uid]
+        out = self._assemble(gemms, plan.tiles, results)
+        rec.server_s = time.perf_counter() - start - worker_s
+        if self.record:
+            self.trace.append(rec)
+        return out
+
+    def _reassign(self, cm: CostModel, tile: Tile, tried: set[int], done: dict[int, torch.Tensor],
+                  tiles: list[Tile]) -> Tile:
+        """The same tile on the live device, not yet tried for it, with the earliest predicted finish (-1: none)."""
+        cand = [d for d in self.live() if d not in tried]
+        if not cand:
+            return Tile(tile.gemm, -1, tile.i0, tile.i1, tile.j0, tile.j1, tile.k0, tile.k1)
+        ndev = len(self.devices)
+        down, flops, up = np.zeros(ndev), np.zeros(ndev), np.zeros(ndev)
+        for t in tiles:
+            down[t.device] += t.a_elems + t.b_elems
+            flops[t.device] += t.flops
+            up[t.device] += t.c_elems
+        idx = np.array(cand)
+        finish = cm.time(down[idx] + tile.a_elems + tile.b_elems, flops[idx] + tile.flops, up[idx] + tile.c_elems)
+        dev = int(idx[int(np.argmin(finish))])
+        return Tile(tile.gemm, dev, tile.i0, tile.i1, tile.j0, tile.j1, tile.k0, tile.k1)
+
+    @staticmethod
+    def _assemble(gemms: list[Gemm], tiles: list[Tile], results: dict[int, torch.Tensor]) -> list[torch.Tensor]:
+        """Each GEMM's product from its tiles; k-split partials are summed in order of their inner range."""
+        outs = []
+        for gi, g in enumerate(gemms):
+            s = g.shape
+            c = torch.zeros((s.m, s.n), dtype=g.a.base.dtype)
+            for uid in sorted((u for u, t in enumerate(tiles) if t.gemm == gi), key=lambda u: tiles[u].k0):
+                t = tiles[uid]
+                c[t.i0:t.i1, t.j0:t.j1] += results[uid].to(c.dtype)
+            outs.append(c)
+        return outs

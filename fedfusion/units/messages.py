@@ -1,0 +1,148 @@
+"""What travels: one message per device per phase with all its units (operand blocks deduplicated), one reply.
+
+Wire format (also what the byte counts measure): a 4-byte little-endian header length, a JSON header, then the
+raw array bytes in header order. A message's header lists the units ``[uid, a_key, a_t, b_key, b_t]`` (the device
+computes ``op(a) @ op(b)``, ``op`` transposing when the flag is set) and the arrays ``[key, dtype, shape]``; a
+reply's header lists ``[uid, dtype, shape]`` of each result tile. ``compute_units`` is the whole device side.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from fedfusion.units.plan import GemmShape, Tile
+
+# Closed-form header sizes used by the byte formula (``formula_bytes``); the measured bytes include the real ones.
+MSG_HEADER = 48
+ARRAY_HEADER = 40
+UNIT_HEADER = 40
+
+
+@dataclass(frozen=True)
+class Operand:
+    """A GEMM operand: ``base`` (2-D, as the server holds it) or its transpose; ``key`` names it in the phase."""
+
+    key: str
+    base: torch.Tensor
+    t: bool = False
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        r, c = self.base.shape
+        return (c, r) if self.t else (r, c)
+
+    def block(self, r0: int, r1: int, c0: int, c1: int) -> tuple[str, torch.Tensor]:
+        """Key and tensor (in ``base`` coordinates) of the logical block ``[r0:r1, c0:c1]``."""
+        if self.t:
+            r0, r1, c0, c1 = c0, c1, r0, r1
+        return f"{self.key}[{r0}:{r1},{c0}:{c1}]", self.base[r0:r1, c0:c1]
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """``a @ b`` with both operands named so blocks shared by several units travel once."""
+
+    a: Operand
+    b: Operand
+
+    @property
+    def shape(self) -> GemmShape:
+        (m, k), (k2, n) = self.a.shape, self.b.shape
+        if k != k2:
+            raise ValueError(f"inner dimensions differ: {self.a.shape} @ {self.b.shape}")
+        return GemmShape(m, n, k)
+
+    def operands(self, tile: Tile) -> tuple[tuple[str, torch.Tensor], tuple[str, torch.Tensor]]:
+        """The (key, block) of A and of B that ``tile`` needs."""
+        return (self.a.block(tile.i0, tile.i1, tile.k0, tile.k1), self.b.block(tile.k0, tile.k1, tile.j0, tile.j1))
+
+    def blocks(self, tile: Tile) -> tuple[torch.Tensor, torch.Tensor]:
+        """The logical blocks ``op(A)[I, K]`` and ``op(B)[K, J]`` whose product is the tile."""
+        (_, a), (_, b) = self.operands(tile)
+        return (a.T if self.a.t else a), (b.T if self.b.t else b)
+
+
+def _pack(header: dict[str, object], arrays: list[np.ndarray]) -> bytes:
+    head = json.dumps(header, separators=(",", ":")).encode()
+    return b"".join([struct.pack("<I", len(head)), head] + [np.ascontiguousarray(a).tobytes() for a in arrays])
+
+
+def _unpack(payload: bytes) -> tuple[dict[str, list[list[object]]], memoryview]:
+    (size,) = struct.unpack_from("<I", payload)
+    return json.loads(payload[4:4 + size]), memoryview(payload)[4 + size:]
+
+
+def _arrays(specs: list[list[object]], body: memoryview, shape_at: int) -> list[torch.Tensor]:
+    out, offset = [], 0
+    for spec in specs:
+        dims: list[int] = list(spec[shape_at])  # type: ignore[call-overload]
+        dtype, shape = np.dtype(str(spec[shape_at - 1])), [int(s) for s in dims]
+        count = int(np.prod(shape))
+        out.append(torch.from_numpy(np.frombuffer(body, dtype, count, offset).reshape(shape).copy()))
+        offset += count * dtype.itemsize
+    return out
+
+
+def encode_units(phase: int, units: list[tuple[int, Gemm, Tile]]) -> bytes:
+    """The message for one device: its units and every operand block they need, each block once."""
+    blocks: dict[str, torch.Tensor] = {}
+    specs: list[list[object]] = []
+    for uid, gemm, tile in units:
+        (ak, ab), (bk, bb) = gemm.operands(tile)
+        blocks.setdefault(ak, ab)
+        blocks.setdefault(bk, bb)
+        specs.append([uid, ak, gemm.a.t, bk, gemm.b.t])
+    arrays = [b.detach().cpu().numpy() for b in blocks.values()]
+    header = {"phase": phase, "units": specs,
+              "arrays": [[k, a.dtype.str, list(a.shape)] for k, a in zip(blocks, arrays)]}
+    return _pack(header, arrays)
+
+
+def compute_units(payload: bytes) -> bytes:
+    """The device side: decode a message, compute every unit, encode the reply."""
+    header, body = _unpack(payload)
+    blocks = dict(zip((str(s[0]) for s in header["arrays"]), _arrays(header["arrays"], body, 2)))
+    results = []
+    for uid, ak, at, bk, bt in header["units"]:
+        a, b = blocks[str(ak)], blocks[str(bk)]
+        results.append((int(uid), (a.T if at else a) @ (b.T if bt else b)))  # type: ignore[call-overload]
+    return encode_reply(header["phase"], results)  # type: ignore[arg-type]
+
+
+def encode_reply(phase: int, results: list[tuple[int, torch.Tensor]]) -> bytes:
+    """A reply: the result tile of each unit, by unit id."""
+    arrays = [r.detach().cpu().numpy() for _, r in results]
+    header = {"phase": phase, "arrays": [[uid, a.dtype.str, list(a.shape)] for (uid, _), a in zip(results, arrays)]}
+    return _pack(header, arrays)
+
+
+def decode_reply(payload: bytes) -> dict[int, torch.Tensor]:
+    """Unit id -> result tile of a reply."""
+    header, body = _unpack(payload)
+    return dict(zip((int(s[0]) for s in header["arrays"]), _arrays(header["arrays"], body, 2)))  # type: ignore[call-overload]
+
+
+def formula_bytes(tiles: list[Tile], gemms: list[Gemm], elem_bytes: int) -> tuple[int, int]:
+    """Closed-form bytes (down, up) of one device's message and reply.
+
+    down = MSG_HEADER + sum over distinct operand blocks of (ARRAY_HEADER + elem_bytes * rows * cols)
+           + UNIT_HEADER * units;  up = MSG_HEADER + sum over units of (ARRAY_HEADER + elem_bytes * tile rows * cols).
+    Blocks are distinct by (operand, base-coordinate range); for a single GEMM in the ``rows`` layout that is
+    ``elem_bytes * (|I| * k + k * |J|)`` down and ``elem_bytes * |I| * |J|`` up per device.
+    """
+    seen: set[tuple[str, int, int, int, int]] = set()
+    down = MSG_HEADER + UNIT_HEADER * len(tiles)
+    for t in tiles:
+        g = gemms[t.gemm]
+        for op, r0, r1, c0, c1 in ((g.a, t.i0, t.i1, t.k0, t.k1), (g.b, t.k0, t.k1, t.j0, t.j1)):
+            key = (op.key, *((c0, c1, r0, r1) if op.t else (r0, r1, c0, c1)))
+            if key not in seen:
+                seen.add(key)
+                down += ARRAY_HEADER + elem_bytes * (r1 - r0) * (c1 - c0)
+    up = MSG_HEADER + sum(ARRAY_HEADER + elem_bytes * t.c_elems for t in tiles)
+    return down, up
