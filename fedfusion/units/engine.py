@@ -73,73 +73,96 @@ class UnitEngine:
         return [d for d in range(len(self.devices)) if d not in self.offline and not self.strikes.blocked(d)]
 
     def phase(self, gemms: list[Gemm]) -> list[torch.Tensor]:
-        """Compute every GEMM of one phase through units and return the products."""
+        """Compute every GEMM of one phase through units and return the verified products.
+
+        Round after round: send each device one message with its pending units; a device that does not answer
+        goes offline and its units move on; when every unit is in, each GEMM is assembled and checked once
+        (Freivalds on the whole product); a GEMM that fails has its tiles checked one by one, the culprits'
+        devices get a strike and their tiles are re-dispatched to another device (first valid result wins).
+        """
         start, worker_s = time.perf_counter(), 0.0
         elem = gemms[0].a.base.element_size()
         cm = self.cost_model(elem)
         shapes = [g.shape for g in gemms]
         plan = plan_phase(cm, self.live(), shapes, self.layouts, self.max_groups)
         rec = PhaseRecord(self.chain, shapes, plan)
+        tiles = list(plan.tiles)
         results: dict[int, torch.Tensor] = {}
-        pending = dict(enumerate(plan.tiles))
+        pending = set(range(len(tiles)))
         tried: dict[int, set[int]] = {uid: set() for uid in pending}
         first = True
-        while pending:
-            by_dev: dict[int, list[int]] = {}
-            for uid, tile in pending.items():
-                by_dev.setdefault(tile.device, []).append(uid)
-            for dev, uids in by_dev.items():
-                units = [(uid, gemms[pending[uid].gemm], pending[uid]) for uid in uids]
-                payload = encode_units(len(self.trace), units)
-                rec.down_bytes[dev] = rec.down_bytes.get(dev, 0) + len(payload)
-                if first:
-                    fd, fu = formula_bytes([u[2] for u in units], gemms, elem)
-                    rec.formula_down[dev], rec.formula_up[dev] = fd, fu
-                t0 = time.perf_counter()
-                reply = self.workers[dev](payload)  # type: ignore[index]
-                worker_s += time.perf_counter() - t0
-                for uid in uids:
-                    tried[uid].add(dev)
-                if reply is None:
-                    self.offline.add(dev)
-                    rec.failed_devices.append(dev)
+        while True:
+            while pending:
+                worker_s += self._dispatch(gemms, tiles, pending, tried, results, rec, elem, first)
+                first = False
+                for uid in pending:
+                    tiles[uid] = self._reassign(cm, tiles[uid], tried[uid], plan.tiles)
+                    rec.redispatched += 1
+                for uid in [u for u in pending if tiles[u].device < 0]:  # no device left: the server does it
+                    a, b = gemms[tiles[uid].gemm].blocks(tiles[uid])
+                    results[uid] = a @ b
+                    self.server_fallback += 1
+                    pending.discard(uid)
+            outs = self._assemble(gemms, tiles, results)
+            if self.verifier is None:
+                break
+            v0 = time.perf_counter()
+            for gi, (g, c) in enumerate(zip(gemms, outs)):
+                if self.verifier.check(g.a.logical(), g.b.logical(), c):
                     continue
-                rec.up_bytes[dev] = rec.up_bytes.get(dev, 0) + len(reply)
-                got = decode_reply(reply)
-                bad = False
-                for uid, tile, g in ((u, pending[u], gemms[pending[u].gemm]) for u in uids):
-                    c = got.get(uid)
-                    a, b = g.blocks(tile)
-                    v0 = time.perf_counter()
-                    ok = c is not None and (self.verifier.check(a, b, c) if self.verifier else c.shape == (
-                        tile.i1 - tile.i0, tile.j1 - tile.j0))
-                    rec.verify_s += time.perf_counter() - v0
-                    if ok:
-                        results[uid] = c  # type: ignore[assignment]
-                    else:
-                        bad = True
-                if bad:
-                    self.strikes.strike(dev)
-                    rec.failed_devices.append(dev)
-            first = False
-            for uid in [u for u in pending if u in results]:
-                del pending[uid]
-            for uid, tile in list(pending.items()):
-                pending[uid] = self._reassign(cm, tile, tried[uid], results, plan.tiles)
+                for uid in [u for u, t in enumerate(tiles) if t.gemm == gi]:
+                    a, b = g.blocks(tiles[uid])
+                    if not self.verifier.check(a, b, results[uid]):
+                        self.strikes.strike(tiles[uid].device)
+                        rec.failed_devices.append(tiles[uid].device)
+                        del results[uid]
+                        pending.add(uid)
+            rec.verify_s += time.perf_counter() - v0
+            if not pending:
+                break
+            for uid in pending:
+                tiles[uid] = self._reassign(cm, tiles[uid], tried[uid], plan.tiles)
                 rec.redispatched += 1
-            for uid, tile in [(u, t) for u, t in pending.items() if t.device < 0]:
-                a, b = gemms[tile.gemm].blocks(tile)
-                results[uid] = a @ b
-                self.server_fallback += 1
-                del pending[uid]
-        out = self._assemble(gemms, plan.tiles, results)
         rec.server_s = time.perf_counter() - start - worker_s
         if self.record:
             self.trace.append(rec)
-        return out
+        return outs
 
-    def _reassign(self, cm: CostModel, tile: Tile, tried: set[int], done: dict[int, torch.Tensor],
-                  tiles: list[Tile]) -> Tile:
+    def _dispatch(self, gemms: list[Gemm], tiles: list[Tile], pending: set[int], tried: dict[int, set[int]],
+                  results: dict[int, torch.Tensor], rec: PhaseRecord, elem: int, first: bool) -> float:
+        """One message per device with its pending units; collect well-formed replies. Returns worker seconds."""
+        worker_s = 0.0
+        by_dev: dict[int, list[int]] = {}
+        for uid in sorted(pending):
+            by_dev.setdefault(tiles[uid].device, []).append(uid)
+        for dev, uids in by_dev.items():
+            units = [(uid, gemms[tiles[uid].gemm], tiles[uid]) for uid in uids]
+            payload = encode_units(len(self.trace), units)
+            rec.down_bytes[dev] = rec.down_bytes.get(dev, 0) + len(payload)
+            if first:
+                rec.formula_down[dev], rec.formula_up[dev] = formula_bytes([u[2] for u in units], gemms, elem)
+            t0 = time.perf_counter()
+            reply = self.workers[dev](payload)  # type: ignore[index]
+            worker_s += time.perf_counter() - t0
+            for uid in uids:
+                tried[uid].add(dev)
+            if reply is None:
+                self.offline.add(dev)
+                rec.failed_devices.append(dev)
+                continue
+            rec.up_bytes[dev] = rec.up_bytes.get(dev, 0) + len(reply)
+            got = decode_reply(reply)
+            for uid in uids:
+                t, c = tiles[uid], got.get(uid)
+                if c is not None and c.shape == (t.i1 - t.i0, t.j1 - t.j0) and c.dtype == gemms[t.gemm].a.base.dtype:
+                    results[uid] = c
+                    pending.discard(uid)
+                else:
+                    self.strikes.strike(dev)
+                    rec.failed_devices.append(dev)
+        return worker_s
+
+    def _reassign(self, cm: CostModel, tile: Tile, tried: set[int], tiles: list[Tile]) -> Tile:
         """The same tile on the live device, not yet tried for it, with the earliest predicted finish (-1: none)."""
         cand = [d for d in self.live() if d not in tried]
         if not cand:
@@ -151,7 +174,7 @@ class UnitEngine:
             flops[t.device] += t.flops
             up[t.device] += t.c_elems
         idx = np.array(cand)
-        finish = cm.time(down[idx] + tile.a_elems + tile.b_elems, flops[idx] + tile.flops, up[idx] + tile.c_elems)
+        finish = cm.time(down[idx] + tile.a_elems + tile.b_elems, flops[idx] + tile.flops, up[idx] + tile.c_elems, idx)
         dev = int(idx[int(np.argmin(finish))])
         return Tile(tile.gemm, dev, tile.i0, tile.i1, tile.j0, tile.j1, tile.k0, tile.k1)
 

@@ -36,6 +36,10 @@ class Operand:
         r, c = self.base.shape
         return (c, r) if self.t else (r, c)
 
+    def logical(self) -> torch.Tensor:
+        """The operand as it enters the product."""
+        return self.base.T if self.t else self.base
+
     def block(self, r0: int, r1: int, c0: int, c1: int) -> tuple[str, torch.Tensor]:
         """Key and tensor (in ``base`` coordinates) of the logical block ``[r0:r1, c0:c1]``."""
         if self.t:

@@ -109,10 +109,12 @@ class CostModel:
         self.rate = np.array([d.flops for d in devices])
         self.mem = np.array([d.memory_bytes for d in devices]) / elem_bytes  # elements
 
-    def time(self, down_elems: np.ndarray, flops: np.ndarray, up_elems: np.ndarray) -> np.ndarray:
-        """Predicted seconds of each device's message (zero for a device with nothing to do)."""
-        busy = down_elems / self.down + flops / self.rate + up_elems / self.up
-        return np.where((down_elems + flops + up_elems) > 0, self.fixed + busy, 0.0)
+    def time(self, down_elems: np.ndarray, flops: np.ndarray, up_elems: np.ndarray,
+             idx: np.ndarray | None = None) -> np.ndarray:
+        """Predicted seconds of each device's message (zero for a device with nothing to do); ``idx``: a subset."""
+        sel = slice(None) if idx is None else idx
+        busy = down_elems / self.down[sel] + flops / self.rate[sel] + up_elems / self.up[sel]
+        return np.where((down_elems + flops + up_elems) > 0, self.fixed[sel] + busy, 0.0)
 
 
 def _per_unit(kind: str, g: GemmShape, outer: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray,
@@ -133,7 +135,7 @@ def _split(cm: CostModel, devs: np.ndarray, group: np.ndarray, outer: np.ndarray
     """Shares of ``inner`` per device (all groups at once) that equalise predicted finish times within a group."""
     down0, down1, up0, up1, fl1, mem0, mem1 = _per_unit(kind, g, outer)
     d_down, d_flops, d_up = (x[devs] for x in load)
-    base = cm.time(d_down, d_flops, d_up)  # what the earlier GEMMs of the phase already cost each device
+    base = cm.time(d_down, d_flops, d_up, devs)  # what the earlier GEMMs of the phase already cost each device
     start = cm.fixed[devs] + d_down / cm.down[devs] + d_flops / cm.rate[devs] + d_up / cm.up[devs]
     c0 = down0 / cm.down[devs] + up0 / cm.up[devs]
     c1 = down1 / cm.down[devs] + up1 / cm.up[devs] + fl1 / cm.rate[devs]
