@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 from fedfusion.units.devices import UnitDevice
-from fedfusion.units.messages import Gemm, compute_units, decode_reply, encode_units, formula_bytes
-from fedfusion.units.plan import LAYOUTS, CostModel, GemmShape, PhasePlan, Tile, plan_phase
+from fedfusion.units.messages import Gemm, Spec, compute_units, decode_reply, encode_units, formula_bytes, spec
+from fedfusion.units.plan import LAYOUTS, CostModel, GemmShape, PhasePlan, Tile, plan_phase, tile_loads
 from fedfusion.units.verify import Freivalds, Strikes
 
 Worker = Callable[[bytes], "bytes | None"]
@@ -29,6 +29,7 @@ class PhaseRecord:
 
     chain: int
     shapes: list[GemmShape]
+    specs: list[Spec]
     plan: PhasePlan
     down_bytes: dict[int, int] = field(default_factory=dict)
     up_bytes: dict[int, int] = field(default_factory=dict)
@@ -36,8 +37,8 @@ class PhaseRecord:
     formula_up: dict[int, int] = field(default_factory=dict)
     redispatched: int = 0
     failed_devices: list[int] = field(default_factory=list)
-    verify_s: float = 0.0
-    server_s: float = 0.0
+    verify_s: float = 0.0  # CPU seconds of the server's checks
+    server_s: float = 0.0  # wall seconds of the server's side of the phase (plan, encode, decode, check, assemble)
 
 
 @dataclass
@@ -85,7 +86,7 @@ class UnitEngine:
         cm = self.cost_model(elem)
         shapes = [g.shape for g in gemms]
         plan = plan_phase(cm, self.live(), shapes, self.layouts, self.max_groups)
-        rec = PhaseRecord(self.chain, shapes, plan)
+        rec = PhaseRecord(self.chain, shapes, [spec(g) for g in gemms], plan)
         tiles = list(plan.tiles)
         results: dict[int, torch.Tensor] = {}
         pending = set(range(len(tiles)))
@@ -106,7 +107,7 @@ class UnitEngine:
             outs = self._assemble(gemms, tiles, results)
             if self.verifier is None:
                 break
-            v0 = time.perf_counter()
+            v0 = time.thread_time()  # CPU seconds of the check (wall time on shared cores is noise)
             for gi, (g, c) in enumerate(zip(gemms, outs)):
                 if self.verifier.check(g.a.logical(), g.b.logical(), c):
                     continue
@@ -117,7 +118,7 @@ class UnitEngine:
                         rec.failed_devices.append(tiles[uid].device)
                         del results[uid]
                         pending.add(uid)
-            rec.verify_s += time.perf_counter() - v0
+            rec.verify_s += time.thread_time() - v0
             if not pending:
                 break
             for uid in pending:
@@ -140,7 +141,7 @@ class UnitEngine:
             payload = encode_units(len(self.trace), units)
             rec.down_bytes[dev] = rec.down_bytes.get(dev, 0) + len(payload)
             if first:
-                rec.formula_down[dev], rec.formula_up[dev] = formula_bytes([u[2] for u in units], gemms, elem)
+                rec.formula_down[dev], rec.formula_up[dev] = formula_bytes([u[2] for u in units], rec.specs, elem)
             t0 = time.perf_counter()
             reply = self.workers[dev](payload)  # type: ignore[index]
             worker_s += time.perf_counter() - t0
@@ -167,12 +168,7 @@ class UnitEngine:
         cand = [d for d in self.live() if d not in tried]
         if not cand:
             return Tile(tile.gemm, -1, tile.i0, tile.i1, tile.j0, tile.j1, tile.k0, tile.k1)
-        ndev = len(self.devices)
-        down, flops, up = np.zeros(ndev), np.zeros(ndev), np.zeros(ndev)
-        for t in tiles:
-            down[t.device] += t.a_elems + t.b_elems
-            flops[t.device] += t.flops
-            up[t.device] += t.c_elems
+        down, flops, up = tile_loads(tiles, len(self.devices))
         idx = np.array(cand)
         finish = cm.time(down[idx] + tile.a_elems + tile.b_elems, flops[idx] + tile.flops, up[idx] + tile.c_elems, idx)
         dev = int(idx[int(np.argmin(finish))])

@@ -131,7 +131,15 @@ def decode_reply(payload: bytes) -> dict[int, torch.Tensor]:
     return dict(zip((int(s[0]) for s in header["arrays"]), _arrays(header["arrays"], body, 2)))  # type: ignore[call-overload]
 
 
-def formula_bytes(tiles: list[Tile], gemms: list[Gemm], elem_bytes: int) -> tuple[int, int]:
+Spec = tuple[str, bool, str, bool]  # (A key, A transposed, B key, B transposed): what dedup needs of a GEMM
+
+
+def spec(g: Gemm) -> Spec:
+    """The names and transposition flags of a GEMM's operands."""
+    return (g.a.key, g.a.t, g.b.key, g.b.t)
+
+
+def formula_bytes(tiles: list[Tile], specs: list[Spec], elem_bytes: int) -> tuple[int, int]:
     """Closed-form bytes (down, up) of one device's message and reply.
 
     down = MSG_HEADER + sum over distinct operand blocks of (ARRAY_HEADER + elem_bytes * rows * cols)
@@ -142,9 +150,9 @@ def formula_bytes(tiles: list[Tile], gemms: list[Gemm], elem_bytes: int) -> tupl
     seen: set[tuple[str, int, int, int, int]] = set()
     down = MSG_HEADER + UNIT_HEADER * len(tiles)
     for t in tiles:
-        g = gemms[t.gemm]
-        for op, r0, r1, c0, c1 in ((g.a, t.i0, t.i1, t.k0, t.k1), (g.b, t.k0, t.k1, t.j0, t.j1)):
-            key = (op.key, *((c0, c1, r0, r1) if op.t else (r0, r1, c0, c1)))
+        ak, at, bk, bt = specs[t.gemm]
+        for name, tr, r0, r1, c0, c1 in ((ak, at, t.i0, t.i1, t.k0, t.k1), (bk, bt, t.k0, t.k1, t.j0, t.j1)):
+            key = (name, *((c0, c1, r0, r1) if tr else (r0, r1, c0, c1)))
             if key not in seen:
                 seen.add(key)
                 down += ARRAY_HEADER + elem_bytes * (r1 - r0) * (c1 - c0)

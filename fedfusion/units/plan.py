@@ -131,18 +131,22 @@ def _per_unit(kind: str, g: GemmShape, outer: np.ndarray) -> tuple[np.ndarray, n
 
 
 def _split(cm: CostModel, devs: np.ndarray, group: np.ndarray, outer: np.ndarray, inner: int, kind: str,
-           g: GemmShape, load: tuple[np.ndarray, np.ndarray, np.ndarray]) -> tuple[np.ndarray, float]:
-    """Shares of ``inner`` per device (all groups at once) that equalise predicted finish times within a group."""
+           g: GemmShape, load: tuple[np.ndarray, np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray, float]:
+    """Shares of ``inner`` per device (all groups at once) that equalise predicted finish times within a group,
+    the unit size that fits each device's memory, and the makespan."""
     down0, down1, up0, up1, fl1, mem0, mem1 = _per_unit(kind, g, outer)
     d_down, d_flops, d_up = (x[devs] for x in load)
     base = cm.time(d_down, d_flops, d_up, devs)  # what the earlier GEMMs of the phase already cost each device
     start = cm.fixed[devs] + d_down / cm.down[devs] + d_flops / cm.rate[devs] + d_up / cm.up[devs]
     c0 = down0 / cm.down[devs] + up0 / cm.up[devs]
     c1 = down1 / cm.down[devs] + up1 / cm.up[devs] + fl1 / cm.rate[devs]
-    xmem = np.floor((cm.mem[devs] - mem0) / mem1).clip(min=0)
+    chunk = np.floor((cm.mem[devs] - mem0) / mem1).clip(min=0)  # the largest unit that fits the device's memory
+    # rows/cols: a device's share may be several units (one chunk of columns/rows each, the outer block sent once);
+    # k: every unit returns a full m x n partial, so the share itself must fit
+    xmem = chunk if kind == "k" else np.where(chunk >= 1, float(inner), 0.0)
     ngroups = int(group.max()) + 1
     if np.any(np.bincount(group, weights=xmem, minlength=ngroups) < inner):
-        return np.zeros(0), float("inf")
+        return np.zeros(0), np.zeros(0), float("inf")
 
     def shares(t: np.ndarray) -> np.ndarray:
         return np.minimum(xmem, np.floor((t[group] - start - c0) / c1).clip(min=0))
@@ -168,7 +172,7 @@ def _split(cm: CostModel, devs: np.ndarray, group: np.ndarray, outer: np.ndarray
             x[i] -= cut
             excess -= cut
     finish = np.where(x > 0, start + c0 + c1 * x, base)
-    return x, float(finish.max())
+    return x, chunk.astype(np.int64), float(finish.max())
 
 
 def _deal(order: np.ndarray, groups: int) -> np.ndarray:
@@ -192,7 +196,7 @@ def plan_gemm(cm: CostModel, devs: list[int], g: GemmShape, gemm_index: int,
     idx = np.array(devs, dtype=np.int64)
     speed = 1.0 / (1.0 / cm.down[idx] + 1.0 / cm.up[idx] + 1.0 / cm.rate[idx])
     order = np.argsort(-speed, kind="stable")
-    best: tuple[float, str, int, np.ndarray, np.ndarray, np.ndarray] | None = None
+    best: tuple[float, str, int, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
     for kind in layouts:
         outer_size = {"rows": g.m, "cols": g.n, "k": 1}[kind]
         inner = {"rows": g.n, "cols": g.m, "k": g.k}[kind]
@@ -201,13 +205,13 @@ def plan_gemm(cm: CostModel, devs: list[int], g: GemmShape, gemm_index: int,
             group = _deal(order, p)
             bounds = _bounds(outer_size, p)
             outer = (bounds[1:] - bounds[:-1])[group]
-            x, makespan = _split(cm, idx, group, outer, inner, kind, g, load)
+            x, chunk, makespan = _split(cm, idx, group, outer, inner, kind, g, load)
             if best is None or makespan < best[0] - 1e-15:
-                best = (makespan, kind, p, group, bounds, x)
+                best = (makespan, kind, p, group, bounds, x, chunk)
             p *= 2
     if best is None or not np.isfinite(best[0]):
         raise ValueError(f"no layout of GEMM {g} fits the memory of devices {devs}")
-    makespan, kind, p, group, bounds, x = best
+    makespan, kind, p, group, bounds, x, chunk = best
     tiles: list[Tile] = []
     offsets = np.zeros(p, dtype=np.int64)
     for pos, dev in enumerate(idx):
@@ -216,22 +220,29 @@ def plan_gemm(cm: CostModel, devs: list[int], g: GemmShape, gemm_index: int,
             continue
         gi = int(group[pos])
         a, b = int(bounds[gi]), int(bounds[gi + 1])
-        s0, s1 = int(offsets[gi]), int(offsets[gi] + share)
+        step = share if kind == "k" else max(1, int(chunk[pos]))
+        for s0 in range(int(offsets[gi]), int(offsets[gi]) + share, step):
+            s1 = min(s0 + step, int(offsets[gi]) + share)
+            if kind == "rows":
+                tiles.append(Tile(gemm_index, int(dev), a, b, s0, s1, 0, g.k))
+            elif kind == "cols":
+                tiles.append(Tile(gemm_index, int(dev), s0, s1, a, b, 0, g.k))
+            else:
+                tiles.append(Tile(gemm_index, int(dev), 0, g.m, 0, g.n, s0, s1))
         offsets[gi] += share
-        if kind == "rows":
-            tiles.append(Tile(gemm_index, int(dev), a, b, s0, s1, 0, g.k))
-        elif kind == "cols":
-            tiles.append(Tile(gemm_index, int(dev), s0, s1, a, b, 0, g.k))
-        else:
-            tiles.append(Tile(gemm_index, int(dev), 0, g.m, 0, g.n, s0, s1))
     return tiles, Layout(kind, p), makespan
 
 
 def tile_loads(tiles: list[Tile], ndev: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Elements down, FLOPs and elements up per device for a list of tiles (no operand sharing counted)."""
+    """Elements down, FLOPs and elements up per device for a list of tiles (a block shared by units counted once)."""
     down, flops, up = np.zeros(ndev), np.zeros(ndev), np.zeros(ndev)
+    seen: set[tuple[int, ...]] = set()
     for t in tiles:
-        down[t.device] += t.a_elems + t.b_elems
+        for key, elems in (((t.device, t.gemm, 0, t.i0, t.i1, t.k0, t.k1), t.a_elems),
+                           ((t.device, t.gemm, 1, t.k0, t.k1, t.j0, t.j1), t.b_elems)):
+            if key not in seen:
+                seen.add(key)
+                down[t.device] += elems
         flops[t.device] += t.flops
         up[t.device] += t.c_elems
     return down, flops, up

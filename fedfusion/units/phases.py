@@ -1,0 +1,37 @@
+"""The dependent phases of one training step of a Llama in the units mode, from its shape alone.
+
+Per decoder layer, all-linear offload has 8 phases (forward ``[q|k|v]``, ``o``, ``[gate|up]``, ``down``; backward
+the same four in reverse, each with its input and weight gradient in one message), MLP-only 4; all-linear adds
+``lm_head`` forward and backward. The list equals what ``install`` + ``UnitEngine`` record for a real step
+(a test checks it), so the timeline can price models too large to run here.
+"""
+
+from __future__ import annotations
+
+from fedfusion.units.messages import Spec
+from fedfusion.units.plan import GemmShape
+
+Phase = tuple[list[GemmShape], list[Spec]]
+
+FORWARD: Spec = ("X", False, "W", True)
+INPUT_GRAD: Spec = ("dY", False, "W", False)
+WEIGHT_GRAD: Spec = ("dY", True, "X", False)
+
+
+def linear_phases(tokens: int, d_in: int, d_out: int) -> tuple[Phase, Phase]:
+    """Forward ``Y = X W^T`` and backward ``dX = dY W``, ``dW = dY^T X`` of a (fused) linear layer."""
+    return (([GemmShape(tokens, d_out, d_in)], [FORWARD]),
+            ([GemmShape(tokens, d_in, d_out), GemmShape(d_out, d_in, tokens)], [INPUT_GRAD, WEIGHT_GRAD]))
+
+
+def llama_phases(*, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, vocab: int,
+                 tokens: int, mode: str = "all") -> list[Phase]:
+    """The phases of one forward and backward pass over ``tokens`` tokens, in the order the server runs them."""
+    head_dim = hidden // heads
+    groups = [(hidden, hidden + 2 * kv_heads * head_dim), (hidden, hidden)] if mode == "all" else []
+    groups += [(hidden, 2 * intermediate), (intermediate, hidden)]
+    per_layer = [linear_phases(tokens, d_in, d_out) for d_in, d_out in groups]
+    head = [linear_phases(tokens, hidden, vocab)] if mode == "all" else []
+    forward = [f for _ in range(layers) for f, _ in per_layer] + [f for f, _ in head]
+    backward = [b for _, b in head] + [b for _ in range(layers) for _, b in reversed(per_layer)]
+    return forward + backward
