@@ -12,6 +12,7 @@ from fedfusion.units.timeline import Kill, chains_from_trace, simulate
 
 torch.set_num_threads(1)
 SHAPE = dict(hidden=64, intermediate=256, layers=2, heads=4, kv_heads=4, vocab=60)
+QUICKSTART = dict(hidden=128, intermediate=512, layers=4, heads=8, kv_heads=8, vocab=100)
 
 
 def llama() -> LlamaForCausalLM:
@@ -46,7 +47,7 @@ def test_recorded_phases_equal_the_analytic_list(mode: str) -> None:
 
 @pytest.mark.parametrize("n", [3, 7])
 def test_bytes_per_device_per_phase_within_5pct_of_formula(n: int) -> None:
-    engine = run_step(n, "all")
+    engine = run_step(n, "all", micro=2)  # the second micro-batch finds the weight blocks cached
     checked = 0
     for rec in engine.trace:
         assert set(rec.down_bytes) == set(rec.formula_down)
@@ -55,6 +56,27 @@ def test_bytes_per_device_per_phase_within_5pct_of_formula(n: int) -> None:
             assert abs(rec.up_bytes[dev] - rec.formula_up[dev]) <= 0.05 * rec.formula_up[dev]
             checked += 1
     assert checked >= len(engine.trace) * 2
+    second = [r for r in engine.trace if r.chain == 1]
+    assert sum(sum(r.down_bytes.values()) for r in second) < sum(sum(r.down_bytes.values()) for r in engine.trace
+                                                                  if r.chain == 0)
+
+
+def test_weight_cache_cuts_bytes_and_is_invalidated_by_the_optimizer() -> None:
+    m, engine = llama(), UnitEngine(phones(3))
+    install(m, engine, "mlp")
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    ids = torch.randint(0, 60, (1, 32), generator=torch.Generator().manual_seed(2))
+    down = []
+    for _ in range(3):  # forward twice on the same weights, then a step changes them
+        m(input_ids=ids, labels=ids).loss.backward()
+        down.append(sum(sum(r.down_bytes.values()) for r in engine.trace))
+        engine.trace.clear()
+        if len(down) == 2:
+            opt.step()
+    assert down[1] < down[0] and down[2] == down[0]  # cached on the same weights, resent after the update
+    cached = simulate(phones(4), [llama_phases(**QUICKSTART, tokens=256, mode="all")] * 4)
+    uncached = simulate(phones(4), [llama_phases(**QUICKSTART, tokens=256, mode="all")] * 4, cache_weights=False)
+    assert cached.down_bytes.sum() < uncached.down_bytes.sum() and cached.step_s < uncached.step_s
 
 
 def test_rows_layout_bytes_are_the_closed_form() -> None:
@@ -81,8 +103,8 @@ def test_single_message_time_is_overhead_links_latency_compute() -> None:
 
 def test_micro_batches_keep_links_busy_and_step_near_floor() -> None:
     devs = phones(4)
-    one = simulate(devs, [llama_phases(**SHAPE, tokens=1024, mode="all")])
-    four = simulate(devs, [llama_phases(**SHAPE, tokens=256, mode="all")] * 4)
+    one = simulate(devs, [llama_phases(**QUICKSTART, tokens=1024, mode="all")])
+    four = simulate(devs, [llama_phases(**QUICKSTART, tokens=256, mode="all")] * 4)
     assert four.link_utilisation >= 0.7 > one.link_utilisation
     assert four.step_s < one.step_s
     for r in (one, four):

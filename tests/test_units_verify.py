@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from fedfusion.units import Freivalds, Gemm, Operand, UnitDevice, UnitEngine
-from fedfusion.units.messages import compute_units
+from fedfusion.units.messages import DeviceRuntime
 from fedfusion.units.workers import Corrupt, DiesAfter
 
 torch.set_num_threads(1)
@@ -70,7 +70,7 @@ def test_no_false_positive_on_1000_honest_tiles() -> None:
 
 
 def compute_units_tile(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    from fedfusion.units.messages import decode_reply, encode_units
+    from fedfusion.units.messages import compute_units, decode_reply, encode_units
     from fedfusion.units.plan import Tile
 
     g = Gemm(Operand("A", a), Operand("B", b))
@@ -109,7 +109,7 @@ def gemm_pair(gen: torch.Generator) -> tuple[Gemm, torch.Tensor]:
 def test_corrupt_device_struck_blocked_and_its_tiles_redispatched() -> None:
     gen = torch.Generator().manual_seed(6)
     bad = Corrupt(rate=1.0, scale=1e-3)
-    engine = UnitEngine(devices(4), workers=[compute_units, bad, compute_units, compute_units], layouts=("rows",))
+    engine = UnitEngine(devices(4), workers=[DeviceRuntime(), bad, DeviceRuntime(), DeviceRuntime()], layouts=("rows",))
     for _ in range(4):
         g, want = gemm_pair(gen)
         (got,) = engine.phase([g])
@@ -122,7 +122,7 @@ def test_corrupt_device_struck_blocked_and_its_tiles_redispatched() -> None:
 
 def test_silent_device_goes_offline_and_result_is_exact() -> None:
     gen = torch.Generator().manual_seed(7)
-    engine = UnitEngine(devices(3), workers=[compute_units, DiesAfter(0), compute_units])
+    engine = UnitEngine(devices(3), workers=[DeviceRuntime(), DiesAfter(0), DeviceRuntime()])
     g, want = gemm_pair(gen)
     (got,) = engine.phase([g])
     assert (got - want).abs().max() <= 1e-12

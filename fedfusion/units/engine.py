@@ -1,9 +1,10 @@
 """The server's unit scheduler: plan a phase, send one message per device, verify, re-dispatch, assemble.
 
-Workers are callables ``bytes -> bytes | None`` (``None``: no reply before the deadline). In-process they are
-``compute_units`` or one of the emulated behaviours of ``fedfusion.units.workers``; on Flower they wrap a
-message round trip. The engine records per phase what moved (measured serialised bytes per device) so the
-timeline (``fedfusion.units.timeline``) can price the step under links, micro-batches and churn.
+Workers are callables ``bytes -> bytes | None`` (``None``: no reply before the deadline; an exception: an error
+reply, e.g. a device that lost its weight cache). In-process they are ``DeviceRuntime`` objects or one of the
+emulated behaviours of ``fedfusion.units.workers``; on Flower they wrap a message round trip. The engine records
+per phase what moved (measured serialised bytes per device) so the timeline (``fedfusion.units.timeline``) can
+price the step under links, micro-batches and churn.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import numpy as np
 import torch
 
 from fedfusion.units.devices import UnitDevice
-from fedfusion.units.messages import Gemm, Spec, compute_units, decode_reply, encode_units, formula_bytes, spec
+from fedfusion.units.messages import DeviceRuntime, Gemm, Spec, decode_reply, encode_units, formula_bytes, spec
 from fedfusion.units.plan import LAYOUTS, CostModel, GemmShape, PhasePlan, Tile, plan_phase, tile_loads
 from fedfusion.units.verify import Freivalds, Strikes
 
@@ -56,11 +57,13 @@ class UnitEngine:
     offline: set[int] = field(default_factory=set)
     trace: list[PhaseRecord] = field(default_factory=list)
     server_fallback: int = 0  # tiles the server computed itself because no device was left
+    cache_weights: bool = True  # leave out weight blocks a device already holds (same version)
+    held: dict[int, set[str]] = field(default_factory=dict)  # wire keys of the weight blocks each device holds
     _models: dict[int, CostModel] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.workers is None:
-            self.workers = [compute_units] * len(self.devices)
+            self.workers = [DeviceRuntime() for _ in self.devices]
         if len(self.workers) != len(self.devices):
             raise ValueError("one worker per device")
 
@@ -138,18 +141,27 @@ class UnitEngine:
             by_dev.setdefault(tiles[uid].device, []).append(uid)
         for dev, uids in by_dev.items():
             units = [(uid, gemms[tiles[uid].gemm], tiles[uid]) for uid in uids]
-            payload = encode_units(len(self.trace), units)
-            rec.down_bytes[dev] = rec.down_bytes.get(dev, 0) + len(payload)
+            held = self.held.setdefault(dev, set()) if self.cache_weights else None
             if first:
-                rec.formula_down[dev], rec.formula_up[dev] = formula_bytes([u[2] for u in units], rec.specs, elem)
+                versions = {op.key: op.version for g in gemms for op in (g.a, g.b)}
+                rec.formula_down[dev], rec.formula_up[dev] = formula_bytes(
+                    [u[2] for u in units], rec.specs, elem, None if held is None else set(held), versions)
+            payload = encode_units(len(self.trace), units, held)
+            rec.down_bytes[dev] = rec.down_bytes.get(dev, 0) + len(payload)
             t0 = time.perf_counter()
-            reply = self.workers[dev](payload)  # type: ignore[index]
+            try:
+                reply = self.workers[dev](payload)  # type: ignore[index]
+            except Exception:  # an error reply: the device's cache is gone, the units go elsewhere
+                reply = b""
+                self.held.pop(dev, None)
             worker_s += time.perf_counter() - t0
             for uid in uids:
                 tried[uid].add(dev)
             if reply is None:
                 self.offline.add(dev)
                 rec.failed_devices.append(dev)
+                continue
+            if not reply:
                 continue
             rec.up_bytes[dev] = rec.up_bytes.get(dev, 0) + len(reply)
             got = decode_reply(reply)

@@ -30,22 +30,23 @@ class _UnitLinear(torch.autograd.Function):
     """``X [W_1; ...; W_g]^T`` through units; gradients through units too."""
 
     @staticmethod
-    def forward(ctx: Any, engine: UnitEngine, x2d: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, engine: UnitEngine, name: str, version: int, x2d: torch.Tensor,
+                *weights: torch.Tensor) -> torch.Tensor:
         w = torch.cat(weights, 0) if len(weights) > 1 else weights[0]
-        (y,) = engine.phase([Gemm(Operand("X", x2d), Operand("W", w, t=True))])
-        ctx.engine = engine
+        (y,) = engine.phase([Gemm(Operand("X", x2d), Operand(name, w, t=True, version=version))])
+        ctx.engine, ctx.name, ctx.version = engine, name, version
         ctx.save_for_backward(x2d, *weights)
         return y
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x2d, *weights = ctx.saved_tensors
-        need_x, need_w = ctx.needs_input_grad[1], any(ctx.needs_input_grad[2:])
+        need_x, need_w = ctx.needs_input_grad[3], any(ctx.needs_input_grad[4:])
         dy = dy.contiguous()
         w = torch.cat(weights, 0) if len(weights) > 1 else weights[0]
         gemms = []
         if need_x:
-            gemms.append(Gemm(Operand("dY", dy), Operand("W", w)))
+            gemms.append(Gemm(Operand("dY", dy), Operand(ctx.name, w, version=ctx.version)))
         if need_w:
             gemms.append(Gemm(Operand("dY", dy, t=True), Operand("X", x2d)))
         outs = ctx.engine.phase(gemms) if gemms else []
@@ -53,7 +54,7 @@ class _UnitLinear(torch.autograd.Function):
         dws: list[torch.Tensor | None] = [None] * len(weights)
         if need_w:
             dws = list(outs[0].split([wi.shape[0] for wi in weights], 0))
-        return (None, dx, *dws)
+        return (None, None, None, dx, *dws)
 
 
 @dataclass(eq=False)
@@ -62,11 +63,14 @@ class UnitGroup:
 
     engine: UnitEngine
     members: list[nn.Linear]
+    name: str = "W"  # unique per group: names the weight blocks devices may cache
     cache: tuple[torch.Tensor, dict[int, torch.Tensor]] | None = None
 
     def compute(self, x: torch.Tensor) -> list[torch.Tensor]:
         x2d = x.reshape(-1, x.shape[-1])
-        y = _UnitLinear.apply(self.engine, x2d, *[m.weight for m in self.members])
+        weights = [m.weight for m in self.members]
+        version = sum(w._version for w in weights)  # bumped by every in-place update (the optimizer's step)
+        y = _UnitLinear.apply(self.engine, self.name, version, x2d, *weights)
         outs = []
         for m, part in zip(self.members, y.split([m.out_features for m in self.members], dim=1)):
             part = part.contiguous().reshape(*x.shape[:-1], m.out_features)
@@ -132,7 +136,7 @@ def install(model: nn.Module, engine: UnitEngine, mode: str = "mlp") -> Installe
 
 def _swap(parent: nn.Module, names: tuple[str, ...], engine: UnitEngine, done: Installed) -> None:
     originals = [getattr(parent, n) for n in names]
-    group = UnitGroup(engine, originals)
+    group = UnitGroup(engine, originals, name=f"W{len(done.groups)}")
     for i, (name, lin) in enumerate(zip(names, originals)):
         setattr(parent, name, UnitLinear(lin, group, i))
         done.swaps.append((parent, name, lin))

@@ -13,25 +13,23 @@ from fedfusion.units.plan import GemmShape
 
 Phase = tuple[list[GemmShape], list[Spec]]
 
-FORWARD: Spec = ("X", False, "W", True)
-INPUT_GRAD: Spec = ("dY", False, "W", False)
-WEIGHT_GRAD: Spec = ("dY", True, "X", False)
-
-
-def linear_phases(tokens: int, d_in: int, d_out: int) -> tuple[Phase, Phase]:
-    """Forward ``Y = X W^T`` and backward ``dX = dY W``, ``dW = dY^T X`` of a (fused) linear layer."""
-    return (([GemmShape(tokens, d_out, d_in)], [FORWARD]),
-            ([GemmShape(tokens, d_in, d_out), GemmShape(d_out, d_in, tokens)], [INPUT_GRAD, WEIGHT_GRAD]))
+def linear_phases(tokens: int, d_in: int, d_out: int, name: str = "W") -> tuple[Phase, Phase]:
+    """Forward ``Y = X W^T`` and backward ``dX = dY W``, ``dW = dY^T X`` of a (fused) linear layer ``name``."""
+    return (([GemmShape(tokens, d_out, d_in)], [("X", False, name, True)]),
+            ([GemmShape(tokens, d_in, d_out), GemmShape(d_out, d_in, tokens)],
+             [("dY", False, name, False), ("dY", True, "X", False)]))
 
 
 def llama_phases(*, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, vocab: int,
                  tokens: int, mode: str = "all") -> list[Phase]:
-    """The phases of one forward and backward pass over ``tokens`` tokens, in the order the server runs them."""
+    """The phases of one forward and backward pass over ``tokens`` tokens, in the order the server runs them;
+    weights are named ``W<group>`` in the order ``install`` numbers the groups."""
     head_dim = hidden // heads
     groups = [(hidden, hidden + 2 * kv_heads * head_dim), (hidden, hidden)] if mode == "all" else []
     groups += [(hidden, 2 * intermediate), (intermediate, hidden)]
-    per_layer = [linear_phases(tokens, d_in, d_out) for d_in, d_out in groups]
-    head = [linear_phases(tokens, hidden, vocab)] if mode == "all" else []
-    forward = [f for _ in range(layers) for f, _ in per_layer] + [f for f, _ in head]
-    backward = [b for _, b in head] + [b for _ in range(layers) for _, b in reversed(per_layer)]
+    per_layer = [[linear_phases(tokens, d_in, d_out, f"W{layer * len(groups) + g}")
+                  for g, (d_in, d_out) in enumerate(groups)] for layer in range(layers)]
+    head = [linear_phases(tokens, hidden, vocab, f"W{layers * len(groups)}")] if mode == "all" else []
+    forward = [f for layer in per_layer for f, _ in layer] + [f for f, _ in head]
+    backward = [b for _, b in head] + [b for layer in reversed(per_layer) for _, b in reversed(layer)]
     return forward + backward

@@ -91,9 +91,10 @@ class _Links:
         return float(up_end + dev.rtt_s / 2)
 
 
-def _reply_with(links: _Links, d: int, t: float, tiles: list[Tile], specs: list[Spec], elem_bytes: int) -> float:
+def _reply_with(links: _Links, d: int, t: float, tiles: list[Tile], specs: list[Spec], elem_bytes: int,
+                held: set[str] | None) -> float:
     """When device ``d`` would answer a message with ``tiles`` issued at ``t`` (nothing booked)."""
-    down_b, up_b = formula_bytes(tiles, specs, elem_bytes)
+    down_b, up_b = formula_bytes(tiles, specs, elem_bytes, None if held is None else set(held))
     return links.reply_at(d, t, down_b, sum(u.flops for u in tiles), up_b, book=False)
 
 
@@ -107,12 +108,15 @@ def chains_from_trace(trace: list[PhaseRecord]) -> list[list[Phase]]:
 
 def simulate(devices: list[UnitDevice], chains: list[list[Phase]], *, elem_bytes: int = 4, server_gap_s: float = 0.0,
              optimizer_s: float = 0.0, kills: tuple[Kill, ...] = (), deadline_factor: float = 3.0,
-             layouts: tuple[str, ...] = LAYOUTS, max_groups: int | None = None) -> StepTiming:
-    """Virtual time of one step whose micro-batches are ``chains`` (all in flight from time 0)."""
+             layouts: tuple[str, ...] = LAYOUTS, max_groups: int | None = None,
+             cache_weights: bool = True) -> StepTiming:
+    """Virtual time of one step whose micro-batches are ``chains`` (all in flight from time 0); with
+    ``cache_weights`` a device receives each weight block once per step (``messages.DeviceRuntime``)."""
     cm = CostModel(devices, elem_bytes)
     links = _Links(devices)
     kill_at = {k.device: k.at_s for k in kills}
     known_dead: dict[int, float] = {}
+    held: dict[int, set[str]] = {}
     plans: dict[tuple[object, ...], PhasePlan] = {}
     heap = [(0.0, c, 0) for c in range(len(chains))]
     ends, redispatched, deadlines = [0.0], 0, []
@@ -131,7 +135,7 @@ def simulate(devices: list[UnitDevice], chains: list[list[Phase]], *, elem_bytes
         done, phase_deadline = t, t
         while work:
             issue, d, tiles = work.pop(0)
-            down_b, up_b = formula_bytes(tiles, specs, elem_bytes)
+            down_b, up_b = formula_bytes(tiles, specs, elem_bytes, held.setdefault(d, set()) if cache_weights else None)
             reply = links.reply_at(d, issue, down_b, sum(x.flops for x in tiles), up_b, book=True)
             deadline = issue + deadline_factor * (reply - issue)
             phase_deadline = max(phase_deadline, deadline)
@@ -146,7 +150,7 @@ def simulate(devices: list[UnitDevice], chains: list[list[Phase]], *, elem_bytes
             moved: dict[int, list[Tile]] = {}
             for tile in tiles:  # each lost unit to the device that would answer first, counting what it got already
                 best = min(alive, key=lambda x: _reply_with(links, x, deadline, moved.get(x, []) + [tile], specs,
-                                                             elem_bytes))  # noqa: B023 (called at once)
+                                                             elem_bytes, held.get(x, set()) if cache_weights else None))
                 moved.setdefault(best, []).append(tile)
             work += [(deadline, x, tl) for x, tl in moved.items()]
         deadlines.append((t, phase_deadline))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from fedfusion.units.messages import compute_units, decode_reply, encode_reply
+from fedfusion.units.messages import DeviceRuntime, decode_reply, encode_reply
 
 
 class Corrupt:
@@ -14,11 +14,12 @@ class Corrupt:
         self.rate, self.scale = rate, scale
         self.gen = torch.Generator().manual_seed(seed)
         self.corrupted = 0
+        self.runtime = DeviceRuntime()
 
     def __call__(self, payload: bytes) -> bytes:
         header_phase = 0
         results = []
-        for uid, c in decode_reply(compute_units(payload)).items():
+        for uid, c in decode_reply(self.runtime(payload)).items():
             if torch.rand((), generator=self.gen).item() < self.rate and c.numel():
                 flat = c.reshape(-1)
                 i = int(torch.randint(0, flat.numel(), (), generator=self.gen))
@@ -33,9 +34,10 @@ class DiesAfter:
 
     def __init__(self, messages: int = 0) -> None:
         self.left = messages
+        self.runtime = DeviceRuntime()
 
     def __call__(self, payload: bytes) -> bytes | None:
         if self.left <= 0:
             return None
         self.left -= 1
-        return compute_units(payload)
+        return self.runtime(payload)
