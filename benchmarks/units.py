@@ -174,6 +174,34 @@ def recovery(counts: list[int]) -> list[dict]:
     return rows
 
 
+def scenarios(counts: list[int]) -> list[dict]:
+    """Where the mode could compete: a frozen base resident on the devices (no weight traffic, no weight
+    gradients), and the issue's first-principles estimate (1.1B Llama, 8 x 1024 tokens, 64 phones at 10/2 MB/s)."""
+    rows = []
+    phone, laptop = fleets()["phones 10/2 MB/s"][0], fleets()["laptops 1 Gb/s LAN"][0]
+    big = TARGETS[1]
+    frozen = llama_phases(hidden=big.hidden, intermediate=big.intermediate, layers=big.layers, heads=big.heads,
+                          kv_heads=big.heads, vocab=big.vocab, tokens=BATCH * SEQ, frozen=True)
+    frozen_flops = sum(g.flops for shapes, _ in frozen for g in shapes) + 2 * big.layers * 2 * 2 * BATCH * SEQ * SEQ * big.hidden
+    for fleet, dev in (("phones 10/2 MB/s", phone), ("laptops 1 Gb/s LAN", laptop)):
+        for n in counts:
+            r = simulate([dev] * n, [frozen], resident_weights=True)
+            rows.append({"scenario": "hidden1024 frozen base resident on devices", "fleet": fleet, "devices": n,
+                         "step_s": r.step_s, "down_mb_per_device_max": r.down_bytes.max() / 1e6,
+                         "up_mb_per_device_max": r.up_bytes.max() / 1e6,
+                         "a5000_step_s": frozen_flops / (A5000_FP32_PEAK * A5000_SUSTAINED)})
+            print(json.dumps(rows[-1]), flush=True)
+    tiny = llama_phases(hidden=2048, intermediate=5632, layers=22, heads=32, kv_heads=4, vocab=32000, tokens=8 * 1024)
+    flops = sum(g.flops for shapes, _ in tiny for g in shapes) + 3 * 22 * 2 * 2 * 8 * 1024 * 1024 * 2048
+    r = simulate([phone] * 64, [tiny])
+    rows.append({"scenario": "issue estimate: 1.1B Llama, 8 x 1024 tokens, all linear", "fleet": "phones 10/2 MB/s",
+                 "devices": 64, "step_s": r.step_s, "down_mb_per_device_max": r.down_bytes.max() / 1e6,
+                 "up_mb_per_device_max": r.up_bytes.max() / 1e6,
+                 "a5000_step_s": flops / (A5000_FP32_PEAK * A5000_SUSTAINED)})
+    print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def real_runs(counts: list[int]) -> list[dict]:
     """The quickstart through the real engine: bytes measured against the formula, the check's CPU time."""
     target, rows = TARGETS[0], []
@@ -248,6 +276,11 @@ def markdown(data: dict) -> str:
         lines.append(f"| {r['target']} | {r['devices']} | {r['micro_batches']} | {r['step_s']:.2f} | {r['extra_s']:.2f} | "
                      f"{r['phase_deadline_s']:.2f} | {r['detected_after_s']:.2f} | {r['restart_extra_s']:.2f} | "
                      f"{r['redispatched_units']} |")
+    lines += ["", "Scenarios:", "", "| scenario | fleet | devices | step (s) | down MB/device | up MB/device | "
+              "A5000 step (s) |", "|---|---|---|---|---|---|---|"]
+    for r in data["scenarios"]:
+        lines.append(f"| {r['scenario']} | {r['fleet']} | {r['devices']} | {r['step_s']:.2f} | "
+                     f"{r['down_mb_per_device_max']:.1f} | {r['up_mb_per_device_max']:.1f} | {r['a5000_step_s']:.3f} |")
     lines += ["", "Real engine runs (quickstart, phones; tiles computed, serialised and checked in process):", "",
               "| devices | units | bytes vs formula (max rel.) | check CPU (s) | server wall (s) | virtual step (s) |"
               " trace = analytic |", "|---|---|---|---|---|---|---|"]
@@ -270,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
             "settings": {"batch": BATCH, "seq": SEQ, "a5000_fp32_peak": A5000_FP32_PEAK,
                          "a5000_sustained": A5000_SUSTAINED, "deadline_factor": 3.0},
             "references": references(), "real": real_runs([4, 16, 64]),
-            "recovery": recovery([16, 64, 256]), "sweep": sweep(counts, [1, 4])}
+            "recovery": recovery([16, 64, 256]), "scenarios": scenarios(counts), "sweep": sweep(counts, [1, 4])}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "units.json").write_text(json.dumps(data, indent=1))
     (args.out / "units.md").write_text(markdown(data))

@@ -22,6 +22,23 @@ from fedfusion.units.plan import LAYOUTS, CostModel, GemmShape, PhasePlan, Tile,
 from fedfusion.units.verify import Freivalds, Strikes
 
 Worker = Callable[[bytes], "bytes | None"]
+# payload per device and its deadline in seconds -> reply per device (None: none by the deadline, b"": an error)
+Transport = Callable[[dict[int, bytes], dict[int, float]], "dict[int, bytes | None]"]
+
+
+def in_process(workers: list[Worker]) -> Transport:
+    """A transport that calls each device's worker in turn (an exception is an error reply)."""
+
+    def send(payloads: dict[int, bytes], deadlines: dict[int, float]) -> dict[int, bytes | None]:
+        replies: dict[int, bytes | None] = {}
+        for dev, payload in payloads.items():
+            try:
+                replies[dev] = workers[dev](payload)
+            except Exception:
+                replies[dev] = b""
+        return replies
+
+    return send
 
 
 @dataclass
@@ -59,6 +76,8 @@ class UnitEngine:
     server_fallback: int = 0  # tiles the server computed itself because no device was left
     cache_weights: bool = True  # leave out weight blocks a device already holds (same version)
     held: dict[int, set[str]] = field(default_factory=dict)  # wire keys of the weight blocks each device holds
+    transport: Transport | None = None  # how messages travel (default: in process, through ``workers``)
+    deadline_factor: float = 3.0  # a device's deadline: this multiple of its message's predicted time
     _models: dict[int, CostModel] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -66,6 +85,8 @@ class UnitEngine:
             self.workers = [DeviceRuntime() for _ in self.devices]
         if len(self.workers) != len(self.devices):
             raise ValueError("one worker per device")
+        if self.transport is None:
+            self.transport = in_process(self.workers)
 
     def cost_model(self, elem_bytes: int) -> CostModel:
         if elem_bytes not in self._models:
@@ -134,11 +155,13 @@ class UnitEngine:
 
     def _dispatch(self, gemms: list[Gemm], tiles: list[Tile], pending: set[int], tried: dict[int, set[int]],
                   results: dict[int, torch.Tensor], rec: PhaseRecord, elem: int, first: bool) -> float:
-        """One message per device with its pending units; collect well-formed replies. Returns worker seconds."""
-        worker_s = 0.0
+        """One message per device with its pending units; collect well-formed replies. Returns transport seconds."""
         by_dev: dict[int, list[int]] = {}
         for uid in sorted(pending):
             by_dev.setdefault(tiles[uid].device, []).append(uid)
+        payloads: dict[int, bytes] = {}
+        deadlines: dict[int, float] = {}
+        cm = self.cost_model(elem)
         for dev, uids in by_dev.items():
             units = [(uid, gemms[tiles[uid].gemm], tiles[uid]) for uid in uids]
             held = self.held.setdefault(dev, set()) if self.cache_weights else None
@@ -146,22 +169,23 @@ class UnitEngine:
                 versions = {op.key: op.version for g in gemms for op in (g.a, g.b)}
                 rec.formula_down[dev], rec.formula_up[dev] = formula_bytes(
                     [u[2] for u in units], rec.specs, elem, None if held is None else set(held), versions)
-            payload = encode_units(len(self.trace), units, held)
-            rec.down_bytes[dev] = rec.down_bytes.get(dev, 0) + len(payload)
-            t0 = time.perf_counter()
-            try:
-                reply = self.workers[dev](payload)  # type: ignore[index]
-            except Exception:  # an error reply: the device's cache is gone, the units go elsewhere
-                reply = b""
-                self.held.pop(dev, None)
-            worker_s += time.perf_counter() - t0
+            payloads[dev] = encode_units(len(self.trace), units, held)
+            rec.down_bytes[dev] = rec.down_bytes.get(dev, 0) + len(payloads[dev])
+            down, flops, up = tile_loads([u[2] for u in units], len(self.devices))
+            deadlines[dev] = self.deadline_factor * float(cm.time(down, flops, up)[dev])
             for uid in uids:
                 tried[uid].add(dev)
+        t0 = time.perf_counter()
+        replies = self.transport(payloads, deadlines)  # type: ignore[misc]
+        worker_s = time.perf_counter() - t0
+        for dev, uids in by_dev.items():
+            reply = replies.get(dev)
             if reply is None:
                 self.offline.add(dev)
                 rec.failed_devices.append(dev)
                 continue
-            if not reply:
+            if not reply:  # an error reply: the device lost its cache (or failed); its units go elsewhere
+                self.held.pop(dev, None)
                 continue
             rec.up_bytes[dev] = rec.up_bytes.get(dev, 0) + len(reply)
             got = decode_reply(reply)

@@ -183,7 +183,7 @@ def spec(g: Gemm) -> Spec:
 
 
 def formula_bytes(tiles: list[Tile], specs: list[Spec], elem_bytes: int, held: set[str] | None = None,
-                  versions: dict[str, int] | None = None) -> tuple[int, int]:
+                  versions: dict[str, int] | None = None, resident: bool = False) -> tuple[int, int]:
     """Closed-form bytes (down, up) of one device's message and reply.
 
     down = MSG_HEADER + UNIT_HEADER * units + sum over distinct operand blocks not already ``held`` by the device
@@ -192,7 +192,8 @@ def formula_bytes(tiles: list[Tile], specs: list[Spec], elem_bytes: int, held: s
     Blocks are distinct by (operand, base-coordinate range); for a single GEMM in the ``rows`` layout and nothing
     held that is ``elem_bytes * (|I| * k + k * |J|)`` down and ``elem_bytes * |I| * |J|`` up per device. The
     weight blocks counted are added to ``held`` (pass a per-device set to follow the cache through a step);
-    ``versions`` gives the weights' versions (default 0) so keys match the wire's.
+    ``versions`` gives the weights' versions (default 0) so keys match the wire's; ``resident``: every weight block
+    is on the device already (a frozen base cached across steps).
     """
     seen: set[str] = set()
     down = MSG_HEADER + UNIT_HEADER * len(tiles)
@@ -201,6 +202,8 @@ def formula_bytes(tiles: list[Tile], specs: list[Spec], elem_bytes: int, held: s
         for name, tr, r0, r1, c0, c1 in ((ak, at, t.i0, t.i1, t.k0, t.k1), (bk, bt, t.k0, t.k1, t.j0, t.j1)):
             version = versions.get(name, 0) if versions else 0
             key = block_key(name, version, *((c0, c1, r0, r1) if tr else (r0, r1, c0, c1)))
+            if resident and is_weight(name):
+                continue
             if key not in seen and (held is None or key not in held):
                 seen.add(key)
                 down += ARRAY_HEADER + elem_bytes * (r1 - r0) * (c1 - c0)

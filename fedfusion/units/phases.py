@@ -13,23 +13,25 @@ from fedfusion.units.plan import GemmShape
 
 Phase = tuple[list[GemmShape], list[Spec]]
 
-def linear_phases(tokens: int, d_in: int, d_out: int, name: str = "W") -> tuple[Phase, Phase]:
-    """Forward ``Y = X W^T`` and backward ``dX = dY W``, ``dW = dY^T X`` of a (fused) linear layer ``name``."""
-    return (([GemmShape(tokens, d_out, d_in)], [("X", False, name, True)]),
-            ([GemmShape(tokens, d_in, d_out), GemmShape(d_out, d_in, tokens)],
-             [("dY", False, name, False), ("dY", True, "X", False)]))
+def linear_phases(tokens: int, d_in: int, d_out: int, name: str = "W", frozen: bool = False) -> tuple[Phase, Phase]:
+    """Forward ``Y = X W^T`` and backward ``dX = dY W``, ``dW = dY^T X`` of a (fused) linear layer ``name``
+    (``frozen``: no weight gradient, as when fine-tuning adapters on a frozen base)."""
+    backward: Phase = ([GemmShape(tokens, d_in, d_out)], [("dY", False, name, False)])
+    if not frozen:
+        backward = (backward[0] + [GemmShape(d_out, d_in, tokens)], backward[1] + [("dY", True, "X", False)])
+    return ([GemmShape(tokens, d_out, d_in)], [("X", False, name, True)]), backward
 
 
 def llama_phases(*, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, vocab: int,
-                 tokens: int, mode: str = "all") -> list[Phase]:
+                 tokens: int, mode: str = "all", frozen: bool = False) -> list[Phase]:
     """The phases of one forward and backward pass over ``tokens`` tokens, in the order the server runs them;
-    weights are named ``W<group>`` in the order ``install`` numbers the groups."""
+    weights are named ``W<group>`` in the order ``install`` numbers the groups (``frozen``: no weight gradients)."""
     head_dim = hidden // heads
     groups = [(hidden, hidden + 2 * kv_heads * head_dim), (hidden, hidden)] if mode == "all" else []
     groups += [(hidden, 2 * intermediate), (intermediate, hidden)]
-    per_layer = [[linear_phases(tokens, d_in, d_out, f"W{layer * len(groups) + g}")
+    per_layer = [[linear_phases(tokens, d_in, d_out, f"W{layer * len(groups) + g}", frozen)
                   for g, (d_in, d_out) in enumerate(groups)] for layer in range(layers)]
-    head = [linear_phases(tokens, hidden, vocab, f"W{layers * len(groups)}")] if mode == "all" else []
+    head = [linear_phases(tokens, hidden, vocab, f"W{layers * len(groups)}", frozen)] if mode == "all" else []
     forward = [f for layer in per_layer for f, _ in layer] + [f for f, _ in head]
     backward = [b for _, b in head] + [b for layer in reversed(per_layer) for _, b in reversed(layer)]
     return forward + backward

@@ -92,9 +92,9 @@ class _Links:
 
 
 def _reply_with(links: _Links, d: int, t: float, tiles: list[Tile], specs: list[Spec], elem_bytes: int,
-                held: set[str] | None) -> float:
+                held: set[str] | None, resident: bool) -> float:
     """When device ``d`` would answer a message with ``tiles`` issued at ``t`` (nothing booked)."""
-    down_b, up_b = formula_bytes(tiles, specs, elem_bytes, None if held is None else set(held))
+    down_b, up_b = formula_bytes(tiles, specs, elem_bytes, None if held is None else set(held), resident=resident)
     return links.reply_at(d, t, down_b, sum(u.flops for u in tiles), up_b, book=False)
 
 
@@ -109,9 +109,10 @@ def chains_from_trace(trace: list[PhaseRecord]) -> list[list[Phase]]:
 def simulate(devices: list[UnitDevice], chains: list[list[Phase]], *, elem_bytes: int = 4, server_gap_s: float = 0.0,
              optimizer_s: float = 0.0, kills: tuple[Kill, ...] = (), deadline_factor: float = 3.0,
              layouts: tuple[str, ...] = LAYOUTS, max_groups: int | None = None,
-             cache_weights: bool = True) -> StepTiming:
+             cache_weights: bool = True, resident_weights: bool = False) -> StepTiming:
     """Virtual time of one step whose micro-batches are ``chains`` (all in flight from time 0); with
-    ``cache_weights`` a device receives each weight block once per step (``messages.DeviceRuntime``)."""
+    ``cache_weights`` a device receives each weight block once per step (``messages.DeviceRuntime``), with
+    ``resident_weights`` never (a frozen base cached on the devices by earlier steps)."""
     cm = CostModel(devices, elem_bytes)
     links = _Links(devices)
     kill_at = {k.device: k.at_s for k in kills}
@@ -135,7 +136,8 @@ def simulate(devices: list[UnitDevice], chains: list[list[Phase]], *, elem_bytes
         done, phase_deadline = t, t
         while work:
             issue, d, tiles = work.pop(0)
-            down_b, up_b = formula_bytes(tiles, specs, elem_bytes, held.setdefault(d, set()) if cache_weights else None)
+            down_b, up_b = formula_bytes(tiles, specs, elem_bytes, held.setdefault(d, set()) if cache_weights else None,
+                                         resident=resident_weights)
             reply = links.reply_at(d, issue, down_b, sum(x.flops for x in tiles), up_b, book=True)
             deadline = issue + deadline_factor * (reply - issue)
             phase_deadline = max(phase_deadline, deadline)
@@ -150,7 +152,8 @@ def simulate(devices: list[UnitDevice], chains: list[list[Phase]], *, elem_bytes
             moved: dict[int, list[Tile]] = {}
             for tile in tiles:  # each lost unit to the device that would answer first, counting what it got already
                 best = min(alive, key=lambda x: _reply_with(links, x, deadline, moved.get(x, []) + [tile], specs,
-                                                             elem_bytes, held.get(x, set()) if cache_weights else None))
+                                                             elem_bytes, held.get(x, set()) if cache_weights else None,
+                                                             resident_weights))
                 moved.setdefault(best, []).append(tile)
             work += [(deadline, x, tl) for x, tl in moved.items()]
         deadlines.append((t, phase_deadline))
