@@ -53,3 +53,15 @@ def test_faster_device_gets_more_work_and_more_devices_are_faster() -> None:
 def test_only_live_devices_get_units() -> None:
     plan = plan_phase(CostModel(devices(6)), [0, 2, 5], [GemmShape(64, 64, 64)])
     assert {t.device for t in plan.tiles} <= {0, 2, 5}
+
+
+def test_from_catalog_converts_units() -> None:
+    from fedfusion.devices import load_catalog
+    from fedfusion.units import from_catalog
+
+    tier = load_catalog()["phone-lowend"]
+    dev = from_catalog(tier, rtt_s=0.08)
+    assert dev.memory_bytes == tier.memory_gb * 1e9 and dev.flops == tier.tflops * 1e12
+    assert dev.down_bps == tier.down_mbps * 1e6 / 8 and dev.up_bps == tier.up_mbps * 1e6 / 8 and dev.rtt_s == 0.08
+    with pytest.raises(ValueError):
+        UnitDevice("bad", 0.0, 1.0, 1.0, 1.0)
