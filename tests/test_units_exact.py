@@ -88,3 +88,25 @@ def test_install_keeps_parameters_and_remove_restores() -> None:
     assert [n for n, _ in m.named_parameters()] == names
     handle.remove()
     assert type(m.model.layers[0].mlp.gate_proj) is torch.nn.Linear
+
+
+def test_three_steps_loss_curve_equals_local_with_weight_cache() -> None:
+    """Several steps: the device caches must go stale when the optimizer changes the weights."""
+    gen = torch.Generator().manual_seed(3)
+    local, units = model(torch.float64), model(torch.float64)
+    engine = UnitEngine(devices(3))
+    install(units, engine, "all")
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (local, units)]
+    for _ in range(3):
+        ids = torch.randint(0, CONFIG["vocab_size"], (2, 12), generator=gen)
+        losses = []
+        for m, opt in zip((local, units), opts):
+            opt.zero_grad()
+            loss = m(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            losses.append(float(loss.detach()))
+        assert abs(losses[0] - losses[1]) <= 1e-10
+    assert engine.server_fallback == 0 and not engine.strikes.counts
+    pu = dict(units.named_parameters())
+    assert max((p - pu[n]).abs().max().item() for n, p in local.named_parameters()) <= 1e-10

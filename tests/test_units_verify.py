@@ -135,3 +135,13 @@ def test_no_device_left_server_computes() -> None:
     g, want = gemm_pair(gen)
     (got,) = engine.phase([g])
     assert (got - want).abs().max() <= 1e-12 and engine.server_fallback >= 1
+
+
+def test_all_devices_blocked_server_computes_the_phase() -> None:
+    gen = torch.Generator().manual_seed(9)
+    engine = UnitEngine(devices(2), workers=[Corrupt(seed=1), Corrupt(seed=2)])
+    for _ in range(4):
+        g, want = gemm_pair(gen)
+        (got,) = engine.phase([g])
+        assert (got - want).abs().max() <= 1e-12
+    assert engine.live() == [] and engine.server_fallback >= 1
