@@ -44,7 +44,7 @@ class StepTiming:
     """What one simulated step cost: time, its physical floor, per-device bytes and busy seconds, churn."""
 
     step_s: float
-    floor_s: float
+    floor_s: float  # max over devices of (downlink bytes time + message overheads, uplink, compute) + phases x latency
     phases_per_chain: int
     down_bytes: np.ndarray
     up_bytes: np.ndarray
@@ -74,6 +74,7 @@ class _Links:
         self.down_free, self.cpu_free, self.up_free = np.zeros(n), np.zeros(n), np.zeros(n)
         self.down_bytes, self.up_bytes = np.zeros(n), np.zeros(n)
         self.down_busy, self.up_busy, self.compute = np.zeros(n), np.zeros(n), np.zeros(n)
+        self.overhead = np.zeros(n)  # per-message fixed costs, serialised with the downlink
 
     def reply_at(self, d: int, t: float, down_b: float, flops: float, up_b: float, book: bool) -> float:
         """When a message issued at ``t`` would be back; ``book`` reserves the resources."""
@@ -88,6 +89,7 @@ class _Links:
             self.down_busy[d] += down_b / dev.down_bps
             self.up_busy[d] += up_b / dev.up_bps
             self.compute[d] += flops / dev.flops
+            self.overhead[d] += dev.overhead_s
         return float(up_end + dev.rtt_s / 2)
 
 
@@ -164,6 +166,6 @@ def simulate(devices: list[UnitDevice], chains: list[list[Phase]], *, elem_bytes
     step = max(ends) + optimizer_s
     rtt = min(dev.rtt_s + dev.overhead_s for dev in devices)
     phases = max(len(ch) for ch in chains)
-    busy = np.maximum(np.maximum(links.down_busy, links.up_busy), links.compute)
+    busy = np.maximum(np.maximum(links.down_busy + links.overhead, links.up_busy), links.compute)
     return StepTiming(step, float(busy.max()) + phases * rtt, phases, links.down_bytes, links.up_bytes,
                       links.down_busy, links.up_busy, links.compute, redispatched, known_dead, deadlines)
