@@ -145,3 +145,18 @@ def test_all_devices_blocked_server_computes_the_phase() -> None:
         (got,) = engine.phase([g])
         assert (got - want).abs().max() <= 1e-12
     assert engine.live() == [] and engine.server_fallback >= 1
+
+
+def test_joint_check_failing_without_a_culprit_falls_back_to_the_server() -> None:
+    class JointOnly(Freivalds):
+        """Rejects every whole product, passes every tile: the engine cannot blame a device."""
+
+        def check(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> bool:
+            return a.shape[0] != 64 or b.shape[1] != 40
+
+    gen = torch.Generator().manual_seed(10)
+    engine = UnitEngine(devices(3), verifier=JointOnly(seed=0), layouts=("rows",))
+    g, want = gemm_pair(gen)
+    (got,) = engine.phase([g])
+    assert (got - want).abs().max() <= 1e-12
+    assert engine.server_fallback == 1 and not engine.strikes.counts
