@@ -121,16 +121,18 @@ class UnitEngine:
         first = True
         while True:
             while pending:
-                worker_s += self._dispatch(gemms, tiles, pending, tried, results, rec, elem, first)
-                first = False
-                for uid in pending:
-                    tiles[uid] = self._reassign(cm, tiles[uid], tried[uid], plan.tiles)
-                    rec.redispatched += 1
                 for uid in [u for u in pending if tiles[u].device < 0]:  # no device left: the server does it
                     a, b = gemms[tiles[uid].gemm].blocks(tiles[uid])
                     results[uid] = a @ b
                     self.server_fallback += 1
                     pending.discard(uid)
+                if not pending:
+                    break
+                worker_s += self._dispatch(gemms, tiles, pending, tried, results, rec, elem, first)
+                first = False
+                for uid in pending:
+                    tiles[uid] = self._reassign(cm, tiles[uid], tried[uid], plan.tiles)
+                    rec.redispatched += 1
             outs = self._assemble(gemms, tiles, results)
             if self.verifier is None:
                 break
