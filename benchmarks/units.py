@@ -323,6 +323,12 @@ def findings(data: dict) -> list[str]:
                    f"{len(rows)} above 1.5); busiest-link utilisation {min(r['link_utilisation'] for r in rows):.2f}-"
                    f"{max(r['link_utilisation'] for r in rows):.2f} ({sum(r['link_utilisation'] >= 0.7 for r in rows)} "
                    "at >= 0.70; the rest are latency-bound: small tiles, phases x RTT dominate).")
+    for target, ref in refs.items():
+        ratios = [ref["check_cpu_s"] / r["step_s"] for r in data["sweep"] if r["target"] == target]
+        out.append(f"- {target}: the server's Freivalds checks take {ref['check_cpu_s']:.3f} CPU s per step (one thread): "
+                   f"{ref['check_cpu_s'] / ref['local_step_s']:.1%} of the local CPU step and {min(ratios):.1%}-"
+                   f"{max(ratios):.1%} of the virtual step ({sum(x <= 0.02 for x in ratios)} of {len(ratios)} settings "
+                   "at <= 2%; above that the server needs more cores for checking, or fewer vectors).")
     rec = data["recovery"]
     out.append(f"- A device killed mid-step costs {min(r['extra_s'] for r in rec):.2f}-{max(r['extra_s'] for r in rec):.2f} s "
                f"(at most {max(r['extra_s'] / r['phase_deadline_s'] for r in rec):.2f} of the phase deadline), against "
@@ -334,8 +340,12 @@ def findings(data: dict) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="4 and 64 devices only")
+    parser.add_argument("--markdown-only", action="store_true", help="rewrite units.md from units.json")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
+    if args.markdown_only:
+        (args.out / "units.md").write_text(markdown(json.loads((args.out / "units.json").read_text())))
+        return 0
     torch.set_num_threads(1)
     counts = [4, 64] if args.quick else [4, 16, 64, 256, 1024]
     data = {"command": "python benchmarks/units.py" + (" --quick" if args.quick else ""),
