@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
+import pytest
 import torch
 
 from fedfusion.units import DeviceRuntime, Gemm, Operand, UnitDevice, UnitEngine
 from fedfusion.units.phases import llama_phases
 from fedfusion.units.timeline import simulate
 
-torch.set_num_threads(1)
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    """Two shared cores: BLAS threads spinning against each other cost 1000x on tiny GEMMs (restored after)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def devices(n: int) -> list[UnitDevice]:
