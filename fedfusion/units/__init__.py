@@ -1,0 +1,63 @@
+"""Units mode: the whole target trained exactly through sub-matrix units on devices (issue 25; after Cleave,
+arXiv 2512.22142). The server keeps the model, the data, attention cores, norms, embeddings, the loss and the
+optimizer; every linear layer's GEMMs (forward ``X W^T``, input gradient ``dY W``, weight gradient ``dY^T X``)
+are cut into tiles sized to each device and computed there. No Flower here; this is the core the Flower layer
+wraps.
+
+Modules: ``devices`` (``UnitDevice``: memory, FLOP/s, link rates, latency; ``from_catalog``), ``plan`` (cost model
+and planner), ``messages`` (wire format, the device side ``compute_units``/``DeviceRuntime``, the byte formula),
+``verify`` (Freivalds' check, strikes), ``engine`` (``UnitEngine``: plan, dispatch, verify, re-dispatch,
+assemble), ``hooks`` (``install`` on a Hugging Face Llama), ``phases`` (a step's phases from the shape alone),
+``timeline`` (virtual step time under links, micro-batches and churn), ``workers`` (emulated faulty devices).
+
+README -- the API the Flower layer calls
+-----------------------------------------
+
+Server side (a ServerApp mode)::
+
+    engine = UnitEngine(devices=[from_catalog(tier, name=str(node_id)) for ...], transport=flower_transport)
+    handle = install(model, engine, mode="all")      # or "mlp"; the parameters stay the same objects
+    for micro, batch in enumerate(micro_batches):
+        engine.chain = micro
+        model(**batch).loss.backward()               # every linear GEMM goes through engine.phase(...)
+    optimizer.step()                                 # weights' versions change: device caches go stale by key
+
+``transport(payloads: dict[int, bytes], deadlines: dict[int, float]) -> dict[int, bytes | None]`` is the one
+seam to Flower. Per phase round the engine hands it one payload per device (device index -> bytes) and each
+device's deadline in seconds (``deadline_factor`` x its predicted time); the transport pushes one message per
+device (``Grid.push_messages``; content e.g. ``ConfigRecord({"units": payload})`` or the arrays as an
+``ArrayRecord``, ``message_type="train.units"``, a TTL of the deadline), pulls replies on its own short loop
+(not ``send_and_receive``'s 0.1 s / 3 s sleeps) and returns per device the reply's bytes, ``None`` when none
+came by the deadline (the device is taken offline and its units re-dispatched; a later reply is dropped) or
+``b""`` for an error reply (e.g. the device lost its weight cache: no strike, its units go elsewhere and its
+weights are sent in full next time). Everything else -- which device gets which tile, verification, strikes,
+re-dispatch, first-valid-wins, assembly -- stays in the engine. To keep devices busy the transport may queue the
+next phase's message early; several micro-batches in flight need the engine called from one thread per chain
+(not done here: the timeline models it).
+
+A message to a device (``messages.encode_units``): a 4-byte header length, a JSON header
+``{"phase": p, "units": [[uid, a_key, a_transposed, b_key, b_transposed], ...],
+"arrays": [[key, dtype, shape], ...]}`` and the raw bytes of those arrays. Keys name operand blocks in base
+coordinates (``X[0:256,0:128]``, weights ``W12@3[0:512,0:128]`` with their version); a block used by several
+units travels once and weight blocks the device already holds are left out. The device computes
+``op(blocks[a_key]) @ op(blocks[b_key])`` per unit.
+
+A reply (``messages.encode_reply``): the same framing, header ``{"phase": p, "arrays": [[uid, dtype, shape],
+...]}`` and one result tile per unit, in the operands' dtype.
+
+Device side (a ClientApp handler): ``DeviceRuntime()(payload) -> reply`` -- keep one ``DeviceRuntime`` per node
+(its ``cache`` dict of weight blocks belongs in ``context.state`` between messages; without it, answer with an
+error so the server resends the weights). It uses torch on the CPU; put the tensors on the device's accelerator
+where it has one.
+"""
+
+from fedfusion.units.devices import UnitDevice, from_catalog
+from fedfusion.units.engine import PhaseRecord, Transport, UnitEngine, in_process
+from fedfusion.units.hooks import install
+from fedfusion.units.messages import DeviceRuntime, Gemm, Operand, compute_units
+from fedfusion.units.plan import CostModel, GemmShape, PhasePlan, Tile, plan_phase
+from fedfusion.units.verify import Freivalds, Strikes
+
+__all__ = ["CostModel", "DeviceRuntime", "Freivalds", "Gemm", "GemmShape", "Operand", "PhasePlan", "PhaseRecord",
+           "Strikes", "Tile", "Transport", "UnitDevice", "UnitEngine", "compute_units", "from_catalog", "in_process",
+           "install", "plan_phase"]

@@ -1,0 +1,171 @@
+"""Virtual time of a step in the units mode: emulated links, several micro-batches in flight, devices that die.
+
+Each device has three FIFO resources: its downlink, its processor and its uplink. A message issued at time ``t``
+
+    down:    starts at max(t, downlink free), takes overhead + bytes_down / down_bps, then rtt / 2 to arrive
+    compute: starts at max(arrival, processor free), takes flops / flops_rate
+    up:      starts at max(compute end, uplink free), takes bytes_up / up_bps, then rtt / 2 back
+
+so a device can receive micro-batch 2's operands while it computes micro-batch 1's and sends back micro-batch
+0's. Micro-batches are independent chains of dependent phases (a phase is issued when the previous phase of
+its chain is back, plus the server's own time between phases), processed in order of issue time.
+
+Churn: a device killed at ``Kill.at_s`` never answers a message whose reply was due after that. The server
+notices at the message's deadline, ``issue + deadline_factor * (predicted reply - issue)``, drops the device
+from later plans and re-dispatches the lost units, each to the live device with the earliest predicted reply
+(first valid result wins; the dead device's late results never come). Bytes are the closed form of
+``messages.formula_bytes``. Approximation: a re-dispatched message queues behind work already booked.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from fedfusion.units.devices import UnitDevice
+from fedfusion.units.engine import PhaseRecord
+from fedfusion.units.messages import Spec, formula_bytes
+from fedfusion.units.phases import Phase
+from fedfusion.units.plan import LAYOUTS, CostModel, PhasePlan, Tile, plan_phase
+
+
+@dataclass(frozen=True)
+class Kill:
+    """Device ``device`` stops answering at virtual time ``at_s``."""
+
+    device: int
+    at_s: float
+
+
+@dataclass
+class StepTiming:
+    """What one simulated step cost: time, its physical floor, per-device bytes and busy seconds, churn."""
+
+    step_s: float
+    floor_s: float  # max over devices of (downlink bytes time + message overheads, uplink, compute) + phases x latency
+    phases_per_chain: int
+    down_bytes: np.ndarray
+    up_bytes: np.ndarray
+    down_busy_s: np.ndarray
+    up_busy_s: np.ndarray
+    compute_s: np.ndarray
+    redispatched: int = 0
+    detected: dict[int, float] = field(default_factory=dict)
+    phase_deadlines: list[tuple[float, float]] = field(default_factory=list)  # (issue, deadline) of each phase
+
+    @property
+    def link_utilisation(self) -> float:
+        """Busy fraction of the busiest link over the step."""
+        return float(max(self.down_busy_s.max(), self.up_busy_s.max()) / self.step_s) if self.step_s else 0.0
+
+    @property
+    def devices_used(self) -> int:
+        return int(np.count_nonzero(self.down_bytes))
+
+
+class _Links:
+    """The FIFO resources of every device and what they carried."""
+
+    def __init__(self, devices: list[UnitDevice]) -> None:
+        n = len(devices)
+        self.devices = devices
+        self.down_free, self.cpu_free, self.up_free = np.zeros(n), np.zeros(n), np.zeros(n)
+        self.down_bytes, self.up_bytes = np.zeros(n), np.zeros(n)
+        self.down_busy, self.up_busy, self.compute = np.zeros(n), np.zeros(n), np.zeros(n)
+        self.overhead = np.zeros(n)  # per-message fixed costs, serialised with the downlink
+
+    def reply_at(self, d: int, t: float, down_b: float, flops: float, up_b: float, book: bool) -> float:
+        """When a message issued at ``t`` would be back; ``book`` reserves the resources."""
+        dev = self.devices[d]
+        down_end = max(t, self.down_free[d]) + dev.overhead_s + down_b / dev.down_bps
+        comp_end = max(down_end + dev.rtt_s / 2, self.cpu_free[d]) + flops / dev.flops
+        up_end = max(comp_end, self.up_free[d]) + up_b / dev.up_bps
+        if book:
+            self.down_free[d], self.cpu_free[d], self.up_free[d] = down_end, comp_end, up_end
+            self.down_bytes[d] += down_b
+            self.up_bytes[d] += up_b
+            self.down_busy[d] += down_b / dev.down_bps
+            self.up_busy[d] += up_b / dev.up_bps
+            self.compute[d] += flops / dev.flops
+            self.overhead[d] += dev.overhead_s
+        return float(up_end + dev.rtt_s / 2)
+
+
+def _reply_with(links: _Links, d: int, t: float, tiles: list[Tile], specs: list[Spec], elem_bytes: int,
+                held: set[str] | None, resident: bool) -> float:
+    """When device ``d`` would answer a message with ``tiles`` issued at ``t`` (nothing booked)."""
+    down_b, up_b = formula_bytes(tiles, specs, elem_bytes, None if held is None else set(held), resident=resident)
+    return links.reply_at(d, t, down_b, sum(u.flops for u in tiles), up_b, book=False)
+
+
+def chains_from_trace(trace: list[PhaseRecord]) -> list[list[Phase]]:
+    """The engine's recorded phases grouped into micro-batch chains, in order."""
+    chains: dict[int, list[Phase]] = {}
+    for rec in trace:
+        chains.setdefault(rec.chain, []).append((rec.shapes, rec.specs))
+    return [chains[c] for c in sorted(chains)]
+
+
+def simulate(devices: list[UnitDevice], chains: list[list[Phase]], *, elem_bytes: int = 4, server_gap_s: float = 0.0,
+             optimizer_s: float = 0.0, kills: tuple[Kill, ...] = (), deadline_factor: float = 3.0,
+             layouts: tuple[str, ...] = LAYOUTS, max_groups: int | None = None,
+             cache_weights: bool = True, resident_weights: bool = False) -> StepTiming:
+    """Virtual time of one step whose micro-batches are ``chains`` (all in flight from time 0); with
+    ``cache_weights`` a device receives each weight block once per step (``messages.DeviceRuntime``), with
+    ``resident_weights`` never (a frozen base cached on the devices by earlier steps)."""
+    cm = CostModel(devices, elem_bytes)
+    links = _Links(devices)
+    kill_at = {k.device: k.at_s for k in kills}
+    known_dead: dict[int, float] = {}
+    held: dict[int, set[str]] = {}
+    plans: dict[tuple[object, ...], PhasePlan] = {}
+    heap = [(0.0, c, 0) for c in range(len(chains))]
+    ends, redispatched, deadlines = [0.0], 0, []
+    while heap:
+        t, c, p = heapq.heappop(heap)
+        shapes, specs = chains[c][p]
+        live = tuple(d for d in range(len(devices)) if known_dead.get(d, np.inf) > t)
+        key = (tuple(shapes), live)
+        if key not in plans:
+            plans[key] = plan_phase(cm, list(live), shapes, layouts, max_groups)
+        work: list[tuple[float, int, list[Tile]]] = []  # (issue time, device, tiles)
+        by_dev: dict[int, list[Tile]] = {}
+        for tile in plans[key].tiles:
+            by_dev.setdefault(tile.device, []).append(tile)
+        work = [(t, d, tl) for d, tl in by_dev.items()]
+        done, phase_deadline = t, t
+        while work:
+            issue, d, tiles = work.pop(0)
+            down_b, up_b = formula_bytes(tiles, specs, elem_bytes, held.setdefault(d, set()) if cache_weights else None,
+                                         resident=resident_weights)
+            reply = links.reply_at(d, issue, down_b, sum(x.flops for x in tiles), up_b, book=True)
+            deadline = issue + deadline_factor * (reply - issue)
+            phase_deadline = max(phase_deadline, deadline)
+            if kill_at.get(d, np.inf) >= reply:
+                done = max(done, reply)
+                continue
+            known_dead[d] = min(known_dead.get(d, np.inf), deadline)
+            redispatched += len(tiles)
+            alive = [x for x in range(len(devices)) if known_dead.get(x, np.inf) > deadline and x != d]
+            if not alive:
+                raise RuntimeError("every device is gone")
+            moved: dict[int, list[Tile]] = {}
+            for tile in tiles:  # each lost unit to the device that would answer first, counting what it got already
+                best = min(alive, key=lambda x: _reply_with(links, x, deadline, moved.get(x, []) + [tile], specs,
+                                                             elem_bytes, held.get(x, set()) if cache_weights else None,
+                                                             resident_weights))
+                moved.setdefault(best, []).append(tile)
+            work += [(deadline, x, tl) for x, tl in moved.items()]
+        deadlines.append((t, phase_deadline))
+        if p + 1 < len(chains[c]):
+            heapq.heappush(heap, (done + server_gap_s, c, p + 1))
+        else:
+            ends.append(done)
+    step = max(ends) + optimizer_s
+    rtt = min(dev.rtt_s + dev.overhead_s for dev in devices)
+    phases = max(len(ch) for ch in chains)
+    busy = np.maximum(np.maximum(links.down_busy + links.overhead, links.up_busy), links.compute)
+    return StepTiming(step, float(busy.max()) + phases * rtt, phases, links.down_bytes, links.up_bytes,
+                      links.down_busy, links.up_busy, links.compute, redispatched, known_dead, deadlines)

@@ -1,0 +1,43 @@
+"""Emulated device behaviours for tests and benchmarks: honest, wrong results, gone silent."""
+
+from __future__ import annotations
+
+import torch
+
+from fedfusion.units.messages import DeviceRuntime, decode_reply, encode_reply
+
+
+class Corrupt:
+    """Computes honestly, then adds ``scale * max|C|`` to one random entry of a tile with probability ``rate``."""
+
+    def __init__(self, rate: float = 1.0, scale: float = 1e-2, seed: int = 0) -> None:
+        self.rate, self.scale = rate, scale
+        self.gen = torch.Generator().manual_seed(seed)
+        self.corrupted = 0
+        self.runtime = DeviceRuntime()
+
+    def __call__(self, payload: bytes) -> bytes:
+        header_phase = 0
+        results = []
+        for uid, c in decode_reply(self.runtime(payload)).items():
+            if torch.rand((), generator=self.gen).item() < self.rate and c.numel():
+                flat = c.reshape(-1)
+                i = int(torch.randint(0, flat.numel(), (), generator=self.gen))
+                flat[i] += self.scale * (float(flat.abs().max()) + 1.0)
+                self.corrupted += 1
+            results.append((uid, c))
+        return encode_reply(header_phase, results)
+
+
+class DiesAfter:
+    """Answers ``messages`` messages honestly, then never again (a device that left mid-step)."""
+
+    def __init__(self, messages: int = 0) -> None:
+        self.left = messages
+        self.runtime = DeviceRuntime()
+
+    def __call__(self, payload: bytes) -> bytes | None:
+        if self.left <= 0:
+            return None
+        self.left -= 1
+        return self.runtime(payload)

@@ -1,0 +1,172 @@
+"""Freivalds' check: injected errors above tolerance caught, honest tiles pass, bad devices struck and routed around."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from fedfusion.units import Freivalds, Gemm, Operand, UnitDevice, UnitEngine
+from fedfusion.units.messages import DeviceRuntime
+from fedfusion.units.workers import Corrupt, DiesAfter
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    """Two shared cores: BLAS threads spinning against each other cost 1000x on tiny GEMMs (restored after)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+KINDS = ("entry", "row", "column", "dense", "sparse", "scaled")
+
+
+def random_tile(gen: torch.Generator, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    m, n, k = (int(torch.randint(lo, hi, (), generator=gen)) for lo, hi in ((4, 96), (4, 96), (8, 512)))
+    scale = 10 ** float(torch.empty(()).uniform_(-3, 3, generator=gen))
+    a = torch.randn(m, k, generator=gen, dtype=dtype) * scale
+    b = torch.randn(k, n, generator=gen, dtype=dtype)
+    return a, b
+
+
+def inject(c: torch.Tensor, tol: torch.Tensor, kind: str, gen: torch.Generator) -> torch.Tensor:
+    """An error whose largest entry is 2-20x the check's tolerance on that entry's row (the detection threshold)."""
+    m, n = c.shape
+    factor = 2 * float(torch.empty(()).uniform_(1, 10, generator=gen))
+    z = torch.zeros_like(c)
+    i, j = int(torch.randint(0, m, (), generator=gen)), int(torch.randint(0, n, (), generator=gen))
+    if kind == "entry":
+        z[i, j] = 1
+    elif kind == "row":
+        z[i] = torch.randn(n, generator=gen)
+    elif kind == "column":
+        z[:, j] = torch.randn(m, generator=gen)
+    elif kind == "dense":
+        z = torch.randn(m, n, generator=gen)
+    elif kind == "sparse":
+        z = torch.randn(m, n, generator=gen) * (torch.rand(m, n, generator=gen) < 0.02)
+        z[i, j] = 1
+    else:  # a wrong scale of the whole tile
+        z = c.clone()
+    ratio = z.abs() / tol[:, None]
+    return c + z * (factor / ratio.max())
+
+
+def test_injected_errors_above_tolerance_detected_in_999_of_1000() -> None:
+    gen = torch.Generator().manual_seed(0)
+    check = Freivalds(vectors=2, seed=1)
+    missed = {kind: 0 for kind in KINDS}
+    for trial in range(1000):
+        a, b = random_tile(gen)
+        c = a @ b
+        kind = KINDS[trial % len(KINDS)]
+        bad = inject(c, check.tolerance(a, b), kind, gen)
+        assert not torch.equal(bad, c)
+        missed[kind] += check.check(a, b, bad)
+    assert sum(missed.values()) <= 1, missed
+
+
+def test_no_false_positive_on_1000_honest_tiles() -> None:
+    gen = torch.Generator().manual_seed(2)
+    check = Freivalds(vectors=2, seed=3)
+    rejected = 0
+    for trial in range(1000):
+        dtype = torch.float64 if trial % 4 == 0 else torch.float32
+        a, b = random_tile(gen, dtype)
+        c = compute_units_tile(a, b)  # through the device code path and the wire
+        rejected += not check.check(a, b, c)
+    assert rejected == 0
+
+
+def compute_units_tile(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    from fedfusion.units.messages import compute_units, decode_reply, encode_units
+    from fedfusion.units.plan import Tile
+
+    g = Gemm(Operand("A", a), Operand("B", b))
+    tile = Tile(0, 0, 0, a.shape[0], 0, b.shape[1], 0, a.shape[1])
+    return decode_reply(compute_units(encode_units(0, [(0, g, tile)])))[0]
+
+
+def test_two_cancelling_entries_need_more_vectors() -> None:
+    """Freivalds' worst case: two wrong entries in a row; each vector catches it with probability >= 1/2."""
+    gen = torch.Generator().manual_seed(4)
+    caught, trials = {2: 0, 10: 0}, {2: 300, 10: 1000}
+    for vectors in caught:
+        check = Freivalds(vectors=vectors, seed=5)
+        for _ in range(trials[vectors]):
+            a, b = random_tile(gen)
+            c, tol = a @ b, check.tolerance(a, b)
+            bad = c.clone()
+            i = int(torch.randint(0, c.shape[0], (), generator=gen))
+            j1, j2 = torch.randperm(c.shape[1], generator=gen)[:2].tolist() if c.shape[1] > 1 else (0, 0)
+            bad[i, j1] += 2.5 * tol[i]
+            bad[i, j2] -= 2.5 * tol[i]
+            caught[vectors] += not check.check(a, b, bad)
+    assert caught[10] >= 999
+    assert caught[2] / trials[2] < 0.99  # the default two vectors are weaker against this adversarial pattern
+
+
+def devices(n: int) -> list[UnitDevice]:
+    return [UnitDevice(f"d{i}", 1e8, 1e9 * (1 + i), 1e6, 1e6) for i in range(n)]
+
+
+def gemm_pair(gen: torch.Generator) -> tuple[Gemm, torch.Tensor]:
+    a, b = torch.randn(64, 48, generator=gen, dtype=torch.float64), torch.randn(40, 48, generator=gen, dtype=torch.float64)
+    return Gemm(Operand("X", a), Operand("W", b, t=True)), a @ b.T
+
+
+def test_corrupt_device_struck_blocked_and_its_tiles_redispatched() -> None:
+    gen = torch.Generator().manual_seed(6)
+    bad = Corrupt(rate=1.0, scale=1e-3)
+    engine = UnitEngine(devices(4), workers=[DeviceRuntime(), bad, DeviceRuntime(), DeviceRuntime()], layouts=("rows",))
+    for _ in range(4):
+        g, want = gemm_pair(gen)
+        (got,) = engine.phase([g])
+        assert torch.equal(got, want) or (got - want).abs().max() <= 1e-12
+    assert bad.corrupted >= 3
+    assert engine.strikes.blocked(1) and 1 not in engine.live()
+    assert sum(r.redispatched for r in engine.trace) >= 3
+    assert all(1 not in {t.device for t in r.plan.tiles} for r in engine.trace[3:])
+
+
+def test_silent_device_goes_offline_and_result_is_exact() -> None:
+    gen = torch.Generator().manual_seed(7)
+    engine = UnitEngine(devices(3), workers=[DeviceRuntime(), DiesAfter(0), DeviceRuntime()])
+    g, want = gemm_pair(gen)
+    (got,) = engine.phase([g])
+    assert (got - want).abs().max() <= 1e-12
+    assert engine.offline == {1} and engine.trace[0].redispatched >= 1
+
+
+def test_no_device_left_server_computes() -> None:
+    gen = torch.Generator().manual_seed(8)
+    engine = UnitEngine(devices(2), workers=[DiesAfter(0), DiesAfter(0)])
+    g, want = gemm_pair(gen)
+    (got,) = engine.phase([g])
+    assert (got - want).abs().max() <= 1e-12 and engine.server_fallback >= 1
+
+
+def test_all_devices_blocked_server_computes_the_phase() -> None:
+    gen = torch.Generator().manual_seed(9)
+    engine = UnitEngine(devices(2), workers=[Corrupt(seed=1), Corrupt(seed=2)])
+    for _ in range(4):
+        g, want = gemm_pair(gen)
+        (got,) = engine.phase([g])
+        assert (got - want).abs().max() <= 1e-12
+    assert engine.live() == [] and engine.server_fallback >= 1
+
+
+def test_joint_check_failing_without_a_culprit_falls_back_to_the_server() -> None:
+    class JointOnly(Freivalds):
+        """Rejects every whole product, passes every tile: the engine cannot blame a device."""
+
+        def check(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> bool:
+            return a.shape[0] != 64 or b.shape[1] != 40
+
+    gen = torch.Generator().manual_seed(10)
+    engine = UnitEngine(devices(3), verifier=JointOnly(seed=0), layouts=("rows",))
+    g, want = gemm_pair(gen)
+    (got,) = engine.phase([g])
+    assert (got - want).abs().max() <= 1e-12
+    assert engine.server_fallback == 1 and not engine.strikes.counts
