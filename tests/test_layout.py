@@ -21,10 +21,11 @@ USES = {
     "train": {"models", "data"},
     "fusion": {"config", "wire", "devices", "data", "models", "train"},
     "selection": {"config", "devices"},
+    "units": {"devices"},  # the exact (units) mode's GEMM tiles, verification and timeline: no Flower
     "phone": {"models", "train", "wire"},
     "strategies": {"fusion", "selection", "wire", "devices"},
-    "clients": {"wire", "data", "models", "train", "phone"},
-    "run": {"config", "wire", "devices", "data", "models", "train", "fusion", "selection", "strategies"},
+    "clients": {"wire", "data", "models", "train", "phone", "units"},
+    "run": {"config", "wire", "devices", "data", "models", "train", "fusion", "selection", "strategies", "units"},
 }
 ENTRY_POINTS = {"fedfusion", "fedfusion.__main__", "fedfusion.cli", "fedfusion.server_app", "fedfusion.client_app",
                 "fedfusion.deploy", "fedfusion.phone.commands"}  # phone.commands: the CLI's phone commands
