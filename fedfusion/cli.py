@@ -99,8 +99,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     )
 
     verb = f"resuming after round {done}:" if args.resume else "running"
-    console.print(f"[bold]fedfusion[/] {verb} {recipe.name}: {recipe.population.num_clients} clients, "
-                  f"{recipe.selection.clients_per_round} per round, {recipe.rounds} rounds, "
+    shape = (f"{recipe.units.steps} steps, units.offload={recipe.units.offload}" if recipe.fusion.method == "units"
+             else f"{recipe.selection.clients_per_round} per round, {recipe.rounds} rounds")
+    console.print(f"[bold]fedfusion[/] {verb} {recipe.name}: {recipe.population.num_clients} clients, {shape}, "
                   f"fusion={_method(recipe)}"
                   + (f", on the Ray cluster at {recipe.engine.ray_address}" if recipe.engine.ray_address else "")
                   + f"; writing {run.path}")
@@ -117,9 +118,21 @@ def cmd_run(args: argparse.Namespace) -> int:
             progress.console.print("interrupted: stopping the run (Ctrl-C again to force)")
 
         ctrl_c = CtrlC(on_ctrl_c)
-        task = progress.add_task("rounds", total=recipe.rounds, completed=done)
+        units = recipe.fusion.method == "units"
+        task = progress.add_task("steps" if units else "rounds", total=recipe.units.steps if units else recipe.rounds,
+                                 completed=done)
 
         def on_round(row: dict[str, Any]) -> None:
+            if units:  # the exact mode: one row per optimizer step (fedfusion.run.units)
+                loss = "" if row["train_loss"] is None else f"  train loss {row['train_loss']:.4f}"
+                scored = f"  eval loss {row['eval_loss']:.3f}" if "eval_loss" in row else ""
+                progress.console.print(
+                    f"step {row['step']:>3}{loss}{scored}  {row['bytes_down'] / 1e6:.2f} MB down "
+                    f"{row['bytes_up'] / 1e6:.2f} MB up  virtual {row['virtual_s']:.2f}s  wall {row['wall_s']:5.1f}s",
+                    soft_wrap=True)
+                if row["step"] > 0:
+                    progress.advance(task)
+                return
             progress.console.print(
                 f"round {row['round']:>3}  loss {row['eval_loss']:.3f}  ppl {row['eval_ppl']:7.2f}  "
                 f"acc {row['eval_acc']:.3f}  ok {row['clients_ok']} failed {row['clients_failed']}"

@@ -6,7 +6,9 @@ import importlib
 from functools import lru_cache
 from types import ModuleType
 
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedfusion.clients.privacy import privacy_mod
@@ -14,7 +16,18 @@ from fedfusion.devices.catalog import assign_tiers
 from fedfusion.devices.hardware import capabilities, pick_accelerator
 from fedfusion.run.quiet import silence_expected_noise
 from fedfusion.wire.quantize import client_reply, decode
-from fedfusion.wire.specs import ROLES, Caps, PopulationSpec, RoleSpec, WireSpec
+from fedfusion.wire.specs import (
+    ROLES,
+    UNITS_ACTION,
+    UNITS_ERROR,
+    UNITS_PAYLOAD,
+    UNITS_RECORD,
+    Caps,
+    PopulationSpec,
+    RoleSpec,
+    UnitsSpec,
+    WireSpec,
+)
 
 silence_expected_noise()  # in every simulation actor: it imports this module to unpickle the app
 app = ClientApp()
@@ -98,3 +111,30 @@ def evaluate(msg: Message, context: Context) -> Message:
     metrics = _role(spec).evaluate(decode(msg.content.array_records["arrays"].to_torch_state_dict()), spec,
                                    _partition(context), _accelerator(context))
     return Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
+
+
+# where a node keeps the units mode's weight blocks between messages: Flower's context.state (it persists per node
+# in simulation, whichever actor runs the message, and across a deployed SuperNode's per-message processes)
+UNITS_CACHE = "units-cache"
+
+
+@app.train(UNITS_ACTION)
+def units(msg: Message, context: Context) -> Message:
+    """The exact mode (``train.units``): compute the GEMM tiles of the payload's bytes with the node's weight cache
+    (``context.state``) and reply the result bytes; a message that needs a weight block the cache lacks gets a
+    ``units-error`` reply and the server sends the weights again."""
+    from fedfusion.clients import units as role
+
+    config = msg.content.config_records.get("config")
+    spec = UnitsSpec.from_config_if_any(config) if config is not None else None
+    payload = msg.content.array_records[UNITS_RECORD][UNITS_PAYLOAD].numpy().tobytes()
+    kept = context.state.get(UNITS_CACHE)
+    cache = {k: torch.from_numpy(a.numpy()) for k, a in kept.items()} if isinstance(kept, ArrayRecord) else {}
+    reply = role.compute(payload, cache, spec.stall_s if spec else 0.0)
+    if reply is None:
+        context.state[UNITS_CACHE] = ArrayRecord()
+        return Message(RecordDict({UNITS_ERROR: ConfigRecord({"reason": "weight block not in this node's cache"})}),
+                       reply_to=msg)
+    context.state[UNITS_CACHE] = ArrayRecord({k: Array(v.numpy()) for k, v in cache.items()})
+    return Message(RecordDict({UNITS_RECORD: ArrayRecord({UNITS_PAYLOAD: Array(np.frombuffer(reply, np.uint8))})}),
+                   reply_to=msg)

@@ -34,6 +34,7 @@ from fedfusion.wire.specs import (
     Spec,
     SpecError,
     TrainSpec,
+    UnitsSpec,
     WindowSpec,
     WireSpec,
     merge,
@@ -60,6 +61,7 @@ EXAMPLES: list[Spec] = [
     WireSpec("int4", True),
     PopulationSpec({"phone": 0.5, "desktop": 0.5}, 32, 1),
     Caps("phone", 5, 120),
+    UnitsSpec(2.5),
 ]
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 DATA_SOURCES = ("shakespeare", "text", "facts", "chatterbot", "dataset")
 CHAT_SPLITS = ("category", "iid")  # data.split: one chatterbot topic per client (non-IID) | iid
 BUILTIN_DATASETS = ("shakespeare", "chatterbot")  # data.source=dataset without a hub id or a local file
-FUSION_METHODS = ("submodel", "distill", "lora", "generative", "mixed")
+FUSION_METHODS = ("submodel", "distill", "lora", "generative", "mixed", "units")  # units: the exact mode (issue 25)
 MIXABLE = ("submodel", "distill", "generative")  # the methods fusion.method=mixed combines (all train the whole target)
 POLICIES = ("static", "rolling", "random", "ordered", "owned")  # fusion.policy: how a slice is placed
 AXES = ("heads", "neurons", "hidden", "depth")  # fusion.axes
@@ -34,6 +34,7 @@ LORA_METHODS = ("fedavg", "zeropad", "hetlora", "flexlora", "flora")
 LORA_DTYPES = ("float32", "bfloat16", "float16")  # an unquantised base
 QUANTIZE_BITS = (0, 4, 8)  # lora.quantize: a base's bits per tier (0: none)
 TRACKERS = ("none", "tensorboard", "mlflow")  # output.tracker
+UNIT_OFFLOAD = ("mlp", "all")  # units.offload: the MLP's linear layers | every linear layer incl. lm_head
 DEFAULT_CLOUD = "cloud-a100"  # the catalog's cloud reference when a recipe names none (report.cloud)
 
 # recipe key -> its allowed values
@@ -60,4 +61,5 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "lora.method": LORA_METHODS,
     "lora.dtype": LORA_DTYPES,
     "output.tracker": TRACKERS,
+    "units.offload": UNIT_OFFLOAD,
 }

@@ -296,6 +296,29 @@ class ReportConfig:
 
 
 @dataclass
+class UnitsSection:
+    """The exact mode (fusion.method=units, issue 25): the server keeps the target, the data and the optimizer and
+    trains the target centrally; every linear layer's GEMMs (fedfusion.units) are cut into tiles that the
+    population's nodes compute. ``train.lr``, ``train.weight_decay``, ``train.batch_size`` and ``train.seq_len``
+    set the central training; ``rounds`` and ``selection`` do not apply."""
+
+    offload: str = "mlp"  # mlp (the MLP's linear layers) | all (every linear layer, lm_head included)
+    steps: int = 3  # optimizer steps on the pooled training text
+    micro_batches: int = 1  # each step's batch is cut into this many micro-batches (gradients summed)
+    deadline_factor: float = 3.0  # a device's deadline: this multiple of its message's predicted (virtual) time
+    # the wall-clock floor of a device's deadline: the predicted times are the catalog device's, the real transport
+    # (Flower's simulation engine sweeps each node's queue every 0.1 s) adds its own latency
+    deadline_floor_s: float = 2.0
+    verify: bool = True  # Freivalds' check on every product (a wrong tile is re-computed elsewhere)
+    eval_every: int = 0  # steps between central evaluations (0: only before the first and after the last step)
+    # fault injection for tests and benchmarks: the node of this partition stops answering (sleeps stall_s before
+    # it replies) after answering stall_after messages; -1: off
+    stall_partition: int = -1
+    stall_after: int = 0
+    stall_s: float = 0.0
+
+
+@dataclass
 class Recipe:
     """One experiment."""
 
@@ -317,6 +340,7 @@ class Recipe:
     engine: EngineConfig = field(default_factory=EngineConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     report: ReportConfig = field(default_factory=ReportConfig)
+    units: UnitsSection = field(default_factory=UnitsSection)
 
 
 def builtin_recipe_path(name: str) -> Path:
@@ -508,6 +532,7 @@ def validate(recipe: Recipe) -> None:
             raise RecipeError(f"fusion.widths.{tier}: must be in (0, 1], got {width}")
     _validate_wire(recipe)
     _validate_growth(recipe)
+    _validate_units(recipe)
     if recipe.fusion.max_norm_ratio < 0:
         raise RecipeError(f"fusion.max_norm_ratio: must be >= 0, got {recipe.fusion.max_norm_ratio}")
     if not recipe.fusion.width_ladder or not all(0 < w <= 1 for w in recipe.fusion.width_ladder):
@@ -542,11 +567,37 @@ def validate(recipe: Recipe) -> None:
             f"selection.min_clients: {recipe.selection.min_clients} exceeds clients_per_round "
             f"{recipe.selection.clients_per_round}"
         )
-    if recipe.selection.clients_per_round > recipe.population.num_clients:
+    if recipe.selection.clients_per_round > recipe.population.num_clients and recipe.fusion.method != "units":
         raise RecipeError(
             f"selection.clients_per_round: {recipe.selection.clients_per_round} exceeds "
             f"population.num_clients {recipe.population.num_clients}"
         )
+
+
+def _validate_units(recipe: Recipe) -> None:
+    """``units.*``: the exact mode trains one Llama target centrally on language-model text."""
+    u = recipe.units
+    for key in ("steps", "micro_batches", "deadline_factor", "deadline_floor_s"):
+        _positive(f"units.{key}", getattr(u, key))
+    if u.eval_every < 0:
+        raise RecipeError(f"units.eval_every: must be >= 0, got {u.eval_every}")
+    if recipe.fusion.method != "units":
+        return
+    if recipe.train.batch_size % u.micro_batches:
+        raise RecipeError(f"units.micro_batches: {u.micro_batches} does not divide train.batch_size "
+                          f"{recipe.train.batch_size}")
+    if recipe.model.family != "llama":
+        raise RecipeError(f"model.family: fusion.method=units routes a Llama's linear layers, got {recipe.model.family!r}")
+    if recipe.data.source not in ("shakespeare", "text", "dataset"):
+        raise RecipeError(f"data.source: fusion.method=units trains on language-model text (shakespeare, text or "
+                          f"dataset), got {recipe.data.source!r}")
+    if not -1 <= u.stall_partition < recipe.population.num_clients:
+        raise RecipeError(f"units.stall_partition: -1 (off) or a partition below population.num_clients "
+                          f"{recipe.population.num_clients}, got {u.stall_partition}")
+    if u.stall_after < 0 or u.stall_s < 0:
+        raise RecipeError(f"units.stall_after, units.stall_s: must be >= 0, got {u.stall_after}, {u.stall_s}")
+    if recipe.privacy.mode != "none":
+        raise RecipeError("privacy.mode: the units mode sends no model update to clip; leave it 'none'")
 
 
 def _validate_growth(recipe: Recipe) -> None:

@@ -324,6 +324,12 @@ def run_federation(grid: Grid, recipe: Recipe, run: RunDir, on_round: RoundCallb
     its ``wall_s`` adds up every part. Setting ``stop`` ends the run at the strategy's next Grid call with
     ``status: interrupted``, the last completed round and the round a resume continues after.
     """
+    if recipe.fusion.method == "units":  # the exact mode: central training, linear layers on the nodes (issue 25)
+        if resume:
+            raise ValueError("fusion.method=units: a run cannot be resumed (it writes no checkpoint); run it again")
+        from fedfusion.run.units import run_units
+
+        return run_units(grid, recipe, run, on_round, stop)
     started, earlier_s = time.perf_counter(), 0.0
     try:
         target = lora_target(recipe)[0] if recipe.fusion.method == "lora" else lm_target(recipe)

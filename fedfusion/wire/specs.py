@@ -30,7 +30,8 @@ DROPPED = "device dropped:"
 # (train(), evaluate(), num_examples()); the client app imports it on first use.
 ROLES = {"submodel": "fedfusion.clients.submodel", "window": "fedfusion.clients.window",
          "smallmodel": "fedfusion.clients.smallmodel",
-         "lora": "fedfusion.clients.lora", "generative": "fedfusion.clients.generative"}
+         "lora": "fedfusion.clients.lora", "generative": "fedfusion.clients.generative",
+         "units": "fedfusion.clients.units"}
 
 KEY = "wire-key"  # field metadata: the field's key, where another library fixes it
 # the key Flower's DP mods read the clipping norm from (flwr.supercore.differential_privacy.KEY_CLIPPING_NORM):
@@ -383,6 +384,21 @@ class Caps(Spec):
     examples: int
 
 
+@dataclass(frozen=True)
+class UnitsSpec(Spec):
+    """A units-mode message (``train.units``): the payload is one uint8 array, ``UNITS_PAYLOAD`` of the ArrayRecord
+    ``UNITS_RECORD`` (fedfusion.units.messages' wire format); ``stall_s`` > 0 is an injected fault: the node sleeps
+    that long before it answers (a device gone silent mid-phase)."""
+
+    prefix = "units-"
+    stall_s: float = 0.0
+
+
+UNITS_ACTION = "units"  # message type "train.units": the ClientApp's @app.train("units")
+UNITS_RECORD = "units"  # the ArrayRecord (and reply ArrayRecord) that carries the bytes
+UNITS_PAYLOAD = "payload"  # its one array: the message's bytes as uint8
+UNITS_ERROR = "units-error"  # a reply's ConfigRecord when the node could not compute (lost weight cache): the server resends
+
 SPEC_TYPES: tuple[type[Spec], ...] = (ClientSpec, RoundSpec, RoleSpec, TrainSpec, FaultSpec, PrivacySpec, ModelSpec,
                                       SliceSpec, WindowSpec, OrderedSpec, FamilySpec, GenerativeSpec, LoRABaseSpec, QuantizeSpec,
-                                      AdapterSpec, WireSpec, PopulationSpec, Caps)
+                                      AdapterSpec, WireSpec, PopulationSpec, Caps, UnitsSpec)

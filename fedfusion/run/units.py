@@ -1,0 +1,324 @@
+"""The exact (units) mode on Flower (issue 25): the server trains the target centrally and every linear layer's
+GEMMs run as tiles on the federation's nodes.
+
+Instead of fusion rounds, :func:`run_units` builds the recipe's target, the pooled training text of the whole
+population and one optimizer, routes the Llama's linear layers (``units.offload``: the MLP's, or all of them)
+through a :class:`fedfusion.units.UnitEngine` whose devices are the simulation's nodes (their tiers from a QUERY
+round, priced by :func:`fedfusion.units.from_catalog`) and whose transport is :class:`GridTransport`: per phase
+round one ``train.units`` message per device through ``grid.push_messages``, a short ``pull_messages`` loop, each
+device's deadline (the engine's, floored by ``units.deadline_floor_s``); a device past its deadline answers None
+and the engine re-dispatches its tiles. Each step writes a ``metrics.jsonl`` row (loss, bytes down / up, the
+step's virtual seconds under the devices' links from :func:`fedfusion.units.timeline.simulate`, wall seconds).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from logging import INFO
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageType, RecordDict
+from flwr.common.constant import ErrorCode
+from flwr.common.logger import log
+from flwr.serverapp import Grid
+from transformers.utils import logging as hf_logging
+
+from fedfusion.config.recipe import Recipe
+from fedfusion.data.population import client_windows, data_spec, write_partition_sizes
+from fedfusion.data.text import sample_batch
+from fedfusion.devices.catalog import load_catalog
+from fedfusion.run.run_dir import RunDir
+from fedfusion.run.targets import lm_target
+from fedfusion.train.loop import lm_loss, make_optimizer
+from fedfusion.units import Freivalds, UnitDevice, UnitEngine, from_catalog, install
+from fedfusion.units.timeline import chains_from_trace, simulate
+from fedfusion.wire.specs import (
+    UNITS_ACTION,
+    UNITS_ERROR,
+    UNITS_PAYLOAD,
+    UNITS_RECORD,
+    Caps,
+    ClientSpec,
+    PopulationSpec,
+    RoleSpec,
+    UnitsSpec,
+    merge,
+)
+
+TTL_SLACK_S = 30.0  # a message outlives its deadline by this much before Flower drops it undelivered
+UNITS_MESSAGE = f"{MessageType.TRAIN}.{UNITS_ACTION}"
+
+
+def _error_kind(reply: Message) -> bytes | None:
+    """An error reply as the engine's transport seam reads it: the ClientApp failed (b"": its units go elsewhere,
+    the device stays) or the message never reached a node (None: taken offline)."""
+    error: Error = reply.error
+    return b"" if error.code in (ErrorCode.CLIENT_APP_RAISED_EXCEPTION, ErrorCode.LOAD_CLIENT_APP_EXCEPTION) else None
+
+
+@dataclass
+class PhaseWait:
+    """One transport round: how long it waited, the longest deadline it had, the devices that missed theirs."""
+
+    waited_s: float
+    deadline_s: float
+    missed: list[int]
+
+
+@dataclass
+class GridTransport:
+    """The engine's transport seam over a Flower Grid: ``(payloads, deadlines) -> replies`` per device index.
+
+    Pushes one ``train.units`` message per device (the bytes as one uint8 array), then pulls on its own short
+    loop (``poll_s``; not ``send_and_receive``, which sleeps 0.1 s or 3 s between pulls) until every reply is in
+    or each missing device's deadline has passed: that device's reply is None (a later reply is never pulled).
+    ``stall`` injects a fault: device index -> (messages it answers first, seconds it then sleeps before replying).
+    """
+
+    grid: Grid
+    node_ids: list[int]  # device index -> node id
+    floor_s: float = 2.0
+    poll_s: float = 0.01
+    stall: dict[int, tuple[int, float]] = field(default_factory=dict)
+    sent: dict[int, int] = field(default_factory=dict)  # messages sent per device
+    waits: list[PhaseWait] = field(default_factory=list)
+
+    def deadline(self, predicted_s: float) -> float:
+        """A device's wall-clock deadline: the engine's, but never below the transport's own latency floor."""
+        return max(self.floor_s, predicted_s)
+
+    def message(self, dev: int, payload: bytes, deadline_s: float) -> Message:
+        count = self.sent.get(dev, 0)
+        self.sent[dev] = count + 1
+        after, stall_s = self.stall.get(dev, (0, 0.0))
+        spec = UnitsSpec(stall_s if dev in self.stall and count >= after else 0.0)
+        content = RecordDict({UNITS_RECORD: ArrayRecord({UNITS_PAYLOAD: Array(np.frombuffer(payload, np.uint8))}),
+                              "config": ConfigRecord(spec.to_config())})
+        return Message(content, dst_node_id=self.node_ids[dev], message_type=UNITS_MESSAGE,
+                       ttl=deadline_s + TTL_SLACK_S)
+
+    def __call__(self, payloads: dict[int, bytes], deadlines: dict[int, float]) -> dict[int, bytes | None]:
+        walls = {dev: self.deadline(deadlines[dev]) for dev in payloads}
+        messages = {dev: self.message(dev, payload, walls[dev]) for dev, payload in payloads.items()}
+        start = time.monotonic()
+        ids = list(self.grid.push_messages(list(messages.values())))
+        if len(ids) != len(messages):
+            raise RuntimeError(f"the Grid stored {len(ids)} of {len(messages)} units messages")
+        device_of = dict(zip(ids, messages))
+        due = {mid: start + walls[device_of[mid]] for mid in ids}
+        replies: dict[int, bytes | None] = {dev: None for dev in payloads}
+        pending = set(ids)
+        while pending:
+            for reply in self.grid.pull_messages(pending):
+                mid = reply.metadata.reply_to_message_id
+                if mid not in pending:
+                    continue
+                pending.discard(mid)
+                dev = device_of[mid]
+                if reply.has_error():
+                    replies[dev] = _error_kind(reply)
+                elif UNITS_ERROR in reply.content:
+                    replies[dev] = b""
+                else:
+                    replies[dev] = reply.content.array_records[UNITS_RECORD][UNITS_PAYLOAD].numpy().tobytes()
+            now = time.monotonic()
+            pending -= {mid for mid in pending if due[mid] <= now}  # past its deadline: None, dropped if it comes
+            if pending:
+                time.sleep(self.poll_s)
+        missed = [dev for dev, reply in replies.items() if reply is None]
+        self.waits.append(PhaseWait(time.monotonic() - start, max(walls.values()), missed))
+        return replies
+
+
+def wait_for_nodes(grid: Grid, expected: int, wait_s: float = 60.0) -> list[int]:
+    """The federation's node ids once ``expected`` of them are connected (simulation registers them
+    asynchronously); fewer after ``wait_s`` is an error that names both numbers."""
+    deadline = time.monotonic() + wait_s
+    nodes = sorted(grid.get_node_ids())
+    while len(nodes) < expected and time.monotonic() < deadline:
+        time.sleep(0.2)
+        nodes = sorted(grid.get_node_ids())
+    if len(nodes) < expected:
+        raise RuntimeError(f"units mode: {len(nodes)} nodes connected, population.num_clients is {expected}")
+    return nodes
+
+
+def query_nodes(grid: Grid, recipe: Recipe, nodes: list[int], timeout_s: float = 120.0) -> dict[int, Caps]:
+    """Every node's device tier and partition, from one QUERY round (the ClientApp's ``@app.query``)."""
+    config = merge(ClientSpec(data_spec(recipe), recipe.train.seq_len, recipe.engine.threads_per_client),
+                   PopulationSpec(dict(recipe.population.mix), recipe.population.num_clients, recipe.seed),
+                   RoleSpec("units"))
+    messages = [Message(RecordDict({"config": ConfigRecord(config)}), dst_node_id=n, message_type=MessageType.QUERY)
+                for n in nodes]
+    ids = set(grid.push_messages(messages))
+    caps: dict[int, Caps] = {}
+    deadline = time.monotonic() + timeout_s
+    while ids and time.monotonic() < deadline:
+        for reply in grid.pull_messages(ids):
+            ids.discard(reply.metadata.reply_to_message_id)
+            if reply.has_error():
+                raise RuntimeError(f"units mode: node {reply.metadata.src_node_id} failed its query: "
+                                   f"{reply.error.reason}")
+            caps[reply.metadata.src_node_id] = Caps.from_config(dict(reply.content.config_records["caps"]))
+        if ids:
+            time.sleep(0.05)
+    if ids:
+        raise RuntimeError(f"units mode: {len(ids)} of {len(nodes)} nodes did not answer the query in {timeout_s} s")
+    return caps
+
+
+def training_windows(recipe: Recipe) -> torch.Tensor:
+    """The pooled training text of the whole population as token windows (every client's train split, in
+    partition order): in the units mode the server holds the data."""
+    spec = data_spec(recipe)
+    return torch.cat([client_windows(spec, p, recipe.train.seq_len, "train")
+                      for p in range(recipe.population.num_clients)])
+
+
+def step_batches(recipe: Recipe, windows: torch.Tensor) -> Iterator[torch.Tensor]:
+    """Each step's batch of ``train.batch_size`` windows, drawn with a generator seeded by the recipe's seed."""
+    gen = torch.Generator().manual_seed(recipe.seed)
+    for _ in range(recipe.units.steps):
+        yield sample_batch(windows, recipe.train.batch_size, gen)
+
+
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: torch.Tensor, micro_batches: int,
+               on_micro: Callable[[int], None] = lambda micro: None) -> float:
+    """One optimizer step on ``batch`` cut into ``micro_batches`` (the mean loss; gradients of the mean)."""
+    opt.zero_grad(set_to_none=True)
+    total = 0.0
+    for micro, part in enumerate(batch.chunk(micro_batches)):
+        on_micro(micro)
+        loss, _ = lm_loss(model, part)
+        value = loss.item()
+        if not math.isfinite(value):
+            raise FloatingPointError(f"units training loss became {value}")
+        (loss * (len(part) / len(batch))).backward()
+        total += value * len(part) / len(batch)
+    opt.step()
+    return total
+
+
+def run_units(grid: Grid, recipe: Recipe, run: RunDir, on_round: Callable[[dict[str, Any]], None],
+              stop: Any = None) -> dict[str, Any]:
+    """Train the recipe's target for ``units.steps`` steps with its linear layers computed on ``grid``'s nodes."""
+    from fedfusion.strategies.stop import RunInterrupted
+
+    started = time.perf_counter()
+    try:
+        return _run_units(grid, recipe, run, on_round, stop, started)
+    except RunInterrupted as exc:
+        if exc.failure is not None:  # what runs the clients died
+            run.write_summary({"status": "failed", "error": exc.failure, "wall_s": time.perf_counter() - started})
+            raise RuntimeError(exc.failure) from exc
+        summary = {"status": "interrupted", "name": recipe.name, "rounds": recipe.units.steps, "last_round": None,
+                   "resume_after": None, "wall_s": time.perf_counter() - started}
+        run.write_summary(summary)
+        return summary
+    except BaseException as exc:
+        run.write_summary({"status": "failed", "error": f"{type(exc).__name__}: {exc}",
+                           "wall_s": time.perf_counter() - started})
+        raise
+
+
+def _run_units(grid: Grid, recipe: Recipe, run: RunDir, on_round: Callable[[dict[str, Any]], None], stop: Any,
+               started: float) -> dict[str, Any]:
+    u = recipe.units
+    if stop is not None:  # Ctrl-C (or a dead engine) ends the run at the next Grid call
+        from fedfusion.strategies.stop import StopGrid
+
+        grid = StopGrid(grid, stop)
+    target = lm_target(recipe)
+    model = target.model
+    write_partition_sizes(run.path, recipe)
+    windows = training_windows(recipe)
+    nodes = wait_for_nodes(grid, recipe.population.num_clients)
+    caps = query_nodes(grid, recipe, nodes)
+    order = sorted(nodes, key=lambda n: caps[n].partition)  # device index = partition: seeded, run after run
+    run.log_nodes([{"round": 0, "node": n, **caps[n].to_config()} for n in order])
+    catalog = load_catalog(recipe.population.catalog)
+    devices: list[UnitDevice] = [from_catalog(catalog[caps[n].device], name=str(n)) for n in order]
+    stall = {}
+    if u.stall_partition >= 0:
+        stall[[caps[n].partition for n in order].index(u.stall_partition)] = (u.stall_after, u.stall_s)
+    transport = GridTransport(grid, order, floor_s=u.deadline_floor_s, stall=stall)
+    engine = UnitEngine(devices, transport=transport, deadline_factor=u.deadline_factor,
+                        verifier=Freivalds(seed=recipe.seed) if u.verify else None)
+    opt = make_optimizer(model, recipe.train.optimizer, recipe.train.lr, recipe.train.weight_decay)
+    log(INFO, "units mode: %d devices (%s), offload=%s, %d steps", len(devices),
+        ", ".join(f"{t}={sum(caps[n].device == t for n in order)}" for t in sorted({c.device for c in caps.values()})),
+        u.offload, u.steps)
+
+    def evaluate() -> dict[str, float]:
+        scores = target.evaluate()  # on the server, every layer local (no units)
+        model.train()
+        return scores
+
+    first = evaluate()
+    rows: list[dict[str, Any]] = [{"round": 0, "step": 0, **first, "train_loss": None, "bytes_down": 0, "bytes_up": 0,
+                                   "virtual_s": 0.0, "wall_s": time.perf_counter() - started, "clients_ok": 0,
+                                   "clients_failed": 0}]
+    run.log_round(rows[0])
+    on_round(rows[0])
+    handle = install(model, engine, u.offload)
+    last = time.perf_counter()
+    for step, batch in enumerate(step_batches(recipe, windows), start=1):
+        traced, waits = len(engine.trace), len(transport.waits)
+        offline_before = set(engine.offline)
+
+        def on_micro(micro: int) -> None:
+            engine.chain = micro
+
+        loss = train_step(model, opt, batch, u.micro_batches, on_micro)
+        trace = engine.trace[traced:]
+        timing = simulate(devices, chains_from_trace(trace), deadline_factor=u.deadline_factor) if trace else None
+        used = {d for rec in trace for d in rec.down_bytes}
+        scores: dict[str, float] = {}
+        if step == u.steps or (u.eval_every and step % u.eval_every == 0):
+            handle.remove()
+            scores = evaluate()
+            handle = install(model, engine, u.offload)
+        now = time.perf_counter()
+        step_waits = transport.waits[waits:]
+        row = {
+            "round": step, "step": step, "train_loss": loss, **scores,
+            "phases": len(trace), "messages": sum(len(rec.down_bytes) for rec in trace),
+            "bytes_down": sum(sum(rec.down_bytes.values()) for rec in trace),
+            "bytes_up": sum(sum(rec.up_bytes.values()) for rec in trace),
+            "virtual_s": timing.step_s if timing else 0.0,
+            "redispatched": sum(rec.redispatched for rec in trace),
+            "clients_ok": len(used - engine.offline), "clients_failed": len(engine.offline - offline_before),
+            "offline": sorted(engine.offline), "server_fallback": engine.server_fallback,
+            "verify_s": sum(rec.verify_s for rec in trace),
+            "missed": [{"waited_s": w.waited_s, "deadline_s": w.deadline_s, "devices": w.missed}
+                       for w in step_waits if w.missed],
+            "transport_s": sum(w.waited_s for w in step_waits),
+            "wall_s": now - last, "elapsed_s": now - started,
+        }
+        last = now
+        rows.append(row)
+        run.log_round(row)
+        on_round(row)
+    handle.remove()
+    if recipe.output.save_model:
+        hf_logging.disable_progress_bar()
+        target.save(run.model_dir, ArrayRecord(model.state_dict()))
+    final = rows[-1]
+    summary = {
+        "status": "ok", "name": recipe.name, "mode": "units", "offload": u.offload, "steps": u.steps,
+        "target_params": target.params, "metric_names": target.metric_names, "devices": len(devices),
+        "initial": {k: first[k] for k in ("eval_loss", "eval_ppl", "eval_acc")},
+        "final": {k: final[k] for k in ("eval_loss", "eval_ppl", "eval_acc")},
+        "train_loss": [r["train_loss"] for r in rows[1:]],
+        "bytes_down": sum(r["bytes_down"] for r in rows), "bytes_up": sum(r["bytes_up"] for r in rows),
+        "virtual_s": sum(r["virtual_s"] for r in rows), "offline": sorted(engine.offline),
+        "server_fallback": engine.server_fallback, "wall_s": time.perf_counter() - started,
+        "sample": target.sample(),
+    }
+    run.write_summary(summary)
+    return summary
