@@ -26,6 +26,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageTy
 from flwr.common.constant import ErrorCode
 from flwr.common.logger import log
 from flwr.serverapp import Grid
+from transformers import PreTrainedModel
 from transformers.utils import logging as hf_logging
 
 from fedfusion.config.recipe import Recipe
@@ -187,7 +188,7 @@ def step_batches(recipe: Recipe, windows: torch.Tensor) -> Iterator[torch.Tensor
         yield sample_batch(windows, recipe.train.batch_size, gen)
 
 
-def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: torch.Tensor, micro_batches: int,
+def train_step(model: PreTrainedModel, opt: torch.optim.Optimizer, batch: torch.Tensor, micro_batches: int,
                on_micro: Callable[[int], None] = lambda micro: None) -> float:
     """One optimizer step on ``batch`` cut into ``micro_batches`` (the mean loss; gradients of the mean)."""
     opt.zero_grad(set_to_none=True)

@@ -1,0 +1,85 @@
+"""The exact (units) mode through ``fedfusion run`` on Flower's simulation engine (issue 25): the server trains the
+target centrally, the nodes compute its linear layers' GEMM tiles, and the loss curve is central training's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from fedfusion.cli import main
+from fedfusion.config.recipe import load_recipe
+from fedfusion.data.population import data_spec, data_tokenizer
+from fedfusion.models.build import build_target
+from fedfusion.run.run_dir import read_jsonl
+from fedfusion.run.units import step_batches, training_windows
+
+pytestmark = pytest.mark.slow  # Flower's runtime (Ray): ~20 s to start, a few seconds per step
+
+TINY = [
+    "fusion.method=units", "units.steps=3", "population.num_clients=4",
+    "model.hidden_size=32", "model.num_heads=4", "model.num_kv_heads=2", "model.intermediate_size=64",
+    "model.num_layers=1", "train.batch_size=4", "train.seq_len=32", "train.weight_decay=0.1",
+    "data.eval_chars=3000", "engine.cpus_per_client=1.0", "output.save_model=false",
+]
+
+
+def central_losses(overrides: list[str]) -> list[float]:
+    """The same target on the same batches, trained by a plain torch loop on this process: no units, no Flower."""
+    recipe = load_recipe("quickstart", overrides)
+    torch.manual_seed(0)
+    model = build_target(recipe.model, data_tokenizer(data_spec(recipe)), recipe.seed)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=recipe.train.lr, weight_decay=recipe.train.weight_decay)
+    losses = []
+    for batch in step_batches(recipe, training_windows(recipe)):
+        opt.zero_grad()
+        total = 0.0
+        for part in batch.chunk(recipe.units.micro_batches):
+            logits = model(input_ids=part[:, :-1]).logits.float()
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), part[:, 1:].reshape(-1))
+            (loss * len(part) / len(batch)).backward()
+            total += loss.item() * len(part) / len(batch)
+        opt.step()
+        losses.append(total)
+    return losses
+
+
+def run_units(tmp_path: Path, extra: list[str]) -> tuple[list[dict], list[float]]:
+    out = tmp_path / "units"
+    assert main(["run", "quickstart", *TINY, *extra, "--out", str(out)]) == 0
+    rows = read_jsonl(out / "metrics.jsonl")
+    return rows, central_losses([*TINY, *extra])
+
+
+def assert_same_curve(rows: list[dict], central: list[float]) -> None:
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    got = [r["train_loss"] for r in rows[1:]]
+    assert len(got) == len(central) == 3
+    for step, (a, b) in enumerate(zip(got, central), start=1):
+        assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: units {a} vs central {b}"
+    assert got[-1] < got[0]  # it trains
+
+
+def test_units_run_equals_central_training_step_for_step(tmp_path):
+    rows, central = run_units(tmp_path, ["units.offload=all", "units.micro_batches=2"])
+    assert_same_curve(rows, central)
+    for row in rows[1:]:
+        assert row["bytes_down"] > 0 and row["bytes_up"] > 0 and row["virtual_s"] > 0
+        assert row["clients_ok"] >= 2 and row["server_fallback"] == 0 and not row["missed"]
+        # all linear layers, 2 micro-batches: (q|k|v, o, gate|up, down) x (forward, backward) + lm_head's two, each
+        assert row["phases"] == 2 * (4 * 2 + 2)
+    assert "eval_loss" in rows[0] and "eval_loss" in rows[-1]
+
+
+def test_a_device_silent_mid_phase_costs_one_deadline_and_the_loss_stays_exact(tmp_path):
+    floor = 1.5
+    rows, central = run_units(tmp_path, ["units.stall_partition=1", "units.stall_after=3", "units.stall_s=6",
+                                         f"units.deadline_floor_s={floor}"])
+    assert_same_curve(rows, central)
+    missed = [m for r in rows[1:] for m in r["missed"]]
+    assert len(missed) == 1 and missed[0]["devices"] == [1]  # taken offline once, never asked again
+    assert missed[0]["waited_s"] <= missed[0]["deadline_s"] + 0.5 and missed[0]["deadline_s"] == floor
+    assert rows[-1]["offline"] == [1]
+    assert sum(r["redispatched"] for r in rows[1:]) >= 1
