@@ -1,0 +1,136 @@
+"""The units mode's Flower seam without Flower's runtime: :class:`GridTransport` over an in-memory fake Grid whose
+nodes run the real ClientApp handler (``fedfusion.client_app.units``, weight cache in ``context.state``)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from uuid import uuid4
+
+import pytest
+import torch
+from flwr.app import Context, Message, RecordDict
+
+from fedfusion.client_app import UNITS_CACHE
+from fedfusion.client_app import units as units_handler
+from fedfusion.config.recipe import RecipeError, load_recipe
+from fedfusion.run.units import UNITS_MESSAGE, GridTransport
+from fedfusion.units import Gemm, Operand, UnitDevice, UnitEngine
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    from flwr.supercore.task_identity import TaskIdentity
+
+    TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 0  # as tests/test_strategy.py does
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+class FakeGrid:
+    """Answers each pushed message at once through the ClientApp handler, except nodes in ``silent`` (never) and
+    nodes in ``forget`` (their context.state is wiped before each message: a lost weight cache)."""
+
+    def __init__(self, nodes: list[int], silent: set[int] = frozenset(), forget: set[int] = frozenset()) -> None:
+        self.contexts = {n: Context(run_id=1, node_id=n, node_config={}, state=RecordDict(), run_config={})
+                         for n in nodes}
+        self.silent, self.forget = silent, forget
+        self.replies: dict[str, Message] = {}
+        self.pushed: list[Message] = []
+
+    def push_messages(self, messages: Iterable[Message]) -> list[str]:
+        ids = []
+        for msg in messages:
+            msg.metadata.__dict__["_message_id"] = str(uuid4())
+            self.pushed.append(msg)
+            node = msg.metadata.dst_node_id
+            if node in self.forget:
+                self.contexts[node].state = RecordDict()
+            if node not in self.silent:
+                self.replies[msg.metadata.message_id] = units_handler(msg, self.contexts[node])
+            ids.append(msg.metadata.message_id)
+        return ids
+
+    def pull_messages(self, message_ids: Iterable[str]) -> list[Message]:
+        return [self.replies.pop(m) for m in list(message_ids) if m in self.replies]
+
+
+def gemm(seed: int = 0) -> tuple[Gemm, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(96, 32, generator=gen, dtype=torch.float64), torch.randn(48, 32, generator=gen, dtype=torch.float64)
+    return Gemm(Operand("X", x), Operand("W0", w, t=True)), x @ w.T
+
+
+def engine_over(grid: FakeGrid, nodes: list[int], floor_s: float) -> tuple[UnitEngine, GridTransport]:
+    transport = GridTransport(grid, nodes, floor_s=floor_s, poll_s=0.005)  # type: ignore[arg-type]
+    devices = [UnitDevice(f"d{i}", 1e8, 1e9, 1e6, 5e5) for i in range(len(nodes))]
+    return UnitEngine(devices, transport=transport), transport
+
+
+def test_grid_transport_pushes_one_units_message_per_device_and_the_product_is_exact():
+    nodes = [11, 22, 33]
+    grid = FakeGrid(nodes)
+    engine, transport = engine_over(grid, nodes, floor_s=5.0)
+    g, want = gemm()
+    (got,) = engine.phase([g])
+    assert (got - want).abs().max() <= 1e-12
+    assert {m.metadata.message_type for m in grid.pushed} == {UNITS_MESSAGE}
+    assert len({m.metadata.dst_node_id for m in grid.pushed}) == len(grid.pushed)  # one message per device
+    assert transport.waits[0].waited_s < 1.0 and not transport.waits[0].missed
+    # each node keeps the weight blocks it got in context.state; the next phase on the same weights sends none
+    assert any(len(grid.contexts[n].state[UNITS_CACHE]) for n in nodes)
+    first = sum(engine.trace[0].down_bytes.values())
+    (again,) = engine.phase([Gemm(Operand("X", g.a.base * 2), g.b)])
+    assert (again - 2 * want).abs().max() <= 1e-12
+    assert sum(engine.trace[1].down_bytes.values()) < first
+
+
+def test_a_silent_node_costs_its_deadline_once_and_its_units_go_elsewhere():
+    nodes = [5, 6, 7, 8]
+    grid = FakeGrid(nodes, silent={7})
+    engine, transport = engine_over(grid, nodes, floor_s=0.3)
+    g, want = gemm(1)
+    start = time.monotonic()
+    (got,) = engine.phase([g])
+    assert (got - want).abs().max() <= 1e-12
+    assert engine.offline == {2}
+    assert [w.missed for w in transport.waits] == [[2], []]
+    assert 0.3 <= transport.waits[0].waited_s <= 0.3 + 0.2 and time.monotonic() - start < 1.0
+    sent = len(grid.pushed)
+    engine.phase([g])
+    assert all(m.metadata.dst_node_id != 7 for m in grid.pushed[sent:])  # offline: never asked again
+
+
+def test_a_node_that_lost_its_weight_cache_answers_an_error_and_gets_the_weights_again():
+    nodes = [1, 2]
+    grid = FakeGrid(nodes)
+    engine, _ = engine_over(grid, nodes, floor_s=5.0)
+    g, want = gemm(2)
+    engine.phase([g])
+    grid.forget = {1}  # node 1 loses its cache; the server still thinks it holds its W0 blocks
+    x = g.a.base + 1
+    (got,) = engine.phase([Gemm(Operand("X", x), g.b)])
+    assert (got - x @ g.b.base.T).abs().max() <= 1e-12
+    assert engine.server_fallback == 0 and not engine.offline and not engine.strikes.counts
+    assert engine.trace[1].redispatched >= 1  # its units went to node 2
+    grid.forget = set()
+    (got,) = engine.phase([Gemm(Operand("X", 2 * x), g.b)])  # node 1 gets its weight blocks again and answers
+    assert (got - 2 * x @ g.b.base.T).abs().max() <= 1e-12
+    assert engine.trace[2].down_bytes.get(0, 0) >= engine.trace[0].down_bytes[0]
+    assert 0 in engine.trace[2].up_bytes
+
+
+@pytest.mark.parametrize("override,key", [("units.offload=attention", "units.offload"),
+                                          ("units.micro_batches=3", "units.micro_batches"),
+                                          ("units.steps=0", "units.steps"),
+                                          ("units.stall_partition=99", "units.stall_partition")])
+def test_units_recipe_values_are_checked(override, key):
+    with pytest.raises(RecipeError, match=key):
+        load_recipe("quickstart", ["fusion.method=units", override])
+
+
+def test_units_recipe_loads_and_the_shipped_recipe_is_units():
+    recipe = load_recipe("units")
+    assert recipe.fusion.method == "units" and recipe.units.steps >= 3 and recipe.population.num_clients >= 4
