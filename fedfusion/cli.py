@@ -193,6 +193,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from fedfusion.run import planner  # torch: after the recipe is known to be good
 
     method = recipe.fusion.method
+    if method == "units":
+        step, rows = planner.units_plan(recipe)
+        headers = {k: k for k in ("tier", "devices", "used", "MB down", "MB up", "busy s")}
+        _print_table(f"plan for {recipe.name} (units, offload={recipe.units.offload}: per device and step; the "
+                     f"target trains on the server)", rows, headers, left=("tier",), width=120)
+        console.print(f"one step: {step['phases']} phases, {step['step_s']:.2f} virtual s (floor {step['floor_s']:.2f} "
+                      f"s), {step['MB down']:.1f} MB down and {step['MB up']:.1f} MB up in all; {step['steps']} steps "
+                      f"(fedfusion.units.timeline on the catalog's links, no churn)", highlight=False, soft_wrap=True)
+        return 0
     if method == "lora":
         from transformers import AutoConfig
 

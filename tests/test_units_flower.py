@@ -12,6 +12,7 @@ from fedfusion.cli import main
 from fedfusion.config.recipe import load_recipe
 from fedfusion.data.population import data_spec, data_tokenizer
 from fedfusion.models.build import build_target
+from fedfusion.run.planner import units_plan
 from fedfusion.run.run_dir import read_jsonl
 from fedfusion.run.units import step_batches, training_windows
 
@@ -71,6 +72,12 @@ def test_units_run_equals_central_training_step_for_step(tmp_path):
         # all linear layers, 2 micro-batches: (q|k|v, o, gate|up, down) x (forward, backward) + lm_head's two, each
         assert row["phases"] == 2 * (4 * 2 + 2)
     assert "eval_loss" in rows[0] and "eval_loss" in rows[-1]
+    # `fedfusion plan` prices the same step from the shape alone: its bytes and virtual seconds are the run's
+    step, _ = units_plan(load_recipe("quickstart", [*TINY, "units.offload=all", "units.micro_batches=2"]))
+    for row in rows[1:]:
+        assert abs(row["bytes_down"] - step["MB down"] * 1e6) <= 0.01 * row["bytes_down"]
+        assert abs(row["bytes_up"] - step["MB up"] * 1e6) <= 0.01 * row["bytes_up"]
+        assert abs(row["virtual_s"] - step["step_s"]) <= 0.02 * step["step_s"]
 
 
 def test_a_device_silent_mid_phase_costs_one_deadline_and_the_loss_stays_exact(tmp_path):

@@ -469,3 +469,34 @@ def lora_plan_table(recipe: Recipe, base_config: PretrainedConfig, usable: float
                                                                                          est.trainable)),
         })
     return rows
+
+
+def units_plan(recipe: Recipe) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The exact (units) mode's step from the recipe's shape alone (``fedfusion.units.phases`` priced by the
+    timeline on the population's devices, no churn): the step's virtual seconds, its floor and phases, and per
+    tier the devices and their mean MB down / up and busy seconds per step."""
+    from fedfusion.data.population import data_spec, data_tokenizer, tier_list
+    from fedfusion.units import from_catalog
+    from fedfusion.units.phases import llama_phases
+    from fedfusion.units.timeline import simulate
+
+    m, u = recipe.model, recipe.units
+    vocab = len(data_tokenizer(data_spec(recipe)))
+    tokens = recipe.train.batch_size // u.micro_batches * recipe.train.seq_len
+    phases = llama_phases(hidden=m.hidden_size, intermediate=m.intermediate_size, layers=m.num_layers,
+                          heads=m.num_heads, kv_heads=m.num_kv_heads, vocab=vocab, tokens=tokens, mode=u.offload)
+    catalog = load_catalog(recipe.population.catalog)
+    tiers = tier_list(recipe)
+    devices = [from_catalog(catalog[t], name=str(i)) for i, t in enumerate(tiers)]
+    timing = simulate(devices, [phases] * u.micro_batches, deadline_factor=u.deadline_factor)
+    rows = []
+    for tier in sorted(set(tiers)):
+        idx = [i for i, t in enumerate(tiers) if t == tier]
+        busy = [max(timing.down_busy_s[i], timing.up_busy_s[i], timing.compute_s[i]) for i in idx]
+        rows.append({"tier": tier, "devices": len(idx), "used": int(sum(timing.down_bytes[i] > 0 for i in idx)),
+                     "MB down": float(sum(timing.down_bytes[i] for i in idx)) / len(idx) / 1e6,
+                     "MB up": float(sum(timing.up_bytes[i] for i in idx)) / len(idx) / 1e6,
+                     "busy s": sum(busy) / len(busy)})
+    step = {"step_s": timing.step_s, "floor_s": timing.floor_s, "phases": len(phases) * u.micro_batches,
+            "steps": u.steps, "MB down": float(timing.down_bytes.sum()) / 1e6, "MB up": float(timing.up_bytes.sum()) / 1e6}
+    return step, rows
