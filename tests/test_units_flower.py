@@ -71,6 +71,7 @@ def test_units_run_equals_central_training_step_for_step(tmp_path):
         assert row["clients_ok"] >= 2 and row["server_fallback"] == 0 and not row["missed"]
         # all linear layers, 2 micro-batches: (q|k|v, o, gate|up, down) x (forward, backward) + lm_head's two, each
         assert row["phases"] == 2 * (4 * 2 + 2)
+        assert row["formula_rel_down"] <= 0.05 and row["formula_rel_up"] <= 0.05  # bytes per device per phase
     assert "eval_loss" in rows[0] and "eval_loss" in rows[-1]
     # `fedfusion plan` prices the same step from the shape alone: its bytes and virtual seconds are the run's
     step, _ = units_plan(load_recipe("quickstart", [*TINY, "units.offload=all", "units.micro_batches=2"]))

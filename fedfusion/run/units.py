@@ -36,7 +36,7 @@ from fedfusion.devices.catalog import load_catalog
 from fedfusion.run.run_dir import RunDir
 from fedfusion.run.targets import lm_target
 from fedfusion.train.loop import lm_loss, make_optimizer
-from fedfusion.units import Freivalds, UnitDevice, UnitEngine, from_catalog, install
+from fedfusion.units import Freivalds, PhaseRecord, UnitDevice, UnitEngine, from_catalog, install
 from fedfusion.units.timeline import chains_from_trace, simulate
 from fedfusion.wire.specs import (
     UNITS_ACTION,
@@ -205,6 +205,20 @@ def train_step(model: PreTrainedModel, opt: torch.optim.Optimizer, batch: torch.
     return total
 
 
+def _worst_rel(trace: list[PhaseRecord], way: str) -> float:
+    """The largest |measured - formula| / formula over the devices and phases of ``trace`` that ran without a
+    re-dispatch (a re-dispatched unit travels twice; the formula prices one message per device)."""
+    worst = 0.0
+    for rec in trace:
+        if rec.redispatched:
+            continue
+        measured, formula = getattr(rec, f"{way}_bytes"), getattr(rec, f"formula_{way}")
+        for dev, expected in formula.items():
+            if expected and dev in measured:
+                worst = max(worst, abs(measured[dev] - expected) / expected)
+    return worst
+
+
 def run_units(grid: Grid, recipe: Recipe, run: RunDir, on_round: Callable[[dict[str, Any]], None],
               stop: Any = None) -> dict[str, Any]:
     """Train the recipe's target for ``units.steps`` steps with its linear layers computed on ``grid``'s nodes."""
@@ -296,6 +310,8 @@ def _run_units(grid: Grid, recipe: Recipe, run: RunDir, on_round: Callable[[dict
             "clients_ok": len(used - engine.offline), "clients_failed": len(engine.offline - offline_before),
             "offline": sorted(engine.offline), "server_fallback": engine.server_fallback,
             "verify_s": sum(rec.verify_s for rec in trace),
+            # measured bytes per device per phase against the closed form (messages.formula_bytes), worst case
+            "formula_rel_down": _worst_rel(trace, "down"), "formula_rel_up": _worst_rel(trace, "up"),
             "missed": [{"waited_s": w.waited_s, "deadline_s": w.deadline_s, "devices": w.missed}
                        for w in step_waits if w.missed],
             "transport_s": sum(w.waited_s for w in step_waits),
