@@ -104,3 +104,31 @@ def test_the_run_config_carries_overrides_with_spaces_whole(tmp_path):
     assert parsed["recipe"] == "quickstart" and parsed["out"] == str((tmp_path / "run").resolve())
     with pytest.raises(ValueError, match="override \"name=it's\": flwr run's -c run config cannot carry quotes"):
         run_config("quickstart", ["name=it's"], tmp_path / "run")
+
+
+UNITS = [  # the exact mode over real SuperNodes: 2 steps of a 1-layer target, its MLP's GEMMs on the nodes
+    "fusion.method=units", "units.steps=2", "population.num_clients=2", "model.hidden_size=32", "model.num_heads=4",
+    "model.num_kv_heads=2", "model.intermediate_size=64", "model.num_layers=1", "train.batch_size=4",
+    "train.seq_len=32", "data.eval_chars=2000", "output.save_model=false",
+    "units.deadline_floor_s=60",  # a deployed SuperNode starts a fresh ClientApp process per message (~15 s a phase)
+]
+
+
+@pytest.mark.skipif(shutil.which("pgrep") is None, reason="needs pgrep to check that every process stopped")
+def test_the_units_mode_deploys_and_its_loss_is_central_training(tmp_path, monkeypatch, capsys):
+    """fusion.method=units through `fedfusion deploy` (~3 min here): every phase's tiles computed by the two
+    SuperNodes (weight blocks kept in context.state), the loss curve that of a plain torch loop."""
+    from tests.test_units_flower import central_losses
+
+    monkeypatch.chdir(ROOT)
+    out, workdir = tmp_path / "run", tmp_path / "deploy"
+    assert main(["deploy", "quickstart", *UNITS, "--out", str(out), "--workdir", str(workdir)]) == 0, \
+        capsys.readouterr().out[-4000:]
+    assert json.loads((out / "summary.json").read_text())["status"] == "ok"
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for row, central in zip(rows[1:], central_losses(UNITS)):
+        assert abs(row["train_loss"] - central) <= 1e-5 * central
+        assert row["clients_ok"] == 2 and not row["missed"] and row["server_fallback"] == 0
+    left = subprocess.run(["pgrep", "-f", str(workdir)], capture_output=True, text=True).stdout.split()
+    assert left == [], "processes left running"

@@ -51,6 +51,7 @@ def run_units(tmp_path: Path, extra: list[str]) -> tuple[list[dict], list[float]
     out = tmp_path / "units"
     assert main(["run", "quickstart", *TINY, *extra, "--out", str(out)]) == 0
     rows = read_jsonl(out / "metrics.jsonl")
+    assert (out / "report.md").is_file() and (out / "nodes.jsonl").read_text().count("\n") == 4
     return rows, central_losses([*TINY, *extra])
 
 

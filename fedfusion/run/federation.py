@@ -62,7 +62,12 @@ silence_expected_noise()  # the server's side of a run, whether started by `fedf
 
 
 def log_round(row: dict[str, Any]) -> None:
-    """Default progress: one log line per round."""
+    """Default progress: one log line per round (per optimizer step in the units mode)."""
+    if "step" in row:  # fedfusion.run.units: a central step, its linear layers on the nodes
+        log(INFO, "step %d: train_loss=%s eval_loss=%s %.2f MB down %.2f MB up virtual %.2fs missed %d (%.1fs)",
+            row["step"], row["train_loss"], row.get("eval_loss"), row["bytes_down"] / 1e6, row["bytes_up"] / 1e6,
+            row["virtual_s"], len(row.get("missed", [])), row["wall_s"])
+        return
     log(INFO, "round %d: eval_loss=%.4f ppl=%.2f acc=%.3f clients ok=%d failed=%d cut=%d (%.1fs)",
         row["round"], row["eval_loss"], row["eval_ppl"], row["eval_acc"], row["clients_ok"],
         row["clients_failed"], row.get("clients_cut", 0), row["wall_s"])

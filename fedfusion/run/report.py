@@ -342,9 +342,35 @@ def _participation_section(recipe: Any, clients: list[dict], summary: dict) -> l
     return lines
 
 
+def units_report(run: Path, rows: list[dict], summary: dict) -> Path:
+    """report.md of a units-mode run (fedfusion.run.units): one line per optimizer step, what it moved and cost."""
+    lines = [f"# Run report: {_label(run)} (units mode: central training, linear layers on the devices)", "",
+             f"Status: **{summary.get('status')}**", ""]
+    if summary.get("status") == "ok":
+        first, last = summary["initial"], summary["final"]
+        lines += [f"Target: {summary['target_params']:,} parameters, {summary['steps']} steps, offload "
+                  f"`{summary['offload']}`, {summary['devices']} devices, {summary['wall_s']:.0f} s wall. Held-out loss "
+                  f"{first['eval_loss']:.4f} -> {last['eval_loss']:.4f}; {summary['bytes_down'] / 1e6:.1f} MB down, "
+                  f"{summary['bytes_up'] / 1e6:.1f} MB up, {summary['virtual_s']:.2f} virtual s in all; devices "
+                  f"taken offline: {summary['offline'] or 'none'}.", ""]
+    cols = ("step", "train_loss", "eval_loss", "phases", "messages", "bytes_down", "bytes_up", "virtual_s",
+            "redispatched", "wall_s")
+    lines += ["| " + " | ".join(cols) + " | missed deadlines |", "|" + "---|" * (len(cols) + 1)]
+    for row in rows:
+        cells = [_fmt(row.get(c)) for c in cols] + [str(len(row.get("missed", [])))]
+        lines.append("| " + " | ".join(cells) + " |")
+    if summary.get("sample"):
+        lines += ["", "Sample from the final target (top-k 10):", "", "```", summary["sample"], "```"]
+    out = run / "report.md"
+    out.write_text("\n".join(lines) + "\n")
+    return out
+
+
 def write_report(run: Path) -> Path:
     """report.md and plots/ for one run directory."""
     rows, summary = _load(run)
+    if summary.get("mode") == "units" or (rows and "step" in rows[0]):
+        return units_report(run, rows, summary)
     recipe = _recipe(run)
     clients = read_jsonl(run / "clients.jsonl") if (run / "clients.jsonl").is_file() else []
     plots = plot_curves([run], run / "plots")

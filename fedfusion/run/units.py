@@ -33,6 +33,7 @@ from fedfusion.config.recipe import Recipe
 from fedfusion.data.population import client_windows, data_spec, write_partition_sizes
 from fedfusion.data.text import sample_batch
 from fedfusion.devices.catalog import load_catalog
+from fedfusion.run.report import write_report
 from fedfusion.run.run_dir import RunDir
 from fedfusion.run.targets import lm_target
 from fedfusion.train.loop import lm_loss, make_optimizer
@@ -338,4 +339,5 @@ def _run_units(grid: Grid, recipe: Recipe, run: RunDir, on_round: Callable[[dict
         "sample": target.sample(),
     }
     run.write_summary(summary)
+    write_report(run.path)
     return summary
