@@ -9,7 +9,15 @@ answer token (``answer_loss``) and knowledge bits. The data and training both fo
 Every arm runs the library's in-process round loop (``fedfusion.fusion.inprocess``: the Flower strategy's planning,
 extraction, client training step and fold), so arms see the same clients, samples and seeds:
 
-- ``smallest_only``: every client trains the smallest width (FedAvg); scored is that small model itself;
+- ``smallest_only``: every client trains the smallest width (FedAvg), as the static slice of a target silenced
+  around it (``fedfusion.models.growth``), so the scored target *is* that small model (``smallest_only_hetero``:
+  the same with HeteroFL's scaler, scored as the extracted small model: earlier results' arm);
+- ``grow_*``: the smallest_only run for ``--grow-round`` rounds, then the grown target trains on: ``grow_oracle``
+  every client the whole target (a reference no device of the regime holds), ``grow_rolling`` rolling slices in
+  their own forward pass, ``grow_ff`` full-forward windows of ``--window-width`` of the units (one window per
+  round), ``grow_ffst`` such windows laid end to end, ``grow_ffst_shared`` with embeddings and norms in every
+  window; ``ff``: full-forward windows from round 1 (no growth). Equal budget: the same rounds, clients, local
+  steps, optimizer and data as every other arm;
 - ``oracle``: every client trains the whole target;
 - ``static`` / ``rolling`` / ``random`` / ``owned``: width slicing at each client's own width (``owned``: a
   window fixed per client, see ``fedfusion.models.slicing``); ``*_nesterov`` / ``*_avgm``: the same with a server-side
@@ -183,6 +191,7 @@ GROWTH = {
     "grow_rolling": dict(policy="rolling", stagger=True),  # then rolling slices in their own forward pass
     "grow_ff": dict(policy="rolling", stagger=False, forward="full"),  # then full-forward windows, one per round
     "grow_ffst": dict(policy="rolling", stagger=True, forward="full"),  # full-forward windows laid end to end
+    "grow_ffst_shared": dict(policy="rolling", stagger=True, forward="full", window_shared=True),  # + embeddings, norms
     "ff": dict(policy="rolling", stagger=False, forward="full", grow_round=0),  # full-forward from scratch
 }
 

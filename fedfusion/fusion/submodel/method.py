@@ -185,8 +185,15 @@ class SubModelMethod(FusionMethod):
             out.append(Payload(client, {**sent, **frozen}, merge(*specs), width,
                                params=frozen_work_params(self.target_params, trained) if full else trained,
                                sent_norm=state_norm(exact), assignment=plan.assignment(), context=(plan, target),
-                               row={"trained_params": trained, "forward": "full" if full else "slice"}))
+                               row=self._row(trained, full)))
         return out
+
+    def _row(self, trained: int, full: bool) -> dict[str, Any]:
+        """The ledger's extra fields for a grow-then-fuse or full-forward run (none for plain slicing: its rows stay
+        as they were): parameters trained (``params`` prices the work) and the forward pass."""
+        if not self.grow_round and self.forward == "slice":
+            return {}
+        return {"trained_params": trained, "forward": "full" if full else "slice"}
 
     def check(self, payload: Payload, reply: State, weight: float) -> Update:
         """The reply as the trained sub-model on the exact slice sent (:meth:`_from_wire`), checked."""
