@@ -56,7 +56,7 @@ def test_only_live_devices_get_units() -> None:
 
 
 def test_from_catalog_converts_units() -> None:
-    from fedfusion.devices import load_catalog
+    from fedfusion.devices.catalog import load_catalog
     from fedfusion.units import from_catalog
 
     tier = load_catalog()["phone-lowend"]
