@@ -15,8 +15,8 @@ extraction, client training step and fold), so arms see the same clients, sample
 - ``grow_*``: the smallest_only run for ``--grow-round`` rounds, then the grown target trains on: ``grow_oracle``
   every client the whole target (a reference no device of the regime holds), ``grow_rolling`` rolling slices in
   their own forward pass, ``grow_ff`` full-forward windows of ``--window-width`` of the units (one window per
-  round), ``grow_ffst`` such windows laid end to end, ``grow_ffst_shared`` with embeddings and norms in every
-  window; ``ff``: full-forward windows from round 1 (no growth). Equal budget: the same rounds, clients, local
+  round), ``grow_ffst`` such windows laid end to end, ``grow_ff_shared`` / ``grow_ffst_shared`` with embeddings and norms
+  in every window; ``ff``: full-forward windows from round 1 (no growth). Equal budget: the same rounds, clients, local
   steps, optimizer and data as every other arm;
 - ``oracle``: every client trains the whole target;
 - ``static`` / ``rolling`` / ``random`` / ``owned``: width slicing at each client's own width (``owned``: a
@@ -186,12 +186,14 @@ def arm_setup(arm: str, ladder: tuple[float, ...], clients: int,
 # model), then the whole grown target trains as the arm says. smallest_only is the same run that never grows.
 GROWTH = {
     "smallest_only": dict(policy="static", grow_round=-1),
-    "grow_oracle": dict(policy="static", full_width=True),  # then every client trains the whole target (a reference
-    #                                                         no device of the regime could hold)
+    # then every client trains the whole target (a window of every unit, embeddings and norms too): a reference no
+    # device of the regime could hold
+    "grow_oracle": dict(policy="static", forward="full", window_shared=True, window_width=1.0),
     "grow_rolling": dict(policy="rolling", stagger=True),  # then rolling slices in their own forward pass
     "grow_ff": dict(policy="rolling", stagger=False, forward="full"),  # then full-forward windows, one per round
     "grow_ffst": dict(policy="rolling", stagger=True, forward="full"),  # full-forward windows laid end to end
-    "grow_ffst_shared": dict(policy="rolling", stagger=True, forward="full", window_shared=True),  # + embeddings, norms
+    "grow_ff_shared": dict(policy="rolling", stagger=False, forward="full", window_shared=True),  # + embeddings, norms
+    "grow_ffst_shared": dict(policy="rolling", stagger=True, forward="full", window_shared=True),
     "ff": dict(policy="rolling", stagger=False, forward="full", grow_round=0),  # full-forward from scratch
 }
 
@@ -201,7 +203,6 @@ def growth_fields(arm: str, rounds: int, grow_round: int) -> dict | None:
     if arm not in GROWTH:
         return None
     fields = dict(GROWTH[arm])
-    fields.pop("full_width", None)
     g = fields.pop("grow_round", grow_round)
     return {"stagger": False, "scale": False, **fields, "grow_round": rounds if g == -1 else g}
 
@@ -224,8 +225,6 @@ def run_arm(job: dict) -> dict:
     growth = growth_fields(arm, a["rounds"], a["grow_round"])
     if growth is not None:  # every client at the smallest width until growth; the target is scored throughout
         widths, scored = [min(REGIMES[job["regime"]][0])] * a["clients"], None
-        if GROWTH[arm].get("full_width"):
-            widths = [1.0] * a["clients"]
     keep = [i for i, w in enumerate(widths) if w > 0]
     torch.manual_seed(job["seed"])
     initial = family_of(cfg).build(cfg).state_dict()
@@ -251,7 +250,7 @@ def run_arm(job: dict) -> dict:
                       per_round=a["per_round"], steps=a["steps"], lr=a["lr"], batch_size=a["batch"], seed=job["seed"],
                       stride=a["stride"], axes=axes, outer=outer, optimizer=a["optimizer"],
                       wire=Wire(a.get("wire_down", "float32"), a.get("wire_up", "float32"), a.get("error_feedback", True)),
-                      frozen=a["frozen"], window_width=a["window_width"], **{**settings, **(growth or {})})
+                      frozen=a["frozen"], **{"window_width": a["window_width"], **settings, **(growth or {})})
     if policy == "generative":  # each client's own model: the smallest width, as smallest_only trains it
         plan = plan_slice(cfg, min(widths), "static", axes=axes)
         gen_run = GenerativeRun(cfg, sub_config(cfg, plan), windows, rounds=a["gen_rounds"], per_round=a["per_round"],
@@ -335,7 +334,8 @@ def summarise(results: dict, task: str = "facts") -> dict:
         closure = {arm: (m - mean["smallest_only"]) / span if span else float("nan") for arm, m in mean.items()}
         out[regime] = {"span": span, "gap_closure": closure}
         for arm, c in closure.items():
-            if arm in ("oracle", "smallest_only") or arm.startswith("tier_") or c != c:  # c != c: NaN
+            # references no device of the regime could train (the oracles) are not candidates; c != c: NaN
+            if arm in ("oracle", "smallest_only", "grow_oracle") or arm.startswith("tier_") or c != c:
                 continue
             ratio = statistics.mean(r["size_ratio"] for r in arms[arm])
             if best is None or c > best["gap_closure"]:
@@ -501,6 +501,8 @@ def main() -> None:
     args.people = args.people[0]
     if args.report_only:
         payload = json.loads((RESULTS / f"{args.out}.json").read_text())
+        payload["summary"] = summarise(payload["results"], payload["args"]["task"])  # the current rules (candidates)
+        payload["best"] = payload["summary"]["best"]
         (RESULTS / f"{args.out}.md").write_text(report(payload))
         plot(payload, RESULTS / f"{args.out}.png")
         print(report(payload))
