@@ -503,6 +503,7 @@ def main() -> None:
         payload = json.loads((RESULTS / f"{args.out}.json").read_text())
         payload["summary"] = summarise(payload["results"], payload["args"]["task"])  # the current rules (candidates)
         payload["best"] = payload["summary"]["best"]
+        (RESULTS / f"{args.out}.json").write_text(json.dumps(payload, indent=1))
         (RESULTS / f"{args.out}.md").write_text(report(payload))
         plot(payload, RESULTS / f"{args.out}.png")
         print(report(payload))
