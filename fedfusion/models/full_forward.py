@@ -22,6 +22,7 @@ from torch.func import functional_call
 from transformers import PretrainedConfig, PreTrainedModel
 
 from fedfusion.models.build import config_aliases, model_from_state
+from fedfusion.models.families import family_of
 from fedfusion.models.slicing import SlicePlan, scatter, sliced_shape, tensor_slices
 from fedfusion.wire.specs import WindowSpec
 
@@ -83,6 +84,12 @@ def window_params(config: PretrainedConfig, state: State, plan: SlicePlan) -> in
     aliases = config_aliases(config)
     slices = tensor_slices([n for n in state if n not in aliases], config, plan)
     return sum(math.prod(sliced_shape(state[name].shape, sl.index)) for name, sl in slices.items())
+
+
+def window_axes(config: PretrainedConfig, axes: tuple[str, ...] | None) -> tuple[str, ...]:
+    """The axes a full-forward window slices: ``axes`` (default: the family's) without ``hidden``; a window is a set
+    of units (heads, neurons, layers) and the residual stream stays whole in it."""
+    return tuple(a for a in (axes or family_of(config).default_axes) if a != "hidden")
 
 
 def window_plan(spec: WindowSpec) -> SlicePlan:

@@ -57,12 +57,7 @@ def grown_plan(plan: SlicePlan) -> SlicePlan:
 def silence(config: PretrainedConfig, plan: SlicePlan, state: State) -> State:
     """``state`` grown from its own ``plan`` slice: the units outside it silenced (their residual writes zeroed),
     so the target computes what that slice computes. The start of a grow-then-fuse run."""
-    return grow(extract_small(state, config, plan), config, plan, state)
-
-
-def extract_small(state: State, config: PretrainedConfig, plan: SlicePlan) -> State:
-    """The small model a grown target holds in ``plan``'s units."""
-    return extract(state, config, grown_plan(plan))
+    return grow(extract(state, config, grown_plan(plan)), config, plan, state)
 
 
 def grow(small: State, config: PretrainedConfig, plan: SlicePlan, base: State) -> State:

@@ -39,7 +39,7 @@ from fedfusion.config.recipe import Recipe, RecipeError, tier_methods
 from fedfusion.devices.catalog import Device, load_catalog
 from fedfusion.devices.energy import frozen_work_params, price_work, train_flops
 from fedfusion.models.build import target_config, target_model_config
-from fedfusion.models.full_forward import window_params
+from fedfusion.models.full_forward import window_axes, window_params
 from fedfusion.models.slicing import plan_slice, sub_config
 from fedfusion.wire.quantize import encoded_bytes
 
@@ -335,7 +335,7 @@ def window_row(recipe: Recipe, target: PretrainedConfig, tier: str, device: Devi
     window both ways; the target's forward and activation gradients plus the window's training as FLOPs."""
     f = recipe.fusion
     width = f.window_widths.get(tier, f.widths[tier])
-    axes = tuple(a for a in (f.axes or ("heads", "neurons")) if a != "hidden")
+    axes = window_axes(target, tuple(f.axes) if f.axes else None)
     plan = replace(plan_slice(target, width, "static", axes=axes, scale=False), shared=f.window_shared)
     with torch.device("meta"):
         state = AutoModelForCausalLM.from_config(target).state_dict()

@@ -26,8 +26,7 @@ from fedfusion.fusion.base import Client, Fold, FusionMethod, Payload, State, Ti
 from fedfusion.fusion.outer import OuterConfig, OuterOptimizer
 from fedfusion.fusion.rounds import fold, owned_starts, plan_round
 from fedfusion.models.build import config_aliases, full_state, wire_state
-from fedfusion.models.families import family_of
-from fedfusion.models.full_forward import FROZEN
+from fedfusion.models.full_forward import FROZEN, window_axes
 from fedfusion.models.growth import grown_plan, silence
 from fedfusion.models.slicing import (
     SelectiveAverager,
@@ -99,8 +98,7 @@ class SubModelMethod(FusionMethod):
         if forward == "full" and policy == "ordered":
             raise ValueError("policy 'ordered' trains nested sub-models in their own forward pass; use forward 'slice'")
         self.forward, self.frozen, self.window_shared, self.grow_round = forward, frozen, window_shared, grow_round
-        # a full-forward window is a set of units (heads, neurons, layers): the residual stream stays whole in it
-        self.window_axes = tuple(a for a in (axes or family_of(config).default_axes) if a != "hidden")
+        self.window_axes = window_axes(config, axes)
         # full forward: each tier's window, as a fraction of the units (default: the tier's width)
         self.window_widths = {t: (window_widths or {}).get(t, w) for t, w in widths.items()}
         self.config, self.widths, self.policy, self.stride = config, widths, policy, stride
