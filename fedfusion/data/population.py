@@ -19,8 +19,6 @@ from fedfusion.config.recipe import DataConfig, Recipe
 from fedfusion.data.cache import cached_tensor
 from fedfusion.data.facts import (
     Facts,
-    client_documents,
-    client_order,
     encode_documents,
     facts_from_records,
     facts_tokenizer,
@@ -38,6 +36,7 @@ from fedfusion.data.federated import (
     label_column,
     partitions,
 )
+from fedfusion.data.records import check_client_count, natural_partition
 from fedfusion.data.text import encode_text, lm_windows, load_shakespeare_roles, load_text_file, load_tokenizer, split_text
 from fedfusion.devices.catalog import assign_tiers
 
@@ -96,8 +95,8 @@ def population_data(spec: str) -> tuple[ClientData, ...]:
         return _facts_clients(data, num_clients, seed)
     elif data.source == "dataset":
         named = client_texts(spec)
-    elif (natural := _natural_partition(data.path)) is not None:
-        _check_count(data.path, len(natural), num_clients)
+    elif (natural := natural_partition(data.path)) is not None:
+        check_client_count(data.path, len(natural), num_clients)
         named = [(f"client-{cid}", "\n".join(docs)) for cid, docs in natural.items()]
     else:
         text = load_text_file(_text_path(data))
@@ -106,30 +105,11 @@ def population_data(spec: str) -> tuple[ClientData, ...]:
     return tuple(ClientData(name, *split_text(text, data.held_out)) for name, text in named)
 
 
-def _check_count(path: str | None, found: int, num_clients: int) -> None:
-    if found != num_clients:
-        raise ValueError(f"population.num_clients: {path} holds {found} clients (its 'client' field); "
-                         f"set population.num_clients={found}, got {num_clients}")
-
-
-def _natural_partition(path: str | None) -> dict[str, list[str]] | None:
-    """A jsonl text file whose every record names its ``client``: each client's texts (the file's own
-    partition); None for any other file, which is cut into equal shards."""
-    if path is None or not str(path).endswith(".jsonl"):
-        return None
-    with open(path, encoding="utf-8") as f:
-        first = next((line for line in f if line.strip()), "")
-    if '"client"' not in first:
-        return None
-    docs = client_documents(path)
-    return {cid: docs[cid] for cid in client_order(docs)}
-
-
 def facts_data(data: DataConfig, num_clients: int, seed: int) -> Facts:
     """The facts of a data.source=facts recipe: the user's files, or biographies generated from the seed."""
     if data.path and data.probes:
         facts = load_facts(data.path, data.probes)
-        _check_count(data.path, len(facts.clients), num_clients)
+        check_client_count(data.path, len(facts.clients), num_clients)
         return facts
     records, probes, _ = generate_facts(num_clients, data.people, seed, data.skew)
     return facts_from_records(records, probes)

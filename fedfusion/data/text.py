@@ -6,10 +6,9 @@ client) derives the same clients and the same token ids without exchanging anyth
 
 from __future__ import annotations
 
-import json
 import re
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib.util import find_spec
@@ -18,6 +17,8 @@ from pathlib import Path
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+from fedfusion.data.records import read_jsonl
 
 _SPECIAL_TOKENS = ("<pad>", "<unk>", "<bos>", "<eos>")
 _CHARS = ("\n", *(chr(code) for code in range(ord(" "), ord("~") + 1)))
@@ -155,30 +156,6 @@ def load_text_file(path: str | Path, field: str = "text") -> str:
     if path.suffix != ".jsonl":
         raise ValueError(f"{path}: unsupported file type {path.suffix!r}, expected .txt or .jsonl")
     return "\n".join(str(record[field]) for record in read_jsonl(path, (field,)))
-
-
-def read_jsonl(path: str | Path, required: Sequence[str]) -> list[dict]:
-    """Records of a jsonl file; a missing file, bad JSON or a record without a ``required`` field raises
-    ValueError naming the file and line."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"{path}: no such file")
-    rows = []
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}: line {number} is not JSON ({exc.msg})") from None
-            missing = [f for f in required if not isinstance(record, dict) or f not in record]
-            if missing:
-                raise ValueError(f"{path}: line {number} has no field {missing[0]!r}")
-            rows.append(record)
-    if not rows:
-        raise ValueError(f"{path}: no records")
-    return rows
 
 
 @lru_cache(maxsize=4)

