@@ -12,6 +12,7 @@ from textwrap import shorten
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -19,7 +20,9 @@ from fedfusion.config.recipe import Recipe, RecipeError, builtin_recipes, tier_m
 from fedfusion.run.check import load_checked
 from fedfusion.run.seed_paper import NAME as SEED_PAPER
 
-console = Console()
+# soft_wrap: a line is never broken at the terminal's (or, off a terminal, rich's 80-column) width, so every
+# message stays one line that grep finds
+console = Console(soft_wrap=True)
 
 
 class _DropDeprecation(logging.Filter):
@@ -174,7 +177,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         return EXIT_INTERRUPTED
     if summary.get("status") != "ok":
         reap(before)
-        console.print(f"[red]run failed[/]: {summary.get('error', '')}; see {run.path / 'summary.json'}",
+        console.print(f"[red]run failed[/]: {escape(str(summary.get('error', '')))}; see {run.path / 'summary.json'}",
                       highlight=False, soft_wrap=True)
         return 1
     wrote = [name for name in ("report.md", "metrics.jsonl", "model/", "adapter/") if (run.path / name).exists()]
@@ -283,7 +286,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     runs = [Path(p) for p in args.runs]
     if len(runs) == 1:
-        path = write_report(runs[0])
+        path = write_report(runs[0], Path(args.out) if args.out else None)
     else:
         path = compare_runs(runs, Path(args.out or "comparison"))
     console.print(f"wrote {path}")
@@ -425,7 +428,7 @@ def parser() -> argparse.ArgumentParser:
     edge.set_defaults(func=cmd_edge_cloud)
     report = sub.add_parser("report", help="report.md and plots for run directories")
     report.add_argument("runs", nargs="+")
-    report.add_argument("--out", help="output folder for a comparison of several runs")
+    report.add_argument("--out", help="output folder (default: the run itself for one run, ./comparison for several)")
     report.set_defaults(func=cmd_report)
     from fedfusion.phone.commands import add_parsers
 
@@ -439,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (RecipeError, FileExistsError, FileNotFoundError, ValueError) as exc:
-        console.print(f"[red]error:[/] {exc}", highlight=False)
+        console.print(f"[red]error:[/] {escape(str(exc))}", highlight=False)  # not markup: `[datasets]` stays
         return 2
 
 

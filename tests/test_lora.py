@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fedfusion.config.choices import LORA_METHODS as METHODS
-from fedfusion.fusion.lora.aggregate import ClientLoRA, aggregate_lora, effective_delta, flora_stack, merged_arrays
+from fedfusion.fusion.lora.aggregate import ClientLoRA, aggregate_lora, effective_delta, flora_stack, merged_arrays, serve
 
 SHAPES = {"q_proj": (16, 24), "v_proj": (20, 24), "o_proj": (24, 16)}  # module -> (out, in); min dim 16
 RANKS, ALPHAS, WEIGHTS = [8, 4, 2, 1], [16.0, 4.0, 8.0, 1.0], [10.0, 30.0, 20.0, 40.0]
@@ -62,7 +62,9 @@ def test_flora_stack_product_is_the_weighted_sum_of_updates():
         assert A[n].shape == (sum(RANKS), inp) and B[n].shape == (out, sum(RANKS))
     assert_dicts_close({n: B[n] @ A[n] for n in SHAPES}, want)
     agg = aggregate_lora(clients, "flora")
-    assert agg.merge_into_base and agg.for_client(8, 16.0) is None
+    assert agg.merge_into_base and serve(agg, 8, 16.0) is None
+    with pytest.raises(ValueError, match="flora serves no adapter: its update is merged into the base weights"):
+        agg.for_client(8, 16.0)
     assert_dicts_close(agg.delta, want)
 
 
@@ -129,7 +131,7 @@ def test_one_client_round_trips_unchanged(method, rank, alpha):
     own = {n: effective_delta(c.A[n], c.B[n], alpha) for n in SHAPES}
     assert_dicts_close(agg.delta, own)
     if method == "flora":
-        assert agg.for_client(rank, alpha) is None
+        assert serve(agg, rank, alpha) is None
     else:
         assert_dicts_close(served(agg, rank, alpha), own)
 

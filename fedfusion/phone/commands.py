@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from importlib.util import find_spec
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -18,9 +19,18 @@ if TYPE_CHECKING:
     from fedfusion.phone.program import DeviceProgram
 
 
+def needs_executorch(command: str) -> None:
+    """The device commands run ExecuTorch, the ``device`` extra: without it, say how to install it (a ValueError,
+    which the CLI prints as one line) instead of failing on the first import."""
+    if find_spec("executorch") is None:
+        raise ValueError(f"fedfusion {command} needs ExecuTorch: pip install 'fedfusion[device]'")
+
+
 def cmd_export_device(args: argparse.Namespace) -> int:
     """Export the recipe's tier's training program and manifest into ``--out``."""
     from fedfusion.run.check import load_checked
+
+    needs_executorch("export-device")
 
     recipe = load_checked(args.recipe, args.overrides)  # a bad recipe or tier is reported before anything is written
     tier_config(recipe, args.tier)
@@ -44,6 +54,7 @@ def _numel(shape: list[int]) -> int:
 
 def cmd_gateway(args: argparse.Namespace) -> int:
     """Serve phones until interrupted."""
+    needs_executorch("gateway")
     from fedfusion.phone.gateway import Gateway, GatewayServer, Tokens
 
     host, _, port = args.listen.rpartition(":")
@@ -64,6 +75,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 
 def cmd_device(args: argparse.Namespace) -> int:
     """Run the reference device against a gateway."""
+    needs_executorch("device")
     from fedfusion.phone.reference import DeviceRefused, ReferenceDevice
 
     device = ReferenceDevice(args.gateway, args.token, args.threads)

@@ -123,12 +123,13 @@ def _plot_cost(runs: list[Path], out_dir: Path) -> Path:
     return path
 
 
-def _data_section(run: Path) -> list[str]:
-    """Examples per client (a histogram) and, where the data has labels, each client's label mix."""
+def _data_section(run: Path, out: Path) -> list[str]:
+    """Examples per client (a histogram) and, where the data has labels, each client's label mix (the plot in
+    ``out``/plots)."""
     sizes = read_partition_sizes(run)
     if sizes is None:
         return []
-    (run / "plots").mkdir(parents=True, exist_ok=True)
+    (out / "plots").mkdir(parents=True, exist_ok=True)
     fig, axes = plt.subplots(1, 2 if sizes.labels else 1, figsize=(11 if sizes.labels else 6, 4), squeeze=False)
     axes[0, 0].hist(sizes.examples, bins=min(20, max(1, len(set(sizes.examples)))), color="tab:blue")
     axes[0, 0].set_xlabel(f"{sizes.unit} per client")
@@ -147,7 +148,7 @@ def _data_section(run: Path) -> list[str]:
         if len(labels) <= 12:
             axes[0, 1].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(run / "plots" / "partitions.png", dpi=110)
+    fig.savefig(out / "plots" / "partitions.png", dpi=110)
     plt.close(fig)
     return ["## Data", "", *(f"    {line}" for line in describe(sizes)), "", "![partitions](plots/partitions.png)", ""]
 
@@ -342,8 +343,9 @@ def _participation_section(recipe: Any, clients: list[dict], summary: dict) -> l
     return lines
 
 
-def units_report(run: Path, rows: list[dict], summary: dict) -> Path:
-    """report.md of a units-mode run (fedfusion.run.units): one line per optimizer step, what it moved and cost."""
+def units_report(run: Path, rows: list[dict], summary: dict, out: Path) -> Path:
+    """report.md in ``out`` of a units-mode run (fedfusion.run.units): one line per optimizer step, what it moved
+    and cost."""
     lines = [f"# Run report: {_label(run)} (units mode: central training, linear layers on the devices)", "",
              f"Status: **{summary.get('status')}**", ""]
     if summary.get("status") == "ok":
@@ -361,19 +363,21 @@ def units_report(run: Path, rows: list[dict], summary: dict) -> Path:
         lines.append("| " + " | ".join(cells) + " |")
     if summary.get("sample"):
         lines += ["", "Sample from the final target (top-k 10):", "", "```", summary["sample"], "```"]
-    out = run / "report.md"
-    out.write_text("\n".join(lines) + "\n")
-    return out
+    path = out / "report.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
 
 
-def write_report(run: Path) -> Path:
-    """report.md and plots/ for one run directory."""
+def write_report(run: Path, out: Path | None = None) -> Path:
+    """report.md and plots/ for one run directory, written into ``out`` (default: the run directory itself)."""
     rows, summary = _load(run)
+    out = run if out is None else out
+    out.mkdir(parents=True, exist_ok=True)
     if summary.get("mode") == "units" or (rows and "step" in rows[0]):
-        return units_report(run, rows, summary)
+        return units_report(run, rows, summary, out)
     recipe = _recipe(run)
     clients = read_jsonl(run / "clients.jsonl") if (run / "clients.jsonl").is_file() else []
-    plots = plot_curves([run], run / "plots")
+    plots = plot_curves([run], out / "plots")
     cols = ("round", "eval_loss", "eval_ppl", "eval_acc", "train_loss", "coverage", "clients_ok",
             "clients_failed", "clients_cut", "bytes_down", "bytes_up", "energy_j", "co2_g", "virtual_s", "wall_s")
     lines = [f"# Run report: {_label(run)}", ""]
@@ -401,14 +405,14 @@ def write_report(run: Path) -> Path:
             "```",
             "",
         ]
-    lines += _data_section(run)
+    lines += _data_section(run, out)
     lines += (_family_section(rows, summary) + _work_section(recipe, clients, rows)
               + _participation_section(recipe, clients, summary))
     lines += ["## Rounds", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |" for r in rows]
     lines += [""] + [f"![{p.stem}](plots/{p.name})" for p in plots] + [""]
     lines += [_edge_cloud_section(recipe, clients), ""]
-    path = run / "report.md"
+    path = out / "report.md"
     path.write_text("\n".join(lines))
     return path
 

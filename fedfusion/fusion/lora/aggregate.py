@@ -97,9 +97,10 @@ class LoRAAggregate:
         default_factory=dict, init=False, repr=False, compare=False
     )
 
-    def for_client(self, rank: int, alpha: float) -> Factors | None:
+    def for_client(self, rank: int, alpha: float) -> Factors:
         """The (A, B) a client of this rank and alpha starts its next round from, so that its
-        ``(alpha/rank) * B @ A`` is the method's global update at that rank; None for flora (fresh adapters).
+        ``(alpha/rank) * B @ A`` is the method's global update at that rank. flora serves none (ValueError): its
+        update is merged into the base (``merge_into_base``) and clients start fresh adapters (:func:`serve`).
 
         fedavg serves only the aggregated rank (B rescaled if alpha differs); zeropad/hetlora serve the first ``rank`` components, up to
         the largest aggregated rank; flexlora serves the top-``rank`` SVD components, up to min(out, in).
@@ -108,8 +109,9 @@ class LoRAAggregate:
             raise ValueError(f"rank must be a positive int, got {rank!r}")
         if not (math.isfinite(alpha) and alpha > 0):
             raise ValueError(f"alpha must be positive and finite, got {alpha!r}")
-        if self.method == "flora":
-            return None
+        if self.merge_into_base:
+            raise ValueError(f"{self.method} serves no adapter: its update is merged into the base weights "
+                             "(merge_into_base) and every client starts a fresh adapter on the merged base")
         s = alpha / rank
         if self.method == "flexlora":
             return self._top_components(rank, s)
@@ -307,9 +309,12 @@ def from_global(method: str, A: dict[str, torch.Tensor], B: dict[str, torch.Tens
 
 
 def serve(agg: LoRAAggregate, rank: int, alpha: float) -> Factors | None:
-    """What a client of ``rank`` and ``alpha`` starts from: ``for_client`` when the aggregate holds that many
-    components, else the components it holds (k < rank) scaled for the client, so that ``(alpha / rank) *
-    B @ A`` is still the global update; the client initialises its remaining components fresh (B = 0)."""
+    """What a client of ``rank`` and ``alpha`` starts from: nothing (None: a fresh adapter) where the update was
+    merged into the base (flora); ``for_client`` when the aggregate holds that many components, else the
+    components it holds (k < rank) scaled for the client, so that ``(alpha / rank) * B @ A`` is still the global
+    update; the client initialises its remaining components fresh (B = 0)."""
+    if agg.merge_into_base:
+        return None
     if agg.method in ("zeropad", "hetlora"):
         held = next(iter(agg.A.values())).shape[0]
         if rank > held:
