@@ -376,7 +376,7 @@ def epilog() -> str:
     lines += [f"  {name:<{width}}  {shorten(about, 110 - width, placeholder=' ...')}".rstrip()
               for name, about in recipes.items()]
     lines += ["", "examples:", *(f"  {command}" for command in EXAMPLES), "",
-              "key=value overrides set any recipe key (the README's Recipes section lists them)."]
+              "key=value overrides set any recipe key (docs/recipes.md lists them)."]
     return "\n".join(lines)
 
 
