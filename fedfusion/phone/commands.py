@@ -30,8 +30,7 @@ def cmd_export_device(args: argparse.Namespace) -> int:
     """Export the recipe's tier's training program and manifest into ``--out``."""
     from fedfusion.run.check import load_checked
 
-    needs_executorch("export-device")
-
+    needs_executorch("export-device")  # first: it takes no torch, so a missing extra is said in a second
     recipe = load_checked(args.recipe, args.overrides)  # a bad recipe or tier is reported before anything is written
     tier_config(recipe, args.tier)
     program = export_tier(recipe, args.tier)
