@@ -104,10 +104,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     verb = f"resuming after round {done}:" if args.resume else "running"
     shape = (f"{recipe.units.steps} steps, units.offload={recipe.units.offload}" if recipe.fusion.method == "units"
              else f"{recipe.selection.clients_per_round} per round, {recipe.rounds} rounds")
-    console.print(f"[bold]fedfusion[/] {verb} {recipe.name}: {recipe.population.num_clients} clients, {shape}, "
-                  f"fusion={_method(recipe)}"
+    console.print(f"[bold]fedfusion[/] {verb} {escape(recipe.name)}: {recipe.population.num_clients} clients, "
+                  f"{shape}, fusion={_method(recipe)}"
                   + (f", on the Ray cluster at {recipe.engine.ray_address}" if recipe.engine.ray_address else "")
-                  + f"; writing {run.path}")
+                  + f"; writing {escape(str(run.path))}")
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")  # we request no GPUs; silence Ray's notice
     flwr_logger = logging.getLogger("flwr")
     flwr_logger.setLevel(logging.WARNING)
@@ -170,18 +170,18 @@ def cmd_run(args: argparse.Namespace) -> int:
     if summary.get("status") == "interrupted":
         reap(before)
         after = summary["resume_after"]
-        hint = (f"resume with: fedfusion run --resume {run.path}" if after is not None
+        hint = (f"resume with: fedfusion run --resume {escape(str(run.path))}" if after is not None
                 else "no checkpoint yet, nothing to resume: run it again")
         console.print(f"[yellow]interrupted[/] after round {summary['last_round']} of {recipe.rounds}; "
                       f"{hint}", highlight=False, soft_wrap=True)
         return EXIT_INTERRUPTED
     if summary.get("status") != "ok":
         reap(before)
-        console.print(f"[red]run failed[/]: {escape(str(summary.get('error', '')))}; see {run.path / 'summary.json'}",
+        console.print(f"[red]run failed[/]: {escape(str(summary.get('error', '')))}; see {escape(str(run.path / 'summary.json'))}",
                       highlight=False, soft_wrap=True)
         return 1
     wrote = [name for name in ("report.md", "metrics.jsonl", "model/", "adapter/") if (run.path / name).exists()]
-    console.print(f"done: {run.path} ({', '.join(wrote)})")
+    console.print(f"done: {run.path} ({', '.join(wrote)})", markup=False)
     return 0
 
 
@@ -289,7 +289,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         path = write_report(runs[0], Path(args.out) if args.out else None)
     else:
         path = compare_runs(runs, Path(args.out or "comparison"))
-    console.print(f"wrote {path}")
+    console.print(f"wrote {path}", markup=False)
     return 0
 
 
