@@ -182,3 +182,15 @@ def test_a_mixed_recipe_assigns_each_tier_its_method():
     assert tier_methods(recipe) == {"phone": "distill", "laptop": "submodel", "desktop": "submodel"}
     assert uses(recipe, "distill") and not uses(recipe, "generative")
     assert tier_methods(load_checked("quickstart")) == {t: "submodel" for t in ("phone", "laptop", "desktop")}
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["fusion.window_rank=4"], "fusion.window_rank: a rank >= 1 trains low-rank updates with fusion.forward=full"),
+    (["fusion.forward=full", "fusion.window_rank=-1"], "fusion.window_rank: a rank >= 1"),
+    (["fusion.forward=full", "fusion.window_rank=4", "fusion.wire_up=int8"], "fusion.window_rank: .* float32"),
+    (["fusion.forward=full", "fusion.window_rank=4", "fusion.window_widths={phone: 0.5}"], "window_widths unset"),
+])
+def test_a_low_rank_window_names_what_it_needs(overrides, match):
+    with pytest.raises(RecipeError, match=match):
+        load_checked("quickstart", overrides)
+    assert load_checked("quickstart", ["fusion.forward=full", "fusion.window_rank=4"]).fusion.window_rank == 4
