@@ -90,6 +90,7 @@ from fedfusion.models.build import model_from_state
 from fedfusion.models.families import family_of
 from fedfusion.models.samples import GenerativeConfig
 from fedfusion.models.slicing import extract, plan_slice, sub_config
+from fedfusion.run.planner import FROZEN_BITS, estimate_memory
 from fedfusion.train.loop import evaluate_lm, train_steps
 from fedfusion.wire.quantize import Wire
 
@@ -195,16 +196,35 @@ GROWTH = {
     "grow_ff_shared": dict(policy="rolling", stagger=False, forward="full", window_shared=True),  # + embeddings, norms
     "grow_ffst_shared": dict(policy="rolling", stagger=True, forward="full", window_shared=True),
     "ff": dict(policy="rolling", stagger=False, forward="full", grow_round=0),  # full-forward from scratch
+    # then every client trains a rank-r update of every matrix of the whole target (--window-rank), norms exactly
+    "grow_lr": dict(policy="static", forward="full", window_rank=True),
+    "grow_lr_shared": dict(policy="static", forward="full", window_rank=True, window_shared=True),  # embeddings exact
 }
 
 
-def growth_fields(arm: str, rounds: int, grow_round: int) -> dict | None:
-    """The SubModelRun settings of a grow-then-fuse arm (None for other arms); ``grow_round`` -1 means every round."""
+def growth_fields(arm: str, rounds: int, grow_round: int, rank: int) -> dict | None:
+    """The SubModelRun settings of a grow-then-fuse arm (None for other arms); ``grow_round`` -1 means every round;
+    a low-rank arm trains rank ``rank``."""
     if arm not in GROWTH:
         return None
     fields = dict(GROWTH[arm])
     g = fields.pop("grow_round", grow_round)
+    if fields.get("window_rank"):
+        fields["window_rank"] = rank
     return {"stagger": False, "scale": False, **fields, "grow_round": rounds if g == -1 else g}
+
+
+def memory_ratio(cfg: LlamaConfig, a: dict, growth: dict | None, client_params: int, widths: list[float],
+                 axes: tuple[str, ...]) -> float:
+    """Peak training memory of the full target trained with AdamW over that of the largest client's training, both
+    as the planner estimates them (:func:`fedfusion.run.planner.estimate_memory`; batch and sequence of the run)."""
+    batch, seq = a["batch"], a["seq_len"]
+    full = estimate_memory(cfg, batch, seq).total
+    if growth is not None and growth.get("forward") == "full":
+        client = estimate_memory(cfg, batch, seq, base_bits=FROZEN_BITS[a["frozen"]], window=client_params).total
+    else:
+        client = estimate_memory(sub_config(cfg, plan_slice(cfg, max(widths), "static", axes=axes)), batch, seq).total
+    return full / client
 
 
 def scaled(arm: str) -> tuple[str, bool]:
@@ -222,7 +242,7 @@ def run_arm(job: dict) -> dict:
     arm, scale = scaled(job["arm"])
     widths, policy, outer, scored = arm_setup(arm, REGIMES[job["regime"]][0], a["clients"],
                                               OuterConfig(a["outer"], lr=a["outer_lr"]))
-    growth = growth_fields(arm, a["rounds"], a["grow_round"])
+    growth = growth_fields(arm, a["rounds"], a["grow_round"], a["window_rank"])
     if growth is not None:  # every client at the smallest width until growth; the target is scored throughout
         widths, scored = [min(REGIMES[job["regime"]][0])] * a["clients"], None
     keep = [i for i, w in enumerate(widths) if w > 0]
@@ -278,6 +298,7 @@ def run_arm(job: dict) -> dict:
         "spread": max(r[primary] for r in last) - min(r[primary] for r in last),
         "client_params_max": stats.max_client_params, "target_params": target_params,
         "size_ratio": target_params / stats.max_client_params,
+        "memory_ratio": memory_ratio(cfg, a, growth, stats.max_client_params, [widths[i] for i in keep], axes),
         "bytes": stats.bytes_down + stats.bytes_up, "bytes_down": stats.bytes_down, "bytes_up": stats.bytes_up,
         "energy_j": energy, "server_j": server_j,
         "wall_s": time.perf_counter() - start,
@@ -358,6 +379,11 @@ def _describe(a: dict) -> str:
             "difference.")
 
 
+def _mean_or_dash(values: list[float | None]) -> str:
+    """The mean to one decimal, or - when any run lacks the value."""
+    return "-" if any(v is None for v in values) else f"{statistics.mean(v for v in values if v is not None):.1f}"
+
+
 def report(payload: dict) -> str:
     a, summary = payload["args"], payload["summary"]
     primary, other = PRIMARY[a["task"]]
@@ -376,7 +402,7 @@ def report(payload: dict) -> str:
         widths, axes = REGIMES[regime]
         lines += [f"## {regime} (client widths {widths} of {', '.join(axes)})", "",
                   f"| arm | {primary} | spread | {other} |{extra} gap closure | size ratio | "
-                  "MB moved | clients' J (phone) | server J (A100) | wall s |", "|---" * (10 + bool(extra)) + "|"]
+                  "memory ratio | MB moved | clients' J (phone) | server J (A100) | wall s |", "|---" * (11 + bool(extra)) + "|"]
         for arm, runs in arms.items():
             if not runs:
                 continue
@@ -385,7 +411,8 @@ def report(payload: dict) -> str:
                 f"| {arm} | {_mean_sd([r[primary] for r in runs])} | {statistics.mean(r['spread'] for r in runs):.3f} | "
                 f"{_mean_sd([r[other] for r in runs])} |{bits} "
                 f"{closure.get(arm, float('nan')):.2f} | {statistics.mean(r['size_ratio'] for r in runs):.1f} | "
-                f"{statistics.mean(r['bytes'] for r in runs) / 1e6:.1f} | {statistics.mean(r['energy_j'] for r in runs):.2f} | "
+                f"{_mean_or_dash([r.get('memory_ratio') for r in runs])} | {statistics.mean(r['bytes'] for r in runs) / 1e6:.1f} | "
+                f"{statistics.mean(r['energy_j'] for r in runs):.2f} | "
                 f"{statistics.mean(r['server_j'] for r in runs):.2f} | {statistics.mean(r['wall_s'] for r in runs):.0f} |")
         if regime in summary["regimes"]:
             lines += ["", f"Span (oracle - smallest-only {primary}): {summary['regimes'][regime]['span']:.3f}."]
@@ -400,7 +427,9 @@ def report(payload: dict) -> str:
         lines += [f"**Best arm**: `{b['arm']}` ({b['regime']}): gap closure {b['gap_closure']:.2f} at size ratio "
                   f"{b['size_ratio']:.1f}.", ""]
     lines += [f"Gap closure = (arm - smallest_only) / (oracle - smallest_only) on the mean {primary}. Size ratio = "
-              "target parameters / the largest client's trained parameters. Priced joules: the clients' counted "
+              "target parameters / the largest client's trained parameters; memory ratio = the full target's peak training "
+              "memory with AdamW / the largest client's, both as `fedfusion plan` estimates them (runs from before it "
+              "was recorded show -). Priced joules: the clients' counted "
               "work (6 x params x tokens, plus 2 x params per sampled token) and bytes on the catalog's phone "
               "profile; the server's own training (generative) on the cloud-a100 profile.", ""]
     return "\n".join(lines)
@@ -466,6 +495,7 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--frozen", default="int8", help="full-forward arms: the frozen target's format")
     parser.add_argument("--window-width", type=float, default=None,
                         help="full-forward arms: each window's fraction of the units (default: the regime's width)")
+    parser.add_argument("--window-rank", type=int, default=4, help="grow_lr* arms: the rank of every matrix's update")
     parser.add_argument("--optimizer", default="sgd", choices=["adamw", "sgd"], help="clients' local optimizer")
     parser.add_argument("--outer", default="adam", help="server optimizer of every arm without an _<outer> suffix")
     parser.add_argument("--outer-lr", type=float, default=3e-3)
@@ -515,7 +545,8 @@ def main() -> None:
     saved = json.loads(partial.read_text()) if partial.is_file() else {"args": conf, "results": {}, "machine": machine}
     same = ("task", "people", "clients", "rounds", "per_round", "steps", "batch", "lr", "seq_len", "optimizer", "outer",
             "outer_lr", "gen_steps", "gen_lr", "gen_rounds", "gen_samples", "gen_temperature", "gen_server_steps",
-            "gen_server_lr", "hidden", "intermediate", "layers", "stride", "eval_every", "grow_round", "frozen", "window_width")
+            "gen_server_lr", "hidden", "intermediate", "layers", "stride", "eval_every", "grow_round", "frozen", "window_width",
+            "window_rank")
     changed = [k for k in same if saved["args"].get(k, conf[k]) != conf[k]]
     if changed:
         raise SystemExit(f"{partial} was run with other settings ({', '.join(changed)}); use another --out or delete it")

@@ -8,9 +8,9 @@ from fedfusion.clients.submodel import _windows, evaluate, inject_faults, local_
 from flwr.app import ConfigRecord
 
 from fedfusion.models.families import config_from_dict
-from fedfusion.models.full_forward import from_payload, window_plan
+from fedfusion.models.full_forward import from_payload
 from fedfusion.train.loop import train_steps
-from fedfusion.wire.specs import ModelSpec, WindowSpec
+from fedfusion.wire.specs import ModelSpec, RoundSpec, WindowSpec
 
 __all__ = ["evaluate", "num_examples", "train"]
 
@@ -22,6 +22,6 @@ def train(state: dict[str, torch.Tensor], spec: ConfigRecord, partition: int,
     set_threads(spec)
     windows = _windows(spec, partition, "train")
     config = config_from_dict(ModelSpec.from_config(spec).model_config)
-    model = from_payload(config, state, window_plan(WindowSpec.from_config(spec))).to(accelerator)
+    model = from_payload(config, state, WindowSpec.from_config(spec), RoundSpec.from_config(spec).seed).to(accelerator)
     return trained_reply(model, windows, faults, lambda: train_steps(model, windows, **local_steps(spec)),
                          lambda: {k: v.cpu() for k, v in model.trained().items()})

@@ -197,6 +197,17 @@ def test_a_mixed_recipe_assigns_each_tier_its_method():
     assert tier_methods(load_checked("quickstart")) == {t: "submodel" for t in ("phone", "laptop", "desktop")}
 
 
+@pytest.mark.parametrize("overrides, match", [
+    (["fusion.window_rank=4"], "fusion.window_rank: a rank >= 1 trains low-rank updates with fusion.forward=full"),
+    (["fusion.forward=full", "fusion.window_rank=-1"], "fusion.window_rank: a rank >= 1"),
+    (["fusion.forward=full", "fusion.window_rank=4", "fusion.wire_up=int8"], "fusion.window_rank: .* float32"),
+    (["fusion.forward=full", "fusion.window_rank=4", "fusion.window_widths={phone: 0.5}"], "window_widths unset"),
+])
+def test_a_low_rank_window_names_what_it_needs(overrides, match):
+    with pytest.raises(RecipeError, match=match):
+        load_checked("quickstart", overrides)
+    assert load_checked("quickstart", ["fusion.forward=full", "fusion.window_rank=4"]).fusion.window_rank == 4
+
 def test_facts_files_are_read_line_by_line_before_a_run(tmp_path):
     """What the first round used to find, the recipe check finds: the file and line, or the count to set."""
     train, probes = write_facts_files(tmp_path)

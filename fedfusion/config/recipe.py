@@ -130,6 +130,8 @@ class FusionConfig:
     frozen_dtype: str = "int8"  # full: how the frozen target travels and sits on the device (float32 | float16 | int8 | int4)
     window_shared: bool = False  # full: the window also trains the tensors on no sliced axis (embeddings, norms)
     window_widths: dict[str, float] = field(default_factory=dict)  # full: a tier's window (fraction of units); default its width
+    # full: r >= 1 trains a rank-r update of every matrix (fedfusion.models.low_rank) instead of a window of units; 0: off
+    window_rank: int = 0
     # submodel: rounds 1..grow_round train the smallest width's static slice of a target silenced around it (the
     # target equals that small model: smallest-only training); later rounds train the whole grown target. 0: off
     grow_round: int = 0
@@ -636,6 +638,12 @@ def _validate_growth(recipe: Recipe) -> None:
     if f.forward == "full" and f.policy == "ordered":
         raise RecipeError("fusion.forward=full: policy 'ordered' trains nested sub-models in their own forward pass; "
                           "use static, rolling, random or owned")
+    if f.window_rank < 0 or (f.window_rank and f.forward != "full"):
+        raise RecipeError(f"fusion.window_rank: a rank >= 1 trains low-rank updates with fusion.forward=full "
+                          f"(0: off), got {f.window_rank} with forward={f.forward}")
+    if f.window_rank and (f.wire_up != "float32" or f.window_widths):
+        raise RecipeError("fusion.window_rank: low-rank updates reply their factors in float32 and cover every unit; "
+                          "leave fusion.wire_up at float32 and fusion.window_widths unset")
     for tier, width in f.window_widths.items():
         if tier not in f.widths:
             raise RecipeError(f"fusion.window_widths.{tier}: not a tier of fusion.widths ({', '.join(f.widths)})")

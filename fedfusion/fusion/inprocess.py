@@ -23,7 +23,8 @@ from fedfusion.fusion.outer import OuterConfig
 from fedfusion.fusion.rounds import client_seed, fold_round, initial_state, round_payloads, server_seed
 from fedfusion.fusion.submodel.method import SubModelMethod
 from fedfusion.models.build import model_from_state, tied_aliases, wire_state
-from fedfusion.models.full_forward import WindowModel, from_payload, window_plan
+from fedfusion.models.full_forward import WindowModel, from_payload
+from fedfusion.models.low_rank import LowRankModel
 from fedfusion.models.samples import GenerativeConfig, SamplePool, sample_windows
 from fedfusion.models.slicing import extract, plan_slice, sub_config
 from fedfusion.train.distill import Teacher, distil, feddf_teacher, forward_flops
@@ -73,6 +74,7 @@ class SubModelRun(Rounds):
     window_shared: bool = False  # full: embeddings and norms in every window
     grow_round: int = 0  # rounds of the smallest slice before the grown target trains
     window_width: float | None = None  # full: every window's fraction of the units (None: the partition's width)
+    window_rank: int = 0  # full: a rank-r update of every matrix instead of a window of units (0: off)
 
 
 @dataclass
@@ -161,7 +163,8 @@ def run_submodel(run: SubModelRun, initial: dict[str, torch.Tensor], evaluate: E
                             stride=run.stride, stagger=run.stagger, run_seed=run.seed, axes=run.axes, scale=run.scale,
                             outer=run.outer, wire=run.wire, forward=run.forward, frozen=run.frozen,
                             window_shared=run.window_shared, grow_round=run.grow_round,
-                            window_widths={t: run.window_width for t in tiers} if run.window_width else None)
+                            window_widths={t: run.window_width for t in tiers} if run.window_width else None,
+                            window_rank=run.window_rank)
     method.observe(dict(enumerate(tiers)))  # ``owned`` windows tile the whole population from round 1
     residuals: dict[int, State] = {}  # each partition's uplink error feedback, as its node keeps it
 
@@ -169,12 +172,12 @@ def run_submodel(run: SubModelRun, initial: dict[str, torch.Tensor], evaluate: E
         received = decode(payload.arrays)
         config = run.config.__class__.from_dict(ModelSpec.from_config(payload.spec).model_config)
         full = RoleSpec.from_config(payload.spec).role == "window"  # the client role fedfusion.clients.window
-        model = (from_payload(config, received, window_plan(WindowSpec.from_config(payload.spec))) if full
+        model = (from_payload(config, received, WindowSpec.from_config(payload.spec), payload.client.seed) if full
                  else model_from_state(config, received))
         p = payload.client.partition
         out = train_steps(model, run.windows[p], run.steps, run.lr, run.batch_size, payload.client.seed,
                           run.weight_decay, run.optimizer)
-        trained = (model.trained() if isinstance(model, WindowModel) else
+        trained = (model.trained() if isinstance(model, WindowModel | LowRankModel) else
                    wire_state({k: v.detach() for k, v in model.state_dict().items()}, tied_aliases(model)))
         feedback = run.wire.error_feedback and run.wire.up != "float32" and not full
         reply, residuals[p] = client_reply(trained, payload.arrays, run.wire.up,

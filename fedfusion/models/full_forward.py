@@ -23,6 +23,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from fedfusion.models.build import config_aliases, model_from_state
 from fedfusion.models.families import family_of
+from fedfusion.models.low_rank import LowRankModel
 from fedfusion.models.slicing import SlicePlan, scatter, sliced_shape, tensor_slices
 from fedfusion.wire.specs import WindowSpec
 
@@ -98,11 +99,16 @@ def window_plan(spec: WindowSpec) -> SlicePlan:
     return SlicePlan.from_assignment(spec.units, scale=False, shared=spec.shared)
 
 
-def from_payload(config: PretrainedConfig, received: State, plan: SlicePlan) -> WindowModel:
+def from_payload(config: PretrainedConfig, received: State, spec: WindowSpec, seed: int) -> WindowModel | LowRankModel:
     """The model a device trains from a full-forward payload (decoded): the frozen target under :data:`FROZEN`
-    keys with the window's exact values written in, the window trainable."""
+    keys with the window's exact values written in, the window trainable; with ``spec.rank`` r, a rank-r update
+    (its ``A`` drawn from ``seed``) of every matrix the payload does not carry exactly, and those it carries."""
     frozen = {k.removeprefix(FROZEN): v for k, v in received.items() if k.startswith(FROZEN)}
     window = {k: v for k, v in received.items() if not k.startswith(FROZEN)}
     if not frozen:
         raise ValueError(f"a full-forward payload carries the frozen target under {FROZEN!r} keys; none arrived")
+    if spec.rank:
+        factored = [n for n, v in frozen.items() if v.dim() == 2 and n not in window]
+        return LowRankModel(config, {**frozen, **window}, factored, window, spec.rank, seed)
+    plan = window_plan(spec)
     return WindowModel(config, place(frozen, window, config, plan), window, plan)

@@ -107,7 +107,8 @@ def build_submodel(recipe: Recipe, target: Target, tiers: list[str]) -> SubModel
         ordered_ladder=tuple(f.ordered_ladder) if f.ordered_ladder else None, ordered_distill=f.ordered_distill,
         wire=recipe_wire(recipe), outer=OuterConfig(f.outer, f.outer_lr, f.outer_momentum), forward=f.forward,
         frozen=f.frozen_dtype, window_shared=f.window_shared, grow_round=f.grow_round,
-        window_widths={t: f.window_widths[t] for t in tiers if t in f.window_widths} or None)
+        window_widths={t: f.window_widths[t] for t in tiers if t in f.window_widths} or None,
+        window_rank=f.window_rank)
 
 
 def recipe_wire(recipe: Recipe) -> Wire:

@@ -38,8 +38,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig
 from fedfusion.config.recipe import Recipe, RecipeError, tier_methods
 from fedfusion.devices.catalog import Device, load_catalog
 from fedfusion.devices.energy import frozen_work_params, price_work, train_flops
-from fedfusion.models.build import target_config, target_model_config
+from fedfusion.models.build import config_aliases, target_config, target_model_config, wire_state
 from fedfusion.models.full_forward import window_axes, window_params
+from fedfusion.models.low_rank import factor_params, split
 from fedfusion.models.slicing import plan_slice, sub_config
 from fedfusion.wire.quantize import encoded_bytes
 
@@ -324,7 +325,7 @@ def plan_table(
     return rows
 
 
-_FROZEN_BITS = {"float32": 32, "float16": 16, "int8": 8, "int4": 4}
+FROZEN_BITS = {"float32": 32, "float16": 16, "int8": 8, "int4": 4}
 
 
 def window_row(recipe: Recipe, target: PretrainedConfig, tier: str, device: Device, budget: float,
@@ -339,12 +340,17 @@ def window_row(recipe: Recipe, target: PretrainedConfig, tier: str, device: Devi
     plan = replace(plan_slice(target, width, "static", axes=axes, scale=False), shared=f.window_shared)
     with torch.device("meta"):
         state = AutoModelForCausalLM.from_config(target).state_dict()
-    window = window_params(target, state, plan)
+    if f.window_rank:  # a rank-r update of every matrix plus the exact tensors (fedfusion.models.low_rank)
+        factored, exact = split(target, wire_state(state, config_aliases(target)), axes, f.window_shared)
+        window = factor_params(state, factored, f.window_rank) + sum(state[n].numel() for n in exact)
+    else:
+        window = window_params(target, state, plan)
     total = param_count(target)
-    mem = estimate_memory(target, recipe.train.batch_size, recipe.train.seq_len, base_bits=_FROZEN_BITS[f.frozen_dtype],
+    mem = estimate_memory(target, recipe.train.batch_size, recipe.train.seq_len, base_bits=FROZEN_BITS[f.frozen_dtype],
                           window=window).total
     down = encoded_bytes(f.frozen_dtype, total) + encoded_bytes(f.wire_dtype, window)
-    return {"width": width, "slice": f"window of {width:g} of the units, full forward ({f.frozen_dtype} target)",
+    label = (f"rank-{f.window_rank} update of every matrix" if f.window_rank else f"window of {width:g} of the units")
+    return {"width": 1.0 if f.window_rank else width, "slice": f"{label}, full forward ({f.frozen_dtype} target)",
             "params": window, "peak MB": _mb(mem), "device MB": round(device.memory_gb * 1024),
             "fits": "yes" if mem <= budget else "NO",
             **priced(device, train_flops(frozen_work_params(total, window), tokens), down,

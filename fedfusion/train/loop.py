@@ -13,9 +13,11 @@ from transformers import PreTrainedModel
 from fedfusion.config.choices import OPTIMIZERS
 from fedfusion.data.text import sample_batch
 from fedfusion.models.full_forward import WindowModel
+from fedfusion.models.low_rank import LowRankModel
 
 
-def lm_loss(model: PreTrainedModel | WindowModel, batch: torch.Tensor, reduction: str = "mean") -> tuple[torch.Tensor, torch.Tensor]:
+def lm_loss(model: PreTrainedModel | WindowModel | LowRankModel, batch: torch.Tensor,
+            reduction: str = "mean") -> tuple[torch.Tensor, torch.Tensor]:
     """Next-token cross-entropy of ``batch`` windows (input = [:, :-1], target = [:, 1:]) and the logits."""
     batch = batch.to(model.device)
     inputs, labels = batch[:, :-1], batch[:, 1:]
@@ -59,7 +61,7 @@ def seeded_randomness(seed: int, device: torch.device) -> Iterator[None]:
 
 
 def train_steps(
-    model: PreTrainedModel | WindowModel,
+    model: PreTrainedModel | WindowModel | LowRankModel,
     windows: torch.Tensor,
     steps: int,
     lr: float,

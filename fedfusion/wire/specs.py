@@ -271,11 +271,14 @@ class SliceSpec(Spec):
 
 @dataclass(frozen=True)
 class WindowSpec(Spec):
-    """A full-forward window (role window): the target units it trains (``SlicePlan.assignment()`` runs) and
-    whether the tensors on no sliced axis (embeddings, norms) are part of it."""
+    """A full-forward window (role window): the target units it trains (``SlicePlan.assignment()`` runs),
+    whether the tensors on no sliced axis (embeddings, norms) are part of it, and ``rank``: 0 trains the units'
+    exact values; r >= 1 trains a rank-r update of every matrix the message does not carry exactly
+    (:mod:`fedfusion.models.low_rank`)."""
 
     units: dict[str, list[list[int]]] = field(metadata=JSON)
     shared: bool
+    rank: int = 0
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,8 @@ HeteroFL (static), FedRolex (rolling, optionally staggered), Federated Dropout (
 
 Two forward passes: ``slice`` (a client runs its slice as a small model of its own, as HeteroFL and FedRolex do)
 and ``full`` (a client holds the whole target frozen, sent in ``frozen`` format, and trains its slice's
-coordinates with the exact gradient of the target's loss: :mod:`fedfusion.models.full_forward`). With
+coordinates with the exact gradient of the target's loss: :mod:`fedfusion.models.full_forward`; with
+``window_rank`` r its trainable part is instead a rank-r update of every matrix, :mod:`fedfusion.models.low_rank`). With
 ``grow_round`` the run first trains what every device holds, the smallest width's static prefix of a target
 silenced around it (:func:`fedfusion.models.growth.silence`: the target *is* that small model, so these rounds
 are smallest-only training), and from the next round on trains the whole grown target under its own policy.
@@ -28,6 +29,7 @@ from fedfusion.fusion.rounds import fold, owned_starts, plan_round
 from fedfusion.models.build import config_aliases, full_state, wire_state
 from fedfusion.models.full_forward import FROZEN, window_axes
 from fedfusion.models.growth import grown_plan, silence
+from fedfusion.models.low_rank import densify, factor_params, split
 from fedfusion.models.slicing import (
     SelectiveAverager,
     SlicePlan,
@@ -92,13 +94,20 @@ class SubModelMethod(FusionMethod):
                  ordered_ladder: tuple[float, ...] | None = None, ordered_distill: bool = False,
                  wire: Wire | None = None, outer: OuterConfig | None = None, forward: str = "slice",
                  frozen: str = "int8", window_shared: bool = False, grow_round: int = 0,
-                 window_widths: dict[str, float] | None = None) -> None:
+                 window_widths: dict[str, float] | None = None, window_rank: int = 0) -> None:
         if forward not in FORWARDS:
             raise ValueError(f"forward {forward!r} is not one of {', '.join(FORWARDS)}")
+        if window_rank < 0 or (window_rank and forward != "full"):
+            raise ValueError(f"window_rank {window_rank}: a rank >= 1 trains low-rank updates in the full forward pass")
+        if window_rank and (wire or Wire()).up != "float32":
+            raise ValueError("window_rank: a low-rank reply (its factors) travels up in float32; set wire up to float32")
         if forward == "full" and policy == "ordered":
             raise ValueError("policy 'ordered' trains nested sub-models in their own forward pass; use forward 'slice'")
         self.forward, self.frozen, self.window_shared, self.grow_round = forward, frozen, window_shared, grow_round
         self.window_axes = window_axes(config, axes)
+        self.window_rank = window_rank
+        # low rank: (matrices trained as rank-r updates, tensors trained exactly), fixed for the run
+        self.low_rank = split(config, wire_state(template, config_aliases(config)), self.window_axes, window_shared)
         # full forward: each tier's window, as a fraction of the units (default: the tier's width)
         self.window_widths = {t: (window_widths or {}).get(t, w) for t, w in widths.items()}
         self.config, self.widths, self.policy, self.stride = config, widths, policy, stride
@@ -126,12 +135,22 @@ class SubModelMethod(FusionMethod):
         """A tier's round after growth (the grow rounds train the smallest slice: cheaper, priced as this)."""
         if self.forward == "slice":
             return self.wire.cost(extract(template, self.config, self._static(self.widths[tier])), self.widths[tier])
+        if self.window_rank:
+            return self._low_rank_cost(template)
         width = self.window_widths[tier]
         plan = plan_slice(self.config, width, "static", axes=self.window_axes, scale=False)
         plan = replace(plan, shared=self.window_shared)
         window = self.wire.cost(extract(template, self.config, plan), width)
         return replace(window, params=frozen_work_params(self.target_params, window.params),
                        nbytes=window.nbytes + self.frozen_bytes)
+
+    def _low_rank_cost(self, template: State) -> TierCost:
+        """A low-rank round: the frozen target and the exact tensors down, the factors and the exact tensors up (float32)."""
+        factored, exact = self.low_rank
+        trained = factor_params(template, factored, self.window_rank) + sum(template[n].numel() for n in exact)
+        down = state_size(self.wire.formats.send({n: template[n] for n in exact}), 1.0)
+        return replace(down, params=frozen_work_params(self.target_params, trained),
+                       nbytes=down.nbytes + self.frozen_bytes, nbytes_up=4 * trained)
 
     def begin(self, target: State) -> State:
         """With ``grow_round``, the target silenced around the smallest slice (:func:`fedfusion.models.growth.silence`)."""
@@ -142,6 +161,9 @@ class SubModelMethod(FusionMethod):
         if server_round <= self.grow_round:
             return [self._small()] * len(clients), [min(self.widths.values())] * len(clients), False
         full = self.forward == "full"
+        if self.window_rank:  # every unit, in low rank
+            whole = replace(plan_slice(self.config, 1.0, "static", axes=self.window_axes, scale=False), shared=True)
+            return [whole] * len(clients), [1.0] * len(clients), True
         widths = [(self.window_widths if full else self.widths)[c.tier] for c in clients]
         plans = plan_round(self.config, [(c.partition, w) for c, w in zip(clients, widths)], self.policy,
                            server_round, self.run_seed, self.stride, self.stagger, self.window_axes if full else self.axes,
@@ -156,6 +178,7 @@ class SubModelMethod(FusionMethod):
     def describe(self) -> str:
         grow = f" grow_round={self.grow_round}" if self.grow_round else ""
         full = f" forward=full frozen={self.frozen}" if self.forward == "full" else ""
+        full += f" window_rank={self.window_rank}" if self.window_rank else ""
         return f"submodel: policy={self.policy} stride={self.stride} stagger={self.stagger} widths={self.widths}{grow}{full}"
 
     def tier_cost(self, tier: str) -> TierCost:
@@ -168,21 +191,27 @@ class SubModelMethod(FusionMethod):
         out = []
         for client, width, plan in zip(clients, widths, plans):
             exact = self.wire.exact(extract(target, self.config, plan))
+            norm = state_norm(exact)  # what a reply's norm is judged against (low rank: the densified target)
+            low_rank = full and self.window_rank > 0
+            if low_rank:  # the factors start on the device; only the exactly trained tensors travel
+                exact = {n: exact[n] for n in self.low_rank[1]}
             sent = self.wire.formats.send(exact)
             feedback = self.wire.formats.error_feedback and not full  # a residual keyed by window would not follow it
             if self.wire.formats.up != "float32" and feedback:
                 sent[INDEX_KEY] = self.wire.index(target, self.config, plan, exact)
             trained = sum(t.numel() for t in exact.values())
+            trained += factor_params(target, self.low_rank[0], self.window_rank) if low_rank else 0
             specs: list[Spec] = [SliceSpec(width, policy, self.axes or None), WireSpec(self.wire.formats.up, feedback)]
             if full:
-                specs += [RoleSpec("window"), ModelSpec(self.config.to_dict()), WindowSpec(plan.assignment(), plan.shared)]
+                window = WindowSpec(plan.assignment(), plan.shared, self.window_rank)
+                specs += [RoleSpec("window"), ModelSpec(self.config.to_dict()), window]
             else:
                 specs += [RoleSpec(self.role), ModelSpec(sub_config(self.config, plan).to_dict())]
             if policy == "ordered":
                 specs.append(OrderedSpec(tuple(ordered_fractions(width, self.ordered_ladder)), self.ordered_distill))
             out.append(Payload(client, {**sent, **frozen}, merge(*specs), width,
                                params=frozen_work_params(self.target_params, trained) if full else trained,
-                               sent_norm=state_norm(exact), assignment=plan.assignment(), context=(plan, target),
+                               sent_norm=norm, assignment=plan.assignment(), context=(plan, target, low_rank),
                                row=self._row(trained, full)))
         return out
 
@@ -195,8 +224,12 @@ class SubModelMethod(FusionMethod):
 
     def check(self, payload: Payload, reply: State, weight: float) -> Update:
         """The reply as the trained sub-model on the exact slice sent (:meth:`_from_wire`), checked."""
-        plan, target = payload.context
-        trained = self._from_wire(wire_state(reply, self.wire.aliases), plan, target)  # a stray alias is dropped
+        plan, target, low_rank = payload.context
+        if low_rank:  # factors: the server adds B @ A to its exact float32 target (raises on a bad key or shape)
+            trained = full_state(densify(wire_state(reply, self.wire.aliases), self.wire.exact(target),
+                                         *self.low_rank, self.window_rank), self.wire.aliases)
+        else:
+            trained = self._from_wire(wire_state(reply, self.wire.aliases), plan, target)  # a stray alias is dropped
         stage_update(target, self.config, trained, plan)  # raises on a bad key, shape or value
         return Update(payload, weight, state_norm(wire_state(trained, self.wire.aliases)), trained)
 

@@ -1,0 +1,124 @@
+"""Low-rank full-forward windows: a device holds the whole target frozen and trains a rank-r update ``B @ A`` of
+every weight matrix (and the small tensors exactly), with the exact gradient of the target's loss.
+
+A unit window (:mod:`fedfusion.models.full_forward`) moves 1/k of the coordinates per round; this moves every
+matrix, in a rank-r subspace the device picks afresh each round (``A`` random from the round's seed, ``B`` zero:
+the device starts from the target's own function, as LoRA does). The server adds each device's ``B @ A`` to the
+exact float32 target, so the fold is the average of the devices' full updates (FLoRA-exact, no cross terms of
+averaged factors), and across rounds the target's change has any rank (merged every round, as ReLoRA does).
+A device holds the frozen target in its narrow format plus ``r x (in + out)`` values per matrix, with their
+gradients and optimizer state. No Flower import.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch.func import functional_call
+from transformers import PretrainedConfig, PreTrainedModel
+
+from fedfusion.models.build import config_aliases, model_from_state
+from fedfusion.models.families import family_of
+
+State = dict[str, torch.Tensor]
+FACTOR_A, FACTOR_B = ".lowrank_A", ".lowrank_B"  # reply key suffixes: ``name + FACTOR_A`` is (r, in), B (out, r)
+
+
+def split(config: PretrainedConfig, state: State, axes: tuple[str, ...], shared: bool) -> tuple[list[str], list[str]]:
+    """(matrices trained as rank-r updates, tensors trained exactly) of a target ``state`` (tied aliases left
+    out): norms and biases are exact; so are the matrices on no unit axis of ``axes`` (embeddings, an untied
+    head) when ``shared``."""
+    family, aliases = family_of(config), config_aliases(config)
+    factored: list[str] = []
+    exact: list[str] = []
+    for name, value in state.items():
+        if name in aliases or not value.is_floating_point():
+            continue
+        on_units = any(d is not None and d.axis in axes for d in family.rule(name, config).dims)
+        (factored if value.dim() == 2 and (on_units or not shared) else exact).append(name)
+    return factored, exact
+
+
+def factor_params(state: State, factored: list[str], rank: int) -> int:
+    """Values of the rank-``rank`` factors of ``factored`` (a device's trainable values, with the exact ones)."""
+    return sum(rank * (state[n].shape[0] + state[n].shape[1]) for n in factored)
+
+
+class LowRankModel(torch.nn.Module):
+    """The target ``frozen`` plus a trainable rank-``rank`` update of each of ``factored`` and the trainable
+    ``exact`` tensors (their starting values as received). ``A`` starts random (seeded), ``B`` at zero."""
+
+    def __init__(self, config: PretrainedConfig, frozen: State, factored: list[str], exact: State, rank: int,
+                 seed: int) -> None:
+        super().__init__()
+        if rank < 1:
+            raise ValueError(f"rank must be >= 1, got {rank}")
+        self._target = [model_from_state(config, frozen).requires_grad_(False)]  # a list: not a submodule
+        self._frozen = {name: frozen[name] for name in factored}
+        gen = torch.Generator().manual_seed(seed)
+        self._names = {name: f"m{i}" for i, name in enumerate(factored)}
+        self.A = torch.nn.ParameterDict()
+        self.B = torch.nn.ParameterDict()
+        for name, key in self._names.items():
+            out_dim, in_dim = frozen[name].shape
+            bound = 1 / math.sqrt(in_dim)  # LoRA's A: uniform in +-1/sqrt(fan_in)
+            self.A[key] = torch.nn.Parameter((torch.rand(min(rank, in_dim, out_dim), in_dim, generator=gen) * 2 - 1) * bound)
+            self.B[key] = torch.nn.Parameter(torch.zeros(out_dim, self.A[key].shape[0]))
+        self._exact = {name: f"e{i}" for i, name in enumerate(exact)}
+        self.exact = torch.nn.ParameterDict({key: torch.nn.Parameter(exact[name].detach().clone().float())
+                                             for name, key in self._exact.items()})
+
+    def train(self, mode: bool = True) -> LowRankModel:
+        self._target[0].train(mode)
+        return super().train(mode)
+
+    @property
+    def device(self) -> torch.device:
+        return self._target[0].device
+
+    def forward(self, **inputs: Any) -> Any:
+        params = {name: self._frozen[name] + self.B[key] @ self.A[key] for name, key in self._names.items()}
+        params.update({name: self.exact[key] for name, key in self._exact.items()})
+        return functional_call(self._target[0], params, args=(), kwargs=inputs, tie_weights=True, strict=False)
+
+    def trained(self) -> State:
+        """The reply: each matrix's factors under ``name + FACTOR_A / FACTOR_B`` and the exact tensors' values."""
+        out = {}
+        for name, key in self._names.items():
+            out[name + FACTOR_A] = self.A[key].detach().clone()
+            out[name + FACTOR_B] = self.B[key].detach().clone()
+        out.update({name: self.exact[key].detach().clone() for name, key in self._exact.items()})
+        return out
+
+    def target(self) -> PreTrainedModel:
+        """The frozen target (for counting and evaluation)."""
+        return self._target[0]
+
+
+def densify(reply: State, target: State, factored: list[str], exact: list[str], rank: int) -> State:
+    """The target-shaped state a low-rank reply means: ``target + B @ A`` for each factored matrix, the exact
+    tensors as replied, every other tensor as in ``target``. ValueError naming the key for a missing or unexpected
+    key, a wrong shape or a non-finite value."""
+    expected = {n + s for n in factored for s in (FACTOR_A, FACTOR_B)} | set(exact)
+    missing, extra = sorted(expected - set(reply)), sorted(set(reply) - expected)
+    if missing or extra:
+        raise ValueError(f"low-rank reply: missing {missing[:3]}, unexpected {extra[:3]}")
+    out = dict(target)
+    for name in factored:
+        A, B = reply[name + FACTOR_A].float(), reply[name + FACTOR_B].float()
+        out_dim, in_dim = target[name].shape
+        r = min(rank, in_dim, out_dim)
+        if tuple(A.shape) != (r, in_dim) or tuple(B.shape) != (out_dim, r):
+            raise ValueError(f"low-rank reply {name}: factors {tuple(B.shape)} @ {tuple(A.shape)}, expected "
+                             f"({out_dim}, {r}) @ ({r}, {in_dim})")
+        out[name] = target[name] + B @ A
+    for name in exact:
+        if reply[name].shape != target[name].shape:
+            raise ValueError(f"low-rank reply {name}: shape {tuple(reply[name].shape)}, expected {tuple(target[name].shape)}")
+        out[name] = reply[name].float()
+    bad = [n for n in factored + exact if not torch.isfinite(out[n]).all()]
+    if bad:
+        raise ValueError(f"low-rank reply: non-finite values in {bad[:3]}")
+    return out
