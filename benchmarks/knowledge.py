@@ -160,15 +160,20 @@ def build_task(people: int, clients: int, seed: int, a: dict, workdir: Path) -> 
                 lambda model: probe_hits(model, probes), owner)
 
 
+def without_outer(arm: str, default: OuterConfig) -> tuple[str, OuterConfig]:
+    """An arm's base name and server optimizer: its ``_<outer>`` suffix's (:data:`OUTER`), else ``default``."""
+    for name, config in OUTER.items():
+        if arm.endswith(f"_{name}"):
+            return arm[: -len(name) - 1], config
+    return arm, default
+
+
 def arm_setup(arm: str, ladder: tuple[float, ...], clients: int,
               default: OuterConfig) -> tuple[list[float], str, OuterConfig, float | None]:
     """(widths per partition, policy, outer optimizer, width of the model scored: None = the target).
 
     An arm is a base (smallest_only, oracle, tier_<w>, or a slicing policy) with an optional ``_<outer>`` suffix."""
-    base, outer = arm, default
-    for name, config in OUTER.items():
-        if arm.endswith(f"_{name}"):
-            base, outer = arm[: -len(name) - 1], config
+    base, outer = without_outer(arm, default)
     widths = [ladder[i % len(ladder)] for i in range(clients)]
     if base == "smallest_only_hetero":  # the HeteroFL-scaled small model (earlier results' smallest_only)
         return [min(ladder)] * clients, "static", outer, min(ladder)
@@ -242,7 +247,7 @@ def run_arm(job: dict) -> dict:
     arm, scale = scaled(job["arm"])
     widths, policy, outer, scored = arm_setup(arm, REGIMES[job["regime"]][0], a["clients"],
                                               OuterConfig(a["outer"], lr=a["outer_lr"]))
-    growth = growth_fields(arm, a["rounds"], a["grow_round"], a["window_rank"])
+    growth = growth_fields(without_outer(arm, outer)[0], a["rounds"], a["grow_round"], a["window_rank"])
     if growth is not None:  # every client at the smallest width until growth; the target is scored throughout
         widths, scored = [min(REGIMES[job["regime"]][0])] * a["clients"], None
     keep = [i for i, w in enumerate(widths) if w > 0]
