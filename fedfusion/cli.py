@@ -98,6 +98,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         descendants,
         kill_ray_workers,
         reap,
+        shutdown_ray,
         silence_ray,
     )
 
@@ -167,6 +168,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         finally:
             flwr_logger.removeHandler(watch)
     summary = run.read_summary() or {}
+    if summary.get("status") != "ok":
+        shutdown_ray()  # before its services are reaped: a later run in this process starts a fresh Ray
     if summary.get("status") == "interrupted":
         reap(before)
         after = summary["resume_after"]

@@ -321,6 +321,8 @@ def test_a_simulation_engine_that_cannot_start_fails_the_run_at_once(tmp_path, m
     assert summary["status"] == "failed"
     assert "simulation engine failed" in summary["error"] and "client resources" in summary["error"]
     assert "run failed" in capsys.readouterr().out
+    import ray  # the failed engine's Ray is disconnected: the next run in this process starts a fresh one (a
+    assert not ray.is_initialized()  # stale connection would make Ray end the process once its services are reaped)
 
 
 @pytest.mark.parametrize("rank", [0, 2])

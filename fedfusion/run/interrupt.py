@@ -98,6 +98,16 @@ def kill_ray_workers() -> None:
             continue
 
 
+def shutdown_ray() -> None:
+    """Disconnect this process from its Ray instance, where one is still connected (Flower leaves it so when its
+    engine fails or the run is interrupted). Without it, the next run in the same process (a notebook, a test
+    session) would reuse the connection to the services :func:`reap` then kills, and Ray ends the whole process
+    after 60 s of failing to reach them."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
+
+
 def reap(keep: set[psutil.Process], grace_s: float = 3.0) -> list[psutil.Process]:
     """Terminate the descendants not in ``keep``, SIGKILL those still alive after ``grace_s``; return them all."""
     procs = list(descendants() - keep)
