@@ -199,6 +199,8 @@ GROWTH = {
     "grow_ff": dict(policy="rolling", stagger=False, forward="full"),  # then full-forward windows, one per round
     "grow_ffst": dict(policy="rolling", stagger=True, forward="full"),  # full-forward windows laid end to end
     "grow_ff_shared": dict(policy="rolling", stagger=False, forward="full", window_shared=True),  # + embeddings, norms
+    # + the small model's units in every window (what the devices trained before growth keeps training every round)
+    "grow_ffcore_shared": dict(policy="rolling", stagger=False, forward="full", window_shared=True, window_core=True),
     "grow_ffst_shared": dict(policy="rolling", stagger=True, forward="full", window_shared=True),
     "ff": dict(policy="rolling", stagger=False, forward="full", grow_round=0),  # full-forward from scratch
     # then every client trains a rank-r update of every matrix of the whole target (--window-rank), norms exactly

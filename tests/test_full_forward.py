@@ -7,7 +7,7 @@ from transformers import LlamaConfig
 
 from fedfusion.models.build import model_from_state
 from fedfusion.models.families import family_of
-from fedfusion.models.full_forward import WindowModel, place, window_params
+from fedfusion.models.full_forward import WindowModel, place, window_params, with_core
 from fedfusion.models.slicing import extract, plan_slice, scatter, tensor_slices
 from fedfusion.train.loop import train_steps
 
@@ -67,3 +67,14 @@ def test_frozen_coordinates_never_move_even_with_weight_decay():
     changed = sum(int((placed[k] != state[k]).sum()) for k in state if k != "lm_head.weight")
     assert 0 < changed <= window_params(cfg, state, plan)
     assert window_params(cfg, state, plan) < sum(v.numel() for k, v in state.items() if k != "lm_head.weight")
+
+
+def test_a_core_window_adds_the_small_models_units_and_keeps_whole_axes_whole():
+    cfg = config()
+    window = plan_slice(cfg, 0.25, "rolling", server_round=3, stride=0.25, axes=("heads", "neurons"), scale=False)
+    core = plan_slice(cfg, 0.25, "static", axes=("heads", "neurons", "hidden"))
+    both = with_core(window, core)
+    for axis in ("attn_units", "neurons"):
+        assert set(getattr(both, axis)) == set(getattr(window, axis)) | set(getattr(core, axis))
+        assert len(getattr(both, axis)) > len(getattr(window, axis))  # round 3's window is not the static prefix
+    assert both.hidden == window.hidden == tuple(range(cfg.hidden_size))  # the residual stream stays whole

@@ -154,3 +154,16 @@ def test_full_forward_windows_after_growth_move_only_their_units_and_lower_the_l
     held = torch.cat(windows)
     assert evaluate_lm(model_from_state(cfg, after), held)["eval_loss"] < evaluate_lm(model_from_state(cfg, before), held)["eval_loss"]
     assert stats.bytes_down > stats.bytes_up  # the frozen target goes down, only windows come back
+
+
+def test_core_windows_train_the_small_models_units_every_round_after_growth():
+    cfg, state, windows = _setup()
+    run = SubModelRun(cfg, windows, [0.5] * 3, policy="rolling", stride=0.5, stagger=False, rounds=4, per_round=3,
+                      steps=4, lr=0.02, batch_size=4, grow_round=2, forward="full", frozen="float32", window_core=True)
+    seen: dict[int, dict[str, torch.Tensor]] = {}
+    run_submodel(run, state, lambda s, rnd: seen.setdefault(rnd, dict(s)) and None)
+    core = plan_slice(cfg, 0.5, "static", scale=False)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    rows = core.attn_units and len(core.attn_units) * cfg.head_dim
+    for rnd in (3, 4):  # the core's heads move in every round after growth, whatever the rolling window
+        assert not torch.equal(seen[rnd][q][:rows], seen[rnd - 1][q][:rows]), rnd

@@ -202,6 +202,8 @@ def test_a_mixed_recipe_assigns_each_tier_its_method():
     (["fusion.forward=full", "fusion.window_rank=-1"], "fusion.window_rank: a rank >= 1"),
     (["fusion.forward=full", "fusion.window_rank=4", "fusion.wire_up=int8"], "fusion.window_rank: .* float32"),
     (["fusion.forward=full", "fusion.window_rank=4", "fusion.window_widths={phone: 0.5}"], "window_widths unset"),
+    (["fusion.window_core=true"], "fusion.window_core: adds the smallest width's units"),
+    (["fusion.forward=full", "fusion.window_rank=4", "fusion.window_core=true"], "fusion.window_core"),
 ])
 def test_a_low_rank_window_names_what_it_needs(overrides, match):
     with pytest.raises(RecipeError, match=match):

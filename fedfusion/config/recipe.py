@@ -132,6 +132,7 @@ class FusionConfig:
     window_widths: dict[str, float] = field(default_factory=dict)  # full: a tier's window (fraction of units); default its width
     # full: r >= 1 trains a rank-r update of every matrix (fedfusion.models.low_rank) instead of a window of units; 0: off
     window_rank: int = 0
+    window_core: bool = False  # full: every window also trains the smallest width's units (the small model's)
     # submodel: rounds 1..grow_round train the smallest width's static slice of a target silenced around it (the
     # target equals that small model: smallest-only training); later rounds train the whole grown target. 0: off
     grow_round: int = 0
@@ -644,6 +645,9 @@ def _validate_growth(recipe: Recipe) -> None:
     if f.window_rank and (f.wire_up != "float32" or f.window_widths):
         raise RecipeError("fusion.window_rank: low-rank updates reply their factors in float32 and cover every unit; "
                           "leave fusion.wire_up at float32 and fusion.window_widths unset")
+    if f.window_core and (f.forward != "full" or f.window_rank):
+        raise RecipeError("fusion.window_core: adds the smallest width's units to a window of units "
+                          f"(fusion.forward=full, window_rank 0), got forward={f.forward}, window_rank={f.window_rank}")
     for tier, width in f.window_widths.items():
         if tier not in f.widths:
             raise RecipeError(f"fusion.window_widths.{tier}: not a tier of fusion.widths ({', '.join(f.widths)})")

@@ -75,6 +75,7 @@ class SubModelRun(Rounds):
     grow_round: int = 0  # rounds of the smallest slice before the grown target trains
     window_width: float | None = None  # full: every window's fraction of the units (None: the partition's width)
     window_rank: int = 0  # full: a rank-r update of every matrix instead of a window of units (0: off)
+    window_core: bool = False  # full: every window also trains the smallest width's units
 
 
 @dataclass
@@ -164,7 +165,7 @@ def run_submodel(run: SubModelRun, initial: dict[str, torch.Tensor], evaluate: E
                             outer=run.outer, wire=run.wire, forward=run.forward, frozen=run.frozen,
                             window_shared=run.window_shared, grow_round=run.grow_round,
                             window_widths={t: run.window_width for t in tiers} if run.window_width else None,
-                            window_rank=run.window_rank)
+                            window_rank=run.window_rank, window_core=run.window_core)
     method.observe(dict(enumerate(tiers)))  # ``owned`` windows tile the whole population from round 1
     residuals: dict[int, State] = {}  # each partition's uplink error feedback, as its node keeps it
 

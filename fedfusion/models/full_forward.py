@@ -15,6 +15,7 @@ the frozen coordinates never move, whatever the optimizer's weight decay. No Flo
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -91,6 +92,17 @@ def window_axes(config: PretrainedConfig, axes: tuple[str, ...] | None) -> tuple
     """The axes a full-forward window slices: ``axes`` (default: the family's) without ``hidden``; a window is a set
     of units (heads, neurons, layers) and the residual stream stays whole in it."""
     return tuple(a for a in (axes or family_of(config).default_axes) if a != "hidden")
+
+
+def with_core(window: SlicePlan, core: SlicePlan) -> SlicePlan:
+    """``window`` plus ``core``'s units on every unit axis the window slices (an axis the window holds whole stays
+    whole): a window that always trains the units every device held before growth, and a rolling share of the rest."""
+    def union(mine: tuple[int, ...] | None, theirs: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        return mine if mine is None or theirs is None else tuple(sorted(set(mine) | set(theirs)))
+
+    return replace(window, attn_units=union(window.attn_units, core.attn_units),
+                   neurons=union(window.neurons, core.neurons), layers=union(window.layers, core.layers),
+                   channels=union(window.channels, core.channels))
 
 
 def window_plan(spec: WindowSpec) -> SlicePlan:

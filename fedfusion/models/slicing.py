@@ -240,8 +240,8 @@ def tensor_slices(names: Iterable[str], config: PretrainedConfig, plan: SlicePla
             sub_name = f"{name[:match.start(2)]}{position[layer]}{name[match.end(2):]}"
         rule = family.rule(name, config)
         index = tuple(None if d is None else _dim_index(d, kept[d.axis], sizes[d.axis]) for d in rule.dims)
-        if not plan.shared and all(i is None for i in index):
-            continue
+        if not plan.shared and all(d is None or d.axis == "hidden" for d in rule.dims):
+            continue  # on no unit axis (embeddings, norms): not a window's, even one that covers every unit
         if plan.scale:
             scale = math.prod(sizes[a] / len(kept[a]) for a in rule.contracts)
         else:

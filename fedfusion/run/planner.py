@@ -337,7 +337,8 @@ def window_row(recipe: Recipe, target: PretrainedConfig, tier: str, device: Devi
     f = recipe.fusion
     width = f.window_widths.get(tier, f.widths[tier])
     axes = window_axes(target, tuple(f.axes) if f.axes else None)
-    plan = replace(plan_slice(target, width, "static", axes=axes, scale=False), shared=f.window_shared)
+    core = min(f.widths.values()) if f.window_core else 0.0  # the smallest width's units, in every window too
+    plan = replace(plan_slice(target, min(1.0, width + core), "static", axes=axes, scale=False), shared=f.window_shared)
     with torch.device("meta"):
         state = AutoModelForCausalLM.from_config(target).state_dict()
     if f.window_rank:  # a rank-r update of every matrix plus the exact tensors (fedfusion.models.low_rank)
@@ -349,7 +350,8 @@ def window_row(recipe: Recipe, target: PretrainedConfig, tier: str, device: Devi
     mem = estimate_memory(target, recipe.train.batch_size, recipe.train.seq_len, base_bits=FROZEN_BITS[f.frozen_dtype],
                           window=window).total
     down = encoded_bytes(f.frozen_dtype, total) + encoded_bytes(f.wire_dtype, window)
-    label = (f"rank-{f.window_rank} update of every matrix" if f.window_rank else f"window of {width:g} of the units")
+    label = (f"rank-{f.window_rank} update of every matrix" if f.window_rank else
+             f"window of {width:g} of the units" + (f" + the {core:g} core" if core else ""))
     return {"width": 1.0 if f.window_rank else width, "slice": f"{label}, full forward ({f.frozen_dtype} target)",
             "params": window, "peak MB": _mb(mem), "device MB": round(device.memory_gb * 1024),
             "fits": "yes" if mem <= budget else "NO",

@@ -27,7 +27,7 @@ from fedfusion.fusion.base import Client, Fold, FusionMethod, Payload, State, Ti
 from fedfusion.fusion.outer import OuterConfig, OuterOptimizer
 from fedfusion.fusion.rounds import fold, owned_starts, plan_round
 from fedfusion.models.build import config_aliases, full_state, wire_state
-from fedfusion.models.full_forward import FROZEN, window_axes
+from fedfusion.models.full_forward import FROZEN, window_axes, with_core
 from fedfusion.models.growth import grown_plan, silence
 from fedfusion.models.low_rank import densify, factor_params, split
 from fedfusion.models.slicing import (
@@ -94,7 +94,7 @@ class SubModelMethod(FusionMethod):
                  ordered_ladder: tuple[float, ...] | None = None, ordered_distill: bool = False,
                  wire: Wire | None = None, outer: OuterConfig | None = None, forward: str = "slice",
                  frozen: str = "int8", window_shared: bool = False, grow_round: int = 0,
-                 window_widths: dict[str, float] | None = None, window_rank: int = 0) -> None:
+                 window_widths: dict[str, float] | None = None, window_rank: int = 0, window_core: bool = False) -> None:
         if forward not in FORWARDS:
             raise ValueError(f"forward {forward!r} is not one of {', '.join(FORWARDS)}")
         if window_rank < 0 or (window_rank and forward != "full"):
@@ -106,6 +106,9 @@ class SubModelMethod(FusionMethod):
         self.forward, self.frozen, self.window_shared, self.grow_round = forward, frozen, window_shared, grow_round
         self.window_axes = window_axes(config, axes)
         self.window_rank = window_rank
+        if window_core and (forward != "full" or window_rank):
+            raise ValueError("window_core: a window of units (forward full, no window_rank) adds the smallest slice's units")
+        self.window_core = window_core  # every window also trains the smallest width's units (the small model's)
         # low rank: (matrices trained as rank-r updates, tensors trained exactly), fixed for the run
         self.low_rank = split(config, wire_state(template, config_aliases(config)), self.window_axes, window_shared)
         # full forward: each tier's window, as a fraction of the units (default: the tier's width)
@@ -138,8 +141,9 @@ class SubModelMethod(FusionMethod):
         if self.window_rank:
             return self._low_rank_cost(template)
         width = self.window_widths[tier]
-        plan = plan_slice(self.config, width, "static", axes=self.window_axes, scale=False)
-        plan = replace(plan, shared=self.window_shared)
+        core = min(self.widths.values()) if self.window_core else 0.0  # priced as a window disjoint from the core
+        plan = replace(plan_slice(self.config, min(1.0, width + core), "static", axes=self.window_axes, scale=False),
+                       shared=self.window_shared)
         window = self.wire.cost(extract(template, self.config, plan), width)
         return replace(window, params=frozen_work_params(self.target_params, window.params),
                        nbytes=window.nbytes + self.frozen_bytes)
@@ -168,7 +172,13 @@ class SubModelMethod(FusionMethod):
         plans = plan_round(self.config, [(c.partition, w) for c, w in zip(clients, widths)], self.policy,
                            server_round, self.run_seed, self.stride, self.stagger, self.window_axes if full else self.axes,
                            self.scale and not full, self.owned)
-        return ([replace(p, shared=self.window_shared) for p in plans] if full else plans), widths, full
+        return ([self._window(p) for p in plans] if full else plans), widths, full
+
+    def _window(self, plan: SlicePlan) -> SlicePlan:
+        """A full-forward window from a plan of units: the shared tensors as ``window_shared`` says, the smallest
+        slice's units added with ``window_core``."""
+        plan = replace(plan, shared=self.window_shared)
+        return with_core(plan, self._small()) if self.window_core else plan
 
     def observe(self, population: Mapping[int, str]) -> None:
         """``owned`` windows tile the widths of every partition known so far that this method trains."""
@@ -179,6 +189,7 @@ class SubModelMethod(FusionMethod):
         grow = f" grow_round={self.grow_round}" if self.grow_round else ""
         full = f" forward=full frozen={self.frozen}" if self.forward == "full" else ""
         full += f" window_rank={self.window_rank}" if self.window_rank else ""
+        full += " window_core" if self.window_core else ""
         return f"submodel: policy={self.policy} stride={self.stride} stagger={self.stagger} widths={self.widths}{grow}{full}"
 
     def tier_cost(self, tier: str) -> TierCost:
