@@ -321,6 +321,11 @@ def test_a_simulation_engine_that_cannot_start_fails_the_run_at_once(tmp_path, m
     assert summary["status"] == "failed"
     assert "simulation engine failed" in summary["error"] and "client resources" in summary["error"]
     assert "run failed" in capsys.readouterr().out
+    import ray
+
+    # the failed engine's Ray instance is reaped: this process must not stay connected to it (the next run in the
+    # same process would reuse the dead instance, and Ray's driver exits the process when its GCS is gone)
+    assert not ray.is_initialized()
 
 
 @pytest.mark.parametrize("rank", [0, 2])
