@@ -168,9 +168,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         finally:
             flwr_logger.removeHandler(watch)
     summary = run.read_summary() or {}
-    if summary.get("status") != "ok":
-        shutdown_ray()  # before its services are reaped: a later run in this process starts a fresh Ray
     if summary.get("status") == "interrupted":
+        shutdown_ray()
         reap(before)
         after = summary["resume_after"]
         hint = (f"resume with: fedfusion run --resume {escape(str(run.path))}" if after is not None
@@ -179,6 +178,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                       f"{hint}", highlight=False, soft_wrap=True)
         return EXIT_INTERRUPTED
     if summary.get("status") != "ok":
+        shutdown_ray()
         reap(before)
         console.print(f"[red]run failed[/]: {escape(str(summary.get('error', '')))}; see {escape(str(run.path / 'summary.json'))}",
                       highlight=False, soft_wrap=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -28,9 +29,25 @@ def _stop_local_superlink(flwr_home: Path) -> None:
     subprocess.run(["pkill", "-f", f"flower-superlink.*{flwr_home}"], check=False)
 
 
+def _free_ports(count: int) -> list[int]:
+    """``count`` distinct loopback ports nobody listens on right now (all held open while they are picked)."""
+    socks = [socket.socket() for _ in range(count)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def _flwr_env(flwr_home: Path) -> dict[str, str]:
-    """The environment of a `flwr` command on its own FLWR_HOME, with this venv's executables first."""
+    """The environment of a `flwr` command on its own FLWR_HOME, with this venv's executables first, and its own
+    local SuperLink ports: on Flower's fixed defaults (39091, 39093) `flwr run` would join whatever local SuperLink
+    already listens there (another test's under pytest -n, another checkout's suite on the same machine)."""
+    http_api, control_api = _free_ports(2)
     return {**os.environ, "FLWR_HOME": str(flwr_home), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+            "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(http_api), "FLWR_LOCAL_CONTROL_API_PORT": str(control_api),
             "PATH": str(Path(FLWR).parent) + os.pathsep + os.environ.get("PATH", "")}
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from fedfusion.config.recipe import RecipeError, to_yaml
+from fedfusion.config.recipe import RecipeError, load_recipe, to_yaml
 from fedfusion.run import check
 from fedfusion.run.check import load_checked
 from fedfusion.run.planner import fit_widths
@@ -264,3 +264,14 @@ def test_population_mix_must_sum_to_one():
 def test_an_empty_recipe_is_an_error_not_the_quickstart(tmp_path, text):
     with pytest.raises(RecipeError, match="empty recipe; state at least its name"):
         load_checked(write(tmp_path, text))
+
+
+def test_overrides_apply_in_order_and_a_bad_one_is_named_whether_merged_at_once_or_one_by_one():
+    """load_recipe merges plain overrides in one step; order still decides, and an error still names its override."""
+    assert load_recipe("quickstart", ["rounds=2", "model.hidden_size=32", "rounds=5"]).rounds == 5
+    assert load_recipe("quickstart", ["population.mix.phone=0.2", "population.mix={phone: 1.0}"]).population.mix == {
+        "phone": 1.0}  # a whole mapping replaces what an earlier override put in it
+    with pytest.raises(RecipeError, match=r"^override 'model=5': "):
+        load_recipe("quickstart", ["model=5", "model.hidden_size=32"])  # not rescued by the key inside it
+    with pytest.raises(RecipeError, match=r"^override 'train.roundz=3': "):
+        load_recipe("quickstart", ["rounds=2", "train.roundz=3", "model.hidden_size=32"])

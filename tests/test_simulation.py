@@ -18,6 +18,9 @@ from fedfusion.cli import main
 from fedfusion.run.run_dir import read_jsonl
 
 pytestmark = pytest.mark.slow  # Flower's runtime (Ray or SuperLink processes): minutes, not seconds
+# the tests of the module's one tiny run (run_dir) stay on one pytest-xdist worker (addopts: --dist loadgroup), so
+# that the run is made once, not once per worker
+ON_THE_TINY_RUN = pytest.mark.xdist_group("test_simulation.run_dir")
 
 TINY = [
     "rounds=2", "population.num_clients=4", "selection.clients_per_round=3", "selection.evaluate_clients=1",
@@ -34,18 +37,21 @@ def run_dir(tmp_path_factory) -> Path:
     return out
 
 
+@ON_THE_TINY_RUN
 def test_run_directory_has_every_output(run_dir):
     for name in ("recipe.yaml", "metrics.jsonl", "clients.jsonl", "summary.json", "report.md",
                  "plots/eval_loss.png", "model/config.json", "model/tokenizer.json"):
         assert (run_dir / name).is_file(), name
 
 
+@ON_THE_TINY_RUN
 def test_nodes_ledger_holds_each_nodes_measured_capabilities(run_dir):
     nodes = read_jsonl(run_dir / "nodes.jsonl")
     assert sorted(n["partition"] for n in nodes) == [0, 1, 2, 3]
     assert all(n["memory_gb"] > 0 and n["accelerator"] in ("cpu", "cuda", "mps") and n["examples"] > 0 for n in nodes)
 
 
+@ON_THE_TINY_RUN
 def test_metrics_rows_start_at_round_zero_and_carry_the_contract_fields(run_dir):
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["round"] for r in rows] == [0, 1, 2]
@@ -58,6 +64,7 @@ def test_metrics_rows_start_at_round_zero_and_carry_the_contract_fields(run_dir)
         assert row["energy_j"] > 0 and row["co2_g"] > 0 and row["virtual_s"] > 0 and row["wasted_j"] == 0
 
 
+@ON_THE_TINY_RUN
 def test_clients_rows_record_each_client_and_its_slice(run_dir):
     rows = read_jsonl(run_dir / "clients.jsonl")
     assert len(rows) == 6 and {r["status"] for r in rows} == {"ok"}
@@ -69,6 +76,7 @@ def test_clients_rows_record_each_client_and_its_slice(run_dir):
         assert row["tokens"] == 2 * 4 * 32 and row["params"] > 0
 
 
+@ON_THE_TINY_RUN
 def test_summary_and_saved_target_load_with_transformers(run_dir):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "ok" and summary["final"]["eval_loss"] < summary["initial"]["eval_loss"]
@@ -123,6 +131,7 @@ def test_over_selection_closes_rounds_without_waiting_for_stragglers(tmp_path):
     assert rows[2]["wall_s"] < 30
 
 
+@ON_THE_TINY_RUN
 def test_the_saved_recipe_reruns_the_same_and_a_run_killed_mid_way_resumes_to_the_same_result(run_dir, tmp_path):
     """The run's own recipe.yaml, started again and killed during round 2, then resumed: every round and
     every client row equals the uninterrupted run's (one Flower run covers both reproducibility paths)."""
@@ -160,6 +169,7 @@ def _session_members(sid: int) -> list[int]:
     return members
 
 
+@ON_THE_TINY_RUN
 def test_one_ctrl_c_stops_the_run_cleanly_and_resume_then_matches_the_uninterrupted_run(run_dir, tmp_path):
     """One SIGINT to the run's process group (what Ctrl-C in a terminal sends) once round 1 is checkpointed:
     the run stops within 10 s with exit 130, no process of it is left, summary.json says interrupted after
@@ -321,8 +331,11 @@ def test_a_simulation_engine_that_cannot_start_fails_the_run_at_once(tmp_path, m
     assert summary["status"] == "failed"
     assert "simulation engine failed" in summary["error"] and "client resources" in summary["error"]
     assert "run failed" in capsys.readouterr().out
-    import ray  # the failed engine's Ray is disconnected: the next run in this process starts a fresh one (a
-    assert not ray.is_initialized()  # stale connection would make Ray end the process once its services are reaped)
+    import ray
+
+    # the failed engine's Ray instance is reaped: this process must not stay connected to it (the next run in the
+    # same process would reuse the dead instance, and Ray's driver exits the process when its GCS is gone)
+    assert not ray.is_initialized()
 
 
 @pytest.mark.parametrize("rank", [0, 2])

@@ -72,6 +72,18 @@ def silence_ray() -> None:
         vars(ray_worker)["_worker_logs_enabled"] = False  # a module global of Ray's, not a declared attribute
 
 
+def shutdown_ray() -> None:
+    """Disconnect this process from Ray if a run left it connected (and stop the instance it started).
+
+    Flower's Ray backend calls ``ray.init`` when it is built and ``ray.shutdown`` only when it is terminated: an
+    engine that fails in between (its client resources refused, for one) leaves this process "initialized" on a
+    Ray instance that :func:`reap` then kills. A later run in the same process (a notebook, a test session) would
+    reuse that dead instance, and Ray's driver exits the whole process when it cannot reach its GCS for 60 s."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
+
+
 def descendants() -> set[psutil.Process]:
     """Every live process this one started, directly or not."""
     return set(psutil.Process().children(recursive=True))
@@ -96,16 +108,6 @@ def kill_ray_workers() -> None:
                 proc.kill()
         except psutil.Error:  # gone already, or not ours to read
             continue
-
-
-def shutdown_ray() -> None:
-    """Disconnect this process from its Ray instance, where one is still connected (Flower leaves it so when its
-    engine fails or the run is interrupted). Without it, the next run in the same process (a notebook, a test
-    session) would reuse the connection to the services :func:`reap` then kills, and Ray ends the whole process
-    after 60 s of failing to reach them."""
-    ray = sys.modules.get("ray")
-    if ray is not None and ray.is_initialized():
-        ray.shutdown()
 
 
 def reap(keep: set[psutil.Process], grace_s: float = 3.0) -> list[psutil.Process]:
