@@ -10,7 +10,7 @@ from fedfusion.fusion.base import Client
 from fedfusion.fusion.inprocess import SubModelRun, run_submodel
 from fedfusion.fusion.submodel.method import SubModelMethod
 from fedfusion.models.build import config_aliases, model_from_state, wire_state
-from fedfusion.models.full_forward import FROZEN, from_payload, window_axes
+from fedfusion.models.full_forward import FROZEN, from_payload
 from fedfusion.models.low_rank import FACTOR_A, FACTOR_B, LowRankModel, densify, factor_params, split
 from fedfusion.train.loop import evaluate_lm, train_steps
 from fedfusion.wire.quantize import Wire, decode
@@ -22,7 +22,7 @@ def _setup(shared: bool = False):
     cfg = tiny_config()
     torch.manual_seed(0)
     state = wire_state(LlamaForCausalLM(cfg).state_dict(), config_aliases(cfg))
-    factored, exact = split(cfg, state, window_axes(cfg, None), shared)
+    factored, exact = split(cfg, state, shared)
     data = torch.randint(3, cfg.vocab_size, (16, 9), generator=torch.Generator().manual_seed(1))
     return cfg, state, factored, exact, data
 

@@ -20,24 +20,23 @@ from torch.func import functional_call
 from transformers import PretrainedConfig, PreTrainedModel
 
 from fedfusion.models.build import config_aliases, model_from_state
-from fedfusion.models.families import family_of
+from fedfusion.models.slicing import on_unit_axis
 
 State = dict[str, torch.Tensor]
 FACTOR_A, FACTOR_B = ".lowrank_A", ".lowrank_B"  # reply key suffixes: ``name + FACTOR_A`` is (r, in), B (out, r)
 
 
-def split(config: PretrainedConfig, state: State, axes: tuple[str, ...], shared: bool) -> tuple[list[str], list[str]]:
+def split(config: PretrainedConfig, state: State, shared: bool) -> tuple[list[str], list[str]]:
     """(matrices trained as rank-r updates, tensors trained exactly) of a target ``state`` (tied aliases left
-    out): norms and biases are exact; so are the matrices on no unit axis of ``axes`` (embeddings, an untied
-    head) when ``shared``."""
-    family, aliases = family_of(config), config_aliases(config)
+    out): norms and biases are exact; so are the matrices on no unit axis (embeddings, an untied head) when
+    ``shared``."""
+    aliases = config_aliases(config)
     factored: list[str] = []
     exact: list[str] = []
     for name, value in state.items():
         if name in aliases or not value.is_floating_point():
             continue
-        on_units = any(d is not None and d.axis in axes for d in family.rule(name, config).dims)
-        (factored if value.dim() == 2 and (on_units or not shared) else exact).append(name)
+        (factored if value.dim() == 2 and (not shared or on_unit_axis(config, name)) else exact).append(name)
     return factored, exact
 
 

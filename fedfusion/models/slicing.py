@@ -223,6 +223,16 @@ def _dim_index(dim: Dim, units: tuple[int, ...], size: int) -> torch.Tensor | No
     return torch.cat([base + p * size * dim.block for p in range(dim.parts)]) if dim.parts > 1 else base
 
 
+def _on_units(dims: Iterable[Dim | None]) -> bool:
+    return any(d is not None and d.axis != "hidden" for d in dims)
+
+
+def on_unit_axis(config: PretrainedConfig, name: str) -> bool:
+    """Whether target tensor ``name`` lies on a unit axis (heads, neurons, channels), as a window of units holds
+    it; embeddings and norms lie on the residual stream only (a plan's ``shared`` tensors)."""
+    return _on_units(family_of(config).rule(name, config).dims)
+
+
 def tensor_slices(names: Iterable[str], config: PretrainedConfig, plan: SlicePlan) -> dict[str, TensorSlice]:
     """For every target parameter the plan keeps: its :class:`TensorSlice` (dropped layers are absent)."""
     family = family_of(config)
@@ -240,8 +250,8 @@ def tensor_slices(names: Iterable[str], config: PretrainedConfig, plan: SlicePla
             sub_name = f"{name[:match.start(2)]}{position[layer]}{name[match.end(2):]}"
         rule = family.rule(name, config)
         index = tuple(None if d is None else _dim_index(d, kept[d.axis], sizes[d.axis]) for d in rule.dims)
-        if not plan.shared and all(d is None or d.axis == "hidden" for d in rule.dims):
-            continue  # on no unit axis (embeddings, norms): not a window's, even one that covers every unit
+        if not plan.shared and not _on_units(rule.dims):
+            continue  # embeddings, norms: not a window's, even one that covers every unit
         if plan.scale:
             scale = math.prod(sizes[a] / len(kept[a]) for a in rule.contracts)
         else:

@@ -342,7 +342,7 @@ def window_row(recipe: Recipe, target: PretrainedConfig, tier: str, device: Devi
     with torch.device("meta"):
         state = AutoModelForCausalLM.from_config(target).state_dict()
     if f.window_rank:  # a rank-r update of every matrix plus the exact tensors (fedfusion.models.low_rank)
-        factored, exact = split(target, wire_state(state, config_aliases(target)), axes, f.window_shared)
+        factored, exact = split(target, wire_state(state, config_aliases(target)), f.window_shared)
         window = factor_params(state, factored, f.window_rank) + sum(state[n].numel() for n in exact)
     else:
         window = window_params(target, state, plan)

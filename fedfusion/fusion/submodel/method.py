@@ -110,12 +110,14 @@ class SubModelMethod(FusionMethod):
             raise ValueError("window_core: a window of units (forward full, no window_rank) adds the smallest slice's units")
         self.window_core = window_core  # every window also trains the smallest width's units (the small model's)
         # low rank: (matrices trained as rank-r updates, tensors trained exactly), fixed for the run
-        self.low_rank = split(config, wire_state(template, config_aliases(config)), self.window_axes, window_shared)
+        self.low_rank = split(config, wire_state(template, config_aliases(config)), window_shared) if window_rank else ([], [])
         # full forward: each tier's window, as a fraction of the units (default: the tier's width)
         self.window_widths = {t: (window_widths or {}).get(t, w) for t, w in widths.items()}
         self.config, self.widths, self.policy, self.stride = config, widths, policy, stride
         self.stagger, self.run_seed, self.aggregate, self.trim = stagger, run_seed, aggregate, trim
         self.axes, self.scale = axes, scale
+        # the model every device holds before growth (and a core window's units): the smallest width's static prefix
+        self.small = grown_plan(plan_slice(config, min(widths.values()), "static", axes=axes))
         self.ordered_ladder = ordered_ladder or tuple(sorted(set(widths.values())))
         self.ordered_distill = ordered_distill
         self.wire = SliceWire(config, wire)
@@ -129,10 +131,6 @@ class SubModelMethod(FusionMethod):
 
     def _static(self, width: float) -> SlicePlan:
         return plan_slice(self.config, width, "static", axes=self.axes, scale=self.scale)
-
-    def _small(self) -> SlicePlan:
-        """The model every device holds before growth: the smallest width's static prefix, as grown."""
-        return grown_plan(plan_slice(self.config, min(self.widths.values()), "static", axes=self.axes))
 
     def _cost(self, template: State, tier: str) -> TierCost:
         """A tier's round after growth (the grow rounds train the smallest slice: cheaper, priced as this)."""
@@ -158,12 +156,12 @@ class SubModelMethod(FusionMethod):
 
     def begin(self, target: State) -> State:
         """With ``grow_round``, the target silenced around the smallest slice (:func:`fedfusion.models.growth.silence`)."""
-        return silence(self.config, self._small(), target) if self.grow_round else target
+        return silence(self.config, self.small, target) if self.grow_round else target
 
     def _plans(self, server_round: int, clients: Sequence[Client]) -> tuple[list[SlicePlan], list[float], bool]:
         """This round's plans, widths and whether clients run the whole target (full forward)."""
         if server_round <= self.grow_round:
-            return [self._small()] * len(clients), [min(self.widths.values())] * len(clients), False
+            return [self.small] * len(clients), [min(self.widths.values())] * len(clients), False
         full = self.forward == "full"
         if self.window_rank:  # every unit, in low rank
             whole = replace(plan_slice(self.config, 1.0, "static", axes=self.window_axes, scale=False), shared=True)
@@ -178,7 +176,7 @@ class SubModelMethod(FusionMethod):
         """A full-forward window from a plan of units: the shared tensors as ``window_shared`` says, the smallest
         slice's units added with ``window_core``."""
         plan = replace(plan, shared=self.window_shared)
-        return with_core(plan, self._small()) if self.window_core else plan
+        return with_core(plan, self.small) if self.window_core else plan
 
     def observe(self, population: Mapping[int, str]) -> None:
         """``owned`` windows tile the widths of every partition known so far that this method trains."""
