@@ -83,7 +83,10 @@ class FusionStrategy(Strategy):
     (for a random selector the same as a draw over all of them), and only those are queried, each once: the server
     learns a node's partition and tier only from its answer (Flower gives a server no view of a node's config, and
     a deployed device reports its own tier), and in Flower's simulation engine the QUERY of every node costs
-    nodes x pending messages per sweep, so 10,000 of them outlast any round deadline."""
+    nodes x pending messages per sweep, so 10,000 of them outlast any round deadline.
+
+    ``client_lr`` gives the clients' lr of a round (``train.lr_schedule``: a decay over rounds); every message of
+    the round carries it in place of ``train_config``'s."""
 
     def __init__(
         self,
@@ -102,6 +105,7 @@ class FusionStrategy(Strategy):
         query_timeout_s: float = 600.0,
         pool: int = 1000,
         listeners: Iterable[Listener] = (),
+        client_lr: Callable[[int], float] | None = None,
     ) -> None:
         if not methods:
             raise ValueError("no fusion method: map at least one device tier to a method")
@@ -126,6 +130,7 @@ class FusionStrategy(Strategy):
         self.pool = pool
         self.wait_nodes_s, self.query_timeout_s = wait_nodes_s, query_timeout_s
         self.listeners = list(listeners)
+        self.client_lr = client_lr  # the clients' lr in a round (a schedule over rounds); None: train_config's
         self.caps: dict[int, dict[str, Any]] = {}
         self.unusable: set[int] = set()  # nodes that answered with a tier no method trains: never asked again
         self.costs: dict[str, WorkCost] = {}
@@ -304,11 +309,12 @@ class FusionStrategy(Strategy):
                    for n in nodes}
         payloads = round_payloads(self.methods, server_round, target, [clients[n] for n in nodes], population)
         self.round.payloads = dict(zip(nodes, payloads))
+        lr = {} if self.client_lr is None else {TrainSpec.key("lr"): self.client_lr(server_round)}
         messages = []
         for node in nodes:
             payload = self.round.payloads[node]
             record = ArrayRecord(payload.arrays)
-            spec = ConfigRecord({**config, **self.train_config, **payload.spec,
+            spec = ConfigRecord({**config, **self.train_config, **lr, **payload.spec,
                                  **RoundSpec(server_round, payload.client.seed).to_config()})
             self.round.rows[node] = ClientRound(
                 node=node, device=payload.client.tier, width=payload.width, method=self.methods[payload.client.tier].name,

@@ -54,6 +54,10 @@ def test_resolved_recipe_reloads_identically(tmp_path):
         ("data:\n  held_out: 1.0\n", "data.held_out"),
         ("model:\n  num_heads: 7\n", "model.num_heads"),
         ("data:\n  source: text\n", "data.path"),
+        ("train:\n  lr_schedule: step\n", "train.lr_schedule"),
+        ("train:\n  lr_final: 0\n", "train.lr_final"),
+        ("train:\n  lr_final: 1.5\n", "train.lr_final"),
+        ("fusion:\n  method: units\ntrain:\n  lr_schedule: cosine\n", "train.lr_schedule"),
     ],
 )
 def test_bad_recipe_names_the_key(tmp_path, text, key):
@@ -275,3 +279,9 @@ def test_overrides_apply_in_order_and_a_bad_one_is_named_whether_merged_at_once_
         load_recipe("quickstart", ["model=5", "model.hidden_size=32"])  # not rescued by the key inside it
     with pytest.raises(RecipeError, match=r"^override 'train.roundz=3': "):
         load_recipe("quickstart", ["rounds=2", "train.roundz=3", "model.hidden_size=32"])
+
+
+def test_a_bad_lr_schedule_is_one_line_naming_the_key_and_its_choices():
+    with pytest.raises(RecipeError) as err:
+        load_recipe("quickstart", ["train.lr_schedule=step"])
+    assert str(err.value) == "train.lr_schedule: 'step' is not one of constant, cosine, linear"

@@ -15,6 +15,7 @@ POLICIES = ("static", "rolling", "random", "ordered", "owned")  # fusion.policy:
 AXES = ("heads", "neurons", "hidden", "depth")  # fusion.axes
 OUTER_METHODS = ("none", "avgm", "nesterov", "adam")  # fusion.outer: the server's step on a round's change
 OPTIMIZERS = ("adamw", "sgd")  # train.optimizer
+LR_SCHEDULES = ("constant", "cosine", "linear")  # train.lr_schedule: the clients' lr over rounds
 MODEL_FAMILIES = ("llama", "mistral", "qwen2", "gpt2", "opt")  # model.family
 FAMILY_MODEL_TYPES = ("llama", "gpt2")  # the architectures a small distillation family may take
 FAMILY_TOKENIZERS = ("target", "char", "bpe")  # distill.families.*.tokenizer
@@ -49,6 +50,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "fusion.policy": POLICIES,
     "fusion.outer": OUTER_METHODS,
     "train.optimizer": OPTIMIZERS,
+    "train.lr_schedule": LR_SCHEDULES,
     "model.family": MODEL_FAMILIES,
     "fusion.weighting": WEIGHTINGS,
     "fusion.aggregate": AGGREGATES,

@@ -255,6 +255,10 @@ class TrainConfig:
     seq_len: int = 64
     weight_decay: float = 0.0
     optimizer: str = "adamw"  # adamw | sgd (pair sgd with a server-side fusion.outer=adam: FedAdam)
+    # the clients' lr over rounds (fedfusion.fusion.rounds.round_lr): constant | cosine | linear, from train.lr in
+    # round 1 down to lr_final x train.lr in the last round
+    lr_schedule: str = "constant"
+    lr_final: float = 0.1
 
 
 @dataclass
@@ -601,6 +605,12 @@ def validate(recipe: Recipe) -> None:
                           f"{recipe.fusion.method!r} does not use it")
     if recipe.train.optimizer != "adamw" and recipe.fusion.method == "lora":
         raise RecipeError("train.optimizer: LoRA clients train with AdamW; only 'adamw' applies to fusion.method=lora")
+    if not 0 < recipe.train.lr_final <= 1:
+        raise RecipeError(f"train.lr_final: must be in (0, 1] (the last round's lr as a fraction of train.lr), "
+                          f"got {recipe.train.lr_final}")
+    if recipe.train.lr_schedule != "constant" and recipe.fusion.method == "units":
+        raise RecipeError("train.lr_schedule: fusion.method=units trains centrally in units.steps, not in rounds; "
+                          "leave it 'constant'")
     if not 0 <= recipe.fusion.outer_momentum < 1:
         raise RecipeError(f"fusion.outer_momentum: must be in [0, 1), got {recipe.fusion.outer_momentum}")
     if not 0 < recipe.fusion.stride <= 1:

@@ -1,18 +1,21 @@
 """What every round does, written once for the Flower strategy and the in-process driver.
 
-The per-client seed, the slice plans of a round's sampled clients (stagger and ``owned`` offsets), the fold of a
-sub-model round (selective averaging, then the optional outer optimizer), and, for any mix of fusion methods,
-each sampled client's payload and the fold of a round's accepted updates in :data:`FOLD_ORDER`: so
-:class:`fedfusion.strategies.fusion.FusionStrategy` and :mod:`fedfusion.fusion.inprocess` cannot drift apart.
+The per-client seed, the clients' lr of a round (``train.lr_schedule``), the slice plans of a round's sampled
+clients (stagger and ``owned`` offsets), the fold of a sub-model round (selective averaging, then the optional outer
+optimizer), and, for any mix of fusion methods, each sampled client's payload and the fold of a round's accepted
+updates in :data:`FOLD_ORDER`: so :class:`fedfusion.strategies.fusion.FusionStrategy` and
+:mod:`fedfusion.fusion.inprocess` cannot drift apart.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 from transformers import PretrainedConfig
 
+from fedfusion.config.choices import LR_SCHEDULES
 from fedfusion.fusion.base import Client, Fold, FusionMethod, Payload, State, Update
 from fedfusion.fusion.outer import OuterOptimizer
 from fedfusion.models.slicing import SelectiveAverager, SlicePlan, plan_slice
@@ -32,6 +35,19 @@ def client_seed(run_seed: int, server_round: int, partition: int) -> int:
 def server_seed(run_seed: int, server_round: int, population: int) -> int:
     """The seed of the server's own training in a round: the seed of a partition no client has."""
     return client_seed(run_seed, server_round, population)
+
+
+def round_lr(lr: float, schedule: str, final: float, server_round: int, rounds: int) -> float:
+    """The clients' lr in ``server_round`` (1 .. ``rounds``): ``lr`` in round 1, decayed over the run (``cosine``
+    or ``linear``) to ``final`` x ``lr`` in the last round; ``constant`` keeps ``lr``. Late rounds then take
+    smaller local steps, so the fold settles where a fixed lr keeps moving the target from round to round."""
+    if schedule not in LR_SCHEDULES:
+        raise ValueError(f"lr schedule {schedule!r} is not one of {', '.join(LR_SCHEDULES)}")
+    if schedule == "constant":
+        return lr
+    t = min(max(server_round - 1, 0) / max(rounds - 1, 1), 1.0)  # 0 in the first round, 1 in the last
+    decay = 0.5 * (1 + math.cos(math.pi * t)) if schedule == "cosine" else 1 - t
+    return lr * (final + (1 - final) * decay)
 
 
 def owned_starts(widths: Mapping[int, float]) -> dict[int, float]:

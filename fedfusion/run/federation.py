@@ -11,6 +11,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from functools import partial
 from logging import INFO
 from typing import Any
 
@@ -30,7 +31,7 @@ from fedfusion.fusion.distill.method import DistillMethod, Family
 from fedfusion.fusion.generative.method import GenerativeMethod
 from fedfusion.fusion.lora.method import LoRAMethod, adapted_modules
 from fedfusion.fusion.outer import OuterConfig
-from fedfusion.fusion.rounds import initial_state
+from fedfusion.fusion.rounds import initial_state, round_lr
 from fedfusion.fusion.submodel.method import SubModelMethod
 from fedfusion.models.samples import GenerativeConfig
 from fedfusion.run.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
@@ -154,6 +155,8 @@ def build_strategy(recipe: Recipe, target: Target, listeners: Sequence[Listener]
         query_timeout_s=recipe.selection.timeout_s,
         pool=recipe.selection.pool,
         listeners=listeners,
+        client_lr=partial(round_lr, recipe.train.lr, recipe.train.lr_schedule, recipe.train.lr_final,
+                          rounds=recipe.rounds),
     )
 
 

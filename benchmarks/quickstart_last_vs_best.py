@@ -1,0 +1,122 @@
+"""Benchmark (issue 24): does the quickstart end at its best? Its last round's held-out perplexity against its best
+round's, per seed, with the clients' lr constant over rounds (before) and with the recipe's schedule (after).
+
+Runs the real CLI (Flower simulation engine) once per (arm, seed), one run at a time, and writes
+``benchmarks/results/quickstart_last_vs_best.{json,md}`` with each run's per-round curve, the machine and its load.
+
+    python benchmarks/quickstart_last_vs_best.py --seeds 0 1 2 [--work DIR] [--reuse]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from fedfusion.config.recipe import load_recipe
+
+ARMS = {  # id -> (label, overrides)
+    "constant": ("constant client lr (before)", ["train.lr_schedule=constant"]),
+    "recipe": ("the recipe's lr schedule (after)", []),
+}
+GOAL = 0.02  # the issue's bar: last round within 2 % of the best round
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def run(overrides: list[str], out: Path, reuse: bool) -> tuple[list[dict], dict]:
+    """One CLI run (or, with ``reuse``, the finished run already in ``out``): its metrics.jsonl rows, and its wall
+    seconds and the 1-minute load average before and after it (None for a reused run)."""
+    summary = out / "summary.json"
+    load: list[float | None] = [None, None]
+    if not (reuse and summary.is_file() and json.loads(summary.read_text()).get("status") == "ok"):
+        load[0] = os.getloadavg()[0]
+        cmd = [sys.executable, "-m", "fedfusion.cli", "run", "quickstart", *overrides, "--out", str(out)]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        load[1] = os.getloadavg()[0]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return rows, {"wall_s": json.loads(summary.read_text())["wall_s"], "load1_before": load[0], "load1_after": load[1]}
+
+
+def last_vs_best(rows: list[dict]) -> dict:
+    """Best trained round's perplexity (round 0, the untrained target, excluded), the last round's, and their gap."""
+    trained = [r for r in rows if r["round"] > 0]
+    best = min(trained, key=lambda r: r["eval_ppl"])
+    last = trained[-1]
+    return {"best_round": best["round"], "best_ppl": best["eval_ppl"], "last_ppl": last["eval_ppl"],
+            "gap": last["eval_ppl"] / best["eval_ppl"] - 1, "curve": [round(r["eval_ppl"], 3) for r in trained]}
+
+
+def _sd(values: list[float]) -> float:
+    return statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--work", default="runs/bench-last-vs-best")
+    parser.add_argument("--reuse", action="store_true", help="keep finished runs found in --work")
+    args = parser.parse_args()
+    load_before = os.getloadavg()
+    rows = []
+    for seed in args.seeds:  # seed by seed: each pair of arms runs under about the same load
+        for arm, (_, overrides) in ARMS.items():
+            out = Path(args.work) / f"{arm}-s{seed}"
+            metrics, cost = run([*overrides, f"seed={seed}"], out, args.reuse)
+            result = last_vs_best(metrics)
+            rows.append({"arm": arm, "seed": seed, **result, **cost, "run_dir": str(out)})
+            print(f"{arm} seed {seed}: best {result['best_ppl']:.3f} (round {result['best_round']}), "
+                  f"last {result['last_ppl']:.3f}, gap {100 * result['gap']:+.2f} %", flush=True)
+    recipe = load_recipe("quickstart")
+    t = recipe.train
+    report = {
+        "benchmark": "quickstart_last_vs_best",
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
+                    "loadavg_1_5_15_at_start": load_before, "loadavg_1_5_15_at_end": os.getloadavg()},
+        "settings": {"recipe": "quickstart", "seeds": args.seeds, "goal": GOAL, "lr": t.lr,
+                     "recipe_lr_schedule": t.lr_schedule, "recipe_lr_final": t.lr_final,
+                     "arms": {arm: overrides for arm, (_, overrides) in ARMS.items()}},
+        "runs": rows,
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "quickstart_last_vs_best.json").write_text(json.dumps(report, indent=2))
+    m = report["machine"]
+    lines = [
+        "# The quickstart's last round against its best (issue 24)", "",
+        f"Machine: {m['platform']}, {m['cpus']} CPUs, shared with other jobs (load average 1/5/15 min "
+        f"{' / '.join(f'{x:.2f}' for x in m['loadavg_1_5_15_at_start'])} at the start, "
+        f"{' / '.join(f'{x:.2f}' for x in m['loadavg_1_5_15_at_end'])} at the end); runs one at a time under "
+        f"`nice -n 10`. Command: `python benchmarks/quickstart_last_vs_best.py --seeds "
+        f"{' '.join(map(str, args.seeds))}`, each run `fedfusion run quickstart seed=S [override]` ({recipe.rounds} "
+        f"rounds, {recipe.selection.clients_per_round} of {recipe.population.num_clients} clients per round, "
+        f"{t.local_steps} local AdamW steps at train.lr {t.lr:g}). The after arm is the recipe as it stands: "
+        f"train.lr_schedule {t.lr_schedule}, train.lr_final {t.lr_final:g}. Perplexity: the target at full width on "
+        f"the pooled held-out text after each round; best = the lowest of rounds 1-{recipe.rounds}; goal: "
+        f"last / best - 1 <= {100 * GOAL:.0f} %.", "",
+        "| arm | seed | best ppl (round) | last ppl | last / best - 1 | goal met |",
+        "|---|---|---|---|---|---|",
+    ]
+    for arm, (label, _) in ARMS.items():
+        for r in (r for r in rows if r["arm"] == arm):
+            lines.append(f"| {label} | {r['seed']} | {r['best_ppl']:.3f} ({r['best_round']}) | {r['last_ppl']:.3f} | "
+                         f"{100 * r['gap']:+.2f} % | {'yes' if r['gap'] <= GOAL else 'no'} |")
+    lines += ["", "| arm | mean last ppl ± sd | mean best ppl ± sd | worst last / best - 1 |", "|---|---|---|---|"]
+    for arm, (label, _) in ARMS.items():
+        mine = [r for r in rows if r["arm"] == arm]
+        last, best = [r["last_ppl"] for r in mine], [r["best_ppl"] for r in mine]
+        lines.append(f"| {label} | {statistics.mean(last):.3f} ± {_sd(last):.3f} | "
+                     f"{statistics.mean(best):.3f} ± {_sd(best):.3f} | {100 * max(r['gap'] for r in mine):+.2f} % |")
+    lines += ["", "Per-round perplexity (rounds 1-12):", ""]
+    lines += [f"- {r['arm']} seed {r['seed']}: {', '.join(f'{v:.2f}' for v in r['curve'])} ({r['wall_s']:.0f} s; "
+              f"1-min load {r['load1_before'] if r['load1_before'] is not None else 'n/a'} before, "
+              f"{r['load1_after'] if r['load1_after'] is not None else 'n/a'} after)" for r in rows]
+    (RESULTS / "quickstart_last_vs_best.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""The clients' lr over rounds (``train.lr_schedule``): the schedule itself, and the strategy's messages carrying
+each round's lr to every client in place of the recipe's constant one."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from flwr.app import ArrayRecord, ConfigRecord
+
+from fedfusion.fusion.rounds import round_lr
+from tests.test_strategy import FakeGrid, make_strategy, task_identity  # noqa: F401 (autouse fixture)
+
+
+def test_constant_keeps_the_lr_every_round():
+    assert [round_lr(3e-3, "constant", 0.1, r, 12) for r in range(1, 13)] == [3e-3] * 12
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear"])
+def test_a_decay_starts_at_the_lr_ends_at_lr_final_and_never_rises(schedule):
+    lrs = [round_lr(2.0, schedule, 0.25, r, 9) for r in range(1, 10)]
+    assert lrs[0] == 2.0 and lrs[-1] == pytest.approx(0.5)
+    assert all(a > b for a, b in zip(lrs, lrs[1:]))
+    quarter = 0.75 if schedule == "linear" else 0.5 * (1 + math.cos(math.pi / 4))  # round 3 of 9: a quarter through
+    assert lrs[2] == pytest.approx(2.0 * (0.25 + 0.75 * quarter))
+
+
+def test_a_one_round_run_trains_at_the_lr_and_rounds_past_the_end_stay_at_lr_final():
+    assert round_lr(1.0, "cosine", 0.1, 1, 1) == 1.0
+    assert round_lr(1.0, "linear", 0.1, 15, 12) == pytest.approx(0.1)
+
+
+def test_an_unknown_schedule_is_refused():
+    with pytest.raises(ValueError, match="'step' is not one of constant, cosine, linear"):
+        round_lr(1.0, "step", 0.1, 1, 12)
+
+
+def test_every_message_of_a_round_carries_that_rounds_lr():
+    strategy, state = make_strategy()  # train_config's lr is 0.1
+    grid = FakeGrid({11: "phone", 12: "desktop", 13: "phone"})
+    assert {m.content["config"]["lr"] for m in strategy.configure_train(2, ArrayRecord(state), ConfigRecord({}), grid)} == {0.1}
+    strategy.client_lr = lambda server_round: 0.1 / server_round
+    for server_round in (1, 4):
+        msgs = list(strategy.configure_train(server_round, ArrayRecord(state), ConfigRecord({}), grid))
+        assert [m.content["config"]["lr"] for m in msgs] == [0.1 / server_round] * 3
