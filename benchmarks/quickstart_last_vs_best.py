@@ -62,7 +62,7 @@ def main() -> None:
     parser.add_argument("--reuse", action="store_true", help="keep finished runs found in --work")
     args = parser.parse_args()
     load_before = os.getloadavg()
-    rows = []
+    rows: list[dict] = []
     for seed in args.seeds:  # seed by seed: each pair of arms runs under about the same load
         for arm, (_, overrides) in ARMS.items():
             out = Path(args.work) / f"{arm}-s{seed}"
@@ -71,13 +71,19 @@ def main() -> None:
             rows.append({"arm": arm, "seed": seed, **result, **cost, "run_dir": str(out)})
             print(f"{arm} seed {seed}: best {result['best_ppl']:.3f} (round {result['best_round']}), "
                   f"last {result['last_ppl']:.3f}, gap {100 * result['gap']:+.2f} %", flush=True)
+            write_results(rows, load_before)  # after every run: an interrupted benchmark keeps what it measured
+
+
+def write_results(rows: list[dict], load_before: tuple[float, float, float]) -> None:
+    """The json and markdown reports of the runs so far."""
+    seeds = sorted({r["seed"] for r in rows})
     recipe = load_recipe("quickstart")
     t = recipe.train
     report = {
         "benchmark": "quickstart_last_vs_best",
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
                     "loadavg_1_5_15_at_start": load_before, "loadavg_1_5_15_at_end": os.getloadavg()},
-        "settings": {"recipe": "quickstart", "seeds": args.seeds, "goal": GOAL, "lr": t.lr,
+        "settings": {"recipe": "quickstart", "seeds": seeds, "goal": GOAL, "lr": t.lr,
                      "recipe_lr_schedule": t.lr_schedule, "recipe_lr_final": t.lr_final,
                      "arms": {arm: overrides for arm, (_, overrides) in ARMS.items()}},
         "runs": rows,
@@ -90,8 +96,8 @@ def main() -> None:
         f"Machine: {m['platform']}, {m['cpus']} CPUs, shared with other jobs (load average 1/5/15 min "
         f"{' / '.join(f'{x:.2f}' for x in m['loadavg_1_5_15_at_start'])} at the start, "
         f"{' / '.join(f'{x:.2f}' for x in m['loadavg_1_5_15_at_end'])} at the end); runs one at a time under "
-        f"`nice -n 10`. Command: `python benchmarks/quickstart_last_vs_best.py --seeds "
-        f"{' '.join(map(str, args.seeds))}`, each run `fedfusion run quickstart seed=S [override]` ({recipe.rounds} "
+        f"`nice -n 10`. Command: `nice -n 10 python benchmarks/quickstart_last_vs_best.py --seeds "
+        f"{' '.join(map(str, seeds))}`, each run `fedfusion run quickstart seed=S [override]` ({recipe.rounds} "
         f"rounds, {recipe.selection.clients_per_round} of {recipe.population.num_clients} clients per round, "
         f"{t.local_steps} local AdamW steps at train.lr {t.lr:g}). The after arm is the recipe as it stands: "
         f"train.lr_schedule {t.lr_schedule}, train.lr_final {t.lr_final:g}. Perplexity: the target at full width on "
@@ -107,15 +113,19 @@ def main() -> None:
     lines += ["", "| arm | mean last ppl ± sd | mean best ppl ± sd | worst last / best - 1 |", "|---|---|---|---|"]
     for arm, (label, _) in ARMS.items():
         mine = [r for r in rows if r["arm"] == arm]
+        if not mine:
+            continue
         last, best = [r["last_ppl"] for r in mine], [r["best_ppl"] for r in mine]
         lines.append(f"| {label} | {statistics.mean(last):.3f} ± {_sd(last):.3f} | "
                      f"{statistics.mean(best):.3f} ± {_sd(best):.3f} | {100 * max(r['gap'] for r in mine):+.2f} % |")
     lines += ["", "Per-round perplexity (rounds 1-12):", ""]
     lines += [f"- {r['arm']} seed {r['seed']}: {', '.join(f'{v:.2f}' for v in r['curve'])} ({r['wall_s']:.0f} s; "
-              f"1-min load {r['load1_before'] if r['load1_before'] is not None else 'n/a'} before, "
-              f"{r['load1_after'] if r['load1_after'] is not None else 'n/a'} after)" for r in rows]
+              f"1-min load {_load(r['load1_before'])} before, {_load(r['load1_after'])} after)" for r in rows]
     (RESULTS / "quickstart_last_vs_best.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+
+
+def _load(value: float | None) -> str:
+    return "n/a (a reused run)" if value is None else f"{value:.1f}"
 
 
 if __name__ == "__main__":
