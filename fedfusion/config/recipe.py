@@ -318,7 +318,7 @@ class UnitsSection:
     """The exact mode (fusion.method=units, issue 25): the server keeps the target, the data and the optimizer and
     trains the target centrally; every linear layer's GEMMs (fedfusion.units) are cut into tiles that the
     population's nodes compute. ``train.lr``, ``train.weight_decay``, ``train.batch_size`` and ``train.seq_len``
-    set the central training; ``rounds`` and ``selection`` do not apply."""
+    set the central training; ``rounds``, ``selection`` and ``train.lr_schedule`` do not apply."""
 
     offload: str = "mlp"  # mlp (the MLP's linear layers) | all (every linear layer, lm_head included)
     steps: int = 3  # optimizer steps on the pooled training text
@@ -608,9 +608,6 @@ def validate(recipe: Recipe) -> None:
     if not 0 < recipe.train.lr_final <= 1:
         raise RecipeError(f"train.lr_final: must be in (0, 1] (the last round's lr as a fraction of train.lr), "
                           f"got {recipe.train.lr_final}")
-    if recipe.train.lr_schedule != "constant" and recipe.fusion.method == "units":
-        raise RecipeError("train.lr_schedule: fusion.method=units trains centrally in units.steps, not in rounds; "
-                          "leave it 'constant'")
     if not 0 <= recipe.fusion.outer_momentum < 1:
         raise RecipeError(f"fusion.outer_momentum: must be in [0, 1), got {recipe.fusion.outer_momentum}")
     if not 0 < recipe.fusion.stride <= 1:
