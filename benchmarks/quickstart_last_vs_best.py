@@ -42,6 +42,16 @@ def run(overrides: list[str], out: Path, reuse: bool) -> tuple[list[dict], dict]
     return rows, {"wall_s": json.loads(summary.read_text())["wall_s"], "load1_before": load[0], "load1_after": load[1]}
 
 
+def last_round_smallest(out: Path, rows: list[dict]) -> dict:
+    """The last round's client with the fewest training windows: its tier, windows and own training loss, against
+    the target's held-out loss before that round (a client far below it has fit its own speaker)."""
+    clients = [json.loads(line) for line in (out / "clients.jsonl").read_text().splitlines() if line.strip()]
+    last = rows[-1]["round"]
+    small = min((c for c in clients if c["round"] == last and c["status"] == "ok"), key=lambda c: c["examples"])
+    return {"device": small["device"], "windows": small["examples"], "train_loss": small["train_loss"],
+            "held_out_loss_before": rows[-2]["eval_loss"]}
+
+
 def last_vs_best(rows: list[dict]) -> dict:
     """Best trained round's perplexity (round 0, the untrained target, excluded), the last round's, and their gap."""
     trained = [r for r in rows if r["round"] > 0]
@@ -62,13 +72,18 @@ def main() -> None:
     parser.add_argument("--reuse", action="store_true", help="keep finished runs found in --work")
     args = parser.parse_args()
     load_before = os.getloadavg()
+    saved = RESULTS / "quickstart_last_vs_best.json"  # a reused run keeps the loads measured when it ran
+    measured = {r["run_dir"]: r for r in json.loads(saved.read_text())["runs"]} if saved.is_file() else {}
     rows: list[dict] = []
     for seed in args.seeds:  # seed by seed: each pair of arms runs under about the same load
         for arm, (_, overrides) in ARMS.items():
             out = Path(args.work) / f"{arm}-s{seed}"
             metrics, cost = run([*overrides, f"seed={seed}"], out, args.reuse)
             result = last_vs_best(metrics)
-            rows.append({"arm": arm, "seed": seed, **result, **cost, "run_dir": str(out)})
+            if cost["load1_before"] is None and str(out) in measured:
+                cost |= {k: measured[str(out)][k] for k in ("load1_before", "load1_after")}
+            rows.append({"arm": arm, "seed": seed, **result, **cost, "last_round_smallest": last_round_smallest(out, metrics),
+                         "run_dir": str(out)})
             print(f"{arm} seed {seed}: best {result['best_ppl']:.3f} (round {result['best_round']}), "
                   f"last {result['last_ppl']:.3f}, gap {100 * result['gap']:+.2f} %", flush=True)
             write_results(rows, load_before)  # after every run: an interrupted benchmark keeps what it measured
@@ -121,6 +136,11 @@ def write_results(rows: list[dict], load_before: tuple[float, float, float]) -> 
     lines += ["", "Per-round perplexity (rounds 1-12):", ""]
     lines += [f"- {r['arm']} seed {r['seed']}: {', '.join(f'{v:.2f}' for v in r['curve'])} ({r['wall_s']:.0f} s; "
               f"1-min load {_load(r['load1_before'])} before, {_load(r['load1_after'])} after)" for r in rows]
+    lines += ["", "The last round's client with the fewest training windows: its own training loss after its local steps "
+              "against the target's held-out loss before the round (nats/char):", ""]
+    lines += [f"- {r['arm']} seed {r['seed']}: a {s['device']} with {s['windows']} windows, training loss "
+              f"{s['train_loss']:.2f} against held-out {s['held_out_loss_before']:.2f}"
+              for r in rows for s in [r["last_round_smallest"]]]
     (RESULTS / "quickstart_last_vs_best.md").write_text("\n".join(lines) + "\n")
 
 
