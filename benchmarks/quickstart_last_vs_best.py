@@ -73,31 +73,37 @@ def main() -> None:
     args = parser.parse_args()
     load_before = os.getloadavg()
     saved = RESULTS / "quickstart_last_vs_best.json"  # a reused run keeps the loads measured when it ran
-    measured = {r["run_dir"]: r for r in json.loads(saved.read_text())["runs"]} if saved.is_file() else {}
+    previous = json.loads(saved.read_text()) if saved.is_file() else {"runs": []}
+    measured = {r["run_dir"]: r for r in previous["runs"]}
+    ran = False
     rows: list[dict] = []
     for seed in args.seeds:  # seed by seed: each pair of arms runs under about the same load
         for arm, (_, overrides) in ARMS.items():
             out = Path(args.work) / f"{arm}-s{seed}"
             metrics, cost = run([*overrides, f"seed={seed}"], out, args.reuse)
             result = last_vs_best(metrics)
+            ran |= cost["load1_before"] is not None
             if cost["load1_before"] is None and str(out) in measured:
                 cost |= {k: measured[str(out)][k] for k in ("load1_before", "load1_after")}
             rows.append({"arm": arm, "seed": seed, **result, **cost, "last_round_smallest": last_round_smallest(out, metrics),
                          "run_dir": str(out)})
             print(f"{arm} seed {seed}: best {result['best_ppl']:.3f} (round {result['best_round']}), "
                   f"last {result['last_ppl']:.3f}, gap {100 * result['gap']:+.2f} %", flush=True)
-            write_results(rows, load_before)  # after every run: an interrupted benchmark keeps what it measured
+            # after every run: an interrupted benchmark keeps what it measured; reports remade from reused runs alone
+            # keep the loads of the benchmark that ran them
+            machine = previous["machine"] if not ran and "machine" in previous else None
+            write_results(rows, load_before, machine)
 
 
-def write_results(rows: list[dict], load_before: tuple[float, float, float]) -> None:
-    """The json and markdown reports of the runs so far."""
+def write_results(rows: list[dict], load_before: tuple[float, float, float], machine: dict | None = None) -> None:
+    """The json and markdown reports of the runs so far (``machine``: the machine and loads to report, when given)."""
     seeds = sorted({r["seed"] for r in rows})
     recipe = load_recipe("quickstart")
     t = recipe.train
     report = {
         "benchmark": "quickstart_last_vs_best",
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
-                    "loadavg_1_5_15_at_start": load_before, "loadavg_1_5_15_at_end": os.getloadavg()},
+        "machine": machine or {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
+                               "loadavg_1_5_15_at_start": load_before, "loadavg_1_5_15_at_end": os.getloadavg()},
         "settings": {"recipe": "quickstart", "seeds": seeds, "goal": GOAL, "lr": t.lr,
                      "recipe_lr_schedule": t.lr_schedule, "recipe_lr_final": t.lr_final,
                      "arms": {arm: overrides for arm, (_, overrides) in ARMS.items()}},
