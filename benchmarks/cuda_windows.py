@@ -12,14 +12,16 @@ the model moved to the GPU) next to the planner's estimate, and the time of a st
 - ``window-dense``: the same int8 payload decoded to a float32 target first (what a device held before
   :mod:`fedfusion.models.frozen`);
 - ``core``: a window plus the smallest width's units (``fusion.window_core``); ``rank``: rank-r updates of every
-  matrix (``fusion.window_rank``).
+  matrix (``fusion.window_rank``);
+
+each without and with activation checkpointing (``train.checkpoint``).
 
 Targets are randomly initialised Llamas of SmolLM2-135M's and -360M's shapes (weights do not change memory or
 speed); batches are random token ids. Payloads come from the strategy's own :class:`SubModelMethod` (round 2,
 rolling), decoded as the client app decodes them.
 
     python benchmarks/cuda_windows.py [--shapes 135m 360m] [--width 0.125] [--batch 8] [--seq 256] [--steps 5]
-        [--out-dir benchmarks/results]
+        [--checkpoint off|on|both] [--out-dir benchmarks/results]
 """
 
 from __future__ import annotations
@@ -73,16 +75,16 @@ def arm_model(arm: str, cfg: LlamaConfig, state: dict, width: float, rank: int) 
     return model, sum(p.numel() for p in model.parameters())
 
 
-def planned(arm: str, cfg: LlamaConfig, trainable: int, width: float, batch: int, seq: int) -> int:
+def planned(arm: str, cfg: LlamaConfig, trainable: int, width: float, batch: int, seq: int, checkpoint: bool) -> int:
     if arm == "full":
-        return estimate_memory(cfg, batch, seq).total
+        return estimate_memory(cfg, batch, seq, checkpoint=checkpoint).total
     if arm == "slice":
-        return estimate_memory(sub_config(cfg, plan_slice(cfg, width, "static")), batch, seq).total
+        return estimate_memory(sub_config(cfg, plan_slice(cfg, width, "static")), batch, seq, checkpoint=checkpoint).total
     bits = FROZEN_BITS["int4" if arm == "window-int4" else "int8"]
-    return estimate_memory(cfg, batch, seq, base_bits=bits, window=trainable).total
+    return estimate_memory(cfg, batch, seq, base_bits=bits, window=trainable, checkpoint=checkpoint).total
 
 
-def measure(arm: str, cfg: LlamaConfig, state: dict, a: argparse.Namespace) -> dict:
+def measure(arm: str, cfg: LlamaConfig, state: dict, a: argparse.Namespace, checkpoint: bool) -> dict:
     gc.collect()
     torch.cuda.empty_cache()
     model, trainable = arm_model(arm, cfg, state, a.width, a.rank)
@@ -92,16 +94,17 @@ def measure(arm: str, cfg: LlamaConfig, state: dict, a: argparse.Namespace) -> d
     model = model.to("cuda")
     held = torch.cuda.memory_allocated() - before
     data = torch.randint(0, cfg.vocab_size, (64, a.seq + 1))
-    train_steps(model, data, steps=2, lr=1e-4, batch_size=a.batch, seed=0)  # warm-up: kernels, allocator
+    train_steps(model, data, steps=2, lr=1e-4, batch_size=a.batch, seed=0, checkpoint=checkpoint)  # warm-up
     torch.cuda.synchronize()
     start = time.perf_counter()
-    out = train_steps(model, data, steps=a.steps, lr=1e-4, batch_size=a.batch, seed=1)
+    out = train_steps(model, data, steps=a.steps, lr=1e-4, batch_size=a.batch, seed=1, checkpoint=checkpoint)
     torch.cuda.synchronize()
     step_ms = 1000 * (time.perf_counter() - start) / a.steps
     peak = torch.cuda.max_memory_allocated() - before
-    plan = planned(arm, cfg, trainable, a.width, a.batch, a.seq)
+    plan = planned(arm, cfg, trainable, a.width, a.batch, a.seq, checkpoint)
     del model
-    return {"arm": arm, "trainable": trainable, "held_mb": held / MB, "peak_mb": peak / MB, "planned_mb": plan / MB,
+    return {"arm": arm, "checkpoint": checkpoint, "trainable": trainable, "held_mb": held / MB, "peak_mb": peak / MB,
+            "planned_mb": plan / MB,
             "peak_over_planned": peak / plan, "step_ms": step_ms, "loss": out["train_loss"]}
 
 
@@ -111,17 +114,19 @@ def report(payload: dict) -> str:
              f"Machine: {payload['machine']}. Batch {s['batch']} x {s['seq']} tokens, window width {s['width']}, "
              f"rank {s['rank']}, {s['steps']} timed AdamW steps after 2 warm-up steps, float32 compute; random-weight "
              "Llamas of SmolLM2's shapes.", "", f"Command: `{payload['command']}`", "",
-             "| shape | arm | trainable | held MiB | peak MiB | planned MiB | peak / planned | peak / full's peak | step ms |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| shape | arm | activation checkpointing | trainable | held MiB | peak MiB | planned MiB | peak / planned | "
+             "full's peak / peak | step ms |", "|---|---|---|---|---|---|---|---|---|---|"]
     for shape, rows in payload["shapes"].items():
-        full = next(r["peak_mb"] for r in rows if r["arm"] == "full")
+        full = next(r["peak_mb"] for r in rows if r["arm"] == "full" and not r["checkpoint"])
         for r in rows:
-            lines.append(f"| {shape} | {r['arm']} | {r['trainable'] / 1e6:.2f} M | {r['held_mb']:.0f} | {r['peak_mb']:.0f} "
-                         f"| {r['planned_mb']:.0f} | {r['peak_over_planned']:.2f} | {r['peak_mb'] / full:.3f} | "
+            lines.append(f"| {shape} | {r['arm']} | {'on' if r['checkpoint'] else 'off'} | {r['trainable'] / 1e6:.2f} M | "
+                         f"{r['held_mb']:.0f} | {r['peak_mb']:.0f} "
+                         f"| {r['planned_mb']:.0f} | {r['peak_over_planned']:.2f} | {full / r['peak_mb']:.2f} | "
                          f"{r['step_ms']:.1f} |")
     lines += ["", "Held: allocated after the model moved to the GPU. Peak: the most allocated while training, both "
               "above the allocation before the move. Planned: `fedfusion.run.planner.estimate_memory` (for windows: "
-              "the frozen target at its wire bits, activations in the compute dtype it assumes)."]
+              "the frozen target at its wire bits, float32 activations). full's peak / peak: the memory ratio against "
+              "the whole target trained with AdamW without checkpointing (the oracle's device)."]
     return "\n".join(lines) + "\n"
 
 
@@ -135,6 +140,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--checkpoint", choices=["off", "on", "both"], default="both",
+                        help="activation checkpointing (train.checkpoint): off, on, or each arm both ways")
     parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
     a = parser.parse_args()
     if not torch.cuda.is_available():
@@ -146,14 +153,15 @@ def main() -> None:
         torch.manual_seed(0)
         state = {k: v.clone() for k, v in family_of(cfg).build(cfg).state_dict().items()}
         shapes[shape] = []
-        for arm in a.arms:
-            row = measure(arm, cfg, state, a)
-            shapes[shape].append(row)
-            print(json.dumps({"shape": shape, **row}), flush=True)
+        for checkpoint in {"off": [False], "on": [True], "both": [False, True]}[a.checkpoint]:
+            for arm in a.arms:
+                row = measure(arm, cfg, state, a, checkpoint)
+                shapes[shape].append(row)
+                print(json.dumps({"shape": shape, **row}), flush=True)
     payload = {"machine": f"{torch.cuda.get_device_name()}, {platform.platform()}, Python {platform.python_version()}, "
                           f"torch {torch.__version__}",
                "command": "python benchmarks/cuda_windows.py", "shapes": shapes,
-               "settings": {k: getattr(a, k) for k in ("width", "rank", "batch", "seq", "steps")}}
+               "settings": {k: getattr(a, k) for k in ("width", "rank", "batch", "seq", "steps", "checkpoint")}}
     a.out_dir.mkdir(parents=True, exist_ok=True)
     (a.out_dir / "cuda_windows.json").write_text(json.dumps(payload, indent=1))
     (a.out_dir / "cuda_windows.md").write_text(report(payload))

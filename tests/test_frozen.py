@@ -13,7 +13,7 @@ from fedfusion.models.families import family_of
 from fedfusion.models.frozen import FrozenLinear
 from fedfusion.models.full_forward import WindowModel, from_payload
 from fedfusion.models.slicing import extract, plan_slice
-from fedfusion.train.loop import lm_loss, train_steps
+from fedfusion.train.loop import checkpoint_activations, lm_loss, train_steps
 from fedfusion.wire.keys import FROZEN
 from fedfusion.wire.quantize import CODES, decode, encode
 from fedfusion.wire.specs import WindowSpec
@@ -85,3 +85,46 @@ def test_moving_the_model_moves_its_frozen_target():
     model.to("meta")
     assert {t.device.type for t in model.target().state_dict().values()} == {"meta"}
     assert {p.device.type for p in model.parameters()} == {"meta"}
+
+
+def _saved_bytes(model, data: torch.Tensor) -> int:
+    """Bytes autograd keeps for backward over one forward pass (checkpointed layers keep theirs to themselves)."""
+    total = [0]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        total[0] += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        lm_loss(model, data)
+    return total[0]
+
+
+@pytest.mark.parametrize("kind", ["window", "core", "rank", "slice"])
+def test_activation_checkpointing_trains_the_same_values_and_keeps_fewer_activations(kind):
+    """train.checkpoint recomputes each layer in backward: the same trained values (norms and embeddings of a
+    shared window too, written through parametrizations that the recompute sees), fewer bytes kept."""
+    cfg = tiny_config()
+    torch.manual_seed(0)
+    state = {k: v.clone() for k, v in family_of(cfg).build(cfg).state_dict().items()}
+    data = torch.randint(0, cfg.vocab_size, (16, 33))
+
+    def build():
+        if kind == "slice":
+            return model_from_state(cfg, state)
+        method = SubModelMethod(cfg, {"small": 0.25, "t": 0.25}, state, forward="full", frozen="int8", scale=False,
+                                policy="rolling", window_shared=kind != "window", window_core=kind == "core",
+                                window_rank=2 if kind == "rank" else 0)
+        payload = method.payloads(2, state, [Client(partition=0, tier="t", seed=7)])[0]
+        return from_payload(cfg, decode(payload.arrays, keep=FROZEN), WindowSpec.from_config(payload.spec), 7)
+
+    plain, checkpointed = build(), build()
+    train_steps(plain, data, steps=3, lr=1e-2, batch_size=8, seed=1)
+    train_steps(checkpointed, data, steps=3, lr=1e-2, batch_size=8, seed=1, checkpoint=True)
+    got = checkpointed.trained() if kind != "slice" else checkpointed.state_dict()
+    want = plain.trained() if kind != "slice" else plain.state_dict()
+    assert max(float((got[k] - want[k]).abs().max()) for k in want) < 1e-6
+    fresh = build().train()
+    before = _saved_bytes(fresh, data[:8])
+    checkpoint_activations(fresh)
+    assert _saved_bytes(fresh, data[:8]) < 0.6 * before

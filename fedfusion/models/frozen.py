@@ -9,14 +9,14 @@ usual. No Flower import.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from torch.func import functional_call
+from torch.nn.utils.parametrize import register_parametrization
 from transformers import PretrainedConfig, PreTrainedModel
 
-from fedfusion.models.build import full_state, tied_aliases
+from fedfusion.models.build import config_aliases, full_state, tied_aliases
 from fedfusion.models.families import family_of
 from fedfusion.models.slicing import scatter
 from fedfusion.wire.quantize import Packed
@@ -126,15 +126,6 @@ def as_packed(state: Mapping[str, Packed | torch.Tensor]) -> dict[str, Packed]:
     return {k: v if isinstance(v, Packed) else Packed(v) for k, v in state.items()}
 
 
-def tensor_of(model: torch.nn.Module, name: str) -> torch.Tensor:
-    """The target's tensor ``name``: a parameter, or a :class:`FrozenLinear`'s bias (a buffer)."""
-    module, _, attr = name.rpartition(".")
-    value = getattr(model.get_submodule(module), attr)
-    if not isinstance(value, torch.Tensor):
-        raise KeyError(name)
-    return value
-
-
 def linear_of(model: torch.nn.Module, name: str) -> FrozenLinear | None:
     """The :class:`FrozenLinear` whose matrix is the tensor ``name``, if there is one."""
     if not name.endswith(".weight"):
@@ -143,14 +134,47 @@ def linear_of(model: torch.nn.Module, name: str) -> FrozenLinear | None:
     return module if isinstance(module, FrozenLinear) else None
 
 
+class _Written(torch.nn.Module):
+    """A parametrization of a frozen tensor: trainable ``values`` written into the coordinates ``index`` (all
+    None: the whole tensor), recomputed at each access (so activation checkpointing's recompute sees them too)."""
+
+    def __init__(self, values: torch.nn.Parameter, index: Index) -> None:
+        super().__init__()
+        self._values = [values]  # a list: the wrapper owns the parameter
+        self._index = index
+
+    def forward(self, frozen: torch.Tensor) -> torch.Tensor:
+        values = self._values[0]
+        if all(i is None for i in self._index):
+            return values
+        out = frozen.clone()
+        scatter(out, tuple(None if i is None else i.to(out.device) for i in self._index), values, accumulate=False)
+        return out
+
+
+class _Added(torch.nn.Module):
+    """A parametrization of a frozen matrix: plus the trainable update ``b @ a``."""
+
+    def __init__(self, a: torch.nn.Parameter, b: torch.nn.Parameter) -> None:
+        super().__init__()
+        self._factors = [a, b]
+
+    def forward(self, frozen: torch.Tensor) -> torch.Tensor:
+        a, b = self._factors
+        return frozen + b @ a
+
+
 class FrozenTargetModel(torch.nn.Module):
     """A trainable part (the subclass's parameters) on a :func:`frozen_target`: the target is not a submodule (its
-    frozen tensors are no parameters of the wrapper) but moves with it; a forward pass replaces the tensors
-    :meth:`replaced` gives (those not on a :class:`FrozenLinear`) for the call."""
+    frozen tensors are no parameters of the wrapper) but moves with it. A matrix on a :class:`FrozenLinear` takes
+    its trainable part there; any other tensor through a parametrization (:meth:`write`, :meth:`add`), tied
+    copies included."""
 
-    def __init__(self, target: PreTrainedModel) -> None:
+    def __init__(self, config: PretrainedConfig, target: PreTrainedModel) -> None:
         super().__init__()
         self._target = [target]  # a list: not a submodule
+        self._ties = {src: [src, *(a for a, s in config_aliases(config).items() if s == src)]
+                      for src in set(config_aliases(config).values())}
 
     def _apply(self, fn: Any, recurse: bool = True) -> FrozenTargetModel:
         super()._apply(fn, recurse)
@@ -169,10 +193,26 @@ class FrozenTargetModel(torch.nn.Module):
         """The frozen target (for counting and evaluation)."""
         return self._target[0]
 
-    def replaced(self) -> dict[str, torch.Tensor]:
-        """The tensors a forward pass uses instead of the target's (built from the trainable part)."""
-        return {}
+    def _parametrize(self, name: str, make: Callable[[], torch.nn.Module]) -> None:
+        for each in self._ties.get(name, [name]):
+            module, _, attr = each.rpartition(".")
+            register_parametrization(self._target[0].get_submodule(module), attr, make(), unsafe=True)
+
+    def write(self, name: str, values: torch.nn.Parameter, index: Index) -> None:
+        """Train ``values``, the coordinates ``index`` of the target's tensor ``name``."""
+        layer = linear_of(self._target[0], name)
+        if layer is not None:
+            layer.attach_window(values, index)
+        else:
+            self._parametrize(name, lambda: _Written(values, index))
+
+    def add(self, name: str, a: torch.nn.Parameter, b: torch.nn.Parameter) -> None:
+        """Train the update ``b @ a`` of the target's matrix ``name``."""
+        layer = linear_of(self._target[0], name)
+        if layer is not None:
+            layer.attach_low_rank(a, b)
+        else:
+            self._parametrize(name, lambda: _Added(a, b))
 
     def forward(self, **inputs: Any) -> Any:
-        return functional_call(self._target[0], self.replaced(), args=(), kwargs=inputs, tie_weights=True,
-                               strict=False)
+        return self._target[0](**inputs)

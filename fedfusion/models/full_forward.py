@@ -24,9 +24,9 @@ from transformers import PretrainedConfig
 
 from fedfusion.models.build import config_aliases
 from fedfusion.models.families import family_of
-from fedfusion.models.frozen import FrozenTargetModel, as_packed, frozen_target, linear_of, tensor_of
+from fedfusion.models.frozen import FrozenTargetModel, as_packed, frozen_target
 from fedfusion.models.low_rank import LowRankModel
-from fedfusion.models.slicing import SlicePlan, scatter, sliced_shape, tensor_slices
+from fedfusion.models.slicing import SlicePlan, sliced_shape, tensor_slices
 from fedfusion.wire.keys import FROZEN
 from fedfusion.wire.quantize import Packed, unpack
 from fedfusion.wire.specs import WindowSpec
@@ -43,27 +43,14 @@ class WindowModel(FrozenTargetModel):
     def __init__(self, config: PretrainedConfig, frozen: Mapping[str, Packed | torch.Tensor], window: State,
                  plan: SlicePlan) -> None:
         packed = as_packed(frozen)
-        super().__init__(frozen_target(config, packed))
+        super().__init__(config, frozen_target(config, packed))
         aliases = config_aliases(config)
         slices = tensor_slices([n for n in packed if n not in aliases], config, plan)
         self._keys = {sl.sub_name: f"w{i}" for i, sl in enumerate(slices.values())}
         self.window = torch.nn.ParameterDict({self._keys[sl.sub_name]: torch.nn.Parameter(
             window[sl.sub_name].detach().clone().float()) for sl in slices.values()})
-        self._where: dict[str, tuple[str, tuple[torch.Tensor | None, ...]]] = {}  # the tensors on no FrozenLinear
         for name, sl in slices.items():
-            layer = linear_of(self.target(), name)
-            if layer is not None:
-                layer.attach_window(self.window[self._keys[sl.sub_name]], sl.index)
-            else:
-                self._where[name] = (sl.sub_name, sl.index)
-
-    def replaced(self) -> State:
-        params = {}
-        for name, (sub, index) in self._where.items():
-            full = tensor_of(self.target(), name).clone()
-            scatter(full, index, self.window[self._keys[sub]], accumulate=False)
-            params[name] = full
-        return params
+            self.write(name, self.window[self._keys[sl.sub_name]], sl.index)
 
     def trained(self) -> State:
         """The window's trained values, by sub-model name: the client's reply."""

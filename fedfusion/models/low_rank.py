@@ -19,7 +19,7 @@ import torch
 from transformers import PretrainedConfig
 
 from fedfusion.models.build import config_aliases
-from fedfusion.models.frozen import FrozenTargetModel, as_packed, frozen_target, linear_of, tensor_of
+from fedfusion.models.frozen import FrozenTargetModel, as_packed, frozen_target
 from fedfusion.models.slicing import on_unit_axis
 from fedfusion.wire.quantize import Packed
 
@@ -56,39 +56,22 @@ class LowRankModel(FrozenTargetModel):
         if rank < 1:
             raise ValueError(f"rank must be >= 1, got {rank}")
         packed = as_packed(frozen)
-        super().__init__(frozen_target(config, packed))
+        super().__init__(config, frozen_target(config, packed))
         gen = torch.Generator().manual_seed(seed)
         self._names = {name: f"m{i}" for i, name in enumerate(factored)}
         self.A = torch.nn.ParameterDict()
         self.B = torch.nn.ParameterDict()
-        self._dense: list[str] = []  # factored tensors on no FrozenLinear: updated through the forward call
         for name, key in self._names.items():
             out_dim, in_dim = packed[name].shape
             bound = 1 / math.sqrt(in_dim)  # LoRA's A: uniform in +-1/sqrt(fan_in)
             self.A[key] = torch.nn.Parameter((torch.rand(min(rank, in_dim, out_dim), in_dim, generator=gen) * 2 - 1) * bound)
             self.B[key] = torch.nn.Parameter(torch.zeros(out_dim, self.A[key].shape[0]))
-            layer = linear_of(self.target(), name)
-            if layer is not None:
-                layer.attach_low_rank(self.A[key], self.B[key])
-            else:
-                self._dense.append(name)
+            self.add(name, self.A[key], self.B[key])
         self._exact = {name: f"e{i}" for i, name in enumerate(exact)}
         self.exact = torch.nn.ParameterDict({key: torch.nn.Parameter(exact[name].detach().clone().float())
                                              for name, key in self._exact.items()})
-        self._exact_dense: list[str] = []
         for name, key in self._exact.items():
-            layer = linear_of(self.target(), name)
-            if layer is not None:
-                layer.attach_window(self.exact[key], (None, None))
-            else:
-                self._exact_dense.append(name)
-
-    def replaced(self) -> State:
-        target = self.target()
-        params = {name: tensor_of(target, name) + self.B[self._names[name]] @ self.A[self._names[name]]
-                  for name in self._dense}
-        params.update({name: self.exact[self._exact[name]] for name in self._exact_dense})
-        return params
+            self.write(name, self.exact[key], (None,) * self.exact[key].dim())
 
     def trained(self) -> State:
         """The reply: each matrix's factors under ``name + FACTOR_A / FACTOR_B`` and the exact tensors' values."""
