@@ -22,6 +22,7 @@ rolling), decoded as the client app decodes them.
 
     python benchmarks/cuda_windows.py [--shapes 135m 360m] [--width 0.125] [--batch 8] [--seq 256] [--steps 5]
         [--checkpoint off|on|both] [--out-dir benchmarks/results]
+    python benchmarks/cuda_windows.py --replan benchmarks/results/cuda_windows.json   # no GPU: today's planner
 """
 
 from __future__ import annotations
@@ -127,7 +128,26 @@ def report(payload: dict) -> str:
               "above the allocation before the move. Planned: `fedfusion.run.planner.estimate_memory` (for windows: "
               "the frozen target at its wire bits, float32 activations). full's peak / peak: the memory ratio against "
               "the whole target trained with AdamW without checkpointing (the oracle's device)."]
+    if payload.get("replanned"):
+        lines += ["", "The planned column was recomputed after the run with the planner of the commit that wrote this "
+                  "file (`python benchmarks/cuda_windows.py --replan benchmarks/results/cuda_windows.json`); the measured "
+                  "columns are the run's."]
     return "\n".join(lines) + "\n"
+
+
+def replan(path: Path, out_dir: Path) -> None:
+    """The measured rows of ``path`` with the planner's estimate recomputed (the estimate is a function of the code,
+    the measurement is not), written back as JSON and markdown."""
+    payload = json.loads(path.read_text())
+    s = payload["settings"]
+    for shape, rows in payload["shapes"].items():
+        cfg = shape_config(shape)
+        for r in rows:
+            r["planned_mb"] = planned(r["arm"], cfg, r["trainable"], s["width"], s["batch"], s["seq"], r["checkpoint"]) / MB
+            r["peak_over_planned"] = r["peak_mb"] / r["planned_mb"]
+    payload["replanned"] = True
+    (out_dir / "cuda_windows.json").write_text(json.dumps(payload, indent=1))
+    (out_dir / "cuda_windows.md").write_text(report(payload))
 
 
 def main() -> None:
@@ -143,7 +163,12 @@ def main() -> None:
     parser.add_argument("--checkpoint", choices=["off", "on", "both"], default="both",
                         help="activation checkpointing (train.checkpoint): off, on, or each arm both ways")
     parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--replan", type=Path, default=None,
+                        help="no GPU: recompute the planned column of this results JSON with today's planner")
     a = parser.parse_args()
+    if a.replan is not None:
+        replan(a.replan, a.out_dir)
+        return
     if not torch.cuda.is_available():
         raise SystemExit("cuda_windows.py needs a CUDA GPU")
     torch.backends.cuda.matmul.allow_tf32 = False  # float32 as the planner counts it

@@ -14,8 +14,9 @@ Memory model (:func:`estimate_memory`), per training step of ``batch`` sequences
   target's bits: :mod:`fedfusion.models.frozen`); no fused attention. With activation checkpointing
   (``train.checkpoint``) each layer keeps only its input (``hidden`` values per token) and one layer's values
   are live at a time in backward. Per token the
-  logits: ``vocab`` values in the model's dtype, the loss's float32 copy where that dtype is narrower, and
-  the float32 log-softmax cross-entropy keeps (8 bytes per vocabulary entry at fp32, 10 at 16 bits: on a
+  logits: ``vocab`` values in the model's dtype, the loss's float32 copy where that dtype is narrower, the
+  float32 log-softmax cross-entropy keeps and its float32 gradient (12 bytes per vocabulary entry at fp32, 14
+  at 16 bits: on a
   135M base with a 49k vocabulary this is a fifth of the peak, measured on CUDA in
   ``benchmarks/results/cuda_lora.md``).
 
@@ -154,9 +155,10 @@ def estimate_memory(
 
 def _logit_bytes(config: PretrainedConfig, batch: int, seq: int, act_bytes: int) -> int:
     """The logits' bytes at the loss: the model's output (``act_bytes`` per value), its float32 copy where the
-    output is narrower (``fedfusion.train.loop.lm_loss`` and ``fedfusion.train.instruct.response_loss`` upcast), and the
-    float32 log-softmax the cross-entropy keeps for backward."""
-    per_value = act_bytes + (4 if act_bytes < 4 else 0) + 4
+    output is narrower (``fedfusion.train.loop.lm_loss`` and ``fedfusion.train.instruct.response_loss`` upcast), the
+    float32 log-softmax the cross-entropy keeps for backward and the float32 gradient backward starts from
+    (``benchmarks/results/cuda_windows.md``: with activation checkpointing it is a visible part of the peak)."""
+    per_value = act_bytes + (4 if act_bytes < 4 else 0) + 4 + 4  # + the loss's float32 gradient, live with them
     return batch * seq * config.vocab_size * per_value
 
 
