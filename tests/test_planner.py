@@ -277,3 +277,10 @@ def test_a_window_computes_in_float32_and_checkpointing_keeps_one_layer():
     kept = estimate_memory(cfg, batch=4, seq=16, base_bits=8, window=100, checkpoint=True)
     assert kept.activations == tokens * 4 * (2 * 32 + layer + 3 * 50)
     assert estimate_memory(cfg, 4, 16, checkpoint=True).total < estimate_memory(cfg, 4, 16).total
+
+
+def test_the_plan_says_when_activations_are_checkpointed_and_counts_less():
+    plain = plan_table(load_recipe("quickstart", []))
+    kept = plan_table(load_recipe("quickstart", ["train.checkpoint=true"]))
+    assert all("checkpointed" in r["slice"] and "checkpointed" not in p["slice"] for r, p in zip(kept, plain))
+    assert all(r["peak MB"] < p["peak MB"] for r, p in zip(kept, plain))

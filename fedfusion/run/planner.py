@@ -325,7 +325,8 @@ def plan_table(
         rows.append({
             **row,
             "slice": f"{sub.num_attention_heads}/{target.num_attention_heads} heads, "
-                     f"{_dims(sub)[1]}/{_dims(target)[1]} neurons",
+                     f"{_dims(sub)[1]}/{_dims(target)[1]} neurons"
+                     + (", activations checkpointed" if recipe.train.checkpoint else ""),
             "params": params, "peak MB": _mb(mem), "device MB": round(device.memory_gb * 1024),
             "fits": "yes" if mem <= budget else "NO",
             **priced(device, train_flops(params, tokens), *_wire_bytes(recipe, tier, params)),
@@ -360,6 +361,7 @@ def window_row(recipe: Recipe, target: PretrainedConfig, tier: str, device: Devi
     down = encoded_bytes(f.frozen_dtype, total) + encoded_bytes(f.wire_dtype, window)
     label = (f"rank-{f.window_rank} update of every matrix" if f.window_rank else
              f"window of {width:g} of the units" + (f" + the {core:g} core" if core else ""))
+    label += ", activations checkpointed" if recipe.train.checkpoint else ""
     return {"width": 1.0 if f.window_rank else width, "slice": f"{label}, full forward ({f.frozen_dtype} target)",
             "params": window, "peak MB": _mb(mem), "device MB": round(device.memory_gb * 1024),
             "fits": "yes" if mem <= budget else "NO",
