@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from fedfusion.devices import load_catalog
+from fedfusion.devices.catalog import load_catalog
 from fedfusion.units import UnitDevice, UnitEngine, install
 from fedfusion.units.phases import llama_phases
 from fedfusion.units.timeline import Kill, chains_from_trace, simulate

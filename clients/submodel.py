@@ -18,7 +18,7 @@ from fedfusion.models.families import config_from_dict
 from fedfusion.train.loop import evaluate_lm, train_steps
 from fedfusion.train.ordered import train_steps_ordered
 from fedfusion.wire.keys import NUM_EXAMPLES
-from fedfusion.wire.specs import ClientSpec, FaultSpec, ModelSpec, OrderedSpec, RoundSpec, SliceSpec, read_train
+from fedfusion.wire.specs import ClientSpec, FaultSpec, ModelSpec, OrderedSpec, RoundSpec, SliceSpec, TrainSpec, read_train
 
 
 def num_examples(spec: ConfigRecord, partition: int) -> int:
@@ -91,7 +91,7 @@ def train(state: dict[str, torch.Tensor], spec: ConfigRecord, partition: int,
             ordered = OrderedSpec.from_config(spec)
             return train_steps_ordered(model, windows, fractions=ordered.fractions, axes=sliced.axes,
                                        distill=ordered.distill, **local_steps(spec))
-        return train_steps(model, windows, **local_steps(spec))
+        return train_steps(model, windows, checkpoint=TrainSpec.from_config(spec).checkpoint, **local_steps(spec))
 
     return trained_reply(model, windows, faults, fit)
 

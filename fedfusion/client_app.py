@@ -15,6 +15,7 @@ from fedfusion.clients.privacy import privacy_mod
 from fedfusion.devices.catalog import assign_tiers
 from fedfusion.devices.hardware import capabilities, pick_accelerator
 from fedfusion.run.quiet import silence_expected_noise
+from fedfusion.wire.keys import FROZEN
 from fedfusion.wire.quantize import client_reply, decode
 from fedfusion.wire.specs import (
     ROLES,
@@ -85,7 +86,7 @@ def train(msg: Message, context: Context) -> Message:
     their change, error feedback kept in ``context.state``) and metrics."""
     spec = msg.content.config_records["config"]
     arrays = msg.content.array_records["arrays"].to_torch_state_dict()
-    received = decode(arrays)  # a quantised downlink, as float32 (roles copy it into their models)
+    received = decode(arrays, keep=FROZEN)  # as float32 (roles copy it in), a frozen target as narrow as it came
     if "gateway" in context.node_config:  # this node serves phones: one of them trains (fedfusion.clients.device)
         from fedfusion.clients.device import relay
 

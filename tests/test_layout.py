@@ -8,6 +8,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).parents[1]
 DIRS = {"fedfusion": ROOT / "fedfusion", "fedfusion.strategies": ROOT / "strategies", "fedfusion.clients": ROOT / "clients"}
 
@@ -127,3 +129,17 @@ def test_every_module_lives_in_a_package_of_the_layout():
 
 def test_the_root_package_imports_nothing_of_fedfusion():
     assert not EDGES["fedfusion"]
+
+
+@pytest.mark.slow  # ~10 s: one process importing torch, transformers and every script
+def test_every_benchmark_script_imports():
+    """A benchmark is run by hand, not by the suite: a moved module it imports must fail here, not for a reviewer.
+    (Importing runs no benchmark: each does its work under ``if __name__ == "__main__"``; the CUDA ones check for a
+    GPU there.)"""
+    import subprocess
+    import sys
+
+    names = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py"))
+    code = f"import importlib, sys; sys.path.insert(0, 'benchmarks'); [importlib.import_module(n) for n in {names!r}]"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]

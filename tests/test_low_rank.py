@@ -10,9 +10,10 @@ from fedfusion.fusion.base import Client
 from fedfusion.fusion.inprocess import SubModelRun, run_submodel
 from fedfusion.fusion.submodel.method import SubModelMethod
 from fedfusion.models.build import config_aliases, model_from_state, wire_state
-from fedfusion.models.full_forward import FROZEN, from_payload
+from fedfusion.models.full_forward import from_payload
 from fedfusion.models.low_rank import FACTOR_A, FACTOR_B, LowRankModel, densify, factor_params, split
 from fedfusion.train.loop import evaluate_lm, train_steps
+from fedfusion.wire.keys import FROZEN
 from fedfusion.wire.quantize import Wire, decode
 from fedfusion.wire.specs import WindowSpec
 from tests.conftest import tiny_config

@@ -37,7 +37,7 @@ def test_full_training_estimate_is_weights_grads_adam_and_activations():
     p = sum(t.numel() for t in LlamaForCausalLM(cfg).parameters())
     assert (est.weights, est.grads, est.optimizer) == (4 * p, 4 * p, 8 * p)
     per_token_layer = 10 * 32 + 3 * 48 + 2 * 8 * 16
-    assert est.activations == 4 * 4 * 16 * (2 * per_token_layer + 2 * 50)
+    assert est.activations == 4 * 4 * 16 * (2 * per_token_layer + 3 * 50)  # logits: output, log-softmax, gradient
     assert training_memory_bytes(cfg, 4, 16) == est.total
 
 
@@ -139,8 +139,8 @@ def test_a_quantised_base_keeps_its_other_weights_and_activations_in_the_compute
     tokens, layer = 2 * 16, 2 * (10 * 32 + 3 * 48 + 2 * 4 * 16)
     # layer activations in the compute dtype; logits: the output, the loss's float32 copy (only where the output
     # is narrower) and the float32 log-softmax
-    assert f16.activations == tokens * (2 * layer + (2 + 4 + 4) * 50)
-    assert f32.activations == tokens * (4 * layer + (4 + 4) * 50)
+    assert f16.activations == tokens * (2 * layer + (2 + 4 + 4 + 4) * 50)
+    assert f32.activations == tokens * (4 * layer + (4 + 4 + 4) * 50)
     # the weights that are not quantised (embeddings, lm_head, norms) account for the whole weight difference
     h, d, layers = cfg.hidden_size, cfg.head_dim, cfg.num_hidden_layers
     linear = layers * (h * d * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads) + 3 * h * cfg.intermediate_size)
@@ -265,3 +265,22 @@ def test_plan_prices_the_wire_of_a_mixed_federations_slicing_tiers_only():
     (row,) = plan_table(recipe, tiers=["laptop"])
     assert row["MB down"] * 2**20 == encoded_bytes("int8", row["params"])
     assert row["MB up"] * 2**20 == encoded_bytes("int4", row["params"])
+
+
+def test_a_window_computes_in_float32_and_checkpointing_keeps_one_layer():
+    """A full-forward window's activations are float32 whatever its frozen target's bits (fedfusion.models.frozen);
+    with train.checkpoint each layer keeps its input and one layer's values are live."""
+    cfg = tiny_config(heads=8, kv_heads=2)
+    tokens, layer = 4 * 16, 10 * 32 + 3 * 48 + 2 * 8 * 16
+    window = estimate_memory(cfg, batch=4, seq=16, base_bits=8, window=100)
+    assert window.activations == tokens * 4 * (2 * layer + 3 * 50)
+    kept = estimate_memory(cfg, batch=4, seq=16, base_bits=8, window=100, checkpoint=True)
+    assert kept.activations == tokens * 4 * (2 * 32 + layer + 3 * 50)
+    assert estimate_memory(cfg, 4, 16, checkpoint=True).total < estimate_memory(cfg, 4, 16).total
+
+
+def test_the_plan_says_when_activations_are_checkpointed_and_counts_less():
+    plain = plan_table(load_recipe("quickstart", []))
+    kept = plan_table(load_recipe("quickstart", ["train.checkpoint=true"]))
+    assert all("checkpointed" in r["slice"] and "checkpointed" not in p["slice"] for r, p in zip(kept, plain))
+    assert all(r["peak MB"] < p["peak MB"] for r, p in zip(kept, plain))

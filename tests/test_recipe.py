@@ -54,6 +54,7 @@ def test_resolved_recipe_reloads_identically(tmp_path):
         ("data:\n  held_out: 1.0\n", "data.held_out"),
         ("model:\n  num_heads: 7\n", "model.num_heads"),
         ("data:\n  source: text\n", "data.path"),
+        ("train:\n  checkpoint: true\nfusion:\n  policy: ordered\n", "train.checkpoint"),
         ("train:\n  lr_schedule: step\n", "train.lr_schedule"),
         ("train:\n  lr_final: 0\n", "train.lr_final"),
         ("train:\n  lr_final: 1.5\n", "train.lr_final"),

@@ -342,10 +342,11 @@ def test_a_simulation_engine_that_cannot_start_fails_the_run_at_once(tmp_path, m
 def test_grow_then_full_forward_windows_run_on_flower(tmp_path, rank):
     """fusion.grow_round: round 1 trains the smallest slice of a silenced target (the target is that small model);
     round 2 sends every client the whole target frozen in int8 plus its window (role window): the window's exact
-    values back, or with fusion.window_rank the factors of a low-rank update of every matrix."""
+    values back, or with fusion.window_rank the factors of a low-rank update of every matrix (that run with
+    activation checkpointing, train.checkpoint, on the clients)."""
     out = tmp_path / "grow"
     assert main(["run", "quickstart", *TINY, "fusion.grow_round=1", "fusion.forward=full", "fusion.frozen_dtype=int8",
-                 f"fusion.window_rank={rank}", "--out", str(out)]) == 0
+                 f"fusion.window_rank={rank}", f"train.checkpoint={bool(rank)}", "--out", str(out)]) == 0
     clients = read_jsonl(out / "clients.jsonl")
     assert all(c["status"] == "ok" for c in clients) and len(clients) == 2 * 3
     grow = [c for c in clients if c["round"] == 1]

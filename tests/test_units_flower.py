@@ -11,10 +11,14 @@ import torch
 from fedfusion.cli import main
 from fedfusion.config.recipe import load_recipe
 from fedfusion.data.population import data_spec, data_tokenizer
+from fedfusion.devices.catalog import load_catalog
+from fedfusion.devices.energy import price_work
 from fedfusion.models.build import build_target
 from fedfusion.run.planner import units_plan
 from fedfusion.run.run_dir import read_jsonl
-from fedfusion.run.units import step_batches, training_windows
+from fedfusion.run.units import price_step, step_batches, training_windows
+from fedfusion.units import PhaseRecord
+from fedfusion.wire.specs import Caps
 
 pytestmark = pytest.mark.slow  # Flower's runtime (Ray): ~20 s to start, a few seconds per step
 
@@ -51,6 +55,11 @@ def run_units(tmp_path: Path, extra: list[str]) -> tuple[list[dict], list[float]
     out = tmp_path / "units"
     assert main(["run", "quickstart", *TINY, *extra, "--out", str(out)]) == 0
     rows = read_jsonl(out / "metrics.jsonl")
+    ledger = read_jsonl(out / "clients.jsonl")  # every device's priced work, per step
+    for row in rows[1:]:
+        mine = [r for r in ledger if r["round"] == row["step"]]
+        assert mine and all(r["flops"] > 0 and r["energy_j"] > 0 for r in mine)
+        assert row["energy_j"] == pytest.approx(sum(r["energy_j"] for r in mine))
     assert (out / "report.md").is_file() and (out / "nodes.jsonl").read_text().count("\n") == 4
     return rows, central_losses([*TINY, *extra])
 
@@ -92,3 +101,18 @@ def test_a_device_silent_mid_phase_costs_one_deadline_and_the_loss_stays_exact(t
     assert missed[0]["waited_s"] <= missed[0]["deadline_s"] + 0.5 and missed[0]["deadline_s"] == floor
     assert rows[-1]["offline"] == [1]
     assert sum(r["redispatched"] for r in rows[1:]) >= 1
+
+
+def test_each_step_prices_every_device_it_sent_units_to():
+    """clients.jsonl gets one row per device and step: the FLOPs of the units it was sent (re-sends too) and its
+    bytes, priced on its catalog profile; a device that went offline in the step is charged, as wasted work."""
+    catalog = load_catalog()
+    caps = {11: Caps("phone", 0, 10), 12: Caps("laptop", 1, 10), 13: Caps("phone", 2, 10)}
+    trace = [PhaseRecord(0, [], [], None, down_bytes={0: 100, 1: 300}, up_bytes={0: 40, 1: 90}, flops={0: 2e9, 1: 6e9}),
+             PhaseRecord(0, [], [], None, down_bytes={0: 50}, up_bytes={}, flops={0: 1e9})]
+    rows = price_step(3, trace, [11, 12, 13], caps, catalog, failed={0})
+    assert [(r["node"], r["status"], r["wasted"]) for r in rows] == [(11, "failed", True), (12, "ok", False)]
+    phone = price_work(catalog["phone"], 3e9, 150, 40)
+    assert (rows[0]["flops"], rows[0]["bytes_down"], rows[0]["bytes_up"]) == (3e9, 150, 40)
+    assert rows[0]["energy_j"] == pytest.approx(phone.wall_j) and rows[0]["co2_g"] == pytest.approx(phone.co2_g)
+    assert rows[1]["energy_j"] == pytest.approx(price_work(catalog["laptop"], 6e9, 300, 90).wall_j)

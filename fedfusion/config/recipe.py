@@ -255,6 +255,9 @@ class TrainConfig:
     seq_len: int = 64
     weight_decay: float = 0.0
     optimizer: str = "adamw"  # adamw | sgd (pair sgd with a server-side fusion.outer=adam: FedAdam)
+    # recompute each layer's activations in backward (activation checkpointing): a width slice or full-forward
+    # window keeps one layer's activations instead of every layer's, for about a third more compute (torch clients)
+    checkpoint: bool = False
     # the clients' lr over rounds (fedfusion.fusion.rounds.round_lr): constant | cosine | linear, from train.lr in
     # round 1 down to lr_final x train.lr in the last round
     lr_schedule: str = "constant"
@@ -603,6 +606,9 @@ def validate(recipe: Recipe) -> None:
     if recipe.fusion.outer != "none" and not uses(recipe, "submodel"):
         raise RecipeError(f"fusion.outer: a server optimizer steps folded slices (fusion.method=submodel); "
                           f"{recipe.fusion.method!r} does not use it")
+    if recipe.train.checkpoint and (recipe.fusion.method != "submodel" or recipe.fusion.policy == "ordered"):
+        raise RecipeError("train.checkpoint: applies to width slices and full-forward windows (fusion.method=submodel, "
+                          f"not policy ordered), got method {recipe.fusion.method!r}, policy {recipe.fusion.policy!r}")
     if recipe.train.optimizer != "adamw" and recipe.fusion.method == "lora":
         raise RecipeError("train.optimizer: LoRA clients train with AdamW; only 'adamw' applies to fusion.method=lora")
     if not 0 < recipe.train.lr_final <= 1:

@@ -56,6 +56,12 @@ class WorkCost:
         """Simulated duration: computing plus transferring (idle waiting is not work)."""
         return self.compute_s + self.comm_s
 
+    def ledger(self, wasted: bool) -> dict[str, float]:
+        """The energy fields of a clients.jsonl row (``wasted``: the work bought nothing)."""
+        return {"virtual_s": self.virtual_s, "compute_s": self.compute_s, "comm_s": self.comm_s,
+                "energy_j": self.wall_j, "co2_g": self.co2_g, "co2_operational_g": self.co2_operational_g,
+                "co2_embodied_g": self.co2_embodied_g, "wasted": wasted}
+
     @property
     def compute_wall_j(self) -> float:
         """The share of ``wall_j`` drawn for computing (charger losses split in proportion)."""

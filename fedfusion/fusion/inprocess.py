@@ -29,7 +29,7 @@ from fedfusion.models.samples import GenerativeConfig, SamplePool, sample_window
 from fedfusion.models.slicing import extract, plan_slice, sub_config
 from fedfusion.train.distill import Teacher, distil, feddf_teacher, forward_flops
 from fedfusion.train.loop import train_steps
-from fedfusion.wire.keys import NUM_EXAMPLES
+from fedfusion.wire.keys import FROZEN, NUM_EXAMPLES
 from fedfusion.wire.quantize import Wire, client_reply, decode
 from fedfusion.wire.specs import ModelSpec, RoleSpec, WindowSpec
 
@@ -170,7 +170,7 @@ def run_submodel(run: SubModelRun, initial: dict[str, torch.Tensor], evaluate: E
     residuals: dict[int, State] = {}  # each partition's uplink error feedback, as its node keeps it
 
     def train(rnd: int, payload: Payload) -> tuple[State, dict[str, float]]:
-        received = decode(payload.arrays)
+        received = decode(payload.arrays, keep=FROZEN)  # as the client app decodes it
         config = run.config.__class__.from_dict(ModelSpec.from_config(payload.spec).model_config)
         full = RoleSpec.from_config(payload.spec).role == "window"  # the client role fedfusion.clients.window
         model = (from_payload(config, received, WindowSpec.from_config(payload.spec), payload.client.seed) if full

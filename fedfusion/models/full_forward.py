@@ -1,4 +1,4 @@
-"""Full-forward slices: a device holds the whole target, frozen (and quantised on the wire), and trains only a
+"""Full-forward slices: a device holds the whole target, frozen (and as narrow as it travelled), and trains only a
 window of its coordinates with the exact gradient of the whole target's loss.
 
 A window is a :class:`~fedfusion.models.slicing.SlicePlan` (the units it covers on each axis), the same object width
@@ -8,77 +8,53 @@ forward pass: a width slice runs its own small network, whose gradient is not th
 units learn in their own context does not add up in the whole), while a full-forward window runs the target.
 
 :class:`WindowModel` keeps the window as its only parameters (so the optimizer's state is the window's, as on a
-device) and writes them into the frozen target on each forward pass (autograd flows through the scatter), so
-the frozen coordinates never move, whatever the optimizer's weight decay. No Flower import.
+device) and writes them into the frozen target's matrices as each layer runs (:mod:`fedfusion.models.frozen`:
+the matrices stay int8/int4/float16 as they travelled, one layer at a time float32), so the frozen coordinates
+never move, whatever the optimizer's weight decay. No Flower import.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any
 
 import torch
-from torch.func import functional_call
-from transformers import PretrainedConfig, PreTrainedModel
+from transformers import PretrainedConfig
 
-from fedfusion.models.build import config_aliases, model_from_state
+from fedfusion.models.build import config_aliases
 from fedfusion.models.families import family_of
+from fedfusion.models.frozen import FrozenTargetModel, as_packed, frozen_target
 from fedfusion.models.low_rank import LowRankModel
-from fedfusion.models.slicing import SlicePlan, scatter, sliced_shape, tensor_slices
+from fedfusion.models.slicing import SlicePlan, sliced_shape, tensor_slices
+from fedfusion.wire.keys import FROZEN
+from fedfusion.wire.quantize import Packed, unpack
 from fedfusion.wire.specs import WindowSpec
 
 State = dict[str, torch.Tensor]
-FROZEN = "frozen/"  # the key prefix of the frozen target in a full-forward payload (the window's keys have none)
 
 
-class WindowModel(torch.nn.Module):
-    """The target ``frozen`` with the plan's window trainable: ``window`` holds the window's values by sub-model
-    name (as :func:`~fedfusion.models.slicing.extract` gives them, HeteroFL scaler off)."""
 
-    def __init__(self, config: PretrainedConfig, frozen: State, window: State, plan: SlicePlan) -> None:
-        super().__init__()
+class WindowModel(FrozenTargetModel):
+    """The target ``frozen`` (its matrices kept as they travelled: :mod:`fedfusion.models.frozen`) with the plan's
+    window trainable: ``window`` holds the window's values by sub-model name (as
+    :func:`~fedfusion.models.slicing.extract` gives them, HeteroFL scaler off)."""
+
+    def __init__(self, config: PretrainedConfig, frozen: Mapping[str, Packed | torch.Tensor], window: State,
+                 plan: SlicePlan) -> None:
+        packed = as_packed(frozen)
+        super().__init__(config, frozen_target(config, packed))
         aliases = config_aliases(config)
-        self._target = [model_from_state(config, frozen).requires_grad_(False)]  # a list: not a submodule
-        slices = tensor_slices([n for n in frozen if n not in aliases], config, plan)
-        self._where = {name: (sl.sub_name, sl.index) for name, sl in slices.items()}
-        self._frozen = {name: frozen[name] for name in slices}
-        self._keys = {sub: f"w{i}" for i, (sub, _) in enumerate(self._where.values())}
-        self.window = torch.nn.ParameterDict({self._keys[sub]: torch.nn.Parameter(window[sub].detach().clone().float())
-                                              for sub, _ in self._where.values()})
-
-    def train(self, mode: bool = True) -> WindowModel:
-        self._target[0].train(mode)  # dropout, where the target has any, follows the wrapper
-        return super().train(mode)
-
-    @property
-    def device(self) -> torch.device:
-        return self._target[0].device
-
-    def forward(self, **inputs: Any) -> Any:
-        params = {}
-        for name, (sub, index) in self._where.items():
-            full = self._frozen[name].clone()
-            scatter(full, index, self.window[self._keys[sub]], accumulate=False)
-            params[name] = full
-        return functional_call(self._target[0], params, args=(), kwargs=inputs, tie_weights=True, strict=False)
+        slices = tensor_slices([n for n in packed if n not in aliases], config, plan)
+        self._keys = {sl.sub_name: f"w{i}" for i, sl in enumerate(slices.values())}
+        self.window = torch.nn.ParameterDict({self._keys[sl.sub_name]: torch.nn.Parameter(
+            window[sl.sub_name].detach().clone().float()) for sl in slices.values()})
+        for name, sl in slices.items():
+            self.write(name, self.window[self._keys[sl.sub_name]], sl.index)
 
     def trained(self) -> State:
         """The window's trained values, by sub-model name: the client's reply."""
         return {sub: self.window[key].detach().clone() for sub, key in self._keys.items()}
-
-    def target(self) -> PreTrainedModel:
-        """The frozen target (for counting and evaluation)."""
-        return self._target[0]
-
-
-def place(frozen: State, window: State, config: PretrainedConfig, plan: SlicePlan) -> State:
-    """``frozen`` (e.g. the dequantised target a device received) with the window's exact values written in."""
-    out = {k: v.clone() for k, v in frozen.items()}
-    for name, sl in tensor_slices(list(frozen), config, plan).items():
-        if sl.sub_name in window:
-            scatter(out[name], sl.index, window[sl.sub_name].to(out[name].dtype), accumulate=False)
-    return out
 
 
 def window_params(config: PretrainedConfig, state: State, plan: SlicePlan) -> int:
@@ -111,16 +87,17 @@ def window_plan(spec: WindowSpec) -> SlicePlan:
     return SlicePlan.from_assignment(spec.units, scale=False, shared=spec.shared)
 
 
-def from_payload(config: PretrainedConfig, received: State, spec: WindowSpec, seed: int) -> WindowModel | LowRankModel:
-    """The model a device trains from a full-forward payload (decoded): the frozen target under :data:`FROZEN`
-    keys with the window's exact values written in, the window trainable; with ``spec.rank`` r, a rank-r update
-    (its ``A`` drawn from ``seed``) of every matrix the payload does not carry exactly, and those it carries."""
-    frozen = {k.removeprefix(FROZEN): v for k, v in received.items() if k.startswith(FROZEN)}
+def from_payload(config: PretrainedConfig, received: Mapping[str, torch.Tensor], spec: WindowSpec,
+                 seed: int) -> WindowModel | LowRankModel:
+    """The model a device trains from a full-forward payload: the frozen target under :data:`FROZEN` keys, kept as
+    it travelled (:func:`~fedfusion.wire.quantize.decode` with ``keep=FROZEN``; float tensors there are taken as
+    they are), and the window's exact values (decoded), which it trains; with ``spec.rank`` r, a rank-r update (its
+    ``A`` drawn from ``seed``) of every matrix the payload does not carry exactly, and those it carries."""
+    frozen = unpack({k.removeprefix(FROZEN): v for k, v in received.items() if k.startswith(FROZEN)})
     window = {k: v for k, v in received.items() if not k.startswith(FROZEN)}
     if not frozen:
         raise ValueError(f"a full-forward payload carries the frozen target under {FROZEN!r} keys; none arrived")
     if spec.rank:
-        factored = [n for n, v in frozen.items() if v.dim() == 2 and n not in window]
-        return LowRankModel(config, {**frozen, **window}, factored, window, spec.rank, seed)
-    plan = window_plan(spec)
-    return WindowModel(config, place(frozen, window, config, plan), window, plan)
+        factored = [n for n, p in frozen.items() if len(p.shape) == 2 and n not in window]
+        return LowRankModel(config, frozen, factored, window, spec.rank, seed)
+    return WindowModel(config, frozen, window, window_plan(spec))

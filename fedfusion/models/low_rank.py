@@ -13,14 +13,15 @@ gradients and optimizer state. No Flower import.
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Mapping
 
 import torch
-from torch.func import functional_call
-from transformers import PretrainedConfig, PreTrainedModel
+from transformers import PretrainedConfig
 
-from fedfusion.models.build import config_aliases, model_from_state
+from fedfusion.models.build import config_aliases
+from fedfusion.models.frozen import FrozenTargetModel, as_packed, frozen_target
 from fedfusion.models.slicing import on_unit_axis
+from fedfusion.wire.quantize import Packed
 
 State = dict[str, torch.Tensor]
 FACTOR_A, FACTOR_B = ".lowrank_A", ".lowrank_B"  # reply key suffixes: ``name + FACTOR_A`` is (r, in), B (out, r)
@@ -45,42 +46,32 @@ def factor_params(state: State, factored: list[str], rank: int) -> int:
     return sum(rank * (state[n].shape[0] + state[n].shape[1]) for n in factored)
 
 
-class LowRankModel(torch.nn.Module):
-    """The target ``frozen`` plus a trainable rank-``rank`` update of each of ``factored`` and the trainable
-    ``exact`` tensors (their starting values as received). ``A`` starts random (seeded), ``B`` at zero."""
+class LowRankModel(FrozenTargetModel):
+    """The target ``frozen`` (its matrices kept as they travelled: :mod:`fedfusion.models.frozen`) plus a trainable
+    rank-``rank`` update of each of ``factored`` and the trainable ``exact`` tensors (their starting values as
+    received). ``A`` starts random (seeded), ``B`` at zero."""
 
-    def __init__(self, config: PretrainedConfig, frozen: State, factored: list[str], exact: State, rank: int,
-                 seed: int) -> None:
-        super().__init__()
+    def __init__(self, config: PretrainedConfig, frozen: Mapping[str, Packed | torch.Tensor], factored: list[str],
+                 exact: State, rank: int, seed: int) -> None:
         if rank < 1:
             raise ValueError(f"rank must be >= 1, got {rank}")
-        self._target = [model_from_state(config, frozen).requires_grad_(False)]  # a list: not a submodule
-        self._frozen = {name: frozen[name] for name in factored}
+        packed = as_packed(frozen)
+        super().__init__(config, frozen_target(config, packed))
         gen = torch.Generator().manual_seed(seed)
         self._names = {name: f"m{i}" for i, name in enumerate(factored)}
         self.A = torch.nn.ParameterDict()
         self.B = torch.nn.ParameterDict()
         for name, key in self._names.items():
-            out_dim, in_dim = frozen[name].shape
+            out_dim, in_dim = packed[name].shape
             bound = 1 / math.sqrt(in_dim)  # LoRA's A: uniform in +-1/sqrt(fan_in)
             self.A[key] = torch.nn.Parameter((torch.rand(min(rank, in_dim, out_dim), in_dim, generator=gen) * 2 - 1) * bound)
             self.B[key] = torch.nn.Parameter(torch.zeros(out_dim, self.A[key].shape[0]))
+            self.add(name, self.A[key], self.B[key])
         self._exact = {name: f"e{i}" for i, name in enumerate(exact)}
         self.exact = torch.nn.ParameterDict({key: torch.nn.Parameter(exact[name].detach().clone().float())
                                              for name, key in self._exact.items()})
-
-    def train(self, mode: bool = True) -> LowRankModel:
-        self._target[0].train(mode)
-        return super().train(mode)
-
-    @property
-    def device(self) -> torch.device:
-        return self._target[0].device
-
-    def forward(self, **inputs: Any) -> Any:
-        params = {name: self._frozen[name] + self.B[key] @ self.A[key] for name, key in self._names.items()}
-        params.update({name: self.exact[key] for name, key in self._exact.items()})
-        return functional_call(self._target[0], params, args=(), kwargs=inputs, tie_weights=True, strict=False)
+        for name, key in self._exact.items():
+            self.write(name, self.exact[key], (None,) * self.exact[key].dim())
 
     def trained(self) -> State:
         """The reply: each matrix's factors under ``name + FACTOR_A / FACTOR_B`` and the exact tensors' values."""
@@ -90,10 +81,6 @@ class LowRankModel(torch.nn.Module):
             out[name + FACTOR_B] = self.B[key].detach().clone()
         out.update({name: self.exact[key].detach().clone() for name, key in self._exact.items()})
         return out
-
-    def target(self) -> PreTrainedModel:
-        """The frozen target (for counting and evaluation)."""
-        return self._target[0]
 
 
 def densify(reply: State, target: State, factored: list[str], exact: list[str], rank: int) -> State:

@@ -202,10 +202,7 @@ def price_client(row: ClientRound, catalog: dict[str, Device]) -> dict[str, floa
     """
     ok = row.status == "ok"
     up = row.bytes_up if row.status in ("ok", "rejected") else row.bytes_down if row.status == "cut" else 0
-    cost = price_work(catalog[row.device], train_flops(row.params, row.tokens), row.bytes_down, up)
-    return {"virtual_s": cost.virtual_s, "compute_s": cost.compute_s, "comm_s": cost.comm_s,
-            "energy_j": cost.wall_j, "co2_g": cost.co2_g, "co2_operational_g": cost.co2_operational_g,
-            "co2_embodied_g": cost.co2_embodied_g, "wasted": not ok}
+    return price_work(catalog[row.device], train_flops(row.params, row.tokens), row.bytes_down, up).ledger(not ok)
 
 
 def ledger_row(server_round: int, row: ClientRound, catalog: dict[str, Device]) -> dict[str, Any]:

@@ -10,9 +10,13 @@ Memory model (:func:`estimate_memory`), per training step of ``batch`` sequences
 - **optimizer**: AdamW's two fp32 moments, 8 bytes per trainable parameter.
 - **activations** kept for backward: per token and layer ``10*hidden + 3*intermediate + 2*heads*seq``
   values (attention inputs/outputs, norms, SwiGLU branches, attention scores and probabilities), 4 bytes
-  each, 2 with a 16-bit or quantised base; no activation checkpointing, no fused attention. Per token the
-  logits: ``vocab`` values in the model's dtype, the loss's float32 copy where that dtype is narrower, and
-  the float32 log-softmax cross-entropy keeps (8 bytes per vocabulary entry at fp32, 10 at 16 bits: on a
+  each, 2 with a 16-bit or quantised LoRA base (a full-forward window computes in float32 whatever its frozen
+  target's bits: :mod:`fedfusion.models.frozen`); no fused attention. With activation checkpointing
+  (``train.checkpoint``) each layer keeps only its input (``hidden`` values per token) and one layer's values
+  are live at a time in backward. Per token the
+  logits: ``vocab`` values in the model's dtype, the loss's float32 copy where that dtype is narrower, the
+  float32 log-softmax cross-entropy keeps and its float32 gradient (12 bytes per vocabulary entry at fp32, 14
+  at 16 bits: on a
   135M base with a 49k vocabulary this is a fifth of the peak, measured on CUDA in
   ``benchmarks/results/cuda_lora.md``).
 
@@ -115,13 +119,15 @@ class MemoryEstimate:
 def estimate_memory(
     config: PretrainedConfig, batch: int, seq: int, lora_rank: int | None = None, base_bits: int = 32,
     lora_modules: Sequence[str] = LORA_MODULES, compute_bytes: int = 2, window: int | None = None,
+    checkpoint: bool = False,
 ) -> MemoryEstimate:
     """Peak training memory of full fine-tuning (``lora_rank=None``, fp32), LoRA on a ``base_bits`` base, or a
     full-forward window of ``window`` parameters (fp32, with its AdamW state) on a frozen ``base_bits`` target.
 
     A 4/8-bit base keeps its non-linear weights (embeddings, norms) and its activations in the compute dtype,
     ``compute_bytes`` per value (bitsandbytes' compute dtype: 4 for float32, 2 for float16/bfloat16); a
-    32- or 16-bit base keeps them in its own precision."""
+    32- or 16-bit base keeps them in its own precision; a window computes in float32. ``checkpoint``: activation
+    checkpointing (each layer's input kept, one layer's activations live at a time)."""
     if batch < 1 or seq < 1:
         raise ValueError(f"batch and seq must be >= 1, got {batch}, {seq}")
     if base_bits not in _BITS_STORED:
@@ -130,13 +136,14 @@ def estimate_memory(
         raise ValueError("base_bits: a reduced-precision base needs lora_rank or window (full training keeps fp32 weights)")
     h, inter, heads, kv, d, layers = _dims(config)
     params = param_count(config)
-    layer_values = batch * seq * layers * (10 * h + 3 * inter + 2 * heads * seq)
+    one_layer = batch * seq * (10 * h + 3 * inter + 2 * heads * seq)
+    layer_values = batch * seq * layers * h + one_layer if checkpoint else layers * one_layer
     if lora_rank is None and window is None:
         return MemoryEstimate(4 * params, 4 * params, 8 * params, 4 * layer_values + _logit_bytes(config, batch, seq, 4),
                               params, params)
     trainable = lora_params(config, lora_rank, lora_modules) if lora_rank is not None else int(window or 0)
     linear = layers * (h * heads * d * 2 + h * kv * d * 2 + 3 * h * inter)
-    act_bytes = base_bits // 8 if base_bits >= 16 else compute_bytes
+    act_bytes = 4 if window is not None else base_bits // 8 if base_bits >= 16 else compute_bytes
     if base_bits >= 16:
         weights = params * base_bits / 8
     else:
@@ -148,15 +155,16 @@ def estimate_memory(
 
 def _logit_bytes(config: PretrainedConfig, batch: int, seq: int, act_bytes: int) -> int:
     """The logits' bytes at the loss: the model's output (``act_bytes`` per value), its float32 copy where the
-    output is narrower (``fedfusion.train.loop.lm_loss`` and ``fedfusion.train.instruct.response_loss`` upcast), and the
-    float32 log-softmax the cross-entropy keeps for backward."""
-    per_value = act_bytes + (4 if act_bytes < 4 else 0) + 4
+    output is narrower (``fedfusion.train.loop.lm_loss`` and ``fedfusion.train.instruct.response_loss`` upcast), the
+    float32 log-softmax the cross-entropy keeps for backward and the float32 gradient backward starts from
+    (``benchmarks/results/cuda_windows.md``: with activation checkpointing it is a visible part of the peak)."""
+    per_value = act_bytes + (4 if act_bytes < 4 else 0) + 4 + 4  # + the loss's float32 gradient, live with them
     return batch * seq * config.vocab_size * per_value
 
 
-def training_memory_bytes(config: PretrainedConfig, batch: int, seq: int) -> int:
+def training_memory_bytes(config: PretrainedConfig, batch: int, seq: int, checkpoint: bool = False) -> int:
     """fp32 AdamW training estimate: weights + grads + 2 moments, plus stored activations and logits."""
-    return estimate_memory(config, batch, seq).total
+    return estimate_memory(config, batch, seq, checkpoint=checkpoint).total
 
 
 def _budget(device: Device, usable: float) -> float:
@@ -313,11 +321,12 @@ def plan_table(
             continue
         sub = sliced_config(target, width, axes)
         params = param_count(sub)
-        mem = training_memory_bytes(sub, batch, seq)
+        mem = training_memory_bytes(sub, batch, seq, recipe.train.checkpoint)
         rows.append({
             **row,
             "slice": f"{sub.num_attention_heads}/{target.num_attention_heads} heads, "
-                     f"{_dims(sub)[1]}/{_dims(target)[1]} neurons",
+                     f"{_dims(sub)[1]}/{_dims(target)[1]} neurons"
+                     + (", activations checkpointed" if recipe.train.checkpoint else ""),
             "params": params, "peak MB": _mb(mem), "device MB": round(device.memory_gb * 1024),
             "fits": "yes" if mem <= budget else "NO",
             **priced(device, train_flops(params, tokens), *_wire_bytes(recipe, tier, params)),
@@ -348,10 +357,11 @@ def window_row(recipe: Recipe, target: PretrainedConfig, tier: str, device: Devi
         window = window_params(target, state, plan)
     total = param_count(target)
     mem = estimate_memory(target, recipe.train.batch_size, recipe.train.seq_len, base_bits=FROZEN_BITS[f.frozen_dtype],
-                          window=window).total
+                          window=window, checkpoint=recipe.train.checkpoint).total
     down = encoded_bytes(f.frozen_dtype, total) + encoded_bytes(f.wire_dtype, window)
     label = (f"rank-{f.window_rank} update of every matrix" if f.window_rank else
              f"window of {width:g} of the units" + (f" + the {core:g} core" if core else ""))
+    label += ", activations checkpointed" if recipe.train.checkpoint else ""
     return {"width": 1.0 if f.window_rank else width, "slice": f"{label}, full forward ({f.frozen_dtype} target)",
             "params": window, "peak MB": _mb(mem), "device MB": round(device.memory_gb * 1024),
             "fits": "yes" if mem <= budget else "NO",

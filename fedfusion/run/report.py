@@ -353,10 +353,12 @@ def units_report(run: Path, rows: list[dict], summary: dict, out: Path) -> Path:
         lines += [f"Target: {summary['target_params']:,} parameters, {summary['steps']} steps, offload "
                   f"`{summary['offload']}`, {summary['devices']} devices, {summary['wall_s']:.0f} s wall. Held-out loss "
                   f"{first['eval_loss']:.4f} -> {last['eval_loss']:.4f}; {summary['bytes_down'] / 1e6:.1f} MB down, "
-                  f"{summary['bytes_up'] / 1e6:.1f} MB up, {summary['virtual_s']:.2f} virtual s in all; devices "
-                  f"taken offline: {summary['offline'] or 'none'}.", ""]
+                  f"{summary['bytes_up'] / 1e6:.1f} MB up, {summary['virtual_s']:.2f} virtual s in all; the devices' "
+                  f"work priced at {summary.get('energy_j', 0.0):.1f} J and {summary.get('co2_g', 0.0):.3f} g CO2e "
+                  f"(clients.jsonl, one row per device and step); devices taken offline: {summary['offline'] or 'none'}.",
+                  ""]
     cols = ("step", "train_loss", "eval_loss", "phases", "messages", "bytes_down", "bytes_up", "virtual_s",
-            "redispatched", "wall_s")
+            "energy_j", "redispatched", "wall_s")
     lines += ["| " + " | ".join(cols) + " | missed deadlines |", "|" + "---|" * (len(cols) + 1)]
     for row in rows:
         cells = [_fmt(row.get(c)) for c in cols] + [str(len(row.get("missed", [])))]

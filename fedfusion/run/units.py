@@ -32,7 +32,8 @@ from transformers.utils import logging as hf_logging
 from fedfusion.config.recipe import Recipe
 from fedfusion.data.population import client_windows, data_spec, write_partition_sizes
 from fedfusion.data.text import sample_batch
-from fedfusion.devices.catalog import load_catalog
+from fedfusion.devices.catalog import Device, load_catalog
+from fedfusion.devices.energy import price_work
 from fedfusion.run.report import write_report
 from fedfusion.run.run_dir import RunDir
 from fedfusion.run.targets import lm_target
@@ -206,6 +207,25 @@ def train_step(model: PreTrainedModel, opt: torch.optim.Optimizer, batch: torch.
     return total
 
 
+def price_step(step: int, trace: list[PhaseRecord], order: list[int], caps: dict[int, Caps],
+               catalog: dict[str, Device], failed: set[int]) -> list[dict[str, Any]]:
+    """One clients.jsonl row per device the step sent units to: the FLOPs of those units (re-sends included), the
+    bytes it received and sent, priced on its catalog profile (:func:`~fedfusion.devices.energy.price_work`, as
+    every ledger row); a device taken offline in the step (``failed``) did its work for nothing (``wasted``)."""
+    rows = []
+    for dev, node in enumerate(order):
+        down = sum(rec.down_bytes.get(dev, 0) for rec in trace)
+        if not down:
+            continue
+        flops = sum(rec.flops.get(dev, 0.0) for rec in trace)
+        up = sum(rec.up_bytes.get(dev, 0) for rec in trace)
+        cost = price_work(catalog[caps[node].device], flops, down, up)
+        rows.append({"round": step, "node": node, "partition": caps[node].partition, "device": caps[node].device,
+                     "status": "failed" if dev in failed else "ok", "flops": flops, "bytes_down": down,
+                     "bytes_up": up, **cost.ledger(dev in failed)})
+    return rows
+
+
 def _worst_rel(trace: list[PhaseRecord], way: str) -> float:
     """The largest |measured - formula| / formula over the devices and phases of ``trace`` that ran without a
     re-dispatch (a re-dispatched unit travels twice; the formula prices one message per device)."""
@@ -301,6 +321,8 @@ def _run_units(grid: Grid, recipe: Recipe, run: RunDir, on_round: Callable[[dict
             handle = install(model, engine, u.offload)
         now = time.perf_counter()
         step_waits = transport.waits[waits:]
+        ledger = price_step(step, trace, order, caps, catalog, engine.offline - offline_before)
+        run.log_clients(ledger)
         row = {
             "round": step, "step": step, "train_loss": loss, **scores,
             "phases": len(trace), "messages": sum(len(rec.down_bytes) for rec in trace),
@@ -311,6 +333,7 @@ def _run_units(grid: Grid, recipe: Recipe, run: RunDir, on_round: Callable[[dict
             "clients_ok": len(used - engine.offline), "clients_failed": len(engine.offline - offline_before),
             "offline": sorted(engine.offline), "server_fallback": engine.server_fallback,
             "verify_s": sum(rec.verify_s for rec in trace),
+            "energy_j": sum(r["energy_j"] for r in ledger), "co2_g": sum(r["co2_g"] for r in ledger),
             # measured bytes per device per phase against the closed form (messages.formula_bytes), worst case
             "formula_rel_down": _worst_rel(trace, "down"), "formula_rel_up": _worst_rel(trace, "up"),
             "missed": [{"waited_s": w.waited_s, "deadline_s": w.deadline_s, "devices": w.missed}
@@ -335,6 +358,7 @@ def _run_units(grid: Grid, recipe: Recipe, run: RunDir, on_round: Callable[[dict
         "train_loss": [r["train_loss"] for r in rows[1:]],
         "bytes_down": sum(r["bytes_down"] for r in rows), "bytes_up": sum(r["bytes_up"] for r in rows),
         "virtual_s": sum(r["virtual_s"] for r in rows), "offline": sorted(engine.offline),
+        "energy_j": sum(r.get("energy_j", 0.0) for r in rows), "co2_g": sum(r.get("co2_g", 0.0) for r in rows),
         "server_fallback": engine.server_fallback, "wall_s": time.perf_counter() - started,
         "sample": target.sample(),
     }

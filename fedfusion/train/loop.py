@@ -12,6 +12,7 @@ from transformers import PreTrainedModel
 
 from fedfusion.config.choices import OPTIMIZERS
 from fedfusion.data.text import sample_batch
+from fedfusion.models.frozen import FrozenTargetModel
 from fedfusion.models.full_forward import WindowModel
 from fedfusion.models.low_rank import LowRankModel
 
@@ -49,6 +50,19 @@ def optimizer_step(opt: torch.optim.Optimizer, loss: torch.Tensor, what: str = "
     return value
 
 
+def checkpoint_activations(model: PreTrainedModel | FrozenTargetModel) -> None:
+    """Turn on activation checkpointing (Hugging Face's, non-reentrant: the frozen target's inputs need no grad) in
+    ``model`` or a window's frozen target. ValueError for a model that has none (the CNN)."""
+    base = model.target() if isinstance(model, FrozenTargetModel) else model
+    if not getattr(base, "supports_gradient_checkpointing", False):
+        raise ValueError(f"train.checkpoint: {type(base).__name__} has no activation checkpointing")
+    kwargs = {"use_reentrant": False}
+    if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5.2x; the older name warns there
+        base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 @contextmanager
 def seeded_randomness(seed: int, device: torch.device) -> Iterator[None]:
     """Run the block with torch's global generators (the CPU's and ``device``'s) seeded by ``seed``, restoring
@@ -69,9 +83,11 @@ def train_steps(
     seed: int,
     weight_decay: float = 0.0,
     optimizer: str = "adamw",
+    checkpoint: bool = False,
 ) -> dict[str, float]:
     """Run ``steps`` optimizer steps on random batches of ``windows``; returns mean loss, tokens, seconds.
 
+    ``checkpoint``: recompute each layer's activations in backward (:func:`checkpoint_activations`).
     ``optimizer``: ``adamw`` (default), or ``sgd`` (plain SGD: an update moves only what the batch's gradient
     touches, which a server-side outer optimizer can then scale; see :mod:`fedfusion.fusion.outer`).
 
@@ -79,6 +95,8 @@ def train_steps(
     moved to wherever ``model`` lives; dropout, where the model has any, follows ``seed`` too.
     """
     gen = torch.Generator().manual_seed(seed)
+    if checkpoint:
+        checkpoint_activations(model)
     opt = make_optimizer(model, optimizer, lr, weight_decay)
     model.train()
     start, total = time.perf_counter(), 0.0

@@ -51,6 +51,7 @@ class PhaseRecord:
     plan: PhasePlan
     down_bytes: dict[int, int] = field(default_factory=dict)
     up_bytes: dict[int, int] = field(default_factory=dict)
+    flops: dict[int, float] = field(default_factory=dict)  # the FLOPs of the units sent to each device (re-sends too)
     formula_down: dict[int, int] = field(default_factory=dict)
     formula_up: dict[int, int] = field(default_factory=dict)
     redispatched: int = 0
@@ -180,6 +181,7 @@ class UnitEngine:
             payloads[dev] = encode_units(len(self.trace), units, held)
             rec.down_bytes[dev] = rec.down_bytes.get(dev, 0) + len(payloads[dev])
             down, flops, up = tile_loads([u[2] for u in units], len(self.devices))
+            rec.flops[dev] = rec.flops.get(dev, 0.0) + float(flops[dev])
             deadlines[dev] = self.deadline_factor * float(cm.time(down, flops, up)[dev])
             for uid in uids:
                 tried[uid].add(dev)

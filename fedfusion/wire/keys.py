@@ -6,3 +6,6 @@ from __future__ import annotations
 NUM_EXAMPLES = "num-examples"
 # wire arrays a LoRA client applies, never trains (FLoRA's merged update): the DP mods leave them alone
 FROZEN_SUFFIXES = (".merged_A", ".merged_B", ".merged_W")
+# the key prefix of the frozen target in a full-forward payload (the window's keys have none); a device keeps
+# these entries as they travelled (fedfusion.wire.quantize.decode's ``keep``)
+FROZEN = "frozen/"

@@ -65,11 +65,9 @@ def quantize(t: torch.Tensor, bits: int, block: int = BLOCK) -> tuple[torch.Tens
     return codes, scale
 
 
-def dequantize(codes: torch.Tensor, scale: torch.Tensor, shape: tuple[int, ...], block: int = BLOCK) -> torch.Tensor:
-    """The float32 tensor of ``shape`` that :func:`quantize`'s ``codes`` and ``scale`` stand for; int8 codes are
-    8-bit, uint8 codes packed int4. Raises ValueError on sizes that do not fit ``shape`` (an untrusted reply)."""
-    n = math.prod(shape)
-    blocks = -(-n // block)
+def _check_codes(codes: torch.Tensor, scale: torch.Tensor, shape: tuple[int, ...], block: int) -> None:
+    """ValueError where ``codes`` and ``scale`` cannot stand for a tensor of ``shape`` (an untrusted message)."""
+    blocks = -(-math.prod(shape) // block)
     if codes.dtype not in (torch.int8, torch.uint8):
         raise ValueError(f"codes must be int8 or uint8 (packed int4), got {codes.dtype}")
     per_byte = 2 if codes.dtype == torch.uint8 else 1
@@ -78,9 +76,43 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, shape: tuple[int, ...],
                          f"shape {shape}")
     if scale.dtype != torch.float16 or not torch.isfinite(scale).all():
         raise ValueError("scales must be finite float16")
-    if per_byte == 2:
+
+
+def _values(codes: torch.Tensor, scale: torch.Tensor, shape: tuple[int, ...], block: int = BLOCK) -> torch.Tensor:
+    """The float32 tensor checked ``codes`` and ``scale`` stand for (on their device)."""
+    if codes.dtype == torch.uint8:
         codes = torch.stack([(codes & 0x0F).to(torch.int8) - 8, (codes >> 4).to(torch.int8) - 8], 1).flatten()
-    return (codes.view(blocks, block).float() * scale.float().unsqueeze(1)).flatten()[:n].view(shape)
+    blocks = scale.numel()
+    return (codes.view(blocks, block).float() * scale.float().unsqueeze(1)).flatten()[:math.prod(shape)].view(shape)
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, shape: tuple[int, ...], block: int = BLOCK) -> torch.Tensor:
+    """The float32 tensor of ``shape`` that :func:`quantize`'s ``codes`` and ``scale`` stand for; int8 codes are
+    8-bit, uint8 codes packed int4. Raises ValueError on sizes that do not fit ``shape`` (an untrusted reply)."""
+    _check_codes(codes, scale, shape, block)
+    return _values(codes, scale, shape, block)
+
+
+class Packed(torch.nn.Module):
+    """One tensor as a message carried it, kept that narrow: int8 / packed int4 codes with their float16 scales,
+    or a dense (float16 / float32) tensor. :meth:`value` gives it as float32 on the buffers' device; a module, so
+    ``.to(device)`` moves it (:mod:`fedfusion.models.frozen` keeps a frozen target's matrices so)."""
+
+    data: torch.Tensor
+    scale: torch.Tensor | None
+
+    def __init__(self, data: torch.Tensor, scale: torch.Tensor | None = None, shape: tuple[int, ...] | None = None):
+        super().__init__()
+        self.register_buffer("data", data)
+        self.register_buffer("scale", scale)
+        self.shape = tuple(data.shape) if shape is None else shape
+
+    def value(self) -> torch.Tensor:
+        return self.data.float() if self.scale is None else _values(self.data, self.scale, self.shape)
+
+    def nbytes(self) -> int:
+        """Bytes it holds (codes and scales, or the dense tensor)."""
+        return sum(t.numel() * t.element_size() for t in (self.data, self.scale) if t is not None)
 
 
 # -- a state ---------------------------------------------------------------------------------------------
@@ -119,15 +151,15 @@ def roundtrip(state: Mapping[str, torch.Tensor], fmt: str) -> tuple[State, State
     return sent, back
 
 
-def decode(arrays: Mapping[str, torch.Tensor]) -> State:
-    """What :func:`encode` sent, as float32 (non-float tensors as they are); a malformed quantised entry raises
-    ValueError naming its key."""
-    out: State = {}
+def unpack(arrays: Mapping[str, torch.Tensor]) -> dict[str, Packed]:
+    """What :func:`encode` sent, each tensor kept as it travelled (checked: a malformed quantised entry raises
+    ValueError naming its key); non-float tensors come back dense as they are."""
+    out: dict[str, Packed] = {}
     for k, t in arrays.items():
         if k.endswith((SCALE, SHAPE)) or k == INDEX_KEY:
             continue
         if not k.endswith(CODES):
-            out[k] = t.float() if t.is_floating_point() else t
+            out[k] = Packed(t)
             continue
         name = k.removesuffix(CODES)
         if name + SCALE not in arrays or name + SHAPE not in arrays:
@@ -135,14 +167,26 @@ def decode(arrays: Mapping[str, torch.Tensor]) -> State:
         shape = arrays[name + SHAPE]
         if shape.dim() != 1 or shape.is_floating_point() or bool((shape < 0).any()):
             raise ValueError(f"{name}: {SHAPE} must be a vector of non-negative integers")
+        dims = tuple(int(n) for n in shape)
         try:
-            out[name] = dequantize(t, arrays[name + SCALE], tuple(int(n) for n in shape))
+            _check_codes(t, arrays[name + SCALE], dims, BLOCK)
         except ValueError as exc:
             raise ValueError(f"{name}: {exc}") from None
+        out[name] = Packed(t, arrays[name + SCALE], dims)
     strays = [k for k in arrays if k.endswith((SCALE, SHAPE)) and k.rsplit("::", 1)[0] + CODES not in arrays]
     if strays:
         raise ValueError(f"{strays[0]}: no codes for it")
     return out
+
+
+def decode(arrays: Mapping[str, torch.Tensor], keep: str | None = None) -> State:
+    """What :func:`encode` sent, as float32 (non-float tensors as they are); a malformed quantised entry raises
+    ValueError naming its key. Entries whose key starts with ``keep`` stay as they travelled (codes, scales and
+    shapes), for a receiver that holds them narrow (:func:`unpack`)."""
+    kept = {k: t for k, t in arrays.items() if keep is not None and k.startswith(keep)}
+    out: State = {k: (p.value() if p.data.is_floating_point() or p.scale is not None else p.data)
+                  for k, p in unpack({k: t for k, t in arrays.items() if k not in kept}).items()}
+    return {**out, **kept}
 
 
 def encoded_bytes(fmt: str, values: int) -> int:

@@ -185,6 +185,7 @@ class TrainSpec(Spec):
     batch_size: int
     weight_decay: float
     optimizer: str
+    checkpoint: bool = False  # activation checkpointing (torch clients: :func:`fedfusion.train.loop.train_steps`)
 
     def __post_init__(self) -> None:
         _check(self, "optimizer", OPTIMIZERS)

@@ -27,7 +27,7 @@ from fedfusion.fusion.base import Client, Fold, FusionMethod, Payload, State, Ti
 from fedfusion.fusion.outer import OuterConfig, OuterOptimizer
 from fedfusion.fusion.rounds import fold, owned_starts, plan_round
 from fedfusion.models.build import config_aliases, full_state, wire_state
-from fedfusion.models.full_forward import FROZEN, window_axes, with_core
+from fedfusion.models.full_forward import window_axes, with_core
 from fedfusion.models.growth import grown_plan, silence
 from fedfusion.models.low_rank import densify, factor_params, split
 from fedfusion.models.slicing import (
@@ -40,6 +40,7 @@ from fedfusion.models.slicing import (
     tensor_slices,
 )
 from fedfusion.train.ordered import ordered_fractions
+from fedfusion.wire.keys import FROZEN
 from fedfusion.wire.quantize import INDEX_KEY, Wire, encode, pack_index
 from fedfusion.wire.specs import ModelSpec, OrderedSpec, RoleSpec, SliceSpec, Spec, WindowSpec, WireSpec, merge
 

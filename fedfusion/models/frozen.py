@@ -1,0 +1,218 @@
+"""A frozen target held as it travelled: every linear layer's matrix stays in its wire form (int8 / int4 codes with
+float16 scales, or float16) and is made float32 one layer at a time, in the forward pass and again in backward, so
+a device holds the narrow matrices plus one layer's float32 matrix, not a float32 copy of the target (what the
+planner's ``frozen_dtype`` memory assumes). A trainable window of a matrix's coordinates
+(:mod:`fedfusion.models.full_forward`) or a rank-r update (:mod:`fedfusion.models.low_rank`) rides on the layer
+with the exact gradient of the loss. Every other tensor (embeddings, norms, biases, a tied head) is float32, as
+usual. No Flower import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch.nn.utils.parametrize import register_parametrization
+from transformers import PretrainedConfig, PreTrainedModel
+
+from fedfusion.models.build import config_aliases, full_state, tied_aliases
+from fedfusion.models.families import family_of
+from fedfusion.models.slicing import scatter
+from fedfusion.wire.quantize import Packed
+
+Index = tuple[torch.Tensor | None, ...]
+
+
+class _FrozenMatmul(torch.autograd.Function):
+    """``x @ W.T`` for a :class:`FrozenLinear`'s matrix ``W`` (its window's ``values`` written in): ``W`` is rebuilt
+    for backward instead of being kept, and the window's gradient is only the rows and columns it holds."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, values: torch.Tensor | None, layer: FrozenLinear) -> torch.Tensor:
+        ctx.layer = layer
+        ctx.save_for_backward(x, values)
+        return torch.nn.functional.linear(x, layer.matrix(values))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
+        x, values = ctx.saved_tensors
+        layer: FrozenLinear = ctx.layer
+        grad_x = grad @ layer.matrix(values) if ctx.needs_input_grad[0] else None
+        grad_values = None
+        if ctx.needs_input_grad[1]:
+            rows, cols = layer.window_index(grad.device)
+            g = grad.reshape(-1, grad.shape[-1])
+            xs = x.reshape(-1, x.shape[-1])
+            g = g if rows is None else g.index_select(1, rows)
+            xs = xs if cols is None else xs.index_select(1, cols)
+            grad_values = (g.T @ xs).to(values.dtype)
+        return grad_x, grad_values, None
+
+
+class FrozenLinear(torch.nn.Module):
+    """A linear layer whose frozen matrix is a :class:`~fedfusion.wire.quantize.Packed` (as it travelled), with an
+    optional trainable window of its coordinates and an optional trainable rank-r update ``B @ A``."""
+
+    def __init__(self, packed: Packed, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.packed = packed
+        self.register_buffer("bias", bias)
+        self._window: tuple[torch.nn.Parameter, Index] | None = None  # not registered: the wrapper owns them
+        self._low_rank: tuple[torch.nn.Parameter, torch.nn.Parameter] | None = None
+
+    def attach_window(self, values: torch.nn.Parameter, index: Index) -> None:
+        """Train ``values``, the coordinates ``index`` (rows, columns; None = all) of this matrix."""
+        self._window = (values, index)
+
+    def attach_low_rank(self, a: torch.nn.Parameter, b: torch.nn.Parameter) -> None:
+        """Add the trainable update ``b @ a`` to this matrix."""
+        self._low_rank = (a, b)
+
+    def window_index(self, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        index = self._window[1] if self._window is not None else ()
+        rows, cols = (*index, None, None)[:2]
+        return (None if rows is None else rows.to(device)), (None if cols is None else cols.to(device))
+
+    def matrix(self, values: torch.Tensor | None) -> torch.Tensor:
+        """The float32 matrix, with the window's ``values`` written in (no autograd: :class:`_FrozenMatmul`)."""
+        w = self.packed.value()
+        if values is None:
+            return w
+        if w.data_ptr() == self.packed.data.data_ptr():
+            w = w.clone()  # a float32 base: never write into what was received
+        scatter(w, self.window_index(w.device), values.detach().to(w.dtype), accumulate=False)
+        return w
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        values = self._window[0] if self._window is not None else None
+        y = _FrozenMatmul.apply(x, values, self)
+        if self._low_rank is not None:
+            a, b = self._low_rank
+            y = y + (x @ a.T) @ b.T
+        if self.bias is not None:
+            y = y + self.bias
+        return y
+
+
+def frozen_target(config: PretrainedConfig, packed: dict[str, Packed]) -> PreTrainedModel:
+    """A model of ``config`` holding ``packed`` (a wire state, tied aliases absent): each ``torch.nn.Linear`` whose
+    matrix arrived becomes a :class:`FrozenLinear` keeping it packed; every other tensor is float32. Frozen
+    (no tensor requires grad). ValueError naming a tensor the model lacks or one of its tensors that is missing."""
+    model = family_of(config).build(config)
+    aliases = tied_aliases(model)
+    replaced: set[str] = set()  # the tensors the FrozenLinear layers hold
+    layers: list[str] = []
+    for name, module in list(model.named_modules()):
+        weight = f"{name}.weight"
+        if isinstance(module, torch.nn.Linear) and weight in packed and weight not in aliases:
+            bias = packed[f"{name}.bias"].value() if module.bias is not None and f"{name}.bias" in packed else None
+            if module.bias is not None and bias is None:
+                raise ValueError(f"frozen target: {name}.bias missing")
+            model.set_submodule(name, FrozenLinear(packed[weight], bias))
+            replaced |= {weight, f"{name}.bias"}
+            layers.append(name)
+    dense = {k: p.value() for k, p in packed.items() if k not in replaced}
+    missing, unexpected = model.load_state_dict(full_state(dense, aliases), strict=False)
+    held = {f"{name}.{k}" for name in layers for k in ("packed.data", "packed.scale", "bias")}
+    stray = [k for k in missing if k not in held]
+    if unexpected or stray:
+        raise ValueError(f"frozen target: unexpected {sorted(unexpected)[:3]}, missing {sorted(stray)[:3]}")
+    return model.requires_grad_(False)
+
+
+def as_packed(state: Mapping[str, Packed | torch.Tensor]) -> dict[str, Packed]:
+    """``state`` with each plain tensor taken as it is (a float32 base kept float32)."""
+    return {k: v if isinstance(v, Packed) else Packed(v) for k, v in state.items()}
+
+
+def linear_of(model: torch.nn.Module, name: str) -> FrozenLinear | None:
+    """The :class:`FrozenLinear` whose matrix is the tensor ``name``, if there is one."""
+    if not name.endswith(".weight"):
+        return None
+    module = model.get_submodule(name.removesuffix(".weight"))
+    return module if isinstance(module, FrozenLinear) else None
+
+
+class _Written(torch.nn.Module):
+    """A parametrization of a frozen tensor: trainable ``values`` written into the coordinates ``index`` (all
+    None: the whole tensor), recomputed at each access (so activation checkpointing's recompute sees them too)."""
+
+    def __init__(self, values: torch.nn.Parameter, index: Index) -> None:
+        super().__init__()
+        self._values = [values]  # a list: the wrapper owns the parameter
+        self._index = index
+
+    def forward(self, frozen: torch.Tensor) -> torch.Tensor:
+        values = self._values[0]
+        if all(i is None for i in self._index):
+            return values
+        out = frozen.clone()
+        scatter(out, tuple(None if i is None else i.to(out.device) for i in self._index), values, accumulate=False)
+        return out
+
+
+class _Added(torch.nn.Module):
+    """A parametrization of a frozen matrix: plus the trainable update ``b @ a``."""
+
+    def __init__(self, a: torch.nn.Parameter, b: torch.nn.Parameter) -> None:
+        super().__init__()
+        self._factors = [a, b]
+
+    def forward(self, frozen: torch.Tensor) -> torch.Tensor:
+        a, b = self._factors
+        return frozen + b @ a
+
+
+class FrozenTargetModel(torch.nn.Module):
+    """A trainable part (the subclass's parameters) on a :func:`frozen_target`: the target is not a submodule (its
+    frozen tensors are no parameters of the wrapper) but moves with it. A matrix on a :class:`FrozenLinear` takes
+    its trainable part there; any other tensor through a parametrization (:meth:`write`, :meth:`add`), tied
+    copies included."""
+
+    def __init__(self, config: PretrainedConfig, target: PreTrainedModel) -> None:
+        super().__init__()
+        self._target = [target]  # a list: not a submodule
+        self._ties = {src: [src, *(a for a, s in config_aliases(config).items() if s == src)]
+                      for src in set(config_aliases(config).values())}
+
+    def _apply(self, fn: Any, recurse: bool = True) -> FrozenTargetModel:
+        super()._apply(fn, recurse)
+        self._target[0]._apply(fn, recurse)
+        return self
+
+    def train(self, mode: bool = True) -> FrozenTargetModel:
+        self._target[0].train(mode)  # dropout, where the target has any, follows the wrapper
+        return super().train(mode)
+
+    @property
+    def device(self) -> torch.device:
+        return self._target[0].device
+
+    def target(self) -> PreTrainedModel:
+        """The frozen target (for counting and evaluation)."""
+        return self._target[0]
+
+    def _parametrize(self, name: str, make: Callable[[], torch.nn.Module]) -> None:
+        for each in self._ties.get(name, [name]):
+            module, _, attr = each.rpartition(".")
+            register_parametrization(self._target[0].get_submodule(module), attr, make(), unsafe=True)
+
+    def write(self, name: str, values: torch.nn.Parameter, index: Index) -> None:
+        """Train ``values``, the coordinates ``index`` of the target's tensor ``name``."""
+        layer = linear_of(self._target[0], name)
+        if layer is not None:
+            layer.attach_window(values, index)
+        else:
+            self._parametrize(name, lambda: _Written(values, index))
+
+    def add(self, name: str, a: torch.nn.Parameter, b: torch.nn.Parameter) -> None:
+        """Train the update ``b @ a`` of the target's matrix ``name``."""
+        layer = linear_of(self._target[0], name)
+        if layer is not None:
+            layer.attach_low_rank(a, b)
+        else:
+            self._parametrize(name, lambda: _Added(a, b))
+
+    def forward(self, **inputs: Any) -> Any:
+        return self._target[0](**inputs)
