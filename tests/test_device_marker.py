@@ -12,6 +12,8 @@ from tests.conftest import REQUIRE_DEVICE
 
 pytest_plugins = ["pytester"]
 
+HAS_EXECUTORCH = find_spec("executorch") is not None  # else test_device_that_runs is skipped for want of it
+
 TESTS = """
 import pytest
 
@@ -34,9 +36,6 @@ def suite(pytester: pytest.Pytester) -> pytest.Pytester:
     pytester.makeconftest((Path(__file__).parent / "conftest.py").read_text(encoding="utf-8"))
     pytester.makepyfile(TESTS)
     return pytester
-
-
-HAS_EXECUTORCH = find_spec("executorch") is not None  # else test_device_that_runs is skipped for want of it
 
 
 def _outcomes(suite: pytest.Pytester) -> dict[str, int]:
