@@ -1,12 +1,37 @@
-"""Shared fixtures: tiny Llama configs for fast slicing tests; a private disk cache for the session."""
+"""Shared fixtures: tiny Llama configs for fast slicing tests; a private disk cache for the session; the rule for
+tests marked ``device`` (they need ExecuTorch)."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Generator
+from importlib.util import find_spec
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
+
+REQUIRE_DEVICE = "FEDFUSION_REQUIRE_DEVICE"  # =1 in CI's device venv: there a skipped device test is a failure
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Without the device extra a ``device`` test is skipped, with the command that installs ExecuTorch."""
+    if find_spec("executorch") is None:
+        for item in items:
+            if item.get_closest_marker("device"):
+                item.add_marker(pytest.mark.skip(reason="needs ExecuTorch: pip install 'fedfusion[device]'"))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """Where ``FEDFUSION_REQUIRE_DEVICE=1``, a ``device`` test that skips, for whatever reason, fails instead: CI
+    must run every one of them."""
+    report = yield
+    if report.skipped and os.environ.get(REQUIRE_DEVICE) == "1" and item.get_closest_marker("device"):
+        report.outcome = "failed"
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr  # (path, line, reason)
+        report.longrepr = f"a device test skipped where {REQUIRE_DEVICE}=1: {reason}"
+    return report
 
 
 def tiny_config(heads: int = 4, kv_heads: int = 4, hidden: int = 32, inter: int = 48) -> LlamaConfig:

@@ -151,8 +151,7 @@ def test_export_device_command_reports_a_bad_tier_before_writing(tmp_path, capsy
 
 @pytest.fixture(scope="module")
 def phone_program(tmp_path_factory):
-    """The quickstart phone tier's program (2 layers, batch 4 x 16 tokens), exported once for the slow tests."""
-    pytest.importorskip("executorch")
+    """The quickstart phone tier's program (2 layers, batch 4 x 16 tokens), exported once for the device tests."""
     from fedfusion.config.recipe import load_recipe
     from fedfusion.phone.commands import export_tier
 
@@ -175,6 +174,7 @@ def _phone_state(recipe, server_round: int = 3):
 
 
 @pytest.mark.slow
+@pytest.mark.device
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 def test_runtime_training_matches_torch(phone_program, optimizer):
     """k steps through the ExecuTorch program (client-code optimizer, no autograd) equal k torch steps: loss per step
@@ -208,6 +208,7 @@ def test_runtime_training_matches_torch(phone_program, optimizer):
 
 
 @pytest.mark.slow
+@pytest.mark.device
 def test_manifest_describes_the_program(phone_program):
     recipe, program, out = phone_program
     m = program.manifest
@@ -221,6 +222,7 @@ def test_manifest_describes_the_program(phone_program):
 
 
 @pytest.mark.slow
+@pytest.mark.device
 def test_gateway_and_reference_device_end_to_end(phone_program, tmp_path):
     """A SuperNode's relay hands a message to the gateway, the reference device trains it through the runtime, and
     the node gets an update of the sub-model's keys; a device killed mid-task makes the next one a dropout."""
@@ -273,10 +275,10 @@ def _take_and_vanish(url: str, token: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.device
 def test_gpt2_slice_exports_and_trains_as_torch(tmp_path):
     """GPT-2 (tied lm_head): the program keeps one embedding whose gradient sums both uses, as torch does. Dropout
     off: the program draws its own masks, so with dropout no two runs (torch's included) agree step by step."""
-    pytest.importorskip("executorch")
     from transformers import GPT2Config
 
     from fedfusion.models.build import config_aliases, model_from_state, wire_state
@@ -308,9 +310,9 @@ def test_gpt2_slice_exports_and_trains_as_torch(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.device
 def test_unexportable_family_names_family_and_op():
     """The CNN's GroupNorm views a parameter, which ExecuTorch cannot emit with external weights: a clear error."""
-    pytest.importorskip("executorch")
     from fedfusion.models.cnn import FedCNNConfig
     from fedfusion.phone.program import DeviceExportError, export_program
 

@@ -15,7 +15,7 @@ from fedfusion.phone.gateway import Gateway, GatewayServer, Tokens, write_tokens
 from fedfusion.run.run_dir import read_jsonl
 from tests.test_device import _take_and_vanish
 
-pytestmark = pytest.mark.slow  # SuperLink and SuperNode processes plus an ExecuTorch export: minutes
+pytestmark = [pytest.mark.slow, pytest.mark.device]  # SuperLink and SuperNode processes plus an ExecuTorch export: minutes
 
 ROOT = Path(__file__).resolve().parents[1]
 OVERRIDES = [
@@ -25,7 +25,6 @@ OVERRIDES = [
 
 
 def test_a_gateway_node_trains_through_a_reference_device(tmp_path, monkeypatch):
-    pytest.importorskip("executorch")
     from fedfusion.phone.reference import ReferenceDevice
 
     monkeypatch.chdir(ROOT)
