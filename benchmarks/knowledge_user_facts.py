@@ -114,7 +114,8 @@ def write_results(out: str, work: Path, files: list[tuple[int, int]], arms: list
     lines += [f"- `{arm}`: `{' '.join(overrides(arm, rounds, grow))}`" for arm in arms]
     lines += ["", "Final recall = the share of all probes the target answers after the last round (the report's "
               "headline); gap closure = (arm - smallest_only) / (oracle - smallest_only) on the final recall of "
-              "the same seed; rising: the report's still-rising check on the curve.", ""]
+              "the same seed; rising: the gain over the last "
+              "evaluations where the report's check (`fedfusion.run.report.still_rising`) finds the curve still rising.", ""]
     for facts, _ in files:
         lines += [f"## {facts} facts", "", "| arm | seed | final recall | best | gap closure | rising | wall s |",
                   "|---|---|---|---|---|---|---|"]
@@ -127,7 +128,7 @@ def write_results(out: str, work: Path, files: list[tuple[int, int]], arms: list
                 span = base[1]["final"] - base[0]["final"] if base[0] and base[1] else 0.0
                 closure = f"{(r['final'] - base[0]['final']) / span:.2f}" if base[0] and span else "-"
                 r["gap_closure"] = None if closure == "-" else float(closure)
-                rising = f"+{r['rising']:.3f}" if r["rising"] is not None else "no"
+                rising = f"+{r['rising'][1]:.3f} in {r['rising'][0]}" if r["rising"] else "no"
                 lines.append(f"| {arm} | {seed} | {r['final']:.3f} | {r['best']:.3f} | {closure} | {rising} | "
                              f"{r['wall_s']:.0f} |")
         lines += ["", "Round-by-round probe accuracy (every 5th round and the last):", ""]
