@@ -101,10 +101,10 @@ def write_results(out: str, work: Path, files: list[tuple[int, int]], arms: list
     machine = f"{platform.platform()}, {os.cpu_count()} cores, Python {platform.python_version()}"
     rounds = next((len(r["curve"]) - 1 for r in runs.values()), 0)
     data = {"machine": machine, "files": [{"facts": f, "generator_seed": s} for f, s in files], "runs": runs}
-    (RESULTS / f"{out}.json").write_text(json.dumps(data, indent=1) + "\n")
     lines = ["# The knowledge recipe on user facts files, every arm through `fedfusion run knowledge`", "",
-             f"Machine: {machine}; every run alone (one at a time, `nice -n 10`), the cores shared with other work: "
-             "the load average before each run is in the json (`load`). Wall times are the runs' own `wall_s`.", "",
+             f"Machine: {machine}; every run alone (one at a time, `nice -n 10`), the cores shared with other "
+             "engineers' jobs: `load` is the 1-minute load average as each run started (2 cores, so above 2 the runs "
+             "waited for CPU). Wall times are the runs' own `wall_s`: compare them within this table only.", "",
              "Facts: `python benchmarks/other_facts.py DIR --facts F --seed S` (fictional towns, four attributes, "
              "Zipf-skewed over 16 clients): " + ", ".join(f"{f} facts (seed {s})" for f, s in files) + ". "
              f"Budget: the recipe's own ({rounds} rounds x 6 of 16 clients x 20 local AdamW steps, lr 0.003). "
@@ -117,8 +117,8 @@ def write_results(out: str, work: Path, files: list[tuple[int, int]], arms: list
               "the same seed; rising: the gain over the last "
               "evaluations where the report's check (`fedfusion.run.report.still_rising`) finds the curve still rising.", ""]
     for facts, _ in files:
-        lines += [f"## {facts} facts", "", "| arm | seed | final recall | best | gap closure | rising | wall s |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += [f"## {facts} facts", "", "| arm | seed | final recall | best | gap closure | rising | wall s | load |",
+                  "|---|---|---|---|---|---|---|---|"]
         for seed in seeds:
             base = runs.get(f"{facts}-smallest_only-s{seed}"), runs.get(f"{facts}-oracle-s{seed}")
             for arm in arms:
@@ -130,7 +130,7 @@ def write_results(out: str, work: Path, files: list[tuple[int, int]], arms: list
                 r["gap_closure"] = None if closure == "-" else float(closure)
                 rising = f"+{r['rising'][1]:.3f} in {r['rising'][0]}" if r["rising"] else "no"
                 lines.append(f"| {arm} | {seed} | {r['final']:.3f} | {r['best']:.3f} | {closure} | {rising} | "
-                             f"{r['wall_s']:.0f} |")
+                             f"{r['wall_s']:.0f} | {r.get('load', '-')} |")
         lines += ["", "Round-by-round probe accuracy (every 5th round and the last):", ""]
         for r in runs.values():
             if r["facts"] == facts:
