@@ -137,6 +137,11 @@ def write_results(out: str, work: Path, files: list[tuple[int, int]], arms: list
                 marks = sorted(set(range(0, len(r["curve"]), 5)) | {len(r["curve"]) - 1})
                 lines.append(f"- {r['arm']} (seed {r['seed']}): " + ", ".join(f"r{i} {r['curve'][i]:.3f}" for i in marks))
         lines.append("")
+    missing = [f"{facts}-{arm}-s{seed}" for facts, _ in files for arm in arms for seed in seeds
+               if f"{facts}-{arm}-s{seed}" not in runs]
+    if missing:
+        lines += [f"Not run or not finished: {', '.join(missing)}.", ""]
+    data["missing"] = missing
     (RESULTS / f"{out}.json").write_text(json.dumps(data, indent=1) + "\n")
     (RESULTS / f"{out}.md").write_text("\n".join(lines))
 
