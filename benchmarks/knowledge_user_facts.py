@@ -114,7 +114,10 @@ def write_results(out: str, work: Path, files: list[tuple[int, int]], arms: list
     lines += [f"- `{arm}`: `{' '.join(overrides(arm, rounds, grow))}`" for arm in arms]
     lines += ["", "Final recall = the share of all probes the target answers after the last round (the report's "
               "headline); gap closure = (arm - smallest_only) / (oracle - smallest_only) on the final recall of "
-              "the same seed; rising: the gain over the last "
+              "the same seed. `smallest_only` grows at its last round, so every round trains the smallest width's "
+              "static slice inside a target silenced around it and the scored target *is* that small model (a "
+              "slice without growth would be scored inside a target whose other units keep their random "
+              "initialisation). Rising: the gain over the last "
               "evaluations where the report's check (`fedfusion.run.report.still_rising`) finds the curve still rising.", ""]
     for facts, _ in files:
         lines += [f"## {facts} facts", "", "| arm | seed | final recall | best | gap closure | rising | wall s | load |",
@@ -172,7 +175,8 @@ def main(argv: list[str] | None = None) -> None:
                     cmd = command(args.work / f"facts-{facts}", arm, seed, rounds, grow_round, run)
                     load = os.getloadavg()[0]
                     print(f"[{time.strftime('%H:%M:%S')}] load {load:.1f}: {' '.join(cmd)}", flush=True)
-                    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+                    # the CLI of this interpreter's fedfusion (python -m fedfusion), whatever PATH holds
+                    subprocess.run([sys.executable, "-m", *cmd], check=True, stdout=subprocess.DEVNULL)
                     (run / "bench.json").write_text(json.dumps({"load": round(load, 2), "grow_round": grow_round
                                                                 if arm == "grow_core" else None}))
                     write_results(args.out, args.work, files, list(ARMS), all_seeds)
