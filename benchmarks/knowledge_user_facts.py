@@ -114,7 +114,8 @@ def write_results(out: str, work: Path, files: list[tuple[int, int]], arms: list
     lines += [f"- `{arm}`: `{' '.join(overrides(arm, rounds, grow))}`" for arm in arms]
     lines += ["", "Final recall = the share of all probes the target answers after the last round (the report's "
               "headline); gap closure = (arm - smallest_only) / (oracle - smallest_only) on the final recall of "
-              "the same seed. `smallest_only` grows at its last round, so every round trains the smallest width's "
+              "the same seed, shown only where the oracle ends above smallest_only (else there is no gap to close). "
+              "`smallest_only` grows at its last round, so every round trains the smallest width's "
               "static slice inside a target silenced around it and the scored target *is* that small model (a "
               "slice without growth would be scored inside a target whose other units keep their random "
               "initialisation). Rising: the gain over the last "
@@ -129,7 +130,8 @@ def write_results(out: str, work: Path, files: list[tuple[int, int]], arms: list
                 if r is None:
                     continue
                 span = base[1]["final"] - base[0]["final"] if base[0] and base[1] else 0.0
-                closure = f"{(r['final'] - base[0]['final']) / span:.2f}" if base[0] and span else "-"
+                # no gap to close where the oracle does not end above smallest-only
+                closure = f"{(r['final'] - base[0]['final']) / span:.2f}" if base[0] and span > 0 else "-"
                 r["gap_closure"] = None if closure == "-" else float(closure)
                 rising = f"+{r['rising'][1]:.3f} in {r['rising'][0]}" if r["rising"] else "no"
                 lines.append(f"| {arm} | {seed} | {r['final']:.3f} | {r['best']:.3f} | {closure} | {rising} | "
