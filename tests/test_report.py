@@ -68,6 +68,29 @@ def test_knowledge_run_headline_scores_probes_final_and_best(tmp_path):
     assert "Held-out perplexity" not in text
 
 
+def test_knowledge_report_says_when_recall_is_still_rising_and_not_when_it_is_flat(tmp_path):
+    losses = [4.0 - 0.1 * i for i in range(9)]
+    rising = [0.0, 0.05, 0.10, 0.15, 0.20, 0.25, 0.30, 0.35, 0.40]  # +0.05 a round to the end: 3 rounds gain 0.15
+    text = write_report(fake_run(tmp_path / "rising", losses, rising, facts=True)).read_text()
+    assert "Still rising: the last 3 evaluations gained 15.0 points of recall" in text
+    flat = [0.0, 0.20, 0.30, 0.35, 0.38, 0.40, 0.41, 0.40, 0.41]  # saturated: the last 3 rounds move by noise
+    text = write_report(fake_run(tmp_path / "flat", losses, flat, facts=True)).read_text()
+    assert "Still rising" not in text
+
+
+def test_still_rising_needs_a_clear_gain_over_the_last_evaluations():
+    assert report.still_rising([0.0, 0.1, 0.2, 0.3]) == (3, pytest.approx(0.3))
+    # a real 30-round knowledge run (smallest-only, 1,200 facts): the last 3 evaluations alone look flat
+    curve = [0.0, 0.013, 0.038, 0.038, 0.048, 0.058, 0.058, 0.043, 0.06, 0.055, 0.057, 0.052, 0.064, 0.07, 0.058,
+             0.069, 0.072, 0.075, 0.072, 0.089, 0.093, 0.102, 0.107, 0.108, 0.122, 0.127, 0.142, 0.163, 0.172, 0.161,
+             0.171]
+    assert report.still_rising(curve) == (6, pytest.approx(0.0525, abs=0.001))
+    assert report.still_rising([0.0, 0.5, 0.502, 0.504, 0.506]) is None  # under 0.01 in 3 evaluations
+    assert report.still_rising([0.0, 0.6, 0.6, 0.61, 0.62]) is None  # 0.02, under 5 % of the whole rise (0.62)
+    assert report.still_rising([0.0, 0.4, 0.41]) is None  # too few evaluations to judge
+    assert report.still_rising([0.3, 0.2, 0.1, 0.0]) is None  # falling
+
+
 def test_comparison_table_has_final_and_best_and_says_which_is_which(tmp_path):
     a = fake_run(tmp_path / "dips")
     b = fake_run(tmp_path / "steady", [4.0, 3.0, 2.0], [0.1, 0.2, 0.3])

@@ -57,6 +57,20 @@ def _best(rows: list[dict], key: str) -> tuple[float, int] | None:
     return row[key], row["round"]
 
 
+def still_rising(curve: list[float]) -> tuple[int, float] | None:
+    """(k, gain) when a higher-is-better curve still rises clearly over its last k evaluations (k: a fifth of
+    them, at least 3), else None. The gain is the least-squares slope over those k steps times k, so one noisy
+    evaluation neither makes nor hides it; clearly: at least 0.01 and 5 % of the curve's whole rise. A run still
+    rising there was cut short by its budget, and its final figure understates what the method reaches."""
+    k = max(3, (len(curve) - 1) // 5)
+    tail = curve[-(k + 1):]
+    if len(tail) < k + 1:
+        return None
+    mean_x, mean_y = k / 2, sum(tail) / len(tail)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in enumerate(tail)) / sum((x - mean_x) ** 2 for x in range(k + 1))
+    return (k, slope * k) if slope * k >= max(0.01, 0.05 * (max(curve) - curve[0])) else None
+
+
 def _metric_names(summary: dict) -> dict[str, str]:
     """What the run's eval fields measure, as its summary records them; a run written before summaries did:
     the probe metrics for a knowledge run, else the character-level ones."""
@@ -392,6 +406,10 @@ def write_report(run: Path, out: Path | None = None) -> Path:
                   "only its own facts, "
                   f"so the best any single device could recall alone is {100 * f['largest_client_share']:.1f} % "
                   "(the largest client's share, with perfect memory).", ""]
+        rising = still_rising([r["probe_acc"] for r in rows if r.get("probe_acc") is not None])
+        if rising is not None:
+            lines += [f"Still rising: the last {rising[0]} evaluations gained {100 * rising[1]:.1f} points of recall; "
+                      "the budget (`rounds`) may be too short for these facts.", ""]
     lines += [f"Status: **{summary.get('status')}**", ""]
     if summary.get("status") == "ok":
         lines += [
