@@ -256,7 +256,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     optimizer: str = "adamw"  # adamw | sgd (pair sgd with a server-side fusion.outer=adam: FedAdam)
     # recompute each layer's activations in backward (activation checkpointing): a width slice or full-forward
-    # window keeps one layer's activations instead of every layer's, for about a third more compute (torch clients)
+    # window keeps one layer's activations instead of every layer's, for a slower step (1.3-2.5x measured; torch clients)
     checkpoint: bool = False
     # the clients' lr over rounds (fedfusion.fusion.rounds.round_lr): constant | cosine | linear, from train.lr in
     # round 1 down to lr_final x train.lr in the last round
