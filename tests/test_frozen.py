@@ -42,9 +42,9 @@ def test_a_packed_target_trains_the_window_as_the_decoded_one_does(frozen, rank)
     layers = [m for m in packed.target().modules() if isinstance(m, FrozenLinear)]
     assert len(layers) == 7 * cfg.num_hidden_layers + 1  # every projection and the untied head
     if frozen != "float16":
-        assert all(m.packed.data.dtype in (torch.int8, torch.uint8) for m in layers)
-    float_bytes = 4 * sum(m.packed.value().numel() for m in layers)
-    assert sum(m.packed.nbytes() for m in layers) <= {"int8": 0.27, "int4": 0.15, "float16": 0.5}[frozen] * float_bytes
+        assert all(m.codes.dtype in (torch.int8, torch.uint8) for m in layers)
+    float_bytes = 4 * sum(m.stored().value().numel() for m in layers)
+    assert sum(m.stored().nbytes() for m in layers) <= {"int8": 0.27, "int4": 0.15, "float16": 0.5}[frozen] * float_bytes
     with torch.no_grad():
         assert torch.allclose(lm_loss(packed, data)[0], lm_loss(dense, data)[0], atol=1e-6)
     a = train_steps(packed, data, steps=3, lr=1e-2, batch_size=8, seed=1)

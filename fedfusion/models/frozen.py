@@ -50,36 +50,56 @@ class _FrozenMatmul(torch.autograd.Function):
         return grad_x, grad_values, None
 
 
+def _on(index: Index, device: torch.device) -> Index:
+    """``index`` on ``device`` (the same tuple when it is there already)."""
+    if all(i is None or i.device == device for i in index):
+        return index
+    return tuple(None if i is None else i.to(device) for i in index)
+
+
 class FrozenLinear(torch.nn.Module):
-    """A linear layer whose frozen matrix is a :class:`~fedfusion.wire.quantize.Packed` (as it travelled), with an
-    optional trainable window of its coordinates and an optional trainable rank-r update ``B @ A``."""
+    """A linear layer whose frozen matrix is kept as it travelled (a :class:`~fedfusion.wire.quantize.Packed`'s
+    codes and scales as buffers, so ``.to()`` moves them), with an optional trainable window of its coordinates and
+    an optional trainable rank-r update ``B @ A``."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor | None
 
     def __init__(self, packed: Packed, bias: torch.Tensor | None) -> None:
         super().__init__()
-        self.packed = packed
+        self.register_buffer("codes", packed.data)
+        self.register_buffer("scale", packed.scale)
         self.register_buffer("bias", bias)
+        self.dims = packed.dims
         self._window: tuple[torch.nn.Parameter, Index] | None = None  # not registered: the wrapper owns them
         self._low_rank: tuple[torch.nn.Parameter, torch.nn.Parameter] | None = None
 
+    def stored(self) -> Packed:
+        """The matrix as it is held."""
+        return Packed(self.codes, self.scale, self.dims)
+
     def attach_window(self, values: torch.nn.Parameter, index: Index) -> None:
         """Train ``values``, the coordinates ``index`` (rows, columns; None = all) of this matrix."""
-        self._window = (values, index)
+        self._window = (values, (*index, None, None)[:2])
 
     def attach_low_rank(self, a: torch.nn.Parameter, b: torch.nn.Parameter) -> None:
         """Add the trainable update ``b @ a`` to this matrix."""
         self._low_rank = (a, b)
 
-    def window_index(self, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        index = self._window[1] if self._window is not None else ()
-        rows, cols = (*index, None, None)[:2]
-        return (None if rows is None else rows.to(device)), (None if cols is None else cols.to(device))
+    def window_index(self, device: torch.device) -> Index:
+        """(rows, columns) of the window on ``device``, moved there once."""
+        if self._window is None:
+            return (None, None)
+        values, index = self._window
+        self._window = (values, _on(index, device))
+        return self._window[1]
 
     def matrix(self, values: torch.Tensor | None) -> torch.Tensor:
         """The float32 matrix, with the window's ``values`` written in (no autograd: :class:`_FrozenMatmul`)."""
-        w = self.packed.value()
+        w = self.stored().value()
         if values is None:
             return w
-        if w.data_ptr() == self.packed.data.data_ptr():
+        if w.data_ptr() == self.codes.data_ptr():
             w = w.clone()  # a float32 base: never write into what was received
         scatter(w, self.window_index(w.device), values.detach().to(w.dtype), accumulate=False)
         return w
@@ -114,7 +134,7 @@ def frozen_target(config: PretrainedConfig, packed: dict[str, Packed]) -> PreTra
             layers.append(name)
     dense = {k: p.value() for k, p in packed.items() if k not in replaced}
     missing, unexpected = model.load_state_dict(full_state(dense, aliases), strict=False)
-    held = {f"{name}.{k}" for name in layers for k in ("packed.data", "packed.scale", "bias")}
+    held = {f"{name}.{k}" for name in layers for k in ("codes", "scale", "bias")}
     stray = [k for k in missing if k not in held]
     if unexpected or stray:
         raise ValueError(f"frozen target: unexpected {sorted(unexpected)[:3]}, missing {sorted(stray)[:3]}")
@@ -148,7 +168,8 @@ class _Written(torch.nn.Module):
         if all(i is None for i in self._index):
             return values
         out = frozen.clone()
-        scatter(out, tuple(None if i is None else i.to(out.device) for i in self._index), values, accumulate=False)
+        self._index = _on(self._index, out.device)
+        scatter(out, self._index, values, accumulate=False)
         return out
 
 
@@ -173,8 +194,8 @@ class FrozenTargetModel(torch.nn.Module):
     def __init__(self, config: PretrainedConfig, target: PreTrainedModel) -> None:
         super().__init__()
         self._target = [target]  # a list: not a submodule
-        self._ties = {src: [src, *(a for a, s in config_aliases(config).items() if s == src)]
-                      for src in set(config_aliases(config).values())}
+        aliases = config_aliases(config)
+        self._ties = {src: [src, *(a for a, s in aliases.items() if s == src)] for src in set(aliases.values())}
 
     def _apply(self, fn: Any, recurse: bool = True) -> FrozenTargetModel:
         super()._apply(fn, recurse)

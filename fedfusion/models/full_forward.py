@@ -34,7 +34,6 @@ from fedfusion.wire.specs import WindowSpec
 State = dict[str, torch.Tensor]
 
 
-
 class WindowModel(FrozenTargetModel):
     """The target ``frozen`` (its matrices kept as they travelled: :mod:`fedfusion.models.frozen`) with the plan's
     window trainable: ``window`` holds the window's values by sub-model name (as

@@ -93,19 +93,19 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, shape: tuple[int, ...],
     return _values(codes, scale, shape, block)
 
 
-class Packed(torch.nn.Module):
-    """One tensor as a message carried it, kept that narrow: int8 / packed int4 codes with their float16 scales,
-    or a dense (float16 / float32) tensor. :meth:`value` gives it as float32 on the buffers' device; a module, so
-    ``.to(device)`` moves it (:mod:`fedfusion.models.frozen` keeps a frozen target's matrices so)."""
+@dataclass(frozen=True)
+class Packed:
+    """One tensor as a message carried it, kept that narrow: int8 / packed int4 codes with their float16 scales and
+    the tensor's ``dims``, or a dense (float16 / float32) tensor. :meth:`value` gives it as float32 on its device
+    (:mod:`fedfusion.models.frozen` keeps a frozen target's matrices so)."""
 
     data: torch.Tensor
-    scale: torch.Tensor | None
+    scale: torch.Tensor | None = None
+    dims: tuple[int, ...] | None = None  # the tensor's shape, where ``data`` holds codes
 
-    def __init__(self, data: torch.Tensor, scale: torch.Tensor | None = None, shape: tuple[int, ...] | None = None):
-        super().__init__()
-        self.register_buffer("data", data)
-        self.register_buffer("scale", scale)
-        self.shape = tuple(data.shape) if shape is None else shape
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.data.shape) if self.dims is None else self.dims
 
     def value(self) -> torch.Tensor:
         return self.data.float() if self.scale is None else _values(self.data, self.scale, self.shape)
