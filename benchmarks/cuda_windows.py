@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 import torch
+from cuda_lora import SHAPES, shape_config  # SmolLM2's shapes, as the LoRA benchmark uses them
 from transformers import LlamaConfig
 
 from fedfusion.fusion.base import Client
@@ -49,15 +50,7 @@ from fedfusion.wire.keys import FROZEN
 from fedfusion.wire.quantize import decode
 from fedfusion.wire.specs import WindowSpec
 
-SHAPES = {"135m": (576, 1536, 30, 9, 3, 49152), "360m": (960, 2560, 32, 15, 5, 49152)}  # SmolLM2's configs
 MB = 2**20
-
-
-def shape_config(name: str) -> LlamaConfig:
-    h, inter, layers, heads, kv, vocab = SHAPES[name]
-    return LlamaConfig(vocab_size=vocab, hidden_size=h, intermediate_size=inter, num_hidden_layers=layers,
-                       num_attention_heads=heads, num_key_value_heads=kv, head_dim=h // heads,
-                       max_position_embeddings=2048, tie_word_embeddings=True)
 
 
 def arm_model(arm: str, cfg: LlamaConfig, state: dict, width: float, rank: int) -> tuple[torch.nn.Module, int]:
@@ -152,7 +145,7 @@ def replan(path: Path, out_dir: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--shapes", nargs="+", default=["135m", "360m"], choices=list(SHAPES))
     parser.add_argument("--arms", nargs="+", default=["full", "slice", "window", "window-dense", "window-int4",
                                                       "core", "rank"])
     parser.add_argument("--width", type=float, default=0.125)
