@@ -19,6 +19,7 @@ Arms (``fusion.widths.phone`` stays the recipe's 0.125 except for the oracle):
 
     python benchmarks/knowledge_user_facts.py                        # 1,200 and 2,400 facts, seed 0, every arm
     python benchmarks/knowledge_user_facts.py --seeds 1 --arms smallest_only grow_core   # a second seed
+    python benchmarks/knowledge_user_facts.py --rounds 60 --work runs/user_facts_r60 --out knowledge_user_facts_r60
     python benchmarks/knowledge_user_facts.py --collect-only         # rewrite the results from the run dirs
 """
 
@@ -64,8 +65,9 @@ def overrides(arm: str, rounds: int, grow_round: int) -> list[str]:
 
 
 def command(data: Path, arm: str, seed: int, rounds: int, grow_round: int, run: Path) -> list[str]:
+    budget = [] if rounds == recipe_rounds() else [f"rounds={rounds}"]
     return ["fedfusion", "run", "knowledge", f"data.path={data / 'train.jsonl'}", f"data.probes={data / 'probes.jsonl'}",
-            "population.num_clients=16", f"seed={seed}", *overrides(arm, rounds, grow_round), "--out", str(run)]
+            "population.num_clients=16", f"seed={seed}", *budget, *overrides(arm, rounds, grow_round), "--out", str(run)]
 
 
 def finished(run: Path) -> dict | None:
@@ -107,7 +109,7 @@ def write_results(out: str, work: Path, files: list[tuple[int, int]], arms: list
              "waited for CPU). Wall times are the runs' own `wall_s`: compare them within this table only.", "",
              "Facts: `python benchmarks/other_facts.py DIR --facts F --seed S` (fictional towns, four attributes, "
              "Zipf-skewed over 16 clients): " + ", ".join(f"{f} facts (seed {s})" for f, s in files) + ". "
-             f"Budget: the recipe's own ({rounds} rounds x 6 of 16 clients x 20 local AdamW steps, lr 0.003). "
+             f"Budget: the recipe's ({rounds} rounds{'' if rounds == recipe_rounds() else ' instead of its ' + str(recipe_rounds())} x 6 of 16 clients x 20 local AdamW steps, lr 0.003). "
              "Command per arm: `fedfusion run knowledge data.path=DIR/train.jsonl data.probes=DIR/probes.jsonl "
              "population.num_clients=16 seed=S` plus:", ""]
     grow = next((r.get("grow_round") for r in runs.values() if r.get("grow_round")), rounds // 3)
@@ -156,13 +158,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--files", nargs="+", default=list(FILES), help="FACTS:GENERATOR_SEED per facts file")
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
     parser.add_argument("--seeds", nargs="+", type=int, default=[0], help="run seeds (the recipe's seed key)")
+    parser.add_argument("--rounds", type=int, default=None, help="every arm's rounds (default the recipe's)")
     parser.add_argument("--grow-round", type=int, default=None, help="grow_core's growth round (default rounds // 3)")
     parser.add_argument("--work", type=Path, default=ROOT / "runs" / "user_facts", help="facts files and run dirs")
     parser.add_argument("--out", default="knowledge_user_facts")
     parser.add_argument("--collect-only", action="store_true")
     args = parser.parse_args(argv)
     files = [(int(f), int(s)) for f, s in (spec.split(":") for spec in args.files)]
-    rounds = recipe_rounds()
+    rounds = recipe_rounds() if args.rounds is None else args.rounds
     grow_round = rounds // 3 if args.grow_round is None else args.grow_round
     all_seeds = sorted({int(p.name.rsplit("-s", 1)[1]) for p in args.work.glob("*-s*") if finished(p)} | set(args.seeds))
     if not args.collect_only:

@@ -26,12 +26,14 @@ from dataclasses import dataclass, field, replace
 from logging import INFO, WARNING
 from typing import Any, cast
 
+import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
 from fedfusion.devices.energy import WorkCost, price_work, train_flops
+from fedfusion.devices.hardware import use_fastest_threads
 from fedfusion.devices.meters import read_measured
 from fedfusion.fusion.base import (
     Client,
@@ -86,7 +88,8 @@ class FusionStrategy(Strategy):
     nodes x pending messages per sweep, so 10,000 of them outlast any round deadline.
 
     ``client_lr`` gives the clients' lr of a round (``train.lr_schedule``: a decay over rounds); every message of
-    the round carries it in place of ``train_config``'s."""
+    the round carries it in place of ``train_config``'s. ``server_threads`` fixes the torch threads of the server's
+    own work; 0 measures each round whether all of them beat one (:func:`fedfusion.devices.hardware.use_fastest_threads`)."""
 
     def __init__(
         self,
@@ -106,6 +109,7 @@ class FusionStrategy(Strategy):
         pool: int = 1000,
         listeners: Iterable[Listener] = (),
         client_lr: Callable[[int], float] | None = None,
+        server_threads: int = 0,
     ) -> None:
         if not methods:
             raise ValueError("no fusion method: map at least one device tier to a method")
@@ -131,6 +135,10 @@ class FusionStrategy(Strategy):
         self.wait_nodes_s, self.query_timeout_s = wait_nodes_s, query_timeout_s
         self.listeners = list(listeners)
         self.client_lr = client_lr  # the clients' lr in a round (a schedule over rounds); None: train_config's
+        if server_threads < 0:
+            raise ValueError(f"server_threads must be >= 0, got {server_threads}")
+        self.server_threads = server_threads
+        self.threads_used = 0  # the torch threads of the last round's server work (0: none yet)
         self.caps: dict[int, dict[str, Any]] = {}
         self.unusable: set[int] = set()  # nodes that answered with a tier no method trains: never asked again
         self.costs: dict[str, WorkCost] = {}
@@ -173,6 +181,8 @@ class FusionStrategy(Strategy):
         def evaluate_and_report(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
             if server_round == 0 and self.round_offset:
                 return None  # a resumed run: the checkpointed target was scored when it was saved
+            if server_round == 0:
+                self.set_threads()
             metrics = evaluate_fn(server_round, arrays) if evaluate_fn is not None else None
             report = self.report(server_round, arrays, dict(metrics.items()) if metrics is not None else {})
             for listener in self.listeners:
@@ -398,6 +408,7 @@ class FusionStrategy(Strategy):
                 self.round.number, ok, self.min_clients)
             self.round.aggregate_s = time.perf_counter() - start
             return None, MetricRecord({"clients_ok": ok})
+        self.set_threads()
         folded = fold_round(self.methods, self.round.number, self.round.target, updates)
         self.round.coverage, self.round.server_cost = folded.coverage, dict(folded.server_cost)
         self.round.aggregate_s = time.perf_counter() - start
@@ -408,6 +419,20 @@ class FusionStrategy(Strategy):
             **folded.stats,
             "server_flops": self.round.server_cost["flops"], "server_s": self.round.server_cost["seconds"],
         })
+
+    def set_threads(self) -> None:
+        """The torch threads for this round's server work (fold, then central evaluation): ``server_threads``,
+        or (0) the fastest of all or one on a short probe, logged when that changes."""
+        threads = self.server_threads
+        if threads:
+            torch.set_num_threads(threads)
+        else:
+            threads = use_fastest_threads()
+        if threads != self.threads_used:
+            log(INFO, "round %d: the server computes on %d torch thread%s%s", self.round.number, threads,
+                "s" * (threads > 1), "" if self.server_threads or threads > 1 else
+                " (more measured no faster: a core is busy)")
+        self.threads_used = threads
 
     # -- federated evaluation (optional; the server also evaluates centrally) -------------------
     def evaluation_nodes(self) -> list[int]:

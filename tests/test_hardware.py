@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from fedfusion.data.cache import cached_tensor
-from fedfusion.devices.hardware import capabilities, pick_accelerator
+from fedfusion.devices import hardware
+from fedfusion.devices.hardware import capabilities, pick_accelerator, use_fastest_threads
 
 
 def test_accelerator_is_picked_or_checked():
@@ -44,3 +45,58 @@ def test_cached_tensor_builds_once_and_survives_a_torn_file(tmp_path, monkeypatc
     assert torch.equal(cached_tensor("windows", "spec|0", build), first) and len(calls) == 2
     cached_tensor("windows", "spec|1", build)
     assert len(calls) == 3  # another key, another entry
+
+
+@pytest.fixture
+def restore_threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize(("one_s", "wide_s", "expected"), [(1.0, 0.5, 4), (1.0, 0.85, 1), (1.0, 3.0, 1)])
+def test_the_server_keeps_all_threads_only_where_they_are_clearly_faster(monkeypatch, restore_threads, one_s,
+                                                                          wide_s, expected):
+    probes: list[tuple[int, float]] = []
+
+    def probe(threads: int, give_up_s: float = float("inf")) -> float:
+        probes.append((threads, give_up_s))
+        return one_s if threads == 1 else wide_s
+
+    monkeypatch.setattr(hardware, "_probe_s", probe)
+    assert use_fastest_threads(4) == expected
+    assert torch.get_num_threads() == expected
+    assert probes == [(1, float("inf")), (4, one_s)]  # the wide probe gives up once it is slower than one thread
+
+
+def test_one_thread_needs_no_probe(monkeypatch, restore_threads):
+    monkeypatch.setattr(hardware, "_probe_s", lambda *a, **k: pytest.fail("probed"))
+    assert use_fastest_threads(1) == 1 and torch.get_num_threads() == 1
+
+
+def test_the_probe_really_times_and_gives_up(monkeypatch, restore_threads):
+    assert hardware._probe_s(1) > 0
+    monkeypatch.setattr(hardware, "PROBE_REPS", 10**6)  # minutes of products, unless it gives up after the first
+    assert hardware._probe_s(2, give_up_s=0.0) < 1.0
+
+
+def test_switching_threads_between_rounds_keeps_a_small_model_training_bit_identical(restore_threads):
+    """The server may change its thread count every round; at the sizes it trains, that changes no value."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def train(threads: int) -> list[torch.Tensor]:
+        torch.set_num_threads(threads)
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=4, intermediate_size=256)
+        model = LlamaForCausalLM(config)
+        opt = torch.optim.AdamW(model.parameters(), 1e-3)
+        x = torch.randint(0, 96, (16, 64))
+        for _ in range(3):
+            model(input_ids=x, labels=x).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        return [p.detach().clone() for p in model.parameters()]
+
+    for a, b in zip(train(1), train(2)):
+        assert torch.equal(a, b)

@@ -58,6 +58,7 @@ def test_resolved_recipe_reloads_identically(tmp_path):
         ("train:\n  lr_schedule: step\n", "train.lr_schedule"),
         ("train:\n  lr_final: 0\n", "train.lr_final"),
         ("train:\n  lr_final: 1.5\n", "train.lr_final"),
+        ("engine:\n  server_threads: -1\n", "engine.server_threads"),
     ],
 )
 def test_bad_recipe_names_the_key(tmp_path, text, key):

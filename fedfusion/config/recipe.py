@@ -290,6 +290,9 @@ class EngineConfig:
 
     cpus_per_client: float = 1.0
     threads_per_client: int = 1  # torch threads inside each client actor
+    # torch threads for the server's own work (fold, distillation, central evaluation); 0: all of torch's, when
+    # measurably faster than one right now, else one (re-measured each round: a busy core stalls every thread)
+    server_threads: int = 0
     # an existing Ray cluster to run the virtual clients on ("auto", or the head's "host:port" as `ray start --head`
     # prints it); empty: Flower starts a private one-machine Ray instance
     ray_address: str = ""
@@ -512,6 +515,8 @@ def validate(recipe: Recipe) -> None:
         for part in key.split("."):
             obj = getattr(obj, part)
         _positive(key, obj)
+    if recipe.engine.server_threads < 0:
+        raise RecipeError(f"engine.server_threads: must be >= 0 (0: chosen each round), got {recipe.engine.server_threads}")
     for name in ("crash_prob", "straggler_prob", "corrupt_prob"):
         if not 0 <= getattr(recipe.faults, name) <= 1:
             raise RecipeError(f"faults.{name}: must be in [0, 1], got {getattr(recipe.faults, name)}")

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import os
 import platform
+import time
 
 import psutil
 import torch
 
 ACCELERATORS = ("cuda", "mps", "cpu")
+TORCH_THREADS = torch.get_num_threads()  # torch's own choice for this host (its physical cores), before anyone narrows it
+PROBE_REPS = 20  # short products per probe: ~2-5 ms of work on a quiet laptop core
 
 
 def pick_accelerator(preferred: str | None = None) -> str:
@@ -52,3 +55,38 @@ def capabilities(accelerator: str) -> dict[str, str | int | float | bool]:
         caps["battery_percent"] = float(battery.percent)
         caps["charging"] = bool(battery.power_plugged)
     return caps
+
+
+def _probe_s(threads: int, give_up_s: float = float("inf")) -> float:
+    """Seconds for :data:`PROBE_REPS` small matrix products on ``threads`` torch threads (stopping early once
+    ``give_up_s`` is passed). They are as short as a small model's operations, so each one waits for its
+    slowest thread the way those do when another process holds one of the cores."""
+    torch.set_num_threads(threads)
+    x, w = torch.ones(64, 256), torch.full((256, 256), 1e-3)
+    start = time.perf_counter()
+    for _ in range(PROBE_REPS):
+        x = torch.tanh(x @ w)
+        if time.perf_counter() - start > give_up_s:
+            break
+    return time.perf_counter() - start
+
+
+def use_fastest_threads(most: int | None = None) -> int:
+    """Set torch's threads to ``most`` (default :data:`TORCH_THREADS`) if that many are measurably faster than
+    one right now, else to one; return the count.
+
+    Torch computes with one thread per physical core and each operation waits for all of them, so a core busy
+    with another process (a browser, a second run, the simulation's client actors) makes every operation wait
+    for a descheduled thread: on 2 cores beside other jobs, 2 threads measured 10-100x slower than 1. The server
+    calls this before each round's own work (the fold, distillation, central evaluation), so it takes its cores
+    back when they are free. The probe costs ~2x a one-thread probe (a few ms); it gives up on the wider count
+    as soon as that is slower."""
+    most = TORCH_THREADS if most is None else most
+    if most <= 1:
+        torch.set_num_threads(1)
+        return 1
+    one = _probe_s(1)
+    wide = _probe_s(most, give_up_s=one)
+    threads = most if wide < 0.8 * one else 1  # a clear gain only: a tie keeps the one thread that cannot stall
+    torch.set_num_threads(threads)
+    return threads

@@ -157,6 +157,7 @@ def build_strategy(recipe: Recipe, target: Target, listeners: Sequence[Listener]
         listeners=listeners,
         client_lr=partial(round_lr, recipe.train.lr, recipe.train.lr_schedule, recipe.train.lr_final,
                           rounds=recipe.rounds),
+        server_threads=recipe.engine.server_threads,
     )
 
 
