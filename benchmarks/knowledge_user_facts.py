@@ -102,6 +102,7 @@ def write_results(out: str, work: Path, files: list[tuple[int, int]], arms: list
                     runs[run.name] = {"facts": facts, "arm": arm, "seed": seed, **collect(run)}
     machine = f"{platform.platform()}, {os.cpu_count()} cores, Python {platform.python_version()}"
     rounds = next((len(r["curve"]) - 1 for r in runs.values()), 0)
+    budget_note = "" if rounds == recipe_rounds() else f" instead of its {recipe_rounds()}"
     data = {"machine": machine, "files": [{"facts": f, "generator_seed": s} for f, s in files], "runs": runs}
     lines = ["# The knowledge recipe on user facts files, every arm through `fedfusion run knowledge`", "",
              f"Machine: {machine}; every run alone (one at a time, `nice -n 10`), the cores shared with other "
@@ -109,7 +110,7 @@ def write_results(out: str, work: Path, files: list[tuple[int, int]], arms: list
              "waited for CPU). Wall times are the runs' own `wall_s`: compare them within this table only.", "",
              "Facts: `python benchmarks/other_facts.py DIR --facts F --seed S` (fictional towns, four attributes, "
              "Zipf-skewed over 16 clients): " + ", ".join(f"{f} facts (seed {s})" for f, s in files) + ". "
-             f"Budget: the recipe's ({rounds} rounds{'' if rounds == recipe_rounds() else ' instead of its ' + str(recipe_rounds())} x 6 of 16 clients x 20 local AdamW steps, lr 0.003). "
+             f"Budget: the recipe's ({rounds} rounds{budget_note} x 6 of 16 clients x 20 local AdamW steps, lr 0.003). "
              "Command per arm: `fedfusion run knowledge data.path=DIR/train.jsonl data.probes=DIR/probes.jsonl "
              "population.num_clients=16 seed=S` plus:", ""]
     grow = next((r.get("grow_round") for r in runs.values() if r.get("grow_round")), rounds // 3)
