@@ -5,8 +5,8 @@ loads and trains on CUDA through bitsandbytes, and whether the memory model that
 and base precision (:func:`fedfusion.run.planner.estimate_memory`) holds on a real accelerator. Per base shape and
 precision it records the measured weight memory and peak training memory (``torch.cuda.max_memory_allocated``
 above what was allocated before the base loaded) next to the planner's estimate, the time of a training step
-(the project's :func:`fedfusion.train.instruct.train_instruct` on :func:`fedfusion.models.adapters.attach_adapter`'s peft
-adapter) and the first loss against the float32 base's.
+(the project's :func:`fedfusion.train.loop.train_steps` with the response-only loss on
+:func:`fedfusion.models.adapters.attach_adapter`'s peft adapter) and the first loss against the float32 base's.
 
 Bases are randomly initialised Llamas of SmolLM2-135M's, -360M's and -1.7B's shapes (no hub access is needed:
 weights do not change memory or speed, and every precision starts from the same random weights); the batch is
@@ -32,7 +32,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from fedfusion.models.adapters import adapter_factors, attach_adapter
 from fedfusion.models.pretrained import load_base
 from fedfusion.run.planner import LORA_MODULES, estimate_memory
-from fedfusion.train.instruct import InstructData, response_loss, train_instruct
+from fedfusion.train.instruct import RESPONSE, InstructData, response_loss
+from fedfusion.train.loop import train_steps
 
 SHAPES = {  # SmolLM2's published configs (hidden, intermediate, layers, heads, kv heads, vocab)
     "135m": (576, 1536, 30, 9, 3, 49152),
@@ -65,10 +66,10 @@ def measure(base_dir: Path, cache: Path, cfg: LlamaConfig, bits: int, a: argpars
     ids, labels, mask = data.rows(torch.arange(a.batch))
     with torch.no_grad():
         first = float(response_loss(model, ids, labels, mask)[0])
-    train_instruct(model, data, steps=2, lr=1e-4, batch_size=a.batch, seed=0)  # warm-up: kernels, allocator
+    train_steps(model, data, steps=2, lr=1e-4, batch_size=a.batch, seed=0, loss=RESPONSE)  # warm-up: kernels, allocator
     torch.cuda.synchronize()
     start = time.perf_counter()
-    out = train_instruct(model, data, steps=a.steps, lr=1e-4, batch_size=a.batch, seed=1)
+    out = train_steps(model, data, steps=a.steps, lr=1e-4, batch_size=a.batch, seed=1, loss=RESPONSE)
     torch.cuda.synchronize()
     step_ms = 1000 * (time.perf_counter() - start) / a.steps
     peak = torch.cuda.max_memory_allocated() - before
@@ -77,7 +78,7 @@ def measure(base_dir: Path, cache: Path, cfg: LlamaConfig, bits: int, a: argpars
     row = {"bits": bits, "dtype": dtype, "layer": layer, "params": est.params - est.trainable,
            "trainable": sum(t.numel() for t in factors.values()), "trainable_planned": est.trainable,
            "weights_mb": loaded / MB, "weights_est_mb": est.weights / MB, "peak_mb": peak / MB,
-           "peak_est_mb": est.total / MB, "step_ms": step_ms, "first_loss": first, "train_loss": out["train_loss"],
+           "peak_est_mb": est.total / MB, "step_ms": step_ms, "first_loss": first, "train_loss": out.loss,
            "finite": all(bool(torch.isfinite(t).all()) for t in factors.values())}
     del model, base
     return row

@@ -99,7 +99,7 @@ def measure(arm: str, cfg: LlamaConfig, state: dict, a: argparse.Namespace, chec
     del model
     return {"arm": arm, "checkpoint": checkpoint, "trainable": trainable, "held_mb": held / MB, "peak_mb": peak / MB,
             "planned_mb": plan / MB,
-            "peak_over_planned": peak / plan, "step_ms": step_ms, "loss": out["train_loss"]}
+            "peak_over_planned": peak / plan, "step_ms": step_ms, "loss": out.loss}
 
 
 def report(payload: dict) -> str:

@@ -60,9 +60,9 @@ def tier_row(recipe, tier: str, target, windows: torch.Tensor) -> dict:
     return {
         "tier": tier, "width": recipe.fusion.widths[tier], "params": sum(v.numel() for v in state.values()),
         "export_s": program.manifest["export_s"], "pte_bytes": len(program.pte), "ptd_bytes": len(program.ptd),
-        "runtime_steps_per_s": STEPS / mine["train_s"], "torch_steps_per_s": STEPS / theirs["train_s"],
-        "mean_loss_runtime": mine["train_loss"], "mean_loss_torch": theirs["train_loss"],
-        "first_loss": mine["losses"][0], "last_loss": mine["losses"][-1],
+        "runtime_steps_per_s": STEPS / mine.seconds, "torch_steps_per_s": STEPS / theirs.seconds,
+        "mean_loss_runtime": mine.loss, "mean_loss_torch": theirs.loss,
+        "first_loss": mine.losses[0], "last_loss": mine.losses[-1],
         "relative_update_error": float((moved - expected).norm() / expected.norm()),
         "max_abs_weight_diff": float((moved - expected).abs().max()),
     }

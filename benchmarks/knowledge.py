@@ -279,12 +279,11 @@ def run_arm(job: dict) -> dict:
                       wire=Wire(a.get("wire_down", "float32"), a.get("wire_up", "float32"), a.get("error_feedback", True)),
                       frozen=a["frozen"], **{"window_width": a["window_width"], **settings, **(growth or {})})
     if policy == "generative":  # each client's own model: the smallest width, as smallest_only trains it
-        plan = plan_slice(cfg, min(widths), "static", axes=axes)
-        gen_run = GenerativeRun(cfg, sub_config(cfg, plan), windows, rounds=a["gen_rounds"], per_round=a["per_round"],
+        gen_run = GenerativeRun(cfg, min(widths), windows, axes, rounds=a["gen_rounds"], per_round=a["per_round"],
                                 steps=a["gen_steps"], lr=a["gen_lr"], batch_size=a["batch"], seed=job["seed"],
                                 generative=GenerativeConfig(sample_fraction=a["gen_samples"], temperature=a["gen_temperature"],
                                                             server_steps=a["gen_server_steps"], server_lr=a["gen_server_lr"]))
-        _, stats, devices = run_generative(gen_run, initial, extract(initial, cfg, plan), evaluate)
+        _, stats, devices = run_generative(gen_run, initial, evaluate)
         if task.hits is not None:
             ceiling = device_ceiling(task, gen_run.client_config, devices)
     elif policy == "feddf":  # server budget as generative's: gen_server_steps every rounds / gen_rounds rounds
@@ -340,7 +339,7 @@ def capacity_point(job: dict) -> dict:
     plan = plan_slice(cfg, min(widths), "static", axes=axes)
     model = model_from_state(sub_config(cfg, plan), extract(state, cfg, plan))
     out = train_steps(model, windows[0], job["capacity_steps"], job["capacity_lr"], job["batch"], seed=0)
-    return {"people": job["people"], "model": job["model"], "steps": job["capacity_steps"], "train_s": out["train_s"],
+    return {"people": job["people"], "model": job["model"], "steps": job["capacity_steps"], "train_s": out.seconds,
             "params": sum(p.numel() for p in model.parameters()), **score(model)}
 
 

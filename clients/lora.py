@@ -35,7 +35,8 @@ from fedfusion.data.instruct import instruct_clients
 from fedfusion.devices.meters import HostMeter, gpu_index
 from fedfusion.models.adapters import adapter_factors, attach_adapter, load_factors, merged_update
 from fedfusion.models.pretrained import load_base, load_base_tokenizer
-from fedfusion.train.instruct import InstructData, encode_pairs, evaluate_instruct, train_instruct
+from fedfusion.train.instruct import RESPONSE, InstructData, encode_pairs, evaluate_instruct
+from fedfusion.train.loop import train_steps
 from fedfusion.wire.keys import NUM_EXAMPLES
 from fedfusion.wire.specs import AdapterSpec, ClientSpec, LoRABaseSpec, QuantizeSpec, RoundSpec, TrainSpec
 
@@ -92,8 +93,8 @@ def train(arrays: dict[str, torch.Tensor], spec: ConfigRecord, partition: int,
         try:
             load_factors(model, arrays)
             with HostMeter(gpu_index(base.device)) as meter:  # the host's own meters (labelled, not priced)
-                stats = train_instruct(model, data, steps=train.local_steps, lr=train.lr, batch_size=train.batch_size,
-                                       seed=seed, weight_decay=train.weight_decay)
+                stats = train_steps(model, data, steps=train.local_steps, lr=train.lr, batch_size=train.batch_size,
+                                    seed=seed, weight_decay=train.weight_decay, loss=RESPONSE).metrics()
             stats.update(meter.metrics())
             factors = adapter_factors(model)
             sent = [k for k in arrays if k.endswith((".lora_A", ".lora_B"))]

@@ -15,8 +15,8 @@ from fedfusion.data.population import client_windows
 from fedfusion.devices.meters import HostMeter, gpu_index
 from fedfusion.models.build import model_from_state, tied_aliases, wire_state
 from fedfusion.models.families import config_from_dict
-from fedfusion.train.loop import evaluate_lm, train_steps
-from fedfusion.train.ordered import train_steps_ordered
+from fedfusion.train.loop import TrainResult, evaluate_lm, train_steps
+from fedfusion.train.ordered import ordered_loss
 from fedfusion.wire.keys import NUM_EXAMPLES
 from fedfusion.wire.specs import ClientSpec, FaultSpec, ModelSpec, OrderedSpec, RoundSpec, SliceSpec, TrainSpec, read_train
 
@@ -61,13 +61,13 @@ def local_steps(spec: ConfigRecord) -> dict[str, Any]:
 
 
 def trained_reply(model: torch.nn.Module, windows: torch.Tensor, faults: tuple[bool, float],
-                  fit: Callable[[], dict], trained: Callable[[], dict] | None = None) -> tuple[dict, dict]:
+                  fit: Callable[[], TrainResult], trained: Callable[[], dict] | None = None) -> tuple[dict, dict]:
     """Run ``fit()`` (local training of ``model``) under the host's energy meters, then apply the injected
     ``faults`` (from :func:`inject_faults`: corrupt?, straggle seconds); returns the state (``trained()``, by
     default the model's state with tied aliases left out, in float32 whatever dtype it arrived in) and metrics."""
     corrupt, delay = faults
     with HostMeter(gpu_index(next(model.parameters()).device)) as meter:  # the host's own meters (labelled, not priced)
-        stats = fit()
+        stats = fit().metrics()
     stats.update(meter.metrics())
     new_state = (trained() if trained is not None else
                  wire_state({k: v.detach().cpu() for k, v in model.state_dict().items()}, tied_aliases(model)))
@@ -86,12 +86,13 @@ def train(state: dict[str, torch.Tensor], spec: ConfigRecord, partition: int,
     model = _model(state, spec, accelerator)
     sliced = SliceSpec.from_config(spec)
 
-    def fit() -> dict[str, float]:
+    def fit() -> TrainResult:
+        steps = local_steps(spec)
         if sliced.policy == "ordered":  # FjORD: a nested width per step, up to this sub-model
             ordered = OrderedSpec.from_config(spec)
-            return train_steps_ordered(model, windows, fractions=ordered.fractions, axes=sliced.axes,
-                                       distill=ordered.distill, **local_steps(spec))
-        return train_steps(model, windows, checkpoint=TrainSpec.from_config(spec).checkpoint, **local_steps(spec))
+            loss = ordered_loss(model, ordered.fractions, sliced.axes, ordered.distill, steps["seed"])
+            return train_steps(model, windows, loss=loss, **steps)
+        return train_steps(model, windows, checkpoint=TrainSpec.from_config(spec).checkpoint, **steps)
 
     return trained_reply(model, windows, faults, fit)
 

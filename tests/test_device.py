@@ -199,7 +199,7 @@ def test_runtime_training_matches_torch(phone_program, optimizer):
     for _ in range(steps):
         losses.append(optimizer_step(opt, lm_loss(model, sample_batch(windows, batch, gen))[0]))
 
-    assert max(abs(a - b) for a, b in zip(stats["losses"], losses)) <= 1e-5
+    assert max(abs(a - b) for a, b in zip(stats.losses, losses)) <= 1e-5
     mine, ref = runner.weights(), dict(model.named_parameters())
     moved = torch.cat([(mine[k] - state[k]).flatten() for k in mine])
     expected = torch.cat([(ref[k].detach() - state[k]).flatten() for k in mine])
@@ -226,9 +226,9 @@ def test_manifest_describes_the_program(phone_program):
 def test_gateway_and_reference_device_end_to_end(phone_program, tmp_path):
     """A SuperNode's relay hands a message to the gateway, the reference device trains it through the runtime, and
     the node gets an update of the sub-model's keys; a device killed mid-task makes the next one a dropout."""
+    from fedfusion.clients.device import DeviceDropped, relay
     from flwr.app import ConfigRecord
 
-    from fedfusion.clients.device import DeviceDropped, relay
     from fedfusion.data.population import data_spec
     from fedfusion.phone.reference import DeviceRefused, ReferenceDevice
     from fedfusion.wire.specs import DROPPED, ClientSpec, ModelSpec, RoleSpec, RoundSpec, SliceSpec, TrainSpec, merge
@@ -302,7 +302,7 @@ def test_gpt2_slice_exports_and_trains_as_torch(tmp_path):
     mine = train_program(runner, windows, 4, 1e-2, 2, seed=3)
     model = model_from_state(config, state)
     theirs = train_steps(model, windows, 4, 1e-2, 2, seed=3)
-    assert abs(mine["train_loss"] - theirs["train_loss"]) <= 1e-5
+    assert abs(mine.loss - theirs.loss) <= 1e-5 and mine.tokens == theirs.tokens
     trained = dict(model.named_parameters())
     moved = torch.cat([(runner.params[k] - state[k]).flatten() for k in state])
     expected = torch.cat([(trained[k].detach() - state[k]).flatten() for k in state])
@@ -324,10 +324,10 @@ def test_unexportable_family_names_family_and_op():
 def test_a_gateway_dropout_is_a_dropped_row_with_its_work():
     """The error reply of a node whose phone missed the deadline is recorded as ``dropped`` (priced as wasted
     work, like a simulated dropout), not ``failed``; a device's own energy reading is kept with source 'device'."""
+    from fedfusion.clients.device import DEVICE_METER_KEY
     from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
     from flwr.supercore.task_identity import TaskIdentity
 
-    from fedfusion.clients.device import DEVICE_METER_KEY
     from fedfusion.devices.catalog import load_catalog
     from fedfusion.run.federation import price_client
     from fedfusion.wire.specs import DROPPED

@@ -11,9 +11,9 @@ from transformers import LlamaForCausalLM
 
 from fedfusion.devices.energy import train_flops
 from fedfusion.train.distill import (
+    DistillationLoss,
     Teacher,
     confidence,
-    distil,
     distillation_loss,
     feddf_teacher,
     fedet_teacher,
@@ -21,6 +21,7 @@ from fedfusion.train.distill import (
     forward_flops,
     kd_loss,
 )
+from fedfusion.train.loop import train_steps
 from tests.conftest import tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest
@@ -178,15 +179,16 @@ def test_distil_makes_a_tiny_student_match_a_fixed_teacher():
             return kd_loss(student(input_ids=windows[:, :-1]).logits, target.log_probs, 2.0).item()
 
     before = gap()
-    stats = distil(student, teacher_fn, windows, steps=30, lr=1e-2, temperature=2.0, batch_size=8, seed=0)
+    stats = train_steps(student, windows, steps=30, lr=1e-2, batch_size=8, seed=0, loss=DistillationLoss(teacher_fn, 2.0))
     assert gap() < 0.5 * before
     s_params = sum(p.numel() for p in student.parameters())
     tokens = 30 * 8 * 8
-    assert stats["tokens"] == tokens
-    assert stats["flops"] == pytest.approx(train_flops(s_params, tokens) + 30 * forward_flops(t_params, 64))
-    assert stats["seconds"] > 0 and math.isfinite(stats["loss"])
+    assert stats.tokens == tokens and len(stats.losses) == 30
+    assert stats.flops == pytest.approx(train_flops(s_params, tokens) + 30 * forward_flops(t_params, 64))
+    assert stats.seconds > 0 and math.isfinite(stats.loss) and stats.cost() == {
+        "flops": stats.flops, "seconds": stats.seconds, "tokens": stats.tokens}
     with pytest.raises(ValueError, match="windows must be"):
-        distil(student, teacher_fn, windows[:, :1], steps=1, lr=1e-3)
+        train_steps(student, windows[:, :1], steps=1, lr=1e-3, batch_size=16, seed=0, loss=DistillationLoss(teacher_fn))
 
 
 def test_kd_weight_zero_is_lm_training_that_runs_and_charges_no_teacher():
@@ -197,9 +199,10 @@ def test_kd_weight_zero_is_lm_training_that_runs_and_charges_no_teacher():
     def teacher_fn(rows):
         raise AssertionError("no teacher may run when kd_weight=0")
 
-    stats = distil(student, teacher_fn, windows, steps=3, lr=1e-2, batch_size=4, seed=0, kd_weight=0.0)
+    stats = train_steps(student, windows, steps=3, lr=1e-2, batch_size=4, seed=0,
+                        loss=DistillationLoss(teacher_fn, kd_weight=0.0))
     s_params = sum(p.numel() for p in student.parameters())
-    assert stats["flops"] == pytest.approx(train_flops(s_params, 3 * 4 * 8)) and "kd" not in stats
-    assert stats["loss"] == pytest.approx(stats["lm"])
+    assert stats.flops == pytest.approx(train_flops(s_params, 3 * 4 * 8)) and "kd" not in stats.parts
+    assert stats.loss == pytest.approx(stats.parts["lm"])
     with pytest.raises(ValueError, match="needs a teacher"):
         distillation_loss(torch.zeros(1, 2, 5), torch.zeros(1, 2, dtype=torch.long), None, kd_weight=0.5)

@@ -49,7 +49,7 @@ def test_a_packed_target_trains_the_window_as_the_decoded_one_does(frozen, rank)
         assert torch.allclose(lm_loss(packed, data)[0], lm_loss(dense, data)[0], atol=1e-6)
     a = train_steps(packed, data, steps=3, lr=1e-2, batch_size=8, seed=1)
     b = train_steps(dense, data, steps=3, lr=1e-2, batch_size=8, seed=1)
-    assert a["train_loss"] == pytest.approx(b["train_loss"], abs=1e-5)
+    assert a.loss == pytest.approx(b.loss, abs=1e-5)
     got, want = packed.trained(), dense.trained()
     assert set(got) == set(want)
     assert max(float((got[k] - want[k]).abs().max()) for k in got) < 1e-5

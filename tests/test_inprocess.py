@@ -8,9 +8,9 @@ import torch
 from transformers import LlamaForCausalLM
 
 from fedfusion.fusion.inprocess import GenerativeRun, SubModelRun, TransferRun, run_generative, run_submodel, run_transfer
-from fedfusion.fusion.rounds import client_seed
-from fedfusion.models.build import model_from_state
-from fedfusion.models.samples import GenerativeConfig
+from fedfusion.fusion.rounds import client_seed, server_seed
+from fedfusion.models.build import config_aliases, model_from_state, wire_state
+from fedfusion.models.samples import GenerativeConfig, sample_windows
 from fedfusion.models.slicing import extract, plan_slice, sub_config
 from fedfusion.train.distill import feddf_teacher, kd_loss
 from fedfusion.train.loop import evaluate_lm, train_steps
@@ -39,19 +39,40 @@ def test_one_full_width_client_per_round_is_that_clients_own_training():
     assert stats.client_rounds == 2 and stats.tokens == 2 * 3 * 4 * 8
 
 
-def test_generative_returns_each_sampled_devices_own_model_and_counts_uploads_as_int32_ids():
+def test_generative_returns_each_sampled_devices_own_model_and_counts_the_messages_bytes():
     cfg, state, windows = _setup()
     plan = plan_slice(cfg, 0.5, "static")
-    small = sub_config(cfg, plan)
-    run = GenerativeRun(cfg, small, windows, rounds=2, per_round=2, steps=2, lr=0.01, batch_size=4,
+    run = GenerativeRun(cfg, 0.5, windows, rounds=2, per_round=2, steps=2, lr=0.01, batch_size=4,
                         generative=GenerativeConfig(sample_fraction=0.5, server_steps=2, server_batch=4))
-    target, stats, devices = run_generative(run, state, extract(state, cfg, plan))
+    assert run.client_config.to_dict() == sub_config(cfg, plan).to_dict()
+    target, stats, devices = run_generative(run, state)
     assert set(devices) <= {0, 1, 2} and len(devices) >= 2
-    start = extract(state, cfg, plan)
+    start = wire_state(extract(state, cfg, plan), config_aliases(run.client_config))
     for own in devices.values():
         assert own.keys() == start.keys() and any(not torch.equal(own[k], start[k]) for k in own)
-    assert stats.bytes_up == 4 * 2 * 2 * 6 * 9  # rounds x clients x ceil(0.5 x 12) windows x 9 ids x 4 bytes
+    model = sum(v.numel() * 4 for v in start.values())  # each device's model goes down and up (float32)
+    assert stats.bytes_down == 2 * 2 * model  # rounds x clients
+    assert stats.bytes_up == 2 * 2 * (model + 6 * 9 * 8)  # + ceil(0.5 x 12) windows x 9 ids, int64 as sent
     assert any(not torch.equal(target[k], state[k]) for k in state) and stats.server_flops > 0
+    assert stats.flops > 6.0 * stats.tokens * sum(v.numel() for v in start.values())  # + the sampling's forwards
+
+
+def test_a_generative_round_is_the_clients_training_its_samples_and_the_servers_training_on_them():
+    cfg, state, windows = _setup(clients=1)
+    g = GenerativeConfig(sample_fraction=0.5, server_steps=3, server_lr=0.01, server_batch=4)
+    run = GenerativeRun(cfg, 0.5, windows, rounds=1, per_round=1, steps=2, lr=0.01, batch_size=4, generative=g)
+    target, _, devices = run_generative(run, state)
+    plan = plan_slice(cfg, 0.5, "static")
+    own = model_from_state(sub_config(cfg, plan), extract(state, cfg, plan))
+    seed = client_seed(0, 1, 0)
+    train_steps(own, windows[0], 2, 0.01, 4, seed)
+    samples = sample_windows(own, windows[0], 6, g.temperature, seed)
+    server = model_from_state(cfg, state)
+    train_steps(server, samples, 3, 0.01, 4, server_seed(0, 1, 1))
+    for key, value in server.state_dict().items():
+        torch.testing.assert_close(target[key], value, rtol=0, atol=0)
+    for key, value in devices[0].items():
+        torch.testing.assert_close(own.state_dict()[key], value, rtol=0, atol=0)
 
 
 def test_transfer_distillation_runs_the_same_federation_and_moves_the_target_only_on_its_rounds():
@@ -117,11 +138,11 @@ def test_dropout_follows_the_messages_seed_not_the_processs_history():
         torch.manual_seed(history)
         model = model_from_state(cfg, init)
         after = torch.random.get_rng_state()
-        losses.append(train_steps(model, windows[0], 3, 1e-2, 4, seed=11)["train_loss"])
+        losses.append(train_steps(model, windows[0], 3, 1e-2, 4, seed=11).loss)
         assert torch.equal(torch.random.get_rng_state(), after)
     assert losses[0] == losses[1]
     model = model_from_state(cfg, init)
-    assert train_steps(model, windows[0], 3, 1e-2, 4, seed=12)["train_loss"] != losses[0]
+    assert train_steps(model, windows[0], 3, 1e-2, 4, seed=12).loss != losses[0]
 
 
 def test_grow_rounds_are_smallest_only_training_and_the_grown_target_equals_it():

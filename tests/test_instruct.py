@@ -12,7 +12,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from fedfusion.data.instruct import instruct_clients, pooled_held_out
 from fedfusion.data.pairs import Pair, load_chatterbot, partition_pairs, split_held_out
 from fedfusion.data.text import build_char_tokenizer
-from fedfusion.train.instruct import IGNORE, encode_pair, encode_pairs, evaluate_instruct, generate_responses, train_instruct
+from fedfusion.train.instruct import IGNORE, RESPONSE, encode_pair, encode_pairs, evaluate_instruct, generate_responses
+from fedfusion.train.loop import train_steps
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest
 
@@ -147,12 +148,12 @@ def test_training_lowers_the_response_loss_and_only_touches_trainable_parameters
     model.model.embed_tokens.weight.requires_grad_(False)
     frozen = model.model.embed_tokens.weight.clone()
     before = evaluate_instruct(model, data)["eval_loss"]
-    stats = train_instruct(model, data, steps=20, lr=1e-2, batch_size=4, seed=0)
+    stats = train_steps(model, data, steps=20, lr=1e-2, batch_size=4, seed=0, loss=RESPONSE)
     assert evaluate_instruct(model, data)["eval_loss"] < before - 1.0
     assert torch.equal(model.model.embed_tokens.weight, frozen)
-    assert stats["train_tokens"] > 0 and stats["train_s"] > 0
+    assert stats.tokens > 0 and stats.seconds > 0 and stats.metrics()["train_tokens"] == stats.tokens
     answer = generate_responses(model, tok, ["q1?"], max_new_tokens=11)[0]
     assert answer.startswith("same")
     model.requires_grad_(False)
     with pytest.raises(ValueError, match="no trainable parameter"):
-        train_instruct(model, data, steps=1, lr=1e-2, batch_size=1, seed=0)
+        train_steps(model, data, steps=1, lr=1e-2, batch_size=1, seed=0, loss=RESPONSE)

@@ -9,7 +9,8 @@ from transformers import GPT2Config
 from fedfusion.models.cnn import FedCNNConfig
 from fedfusion.models.families import family_of
 from fedfusion.models.slicing import extract, plan_slice, sub_config
-from fedfusion.train.ordered import OrderedDropout, nested_plan, ordered_fractions, train_steps_ordered
+from fedfusion.train.loop import train_steps
+from fedfusion.train.ordered import OrderedDropout, nested_plan, ordered_fractions, ordered_loss
 from tests.conftest import tiny_config
 
 torch.set_num_threads(1)
@@ -99,12 +100,12 @@ def test_ordered_training_improves_every_width_and_repeats_for_a_seed(distill):
         model = build("llama")
         probe = OrderedDropout(model, (0.25, 1.0))
         before = [_nested_loss(probe, f, windows) for f in (0.25, 1.0)]
-        stats = train_steps_ordered(model, windows, steps=25, lr=1e-2, batch_size=8, seed=3,
-                                    fractions=(0.25, 0.5, 1.0), distill=distill)
+        stats = train_steps(model, windows, steps=25, lr=1e-2, batch_size=8, seed=3,
+                            loss=ordered_loss(model, (0.25, 0.5, 1.0), distill=distill, seed=3))
         after = [_nested_loss(probe, f, windows) for f in (0.25, 1.0)]
         assert all(a < 0.7 * b for a, b in zip(after, before)), (before, after)
-        assert 0.25 <= stats["mean_fraction"] <= 1.0
-        losses.append(stats["train_loss"])
+        assert 0.25 <= stats.parts["mean_fraction"] <= 1.0 and stats.metrics()["mean_fraction"] == stats.parts["mean_fraction"]
+        losses.append(stats.loss)
     assert losses[0] == losses[1]
 
 

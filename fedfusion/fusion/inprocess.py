@@ -9,29 +9,30 @@ client trains a payload. Clients train one after another; there are no faults, m
 
 from __future__ import annotations
 
-import math
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers import PretrainedConfig
 
 from fedfusion.fusion.base import Client, FusionMethod, Payload, State
+from fedfusion.fusion.generative.method import GenerativeMethod
 from fedfusion.fusion.outer import OuterConfig
 from fedfusion.fusion.rounds import client_seed, fold_round, initial_state, round_payloads, server_seed
 from fedfusion.fusion.submodel.method import SubModelMethod
 from fedfusion.models.build import model_from_state, tied_aliases, wire_state
 from fedfusion.models.full_forward import WindowModel, from_payload
 from fedfusion.models.low_rank import LowRankModel
-from fedfusion.models.samples import GenerativeConfig, SamplePool, sample_windows
+from fedfusion.models.samples import SAMPLES_KEY, GenerativeConfig, sample_windows
 from fedfusion.models.slicing import extract, plan_slice, sub_config
-from fedfusion.train.distill import Teacher, distil, feddf_teacher, forward_flops
+from fedfusion.train.distill import DistillationLoss, Teacher, feddf_teacher, forward_flops
 from fedfusion.train.loop import train_steps
 from fedfusion.wire.keys import FROZEN, NUM_EXAMPLES
 from fedfusion.wire.quantize import Wire, client_reply, decode
-from fedfusion.wire.specs import ModelSpec, RoleSpec, WindowSpec
+from fedfusion.wire.specs import Caps, GenerativeSpec, ModelSpec, RoleSpec, WindowSpec
 
 Evaluate = Callable[[dict[str, torch.Tensor], int], "dict[str, float] | None"]
 
@@ -95,8 +96,9 @@ class RunStats:
 
     def client(self, out: Mapping[str, float], params: int, seconds: float, flops: float, down: int, up: int,
                trained: int | None = None) -> None:
-        """Count one client round: ``out`` from ``train_steps``, plus work beyond it (``seconds``, ``flops``);
-        ``params`` price the work (6 FLOPs each per token), ``trained`` (default ``params``) are what it trained."""
+        """Count one client round: ``out`` its reply metrics (:meth:`fedfusion.train.loop.TrainResult.metrics`), plus
+        work beyond training (``seconds``, ``flops``); ``params`` price the work (6 FLOPs each per token),
+        ``trained`` (default ``params``) are what it trained."""
         self.client_s += out["train_s"] + seconds
         self.tokens += int(out["train_tokens"])
         self.flops += 6.0 * params * out["train_tokens"] + flops
@@ -113,7 +115,8 @@ Train = Callable[[int, Payload], "tuple[State, Mapping[str, float]]"]
 
 
 def run_rounds(methods: Mapping[str, FusionMethod], tiers: Sequence[str | None], initial: State, train: Train,
-               rounds: Rounds, evaluate: Evaluate | None = None, weighting: str = "uniform") -> tuple[State, RunStats]:
+               rounds: Rounds, evaluate: Evaluate | None = None, weighting: str = "uniform",
+               caps: Sequence[Mapping[str, Any]] | None = None) -> tuple[State, RunStats]:
     """The driver: ``rounds.rounds`` rounds of the fusion ``methods`` (tier -> method, one or several) over the
     partitions whose tiers ``tiers`` lists (None: a partition that is sampled but never trains), without Flower.
 
@@ -122,12 +125,14 @@ def run_rounds(methods: Mapping[str, FusionMethod], tiers: Sequence[str | None],
     ``train(round, payload) -> (reply, metrics)`` for each client in turn (``metrics``: ``train_s``,
     ``train_tokens`` and ``num-examples``), checks every reply with its method and folds them
     (:func:`fedfusion.fusion.rounds.fold_round`): the Flower strategy's round, less messages, faults and ledgers.
-    ``evaluate(target, round)`` is called after every round; its rows go to ``stats.history``."""
+    ``evaluate(target, round)`` is called after every round; its rows go to ``stats.history``. ``caps``: what each
+    partition's node reports of itself (:class:`fedfusion.wire.specs.Caps` keys; default none)."""
     rng = random.Random(rounds.seed)  # the sampling draw, like the strategy's seeded random selector
     state, stats = initial_state(methods, dict(initial)), RunStats()
     for rnd in range(1, rounds.rounds + 1):
         sampled = rounds.draw(rng, len(tiers))
-        clients = [Client(p, tier, client_seed(rounds.seed, rnd, p)) for p in sampled if (tier := tiers[p]) is not None]
+        clients = [Client(p, tier, client_seed(rounds.seed, rnd, p), caps[p] if caps is not None else {})
+                   for p in sampled if (tier := tiers[p]) is not None]
         start = time.perf_counter()
         payloads = round_payloads(methods, rnd, state, clients)
         stats.server_s += time.perf_counter() - start
@@ -177,7 +182,7 @@ def run_submodel(run: SubModelRun, initial: dict[str, torch.Tensor], evaluate: E
                  else model_from_state(config, received))
         p = payload.client.partition
         out = train_steps(model, run.windows[p], run.steps, run.lr, run.batch_size, payload.client.seed,
-                          run.weight_decay, run.optimizer)
+                          run.weight_decay, run.optimizer).metrics()
         trained = (model.trained() if isinstance(model, WindowModel | LowRankModel) else
                    wire_state({k: v.detach() for k, v in model.state_dict().items()}, tied_aliases(model)))
         feedback = run.wire.error_feedback and run.wire.up != "float32" and not full
@@ -190,50 +195,54 @@ def run_submodel(run: SubModelRun, initial: dict[str, torch.Tensor], evaluate: E
 
 @dataclass(frozen=True)
 class GenerativeRun(Rounds):
-    """One generative-distillation federation: each client trains its own small model (``client_config``,
-    kept on the device between rounds, never averaged) and sends samples of it; the server trains the target
-    (``config``) on every client's latest samples (:mod:`fedfusion.models.samples`)."""
+    """One generative-distillation federation (:class:`~fedfusion.fusion.generative.method.GenerativeMethod`): each
+    client trains its own small model (the static slice of the target at ``width``, kept between rounds, never
+    averaged) and sends samples of it; the server trains the target (``config``) on every client's latest samples
+    (:mod:`fedfusion.models.samples`)."""
 
     config: PretrainedConfig
-    client_config: PretrainedConfig
+    width: float
     windows: Sequence[torch.Tensor]  # per partition
+    axes: tuple[str, ...] | None = None
     generative: GenerativeConfig = field(default_factory=GenerativeConfig)
 
+    @property
+    def client_config(self) -> PretrainedConfig:
+        """The config of every client's own model."""
+        return sub_config(self.config, plan_slice(self.config, self.width, "static", axes=self.axes))
 
-def run_generative(run: GenerativeRun, initial: dict[str, torch.Tensor], client_initial: dict[str, torch.Tensor],
-                   evaluate: Evaluate | None = None,
+
+def run_generative(run: GenerativeRun, initial: dict[str, torch.Tensor], evaluate: Evaluate | None = None,
                    ) -> tuple[dict[str, torch.Tensor], RunStats, dict[int, dict[str, torch.Tensor]]]:
-    """Train the target ``initial`` from the clients' samples for ``run.rounds`` rounds (see :class:`GenerativeRun`);
-    every client's model starts from ``client_initial``. Uploads are counted as int32 token ids. Returns the
-    target, the costs and each sampled partition's own model as its device ends the run (what the samples
-    could carry: the ceiling of what the target can learn from them)."""
-    rng, g = random.Random(run.seed), run.generative
-    devices: dict[int, dict[str, torch.Tensor]] = {}  # each client's own model, as its device keeps it
-    pool, stats = SamplePool(), RunStats()
-    target = model_from_state(run.config, initial)
-    target_params = sum(p.numel() for p in target.parameters())
-    for rnd in range(1, run.rounds + 1):
-        for partition in run.draw(rng, len(run.windows)):
-            model = model_from_state(run.client_config, devices.get(partition, client_initial))
-            seed = client_seed(run.seed, rnd, partition)
-            out = train_steps(model, run.windows[partition], run.steps, run.lr, run.batch_size, seed, run.weight_decay,
-                              run.optimizer)
-            devices[partition] = {k: v.detach().clone() for k, v in model.state_dict().items()}
-            start = time.perf_counter()
-            own = run.windows[partition]
-            samples = sample_windows(model, own, math.ceil(g.sample_fraction * len(own)), g.temperature, seed)
-            pool.add(partition, samples, cap=len(own))
-            params = sum(p.numel() for p in model.parameters())
-            # sampling costs ~2 x params per generated token (forward only, KV-cached); ids go up as int32
-            stats.client(out, params, time.perf_counter() - start, 2.0 * params * samples.numel(), 0, samples.numel() * 4)
+    """Train the target ``initial`` from the clients' samples for ``run.rounds`` rounds (see :class:`GenerativeRun`):
+    :class:`~fedfusion.fusion.generative.method.GenerativeMethod` through :func:`run_rounds`, each client training
+    and sampling its model as the client role :mod:`fedfusion.clients.generative` does. Bytes are the messages'
+    (the model both ways, samples up as the client sends them); the clients' sampling counts as work (~2 x params
+    per generated token, forward only, KV-cached). Returns the target, the costs and each sampled partition's own
+    model as its device ends the run (what the samples could carry: the ceiling of what the target can learn)."""
+    tier = f"w{run.width:g}"
+    method = GenerativeMethod(run.config, {tier: run.width}, initial, run.generative, run.windows[0].shape[1] - 1,
+                              len(run.windows), run.seed, run.axes)
+    sampling = {"seconds": 0.0, "flops": 0.0}
+
+    def train(rnd: int, payload: Payload) -> tuple[State, dict[str, float]]:
+        model = model_from_state(sub_config(run.config, method.plans[tier]), payload.arrays)
+        own, seed = run.windows[payload.client.partition], payload.client.seed
+        out = train_steps(model, own, run.steps, run.lr, run.batch_size, seed, run.weight_decay, run.optimizer)
+        reply = wire_state({k: v.detach() for k, v in model.state_dict().items()}, tied_aliases(model))
         start = time.perf_counter()
-        out = train_steps(target, pool.windows(), g.server_steps, g.server_lr, g.server_batch,
-                          server_seed(run.seed, rnd, len(run.windows)))
-        stats.server_s += time.perf_counter() - start
-        stats.server_flops += 6.0 * target_params * out["train_tokens"]
-        if evaluate is not None and (row := evaluate(target.state_dict(), rnd)) is not None:
-            stats.history.append({"round": rnd, **row})
-    return target.state_dict(), stats, devices
+        reply[SAMPLES_KEY] = sample_windows(model, own, GenerativeSpec.from_config(payload.spec).samples,
+                                            run.generative.temperature, seed)
+        params = sum(p.numel() for p in model.parameters())
+        sampling["seconds"] += time.perf_counter() - start
+        sampling["flops"] += 2.0 * params * reply[SAMPLES_KEY].numel()
+        return reply, {**out.metrics(), NUM_EXAMPLES: len(own)}
+
+    caps = [{Caps.key("examples"): len(w)} for w in run.windows]  # what each node reports of itself
+    target, stats = run_rounds({tier: method}, [tier] * len(run.windows), initial, train, run, evaluate, caps=caps)
+    stats.client_s += sampling["seconds"]
+    stats.flops += sampling["flops"]
+    return target, stats, method.devices
 
 
 @dataclass(frozen=True)
@@ -241,7 +250,7 @@ class TransferRun:
     """FedDF on a public transfer set with one client family, as distillation fusion runs it: the clients
     federate a small model (``run``: every partition at the width of ``run.widths``' smallest, static), and every
     ``every`` rounds the server distils the target from that model's logits on the public ``transfer`` windows
-    (:func:`fedfusion.train.distill.distil` against :func:`fedfusion.train.distill.feddf_teacher`)."""
+    (:class:`fedfusion.train.distill.DistillationLoss` against :func:`fedfusion.train.distill.feddf_teacher`)."""
 
     run: SubModelRun
     transfer: torch.Tensor  # (n, seq_len + 1) token ids of text no client owns
@@ -273,10 +282,11 @@ def run_transfer(t: TransferRun, initial: dict[str, torch.Tensor], target_initia
                 return out
 
             start = time.perf_counter()
-            fused = distil(target, teacher, t.transfer, t.steps, t.lr, t.temperature, t.batch_size,
-                           server_seed(t.run.seed, rnd, len(t.run.windows)))
+            fused = train_steps(target, t.transfer, t.steps, t.lr, t.batch_size,
+                                server_seed(t.run.seed, rnd, len(t.run.windows)),
+                                loss=DistillationLoss(teacher, t.temperature))
             server.server_s += time.perf_counter() - start
-            server.server_flops += fused["flops"]
+            server.server_flops += fused.flops
         return evaluate(target.state_dict(), rnd) if evaluate is not None else None
 
     _, stats = run_submodel(t.run, initial, after_round)

@@ -67,9 +67,8 @@ class ReferenceDevice:
         client = ClientSpec.from_config(spec)
         windows = client_windows(client.data_spec, int(spec["partition"]), client.seq_len, "train")
         stats = train_program(runner, windows, **read_train(spec))
-        metrics = {NUM_EXAMPLES: int(windows.shape[0]), "train_loss": stats["train_loss"],
-                   "train_s": stats["train_s"], "train_tokens": stats["train_tokens"],
-                   "device_step_s": stats["train_s"] / max(1, len(stats["losses"]))}
+        metrics = {NUM_EXAMPLES: int(windows.shape[0]), "train_loss": stats.loss, "train_s": stats.seconds,
+                   "train_tokens": stats.tokens, "device_step_s": stats.seconds / max(1, len(stats.losses))}
         _ok(*call(f"{self.gateway}/v1/tasks/{task['task']}/result", "POST", self.token,
                   pack(runner.weights(), {"metrics": metrics})), "result")
         return metrics

@@ -11,12 +11,13 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TypedDict
 
 import torch
 
 from fedfusion.data.text import sample_batch
+from fedfusion.devices.energy import train_flops
 from fedfusion.phone.program import WRAPPER, DeviceProgram, example_inputs
+from fedfusion.train.loop import TrainResult
 
 
 @dataclass
@@ -93,20 +94,10 @@ class ProgramRunner:
         return float(loss), {k.removeprefix(prefix): v for k, v in self.module.named_gradients().items()}
 
 
-class ProgramStats(TypedDict):
-    """What :func:`train_program` measured: train_steps' numbers and the loss of every step."""
-
-    train_loss: float
-    train_tokens: float
-    train_s: float
-    losses: list[float]
-
-
 def train_program(runner: ProgramRunner, windows: torch.Tensor, steps: int, lr: float, batch_size: int, seed: int,
-                  weight_decay: float = 0.0, optimizer: str = "adamw") -> ProgramStats:
-    """:func:`fedfusion.train.loop.train_steps` through the runtime: the same seeded batches, the same optimizer.
-
-    Returns the mean loss, tokens, seconds and the loss of every step (``losses``, for parity checks)."""
+                  weight_decay: float = 0.0, optimizer: str = "adamw") -> TrainResult:
+    """:func:`fedfusion.train.loop.train_steps` through the runtime: the same seeded batches, the same optimizer,
+    the same :class:`~fedfusion.train.loop.TrainResult` (``losses``: the loss of every step, for parity checks)."""
     shape = runner.manifest["inputs"][0]["shape"]
     if batch_size != shape[0] or windows.shape[1] != shape[1]:
         raise ValueError(f"batches of {batch_size} x {windows.shape[1]} tokens; the program takes {shape[0]} x {shape[1]}")
@@ -119,5 +110,6 @@ def train_program(runner: ProgramRunner, windows: torch.Tensor, steps: int, lr: 
             raise FloatingPointError(f"training loss became {loss}")
         opt.step(runner.params, grads)
         losses.append(loss)
-    return {"train_loss": sum(losses) / steps, "train_tokens": float(steps * batch_size * (windows.shape[1] - 1)),
-            "train_s": time.perf_counter() - start, "losses": losses}
+    tokens = steps * batch_size * (windows.shape[1] - 1)
+    params = sum(p.numel() for p in runner.params.values())
+    return TrainResult(tuple(losses), float(tokens), time.perf_counter() - start, flops=train_flops(params, tokens))

@@ -1,4 +1,5 @@
-"""Ensemble distillation: teachers built from several models' logits, the KD loss, and the training loop.
+"""Ensemble distillation: teachers built from several models' logits, the KD loss, and the distillation loss plug-in
+of the training loop (:class:`DistillationLoss` for :func:`fedfusion.train.loop.train_steps`).
 
 Used by distillation fusion (FedDF, Fed-ET, FedMKT) to fold small client families into the target on a
 transfer set, and the target back into the families. Plain torch, no Flower.
@@ -22,7 +23,6 @@ a per-position shift), so every rule below accepts them as they are.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,8 +31,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from fedfusion.config.choices import CONFIDENCES
-from fedfusion.devices.energy import train_flops
-from fedfusion.train.loop import lm_loss, optimizer_step, seeded_randomness
+from fedfusion.train.loop import Step, lm_loss
 
 AVERAGES = ("logits", "probs")
 
@@ -207,56 +206,29 @@ def distillation_loss(
 TeacherFn = Callable[[torch.Tensor], Teacher]
 
 
-def distil(
-    student: PreTrainedModel,
-    teacher_fn: TeacherFn,
-    windows: torch.Tensor,
-    steps: int,
-    lr: float,
-    temperature: float = 1.0,
-    batch_size: int = 16,
-    seed: int = 0,
-    kd_weight: float = 1.0,
-    diversity_weight: float = 0.0,
-    weight_decay: float = 0.0,
-) -> dict[str, float]:
-    """Train ``student`` for ``steps`` AdamW steps on random batches of transfer ``windows`` against a teacher.
+@dataclass(frozen=True)
+class DistillationLoss:
+    """The distillation loss, a plug-in of :func:`fedfusion.train.loop.train_steps` on (transfer) token windows:
+    :func:`distillation_loss` of the student against ``teacher_fn``'s :class:`Teacher` for the batch.
 
-    ``teacher_fn(rows)`` gets the row indices of the batch (so per-window precomputed alignments can be
-    looked up) and returns the :class:`Teacher` for ``windows[rows]`` inputs (``[:, :-1]``); it runs
-    under ``no_grad``. Returns mean ``loss`` and ``kd`` (and ``lm`` / ``diversity`` when used), wall
-    ``seconds``, student ``tokens`` and ``flops``: the student's training work (6 x params x tokens)
-    plus every teacher's forward work, so the energy model can price the server. With ``kd_weight=0``
-    no teacher runs: it is plain LM training on the windows.
-    """
-    if steps < 1 or batch_size < 1 or lr <= 0:
-        raise ValueError(f"steps, batch_size and lr must be positive, got {steps}, {batch_size}, {lr}")
-    if windows.dim() != 2 or windows.shape[1] < 2 or len(windows) == 0:
-        raise ValueError(f"windows must be (n, seq_len + 1) token ids, got shape {tuple(windows.shape)}")
-    gen = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(student.parameters(), lr=lr, weight_decay=weight_decay)
-    params = sum(p.numel() for p in student.parameters())
-    student.train()
-    start, teacher_flops = time.perf_counter(), 0.0
-    sums: dict[str, float] = {}
-    with seeded_randomness(seed, next(student.parameters()).device):
-        for _ in range(steps):
-            rows = torch.randint(len(windows), (batch_size,), generator=gen)
-            batch = windows[rows]
-            teacher = None
-            if kd_weight > 0:  # LM training alone (kd_weight=0) runs and charges no teacher
-                with torch.no_grad():
-                    teacher = teacher_fn(rows)
-                teacher_flops += teacher.flops
-            _, logits = lm_loss(student, batch)
-            loss, parts = distillation_loss(logits, batch[:, 1:].to(logits.device), teacher, temperature,
-                                            kd_weight, diversity_weight)
-            for k, v in {"loss": optimizer_step(opt, loss, "distillation"), **parts}.items():
-                sums[k] = sums.get(k, 0.0) + v
-    tokens = steps * batch_size * (windows.shape[1] - 1)
-    return {
-        **{k: v / steps for k, v in sums.items()},
-        "seconds": time.perf_counter() - start,
-        "tokens": float(tokens),
-        "flops": train_flops(params, tokens) + teacher_flops,
-    }
+    ``teacher_fn(rows)`` gets the row indices of the batch (so per-window precomputed alignments can be looked up)
+    and returns the :class:`Teacher` for ``windows[rows]`` inputs (``[:, :-1]``); it runs under ``no_grad`` and its
+    ``flops`` are the step's forward work beyond the student. The parts of the loss (``kd``, ``lm``, ``diversity``
+    where used) become the result's parts. With ``kd_weight=0`` no teacher runs: it is plain LM training."""
+
+    teacher_fn: TeacherFn
+    temperature: float = 1.0
+    kd_weight: float = 1.0
+    diversity_weight: float = 0.0
+    what: str = "distillation"
+
+    def __call__(self, model: PreTrainedModel, batch: torch.Tensor, rows: torch.Tensor) -> Step:
+        teacher, flops = None, 0.0
+        if self.kd_weight > 0:  # LM training alone (kd_weight=0) runs and charges no teacher
+            with torch.no_grad():
+                teacher = self.teacher_fn(rows)
+            flops = teacher.flops
+        _, logits = lm_loss(model, batch)
+        loss, parts = distillation_loss(logits, batch[:, 1:].to(logits.device), teacher, self.temperature,
+                                        self.kd_weight, self.diversity_weight)
+        return Step(loss, batch.shape[0] * (batch.shape[1] - 1), parts=parts, flops=flops)

@@ -1,5 +1,6 @@
 """LoRA fine-tuning on instruction pairs (:mod:`fedfusion.data.pairs`): chat formatting with the loss on responses
-only, and training / evaluation / generation on such data (plain torch, no Flower).
+only (:data:`RESPONSE`, the loss plug-in :func:`fedfusion.train.loop.train_steps` trains such data with), and
+evaluation / generation on such data (plain torch, no Flower).
 
 Formatting: with a chat template, a pair is the user turn plus the assistant turn as the tokenizer renders
 them; the prompt part (everything the template renders before the response, found as the longest common
@@ -12,7 +13,6 @@ Sequences are cut at ``max_len`` tokens on the right; a pair with no response to
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # peft imports bitsandbytes: the LoRA client role loads it, n
 from fedfusion.data.pairs import Pair
 from fedfusion.data.text import as_text
 from fedfusion.models.build import generate
-from fedfusion.train.loop import optimizer_step, seeded_randomness
+from fedfusion.train.loop import Step
 
 IGNORE = -100
 FALLBACK_PROMPT = "Question: {prompt}\nAnswer: "
@@ -48,6 +48,8 @@ class InstructData:
         mask = self.attention_mask[index]
         width = int(mask.sum(1).max())
         return self.input_ids[index, :width], self.labels[index, :width], mask[:, :width]
+
+    __getitem__ = rows  # a training batch (fedfusion.train.loop.train_steps)
 
 
 
@@ -120,24 +122,21 @@ def response_loss(model: PreTrainedModel | PeftModel, ids: torch.Tensor, labels:
     return loss, logits, target
 
 
-def train_instruct(model: PreTrainedModel | PeftModel, data: InstructData, steps: int, lr: float, batch_size: int,
-                   seed: int, weight_decay: float = 0.0) -> dict[str, float]:
-    """``steps`` AdamW steps over the trainable parameters on seeded random batches of ``data``;
-    mean loss, tokens processed and seconds."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    if not params:
-        raise ValueError("the model has no trainable parameter")
-    gen = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
-    model.train()
-    start, total, tokens = time.perf_counter(), 0.0, 0
-    with seeded_randomness(seed, next(model.parameters()).device):
-        for _ in range(steps):
-            ids, labels, mask = data.rows(torch.randint(len(data), (batch_size,), generator=gen))
-            loss, _, _ = response_loss(model, ids, labels, mask)
-            total += optimizer_step(opt, loss)
-            tokens += int(mask.sum())
-    return {"train_loss": total / steps, "train_tokens": float(tokens), "train_s": time.perf_counter() - start}
+@dataclass(frozen=True)
+class ResponseLoss:
+    """The response-only loss, a plug-in of :func:`fedfusion.train.loop.train_steps` on :class:`InstructData`
+    (:func:`response_loss`); a step's tokens are its batch's real (unpadded) tokens."""
+
+    what: str = "training"
+
+    def __call__(self, model: PreTrainedModel | PeftModel, batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                 rows: torch.Tensor) -> Step:
+        ids, labels, mask = batch
+        loss, _, _ = response_loss(model, ids, labels, mask)
+        return Step(loss, int(mask.sum()))
+
+
+RESPONSE = ResponseLoss()
 
 
 @torch.no_grad()

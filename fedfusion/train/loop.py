@@ -1,17 +1,26 @@
-"""Local training and evaluation of a causal LM on token windows (plain torch, no Flower)."""
+"""The one local training loop, its loss plug-ins' protocol and result, and evaluation of a causal LM (plain torch,
+no Flower).
+
+:func:`train_steps` is every local training there is (clients, the servers' distillation and generative folds, the
+in-process driver): batches, forward and loss (a plug-in: :data:`LM` here, FjORD's ordered loss, the response-only
+loss and the distillation loss beside their data in this package), backward, the optimizer step through
+:func:`make_optimizer`, timing, token counting and the :class:`TrainResult`, each written once.
+"""
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 from transformers import PreTrainedModel
 
 from fedfusion.config.choices import OPTIMIZERS
-from fedfusion.data.text import sample_batch
+from fedfusion.devices.energy import train_flops
 from fedfusion.models.frozen import FrozenTargetModel
 from fedfusion.models.full_forward import WindowModel
 from fedfusion.models.low_rank import LowRankModel
@@ -30,12 +39,16 @@ def lm_loss(model: PreTrainedModel | WindowModel | LowRankModel, batch: torch.Te
 
 
 def make_optimizer(model: torch.nn.Module, name: str, lr: float, weight_decay: float) -> torch.optim.Optimizer:
-    """The local optimizer every training loop uses: AdamW, or plain SGD (see :data:`OPTIMIZERS`)."""
+    """The local optimizer of the training loop, over the model's trainable parameters: AdamW, or plain SGD (see
+    :data:`OPTIMIZERS`). ValueError for a model with no trainable parameter."""
     if name not in OPTIMIZERS:
         raise ValueError(f"optimizer {name!r} is not one of {', '.join(OPTIMIZERS)}")
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("the model has no trainable parameter")
     if name == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
-    return torch.optim.SGD(model.parameters(), lr=lr, weight_decay=weight_decay)
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay)
 
 
 def optimizer_step(opt: torch.optim.Optimizer, loss: torch.Tensor, what: str = "training") -> float:
@@ -74,9 +87,80 @@ def seeded_randomness(seed: int, device: torch.device) -> Iterator[None]:
         yield
 
 
+@dataclass(frozen=True)
+class Step:
+    """One step's loss, as a loss plug-in computes it: what backward sees, the tokens the batch held and what the
+    step reports.
+
+    ``reported``: the step's loss as :attr:`TrainResult.losses` records it (None: ``loss`` itself; FjORD reports
+    the sampled width's loss without its self-distillation terms); ``parts``: floats :class:`TrainResult` averages
+    over the steps (the KD and LM parts of a distillation loss, the sampled width); ``flops``: forward work the
+    loss spent beyond the student (teachers)."""
+
+    loss: torch.Tensor
+    tokens: int
+    reported: float | None = None
+    parts: Mapping[str, float] = field(default_factory=dict)
+    flops: float = 0.0
+
+
+class Loss(Protocol):
+    """A loss plug-in of :func:`train_steps`: one step's :class:`Step` from the model and the batch ``data[rows]``
+    (``rows``: the batch's indices into the data, for plug-ins that precompute per row, as teachers do).
+    ``what`` names the loss in the error a non-finite loss raises."""
+
+    @property
+    def what(self) -> str: ...
+
+    def __call__(self, model: Any, batch: Any, rows: torch.Tensor) -> Step: ...
+
+
+@dataclass(frozen=True)
+class LMLoss:
+    """The language-model loss: next-token cross-entropy of token windows (:func:`lm_loss`)."""
+
+    what: str = "training"
+
+    def __call__(self, model: Any, batch: torch.Tensor, rows: torch.Tensor) -> Step:
+        loss, _ = lm_loss(model, batch)
+        return Step(loss, batch.shape[0] * (batch.shape[1] - 1))
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What every local training run returns, whatever its loss (the one result schema).
+
+    ``losses``: every step's reported loss; ``tokens``: tokens trained on; ``seconds``: wall time of the loop;
+    ``parts``: the loss plug-in's parts, each the mean over the steps (e.g. ``kd``, ``lm``, ``mean_fraction``);
+    ``flops``: the training work, ``train_flops`` of the model's parameters and the tokens, plus the forward work
+    the loss spent on teachers."""
+
+    losses: tuple[float, ...]
+    tokens: float
+    seconds: float
+    parts: Mapping[str, float] = field(default_factory=dict)
+    flops: float = 0.0
+
+    @property
+    def loss(self) -> float:
+        """The mean reported loss of the steps."""
+        return sum(self.losses) / len(self.losses)
+
+    def metrics(self) -> dict[str, float]:
+        """The reply metrics of a client's training (``train_loss``, ``train_tokens``, ``train_s`` and the parts)."""
+        return {"train_loss": self.loss, "train_tokens": self.tokens, "train_s": self.seconds, **self.parts}
+
+    def cost(self) -> dict[str, float]:
+        """The server's cost of this training as a fold reports it (:attr:`fedfusion.fusion.base.Fold.server_cost`)."""
+        return {"flops": self.flops, "seconds": self.seconds, "tokens": self.tokens}
+
+
+LM = LMLoss()
+
+
 def train_steps(
-    model: PreTrainedModel | WindowModel | LowRankModel,
-    windows: torch.Tensor,
+    model: Any,
+    data: Any,
     steps: int,
     lr: float,
     batch_size: int,
@@ -84,9 +168,16 @@ def train_steps(
     weight_decay: float = 0.0,
     optimizer: str = "adamw",
     checkpoint: bool = False,
-) -> dict[str, float]:
-    """Run ``steps`` optimizer steps on random batches of ``windows``; returns mean loss, tokens, seconds.
+    loss: Loss = LM,
+) -> TrainResult:
+    """The one local training loop: ``steps`` optimizer steps (:func:`make_optimizer`) of ``loss`` on random
+    batches of ``data``.
 
+    ``data``: token windows (n, seq_len + 1) for the language-model losses, or anything with ``len`` whose
+    ``data[rows]`` is a batch the ``loss`` plug-in reads (:class:`fedfusion.train.instruct.InstructData`).
+    ``loss``: :data:`LM` (default), :class:`fedfusion.train.ordered.OrderedLoss` (FjORD),
+    :class:`fedfusion.train.instruct.ResponseLoss` (response tokens only) or
+    :class:`fedfusion.train.distill.DistillationLoss` (against a teacher).
     ``checkpoint``: recompute each layer's activations in backward (:func:`checkpoint_activations`).
     ``optimizer``: ``adamw`` (default), or ``sgd`` (plain SGD: an update moves only what the batch's gradient
     touches, which a server-side outer optimizer can then scale; see :mod:`fedfusion.fusion.outer`).
@@ -94,22 +185,30 @@ def train_steps(
     Batches are drawn on the CPU with a seeded generator (the same batches on any accelerator) and
     moved to wherever ``model`` lives; dropout, where the model has any, follows ``seed`` too.
     """
+    if steps < 1 or batch_size < 1:
+        raise ValueError(f"steps and batch_size must be positive, got {steps}, {batch_size}")
+    if isinstance(data, torch.Tensor) and (data.dim() != 2 or data.shape[1] < 2 or len(data) == 0):
+        raise ValueError(f"windows must be (n, seq_len + 1) token ids, got shape {tuple(data.shape)}")
     gen = torch.Generator().manual_seed(seed)
     if checkpoint:
         checkpoint_activations(model)
     opt = make_optimizer(model, optimizer, lr, weight_decay)
     model.train()
-    start, total = time.perf_counter(), 0.0
+    start, losses, tokens, flops, sums = time.perf_counter(), list[float](), 0, 0.0, dict[str, float]()
     with seeded_randomness(seed, model.device):
         for _ in range(steps):
-            batch = sample_batch(windows, batch_size, gen)
-            loss, _ = lm_loss(model, batch)
-            total += optimizer_step(opt, loss)
-    return {
-        "train_loss": total / steps,
-        "train_tokens": float(steps * batch_size * (windows.shape[1] - 1)),
-        "train_s": time.perf_counter() - start,
-    }
+            rows = torch.randint(len(data), (batch_size,), generator=gen)
+            step = loss(model, data[rows], rows)
+            value = optimizer_step(opt, step.loss, loss.what)
+            losses.append(value if step.reported is None else step.reported)
+            tokens += step.tokens
+            flops += step.flops
+            for key, part in step.parts.items():
+                sums[key] = sums.get(key, 0.0) + part
+    seconds = time.perf_counter() - start
+    params = sum(p.numel() for p in model.parameters())
+    return TrainResult(tuple(losses), float(tokens), seconds, {k: v / steps for k, v in sums.items()},
+                       train_flops(params, tokens) + flops)
 
 
 @torch.no_grad()

@@ -17,17 +17,16 @@ prefix keeps ceil(q * n) of the sub-model's n units, which can exceed FjORD's ce
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch.func import functional_call
 from transformers import PreTrainedModel
 
-from fedfusion.data.text import sample_batch
 from fedfusion.models.families import family_of
 from fedfusion.models.slicing import SlicePlan, extract, plan_slice, sub_config
-from fedfusion.train.loop import make_optimizer, optimizer_step, seeded_randomness
+from fedfusion.train.loop import Step
 
 
 def ordered_fractions(max_width: float, ladder: Iterable[float]) -> tuple[float, ...]:
@@ -93,44 +92,34 @@ def _ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
-def train_steps_ordered(
-    model: PreTrainedModel, windows: torch.Tensor, steps: int, lr: float, batch_size: int, seed: int,
-    fractions: Iterable[float], axes: Iterable[str] | None = None, distill: bool = False,
-    weight_decay: float = 0.0,
-    optimizer: str = "adamw",
-) -> dict[str, float]:
-    """FjORD local training of a causal LM: each optimizer step (``optimizer``, as in ``train_steps``) trains one
-    sampled nested width.
+@dataclass(frozen=True)
+class OrderedLoss:
+    """FjORD's loss, a plug-in of :func:`fedfusion.train.loop.train_steps`: each step trains one nested width
+    sampled from ``od``'s ladder (the step reports that width's loss, and its width as the ``mean_fraction`` part).
+    ``distill``: self-distillation from the widest pass, loss = CE(p) + CE(p_max) + KL(p_max || p)."""
 
-    Same inputs and metrics as :func:`fedfusion.train.loop.train_steps` (``train_loss`` is the mean loss of
-    the sampled widths), plus ``mean_fraction``. ``distill``: self-distillation from the widest pass.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    od = OrderedDropout(model, fractions, axes, seed)
-    opt = make_optimizer(model, optimizer, lr, weight_decay)
-    model.train()
-    start, total, widths = time.perf_counter(), 0.0, 0.0
-    with seeded_randomness(seed, next(model.parameters()).device):
-        for _ in range(steps):
-            batch = sample_batch(windows, batch_size, gen)
-            labels = batch[:, 1:]
-            fraction = od.sample()
-            logits = _lm_logits(od, fraction, batch)
-            loss = _ce(logits, labels)
-            reported = loss.item()
-            if distill and fraction < 1.0:
-                teacher = _lm_logits(od, 1.0, batch)
-                kl = torch.nn.functional.kl_div(
-                    torch.log_softmax(logits, -1).flatten(0, 1), torch.log_softmax(teacher.detach(), -1).flatten(0, 1),
-                    log_target=True, reduction="batchmean",
-                )
-                loss = loss + _ce(teacher, labels) + kl
-            optimizer_step(opt, loss)
-            total += reported
-            widths += fraction
-    return {
-        "train_loss": total / steps,
-        "train_tokens": float(steps * batch_size * (windows.shape[1] - 1)),
-        "train_s": time.perf_counter() - start,
-        "mean_fraction": widths / steps,
-    }
+    od: OrderedDropout
+    distill: bool = False
+    what: str = "training"
+
+    def __call__(self, model: PreTrainedModel, batch: torch.Tensor, rows: torch.Tensor) -> Step:
+        labels = batch[:, 1:]
+        fraction = self.od.sample()
+        logits = _lm_logits(self.od, fraction, batch)
+        loss = _ce(logits, labels)
+        reported = loss.item()
+        if self.distill and fraction < 1.0:
+            teacher = _lm_logits(self.od, 1.0, batch)
+            kl = torch.nn.functional.kl_div(
+                torch.log_softmax(logits, -1).flatten(0, 1), torch.log_softmax(teacher.detach(), -1).flatten(0, 1),
+                log_target=True, reduction="batchmean",
+            )
+            loss = loss + _ce(teacher, labels) + kl
+        return Step(loss, labels.numel(), reported, {"mean_fraction": fraction})
+
+
+def ordered_loss(model: PreTrainedModel, fractions: Iterable[float], axes: Iterable[str] | None = None,
+                 distill: bool = False, seed: int = 0) -> OrderedLoss:
+    """FjORD's loss for ``model`` over the ladder ``fractions`` (:class:`OrderedDropout`, its width draws seeded by
+    ``seed``: pass the training's seed)."""
+    return OrderedLoss(OrderedDropout(model, fractions, axes, seed), distill)

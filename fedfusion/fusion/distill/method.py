@@ -41,8 +41,8 @@ from fedfusion.fusion.base import (
 from fedfusion.fusion.distill.align import BridgedWindows, TokenBridge
 from fedfusion.fusion.state import pack_tensors, unpack_tensors
 from fedfusion.models.build import config_aliases, model_from_state, small_model, tied_aliases, wire_state
-from fedfusion.train.distill import Teacher, distil, feddf_teacher, fedet_teacher, fit_vocab, forward_flops
-from fedfusion.train.loop import evaluate_lm
+from fedfusion.train.distill import DistillationLoss, Teacher, feddf_teacher, fedet_teacher, fit_vocab, forward_flops
+from fedfusion.train.loop import TrainResult, evaluate_lm, train_steps
 from fedfusion.wire.specs import FamilySpec, ModelSpec, RoleSpec, merge
 
 TEACHERS = ("feddf", "fedet")
@@ -192,24 +192,26 @@ class DistillMethod(FusionMethod):
         target = model_from_state(self.config, state)
         teachers = {name: self.family_model(name).eval() for name in sorted(self.trained)}
         seed = self.seed * 100003 + server_round
-        fused = distil(target, self._ensemble_teacher(teachers), self.transfer, s.server_steps, s.server_lr,
-                       s.temperature, s.server_batch_size, seed, s.kd_weight, s.diversity_weight)
+        fused = train_steps(target, self.transfer, s.server_steps, s.server_lr, s.server_batch_size, seed,
+                            loss=DistillationLoss(self._ensemble_teacher(teachers), s.temperature, s.kd_weight,
+                                                  s.diversity_weight))
         self._charge(fused)
-        stats = {"distill_loss": fused["loss"], **({"distill_kd": fused["kd"]} if "kd" in fused else {})}
+        stats = {"distill_loss": fused.loss, **({"distill_kd": fused.parts["kd"]} if "kd" in fused.parts else {})}
         target.eval()
         if s.back_distill:
             for name, student in teachers.items():
-                back = distil(student, self._target_teacher(target, name), self.family_transfer[name],
-                              s.back_steps, s.back_lr, s.temperature, s.server_batch_size, seed + 7919, s.kd_weight)
+                back = train_steps(student, self.family_transfer[name], s.back_steps, s.back_lr, s.server_batch_size,
+                                   seed + 7919, loss=DistillationLoss(self._target_teacher(target, name), s.temperature,
+                                                                      s.kd_weight))
                 self._charge(back)
                 self.family_states[name] = _wire(student)
-                if "kd" in back:
-                    stats[f"back_kd_{name}"] = back["kd"]
+                if "kd" in back.parts:
+                    stats[f"back_kd_{name}"] = back.parts["kd"]
         return {k: v.detach().clone() for k, v in target.state_dict().items()}, stats
 
-    def _charge(self, stats: dict[str, float]) -> None:
-        for key in ("flops", "seconds", "tokens"):
-            self.server_cost[key] += stats[key]
+    def _charge(self, result: TrainResult) -> None:
+        for key, value in result.cost().items():
+            self.server_cost[key] += value
 
     def _ensemble_teacher(self, teachers: dict[str, PreTrainedModel]):
         """Teacher function over transfer rows: every family's prediction on the target's vocabulary, combined."""

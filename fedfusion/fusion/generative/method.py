@@ -18,7 +18,6 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig
 
-from fedfusion.devices.energy import train_flops
 from fedfusion.fusion.base import (
     Client,
     Fold,
@@ -123,11 +122,8 @@ class GenerativeMethod(FusionMethod):
         g = self.generative
         out = train_steps(model, self.pool.windows(), g.server_steps, g.server_lr, g.server_batch,
                           server_seed(self.run_seed, server_round, self.population))
-        params = sum(p.numel() for p in model.parameters())
-        cost = {"flops": train_flops(params, int(out["train_tokens"])), "seconds": out["train_s"],
-                "tokens": out["train_tokens"]}
         new = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        return Fold(new, 1.0, {"server_loss": out["train_loss"]}, cost)
+        return Fold(new, 1.0, {"server_loss": out.loss}, out.cost())
 
     def evaluation(self, target: State, tier: str) -> tuple[State, dict[str, Any]]:
         return self.wire(target), merge(RoleSpec("submodel"), ModelSpec(self.config.to_dict()))
