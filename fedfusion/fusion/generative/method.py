@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig
 
+from fedfusion.config.methods import SUBMODEL
 from fedfusion.devices.energy import train_flops
 from fedfusion.fusion.base import (
     Client,
@@ -130,4 +131,4 @@ class GenerativeMethod(FusionMethod):
         return Fold(new, 1.0, {"server_loss": out["train_loss"]}, cost)
 
     def evaluation(self, target: State, tier: str) -> tuple[State, dict[str, Any]]:
-        return self.wire(target), merge(RoleSpec("submodel"), ModelSpec(self.config.to_dict()))
+        return self.wire(target), merge(RoleSpec(SUBMODEL), ModelSpec(self.config.to_dict()))
