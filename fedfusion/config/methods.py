@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 SUBMODEL = "submodel"
 DISTILL = "distill"
@@ -87,7 +87,7 @@ def method(name: str) -> Method:
     return BY_NAME[name]
 
 
-def hook(path: str) -> Callable[..., Any]:
-    """The function a ``"module:function"`` path of an entry names, imported now."""
-    module, _, function = path.partition(":")
-    return getattr(importlib.import_module(module), function)  # type: ignore[no-any-return]
+def hook(path: str) -> Any:
+    """What a ``"module:name"`` path of an entry names (a function, or a constant), imported now."""
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
