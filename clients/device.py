@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from flwr.app import ConfigRecord
 
+from fedfusion.config.methods import SUBMODEL
 from fedfusion.devices.meters import WIRE_PREFIX
 from fedfusion.phone.gateway import call, pack, unpack
 from fedfusion.wire.keys import NUM_EXAMPLES
@@ -51,8 +52,8 @@ def relay(state: dict[str, torch.Tensor], spec: ConfigRecord, partition: int,
     """Hand one train message to the gateway and wait for a phone's result; returns (state, metrics)."""
     url, secret, deadline_s = _gateway(node_config)
     role = RoleSpec.from_config(spec).role
-    policy = SliceSpec.from_config(spec).policy if role == "submodel" else None
-    if role != "submodel" or policy == "ordered":
+    policy = SliceSpec.from_config(spec).policy if role == SUBMODEL else None
+    if role != SUBMODEL or policy == "ordered":
         raise ValueError(f"a device gateway serves width slices (role submodel, any policy but ordered); this message "
                          f"is role {role!r}, policy {policy!r}")
     # what a device needs of the message (the program holds the model): its data, training settings and round

@@ -16,7 +16,8 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from fedfusion.config.recipe import Recipe, RecipeError, builtin_recipes, tier_methods
+from fedfusion.config.methods import hook, method
+from fedfusion.config.recipe import Recipe, RecipeError, builtin_recipes, method_label
 from fedfusion.run.check import load_checked
 from fedfusion.run.seed_paper import NAME as SEED_PAPER
 
@@ -30,14 +31,6 @@ class _DropDeprecation(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return "is deprecated" not in record.getMessage()
-
-
-def _method(recipe: Recipe) -> str:
-    """The fusion method as a run's header names it (the slicing policy only where it applies)."""
-    f = recipe.fusion
-    if f.method == "mixed":
-        return "mixed(" + ", ".join(f"{tier}={method}" for tier, method in tier_methods(recipe).items()) + ")"
-    return f"{f.method}/{f.policy}" if f.method == "submodel" else f.method
 
 
 def _load_for_run(ref: str, overrides: list[str]) -> Recipe:
@@ -103,10 +96,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     )
 
     verb = f"resuming after round {done}:" if args.resume else "running"
-    shape = (f"{recipe.units.steps} steps, units.offload={recipe.units.offload}" if recipe.fusion.method == "units"
+    central = method(recipe.fusion.method).central  # the units mode: optimizer steps, not rounds
+    shape = (f"{recipe.units.steps} steps, units.offload={recipe.units.offload}" if central
              else f"{recipe.selection.clients_per_round} per round, {recipe.rounds} rounds")
     console.print(f"[bold]fedfusion[/] {verb} {escape(recipe.name)}: {recipe.population.num_clients} clients, "
-                  f"{shape}, fusion={_method(recipe)}"
+                  f"{shape}, fusion={method_label(recipe)}"
                   + (f", on the Ray cluster at {recipe.engine.ray_address}" if recipe.engine.ray_address else "")
                   + f"; writing {escape(str(run.path))}")
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")  # we request no GPUs; silence Ray's notice
@@ -122,12 +116,11 @@ def cmd_run(args: argparse.Namespace) -> int:
             progress.console.print("interrupted: stopping the run (Ctrl-C again to force)")
 
         ctrl_c = CtrlC(on_ctrl_c)
-        units = recipe.fusion.method == "units"
-        task = progress.add_task("steps" if units else "rounds", total=recipe.units.steps if units else recipe.rounds,
+        task = progress.add_task("steps" if central else "rounds", total=recipe.units.steps if central else recipe.rounds,
                                  completed=done)
 
         def on_round(row: dict[str, Any]) -> None:
-            if units:  # the exact mode: one row per optimizer step (fedfusion.run.units)
+            if central:  # the exact mode: one row per optimizer step (fedfusion.run.units)
                 loss = "" if row["train_loss"] is None else f"  train loss {row['train_loss']:.4f}"
                 scored = f"  eval loss {row['eval_loss']:.3f}" if "eval_loss" in row else ""
                 progress.console.print(
@@ -188,7 +181,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-PLAN_COSTS = ("MB down", "MB up", "compute s", "transfer s", "s/round", "compute J", "transfer J", "J/round")
 PLAN_NOTE = ("s and J per round: the tier's training FLOPs and the bytes it moves, priced as the run's ledger "
              "prices them (fedfusion.devices.energy.price_work; J drawn from the wall)")
 
@@ -196,53 +188,13 @@ PLAN_NOTE = ("s and J per round: the tier's training FLOPs and the bytes it move
 def cmd_plan(args: argparse.Namespace) -> int:
     """Print what each tier trains and what one round of it costs (and the server's own work, where it has any)."""
     recipe = load_checked(args.recipe, args.overrides)
-    from fedfusion.run import planner  # torch: after the recipe is known to be good
-
-    method = recipe.fusion.method
-    if method == "units":
-        step, rows = planner.units_plan(recipe)
-        headers = {k: k for k in ("tier", "devices", "used", "MB down", "MB up", "busy s")}
-        _print_table(f"plan for {recipe.name} (units, offload={recipe.units.offload}: per device and step; the "
-                     f"target trains on the server)", rows, headers, left=("tier",), width=120)
-        console.print(f"one step: {step['phases']} phases, {step['step_s']:.2f} virtual s (floor {step['floor_s']:.2f} "
-                      f"s), {step['MB down']:.1f} MB down and {step['MB up']:.1f} MB up in all; {step['steps']} steps "
-                      f"(fedfusion.units.timeline on the catalog's links, no churn)", highlight=False, soft_wrap=True)
+    # the method's plan view (its registry entry's ``plan``, in fedfusion.run.planner): torch loads only now
+    view = hook(method(recipe.fusion.method).plan)(recipe)
+    _print_table(view.title, view.rows, view.headers, left=view.left, width=view.width)
+    for note in view.notes:
+        console.print(note, highlight=False, soft_wrap=True)
+    if not view.per_round:
         return 0
-    if method == "lora":
-        from transformers import AutoConfig
-
-        from fedfusion.models.pretrained import resolve_base
-
-        config = AutoConfig.from_pretrained(resolve_base(recipe.lora.base))
-        headers = {k: k for k in ("tier", "rank", "base", "trainable", "peak MB", "fp32 base MB", "device MB",
-                                  "fits", "max fit", *PLAN_COSTS)}
-        _print_table(f"plan for {recipe.name} (lora/{recipe.lora.method} on {recipe.lora.base}; memory estimated)",
-                     planner.lora_plan_table(recipe, config), headers,
-                     left=("tier", "base", "fits", "max fit"), width=190)
-    elif method == "mixed":
-        headers = {k: k for k in ("tier", "method", "trains", "params", "peak MB", "device MB", "fits", *PLAN_COSTS)}
-        _print_table(f"plan for {recipe.name} ({_method(recipe)}: each tier trains what its method gives it; every "
-                     "round folds them into one target, slices first, then the server's distillation)",
-                     planner.mixed_plan_table(recipe), headers, left=("tier", "method", "trains", "fits"), width=240)
-    elif method == "distill":
-        headers = {k: k for k in ("tier", "trains", "params", "peak MB", "device MB", "fits", *PLAN_COSTS)}
-        _print_table(f"plan for {recipe.name} (distill/{recipe.distill.teacher}: each tier trains its family's "
-                     "model, the server distils them into the target)", planner.distill_plan_table(recipe),
-                     headers, left=("tier", "trains", "fits"), width=240)
-    else:
-        widths = planner.auto_widths(recipe, recipe.fusion.width_ladder) if recipe.fusion.auto_widths else None
-        rows = planner.plan_table(recipe, widths, ladder=recipe.fusion.width_ladder)
-        title = f"plan for {recipe.name} ({_method(recipe)}"
-        if method == "generative":
-            title += ": each tier keeps its own model, the static slice at its width; the server trains the target"
-            server = planner.generative_server_row(recipe)
-            rows.append({**server, "width": None, "slice": server["trains"]})
-        title += ", widths fitted to memory)" if widths else ")"
-        headers = {k: k for k in ("tier", "width", "slice", "params", "peak MB", "device MB", "fits", *PLAN_COSTS)}
-        _print_table(title, rows, headers, left=("tier", "slice", "fits"), width=200)
-        if method == "generative":
-            console.print("a client's uplink also carries its samples (generative.sample_fraction x its windows "
-                          "x (seq_len + 1) x 8 bytes), which the plan cannot know", highlight=False)
     console.print(PLAN_NOTE, highlight=False)
     from fedfusion.data.federated import describe
     from fedfusion.data.population import partition_sizes

@@ -6,11 +6,13 @@ Imports nothing, so a recipe loads without torch or any implementation module.
 
 from __future__ import annotations
 
+from fedfusion.config import methods
+
 DATA_SOURCES = ("shakespeare", "text", "facts", "chatterbot", "dataset")
 CHAT_SPLITS = ("category", "iid")  # data.split: one chatterbot topic per client (non-IID) | iid
 BUILTIN_DATASETS = ("shakespeare", "chatterbot")  # data.source=dataset without a hub id or a local file
-FUSION_METHODS = ("submodel", "distill", "lora", "generative", "mixed", "units")  # units: the exact mode (issue 25)
-MIXABLE = ("submodel", "distill", "generative")  # the methods fusion.method=mixed combines (all train the whole target)
+# fusion.method's choices and the methods fusion.method=mixed combines: read from the method registry
+FUSION_METHODS, MIXABLE = methods.FUSION_METHODS, methods.MIXABLE
 POLICIES = ("static", "rolling", "random", "ordered", "owned")  # fusion.policy: how a slice is placed
 AXES = ("heads", "neurons", "hidden", "depth")  # fusion.axes
 OUTER_METHODS = ("none", "avgm", "nesterov", "adam")  # fusion.outer: the server's step on a round's change

@@ -21,6 +21,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from fedfusion.config import methods
 from fedfusion.config.choices import (
     AXES,
     BUILTIN_DATASETS,
@@ -31,6 +32,7 @@ from fedfusion.config.choices import (
     MIXABLE,
     SMOLLM2_BASE,
 )
+from fedfusion.config.methods import DISTILL, GENERATIVE, LORA, MIXED, SLICES, SUBMODEL, UNITS
 
 
 class RecipeError(ValueError):
@@ -96,7 +98,7 @@ class PopulationConfig:
 class FusionConfig:
     """How client work is folded into the target."""
 
-    method: str = "submodel"
+    method: str = SUBMODEL
     # static (HeteroFL prefix) | rolling (FedRolex window) | random (Federated Dropout) | ordered (FjORD)
     policy: str = "rolling"
     # heads | neurons | hidden | depth; None = the family's default (llama: heads, neurons)
@@ -545,7 +547,7 @@ def validate(recipe: Recipe) -> None:
     if recipe.data.source == "dataset" and not recipe.data.dataset:
         raise RecipeError("data.dataset: required when data.source is 'dataset' (a hub id, local file(s), "
                           f"or one of {', '.join(BUILTIN_DATASETS)})")
-    if recipe.data.source == "dataset" and recipe.fusion.method == "distill" and recipe.distill.transfer.source == "shakespeare":
+    if recipe.data.source == "dataset" and recipe.fusion.method == DISTILL and recipe.distill.transfer.source == "shakespeare":
         raise RecipeError("distill.transfer.source: with data.source=dataset the transfer text is a file "
                           "(distill.transfer.source=text, distill.transfer.path=...)")
     if recipe.data.source == "facts":
@@ -556,7 +558,7 @@ def validate(recipe: Recipe) -> None:
                               f"{recipe.population.num_clients} clients one")
         if recipe.data.skew < 0:
             raise RecipeError(f"data.skew: must be >= 0, got {recipe.data.skew}")
-        if not set(tier_methods(recipe).values()) <= {"submodel", "generative"}:
+        if not set(tier_methods(recipe).values()) <= {SUBMODEL, GENERATIVE}:
             raise RecipeError(f"fusion.method: data.source=facts runs with submodel or generative fusion, "
                               f"got {recipe.fusion.method!r}")
         if recipe.model.pretrained:
@@ -575,20 +577,20 @@ def validate(recipe: Recipe) -> None:
     for tier, share in recipe.population.mix.items():
         if share <= 0:
             raise RecipeError(f"population.mix.{tier}: share must be > 0, got {share}")
-        if methods[tier] in ("submodel", "generative") and not recipe.fusion.auto_widths and tier not in recipe.fusion.widths:
+        if methods[tier] in SLICES and not recipe.fusion.auto_widths and tier not in recipe.fusion.widths:
             raise RecipeError(f"fusion.widths: no width for tier {tier!r} of population.mix")
     total = sum(recipe.population.mix.values())
     if abs(total - 1) > 1e-6:  # not normalised silently: a share that is off is more likely a typo than intended
         raise RecipeError(f"population.mix: the shares must sum to 1, got {total:g} "
                           f"({', '.join(f'{t}: {v:g}' for t, v in recipe.population.mix.items())})")
-    if uses(recipe, "distill"):
+    if uses(recipe, DISTILL):
         _validate_distill(recipe)
-    if (recipe.fusion.method == "lora") != (recipe.data.source == "chatterbot") and recipe.data.source != "dataset":
+    if (recipe.fusion.method == LORA) != (recipe.data.source == "chatterbot") and recipe.data.source != "dataset":
         raise RecipeError(f"data.source: fusion.method=lora trains on instruction pairs (data.source=chatterbot or "
                           f"dataset) and only it does; got method {recipe.fusion.method!r} with source {recipe.data.source!r}")
-    if recipe.fusion.method == "lora":
+    if recipe.fusion.method == LORA:
         _validate_lora(recipe)
-    if uses(recipe, "generative"):
+    if uses(recipe, GENERATIVE):
         g = recipe.generative
         for name in ("sample_fraction", "temperature", "server_lr"):
             _positive(f"generative.{name}", getattr(g, name))
@@ -608,13 +610,13 @@ def validate(recipe: Recipe) -> None:
     if not 0 <= recipe.fusion.trim < 0.5:
         raise RecipeError(f"fusion.trim: must be in [0, 0.5), got {recipe.fusion.trim}")
     _positive("fusion.outer_lr", recipe.fusion.outer_lr)
-    if recipe.fusion.outer != "none" and not uses(recipe, "submodel"):
+    if recipe.fusion.outer != "none" and not uses(recipe, SUBMODEL):
         raise RecipeError(f"fusion.outer: a server optimizer steps folded slices (fusion.method=submodel); "
                           f"{recipe.fusion.method!r} does not use it")
-    if recipe.train.checkpoint and (recipe.fusion.method != "submodel" or recipe.fusion.policy == "ordered"):
+    if recipe.train.checkpoint and (recipe.fusion.method != SUBMODEL or recipe.fusion.policy == "ordered"):
         raise RecipeError("train.checkpoint: applies to width slices and full-forward windows (fusion.method=submodel, "
                           f"not policy ordered), got method {recipe.fusion.method!r}, policy {recipe.fusion.policy!r}")
-    if recipe.train.optimizer != "adamw" and recipe.fusion.method == "lora":
+    if recipe.train.optimizer != "adamw" and recipe.fusion.method == LORA:
         raise RecipeError("train.optimizer: LoRA clients train with AdamW; only 'adamw' applies to fusion.method=lora")
     if not 0 < recipe.train.lr_final <= 1:
         raise RecipeError(f"train.lr_final: must be in (0, 1] (the last round's lr as a fraction of train.lr), "
@@ -641,7 +643,7 @@ def validate(recipe: Recipe) -> None:
             f"selection.min_clients: {recipe.selection.min_clients} exceeds clients_per_round "
             f"{recipe.selection.clients_per_round}"
         )
-    if recipe.selection.clients_per_round > recipe.population.num_clients and recipe.fusion.method != "units":
+    if recipe.selection.clients_per_round > recipe.population.num_clients and recipe.fusion.method != UNITS:
         raise RecipeError(
             f"selection.clients_per_round: {recipe.selection.clients_per_round} exceeds "
             f"population.num_clients {recipe.population.num_clients}"
@@ -655,7 +657,7 @@ def _validate_units(recipe: Recipe) -> None:
         _positive(f"units.{key}", getattr(u, key))
     if u.eval_every < 0:
         raise RecipeError(f"units.eval_every: must be >= 0, got {u.eval_every}")
-    if recipe.fusion.method != "units":
+    if recipe.fusion.method != UNITS:
         return
     if recipe.train.batch_size % u.micro_batches:
         raise RecipeError(f"units.micro_batches: {u.micro_batches} does not divide train.batch_size "
@@ -680,7 +682,7 @@ def _validate_growth(recipe: Recipe) -> None:
     f = recipe.fusion
     if f.grow_round < 0 or f.grow_round > recipe.rounds:
         raise RecipeError(f"fusion.grow_round: must be in [0, rounds={recipe.rounds}], got {f.grow_round}")
-    if (f.grow_round or f.forward == "full") and f.method != "submodel":
+    if (f.grow_round or f.forward == "full") and f.method != SUBMODEL:
         raise RecipeError(f"fusion.grow_round / fusion.forward=full apply to fusion.method=submodel, got {f.method!r}")
     if f.forward == "full" and f.policy == "ordered":
         raise RecipeError("fusion.forward=full: policy 'ordered' trains nested sub-models in their own forward pass; "
@@ -708,7 +710,7 @@ def _validate_wire(recipe: Recipe) -> None:
     for key, value in (("wire_dtype", f.wire_dtype), ("wire_up", f.wire_up)):
         if value == "float32":
             continue
-        if not (uses(recipe, "submodel") or uses(recipe, "lora")):
+        if not (uses(recipe, SUBMODEL) or uses(recipe, LORA)):
             raise RecipeError(f"fusion.{key}: {value} applies to the tiers of fusion.method=submodel or lora only, "
                               f"got {f.method!r}")
         if recipe.privacy.mode != "none" and value in ("int8", "int4"):
@@ -720,9 +722,18 @@ def _validate_wire(recipe: Recipe) -> None:
 def tier_methods(recipe: Recipe) -> dict[str, str]:
     """The fusion method of every tier of the population: ``fusion.tiers`` for ``fusion.method=mixed``, otherwise
     ``fusion.method`` for each."""
-    if recipe.fusion.method == "mixed":
+    if recipe.fusion.method == MIXED:
         return {tier: recipe.fusion.tiers.get(tier, "") for tier in recipe.population.mix}
     return {tier: recipe.fusion.method for tier in recipe.population.mix}
+
+
+def method_label(recipe: Recipe) -> str:
+    """The fusion method as a run's header and plan name it (the slicing policy where its entry says so; a mixed
+    federation's method per tier)."""
+    f = recipe.fusion
+    if f.method == MIXED:
+        return f"{MIXED}(" + ", ".join(f"{tier}={method}" for tier, method in tier_methods(recipe).items()) + ")"
+    return f"{f.method}/{f.policy}" if methods.method(f.method).policy_in_label else f.method
 
 
 def uses(recipe: Recipe, method: str) -> bool:
@@ -733,7 +744,7 @@ def uses(recipe: Recipe, method: str) -> bool:
 def _validate_tiers(recipe: Recipe) -> None:
     """``fusion.tiers``: given exactly for fusion.method=mixed, one known, mixable method for every tier of the mix."""
     f = recipe.fusion
-    if f.method != "mixed":
+    if f.method != MIXED:
         if f.tiers:
             raise RecipeError(f"fusion.tiers: per-tier methods need fusion.method=mixed, got {f.method!r}")
         return
@@ -743,7 +754,7 @@ def _validate_tiers(recipe: Recipe) -> None:
     for tier, method in f.tiers.items():
         if tier not in recipe.population.mix:
             raise RecipeError(f"fusion.tiers.{tier}: not a tier of population.mix ({', '.join(recipe.population.mix)})")
-        if method == "lora":
+        if method == LORA:
             raise RecipeError(f"fusion.tiers.{tier}: lora cannot be mixed: its target is a frozen pretrained base plus "
                               f"one adapter update, the others train the whole target; use one of {', '.join(MIXABLE)}")
         if method not in MIXABLE:
@@ -753,7 +764,7 @@ def _validate_tiers(recipe: Recipe) -> None:
 def _validate_distill(recipe: Recipe) -> None:
     d = recipe.distill
     for tier, method in tier_methods(recipe).items():
-        if method == "distill" and tier not in d.tier_family:
+        if method == DISTILL and tier not in d.tier_family:
             raise RecipeError(f"distill.tier_family: no family for tier {tier!r} of population.mix")
     for tier, family in d.tier_family.items():
         if family not in d.families:

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from fedfusion.config.methods import LORA
 from fedfusion.config.recipe import DataConfig, Recipe
 from fedfusion.data.cache import cached_tensor
 from fedfusion.data.facts import (
@@ -171,7 +172,7 @@ def partition_sizes(recipe) -> PartitionSizes:
     from fedfusion.data.population import data_spec, lora_data_spec, population_data
 
     data = asdict(recipe.data)
-    if recipe.fusion.method == "lora":
+    if recipe.fusion.method == LORA:
         from fedfusion.data.instruct import instruct_clients as pairs_of
 
         clients = pairs_of(lora_data_spec(recipe))

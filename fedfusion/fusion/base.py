@@ -13,13 +13,33 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from fedfusion.wire.keys import NUM_EXAMPLES
 
 State = dict[str, torch.Tensor]
+
+
+class Initial(Protocol):
+    """The arrays round 1 starts from (Flower's ``ArrayRecord``, read without importing Flower)."""
+
+    def to_torch_state_dict(self) -> State: ...
+
+
+class BuildTarget(Protocol):
+    """What a method's builder (its registry entry's ``build``) reads of the server's target
+    (:class:`fedfusion.run.targets.Target`)."""
+
+    @property
+    def model(self) -> Any: ...
+
+    @property
+    def initial(self) -> Initial: ...
+
+    @property
+    def params(self) -> int: ...
 
 
 @dataclass(frozen=True)

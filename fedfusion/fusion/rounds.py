@@ -16,15 +16,21 @@ import torch
 from transformers import PretrainedConfig
 
 from fedfusion.config.choices import LR_SCHEDULES
+from fedfusion.config.methods import FOLD_ORDER
+from fedfusion.config.recipe import Recipe
 from fedfusion.fusion.base import Client, Fold, FusionMethod, Payload, State, Update
 from fedfusion.fusion.outer import OuterOptimizer
 from fedfusion.models.slicing import SelectiveAverager, SlicePlan, plan_slice
+from fedfusion.wire.quantize import Wire
 
-# The order in which the methods of a mixed federation fold one round into the target: the slice average first
-# (what devices trained of the target itself), then LoRA's update, then the server-side methods that train the
-# whole target from what devices sent (generative samples, then distillation from the family models), each from
-# the previous method's result.
-FOLD_ORDER = ("submodel", "lora", "generative", "distill")
+# FOLD_ORDER: the order in which the methods of a mixed federation fold one round into the target, each from the
+# previous method's result (the registry's fold ranks: fedfusion.config.methods)
+
+
+def recipe_wire(recipe: Recipe) -> Wire:
+    """How payloads travel down and replies up (``fusion.wire_dtype``, ``fusion.wire_up``, ``fusion.error_feedback``)."""
+    f = recipe.fusion
+    return Wire(f.wire_dtype, f.wire_up, f.error_feedback)
 
 
 def client_seed(run_seed: int, server_round: int, partition: int) -> int:

@@ -12,6 +12,8 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from fedfusion.config.methods import SUBMODEL
+
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
@@ -114,7 +116,7 @@ def tier_config(recipe: Recipe, tier: str) -> PretrainedConfig:
     axes (the shape every slicing policy gives that width)."""
     from fedfusion.run.planner import fit_widths, recipe_target, sliced_config  # torch: after the recipe is checked
 
-    if recipe.fusion.method != "submodel":
+    if recipe.fusion.method != SUBMODEL:
         raise ValueError(f"fusion.method {recipe.fusion.method!r}: on-device programs exist for width slices "
                          "(fusion.method=submodel) only")
     fit_widths(recipe)

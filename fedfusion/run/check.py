@@ -14,6 +14,7 @@ from importlib.util import find_spec
 from pathlib import Path
 
 from fedfusion.config.choices import BUILTIN_DATASETS, SMOLLM2_BASE, SMOLLM2_INSTALL, SMOLLM2_PACKAGE
+from fedfusion.config.methods import DISTILL, GENERATIVE, LORA
 from fedfusion.config.recipe import Recipe, RecipeError, load_recipe, uses
 from fedfusion.data.federated import is_local as is_local_dataset
 from fedfusion.data.federated import local_files
@@ -74,9 +75,9 @@ def _check_devices(recipe: Recipe) -> None:
         check_cloud(recipe.report.cloud, catalog)
     except ValueError as exc:
         raise RecipeError(f"report.{exc}") from None
-    if uses(recipe, "distill") and recipe.distill.server_device not in catalog:
+    if uses(recipe, DISTILL) and recipe.distill.server_device not in catalog:
         raise RecipeError(f"distill.server_device: {recipe.distill.server_device!r} is not in the device catalog")
-    if uses(recipe, "generative") and recipe.generative.server_device not in catalog:
+    if uses(recipe, GENERATIVE) and recipe.generative.server_device not in catalog:
         raise RecipeError(f"generative.server_device: unknown device {recipe.generative.server_device!r}; the catalog "
                           f"has {known}")
     for tier in recipe.fusion.widths:
@@ -109,14 +110,14 @@ def _check_files(recipe: Recipe) -> None:
         files.append(("data.path", recipe.data.path))
     if recipe.data.probes:
         files.append(("data.probes", recipe.data.probes))
-    if uses(recipe, "distill") and recipe.distill.transfer.source == "text" and recipe.distill.transfer.path:
+    if uses(recipe, DISTILL) and recipe.distill.transfer.source == "text" and recipe.distill.transfer.path:
         files.append(("distill.transfer.path", recipe.distill.transfer.path))
     if recipe.population.catalog:
         files.append(("population.catalog", recipe.population.catalog))
     models = [("model.pretrained", recipe.model.pretrained)]
-    if recipe.fusion.method == "lora" and recipe.lora.base.endswith(".gguf"):
+    if recipe.fusion.method == LORA and recipe.lora.base.endswith(".gguf"):
         files.append(("lora.base", str(Path(recipe.lora.base).expanduser())))  # as fedfusion.models.pretrained reads it
-    elif recipe.fusion.method == "lora" and recipe.lora.base != SMOLLM2_BASE:  # an installed package's file
+    elif recipe.fusion.method == LORA and recipe.lora.base != SMOLLM2_BASE:  # an installed package's file
         models.append(("lora.base", recipe.lora.base))
     for key, name in files:
         if not Path(name).exists():
@@ -163,7 +164,7 @@ def _named(key: str) -> Iterator[None]:
 
 def _check_lora_base(recipe: Recipe) -> None:
     """``lora.base: smollm2`` reads a GGUF file inside an installed package: it must be there."""
-    if recipe.fusion.method != "lora" or recipe.lora.base != SMOLLM2_BASE:
+    if recipe.fusion.method != LORA or recipe.lora.base != SMOLLM2_BASE:
         return
     missing = [name for name in (SMOLLM2_PACKAGE, "gguf") if find_spec(name) is None]
     if missing:

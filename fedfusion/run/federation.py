@@ -20,20 +20,15 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from transformers.utils import logging as hf_logging
 
+from fedfusion.config.methods import LORA, SERVER_WORK, SUBMODEL, hook, method
 from fedfusion.config.recipe import Recipe, tier_methods, uses
-from fedfusion.data.population import data_spec, facts_data, lora_data_spec, pooled_held_out, tier_list, write_partition_sizes
-from fedfusion.data.text import load_tokenizer
+from fedfusion.data.population import data_spec, facts_data, lora_data_spec, tier_list, write_partition_sizes
 from fedfusion.devices.availability import AvailabilityConfig, AvailabilityModel
 from fedfusion.devices.catalog import Device, load_catalog
 from fedfusion.devices.energy import price_work, train_flops
 from fedfusion.fusion.base import ClientRound, FusionMethod, RoundReport
-from fedfusion.fusion.distill.method import DistillMethod, Family
-from fedfusion.fusion.generative.method import GenerativeMethod
-from fedfusion.fusion.lora.method import LoRAMethod, adapted_modules
-from fedfusion.fusion.outer import OuterConfig
+from fedfusion.fusion.lora.build import client_spec as lora_client_spec
 from fedfusion.fusion.rounds import initial_state, round_lr
-from fedfusion.fusion.submodel.method import SubModelMethod
-from fedfusion.models.samples import GenerativeConfig
 from fedfusion.run.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from fedfusion.run.quiet import silence_expected_noise
 from fedfusion.run.report import write_report
@@ -44,12 +39,9 @@ from fedfusion.selection.selectors import make_selector
 from fedfusion.strategies.fusion import FusionStrategy, Listener
 from fedfusion.strategies.quorum import QuorumGrid
 from fedfusion.strategies.stop import RunInterrupted, StopGrid
-from fedfusion.train.transfer import distill_families, transfer_text
-from fedfusion.wire.quantize import Wire
 from fedfusion.wire.specs import (
     ClientSpec,
     FaultSpec,
-    LoRABaseSpec,
     PopulationSpec,
     PrivacySpec,
     RoleSpec,
@@ -91,51 +83,18 @@ def build_methods(recipe: Recipe, target: Target) -> dict[str, FusionMethod]:
     tiers: dict[str, list[str]] = {}
     for tier, name in assigned.items():
         tiers.setdefault(name, []).append(tier)
-    builders = {"submodel": build_submodel, "generative": build_generative, "distill": build_distillation,
-                "lora": build_lora}
-    built = {name: builders[name](recipe, target, mine) for name, mine in tiers.items()}
+    built = {name: hook(method(name).build)(recipe, target, mine) for name, mine in tiers.items()}
     return {tier: built[name] for tier, name in assigned.items()}
-
-
-def build_submodel(recipe: Recipe, target: Target, tiers: list[str]) -> SubModelMethod:
-    """Width slicing for ``tiers`` at their ``fusion.widths`` (in their own or the full forward pass, after
-    ``fusion.grow_round`` rounds of the smallest slice)."""
-    f = recipe.fusion
-    return SubModelMethod(
-        target.model.config, {t: f.widths[t] for t in tiers}, target.initial.to_torch_state_dict(), policy=f.policy,
-        stride=f.stride, stagger=f.stagger and f.policy == "rolling", run_seed=recipe.seed, aggregate=f.aggregate,
-        trim=f.trim, axes=tuple(f.axes) if f.axes else None, scale=f.scaler,
-        ordered_ladder=tuple(f.ordered_ladder) if f.ordered_ladder else None, ordered_distill=f.ordered_distill,
-        wire=recipe_wire(recipe), outer=OuterConfig(f.outer, f.outer_lr, f.outer_momentum), forward=f.forward,
-        frozen=f.frozen_dtype, window_shared=f.window_shared, grow_round=f.grow_round,
-        window_widths={t: f.window_widths[t] for t in tiers if t in f.window_widths} or None,
-        window_rank=f.window_rank, window_core=f.window_core)
-
-
-def recipe_wire(recipe: Recipe) -> Wire:
-    """How payloads travel down and replies up (``fusion.wire_dtype``, ``fusion.wire_up``, ``fusion.error_feedback``)."""
-    f = recipe.fusion
-    return Wire(f.wire_dtype, f.wire_up, f.error_feedback)
-
-
-def build_generative(recipe: Recipe, target: Target, tiers: list[str]) -> GenerativeMethod:
-    """Generative distillation for ``tiers``: each keeps the static slice at its ``fusion.widths`` as its own model."""
-    f, g = recipe.fusion, recipe.generative
-    return GenerativeMethod(
-        target.model.config, {t: f.widths[t] for t in tiers}, target.initial.to_torch_state_dict(),
-        GenerativeConfig(g.sample_fraction, g.temperature, g.server_steps, g.server_lr, g.server_batch),
-        seq_len=recipe.train.seq_len, population=recipe.population.num_clients, run_seed=recipe.seed,
-        axes=tuple(f.axes) if f.axes else None, scale=f.scaler)
 
 
 def build_strategy(recipe: Recipe, target: Target, listeners: Sequence[Listener] = ()) -> FusionStrategy:
     """The fusion strategy over the recipe's methods, with the specs its messages carry."""
-    lora = recipe.fusion.method == "lora"
+    lora = recipe.fusion.method == LORA
     client = ClientSpec(lora_data_spec(recipe) if lora else data_spec(recipe), recipe.train.seq_len,
                         recipe.engine.threads_per_client)
     population = PopulationSpec(dict(recipe.population.mix), recipe.population.num_clients, recipe.seed)
     # the role that counts a node's examples: LoRA clients count instruction pairs of the base's tokens
-    query = merge(client, population, RoleSpec("lora" if lora else "submodel"), *([lora_client_spec(recipe)] if lora else []))
+    query = merge(client, population, RoleSpec(LORA if lora else SUBMODEL), *([lora_client_spec(recipe)] if lora else []))
     return FusionStrategy(
         build_methods(recipe, target),
         participation=build_participation(recipe),
@@ -159,33 +118,6 @@ def build_strategy(recipe: Recipe, target: Target, listeners: Sequence[Listener]
                           rounds=recipe.rounds),
         server_threads=recipe.engine.server_threads,
     )
-
-
-def build_distillation(recipe: Recipe, target: Target, tiers: list[str]) -> DistillMethod:
-    """Distillation fusion for ``tiers``: one global model per small family, a transfer set no client owns; every
-    family is scored each round on the same pooled held-out text as the target."""
-    d, tokenizer = recipe.distill, load_tokenizer(recipe.model.pretrained)
-    text = transfer_text(d.transfer.source, data_spec(recipe), d.transfer.max_chars, d.transfer.path)
-    families = {name: Family(config, own) for name, (config, own) in distill_families(recipe, tokenizer, text).items()}
-    return DistillMethod(target.model.config, tokenizer, families, {t: d.tier_family[t] for t in tiers}, text,
-                         recipe.train.seq_len, d,
-                         eval_text=pooled_held_out(data_spec(recipe), recipe.data.eval_chars), run_seed=recipe.seed)
-
-
-def lora_client_spec(recipe: Recipe) -> LoRABaseSpec:
-    """What every LoRA client needs to load the same frozen base and adapt the same modules."""
-    lora = recipe.lora
-    return LoRABaseSpec(lora.base, lora.dtype, tuple(lora.target_modules), lora.dropout)
-
-
-def build_lora(recipe: Recipe, target: Target, tiers: list[str]) -> LoRAMethod:
-    """Heterogeneous-rank LoRA for ``tiers`` on the target's frozen base; clients load the same base themselves."""
-    lora = recipe.lora
-    return LoRAMethod(
-        modules=adapted_modules(target.model, list(lora.target_modules)),
-        ranks={t: lora.ranks[t] for t in tiers}, alphas={t: lora.alpha for t in tiers},
-        quantize={t: lora.quantize.get(t, 0) for t in tiers}, method=lora.method, base_params=target.params,
-        base=lora_client_spec(recipe), wire=recipe_wire(recipe))
 
 
 def privacy_spec(recipe: Recipe) -> dict[str, Any]:
@@ -331,19 +263,19 @@ def run_federation(grid: Grid, recipe: Recipe, run: RunDir, on_round: RoundCallb
     its ``wall_s`` adds up every part. Setting ``stop`` ends the run at the strategy's next Grid call with
     ``status: interrupted``, the last completed round and the round a resume continues after.
     """
-    if recipe.fusion.method == "units":  # the exact mode: central training, linear layers on the nodes (issue 25)
+    if method(recipe.fusion.method).central:  # the exact mode: central training, linear layers on the nodes (issue 25)
         if resume:
-            raise ValueError("fusion.method=units: a run cannot be resumed (it writes no checkpoint); run it again")
+            raise ValueError(f"fusion.method={recipe.fusion.method}: a run cannot be resumed (it writes no checkpoint); run it again")
         from fedfusion.run.units import run_units
 
         return run_units(grid, recipe, run, on_round, stop)
     started, earlier_s = time.perf_counter(), 0.0
     try:
-        target = lora_target(recipe)[0] if recipe.fusion.method == "lora" else lm_target(recipe)
+        target = lora_target(recipe)[0] if recipe.fusion.method == LORA else lm_target(recipe)
         ckpt = load_checkpoint(run.path) if resume else None
         catalog = load_catalog(recipe.population.catalog)
-        server_device = (catalog[recipe.distill.server_device] if uses(recipe, "distill") else
-                         catalog[recipe.generative.server_device] if uses(recipe, "generative") else None)
+        server_device = next((catalog[getattr(recipe, m.server_device).server_device]
+                              for m in map(method, SERVER_WORK) if uses(recipe, m.name)), None)
         strategy = build_strategy(recipe, target)
         write_partition_sizes(run.path, recipe)  # the population's data is built by now: plan and report show it
         recorder = RoundRecorder(run, strategy.state_dict, target, on_round, catalog, recipe.output.checkpoint_every,

@@ -33,13 +33,14 @@ message adds a few hundred bytes of names and headers per array.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig
 
-from fedfusion.config.recipe import Recipe, RecipeError, tier_methods
+from fedfusion.config.methods import DISTILL, GENERATIVE, SLICES, SUBMODEL, UNITS
+from fedfusion.config.recipe import Recipe, RecipeError, method_label, tier_methods
 from fedfusion.devices.catalog import Device, load_catalog
 from fedfusion.devices.energy import frozen_work_params, price_work, train_flops
 from fedfusion.models.build import config_aliases, target_config, target_model_config, wire_state
@@ -278,7 +279,7 @@ def _wire_bytes(recipe: Recipe, tier: str, params: int) -> tuple[int, int]:
     """Bytes a ``tier`` sub-model of ``params`` values goes down in (``fusion.wire_dtype``) and its reply up in
     (``fusion.wire_up``): :func:`fedfusion.wire.quantize.encoded_bytes`, as one matrix (float32 unless the tier trains
     with sub-model fusion)."""
-    if tier_methods(recipe).get(tier) != "submodel":
+    if tier_methods(recipe).get(tier) != SUBMODEL:
         return 4 * params, 4 * params
     return encoded_bytes(recipe.fusion.wire_dtype, params), encoded_bytes(recipe.fusion.wire_up, params)
 
@@ -316,7 +317,7 @@ def plan_table(
                          "fits": f"NO: even width {smallest:g} needs {_mb(need)} MB, {_mb(budget)} MB usable",
                          **_UNPRICED})
             continue
-        if recipe.fusion.forward == "full" and tier_methods(recipe).get(tier) == "submodel":
+        if recipe.fusion.forward == "full" and tier_methods(recipe).get(tier) == SUBMODEL:
             rows.append({**row, **window_row(recipe, target, tier, device, budget, tokens)})
             continue
         sub = sliced_config(target, width, axes)
@@ -424,18 +425,19 @@ def mixed_plan_table(recipe: Recipe, usable: float = USABLE) -> list[dict[str, A
     methods = tier_methods(recipe)
     mine = {m: [t for t, n in methods.items() if n == m] for m in dict.fromkeys(methods.values())}
     rows: list[dict[str, Any]] = []
-    if "submodel" in mine or "generative" in mine:
-        slicing = plan_table(recipe, usable=usable, tiers=mine.get("submodel", []) + mine.get("generative", []))
+    sliced = [tier for name in SLICES for tier in mine.get(name, [])]  # the tiers that train a width slice
+    if sliced:
+        slicing = plan_table(recipe, usable=usable, tiers=sliced)
         rows += [{"method": methods[r["tier"]], **r,
                   "trains": f"width {r['width']:g}: {r['slice']}" if r["width"] is not None else r["slice"]}
                  for r in slicing]
     server = []
-    if "distill" in mine:
-        *family_rows, distill_server = distill_plan_table(recipe, usable, mine["distill"])
-        rows += [{"method": "distill", **r} for r in family_rows]
-        server.append({"method": "distill", **distill_server})
-    if "generative" in mine:
-        server.append({"method": "generative", **generative_server_row(recipe, usable)})
+    if DISTILL in mine:
+        *family_rows, distill_server = distill_plan_table(recipe, usable, mine[DISTILL])
+        rows += [{"method": DISTILL, **r} for r in family_rows]
+        server.append({"method": DISTILL, **distill_server})
+    if GENERATIVE in mine:
+        server.append({"method": GENERATIVE, **generative_server_row(recipe, usable)})
     order = list(recipe.population.mix)
     return sorted(rows, key=lambda r: order.index(r["tier"])) + server
 
@@ -518,3 +520,86 @@ def units_plan(recipe: Recipe) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     step = {"step_s": timing.step_s, "floor_s": timing.floor_s, "phases": len(phases) * u.micro_batches,
             "steps": u.steps, "MB down": float(timing.down_bytes.sum()) / 1e6, "MB up": float(timing.up_bytes.sum()) / 1e6}
     return step, rows
+
+
+# What ``fedfusion plan`` prints: each method's registry entry names its view (``plan``), a function of the recipe.
+PLAN_COSTS = ("MB down", "MB up", "compute s", "transfer s", "s/round", "compute J", "transfer J", "J/round")
+
+
+@dataclass(frozen=True)
+class PlanView:
+    """A plan as a table: its title, rows, the columns shown (key -> header), the left-aligned ones, the width to
+    print it in, notes under it, and whether the pricing note and the partitions follow (a per-round plan)."""
+
+    title: str
+    rows: list[dict[str, Any]]
+    columns: tuple[str, ...]
+    left: tuple[str, ...]
+    width: int
+    notes: tuple[str, ...] = ()
+    per_round: bool = True
+    headers: dict[str, str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "headers", {k: k for k in self.columns})
+
+
+def slices_view(recipe: Recipe, title: str = "") -> PlanView:
+    """Width slicing: per tier its width (fitted to memory with ``fusion.auto_widths``), slice, size and cost."""
+    widths = auto_widths(recipe, recipe.fusion.width_ladder) if recipe.fusion.auto_widths else None
+    rows = plan_table(recipe, widths, ladder=recipe.fusion.width_ladder)
+    title = f"plan for {recipe.name} ({method_label(recipe)}" + title
+    title += ", widths fitted to memory)" if widths else ")"
+    return PlanView(title, rows, ("tier", "width", "slice", "params", "peak MB", "device MB", "fits", *PLAN_COSTS),
+                    left=("tier", "slice", "fits"), width=200)
+
+
+def generative_view(recipe: Recipe) -> PlanView:
+    """Generative distillation: each tier's own model (the static slice at its width), then the server's row."""
+    view = slices_view(recipe, ": each tier keeps its own model, the static slice at its width; the server trains "
+                               "the target")
+    server = generative_server_row(recipe)
+    note = ("a client's uplink also carries its samples (generative.sample_fraction x its windows "
+            "x (seq_len + 1) x 8 bytes), which the plan cannot know")
+    return replace(view, rows=[*view.rows, {**server, "width": None, "slice": server["trains"]}], notes=(note,))
+
+
+def distill_view(recipe: Recipe) -> PlanView:
+    """Distillation: each tier's family model, then the server's distillation."""
+    return PlanView(f"plan for {recipe.name} (distill/{recipe.distill.teacher}: each tier trains its family's "
+                    "model, the server distils them into the target)", distill_plan_table(recipe),
+                    ("tier", "trains", "params", "peak MB", "device MB", "fits", *PLAN_COSTS),
+                    left=("tier", "trains", "fits"), width=240)
+
+
+def mixed_view(recipe: Recipe) -> PlanView:
+    """A mixed federation: every tier's row from its own method, then the server's rows."""
+    return PlanView(f"plan for {recipe.name} ({method_label(recipe)}: each tier trains what its method gives it; "
+                    "every round folds them into one target, slices first, then the server's distillation)",
+                    mixed_plan_table(recipe), ("tier", "method", "trains", "params", "peak MB", "device MB", "fits",
+                                               *PLAN_COSTS),
+                    left=("tier", "method", "trains", "fits"), width=240)
+
+
+def lora_view(recipe: Recipe) -> PlanView:
+    """LoRA: per tier its rank and base precision, memory against an fp32 base, the largest rank that fits."""
+    from transformers import AutoConfig
+
+    from fedfusion.models.pretrained import resolve_base
+
+    config = AutoConfig.from_pretrained(resolve_base(recipe.lora.base))
+    return PlanView(f"plan for {recipe.name} (lora/{recipe.lora.method} on {recipe.lora.base}; memory estimated)",
+                    lora_plan_table(recipe, config),
+                    ("tier", "rank", "base", "trainable", "peak MB", "fp32 base MB", "device MB", "fits", "max fit",
+                     *PLAN_COSTS), left=("tier", "base", "fits", "max fit"), width=190)
+
+
+def units_view(recipe: Recipe) -> PlanView:
+    """The units mode: per device tier and step what it moves and how long it is busy, and the step's time."""
+    step, rows = units_plan(recipe)
+    note = (f"one step: {step['phases']} phases, {step['step_s']:.2f} virtual s (floor {step['floor_s']:.2f} "
+            f"s), {step['MB down']:.1f} MB down and {step['MB up']:.1f} MB up in all; {step['steps']} steps "
+            f"(fedfusion.units.timeline on the catalog's links, no churn)")
+    return PlanView(f"plan for {recipe.name} ({UNITS}, offload={recipe.units.offload}: per device and step; the "
+                    f"target trains on the server)", rows, ("tier", "devices", "used", "MB down", "MB up", "busy s"),
+                    left=("tier",), width=120, notes=(note,), per_round=False)

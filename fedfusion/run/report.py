@@ -16,6 +16,7 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from fedfusion.config.choices import DEFAULT_CLOUD  # noqa: E402
+from fedfusion.config.methods import BY_NAME, CENTRAL, MIXED, SERVER_WORK, hook  # noqa: E402
 from fedfusion.data.federated import describe, read_partition_sizes  # noqa: E402
 from fedfusion.devices.catalog import load_catalog  # noqa: E402
 from fedfusion.run.edge_cloud import check_cloud, edge_cloud_markdown, work_from_clients  # noqa: E402
@@ -202,17 +203,14 @@ def _recipe(run: Path) -> Any:
 def _server_method(recipe: Any) -> str:
     """The method whose server work the run prices (distill before generative in a mixed federation), else ''."""
     method = OmegaConf.select(recipe, "fusion.method", default="")
-    used = set((OmegaConf.select(recipe, "fusion.tiers", default=None) or {}).values()) if method == "mixed" else {method}
+    used = set((OmegaConf.select(recipe, "fusion.tiers", default=None) or {}).values()) if method == MIXED else {method}
     return next((m for m in SERVER_WORK if m in used), "")
 
 
 def _server_device(recipe: Any) -> str:
     """The catalog tier the server's own work is priced on (distillation and generative fusion), else ''."""
-    method = _server_method(recipe)
-    return OmegaConf.select(recipe, f"{method}.server_device", default="") if method else ""
-
-
-SERVER_WORK = {"distill": "the server's distillation", "generative": "the server's training on the samples"}
+    method = _server_method(recipe)  # its recipe section holds server_device
+    return OmegaConf.select(recipe, f"{BY_NAME[method].server_device}.server_device", default="") if method else ""
 
 
 def _cost_line(recipe: Any, rows: list[dict], summary: dict) -> str:
@@ -253,9 +251,8 @@ def _work_section(recipe: Any, clients: list[dict], rows: list[dict]) -> list[st
                      f"{rounds} rounds | | {server_j:.4g} | {sum(r.get('server_co2_g') or 0.0 for r in rows):.4g} |")
     note = ("params: what a client of that tier trained (priced at 6 x params x tokens); other: failed, rejected, "
             "timed-out, cut or dropped client rounds.")
-    if method == "generative":
-        note += (" A client's sampling (writing the windows it sends) is not priced; the samples' bytes are, in its "
-                 "upload.")
+    if method in BY_NAME and BY_NAME[method].report_note:
+        note += hook(BY_NAME[method].report_note)
     return lines + ["", note, ""]
 
 
@@ -270,8 +267,8 @@ def _trained(client: dict, method: str) -> str:
         return f"LoRA rank {client['rank']}" + (f" on a {bits}-bit base" if bits else "")
     if client.get("width") is None:
         return "-"
-    if method == "generative":
-        return f"its own model (the static slice at width {client['width']:g})"
+    if method in BY_NAME and BY_NAME[method].trained:
+        return str(hook(BY_NAME[method].trained)(client))
     return f"width {client['width']:g} slice"
 
 
@@ -389,7 +386,7 @@ def write_report(run: Path, out: Path | None = None) -> Path:
     rows, summary = _load(run)
     out = run if out is None else out
     out.mkdir(parents=True, exist_ok=True)
-    if summary.get("mode") == "units" or (rows and "step" in rows[0]):
+    if summary.get("mode") in CENTRAL or (rows and "step" in rows[0]):
         return units_report(run, rows, summary, out)
     recipe = _recipe(run)
     clients = read_jsonl(run / "clients.jsonl") if (run / "clients.jsonl").is_file() else []

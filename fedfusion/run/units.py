@@ -29,6 +29,7 @@ from flwr.serverapp import Grid
 from transformers import PreTrainedModel
 from transformers.utils import logging as hf_logging
 
+from fedfusion.config.methods import UNITS
 from fedfusion.config.recipe import Recipe
 from fedfusion.data.population import client_windows, data_spec, write_partition_sizes
 from fedfusion.data.text import sample_batch
@@ -155,7 +156,7 @@ def query_nodes(grid: Grid, recipe: Recipe, nodes: list[int], timeout_s: float =
     """Every node's device tier and partition, from one QUERY round (the ClientApp's ``@app.query``)."""
     config = merge(ClientSpec(data_spec(recipe), recipe.train.seq_len, recipe.engine.threads_per_client),
                    PopulationSpec(dict(recipe.population.mix), recipe.population.num_clients, recipe.seed),
-                   RoleSpec("units"))
+                   RoleSpec(UNITS))
     messages = [Message(RecordDict({"config": ConfigRecord(config)}), dst_node_id=n, message_type=MessageType.QUERY)
                 for n in nodes]
     ids = set(grid.push_messages(messages))
@@ -351,7 +352,7 @@ def _run_units(grid: Grid, recipe: Recipe, run: RunDir, on_round: Callable[[dict
         target.save(run.model_dir, ArrayRecord(model.state_dict()))
     final = rows[-1]
     summary = {
-        "status": "ok", "name": recipe.name, "mode": "units", "offload": u.offload, "steps": u.steps,
+        "status": "ok", "name": recipe.name, "mode": UNITS, "offload": u.offload, "steps": u.steps,
         "target_params": target.params, "metric_names": target.metric_names, "devices": len(devices),
         "initial": {k: first[k] for k in ("eval_loss", "eval_ppl", "eval_acc")},
         "final": {k: final[k] for k in ("eval_loss", "eval_ppl", "eval_acc")},

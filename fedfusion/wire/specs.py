@@ -22,16 +22,14 @@ from dataclasses import Field, asdict, dataclass, field, fields
 from typing import Any, ClassVar, Self, get_type_hints
 
 from fedfusion.config.choices import LORA_DTYPES, LORA_METHODS, OPTIMIZERS, POLICIES, PRIVACY_MODES, QUANTIZE_BITS, UPLINK
+from fedfusion.config.methods import ROLES
 from fedfusion.config.recipe import FaultConfig, PrivacyConfig, TrainConfig
 
 # how an error reply says that a phone behind a device gateway missed its deadline: the strategy records a dropout
 DROPPED = "device dropped:"
-# What a message's spec asks a client to be (RoleSpec.role), and the module of fedfusion.clients that plays it
-# (train(), evaluate(), num_examples()); the client app imports it on first use.
-ROLES = {"submodel": "fedfusion.clients.submodel", "window": "fedfusion.clients.window",
-         "smallmodel": "fedfusion.clients.smallmodel",
-         "lora": "fedfusion.clients.lora", "generative": "fedfusion.clients.generative",
-         "units": "fedfusion.clients.units"}
+# ROLES: what a message's spec asks a client to be (RoleSpec.role), and the module of fedfusion.clients that plays
+# it (train(), evaluate(), num_examples()); the client app imports it on first use. Each method's registry entry
+# names its roles (fedfusion.config.methods).
 
 KEY = "wire-key"  # field metadata: the field's key, where another library fixes it
 # the key Flower's DP mods read the clipping norm from (flwr.supercore.differential_privacy.KEY_CLIPPING_NORM):

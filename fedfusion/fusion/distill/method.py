@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+from fedfusion.config.methods import SUBMODEL
 from fedfusion.config.recipe import DistillConfig
 from fedfusion.data.text import encode_text, lm_windows
 from fedfusion.fusion.base import (
@@ -173,7 +174,7 @@ class DistillMethod(FusionMethod):
 
     def evaluation(self, target: State, tier: str) -> tuple[State, dict[str, Any]]:
         """The whole target, scored by a sub-model client (it is a Llama of the target's config)."""
-        return wire_state(target, self.aliases), merge(RoleSpec("submodel"), ModelSpec(self.config.to_dict()))
+        return wire_state(target, self.aliases), merge(RoleSpec(SUBMODEL), ModelSpec(self.config.to_dict()))
 
     def metrics(self) -> dict[str, float]:
         """The latest family scores as flat ``family_<name>_<metric>`` floats for the round's metrics row."""

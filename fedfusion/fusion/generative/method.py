@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig
 
+from fedfusion.config.methods import SUBMODEL
 from fedfusion.fusion.base import (
     Client,
     Fold,
@@ -126,4 +127,4 @@ class GenerativeMethod(FusionMethod):
         return Fold(new, 1.0, {"server_loss": out.loss}, out.cost())
 
     def evaluation(self, target: State, tier: str) -> tuple[State, dict[str, Any]]:
-        return self.wire(target), merge(RoleSpec("submodel"), ModelSpec(self.config.to_dict()))
+        return self.wire(target), merge(RoleSpec(SUBMODEL), ModelSpec(self.config.to_dict()))

@@ -1,0 +1,93 @@
+"""The method registry: one entry per fusion method, the only place outside a method's own folder and its client
+roles that names it.
+
+Every list of methods is read from here: ``config.choices.FUSION_METHODS`` and ``MIXABLE``, the client roles
+(``wire.specs.ROLES``), the fold order of a mixed round (``fusion.rounds.FOLD_ORDER``), the builders
+(``run.federation.build_methods``), the plan (``fedfusion plan``), the server's priced work
+(``run.federation``, ``run.check``, ``run.report``). An entry is pure data: its hooks are ``"module:function"``
+paths, imported only where they are called (:func:`hook`), so loading a recipe still imports nothing of
+fedfusion and no torch.
+
+Adding a method: its folder ``fedfusion/fusion/<name>/`` (the method, its ``build`` and, where it has a plan of
+its own, its plan rows), its client role module(s) in ``clients/``, and one entry below.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+SUBMODEL = "submodel"
+DISTILL = "distill"
+LORA = "lora"
+GENERATIVE = "generative"
+MIXED = "mixed"
+UNITS = "units"
+
+
+@dataclass(frozen=True)
+class Method:
+    """One fusion method (``fusion.method``) as the rest of the package sees it."""
+
+    name: str
+    # the client roles that train its payloads (RoleSpec.role -> module of fedfusion.clients), the main one first
+    roles: tuple[tuple[str, str], ...] = ()
+    fold_rank: int | None = None  # where a mixed round folds it (lower first); None: not folded by fusion.rounds
+    mixable: bool = False  # fusion.method=mixed may give it tiers (it trains the whole target)
+    slices: bool = False  # its tiers train a width slice of the target: each needs fusion.widths (or auto_widths)
+    server_device: str = ""  # the recipe section whose ``server_device`` prices the server's own training
+    server_work: str = ""  # what the report calls that training
+    build: str = ""  # "module:function" (recipe, target, tiers) -> FusionMethod
+    plan: str = ""  # "module:function" (recipe) -> planner.PlanView: what ``fedfusion plan`` prints
+    report_note: str = ""  # "module:NAME": a sentence the report adds under "Who did the work" of a run of it
+    trained: str = ""  # "module:function" (ledger row) -> what a client of it trained, as the report says
+    policy_in_label: bool = False  # a run's header names it with fusion.policy ("submodel/rolling")
+    central: bool = False  # the server trains the target step by step, nodes compute parts (no fusion rounds)
+    home: str = ""  # its folder (package): fedfusion.fusion.<name> unless given
+
+    @property
+    def package(self) -> str:
+        return self.home or f"fedfusion.fusion.{self.name}"
+
+
+# The order of fusion.method's choices (error messages list them in it); FOLD_ORDER: the slice average first (what
+# devices trained of the target itself), then LoRA's update, then the server-side methods that train the whole
+# target from what devices sent (generative samples, then distillation from the family models).
+METHODS: tuple[Method, ...] = (
+    Method(SUBMODEL, roles=((SUBMODEL, "fedfusion.clients.submodel"), ("window", "fedfusion.clients.window")),
+           fold_rank=0, mixable=True, slices=True, build="fedfusion.fusion.submodel.build:build",
+           plan="fedfusion.run.planner:slices_view", policy_in_label=True),
+    Method(DISTILL, roles=(("smallmodel", "fedfusion.clients.smallmodel"),), fold_rank=3, mixable=True,
+           server_device=DISTILL, server_work="the server's distillation",
+           build="fedfusion.fusion.distill.build:build", plan="fedfusion.run.planner:distill_view"),
+    Method(LORA, roles=((LORA, "fedfusion.clients.lora"),), fold_rank=1, build="fedfusion.fusion.lora.build:build",
+           plan="fedfusion.run.planner:lora_view"),
+    Method(GENERATIVE, roles=((GENERATIVE, "fedfusion.clients.generative"),), fold_rank=2, mixable=True, slices=True,
+           server_device=GENERATIVE, server_work="the server's training on the samples",
+           build="fedfusion.fusion.generative.build:build", plan="fedfusion.run.planner:generative_view",
+           report_note="fedfusion.fusion.generative.report:NOTE", trained="fedfusion.fusion.generative.report:trained"),
+    Method(MIXED, plan="fedfusion.run.planner:mixed_view", home="fedfusion.config.methods"),  # tiers: fusion.tiers
+    Method(UNITS, roles=((UNITS, "fedfusion.clients.units"),), plan="fedfusion.run.planner:units_view", central=True,
+           home="fedfusion.units"),
+)
+BY_NAME = {m.name: m for m in METHODS}
+FUSION_METHODS = tuple(BY_NAME)
+MIXABLE = tuple(m.name for m in METHODS if m.mixable)
+SLICES = tuple(m.name for m in METHODS if m.slices)
+FOLD_ORDER = tuple(m.name for m in sorted((m for m in METHODS if m.fold_rank is not None), key=lambda m: m.fold_rank or 0))
+ROLES = {role: module for m in METHODS for role, module in m.roles}
+CENTRAL = tuple(m.name for m in METHODS if m.central)
+# the methods whose server trains, by what the run prices when several are mixed: the last to fold first
+SERVER_WORK = {m.name: m.server_work for m in sorted(METHODS, key=lambda m: -(m.fold_rank or 0)) if m.server_work}
+
+
+def method(name: str) -> Method:
+    """The registry entry of ``name`` (a KeyError for an unknown one: the recipe checked it)."""
+    return BY_NAME[name]
+
+
+def hook(path: str) -> Any:
+    """What a ``"module:name"`` path of an entry names (a function, or a constant), imported now."""
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,121 @@
+"""The method registry (fedfusion.config.methods) is the one list of methods: a method's name, as a string
+literal, appears only in its own folder, its client role modules and its registry entry; every hook an entry names
+resolves; the lists the rest of the package reads are the registry's."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from fedfusion.config import choices, methods
+from fedfusion.config.methods import BY_NAME, FOLD_ORDER, METHODS, ROLES, hook
+
+ROOT = Path(__file__).parents[1]
+FOLDERS = {"fedfusion": ROOT / "fedfusion", "fedfusion.clients": ROOT / "clients",
+           "fedfusion.strategies": ROOT / "strategies"}
+REGISTRY = ROOT / "fedfusion" / "config" / "methods.py"
+
+# (file, the name the literal is assigned to) -> why that literal may equal a method's name
+WHITELIST = {
+    ("fedfusion/wire/specs.py", "UNITS_ACTION"): "a wire message type (train.units), the ClientApp's @app.train key",
+    ("fedfusion/wire/specs.py", "UNITS_RECORD"): "the name of the ArrayRecord a units message carries",
+}
+
+
+def path_of(module: str) -> Path:
+    """The file or folder of a dotted module name (clients/ and strategies/ install as fedfusion.clients/...)."""
+    for prefix in sorted(FOLDERS, key=len, reverse=True):
+        if module == prefix or module.startswith(prefix + "."):
+            rest = module[len(prefix):].lstrip(".").split(".") if module != prefix else []
+            base = FOLDERS[prefix].joinpath(*rest)
+            return base if base.is_dir() else base.with_suffix(".py")
+    raise AssertionError(f"{module} is not a module of the package")
+
+
+def homes(name: str) -> list[Path]:
+    """Where ``name`` may be written: its folder, its client role modules, the registry."""
+    entry = BY_NAME[name]
+    return [path_of(entry.package), *(path_of(module) for _, module in entry.roles), REGISTRY]
+
+
+def literals(path: Path) -> list[tuple[int, str, str]]:
+    """(line, value, the name it is assigned to or '') of every string constant in ``path`` that equals a method."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    found = []
+    for statement in ast.walk(tree):
+        if not isinstance(statement, ast.stmt):
+            continue
+        target = ""
+        if isinstance(statement, ast.Assign) and len(statement.targets) == 1 and isinstance(statement.targets[0], ast.Name):
+            target = statement.targets[0].id
+        for node in ast.iter_child_nodes(statement):
+            if isinstance(node, ast.stmt):
+                continue  # a nested statement is visited on its own
+            for leaf in ast.walk(node):
+                if isinstance(leaf, ast.Constant) and isinstance(leaf.value, str) and leaf.value in BY_NAME:
+                    found.append((leaf.lineno, leaf.value, target))
+    return sorted(found)
+
+
+def sources() -> list[Path]:
+    return sorted(p for folder in FOLDERS.values() for p in folder.rglob("*.py"))
+
+
+def test_a_method_is_named_only_in_its_folder_its_client_roles_and_the_registry():
+    outside = []
+    for path in sources():
+        rel = path.relative_to(ROOT).as_posix()
+        for line, name, target in literals(path):
+            if (rel, target) in WHITELIST:
+                continue
+            if not any(path == home or home in path.parents for home in homes(name)):
+                outside.append(f"{rel}:{line}: {name!r}")
+    assert not outside, "method names outside their homes (use fedfusion.config.methods' constants):\n" + "\n".join(outside)
+
+
+def test_the_grep_finds_what_it_looks_for(tmp_path):
+    code = tmp_path / "x.py"
+    code.write_text('A = "lora"\nif m == "units":\n    f(x="mixed", y=f"{m}/lora")\nUNITS_ACTION = "units"\n')
+    assert literals(code) == [(1, "lora", "A"), (2, "units", ""), (3, "mixed", ""), (4, "units", "UNITS_ACTION")]
+
+
+def test_every_whitelisted_literal_is_still_there():
+    for rel, target in WHITELIST:
+        assert any(t == target for _, _, t in literals(ROOT / rel)), (rel, target)
+
+
+def test_every_home_exists():
+    for entry in METHODS:
+        for home in homes(entry.name):
+            assert home.exists(), (entry.name, home)
+
+
+@pytest.mark.parametrize("entry", METHODS, ids=lambda m: m.name)
+def test_every_hook_of_an_entry_resolves(entry):
+    for path in (entry.build, entry.plan, entry.report_note, entry.trained):
+        if path:
+            assert hook(path) is not None
+    for role, module in entry.roles:
+        assert path_of(module).is_file(), (role, module)
+
+
+def test_the_lists_are_the_registrys():
+    assert choices.FUSION_METHODS == tuple(m.name for m in METHODS) == methods.FUSION_METHODS
+    assert choices.MIXABLE == ("submodel", "distill", "generative")
+    assert FOLD_ORDER == ("submodel", "lora", "generative", "distill")
+    assert list(ROLES) == ["submodel", "window", "smallmodel", "lora", "generative", "units"]
+    assert list(methods.SERVER_WORK) == ["distill", "generative"]  # a mixed run prices distillation first
+    assert all(m.plan for m in METHODS), "fedfusion plan needs every method's view"
+    assert all(m.build for m in METHODS if m.fold_rank is not None), "a folded method needs a builder"
+
+
+def test_a_built_method_carries_its_registry_name():
+    from fedfusion.fusion.distill.method import DistillMethod
+    from fedfusion.fusion.generative.method import GenerativeMethod
+    from fedfusion.fusion.lora.method import LoRAMethod
+    from fedfusion.fusion.submodel.method import SubModelMethod
+
+    for cls in (SubModelMethod, DistillMethod, LoRAMethod, GenerativeMethod):
+        assert cls.name in FOLD_ORDER, cls
