@@ -10,12 +10,16 @@ import torch
 from flwr.app import ConfigRecord
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from fedfusion.clients import lora as client
 from fedfusion.data.text import build_char_tokenizer
 from fedfusion.fusion.lora.aggregate import effective_delta
-from fedfusion.models import adapters
 from fedfusion.train.instruct import evaluate_instruct
 from fedfusion.wire.specs import AdapterSpec, ClientSpec, FaultSpec, LoRABaseSpec, QuantizeSpec, RoundSpec, TrainSpec, merge
+from tests.conftest import LazyModule
+
+# the LoRA role imports peft and bitsandbytes (seconds): on first use, not at collection, and on one xdist worker only
+client = LazyModule("fedfusion.clients.lora")
+adapters = LazyModule("fedfusion.models.adapters")
+pytestmark = pytest.mark.xdist_group("peft")
 
 TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}<eos>{% endfor %}"
             "{% if add_generation_prompt %}<assistant>{% endif %}")
