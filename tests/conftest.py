@@ -21,12 +21,31 @@ if TYPE_CHECKING:
 REQUIRE_DEVICE = "FEDFUSION_REQUIRE_DEVICE"  # =1 in CI's device venv: there a skipped device test is a failure
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Without the device extra a ``device`` test is skipped, with the command that installs ExecuTorch."""
+@pytest.hookimpl(trylast=True)  # after xdist's worker has (or, on pytest 9.2, has not) tagged the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Without the device extra a ``device`` test is skipped, with the command that installs ExecuTorch. On an xdist
+    worker with ``--dist loadgroup`` (addopts), each ``xdist_group`` test's id gets its ``@group`` suffix where xdist's
+    own tagging did not take."""
     if find_spec("executorch") is None:
         for item in items:
             if item.get_closest_marker("device"):
                 item.add_marker(pytest.mark.skip(reason="needs ExecuTorch: pip install 'fedfusion[device]'"))
+    if getattr(config.option, "loadgroup", False):
+        tag_xdist_groups(items)
+
+
+def tag_xdist_groups(items: list[pytest.Item]) -> None:
+    """pytest-xdist 3.8 groups a test by writing ``item._nodeid``; pytest 9.2 builds ``nodeid`` from ``item._id``
+    instead, so the suffix is lost, ``--dist loadgroup`` silently becomes ``--dist load`` and a group's tests (a
+    module-scoped run, a heavy import) are spread over every worker. This writes the suffix where pytest reads it."""
+    try:
+        from _pytest.nodeid import coerce_node_id  # pytest >= 9.2; before it xdist's own suffix works
+    except ImportError:
+        return
+    for item in items:
+        names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in item.iter_markers("xdist_group")})
+        if names and "@" not in item.nodeid:
+            item._id = coerce_node_id(f"{item.nodeid}@{'_'.join(names)}")  # type: ignore[attr-defined]
 
 
 @pytest.hookimpl(wrapper=True)
@@ -49,6 +68,8 @@ class LazyModule:
         self._name = name
 
     def __getattr__(self, attr: str) -> Any:
+        if attr.startswith("_"):  # pytest's collection looks for fixture markers (_pytest...) on every module global
+            raise AttributeError(attr)
         return getattr(import_module(self._name), attr)
 
 

@@ -167,8 +167,9 @@ def _cpu_4bit_reason() -> str | None:
     return None
 
 
-@pytest.mark.skipif(_cpu_4bit_reason() is not None, reason=str(_cpu_4bit_reason()))
 def test_a_4bit_base_trains_an_adapter(base):
+    if (reason := _cpu_4bit_reason()) is not None:  # asked here, not in a skipif: that imports bitsandbytes at collection
+        pytest.skip(reason)
     arrays, metrics = client.train({}, spec(base, quantize=4, **{"local-steps": 4}), partition=2)
     assert type(client.frozen_base(base, 4, "float32").model.layers[0].self_attn.q_proj).__name__ == "Linear4bit"
     A, B = factors(arrays)
