@@ -1,25 +1,51 @@
 """Shared fixtures: tiny Llama configs for fast slicing tests; a private disk cache for the session; the rule for
-tests marked ``device`` (they need ExecuTorch)."""
+tests marked ``device`` (they need ExecuTorch).
+
+torch and transformers are imported where a fixture or helper needs them, not at the top: with ``-n``, xdist's
+controller process loads this file before it starts the workers and never runs a test, so a top-level import of
+torch and transformers there is seconds of the loop's wall time spent for nothing."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Generator
+from importlib import import_module
 from importlib.util import find_spec
+from typing import TYPE_CHECKING, Any
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from transformers import LlamaConfig, LlamaForCausalLM
 
 REQUIRE_DEVICE = "FEDFUSION_REQUIRE_DEVICE"  # =1 in CI's device venv: there a skipped device test is a failure
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Without the device extra a ``device`` test is skipped, with the command that installs ExecuTorch."""
+@pytest.hookimpl(trylast=True)  # after xdist's worker has (or, on pytest 9.2, has not) tagged the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Without the device extra a ``device`` test is skipped, with the command that installs ExecuTorch. On an xdist
+    worker with ``--dist loadgroup`` (addopts), each ``xdist_group`` test's id gets its ``@group`` suffix where xdist's
+    own tagging did not take."""
     if find_spec("executorch") is None:
         for item in items:
             if item.get_closest_marker("device"):
                 item.add_marker(pytest.mark.skip(reason="needs ExecuTorch: pip install 'fedfusion[device]'"))
+    if getattr(config.option, "loadgroup", False):
+        tag_xdist_groups(items)
+
+
+def tag_xdist_groups(items: list[pytest.Item]) -> None:
+    """pytest-xdist 3.8 groups a test by writing ``item._nodeid``; pytest 9.2 builds ``nodeid`` from ``item._id``
+    instead, so the suffix is lost, ``--dist loadgroup`` silently becomes ``--dist load`` and a group's tests (a
+    module-scoped run, a heavy import) are spread over every worker. This writes the suffix where pytest reads it."""
+    try:
+        from _pytest.nodeid import coerce_node_id  # pytest >= 9.2; before it xdist's own suffix works
+    except ImportError:
+        return
+    for item in items:
+        names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in item.iter_markers("xdist_group")})
+        if names and "@" not in item.nodeid:
+            item._id = coerce_node_id(f"{item.nodeid}@{'_'.join(names)}")  # type: ignore[attr-defined]
 
 
 @pytest.hookimpl(wrapper=True)
@@ -34,8 +60,23 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     return report
 
 
+class LazyModule:
+    """A module imported on first attribute access: for test modules whose tests need a heavy library (peft pulls in
+    bitsandbytes: seconds) that collection, which every xdist worker runs for every module, should not import."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr.startswith("_"):  # pytest's collection looks for fixture markers (_pytest...) on every module global
+            raise AttributeError(attr)
+        return getattr(import_module(self._name), attr)
+
+
 def tiny_config(heads: int = 4, kv_heads: int = 4, hidden: int = 32, inter: int = 48) -> LlamaConfig:
     """A Llama config small enough for millisecond tests."""
+    from transformers import LlamaConfig
+
     return LlamaConfig(
         vocab_size=50, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=2,
         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,
@@ -46,6 +87,9 @@ def tiny_config(heads: int = 4, kv_heads: int = 4, hidden: int = 32, inter: int 
 @pytest.fixture(params=[(4, 4), (8, 2)], ids=["mha", "gqa"])
 def model(request) -> LlamaForCausalLM:
     """A seeded tiny target, with plain multi-head and grouped-query attention."""
+    import torch
+    from transformers import LlamaForCausalLM
+
     heads, kv = request.param
     torch.manual_seed(0)
     return LlamaForCausalLM(tiny_config(heads=heads, kv_heads=kv)).eval()
@@ -55,6 +99,8 @@ def model(request) -> LlamaForCausalLM:
 def one_thread():
     """Tiny models train fastest on one thread (and do not fight other processes for cores); modules that train
     them use it with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    import torch
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -8,9 +8,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives.serialization import load_ssh_private_key
-from flwr.cli.supernode.register import try_load_public_key
 
 from fedfusion.cli import main
 from fedfusion.config.recipe import load_recipe
@@ -29,6 +26,11 @@ OVERRIDES = [
 
 
 def test_certificates_chain_to_the_ca_and_node_keys_are_what_flower_accepts(tmp_path):
+    # imported here, not at the top: flwr.cli pulls in fastapi, a second of every worker's collection with -m "not slow"
+    from cryptography import x509
+    from cryptography.hazmat.primitives.serialization import load_ssh_private_key
+    from flwr.cli.supernode.register import try_load_public_key
+
     files = make_deploy_files(tmp_path, ["127.0.0.1", "superlink.example"], nodes=2)
     ca = x509.load_pem_x509_certificate(files.ca_cert.read_bytes())
     server = x509.load_pem_x509_certificate(files.server_cert.read_bytes())

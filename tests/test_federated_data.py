@@ -5,26 +5,29 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
 
-pytest.importorskip("flwr_datasets")
-import pandas as pd  # noqa: E402  (installed with flwr-datasets' datasets)
-
-from fedfusion.cli import main  # noqa: E402
-from fedfusion.config.recipe import RecipeError  # noqa: E402
-from fedfusion.data.federated import PartitionSizes, describe, label_skew, partitions, read_partition_sizes  # noqa: E402
-from fedfusion.data.instruct import instruct_clients, pooled_held_out  # noqa: E402
-from fedfusion.data.population import (  # noqa: E402  # noqa: E402
+from fedfusion.cli import main
+from fedfusion.config.recipe import RecipeError
+from fedfusion.data.federated import PartitionSizes, describe, label_skew, partitions, read_partition_sizes
+from fedfusion.data.instruct import instruct_clients, pooled_held_out
+from fedfusion.data.population import (
     data_spec,
-    lora_data_spec,  # noqa: E402
+    lora_data_spec,
     partition_sizes,
     population_data,
     write_partition_sizes,
 )
 from fedfusion.run.check import load_checked
-from fedfusion.run.report import write_report  # noqa: E402
+from fedfusion.run.report import write_report
+
+# flwr-datasets (and the pandas, datasets and matplotlib it imports: seconds) is imported by the tests that partition,
+# not at collection: with -n every worker collects every module. The group runs them on one worker, which alone pays it.
+pytestmark = [pytest.mark.skipif(find_spec("flwr_datasets") is None, reason="needs flwr-datasets: pip install 'fedfusion[datasets]'"),
+              pytest.mark.xdist_group("flwr_datasets")]
 
 LABELS = ("sport", "music", "food", "travel")
 USERS = ("ann", "bob", "cy", "dee")
@@ -39,6 +42,8 @@ def records(n: int = 120) -> list[dict]:
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> dict[str, Path]:
     """The same rows as jsonl, csv and parquet, and their texts as a .txt file (one row per line)."""
+    import pandas as pd  # installed with flwr-datasets' datasets
+
     folder, rows = tmp_path_factory.mktemp("data"), records()
     paths = {fmt: folder / f"rows.{fmt}" for fmt in ("jsonl", "csv", "parquet", "txt")}
     paths["jsonl"].write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -213,6 +218,8 @@ def test_plan_of_the_quickstart_prints_characters_per_role(capsys):
 
 @pytest.mark.slow  # Flower's simulation engine (Ray)
 def test_a_recipe_trains_end_to_end_from_a_local_parquet_file_with_tensorboard(tmp_path):
+    import pandas as pd
+
     from fedfusion.run.run_dir import read_jsonl
 
     words = ("the river runs", "a quiet field", "under the hill", "bright morning")

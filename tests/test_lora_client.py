@@ -10,12 +10,16 @@ import torch
 from flwr.app import ConfigRecord
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from fedfusion.clients import lora as client
 from fedfusion.data.text import build_char_tokenizer
 from fedfusion.fusion.lora.aggregate import effective_delta
-from fedfusion.models import adapters
 from fedfusion.train.instruct import evaluate_instruct
 from fedfusion.wire.specs import AdapterSpec, ClientSpec, FaultSpec, LoRABaseSpec, QuantizeSpec, RoundSpec, TrainSpec, merge
+from tests.conftest import LazyModule
+
+# the LoRA role imports peft and bitsandbytes (seconds): on first use, not at collection, and on one xdist worker only
+client = LazyModule("fedfusion.clients.lora")
+adapters = LazyModule("fedfusion.models.adapters")
+pytestmark = pytest.mark.xdist_group("peft")
 
 TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}<eos>{% endfor %}"
             "{% if add_generation_prompt %}<assistant>{% endif %}")
@@ -163,8 +167,9 @@ def _cpu_4bit_reason() -> str | None:
     return None
 
 
-@pytest.mark.skipif(_cpu_4bit_reason() is not None, reason=str(_cpu_4bit_reason()))
 def test_a_4bit_base_trains_an_adapter(base):
+    if (reason := _cpu_4bit_reason()) is not None:  # asked here, not in a skipif: that imports bitsandbytes at collection
+        pytest.skip(reason)
     arrays, metrics = client.train({}, spec(base, quantize=4, **{"local-steps": 4}), partition=2)
     assert type(client.frozen_base(base, 4, "float32").model.layers[0].self_attn.q_proj).__name__ == "Linear4bit"
     A, B = factors(arrays)

@@ -15,10 +15,8 @@ from flwr.app import (
     MetricRecord,
     RecordDict,
 )
-from peft import PeftModel
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-from fedfusion.clients import lora as client
 from fedfusion.config.choices import LORA_METHODS
 from fedfusion.data.instruct import pooled_held_out
 from fedfusion.devices.catalog import load_catalog
@@ -40,14 +38,19 @@ from fedfusion.fusion.lora.method import (
     snapshot,
     split_global,
 )
-from fedfusion.models import adapters
 from fedfusion.models.pretrained import load_base_tokenizer
 from fedfusion.selection.participation import Participation
 from fedfusion.selection.selectors import make_selector
 from fedfusion.strategies import FusionStrategy
 from fedfusion.train.instruct import encode_pairs, evaluate_instruct
 from fedfusion.wire.specs import Caps, ClientSpec, FaultSpec, LoRABaseSpec, PrivacySpec, TrainSpec, merge
+from tests.conftest import LazyModule
 from tests.test_lora_client import DATA, MODULES, save_tiny_base
+
+# the LoRA role imports peft and bitsandbytes (seconds): on first use, not at collection, and on one xdist worker only
+client = LazyModule("fedfusion.clients.lora")
+adapters = LazyModule("fedfusion.models.adapters")
+pytestmark = pytest.mark.xdist_group("peft")
 
 RANKS = {"phone": 2, "laptop": 4, "desktop": 8}
 ALPHAS = {"phone": 4.0, "laptop": 8.0, "desktop": 8.0}
@@ -303,6 +306,8 @@ def test_two_rounds_with_real_clients_train_and_save_in_peft_and_hf_format(base,
     save_adapter(result.arrays.to_torch_state_dict(), tmp_path / "adapter", list(MODULES), base)
     merged = save_merged(model, original, result.arrays.to_torch_state_dict(), tok, tmp_path / "model")
     ids = torch.randint(100, (2, 12))
+    from peft import PeftModel
+
     peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), tmp_path / "adapter")
     want = AutoModelForCausalLM.from_pretrained(merged)(input_ids=ids).logits
     torch.testing.assert_close(peft_model(input_ids=ids).logits, want, **CLOSE)

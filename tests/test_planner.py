@@ -63,6 +63,7 @@ def test_fit_width_takes_the_largest_ladder_width_that_fits():
     assert fit_width(cfg, sized(between), 8, 32, ladder=(0.75, 0.1), usable=1.0) == 0.1
 
 
+@pytest.mark.xdist_group("peft")  # with the LoRA modules' tests: one xdist worker imports peft and bitsandbytes
 def test_lora_parameters_match_peft():
     from peft import LoraConfig, get_peft_model
 

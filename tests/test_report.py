@@ -110,9 +110,8 @@ def saved_figures(monkeypatch):
     save = matplotlib.figure.Figure.savefig
 
     def record(fig, *args, **kwargs):
-        fig.canvas.draw()  # ticks are placed by the locator at draw time
         figures.append(fig)
-        return save(fig, *args, **kwargs)
+        return save(fig, *args, **kwargs)  # draws the figure: its ticks are placed by the locator then, once
 
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", record)
     return figures
