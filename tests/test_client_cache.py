@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 
 import torch
+from fedfusion.clients import submodel
+from fedfusion.clients.cache import ENV, ModelCache, model_bytes
 from flwr.app import ConfigRecord
 from transformers import LlamaForCausalLM
 
-from fedfusion.clients import submodel
-from fedfusion.clients.cache import ENV, ModelCache, model_bytes
 from fedfusion.models.build import model_from_state
 from fedfusion.train.loop import train_steps
 from fedfusion.wire.specs import ModelSpec, TrainSpec
