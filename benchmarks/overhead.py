@@ -76,7 +76,14 @@ def one_run(recipe: str, overrides: list[str], cache: bool, cores: int) -> dict:
         env = {**os.environ, "FEDFUSION_CLIENT_CACHE": "1" if cache else "0"}
         load_before = os.getloadavg()
         start = time.perf_counter()
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=env)
+        for attempt in range(3):  # Ray gives its raylet 30 s to start: on a busy machine a start can time out
+            done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+            if done.returncode == 0 or "timed out during startup" not in done.stderr or attempt == 2:
+                break
+            print("Ray timed out starting; the run again", flush=True)
+            load_before, start = os.getloadavg(), time.perf_counter()
+        if done.returncode:
+            raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
         command_s = time.perf_counter() - start
         summary = json.loads((run / "summary.json").read_text())
         table = round_table(run, cores)
