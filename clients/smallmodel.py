@@ -11,6 +11,7 @@ import json
 from functools import lru_cache
 
 import torch
+from fedfusion.clients.cache import MODELS
 from fedfusion.clients.submodel import inject_faults, local_steps, set_threads, trained_reply
 from flwr.app import ConfigRecord
 from transformers import PreTrainedModel
@@ -41,8 +42,15 @@ def _windows(spec: ConfigRecord, partition: int, split: str) -> torch.Tensor:
 
 
 def _model(state: dict[str, torch.Tensor], spec: ConfigRecord, accelerator: str) -> PreTrainedModel:
-    model = small_model(json.dumps(ModelSpec.from_config(spec).model_config), state)
-    return model.to(accelerator)  # type: ignore[arg-type]  # transformers' functools.wraps on .to reads as unbound
+    """The family's model holding ``state``, built once per (config, accelerator) in this process
+    (:mod:`fedfusion.clients.cache`)."""
+    config = json.dumps(ModelSpec.from_config(spec).model_config)
+
+    def build() -> PreTrainedModel:
+        model = small_model(config, state)
+        return model.to(accelerator)  # type: ignore[arg-type]  # transformers' functools.wraps on .to reads as unbound
+
+    return MODELS.model(("smallmodel", config, accelerator), build, state)  # type: ignore[return-value]
 
 
 def train(state: dict[str, torch.Tensor], spec: ConfigRecord, partition: int,

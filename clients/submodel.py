@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from fedfusion.clients.cache import MODELS
 from flwr.app import ConfigRecord
 from transformers import PreTrainedModel
 
@@ -32,8 +34,17 @@ def _windows(spec: ConfigRecord, partition: int, split: str) -> torch.Tensor:
 
 
 def _model(state: dict[str, torch.Tensor], spec: ConfigRecord, accelerator: str = "cpu") -> PreTrainedModel:
-    model = model_from_state(config_from_dict(ModelSpec.from_config(spec).model_config), state)
-    return model.to(accelerator)  # type: ignore[arg-type]  # transformers' functools.wraps on .to reads as unbound
+    """The message's model holding ``state``: built once per (config, accelerator, checkpointing) in this process
+    and reloaded after (:mod:`fedfusion.clients.cache`)."""
+    config = ModelSpec.from_config(spec).model_config
+
+    def build() -> PreTrainedModel:
+        model = model_from_state(config_from_dict(config), state)
+        return model.to(accelerator)  # type: ignore[arg-type]  # transformers' functools.wraps on .to reads as unbound
+
+    checkpointing = bool(spec.get(TrainSpec.key("checkpoint"), False))  # it changes the built model: a key of its own
+    key = ("submodel", json.dumps(config, sort_keys=True), accelerator, checkpointing)
+    return MODELS.model(key, build, state)  # type: ignore[return-value]
 
 
 def set_threads(spec: ConfigRecord) -> None:
@@ -64,13 +75,15 @@ def trained_reply(model: torch.nn.Module, windows: torch.Tensor, faults: tuple[b
                   fit: Callable[[], TrainResult], trained: Callable[[], dict] | None = None) -> tuple[dict, dict]:
     """Run ``fit()`` (local training of ``model``) under the host's energy meters, then apply the injected
     ``faults`` (from :func:`inject_faults`: corrupt?, straggle seconds); returns the state (``trained()``, by
-    default the model's state with tied aliases left out, in float32 whatever dtype it arrived in) and metrics."""
+    default the model's state with tied aliases left out, in float32 whatever dtype it arrived in; a copy, as the
+    model may be a cached one the next message reloads) and metrics."""
     corrupt, delay = faults
     with HostMeter(gpu_index(next(model.parameters()).device)) as meter:  # the host's own meters (labelled, not priced)
         stats = fit().metrics()
     stats.update(meter.metrics())
     new_state = (trained() if trained is not None else
-                 wire_state({k: v.detach().cpu() for k, v in model.state_dict().items()}, tied_aliases(model)))
+                 wire_state({k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()},
+                            tied_aliases(model)))
     if corrupt:
         next(iter(new_state.values())).view(-1)[0] = float("nan")
     time.sleep(delay)

@@ -130,9 +130,10 @@ def cmd_run(args: argparse.Namespace) -> int:
                 if row["step"] > 0:
                     progress.advance(task)
                 return
+            scores = (f"loss {row['eval_loss']:.3f}  ppl {row['eval_ppl']:7.2f}  acc {row['eval_acc']:.3f}"
+                      if "eval_loss" in row else f"{'not scored (train.eval_every)':<36}")
             progress.console.print(
-                f"round {row['round']:>3}  loss {row['eval_loss']:.3f}  ppl {row['eval_ppl']:7.2f}  "
-                f"acc {row['eval_acc']:.3f}  ok {row['clients_ok']} failed {row['clients_failed']}"
+                f"round {row['round']:>3}  {scores}  ok {row['clients_ok']} failed {row['clients_failed']}"
                 + (f" cut {row['clients_cut']}" if row.get("clients_cut") else "") + "  "
                 f"{row['wall_s']:5.1f}s", soft_wrap=True)
             if row["round"] > 0:

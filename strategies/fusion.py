@@ -53,6 +53,13 @@ from fedfusion.wire.specs import DROPPED, Caps, ClientSpec, PrivacySpec, RoundSp
 Listener = Callable[[RoundReport], None]
 
 
+def scored_round(server_round: int, last: int, eval_every: int) -> bool:
+    """Whether central evaluation scores round ``server_round`` of a run whose last round is ``last``
+    (``train.eval_every``): round 0 (the target before training) and the last round always; between them the
+    rounds that ``eval_every`` divides (0: none of them)."""
+    return server_round in (0, last) or (eval_every > 0 and server_round % eval_every == 0)
+
+
 def error_line(reason: str) -> str:
     """The exception line of an error reply (Ray wraps the client's traceback around it)."""
     lines = [line.strip() for line in reason.strip().splitlines() if line.strip()]
@@ -88,8 +95,14 @@ class FusionStrategy(Strategy):
     nodes x pending messages per sweep, so 10,000 of them outlast any round deadline.
 
     ``client_lr`` gives the clients' lr of a round (``train.lr_schedule``: a decay over rounds); every message of
-    the round carries it in place of ``train_config``'s. ``server_threads`` fixes the torch threads of the server's
-    own work; 0 measures each round whether all of them beat one (:func:`fedfusion.devices.hardware.use_fastest_threads`)."""
+    the round carries it in place of ``train_config``'s.
+
+    ``eval_every`` (``train.eval_every``): central evaluation (``start``'s ``evaluate_fn``) scores round 0, the last
+    round and every ``eval_every``-th round between (0: none between, :func:`scored_round`); an unscored round's
+    report has no target metrics.
+
+    ``server_threads`` fixes the torch threads of the server's own work; 0 measures each round whether all of
+    them beat one (:func:`fedfusion.devices.hardware.use_fastest_threads`)."""
 
     def __init__(
         self,
@@ -110,6 +123,7 @@ class FusionStrategy(Strategy):
         listeners: Iterable[Listener] = (),
         client_lr: Callable[[int], float] | None = None,
         server_threads: int = 0,
+        eval_every: int = 1,
     ) -> None:
         if not methods:
             raise ValueError("no fusion method: map at least one device tier to a method")
@@ -139,6 +153,9 @@ class FusionStrategy(Strategy):
             raise ValueError(f"server_threads must be >= 0, got {server_threads}")
         self.server_threads = server_threads
         self.threads_used = 0  # the torch threads of the last round's server work (0: none yet)
+        if eval_every < 0:
+            raise ValueError(f"eval_every must be >= 0, got {eval_every}")
+        self.eval_every = eval_every  # train.eval_every: which rounds central evaluation scores (scored_round)
         self.caps: dict[int, dict[str, Any]] = {}
         self.unusable: set[int] = set()  # nodes that answered with a tier no method trains: never asked again
         self.costs: dict[str, WorkCost] = {}
@@ -175,15 +192,18 @@ class FusionStrategy(Strategy):
     def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float = 3600,
               train_config: ConfigRecord | None = None, evaluate_config: ConfigRecord | None = None,
               evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None) -> Result:
-        """Flower's ``Strategy.start``; ``evaluate_fn`` is central evaluation only, and once it has scored a
-        round, the round's :class:`RoundReport` goes to every listener."""
+        """Flower's ``Strategy.start``; ``evaluate_fn`` is central evaluation only, called on the rounds
+        :func:`scored_round` picks, and once a round is over (scored or not) its :class:`RoundReport` goes to every
+        listener."""
+        last = self.round_offset + num_rounds  # the run's last round, whatever part of it this start runs
 
         def evaluate_and_report(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
             if server_round == 0 and self.round_offset:
                 return None  # a resumed run: the checkpointed target was scored when it was saved
             if server_round == 0:
                 self.set_threads()
-            metrics = evaluate_fn(server_round, arrays) if evaluate_fn is not None else None
+            scored = scored_round(server_round + self.round_offset, last, self.eval_every)
+            metrics = evaluate_fn(server_round, arrays) if evaluate_fn is not None and scored else None
             report = self.report(server_round, arrays, dict(metrics.items()) if metrics is not None else {})
             for listener in self.listeners:
                 listener(report)

@@ -59,6 +59,8 @@ def test_resolved_recipe_reloads_identically(tmp_path):
         ("train:\n  lr_final: 0\n", "train.lr_final"),
         ("train:\n  lr_final: 1.5\n", "train.lr_final"),
         ("engine:\n  server_threads: -1\n", "engine.server_threads"),
+        ("train:\n  eval_every: -1\n", "train.eval_every"),
+        ("train:\n  eval_every: sometimes\n", "train.eval_every"),
     ],
 )
 def test_bad_recipe_names_the_key(tmp_path, text, key):
@@ -286,3 +288,11 @@ def test_a_bad_lr_schedule_is_one_line_naming_the_key_and_its_choices():
     with pytest.raises(RecipeError) as err:
         load_recipe("quickstart", ["train.lr_schedule=step"])
     assert str(err.value) == "train.lr_schedule: 'step' is not one of constant, cosine, linear"
+
+
+def test_eval_every_defaults_to_every_round_and_takes_units_meaning():
+    """train.eval_every counts rounds as units.eval_every counts steps: 1 (the default) scores every round, 0 only
+    round 0 and the last."""
+    assert load_checked("quickstart").train.eval_every == 1
+    assert load_checked("quickstart", ["train.eval_every=4"]).train.eval_every == 4
+    assert load_checked("quickstart", ["train.eval_every=0"]).train.eval_every == 0

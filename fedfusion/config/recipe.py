@@ -264,6 +264,11 @@ class TrainConfig:
     # round 1 down to lr_final x train.lr in the last round
     lr_schedule: str = "constant"
     lr_final: float = 0.1
+    # rounds between central evaluations of the target (the server scoring it on the pooled held-out text), as
+    # units.eval_every counts steps: round 0 and the last round are always scored, between them the rounds it divides
+    # (1: every round; 0: none between). An unscored round's metrics.jsonl row has no eval_* fields; the report's best
+    # is the best scored round. Not the units mode's (units.eval_every)
+    eval_every: int = 1
 
 
 @dataclass
@@ -618,6 +623,9 @@ def validate(recipe: Recipe) -> None:
                           f"not policy ordered), got method {recipe.fusion.method!r}, policy {recipe.fusion.policy!r}")
     if recipe.train.optimizer != "adamw" and recipe.fusion.method == LORA:
         raise RecipeError("train.optimizer: LoRA clients train with AdamW; only 'adamw' applies to fusion.method=lora")
+    if recipe.train.eval_every < 0:
+        raise RecipeError(f"train.eval_every: must be >= 0 (rounds between central evaluations; 0: only round 0 and "
+                          f"the last), got {recipe.train.eval_every}")
     if not 0 < recipe.train.lr_final <= 1:
         raise RecipeError(f"train.lr_final: must be in (0, 1] (the last round's lr as a fraction of train.lr), "
                           f"got {recipe.train.lr_final}")

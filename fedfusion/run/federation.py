@@ -61,6 +61,10 @@ def log_round(row: dict[str, Any]) -> None:
             row["step"], row["train_loss"], row.get("eval_loss"), row["bytes_down"] / 1e6, row["bytes_up"] / 1e6,
             row["virtual_s"], len(row.get("missed", [])), row["wall_s"])
         return
+    if "eval_loss" not in row:  # train.eval_every: central evaluation did not score this round
+        log(INFO, "round %d: not scored (train.eval_every) clients ok=%d failed=%d cut=%d (%.1fs)",
+            row["round"], row["clients_ok"], row["clients_failed"], row.get("clients_cut", 0), row["wall_s"])
+        return
     log(INFO, "round %d: eval_loss=%.4f ppl=%.2f acc=%.3f clients ok=%d failed=%d cut=%d (%.1fs)",
         row["round"], row["eval_loss"], row["eval_ppl"], row["eval_acc"], row["clients_ok"],
         row["clients_failed"], row.get("clients_cut", 0), row["wall_s"])
@@ -117,6 +121,7 @@ def build_strategy(recipe: Recipe, target: Target, listeners: Sequence[Listener]
         client_lr=partial(round_lr, recipe.train.lr, recipe.train.lr_schedule, recipe.train.lr_final,
                           rounds=recipe.rounds),
         server_threads=recipe.engine.server_threads,
+        eval_every=recipe.train.eval_every,
     )
 
 
@@ -231,11 +236,17 @@ class RoundRecorder:
         self.on_round(row)
 
 
+def scored_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The metrics rows central evaluation scored (``train.eval_every``: round 0, the last round, every n-th)."""
+    return [r for r in rows if r.get("eval_loss") is not None]
+
+
 def facts_summary(recipe: Recipe, rows: list[dict[str, Any]]) -> dict[str, Any]:
     """What the target recalls of all clients' facts, against the largest share any one client owns."""
     probes = facts_data(recipe.data, recipe.population.num_clients, recipe.seed).probes
     owned = Counter(p.client for p in probes)
-    return {"probe_acc": rows[-1]["probe_acc"], "best_probe_acc": max(r["probe_acc"] for r in rows),
+    scored = [r for r in rows if r.get("probe_acc") is not None]  # train.eval_every: the rounds scored
+    return {"probe_acc": scored[-1]["probe_acc"], "best_probe_acc": max(r["probe_acc"] for r in scored),
             "largest_client_share": max(owned.values()) / len(probes), "clients": len(owned), "probes": len(probes)}
 
 
@@ -305,7 +316,7 @@ def run_federation(grid: Grid, recipe: Recipe, run: RunDir, on_round: RoundCallb
             "status": "ok", "name": recipe.name, "rounds": recipe.rounds,
             "target_params": target.params, "metric_names": target.metric_names,
             "initial": {k: rows[0][k] for k in ("eval_loss", "eval_ppl", "eval_acc")},
-            "final": {k: rows[-1][k] for k in ("eval_loss", "eval_ppl", "eval_acc")},
+            "final": {k: scored_rows(rows)[-1][k] for k in ("eval_loss", "eval_ppl", "eval_acc")},  # the last round's
             "clients_ok": sum(r["clients_ok"] for r in rows),
             "clients_failed": sum(r["clients_failed"] for r in rows),
             "clients_cut": sum(r.get("clients_cut", 0) for r in rows),

@@ -49,13 +49,28 @@ def _label(run: Path) -> str:
 
 
 def _best(rows: list[dict], key: str) -> tuple[float, int] | None:
-    """The best value of ``key`` over all rounds (round 0, the initial target, included) and its round;
+    """The best value of ``key`` over all scored rounds (round 0, the initial target, included; with
+    ``train.eval_every`` > 1 a round between the scored ones has no score and cannot be best) and its round;
     the earliest such round on ties; None where no row has the key."""
     scored = [r for r in rows if r.get(key) is not None]
     if not scored:
         return None
     row = (min if LOWER_IS_BETTER[key] else max)(scored, key=lambda r: r[key])
     return row[key], row["round"]
+
+
+def _last_scored(rows: list[dict]) -> dict:
+    """The last row central evaluation scored (a finished run's last round always is; ``train.eval_every``)."""
+    return next((r for r in reversed(rows) if r.get("eval_loss") is not None), rows[-1])
+
+
+def _unscored_note(rows: list[dict]) -> list[str]:
+    """A line saying which rounds central evaluation scored, where it skipped some (``train.eval_every``)."""
+    scored = [r["round"] for r in rows if r.get("eval_loss") is not None]
+    if len(scored) == len(rows):
+        return []
+    return [f"Central evaluation scored rounds {', '.join(map(str, scored))} of {rows[-1]['round']} "
+            "(`train.eval_every`): best is the best of those, final the last one's.", ""]
 
 
 def still_rising(curve: list[float]) -> tuple[int, float] | None:
@@ -92,7 +107,8 @@ def plot_curves(runs: list[Path], out_dir: Path) -> list[Path]:
         fig, ax = plt.subplots(figsize=(6, 4))
         for run in runs:
             rows, _ = _load(run)
-            ax.plot([r["round"] for r in rows], [r[key] for r in rows], marker="o", label=_label(run))
+            scored = [r for r in rows if r.get(key) is not None]  # train.eval_every: the rounds scored
+            ax.plot([r["round"] for r in scored], [r[key] for r in scored], marker="o", label=_label(run))
         ax.set_title(f"{title[0].upper()}{title[1:]} by round ({'higher' if key == 'eval_acc' else 'lower'} is better)",
                      fontsize=10)
         ax.set_xlabel("round")
@@ -118,8 +134,9 @@ def _plot_cost(runs: list[Path], out_dir: Path) -> Path:
     for run in runs:
         rows, _ = _load(run)
         for ax, key in zip(axes, ("energy_j", "co2_g")):
-            xs = list(accumulate(r.get(key, 0.0) for r in rows))
-            ax.plot(xs, [r["eval_loss"] for r in rows], marker="o", label=_label(run))
+            xs = list(accumulate(r.get(key, 0.0) for r in rows))  # every round costs; only scored ones have a loss
+            points = [(x, r["eval_loss"]) for x, r in zip(xs, rows) if r.get("eval_loss") is not None]
+            ax.plot([x for x, _ in points], [y for _, y in points], marker="o", label=_label(run))
     server = any(r.get("server_energy_j") for run in runs for r in _load(run)[0])
     axes[0].set_xlabel(f"cumulative energy, all clients{' and the server' if server else ''} "
                        "(J, priced from counted work)")
@@ -284,7 +301,7 @@ def _family_section(rows: list[dict], summary: dict) -> list[str]:
              "character whatever its tokenizer; accuracy is next-character accuracy for character-level families "
              "and next-token accuracy (in the family's own tokens) for the others.", "",
              "| model | final loss (nats/char) | final ppl | final acc | best loss (round) |", "|---|---|---|---|---|"]
-    last = rows[-1]
+    last = _last_scored(rows)
     target_best = _best(rows, "eval_loss") or (last["eval_loss"], last["round"])
     lines.append(f"| target | {last['eval_loss']:.4f} | {last['eval_ppl']:.3f} | {last['eval_acc']:.4f} "
                  f"({_metric_names(summary)['eval_acc']}) | "
@@ -317,7 +334,7 @@ def _headline(rows: list[dict], summary: dict) -> list[str]:
                      f"best **{best[0]:{fmt}}**{unit} (round {best[1]})")
         if best[1] != final_round and best[0] != last[key]:
             worse.append(f"{name.lower()} was best at round {best[1]}")
-    lines = ["; ".join(parts) + ".", ""]
+    lines = ["; ".join(parts) + ".", "", *_unscored_note(rows)]
     if worse:
         lines += [f"The final round is not the best one ({', '.join(worse)}): the final figures, and any saved "
                   "model, are those of the final round.", ""]
@@ -442,7 +459,8 @@ def compare_runs(runs: list[Path], out_dir: Path) -> Path:
     lines = ["# Comparison", "",
              "**final** is the last round's evaluation (what the run ends with); **best** is the best round's "
              "(lowest loss and perplexity, highest accuracy, round 0 = the initial target included), with that "
-             "round in parentheses. Where they differ, the run ended worse than it had been.", ""]
+             "round in parentheses (a run with `train.eval_every` > 1: among the rounds it scored). Where they "
+             "differ, the run ended worse than it had been.", ""]
     facts = [_label(run) for run, _, summary in loaded if "facts" in summary]
     if facts:
         lines += [f"Knowledge runs ({', '.join(facts)}) score their probes: loss is the probe answer loss "
@@ -451,7 +469,7 @@ def compare_runs(runs: list[Path], out_dir: Path) -> Path:
               "best acc (round) | energy J | CO2e g | wall s |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for run, rows, summary in loaded:
-        last = rows[-1]
+        last = {**_last_scored(rows), "round": rows[-1]["round"]}
         energy, co2 = (sum(r.get(k, 0.0) for r in rows) for k in ("energy_j", "co2_g"))
         best = {}
         for key, fmt in (("eval_loss", ".4f"), ("eval_ppl", ".3f"), ("eval_acc", ".4f")):
