@@ -8,8 +8,8 @@ round) under two server thread settings, each quiet and beside one ``while True`
 - ``all``: ``engine.server_threads=<cpus>``: torch's own default (one thread per core), the behaviour before.
 
 For each run: every round's ``wall_s`` and the server's own seconds (``server_s``: distillation), the final
-metrics (equal across settings: the thread count changes no value at these sizes), and the busy/quiet ratio of
-each setting's round time (rounds 2.., round 1 also carries Ray's start-up).
+metrics (the thread count can move their last bits), and the busy/quiet ratio of each setting's round time
+(rounds 2.., round 1 also carries Ray's start-up).
 
     python benchmarks/busy_core.py [--recipe mixed] [--rounds 2] [--arms auto all] [--out benchmarks/results]
 

@@ -1,7 +1,9 @@
 """Compare two run directories' ledgers field by field, ignoring host wall-clock fields.
 
 For refactors that must not change behaviour: run the same recipe and overrides on the old and the new code,
-then ``python benchmarks/compare_runs.py OLD_RUN NEW_RUN``. Exit status 0 when ``metrics.jsonl`` and
+then ``python benchmarks/compare_runs.py OLD_RUN NEW_RUN``. Fix the server's torch threads on both sides
+(``engine.server_threads=N``): the default chooses them each round by the machine's load, and the count can
+change the last bits of a server-side distillation. Exit status 0 when ``metrics.jsonl`` and
 ``clients.jsonl`` agree on every field both rows have (values and types, exactly); fields present on one side
 only are listed (a new ledger field is not a difference in behaviour, but it is shown).
 """

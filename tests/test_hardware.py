@@ -78,25 +78,3 @@ def test_the_probe_really_times_and_gives_up(monkeypatch, restore_threads):
     assert hardware._probe_s(1) > 0
     monkeypatch.setattr(hardware, "PROBE_REPS", 10**6)  # minutes of products, unless it gives up after the first
     assert hardware._probe_s(2, give_up_s=0.0) < 1.0
-
-
-def test_switching_threads_between_rounds_keeps_a_small_model_training_bit_identical(restore_threads):
-    """The server may change its thread count every round; at the sizes it trains, that changes no value."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    def train(threads: int) -> list[torch.Tensor]:
-        torch.set_num_threads(threads)
-        torch.manual_seed(0)
-        config = LlamaConfig(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                             num_key_value_heads=4, intermediate_size=256)
-        model = LlamaForCausalLM(config)
-        opt = torch.optim.AdamW(model.parameters(), 1e-3)
-        x = torch.randint(0, 96, (16, 64))
-        for _ in range(3):
-            model(input_ids=x, labels=x).loss.backward()
-            opt.step()
-            opt.zero_grad()
-        return [p.detach().clone() for p in model.parameters()]
-
-    for a, b in zip(train(1), train(2)):
-        assert torch.equal(a, b)

@@ -298,7 +298,8 @@ class EngineConfig:
     cpus_per_client: float = 1.0
     threads_per_client: int = 1  # torch threads inside each client actor
     # torch threads for the server's own work (fold, distillation, central evaluation); 0: all of torch's, when
-    # measurably faster than one right now, else one (re-measured each round: a busy core stalls every thread)
+    # measurably faster than one right now, else one (re-measured each round: a busy core stalls every thread);
+    # the count can change the last bits of the server's float sums: fix it for bit-for-bit reruns
     server_threads: int = 0
     # an existing Ray cluster to run the virtual clients on ("auto", or the head's "host:port" as `ray start --head`
     # prints it); empty: Flower starts a private one-machine Ray instance

@@ -80,7 +80,9 @@ def use_fastest_threads(most: int | None = None) -> int:
     for a descheduled thread: on 2 cores beside other jobs, 2 threads measured 10-100x slower than 1. The server
     calls this before each round's own work (the fold, distillation, central evaluation), so it takes its cores
     back when they are free. The probe costs ~2x a one-thread probe (a few ms); it gives up on the wider count
-    as soon as that is slower."""
+    as soon as that is slower. The count can change the last bits of float sums (the distill recipe's round-2
+    client losses moved by ~1e-8 between 1 and 2 server threads), so bit-for-bit reruns fix it
+    (``engine.server_threads``)."""
     most = TORCH_THREADS if most is None else most
     if most <= 1:
         torch.set_num_threads(1)
