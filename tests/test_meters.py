@@ -13,6 +13,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 
 from fedfusion.devices import meters
 from fedfusion.devices.meters import WIRE_PREFIX, HostMeter, meter_joules, read_measured
+from fedfusion.train.loop import TrainResult
 from tests.test_strategy import FakeGrid, make_strategy, task_identity  # noqa: F401  (task_identity: a fixture)
 
 NVIDIAGPUs = type("NVIDIAGPUs", (), {})  # Zeus names its GPU backends by class: the meter reads the name
@@ -121,9 +122,9 @@ def test_real_zeus_reads_as_the_fake_does():
 def test_measured_joules_reach_clients_jsonl_next_to_the_priced_energy(fake, tmp_path):
     """Client role (trained_reply under the meter) -> reply metrics -> strategy -> the recorder's ledger row ->
     clients.jsonl: each row carries the measured joules and their meters, and the priced energy beside them."""
+    from fedfusion.clients.submodel import trained_reply
     from transformers import LlamaConfig
 
-    from fedfusion.clients.submodel import trained_reply
     from fedfusion.config.recipe import load_recipe
     from fedfusion.devices.catalog import load_catalog
     from fedfusion.models.build import model_from_state
@@ -138,7 +139,7 @@ def test_measured_joules_reach_clients_jsonl_next_to_the_priced_energy(fake, tmp
         spec = json.loads(m.content["config"]["model-config"])
         model = model_from_state(LlamaConfig.from_dict(spec), m.content["arrays"].to_torch_state_dict())
         new, metrics = trained_reply(model, torch.zeros(3, 2), (False, 0.0),
-                                     lambda: {"train_loss": 1.0, "train_s": 0.1})
+                                     lambda: TrainResult((1.0,), 0.0, 0.1))
         replies.append(Message(RecordDict({"arrays": ArrayRecord(new), "metrics": MetricRecord(metrics)}), reply_to=m))
     assert fake.asked == [None, None, None]  # CPU training: no GPU is metered
     strategy.aggregate_train(1, replies)

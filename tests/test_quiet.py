@@ -65,7 +65,7 @@ def test_only_lora_imports_peft_and_bitsandbytes():
     """A server and the sub-model, small-model and generative client roles load neither (LoRA clients do)."""
     code = ("import sys, fedfusion.server_app, fedfusion.run.federation, fedfusion.client_app, fedfusion.strategies as s; "
             "import fedfusion.clients.submodel, fedfusion.clients.smallmodel, fedfusion.clients.generative; "
-            "s.FusionStrategy, fedfusion.run.federation.LoRAMethod; print(sorted(m for m in ('peft', 'bitsandbytes') if m in sys.modules))")
+            "s.FusionStrategy, fedfusion.run.federation.build_strategy; from fedfusion.fusion.lora.method import LoRAMethod; print(sorted(m for m in ('peft', 'bitsandbytes') if m in sys.modules))")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr

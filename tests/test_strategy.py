@@ -4,10 +4,12 @@ and rejection of bad replies."""
 from __future__ import annotations
 
 import json
+from functools import partial
 
 import numpy as np
 import pytest
 import torch
+from fedfusion.strategies import FusionStrategy
 from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
 from transformers import LlamaForCausalLM
 
@@ -16,7 +18,7 @@ from fedfusion.fusion.submodel.method import SubModelMethod
 from fedfusion.models.slicing import extract
 from fedfusion.selection.participation import Participation
 from fedfusion.selection.selectors import make_selector
-from fedfusion.strategies import FusionStrategy
+from fedfusion.train.loop import TrainResult
 from fedfusion.wire.quantize import Wire
 from fedfusion.wire.specs import Caps
 from tests.conftest import tiny_config
@@ -43,6 +45,8 @@ class FakeGrid:
         return [Message(RecordDict({"caps": ConfigRecord(Caps(self.devices[m.metadata.dst_node_id],
                                                               m.metadata.dst_node_id, 1).to_config())}), reply_to=m)
                 for m in messages]
+
+NO_TRAINING = partial(TrainResult, losses=(0.0,), tokens=0.0, seconds=0.0)  # a reply of untouched weights
 
 
 def test_a_capability_reply_missing_a_key_is_refused_naming_it(caplog):
@@ -150,6 +154,7 @@ def test_unknown_device_is_not_sampled():
 
 def test_injected_faults_are_seeded_and_follow_the_recipe():
     from fedfusion.clients.submodel import inject_faults
+
     from fedfusion.wire.specs import FaultSpec, RoundSpec
 
     def spec(seed: int, faults: FaultSpec | None = None) -> ConfigRecord:
@@ -251,6 +256,7 @@ def test_tied_embeddings_travel_once_and_stay_tied(family):
     """GPT-2 and OPT tie lm_head to the token embedding: a message carries that tensor once, bytes and priced
     parameters count it once, and the folded target keeps lm_head equal to the embedding."""
     from fedfusion.clients.submodel import trained_reply
+
     from fedfusion.models.build import config_aliases, model_from_state
     from fedfusion.models.families import family_of
     from tests.test_slice_families import CONFIGS
@@ -277,7 +283,7 @@ def test_tied_embeddings_travel_once_and_stay_tied(family):
         assert row.bytes_down == m.content["arrays"].count_bytes() < 4 * row.params + 200 * len(sent)  # + key/shape headers
         with torch.no_grad():
             sub.get_input_embeddings().weight.add_(1.0)  # "training" moves the tied tensor once
-        reply, _ = trained_reply(sub, torch.zeros(3, 2), (False, 0.0), dict)
+        reply, _ = trained_reply(sub, torch.zeros(3, 2), (False, 0.0), NO_TRAINING)
         assert list(reply) == list(sent)  # the reply leaves the alias out too, in the order received
         replies.append(_reply(m, {**reply, alias: torch.full_like(reply[source], 99.0)}))  # a stray alias is ignored
     arrays, _ = strategy.aggregate_train(1, replies)
@@ -288,6 +294,7 @@ def test_tied_embeddings_travel_once_and_stay_tied(family):
 
 def test_an_fp16_downlink_halves_the_bytes_sent_and_loses_no_part_of_an_update():
     from fedfusion.clients.submodel import trained_reply
+
     from fedfusion.models.build import model_from_state
     from fedfusion.models.slicing import sub_config
 
@@ -308,7 +315,7 @@ def test_an_fp16_downlink_halves_the_bytes_sent_and_loses_no_part_of_an_update()
             with torch.no_grad():
                 for p in model.parameters():
                     p.add_(step)
-            reply, _ = trained_reply(model, torch.zeros(2, 2), (False, 0.0), dict)
+            reply, _ = trained_reply(model, torch.zeros(2, 2), (False, 0.0), NO_TRAINING)
             assert {v.dtype for v in reply.values()} == {torch.float32}  # replies stay float32
             replies.append(_reply(m, reply))
         new = strategy.aggregate_train(1, replies)[0].to_torch_state_dict()
