@@ -1,6 +1,7 @@
 """How long each command the README shows takes, timed as a user runs it (whole command, from a shell).
 
-Each command runs once, one at a time, in a scratch directory (so `runs/` of the checkout is untouched), in the
+Each command runs once, one at a time, in a scratch directory (so `runs/` of the checkout is untouched; `deploy`,
+which needs the source tree, runs from the checkout and writes its run into the scratch directory), in the
 environment this script runs in (`fedfusion` and `flwr` on its PATH). Before each, the 1-minute load average is
 recorded: times are only comparable where it was low. The README quotes these seconds and cites this file.
 
@@ -39,18 +40,20 @@ COMMANDS = {
     "edge_cloud": "fedfusion edge-cloud",
     "deploy": "fedfusion deploy quickstart population.num_clients=3 selection.clients_per_round=3 rounds=2",
 }
+FROM_SOURCE = {"deploy": " --out {work}/runs/deploy"}  # run from the checkout (flwr needs its pyproject.toml)
 
 
-def time_command(command: str, work: Path) -> dict:
+def time_command(name: str, work: Path) -> dict:
+    """One command's wall time (or its failure: exit status and the end of its stderr)."""
+    command, extra = COMMANDS[name], FROM_SOURCE.get(name)
     env = {**os.environ, "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"}
     load = os.getloadavg()[0]
     start = time.perf_counter()
-    done = subprocess.run(command.format(root=ROOT, work=work), shell=True, cwd=work, env=env,
-                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    done = subprocess.run((command + (extra or "")).format(root=ROOT, work=work), shell=True,
+                          cwd=ROOT if extra else work, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     seconds = time.perf_counter() - start
-    if done.returncode != 0:
-        raise SystemExit(f"{command!r} failed ({done.returncode}):\n{done.stderr[-2000:]}")
-    return {"command": command.format(root=".", work="."), "seconds": round(seconds, 1), "load_at_start": round(load, 2)}
+    row = {"command": command.format(root=".", work="."), "seconds": round(seconds, 1), "load_at_start": round(load, 2)}
+    return row if done.returncode == 0 else {**row, "failed": done.returncode, "stderr": done.stderr[-2000:]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,18 +70,28 @@ def main(argv: list[str] | None = None) -> int:
         for name in COMMANDS:  # in order: report reads the static run
             if name in args.only or (name == "static_4_rounds" and "report" in args.only):
                 print(f"[{time.strftime('%H:%M:%S')}] {name}", flush=True)
-                rows[name] = time_command(COMMANDS[name], work)
-                print(f"  {rows[name]['seconds']} s (load {rows[name]['load_at_start']})", flush=True)
+                rows[name] = time_command(name, work)
+                print(f"  {rows[name]['seconds']} s (load {rows[name]['load_at_start']})"
+                      f"{' FAILED: ' + rows[name]['stderr'] if 'failed' in rows[name] else ''}", flush=True)
+                write(args.out, rows)
+    return 1 if any("failed" in r for r in rows.values()) else 0
+
+
+def seconds_cell(row: dict) -> str:
+    return f"failed (exit {row['failed']})" if "failed" in row else f"{row['seconds']:.1f}"
+
+
+def write(out: Path, rows: dict[str, dict]) -> None:
+    """The results so far (after every command: an interrupted or failing run keeps what it measured)."""
     machine = f"{platform.platform()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
-    args.out.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"machine": machine, "commands": rows}, indent=1) + "\n")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "readme_commands.json").write_text(json.dumps({"machine": machine, "commands": rows}, indent=1) + "\n")
     lines = ["# The README's commands, timed", "", f"Machine: {machine}. Each command alone, whole (Python start-up, "
              "imports, Ray), from a scratch directory; `load` is the 1-minute load average as it started (2 CPUs: "
              "below ~0.5 the machine was quiet). Written by `python benchmarks/readme_commands.py`.", "",
              "| command | seconds | load |", "|---|---|---|"]
-    lines += [f"| `{r['command']}` | {r['seconds']:.1f} | {r['load_at_start']} |" for r in rows.values()]
-    (args.out / "readme_commands.md").write_text("\n".join(lines) + "\n")
-    return 0
+    lines += [f"| `{r['command']}` | {seconds_cell(r)} | {r['load_at_start']} |" for r in rows.values()]
+    (out / "readme_commands.md").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
