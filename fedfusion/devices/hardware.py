@@ -77,7 +77,7 @@ def use_fastest_threads(most: int | None = None) -> int:
 
     Torch computes with one thread per physical core and each operation waits for all of them, so a core busy
     with another process (a browser, a second run, the simulation's client actors) makes every operation wait
-    for a descheduled thread: on 2 cores beside other jobs, 2 threads measured 10-100x slower than 1. The server
+    for a descheduled thread: on 2 cores beside other jobs, 2 threads measured 12-130x slower than 1. The server
     calls this before each round's own work (the fold, distillation, central evaluation), so it takes its cores
     back when they are free. The probe costs ~2x a one-thread probe (a few ms); it gives up on the wider count
     as soon as that is slower. The count can change the last bits of float sums (the distill recipe's round-2
