@@ -201,6 +201,10 @@ GROWTH = {
     "grow_ff_shared": dict(policy="rolling", stagger=False, forward="full", window_shared=True),  # + embeddings, norms
     # + the small model's units in every window (what the devices trained before growth keeps training every round)
     "grow_ffcore_shared": dict(policy="rolling", stagger=False, forward="full", window_shared=True, window_core=True),
+    # + the small model's units, and each client's own window of the rest, the same every round (owned): what a
+    # client's data teaches always lands in the same units
+    "grow_ffcore_owned_shared": dict(policy="owned", forward="full", window_shared=True, window_core=True),
+    "grow_ffcore_owned": dict(policy="owned", forward="full", window_core=True),
     "grow_ffst_shared": dict(policy="rolling", stagger=True, forward="full", window_shared=True),
     "ff": dict(policy="rolling", stagger=False, forward="full", grow_round=0),  # full-forward from scratch
     # then every client trains a rank-r update of every matrix of the whole target (--window-rank), norms exactly

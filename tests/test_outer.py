@@ -109,6 +109,40 @@ def test_owned_windows_stay_with_their_client_and_tile_the_target():
         plan_round(cfg, [(0, 0.25)], "owned", 1, 0)
 
 
+def test_owned_windows_with_a_core_tile_the_units_outside_it():
+    """A floor (a core that every full-forward window trains) is left out: 6 windows of 1/8 tile the last 3/4 of
+    the neurons, the 7th partition wraps round to the first of them, and no window starts inside the core."""
+    cfg = _cfg()
+    starts = owned_starts({p: 0.125 for p in range(7)}, floor=0.25)
+    plans = plan_round(cfg, [(p, 0.125) for p in range(7)], "owned", 4, run_seed=0, owned=starts)
+    assert sorted(u for pl in plans[:6] for u in pl.neurons) == list(range(8, 32))
+    assert plans[6].neurons == plans[0].neurons == tuple(range(8, 12))
+    with pytest.raises(ValueError, match="floor"):
+        owned_starts({0: 0.5}, floor=1.0)
+
+
+def test_full_forward_owned_windows_keep_the_core_and_their_own_units():
+    """SubModelMethod with forward full, window_core and policy owned: every client's window is the core plus the
+    same units of its own in every round, laid by the window width (not the tier's width) outside the core."""
+    from fedfusion.fusion.base import Client
+    from fedfusion.fusion.submodel.method import SubModelMethod
+
+    cfg = _cfg()
+    state = family_of(cfg).build(cfg).state_dict()
+    method = SubModelMethod(cfg, {"t": 0.25}, state, policy="owned", forward="full", frozen="float32",
+                            window_core=True, window_widths={"t": 0.125}, scale=False)
+    method.observe({p: "t" for p in range(6)})
+    neurons = {}
+    for rnd in (1, 5):
+        clients = [Client(partition=p, tier="t", seed=p) for p in range(6)]
+        for p, payload in enumerate(method.payloads(rnd, state, clients)):
+            got = payload.context[0].neurons
+            assert neurons.setdefault(p, got) == got  # the same window every round
+    core = set(range(8))
+    assert all(core <= set(n) and len(n) == 12 for n in neurons.values())
+    assert sorted(u for n in neurons.values() for u in set(n) - core) == list(range(8, 32))
+
+
 def test_outer_state_survives_a_json_checkpoint_and_a_missing_one_is_refused():
     """The strategy's checkpoint is JSON: the outer optimizer's buffers must round-trip through it exactly."""
     import json

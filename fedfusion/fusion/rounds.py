@@ -56,12 +56,15 @@ def round_lr(lr: float, schedule: str, final: float, server_round: int, rounds: 
     return lr * (final + (1 - final) * decay)
 
 
-def owned_starts(widths: Mapping[int, float]) -> dict[int, float]:
+def owned_starts(widths: Mapping[int, float], floor: float = 0.0) -> dict[int, float]:
     """Where each partition's ``owned`` window starts: the widths of the partitions before it laid end to end
-    (mod 1), so the population's windows tile the target whatever their widths."""
-    starts, at = {}, 0.0
+    around ``[floor, 1)``, so the population's windows tile the target whatever their widths. ``floor`` > 0 leaves
+    the first units to a core that every window trains anyway (full-forward windows with ``window_core``)."""
+    if not 0.0 <= floor < 1.0:
+        raise ValueError(f"owned_starts: floor must be in [0, 1), got {floor}")
+    starts, at, span = {}, 0.0, 1.0 - floor
     for partition in sorted(widths):
-        starts[partition] = at % 1.0
+        starts[partition] = floor + at % span
         at += widths[partition]
     return starts
 

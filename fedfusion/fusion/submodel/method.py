@@ -180,9 +180,12 @@ class SubModelMethod(FusionMethod):
         return with_core(plan, self.small) if self.window_core else plan
 
     def observe(self, population: Mapping[int, str]) -> None:
-        """``owned`` windows tile the widths of every partition known so far that this method trains."""
+        """``owned`` windows tile the widths (full forward: the window widths) of every partition known so far that
+        this method trains; with ``window_core`` they tile the units outside the core, which every window trains."""
         if self.policy == "owned":
-            self.owned = owned_starts({p: self.widths[t] for p, t in population.items() if t in self.widths})
+            widths = self.window_widths if self.forward == "full" else self.widths
+            floor = min(self.widths.values()) if self.window_core else 0.0
+            self.owned = owned_starts({p: widths[t] for p, t in population.items() if t in widths}, floor)
 
     def describe(self) -> str:
         grow = f" grow_round={self.grow_round}" if self.grow_round else ""
