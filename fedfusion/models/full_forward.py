@@ -84,6 +84,10 @@ class WindowModel(FrozenTargetModel):
         logits = torch.func.functional_call(small, tensors, args=(), kwargs={"input_ids": batch[:, :-1]}).logits
         return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
 
+    def core_masks(self) -> dict[str, torch.Tensor]:
+        """Per window parameter (by its key in :attr:`window`) holding core values: where they sit."""
+        return {key: _mask(self.window[key].shape, at) for _, key, at, _ in self._core}
+
     @property
     def has_core(self) -> bool:
         """Whether the window holds a core that trains in the small model's forward pass."""
