@@ -106,6 +106,9 @@ def test_a_core_travels_in_the_window_spec_and_its_client_trains_it_in_the_small
         spec = WindowSpec.from_config(WindowSpec.from_config(payload.spec).to_config())
         models[core_forward] = from_payload(cfg, decode(payload.arrays, keep=FROZEN), spec, 3)
     assert loss_of(models["full"]) is LM and loss_of(models["small"]) is CORE
+    costs = {cf: SubModelMethod(cfg, {"t": 0.25}, state, forward="full", window_shared=True, window_core=True,
+                                core_forward=cf).tier_cost("t").params for cf in ("full", "small")}
+    assert costs["small"] - costs["full"] == models["small"].core_params() > 0  # the small model's own training, priced
     model = models["small"]
     batch = torch.randint(0, cfg.vocab_size, (4, 9))
     core = model.core_masks()

@@ -132,6 +132,9 @@ class SubModelMethod(FusionMethod):
         self.target_params = sum(t.numel() for t in self.wire.exact(template).values())
         self.frozen_bytes = state_size(encode(self.wire.exact(template), frozen)).nbytes if forward == "full" else 0
         # sub-model sizes depend only on the width, so they are priced once per run
+        # core_forward small: each step also trains the small model in its own forward pass (all of its work)
+        small = sum(t.numel() for t in self.wire.exact(extract(template, config, self.small)).values())
+        self.core_work = small if core_forward == "small" else 0
         self.costs = {tier: self._cost(template, tier) for tier in widths}
         self.owned: dict[int, float] | None = None
 
@@ -149,7 +152,7 @@ class SubModelMethod(FusionMethod):
         plan = replace(plan_slice(self.config, min(1.0, width + core), "static", axes=self.window_axes, scale=False),
                        shared=self.window_shared)
         window = self.wire.cost(extract(template, self.config, plan), width)
-        return replace(window, params=frozen_work_params(self.target_params, window.params),
+        return replace(window, params=frozen_work_params(self.target_params, window.params) + self.core_work,
                        nbytes=window.nbytes + self.frozen_bytes)
 
     def _low_rank_cost(self, template: State) -> TierCost:
@@ -230,7 +233,8 @@ class SubModelMethod(FusionMethod):
             if policy == "ordered":
                 specs.append(OrderedSpec(tuple(ordered_fractions(width, self.ordered_ladder)), self.ordered_distill))
             out.append(Payload(client, {**sent, **frozen}, merge(*specs), width,
-                               params=frozen_work_params(self.target_params, trained) if full else trained,
+                               params=frozen_work_params(self.target_params, trained) + self.core_work if full
+                               else trained,
                                sent_norm=norm, assignment=plan.assignment(), context=(plan, target, low_rank),
                                row=self._row(trained, full)))
         return out
