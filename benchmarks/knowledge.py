@@ -203,6 +203,10 @@ GROWTH = {
     "grow_ffcore_shared": dict(policy="rolling", stagger=False, forward="full", window_shared=True, window_core=True),
     # + the small model's units, and each client's own window of the rest, the same every round (owned): what a
     # client's data teaches always lands in the same units
+    # + the core trained in the small model's own forward pass (exactly smallest-only's steps) and the rest of the
+    # window in the target's, with the core read as fixed: the target is the small model plus what it adds
+    "grow_ffsmall_shared": dict(policy="rolling", stagger=False, forward="full", window_shared=True, window_core=True,
+                                core_forward="small"),
     "grow_ffcore_owned_shared": dict(policy="owned", forward="full", window_shared=True, window_core=True),
     "grow_ffcore_owned": dict(policy="owned", forward="full", window_core=True),
     "grow_ffst_shared": dict(policy="rolling", stagger=True, forward="full", window_shared=True),

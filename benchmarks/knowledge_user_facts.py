@@ -15,6 +15,8 @@ Arms (``fusion.widths.phone`` stays the recipe's 0.125 except for the oracle):
 - ``generative``: the recipe as it ships.
 - ``grow_core``: smallest-only for ``--grow-round`` rounds, then full-forward windows with the small model's
   units as a core plus a rolling window (FedRolex's shared start, ``stagger=false``) and embeddings and norms.
+- ``grow_small``: ``grow_core`` with ``fusion.core_forward=small``: the core trains in the small model's own forward
+  pass (exactly smallest-only's steps), the rest of the window beside it with the target's gradient.
 - ``oracle``: ``fusion.method=submodel fusion.widths.phone=1.0``: every client trains the whole target.
 
     python benchmarks/knowledge_user_facts.py                        # 1,200 and 2,400 facts, seed 0, every arm
@@ -43,7 +45,7 @@ from other_facts import write as write_facts  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-ARMS = ("smallest_only", "grow_core", "generative", "oracle")
+ARMS = ("smallest_only", "grow_core", "grow_small", "generative", "oracle")
 FILES = ("1200:7", "2400:13")  # facts:generator seed
 
 
@@ -61,7 +63,7 @@ def overrides(arm: str, rounds: int, grow_round: int) -> list[str]:
                       f"fusion.grow_round={grow_round}", "fusion.forward=full", "fusion.window_core=true",
                       "fusion.window_shared=true"],
         "oracle": ["fusion.method=submodel", "fusion.policy=static", "fusion.widths.phone=1.0"],
-    }[arm]
+    }[arm] if arm != "grow_small" else [*overrides("grow_core", rounds, grow_round), "fusion.core_forward=small"]
 
 
 def command(data: Path, arm: str, seed: int, rounds: int, grow_round: int, run: Path) -> list[str]:
@@ -160,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
     parser.add_argument("--seeds", nargs="+", type=int, default=[0], help="run seeds (the recipe's seed key)")
     parser.add_argument("--rounds", type=int, default=None, help="every arm's rounds (default the recipe's)")
-    parser.add_argument("--grow-round", type=int, default=None, help="grow_core's growth round (default rounds // 3)")
+    parser.add_argument("--grow-round", type=int, default=None, help="grow_* arms' growth round (default rounds // 3)")
     parser.add_argument("--work", type=Path, default=ROOT / "runs" / "user_facts", help="facts files and run dirs")
     parser.add_argument("--out", default="knowledge_user_facts")
     parser.add_argument("--collect-only", action="store_true")
@@ -184,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
                     # the CLI of this interpreter's fedfusion (python -m fedfusion), whatever PATH holds
                     subprocess.run([sys.executable, "-m", *cmd], check=True, stdout=subprocess.DEVNULL)
                     (run / "bench.json").write_text(json.dumps({"load": round(load, 2), "grow_round": grow_round
-                                                                if arm == "grow_core" else None}))
+                                                                if arm.startswith("grow") else None}))
                     write_results(args.out, args.work, files, list(ARMS), all_seeds)
     write_results(args.out, args.work, files, list(ARMS), all_seeds)
 

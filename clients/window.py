@@ -9,7 +9,7 @@ from flwr.app import ConfigRecord
 
 from fedfusion.models.families import config_from_dict
 from fedfusion.models.full_forward import from_payload
-from fedfusion.train.loop import train_steps
+from fedfusion.train.loop import loss_of, train_steps
 from fedfusion.wire.specs import ModelSpec, RoundSpec, TrainSpec, WindowSpec
 
 __all__ = ["evaluate", "num_examples", "train"]
@@ -23,6 +23,7 @@ def train(state: dict[str, torch.Tensor], spec: ConfigRecord, partition: int,
     windows = _windows(spec, partition, "train")
     config = config_from_dict(ModelSpec.from_config(spec).model_config)
     model = from_payload(config, state, WindowSpec.from_config(spec), RoundSpec.from_config(spec).seed).to(accelerator)
-    return trained_reply(model, windows, faults, lambda: train_steps(model, windows, checkpoint=TrainSpec.from_config(spec).checkpoint,
-                                                                 **local_steps(spec)),
+    checkpoint = TrainSpec.from_config(spec).checkpoint
+    return trained_reply(model, windows, faults, lambda: train_steps(model, windows, checkpoint=checkpoint,
+                                                                 loss=loss_of(model), **local_steps(spec)),
                          lambda: {k: v.cpu() for k, v in model.trained().items()})

@@ -81,3 +81,51 @@ def test_a_core_window_adds_the_small_models_units_and_keeps_whole_axes_whole():
         assert set(getattr(both, axis)) == set(getattr(window, axis)) | set(getattr(core, axis))
         assert len(getattr(both, axis)) > len(getattr(window, axis))  # round 3's window is not the static prefix
     assert both.hidden == window.hidden == tuple(range(cfg.hidden_size))  # the residual stream stays whole
+
+
+def test_a_core_travels_in_the_window_spec_and_its_client_trains_it_in_the_small_forward_pass():
+    """The payload of fusion.core_forward=small names the core in its WindowSpec (through the ConfigRecord round
+    trip a message makes); the client's model then trains with the core loss, whose gradient reaches only the core:
+    the target's loss alone leaves the core's coordinates without gradient."""
+    from fedfusion.fusion.base import Client
+    from fedfusion.fusion.submodel.method import SubModelMethod
+    from fedfusion.models.full_forward import from_payload
+    from fedfusion.train.loop import CORE, LM, lm_loss, loss_of
+    from fedfusion.wire.keys import FROZEN
+    from fedfusion.wire.quantize import decode
+    from fedfusion.wire.specs import WindowSpec
+
+    cfg = config()
+    torch.manual_seed(0)
+    state = family_of(cfg).build(cfg).state_dict()
+    models = {}
+    for core_forward in ("full", "small"):
+        method = SubModelMethod(cfg, {"t": 0.25}, state, forward="full", frozen="int8", scale=False, stagger=False,
+                                window_shared=True, window_core=True, core_forward=core_forward)
+        payload = method.payloads(2, state, [Client(partition=0, tier="t", seed=3)])[0]
+        spec = WindowSpec.from_config(WindowSpec.from_config(payload.spec).to_config())
+        models[core_forward] = from_payload(cfg, decode(payload.arrays, keep=FROZEN), spec, 3)
+    assert loss_of(models["full"]) is LM and loss_of(models["small"]) is CORE
+    costs = {cf: SubModelMethod(cfg, {"t": 0.25}, state, forward="full", window_shared=True, window_core=True,
+                                core_forward=cf).tier_cost("t").params for cf in ("full", "small")}
+    assert costs["small"] - costs["full"] == models["small"].core_params() > 0  # the small model's own training, priced
+    model = models["small"]
+    batch = torch.randint(0, cfg.vocab_size, (4, 9))
+    core = model.core_masks()
+
+    def grads(loss: torch.Tensor) -> tuple[float, float]:
+        """The largest |gradient| on the core's coordinates and off them, over the whole window."""
+        model.zero_grad()
+        loss.backward()
+        on, off = 0.0, 0.0
+        for k, p in model.window.items():
+            grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            mask = core.get(k, torch.zeros_like(p, dtype=torch.bool))
+            on = max([on, *grad[mask].abs().tolist()])
+            off = max([off, *grad[~mask].abs().tolist()])
+        return on, off
+
+    on, off = grads(lm_loss(model, batch)[0])
+    assert on == 0.0 and off > 0.0  # the target's loss trains the window around the core, not the core
+    on, off = grads(model.core_loss(batch))
+    assert on > 0.0 and off == 0.0  # the small model's loss trains the core alone

@@ -9,7 +9,9 @@ from transformers import LlamaForCausalLM
 
 from fedfusion.fusion.inprocess import GenerativeRun, SubModelRun, TransferRun, run_generative, run_submodel, run_transfer
 from fedfusion.fusion.rounds import client_seed, server_seed
+from fedfusion.fusion.submodel.method import SubModelMethod
 from fedfusion.models.build import config_aliases, model_from_state, wire_state
+from fedfusion.models.growth import grown_plan
 from fedfusion.models.samples import GenerativeConfig, sample_windows
 from fedfusion.models.slicing import extract, plan_slice, sub_config
 from fedfusion.train.distill import feddf_teacher, kd_loss
@@ -188,3 +190,31 @@ def test_core_windows_train_the_small_models_units_every_round_after_growth():
     rows = core.attn_units and len(core.attn_units) * cfg.head_dim
     for rnd in (3, 4):  # the core's heads move in every round after growth, whatever the rolling window
         assert not torch.equal(seen[rnd][q][:rows], seen[rnd - 1][q][:rows]), rnd
+
+
+@pytest.mark.parametrize("frozen", ["float32", "int8"])
+def test_a_core_in_its_own_forward_pass_follows_smallest_only_exactly_and_the_rest_learns_beside_it(frozen):
+    """fusion.core_forward=small: after growth the core (the small model's coordinates) trains only through the
+    small model's own loss, so the small model inside the target is step for step the one smallest-only training
+    makes (same clients, seeds, batches), whatever the frozen target's format; the units outside the core move."""
+    cfg, state, windows = _setup()
+    common = dict(policy="rolling", stride=0.5, stagger=False, rounds=3, per_round=2, steps=3, lr=0.02, batch_size=4,
+                  scale=False, axes=("heads", "neurons"))
+    small_only, _ = run_submodel(SubModelRun(cfg, windows, [0.5] * 3, grow_round=3, **common), state)
+    seen: dict[int, dict[str, torch.Tensor]] = {}
+    residual, _ = run_submodel(SubModelRun(cfg, windows, [0.5] * 3, grow_round=1, forward="full", frozen=frozen,
+                                           window_shared=True, window_core=True, core_forward="small", **common),
+                               state, lambda s, rnd: seen.setdefault(rnd, dict(s)) and None)
+    core = grown_plan(plan_slice(cfg, 0.5, "static", axes=("heads", "neurons"), scale=False))
+    want, got = extract(small_only, cfg, core), extract(residual, cfg, core)
+    assert max(float((want[k] - got[k]).abs().max()) for k in want) <= 1e-6
+    down = "model.layers.0.mlp.down_proj.weight"
+    outside = residual[down][:, cfg.intermediate_size // 2:]
+    assert float(seen[1][down][:, cfg.intermediate_size // 2:].abs().max()) == 0.0  # silenced at growth
+    assert float(outside.abs().max()) > 0.0  # the new neurons learnt beside the core
+
+
+def test_a_core_needs_a_shared_window():
+    cfg, state, _ = _setup()
+    with pytest.raises(ValueError, match="core_forward"):
+        SubModelMethod(cfg, {"t": 0.5}, state, forward="full", window_core=True, core_forward="small")

@@ -211,6 +211,8 @@ def test_a_mixed_recipe_assigns_each_tier_its_method():
     (["fusion.forward=full", "fusion.window_rank=4", "fusion.window_widths={phone: 0.5}"], "window_widths unset"),
     (["fusion.window_core=true"], "fusion.window_core: adds the smallest width's units"),
     (["fusion.forward=full", "fusion.window_rank=4", "fusion.window_core=true"], "fusion.window_core"),
+    (["fusion.forward=full", "fusion.window_core=true", "fusion.core_forward=small"], "fusion.core_forward=small"),
+    (["fusion.core_forward=tiny"], "fusion.core_forward"),
 ])
 def test_a_low_rank_window_names_what_it_needs(overrides, match):
     with pytest.raises(RecipeError, match=match):

@@ -27,6 +27,7 @@ AGGREGATES = ("mean", "median", "trimmed_mean")
 WIRE_FORMATS = ("float32", "float16", "int8", "int4")  # fusion.wire_dtype (down)
 UPLINK = ("float32", "int8", "int4")  # fusion.wire_up
 FORWARDS = ("slice", "full")  # fusion.forward: a slice's own small forward pass | the whole target's
+CORE_FORWARDS = ("full", "small")  # fusion.core_forward: where a window's core trains (the target's | its own)
 SELECTORS = ("random", "oort", "energy", "carbon_budget")
 PRIVACY_MODES = ("none", "clip", "local")
 TEACHERS = ("feddf", "fedet")
@@ -59,6 +60,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "fusion.wire_dtype": WIRE_FORMATS,
     "fusion.wire_up": UPLINK,
     "fusion.forward": FORWARDS,
+    "fusion.core_forward": CORE_FORWARDS,
     "fusion.frozen_dtype": WIRE_FORMATS,
     "selection.method": SELECTORS,
     "privacy.mode": PRIVACY_MODES,

@@ -136,6 +136,9 @@ class FusionConfig:
     # full: r >= 1 trains a rank-r update of every matrix (fedfusion.models.low_rank) instead of a window of units; 0: off
     window_rank: int = 0
     window_core: bool = False  # full: every window also trains the smallest width's units (the small model's)
+    # window_core: where the core trains. full: in the target's forward pass, with the window; small: in the small
+    # model's own forward pass (exactly smallest-only's steps), the rest of the window learning what the target adds
+    core_forward: str = "full"
     # submodel: rounds 1..grow_round train the smallest width's static slice of a target silenced around it (the
     # target equals that small model: smallest-only training); later rounds train the whole grown target. 0: off
     grow_round: int = 0
@@ -705,6 +708,10 @@ def _validate_growth(recipe: Recipe) -> None:
     if f.window_core and (f.forward != "full" or f.window_rank):
         raise RecipeError("fusion.window_core: adds the smallest width's units to a window of units "
                           f"(fusion.forward=full, window_rank 0), got forward={f.forward}, window_rank={f.window_rank}")
+    if f.core_forward == "small" and not (f.window_core and f.window_shared):
+        raise RecipeError("fusion.core_forward=small: the core is the small model inside a window that holds it "
+                          f"whole; set fusion.window_core=true and fusion.window_shared=true, got "
+                          f"window_core={f.window_core}, window_shared={f.window_shared}")
     for tier, width in f.window_widths.items():
         if tier not in f.widths:
             raise RecipeError(f"fusion.window_widths.{tier}: not a tier of fusion.widths ({', '.join(f.widths)})")

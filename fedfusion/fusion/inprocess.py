@@ -29,7 +29,7 @@ from fedfusion.models.low_rank import LowRankModel
 from fedfusion.models.samples import SAMPLES_KEY, GenerativeConfig, sample_windows
 from fedfusion.models.slicing import extract, plan_slice, sub_config
 from fedfusion.train.distill import DistillationLoss, Teacher, feddf_teacher, forward_flops
-from fedfusion.train.loop import train_steps
+from fedfusion.train.loop import loss_of, train_steps
 from fedfusion.wire.keys import FROZEN, NUM_EXAMPLES
 from fedfusion.wire.quantize import Wire, client_reply, decode
 from fedfusion.wire.specs import Caps, GenerativeSpec, ModelSpec, RoleSpec, WindowSpec
@@ -77,6 +77,7 @@ class SubModelRun(Rounds):
     window_width: float | None = None  # full: every window's fraction of the units (None: the partition's width)
     window_rank: int = 0  # full: a rank-r update of every matrix instead of a window of units (0: off)
     window_core: bool = False  # full: every window also trains the smallest width's units
+    core_forward: str = "full"  # window_core: the core trains in the target's forward pass | the small model's own
 
 
 @dataclass
@@ -170,7 +171,8 @@ def run_submodel(run: SubModelRun, initial: dict[str, torch.Tensor], evaluate: E
                             outer=run.outer, wire=run.wire, forward=run.forward, frozen=run.frozen,
                             window_shared=run.window_shared, grow_round=run.grow_round,
                             window_widths={t: run.window_width for t in tiers} if run.window_width else None,
-                            window_rank=run.window_rank, window_core=run.window_core)
+                            window_rank=run.window_rank, window_core=run.window_core,
+                            core_forward=run.core_forward)
     method.observe(dict(enumerate(tiers)))  # ``owned`` windows tile the whole population from round 1
     residuals: dict[int, State] = {}  # each partition's uplink error feedback, as its node keeps it
 
@@ -182,7 +184,7 @@ def run_submodel(run: SubModelRun, initial: dict[str, torch.Tensor], evaluate: E
                  else model_from_state(config, received))
         p = payload.client.partition
         out = train_steps(model, run.windows[p], run.steps, run.lr, run.batch_size, payload.client.seed,
-                          run.weight_decay, run.optimizer).metrics()
+                          run.weight_decay, run.optimizer, loss=loss_of(model)).metrics()
         trained = (model.trained() if isinstance(model, WindowModel | LowRankModel) else
                    wire_state({k: v.detach() for k, v in model.state_dict().items()}, tied_aliases(model)))
         feedback = run.wire.error_feedback and run.wire.up != "float32" and not full

@@ -72,15 +72,18 @@ class FrozenLinear(torch.nn.Module):
         self.register_buffer("bias", bias)
         self.dims = packed.dims
         self._window: tuple[torch.nn.Parameter, Index] | None = None  # not registered: the wrapper owns them
+        self._fixed: torch.Tensor | None = None  # the window's coordinates read without gradient (see attach_window)
         self._low_rank: tuple[torch.nn.Parameter, torch.nn.Parameter] | None = None
 
     def stored(self) -> Packed:
         """The matrix as it is held."""
         return Packed(self.codes, self.scale, self.dims)
 
-    def attach_window(self, values: torch.nn.Parameter, index: Index) -> None:
-        """Train ``values``, the coordinates ``index`` (rows, columns; None = all) of this matrix."""
+    def attach_window(self, values: torch.nn.Parameter, index: Index, fixed: torch.Tensor | None = None) -> None:
+        """Train ``values``, the coordinates ``index`` (rows, columns; None = all) of this matrix; where the mask
+        ``fixed`` (shaped as ``values``) is True, the forward reads them without gradient (they train elsewhere)."""
         self._window = (values, (*index, None, None)[:2])
+        self._fixed = fixed
 
     def attach_low_rank(self, a: torch.nn.Parameter, b: torch.nn.Parameter) -> None:
         """Add the trainable update ``b @ a`` to this matrix."""
@@ -105,7 +108,9 @@ class FrozenLinear(torch.nn.Module):
         return w
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        values = self._window[0] if self._window is not None else None
+        values: torch.Tensor | None = self._window[0] if self._window is not None else None
+        if values is not None and self._fixed is not None:
+            values = without_grad(values, self._fixed)
         y = _FrozenMatmul.apply(x, values, self)
         if self._low_rank is not None:
             a, b = self._low_rank
@@ -154,17 +159,24 @@ def linear_of(model: torch.nn.Module, name: str) -> FrozenLinear | None:
     return module if isinstance(module, FrozenLinear) else None
 
 
+def without_grad(values: torch.Tensor, fixed: torch.Tensor) -> torch.Tensor:
+    """``values`` as they are, with no gradient reaching the coordinates where the mask ``fixed`` is True."""
+    fixed = fixed.to(values.device)
+    return torch.where(fixed, values.detach(), values)
+
+
 class _Written(torch.nn.Module):
     """A parametrization of a frozen tensor: trainable ``values`` written into the coordinates ``index`` (all
     None: the whole tensor), recomputed at each access (so activation checkpointing's recompute sees them too)."""
 
-    def __init__(self, values: torch.nn.Parameter, index: Index) -> None:
+    def __init__(self, values: torch.nn.Parameter, index: Index, fixed: torch.Tensor | None = None) -> None:
         super().__init__()
         self._values = [values]  # a list: the wrapper owns the parameter
         self._index = index
+        self._fixed = fixed
 
     def forward(self, frozen: torch.Tensor) -> torch.Tensor:
-        values = self._values[0]
+        values = self._values[0] if self._fixed is None else without_grad(self._values[0], self._fixed)
         if all(i is None for i in self._index):
             return values
         out = frozen.clone()
@@ -219,13 +231,14 @@ class FrozenTargetModel(torch.nn.Module):
             module, _, attr = each.rpartition(".")
             register_parametrization(self._target[0].get_submodule(module), attr, make(), unsafe=True)
 
-    def write(self, name: str, values: torch.nn.Parameter, index: Index) -> None:
-        """Train ``values``, the coordinates ``index`` of the target's tensor ``name``."""
+    def write(self, name: str, values: torch.nn.Parameter, index: Index, fixed: torch.Tensor | None = None) -> None:
+        """Train ``values``, the coordinates ``index`` of the target's tensor ``name``; the coordinates of ``values``
+        where the mask ``fixed`` is True are read without gradient (they train in another forward pass)."""
         layer = linear_of(self._target[0], name)
         if layer is not None:
-            layer.attach_window(values, index)
+            layer.attach_window(values, index, fixed)
         else:
-            self._parametrize(name, lambda: _Written(values, index))
+            self._parametrize(name, lambda: _Written(values, index, fixed))
 
     def add(self, name: str, a: torch.nn.Parameter, b: torch.nn.Parameter) -> None:
         """Train the update ``b @ a`` of the target's matrix ``name``."""

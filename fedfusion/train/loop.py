@@ -158,6 +158,30 @@ class TrainResult:
 LM = LMLoss()
 
 
+@dataclass(frozen=True)
+class CoreLoss:
+    """A full-forward window with a core (``fusion.core_forward: small``): the target's loss, which trains the
+    window outside the core, plus the small model's own loss (:meth:`WindowModel.core_loss`), which alone trains the
+    core. Reports the target's loss; ``core_loss`` is a part; the small model's work is counted in ``flops``."""
+
+    what: str = "training"
+
+    def __call__(self, model: Any, batch: torch.Tensor, rows: torch.Tensor) -> Step:
+        full, _ = lm_loss(model, batch)
+        small = model.core_loss(batch)
+        tokens = batch.shape[0] * (batch.shape[1] - 1)
+        return Step(full + small, tokens, reported=full.item(), parts={"core_loss": small.item()},
+                    flops=train_flops(model.core_params(), tokens))
+
+
+CORE = CoreLoss()
+
+
+def loss_of(model: Any) -> Loss:
+    """The loss plug-in a client's model trains with: :data:`CORE` for a window with a core, else :data:`LM`."""
+    return CORE if isinstance(model, WindowModel) and model.has_core else LM
+
+
 def train_steps(
     model: Any,
     data: Any,

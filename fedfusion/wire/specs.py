@@ -273,11 +273,13 @@ class WindowSpec(Spec):
     """A full-forward window (role window): the target units it trains (``SlicePlan.assignment()`` runs),
     whether the tensors on no sliced axis (embeddings, norms) are part of it, and ``rank``: 0 trains the units'
     exact values; r >= 1 trains a rank-r update of every matrix the message does not carry exactly
-    (:mod:`fedfusion.models.low_rank`)."""
+    (:mod:`fedfusion.models.low_rank`); ``core``: the small model's units inside the window, trained in its own
+    forward pass (``fusion.core_forward: small``; empty: none)."""
 
     units: dict[str, list[list[int]]] = field(metadata=JSON)
     shared: bool
     rank: int = 0
+    core: dict[str, list[list[int]]] = field(default_factory=dict, metadata=JSON)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig
 
-from fedfusion.config.choices import FORWARDS
+from fedfusion.config.choices import CORE_FORWARDS, FORWARDS
 from fedfusion.devices.energy import frozen_work_params
 from fedfusion.fusion.base import Client, Fold, FusionMethod, Payload, State, TierCost, Update, state_norm, state_size
 from fedfusion.fusion.outer import OuterConfig, OuterOptimizer
@@ -95,7 +95,8 @@ class SubModelMethod(FusionMethod):
                  ordered_ladder: tuple[float, ...] | None = None, ordered_distill: bool = False,
                  wire: Wire | None = None, outer: OuterConfig | None = None, forward: str = "slice",
                  frozen: str = "int8", window_shared: bool = False, grow_round: int = 0,
-                 window_widths: dict[str, float] | None = None, window_rank: int = 0, window_core: bool = False) -> None:
+                 window_widths: dict[str, float] | None = None, window_rank: int = 0, window_core: bool = False,
+                 core_forward: str = "full") -> None:
         if forward not in FORWARDS:
             raise ValueError(f"forward {forward!r} is not one of {', '.join(FORWARDS)}")
         if window_rank < 0 or (window_rank and forward != "full"):
@@ -110,6 +111,10 @@ class SubModelMethod(FusionMethod):
         if window_core and (forward != "full" or window_rank):
             raise ValueError("window_core: a window of units (forward full, no window_rank) adds the smallest slice's units")
         self.window_core = window_core  # every window also trains the smallest width's units (the small model's)
+        if core_forward not in CORE_FORWARDS or (core_forward == "small" and not (window_core and window_shared)):
+            raise ValueError(f"core_forward {core_forward!r}: one of {', '.join(CORE_FORWARDS)}; 'small' needs "
+                             "window_core and window_shared (the small model whole inside every window)")
+        self.core_forward = core_forward  # small: the core trains in the small model's own forward pass
         # low rank: (matrices trained as rank-r updates, tensors trained exactly), fixed for the run
         self.low_rank = split(config, wire_state(template, config_aliases(config)), window_shared) if window_rank else ([], [])
         # full forward: each tier's window, as a fraction of the units (default: the tier's width)
@@ -127,6 +132,9 @@ class SubModelMethod(FusionMethod):
         self.target_params = sum(t.numel() for t in self.wire.exact(template).values())
         self.frozen_bytes = state_size(encode(self.wire.exact(template), frozen)).nbytes if forward == "full" else 0
         # sub-model sizes depend only on the width, so they are priced once per run
+        # core_forward small: each step also trains the small model in its own forward pass (all of its work)
+        small = sum(t.numel() for t in self.wire.exact(extract(template, config, self.small)).values())
+        self.core_work = small if core_forward == "small" else 0
         self.costs = {tier: self._cost(template, tier) for tier in widths}
         self.owned: dict[int, float] | None = None
 
@@ -144,7 +152,7 @@ class SubModelMethod(FusionMethod):
         plan = replace(plan_slice(self.config, min(1.0, width + core), "static", axes=self.window_axes, scale=False),
                        shared=self.window_shared)
         window = self.wire.cost(extract(template, self.config, plan), width)
-        return replace(window, params=frozen_work_params(self.target_params, window.params),
+        return replace(window, params=frozen_work_params(self.target_params, window.params) + self.core_work,
                        nbytes=window.nbytes + self.frozen_bytes)
 
     def _low_rank_cost(self, template: State) -> TierCost:
@@ -192,6 +200,7 @@ class SubModelMethod(FusionMethod):
         full = f" forward=full frozen={self.frozen}" if self.forward == "full" else ""
         full += f" window_rank={self.window_rank}" if self.window_rank else ""
         full += " window_core" if self.window_core else ""
+        full += " core_forward=small" if self.core_forward == "small" else ""
         return f"submodel: policy={self.policy} stride={self.stride} stagger={self.stagger} widths={self.widths}{grow}{full}"
 
     def tier_cost(self, tier: str) -> TierCost:
@@ -216,14 +225,16 @@ class SubModelMethod(FusionMethod):
             trained += factor_params(target, self.low_rank[0], self.window_rank) if low_rank else 0
             specs: list[Spec] = [SliceSpec(width, policy, self.axes or None), WireSpec(self.wire.formats.up, feedback)]
             if full:
-                window = WindowSpec(plan.assignment(), plan.shared, self.window_rank)
+                core = self.small.assignment() if self.core_forward == "small" else {}
+                window = WindowSpec(plan.assignment(), plan.shared, self.window_rank, core)
                 specs += [RoleSpec("window"), ModelSpec(self.config.to_dict()), window]
             else:
                 specs += [RoleSpec(self.role), ModelSpec(sub_config(self.config, plan).to_dict())]
             if policy == "ordered":
                 specs.append(OrderedSpec(tuple(ordered_fractions(width, self.ordered_ladder)), self.ordered_distill))
             out.append(Payload(client, {**sent, **frozen}, merge(*specs), width,
-                               params=frozen_work_params(self.target_params, trained) if full else trained,
+                               params=frozen_work_params(self.target_params, trained) + self.core_work if full
+                               else trained,
                                sent_norm=norm, assignment=plan.assignment(), context=(plan, target, low_rank),
                                row=self._row(trained, full)))
         return out
