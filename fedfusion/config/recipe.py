@@ -27,6 +27,7 @@ from fedfusion.config.choices import (
     BUILTIN_DATASETS,
     CHOICES,
     DEFAULT_CLOUD,
+    DEFAULT_SERVER_DEVICE,
     FAMILY_MODEL_TYPES,
     FAMILY_TOKENIZERS,
     MIXABLE,
@@ -189,7 +190,7 @@ class DistillConfig:
     back_distill: bool = True  # the target teaches each family back (FedMKT)
     back_steps: int = 10
     back_lr: float = 1e-3
-    server_device: str = "cloud-a100"  # the catalog tier that prices the server's distillation work
+    server_device: str = DEFAULT_SERVER_DEVICE  # the catalog tier that prices the server's distillation work
     transfer: TransferConfig = field(default_factory=TransferConfig)
 
 
@@ -203,7 +204,7 @@ class GenerativeSection:
     server_steps: int = 30  # target training steps per round on every client's latest samples
     server_lr: float = 3e-3
     server_batch: int = 64
-    server_device: str = "cloud-a100"  # the catalog tier that prices the server's training
+    server_device: str = DEFAULT_SERVER_DEVICE  # the catalog tier that prices the server's training
 
 
 @dataclass
@@ -342,6 +343,8 @@ class UnitsSection:
     # (Flower's simulation engine sweeps each node's queue every 0.1 s) adds its own latency
     deadline_floor_s: float = 2.0
     verify: bool = True  # Freivalds' check on every product (a wrong tile is re-computed elsewhere)
+    # the catalog tier that prices the server's own compute, its checks and its traffic (fedfusion.units.ledger)
+    server_device: str = DEFAULT_SERVER_DEVICE
     eval_every: int = 0  # steps between central evaluations (0: only before the first and after the last step)
     # fault injection for tests and benchmarks: the node of this partition stops answering (sleeps stall_s before
     # it replies) after answering stall_after messages; -1: off

@@ -40,6 +40,8 @@ from fedfusion.run.run_dir import RunDir
 from fedfusion.run.targets import lm_target
 from fedfusion.train.loop import lm_loss, make_optimizer
 from fedfusion.units import Freivalds, PhaseRecord, UnitDevice, UnitEngine, from_catalog, install
+from fedfusion.units.ledger import ServerStep, price_server, server_timeline
+from fedfusion.units.phases import server_flops
 from fedfusion.units.timeline import chains_from_trace, simulate
 from fedfusion.wire.specs import (
     UNITS_ACTION,
@@ -227,6 +229,26 @@ def price_step(step: int, trace: list[PhaseRecord], order: list[int], caps: dict
     return rows
 
 
+def server_step(recipe: Recipe, model: PreTrainedModel, params: int, batch: torch.Tensor,
+                trace: list[PhaseRecord], catalog: dict[str, Device]) -> tuple[tuple[float, float], ServerStep]:
+    """The step's server work (``fedfusion.units.ledger``): its own compute from the model's shape, the FLOPs of
+    the checks it ran and the bytes it sent and received, priced on ``units.server_device``, with the same step on
+    ``report.cloud``; and the timeline's ``(server_gap_s, optimizer_s)``."""
+    c, u = model.config, recipe.units
+    seq = batch.shape[1] - 1  # lm_loss: a window's first seq tokens go in
+    own = server_flops(hidden=c.hidden_size, intermediate=c.intermediate_size, layers=c.num_hidden_layers,
+                       heads=c.num_attention_heads, kv_heads=c.num_key_value_heads, vocab=c.vocab_size,
+                       tokens=batch.shape[0] * seq, seq=seq, params=params, mode=u.offload,
+                       optimizer=recipe.train.optimizer)
+    verify = sum(rec.verify_flops for rec in trace)
+    server = catalog[u.server_device]
+    priced = price_server(server, catalog[recipe.report.cloud], own, verify,
+                          sum(sum(rec.down_bytes.values()) for rec in trace),
+                          sum(sum(rec.up_bytes.values()) for rec in trace),
+                          float(sum(g.flops for rec in trace for g in rec.shapes)))
+    return server_timeline(server, own, verify, len(trace)), priced
+
+
 def _worst_rel(trace: list[PhaseRecord], way: str) -> float:
     """The largest |measured - formula| / formula over the devices and phases of ``trace`` that ran without a
     re-dispatch (a re-dispatched unit travels twice; the formula prices one message per device)."""
@@ -313,7 +335,9 @@ def _run_units(grid: Grid, recipe: Recipe, run: RunDir, on_round: Callable[[dict
 
         loss = train_step(model, opt, batch, u.micro_batches, on_micro)
         trace = engine.trace[traced:]
-        timing = simulate(devices, chains_from_trace(trace), deadline_factor=u.deadline_factor) if trace else None
+        gaps, server = server_step(recipe, model, target.params, batch, trace, catalog)
+        timing = simulate(devices, chains_from_trace(trace), deadline_factor=u.deadline_factor,
+                          server_gap_s=gaps[0], optimizer_s=gaps[1]) if trace else None
         used = {d for rec in trace for d in rec.down_bytes}
         scores: dict[str, float] = {}
         if step == u.steps or (u.eval_every and step % u.eval_every == 0):
@@ -334,7 +358,10 @@ def _run_units(grid: Grid, recipe: Recipe, run: RunDir, on_round: Callable[[dict
             "clients_ok": len(used - engine.offline), "clients_failed": len(engine.offline - offline_before),
             "offline": sorted(engine.offline), "server_fallback": engine.server_fallback,
             "verify_s": sum(rec.verify_s for rec in trace),
-            "energy_j": sum(r["energy_j"] for r in ledger), "co2_g": sum(r["co2_g"] for r in ledger),
+            # the devices' work (clients.jsonl) and the server's own (fedfusion.units.ledger), as fusion rounds add them
+            **server.row(),
+            "energy_j": sum(r["energy_j"] for r in ledger) + server.energy_j,
+            "co2_g": sum(r["co2_g"] for r in ledger) + server.co2_g,
             # measured bytes per device per phase against the closed form (messages.formula_bytes), worst case
             "formula_rel_down": _worst_rel(trace, "down"), "formula_rel_up": _worst_rel(trace, "up"),
             "missed": [{"waited_s": w.waited_s, "deadline_s": w.deadline_s, "devices": w.missed}
@@ -360,6 +387,9 @@ def _run_units(grid: Grid, recipe: Recipe, run: RunDir, on_round: Callable[[dict
         "bytes_down": sum(r["bytes_down"] for r in rows), "bytes_up": sum(r["bytes_up"] for r in rows),
         "virtual_s": sum(r["virtual_s"] for r in rows), "offline": sorted(engine.offline),
         "energy_j": sum(r.get("energy_j", 0.0) for r in rows), "co2_g": sum(r.get("co2_g", 0.0) for r in rows),
+        "server_device": u.server_device, "cloud_device": recipe.report.cloud,
+        **{k: sum(r[k] for r in rows[1:]) for k in ("server_energy_j", "server_co2_g", "cloud_step_s", "cloud_energy_j",
+                                                    "cloud_co2_g")},
         "server_fallback": engine.server_fallback, "wall_s": time.perf_counter() - started,
         "sample": target.sample(),
     }

@@ -57,6 +57,7 @@ class PhaseRecord:
     redispatched: int = 0
     failed_devices: list[int] = field(default_factory=list)
     verify_s: float = 0.0  # CPU seconds of the server's checks
+    verify_flops: float = 0.0  # their FLOPs (``verify.check_flops`` per product or tile checked)
     server_s: float = 0.0  # wall seconds of the server's side of the phase (plan, encode, decode, check, assemble)
 
 
@@ -139,10 +140,12 @@ class UnitEngine:
                 break
             v0 = time.thread_time()  # CPU seconds of the check (wall time on shared cores is noise)
             for gi, (g, c) in enumerate(zip(gemms, outs)):
+                rec.verify_flops += self.verifier.flops(g.a.logical(), g.b.logical())
                 if self.verifier.check(g.a.logical(), g.b.logical(), c):
                     continue
-                culprits = [u for u, t in enumerate(tiles) if t.gemm == gi
-                            and not self.verifier.check(*g.blocks(t), results[u])]
+                mine = [(u, g.blocks(t)) for u, t in enumerate(tiles) if t.gemm == gi]
+                rec.verify_flops += sum(self.verifier.flops(*ab) for _, ab in mine)
+                culprits = [u for u, ab in mine if not self.verifier.check(*ab, results[u])]
                 for uid in culprits:
                     self.strikes.strike(tiles[uid].device)
                     rec.failed_devices.append(tiles[uid].device)
