@@ -59,7 +59,9 @@ def run_units(tmp_path: Path, extra: list[str]) -> tuple[list[dict], list[float]
     for row in rows[1:]:
         mine = [r for r in ledger if r["round"] == row["step"]]
         assert mine and all(r["flops"] > 0 and r["energy_j"] > 0 for r in mine)
-        assert row["energy_j"] == pytest.approx(sum(r["energy_j"] for r in mine))
+        # the devices' work and the server's own (its compute, checks and traffic: fedfusion.units.ledger)
+        assert row["energy_j"] == pytest.approx(sum(r["energy_j"] for r in mine) + row["server_energy_j"])
+        assert row["server_energy_j"] > 0 and row["server_verify_flops"] > 0 and row["cloud_step_s"] > 0
     assert (out / "report.md").is_file() and (out / "nodes.jsonl").read_text().count("\n") == 4
     return rows, central_losses([*TINY, *extra])
 
@@ -89,6 +91,8 @@ def test_units_run_equals_central_training_step_for_step(tmp_path):
         assert abs(row["bytes_down"] - step["MB down"] * 1e6) <= 0.01 * row["bytes_down"]
         assert abs(row["bytes_up"] - step["MB up"] * 1e6) <= 0.01 * row["bytes_up"]
         assert abs(row["virtual_s"] - step["step_s"]) <= 0.02 * step["step_s"]
+        for key in ("server_flops", "server_verify_flops", "cloud_flops"):  # the server's work as planned
+            assert row[key] == pytest.approx(step["server"][key], rel=1e-6), key
 
 
 def test_a_device_silent_mid_phase_costs_one_deadline_and_the_loss_stays_exact(tmp_path):

@@ -8,7 +8,8 @@ Modules: ``devices`` (``UnitDevice``: memory, FLOP/s, link rates, latency; ``fro
 and planner), ``messages`` (wire format, the device side ``compute_units``/``DeviceRuntime``, the byte formula),
 ``verify`` (Freivalds' check, strikes), ``engine`` (``UnitEngine``: plan, dispatch, verify, re-dispatch,
 assemble), ``hooks`` (``install`` on a Hugging Face Llama), ``phases`` (a step's phases from the shape alone),
-``timeline`` (virtual step time under links, micro-batches and churn), ``workers`` (emulated faulty devices).
+``timeline`` (virtual step time under links, micro-batches and churn), ``ledger`` (the server's compute, checks and
+traffic priced with ``price_work``, and the same step on a cloud GPU), ``workers`` (emulated faulty devices).
 
 README -- the API the Flower layer calls
 -----------------------------------------
