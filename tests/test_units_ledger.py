@@ -128,3 +128,11 @@ def test_units_report_has_the_server_and_cloud_section(tmp_path: Path) -> None:
     text = write_report(tmp_path).read_text()
     assert "## Server and cloud (units.server_device `cloud-a100`, report.cloud `cloud-a5000`)" in text
     assert "| 2000x |" in text and "take 0.001 s on cloud-a5000" in text and "2 virtual s (2000x), 2 J on the devices" in text
+
+
+def test_an_unknown_server_device_is_refused() -> None:
+    from fedfusion.config.recipe import RecipeError
+    from fedfusion.run.check import load_checked
+
+    with pytest.raises(RecipeError, match="units.server_device: unknown device 'nope'"):
+        load_checked("units", ["units.server_device=nope"])
