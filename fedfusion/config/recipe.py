@@ -338,6 +338,9 @@ class UnitsSection:
     offload: str = "mlp"  # mlp (the MLP's linear layers) | all (every linear layer, lm_head included)
     steps: int = 3  # optimizer steps on the pooled training text
     micro_batches: int = 1  # each step's batch is cut into this many micro-batches (gradients summed)
+    # micro-batches in flight at once (0: all): each runs in its own thread, so a device's next message is already
+    # queued while it computes the current one (the server's time between phases no longer leaves it idle)
+    in_flight: int = 0
     deadline_factor: float = 3.0  # a device's deadline: this multiple of its message's predicted (virtual) time
     # the wall-clock floor of a device's deadline: the predicted times are the catalog device's, the real transport
     # (Flower's simulation engine sweeps each node's queue every 0.1 s) adds its own latency
@@ -669,6 +672,8 @@ def _validate_units(recipe: Recipe) -> None:
         _positive(f"units.{key}", getattr(u, key))
     if u.eval_every < 0:
         raise RecipeError(f"units.eval_every: must be >= 0, got {u.eval_every}")
+    if u.in_flight < 0:
+        raise RecipeError(f"units.in_flight: must be >= 0 (0: every micro-batch), got {u.in_flight}")
     if recipe.fusion.method != UNITS:
         return
     if recipe.train.batch_size % u.micro_batches:

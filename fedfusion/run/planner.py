@@ -520,7 +520,7 @@ def units_plan(recipe: Recipe) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     devices = [from_catalog(catalog[t], name=str(i)) for i, t in enumerate(tiers)]
     gap_s, optimizer_s = server_timeline(server, own, verify, len(phases) * u.micro_batches)
     timing = simulate(devices, [phases] * u.micro_batches, deadline_factor=u.deadline_factor, server_gap_s=gap_s,
-                      optimizer_s=optimizer_s)
+                      optimizer_s=optimizer_s, in_flight=u.in_flight)
     priced = price_server(server, catalog[recipe.report.cloud], own, verify, int(timing.down_bytes.sum()),
                           int(timing.up_bytes.sum()), float(sum(g.flops for g in gemms)))
     rows = []

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from logging import INFO
 from typing import Any
@@ -194,20 +195,33 @@ def step_batches(recipe: Recipe, windows: torch.Tensor) -> Iterator[torch.Tensor
 
 
 def train_step(model: PreTrainedModel, opt: torch.optim.Optimizer, batch: torch.Tensor, micro_batches: int,
-               on_micro: Callable[[int], None] = lambda micro: None) -> float:
-    """One optimizer step on ``batch`` cut into ``micro_batches`` (the mean loss; gradients of the mean)."""
+               on_micro: Callable[[int], None] = lambda micro: None, in_flight: int = 1) -> float:
+    """One optimizer step on ``batch`` cut into ``micro_batches`` (the mean loss; gradients of the mean), ``in_flight``
+    of them at once (0: all), each in a thread of its own (``on_micro`` runs in it first). Each micro-batch's
+    gradients are summed in micro-batch order, as backward() would accumulate them one after the other, so the step
+    is the same however many run at once."""
     opt.zero_grad(set_to_none=True)
-    total = 0.0
-    for micro, part in enumerate(batch.chunk(micro_batches)):
+    parts = batch.chunk(micro_batches)
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def run(micro: int) -> tuple[float, tuple[torch.Tensor | None, ...]]:
         on_micro(micro)
-        loss, _ = lm_loss(model, part)
+        loss, _ = lm_loss(model, parts[micro])
         value = loss.item()
         if not math.isfinite(value):
             raise FloatingPointError(f"units training loss became {value}")
-        (loss * (len(part) / len(batch))).backward()
-        total += value * len(part) / len(batch)
+        share = len(parts[micro]) / len(batch)
+        return value * share, torch.autograd.grad(loss * share, params, allow_unused=True)
+
+    with ThreadPoolExecutor(len(parts) if in_flight <= 0 else min(in_flight, len(parts))) as pool:
+        done = list(pool.map(run, range(len(parts))))
+    for i, p in enumerate(params):
+        for _, grads in done:
+            g = grads[i]
+            if g is not None:
+                p.grad = g if p.grad is None else p.grad.add_(g)
     opt.step()
-    return total
+    return sum(value for value, _ in done)
 
 
 def price_step(step: int, trace: list[PhaseRecord], order: list[int], caps: dict[int, Caps],
@@ -333,11 +347,11 @@ def _run_units(grid: Grid, recipe: Recipe, run: RunDir, on_round: Callable[[dict
         def on_micro(micro: int) -> None:
             engine.chain = micro
 
-        loss = train_step(model, opt, batch, u.micro_batches, on_micro)
+        loss = train_step(model, opt, batch, u.micro_batches, on_micro, u.in_flight)
         trace = engine.trace[traced:]
         gaps, server = server_step(recipe, model, target.params, batch, trace, catalog)
         timing = simulate(devices, chains_from_trace(trace), deadline_factor=u.deadline_factor,
-                          server_gap_s=gaps[0], optimizer_s=gaps[1]) if trace else None
+                          server_gap_s=gaps[0], optimizer_s=gaps[1], in_flight=u.in_flight) if trace else None
         used = {d for rec in trace for d in rec.down_bytes}
         scores: dict[str, float] = {}
         if step == u.steps or (u.eval_every and step % u.eval_every == 0):
