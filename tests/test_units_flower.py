@@ -3,6 +3,12 @@ target centrally, the nodes compute its linear layers' GEMM tiles, and the loss 
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -120,3 +126,26 @@ def test_each_step_prices_every_device_it_sent_units_to():
     assert (rows[0]["flops"], rows[0]["bytes_down"], rows[0]["bytes_up"]) == (3e9, 150, 40)
     assert rows[0]["energy_j"] == pytest.approx(phone.wall_j) and rows[0]["co2_g"] == pytest.approx(phone.co2_g)
     assert rows[1]["energy_j"] == pytest.approx(price_work(catalog["laptop"], 6e9, 300, 90).wall_j)
+
+
+def test_a_units_run_killed_after_step_one_resumes_to_the_uninterrupted_curve(tmp_path):
+    """Killed (SIGKILL: the CLI, Ray and its workers) once step 1's checkpoint (target, AdamW moments) is written,
+    then resumed with `fedfusion run --resume`: steps 2 and 3 and the final evaluation equal the uninterrupted run's."""
+    extra = ["units.offload=all", "units.micro_batches=2"]
+    whole = tmp_path / "whole"
+    assert main(["run", "quickstart", *TINY, *extra, "--out", str(whole)]) == 0
+    out = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "fedfusion.cli", "run", "quickstart", *TINY, *extra, "--out", str(out)],
+                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    state, deadline = out / "checkpoint" / "state.json", time.monotonic() + 400
+    while proc.poll() is None and time.monotonic() < deadline and not state.is_file():
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert json.loads(state.read_text())["round"] == 1 and not (out / "summary.json").exists()
+    assert main(["run", "--resume", str(out)]) == 0
+    first, resumed = read_jsonl(whole / "metrics.jsonl"), read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3]
+    assert [r["train_loss"] for r in resumed] == [r["train_loss"] for r in first]  # step for step, to the bit
+    assert resumed[-1]["eval_loss"] == first[-1]["eval_loss"]
+    assert json.loads((out / "summary.json").read_text())["status"] == "ok"

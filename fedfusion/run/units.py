@@ -36,8 +36,9 @@ from fedfusion.data.population import client_windows, data_spec, write_partition
 from fedfusion.data.text import sample_batch
 from fedfusion.devices.catalog import Device, load_catalog
 from fedfusion.devices.energy import price_work
+from fedfusion.run.checkpoint import Checkpoint, load_checkpoint, load_optimizer_state, optimizer_state, save_checkpoint
 from fedfusion.run.report import write_report
-from fedfusion.run.run_dir import RunDir
+from fedfusion.run.run_dir import RunDir, read_jsonl
 from fedfusion.run.targets import lm_target
 from fedfusion.train.loop import lm_loss, make_optimizer
 from fedfusion.units import Freivalds, PhaseRecord, UnitDevice, UnitEngine, from_catalog, install
@@ -277,20 +278,32 @@ def _worst_rel(trace: list[PhaseRecord], way: str) -> float:
     return worst
 
 
+@dataclass
+class Progress:
+    """How far a units run got: its last completed step and the step of its last checkpoint (what a resume
+    continues after)."""
+
+    last: int | None = None
+    saved: int | None = None
+
+
 def run_units(grid: Grid, recipe: Recipe, run: RunDir, on_round: Callable[[dict[str, Any]], None],
-              stop: Any = None) -> dict[str, Any]:
-    """Train the recipe's target for ``units.steps`` steps with its linear layers computed on ``grid``'s nodes."""
+              stop: Any = None, resume: bool = False) -> dict[str, Any]:
+    """Train the recipe's target for ``units.steps`` steps with its linear layers computed on ``grid``'s nodes;
+    with ``resume`` from the run's checkpoint (target, optimizer state, step: ``output.checkpoint_every``), so the
+    loss curve goes on as the uninterrupted run's."""
     from fedfusion.strategies.stop import RunInterrupted
 
-    started = time.perf_counter()
+    started, progress = time.perf_counter(), Progress()
     try:
-        return _run_units(grid, recipe, run, on_round, stop, started)
+        return _run_units(grid, recipe, run, on_round, stop, started, progress, resume)
     except RunInterrupted as exc:
         if exc.failure is not None:  # what runs the clients died
             run.write_summary({"status": "failed", "error": exc.failure, "wall_s": time.perf_counter() - started})
             raise RuntimeError(exc.failure) from exc
-        summary = {"status": "interrupted", "name": recipe.name, "rounds": recipe.units.steps, "last_round": None,
-                   "resume_after": None, "wall_s": time.perf_counter() - started}
+        summary = {"status": "interrupted", "name": recipe.name, "rounds": recipe.units.steps,
+                   "last_round": progress.last, "resume_after": progress.saved,
+                   "wall_s": time.perf_counter() - started}
         run.write_summary(summary)
         return summary
     except BaseException as exc:
@@ -300,8 +313,9 @@ def run_units(grid: Grid, recipe: Recipe, run: RunDir, on_round: Callable[[dict[
 
 
 def _run_units(grid: Grid, recipe: Recipe, run: RunDir, on_round: Callable[[dict[str, Any]], None], stop: Any,
-               started: float) -> dict[str, Any]:
+               started: float, progress: Progress, resume: bool) -> dict[str, Any]:
     u = recipe.units
+    ckpt = load_checkpoint(run.path) if resume else None
     if stop is not None:  # Ctrl-C (or a dead engine) ends the run at the next Grid call
         from fedfusion.strategies.stop import StopGrid
 
@@ -313,7 +327,8 @@ def _run_units(grid: Grid, recipe: Recipe, run: RunDir, on_round: Callable[[dict
     nodes = wait_for_nodes(grid, recipe.population.num_clients)
     caps = query_nodes(grid, recipe, nodes)
     order = sorted(nodes, key=lambda n: caps[n].partition)  # device index = partition: seeded, run after run
-    run.log_nodes([{"round": 0, "node": n, **caps[n].to_config()} for n in order])
+    # a resumed run's nodes are new (their ids change with the federation): logged at the step it resumes after
+    run.log_nodes([{"round": ckpt.round if ckpt else 0, "node": n, **caps[n].to_config()} for n in order])
     catalog = load_catalog(recipe.population.catalog)
     devices: list[UnitDevice] = [from_catalog(catalog[caps[n].device], name=str(n)) for n in order]
     stall = {}
@@ -323,6 +338,13 @@ def _run_units(grid: Grid, recipe: Recipe, run: RunDir, on_round: Callable[[dict
     engine = UnitEngine(devices, transport=transport, deadline_factor=u.deadline_factor,
                         verifier=Freivalds(seed=recipe.seed) if u.verify else None)
     opt = make_optimizer(model, recipe.train.optimizer, recipe.train.lr, recipe.train.weight_decay)
+    earlier_s = 0.0
+    if ckpt is not None:
+        model.load_state_dict(ckpt.target)
+        load_optimizer_state(opt, ckpt.strategy, ckpt.tensors)
+        run.cut_ledgers(ckpt.round)
+        progress.last = progress.saved = ckpt.round
+        earlier_s = ckpt.elapsed_s
     log(INFO, "units mode: %d devices (%s), offload=%s, %d steps", len(devices),
         ", ".join(f"{t}={sum(caps[n].device == t for n in order)}" for t in sorted({c.device for c in caps.values()})),
         u.offload, u.steps)
@@ -332,15 +354,19 @@ def _run_units(grid: Grid, recipe: Recipe, run: RunDir, on_round: Callable[[dict
         model.train()
         return scores
 
-    first = evaluate()
-    rows: list[dict[str, Any]] = [{"round": 0, "step": 0, **first, "train_loss": None, "bytes_down": 0, "bytes_up": 0,
-                                   "virtual_s": 0.0, "wall_s": time.perf_counter() - started, "clients_ok": 0,
-                                   "clients_failed": 0}]
-    run.log_round(rows[0])
-    on_round(rows[0])
+    if ckpt is not None:  # the steps up to the checkpoint are in the ledger already
+        rows = read_jsonl(run.path / "metrics.jsonl")
+    else:
+        rows = [{"round": 0, "step": 0, **evaluate(), "train_loss": None, "bytes_down": 0, "bytes_up": 0,
+                 "virtual_s": 0.0, "wall_s": time.perf_counter() - started, "clients_ok": 0, "clients_failed": 0}]
+        run.log_round(rows[0])
+        on_round(rows[0])
+    first = rows[0]
     handle = install(model, engine, u.offload)
     last = time.perf_counter()
     for step, batch in enumerate(step_batches(recipe, windows), start=1):
+        if step <= (progress.saved or 0):  # drawn all the same: the batches after it are the uninterrupted run's
+            continue
         traced, waits = len(engine.trace), len(transport.waits)
         offline_before = set(engine.offline)
 
@@ -381,11 +407,18 @@ def _run_units(grid: Grid, recipe: Recipe, run: RunDir, on_round: Callable[[dict
             "missed": [{"waited_s": w.waited_s, "deadline_s": w.deadline_s, "devices": w.missed}
                        for w in step_waits if w.missed],
             "transport_s": sum(w.waited_s for w in step_waits),
-            "wall_s": now - last, "elapsed_s": now - started,
+            "wall_s": now - last, "elapsed_s": earlier_s + now - started,
         }
         last = now
         rows.append(row)
         run.log_round(row)
+        progress.last = step
+        if recipe.output.checkpoint_every and step % recipe.output.checkpoint_every == 0:
+            groups, moments = optimizer_state(opt)
+            save_checkpoint(run.path, Checkpoint(
+                round=step, target={k: v.detach().clone() for k, v in model.state_dict().items()},
+                elapsed_s=row["elapsed_s"], strategy=groups, tensors=moments))
+            progress.saved = step
         on_round(row)
     handle.remove()
     if recipe.output.save_model:
@@ -404,7 +437,7 @@ def _run_units(grid: Grid, recipe: Recipe, run: RunDir, on_round: Callable[[dict
         "server_device": u.server_device, "cloud_device": recipe.report.cloud,
         **{k: sum(r[k] for r in rows[1:]) for k in ("server_energy_j", "server_co2_g", "cloud_step_s", "cloud_energy_j",
                                                     "cloud_co2_g")},
-        "server_fallback": engine.server_fallback, "wall_s": time.perf_counter() - started,
+        "server_fallback": engine.server_fallback, "wall_s": earlier_s + time.perf_counter() - started,
         "sample": target.sample(),
     }
     run.write_summary(summary)
