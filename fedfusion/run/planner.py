@@ -495,12 +495,13 @@ def units_plan(recipe: Recipe) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The exact (units) mode's step from the recipe's shape alone (``fedfusion.units.phases`` priced by the
     timeline on the population's devices, no churn, the server's own time between phases): the step's virtual
     seconds, its floor and phases, the server's work and the same step on the cloud GPU
-    (:func:`fedfusion.units.ledger.price_server`, under ``server``), and per tier the devices and their mean MB
-    down / up and busy seconds per step."""
+    (:func:`fedfusion.units.ledger.price_server`, under ``server``), and per tier the devices, their mean units per
+    step, the largest unit (rows x columns x inner length), their mean MB down / up and busy seconds per step."""
     from fedfusion.data.population import data_spec, data_tokenizer, tier_list
     from fedfusion.units import from_catalog
     from fedfusion.units.ledger import price_server, server_timeline
     from fedfusion.units.phases import llama_phases, server_flops
+    from fedfusion.units.plan import CostModel, Tile, plan_phase
     from fedfusion.units.timeline import simulate
     from fedfusion.units.verify import check_flops
 
@@ -523,19 +524,30 @@ def units_plan(recipe: Recipe) -> tuple[dict[str, Any], list[dict[str, Any]]]:
                       optimizer_s=optimizer_s, in_flight=u.in_flight)
     priced = price_server(server, catalog[recipe.report.cloud], own, verify, int(timing.down_bytes.sum()),
                           int(timing.up_bytes.sum()), float(sum(g.flops for g in gemms)))
+    cm = CostModel(devices)
+    units: list[list[Tile]] = [[] for _ in devices]  # the timeline's plans (no churn): each device's units
+    for shapes, _ in phases:
+        for tile in plan_phase(cm, list(range(len(devices))), shapes).tiles:
+            units[tile.device].append(tile)
     rows = []
     for tier in sorted(set(tiers)):
         idx = [i for i, t in enumerate(tiers) if t == tier]
         busy = [max(timing.down_busy_s[i], timing.up_busy_s[i], timing.compute_s[i]) for i in idx]
+        mine = [t for i in idx for t in units[i]]
+        big = max(mine, key=lambda t: t.flops, default=None)
         rows.append({"tier": tier, "devices": len(idx), "used": int(sum(timing.down_bytes[i] > 0 for i in idx)),
+                     "units": len(mine) * u.micro_batches / len(idx),
+                     "largest unit": f"{big.i1 - big.i0}x{big.j1 - big.j0}x{big.k1 - big.k0}" if big else "",
                      "MB down": float(sum(timing.down_bytes[i] for i in idx)) / len(idx) / 1e6,
                      "MB up": float(sum(timing.up_bytes[i] for i in idx)) / len(idx) / 1e6,
                      "busy s": sum(busy) / len(busy)})
     s = priced.row()
-    rows += [{"tier": f"server ({server.name})", "devices": 1, "used": 1, "MB down": priced.ingress_bytes / 1e6,
+    rows += [{"tier": f"server ({server.name})", "devices": 1, "used": 1, "units": None, "largest unit": "",
+              "MB down": priced.ingress_bytes / 1e6,
               "MB up": priced.egress_bytes / 1e6,
               "busy s": float(s["server_compute_s"]) + float(s["server_verify_s"]) + float(s["server_comm_s"])},
-             {"tier": f"{priced.cloud} (the same step)", "devices": 1, "used": 1, "MB down": 0.0, "MB up": 0.0,
+             {"tier": f"{priced.cloud} (the same step)", "devices": 1, "used": 1, "units": None, "largest unit": "",
+              "MB down": 0.0, "MB up": 0.0,
               "busy s": priced.cloud_step.compute_s}]
     step = {"step_s": timing.step_s, "floor_s": timing.floor_s, "phases": len(phases) * u.micro_batches,
             "steps": u.steps, "MB down": float(timing.down_bytes.sum()) / 1e6, "MB up": float(timing.up_bytes.sum()) / 1e6,
@@ -634,5 +646,6 @@ def units_view(recipe: Recipe) -> PlanView:
              f"{s['cloud_step_s']:.3g} s, {s['cloud_energy_j']:.3g} J; the units step takes "
              f"{step['step_s'] / s['cloud_step_s']:.0f}x as long")
     return PlanView(f"plan for {recipe.name} ({UNITS}, offload={recipe.units.offload}: per device and step; the "
-                    f"target trains on the server)", rows, ("tier", "devices", "used", "MB down", "MB up", "busy s"),
-                    left=("tier",), width=120, notes=notes, per_round=False)
+                    f"target trains on the server)", rows,
+                    ("tier", "devices", "used", "units", "largest unit", "MB down", "MB up", "busy s"),
+                    left=("tier", "largest unit"), width=140, notes=notes, per_round=False)
