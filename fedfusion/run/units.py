@@ -14,6 +14,7 @@ step's virtual seconds under the devices' links from :func:`fedfusion.units.time
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -94,15 +95,17 @@ class GridTransport:
     poll_s: float = 0.01
     stall: dict[int, tuple[int, float]] = field(default_factory=dict)
     sent: dict[int, int] = field(default_factory=dict)  # messages sent per device
-    waits: list[PhaseWait] = field(default_factory=list)
+    waits: list[PhaseWait] = field(default_factory=list)  # one per call; calls overlap with micro-batches in flight
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def deadline(self, predicted_s: float) -> float:
         """A device's wall-clock deadline: the engine's, but never below the transport's own latency floor."""
         return max(self.floor_s, predicted_s)
 
     def message(self, dev: int, payload: bytes, deadline_s: float) -> Message:
-        count = self.sent.get(dev, 0)
-        self.sent[dev] = count + 1
+        with self._lock:  # one call per micro-batch in flight
+            count = self.sent.get(dev, 0)
+            self.sent[dev] = count + 1
         after, stall_s = self.stall.get(dev, (0, 0.0))
         spec = UnitsSpec(stall_s if dev in self.stall and count >= after else 0.0)
         content = RecordDict({UNITS_RECORD: ArrayRecord({UNITS_PAYLOAD: Array(np.frombuffer(payload, np.uint8))}),
