@@ -203,7 +203,8 @@ def train_step(model: PreTrainedModel, opt: torch.optim.Optimizer, batch: torch.
     """One optimizer step on ``batch`` cut into ``micro_batches`` (the mean loss; gradients of the mean), ``in_flight``
     of them at once (0: all), each in a thread of its own (``on_micro`` runs in it first). Each micro-batch's
     gradients are summed in micro-batch order, as backward() would accumulate them one after the other, so the step
-    is the same however many run at once."""
+    is the same however many run at once, up to float rounding (with several in flight the updated weights at times
+    differ in their last bits, the losses equal; the cause is not found yet)."""
     opt.zero_grad(set_to_none=True)
     parts = batch.chunk(micro_batches)
     params = [p for p in model.parameters() if p.requires_grad]
