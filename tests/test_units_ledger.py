@@ -109,7 +109,7 @@ def test_plan_shows_the_server_and_the_cloud_step() -> None:
         assert s[key] > 0, key
     assert s["server_device"] == u.server_device and s["cloud_device"] == recipe.report.cloud
     for row in rows[:-2]:  # each device tier: its units per step and the largest, rows x columns x inner length
-        assert row["units"] > 0 and len(row["largest unit"].split("x")) == 3
+        assert row["units/step"] > 0 and len(row["largest unit"].split("x")) == 3
     tiers = [r["tier"] for r in rows]
     assert f"server ({u.server_device})" in tiers and f"{recipe.report.cloud} (the same step)" in tiers
     # the server's time is in the step: a slow server lengthens it by at least its optimizer step

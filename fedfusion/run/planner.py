@@ -536,17 +536,17 @@ def units_plan(recipe: Recipe) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         mine = [t for i in idx for t in units[i]]
         big = max(mine, key=lambda t: t.flops, default=None)
         rows.append({"tier": tier, "devices": len(idx), "used": int(sum(timing.down_bytes[i] > 0 for i in idx)),
-                     "units": len(mine) * u.micro_batches / len(idx),
+                     "units/step": len(mine) * u.micro_batches / len(idx),
                      "largest unit": f"{big.i1 - big.i0}x{big.j1 - big.j0}x{big.k1 - big.k0}" if big else "",
                      "MB down": float(sum(timing.down_bytes[i] for i in idx)) / len(idx) / 1e6,
                      "MB up": float(sum(timing.up_bytes[i] for i in idx)) / len(idx) / 1e6,
                      "busy s": sum(busy) / len(busy)})
     s = priced.row()
-    rows += [{"tier": f"server ({server.name})", "devices": 1, "used": 1, "units": None, "largest unit": "",
+    rows += [{"tier": f"server ({server.name})", "devices": 1, "used": 1, "units/step": None, "largest unit": "",
               "MB down": priced.ingress_bytes / 1e6,
               "MB up": priced.egress_bytes / 1e6,
               "busy s": float(s["server_compute_s"]) + float(s["server_verify_s"]) + float(s["server_comm_s"])},
-             {"tier": f"{priced.cloud} (the same step)", "devices": 1, "used": 1, "units": None, "largest unit": "",
+             {"tier": f"{priced.cloud} (the same step)", "devices": 1, "used": 1, "units/step": None, "largest unit": "",
               "MB down": 0.0, "MB up": 0.0,
               "busy s": priced.cloud_step.compute_s}]
     step = {"step_s": timing.step_s, "floor_s": timing.floor_s, "phases": len(phases) * u.micro_batches,
@@ -647,5 +647,5 @@ def units_view(recipe: Recipe) -> PlanView:
              f"{step['step_s'] / s['cloud_step_s']:.0f}x as long")
     return PlanView(f"plan for {recipe.name} ({UNITS}, offload={recipe.units.offload}: per device and step; the "
                     f"target trains on the server)", rows,
-                    ("tier", "devices", "used", "units", "largest unit", "MB down", "MB up", "busy s"),
+                    ("tier", "devices", "used", "units/step", "largest unit", "MB down", "MB up", "busy s"),
                     left=("tier", "largest unit"), width=140, notes=notes, per_round=False)
