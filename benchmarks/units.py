@@ -34,7 +34,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from fedfusion.devices.catalog import load_catalog
 from fedfusion.units import UnitDevice, UnitEngine, install
-from fedfusion.units.phases import llama_phases
+from fedfusion.units.phases import llama_phases, server_flops
 from fedfusion.units.timeline import Kill, chains_from_trace, simulate
 from fedfusion.units.verify import Freivalds
 
@@ -65,7 +65,9 @@ class Target:
     def flops(self, tokens: int) -> float:
         """GEMM FLOPs of the step (forward + both gradients) plus attention cores (QK^T, PV: 3x forward)."""
         gemm = sum(g.flops for shapes, _ in self.phases(tokens) for g in shapes)
-        attention = 3 * self.layers * 2 * 2 * tokens * SEQ * self.hidden
+        attention = server_flops(hidden=self.hidden, intermediate=self.intermediate, layers=self.layers,
+                                 heads=self.heads, kv_heads=self.heads, vocab=self.vocab, tokens=tokens, seq=SEQ,
+                                 params=0)["attention"]
         return float(gemm + attention)
 
 

@@ -12,7 +12,13 @@ from flwr.app import ArrayRecord, ConfigRecord
 from fedfusion.cli import main
 from fedfusion.config.recipe import load_recipe
 from fedfusion.fusion.state import rng_state, set_rng_state
-from fedfusion.run.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from fedfusion.run.checkpoint import (
+    Checkpoint,
+    load_checkpoint,
+    load_optimizer_state,
+    optimizer_state,
+    save_checkpoint,
+)
 from fedfusion.run.run_dir import RunDir, read_jsonl
 from tests.test_strategy import FakeGrid, make_strategy, plans, task_identity  # noqa: F401 (autouse fixture)
 
@@ -93,3 +99,32 @@ def test_a_resumed_runs_earlier_parts_count_from_their_summary_or_else_their_las
     assert earlier_wall_s(run, ckpt) == 30.0  # killed outright: no summary, the time up to its checkpoint
     run.write_summary({"status": "interrupted", "wall_s": 50.0})
     assert earlier_wall_s(run, ckpt) == 50.0  # stopped by Ctrl-C: everything up to the stop
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_an_optimizer_saved_in_a_checkpoint_steps_on_as_the_original(tmp_path, name):
+    """A units run's optimizer: its groups in state.json, its moments in tensors.safetensors; restored into a fresh
+    optimizer over a copy of the parameters, the next step is the original's to the bit."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    make = (lambda ps: torch.optim.AdamW(ps, lr=0.1, weight_decay=0.1)) if name == "adamw" else (
+        lambda ps: torch.optim.SGD(ps, lr=0.1, weight_decay=0.1))
+    opt = make(model.parameters())
+
+    def step(m: torch.nn.Module, o: torch.optim.Optimizer, seed: int) -> None:
+        o.zero_grad()
+        m(torch.randn(5, 4, generator=torch.Generator().manual_seed(seed))).square().sum().backward()
+        o.step()
+
+    step(model, opt, 1)
+    groups, moments = optimizer_state(opt)
+    save_checkpoint(tmp_path, Checkpoint(round=1, target=dict(model.state_dict()), strategy=groups, tensors=moments))
+    ckpt = load_checkpoint(tmp_path)
+    copy = torch.nn.Linear(4, 3)
+    copy.load_state_dict(ckpt.target)
+    restored = make(copy.parameters())
+    load_optimizer_state(restored, ckpt.strategy, ckpt.tensors)
+    step(model, opt, 2)
+    step(copy, restored, 2)
+    for a, b in zip(model.parameters(), copy.parameters()):
+        assert torch.equal(a, b)

@@ -3,6 +3,12 @@ target centrally, the nodes compute its linear layers' GEMM tiles, and the loss 
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -59,7 +65,9 @@ def run_units(tmp_path: Path, extra: list[str]) -> tuple[list[dict], list[float]
     for row in rows[1:]:
         mine = [r for r in ledger if r["round"] == row["step"]]
         assert mine and all(r["flops"] > 0 and r["energy_j"] > 0 for r in mine)
-        assert row["energy_j"] == pytest.approx(sum(r["energy_j"] for r in mine))
+        # the devices' work and the server's own (its compute, checks and traffic: fedfusion.units.ledger)
+        assert row["energy_j"] == pytest.approx(sum(r["energy_j"] for r in mine) + row["server_energy_j"])
+        assert row["server_energy_j"] > 0 and row["server_verify_flops"] > 0 and row["cloud_step_s"] > 0
     assert (out / "report.md").is_file() and (out / "nodes.jsonl").read_text().count("\n") == 4
     return rows, central_losses([*TINY, *extra])
 
@@ -89,6 +97,8 @@ def test_units_run_equals_central_training_step_for_step(tmp_path):
         assert abs(row["bytes_down"] - step["MB down"] * 1e6) <= 0.01 * row["bytes_down"]
         assert abs(row["bytes_up"] - step["MB up"] * 1e6) <= 0.01 * row["bytes_up"]
         assert abs(row["virtual_s"] - step["step_s"]) <= 0.02 * step["step_s"]
+        for key in ("server_flops", "server_verify_flops", "cloud_flops"):  # the server's work as planned
+            assert row[key] == pytest.approx(step["server"][key], rel=1e-6), key
 
 
 def test_a_device_silent_mid_phase_costs_one_deadline_and_the_loss_stays_exact(tmp_path):
@@ -116,3 +126,27 @@ def test_each_step_prices_every_device_it_sent_units_to():
     assert (rows[0]["flops"], rows[0]["bytes_down"], rows[0]["bytes_up"]) == (3e9, 150, 40)
     assert rows[0]["energy_j"] == pytest.approx(phone.wall_j) and rows[0]["co2_g"] == pytest.approx(phone.co2_g)
     assert rows[1]["energy_j"] == pytest.approx(price_work(catalog["laptop"], 6e9, 300, 90).wall_j)
+
+
+def test_a_units_run_killed_after_step_one_resumes_to_the_uninterrupted_curve(tmp_path):
+    """Killed (SIGKILL: the CLI, Ray and its workers) once step 1's checkpoint (target, AdamW moments) is written,
+    then resumed with `fedfusion run --resume`: steps 2 and 3 and the final evaluation are the uninterrupted run's
+    (float tolerance: with micro-batches in flight a tile's last bits may vary, see run.units.train_step)."""
+    extra = ["units.offload=all", "units.micro_batches=2"]
+    whole = tmp_path / "whole"
+    assert main(["run", "quickstart", *TINY, *extra, "--out", str(whole)]) == 0
+    out = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "fedfusion.cli", "run", "quickstart", *TINY, *extra, "--out", str(out)],
+                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    state, deadline = out / "checkpoint" / "state.json", time.monotonic() + 400
+    while proc.poll() is None and time.monotonic() < deadline and not state.is_file():
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert json.loads(state.read_text())["round"] == 1 and not (out / "summary.json").exists()
+    assert main(["run", "--resume", str(out)]) == 0
+    first, resumed = read_jsonl(whole / "metrics.jsonl"), read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3]
+    assert_same_curve(resumed, [r["train_loss"] for r in first[1:]])  # step for step, within float tolerance
+    assert abs(resumed[-1]["eval_loss"] - first[-1]["eval_loss"]) <= 1e-5 * first[-1]["eval_loss"]
+    assert json.loads((out / "summary.json").read_text())["status"] == "ok"

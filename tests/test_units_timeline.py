@@ -82,7 +82,8 @@ def test_weight_cache_cuts_bytes_and_is_invalidated_by_the_optimizer() -> None:
         engine.trace.clear()
         if len(down) == 2:
             opt.step()
-    assert down[1] < down[0] and down[2] == down[0]  # cached on the same weights, resent after the update
+    # cached on the same weights, resent after the update (the same bytes but the headers' longer phase numbers)
+    assert down[1] < down[0] and 0 <= down[2] - down[0] <= 100
     cached = simulate(phones(4), [llama_phases(**QUICKSTART, tokens=256, mode="all")] * 4)
     uncached = simulate(phones(4), [llama_phases(**QUICKSTART, tokens=256, mode="all")] * 4, cache_weights=False)
     assert cached.down_bytes.sum() < uncached.down_bytes.sum() and cached.step_s < uncached.step_s

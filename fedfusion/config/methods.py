@@ -69,7 +69,7 @@ METHODS: tuple[Method, ...] = (
            report_note="fedfusion.fusion.generative.report:NOTE", trained="fedfusion.fusion.generative.report:trained"),
     Method(MIXED, plan="fedfusion.run.planner:mixed_view", home="fedfusion.config.methods"),  # tiers: fusion.tiers
     Method(UNITS, roles=((UNITS, "fedfusion.clients.units"),), plan="fedfusion.run.planner:units_view", central=True,
-           home="fedfusion.units"),
+           server_device=UNITS, home="fedfusion.units"),  # units.server_device prices its server (fedfusion.units.ledger)
 )
 BY_NAME = {m.name: m for m in METHODS}
 FUSION_METHODS = tuple(BY_NAME)

@@ -27,6 +27,7 @@ from fedfusion.config.choices import (
     BUILTIN_DATASETS,
     CHOICES,
     DEFAULT_CLOUD,
+    DEFAULT_SERVER_DEVICE,
     FAMILY_MODEL_TYPES,
     FAMILY_TOKENIZERS,
     MIXABLE,
@@ -192,7 +193,7 @@ class DistillConfig:
     back_distill: bool = True  # the target teaches each family back (FedMKT)
     back_steps: int = 10
     back_lr: float = 1e-3
-    server_device: str = "cloud-a100"  # the catalog tier that prices the server's distillation work
+    server_device: str = DEFAULT_SERVER_DEVICE  # the catalog tier that prices the server's distillation work
     transfer: TransferConfig = field(default_factory=TransferConfig)
 
 
@@ -206,7 +207,7 @@ class GenerativeSection:
     server_steps: int = 30  # target training steps per round on every client's latest samples
     server_lr: float = 3e-3
     server_batch: int = 64
-    server_device: str = "cloud-a100"  # the catalog tier that prices the server's training
+    server_device: str = DEFAULT_SERVER_DEVICE  # the catalog tier that prices the server's training
 
 
 @dataclass
@@ -340,11 +341,16 @@ class UnitsSection:
     offload: str = "mlp"  # mlp (the MLP's linear layers) | all (every linear layer, lm_head included)
     steps: int = 3  # optimizer steps on the pooled training text
     micro_batches: int = 1  # each step's batch is cut into this many micro-batches (gradients summed)
+    # micro-batches in flight at once (0: all): each runs in its own thread, so a device's next message is already
+    # queued while it computes the current one (the server's time between phases no longer leaves it idle)
+    in_flight: int = 0
     deadline_factor: float = 3.0  # a device's deadline: this multiple of its message's predicted (virtual) time
     # the wall-clock floor of a device's deadline: the predicted times are the catalog device's, the real transport
     # (Flower's simulation engine sweeps each node's queue every 0.1 s) adds its own latency
     deadline_floor_s: float = 2.0
     verify: bool = True  # Freivalds' check on every product (a wrong tile is re-computed elsewhere)
+    # the catalog tier that prices the server's own compute, its checks and its traffic (fedfusion.units.ledger)
+    server_device: str = DEFAULT_SERVER_DEVICE
     eval_every: int = 0  # steps between central evaluations (0: only before the first and after the last step)
     # fault injection for tests and benchmarks: the node of this partition stops answering (sleeps stall_s before
     # it replies) after answering stall_after messages; -1: off
@@ -669,6 +675,8 @@ def _validate_units(recipe: Recipe) -> None:
         _positive(f"units.{key}", getattr(u, key))
     if u.eval_every < 0:
         raise RecipeError(f"units.eval_every: must be >= 0, got {u.eval_every}")
+    if u.in_flight < 0:
+        raise RecipeError(f"units.in_flight: must be >= 0 (0: every micro-batch), got {u.in_flight}")
     if recipe.fusion.method != UNITS:
         return
     if recipe.train.batch_size % u.micro_batches:

@@ -14,7 +14,7 @@ from importlib.util import find_spec
 from pathlib import Path
 
 from fedfusion.config.choices import BUILTIN_DATASETS, SMOLLM2_BASE, SMOLLM2_INSTALL, SMOLLM2_PACKAGE
-from fedfusion.config.methods import DISTILL, GENERATIVE, LORA
+from fedfusion.config.methods import DISTILL, LORA, METHODS
 from fedfusion.config.recipe import Recipe, RecipeError, load_recipe, uses
 from fedfusion.data.federated import is_local as is_local_dataset
 from fedfusion.data.federated import local_files
@@ -75,11 +75,10 @@ def _check_devices(recipe: Recipe) -> None:
         check_cloud(recipe.report.cloud, catalog)
     except ValueError as exc:
         raise RecipeError(f"report.{exc}") from None
-    if uses(recipe, DISTILL) and recipe.distill.server_device not in catalog:
-        raise RecipeError(f"distill.server_device: {recipe.distill.server_device!r} is not in the device catalog")
-    if uses(recipe, GENERATIVE) and recipe.generative.server_device not in catalog:
-        raise RecipeError(f"generative.server_device: unknown device {recipe.generative.server_device!r}; the catalog "
-                          f"has {known}")
+    for m in METHODS:  # the tier each server-side method prices its server's work on
+        server = getattr(recipe, m.server_device).server_device if m.server_device else None
+        if server is not None and uses(recipe, m.name) and server not in catalog:
+            raise RecipeError(f"{m.server_device}.server_device: unknown device {server!r}; the catalog has {known}")
     for tier in recipe.fusion.widths:
         if tier not in catalog:
             raise RecipeError(f"fusion.widths.{tier}: unknown device; the catalog has {known}")

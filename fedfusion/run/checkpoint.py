@@ -4,6 +4,7 @@ Layout inside the run directory::
 
     checkpoint/target.safetensors   the target's state after round ``round``
     checkpoint/state.json           {"round", "elapsed_s", "strategy": {...}}
+    checkpoint/tensors.safetensors  other state held as tensors (a units run's optimizer moments), if any
 
 Everything else a resumed run needs is either in the run directory already (``recipe.yaml``, the
 ``metrics.jsonl`` / ``clients.jsonl`` ledgers, cut back to ``round`` on resume) or derived from the
@@ -35,6 +36,25 @@ class Checkpoint:
     target: dict[str, torch.Tensor]
     elapsed_s: float = 0.0
     strategy: dict[str, Any] = field(default_factory=dict)
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def optimizer_state(opt: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """An optimizer's state split for a checkpoint: its parameter groups (JSON, for ``strategy``) and its
+    per-parameter tensors (for ``tensors``, keyed ``<parameter index>/<name>``; entries that are not tensors, such
+    as SGD's absent momentum, are left out and come back absent)."""
+    sd = opt.state_dict()
+    tensors = {f"{i}/{name}": v for i, s in sd["state"].items() for name, v in s.items() if isinstance(v, torch.Tensor)}
+    return {"param_groups": sd["param_groups"]}, tensors
+
+
+def load_optimizer_state(opt: torch.optim.Optimizer, groups: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    """Restore what :func:`optimizer_state` split."""
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for key, value in tensors.items():
+        index, name = key.split("/", 1)
+        state.setdefault(int(index), {})[name] = value
+    opt.load_state_dict({"state": state, "param_groups": groups["param_groups"]})
 
 
 def save_checkpoint(run_path: Path, ckpt: Checkpoint) -> None:
@@ -43,6 +63,8 @@ def save_checkpoint(run_path: Path, ckpt: Checkpoint) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     save_file({k: v.detach().contiguous() for k, v in ckpt.target.items()}, str(tmp / "target.safetensors"))
+    if ckpt.tensors:
+        save_file({k: v.detach().contiguous() for k, v in ckpt.tensors.items()}, str(tmp / "tensors.safetensors"))
     (tmp / "state.json").write_text(json.dumps(
         {"round": ckpt.round, "elapsed_s": ckpt.elapsed_s, "strategy": ckpt.strategy}))
     old = run_path / f"{DIR}.old"
@@ -62,5 +84,7 @@ def load_checkpoint(run_path: Path) -> Checkpoint:
         raise FileNotFoundError(f"{run_path}: no checkpoint to resume from (output.checkpoint_every=0, "
                                 "or the run stopped before its first checkpoint)")
     state = json.loads((ckpt_dir / "state.json").read_text())
+    tensors = ckpt_dir / "tensors.safetensors"
     return Checkpoint(round=int(state["round"]), target=load_file(str(ckpt_dir / "target.safetensors")),
-                      elapsed_s=float(state["elapsed_s"]), strategy=state["strategy"])
+                      elapsed_s=float(state["elapsed_s"]), strategy=state["strategy"],
+                      tensors=load_file(str(tensors)) if tensors.is_file() else {})

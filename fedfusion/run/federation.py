@@ -275,11 +275,9 @@ def run_federation(grid: Grid, recipe: Recipe, run: RunDir, on_round: RoundCallb
     ``status: interrupted``, the last completed round and the round a resume continues after.
     """
     if method(recipe.fusion.method).central:  # the exact mode: central training, linear layers on the nodes (issue 25)
-        if resume:
-            raise ValueError(f"fusion.method={recipe.fusion.method}: a run cannot be resumed (it writes no checkpoint); run it again")
         from fedfusion.run.units import run_units
 
-        return run_units(grid, recipe, run, on_round, stop)
+        return run_units(grid, recipe, run, on_round, stop, resume)
     started, earlier_s = time.perf_counter(), 0.0
     try:
         target = lora_target(recipe)[0] if recipe.fusion.method == LORA else lm_target(recipe)

@@ -493,32 +493,65 @@ def lora_plan_table(recipe: Recipe, base_config: PretrainedConfig, usable: float
 
 def units_plan(recipe: Recipe) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The exact (units) mode's step from the recipe's shape alone (``fedfusion.units.phases`` priced by the
-    timeline on the population's devices, no churn): the step's virtual seconds, its floor and phases, and per
-    tier the devices and their mean MB down / up and busy seconds per step."""
+    timeline on the population's devices, no churn, the server's own time between phases): the step's virtual
+    seconds, its floor and phases, the server's work and the same step on the cloud GPU
+    (:func:`fedfusion.units.ledger.price_server`, under ``server``), and per tier the devices, their mean units per
+    step, the largest unit (rows x columns x inner length), their mean MB down / up and busy seconds per step."""
     from fedfusion.data.population import data_spec, data_tokenizer, tier_list
     from fedfusion.units import from_catalog
-    from fedfusion.units.phases import llama_phases
+    from fedfusion.units.ledger import price_server, server_timeline
+    from fedfusion.units.phases import llama_phases, server_flops
+    from fedfusion.units.plan import CostModel, Tile, plan_phase
     from fedfusion.units.timeline import simulate
+    from fedfusion.units.verify import check_flops
 
-    m, u = recipe.model, recipe.units
+    m, u, seq = recipe.model, recipe.units, recipe.train.seq_len
     vocab = len(data_tokenizer(data_spec(recipe)))
-    tokens = recipe.train.batch_size // u.micro_batches * recipe.train.seq_len
-    phases = llama_phases(hidden=m.hidden_size, intermediate=m.intermediate_size, layers=m.num_layers,
-                          heads=m.num_heads, kv_heads=m.num_kv_heads, vocab=vocab, tokens=tokens, mode=u.offload)
+    tokens = recipe.train.batch_size // u.micro_batches * seq
+    shape: dict[str, Any] = dict(hidden=m.hidden_size, intermediate=m.intermediate_size, layers=m.num_layers,
+                                 heads=m.num_heads, kv_heads=m.num_kv_heads, vocab=vocab)
+    phases = llama_phases(**shape, tokens=tokens, mode=u.offload)
+    gemms = [g for shapes, _ in phases for g in shapes] * u.micro_batches
+    own = server_flops(**shape, tokens=tokens * u.micro_batches, seq=seq, params=param_count(recipe_target(recipe)),
+                       mode=u.offload, optimizer=recipe.train.optimizer)
+    verify = float(sum(check_flops(g.m, g.n, g.k) for g in gemms)) if u.verify else 0.0
     catalog = load_catalog(recipe.population.catalog)
+    server = catalog[u.server_device]
     tiers = tier_list(recipe)
     devices = [from_catalog(catalog[t], name=str(i)) for i, t in enumerate(tiers)]
-    timing = simulate(devices, [phases] * u.micro_batches, deadline_factor=u.deadline_factor)
+    gap_s, optimizer_s = server_timeline(server, own, verify, len(phases) * u.micro_batches)
+    timing = simulate(devices, [phases] * u.micro_batches, deadline_factor=u.deadline_factor, server_gap_s=gap_s,
+                      optimizer_s=optimizer_s, in_flight=u.in_flight)
+    priced = price_server(server, catalog[recipe.report.cloud], own, verify, int(timing.down_bytes.sum()),
+                          int(timing.up_bytes.sum()), float(sum(g.flops for g in gemms)))
+    cm = CostModel(devices)
+    units: list[list[Tile]] = [[] for _ in devices]  # the timeline's plans (no churn): each device's units
+    for shapes, _ in phases:
+        for tile in plan_phase(cm, list(range(len(devices))), shapes).tiles:
+            units[tile.device].append(tile)
     rows = []
     for tier in sorted(set(tiers)):
         idx = [i for i, t in enumerate(tiers) if t == tier]
         busy = [max(timing.down_busy_s[i], timing.up_busy_s[i], timing.compute_s[i]) for i in idx]
+        mine = [t for i in idx for t in units[i]]
+        big = max(mine, key=lambda t: t.flops, default=None)
         rows.append({"tier": tier, "devices": len(idx), "used": int(sum(timing.down_bytes[i] > 0 for i in idx)),
+                     "units/step": len(mine) * u.micro_batches / len(idx),
+                     "largest unit": f"{big.i1 - big.i0}x{big.j1 - big.j0}x{big.k1 - big.k0}" if big else "",
                      "MB down": float(sum(timing.down_bytes[i] for i in idx)) / len(idx) / 1e6,
                      "MB up": float(sum(timing.up_bytes[i] for i in idx)) / len(idx) / 1e6,
                      "busy s": sum(busy) / len(busy)})
+    s = priced.row()
+    rows += [{"tier": f"server ({server.name})", "devices": 1, "used": 1, "units/step": None, "largest unit": "",
+              "MB down": priced.ingress_bytes / 1e6,
+              "MB up": priced.egress_bytes / 1e6,
+              "busy s": float(s["server_compute_s"]) + float(s["server_verify_s"]) + float(s["server_comm_s"])},
+             {"tier": f"{priced.cloud} (the same step)", "devices": 1, "used": 1, "units/step": None, "largest unit": "",
+              "MB down": 0.0, "MB up": 0.0,
+              "busy s": priced.cloud_step.compute_s}]
     step = {"step_s": timing.step_s, "floor_s": timing.floor_s, "phases": len(phases) * u.micro_batches,
-            "steps": u.steps, "MB down": float(timing.down_bytes.sum()) / 1e6, "MB up": float(timing.up_bytes.sum()) / 1e6}
+            "steps": u.steps, "MB down": float(timing.down_bytes.sum()) / 1e6, "MB up": float(timing.up_bytes.sum()) / 1e6,
+            "server": s}
     return step, rows
 
 
@@ -595,11 +628,24 @@ def lora_view(recipe: Recipe) -> PlanView:
 
 
 def units_view(recipe: Recipe) -> PlanView:
-    """The units mode: per device tier and step what it moves and how long it is busy, and the step's time."""
+    """The units mode: per device tier and step what it moves and how long it is busy, the server's row and the
+    same step on the cloud GPU, and the step's time."""
     step, rows = units_plan(recipe)
-    note = (f"one step: {step['phases']} phases, {step['step_s']:.2f} virtual s (floor {step['floor_s']:.2f} "
-            f"s), {step['MB down']:.1f} MB down and {step['MB up']:.1f} MB up in all; {step['steps']} steps "
-            f"(fedfusion.units.timeline on the catalog's links, no churn)")
+    s = step["server"]
+    notes = (f"one step: {step['phases']} phases, {step['step_s']:.2f} virtual s (floor {step['floor_s']:.2f} "
+             f"s), {step['MB down']:.1f} MB down and {step['MB up']:.1f} MB up in all; {step['steps']} steps "
+             f"(fedfusion.units.timeline on the catalog's links, no churn, the server's time between phases)",
+             f"server ({s['server_device']}) per step: own compute {s['server_flops'] / 1e9:.3g} GFLOP (attention "
+             f"{s['server_attention_flops'] / 1e9:.3g}, element-wise {s['server_elementwise_flops'] / 1e9:.3g}, linear "
+             f"{s['server_linear_flops'] / 1e9:.3g}, optimizer {s['server_optimizer_flops'] / 1e9:.3g}) "
+             f"{s['server_compute_s']:.3g} s; checks {s['server_verify_flops'] / 1e9:.3g} GFLOP "
+             f"{s['server_verify_s']:.3g} s; egress {s['server_egress_bytes'] / 1e6:.1f} MB, ingress "
+             f"{s['server_ingress_bytes'] / 1e6:.1f} MB {s['server_comm_s']:.3g} s; {s['server_energy_j']:.3g} J "
+             f"(price_work on the catalog tier)",
+             f"the same step on {s['cloud_device']}: {s['cloud_flops'] / 1e9:.3g} GFLOP in "
+             f"{s['cloud_step_s']:.3g} s, {s['cloud_energy_j']:.3g} J; the units step takes "
+             f"{step['step_s'] / s['cloud_step_s']:.0f}x as long")
     return PlanView(f"plan for {recipe.name} ({UNITS}, offload={recipe.units.offload}: per device and step; the "
-                    f"target trains on the server)", rows, ("tier", "devices", "used", "MB down", "MB up", "busy s"),
-                    left=("tier",), width=120, notes=(note,), per_round=False)
+                    f"target trains on the server)", rows,
+                    ("tier", "devices", "used", "units/step", "largest unit", "MB down", "MB up", "busy s"),
+                    left=("tier", "largest unit"), width=140, notes=notes, per_round=False)

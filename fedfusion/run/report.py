@@ -371,6 +371,29 @@ def _participation_section(recipe: Any, clients: list[dict], summary: dict) -> l
     return lines
 
 
+def _units_server_section(rows: list[dict], summary: dict) -> list[str]:
+    """The units mode's server work per step (fedfusion.units.ledger: its compute, checks and traffic priced on its
+    catalog tier) and the same steps on the cloud GPU, against the step's virtual time through the devices."""
+    steps = [r for r in rows if r.get("cloud_step_s")]
+    if not steps:
+        return []
+    cols = ("step", "server_flops", "server_compute_s", "server_verify_flops", "server_verify_s", "server_egress_bytes",
+            "server_ingress_bytes", "server_comm_s", "server_energy_j", "cloud_step_s", "virtual_s")
+    lines = ["", f"## Server and cloud (units.server_device `{summary.get('server_device')}`, report.cloud "
+             f"`{summary.get('cloud_device')}`)", "",
+             "| " + " | ".join(cols) + " | units / cloud |", "|" + "---|" * (len(cols) + 1)]
+    lines += ["| " + " | ".join(_fmt(r.get(c)) for c in cols) + f" | {r['virtual_s'] / r['cloud_step_s']:.0f}x |"
+              for r in steps]
+    virtual, cloud = sum(r["virtual_s"] for r in steps), sum(r["cloud_step_s"] for r in steps)
+    devices_j = sum(r.get("energy_j", 0.0) - r.get("server_energy_j", 0.0) for r in steps)
+    lines += ["", f"Edge vs cloud: the same {len(steps)} steps (the devices' units, each once, and the server's own "
+              f"compute) take {cloud:.3g} s on {summary.get('cloud_device')} at the catalog's sustained rate, "
+              f"{summary.get('cloud_energy_j', 0.0):.3g} J; through the devices {virtual:.3g} virtual s "
+              f"({virtual / cloud:.0f}x), {devices_j:.3g} J on the devices and {summary.get('server_energy_j', 0.0):.3g} "
+              "J on the server (its compute, checks and traffic, priced with price_work)."]
+    return lines
+
+
 def units_report(run: Path, rows: list[dict], summary: dict, out: Path) -> Path:
     """report.md in ``out`` of a units-mode run (fedfusion.run.units): one line per optimizer step, what it moved
     and cost."""
@@ -391,6 +414,7 @@ def units_report(run: Path, rows: list[dict], summary: dict, out: Path) -> Path:
     for row in rows:
         cells = [_fmt(row.get(c)) for c in cols] + [str(len(row.get("missed", [])))]
         lines.append("| " + " | ".join(cells) + " |")
+    lines += _units_server_section(rows, summary)
     if summary.get("sample"):
         lines += ["", "Sample from the final target (top-k 10):", "", "```", summary["sample"], "```"]
     path = out / "report.md"

@@ -14,8 +14,10 @@ step's virtual seconds under the devices' links from :func:`fedfusion.units.time
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from logging import INFO
 from typing import Any
@@ -35,11 +37,14 @@ from fedfusion.data.population import client_windows, data_spec, write_partition
 from fedfusion.data.text import sample_batch
 from fedfusion.devices.catalog import Device, load_catalog
 from fedfusion.devices.energy import price_work
+from fedfusion.run.checkpoint import Checkpoint, load_checkpoint, load_optimizer_state, optimizer_state, save_checkpoint
 from fedfusion.run.report import write_report
-from fedfusion.run.run_dir import RunDir
+from fedfusion.run.run_dir import RunDir, read_jsonl
 from fedfusion.run.targets import lm_target
 from fedfusion.train.loop import lm_loss, make_optimizer
 from fedfusion.units import Freivalds, PhaseRecord, UnitDevice, UnitEngine, from_catalog, install
+from fedfusion.units.ledger import ServerStep, price_server, server_timeline
+from fedfusion.units.phases import server_flops
 from fedfusion.units.timeline import chains_from_trace, simulate
 from fedfusion.wire.specs import (
     UNITS_ACTION,
@@ -90,15 +95,17 @@ class GridTransport:
     poll_s: float = 0.01
     stall: dict[int, tuple[int, float]] = field(default_factory=dict)
     sent: dict[int, int] = field(default_factory=dict)  # messages sent per device
-    waits: list[PhaseWait] = field(default_factory=list)
+    waits: list[PhaseWait] = field(default_factory=list)  # one per call; calls overlap with micro-batches in flight
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def deadline(self, predicted_s: float) -> float:
         """A device's wall-clock deadline: the engine's, but never below the transport's own latency floor."""
         return max(self.floor_s, predicted_s)
 
     def message(self, dev: int, payload: bytes, deadline_s: float) -> Message:
-        count = self.sent.get(dev, 0)
-        self.sent[dev] = count + 1
+        with self._lock:  # one call per micro-batch in flight
+            count = self.sent.get(dev, 0)
+            self.sent[dev] = count + 1
         after, stall_s = self.stall.get(dev, (0, 0.0))
         spec = UnitsSpec(stall_s if dev in self.stall and count >= after else 0.0)
         content = RecordDict({UNITS_RECORD: ArrayRecord({UNITS_PAYLOAD: Array(np.frombuffer(payload, np.uint8))}),
@@ -192,20 +199,34 @@ def step_batches(recipe: Recipe, windows: torch.Tensor) -> Iterator[torch.Tensor
 
 
 def train_step(model: PreTrainedModel, opt: torch.optim.Optimizer, batch: torch.Tensor, micro_batches: int,
-               on_micro: Callable[[int], None] = lambda micro: None) -> float:
-    """One optimizer step on ``batch`` cut into ``micro_batches`` (the mean loss; gradients of the mean)."""
+               on_micro: Callable[[int], None] = lambda micro: None, in_flight: int = 1) -> float:
+    """One optimizer step on ``batch`` cut into ``micro_batches`` (the mean loss; gradients of the mean), ``in_flight``
+    of them at once (0: all), each in a thread of its own (``on_micro`` runs in it first). Each micro-batch's
+    gradients are summed in micro-batch order, as backward() would accumulate them one after the other, so the step
+    is the same however many run at once, up to float rounding (with several in flight the updated weights at times
+    differ in their last bits, the losses equal; the cause is not found yet)."""
     opt.zero_grad(set_to_none=True)
-    total = 0.0
-    for micro, part in enumerate(batch.chunk(micro_batches)):
+    parts = batch.chunk(micro_batches)
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def run(micro: int) -> tuple[float, tuple[torch.Tensor | None, ...]]:
         on_micro(micro)
-        loss, _ = lm_loss(model, part)
+        loss, _ = lm_loss(model, parts[micro])
         value = loss.item()
         if not math.isfinite(value):
             raise FloatingPointError(f"units training loss became {value}")
-        (loss * (len(part) / len(batch))).backward()
-        total += value * len(part) / len(batch)
+        share = len(parts[micro]) / len(batch)
+        return value * share, torch.autograd.grad(loss * share, params, allow_unused=True)
+
+    with ThreadPoolExecutor(len(parts) if in_flight <= 0 else min(in_flight, len(parts))) as pool:
+        done = list(pool.map(run, range(len(parts))))
+    for i, p in enumerate(params):
+        for _, grads in done:
+            g = grads[i]
+            if g is not None:
+                p.grad = g if p.grad is None else p.grad.add_(g)
     opt.step()
-    return total
+    return sum(value for value, _ in done)
 
 
 def price_step(step: int, trace: list[PhaseRecord], order: list[int], caps: dict[int, Caps],
@@ -227,6 +248,26 @@ def price_step(step: int, trace: list[PhaseRecord], order: list[int], caps: dict
     return rows
 
 
+def server_step(recipe: Recipe, model: PreTrainedModel, params: int, batch: torch.Tensor,
+                trace: list[PhaseRecord], catalog: dict[str, Device]) -> tuple[tuple[float, float], ServerStep]:
+    """The step's server work (``fedfusion.units.ledger``): its own compute from the model's shape, the FLOPs of
+    the checks it ran and the bytes it sent and received, priced on ``units.server_device``, with the same step on
+    ``report.cloud``; and the timeline's ``(server_gap_s, optimizer_s)``."""
+    c, u = model.config, recipe.units
+    seq = batch.shape[1] - 1  # lm_loss: a window's first seq tokens go in
+    own = server_flops(hidden=c.hidden_size, intermediate=c.intermediate_size, layers=c.num_hidden_layers,
+                       heads=c.num_attention_heads, kv_heads=c.num_key_value_heads, vocab=c.vocab_size,
+                       tokens=batch.shape[0] * seq, seq=seq, params=params, mode=u.offload,
+                       optimizer=recipe.train.optimizer)
+    verify = sum(rec.verify_flops for rec in trace)
+    server = catalog[u.server_device]
+    priced = price_server(server, catalog[recipe.report.cloud], own, verify,
+                          sum(sum(rec.down_bytes.values()) for rec in trace),
+                          sum(sum(rec.up_bytes.values()) for rec in trace),
+                          float(sum(g.flops for rec in trace for g in rec.shapes)))
+    return server_timeline(server, own, verify, len(trace)), priced
+
+
 def _worst_rel(trace: list[PhaseRecord], way: str) -> float:
     """The largest |measured - formula| / formula over the devices and phases of ``trace`` that ran without a
     re-dispatch (a re-dispatched unit travels twice; the formula prices one message per device)."""
@@ -241,20 +282,32 @@ def _worst_rel(trace: list[PhaseRecord], way: str) -> float:
     return worst
 
 
+@dataclass
+class Progress:
+    """How far a units run got: its last completed step and the step of its last checkpoint (what a resume
+    continues after)."""
+
+    last: int | None = None
+    saved: int | None = None
+
+
 def run_units(grid: Grid, recipe: Recipe, run: RunDir, on_round: Callable[[dict[str, Any]], None],
-              stop: Any = None) -> dict[str, Any]:
-    """Train the recipe's target for ``units.steps`` steps with its linear layers computed on ``grid``'s nodes."""
+              stop: Any = None, resume: bool = False) -> dict[str, Any]:
+    """Train the recipe's target for ``units.steps`` steps with its linear layers computed on ``grid``'s nodes;
+    with ``resume`` from the run's checkpoint (target, optimizer state, step: ``output.checkpoint_every``), so the
+    loss curve goes on as the uninterrupted run's."""
     from fedfusion.strategies.stop import RunInterrupted
 
-    started = time.perf_counter()
+    started, progress = time.perf_counter(), Progress()
     try:
-        return _run_units(grid, recipe, run, on_round, stop, started)
+        return _run_units(grid, recipe, run, on_round, stop, started, progress, resume)
     except RunInterrupted as exc:
         if exc.failure is not None:  # what runs the clients died
             run.write_summary({"status": "failed", "error": exc.failure, "wall_s": time.perf_counter() - started})
             raise RuntimeError(exc.failure) from exc
-        summary = {"status": "interrupted", "name": recipe.name, "rounds": recipe.units.steps, "last_round": None,
-                   "resume_after": None, "wall_s": time.perf_counter() - started}
+        summary = {"status": "interrupted", "name": recipe.name, "rounds": recipe.units.steps,
+                   "last_round": progress.last, "resume_after": progress.saved,
+                   "wall_s": time.perf_counter() - started}
         run.write_summary(summary)
         return summary
     except BaseException as exc:
@@ -264,8 +317,9 @@ def run_units(grid: Grid, recipe: Recipe, run: RunDir, on_round: Callable[[dict[
 
 
 def _run_units(grid: Grid, recipe: Recipe, run: RunDir, on_round: Callable[[dict[str, Any]], None], stop: Any,
-               started: float) -> dict[str, Any]:
+               started: float, progress: Progress, resume: bool) -> dict[str, Any]:
     u = recipe.units
+    ckpt = load_checkpoint(run.path) if resume else None
     if stop is not None:  # Ctrl-C (or a dead engine) ends the run at the next Grid call
         from fedfusion.strategies.stop import StopGrid
 
@@ -277,7 +331,8 @@ def _run_units(grid: Grid, recipe: Recipe, run: RunDir, on_round: Callable[[dict
     nodes = wait_for_nodes(grid, recipe.population.num_clients)
     caps = query_nodes(grid, recipe, nodes)
     order = sorted(nodes, key=lambda n: caps[n].partition)  # device index = partition: seeded, run after run
-    run.log_nodes([{"round": 0, "node": n, **caps[n].to_config()} for n in order])
+    # a resumed run's nodes are new (their ids change with the federation): logged at the step it resumes after
+    run.log_nodes([{"round": ckpt.round if ckpt else 0, "node": n, **caps[n].to_config()} for n in order])
     catalog = load_catalog(recipe.population.catalog)
     devices: list[UnitDevice] = [from_catalog(catalog[caps[n].device], name=str(n)) for n in order]
     stall = {}
@@ -287,6 +342,13 @@ def _run_units(grid: Grid, recipe: Recipe, run: RunDir, on_round: Callable[[dict
     engine = UnitEngine(devices, transport=transport, deadline_factor=u.deadline_factor,
                         verifier=Freivalds(seed=recipe.seed) if u.verify else None)
     opt = make_optimizer(model, recipe.train.optimizer, recipe.train.lr, recipe.train.weight_decay)
+    earlier_s = 0.0
+    if ckpt is not None:
+        model.load_state_dict(ckpt.target)
+        load_optimizer_state(opt, ckpt.strategy, ckpt.tensors)
+        run.cut_ledgers(ckpt.round)
+        progress.last = progress.saved = ckpt.round
+        earlier_s = ckpt.elapsed_s
     log(INFO, "units mode: %d devices (%s), offload=%s, %d steps", len(devices),
         ", ".join(f"{t}={sum(caps[n].device == t for n in order)}" for t in sorted({c.device for c in caps.values()})),
         u.offload, u.steps)
@@ -296,24 +358,30 @@ def _run_units(grid: Grid, recipe: Recipe, run: RunDir, on_round: Callable[[dict
         model.train()
         return scores
 
-    first = evaluate()
-    rows: list[dict[str, Any]] = [{"round": 0, "step": 0, **first, "train_loss": None, "bytes_down": 0, "bytes_up": 0,
-                                   "virtual_s": 0.0, "wall_s": time.perf_counter() - started, "clients_ok": 0,
-                                   "clients_failed": 0}]
-    run.log_round(rows[0])
-    on_round(rows[0])
+    if ckpt is not None:  # the steps up to the checkpoint are in the ledger already
+        rows = read_jsonl(run.path / "metrics.jsonl")
+    else:
+        rows = [{"round": 0, "step": 0, **evaluate(), "train_loss": None, "bytes_down": 0, "bytes_up": 0,
+                 "virtual_s": 0.0, "wall_s": time.perf_counter() - started, "clients_ok": 0, "clients_failed": 0}]
+        run.log_round(rows[0])
+        on_round(rows[0])
+    first = rows[0]
     handle = install(model, engine, u.offload)
     last = time.perf_counter()
     for step, batch in enumerate(step_batches(recipe, windows), start=1):
+        if step <= (progress.saved or 0):  # drawn all the same: the batches after it are the uninterrupted run's
+            continue
         traced, waits = len(engine.trace), len(transport.waits)
         offline_before = set(engine.offline)
 
         def on_micro(micro: int) -> None:
             engine.chain = micro
 
-        loss = train_step(model, opt, batch, u.micro_batches, on_micro)
+        loss = train_step(model, opt, batch, u.micro_batches, on_micro, u.in_flight)
         trace = engine.trace[traced:]
-        timing = simulate(devices, chains_from_trace(trace), deadline_factor=u.deadline_factor) if trace else None
+        gaps, server = server_step(recipe, model, target.params, batch, trace, catalog)
+        timing = simulate(devices, chains_from_trace(trace), deadline_factor=u.deadline_factor,
+                          server_gap_s=gaps[0], optimizer_s=gaps[1], in_flight=u.in_flight) if trace else None
         used = {d for rec in trace for d in rec.down_bytes}
         scores: dict[str, float] = {}
         if step == u.steps or (u.eval_every and step % u.eval_every == 0):
@@ -334,17 +402,27 @@ def _run_units(grid: Grid, recipe: Recipe, run: RunDir, on_round: Callable[[dict
             "clients_ok": len(used - engine.offline), "clients_failed": len(engine.offline - offline_before),
             "offline": sorted(engine.offline), "server_fallback": engine.server_fallback,
             "verify_s": sum(rec.verify_s for rec in trace),
-            "energy_j": sum(r["energy_j"] for r in ledger), "co2_g": sum(r["co2_g"] for r in ledger),
+            # the devices' work (clients.jsonl) and the server's own (fedfusion.units.ledger), as fusion rounds add them
+            **server.row(),
+            "energy_j": sum(r["energy_j"] for r in ledger) + server.energy_j,
+            "co2_g": sum(r["co2_g"] for r in ledger) + server.co2_g,
             # measured bytes per device per phase against the closed form (messages.formula_bytes), worst case
             "formula_rel_down": _worst_rel(trace, "down"), "formula_rel_up": _worst_rel(trace, "up"),
             "missed": [{"waited_s": w.waited_s, "deadline_s": w.deadline_s, "devices": w.missed}
                        for w in step_waits if w.missed],
             "transport_s": sum(w.waited_s for w in step_waits),
-            "wall_s": now - last, "elapsed_s": now - started,
+            "wall_s": now - last, "elapsed_s": earlier_s + now - started,
         }
         last = now
         rows.append(row)
         run.log_round(row)
+        progress.last = step
+        if recipe.output.checkpoint_every and step % recipe.output.checkpoint_every == 0:
+            groups, moments = optimizer_state(opt)
+            save_checkpoint(run.path, Checkpoint(
+                round=step, target={k: v.detach().clone() for k, v in model.state_dict().items()},
+                elapsed_s=row["elapsed_s"], strategy=groups, tensors=moments))
+            progress.saved = step
         on_round(row)
     handle.remove()
     if recipe.output.save_model:
@@ -360,7 +438,10 @@ def _run_units(grid: Grid, recipe: Recipe, run: RunDir, on_round: Callable[[dict
         "bytes_down": sum(r["bytes_down"] for r in rows), "bytes_up": sum(r["bytes_up"] for r in rows),
         "virtual_s": sum(r["virtual_s"] for r in rows), "offline": sorted(engine.offline),
         "energy_j": sum(r.get("energy_j", 0.0) for r in rows), "co2_g": sum(r.get("co2_g", 0.0) for r in rows),
-        "server_fallback": engine.server_fallback, "wall_s": time.perf_counter() - started,
+        "server_device": u.server_device, "cloud_device": recipe.report.cloud,
+        **{k: sum(r[k] for r in rows[1:]) for k in ("server_energy_j", "server_co2_g", "cloud_step_s", "cloud_energy_j",
+                                                    "cloud_co2_g")},
+        "server_fallback": engine.server_fallback, "wall_s": earlier_s + time.perf_counter() - started,
         "sample": target.sample(),
     }
     run.write_summary(summary)

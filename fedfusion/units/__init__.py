@@ -8,7 +8,8 @@ Modules: ``devices`` (``UnitDevice``: memory, FLOP/s, link rates, latency; ``fro
 and planner), ``messages`` (wire format, the device side ``compute_units``/``DeviceRuntime``, the byte formula),
 ``verify`` (Freivalds' check, strikes), ``engine`` (``UnitEngine``: plan, dispatch, verify, re-dispatch,
 assemble), ``hooks`` (``install`` on a Hugging Face Llama), ``phases`` (a step's phases from the shape alone),
-``timeline`` (virtual step time under links, micro-batches and churn), ``workers`` (emulated faulty devices).
+``timeline`` (virtual step time under links, micro-batches and churn), ``ledger`` (the server's compute, checks and
+traffic priced with ``price_work``, and the same step on a cloud GPU), ``workers`` (emulated faulty devices).
 
 README -- the API the Flower layer calls
 -----------------------------------------
@@ -31,9 +32,10 @@ device (``Grid.push_messages``; content e.g. ``ConfigRecord({"units": payload})`
 came by the deadline (the device is taken offline and its units re-dispatched; a later reply is dropped) or
 ``b""`` for an error reply (e.g. the device lost its weight cache: no strike, its units go elsewhere and its
 weights are sent in full next time). Everything else -- which device gets which tile, verification, strikes,
-re-dispatch, first-valid-wins, assembly -- stays in the engine. To keep devices busy the transport may queue the
-next phase's message early; several micro-batches in flight need the engine called from one thread per chain
-(not done here: the timeline models it).
+re-dispatch, first-valid-wins, assembly -- stays in the engine. To keep devices busy, call the engine from one
+thread per micro-batch (``engine.chain`` is per thread; ``fedfusion.run.units.train_step`` does): a thread's
+phase releases the engine's lock while its transport waits, so the other micro-batches' messages are queued on
+the devices meanwhile (Flower's ``Grid.push_messages`` keeps them all in flight).
 
 A message to a device (``messages.encode_units``): a 4-byte header length, a JSON header
 ``{"phase": p, "units": [[uid, a_key, a_transposed, b_key, b_transposed], ...],

@@ -9,6 +9,8 @@ price the step under links, micro-batches and churn.
 
 from __future__ import annotations
 
+import itertools
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -57,6 +59,7 @@ class PhaseRecord:
     redispatched: int = 0
     failed_devices: list[int] = field(default_factory=list)
     verify_s: float = 0.0  # CPU seconds of the server's checks
+    verify_flops: float = 0.0  # their FLOPs (``verify.check_flops`` per product or tile checked)
     server_s: float = 0.0  # wall seconds of the server's side of the phase (plan, encode, decode, check, assemble)
 
 
@@ -71,7 +74,6 @@ class UnitEngine:
     layouts: tuple[str, ...] = LAYOUTS
     max_groups: int | None = None
     record: bool = True
-    chain: int = 0  # the micro-batch the next phases belong to (set by the training loop)
     offline: set[int] = field(default_factory=set)
     trace: list[PhaseRecord] = field(default_factory=list)
     server_fallback: int = 0  # tiles the server computed itself because no device was left
@@ -80,6 +82,19 @@ class UnitEngine:
     transport: Transport | None = None  # how messages travel (default: in process, through ``workers``)
     deadline_factor: float = 3.0  # a device's deadline: this multiple of its message's predicted time
     _models: dict[int, CostModel] = field(default_factory=dict)
+    # several micro-batches in flight: one thread each, its own chain; the lock guards everything but the transport
+    _local: threading.local = field(default_factory=threading.local, repr=False)
+    _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
+    _phase_ids: itertools.count = field(default_factory=itertools.count, repr=False)
+
+    @property
+    def chain(self) -> int:
+        """The micro-batch the calling thread's next phases belong to (set by the training loop, per thread)."""
+        return int(getattr(self._local, "chain", 0))
+
+    @chain.setter
+    def chain(self, value: int) -> None:
+        self._local.chain = value
 
     def __post_init__(self) -> None:
         if self.workers is None:
@@ -106,65 +121,70 @@ class UnitEngine:
         (Freivalds on the whole product); a GEMM that fails has its tiles checked one by one, the culprits'
         devices get a strike and their tiles are re-dispatched to another device (first valid result wins).
         """
-        start, worker_s = time.perf_counter(), 0.0
-        elem = gemms[0].a.base.element_size()
-        cm = self.cost_model(elem)
-        shapes = [g.shape for g in gemms]
-        if not self.live():  # every device offline or blocked: the server computes the phase itself
-            self.server_fallback += len(gemms)
-            return [g.a.logical() @ g.b.logical() for g in gemms]
-        plan = plan_phase(cm, self.live(), shapes, self.layouts, self.max_groups)
-        rec = PhaseRecord(self.chain, shapes, [spec(g) for g in gemms], plan)
-        tiles = list(plan.tiles)
-        results: dict[int, torch.Tensor] = {}
-        pending = set(range(len(tiles)))
-        tried: dict[int, set[int]] = {uid: set() for uid in pending}
-        first = True
-        while True:
-            while pending:
-                for uid in [u for u in pending if tiles[u].device < 0]:  # no device left: the server does it
-                    a, b = gemms[tiles[uid].gemm].blocks(tiles[uid])
-                    results[uid] = a @ b
-                    self.server_fallback += 1
-                    pending.discard(uid)
+        with self._lock:  # released only while the transport waits for the devices
+            start, worker_s = time.perf_counter(), 0.0
+            elem = gemms[0].a.base.element_size()
+            cm = self.cost_model(elem)
+            shapes = [g.shape for g in gemms]
+            if not self.live():  # every device offline or blocked: the server computes the phase itself
+                self.server_fallback += len(gemms)
+                return [g.a.logical() @ g.b.logical() for g in gemms]
+            plan = plan_phase(cm, self.live(), shapes, self.layouts, self.max_groups)
+            rec = PhaseRecord(self.chain, shapes, [spec(g) for g in gemms], plan)
+            phase_id = next(self._phase_ids)
+            tiles = list(plan.tiles)
+            results: dict[int, torch.Tensor] = {}
+            pending = set(range(len(tiles)))
+            tried: dict[int, set[int]] = {uid: set() for uid in pending}
+            first = True
+            while True:
+                while pending:
+                    for uid in [u for u in pending if tiles[u].device < 0]:  # no device left: the server does it
+                        a, b = gemms[tiles[uid].gemm].blocks(tiles[uid])
+                        results[uid] = a @ b
+                        self.server_fallback += 1
+                        pending.discard(uid)
+                    if not pending:
+                        break
+                    worker_s += self._dispatch(gemms, tiles, pending, tried, results, rec, elem, first, phase_id)
+                    first = False
+                    for uid in pending:
+                        tiles[uid] = self._reassign(cm, tiles[uid], tried[uid], plan.tiles)
+                        rec.redispatched += 1
+                outs = self._assemble(gemms, tiles, results)
+                if self.verifier is None:
+                    break
+                v0 = time.thread_time()  # CPU seconds of the check (wall time on shared cores is noise)
+                for gi, (g, c) in enumerate(zip(gemms, outs)):
+                    rec.verify_flops += self.verifier.flops(g.a.logical(), g.b.logical())
+                    if self.verifier.check(g.a.logical(), g.b.logical(), c):
+                        continue
+                    mine = [(u, g.blocks(t)) for u, t in enumerate(tiles) if t.gemm == gi]
+                    rec.verify_flops += sum(self.verifier.flops(*ab) for _, ab in mine)
+                    culprits = [u for u, ab in mine if not self.verifier.check(*ab, results[u])]
+                    for uid in culprits:
+                        self.strikes.strike(tiles[uid].device)
+                        rec.failed_devices.append(tiles[uid].device)
+                        del results[uid]
+                        pending.add(uid)
+                    if not culprits:  # wrong as a whole, no tile caught alone: the server computes this GEMM
+                        outs[gi] = g.a.logical() @ g.b.logical()
+                        self.server_fallback += 1
+                rec.verify_s += time.thread_time() - v0
                 if not pending:
                     break
-                worker_s += self._dispatch(gemms, tiles, pending, tried, results, rec, elem, first)
-                first = False
                 for uid in pending:
                     tiles[uid] = self._reassign(cm, tiles[uid], tried[uid], plan.tiles)
                     rec.redispatched += 1
-            outs = self._assemble(gemms, tiles, results)
-            if self.verifier is None:
-                break
-            v0 = time.thread_time()  # CPU seconds of the check (wall time on shared cores is noise)
-            for gi, (g, c) in enumerate(zip(gemms, outs)):
-                if self.verifier.check(g.a.logical(), g.b.logical(), c):
-                    continue
-                culprits = [u for u, t in enumerate(tiles) if t.gemm == gi
-                            and not self.verifier.check(*g.blocks(t), results[u])]
-                for uid in culprits:
-                    self.strikes.strike(tiles[uid].device)
-                    rec.failed_devices.append(tiles[uid].device)
-                    del results[uid]
-                    pending.add(uid)
-                if not culprits:  # wrong as a whole, no tile caught alone: the server computes this GEMM
-                    outs[gi] = g.a.logical() @ g.b.logical()
-                    self.server_fallback += 1
-            rec.verify_s += time.thread_time() - v0
-            if not pending:
-                break
-            for uid in pending:
-                tiles[uid] = self._reassign(cm, tiles[uid], tried[uid], plan.tiles)
-                rec.redispatched += 1
-        rec.server_s = time.perf_counter() - start - worker_s
-        if self.record:
-            self.trace.append(rec)
-        return outs
+            rec.server_s = time.perf_counter() - start - worker_s
+            if self.record:
+                self.trace.append(rec)
+            return outs
 
     def _dispatch(self, gemms: list[Gemm], tiles: list[Tile], pending: set[int], tried: dict[int, set[int]],
-                  results: dict[int, torch.Tensor], rec: PhaseRecord, elem: int, first: bool) -> float:
-        """One message per device with its pending units; collect well-formed replies. Returns transport seconds."""
+                  results: dict[int, torch.Tensor], rec: PhaseRecord, elem: int, first: bool, phase_id: int) -> float:
+        """One message per device with its pending units; collect well-formed replies. Returns the seconds the
+        transport took (the lock released meanwhile, so other micro-batches' phases go on)."""
         by_dev: dict[int, list[int]] = {}
         for uid in sorted(pending):
             by_dev.setdefault(tiles[uid].device, []).append(uid)
@@ -178,7 +198,7 @@ class UnitEngine:
                 versions = {op.key: op.version for g in gemms for op in (g.a, g.b)}
                 rec.formula_down[dev], rec.formula_up[dev] = formula_bytes(
                     [u[2] for u in units], rec.specs, elem, None if held is None else set(held), versions)
-            payloads[dev] = encode_units(len(self.trace), units, held)
+            payloads[dev] = encode_units(phase_id, units, held)
             rec.down_bytes[dev] = rec.down_bytes.get(dev, 0) + len(payloads[dev])
             down, flops, up = tile_loads([u[2] for u in units], len(self.devices))
             rec.flops[dev] = rec.flops.get(dev, 0.0) + float(flops[dev])
@@ -186,7 +206,11 @@ class UnitEngine:
             for uid in uids:
                 tried[uid].add(dev)
         t0 = time.perf_counter()
-        replies = self.transport(payloads, deadlines)  # type: ignore[misc]
+        self._lock.release()
+        try:
+            replies = self.transport(payloads, deadlines)  # type: ignore[misc]
+        finally:
+            self._lock.acquire()
         worker_s = time.perf_counter() - t0
         for dev, uids in by_dev.items():
             reply = replies.get(dev)

@@ -8,7 +8,9 @@ Each device has three FIFO resources: its downlink, its processor and its uplink
 
 so a device can receive micro-batch 2's operands while it computes micro-batch 1's and sends back micro-batch
 0's. Micro-batches are independent chains of dependent phases (a phase is issued when the previous phase of
-its chain is back, plus the server's own time between phases), processed in order of issue time.
+its chain is back, plus the server's own time between phases), processed in order of issue time. ``in_flight``
+chains run at once (the scheduler keeps that many micro-batches' messages queued, the engine one thread each);
+the next starts when one ends. A device's idle gap is the time its processor waits between two messages.
 
 Churn: a device killed at ``Kill.at_s`` never answers a message whose reply was due after that. The server
 notices at the message's deadline, ``issue + deadline_factor * (predicted reply - issue)``, drops the device
@@ -54,6 +56,7 @@ class StepTiming:
     redispatched: int = 0
     detected: dict[int, float] = field(default_factory=dict)
     phase_deadlines: list[tuple[float, float]] = field(default_factory=list)  # (issue, deadline) of each phase
+    idle_gap_s: np.ndarray = field(default_factory=lambda: np.zeros(0))  # per device: waits between its messages
 
     @property
     def link_utilisation(self) -> float:
@@ -75,14 +78,20 @@ class _Links:
         self.down_bytes, self.up_bytes = np.zeros(n), np.zeros(n)
         self.down_busy, self.up_busy, self.compute = np.zeros(n), np.zeros(n), np.zeros(n)
         self.overhead = np.zeros(n)  # per-message fixed costs, serialised with the downlink
+        self.messages = np.zeros(n, dtype=np.int64)
+        self.idle_gap = np.zeros(n)  # processor seconds waiting between a message's compute and the next's
 
     def reply_at(self, d: int, t: float, down_b: float, flops: float, up_b: float, book: bool) -> float:
         """When a message issued at ``t`` would be back; ``book`` reserves the resources."""
         dev = self.devices[d]
         down_end = max(t, self.down_free[d]) + dev.overhead_s + down_b / dev.down_bps
-        comp_end = max(down_end + dev.rtt_s / 2, self.cpu_free[d]) + flops / dev.flops
+        comp_start = max(down_end + dev.rtt_s / 2, self.cpu_free[d])
+        comp_end = comp_start + flops / dev.flops
         up_end = max(comp_end, self.up_free[d]) + up_b / dev.up_bps
         if book:
+            if self.messages[d]:
+                self.idle_gap[d] += comp_start - self.cpu_free[d]
+            self.messages[d] += 1
             self.down_free[d], self.cpu_free[d], self.up_free[d] = down_end, comp_end, up_end
             self.down_bytes[d] += down_b
             self.up_bytes[d] += up_b
@@ -111,8 +120,8 @@ def chains_from_trace(trace: list[PhaseRecord]) -> list[list[Phase]]:
 def simulate(devices: list[UnitDevice], chains: list[list[Phase]], *, elem_bytes: int = 4, server_gap_s: float = 0.0,
              optimizer_s: float = 0.0, kills: tuple[Kill, ...] = (), deadline_factor: float = 3.0,
              layouts: tuple[str, ...] = LAYOUTS, max_groups: int | None = None,
-             cache_weights: bool = True, resident_weights: bool = False) -> StepTiming:
-    """Virtual time of one step whose micro-batches are ``chains`` (all in flight from time 0); with
+             cache_weights: bool = True, resident_weights: bool = False, in_flight: int = 0) -> StepTiming:
+    """Virtual time of one step whose micro-batches are ``chains``, ``in_flight`` at once (0: all, from time 0); with
     ``cache_weights`` a device receives each weight block once per step (``messages.DeviceRuntime``), with
     ``resident_weights`` never (a frozen base cached on the devices by earlier steps)."""
     cm = CostModel(devices, elem_bytes)
@@ -121,7 +130,8 @@ def simulate(devices: list[UnitDevice], chains: list[list[Phase]], *, elem_bytes
     known_dead: dict[int, float] = {}
     held: dict[int, set[str]] = {}
     plans: dict[tuple[object, ...], PhasePlan] = {}
-    heap = [(0.0, c, 0) for c in range(len(chains))]
+    running = len(chains) if in_flight <= 0 else min(in_flight, len(chains))
+    heap = [(0.0, c, 0) for c in range(running)]
     ends, redispatched, deadlines = [0.0], 0, []
     while heap:
         t, c, p = heapq.heappop(heap)
@@ -163,9 +173,13 @@ def simulate(devices: list[UnitDevice], chains: list[list[Phase]], *, elem_bytes
             heapq.heappush(heap, (done + server_gap_s, c, p + 1))
         else:
             ends.append(done)
+            if running < len(chains):  # the next micro-batch takes the finished one's place
+                heapq.heappush(heap, (done + server_gap_s, running, 0))
+                running += 1
     step = max(ends) + optimizer_s
     rtt = min(dev.rtt_s + dev.overhead_s for dev in devices)
     phases = max(len(ch) for ch in chains)
     busy = np.maximum(np.maximum(links.down_busy + links.overhead, links.up_busy), links.compute)
     return StepTiming(step, float(busy.max()) + phases * rtt, phases, links.down_bytes, links.up_bytes,
-                      links.down_busy, links.up_busy, links.compute, redispatched, known_dead, deadlines)
+                      links.down_busy, links.up_busy, links.compute, redispatched, known_dead, deadlines,
+                      links.idle_gap)

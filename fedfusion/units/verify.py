@@ -28,6 +28,13 @@ import math
 
 import torch
 
+VECTORS = 2  # secret vectors per check: a wrong entry escapes with probability at most 2^-VECTORS
+
+
+def check_flops(m: int, n: int, k: int, vectors: int = VECTORS) -> int:
+    """FLOPs of one check of a product ``C (m x n) = A (m x k) @ B (k x n)``: the module's cost formula."""
+    return (vectors + 1) * 2 * (m * k + k * n + m * n)
+
 
 def unit_roundoff(dtype: torch.dtype) -> float:
     """Half the machine epsilon of ``dtype``."""
@@ -39,12 +46,17 @@ class Freivalds:
 
     R_MAX = 2.0
 
-    def __init__(self, vectors: int = 2, safety: float = 4.0, seed: int | None = None) -> None:
+    def __init__(self, vectors: int = VECTORS, safety: float = 4.0, seed: int | None = None) -> None:
         if vectors < 1:
             raise ValueError("vectors must be >= 1")
         self.vectors = vectors
         self.safety = safety
         self.gen = torch.Generator().manual_seed(seed if seed is not None else torch.seed())
+
+    def flops(self, a: torch.Tensor, b: torch.Tensor) -> int:
+        """What checking ``a @ b`` costs (:func:`check_flops`)."""
+        (m, k), n = a.shape, b.shape[1]
+        return check_flops(m, n, k, self.vectors)
 
     def tolerance(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """Per-row tolerance of the check of ``a @ b`` (in the operands' dtype)."""

@@ -1,0 +1,99 @@
+"""The units mode with its micro-batches one at a time against all in flight (``units.in_flight``): how long a
+device's processor waits between its messages, and the step's time.
+
+    python benchmarks/units_inflight.py [--flower] [--out benchmarks/results]
+
+Timeline (``fedfusion.units.timeline``, no Flower): the quickstart target (hidden 128, 4 layers, every linear layer
+offloaded), a batch of 4 x 256 tokens as 4 micro-batches, 8 phones (``tests/test_units_timeline.phones``: 0.5-1.5
+TFLOP/s, 5-10 MB/s down, 2-6 MB/s up, 50 ms RTT) and 20 ms of server time between phases; ``in_flight`` 1, 2 and 4.
+With ``--flower`` also ``fedfusion run units units.steps=3 units.in_flight=N`` (recipes/units.yaml: 8 simulated
+nodes, 2 micro-batches) for N = 1 and 0 (all): per step the loss, virtual and wall seconds. Writes
+``units_inflight.json`` and ``units_inflight.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from fedfusion.run.run_dir import read_jsonl
+from fedfusion.units import UnitDevice
+from fedfusion.units.phases import llama_phases
+from fedfusion.units.timeline import simulate
+
+RESULTS = Path(__file__).resolve().parent / "results"
+QUICKSTART = dict(hidden=128, intermediate=512, layers=4, heads=8, kv_heads=8, vocab=100)
+GAP_S = 0.02
+
+
+def phones(n: int) -> list[UnitDevice]:
+    """The phones of tests/test_units_timeline.py (speeds and links vary up to 3x)."""
+    return [UnitDevice(f"p{i}", 4e9, 0.5e12 * (1 + i % 3), 10e6 / (1 + i % 2), 2e6 * (1 + i % 3), rtt_s=0.05)
+            for i in range(n)]
+
+
+def timeline() -> list[dict]:
+    chains = [llama_phases(**QUICKSTART, tokens=256, mode="all")] * 4
+    rows = []
+    for in_flight in (1, 2, 4):
+        t = simulate(phones(8), chains, server_gap_s=GAP_S, in_flight=in_flight)
+        used = t.down_bytes > 0
+        rows.append({"in_flight": in_flight, "step_s": t.step_s, "idle_gap_mean_s": float(np.mean(t.idle_gap_s[used])),
+                     "idle_gap_max_s": float(np.max(t.idle_gap_s[used])), "compute_mean_s": float(np.mean(t.compute_s[used])),
+                     "link_utilisation": t.link_utilisation})
+    return rows
+
+
+def flower() -> list[dict]:
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for in_flight in (1, 0):
+            out = Path(tmp) / f"in_flight{in_flight}"
+            subprocess.run([sys.executable, "-m", "fedfusion.cli", "run", "units", "units.steps=3",
+                            f"units.in_flight={in_flight}", "--out", str(out)], check=True, capture_output=True)
+            for r in read_jsonl(out / "metrics.jsonl")[1:]:
+                rows.append({"in_flight": in_flight, "step": r["step"], "train_loss": r["train_loss"],
+                             "virtual_s": r["virtual_s"], "wall_s": r["wall_s"]})
+    return rows
+
+
+def markdown(data: dict) -> str:
+    lines = ["# units mode: micro-batches one at a time vs in flight", "", f"Command: `{data['command']}`.", "",
+             "Timeline: quickstart target, every linear layer, 4 micro-batches of 256 tokens, 8 phones, "
+             f"{GAP_S * 1e3:.0f} ms of server time between phases. Idle gap: the seconds a device's processor waits "
+             "between two of its messages (its downlink time included).", "",
+             "| in flight | step (s) | mean idle gap (s) | max idle gap (s) | mean compute (s) | link util. |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {r['in_flight']} | {r['step_s']:.2f} | {r['idle_gap_mean_s']:.2f} | {r['idle_gap_max_s']:.2f} | "
+              f"{r['compute_mean_s']:.3f} | {r['link_utilisation']:.2f} |" for r in data["timeline"]]
+    if data.get("flower"):
+        lines += ["", "Flower (`fedfusion run units units.steps=3 units.in_flight=N`, 8 simulated nodes, 2 micro-batches; "
+                  "wall seconds on this machine's shared cores; in_flight 0 = all):", "",
+                  "| in_flight | step | train loss | virtual (s) | wall (s) |", "|---|---|---|---|---|"]
+        lines += [f"| {r['in_flight']} | {r['step']} | {r['train_loss']:.6f} | {r['virtual_s']:.2f} | {r['wall_s']:.1f} |"
+                  for r in data["flower"]]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--flower", action="store_true", help="also run the units recipe on Flower (minutes)")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    data = {"command": "python benchmarks/units_inflight.py" + (" --flower" if args.flower else ""),
+            "timeline": timeline(), "flower": flower() if args.flower else []}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "units_inflight.json").write_text(json.dumps(data, indent=1))
+    (args.out / "units_inflight.md").write_text(markdown(data))
+    print(markdown(data))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,88 @@
+"""Early queueing (issue 25, Build 3): several micro-batches in flight, one thread each, so a device's next
+message is queued while it computes the current one. The step stays the same (float32: relative 1e-5 per tensor,
+as tests/test_units_exact.py), the engine has several messages out at once, and in virtual time each device idles
+less between its messages."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from fedfusion.run.units import train_step
+from fedfusion.units import UnitEngine, in_process, install
+from fedfusion.units.messages import DeviceRuntime
+from fedfusion.units.phases import llama_phases
+from fedfusion.units.timeline import chains_from_trace, simulate
+from tests.test_units_timeline import QUICKSTART, llama, phones
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+class Counting:
+    """An in-process transport that records how many calls (phase rounds) are out at once."""
+
+    def __init__(self, devices: int, hold_s: float = 0.03) -> None:
+        self.send = in_process([DeviceRuntime() for _ in range(devices)])
+        self.hold_s, self.out, self.most = hold_s, 0, 0
+        self.lock = threading.Lock()
+
+    def __call__(self, payloads: dict[int, bytes], deadlines: dict[int, float]) -> dict[int, bytes | None]:
+        with self.lock:
+            self.out += 1
+            self.most = max(self.most, self.out)
+        time.sleep(self.hold_s)  # a link's latency: the other micro-batches' threads go on meanwhile
+        try:
+            return self.send(payloads, deadlines)
+        finally:
+            with self.lock:
+                self.out -= 1
+
+
+def step(in_flight: int, micro: int = 4) -> tuple[float, torch.nn.Module, UnitEngine, Counting]:
+    model = llama()
+    transport = Counting(3)
+    engine = UnitEngine(phones(3), transport=transport)
+    install(model, engine, "all")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    batch = torch.randint(0, 60, (micro, 33), generator=torch.Generator().manual_seed(1))
+
+    def on_micro(c: int) -> None:
+        engine.chain = c
+
+    return train_step(model, opt, batch, micro, on_micro, in_flight), model, engine, transport
+
+
+def test_micro_batches_in_flight_give_the_same_step() -> None:
+    loss_1, one, engine_1, t_1 = step(in_flight=1)
+    loss_all, many, engine_all, t_all = step(in_flight=0)
+    assert abs(loss_1 - loss_all) <= 1e-6 * abs(loss_1)
+    for (name, a), b in zip(one.named_parameters(), many.parameters()):
+        assert float((a - b).norm() / a.norm()) <= 1e-5, name
+    assert t_1.most == 1 and t_all.most >= 2  # one message round out at a time, against several
+    chains = [rec.chain for rec in engine_all.trace]
+    assert sorted(set(chains)) == [0, 1, 2, 3] and chains != sorted(chains)  # the micro-batches' phases interleave
+    assert chains_from_trace(engine_all.trace) == chains_from_trace(engine_1.trace)  # each chain: the same phases
+
+
+def test_a_device_idles_less_between_messages_when_the_next_is_queued() -> None:
+    """Virtual time (``timeline.simulate``), quickstart target, 8 phones, 4 micro-batches of 256 tokens, 20 ms of
+    server time between phases: one micro-batch at a time against all four in flight."""
+    chains = [llama_phases(**QUICKSTART, tokens=256, mode="all")] * 4
+    one = simulate(phones(8), chains, server_gap_s=0.02, in_flight=1)
+    four = simulate(phones(8), chains, server_gap_s=0.02, in_flight=0)
+    used = one.down_bytes > 0
+    gap_one, gap_four = float(np.mean(one.idle_gap_s[used])), float(np.mean(four.idle_gap_s[used]))
+    print(f"mean idle gap per device {gap_one:.2f} s -> {gap_four:.2f} s; step {one.step_s:.2f} s -> {four.step_s:.2f} s")
+    assert gap_four < 0.5 * gap_one and four.step_s < one.step_s
+    assert np.allclose(one.compute_s, four.compute_s)  # the same work, only the waiting differs
