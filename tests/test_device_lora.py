@@ -1,0 +1,144 @@
+"""Phones fine-tuning LoRA adapters: the frozen-base ExecuTorch training program (the adapter's factors trained, the
+base a separate data file checked by hash) trains through the runtime as the LoRA client trains with torch, on a
+tiny local Llama base (no network), with a float32 base and with 8-bit and 4-bit frozen bases."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tests.conftest import LazyModule
+
+adapters = LazyModule("fedfusion.models.adapters")  # peft imports bitsandbytes: on first use, not at collection
+pytestmark = [pytest.mark.device, pytest.mark.slow, pytest.mark.xdist_group("peft"),
+              pytest.mark.usefixtures("one_thread")]
+
+MODULES = ["q_proj", "v_proj"]
+RANK, ALPHA, BATCH, SEQ = 4, 8.0, 4, 48
+
+
+def tiny_base():
+    """A seeded 2-layer Llama (grouped-query attention) of the LoRA client tests' shape, eval mode, frozen."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(LlamaConfig(
+        vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256))
+    return base.requires_grad_(False).eval()
+
+
+def instruct_data():
+    """Instruction pairs of different lengths, encoded with the character tokenizer (right-padded, -100 prompts)."""
+    from fedfusion.data.pairs import Pair
+    from fedfusion.data.text import build_char_tokenizer
+    from fedfusion.train.instruct import encode_pairs
+
+    pairs = [Pair(f"what is {i} plus {i}?", f"it is {2 * i}" + "!" * (i % 5)) for i in range(24)]
+    return encode_pairs(build_char_tokenizer(), pairs, SEQ)
+
+
+def start_adapter(base, rank: int):
+    """A client's whole starting adapter as LoRAMethod sends it: 2 served components (B nonzero) and fresh ones."""
+    from fedfusion.fusion.lora.aggregate import starting_adapter
+    from fedfusion.fusion.lora.method import adapted_modules
+
+    shapes = adapted_modules(base, MODULES)
+    gen = torch.Generator().manual_seed(5)
+    served = ({m: torch.randn(2, i, generator=gen) * 0.1 for m, (o, i) in shapes.items()},
+              {m: torch.randn(o, 2, generator=gen) * 0.1 for m, (o, i) in shapes.items()})
+    A, B = starting_adapter(shapes, rank, served, seed=7)
+    return {**{f"{m}.lora_A": a for m, a in A.items()}, **{f"{m}.lora_B": b for m, b in B.items()}}
+
+
+@pytest.fixture(scope="module")
+def base():
+    return tiny_base()
+
+
+@pytest.fixture(scope="module")
+def data():
+    return instruct_data()
+
+
+@pytest.fixture(scope="module")
+def programs(base):
+    """The rank-4 adapter's program on the float32 base, exported once per module."""
+    from fedfusion.phone.program import export_lora_program
+
+    return {0: export_lora_program(base, MODULES, RANK, ALPHA, BATCH, SEQ)}
+
+
+def torch_steps(base, start, data, steps: int, lr: float, optimizer: str, bits: int = 0):
+    """The LoRA client's training in torch: peft adapter on (a copy of) the base, train_steps with the response
+    loss; ``bits``: the same integer frozen base the device program holds."""
+    from fedfusion.phone.program import quantize_frozen
+    from fedfusion.train.instruct import RESPONSE
+    from fedfusion.train.loop import train_steps
+
+    model = adapters.attach_adapter(copy.deepcopy(base), RANK, ALPHA, MODULES, 0.0, 0)
+    adapters.load_factors(model, start)
+    if bits:
+        assert quantize_frozen(model, bits) == 2 * 7 + 1  # every frozen Linear: 7 per layer and the head
+    result = train_steps(model, data, steps, lr, BATCH, seed=11, optimizer=optimizer, loss=RESPONSE)
+    return result, adapters.adapter_factors(model)
+
+
+def assert_parity(program, base, data, optimizer: str = "adamw", bits: int = 0, steps: int = 8) -> None:
+    """N runtime steps equal N torch steps: loss per step within 1e-5, relative update error within 1e-3."""
+    from fedfusion.phone.runtime import ProgramRunner, train_program
+
+    lr = 1e-2 if optimizer == "adamw" else 0.5
+    start = start_adapter(base, RANK)
+    runner = ProgramRunner(program)
+    runner.load(start)
+    mine = train_program(runner, data, steps, lr, BATCH, seed=11, optimizer=optimizer)
+    theirs, trained = torch_steps(base, start, data, steps, lr, optimizer, bits)
+    assert max(abs(a - b) for a, b in zip(mine.losses, theirs.losses)) <= 1e-5, (mine.losses, theirs.losses)
+    assert mine.tokens == theirs.tokens
+    moved = torch.cat([(runner.params[k] - start[k]).flatten() for k in start])
+    expected = torch.cat([(trained[k] - start[k]).flatten() for k in start])
+    assert float(expected.norm()) > 0
+    assert float((moved - expected).norm() / expected.norm()) <= 1e-3
+    assert sum(theirs.losses[-3:]) / 3 < theirs.losses[0]
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_lora_program_trains_as_torch(programs, base, data, optimizer):
+    assert_parity(programs[0], base, data, optimizer)
+
+
+def test_lora_program_trains_the_adapter_only(programs, base):
+    """The trained parameters are the adapter's factors by wire name; the frozen base is the data file (all of it,
+    none in the program), the same bytes for an adapter of another rank; a changed base file is refused."""
+    from fedfusion.phone.program import DeviceProgram, export_lora_program
+    from fedfusion.phone.runtime import ProgramRunner
+
+    program = programs[0]
+    m = program.manifest
+    start = start_adapter(base, RANK)
+    assert {p["name"]: p["shape"] for p in m["parameters"]} == {k: list(v.shape) for k, v in start.items()}
+    assert m["inputs"][0] == {"name": "input_ids", "shape": [BATCH, SEQ], "dtype": "int64"}
+    frozen = sum(4 * p.numel() for p in base.parameters())
+    assert m["data"]["holds"] == "frozen base" and frozen <= m["data"]["bytes"] == len(program.ptd)
+    assert len(program.pte) < frozen / 2  # the base is not baked into the program
+    other = export_lora_program(base, MODULES, 2, ALPHA, BATCH, SEQ)
+    assert other.manifest["data"]["sha256"] == m["data"]["sha256"] and other.program_id != program.program_id
+    bad = bytearray(program.ptd)
+    bad[-1] ^= 1
+    with pytest.raises(ValueError, match="sha256"):
+        ProgramRunner(DeviceProgram(program.pte, bytes(bad), m))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantised_base_program_trains_as_torch(base, data, bits):
+    """An 8-/4-bit frozen base (integer codes + float32 group scales, dequantised by core ops) runs in the portable
+    runtime and trains as torch does on the same integer base; its data file is smaller than the float32 base's."""
+    from fedfusion.phone.program import export_lora_program
+
+    program = export_lora_program(base, MODULES, RANK, ALPHA, BATCH, SEQ, bits=bits)
+    assert program.manifest["adapter"]["base_bits"] == bits
+    assert program.manifest["data"]["bytes"] < 0.5 * sum(4 * p.numel() for p in base.parameters())
+    assert_parity(program, base, data, bits=bits)
