@@ -142,3 +142,23 @@ def test_quantised_base_program_trains_as_torch(base, data, bits):
     assert program.manifest["adapter"]["base_bits"] == bits
     assert program.manifest["data"]["bytes"] < 0.5 * sum(4 * p.numel() for p in base.parameters())
     assert_parity(program, base, data, bits=bits)
+
+
+def test_export_device_command_writes_a_lora_program(tmp_path, capsys):
+    """``fedfusion export-device`` with ``fusion.method=lora``: the phone tier's adapter (rank 4 on a 4-bit base, as
+    the default recipe says) on a local base, its three files, and a runner that loads them."""
+    from fedfusion.cli import main
+    from fedfusion.phone.program import DeviceProgram
+    from fedfusion.phone.runtime import ProgramRunner
+
+    base_dir = tmp_path / "base"
+    tiny_base().save_pretrained(base_dir)
+    out = tmp_path / "programs"
+    args = ["export-device", "quickstart", "fusion.method=lora", "data.source=chatterbot", f"lora.base={base_dir}",
+            f"train.seq_len={SEQ}", f"train.batch_size={BATCH}", "--tier", "phone", "--out", str(out)]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "phone: rank-4 LoRA adapter" in printed and "4-bit frozen llama base" in printed
+    program_id = next(out.glob("*.json")).stem
+    runner = ProgramRunner(DeviceProgram.load(out, program_id))
+    assert sorted(runner.params) == sorted(start_adapter(tiny_base(), RANK))
