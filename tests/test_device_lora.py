@@ -5,6 +5,7 @@ tiny local Llama base (no network), with a float32 base and with 8-bit and 4-bit
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -162,3 +163,53 @@ def test_export_device_command_writes_a_lora_program(tmp_path, capsys):
     program_id = next(out.glob("*.json")).stem
     runner = ProgramRunner(DeviceProgram.load(out, program_id))
     assert sorted(runner.params) == sorted(start_adapter(tiny_base(), RANK))
+
+
+def test_gateway_and_reference_device_train_a_lora_adapter_for_two_rounds(tmp_path):
+    """A SuperNode's relay hands two rounds of a LoRA client's message to the gateway; the reference device trains
+    each through the runtime on its own instruction pairs. The adapter changes, the reply has the sent keys and
+    shapes, and the device fetches the program and its frozen base once."""
+    import threading
+
+    from fedfusion.clients.device import relay
+    from flwr.app import ConfigRecord
+
+    from fedfusion.phone.gateway import Gateway, GatewayServer, Tokens, write_tokens
+    from fedfusion.phone.reference import ReferenceDevice
+    from fedfusion.wire.specs import AdapterSpec, ClientSpec, LoRABaseSpec, QuantizeSpec, RoleSpec, RoundSpec, TrainSpec, merge
+    from tests.test_lora_client import DATA, save_tiny_base
+
+    base_dir = save_tiny_base(tmp_path / "base")  # the same seeded weights as tiny_base(), with a tokenizer
+    tokens = tmp_path / "tokens.json"
+    secret = write_tokens(tokens, {"tok-a": "phone-a"})
+    (tmp_path / "secret").write_text(secret)
+    gateway = Gateway(Tokens(tokens), tmp_path / "programs")
+    (tmp_path / "programs").mkdir()
+    fetched: list[str] = []
+    serve_file = gateway.program_file
+    gateway.program_file = lambda program, name: fetched.append(name) or serve_file(program, name)
+    server = GatewayServer(("127.0.0.1", 0), gateway)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    node = {"gateway": server.url, "gateway-secret-file": str(tmp_path / "secret"), "gateway-deadline-s": 300.0}
+    device = ReferenceDevice(server.url, "tok-a")
+    worker = threading.Thread(target=device.serve, kwargs={"tasks": 2, "poll_s": 0.1, "echo": lambda s: None})
+    worker.start()
+    try:
+        state = start_adapter(tiny_base(), RANK)
+        for server_round in (1, 2):
+            spec = ConfigRecord(merge(ClientSpec(DATA, SEQ, 1), TrainSpec(4, 1e-2, BATCH, 0.0, "adamw"),
+                                      RoundSpec(server_round, 3), RoleSpec("lora"),
+                                      LoRABaseSpec(base_dir, "float32", tuple(MODULES), 0.0), QuantizeSpec(8),
+                                      AdapterSpec("flexlora", RANK, ALPHA)))
+            new, metrics = relay(state, spec, 2, node)
+            assert list(new) == list(state) and all(new[k].shape == state[k].shape for k in state)
+            assert any(not torch.equal(new[k], state[k]) for k in state)
+            assert metrics["num-examples"] > 0 and metrics["train_loss"] > 0
+            state = new
+    finally:
+        worker.join(timeout=120)
+        server.shutdown()
+        server.server_close()
+    assert sorted(fetched) == ["manifest.json", "program.pte", "weights.ptd"]  # once, for both rounds
+    manifest = json.loads(next((tmp_path / "programs").glob("*.json")).read_text())
+    assert manifest["adapter"]["base_bits"] == 8 and manifest["adapter"]["rank"] == RANK

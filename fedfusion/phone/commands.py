@@ -160,6 +160,6 @@ def export_tier(recipe: Recipe, tier: str) -> DeviceProgram:
         lora = recipe.lora
         return export_lora_program(load_base(lora.base), list(lora.target_modules), lora.ranks[tier], lora.alpha,
                                    recipe.train.batch_size, recipe.train.seq_len, recipe.train, recipe.seed,
-                                   lora.quantize.get(tier, 0))
+                                   lora.quantize.get(tier, 0), lora.base)
     return export_program(tier_config(recipe, tier), recipe.train.batch_size, recipe.train.seq_len, recipe.train,
                           recipe.seed)

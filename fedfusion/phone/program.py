@@ -209,13 +209,13 @@ def program_key(config: PretrainedConfig, batch_size: int, seq_len: int) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def lora_program_key(base_sha: str, target_modules: list[str], rank: int, alpha: float, bits: int, batch_size: int,
+def lora_program_key(base: str, target_modules: list[str], rank: int, alpha: float, bits: int, batch_size: int,
                      seq_len: int) -> str:
-    """A name for a LoRA adapter's program before exporting it: a hash of the base's weights, the adapter, the
-    base's bits, the input shape and the ExecuTorch version."""
+    """A name for a LoRA adapter's program before exporting it (a gateway caches programs by it): a hash of the
+    base's name (``lora.base``), the adapter, the base's bits, the input shape and the ExecuTorch version."""
     from executorch.version import __version__ as et_version
 
-    text = json.dumps([base_sha, sorted(target_modules), rank, float(alpha), bits, batch_size, seq_len, et_version])
+    text = json.dumps([base, sorted(target_modules), rank, float(alpha), bits, batch_size, seq_len, et_version])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -313,7 +313,8 @@ def export_program(config: PretrainedConfig, batch_size: int, seq_len: int, trai
 
 
 def export_lora_program(base: PreTrainedModel, target_modules: list[str], rank: int, alpha: float, batch_size: int,
-                        seq_len: int, train: TrainConfig | None = None, seed: int = 0, bits: int = 0) -> DeviceProgram:
+                        seq_len: int, train: TrainConfig | None = None, seed: int = 0, bits: int = 0,
+                        base_name: str = "") -> DeviceProgram:
     """Export the training program of a rank-``rank`` LoRA adapter (scaling ``alpha / rank``) on ``target_modules``
     of the frozen ``base``, for instruction batches of ``batch_size`` x ``seq_len`` tokens.
 
@@ -321,7 +322,8 @@ def export_lora_program(base: PreTrainedModel, target_modules: list[str], rank: 
     the base (and ``bits``) alone, so a device downloads it once and keeps it, checked by its sha256; each round only
     the factors travel, named as the wire names them (``m.lora_A`` (rank, in), ``m.lora_B`` (out, rank)).
     ``bits`` 8 or 4 holds the base's Linear weights as integers with float32 scales, dequantised in the program
-    (:class:`_FrozenQuantLinear`); the embedding and norms stay float32. ``base`` itself is left as it was.
+    (:class:`_FrozenQuantLinear`); the embedding (and a head tied to it) and the norms stay float32. ``base`` itself is left as it was;
+    ``base_name`` (``lora.base``) names it in the program's key.
     """
     from fedfusion.models.adapters import attach_adapter, factor, lora_layers
 
@@ -342,7 +344,7 @@ def export_lora_program(base: PreTrainedModel, target_modules: list[str], rank: 
     specs = [{"name": n, "shape": [batch_size, seq_len], "dtype": "int64"} for n in ("input_ids", "labels", "attention_mask")]
     start = time.perf_counter()
     pte, ptd, planned = _lower(_ResponseLoss(peft), example_inputs({"inputs": specs}), family, FROZEN_FILE)
-    key = lora_program_key(hashlib.sha256(ptd).hexdigest(), list(target_modules), rank, alpha, bits, batch_size, seq_len)
+    key = lora_program_key(base_name, list(target_modules), rank, alpha, bits, batch_size, seq_len)
     manifest = _manifest(pte, ptd, planned, key, family, base.config, specs, RESPONSE_LOSS, params, train,
                          time.perf_counter() - start, FROZEN_DATA)
     manifest["adapter"] = {"rank": rank, "alpha": float(alpha), "target_modules": list(target_modules), "base_bits": bits,
@@ -390,12 +392,14 @@ class _FrozenQuantLinear(torch.nn.Module):
 
 def quantize_frozen(model: torch.nn.Module, bits: int) -> int:
     """Replace every frozen Linear of ``model`` (the base layers under LoRA adapters included, the adapters' own
-    factors not) by a :class:`_FrozenQuantLinear` of ``bits`` (8 or 4); returns how many were replaced."""
+    factors not) by a :class:`_FrozenQuantLinear` of ``bits`` (8 or 4); returns how many were replaced. A head
+    tied to the float32 embedding stays tied: quantising it would add a copy, not save one."""
     if bits not in (4, 8):
         raise ValueError(f"a device base holds 4 or 8 bits, not {bits}")
+    embedded = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     swaps = [(parent, child, module) for parent in model.modules() for child, module in parent.named_children()
              if type(module) is torch.nn.Linear and not module.weight.requires_grad
-             and (bits == 8 or module.in_features % 2 == 0)]
+             and id(module.weight) not in embedded and (bits == 8 or module.in_features % 2 == 0)]
     for parent, child, module in swaps:
         setattr(parent, child, _FrozenQuantLinear(module, bits))
     return len(swaps)
