@@ -7,8 +7,9 @@ program exported and saved; then each arm in a fresh process (its peak resident 
 imports, read from /proc/self/status), ``STEPS`` AdamW steps on one CPU thread, the same seeded batches of
 instruction pairs. Writes benchmarks/results/device_lora.{json,md}. Needs the [device] extra.
 
-    python benchmarks/device_lora.py BASE_DIR [LAYERS [NAME]]  # a local model directory; LAYERS (0: all) keeps its
-                                                               # first layers; results/NAME.{json,md} (device_lora)
+    python benchmarks/device_lora.py BASE_DIR [LAYERS [NAME [BITS]]]
+    # BASE_DIR: a local model directory; LAYERS (0: all) keeps its first layers; writes results/NAME.{json,md}
+    # (default device_lora); BITS: the base precisions, e.g. 0,4 (default 0,8,4)
 """
 
 from __future__ import annotations
@@ -135,7 +136,7 @@ def main() -> None:
         return
     base_dir, layers = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 0
     name = sys.argv[3] if len(sys.argv) > 3 else "device_lora"
-    rows = [row(base_dir, layers, bits) for bits in (0, 8, 4)]
+    rows = [row(base_dir, layers, int(bits)) for bits in (sys.argv[4] if len(sys.argv) > 4 else "0,8,4").split(",")]
     config = json.loads((Path(base_dir) / "config.json").read_text())
     shape = (f"{config['model_type']} hidden {config['hidden_size']}, {layers or config['num_hidden_layers']} of "
              f"{config['num_hidden_layers']} layers, vocab {config['vocab_size']}")
