@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,6 +58,11 @@ class ClientOptimizer:
             p.addcdiv_(m, denom, value=-self.lr / (1 - b1 ** self.steps))
 
 
+# One call into the ExecuTorch binding at a time per process: two reference devices in one process (the tests') that
+# loaded and ran programs from two threads at once froze the whole process, gateway threads included.
+RUNTIME_LOCK = threading.Lock()
+
+
 class ProgramRunner:
     """A loaded training program: put weights in, take forward+backward steps, read weights out."""
 
@@ -69,12 +75,13 @@ class ProgramRunner:
         if data and hashlib.sha256(program.ptd).hexdigest() != data["sha256"]:
             raise ValueError(f"program {self.manifest['program_id']}: its data file ({data['holds']}) does not match "
                              "the manifest's sha256")
-        self.module = TrainingModule(_load_for_executorch_from_buffer(program.pte, program.ptd))
         self.method = str(self.manifest["method"])
         # the program's parameter names -> the wire's (a slice's strip the wrapper; a LoRA program's are listed)
         self.names = {p.get("fqn", f"{WRAPPER}.{p['name']}"): p["name"] for p in self.manifest["parameters"]}
-        # The runtime exposes the parameter views only after a first call: one call on zero inputs, once per load.
-        self.module.forward_backward(self.method, example_inputs(self.manifest))
+        with RUNTIME_LOCK:
+            self.module = TrainingModule(_load_for_executorch_from_buffer(program.pte, program.ptd))
+            # The runtime exposes the parameter views only after a first call: one call on zero inputs, once per load.
+            self.module.forward_backward(self.method, example_inputs(self.manifest))
         named = self.module.named_parameters()
         if sorted(named) != sorted(self.names):
             raise ValueError(f"program {self.manifest['program_id']}: its parameters differ from its manifest's")
@@ -96,8 +103,10 @@ class ProgramRunner:
 
     def forward_backward(self, *inputs: torch.Tensor) -> tuple[float, dict[str, torch.Tensor]]:
         """One step's loss and gradients (by parameter name) on ``inputs`` of the manifest's shapes."""
-        loss = self.module.forward_backward(self.method, inputs)[0]
-        return float(loss), {self.names[k]: v for k, v in self.module.named_gradients().items()}
+        with RUNTIME_LOCK:
+            loss = self.module.forward_backward(self.method, inputs)[0]
+            grads = {self.names[k]: v for k, v in self.module.named_gradients().items()}
+        return float(loss), grads
 
 
 def batch_inputs(runner: ProgramRunner, data: torch.Tensor | InstructData, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
