@@ -18,11 +18,23 @@ from typing import Any
 import torch
 from flwr.app import ConfigRecord
 
-from fedfusion.config.methods import SUBMODEL
+from fedfusion.config.methods import LORA, SUBMODEL
 from fedfusion.devices.meters import WIRE_PREFIX
 from fedfusion.phone.gateway import call, pack, unpack
 from fedfusion.wire.keys import NUM_EXAMPLES
-from fedfusion.wire.specs import DROPPED, ClientSpec, ModelSpec, RoleSpec, RoundSpec, SliceSpec, TrainSpec, merge
+from fedfusion.wire.specs import (
+    DROPPED,
+    AdapterSpec,
+    ClientSpec,
+    LoRABaseSpec,
+    ModelSpec,
+    QuantizeSpec,
+    RoleSpec,
+    RoundSpec,
+    SliceSpec,
+    TrainSpec,
+    merge,
+)
 
 DEADLINE_S = 600.0
 # how long queuing a task may take: the gateway exports a program the first time it sees a sub-model shape (a minute
@@ -53,14 +65,25 @@ def relay(state: dict[str, torch.Tensor], spec: ConfigRecord, partition: int,
     url, secret, deadline_s = _gateway(node_config)
     role = RoleSpec.from_config(spec).role
     policy = SliceSpec.from_config(spec).policy if role == SUBMODEL else None
-    if role != SUBMODEL or policy == "ordered":
-        raise ValueError(f"a device gateway serves width slices (role submodel, any policy but ordered); this message "
-                         f"is role {role!r}, policy {policy!r}")
+    if role not in (SUBMODEL, LORA) or policy == "ordered":
+        raise ValueError(f"a device gateway serves width slices (role submodel, any policy but ordered) and LoRA "
+                         f"adapters (role lora); this message is role {role!r}, policy {policy!r}")
+    if any(".merged_" in k for k in state):
+        raise ValueError("a device LoRA program has no input for a frozen merged update (m.merged_*: lora.method=flora)")
     # what a device needs of the message (the program holds the model): its data, training settings and round
     task_spec = merge(ClientSpec.from_config(spec), TrainSpec.from_config(spec), RoundSpec.from_config(spec))
     task_spec["partition"] = partition
-    body = pack(state, {"spec": task_spec, "model_config": ModelSpec.from_config(spec).model_config,
-                        "deadline_s": deadline_s})
+    meta: dict[str, Any] = {"spec": task_spec, "deadline_s": deadline_s}
+    if role == LORA:  # the gateway's program is the adapter's on the frozen base; a device's data are pairs
+        base, adapter = LoRABaseSpec.from_config(spec), AdapterSpec.from_config(spec)
+        if base.lora_dropout:
+            raise ValueError(f"lora dropout {base.lora_dropout}: a device program trains without dropout")
+        meta["lora"] = {"base": base.base, "target_modules": list(base.target_modules), "rank": adapter.rank,
+                        "alpha": adapter.alpha, "bits": QuantizeSpec.from_config(spec).quantize}
+        task_spec.update(merge(base))  # the device's tokenizer is the base's
+    else:
+        meta["model_config"] = ModelSpec.from_config(spec).model_config
+    body = pack(state, meta)
     status, answer = call(f"{url}/v1/node/tasks", "POST", secret, body, timeout=SUBMIT_TIMEOUT_S)
     if status != 200:
         raise RuntimeError(f"gateway {url} refused the task ({status}): {answer.decode(errors='replace')[:300]}")
@@ -70,6 +93,8 @@ def relay(state: dict[str, torch.Tensor], spec: ConfigRecord, partition: int,
         status, answer = call(f"{url}/v1/node/tasks/{task}?wait=10", "GET", secret, timeout=60)
         if status == 200:
             tensors, meta = unpack(answer)
+            if set(tensors) == set(state):  # in the order sent, which Flower's DP mods compare key lists in
+                tensors = {k: tensors[k] for k in state}
             metrics = meta["metrics"]
             kept = {k: kind(metrics[k]) for k, kind in DEVICE_METRICS.items() if k in metrics}
             if "measured_device_j" in kept:

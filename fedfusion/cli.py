@@ -192,7 +192,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     # the method's plan view (its registry entry's ``plan``, in fedfusion.run.planner): torch loads only now
     view = hook(method(recipe.fusion.method).plan)(recipe)
     _print_table(view.title, view.rows, view.headers, left=view.left, width=view.width)
-    for note in view.notes:
+    from fedfusion.devices.catalog import load_catalog
+    from fedfusion.devices.energy import runtime_notes
+
+    for note in (*view.notes, *runtime_notes(load_catalog(recipe.population.catalog), list(recipe.population.mix))):
         console.print(note, highlight=False, soft_wrap=True)
     if not view.per_round:
         return 0

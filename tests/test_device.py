@@ -349,3 +349,18 @@ def test_a_gateway_dropout_is_a_dropped_row_with_its_work():
     assert dropped.status == "dropped" and "phone-a" in dropped.error
     priced = price_client(dropped, load_catalog())
     assert priced["wasted"] and priced["energy_j"] > 0  # its planned work and download were spent for nothing
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["lora.method=flora"], r"^lora.method=flora: each round sends a frozen merged update"),
+    (["lora.dropout=0.1"], r"^lora.dropout=0.1: a device program would draw its own dropout masks"),
+    ([], r"^--tier 'watch': the recipe's lora.ranks has"),
+])
+def test_export_device_names_what_blocks_a_lora_tier(tmp_path, overrides, message):
+    from fedfusion.config.recipe import load_recipe
+    from fedfusion.phone.commands import check_tier
+
+    recipe = load_recipe("quickstart", ["fusion.method=lora", "data.source=chatterbot", f"lora.base={tmp_path}",
+                                        *overrides])
+    with pytest.raises(ValueError, match=message):
+        check_tier(recipe, "phone" if overrides else "watch")

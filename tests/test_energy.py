@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from importlib import resources
+from pathlib import Path
 
 import pytest
 
@@ -108,3 +110,30 @@ def test_errors_name_the_problem():
             price_work(TOY, 1e9, 0, 0, charger_efficiency=bad, grid=GRID)
     with pytest.raises(ValueError, match="non-negative"):
         price_work(TOY, -1.0, 0, 0, grid=GRID)
+
+
+def test_a_tier_training_through_executorch_is_priced_at_the_runtime_speed(tmp_path, capsys):
+    """``runtime: executorch`` in a catalog tier: its compute seconds (and so joules) are the runtime's measured
+    4.8x torch's (benchmarks/results/device_runtime.md); transfers are unchanged; ``fedfusion plan`` says so."""
+    import yaml
+
+    from fedfusion.cli import main
+    from fedfusion.devices.energy import RUNTIME_SLOWDOWN, price_work
+
+    phone = load_catalog()["phone"]
+    assert phone.runtime == "torch"
+    torch_cost = price_work(phone, 1e12, 10**6, 10**6)
+    runtime_cost = price_work(replace(phone, runtime="executorch"), 1e12, 10**6, 10**6)
+    assert RUNTIME_SLOWDOWN["executorch"] == pytest.approx(4.78, abs=0.01)
+    assert runtime_cost.compute_s == pytest.approx(torch_cost.compute_s * RUNTIME_SLOWDOWN["executorch"])
+    assert runtime_cost.comm_s == torch_cost.comm_s
+    raw = yaml.safe_load(Path(str(resources.files("fedfusion.catalog").joinpath("devices.yaml"))).read_text())
+    raw["phone"]["runtime"] = "executorch"
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
+    assert load_catalog(tmp_path / "c.yaml")["phone"].runtime == "executorch"
+    assert main(["plan", "quickstart", f"population.catalog={tmp_path / 'c.yaml'}"]) == 0
+    assert "phone: trains through the executorch runtime, priced at its measured speed, 4.8x" in capsys.readouterr().out
+    raw["phone"]["runtime"] = "onnx"
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
+    with pytest.raises(ValueError, match="runtime must be one of torch, executorch"):
+        load_catalog(tmp_path / "c.yaml")

@@ -30,12 +30,14 @@ class Device:
     lifetime_years: float
     zone: str  # default grid zone, a key of fedfusion.devices.energy.GRID_G_PER_KWH
     sources: str  # where each number comes from, or "assumed"
+    runtime: str = "torch"  # what it trains with: torch, or executorch (a phone's training program; docs/devices.md)
 
 
 _TEXT = ("description", "zone", "sources")
 _POSITIVE = ("memory_gb", "tflops", "train_w", "idle_w", "up_mbps", "down_mbps", "radio_w",
              "embodied_kg", "lifetime_years")
 _FIELDS = _TEXT + _POSITIVE + ("battery_wh",)
+RUNTIMES = ("torch", "executorch")
 
 
 def _positive(value: Any) -> bool:
@@ -50,7 +52,7 @@ def _device(name: str, fields: Any) -> Device:
     missing = [f for f in _FIELDS if f not in fields]
     if missing:
         raise ValueError(f"tier {name!r} lacks {', '.join(missing)}")
-    unknown = sorted(set(fields) - set(_FIELDS))
+    unknown = sorted(set(fields) - set(_FIELDS) - {"runtime"})
     if unknown:
         raise ValueError(f"tier {name!r}: unknown field {', '.join(map(str, unknown))}")
     for f in _TEXT:
@@ -62,8 +64,11 @@ def _device(name: str, fields: Any) -> Device:
     battery = fields["battery_wh"]
     if battery is not None and not _positive(battery):
         raise ValueError(f"tier {name!r}: battery_wh must be a positive number or null, got {battery!r}")
+    runtime = fields.get("runtime", "torch")
+    if runtime not in RUNTIMES:
+        raise ValueError(f"tier {name!r}: runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r}")
     values: dict[str, Any] = {f: fields[f].strip() for f in _TEXT} | {f: float(fields[f]) for f in _POSITIVE}
-    return Device(name=name, **values, battery_wh=None if battery is None else float(battery))
+    return Device(name=name, **values, battery_wh=None if battery is None else float(battery), runtime=runtime)
 
 
 def load_catalog(path: str | Path | None = None) -> dict[str, Device]:

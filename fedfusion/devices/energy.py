@@ -81,6 +81,20 @@ class WorkCost:
         return {**asdict(self), "virtual_s": self.virtual_s}
 
 
+# How much slower than torch a tier trains through each runtime: the ExecuTorch runtime's measured steps/s against
+# eager torch's on the same program and batches (benchmarks/results/device_runtime.md, quickstart phone tier:
+# 1.90 against 9.08 steps/s). A catalog tier with ``runtime: executorch`` is priced at this speed.
+RUNTIME_SLOWDOWN = {"torch": 1.0, "executorch": 9.08 / 1.90}
+
+
+def runtime_notes(catalog: dict[str, Device], tiers: list[str]) -> list[str]:
+    """One line per tier of ``tiers`` that trains through a runtime slower than torch, saying how it is priced."""
+    return [f"{tier}: trains through the {catalog[tier].runtime} runtime, priced at its measured speed, "
+            f"{RUNTIME_SLOWDOWN[catalog[tier].runtime]:.1f}x torch's step time "
+            "(benchmarks/results/device_runtime.md, the phone tier's program)"
+            for tier in tiers if tier in catalog and RUNTIME_SLOWDOWN[catalog[tier].runtime] != 1.0]
+
+
 def price_work(
     device: Device,
     flops: float,
@@ -93,7 +107,8 @@ def price_work(
 ) -> WorkCost:
     """Price ``flops`` of training and a download/upload on ``device``.
 
-    Compute runs at the catalog's sustained TFLOPS and training watts, transfers at its link rates and
+    Compute runs at the catalog's sustained TFLOPS (divided by :data:`RUNTIME_SLOWDOWN` of the device's runtime)
+    and training watts, transfers at its link rates and
     radio watts, ``idle_s`` at idle watts. Wall joules divide the device's joules by
     ``charger_efficiency`` (for mains and cloud tiers, read it as power-supply efficiency). Operational
     carbon uses the intensity of ``zone`` (default: the device's zone) in ``grid`` (default
@@ -107,7 +122,7 @@ def price_work(
     where = zone or device.zone
     if where not in table:
         raise ValueError(f"unknown grid zone {where!r}; known zones: {', '.join(sorted(table))}")
-    compute_s = flops / (device.tflops * 1e12)
+    compute_s = flops / (device.tflops * 1e12) * RUNTIME_SLOWDOWN[device.runtime]
     comm_s = bytes_down * 8 / (device.down_mbps * 1e6) + bytes_up * 8 / (device.up_mbps * 1e6)
     compute_j = compute_s * device.train_w
     radio_j = comm_s * device.radio_w

@@ -12,7 +12,7 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fedfusion.config.methods import SUBMODEL
+from fedfusion.config.methods import LORA, SUBMODEL
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -34,13 +34,18 @@ def cmd_export_device(args: argparse.Namespace) -> int:
 
     needs_executorch("export-device")  # first: it takes no torch, so a missing extra is said in a second
     recipe = load_checked(args.recipe, args.overrides)  # a bad recipe or tier is reported before anything is written
-    tier_config(recipe, args.tier)
+    check_tier(recipe, args.tier)
     program = export_tier(recipe, args.tier)
     paths = program.save(Path(args.out))
     m = program.manifest
     params = sum(_numel(p["shape"]) for p in m["parameters"])
-    print(f"{args.tier}: {m['family']} sub-model, {params:,} parameters, input {m['inputs'][0]['shape']}, "
-          f"exported in {m['export_s']} s")
+    if "adapter" in m:
+        a = m["adapter"]
+        what = (f"rank-{a['rank']} LoRA adapter ({params:,} trained parameters) on a "
+                f"{a['base_bits'] or 32}-bit frozen {m['family']} base of {a['base_params']:,} parameters (the ptd)")
+    else:
+        what = f"{m['family']} sub-model, {params:,} parameters"
+    print(f"{args.tier}: {what}, input {m['inputs'][0]['shape']}, exported in {m['export_s']} s")
     for kind, path in paths.items():
         print(f"  {kind}: {path} ({path.stat().st_size:,} bytes)")
     return 0
@@ -111,6 +116,23 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     device.set_defaults(func=cmd_device)
 
 
+def check_tier(recipe: Recipe, tier: str) -> None:
+    """ValueError (one line) where the recipe's ``tier`` has no on-device program: a method other than width slices
+    and LoRA, a tier without a width or a rank, or a LoRA setting the program cannot follow."""
+    if recipe.fusion.method == LORA:
+        lora = recipe.lora
+        if tier not in lora.ranks:
+            raise ValueError(f"--tier {tier!r}: the recipe's lora.ranks has {', '.join(lora.ranks)}")
+        if lora.method == "flora":
+            raise ValueError("lora.method=flora: each round sends a frozen merged update (m.merged_*), which a device "
+                             "program has no input for; on-device LoRA takes fedavg, zeropad, hetlora or flexlora")
+        if lora.dropout:
+            raise ValueError(f"lora.dropout={lora.dropout}: a device program would draw its own dropout masks, "
+                             "unlike torch's; on-device LoRA needs lora.dropout=0")
+        return
+    tier_config(recipe, tier)
+
+
 def tier_config(recipe: Recipe, tier: str) -> PretrainedConfig:
     """The sub-model config a tier trains under the recipe: its width's slice of the target along the recipe's
     axes (the shape every slicing policy gives that width)."""
@@ -118,7 +140,7 @@ def tier_config(recipe: Recipe, tier: str) -> PretrainedConfig:
 
     if recipe.fusion.method != SUBMODEL:
         raise ValueError(f"fusion.method {recipe.fusion.method!r}: on-device programs exist for width slices "
-                         "(fusion.method=submodel) only")
+                         "(fusion.method=submodel) and LoRA adapters (fusion.method=lora) only")
     fit_widths(recipe)
     if tier not in recipe.fusion.widths:
         raise ValueError(f"--tier {tier!r}: the recipe's fusion.widths has {', '.join(recipe.fusion.widths)}")
@@ -127,8 +149,17 @@ def tier_config(recipe: Recipe, tier: str) -> PretrainedConfig:
 
 
 def export_tier(recipe: Recipe, tier: str) -> DeviceProgram:
-    """The training program of ``tier``'s sub-model, fed the recipe's batch and sequence shape."""
-    from fedfusion.phone.program import export_program
+    """The training program of ``tier``'s sub-model, or of its LoRA adapter on the recipe's frozen base (loaded in
+    float32, held in the tier's ``lora.quantize`` bits), fed the recipe's batch and sequence shape."""
+    from fedfusion.phone.program import export_lora_program, export_program
 
+    check_tier(recipe, tier)
+    if recipe.fusion.method == LORA:
+        from fedfusion.models.pretrained import load_base
+
+        lora = recipe.lora
+        return export_lora_program(load_base(lora.base), list(lora.target_modules), lora.ranks[tier], lora.alpha,
+                                   recipe.train.batch_size, recipe.train.seq_len, recipe.train, recipe.seed,
+                                   lora.quantize.get(tier, 0), lora.base)
     return export_program(tier_config(recipe, tier), recipe.train.batch_size, recipe.train.seq_len, recipe.train,
                           recipe.seed)

@@ -16,8 +16,9 @@ Device side, every call with ``Authorization: Bearer <device token>``:
 
 Node side, with ``Authorization: Bearer <node secret>``:
 
-- ``POST /v1/node/tasks``                     body: weights (safetensors; ``__metadata__`` = spec, model_config,
-                                               deadline_s) -> 200 ``{"task": id}``
+- ``POST /v1/node/tasks``                     body: weights (safetensors; ``__metadata__`` = spec, deadline_s and
+                                               model_config (a slice) or lora (a LoRA adapter: base, target_modules,
+                                               rank, alpha, bits)) -> 200 ``{"task": id}``
 - ``GET  /v1/node/tasks/<task>?wait=S``       -> 200 result (safetensors), 202 still running, 410 dropped (JSON reason)
 
 Tokens come from a JSON file (``{"node": secret, "devices": {token: name}, "revoked": [token, ...]}``) re-read
@@ -159,6 +160,22 @@ class Gateway:
                     return manifest.stem
             return export_program(config, batch_size, seq_len).save(self.programs)["json"].stem
 
+    def lora_program_for(self, lora: dict, batch_size: int, seq_len: int) -> str:
+        """The id of the training program of this LoRA adapter (``lora``: base, target_modules, rank, alpha, bits):
+        found in ``programs`` by its key, else exported there once from the base (which the gateway's host holds)."""
+        from fedfusion.models.pretrained import load_base
+        from fedfusion.phone.program import export_lora_program, lora_program_key
+
+        modules, rank, alpha, bits = list(lora["target_modules"]), int(lora["rank"]), float(lora["alpha"]), int(lora["bits"])
+        key = lora_program_key(lora["base"], modules, rank, alpha, bits, batch_size, seq_len)
+        with self.export_lock:
+            for manifest in self.programs.glob("*.json"):
+                if json.loads(manifest.read_text()).get("key") == key:
+                    return manifest.stem
+            program = export_lora_program(load_base(lora["base"]), modules, rank, alpha, batch_size, seq_len,
+                                          bits=bits, base_name=lora["base"])
+            return program.save(self.programs)["json"].stem
+
     def program_file(self, program: str, name: str) -> bytes:
         if name not in PROGRAM_FILES or not program.isalnum():
             raise Refused(404, f"no program file {name!r}")
@@ -172,7 +189,9 @@ class Gateway:
         """Queue a task from a node's request body; returns its id."""
         tensors, meta = unpack(body)
         spec, deadline_s = dict(meta["spec"]), float(meta["deadline_s"])
-        program = self.program_for(meta["model_config"], int(spec["batch-size"]), int(spec["seq-len"]))
+        shape = int(spec["batch-size"]), int(spec["seq-len"])
+        program = (self.lora_program_for(meta["lora"], *shape) if "lora" in meta
+                   else self.program_for(meta["model_config"], *shape))
         task = Task(secrets.token_hex(8), program, spec, pack(tensors, {}), time.monotonic() + deadline_s)
         with self.lock:
             self.tasks[task.id] = task

@@ -5,9 +5,15 @@ Why ExecuTorch: it is PyTorch's on-device runtime and the only maintained one th
 packages stopped at 1.19.2). The path is ``torch.export`` -> ``_export_forward_backward`` (the joint graph: loss
 plus gradients as outputs) -> ``to_edge`` -> ``to_executorch``.
 
-The program is weight-free: its trainable parameters live in an external data file (``.ptd``) beside it, which
-the device loads once; each round's weights travel as named tensors and are copied into the program's parameter
-memory (:mod:`fedfusion.phone.runtime`). A program's shape is fixed (batch and sequence length), so one program
+Two kinds of program, one path (:func:`_lower`):
+
+- a width slice (:func:`export_program`): every parameter is trained. The program is weight-free: its parameters
+  live in an external data file (``.ptd``) beside it, which the device loads once; each round's weights travel as
+  named tensors and are copied into the program's parameter memory (:mod:`fedfusion.phone.runtime`).
+- a LoRA adapter on a frozen base (:func:`export_lora_program`): only the adapter's factors are trained, and they
+  stay in the program; the frozen base is the data file, kept on the device between rounds and checked by its
+  sha256 (the manifest's ``data``). Each round only the factors travel.
+ A program's shape is fixed (batch and sequence length), so one program
 serves a tier for the whole run: every slicing policy gives a tier's width the same sub-model shape, only which
 target units fill it changes. The optimizer is not in the program: the runtime ships only SGD, so a device steps
 AdamW (or SGD) in its own code over the gradients the program returns, as the manifest describes.
@@ -17,6 +23,7 @@ Needs the optional extra ``fedfusion[device]`` (``executorch``).
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import re
@@ -24,7 +31,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
@@ -32,13 +39,22 @@ from transformers import PretrainedConfig, PreTrainedModel
 from fedfusion.config.recipe import TrainConfig
 from fedfusion.models.build import tied_aliases
 from fedfusion.models.families import config_from_dict, family_of
+from fedfusion.train.instruct import response_loss
 from fedfusion.train.loop import lm_loss
+
+if TYPE_CHECKING:  # peft imports bitsandbytes: only a LoRA export loads it
+    from peft import PeftModel
 
 METHOD = "forward"  # the program's training method (ExecuTorch TrainingModule's method name)
 MANIFEST_VERSION = 1
 WRAPPER = "lm"  # the exported module's attribute holding the model; stripped from parameter names
 LM_LOSS = "mean next-token cross-entropy over tokens[:, :-1] -> tokens[:, 1:]"
 IMAGE_LOSS = "mean cross-entropy of the logits against labels"
+RESPONSE_LOSS = ("mean next-token cross-entropy over response tokens: logits[:, :-1] against labels[:, 1:], "
+                 "labels -100 ignored; right-padded rows, attention_mask 0 on padding")
+FROZEN_FILE = "frozen_base"  # the data file's tag in a LoRA program
+TRAINABLE_DATA, FROZEN_DATA = "trainable parameters' initial values", "frozen base"
+GROUP = 32  # inputs per scale of a quantised frozen Linear
 # torch.optim.AdamW's defaults, which fedfusion.train.loop.make_optimizer uses: a device must step the same way
 ADAMW_BETAS, ADAMW_EPS = (0.9, 0.999), 1e-8
 DTYPES = {torch.float32: "float32", torch.int64: "int64"}
@@ -68,6 +84,18 @@ class _ImageLoss(torch.nn.Module):
 
     def forward(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.cross_entropy(self.lm(pixel_values=images).logits, labels)
+
+
+class _ResponseLoss(torch.nn.Module):
+    """The exported computation of a LoRA adapter: instruction rows in, the LoRA client's response-only loss out
+    (:func:`fedfusion.train.instruct.response_loss`)."""
+
+    def __init__(self, model: PreTrainedModel | PeftModel) -> None:
+        super().__init__()
+        self.lm = model
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return response_loss(self.lm, input_ids, labels, attention_mask)[0]
 
 
 class _TiedHead(torch.nn.Module):
@@ -144,8 +172,9 @@ def _failure(family: str, exc: Exception) -> DeviceExportError:
 
 @dataclass(frozen=True)
 class DeviceProgram:
-    """An exported training program: ``pte`` (the forward+backward graph, weight-free), ``ptd`` (its trainable
-    parameters' initial values, loaded beside it) and the manifest that says how to feed and step it."""
+    """An exported training program: ``pte`` (the forward+backward graph; a LoRA program's also holds the adapter's
+    initial factors), ``ptd`` (its external data, loaded beside it: a slice's trainable parameters' initial values,
+    or a LoRA program's frozen base) and the manifest that says how to feed and step it."""
 
     pte: bytes
     ptd: bytes
@@ -180,33 +209,43 @@ def program_key(config: PretrainedConfig, batch_size: int, seq_len: int) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def export_program(config: PretrainedConfig, batch_size: int, seq_len: int, train: TrainConfig | None = None,
-                   seed: int = 0) -> DeviceProgram:
-    """Export the training program of a model of ``config`` for batches of ``batch_size`` x ``seq_len`` tokens.
+def lora_program_key(base: str, target_modules: list[str], rank: int, alpha: float, bits: int, batch_size: int,
+                     seq_len: int) -> str:
+    """A name for a LoRA adapter's program before exporting it (a gateway caches programs by it): a hash of the
+    base's name (``lora.base``), the adapter, the base's bits, the input shape and the ExecuTorch version."""
+    from executorch.version import __version__ as et_version
 
-    ``train`` (the recipe's train section) fills the manifest's optimizer and its hyper-parameters; a round's task
-    repeats them, so the manifest's are the defaults a device starts with. The parameters in the ``ptd`` are a
-    seeded initialisation: a device always receives the round's weights before training.
+    text = json.dumps([base, sorted(target_modules), rank, float(alpha), bits, batch_size, seq_len, et_version])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _lower(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...], family: str,
+           frozen_file: str | None = None) -> tuple[bytes, bytes, int]:
+    """``module`` (inputs -> loss) as an ExecuTorch training program: the program's bytes, its one external data
+    file and the bytes of its planned (non-constant) memory.
+
+    ``frozen_file`` None: every parameter is trained and goes to the data file (a slice). A name: only the
+    parameters that get a gradient are trained; they stay in the program, and every frozen weight and buffer goes
+    to the data file (a frozen base), which is then the same bytes for any adapter on that base.
     """
     from executorch.exir import ExecutorchBackendConfig, to_edge
-    from executorch.version import __version__ as et_version
     from torch.export import export
     from torch.export.experimental import _export_forward_backward
+    from torch.export.exported_program import OutputKind
 
-    family = family_of(config).name
-    key = program_key(config, batch_size, seq_len)
-    config = config_from_dict(config.to_dict())  # a copy: the eager attention below must not leak to the caller
-    config._attn_implementation = "eager"  # SDPA's fused backward is not a core ATen op
-    torch.manual_seed(seed)
-    model = family_of(config).build(config).train()
-    params = dict(model.named_parameters())  # tied weights appear once, under the name the wire state keeps
-    _untie(model)
-    specs, loss_text, wrapper = _inputs(config, batch_size, seq_len)
-    start = time.perf_counter()
     try:
-        joint = _export_forward_backward(export(wrapper(model), example_inputs({"inputs": specs}), strict=False))
+        joint = _export_forward_backward(export(module, inputs, strict=False))
         _to_core_aten(joint, family)
-        program = to_edge(joint).to_executorch(ExecutorchBackendConfig(external_mutable_weights=True))
+        edge = to_edge(joint)
+        if frozen_file is None:
+            config = ExecutorchBackendConfig(external_mutable_weights=True)
+        else:
+            signature = edge.exported_program().graph_signature
+            grads = {s.target for s in signature.output_specs if s.kind == OutputKind.GRADIENT_TO_PARAMETER}
+            trained = {node for node, fqn in signature.inputs_to_parameters.items() if fqn in grads}
+            config = ExecutorchBackendConfig(
+                external_constants=lambda node: None if node.target in trained else frozen_file)
+        program = edge.to_executorch(config)
     except DeviceExportError:
         raise
     except Exception as exc:  # torch.export and ExecuTorch raise many types; each becomes one clear message
@@ -217,9 +256,18 @@ def export_program(config: PretrainedConfig, batch_size: int, seq_len: int, trai
         if len(data) != 1:
             raise DeviceExportError(f"{family} model: expected one external weight file, ExecuTorch wrote {len(data)}")
         ptd = data[0].read_bytes()
-    pte = bytes(program.buffer)
+    planned = sum(program.executorch_program.execution_plan[0].non_const_buffer_sizes)
+    return bytes(program.buffer), ptd, planned
+
+
+def _manifest(pte: bytes, ptd: bytes, planned: int, key: str, family: str, config: PretrainedConfig,
+              specs: list[dict[str, Any]], loss: str, params: list[dict[str, Any]], train: TrainConfig | None,
+              export_s: float, holds: str) -> dict[str, Any]:
+    """The manifest every program carries (see docs/devices.md); ``holds`` says what its data file is."""
+    from executorch.version import __version__ as et_version
+
     train = train or TrainConfig()
-    manifest: dict[str, Any] = {
+    return {
         "version": MANIFEST_VERSION,
         "program_id": hashlib.sha256(pte).hexdigest()[:16],
         "key": key,
@@ -228,11 +276,130 @@ def export_program(config: PretrainedConfig, batch_size: int, seq_len: int, trai
         "family": family,
         "model_config": json.loads(config.to_json_string()),
         "inputs": specs,
-        "loss": loss_text,
+        "loss": loss,
         "outputs": "[loss]; named_gradients() and named_parameters() by parameter name",
-        "parameters": [{"name": name, "shape": list(p.shape), "dtype": DTYPES[p.dtype]} for name, p in params.items()],
+        "parameters": params,
+        "data": {"holds": holds, "sha256": hashlib.sha256(ptd).hexdigest(), "bytes": len(ptd)},
+        "planned_bytes": planned,
         "optimizer": {"name": train.optimizer, "lr": train.lr, "weight_decay": train.weight_decay,
                       "betas": list(ADAMW_BETAS), "eps": ADAMW_EPS, "local_steps": train.local_steps},
-        "export_s": round(time.perf_counter() - start, 2),
+        "export_s": round(export_s, 2),
     }
+
+
+def export_program(config: PretrainedConfig, batch_size: int, seq_len: int, train: TrainConfig | None = None,
+                   seed: int = 0) -> DeviceProgram:
+    """Export the training program of a model of ``config`` for batches of ``batch_size`` x ``seq_len`` tokens.
+
+    ``train`` (the recipe's train section) fills the manifest's optimizer and its hyper-parameters; a round's task
+    repeats them, so the manifest's are the defaults a device starts with. The parameters in the ``ptd`` are a
+    seeded initialisation: a device always receives the round's weights before training.
+    """
+    family = family_of(config).name
+    key = program_key(config, batch_size, seq_len)
+    config = config_from_dict(config.to_dict())  # a copy: the eager attention below must not leak to the caller
+    config._attn_implementation = "eager"  # SDPA's fused backward is not a core ATen op
+    torch.manual_seed(seed)
+    model = family_of(config).build(config).train()
+    params = dict(model.named_parameters())  # tied weights appear once, under the name the wire state keeps
+    _untie(model)
+    specs, loss_text, wrapper = _inputs(config, batch_size, seq_len)
+    start = time.perf_counter()
+    pte, ptd, planned = _lower(wrapper(model), example_inputs({"inputs": specs}), family)
+    described = [{"name": name, "shape": list(p.shape), "dtype": DTYPES[p.dtype]} for name, p in params.items()]
+    manifest = _manifest(pte, ptd, planned, key, family, config, specs, loss_text, described, train,
+                         time.perf_counter() - start, TRAINABLE_DATA)
     return DeviceProgram(pte, ptd, manifest)
+
+
+def export_lora_program(base: PreTrainedModel, target_modules: list[str], rank: int, alpha: float, batch_size: int,
+                        seq_len: int, train: TrainConfig | None = None, seed: int = 0, bits: int = 0,
+                        base_name: str = "") -> DeviceProgram:
+    """Export the training program of a rank-``rank`` LoRA adapter (scaling ``alpha / rank``) on ``target_modules``
+    of the frozen ``base``, for instruction batches of ``batch_size`` x ``seq_len`` tokens.
+
+    The program trains the adapter's factors only. The frozen base goes to the data file (``ptd``), which depends on
+    the base (and ``bits``) alone, so a device downloads it once and keeps it, checked by its sha256; each round only
+    the factors travel, named as the wire names them (``m.lora_A`` (rank, in), ``m.lora_B`` (out, rank)).
+    ``bits`` 8 or 4 holds the base's Linear weights as integers with float32 scales, dequantised in the program
+    (:class:`_FrozenQuantLinear`); the embedding (and a head tied to it) and the norms stay float32. ``base`` itself is left as it was;
+    ``base_name`` (``lora.base``) names it in the program's key.
+    """
+    from fedfusion.models.adapters import attach_adapter, factor, lora_layers
+
+    family = family_of(base.config).name
+    model = copy.deepcopy(base)
+    model.config._attn_implementation = "eager"  # SDPA's fused backward is not a core ATen op
+    model.requires_grad_(False)
+    peft = attach_adapter(model, rank, alpha, list(target_modules), 0.0, seed).train()
+    if bits:
+        quantize_frozen(peft, bits)
+    params = []
+    fqns = {id(p): name for name, p in peft.named_parameters()}
+    for name, layer in lora_layers(peft).items():
+        for which in ("lora_A", "lora_B"):
+            weight = factor(layer, which)
+            params.append({"name": f"{name}.{which}", "fqn": f"{WRAPPER}.{fqns[id(weight)]}",
+                           "shape": list(weight.shape), "dtype": DTYPES[weight.dtype]})
+    specs = [{"name": n, "shape": [batch_size, seq_len], "dtype": "int64"} for n in ("input_ids", "labels", "attention_mask")]
+    start = time.perf_counter()
+    pte, ptd, planned = _lower(_ResponseLoss(peft), example_inputs({"inputs": specs}), family, FROZEN_FILE)
+    key = lora_program_key(base_name, list(target_modules), rank, alpha, bits, batch_size, seq_len)
+    manifest = _manifest(pte, ptd, planned, key, family, base.config, specs, RESPONSE_LOSS, params, train,
+                         time.perf_counter() - start, FROZEN_DATA)
+    manifest["adapter"] = {"rank": rank, "alpha": float(alpha), "target_modules": list(target_modules), "base_bits": bits,
+                           "base_params": sum(p.numel() for p in base.parameters())}
+    return DeviceProgram(pte, ptd, manifest)
+
+
+class _FrozenQuantLinear(torch.nn.Module):
+    """A frozen Linear held as ``bits``-bit integers with one float32 scale per group of ``GROUP`` inputs
+    (symmetric), dequantised by plain core ATen ops the portable runtime has (a cast, a multiply; 4-bit codes come
+    two to a uint8 and are split with a divide, a floor and a subtract). No int4 dtype or quantized op is needed."""
+
+    def __init__(self, linear: torch.nn.Linear, bits: int) -> None:
+        super().__init__()
+        w = linear.weight.detach().float()
+        out, inp = w.shape
+        group = GROUP if inp % GROUP == 0 else inp
+        top = 2 ** (bits - 1) - 1  # 127 or 7
+        groups = w.view(out, inp // group, group)
+        scale = groups.abs().amax(-1, keepdim=True).clamp(min=1e-12) / top
+        codes = torch.round(groups / scale).clamp(-top, top).view(out, inp)
+        if bits == 8:
+            self.register_buffer("codes", codes.to(torch.int8))
+        else:  # offset to 1..15; column j and j + in/2 share a byte (high and low nibble)
+            half = inp // 2
+            self.register_buffer("codes", ((codes[:, :half] + 8) * 16 + codes[:, half:] + 8).to(torch.uint8))
+        self.register_buffer("scale", scale)
+        self.codes: torch.Tensor
+        self.scale: torch.Tensor
+        self.bits, self.shape, self.group = bits, (out, inp), group
+        self.bias = linear.bias
+
+    def dequantized(self) -> torch.Tensor:
+        """The dequantised float32 weight."""
+        codes = self.codes.to(torch.float32)
+        if self.bits == 4:
+            high = torch.floor(codes / 16)
+            codes = torch.cat([high, codes - 16 * high], dim=1) - 8
+        out, inp = self.shape
+        return (codes.view(out, inp // self.group, self.group) * self.scale).view(out, inp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.dequantized(), self.bias)
+
+
+def quantize_frozen(model: torch.nn.Module, bits: int) -> int:
+    """Replace every frozen Linear of ``model`` (the base layers under LoRA adapters included, the adapters' own
+    factors not) by a :class:`_FrozenQuantLinear` of ``bits`` (8 or 4); returns how many were replaced. A head
+    tied to the float32 embedding stays tied: quantising it would add a copy, not save one."""
+    if bits not in (4, 8):
+        raise ValueError(f"a device base holds 4 or 8 bits, not {bits}")
+    embedded = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    swaps = [(parent, child, module) for parent in model.modules() for child, module in parent.named_children()
+             if type(module) is torch.nn.Linear and not module.weight.requires_grad
+             and id(module.weight) not in embedded and (bits == 8 or module.in_features % 2 == 0)]
+    for parent, child, module in swaps:
+        setattr(parent, child, _FrozenQuantLinear(module, bits))
+    return len(swaps)

@@ -11,11 +11,28 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from functools import lru_cache
+from typing import TYPE_CHECKING
 
 from fedfusion.phone.gateway import call, pack, unpack
 from fedfusion.phone.program import DeviceProgram
 from fedfusion.phone.runtime import ProgramRunner, train_program
 from fedfusion.wire.keys import NUM_EXAMPLES
+
+if TYPE_CHECKING:
+    import torch
+
+    from fedfusion.train.instruct import InstructData
+
+
+@lru_cache(maxsize=4)
+def _pairs(data_spec: str, partition: int, base: str, seq_len: int) -> InstructData:
+    """This device's training pairs, encoded with the base's tokenizer (a phone's app ships that tokenizer)."""
+    from fedfusion.data.instruct import instruct_clients
+    from fedfusion.models.pretrained import load_base_tokenizer
+    from fedfusion.train.instruct import encode_pairs
+
+    return encode_pairs(load_base_tokenizer(base), instruct_clients(data_spec)[partition].train, seq_len)
 
 
 class DeviceRefused(RuntimeError):
@@ -57,7 +74,7 @@ class ReferenceDevice:
         import torch
 
         from fedfusion.data.population import client_windows
-        from fedfusion.wire.specs import ClientSpec, read_train
+        from fedfusion.wire.specs import ClientSpec, LoRABaseSpec, read_train
 
         torch.set_num_threads(self.threads)
         spec = task["spec"]
@@ -65,9 +82,13 @@ class ReferenceDevice:
         weights, _ = unpack(_ok(*self.get(f"/v1/tasks/{task['task']}/weights"), "weights"))
         runner.load(weights)
         client = ClientSpec.from_config(spec)
-        windows = client_windows(client.data_spec, int(spec["partition"]), client.seq_len, "train")
-        stats = train_program(runner, windows, **read_train(spec))
-        metrics = {NUM_EXAMPLES: int(windows.shape[0]), "train_loss": stats.loss, "train_s": stats.seconds,
+        if "adapter" in runner.manifest:  # a LoRA adapter's program: this device's instruction pairs
+            data: torch.Tensor | InstructData = _pairs(client.data_spec, int(spec["partition"]),
+                                                       LoRABaseSpec.from_config(spec).base, client.seq_len)
+        else:
+            data = client_windows(client.data_spec, int(spec["partition"]), client.seq_len, "train")
+        stats = train_program(runner, data, **read_train(spec))
+        metrics = {NUM_EXAMPLES: len(data), "train_loss": stats.loss, "train_s": stats.seconds,
                    "train_tokens": stats.tokens, "device_step_s": stats.seconds / max(1, len(stats.losses))}
         _ok(*call(f"{self.gateway}/v1/tasks/{task['task']}/result", "POST", self.token,
                   pack(runner.weights(), {"metrics": metrics})), "result")

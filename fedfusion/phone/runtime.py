@@ -8,15 +8,18 @@ federation needs AdamW. Torch tensors serve only as arrays here, as Kotlin ``Flo
 
 from __future__ import annotations
 
+import hashlib
 import math
+import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from fedfusion.data.text import sample_batch
 from fedfusion.devices.energy import train_flops
 from fedfusion.phone.program import WRAPPER, DeviceProgram, example_inputs
+from fedfusion.train.instruct import IGNORE, InstructData
 from fedfusion.train.loop import TrainResult
 
 
@@ -55,6 +58,11 @@ class ClientOptimizer:
             p.addcdiv_(m, denom, value=-self.lr / (1 - b1 ** self.steps))
 
 
+# One call into the ExecuTorch binding at a time per process: two reference devices in one process (the tests') that
+# loaded and ran programs from two threads at once froze the whole process, gateway threads included.
+RUNTIME_LOCK = threading.Lock()
+
+
 class ProgramRunner:
     """A loaded training program: put weights in, take forward+backward steps, read weights out."""
 
@@ -63,15 +71,21 @@ class ProgramRunner:
         from executorch.extension.training import TrainingModule
 
         self.program, self.manifest = program, program.manifest  # the runtime reads the buffers in place: keep them
-        self.module = TrainingModule(_load_for_executorch_from_buffer(program.pte, program.ptd))
+        data = self.manifest.get("data")
+        if data and hashlib.sha256(program.ptd).hexdigest() != data["sha256"]:
+            raise ValueError(f"program {self.manifest['program_id']}: its data file ({data['holds']}) does not match "
+                             "the manifest's sha256")
         self.method = str(self.manifest["method"])
-        # The runtime exposes the parameter views only after a first call: one call on zero inputs, once per load.
-        self.module.forward_backward(self.method, example_inputs(self.manifest))
-        prefix = WRAPPER + "."
-        self.params = {k.removeprefix(prefix): v for k, v in self.module.named_parameters().items()}
-        expected = [p["name"] for p in self.manifest["parameters"]]
-        if sorted(self.params) != sorted(expected):
+        # the program's parameter names -> the wire's (a slice's strip the wrapper; a LoRA program's are listed)
+        self.names = {p.get("fqn", f"{WRAPPER}.{p['name']}"): p["name"] for p in self.manifest["parameters"]}
+        with RUNTIME_LOCK:
+            self.module = TrainingModule(_load_for_executorch_from_buffer(program.pte, program.ptd))
+            # The runtime exposes the parameter views only after a first call: one call on zero inputs, once per load.
+            self.module.forward_backward(self.method, example_inputs(self.manifest))
+        named = self.module.named_parameters()
+        if sorted(named) != sorted(self.names):
             raise ValueError(f"program {self.manifest['program_id']}: its parameters differ from its manifest's")
+        self.params = {self.names[k]: v for k, v in named.items()}
 
     def load(self, weights: dict[str, torch.Tensor]) -> None:
         """Copy ``weights`` (every parameter by name, its exact shape) into the program's parameter memory."""
@@ -89,27 +103,53 @@ class ProgramRunner:
 
     def forward_backward(self, *inputs: torch.Tensor) -> tuple[float, dict[str, torch.Tensor]]:
         """One step's loss and gradients (by parameter name) on ``inputs`` of the manifest's shapes."""
-        loss = self.module.forward_backward(self.method, inputs)[0]
-        prefix = WRAPPER + "."
-        return float(loss), {k.removeprefix(prefix): v for k, v in self.module.named_gradients().items()}
+        with RUNTIME_LOCK:
+            loss = self.module.forward_backward(self.method, inputs)[0]
+            grads = {self.names[k]: v for k, v in self.module.named_gradients().items()}
+        return float(loss), grads
 
 
-def train_program(runner: ProgramRunner, windows: torch.Tensor, steps: int, lr: float, batch_size: int, seed: int,
-                  weight_decay: float = 0.0, optimizer: str = "adamw") -> TrainResult:
+def batch_inputs(runner: ProgramRunner, data: torch.Tensor | InstructData, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The program's inputs for the rows ``rows`` of ``data``: token windows as they are; instruction rows
+    (:meth:`InstructData.rows`, trimmed to the batch's longest) right-padded to the program's length (pad id 0,
+    label -100, mask 0: the loss and, under causal attention, every real token's logits are unchanged)."""
+    if isinstance(data, torch.Tensor):
+        return (data[rows],)
+    width = int(runner.manifest["inputs"][0]["shape"][1])
+    ids, labels, mask = data.rows(rows)
+    pad = width - ids.shape[1]
+    if pad < 0:
+        raise ValueError(f"instruction rows of {ids.shape[1]} tokens; the program takes {width}")
+    pad_to = torch.nn.functional.pad
+    return pad_to(ids, (0, pad)), pad_to(labels, (0, pad), value=IGNORE), pad_to(mask, (0, pad))
+
+
+def train_program(runner: ProgramRunner, data: torch.Tensor | InstructData, steps: int, lr: float, batch_size: int,
+                  seed: int, weight_decay: float = 0.0, optimizer: str = "adamw") -> TrainResult:
     """:func:`fedfusion.train.loop.train_steps` through the runtime: the same seeded batches, the same optimizer,
-    the same :class:`~fedfusion.train.loop.TrainResult` (``losses``: the loss of every step, for parity checks)."""
+    the same :class:`~fedfusion.train.loop.TrainResult` (``losses``: the loss of every step, for parity checks).
+    ``data``: token windows for a slice's program, :class:`InstructData` for a LoRA adapter's (whose tokens are the
+    batch's real ones, as :class:`fedfusion.train.instruct.ResponseLoss` counts them)."""
     shape = runner.manifest["inputs"][0]["shape"]
-    if batch_size != shape[0] or windows.shape[1] != shape[1]:
-        raise ValueError(f"batches of {batch_size} x {windows.shape[1]} tokens; the program takes {shape[0]} x {shape[1]}")
+    windows = isinstance(data, torch.Tensor)
+    width = data.shape[1] if isinstance(data, torch.Tensor) else shape[1]
+    if batch_size != shape[0] or width != shape[1]:
+        raise ValueError(f"batches of {batch_size} x {width} tokens; the program takes {shape[0]} x {shape[1]}")
     gen = torch.Generator().manual_seed(seed)
     opt = ClientOptimizer(optimizer, lr, weight_decay)
-    start, losses = time.perf_counter(), list[float]()
+    start, losses, tokens = time.perf_counter(), list[float](), 0
     for _ in range(steps):
-        loss, grads = runner.forward_backward(sample_batch(windows, batch_size, gen))
+        inputs = batch_inputs(runner, data, torch.randint(len(data), (batch_size,), generator=gen))
+        loss, grads = runner.forward_backward(*inputs)
         if not math.isfinite(loss):
             raise FloatingPointError(f"training loss became {loss}")
         opt.step(runner.params, grads)
         losses.append(loss)
-    tokens = steps * batch_size * (windows.shape[1] - 1)
-    params = sum(p.numel() for p in runner.params.values())
+        tokens += batch_size * (shape[1] - 1) if windows else int(inputs[2].sum())
+    params = sum(p.numel() for p in runner.params.values()) + _frozen_params(runner.manifest)
     return TrainResult(tuple(losses), float(tokens), time.perf_counter() - start, flops=train_flops(params, tokens))
+
+
+def _frozen_params(manifest: dict[str, Any]) -> int:
+    """The frozen base's parameters a LoRA program computes through (0 for a slice's)."""
+    return int(manifest.get("adapter", {}).get("base_params", 0))
