@@ -141,6 +141,9 @@ def tier_config(recipe: Recipe, tier: str) -> PretrainedConfig:
     if recipe.fusion.method != SUBMODEL:
         raise ValueError(f"fusion.method {recipe.fusion.method!r}: on-device programs exist for width slices "
                          "(fusion.method=submodel) and LoRA adapters (fusion.method=lora) only")
+    if recipe.fusion.forward == "full":
+        raise ValueError("fusion.forward=full: no on-device program exists yet for a full-forward window (the frozen "
+                         "target with a trainable window written in); phones take width slices (fusion.forward=slice)")
     fit_widths(recipe)
     if tier not in recipe.fusion.widths:
         raise ValueError(f"--tier {tier!r}: the recipe's fusion.widths has {', '.join(recipe.fusion.widths)}")
