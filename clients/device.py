@@ -20,7 +20,7 @@ from flwr.app import ConfigRecord
 
 from fedfusion.config.methods import LORA, SUBMODEL
 from fedfusion.devices.meters import WIRE_PREFIX
-from fedfusion.phone.gateway import call, pack, unpack
+from fedfusion.phone.gateway import ADAPTER, call, pack, unpack
 from fedfusion.wire.keys import NUM_EXAMPLES
 from fedfusion.wire.specs import (
     DROPPED,
@@ -78,7 +78,7 @@ def relay(state: dict[str, torch.Tensor], spec: ConfigRecord, partition: int,
         base, adapter = LoRABaseSpec.from_config(spec), AdapterSpec.from_config(spec)
         if base.lora_dropout:
             raise ValueError(f"lora dropout {base.lora_dropout}: a device program trains without dropout")
-        meta["lora"] = {"base": base.base, "target_modules": list(base.target_modules), "rank": adapter.rank,
+        meta[ADAPTER] = {"base": base.base, "target_modules": list(base.target_modules), "rank": adapter.rank,
                         "alpha": adapter.alpha, "bits": QuantizeSpec.from_config(spec).quantize}
         task_spec.update(merge(base))  # the device's tokenizer is the base's
     else:

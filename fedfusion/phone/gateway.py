@@ -47,6 +47,7 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
 PROGRAM_FILES = {"program.pte": "pte", "weights.ptd": "ptd", "manifest.json": "json"}
+ADAPTER = "adapter"  # a task's meta key: the LoRA adapter a device trains on its frozen base (absent: a slice)
 
 
 def pack(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> bytes:
@@ -190,7 +191,7 @@ class Gateway:
         tensors, meta = unpack(body)
         spec, deadline_s = dict(meta["spec"]), float(meta["deadline_s"])
         shape = int(spec["batch-size"]), int(spec["seq-len"])
-        program = (self.lora_program_for(meta["lora"], *shape) if "lora" in meta
+        program = (self.lora_program_for(meta[ADAPTER], *shape) if ADAPTER in meta
                    else self.program_for(meta["model_config"], *shape))
         task = Task(secrets.token_hex(8), program, spec, pack(tensors, {}), time.monotonic() + deadline_s)
         with self.lock:

@@ -133,8 +133,8 @@ class SubModelMethod(FusionMethod):
         self.frozen_bytes = state_size(encode(self.wire.exact(template), frozen)).nbytes if forward == "full" else 0
         # sub-model sizes depend only on the width, so they are priced once per run
         # core_forward small: each step also trains the small model in its own forward pass (all of its work)
-        small = sum(t.numel() for t in self.wire.exact(extract(template, config, self.small)).values())
-        self.core_work = small if core_forward == "small" else 0
+        self.core_work = sum(t.numel() for t in self.wire.exact(extract(template, config, self.small)).values()
+                             ) if core_forward == "small" else 0
         self.costs = {tier: self._cost(template, tier) for tier in widths}
         self.owned: dict[int, float] | None = None
 
