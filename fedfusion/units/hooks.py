@@ -13,6 +13,7 @@ the same ``nn.Parameter`` objects (state dict names and optimizers are untouched
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,7 +65,9 @@ class UnitGroup:
     engine: UnitEngine
     members: list[nn.Linear]
     name: str = "W"  # unique per group: names the weight blocks devices may cache
-    cache: tuple[torch.Tensor, dict[int, torch.Tensor]] | None = None
+    # per thread (micro-batches in flight run one thread each): the fused GEMM's other members' outputs for input x,
+    # so a sibling layer reading the same x takes its part instead of computing the GEMM again
+    cache: dict[int, tuple[torch.Tensor, dict[int, torch.Tensor]]] = field(default_factory=dict)
 
     def compute(self, x: torch.Tensor) -> list[torch.Tensor]:
         x2d = x.reshape(-1, x.shape[-1])
@@ -90,15 +93,19 @@ class UnitLinear(nn.Module):
         self.group, self.index = group, index
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        cache = self.group.cache
+        thread = threading.get_ident()
+        cache = self.group.cache.get(thread)
         if cache is not None and cache[0] is x and self.index in cache[1]:
             out = cache[1].pop(self.index)
             if not cache[1]:
-                self.group.cache = None
+                del self.group.cache[thread]
             return out
         outs = self.group.compute(x)
         rest = {i: o for i, o in enumerate(outs) if i != self.index}
-        self.group.cache = (x, rest) if rest else None
+        if rest:
+            self.group.cache[thread] = (x, rest)
+        else:
+            self.group.cache.pop(thread, None)
         return outs[self.index]
 
 
