@@ -95,7 +95,8 @@ class WindowModel(FrozenTargetModel):
 
     def core_params(self) -> int:
         """Values of the small model the core trains (0 without a core)."""
-        return sum(math.prod(self.window[key][_grid(at)].shape) for _, key, at, _ in self._core)
+        return sum(math.prod(len(a) if a is not None else n for a, n in zip(at, self.window[key].shape))
+                   for _, key, at, _ in self._core)  # from the positions: no gather (it runs every step)
 
     def trained(self) -> State:
         """The window's trained values, by sub-model name: the client's reply."""
