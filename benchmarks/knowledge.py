@@ -290,7 +290,8 @@ def run_arm(job: dict) -> dict:
         gen_run = GenerativeRun(cfg, min(widths), windows, axes, rounds=a["gen_rounds"], per_round=a["per_round"],
                                 steps=a["gen_steps"], lr=a["gen_lr"], batch_size=a["batch"], seed=job["seed"],
                                 generative=GenerativeConfig(sample_fraction=a["gen_samples"], temperature=a["gen_temperature"],
-                                                            server_steps=a["gen_server_steps"], server_lr=a["gen_server_lr"]))
+                                                            server_steps=a["gen_server_steps"], server_lr=a["gen_server_lr"],
+                                                            top_k=a.get("gen_top_k", 0)))
         _, stats, devices = run_generative(gen_run, initial, evaluate)
         if task.hits is not None:
             ceiling = device_ceiling(task, gen_run.client_config, devices)
@@ -378,6 +379,11 @@ def summarise(results: dict, task: str = "facts") -> dict:
     return {"regimes": out, "best": best}
 
 
+def top_k_note(a: dict) -> str:
+    """How the generative server fits the samples: the sampled tokens, or each position's top-k teacher tokens."""
+    return f", fitting each sampled position's top-{a['gen_top_k']} teacher tokens" if a.get("gen_top_k") else ""
+
+
 def _describe(a: dict) -> str:
     task = (f"{a['people']} people x 6 attributes ({6 * a['people']} facts) over {a['clients']} clients (Zipf-skewed)"
             if a["task"] == "facts" else
@@ -388,7 +394,8 @@ def _describe(a: dict) -> str:
             f"optimizer {a['outer']} (lr {a['outer_lr']}) on each round's fold. Generative: {a['gen_rounds']} rounds x "
             f"{a['per_round']} clients x {a['gen_steps']} local AdamW steps (lr {a['gen_lr']}) on each client's own "
             f"model, {a['gen_samples']} sampled windows per own window, {a['gen_server_steps']} server steps (lr "
-            f"{a['gen_server_lr']}) per round. Metrics are the mean of the last 3 rounds; `spread` is the largest "
+            f"{a['gen_server_lr']}, one AdamW kept across rounds) per round{top_k_note(a)}. Metrics are the mean of "
+            "the last 3 rounds; `spread` is the largest "
             "round-to-round difference of the primary metric among those 3 (mean over seeds): the noise next to any "
             "difference.")
 
@@ -520,6 +527,7 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--gen-temperature", type=float, default=1.0)
     parser.add_argument("--gen-server-steps", type=int, default=30)
     parser.add_argument("--gen-server-lr", type=float, default=3e-3)
+    parser.add_argument("--gen-top-k", type=int, default=0, help="generative: teacher tokens per sampled position (0: ids only)")
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--intermediate", type=int, default=256)
     parser.add_argument("--layers", type=int, default=2)
@@ -559,7 +567,8 @@ def main() -> None:
     saved = json.loads(partial.read_text()) if partial.is_file() else {"args": conf, "results": {}, "machine": machine}
     same = ("task", "people", "clients", "rounds", "per_round", "steps", "batch", "lr", "seq_len", "optimizer", "outer",
             "outer_lr", "gen_steps", "gen_lr", "gen_rounds", "gen_samples", "gen_temperature", "gen_server_steps",
-            "gen_server_lr", "hidden", "intermediate", "layers", "stride", "eval_every", "grow_round", "frozen", "window_width",
+            "gen_server_lr", "gen_top_k", "hidden", "intermediate", "layers", "stride", "eval_every", "grow_round", "frozen",
+            "window_width",
             "window_rank")
     changed = [k for k in same if saved["args"].get(k, conf[k]) != conf[k]]
     if changed:

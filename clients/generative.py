@@ -1,7 +1,8 @@
 """Client role for generative distillation: train this device's own small model, then write samples of it.
 
 The reply carries the trained model (so a stateless deployed node gets it back next round) and, under
-``fedfusion.models.samples.SAMPLES_KEY``, the sampled token windows the server trains the target on.
+``fedfusion.models.samples.SAMPLES_KEY``, the sampled token windows the server trains the target on (and, with
+``generative.top_k``, each position's likeliest tokens under ``TEACHER_KEYS``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from fedfusion.clients.submodel import (
 )
 from flwr.app import ConfigRecord
 
-from fedfusion.models.samples import SAMPLES_KEY, sample_windows
+from fedfusion.models.samples import samples_reply
 from fedfusion.train.loop import train_steps
 from fedfusion.wire.specs import GenerativeSpec, RoundSpec
 
@@ -36,6 +37,5 @@ def train(state: dict[str, torch.Tensor], spec: ConfigRecord, partition: int,
     windows = _windows(spec, partition, "train")
     model = _model(state, spec, accelerator)
     new_state, metrics = trained_reply(model, windows, faults, lambda: train_steps(model, windows, **local_steps(spec)))
-    new_state[SAMPLES_KEY] = sample_windows(model, windows, ask.samples, ask.temperature,
-                                            RoundSpec.from_config(spec).seed)
+    new_state.update(samples_reply(model, windows, ask, RoundSpec.from_config(spec).seed))
     return new_state, metrics

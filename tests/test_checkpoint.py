@@ -11,14 +11,8 @@ from flwr.app import ArrayRecord, ConfigRecord
 
 from fedfusion.cli import main
 from fedfusion.config.recipe import load_recipe
-from fedfusion.fusion.state import rng_state, set_rng_state
-from fedfusion.run.checkpoint import (
-    Checkpoint,
-    load_checkpoint,
-    load_optimizer_state,
-    optimizer_state,
-    save_checkpoint,
-)
+from fedfusion.fusion.state import load_optimizer_state, optimizer_state, rng_state, set_rng_state
+from fedfusion.run.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from fedfusion.run.run_dir import RunDir, read_jsonl
 from tests.test_strategy import FakeGrid, make_strategy, plans, task_identity  # noqa: F401 (autouse fixture)
 

@@ -12,10 +12,21 @@ from transformers import LlamaForCausalLM
 from fedfusion.clients import generative as role
 from fedfusion.devices.catalog import load_catalog
 from fedfusion.fusion.generative.method import GenerativeMethod
-from fedfusion.models.samples import SAMPLES_KEY, GenerativeConfig, SamplePool, check_samples, sample_windows
+from fedfusion.models.samples import (
+    SAMPLES_KEY,
+    TOP_IDS_KEY,
+    TOP_LOGP_KEY,
+    GenerativeConfig,
+    SamplePool,
+    check_samples,
+    check_teacher,
+    sample_windows,
+    top_tokens,
+)
 from fedfusion.selection.participation import Participation
 from fedfusion.selection.selectors import make_selector
 from fedfusion.strategies import FusionStrategy
+from fedfusion.train.distill import TopTokensLoss
 from fedfusion.wire.specs import ClientSpec, GenerativeSpec, ModelSpec, RoundSpec, TrainSpec, merge
 from tests.conftest import tiny_config
 from tests.test_strategy import FakeGrid, task_identity  # noqa: F401  (autouse fixture)
@@ -40,20 +51,56 @@ def test_samples_are_seeded_shaped_like_the_data_and_start_like_it():
 
 def test_pool_keeps_each_clients_newest_samples():
     pool = SamplePool()
-    pool.add(1, torch.zeros(3, 4, dtype=torch.long), cap=4)
-    pool.add(0, torch.ones(2, 4, dtype=torch.long), cap=2)
-    pool.add(1, torch.full((2, 4), 7), cap=4)
+    pool.add(1, {"ids": torch.zeros(3, 4, dtype=torch.long), "x": torch.zeros(3, 2)}, cap=4)
+    pool.add(0, {"ids": torch.ones(2, 4, dtype=torch.long), "x": torch.ones(2, 2)}, cap=2)
+    pool.add(1, {"ids": torch.full((2, 4), 7), "x": torch.full((2, 2), 7.0)}, cap=4)
     assert pool.windows()[:, 0].tolist() == [1, 1, 0, 0, 7, 7]  # client order; client 1's oldest dropped
+    assert pool.arrays()["x"][:, 0].tolist() == [1, 1, 0, 0, 7, 7]  # every array kept row for row with the ids
+    with pytest.raises(ValueError, match="earlier ones"):
+        pool.add(0, {"ids": torch.ones(1, 4, dtype=torch.long)}, cap=2)
     with pytest.raises(ValueError):
         SamplePool().windows()
 
 
-def _strategy():
+def test_top_tokens_are_the_models_likeliest_next_tokens_and_checked():
+    cfg = tiny_config(heads=4, kv_heads=4, hidden=32, inter=48)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    windows = torch.randint(0, cfg.vocab_size, (5, 9))
+    ids, logp = top_tokens(model, windows, 4, batch_size=2)
+    assert ids.shape == logp.shape == (5, 8, 4) and ids.dtype == torch.int32 and logp.dtype == torch.float16
+    full = torch.log_softmax(model(input_ids=windows[:, :-1]).logits.float(), dim=-1)
+    assert torch.equal(ids.long(), full.topk(4, dim=-1).indices)
+    assert torch.allclose(logp.float(), full.topk(4, dim=-1).values, atol=2e-3)
+    check_teacher(ids, logp, windows, 4, cfg.vocab_size)
+    for bad_ids, bad_logp, match in ((ids[:, :-1], logp[:, :-1], "must be"), (ids + cfg.vocab_size, logp, "outside"),
+                                     (ids, logp.abs() + 1, "<= 0"), (ids, logp.float() * float("nan"), "finite")):
+        with pytest.raises(ValueError, match=match):
+            check_teacher(bad_ids, bad_logp, windows, 4, cfg.vocab_size)
+
+
+def test_top_tokens_loss_with_every_token_is_the_cross_entropy_against_the_teacher():
+    cfg = tiny_config(heads=4, kv_heads=4, hidden=32, inter=48)
+    torch.manual_seed(0)
+    teacher, student = LlamaForCausalLM(cfg), LlamaForCausalLM(cfg)
+    windows = torch.randint(0, cfg.vocab_size, (3, 7))
+    ids, logp = top_tokens(teacher, windows, cfg.vocab_size)  # every token: nothing renormalised away
+    rows = torch.tensor([2, 0])
+    step = TopTokensLoss(ids, logp.float())(student, windows[rows], rows)
+    p_t = torch.softmax(teacher(input_ids=windows[rows, :-1]).logits.float(), -1)
+    log_s = torch.log_softmax(student(input_ids=windows[rows, :-1]).logits.float(), -1)
+    assert torch.allclose(step.loss, -(p_t * log_s).sum(-1).mean(), atol=1e-5) and step.tokens == 12
+    few = TopTokensLoss(ids[..., :2], logp[..., :2])(student, windows[rows], rows)  # two tokens: renormalised
+    p2 = torch.softmax(logp[rows, :, :2].float(), -1)
+    assert torch.allclose(few.loss, -(p2 * log_s.gather(-1, ids[rows, :, :2].long())).sum(-1).mean(), atol=1e-5)
+
+
+def _strategy(top_k: int = 0):
     cfg = tiny_config(heads=4, kv_heads=4, hidden=32, inter=48)
     torch.manual_seed(0)
     state = LlamaForCausalLM(cfg).state_dict()
     method = GenerativeMethod(cfg, {"phone": 0.25, "desktop": 0.5}, state,
-                              GenerativeConfig(sample_fraction=0.5, server_steps=3, server_batch=4), seq_len=8,
+                              GenerativeConfig(sample_fraction=0.5, server_steps=3, server_batch=4, top_k=top_k), seq_len=8,
                               population=20)
     strategy = FusionStrategy(
         {"phone": method, "desktop": method}, clients_per_round=2, min_clients=1,
@@ -92,6 +139,47 @@ def test_strategy_keeps_device_models_rejects_bad_samples_and_trains_the_target(
     assert all(torch.equal(restored.methods["phone"].devices[11][k], strategy.methods["phone"].devices[11][k]) for k in own)
 
 
+def _round(strategy, rnd: int, arrays: ArrayRecord, grid: FakeGrid, extra) -> ArrayRecord:
+    """One round in which every node returns its model nudged by 0.01 and ``extra(node, arrays sent)`` samples."""
+    msgs = strategy.configure_train(rnd, arrays, ConfigRecord({}), grid)
+    replies = []
+    for m in msgs:
+        own = {k: v + 0.01 for k, v in m.content["arrays"].to_torch_state_dict().items()}
+        replies.append(_reply(m, {**own, **extra(m.metadata.dst_node_id)}))
+    out, _ = strategy.aggregate_train(rnd, replies)
+    return out
+
+
+def test_top_k_replies_are_checked_and_the_servers_adamw_carries_across_rounds_and_resumes():
+    strategy, state, cfg = _strategy(top_k=2)
+    grid = FakeGrid({11: "phone", 12: "desktop"})
+    gen = torch.Generator().manual_seed(0)
+
+    def samples(node: int) -> dict:
+        ids = torch.randint(0, cfg.vocab_size, (1, 9), generator=gen)
+        top = torch.randint(0, cfg.vocab_size, (1, 8, 2), generator=gen).int()
+        logp = torch.log_softmax(torch.randn(1, 8, 2, generator=gen), -1).half()
+        return {SAMPLES_KEY: ids, TOP_IDS_KEY: top, **({} if node == 12 else {TOP_LOGP_KEY: logp})}
+
+    first = _round(strategy, 1, ArrayRecord(state), grid, samples)
+    assert strategy.round.rows[11].status == "ok" and strategy.round.rows[12].status == "rejected"
+    assert TOP_LOGP_KEY in strategy.round.rows[12].error  # names the array the reply lacks
+    method = strategy.methods["phone"]
+    assert set(method.pool.arrays()) == {"ids", TOP_IDS_KEY, TOP_LOGP_KEY}
+    model, opt = method.server
+    assert all(opt.state[p]["step"] == 3 for p in model.parameters())  # one round's server steps so far
+    saved = json.loads(json.dumps(strategy.state_dict()))
+    gen_state = gen.get_state()
+    second = _round(strategy, 2, first, grid, samples)
+    assert all(opt.state[p]["step"] == 6 for p in model.parameters())  # the same AdamW continued
+    restored, _, _ = _strategy(top_k=2)
+    restored.load_state_dict(saved, 1)
+    gen.set_state(gen_state)
+    again = _round(restored, 2, first, grid, samples)
+    a, b = second.to_torch_state_dict(), again.to_torch_state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)  # a resumed run's server takes the same steps
+
+
 def test_client_role_trains_and_samples(tmp_path):
     from fedfusion.config.recipe import load_recipe
     from fedfusion.data.population import data_spec
@@ -105,8 +193,9 @@ def test_client_role_trains_and_samples(tmp_path):
     cfg = target.model.config
     plan = plan_slice(cfg, 0.25, "static")
     spec = ConfigRecord(merge(ClientSpec(data_spec(recipe), 48, 1), TrainSpec(2, 1e-2, 4, 0.0, "adamw"), RoundSpec(1, 5),
-                              GenerativeSpec(0.25, 3, 1.0), ModelSpec(sub_config(cfg, plan).to_dict())))
+                              GenerativeSpec(0.25, 3, 1.0, 2), ModelSpec(sub_config(cfg, plan).to_dict())))
     state, metrics = role.train(extract(target.model.state_dict(), cfg, plan), spec, partition=1)
     samples = state.pop(SAMPLES_KEY)
     assert samples.shape == (3, 49) and bool((samples[:, 0] == target.tokenizer.bos_token_id).all())
+    check_teacher(state.pop(TOP_IDS_KEY), state.pop(TOP_LOGP_KEY), samples, 2, cfg.vocab_size)  # top_k 2 asked
     assert metrics["num-examples"] > 0 and metrics["train_loss"] > 0

@@ -208,6 +208,9 @@ class GenerativeSection:
     server_lr: float = 3e-3
     server_batch: int = 64
     server_device: str = DEFAULT_SERVER_DEVICE  # the catalog tier that prices the server's training
+    # > 0: each sampled position also carries its k likeliest tokens and log-probs (the target fits that teacher
+    # distribution instead of the one sampled token); 0: token ids only
+    top_k: int = 0
 
 
 @dataclass
@@ -612,6 +615,8 @@ def validate(recipe: Recipe) -> None:
         for name in ("server_steps", "server_batch"):
             if getattr(g, name) < 1:
                 raise RecipeError(f"generative.{name}: must be >= 1, got {getattr(g, name)}")
+        if g.top_k < 0:
+            raise RecipeError(f"generative.top_k: must be >= 0 (0: the samples' token ids only), got {g.top_k}")
     for tier, width in recipe.fusion.widths.items():
         if not 0 < width <= 1:
             raise RecipeError(f"fusion.widths.{tier}: must be in (0, 1], got {width}")

@@ -26,7 +26,7 @@ from fedfusion.fusion.submodel.method import SubModelMethod
 from fedfusion.models.build import model_from_state, tied_aliases, wire_state
 from fedfusion.models.full_forward import WindowModel, from_payload
 from fedfusion.models.low_rank import LowRankModel
-from fedfusion.models.samples import SAMPLES_KEY, GenerativeConfig, sample_windows
+from fedfusion.models.samples import SAMPLES_KEY, GenerativeConfig, samples_reply
 from fedfusion.models.slicing import extract, plan_slice, sub_config
 from fedfusion.train.distill import DistillationLoss, Teacher, feddf_teacher, forward_flops
 from fedfusion.train.loop import loss_of, train_steps
@@ -233,11 +233,12 @@ def run_generative(run: GenerativeRun, initial: dict[str, torch.Tensor], evaluat
         out = train_steps(model, own, run.steps, run.lr, run.batch_size, seed, run.weight_decay, run.optimizer)
         reply = wire_state({k: v.detach() for k, v in model.state_dict().items()}, tied_aliases(model))
         start = time.perf_counter()
-        reply[SAMPLES_KEY] = sample_windows(model, own, GenerativeSpec.from_config(payload.spec).samples,
-                                            run.generative.temperature, seed)
+        ask = GenerativeSpec.from_config(payload.spec)
+        reply.update(samples_reply(model, own, ask, seed))
         params = sum(p.numel() for p in model.parameters())
         sampling["seconds"] += time.perf_counter() - start
-        sampling["flops"] += 2.0 * params * reply[SAMPLES_KEY].numel()
+        # generation, plus the teacher's forward pass over the samples with top_k
+        sampling["flops"] += 2.0 * params * reply[SAMPLES_KEY].numel() * (2 if ask.top_k else 1)
         return reply, {**out.metrics(), NUM_EXAMPLES: len(own)}
 
     caps = [{Caps.key("examples"): len(w)} for w in run.windows]  # what each node reports of itself

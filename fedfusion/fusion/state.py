@@ -30,3 +30,21 @@ def set_rng_state(rng, state: list[Any]) -> None:
     """Restore a state saved by :func:`rng_state`."""
     version, internal, gauss = state
     rng.setstate((version, tuple(internal), gauss))
+
+
+def optimizer_state(opt: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """An optimizer's state split for a checkpoint: its parameter groups (JSON, for ``strategy``) and its
+    per-parameter tensors (for ``tensors``, keyed ``<parameter index>/<name>``; entries that are not tensors, such
+    as SGD's absent momentum, are left out and come back absent)."""
+    sd = opt.state_dict()
+    tensors = {f"{i}/{name}": v for i, s in sd["state"].items() for name, v in s.items() if isinstance(v, torch.Tensor)}
+    return {"param_groups": sd["param_groups"]}, tensors
+
+
+def load_optimizer_state(opt: torch.optim.Optimizer, groups: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    """Restore what :func:`optimizer_state` split."""
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for key, value in tensors.items():
+        index, name = key.split("/", 1)
+        state.setdefault(int(index), {})[name] = value
+    opt.load_state_dict({"state": state, "param_groups": groups["param_groups"]})

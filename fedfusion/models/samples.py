@@ -9,7 +9,9 @@ has heard from, so knowledge moves as text and the target's size is free of the 
 What this reveals: the samples are drawn from a model fitted to the client's private documents, so they
 carry the client's facts almost verbatim (that is why they teach the target). Treat them as the client's
 data: this method trades the privacy of parameter averaging for recall, and differential privacy on the
-small model's training is the remedy, not anything here.
+small model's training is the remedy, not anything here. With ``top_k`` the samples also carry each position's
+``top_k`` most likely next tokens and their log-probabilities under the client's model (a dense teacher signal,
+one forward pass over the samples): the same text, with how sure the client's model was of every token.
 """
 
 from __future__ import annotations
@@ -20,8 +22,12 @@ import torch
 from transformers import PreTrainedModel
 
 from fedfusion.models.build import generate
+from fedfusion.wire.specs import GenerativeSpec
 
 SAMPLES_KEY = "generated-ids"  # the reply's ArrayRecord key for the sampled token ids, next to the model's keys
+TOP_IDS_KEY = "generated-top-ids"  # top_k: each sampled position's k likeliest next tokens (n, seq_len, k) int32
+TOP_LOGP_KEY = "generated-top-logp"  # top_k: their log-probabilities under the client's model (n, seq_len, k) float16
+TEACHER_KEYS = (TOP_IDS_KEY, TOP_LOGP_KEY)
 
 
 @dataclass(frozen=True)
@@ -34,10 +40,13 @@ class GenerativeConfig:
     server_lr: float = 3e-3
     server_batch: int = 64
     max_windows: int = 4096  # the most training windows the server credits a client with (its samples and pool share)
+    top_k: int = 0  # > 0: samples carry each position's k likeliest tokens and log-probs; the target fits those
 
     def __post_init__(self) -> None:
         if self.server_steps < 1 or self.server_batch < 1 or self.max_windows < 1:
             raise ValueError(f"server_steps, server_batch and max_windows must be >= 1, got {self}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0: token ids only), got {self.top_k}")
         if not self.sample_fraction > 0:
             raise ValueError(f"sample_fraction must be > 0, got {self.sample_fraction}")
         if not self.temperature > 0 or not self.server_lr > 0:
@@ -61,6 +70,46 @@ def sample_windows(model: PreTrainedModel, own: torch.Tensor, n: int, temperatur
                         min_new_tokens=width - 1, pad_token_id=int(start[0, 0])).cpu()
 
 
+@torch.no_grad()
+def top_tokens(model: PreTrainedModel, windows: torch.Tensor, k: int, batch_size: int = 64,
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each position's ``k`` likeliest next tokens under ``model`` (temperature 1) for ``windows`` (n, seq_len + 1):
+    ids (n, seq_len, k) int32 and log-probabilities float16, the dense teacher signal of ``top_k`` samples."""
+    model.eval()
+    ids, logp = [], []
+    for i in range(0, len(windows), batch_size):
+        inputs = windows[i:i + batch_size, :-1].to(model.device)
+        log_probs = torch.log_softmax(model(input_ids=inputs).logits.float(), dim=-1)
+        top = log_probs.topk(min(k, log_probs.shape[-1]), dim=-1)
+        ids.append(top.indices.to(torch.int32).cpu())
+        logp.append(top.values.to(torch.float16).cpu())
+    return torch.cat(ids), torch.cat(logp)
+
+
+def samples_reply(model: PreTrainedModel, own: torch.Tensor, ask: GenerativeSpec, seed: int) -> dict[str, torch.Tensor]:
+    """What a client adds to its reply: ``ask.samples`` windows sampled from ``model`` under :data:`SAMPLES_KEY`
+    and, with ``ask.top_k``, their teacher arrays under :data:`TEACHER_KEYS`."""
+    samples = sample_windows(model, own, ask.samples, ask.temperature, seed)
+    if not ask.top_k:
+        return {SAMPLES_KEY: samples}
+    ids, logp = top_tokens(model, samples, ask.top_k)
+    return {SAMPLES_KEY: samples, TOP_IDS_KEY: ids, TOP_LOGP_KEY: logp}
+
+
+def check_teacher(ids: torch.Tensor, logp: torch.Tensor, samples: torch.Tensor, k: int, vocab: int) -> None:
+    """Raise ValueError unless ``ids``/``logp`` are ``k`` finite log-probabilities (<= 0) of token ids in [0, vocab)
+    per position of ``samples``."""
+    shape = (samples.shape[0], samples.shape[1] - 1, k)
+    if tuple(ids.shape) != shape or tuple(logp.shape) != shape:
+        raise ValueError(f"top tokens must be {shape}, got ids {tuple(ids.shape)} and log-probs {tuple(logp.shape)}")
+    if ids.dtype not in (torch.int32, torch.int64) or not logp.is_floating_point():
+        raise ValueError(f"top tokens must be integer ids and float log-probs, got {ids.dtype} and {logp.dtype}")
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+        raise ValueError(f"top token ids outside the vocabulary [0, {vocab})")
+    if not bool(torch.isfinite(logp).all()) or float(logp.max()) > 1e-3:
+        raise ValueError("top log-probabilities must be finite and <= 0")
+
+
 def check_samples(samples: torch.Tensor, width: int, vocab: int, most: int) -> None:
     """Raise ValueError unless ``samples`` are at most ``most`` windows of ``width`` token ids in [0, vocab)."""
     if samples.dtype not in (torch.int32, torch.int64) or samples.dim() != 2 or samples.shape[1] != width:
@@ -73,19 +122,26 @@ def check_samples(samples: torch.Tensor, width: int, vocab: int, most: int) -> N
 
 class SamplePool:
     """Every client's most recent samples, at most ``cap[client]`` windows each (oldest dropped first): what the
-    server trains the target on. A client's newer samples come from a better-trained model."""
+    server trains the target on. A client's newer samples come from a better-trained model. Each entry holds the
+    token ids under ``"ids"`` and, with ``top_k``, the teacher arrays (first axis: the window)."""
 
     def __init__(self) -> None:
-        self.kept: dict[int, torch.Tensor] = {}
+        self.kept: dict[int, dict[str, torch.Tensor]] = {}
 
-    def add(self, client: int, windows: torch.Tensor, cap: int) -> None:
-        """Append ``client``'s new samples, keeping its newest ``cap``."""
+    def add(self, client: int, arrays: dict[str, torch.Tensor], cap: int) -> None:
+        """Append ``client``'s new sample arrays (``"ids"`` and the same keys every time), keeping its newest ``cap``."""
         old = self.kept.get(client)
-        joined = windows if old is None else torch.cat([old, windows])
-        self.kept[client] = joined[-cap:]
+        if old is not None and set(old) != set(arrays):
+            raise ValueError(f"client {client}'s samples hold {sorted(arrays)}, its earlier ones {sorted(old)}")
+        self.kept[client] = {k: (v if old is None else torch.cat([old[k], v]))[-cap:] for k, v in arrays.items()}
 
-    def windows(self) -> torch.Tensor:
-        """All clients' kept samples as one tensor (client order)."""
+    def arrays(self) -> dict[str, torch.Tensor]:
+        """All clients' kept arrays, each as one tensor (client order)."""
         if not self.kept:
             raise ValueError("no client has sent samples yet")
-        return torch.cat([self.kept[c] for c in sorted(self.kept)])
+        order = sorted(self.kept)
+        return {k: torch.cat([self.kept[c][k] for c in order]) for k in self.kept[order[0]]}
+
+    def windows(self) -> torch.Tensor:
+        """All clients' kept token windows as one tensor (client order)."""
+        return self.arrays()["ids"]

@@ -39,24 +39,6 @@ class Checkpoint:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-def optimizer_state(opt: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """An optimizer's state split for a checkpoint: its parameter groups (JSON, for ``strategy``) and its
-    per-parameter tensors (for ``tensors``, keyed ``<parameter index>/<name>``; entries that are not tensors, such
-    as SGD's absent momentum, are left out and come back absent)."""
-    sd = opt.state_dict()
-    tensors = {f"{i}/{name}": v for i, s in sd["state"].items() for name, v in s.items() if isinstance(v, torch.Tensor)}
-    return {"param_groups": sd["param_groups"]}, tensors
-
-
-def load_optimizer_state(opt: torch.optim.Optimizer, groups: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
-    """Restore what :func:`optimizer_state` split."""
-    state: dict[int, dict[str, torch.Tensor]] = {}
-    for key, value in tensors.items():
-        index, name = key.split("/", 1)
-        state.setdefault(int(index), {})[name] = value
-    opt.load_state_dict({"state": state, "param_groups": groups["param_groups"]})
-
-
 def save_checkpoint(run_path: Path, ckpt: Checkpoint) -> None:
     """Write the checkpoint next to the old one, then swap it in, so a kill never leaves half of one."""
     final, tmp = run_path / DIR, run_path / f"{DIR}.tmp"

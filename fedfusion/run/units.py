@@ -37,7 +37,8 @@ from fedfusion.data.population import client_windows, data_spec, write_partition
 from fedfusion.data.text import sample_batch
 from fedfusion.devices.catalog import Device, load_catalog
 from fedfusion.devices.energy import price_work
-from fedfusion.run.checkpoint import Checkpoint, load_checkpoint, load_optimizer_state, optimizer_state, save_checkpoint
+from fedfusion.fusion.state import load_optimizer_state, optimizer_state
+from fedfusion.run.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from fedfusion.run.report import write_report
 from fedfusion.run.run_dir import RunDir, read_jsonl
 from fedfusion.run.targets import lm_target

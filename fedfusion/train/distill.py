@@ -232,3 +232,22 @@ class DistillationLoss:
         loss, parts = distillation_loss(logits, batch[:, 1:].to(logits.device), teacher, self.temperature,
                                         self.kd_weight, self.diversity_weight)
         return Step(loss, batch.shape[0] * (batch.shape[1] - 1), parts=parts, flops=flops)
+
+
+@dataclass(frozen=True)
+class TopTokensLoss:
+    """Top-k distillation, a plug-in of :func:`fedfusion.train.loop.train_steps`: the student's cross-entropy
+    against a teacher given as each position's ``k`` likeliest tokens ``ids`` and their log-probabilities ``logp``
+    ((n, seq_len, k), row-aligned with the training windows), renormalised over those ``k`` (the teacher's other
+    tokens carry no target). The windows' own tokens are not used: the teacher's distribution replaces them."""
+
+    ids: torch.Tensor
+    logp: torch.Tensor
+    what: str = "top-k distillation"
+
+    def __call__(self, model: PreTrainedModel, batch: torch.Tensor, rows: torch.Tensor) -> Step:
+        _, logits = lm_loss(model, batch)
+        ids = self.ids[rows].long().to(logits.device)
+        p_t = torch.softmax(self.logp[rows].float().to(logits.device), dim=-1)
+        log_s = F.log_softmax(logits, dim=-1).gather(-1, ids)
+        return Step(-(p_t * log_s).sum(-1).mean(), batch.shape[0] * (batch.shape[1] - 1))

@@ -193,6 +193,7 @@ def train_steps(
     optimizer: str = "adamw",
     checkpoint: bool = False,
     loss: Loss = LM,
+    opt: torch.optim.Optimizer | None = None,
 ) -> TrainResult:
     """The one local training loop: ``steps`` optimizer steps (:func:`make_optimizer`) of ``loss`` on random
     batches of ``data``.
@@ -205,6 +206,9 @@ def train_steps(
     ``checkpoint``: recompute each layer's activations in backward (:func:`checkpoint_activations`).
     ``optimizer``: ``adamw`` (default), or ``sgd`` (plain SGD: an update moves only what the batch's gradient
     touches, which a server-side outer optimizer can then scale; see :mod:`fedfusion.fusion.outer`).
+    ``opt``: an optimizer over ``model``'s parameters to continue (its moments carry across calls, as the server's
+    generative training keeps one across rounds) instead of a fresh one; ``optimizer``, ``lr`` and
+    ``weight_decay`` are then its own.
 
     Batches are drawn on the CPU with a seeded generator (the same batches on any accelerator) and
     moved to wherever ``model`` lives; dropout, where the model has any, follows ``seed`` too.
@@ -216,7 +220,7 @@ def train_steps(
     gen = torch.Generator().manual_seed(seed)
     if checkpoint:
         checkpoint_activations(model)
-    opt = make_optimizer(model, optimizer, lr, weight_decay)
+    opt = opt or make_optimizer(model, optimizer, lr, weight_decay)
     model.train()
     start, losses, tokens, flops, sums = time.perf_counter(), list[float](), 0, 0.0, dict[str, float]()
     with seeded_randomness(seed, model.device):

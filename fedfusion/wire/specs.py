@@ -303,12 +303,13 @@ class FamilySpec(Spec):
 
 @dataclass(frozen=True)
 class GenerativeSpec(Spec):
-    """A device's own model in generative distillation: its width, and how many windows to sample at which
-    temperature."""
+    """A device's own model in generative distillation: its width, how many windows to sample at which
+    temperature, and how many likeliest tokens per sampled position to send with them (0: none)."""
 
     width: float
     samples: int
     temperature: float
+    top_k: int
 
 
 @dataclass(frozen=True)

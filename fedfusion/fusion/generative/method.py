@@ -7,6 +7,9 @@ asked for samples. A reply's model is kept as that device's, its samples in a
 
 The server sees every client's samples, which carry its private data almost verbatim: see
 :mod:`fedfusion.models.samples`. The server's training is the fold's ``server_cost``, priced like distillation.
+It keeps one AdamW over the target across rounds (a fresh one each round would restart its moments, so every
+round's first steps would be sign-sized jolts), and with ``top_k`` fits each sampled position's teacher
+distribution instead of the one sampled token.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from transformers import PretrainedConfig
+from transformers import PretrainedConfig, PreTrainedModel
 
 from fedfusion.config.methods import SUBMODEL
 from fedfusion.fusion.base import (
@@ -32,12 +35,22 @@ from fedfusion.fusion.base import (
     state_size,
 )
 from fedfusion.fusion.rounds import server_seed
-from fedfusion.fusion.state import pack_tensors, unpack_tensors
+from fedfusion.fusion.state import load_optimizer_state, optimizer_state, pack_tensors, unpack_tensors
 from fedfusion.fusion.submodel.method import SliceWire
-from fedfusion.models.build import model_from_state
-from fedfusion.models.samples import SAMPLES_KEY, GenerativeConfig, SamplePool, check_samples
+from fedfusion.models.build import full_state, model_from_state, tied_aliases
+from fedfusion.models.samples import (
+    SAMPLES_KEY,
+    TEACHER_KEYS,
+    TOP_IDS_KEY,
+    TOP_LOGP_KEY,
+    GenerativeConfig,
+    SamplePool,
+    check_samples,
+    check_teacher,
+)
 from fedfusion.models.slicing import extract, plan_slice, sub_config
-from fedfusion.train.loop import train_steps
+from fedfusion.train.distill import TopTokensLoss
+from fedfusion.train.loop import LM, make_optimizer, train_steps
 from fedfusion.wire.specs import Caps, GenerativeSpec, ModelSpec, RoleSpec, merge
 
 
@@ -62,23 +75,28 @@ class GenerativeMethod(FusionMethod):
         self.pool = SamplePool()
         self.examples: dict[int, int] = {}  # partition -> its training windows (caps its samples)
         self.initial: dict[str, torch.Tensor] | None = None  # the target before round 1: what device models start from
+        self.server: tuple[PreTrainedModel, torch.optim.Optimizer] | None = None  # the target's model and its AdamW
+        self.server_state: dict[str, Any] | None = None  # a resumed AdamW's state, loaded when the model is built
 
     def describe(self) -> str:
         g = self.generative
-        return f"generative: widths={self.widths} samples/window={g.sample_fraction} server_steps={g.server_steps}"
+        top = f" top_k={g.top_k}" if g.top_k else ""
+        return f"generative: widths={self.widths} samples/window={g.sample_fraction} server_steps={g.server_steps}{top}"
 
     def state_dict(self) -> dict[str, Any]:
-        """Every device's model and the sample pool (safetensors, base64) for a resumed run."""
+        """Every device's model, the sample pool and the server's AdamW (safetensors, base64) for a resumed run."""
         return {"examples": self.examples,
                 "devices": {str(p): pack_tensors(s) for p, s in self.devices.items()},
-                "pool": {str(p): pack_tensors({"ids": w}) for p, w in self.pool.kept.items()},
-                "initial": pack_tensors(self.initial) if self.initial is not None else None}
+                "pool": {str(p): pack_tensors(arrays) for p, arrays in self.pool.kept.items()},
+                "initial": pack_tensors(self.initial) if self.initial is not None else None,
+                "server": self._server_state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.examples = {int(p): int(n) for p, n in state["examples"].items()}
         self.devices = {int(p): unpack_tensors(s) for p, s in state["devices"].items()}
-        self.pool.kept = {int(p): unpack_tensors(s)["ids"] for p, s in state["pool"].items()}
+        self.pool.kept = {int(p): unpack_tensors(s) for p, s in state["pool"].items()}
         self.initial = unpack_tensors(state["initial"]) if state["initial"] else None
+        self.server, self.server_state = None, state.get("server")
 
     def tier_cost(self, tier: str) -> TierCost:
         return self.costs[tier]
@@ -95,22 +113,27 @@ class GenerativeMethod(FusionMethod):
             # the client's own count of training windows, capped by the server: a client cannot claim the pool
             windows = min(int(client.caps.get(Caps.key("examples"), 1)), self.generative.max_windows)
             self.examples[client.partition] = windows
+            g = self.generative
             spec = merge(RoleSpec(self.role), ModelSpec(sub_config(self.config, plan).to_dict()),
-                         GenerativeSpec(width, math.ceil(self.generative.sample_fraction * windows),
-                                        self.generative.temperature))
+                         GenerativeSpec(width, math.ceil(g.sample_fraction * windows), g.temperature, g.top_k))
             out.append(Payload(client, sent, spec, width, params=sum(t.numel() for t in sent.values()),
                                sent_norm=state_norm(sent), context=sent))
         return out
 
     def check(self, payload: Payload, reply: State, weight: float) -> Update:
         arrays = dict(reply)
-        samples = arrays.pop(SAMPLES_KEY, None)
-        if samples is None:
-            raise ValueError(f"reply has no {SAMPLES_KEY!r} array")
+        wanted = (SAMPLES_KEY, *TEACHER_KEYS) if self.generative.top_k else (SAMPLES_KEY,)
+        missing = [key for key in wanted if key not in arrays]
+        if missing:
+            raise ValueError(f"reply has no {', '.join(map(repr, missing))} array")
+        samples = {key: arrays.pop(key) for key in wanted}
         check_same_layout(arrays, payload.context, "model sent")
         norm = state_norm(arrays)
-        check_samples(samples, self.seq_len + 1, self.config.vocab_size, math.ceil(
+        check_samples(samples[SAMPLES_KEY], self.seq_len + 1, self.config.vocab_size, math.ceil(
             self.generative.sample_fraction * self.examples.get(payload.client.partition, 1)))
+        if self.generative.top_k:
+            check_teacher(samples[TOP_IDS_KEY], samples[TOP_LOGP_KEY], samples[SAMPLES_KEY],
+                          min(self.generative.top_k, self.config.vocab_size), self.config.vocab_size)
         return Update(payload, weight, norm, (arrays, samples))
 
     def fold(self, server_round: int, target: State, updates: Sequence[Update]) -> Fold:
@@ -118,13 +141,37 @@ class GenerativeMethod(FusionMethod):
         for update in updates:
             partition, (arrays, samples) = update.payload.client.partition, update.data
             self.devices[partition] = {k: v.float() if v.is_floating_point() else v for k, v in arrays.items()}
-            self.pool.add(partition, samples.long(), cap=max(1, self.examples.get(partition, 1)))
-        model = model_from_state(self.config, target)
-        g = self.generative
-        out = train_steps(model, self.pool.windows(), g.server_steps, g.server_lr, g.server_batch,
-                          server_seed(self.run_seed, server_round, self.population))
+            kept = {"ids": samples[SAMPLES_KEY].long()}
+            if self.generative.top_k:
+                kept |= {TOP_IDS_KEY: samples[TOP_IDS_KEY].to(torch.int32), TOP_LOGP_KEY: samples[TOP_LOGP_KEY].half()}
+            self.pool.add(partition, kept, cap=max(1, self.examples.get(partition, 1)))
+        model, opt = self._server(target)
+        g, pool = self.generative, self.pool.arrays()
+        loss = TopTokensLoss(pool[TOP_IDS_KEY], pool[TOP_LOGP_KEY]) if g.top_k else LM
+        out = train_steps(model, pool["ids"], g.server_steps, g.server_lr, g.server_batch,
+                          server_seed(self.run_seed, server_round, self.population), loss=loss, opt=opt)
         new = {k: v.detach().clone() for k, v in model.state_dict().items()}
         return Fold(new, 1.0, {"server_loss": out.loss}, out.cost())
+
+    def _server_state(self) -> dict[str, Any] | None:
+        """The server's AdamW as JSON-able values (None before the first fold)."""
+        if self.server is None:
+            return self.server_state
+        groups, tensors = optimizer_state(self.server[1])
+        return {**groups, "tensors": pack_tensors(tensors)}
+
+    def _server(self, target: State) -> tuple[PreTrainedModel, torch.optim.Optimizer]:
+        """The server's model holding ``target`` and its AdamW, kept across rounds (built, and a resumed state
+        loaded, on first use)."""
+        if self.server is None:
+            model = model_from_state(self.config, target)
+            opt = make_optimizer(model, "adamw", self.generative.server_lr, 0.0)
+            if self.server_state is not None:
+                load_optimizer_state(opt, self.server_state, unpack_tensors(self.server_state["tensors"]))
+            self.server, self.server_state = (model, opt), None
+        else:
+            self.server[0].load_state_dict(full_state(target, tied_aliases(self.server[0])), strict=True)
+        return self.server
 
     def evaluation(self, target: State, tier: str) -> tuple[State, dict[str, Any]]:
         return self.wire(target), merge(RoleSpec(SUBMODEL), ModelSpec(self.config.to_dict()))
