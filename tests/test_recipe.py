@@ -61,6 +61,7 @@ def test_resolved_recipe_reloads_identically(tmp_path):
         ("engine:\n  server_threads: -1\n", "engine.server_threads"),
         ("train:\n  eval_every: -1\n", "train.eval_every"),
         ("train:\n  eval_every: sometimes\n", "train.eval_every"),
+        ("fusion:\n  method: generative\ngenerative:\n  top_k: -2\n", "generative.top_k"),
     ],
 )
 def test_bad_recipe_names_the_key(tmp_path, text, key):

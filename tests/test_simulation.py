@@ -289,7 +289,7 @@ def test_a_users_facts_run_end_to_end_with_generative_distillation(tmp_path):
     out = tmp_path / "knowledge"
     assert main(["run", "knowledge", "rounds=2", f"data.path={paths['train']}", f"data.probes={paths['probes']}",
                  "population.num_clients=4", "selection.clients_per_round=2", "train.local_steps=2",
-                 "generative.server_steps=2", "engine.cpus_per_client=1.0", "--out", str(out)]) == 0
+                 "generative.server_steps=2", "generative.top_k=4", "engine.cpus_per_client=1.0", "--out", str(out)]) == 0
     rows = read_jsonl(out / "metrics.jsonl")
     assert [r["round"] for r in rows] == [0, 1, 2]
     assert all(0 <= r["probe_acc"] <= 1 and r["answer_loss"] > 0 for r in rows)

@@ -592,8 +592,10 @@ def generative_view(recipe: Recipe) -> PlanView:
     view = slices_view(recipe, ": each tier keeps its own model, the static slice at its width; the server trains "
                                "the target")
     server = generative_server_row(recipe)
+    top = recipe.generative.top_k
+    extra = f", + seq_len x {top} x 6 bytes of top tokens per window (generative.top_k)" if top else ""
     note = ("a client's uplink also carries its samples (generative.sample_fraction x its windows "
-            "x (seq_len + 1) x 8 bytes), which the plan cannot know")
+            f"x (seq_len + 1) x 8 bytes{extra}), which the plan cannot know")
     return replace(view, rows=[*view.rows, {**server, "width": None, "slice": server["trains"]}], notes=(note,))
 
 
