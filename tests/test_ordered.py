@@ -14,6 +14,7 @@ from fedfusion.train.ordered import OrderedDropout, nested_plan, ordered_fractio
 from tests.conftest import tiny_config
 
 torch.set_num_threads(1)
+pytestmark = pytest.mark.usefixtures("one_thread")  # and per test: a test elsewhere may have raised the count since import
 
 CONFIGS = {
     "llama": lambda: tiny_config(heads=8, kv_heads=4, hidden=32, inter=48),

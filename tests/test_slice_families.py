@@ -23,6 +23,7 @@ from fedfusion.models.slicing import (
 )
 
 torch.set_num_threads(1)
+pytestmark = pytest.mark.usefixtures("one_thread")  # and per test: a test elsewhere may have raised the count since import
 
 CONFIGS = {
     "llama": lambda: LlamaConfig(

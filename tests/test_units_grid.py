@@ -4,7 +4,7 @@ nodes run the real ClientApp handler (``fedfusion.client_app.units``, weight cac
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from uuid import uuid4
 
 import pytest
@@ -19,14 +19,13 @@ from fedfusion.units import Gemm, Operand, UnitDevice, UnitEngine
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
+def _task_identity() -> None:
     from flwr.supercore.task_identity import TaskIdentity
 
     TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 0  # as tests/test_strategy.py does
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py: tiny GEMMs on one thread, restored after
 
 
 class FakeGrid:

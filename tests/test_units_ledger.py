@@ -5,7 +5,6 @@ run's report. Each priced item is there, non-zero, and follows its formula."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,12 +24,7 @@ from fedfusion.units.verify import VECTORS, Freivalds, check_flops
 SHAPE = dict(hidden=32, intermediate=64, layers=2, heads=4, kv_heads=2, vocab=50)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py: tiny GEMMs on one thread, restored after
 
 
 def gemm_flops(mode: str, tokens: int) -> int:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -12,14 +10,8 @@ from fedfusion.units import Gemm, Operand, UnitDevice, UnitEngine, install
 from fedfusion.units.phases import llama_phases
 from fedfusion.units.timeline import Kill, chains_from_trace, simulate
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py: tiny GEMMs on one thread, restored after
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    """Two shared cores: BLAS threads spinning against each other cost 1000x on tiny GEMMs (restored after)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 SHAPE = dict(hidden=64, intermediate=256, layers=2, heads=4, kv_heads=4, vocab=60)
 QUICKSTART = dict(hidden=128, intermediate=512, layers=4, heads=8, kv_heads=8, vocab=100)
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -11,14 +9,8 @@ from fedfusion.units import Freivalds, Gemm, Operand, UnitDevice, UnitEngine
 from fedfusion.units.messages import DeviceRuntime
 from fedfusion.units.workers import Corrupt, DiesAfter
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py: tiny GEMMs on one thread, restored after
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    """Two shared cores: BLAS threads spinning against each other cost 1000x on tiny GEMMs (restored after)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 KINDS = ("entry", "row", "column", "dense", "sparse", "scaled")
 
 
