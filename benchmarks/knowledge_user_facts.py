@@ -12,8 +12,9 @@ Arms (``fusion.widths.phone`` stays the recipe's 0.125 except for the oracle):
 - ``smallest_only``: ``fusion.method=submodel fusion.grow_round=<rounds>``: every round trains the smallest
   width's static slice inside a target silenced around it, so the scored target *is* that small model: the
   model the phones can train together, at the same budget.
-- ``generative``: the recipe as it ships.
-- ``generative_topk``: the recipe with ``generative.top_k=8``: the samples carry each position's 8 likeliest tokens.
+- ``generative``: generative distillation on the sampled tokens alone (``generative.top_k=0``).
+- ``generative_topk``: the recipe as it ships (``generative.top_k=8``: the samples carry each position's 8
+  likeliest tokens and their log-probabilities).
 - ``grow_core``: smallest-only for ``--grow-round`` rounds, then full-forward windows with the small model's
   units as a core plus a rolling window (FedRolex's shared start, ``stagger=false``) and embeddings and norms.
 - ``grow_small``: ``grow_core`` with ``fusion.core_forward=small``: the core trains in the small model's own forward
@@ -59,7 +60,7 @@ def overrides(arm: str, rounds: int, grow_round: int) -> list[str]:
     """The ``fedfusion run`` overrides that make ``arm`` out of the knowledge recipe."""
     return {
         "smallest_only": ["fusion.method=submodel", "fusion.policy=static", f"fusion.grow_round={rounds}"],
-        "generative": ["fusion.method=generative"],
+        "generative": ["fusion.method=generative", "generative.top_k=0"],
         "generative_topk": ["fusion.method=generative", "generative.top_k=8"],
         "grow_core": ["fusion.method=submodel", "fusion.policy=rolling", "fusion.stagger=false",
                       f"fusion.grow_round={grow_round}", "fusion.forward=full", "fusion.window_core=true",
