@@ -54,7 +54,7 @@ EXAMPLES: list[Spec] = [
     WindowSpec({"attn_units": [[2, 3]], "neurons": [[0, 1], [6, 7]], "hidden": [[0, 7]], "layers": [[0, 1]]}, False),
     OrderedSpec((0.125, 0.25), True),
     FamilySpec("tiny-gpt2", "{\"model\": {}}"),
-    GenerativeSpec(0.5, 4, 0.8),
+    GenerativeSpec(0.5, 4, 0.8, 8),
     LoRABaseSpec("smollm2", "bfloat16", ("q_proj", "v_proj"), 0.05),
     QuantizeSpec(4),
     AdapterSpec("hetlora", 8, 16.0),
