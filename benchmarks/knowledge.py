@@ -379,6 +379,12 @@ def summarise(results: dict, task: str = "facts") -> dict:
     return {"regimes": out, "best": best}
 
 
+def server_optimizer_note(a: dict) -> str:
+    """Runs recorded since generative v2 (their args hold ``gen_top_k``) keep the server's AdamW across rounds;
+    earlier ones built a fresh one every round."""
+    return ", one AdamW kept across rounds" if "gen_top_k" in a else ", a fresh AdamW every round"
+
+
 def top_k_note(a: dict) -> str:
     """How the generative server fits the samples: the sampled tokens, or each position's top-k teacher tokens."""
     return f", fitting each sampled position's top-{a['gen_top_k']} teacher tokens" if a.get("gen_top_k") else ""
@@ -394,7 +400,7 @@ def _describe(a: dict) -> str:
             f"optimizer {a['outer']} (lr {a['outer_lr']}) on each round's fold. Generative: {a['gen_rounds']} rounds x "
             f"{a['per_round']} clients x {a['gen_steps']} local AdamW steps (lr {a['gen_lr']}) on each client's own "
             f"model, {a['gen_samples']} sampled windows per own window, {a['gen_server_steps']} server steps (lr "
-            f"{a['gen_server_lr']}, one AdamW kept across rounds) per round{top_k_note(a)}. Metrics are the mean of "
+            f"{a['gen_server_lr']}{server_optimizer_note(a)}) per round{top_k_note(a)}. Metrics are the mean of "
             "the last 3 rounds; `spread` is the largest "
             "round-to-round difference of the primary metric among those 3 (mean over seeds): the noise next to any "
             "difference.")

@@ -220,7 +220,7 @@ def train_steps(
     gen = torch.Generator().manual_seed(seed)
     if checkpoint:
         checkpoint_activations(model)
-    opt = opt or make_optimizer(model, optimizer, lr, weight_decay)
+    opt = opt if opt is not None else make_optimizer(model, optimizer, lr, weight_decay)
     model.train()
     start, losses, tokens, flops, sums = time.perf_counter(), list[float](), 0, 0.0, dict[str, float]()
     with seeded_randomness(seed, model.device):
