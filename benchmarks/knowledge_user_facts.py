@@ -3,9 +3,9 @@
 Writes facts files with ``benchmarks/other_facts.py`` (towns, not the library's people), then runs, one at a
 time, each arm on each file as ``fedfusion run knowledge data.path=... data.probes=... population.num_clients=16
 seed=S <arm's overrides>`` on the recipe's own budget (its rounds, clients per round, local steps, lr and
-optimizer), and collects each run directory's ``summary.json`` and ``metrics.jsonl`` into
-``benchmarks/results/<out>.{md,json}``. A run directory that already finished is reused, so an interrupted
-invocation resumes.
+optimizer; ``rounds: 0`` gives one round per ``data.facts_per_round`` facts), and collects each run directory's
+``summary.json`` and ``metrics.jsonl`` into ``benchmarks/results/<out>.{md,json}``. A run directory that already
+finished is reused, so an interrupted invocation resumes.
 
 Arms (``fusion.widths.phone`` stays the recipe's 0.125 except for the oracle):
 
@@ -40,6 +40,8 @@ from pathlib import Path
 
 import yaml
 
+from fedfusion.config.recipe import DataConfig
+from fedfusion.run.check import facts_rounds
 from fedfusion.run.report import still_rising
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -51,9 +53,12 @@ ARMS = ("smallest_only", "grow_core", "grow_small", "generative", "generative_to
 FILES = ("1200:7", "2400:13")  # facts:generator seed
 
 
-def recipe_rounds() -> int:
-    """The knowledge recipe's rounds: the budget every arm shares."""
-    return int(yaml.safe_load((ROOT / "recipes" / "knowledge.yaml").read_text())["rounds"])
+def recipe_rounds(facts: int) -> int:
+    """The rounds the knowledge recipe gives ``facts`` facts: the budget every arm shares (its ``rounds``, or with
+    ``rounds: 0`` one round per ``data.facts_per_round`` facts, as a run resolves it)."""
+    recipe = yaml.safe_load((ROOT / "recipes" / "knowledge.yaml").read_text())
+    per_round = recipe.get("data", {}).get("facts_per_round", DataConfig.facts_per_round)
+    return int(recipe["rounds"]) or facts_rounds(facts, per_round)
 
 
 def overrides(arm: str, rounds: int, grow_round: int) -> list[str]:
@@ -69,8 +74,8 @@ def overrides(arm: str, rounds: int, grow_round: int) -> list[str]:
     }[arm] if arm != "grow_small" else [*overrides("grow_core", rounds, grow_round), "fusion.core_forward=small"]
 
 
-def command(data: Path, arm: str, seed: int, rounds: int, grow_round: int, run: Path) -> list[str]:
-    budget = [] if rounds == recipe_rounds() else [f"rounds={rounds}"]
+def command(data: Path, facts: int, arm: str, seed: int, rounds: int, grow_round: int, run: Path) -> list[str]:
+    budget = [] if rounds == recipe_rounds(facts) else [f"rounds={rounds}"]
     return ["fedfusion", "run", "knowledge", f"data.path={data / 'train.jsonl'}", f"data.probes={data / 'probes.jsonl'}",
             "population.num_clients=16", f"seed={seed}", *budget, *overrides(arm, rounds, grow_round), "--out", str(run)]
 
@@ -106,8 +111,10 @@ def write_results(out: str, work: Path, files: list[tuple[int, int]], arms: list
                 if finished(run):
                     runs[run.name] = {"facts": facts, "arm": arm, "seed": seed, **collect(run)}
     machine = f"{platform.platform()}, {os.cpu_count()} cores, Python {platform.python_version()}"
-    rounds = next((len(r["curve"]) - 1 for r in runs.values()), 0)
-    budget_note = "" if rounds == recipe_rounds() else f" instead of its {recipe_rounds()}"
+    budgets = {f: next((len(r["curve"]) - 1 for r in runs.values() if r["facts"] == f), recipe_rounds(f))
+               for f, _ in files}
+    budget = "; ".join(f"{f} facts: {n} rounds" + ("" if n == recipe_rounds(f) else f" instead of its {recipe_rounds(f)}")
+                       for f, n in budgets.items())
     data = {"machine": machine, "files": [{"facts": f, "generator_seed": s} for f, s in files], "runs": runs}
     lines = ["# The knowledge recipe on user facts files, every arm through `fedfusion run knowledge`", "",
              f"Machine: {machine}; every run alone (one at a time, `nice -n 10`), the cores shared with other "
@@ -115,11 +122,12 @@ def write_results(out: str, work: Path, files: list[tuple[int, int]], arms: list
              "waited for CPU). Wall times are the runs' own `wall_s`: compare them within this table only.", "",
              "Facts: `python benchmarks/other_facts.py DIR --facts F --seed S` (fictional towns, four attributes, "
              "Zipf-skewed over 16 clients): " + ", ".join(f"{f} facts (seed {s})" for f, s in files) + ". "
-             f"Budget: the recipe's ({rounds} rounds{budget_note} x 6 of 16 clients x 20 local AdamW steps, lr 0.003). "
+             f"Budget: the recipe's ({budget}; x 6 of 16 clients x 20 local AdamW steps, lr 0.003). "
              "Command per arm: `fedfusion run knowledge data.path=DIR/train.jsonl data.probes=DIR/probes.jsonl "
              "population.num_clients=16 seed=S` plus:", ""]
-    grow = next((r.get("grow_round") for r in runs.values() if r.get("grow_round")), rounds // 3)
-    lines += [f"- `{arm}`: `{' '.join(overrides(arm, rounds, grow))}`" for arm in arms]
+    for f, rounds in budgets.items():
+        grow = next((r.get("grow_round") for r in runs.values() if r.get("grow_round") and r["facts"] == f), rounds // 3)
+        lines += [f"- `{arm}` ({f} facts): `{' '.join(overrides(arm, rounds, grow))}`" for arm in arms]
     lines += ["", "Final recall = the share of all probes the target answers after the last round (the report's "
               "headline); gap closure = (arm - smallest_only) / (oracle - smallest_only) on the final recall of "
               "the same seed, shown only where the oracle ends above smallest_only (else there is no gap to close). "
@@ -164,15 +172,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--files", nargs="+", default=list(FILES), help="FACTS:GENERATOR_SEED per facts file")
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
     parser.add_argument("--seeds", nargs="+", type=int, default=[0], help="run seeds (the recipe's seed key)")
-    parser.add_argument("--rounds", type=int, default=None, help="every arm's rounds (default the recipe's)")
+    parser.add_argument("--rounds", type=int, default=None, help="every arm's rounds (default what the recipe gives each file)")
     parser.add_argument("--grow-round", type=int, default=None, help="grow_* arms' growth round (default rounds // 3)")
     parser.add_argument("--work", type=Path, default=ROOT / "runs" / "user_facts", help="facts files and run dirs")
     parser.add_argument("--out", default="knowledge_user_facts")
     parser.add_argument("--collect-only", action="store_true")
     args = parser.parse_args(argv)
     files = [(int(f), int(s)) for f, s in (spec.split(":") for spec in args.files)]
-    rounds = recipe_rounds() if args.rounds is None else args.rounds
-    grow_round = rounds // 3 if args.grow_round is None else args.grow_round
     all_seeds = sorted({int(p.name.rsplit("-s", 1)[1]) for p in args.work.glob("*-s*") if finished(p)} | set(args.seeds))
     if not args.collect_only:
         for facts, gen_seed in files:
@@ -183,7 +189,9 @@ def main(argv: list[str] | None = None) -> None:
                     run = args.work / f"{facts}-{arm}-s{seed}"
                     if finished(run):
                         continue
-                    cmd = command(args.work / f"facts-{facts}", arm, seed, rounds, grow_round, run)
+                    rounds = recipe_rounds(facts) if args.rounds is None else args.rounds
+                    grow_round = rounds // 3 if args.grow_round is None else args.grow_round
+                    cmd = command(args.work / f"facts-{facts}", facts, arm, seed, rounds, grow_round, run)
                     load = os.getloadavg()[0]
                     print(f"[{time.strftime('%H:%M:%S')}] load {load:.1f}: {' '.join(cmd)}", flush=True)
                     # the CLI of this interpreter's fedfusion (python -m fedfusion), whatever PATH holds

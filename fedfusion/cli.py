@@ -17,8 +17,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from fedfusion.config.methods import hook, method
-from fedfusion.config.recipe import Recipe, RecipeError, builtin_recipes, method_label
-from fedfusion.run.check import load_checked
+from fedfusion.config.recipe import Recipe, RecipeError, builtin_recipes, load_recipe, method_label
+from fedfusion.run.check import check_recipe
 from fedfusion.run.seed_paper import NAME as SEED_PAPER
 
 # soft_wrap: a line is never broken at the terminal's (or, off a terminal, rich's 80-column) width, so every
@@ -33,10 +33,22 @@ class _DropDeprecation(logging.Filter):
         return "is deprecated" not in record.getMessage()
 
 
+def _checked(ref: str, overrides: list[str]) -> Recipe:
+    """The recipe, validated and checked (:func:`fedfusion.run.check.check_recipe`); says how many rounds a recipe
+    with ``rounds: 0`` got from its facts."""
+    recipe = load_recipe(ref, overrides)
+    from_facts = recipe.rounds == 0
+    check_recipe(recipe)
+    if from_facts:
+        console.print(f"rounds: {recipe.rounds} (rounds: 0 gives one round per data.facts_per_round="
+                      f"{recipe.data.facts_per_round:g} facts; set rounds=N for another budget)", highlight=False)
+    return recipe
+
+
 def _load_for_run(ref: str, overrides: list[str]) -> Recipe:
     """The recipe a run or deployment uses, validated and its ``fusion.auto_widths`` fitted, before anything is
     written. Torch loads only where widths are fitted, so every other recipe error comes in about a second."""
-    recipe = load_checked(ref, overrides)
+    recipe = _checked(ref, overrides)
     if recipe.fusion.auto_widths:
         from fedfusion.run.planner import fit_widths
 
@@ -188,7 +200,7 @@ PLAN_NOTE = ("s and J per round: the tier's training FLOPs and the bytes it move
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Print what each tier trains and what one round of it costs (and the server's own work, where it has any)."""
-    recipe = load_checked(args.recipe, args.overrides)
+    recipe = _checked(args.recipe, args.overrides)
     # the method's plan view (its registry entry's ``plan``, in fedfusion.run.planner): torch loads only now
     view = hook(method(recipe.fusion.method).plan)(recipe)
     _print_table(view.title, view.rows, view.headers, left=view.left, width=view.width)

@@ -299,3 +299,32 @@ def test_eval_every_defaults_to_every_round_and_takes_units_meaning():
     assert load_checked("quickstart").train.eval_every == 1
     assert load_checked("quickstart", ["train.eval_every=4"]).train.eval_every == 4
     assert load_checked("quickstart", ["train.eval_every=0"]).train.eval_every == 0
+
+
+def test_rounds_zero_gives_one_round_per_facts_per_round_facts(tmp_path):
+    """``rounds: 0`` (the knowledge recipe's): a federation with more facts trains longer; the checked recipe holds
+    the number, so the run directory's recipe.yaml (and a resume) uses it."""
+    assert load_checked("knowledge").rounds == 30  # 200 generated people x 6 attributes = 1,200 facts, 40 a round
+    assert load_checked("knowledge", ["data.people=400"]).rounds == 60
+    assert load_checked("knowledge", ["data.people=401"]).rounds == 61  # 2,406 facts: a partial round counts
+    assert load_checked("knowledge", ["data.facts_per_round=100"]).rounds == 12
+    assert load_checked("knowledge", ["rounds=7"]).rounds == 7  # a number given is kept
+    train, probes = write_facts_files(tmp_path, clients=16)
+    user = [f"data.path={train}", f"data.probes={probes}", "population.num_clients=16", "data.facts_per_round=5"]
+    recipe = load_checked("knowledge", user)
+    assert recipe.rounds == 4  # 16 probes, 5 a round
+    assert "rounds: 4\n" in to_yaml(recipe) and load_checked(write(tmp_path, to_yaml(recipe))).rounds == 4
+
+
+def test_rounds_zero_is_refused_where_it_cannot_be_resolved(tmp_path):
+    with pytest.raises(RecipeError, match=re.escape("rounds: must be > 0 (0, as many as the facts need, only with "
+                                                    "data.source=facts), got 0")):
+        load_recipe("quickstart", ["rounds=0"])
+    with pytest.raises(RecipeError, match="rounds: must be > 0 .* got -1"):
+        load_recipe("knowledge", ["rounds=-1"])
+    with pytest.raises(RecipeError, match=re.escape("data.facts_per_round: must be > 0, got 0.0")):
+        load_recipe("knowledge", ["data.facts_per_round=0"])
+    # a growth round past the rounds the facts give is caught once they are resolved, before anything is written
+    assert load_recipe("knowledge", ["fusion.method=submodel", "fusion.grow_round=31"]).rounds == 0
+    with pytest.raises(RecipeError, match=re.escape("fusion.grow_round: must be in [0, rounds=30], got 31")):
+        load_checked("knowledge", ["fusion.method=submodel", "fusion.grow_round=31"])

@@ -51,6 +51,7 @@ class DataConfig:
     probes: Optional[str] = None  # source=facts: the probes file (jsonl: prompt, answer, client)
     # source=facts without path: synthetic biographies generated from the recipe seed (fedfusion.data.facts)
     people: int = 400
+    facts_per_round: float = 40.0  # rounds: 0 gives one round per this many facts (probes), so more facts train longer
     skew: float = 1.0  # Zipf exponent of how many people each client owns (0: equal shares)
     min_chars: int = 2000  # a Shakespeare role needs this much text to become a client
     held_out: float = 0.1  # tail fraction of each client's text kept for evaluation
@@ -368,6 +369,8 @@ class Recipe:
 
     name: str = "quickstart"
     seed: int = 0
+    # federated rounds; 0 with data.source=facts: as many as the facts need, ceil(facts / data.facts_per_round)
+    # (resolved by fedfusion.run.check before anything is written; the run directory's recipe.yaml holds the number)
     rounds: int = 12
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -525,8 +528,11 @@ def validate(recipe: Recipe) -> None:
             value = getattr(value, part)
         if value not in allowed:
             raise RecipeError(f"{key}: {value!r} is not one of {', '.join(allowed)}")
+    if recipe.rounds < 0 or (recipe.rounds == 0 and recipe.data.source != "facts"):
+        raise RecipeError(f"rounds: must be > 0 (0, as many as the facts need, only with data.source=facts), "
+                          f"got {recipe.rounds}")
     for key in (
-        "rounds", "population.num_clients", "selection.clients_per_round", "selection.min_clients",
+        "data.facts_per_round", "population.num_clients", "selection.clients_per_round", "selection.min_clients",
         "selection.timeout_s", "train.local_steps", "train.lr", "train.batch_size", "train.seq_len",
         "engine.cpus_per_client", "engine.threads_per_client", "model.hidden_size", "model.num_layers",
         "model.num_heads", "model.num_kv_heads", "model.intermediate_size", "data.eval_chars",
@@ -705,7 +711,7 @@ def _validate_growth(recipe: Recipe) -> None:
     """Growth and full-forward windows are width slicing's: they need its tiers, and a window reaches its own
     coordinates only with the ordinary policies."""
     f = recipe.fusion
-    if f.grow_round < 0 or f.grow_round > recipe.rounds:
+    if f.grow_round < 0 or (recipe.rounds and f.grow_round > recipe.rounds):  # rounds 0: checked once resolved
         raise RecipeError(f"fusion.grow_round: must be in [0, rounds={recipe.rounds}], got {f.grow_round}")
     if (f.grow_round or f.forward == "full") and f.method != SUBMODEL:
         raise RecipeError(f"fusion.grow_round / fusion.forward=full apply to fusion.method=submodel, got {f.method!r}")

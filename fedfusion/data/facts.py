@@ -31,24 +31,11 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from fedfusion.data.bios import ATTRIBUTES, MAX_PEOPLE, SYLLABLES
 from fedfusion.data.records import client_order, read_facts
 from fedfusion.data.text import as_text
 
 SPECIAL_TOKENS = ("<pad>", "<unk>", "<bos>", "<eos>")
-MAX_PEOPLE = 40 ** 3 // 2  # distinct names drawn from 40 x 40 x 40 combinations, kept well below the space
-
-# Name parts and attribute values: short made-up words, so no value is guessable from pretraining or spelling.
-_SYLLABLES = ("ka", "lo", "mi", "ren", "ta", "vo", "sel", "dun", "ar", "bi", "cor", "fen", "gal", "hu", "ist",
-              "jo", "mar", "nel", "or", "pra", "qui", "ros", "sul", "tev", "ul", "var", "wen", "yor", "zed", "bre")
-# attribute -> (number of values, paraphrase templates; the first also phrases the probe)
-ATTRIBUTES: dict[str, tuple[int, tuple[str, ...]]] = {
-    "birth_city": (48, ("{name} was born in {value} .", "{name} came from {value} .", "{name} grew up in {value} .")),
-    "university": (32, ("{name} studied at {value} .", "{name} graduated from {value} .", "{name} attended {value} .")),
-    "major": (24, ("{name} majored in {value} .", "{name} specialised in {value} .", "{name} read {value} .")),
-    "employer": (48, ("{name} works for {value} .", "{name} is employed by {value} .", "{name} has a job at {value} .")),
-    "hobby": (32, ("{name} enjoys {value} .", "{name} spends weekends on {value} .", "{name} loves {value} .")),
-    "pet": (16, ("{name} owns a {value} .", "{name} keeps a {value} .", "{name} lives with a {value} .")),
-}
 
 
 @dataclass(frozen=True)
@@ -72,7 +59,7 @@ class Facts:
 
 def _words(prefix: str, count: int, rng: random.Random) -> list[str]:
     """``count`` distinct capitalised two-syllable words (seeded), so names and values are single word tokens."""
-    pool = [a + b for a in _SYLLABLES for b in _SYLLABLES if a != b]
+    pool = [a + b for a in SYLLABLES for b in SYLLABLES if a != b]
     rng.shuffle(pool)
     return [f"{prefix}{w}".capitalize() for w in pool[:count]]
 

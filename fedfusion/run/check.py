@@ -7,6 +7,7 @@ directory is written and before torch is imported, so a bad recipe exits 2 with 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import fields
@@ -15,7 +16,8 @@ from pathlib import Path
 
 from fedfusion.config.choices import BUILTIN_DATASETS, SMOLLM2_BASE, SMOLLM2_INSTALL, SMOLLM2_PACKAGE
 from fedfusion.config.methods import DISTILL, LORA, METHODS
-from fedfusion.config.recipe import Recipe, RecipeError, load_recipe, uses
+from fedfusion.config.recipe import Recipe, RecipeError, load_recipe, uses, validate
+from fedfusion.data.bios import synthetic_facts
 from fedfusion.data.federated import is_local as is_local_dataset
 from fedfusion.data.federated import local_files
 from fedfusion.data.partitioners import check_partitioner
@@ -55,7 +57,9 @@ def check_recipe(recipe: Recipe) -> Recipe:
     if recipe.data.source == "dataset":
         _check_dataset(recipe)
     _check_files(recipe)
-    _check_records(recipe)
+    facts = _check_records(recipe)
+    if recipe.rounds == 0:
+        _rounds_from_facts(recipe, facts)
     _check_lora_base(recipe)
     _check_devices(recipe)
     return recipe
@@ -132,10 +136,11 @@ def _check_files(recipe: Recipe) -> None:
             raise RecipeError(f"{key}: {model}: not a model directory (no config.json)")
 
 
-def _check_records(recipe: Recipe) -> None:
+def _check_records(recipe: Recipe) -> int | None:
     """The record files that partition the data by client, read line by line (no tokenizer, no model): a
     malformed line, a probe naming a client with no records, or a client count other than
-    ``population.num_clients`` stops the run here, with the file and the line, instead of in the first round."""
+    ``population.num_clients`` stops the run here, with the file and the line, instead of in the first round.
+    Returns the number of facts (probes) of facts data, else None."""
     d, num_clients = recipe.data, recipe.population.num_clients
     if d.source == "text":
         with _named("data.path"):
@@ -146,8 +151,24 @@ def _check_records(recipe: Recipe) -> None:
         with _named("data.path"):
             owners = {str(r["client"]) for r in read_jsonl(d.path, ("client", "text"))}
         with _named("data.probes"):
-            read_probes(d.probes, owners, d.path)
+            probes = read_probes(d.probes, owners, d.path)
         check_client_count(d.path, len(owners), num_clients)
+        return len(probes)
+    return synthetic_facts(d.people) if d.source == "facts" else None
+
+
+def _rounds_from_facts(recipe: Recipe, facts: int | None) -> None:
+    """``rounds: 0``: one round per ``data.facts_per_round`` facts, so a federation with more facts trains longer
+    (at least one round); the recipe then holds the number, and is validated again with it."""
+    if facts is None:  # validate() allows rounds 0 only for facts data
+        raise RecipeError("rounds: 0 needs data.source=facts")
+    recipe.rounds = facts_rounds(facts, recipe.data.facts_per_round)
+    validate(recipe)
+
+
+def facts_rounds(facts: int, facts_per_round: float) -> int:
+    """The rounds ``rounds: 0`` gives ``facts`` facts: one per ``facts_per_round`` of them, at least one."""
+    return max(1, math.ceil(facts / facts_per_round))
 
 
 @contextmanager
