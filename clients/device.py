@@ -21,7 +21,7 @@ from flwr.app import ConfigRecord
 from fedfusion.config.methods import LORA, SUBMODEL
 from fedfusion.devices.meters import WIRE_PREFIX
 from fedfusion.phone.gateway import ADAPTER, call, pack, unpack
-from fedfusion.wire.keys import NUM_EXAMPLES
+from fedfusion.wire.keys import DEVICE_STEP_S, NUM_EXAMPLES
 from fedfusion.wire.specs import (
     DROPPED,
     AdapterSpec,
@@ -42,7 +42,7 @@ DEADLINE_S = 600.0
 SUBMIT_TIMEOUT_S = 1800.0
 # what a reply may carry of a device's metrics (the strategy reads the first four; the energy is the phone's own meter)
 DEVICE_METRICS = {NUM_EXAMPLES: int, "train_loss": float, "train_s": float, "train_tokens": float,
-                  "device_step_s": float, "measured_device_j": float}
+                  DEVICE_STEP_S: float, "measured_device_j": float}
 # the phone's meter reaches the ledger as one more meter, source "device" (fedfusion.devices.meters owns the reply keys)
 DEVICE_METER_KEY = WIRE_PREFIX + "device"
 

@@ -390,7 +390,8 @@ class FusionStrategy(Strategy):
             raise ValueError(f"update norm {update.norm:.3g} is over {self.max_norm_ratio:g}x the norm of the "
                              f"{method.noun} sent ({payload.sent_norm:.3g})")
         self.round.rows[row.node] = replace(self.round.rows[row.node], status="ok", examples=train.examples,
-                                            train_loss=train.loss, train_s=train.seconds, tokens=train.tokens)
+                                            train_loss=train.loss, train_s=train.seconds, device_s=train.device_s,
+                                            tokens=train.tokens)
         return update
 
     def close_round(self) -> None:

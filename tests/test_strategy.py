@@ -395,3 +395,34 @@ def test_a_pool_smaller_than_the_draw_is_refused():
 
     with pytest.raises(RecipeError, match="selection.pool: must be at least the 9 clients"):
         load_checked("quickstart", ["selection.pool=8", "selection.overselect=0.5"])
+
+
+def test_a_real_devices_own_training_time_is_priced_as_measured():
+    """A reply carrying ``device_step_s`` came from a real device (a phone behind a gateway): the ledger prices its
+    compute at the device's own ``train_s`` instead of its FLOPs at the catalog's speed; a simulated client's
+    ``train_s`` (the host's time) is not priced; a broken step time rejects the reply."""
+    from fedfusion.devices.catalog import load_catalog
+    from fedfusion.devices.energy import price_work, train_flops
+    from fedfusion.run.federation import price_client
+    from fedfusion.wire.keys import DEVICE_STEP_S
+
+    strategy, state = make_strategy()
+    msgs = {m.metadata.dst_node_id: m for m in strategy.configure_train(
+        1, ArrayRecord(state), ConfigRecord({}), FakeGrid({11: "phone", 12: "phone", 13: "phone"}))}
+    base = {"num-examples": 10, "train_loss": 1.0, "train_s": 7.5}
+    extra = {11: {DEVICE_STEP_S: 0.25}, 12: {}, 13: {DEVICE_STEP_S: float("nan")}}
+    replies = [Message(RecordDict({"arrays": ArrayRecord(msgs[n].content["arrays"].to_torch_state_dict()),
+                                   "metrics": MetricRecord({**base, **extra[n]})}), reply_to=msgs[n]) for n in msgs]
+    strategy.aggregate_train(1, replies)
+    device, simulated, broken = (strategy.round.rows[n] for n in (11, 12, 13))
+    assert (device.status, device.device_s, simulated.status, simulated.device_s) == ("ok", 7.5, "ok", None)
+    assert broken.status == "rejected" and DEVICE_STEP_S in (broken.error or "")
+    phone = load_catalog()["phone"]
+    measured, catalog_speed = price_client(device, load_catalog()), price_client(simulated, load_catalog())
+    assert measured["compute_s"] == 7.5 != catalog_speed["compute_s"]
+    assert measured["energy_j"] == pytest.approx(price_work(phone, 0.0, device.bytes_down, device.bytes_up,
+                                                            compute_s=7.5).wall_j)
+    assert catalog_speed["compute_s"] == pytest.approx(price_work(phone, train_flops(simulated.params, simulated.tokens),
+                                                                  0, 0).compute_s)
+    with pytest.raises(ValueError, match="compute_s must be a number >= 0"):
+        price_work(phone, 1.0, 0, 0, compute_s=-1.0)

@@ -104,11 +104,13 @@ def price_work(
     charger_efficiency: float = 0.85,
     idle_s: float = 0.0,
     grid: dict[str, float] | None = None,
+    compute_s: float | None = None,
 ) -> WorkCost:
     """Price ``flops`` of training and a download/upload on ``device``.
 
     Compute runs at the catalog's sustained TFLOPS (divided by :data:`RUNTIME_SLOWDOWN` of the device's runtime)
-    and training watts, transfers at its link rates and
+    and training watts (``compute_s``: the seconds the device itself measured for that work, used as they are), transfers
+    at its link rates and
     radio watts, ``idle_s`` at idle watts. Wall joules divide the device's joules by
     ``charger_efficiency`` (for mains and cloud tiers, read it as power-supply efficiency). Operational
     carbon uses the intensity of ``zone`` (default: the device's zone) in ``grid`` (default
@@ -122,7 +124,10 @@ def price_work(
     where = zone or device.zone
     if where not in table:
         raise ValueError(f"unknown grid zone {where!r}; known zones: {', '.join(sorted(table))}")
-    compute_s = flops / (device.tflops * 1e12) * RUNTIME_SLOWDOWN[device.runtime]
+    if compute_s is None:
+        compute_s = flops / (device.tflops * 1e12) * RUNTIME_SLOWDOWN[device.runtime]
+    elif not compute_s >= 0:
+        raise ValueError(f"compute_s must be a number >= 0, got {compute_s}")
     comm_s = bytes_down * 8 / (device.down_mbps * 1e6) + bytes_up * 8 / (device.up_mbps * 1e6)
     compute_j = compute_s * device.train_w
     radio_j = comm_s * device.radio_w

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import torch
 
-from fedfusion.wire.keys import NUM_EXAMPLES
+from fedfusion.wire.keys import DEVICE_STEP_S, NUM_EXAMPLES
 
 State = dict[str, torch.Tensor]
 
@@ -180,6 +180,7 @@ class ClientRound:
     examples: int = 0
     train_loss: float | None = None
     train_s: float | None = None
+    device_s: float | None = None  # training seconds the priced device measured itself (a real phone): priced as is
     bytes_down: int = 0
     bytes_up: int = 0
     params: int = 0  # parameters priced for the work sent
@@ -246,15 +247,21 @@ class TrainMetrics:
     loss: float
     seconds: float
     tokens: int
+    device_s: float | None = None  # ``seconds`` when the priced device itself measured them (a real phone), else None
 
 
 def read_train_metrics(metrics: Mapping[str, Any], planned_tokens: int) -> TrainMetrics:
     """A reply's (num-examples, train_loss, train_s, train_tokens), read and checked before its update is used, so
-    a reply with broken numbers is rejected whole instead of half folded in; a missing key raises KeyError."""
+    a reply with broken numbers is rejected whole instead of half folded in; a missing key raises KeyError. A reply
+    that carries :data:`~fedfusion.wire.keys.DEVICE_STEP_S` came from a real device: its ``train_s`` is that
+    device's own time (``device_s``)."""
     n, loss, seconds = int(metrics[NUM_EXAMPLES]), float(metrics["train_loss"]), float(metrics["train_s"])
     tokens = int(metrics.get("train_tokens", planned_tokens))
     if n <= 0:
         raise ValueError(f"num-examples is {n}")
     if not (math.isfinite(loss) and math.isfinite(seconds) and seconds >= 0 and tokens >= 0):
         raise ValueError(f"train metrics out of range: loss {loss}, seconds {seconds}, tokens {tokens}")
-    return TrainMetrics(n, loss, seconds, tokens)
+    step = metrics.get(DEVICE_STEP_S)
+    if step is not None and not (math.isfinite(float(step)) and float(step) >= 0):
+        raise ValueError(f"{DEVICE_STEP_S} is {step}: a device's step time must be a finite number >= 0")
+    return TrainMetrics(n, loss, seconds, tokens, seconds if step is not None else None)

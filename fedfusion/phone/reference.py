@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from fedfusion.phone.gateway import call, pack, unpack
 from fedfusion.phone.program import DeviceProgram
 from fedfusion.phone.runtime import ProgramRunner, train_program
-from fedfusion.wire.keys import NUM_EXAMPLES
+from fedfusion.wire.keys import DEVICE_STEP_S, NUM_EXAMPLES
 
 if TYPE_CHECKING:
     import torch
@@ -89,7 +89,7 @@ class ReferenceDevice:
             data = client_windows(client.data_spec, int(spec["partition"]), client.seq_len, "train")
         stats = train_program(runner, data, **read_train(spec))
         metrics = {NUM_EXAMPLES: len(data), "train_loss": stats.loss, "train_s": stats.seconds,
-                   "train_tokens": stats.tokens, "device_step_s": stats.seconds / max(1, len(stats.losses))}
+                   "train_tokens": stats.tokens, DEVICE_STEP_S: stats.seconds / max(1, len(stats.losses))}
         _ok(*call(f"{self.gateway}/v1/tasks/{task['task']}/result", "POST", self.token,
                   pack(runner.weights(), {"metrics": metrics})), "result")
         return metrics
@@ -117,5 +117,5 @@ class ReferenceDevice:
                 continue
             done, idle_since = done + 1, time.monotonic()
             echo(f"task {task['task']} (program {task['program']}): loss {metrics['train_loss']:.4f}, "
-                 f"{metrics['device_step_s'] * 1000:.0f} ms/step")
+                 f"{metrics[DEVICE_STEP_S] * 1000:.0f} ms/step")
         return done

@@ -136,11 +136,13 @@ def price_client(row: ClientRound, catalog: dict[str, Device]) -> dict[str, floa
     A client that failed or timed out is charged its planned work and download; a rejected one its
     work both ways; a cut one (over-selection closed the round without it) its work, its download and an
     upload the size of that download (its reply is still sent; Flower cannot cancel it): that energy was
-    spent and bought nothing (``wasted``).
+    spent and bought nothing (``wasted``). A real device's own training time (``device_s``) is priced as measured,
+    in place of its FLOPs at the catalog's speed.
     """
     ok = row.status == "ok"
     up = row.bytes_up if row.status in ("ok", "rejected") else row.bytes_down if row.status == "cut" else 0
-    return price_work(catalog[row.device], train_flops(row.params, row.tokens), row.bytes_down, up).ledger(not ok)
+    return price_work(catalog[row.device], train_flops(row.params, row.tokens), row.bytes_down, up,
+                      compute_s=row.device_s).ledger(not ok)
 
 
 def ledger_row(server_round: int, row: ClientRound, catalog: dict[str, Device]) -> dict[str, Any]:
