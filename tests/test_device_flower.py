@@ -114,6 +114,8 @@ def test_two_phones_fine_tune_lora_adapters_through_gateway_nodes(tmp_path, monk
     rows = {(r["round"], r["partition"]): r for r in read_jsonl(out / "clients.jsonl")}
     assert {k: r["status"] for k, r in rows.items()} == {(1, 0): "ok", (1, 1): "ok", (2, 0): "ok", (2, 1): "ok"}
     assert {r["rank"] for r in rows.values()} == {4}
+    # every row came from a phone: its compute is priced at the seconds the phone measured, not the catalog's speed
+    assert all(r["device_s"] is not None and r["compute_s"] == r["device_s"] == r["train_s"] for r in rows.values())
     trained = [d for d in devices if d.runners]
     assert all(len(d.runners) == 1 for d in trained) and fetched.count("weights.ptd") == len(trained)
     assert json.loads((out / "summary.json").read_text())["status"] == "ok"
