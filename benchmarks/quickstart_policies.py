@@ -1,15 +1,27 @@
-"""Benchmark: slicing policies on the quickstart recipe (small-to-large: every client <= 1/2 of the target).
+"""Benchmark: slicing policies on the quickstart recipe (small-to-large: every client <= 1/2 of the target), and
+the quickstart's target against the small model the same devices could train together.
 
 Runs the real CLI (Flower simulation engine) once per (arm, seed) and writes
-``benchmarks/results/quickstart_policies.{json,md}`` with the machine and settings.
+``benchmarks/results/<out>.{json,md}`` with the machine and settings. Every arm has the recipe's budget (its
+rounds, clients per round, local steps, optimizer and data); only ``fusion.*`` differs:
+
+- the policies (``static``, ``rolling-shared``, ``rolling-staggered``: the recipe as it ships, ``random``);
+- ``smallest-only``: every round trains the smallest width's static slice inside a target silenced around it
+  (``fusion.grow_round`` = the recipe's rounds), so the scored target *is* the model every device can hold;
+- ``grow-core``: smallest-only for the first third of the rounds, then full-forward windows around the small model's
+  units (``fusion.forward=full fusion.window_core=true``);
+- ``oracle``: every client trains the whole target (width 1.0 for every tier; no device of the recipe holds it).
 
     python benchmarks/quickstart_policies.py --seeds 0 1 2 [--reuse] [extra key=value overrides]
+    python benchmarks/quickstart_policies.py --arms smallest-only rolling-staggered grow-core oracle --seeds 0 1 2 \
+        --work runs/bench-smallest --out quickstart_smallest --reuse
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -24,7 +36,15 @@ ARMS = {  # id -> (label, overrides)
     "rolling-shared": ("rolling, shared start (FedRolex)", ["fusion.policy=rolling", "fusion.stagger=false"]),
     "rolling-staggered": ("rolling, staggered (fedfusion default)", ["fusion.policy=rolling", "fusion.stagger=true"]),
     "random": ("random (Federated Dropout)", ["fusion.policy=random"]),
+    "smallest-only": ("smallest-only (the 1/8 model every device holds)", ["fusion.policy=static",
+                                                                          "fusion.grow_round={rounds}"]),
+    "grow-core": ("grow after a third, then core windows", ["fusion.policy=rolling", "fusion.stagger=false",
+                                                            "fusion.grow_round={third}", "fusion.forward=full",
+                                                            "fusion.window_core=true", "fusion.window_shared=true"]),
+    "oracle": ("oracle (every client trains the whole target)", ["fusion.policy=static", "fusion.widths.phone=1.0",
+                                                                "fusion.widths.laptop=1.0", "fusion.widths.desktop=1.0"]),
 }
+POLICIES = ["static", "rolling-shared", "rolling-staggered", "random"]
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -43,6 +63,26 @@ def last_rounds_ppl(out: Path, n: int = 3) -> float:
     return statistics.mean(r["eval_ppl"] for r in rows[-n:])
 
 
+def against_smallest(rows: list[dict], arms: list[str]) -> list[str]:
+    """Per seed, each arm's final log-perplexity (nats/char) minus smallest-only's (negative: better than the small
+    model), and the gap closure (smallest - arm) / (smallest - oracle) in nats where the oracle ran and beat it."""
+    if "smallest-only" not in arms:
+        return []
+    nats = {(r["arm"], r["seed"]): math.log(r["eval_ppl"]) for r in rows}
+    lines = ["Against smallest-only, per seed (final nats/char, arm minus smallest-only; gap closure where the oracle "
+             "ran and ends below smallest-only):", ""]
+    for arm in (a for a in arms if a != "smallest-only"):
+        parts = []
+        for seed in sorted({s for a, s in nats if a == arm}):
+            small, mine, oracle = nats.get(("smallest-only", seed)), nats[(arm, seed)], nats.get(("oracle", seed))
+            if small is None:
+                continue
+            gap = f", closure {(small - mine) / (small - oracle):.2f}" if oracle is not None and oracle < small else ""
+            parts.append(f"s{seed} {mine - small:+.3f}{gap}")
+        lines.append(f"- {arm}: " + "; ".join(parts))
+    return [*lines, ""]
+
+
 def _mean_sd(values: list[float]) -> str:
     sd = statistics.stdev(values) if len(values) > 1 else 0.0
     return f"{statistics.mean(values):.3f} ± {sd:.3f}"
@@ -53,10 +93,14 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--work", default="runs/bench-policies")
     parser.add_argument("--reuse", action="store_true", help="keep finished runs found in --work")
+    parser.add_argument("--arms", nargs="+", default=POLICIES, choices=list(ARMS))
+    parser.add_argument("--out", default="quickstart_policies", help="results file name under benchmarks/results/")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
+    rounds = load_recipe("quickstart", args.overrides).rounds
     rows = []
-    for arm, (_, arm_overrides) in ARMS.items():
+    for arm in args.arms:
+        arm_overrides = [o.format(rounds=rounds, third=rounds // 3) for o in ARMS[arm][1]]
         for seed in args.seeds:
             out = Path(args.work) / f"{arm}-s{seed}"
             summary = run_arm([*arm_overrides, f"seed={seed}", *args.overrides], out, args.reuse)
@@ -64,20 +108,25 @@ def main() -> None:
                          "last3_ppl": last_rounds_ppl(out), "wall_s": summary["wall_s"],
                          "energy_j": summary.get("energy_j"), "run_dir": str(out)})
             print(f"{arm} seed {seed}: ppl {summary['final']['eval_ppl']:.3f}", flush=True)
-    per_seed = {arm: {r["seed"]: round(r["eval_ppl"], 3) for r in rows if r["arm"] == arm} for arm in ARMS}
+    per_seed = {arm: {r["seed"]: round(r["eval_ppl"], 3) for r in rows if r["arm"] == arm} for arm in args.arms}
     report = {
-        "benchmark": "quickstart_policies",
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
-        "settings": {"recipe": "quickstart", "overrides": args.overrides, "seeds": args.seeds},
+        "benchmark": args.out,
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
+                    "load_1min_at_end": round(os.getloadavg()[0], 2)},
+        "settings": {"recipe": "quickstart", "overrides": args.overrides, "seeds": args.seeds, "arms": args.arms,
+                     "arm_overrides": {a: [o.format(rounds=rounds, third=rounds // 3) for o in ARMS[a][1]]
+                                       for a in args.arms}},
         "runs": rows,
         "final_ppl_by_seed": per_seed,
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "quickstart_policies.json").write_text(json.dumps(report, indent=2))
+    (RESULTS / f"{args.out}.json").write_text(json.dumps(report, indent=2))
     recipe = load_recipe("quickstart", args.overrides)
     lines = [
-        "# Slicing policies on the quickstart (small-to-large)", "",
-        f"Machine: {report['machine']['platform']}, {report['machine']['cpus']} CPUs. Recipe: quickstart "
+        "# Slicing policies on the quickstart (small-to-large)" if args.arms == POLICIES else
+        "# The quickstart's target against the small model every device holds (equal budget)", "",
+        f"Machine: {report['machine']['platform']}, {report['machine']['cpus']} CPUs (1-minute load at the end "
+        f"{report['machine']['load_1min_at_end']}; the perplexities do not depend on it). Recipe: quickstart "
         f"{' '.join(args.overrides)}: {recipe.rounds} rounds x {recipe.train.local_steps} local steps, "
         f"{recipe.selection.clients_per_round} of {recipe.population.num_clients} clients per round, widths "
         f"{dict(recipe.fusion.widths)}, target {recipe.model.hidden_size} hidden x {recipe.model.num_layers} layers; "
@@ -85,8 +134,8 @@ def main() -> None:
         "| arm | final ppl (mean ± std) | last-3-rounds ppl (mean ± std) | final next-char acc | run wall s |",
         "|---|---|---|---|---|",
     ]
-    for arm, (label, _) in ARMS.items():
-        mine = [r for r in rows if r["arm"] == arm]
+    for arm in args.arms:
+        label, mine = ARMS[arm][0], [r for r in rows if r["arm"] == arm]
         ppl, last3 = [r["eval_ppl"] for r in mine], [r["last3_ppl"] for r in mine]
         acc = [r["eval_acc"] for r in mine]
         lines.append(f"| {label} | {_mean_sd(ppl)} | {_mean_sd(last3)} | {statistics.mean(acc):.4f} | "
@@ -94,7 +143,10 @@ def main() -> None:
     lines += ["", "Final perplexity per seed: " + "; ".join(
         f"{arm}: " + ", ".join(f"s{s}={v}" for s, v in seeds.items()) for arm, seeds in per_seed.items()),
         "", f"Round-0 perplexity (seed {rows[0]['seed']}): {rows[0]['initial_ppl']:.2f}.", ""]
-    (RESULTS / "quickstart_policies.md").write_text("\n".join(lines))
+    lines += against_smallest(rows, args.arms)
+    lines += ["Arm overrides: " + "; ".join(f"{a}: `{' '.join(o)}`" for a, o in report["settings"]["arm_overrides"].items()),
+              ""]
+    (RESULTS / f"{args.out}.md").write_text("\n".join(lines))
     print("\n".join(lines))
 
 
