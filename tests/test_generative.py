@@ -263,11 +263,17 @@ def test_node_state_sends_a_partitions_model_once_and_again_only_to_a_node_that_
     assert all(torch.equal(fake_role.given[12][k], slices[12][k] + 0.01) for k in slices[12])  # node 12 trained its own
     assert method.kept == {12}
 
-    msgs, replies, _ = round_(3, second)  # node 11 gets the initial slice again, node 12 still nothing
+    msgs, replies, third = round_(3, second)  # node 11 gets the initial slice again, node 12 still nothing
     sent = msgs[11].content["arrays"].to_torch_state_dict()
     assert not msgs[11].content["config"]["kept"] and all(torch.equal(sent[k], slices[11][k]) for k in slices[11])
     assert msgs[12].content["config"]["kept"] and len(msgs[12].content["arrays"]) == 0
     assert {r.status for r in strategy.round.rows.values()} == {"ok"} and method.kept == {11, 12}
+
+    restored, _, _ = _strategy(device_state="node")  # a resumed run: its nodes are new, so every slice goes again
+    restored.load_state_dict(json.loads(json.dumps(strategy.state_dict())), 3)
+    for m in restored.configure_train(4, third, ConfigRecord({}), grid):
+        sent, n = m.content["arrays"].to_torch_state_dict(), m.metadata.dst_node_id
+        assert not m.content["config"]["kept"] and all(torch.equal(sent[k], slices[n][k]) for k in slices[n])
 
 
 def test_node_state_refuses_a_reply_that_carries_a_model():
