@@ -65,6 +65,7 @@ import numpy as np
 import torch
 from transformers import LlamaConfig
 
+from fedfusion.config.choices import DEVICE_STATES
 from fedfusion.data.facts import (
     encode_documents,
     encode_probes,
@@ -291,7 +292,8 @@ def run_arm(job: dict) -> dict:
                                 steps=a["gen_steps"], lr=a["gen_lr"], batch_size=a["batch"], seed=job["seed"],
                                 generative=GenerativeConfig(sample_fraction=a["gen_samples"], temperature=a["gen_temperature"],
                                                             server_steps=a["gen_server_steps"], server_lr=a["gen_server_lr"],
-                                                            top_k=a.get("gen_top_k", 0)))
+                                                            top_k=a.get("gen_top_k", 0),
+                                                            device_state=a.get("gen_device_state", "server")))
         _, stats, devices = run_generative(gen_run, initial, evaluate)
         if task.hits is not None:
             ceiling = device_ceiling(task, gen_run.client_config, devices)
@@ -534,6 +536,8 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--gen-server-steps", type=int, default=30)
     parser.add_argument("--gen-server-lr", type=float, default=3e-3)
     parser.add_argument("--gen-top-k", type=int, default=0, help="generative: teacher tokens per sampled position (0: ids only)")
+    parser.add_argument("--gen-device-state", choices=DEVICE_STATES, default="node",
+                        help="generative: where a device's own model lives between rounds (bytes only: the same target)")
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--intermediate", type=int, default=256)
     parser.add_argument("--layers", type=int, default=2)
@@ -573,8 +577,8 @@ def main() -> None:
     saved = json.loads(partial.read_text()) if partial.is_file() else {"args": conf, "results": {}, "machine": machine}
     same = ("task", "people", "clients", "rounds", "per_round", "steps", "batch", "lr", "seq_len", "optimizer", "outer",
             "outer_lr", "gen_steps", "gen_lr", "gen_rounds", "gen_samples", "gen_temperature", "gen_server_steps",
-            "gen_server_lr", "gen_top_k", "hidden", "intermediate", "layers", "stride", "eval_every", "grow_round", "frozen",
-            "window_width",
+            "gen_server_lr", "gen_top_k", "gen_device_state", "hidden", "intermediate", "layers", "stride", "eval_every",
+            "grow_round", "frozen", "window_width",
             "window_rank")
     changed = [k for k in same if saved["args"].get(k, conf[k]) != conf[k]]
     if changed:

@@ -8,10 +8,12 @@ from types import ModuleType
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.common.constant import ErrorCode
 
 from fedfusion.clients.privacy import privacy_mod
+from fedfusion.config.methods import GENERATIVE
 from fedfusion.devices.catalog import assign_tiers
 from fedfusion.devices.hardware import capabilities, pick_accelerator
 from fedfusion.run.quiet import silence_expected_noise
@@ -19,11 +21,13 @@ from fedfusion.wire.keys import FROZEN
 from fedfusion.wire.quantize import client_reply, decode
 from fedfusion.wire.specs import (
     ROLES,
+    STATE_LOST,
     UNITS_ACTION,
     UNITS_ERROR,
     UNITS_PAYLOAD,
     UNITS_RECORD,
     Caps,
+    GenerativeSpec,
     PopulationSpec,
     RoleSpec,
     UnitsSpec,
@@ -78,12 +82,25 @@ def query(msg: Message, context: Context) -> Message:
 
 # where a node keeps its uplink's error-feedback residual between rounds (Flower's context.state persists per node)
 RESIDUAL = "wire-residual"
+# where a node keeps its device's own generative model between rounds (generative.device_state=node)
+DEVICE_MODEL = "generative-model"
+
+
+def _keeps_model(spec: ConfigRecord) -> GenerativeSpec | None:
+    """The message's generative spec when its node keeps its own model (``device_state=node``), else None."""
+    if RoleSpec.from_config(spec).role != GENERATIVE:
+        return None
+    ask = GenerativeSpec.from_config(spec)
+    return ask if ask.device_state == "node" else None
 
 
 @app.train(mods=[privacy_mod])
 def train(msg: Message, context: Context) -> Message:
     """Train the received model as its spec says and reply with the new weights (or, with a quantised uplink,
-    their change, error feedback kept in ``context.state``) and metrics."""
+    their change, error feedback kept in ``context.state``) and metrics. A generative node that keeps its own model
+    (``device_state=node``) trains the one in ``context.state`` when the message carries none, keeps the trained
+    one there and replies its samples only; a message asking for a kept model this node lacks (it restarted) gets
+    a :data:`~fedfusion.wire.specs.STATE_LOST` error, and the server sends the initial model again."""
     spec = msg.content.config_records["config"]
     arrays = msg.content.array_records["arrays"].to_torch_state_dict()
     received = decode(arrays, keep=FROZEN)  # as float32 (roles copy it in), a frozen target as narrow as it came
@@ -92,7 +109,20 @@ def train(msg: Message, context: Context) -> Message:
 
         state, metrics = relay(received, spec, _partition(context), context.node_config)
     else:
+        keeps = _keeps_model(spec)
+        if keeps is not None and keeps.kept:
+            own = context.state.get(DEVICE_MODEL)
+            if not isinstance(own, ArrayRecord):
+                reason = (f"{STATE_LOST} partition {_partition(context)} was asked to train its kept generative "
+                          "model, but this node holds none (restarted?)")
+                return Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason), reply_to=msg)
+            received = own.to_torch_state_dict()
         state, metrics = _role(spec).train(received, spec, _partition(context), _accelerator(context))
+        if keeps is not None:
+            from fedfusion.models.samples import split_reply
+
+            model, state = split_reply(state)
+            context.state[DEVICE_MODEL] = ArrayRecord(model)
     wire = WireSpec.read(spec)
     residual = None
     if wire.error_feedback and wire.up != "float32":

@@ -7,11 +7,12 @@ Round flow (``Strategy.start`` drives it):
    gets a fresh Message with the payload the method of its tier makes for it, the common training spec and its
    seed (:func:`fedfusion.fusion.rounds.client_seed`).
 2. ``aggregate_train``: replies in sample order (not arrival order, so float sums and reruns repeat exactly); an
-   error reply is ``failed``; broken train metrics, a reply the method's check refuses, or an update norm over
-   ``max_norm_ratio`` times the norm sent is ``rejected``; silent nodes ``timeout`` (or ``cut`` once an
-   over-selection quorum closed the round). Fewer than ``min_clients`` good replies leave the target unchanged
-   (a void round). Otherwise each method folds its own updates, in :data:`fedfusion.fusion.rounds.FOLD_ORDER`
-   (:func:`fedfusion.fusion.rounds.fold_round`, which the in-process driver runs too).
+   error reply is ``failed`` (and told to its method: a node may say it lost what the method keeps there); broken
+   train metrics, a reply the method's check refuses, or an update norm over ``max_norm_ratio`` times the norm
+   sent is ``rejected``; silent nodes ``timeout`` (or ``cut`` once an over-selection quorum closed the round).
+   Fewer than ``min_clients`` good replies leave the target unchanged (a void round). Otherwise each method folds
+   its own updates, in :data:`fedfusion.fusion.rounds.FOLD_ORDER` (:func:`fedfusion.fusion.rounds.fold_round`,
+   which the in-process driver runs too).
 3. After Flower's central evaluation (``evaluate_fn``) the round is over: a frozen
    :class:`~fedfusion.fusion.base.RoundReport` goes to every listener (the run recorder writes ledgers and the
    checkpoint from it).
@@ -356,8 +357,8 @@ class FusionStrategy(Strategy):
         return messages
 
     def replies_in_order(self, replies: Iterable[Message]) -> Iterator[tuple[Message, ClientRound]]:
-        """This round's replies in sample order, each node once; error replies are recorded as ``failed`` and
-        not yielded."""
+        """This round's replies in sample order, each node once; error replies are recorded as ``failed`` (or
+        ``dropped``), told to the node's method (:meth:`~fedfusion.fusion.base.FusionMethod.failed`) and not yielded."""
         rows = self.round.rows
         position = {node: i for i, node in enumerate(rows)}
         for reply in sorted(replies, key=lambda m: position.get(m.metadata.src_node_id, len(position))):
@@ -368,7 +369,9 @@ class FusionStrategy(Strategy):
                 error = error_line(reply.error.reason or "")
                 status = "dropped" if DROPPED in error else "failed"  # a gateway's phone missed its deadline
                 rows[row.node] = replace(row, status=status, error=error)
-                log(WARNING, "round %d node %d: client %s: %s", self.round.number, row.node, status, error)
+                log(WARNING, "round %d node %d (partition %d): client %s: %s", self.round.number, row.node,
+                    row.partition, status, error)
+                self.methods[row.device].failed(self.round.payloads[row.node].client, error)
                 continue
             yield reply, row
 

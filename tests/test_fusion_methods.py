@@ -130,10 +130,11 @@ def test_distill_averages_each_family_then_distils_it_into_the_target_and_charge
         method.check(payloads[0], {**sent, next(iter(sent)): torch.zeros(2)}, 1.0)
 
 
-def test_generative_keeps_each_devices_model_and_trains_the_target_on_its_samples():
+def test_generative_server_state_keeps_each_devices_model_and_trains_the_target_on_its_samples():
     cfg, state = _target()
     method = GenerativeMethod(cfg, {"phone": 0.5}, state, GenerativeConfig(sample_fraction=1.0, server_steps=2,
-                                                                           server_batch=2), seq_len=8, population=4)
+                                                                           server_batch=2, device_state="server"),
+                              seq_len=8, population=4)
     payload = method.payloads(1, state, [Client(2, "phone", 5, {"examples": 3})])[0]
     assert payload.spec["samples"] == 3 and payload.spec["role"] == "generative"
     with pytest.raises(ValueError, match=SAMPLES_KEY):

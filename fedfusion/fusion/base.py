@@ -135,6 +135,11 @@ class FusionMethod(ABC):
     def fold(self, server_round: int, target: State, updates: Sequence[Update]) -> Fold:
         """The round's accepted updates (at least one, in sample order) folded into ``target``."""
 
+    def failed(self, client: Client, error: str) -> None:
+        """Called when ``client``'s node replied an error (``error``: its exception line) instead of an update; most
+        methods keep nothing on a node that such an error could tell them of."""
+        return None
+
     def begin(self, target: State) -> State:
         """The target a fresh run starts from (not a resumed one): the built target, or a method's own start
         (e.g. a grow-then-fuse run's silenced target)."""

@@ -199,8 +199,8 @@ def run_submodel(run: SubModelRun, initial: dict[str, torch.Tensor], evaluate: E
 class GenerativeRun(Rounds):
     """One generative-distillation federation (:class:`~fedfusion.fusion.generative.method.GenerativeMethod`): each
     client trains its own small model (the static slice of the target at ``width``, kept between rounds, never
-    averaged) and sends samples of it; the server trains the target (``config``) on every client's latest samples
-    (:mod:`fedfusion.models.samples`)."""
+    averaged; on its node or on the server, as ``generative.device_state`` says) and sends samples of it; the server
+    trains the target (``config``) on every client's latest samples (:mod:`fedfusion.models.samples`)."""
 
     config: PretrainedConfig
     width: float
@@ -218,22 +218,30 @@ def run_generative(run: GenerativeRun, initial: dict[str, torch.Tensor], evaluat
                    ) -> tuple[dict[str, torch.Tensor], RunStats, dict[int, dict[str, torch.Tensor]]]:
     """Train the target ``initial`` from the clients' samples for ``run.rounds`` rounds (see :class:`GenerativeRun`):
     :class:`~fedfusion.fusion.generative.method.GenerativeMethod` through :func:`run_rounds`, each client training
-    and sampling its model as the client role :mod:`fedfusion.clients.generative` does. Bytes are the messages'
-    (the model both ways, samples up as the client sends them); the clients' sampling counts as work (~2 x params
-    per generated token, forward only, KV-cached). Returns the target, the costs and each sampled partition's own
-    model as its device ends the run (what the samples could carry: the ceiling of what the target can learn)."""
+    and sampling its model as the client app and role :mod:`fedfusion.clients.generative` do, a node-state device
+    (``device_state=node``) keeping it in a per-partition dict as its node would in ``context.state``. Bytes are the
+    messages' (with ``server`` the model both ways; with ``node`` the model down in a device's first round only and
+    never up; the samples up as the client sends them); the clients' sampling counts as work (~2 x params per
+    generated token, forward only, KV-cached). Returns the target, the costs and each sampled partition's own model as
+    its device ends the run (what the samples could carry: the ceiling of what the target can learn)."""
     tier = f"w{run.width:g}"
     method = GenerativeMethod(run.config, {tier: run.width}, initial, run.generative, run.windows[0].shape[1] - 1,
                               len(run.windows), run.seed, run.axes)
     sampling = {"seconds": 0.0, "flops": 0.0}
+    nodes: dict[int, State] = {}  # device_state=node: each partition's own model, as its node keeps it
 
     def train(rnd: int, payload: Payload) -> tuple[State, dict[str, float]]:
-        model = model_from_state(sub_config(run.config, method.plans[tier]), payload.arrays)
-        own, seed = run.windows[payload.client.partition], payload.client.seed
+        ask, partition = GenerativeSpec.from_config(payload.spec), payload.client.partition
+        start_from = nodes[partition] if ask.kept else payload.arrays
+        model = model_from_state(sub_config(run.config, method.plans[tier]), start_from)
+        own, seed = run.windows[partition], payload.client.seed
         out = train_steps(model, own, run.steps, run.lr, run.batch_size, seed, run.weight_decay, run.optimizer)
-        reply = wire_state({k: v.detach() for k, v in model.state_dict().items()}, tied_aliases(model))
+        trained = wire_state({k: v.detach() for k, v in model.state_dict().items()}, tied_aliases(model))
+        if ask.device_state == "node":
+            nodes[partition], reply = trained, {}
+        else:
+            reply = trained
         start = time.perf_counter()
-        ask = GenerativeSpec.from_config(payload.spec)
         reply.update(samples_reply(model, own, ask, seed))
         params = sum(p.numel() for p in model.parameters())
         sampling["seconds"] += time.perf_counter() - start
@@ -245,7 +253,7 @@ def run_generative(run: GenerativeRun, initial: dict[str, torch.Tensor], evaluat
     target, stats = run_rounds({tier: method}, [tier] * len(run.windows), initial, train, run, evaluate, caps=caps)
     stats.client_s += sampling["seconds"]
     stats.flops += sampling["flops"]
-    return target, stats, method.devices
+    return target, stats, nodes if method.on_node else method.devices
 
 
 @dataclass(frozen=True)

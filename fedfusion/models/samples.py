@@ -12,6 +12,9 @@ data: this method trades the privacy of parameter averaging for recall, and diff
 small model's training is the remedy, not anything here. With ``top_k`` the samples also carry each position's
 ``top_k`` most likely next tokens and their log-probabilities under the client's model (a dense teacher signal,
 one forward pass over the samples): the same text, with how sure the client's model was of every token.
+
+Where a device's own model lives between rounds is ``device_state``: ``node`` keeps it in the device's node (a
+round's reply is its samples), ``server`` has the server hold it and send it both ways every round.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
+from fedfusion.config.choices import DEVICE_STATES
 from fedfusion.models.build import generate
 from fedfusion.wire.specs import GenerativeSpec
 
@@ -28,6 +32,7 @@ SAMPLES_KEY = "generated-ids"  # the reply's ArrayRecord key for the sampled tok
 TOP_IDS_KEY = "generated-top-ids"  # top_k: each sampled position's k likeliest next tokens (n, seq_len, k) int32
 TOP_LOGP_KEY = "generated-top-logp"  # top_k: their log-probabilities under the client's model (n, seq_len, k) float16
 TEACHER_KEYS = (TOP_IDS_KEY, TOP_LOGP_KEY)
+SAMPLE_KEYS = (SAMPLES_KEY, *TEACHER_KEYS)  # every array of a reply that is not the device's model
 
 
 @dataclass(frozen=True)
@@ -41,8 +46,11 @@ class GenerativeConfig:
     server_batch: int = 64
     max_windows: int = 4096  # the most training windows the server credits a client with (its samples and pool share)
     top_k: int = 0  # > 0: samples carry each position's k likeliest tokens and log-probs; the target fits those
+    device_state: str = "node"  # where a device's own model lives between rounds: its node | the server
 
     def __post_init__(self) -> None:
+        if self.device_state not in DEVICE_STATES:
+            raise ValueError(f"device_state must be one of {', '.join(DEVICE_STATES)}, got {self.device_state!r}")
         if self.server_steps < 1 or self.server_batch < 1 or self.max_windows < 1:
             raise ValueError(f"server_steps, server_batch and max_windows must be >= 1, got {self}")
         if self.top_k < 0:
@@ -94,6 +102,12 @@ def samples_reply(model: PreTrainedModel, own: torch.Tensor, ask: GenerativeSpec
         return {SAMPLES_KEY: samples}
     ids, logp = top_tokens(model, samples, ask.top_k)
     return {SAMPLES_KEY: samples, TOP_IDS_KEY: ids, TOP_LOGP_KEY: logp}
+
+
+def split_reply(reply: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """A client's generative reply as (its device's model, its sample arrays: those under :data:`SAMPLE_KEYS`)."""
+    return ({k: v for k, v in reply.items() if k not in SAMPLE_KEYS},
+            {k: v for k, v in reply.items() if k in SAMPLE_KEYS})
 
 
 def check_teacher(ids: torch.Tensor, logp: torch.Tensor, samples: torch.Tensor, k: int, vocab: int) -> None:

@@ -594,8 +594,13 @@ def generative_view(recipe: Recipe) -> PlanView:
     server = generative_server_row(recipe)
     top = recipe.generative.top_k
     extra = f", + seq_len x {top} x 6 bytes of top tokens per window (generative.top_k)" if top else ""
-    note = ("a client's uplink also carries its samples (generative.sample_fraction x its windows "
-            f"x (seq_len + 1) x 8 bytes{extra}), which the plan cannot know")
+    samples = f"its samples (generative.sample_fraction x its windows x (seq_len + 1) x 8 bytes{extra})"
+    if recipe.generative.device_state == "node":
+        note = (f"generative.device_state=node: MB down is a device's first round only (afterwards its node keeps "
+                f"its model and nothing goes down but the spec); every uplink is {samples} and no model, which the "
+                "plan cannot know (MB up and transfer s/J above price the model instead)")
+    else:
+        note = f"a client's uplink also carries {samples}, which the plan cannot know"
     return replace(view, rows=[*view.rows, {**server, "width": None, "slice": server["trains"]}], notes=(note,))
 
 

@@ -21,12 +21,15 @@ from collections.abc import Mapping
 from dataclasses import Field, asdict, dataclass, field, fields
 from typing import Any, ClassVar, Self, get_type_hints
 
-from fedfusion.config.choices import LORA_DTYPES, LORA_METHODS, OPTIMIZERS, POLICIES, PRIVACY_MODES, QUANTIZE_BITS, UPLINK
+from fedfusion.config.choices import DEVICE_STATES, LORA_DTYPES, LORA_METHODS, OPTIMIZERS, POLICIES, PRIVACY_MODES, QUANTIZE_BITS, UPLINK
 from fedfusion.config.methods import ROLES
 from fedfusion.config.recipe import FaultConfig, PrivacyConfig, TrainConfig
 
 # how an error reply says that a phone behind a device gateway missed its deadline: the strategy records a dropout
 DROPPED = "device dropped:"
+# how an error reply says that a node has lost the state a method keeps on it (a restarted node's empty
+# context.state: generative.device_state=node); the strategy hands such a failure to the method, which resends it
+STATE_LOST = "device state lost:"
 # ROLES: what a message's spec asks a client to be (RoleSpec.role), and the module of fedfusion.clients that plays
 # it (train(), evaluate(), num_examples()); the client app imports it on first use. Each method's registry entry
 # names its roles (fedfusion.config.methods).
@@ -304,12 +307,22 @@ class FamilySpec(Spec):
 @dataclass(frozen=True)
 class GenerativeSpec(Spec):
     """A device's own model in generative distillation: its width, how many windows to sample at which
-    temperature, and how many likeliest tokens per sampled position to send with them (0: none)."""
+    temperature, how many likeliest tokens per sampled position to send with them (0: none), where the model lives
+    between rounds (``device_state``: node | server) and, with node, whether the message carries none and the node
+    trains the one it kept (``kept``)."""
 
     width: float
     samples: int
     temperature: float
     top_k: int
+    device_state: str
+    kept: bool
+
+    def __post_init__(self) -> None:
+        _check(self, "device_state", DEVICE_STATES)
+        if self.kept and self.device_state != "node":
+            raise SpecError(f"message spec {self.key('kept')!r}: only a node that keeps its model "
+                            f"({self.key('device_state')}=node) can train a kept one")
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ def build(recipe: Recipe, target: BuildTarget, tiers: list[str]) -> GenerativeMe
     f, g = recipe.fusion, recipe.generative
     return GenerativeMethod(
         target.model.config, {t: f.widths[t] for t in tiers}, target.initial.to_torch_state_dict(),
-        GenerativeConfig(g.sample_fraction, g.temperature, g.server_steps, g.server_lr, g.server_batch, top_k=g.top_k),
+        GenerativeConfig(g.sample_fraction, g.temperature, g.server_steps, g.server_lr, g.server_batch, top_k=g.top_k,
+                         device_state=g.device_state),
         seq_len=recipe.train.seq_len, population=recipe.population.num_clients, run_seed=recipe.seed,
         axes=tuple(f.axes) if f.axes else None, scale=f.scaler)

@@ -1,9 +1,15 @@
 """Generative distillation as a fusion method: each device keeps a small model of its own and sends samples.
 
-Each sampled client gets *its own* small model (the static slice of the initial target at its tier's width the
-first time, afterwards the model it returned last; the server holds it for stateless deployed clients) and is
-asked for samples. A reply's model is kept as that device's, its samples in a
+Each sampled client trains *its own* small model (the static slice of the initial target at its tier's width the
+first time, afterwards the model it trained last) and is asked for samples, which the server keeps in a
 :class:`~fedfusion.models.samples.SamplePool`; the fold trains the target on every client's latest samples.
+
+Where a device's model lives between rounds is ``generative.device_state``. ``node``: the node keeps it in its
+Flower ``context.state``; a partition's first payload (or the first after its node said it lost the model, a
+:data:`~fedfusion.wire.specs.STATE_LOST` error) carries the initial slice, every later one no arrays, and a reply is
+its samples only. The server holds no device model, so a checkpoint holds none either: a resumed run sends every
+partition the initial slice again. ``server``: the server holds every device's model, sends it down every round and
+keeps the one a reply returns (for stateless clients).
 
 The server sees every client's samples, which carry its private data almost verbatim: see
 :mod:`fedfusion.models.samples`. The server's training is the fold's ``server_cost``, priced like distillation.
@@ -51,7 +57,7 @@ from fedfusion.models.samples import (
 from fedfusion.models.slicing import extract, plan_slice, sub_config
 from fedfusion.train.distill import TopTokensLoss
 from fedfusion.train.loop import LM, make_optimizer, train_steps
-from fedfusion.wire.specs import Caps, GenerativeSpec, ModelSpec, RoleSpec, merge
+from fedfusion.wire.specs import STATE_LOST, Caps, GenerativeSpec, ModelSpec, RoleSpec, merge
 
 
 class GenerativeMethod(FusionMethod):
@@ -71,7 +77,8 @@ class GenerativeMethod(FusionMethod):
         # counted when they arrive)
         self.costs = {tier: state_size(self.wire(extract(template, config, plan)), widths[tier])
                       for tier, plan in self.plans.items()}
-        self.devices: dict[int, dict[str, torch.Tensor]] = {}  # partition -> its own model, as last returned
+        self.devices: dict[int, dict[str, torch.Tensor]] = {}  # server: partition -> its own model, as last returned
+        self.kept: set[int] = set()  # node: the partitions whose node keeps its model (a reply of theirs was folded)
         self.pool = SamplePool()
         self.examples: dict[int, int] = {}  # partition -> its training windows (caps its samples)
         self.initial: dict[str, torch.Tensor] | None = None  # the target before round 1: what device models start from
@@ -81,19 +88,28 @@ class GenerativeMethod(FusionMethod):
     def describe(self) -> str:
         g = self.generative
         top = f" top_k={g.top_k}" if g.top_k else ""
-        return f"generative: widths={self.widths} samples/window={g.sample_fraction} server_steps={g.server_steps}{top}"
+        return (f"generative: widths={self.widths} samples/window={g.sample_fraction} server_steps={g.server_steps}"
+                f"{top} device_state={g.device_state}")
+
+    @property
+    def on_node(self) -> bool:
+        """Whether devices keep their own models on their nodes (``device_state=node``)."""
+        return self.generative.device_state == "node"
 
     def state_dict(self) -> dict[str, Any]:
-        """Every device's model, the sample pool and the server's AdamW (safetensors, base64) for a resumed run."""
-        return {"examples": self.examples,
-                "devices": {str(p): pack_tensors(s) for p, s in self.devices.items()},
+        """The sample pool, the server's AdamW and (``device_state=server``) every device's model (safetensors,
+        base64) for a resumed run. With ``node`` the devices' models are on the nodes and not saved: a resumed run's
+        nodes are new to it (a new run's context.state), so every partition gets the initial slice again."""
+        devices = {} if self.on_node else {"devices": {str(p): pack_tensors(s) for p, s in self.devices.items()}}
+        return {"examples": self.examples, **devices,
                 "pool": {str(p): pack_tensors(arrays) for p, arrays in self.pool.kept.items()},
                 "initial": pack_tensors(self.initial) if self.initial is not None else None,
                 "server": self._server_state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.examples = {int(p): int(n) for p, n in state["examples"].items()}
-        self.devices = {int(p): unpack_tensors(s) for p, s in state["devices"].items()}
+        saved = {} if self.on_node else state.get("devices", {})  # a node-state checkpoint's devices start afresh
+        self.devices = {int(p): unpack_tensors(s) for p, s in saved.items()}
         self.pool.kept = {int(p): unpack_tensors(s) for p, s in state["pool"].items()}
         self.initial = unpack_tensors(state["initial"]) if state["initial"] else None
         self.server, self.server_state = None, state.get("server")
@@ -102,22 +118,25 @@ class GenerativeMethod(FusionMethod):
         return self.costs[tier]
 
     def payloads(self, server_round: int, target: State, clients: Sequence[Client]) -> list[Payload]:
-        """Each client's own small model and the spec to train and sample it."""
+        """Each client's own small model (none where its node keeps it) and the spec to train and sample it."""
         if self.initial is None:
             self.initial = {k: v.clone() for k, v in target.items()}
         out = []
         for client in clients:
             width, plan = self.widths[client.tier], self.plans[client.tier]
-            own = self.devices.get(client.partition) or extract(self.initial, self.config, plan)
+            kept = self.on_node and client.partition in self.kept
+            own = {} if kept else self.devices.get(client.partition) or extract(self.initial, self.config, plan)
             sent = self.wire(own)
             # the client's own count of training windows, capped by the server: a client cannot claim the pool
             windows = min(int(client.caps.get(Caps.key("examples"), 1)), self.generative.max_windows)
             self.examples[client.partition] = windows
             g = self.generative
             spec = merge(RoleSpec(self.role), ModelSpec(sub_config(self.config, plan).to_dict()),
-                         GenerativeSpec(width, math.ceil(g.sample_fraction * windows), g.temperature, g.top_k))
-            out.append(Payload(client, sent, spec, width, params=sum(t.numel() for t in sent.values()),
-                               sent_norm=state_norm(sent), context=sent))
+                         GenerativeSpec(width, math.ceil(g.sample_fraction * windows), g.temperature, g.top_k,
+                                        g.device_state, kept))
+            # the model it trains, sent or kept; a node-state reply carries no model to compare with what was sent
+            out.append(Payload(client, sent, spec, width, params=self.costs[client.tier].params,
+                               sent_norm=state_norm(sent), context={} if self.on_node else sent))
         return out
 
     def check(self, payload: Payload, reply: State, weight: float) -> Update:
@@ -127,6 +146,9 @@ class GenerativeMethod(FusionMethod):
         if missing:
             raise ValueError(f"reply has no {', '.join(map(repr, missing))} array")
         samples = {key: arrays.pop(key) for key in wanted}
+        if self.on_node and arrays:
+            raise ValueError(f"generative.device_state=node: a reply carries its samples only, not model arrays "
+                             f"({', '.join(sorted(arrays)[:3])}, ...)")
         check_same_layout(arrays, payload.context, "model sent")
         norm = state_norm(arrays)
         check_samples(samples[SAMPLES_KEY], self.seq_len + 1, self.config.vocab_size, math.ceil(
@@ -136,11 +158,21 @@ class GenerativeMethod(FusionMethod):
                           min(self.generative.top_k, self.config.vocab_size), self.config.vocab_size)
         return Update(payload, weight, norm, (arrays, samples))
 
+    def failed(self, client: Client, error: str) -> None:
+        """A node that says it lost its kept model (:data:`~fedfusion.wire.specs.STATE_LOST`) gets the initial
+        slice the next time its partition is sampled."""
+        if STATE_LOST in error:
+            self.kept.discard(client.partition)
+
     def fold(self, server_round: int, target: State, updates: Sequence[Update]) -> Fold:
-        """Keep each reply's model and samples, then train the target on every client's latest samples."""
+        """Keep each reply's samples (and, ``device_state=server``, its model; ``node``: note that its node keeps
+        one), then train the target on every client's latest samples."""
         for update in updates:
             partition, (arrays, samples) = update.payload.client.partition, update.data
-            self.devices[partition] = {k: v.float() if v.is_floating_point() else v for k, v in arrays.items()}
+            if self.on_node:
+                self.kept.add(partition)
+            else:
+                self.devices[partition] = {k: v.float() if v.is_floating_point() else v for k, v in arrays.items()}
             kept = {"ids": samples[SAMPLES_KEY].long()}
             if self.generative.top_k:
                 kept |= {TOP_IDS_KEY: samples[TOP_IDS_KEY].to(torch.int32), TOP_LOGP_KEY: samples[TOP_LOGP_KEY].half()}
