@@ -45,7 +45,7 @@ from fedfusion.fusion.base import (
     Update,
     read_train_metrics,
 )
-from fedfusion.fusion.rounds import client_seed, fold_order, fold_round, round_payloads
+from fedfusion.fusion.rounds import client_seed, client_steps, fold_order, fold_round, round_payloads
 from fedfusion.fusion.state import rng_state, set_rng_state
 from fedfusion.selection.participation import Participation, draw_size
 from fedfusion.wire.keys import NUM_EXAMPLES
@@ -98,6 +98,12 @@ class FusionStrategy(Strategy):
     ``client_lr`` gives the clients' lr of a round (``train.lr_schedule``: a decay over rounds); every message of
     the round carries it in place of ``train_config``'s.
 
+    ``max_epochs`` (``train.max_epochs``) caps a client's local steps at that many passes over the examples its
+    capability reply counted (:func:`fedfusion.fusion.rounds.client_steps`): its message carries its own
+    ``local_steps`` and its ledger row the tokens of those steps. 0: every client takes ``train_config``'s. Each
+    tier's planned cost (what the participation draw predicts) stays that of ``train_config``'s steps, the most a
+    client takes.
+
     ``eval_every`` (``train.eval_every``): central evaluation (``start``'s ``evaluate_fn``) scores round 0, the last
     round and every ``eval_every``-th round between (0: none between, :func:`scored_round`); an unscored round's
     report has no target metrics.
@@ -125,6 +131,7 @@ class FusionStrategy(Strategy):
         client_lr: Callable[[int], float] | None = None,
         server_threads: int = 0,
         eval_every: int = 1,
+        max_epochs: float = 0.0,
     ) -> None:
         if not methods:
             raise ValueError("no fusion method: map at least one device tier to a method")
@@ -157,6 +164,9 @@ class FusionStrategy(Strategy):
         if eval_every < 0:
             raise ValueError(f"eval_every must be >= 0, got {eval_every}")
         self.eval_every = eval_every  # train.eval_every: which rounds central evaluation scores (scored_round)
+        if max_epochs < 0:
+            raise ValueError(f"max_epochs must be >= 0, got {max_epochs}")
+        self.max_epochs = max_epochs  # train.max_epochs: a client's passes over its examples per round (0: no cap)
         self.caps: dict[int, dict[str, Any]] = {}
         self.unusable: set[int] = set()  # nodes that answered with a tier no method trains: never asked again
         self.costs: dict[str, WorkCost] = {}
@@ -274,11 +284,21 @@ class FusionStrategy(Strategy):
         """The node's device tier, as its capability reply said."""
         return str(self.caps[node][Caps.key("device")])
 
-    def tokens(self) -> int:
-        """Tokens one client trains in a round (steps x batch x sequence length)."""
+    def tokens(self, steps: int | None = None) -> int:
+        """Tokens a client trains in a round: ``steps`` (default ``train_config``'s local steps) x batch x sequence
+        length."""
         c = self.train_config
-        steps, batch = c.get(TrainSpec.key("local_steps"), 0), c.get(TrainSpec.key("batch_size"), 0)
-        return int(steps) * int(batch) * int(c.get(ClientSpec.key("seq_len"), 0))
+        steps = int(c.get(TrainSpec.key("local_steps"), 0)) if steps is None else steps
+        return steps * int(c.get(TrainSpec.key("batch_size"), 0)) * int(c.get(ClientSpec.key("seq_len"), 0))
+
+    def local_steps(self, node: int) -> int | None:
+        """The local steps ``node`` takes this round under ``max_epochs`` (:func:`client_steps`, from the examples
+        its capability reply counted); None when no cap applies (``max_epochs`` 0): ``train_config``'s."""
+        if not self.max_epochs:
+            return None
+        c = self.train_config
+        return client_steps(int(c[TrainSpec.key("local_steps")]), int(c[TrainSpec.key("batch_size")]),
+                            self.max_epochs, int(self.caps[node][Caps.key("examples")]))
 
     def tier_costs(self) -> dict[str, WorkCost]:
         """Each tier's planned work priced on its device, from what its method says the work is (once per run)."""
@@ -322,7 +342,7 @@ class FusionStrategy(Strategy):
             cost = method.tier_cost(device)
             self.round.rows[node] = ClientRound(
                 node=node, device=device, width=cost.width, method=method.name, partition=p, status="dropped",
-                params=cost.params, bytes_down=cost.nbytes, tokens=self.tokens(),
+                params=cost.params, bytes_down=cost.nbytes, tokens=self.tokens(self.local_steps(node)),
                 error="left its availability window or missed the virtual deadline before finishing")
         return [by_partition[p] for p in draw.train]
 
@@ -345,13 +365,15 @@ class FusionStrategy(Strategy):
         for node in nodes:
             payload = self.round.payloads[node]
             record = ArrayRecord(payload.arrays)
-            spec = ConfigRecord({**config, **self.train_config, **lr, **payload.spec,
+            steps = self.local_steps(node)
+            capped = {} if steps is None else {TrainSpec.key("local_steps"): steps}
+            spec = ConfigRecord({**config, **self.train_config, **lr, **capped, **payload.spec,
                                  **RoundSpec(server_round, payload.client.seed).to_config()})
             self.round.rows[node] = ClientRound(
                 node=node, device=payload.client.tier, width=payload.width, method=self.methods[payload.client.tier].name,
                 assignment=payload.assignment, partition=self.partition_of(node),
                 bytes_down=record.count_bytes(), params=payload.params, sent_norm=payload.sent_norm,
-                tokens=self.tokens(), extra=payload.row)
+                tokens=self.tokens(steps), extra=payload.row)
             messages.append(Message(RecordDict({"arrays": record, "config": spec}), dst_node_id=node,
                                     message_type=MessageType.TRAIN))
         return messages

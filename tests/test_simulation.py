@@ -15,6 +15,7 @@ import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from fedfusion.cli import main
+from fedfusion.fusion.rounds import client_steps
 from fedfusion.run.run_dir import read_jsonl
 
 pytestmark = pytest.mark.slow  # Flower's runtime (Ray or SuperLink processes): minutes, not seconds
@@ -94,6 +95,17 @@ def test_bad_recipe_exits_nonzero_and_writes_no_run(tmp_path, capsys):
     assert main(["run", "quickstart", "fusion.policy=sideways", "--out", str(out)]) == 2
     assert "fusion.policy" in capsys.readouterr().out
     assert not out.exists()
+
+
+def test_a_cap_on_local_epochs_gives_each_client_its_own_steps_and_the_ledger_prices_them(tmp_path):
+    out = tmp_path / "capped"
+    assert main(["run", "quickstart", *TINY, "selection.evaluate_clients=0", "train.local_steps=40",
+                 "train.max_epochs=0.05", "--out", str(out)]) == 0
+    clients = read_jsonl(out / "clients.jsonl")
+    # each client reports the tokens it trained: ceil(0.05 x windows / 4) steps of 4 x 32, not 40 steps
+    steps = [client_steps(40, 4, 0.05, c["examples"]) for c in clients]
+    assert {c["status"] for c in clients} == {"ok"} and max(steps) < 40
+    assert [c["tokens"] for c in clients] == [s * 4 * 32 for s in steps]
 
 
 def test_clients_that_all_crash_leave_the_target_unchanged_and_the_run_completes(tmp_path):

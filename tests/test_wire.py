@@ -129,8 +129,9 @@ def test_keys_follow_field_names_and_the_keys_other_libraries_read():
 def test_the_recipe_sections_become_specs_field_by_field():
     train = TrainConfig(local_steps=7, lr=0.5, batch_size=3, seq_len=9, weight_decay=0.1, optimizer="sgd")
     # seq_len travels in ClientSpec; the lr schedule stays on the server, which sends each round's lr as ``lr``, and
-    # so does eval_every (which rounds the server scores)
-    server_only = {"seq_len", "lr_schedule", "lr_final", "eval_every"}
+    # so does eval_every (which rounds the server scores), and max_epochs (the server sends a capped client its own
+    # local_steps)
+    server_only = {"seq_len", "lr_schedule", "lr_final", "eval_every", "max_epochs"}
     assert {f.name for f in fields(TrainSpec)} | server_only == {f.name for f in fields(TrainConfig)}
     assert read_train({**TrainSpec.from_recipe(train).to_config(), **RoundSpec(1, 4).to_config()}) == dict(
         steps=7, lr=0.5, batch_size=3, weight_decay=0.1, optimizer="sgd", seed=4)

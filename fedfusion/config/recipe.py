@@ -10,6 +10,7 @@ before it writes anything or imports torch.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from difflib import get_close_matches
 from functools import lru_cache
@@ -275,6 +276,11 @@ class TrainConfig:
     # round 1 down to lr_final x train.lr in the last round
     lr_schedule: str = "constant"
     lr_final: float = 0.1
+    # the most passes a client makes over its own training examples in a round: a client holding fewer than
+    # local_steps x batch_size / max_epochs examples takes ceil(max_epochs x examples / batch_size) steps instead
+    # of local_steps (fedfusion.fusion.rounds.client_steps), so a small client does not fit its own few examples
+    # for many epochs and pull its slice of the target after them (client drift); 0: off, every client takes local_steps
+    max_epochs: float = 0.0
     # rounds between central evaluations of the target (the server scoring it on the pooled held-out text), as
     # units.eval_every counts steps: round 0 and the last round are always scored, between them the rounds it divides
     # (1: every round; 0: none between). An unscored round's metrics.jsonl row has no eval_* fields; the report's best
@@ -343,7 +349,7 @@ class UnitsSection:
     """The exact mode (fusion.method=units, issue 25): the server keeps the target, the data and the optimizer and
     trains the target centrally; every linear layer's GEMMs (fedfusion.units) are cut into tiles that the
     population's nodes compute. ``train.lr``, ``train.weight_decay``, ``train.batch_size`` and ``train.seq_len``
-    set the central training; ``rounds``, ``selection`` and ``train.lr_schedule`` do not apply."""
+    set the central training; ``rounds``, ``selection``, ``train.lr_schedule`` and ``train.max_epochs`` do not apply."""
 
     offload: str = "mlp"  # mlp (the MLP's linear layers) | all (every linear layer, lm_head included)
     steps: int = 3  # optimizer steps on the pooled training text
@@ -650,6 +656,9 @@ def validate(recipe: Recipe) -> None:
     if recipe.train.eval_every < 0:
         raise RecipeError(f"train.eval_every: must be >= 0 (rounds between central evaluations; 0: only round 0 and "
                           f"the last), got {recipe.train.eval_every}")
+    if not 0 <= recipe.train.max_epochs < math.inf:
+        raise RecipeError(f"train.max_epochs: must be a finite number >= 0 (passes over a client's examples per "
+                          f"round; 0: off), got {recipe.train.max_epochs}")
     if not 0 < recipe.train.lr_final <= 1:
         raise RecipeError(f"train.lr_final: must be in (0, 1] (the last round's lr as a fraction of train.lr), "
                           f"got {recipe.train.lr_final}")

@@ -1,10 +1,10 @@
 """What every round does, written once for the Flower strategy and the in-process driver.
 
-The per-client seed, the clients' lr of a round (``train.lr_schedule``), the slice plans of a round's sampled
-clients (stagger and ``owned`` offsets), the fold of a sub-model round (selective averaging, then the optional outer
-optimizer), and, for any mix of fusion methods, each sampled client's payload and the fold of a round's accepted
-updates in :data:`FOLD_ORDER`: so :class:`fedfusion.strategies.fusion.FusionStrategy` and
-:mod:`fedfusion.fusion.inprocess` cannot drift apart.
+The per-client seed, the clients' lr of a round (``train.lr_schedule``) and local steps (``train.max_epochs``), the
+slice plans of a round's sampled clients (stagger and ``owned`` offsets), the fold of a sub-model round (selective
+averaging, then the optional outer optimizer), and, for any mix of fusion methods, each sampled client's payload and
+the fold of a round's accepted updates in :data:`FOLD_ORDER`: so :class:`fedfusion.strategies.fusion.FusionStrategy`
+and :mod:`fedfusion.fusion.inprocess` cannot drift apart.
 """
 
 from __future__ import annotations
@@ -54,6 +54,20 @@ def round_lr(lr: float, schedule: str, final: float, server_round: int, rounds: 
     t = min(max(server_round - 1, 0) / max(rounds - 1, 1), 1.0)  # 0 in the first round, 1 in the last
     decay = 0.5 * (1 + math.cos(math.pi * t)) if schedule == "cosine" else 1 - t
     return lr * (final + (1 - final) * decay)
+
+
+def client_steps(local_steps: int, batch_size: int, max_epochs: float, examples: int) -> int:
+    """The local steps a client holding ``examples`` training examples takes in a round (``train.max_epochs``):
+    ``local_steps``, or fewer where that many batches of ``batch_size`` would pass over its examples more than
+    ``max_epochs`` times: ``ceil(max_epochs x examples / batch_size)``, at least one. ``max_epochs`` 0: no cap.
+    Many passes over a few examples fit them far below the federation's held-out loss, and the client's update then
+    pulls its slice of the target towards its own text (client drift); a cap in epochs bounds that drift."""
+    if max_epochs < 0 or local_steps < 1 or batch_size < 1:
+        raise ValueError(f"client_steps: needs max_epochs >= 0 and positive local_steps and batch_size, got "
+                         f"{max_epochs}, {local_steps}, {batch_size}")
+    if max_epochs == 0:
+        return local_steps
+    return min(local_steps, max(1, math.ceil(max_epochs * examples / batch_size)))
 
 
 def owned_starts(widths: Mapping[int, float], floor: float = 0.0) -> dict[int, float]:

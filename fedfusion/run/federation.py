@@ -122,6 +122,7 @@ def build_strategy(recipe: Recipe, target: Target, listeners: Sequence[Listener]
                           rounds=recipe.rounds),
         server_threads=recipe.engine.server_threads,
         eval_every=recipe.train.eval_every,
+        max_epochs=recipe.train.max_epochs,
     )
 
 

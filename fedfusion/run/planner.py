@@ -290,7 +290,8 @@ def plan_table(
 ) -> list[dict[str, Any]]:
     """One row per tier of the population mix, narrowest first: the slice it trains (sub-model fusion; under
     generative distillation the static slice it keeps as its own model), parameters, memory, and one round's
-    cost (:func:`priced`: training FLOPs, the slice down in ``fusion.wire_dtype`` and back in ``fusion.wire_up``).
+    cost (:func:`priced`: training FLOPs, the slice down in ``fusion.wire_dtype`` and back in ``fusion.wire_up``),
+    at ``train.local_steps``: the most a client takes (``train.max_epochs`` gives one with few examples fewer).
 
     ``widths`` (default: the recipe's ``fusion.widths``; pass :func:`auto_widths` for auto-fit) may hold
     None for a tier that fits nothing: its row says so (with what ``ladder``'s smallest width would need)
