@@ -94,9 +94,12 @@ def test_units_run_equals_central_training_step_for_step(tmp_path):
     # `fedfusion plan` prices the same step from the shape alone: its bytes and virtual seconds are the run's
     step, _ = units_plan(load_recipe("quickstart", [*TINY, "units.offload=all", "units.micro_batches=2"]))
     for row in rows[1:]:
-        assert abs(row["bytes_down"] - step["MB down"] * 1e6) <= 0.01 * row["bytes_down"]
-        assert abs(row["bytes_up"] - step["MB up"] * 1e6) <= 0.01 * row["bytes_up"]
-        assert abs(row["virtual_s"] - step["step_s"]) <= 0.02 * step["step_s"]
+        if row["redispatched"]:  # a unit re-sent after its deadline (a loaded host) travels twice: more than planned
+            assert row["bytes_down"] > step["MB down"] * 1e6 * 0.99
+        else:
+            assert abs(row["bytes_down"] - step["MB down"] * 1e6) <= 0.01 * row["bytes_down"]
+            assert abs(row["bytes_up"] - step["MB up"] * 1e6) <= 0.01 * row["bytes_up"]
+            assert abs(row["virtual_s"] - step["step_s"]) <= 0.02 * step["step_s"]
         for key in ("server_flops", "server_verify_flops", "cloud_flops"):  # the server's work as planned
             assert row[key] == pytest.approx(step["server"][key], rel=1e-6), key
 
