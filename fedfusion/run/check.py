@@ -58,8 +58,10 @@ def check_recipe(recipe: Recipe) -> Recipe:
         _check_dataset(recipe)
     _check_files(recipe)
     facts = _check_records(recipe)
-    if recipe.rounds == 0:
-        _rounds_from_facts(recipe, facts)
+    if recipe.rounds == 0:  # one round per data.facts_per_round facts: more facts train longer
+        assert facts is not None  # validate() allows rounds 0 only with facts data
+        recipe.rounds = facts_rounds(facts, recipe.data.facts_per_round)
+        validate(recipe)  # again, with the number: e.g. a fusion.grow_round past it
     _check_lora_base(recipe)
     _check_devices(recipe)
     return recipe
@@ -155,15 +157,6 @@ def _check_records(recipe: Recipe) -> int | None:
         check_client_count(d.path, len(owners), num_clients)
         return len(probes)
     return synthetic_facts(d.people) if d.source == "facts" else None
-
-
-def _rounds_from_facts(recipe: Recipe, facts: int | None) -> None:
-    """``rounds: 0``: one round per ``data.facts_per_round`` facts, so a federation with more facts trains longer
-    (at least one round); the recipe then holds the number, and is validated again with it."""
-    if facts is None:  # validate() allows rounds 0 only for facts data
-        raise RecipeError("rounds: 0 needs data.source=facts")
-    recipe.rounds = facts_rounds(facts, recipe.data.facts_per_round)
-    validate(recipe)
 
 
 def facts_rounds(facts: int, facts_per_round: float) -> int:
