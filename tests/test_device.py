@@ -351,16 +351,6 @@ def test_a_gateway_dropout_is_a_dropped_row_with_its_work():
     assert priced["wasted"] and priced["energy_j"] > 0  # its planned work and download were spent for nothing
 
 
-def test_export_device_names_what_blocks_a_full_forward_window():
-    """A full-forward window has no device program: the refusal says so in one line instead of exporting a slice."""
-    from fedfusion.config.recipe import load_recipe
-    from fedfusion.phone.commands import check_tier
-
-    recipe = load_recipe("quickstart", ["fusion.forward=full", "fusion.stagger=false"])
-    with pytest.raises(ValueError, match=r"^fusion.forward=full: no on-device program exists yet"):
-        check_tier(recipe, "phone")
-
-
 @pytest.mark.parametrize("overrides,message", [
     (["lora.method=flora"], r"^lora.method=flora: each round sends a frozen merged update"),
     (["lora.dropout=0.1"], r"^lora.dropout=0.1: a device program would draw its own dropout masks"),

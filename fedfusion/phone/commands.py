@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from importlib.util import find_spec
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -16,6 +17,8 @@ from fedfusion.config.methods import LORA, SUBMODEL
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
+
+    from fedfusion.models.slicing import SlicePlan
 
     from fedfusion.config.recipe import Recipe
     from fedfusion.phone.program import DeviceProgram
@@ -43,6 +46,11 @@ def cmd_export_device(args: argparse.Namespace) -> int:
         a = m["adapter"]
         what = (f"rank-{a['rank']} LoRA adapter ({params:,} trained parameters) on a "
                 f"{a['base_bits'] or 32}-bit frozen {m['family']} base of {a['base_params']:,} parameters (the ptd)")
+    elif "window" in m:
+        w = m["window"]
+        what = (f"full-forward window ({params:,} trained parameters: {w['units']} units per axis"
+                f"{', shared tensors' if w['shared'] else ''}) in a frozen float32 {m['family']} target of "
+                f"{w['target_params']:,} parameters (program inputs, {w['frozen_bytes']:,} bytes)")
     else:
         what = f"{m['family']} sub-model, {params:,} parameters"
     print(f"{args.tier}: {what}, input {m['inputs'][0]['shape']}, exported in {m['export_s']} s")
@@ -118,7 +126,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 def check_tier(recipe: Recipe, tier: str) -> None:
     """ValueError (one line) where the recipe's ``tier`` has no on-device program: a method other than width slices
-    and LoRA, a tier without a width or a rank, or a LoRA setting the program cannot follow."""
+    (or full-forward windows) and LoRA, a tier without a width or a rank, or a setting the program cannot follow."""
     if recipe.fusion.method == LORA:
         lora = recipe.lora
         if tier not in lora.ranks:
@@ -134,27 +142,54 @@ def check_tier(recipe: Recipe, tier: str) -> None:
 
 
 def tier_config(recipe: Recipe, tier: str) -> PretrainedConfig:
-    """The sub-model config a tier trains under the recipe: its width's slice of the target along the recipe's
-    axes (the shape every slicing policy gives that width)."""
+    """The model config a tier trains under the recipe: its width's slice of the target along the recipe's axes
+    (the shape every slicing policy gives that width), or with ``fusion.forward=full`` the whole target."""
     from fedfusion.run.planner import fit_widths, recipe_target, sliced_config  # torch: after the recipe is checked
 
     if recipe.fusion.method != SUBMODEL:
         raise ValueError(f"fusion.method {recipe.fusion.method!r}: on-device programs exist for width slices "
                          "(fusion.method=submodel) and LoRA adapters (fusion.method=lora) only")
-    if recipe.fusion.forward == "full":
-        raise ValueError("fusion.forward=full: no on-device program exists yet for a full-forward window (the frozen "
-                         "target with a trainable window written in); phones take width slices (fusion.forward=slice)")
     fit_widths(recipe)
     if tier not in recipe.fusion.widths:
         raise ValueError(f"--tier {tier!r}: the recipe's fusion.widths has {', '.join(recipe.fusion.widths)}")
+    if recipe.fusion.forward == "full":
+        check_window(recipe)
+        return recipe_target(recipe)
     return sliced_config(recipe_target(recipe), recipe.fusion.widths[tier], recipe.fusion.axes or None)
 
+
+def check_window(recipe: Recipe) -> None:
+    """ValueError (one line, naming the setting) for a full-forward window the program cannot train: a window's
+    shape must stay fixed for the run and it must be a window of units (:mod:`fedfusion.phone.window`)."""
+    f = recipe.fusion
+    if f.window_rank:
+        raise ValueError(f"fusion.window_rank={f.window_rank}: a device program trains a window of units, not "
+                         "low-rank updates of every matrix; on-device full-forward windows need fusion.window_rank=0")
+    if f.window_core:
+        raise ValueError("fusion.window_core=true: the core's union with a moving window changes the window's size "
+                         "round to round, and a device program's shape is fixed; set fusion.window_core=false")
+    if "depth" in (f.axes or ()):
+        raise ValueError("fusion.axes with depth: a window's layers change round to round, and with them which target "
+                         "tensor each window tensor is; an on-device window slices units (heads, neurons)")
+
+
+def tier_window(recipe: Recipe, tier: str) -> SlicePlan:
+    """The window a full-forward tier trains, at the static policy's positions: its shape (units per axis, the
+    shared tensors or not) is the one every round's window of that tier has."""
+    from fedfusion.models.full_forward import window_axes
+    from fedfusion.models.slicing import plan_slice
+
+    target, f = tier_config(recipe, tier), recipe.fusion
+    axes = window_axes(target, tuple(f.axes) if f.axes else None)
+    plan = plan_slice(target, f.window_widths.get(tier, f.widths[tier]), "static", axes=axes, scale=False)
+    return replace(plan, shared=f.window_shared)
 
 
 def export_tier(recipe: Recipe, tier: str) -> DeviceProgram:
     """The training program of ``tier``'s sub-model, or of its LoRA adapter on the recipe's frozen base (loaded in
     float32, held in the tier's ``lora.quantize`` bits), fed the recipe's batch and sequence shape."""
     from fedfusion.phone.program import export_lora_program, export_program
+    from fedfusion.phone.window import export_window_program
 
     check_tier(recipe, tier)
     if recipe.fusion.method == LORA:
@@ -164,5 +199,8 @@ def export_tier(recipe: Recipe, tier: str) -> DeviceProgram:
         return export_lora_program(load_base(lora.base), list(lora.target_modules), lora.ranks[tier], lora.alpha,
                                    recipe.train.batch_size, recipe.train.seq_len, recipe.train, recipe.seed,
                                    lora.quantize.get(tier, 0), lora.base)
+    if recipe.fusion.forward == "full":
+        return export_window_program(tier_config(recipe, tier), tier_window(recipe, tier), recipe.train.batch_size,
+                                     recipe.train.seq_len, recipe.train, recipe.seed)
     return export_program(tier_config(recipe, tier), recipe.train.batch_size, recipe.train.seq_len, recipe.train,
                           recipe.seed)

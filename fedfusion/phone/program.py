@@ -58,6 +58,7 @@ GROUP = 32  # inputs per scale of a quantised frozen Linear
 # torch.optim.AdamW's defaults, which fedfusion.train.loop.make_optimizer uses: a device must step the same way
 ADAMW_BETAS, ADAMW_EPS = (0.9, 0.999), 1e-8
 DTYPES = {torch.float32: "float32", torch.int64: "int64"}
+ROUND = "round"  # an input's ``per`` in a manifest: given once a round and held for its steps, not each batch
 
 
 class DeviceExportError(ValueError):

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from fedfusion.devices.energy import train_flops
-from fedfusion.phone.program import WRAPPER, DeviceProgram, example_inputs
+from fedfusion.phone.program import ROUND, WRAPPER, DeviceProgram, example_inputs
 from fedfusion.train.instruct import IGNORE, InstructData
 from fedfusion.train.loop import TrainResult
 
@@ -86,6 +86,10 @@ class ProgramRunner:
         if sorted(named) != sorted(self.names):
             raise ValueError(f"program {self.manifest['program_id']}: its parameters differ from its manifest's")
         self.params = {self.names[k]: v for k, v in named.items()}
+        # inputs given once a round and appended to every step's batch (a full-forward window's frozen target and
+        # positions: fedfusion.phone.window), in the manifest's order
+        self.round_specs = [i for i in self.manifest["inputs"] if i.get("per") == ROUND]
+        self.held: tuple[torch.Tensor, ...] = ()
 
     def load(self, weights: dict[str, torch.Tensor]) -> None:
         """Copy ``weights`` (every parameter by name, its exact shape) into the program's parameter memory."""
@@ -97,14 +101,30 @@ class ProgramRunner:
                 raise ValueError(f"{name}: shape {tuple(value.shape)}, the program's is {tuple(self.params[name].shape)}")
             self.params[name].copy_(value)
 
+    def hold(self, inputs: dict[str, torch.Tensor]) -> None:
+        """Keep ``inputs`` (every per-round input by name, its exact shape and dtype) for this round's steps."""
+        names = [i["name"] for i in self.round_specs]
+        if set(inputs) != set(names):
+            missing, extra = sorted(set(names) - set(inputs)), sorted(set(inputs) - set(names))
+            raise ValueError(f"round inputs differ from the program's: missing {missing[:3]}, extra {extra[:3]}")
+        for spec, value in zip(self.round_specs, example_inputs({"inputs": self.round_specs})):
+            got = inputs[spec["name"]]
+            if got.shape != value.shape or got.dtype != value.dtype:
+                raise ValueError(f"{spec['name']}: {got.dtype} {tuple(got.shape)}, the program takes "
+                                 f"{value.dtype} {tuple(value.shape)}")
+        self.held = tuple(inputs[n].contiguous() for n in names)
+
     def weights(self) -> dict[str, torch.Tensor]:
         """A copy of the program's current parameters, by name."""
         return {k: v.clone() for k, v in self.params.items()}
 
     def forward_backward(self, *inputs: torch.Tensor) -> tuple[float, dict[str, torch.Tensor]]:
-        """One step's loss and gradients (by parameter name) on ``inputs`` of the manifest's shapes."""
+        """One step's loss and gradients (by parameter name) on ``inputs`` of the manifest's shapes (the per-batch
+        ones: the per-round inputs are those :meth:`hold` keeps)."""
+        if self.round_specs and not self.held:
+            raise ValueError(f"program {self.manifest['program_id']} takes per-round inputs: hold() them first")
         with RUNTIME_LOCK:
-            loss = self.module.forward_backward(self.method, inputs)[0]
+            loss = self.module.forward_backward(self.method, (*inputs, *self.held))[0]
             grads = {self.names[k]: v for k, v in self.module.named_gradients().items()}
         return float(loss), grads
 

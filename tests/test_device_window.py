@@ -1,0 +1,184 @@
+"""Phones training full-forward windows: the ExecuTorch window program (the whole frozen target and the window's
+positions as inputs, the window's values as its only parameters) trains through the runtime as
+:class:`~fedfusion.models.full_forward.WindowModel` trains in torch, and one program serves a tier round after round
+(new positions, a new frozen target); refusals of what it does not train are one line naming the setting."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.test_device import QUICK
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+BATCH, SEQ, STEPS, LR = 4, 16, 3, 1e-2
+
+
+def tiny_config():
+    """A 2-layer Llama of hidden 32 with grouped-query attention (8 heads on 4 kv groups of head_dim 4)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=8,
+                       num_key_value_heads=4, head_dim=4, max_position_embeddings=64)
+
+
+def target_state(config, seed: int):
+    from fedfusion.models.families import family_of
+
+    torch.manual_seed(seed)
+    return family_of(config).build(config).state_dict()
+
+
+def window(config, server_round: int, shared: bool = False):
+    """A quarter of the kv groups and of the neurons, rolling: round 2 sits at a non-prefix offset."""
+    from dataclasses import replace
+
+    from fedfusion.models.slicing import plan_slice
+
+    plan = plan_slice(config, 0.25, "rolling", server_round, stride=0.25, offset=0.25, axes=("heads", "neurons"),
+                      scale=False)
+    return replace(plan, shared=shared)
+
+
+def payload(config, state, plan, frozen_dtype: str = "int8"):
+    """A full-forward payload as SubModelMethod.payloads builds it: the frozen target under FROZEN keys in
+    ``frozen_dtype`` and the window's exact values, with its WindowSpec."""
+    from fedfusion.models.build import config_aliases, wire_state
+    from fedfusion.models.slicing import extract
+    from fedfusion.wire.keys import FROZEN
+    from fedfusion.wire.quantize import encode
+    from fedfusion.wire.specs import WindowSpec
+
+    frozen = {FROZEN + k: v for k, v in encode(wire_state(state, config_aliases(config)), frozen_dtype).items()}
+    return {**extract(state, config, plan), **frozen}, WindowSpec(plan.assignment(), plan.shared)
+
+
+@pytest.fixture(scope="module")
+def windows():
+    return torch.randint(50, (32, SEQ + 1), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.fixture(scope="module")
+def program():
+    """The tiny target's window program (its shape: 1 of 4 kv groups, 16 of 64 neurons), exported once."""
+    from fedfusion.phone.window import export_window_program
+
+    config = tiny_config()
+    return export_window_program(config, window(config, 1), BATCH, SEQ)
+
+
+def assert_round(runner, config, state, plan, windows, frozen_dtype: str = "int8") -> None:
+    """STEPS runtime steps on this round's payload equal STEPS torch steps of WindowModel: loss per step within
+    1e-5, relative update error of the window's values within 1e-3."""
+    from fedfusion.models.full_forward import from_payload
+    from fedfusion.phone.runtime import train_program
+    from fedfusion.phone.window import window_round
+    from fedfusion.train.loop import train_steps
+
+    received, spec = payload(config, state, plan, frozen_dtype)
+    weights, inputs = window_round(runner.manifest, received, spec)
+    runner.load(weights)
+    runner.hold(inputs)
+    mine = train_program(runner, windows, STEPS, LR, BATCH, seed=11)
+    model = from_payload(config, received, spec, seed=0)
+    theirs = train_steps(model, windows, STEPS, LR, BATCH, seed=11)
+    assert max(abs(a - b) for a, b in zip(mine.losses, theirs.losses)) <= 1e-5, (mine.losses, theirs.losses)
+    trained = model.trained()
+    moved = torch.cat([(runner.params[k] - weights[k]).flatten() for k in weights])
+    expected = torch.cat([(trained[k] - weights[k]).flatten() for k in weights])
+    assert float(expected.norm()) > 0
+    assert float((moved - expected).norm() / expected.norm()) <= 1e-3
+
+
+@pytest.mark.slow
+@pytest.mark.device
+def test_window_program_trains_as_window_model(program, windows):
+    """One round at a non-prefix window on an int8 frozen target, through the runtime's AdamW."""
+    from fedfusion.phone.runtime import ProgramRunner
+
+    config = tiny_config()
+    plan = window(config, 2)
+    assert plan.attn_units == (2,) and plan.neurons == tuple(range(32, 48))
+    runner = ProgramRunner(program)
+    assert sorted(runner.params) == sorted(n for n in target_state(config, 0) if n.endswith("proj.weight"))
+    assert_round(runner, config, target_state(config, 0), plan, windows)
+
+
+@pytest.mark.slow
+@pytest.mark.device
+def test_one_window_program_serves_a_tier_round_after_round(program, windows):
+    """The same program (and runner), a round later: the window moved, the frozen target changed (another folding
+    of clients' updates) and arrived float16: the loss and the steps are still WindowModel's. Per-round inputs are
+    required and checked."""
+    from fedfusion.phone.runtime import ProgramRunner
+
+    config = tiny_config()
+    runner = ProgramRunner(program)
+    with pytest.raises(ValueError, match="hold"):
+        runner.forward_backward(windows[:BATCH])
+    state = target_state(config, 0)
+    assert_round(runner, config, state, window(config, 2), windows)
+    changed = {k: v + 0.02 * torch.randn(v.shape, generator=torch.Generator().manual_seed(9)) for k, v in state.items()}
+    plan = window(config, 3)
+    assert plan.attn_units == (3,) and plan.neurons == tuple(range(48, 64))
+    assert_round(runner, config, changed, plan, windows, frozen_dtype="float16")
+    with pytest.raises(ValueError, match="units/heads"):
+        runner.hold({**runner_inputs(runner), "units/heads": torch.tensor([1, 2])})
+
+
+def runner_inputs(runner):
+    return {spec["name"]: value for spec, value in zip(runner.round_specs, runner.held)}
+
+
+@pytest.mark.slow
+@pytest.mark.device
+def test_shared_window_trains_the_embeddings_whole(windows):
+    """With ``window_shared`` the embeddings, norms and head are parameters (the window holds them whole) and no
+    inputs; parity holds for them too."""
+    from fedfusion.phone.runtime import ProgramRunner
+    from fedfusion.phone.window import export_window_program
+
+    config = tiny_config()
+    program = export_window_program(config, window(config, 1, shared=True), BATCH, SEQ)
+    inputs = [i["name"] for i in program.manifest["inputs"]]
+    assert "frozen/model.embed_tokens.weight" not in inputs and "frozen/model.layers.0.mlp.up_proj.weight" in inputs
+    runner = ProgramRunner(program)
+    assert "model.embed_tokens.weight" in runner.params and "lm_head.weight" in runner.params
+    assert_round(runner, config, target_state(config, 0), window(config, 2, shared=True), windows)
+
+
+@pytest.mark.slow
+@pytest.mark.device
+def test_export_device_command_writes_a_window_program(tmp_path, capsys):
+    """``fedfusion export-device`` with ``fusion.forward=full``: the quickstart phone tier's window (2 layers here),
+    its three files and its manifest's per-round inputs."""
+    from fedfusion.cli import main
+    from fedfusion.phone.program import DeviceProgram
+    from fedfusion.phone.runtime import ProgramRunner
+
+    out = tmp_path / "programs"
+    assert main(["export-device", "quickstart", "fusion.forward=full", *QUICK, "--tier", "phone", "--out", str(out)]) == 0
+    assert "phone: full-forward window (" in capsys.readouterr().out
+    program = DeviceProgram.load(out, next(out.glob("*.json")).stem)
+    m = program.manifest
+    assert m["window"]["units"] == {"heads": 1, "neurons": 64} and not m["window"]["shared"]
+    assert [i["name"] for i in m["inputs"][:3]] == ["tokens", "units/heads", "units/neurons"]
+    assert sorted(ProgramRunner(program).params) == sorted(p["name"] for p in m["parameters"])
+
+
+@pytest.mark.parametrize("overrides,setting", [
+    (["fusion.window_rank=2"], "fusion.window_rank=2"),
+    (["fusion.window_core=true"], "fusion.window_core=true"),
+    (["fusion.axes=[heads,neurons,depth]"], "fusion.axes with depth"),
+])
+def test_export_device_names_what_blocks_a_window(overrides, setting):
+    """A full-forward setting the window program does not train is refused in one line that starts with it."""
+    from fedfusion.config.recipe import load_recipe
+    from fedfusion.phone.commands import check_tier
+
+    recipe = load_recipe("quickstart", ["fusion.forward=full", *overrides])
+    with pytest.raises(ValueError) as refused:
+        check_tier(recipe, "phone")
+    message = str(refused.value)
+    assert message.startswith(setting + ":") and "\n" not in message
