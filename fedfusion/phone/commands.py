@@ -18,9 +18,8 @@ from fedfusion.config.methods import LORA, SUBMODEL
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    from fedfusion.models.slicing import SlicePlan
-
     from fedfusion.config.recipe import Recipe
+    from fedfusion.models.slicing import SlicePlan
     from fedfusion.phone.program import DeviceProgram
 
 
@@ -48,7 +47,8 @@ def cmd_export_device(args: argparse.Namespace) -> int:
                 f"{a['base_bits'] or 32}-bit frozen {m['family']} base of {a['base_params']:,} parameters (the ptd)")
     elif "window" in m:
         w = m["window"]
-        what = (f"full-forward window ({params:,} trained parameters: {w['units']} units per axis"
+        units = ", ".join(f"{n} {axis}" for axis, n in w["units"].items())
+        what = (f"full-forward window ({params:,} trained parameters: {units} of every layer"
                 f"{', shared tensors' if w['shared'] else ''}) in a frozen float32 {m['family']} target of "
                 f"{w['target_params']:,} parameters (program inputs, {w['frozen_bytes']:,} bytes)")
     else:

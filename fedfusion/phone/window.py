@@ -45,8 +45,7 @@ from fedfusion.models.build import config_aliases, wire_state
 from fedfusion.models.families import config_from_dict, family_of
 from fedfusion.models.full_forward import window_plan
 from fedfusion.models.slicing import SlicePlan, axis_sizes, extract, tensor_slices
-from fedfusion.phone.program import (DTYPES, LM_LOSS, ROUND, DeviceExportError, DeviceProgram, _lower, _manifest,
-                                     example_inputs)
+from fedfusion.phone.program import DTYPES, LM_LOSS, ROUND, DeviceExportError, DeviceProgram, _lower, _manifest, example_inputs
 from fedfusion.wire.keys import FROZEN
 from fedfusion.wire.quantize import decode
 from fedfusion.wire.specs import WindowSpec
