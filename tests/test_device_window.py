@@ -30,14 +30,13 @@ def target_state(config, seed: int):
     return family_of(config).build(config).state_dict()
 
 
-def window(config, server_round: int, shared: bool = False):
-    """A quarter of the kv groups and of the neurons, rolling: round 2 sits at a non-prefix offset."""
+def window(config, server_round: int, shared: bool = False, axes: tuple[str, ...] = ("heads", "neurons")):
+    """A quarter of the units on ``axes`` (kv groups, neurons), rolling: round 2 sits at a non-prefix offset."""
     from dataclasses import replace
 
     from fedfusion.models.slicing import plan_slice
 
-    plan = plan_slice(config, 0.25, "rolling", server_round, stride=0.25, offset=0.25, axes=("heads", "neurons"),
-                      scale=False)
+    plan = plan_slice(config, 0.25, "rolling", server_round, stride=0.25, offset=0.25, axes=axes, scale=False)
     return replace(plan, shared=shared)
 
 
@@ -146,6 +145,25 @@ def test_shared_window_trains_the_embeddings_whole(windows):
     runner = ProgramRunner(program)
     assert "model.embed_tokens.weight" in runner.params and "lm_head.weight" in runner.params
     assert_round(runner, config, target_state(config, 0), window(config, 2, shared=True), windows)
+
+
+@pytest.mark.slow
+@pytest.mark.device
+def test_gpt2_shared_window_trains_its_tied_head():
+    """GPT-2 (Conv1D matrices, biases, a head tied to the embedding), a window of neurons (its heads slice only with
+    the hidden axis) with the shared tensors: the tied embedding is one parameter whose gradient sums both uses."""
+    from transformers import GPT2Config
+
+    from fedfusion.phone.runtime import ProgramRunner
+    from fedfusion.phone.window import export_window_program
+
+    config = GPT2Config(vocab_size=50, n_embd=32, n_layer=2, n_head=4, n_inner=64, n_positions=64, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    plan = window(config, 1, shared=True, axes=("neurons",))
+    runner = ProgramRunner(export_window_program(config, plan, BATCH, SEQ))
+    assert "transformer.wte.weight" in runner.params and "lm_head.weight" not in runner.params
+    windows = torch.randint(50, (32, SEQ + 1), generator=torch.Generator().manual_seed(3))
+    assert_round(runner, config, target_state(config, 0), window(config, 2, shared=True, axes=("neurons",)), windows)
 
 
 @pytest.mark.slow

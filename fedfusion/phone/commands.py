@@ -186,8 +186,9 @@ def tier_window(recipe: Recipe, tier: str) -> SlicePlan:
 
 
 def export_tier(recipe: Recipe, tier: str) -> DeviceProgram:
-    """The training program of ``tier``'s sub-model, or of its LoRA adapter on the recipe's frozen base (loaded in
-    float32, held in the tier's ``lora.quantize`` bits), fed the recipe's batch and sequence shape."""
+    """The training program of ``tier``'s sub-model, of its LoRA adapter on the recipe's frozen base (loaded in
+    float32, held in the tier's ``lora.quantize`` bits) or of its full-forward window, fed the recipe's batch and
+    sequence shape."""
     from fedfusion.phone.program import export_lora_program, export_program
     from fedfusion.phone.window import export_window_program
 

@@ -176,6 +176,8 @@ def window_round(manifest: dict[str, Any], received: Mapping[str, torch.Tensor],
         raise ValueError("a window program trains a window of units: no rank-r update (window_rank) and no core "
                          "in the small model's forward pass (core_forward=small)")
     frozen = decode({k.removeprefix(FROZEN): v for k, v in received.items() if k.startswith(FROZEN)})
+    if not frozen:
+        raise ValueError(f"a full-forward payload carries the frozen target under {FROZEN!r} keys; none arrived")
     plan = window_plan(spec)
     weights = {p["name"]: received[p["name"]].float() for p in manifest["parameters"]}
     inputs = {}
