@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from fedfusion.devices.energy import train_flops
-from fedfusion.phone.program import ROUND, WRAPPER, DeviceProgram, example_inputs
+from fedfusion.phone.program import DTYPES, ROUND, WRAPPER, DeviceProgram, example_inputs
 from fedfusion.train.instruct import IGNORE, InstructData
 from fedfusion.train.loop import TrainResult
 
@@ -107,11 +107,11 @@ class ProgramRunner:
         if set(inputs) != set(names):
             missing, extra = sorted(set(names) - set(inputs)), sorted(set(inputs) - set(names))
             raise ValueError(f"round inputs differ from the program's: missing {missing[:3]}, extra {extra[:3]}")
-        for spec, value in zip(self.round_specs, example_inputs({"inputs": self.round_specs})):
+        for spec in self.round_specs:
             got = inputs[spec["name"]]
-            if got.shape != value.shape or got.dtype != value.dtype:
+            if list(got.shape) != spec["shape"] or DTYPES.get(got.dtype) != spec["dtype"]:
                 raise ValueError(f"{spec['name']}: {got.dtype} {tuple(got.shape)}, the program takes "
-                                 f"{value.dtype} {tuple(value.shape)}")
+                                 f"{spec['dtype']} {tuple(spec['shape'])}")
         self.held = tuple(inputs[n].contiguous() for n in names)
 
     def weights(self) -> dict[str, torch.Tensor]:
