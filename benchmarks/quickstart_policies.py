@@ -10,6 +10,8 @@ rounds, clients per round, local steps, optimizer and data); only ``fusion.*`` d
   (``fusion.grow_round`` = the recipe's rounds), so the scored target *is* the model every device can hold;
 - ``grow-core``: smallest-only for the first third of the rounds, then full-forward windows around the small model's
   units (``fusion.forward=full fusion.window_core=true``);
+- ``grow-small``: as ``grow-core``, the core trained in the small model's own forward pass
+  (``fusion.core_forward=small``): the core takes exactly smallest-only's steps, the rest learns what the target adds;
 - ``oracle``: every client trains the whole target (width 1.0 for every tier; no device of the recipe holds it).
 
     python benchmarks/quickstart_policies.py --seeds 0 1 2 [--reuse] [extra key=value overrides]
@@ -41,6 +43,9 @@ ARMS = {  # id -> (label, overrides)
     "grow-core": ("grow after a third, then core windows", ["fusion.policy=rolling", "fusion.stagger=false",
                                                             "fusion.grow_round={third}", "fusion.forward=full",
                                                             "fusion.window_core=true", "fusion.window_shared=true"]),
+    "grow-small": ("grow after a third, then core windows, the core in its own forward pass",
+                   ["fusion.policy=rolling", "fusion.stagger=false", "fusion.grow_round={third}", "fusion.forward=full",
+                    "fusion.window_core=true", "fusion.window_shared=true", "fusion.core_forward=small"]),
     "oracle": ("oracle (every client trains the whole target)", ["fusion.policy=static", "fusion.widths.phone=1.0",
                                                                 "fusion.widths.laptop=1.0", "fusion.widths.desktop=1.0"]),
 }
@@ -80,7 +85,22 @@ def against_smallest(rows: list[dict], arms: list[str]) -> list[str]:
             gap = f", closure {(small - mine) / (small - oracle):.2f}" if oracle is not None and oracle < small else ""
             parts.append(f"s{seed} {mine - small:+.3f}{gap}")
         lines.append(f"- {arm}: " + "; ".join(parts))
-    return [*lines, ""]
+    return [*lines, "", *oracle_verdict(nats)]
+
+
+def oracle_verdict(nats: dict[tuple[str, int], float]) -> list[str]:
+    """A sentence on the budget, where the oracle ran: where every client training the whole target does not end below
+    smallest-only, the target's extra capacity does not pay at this budget even when trained whole."""
+    seeds = sorted(s for a, s in nats if a == "oracle" and ("smallest-only", s) in nats)
+    if not seeds:
+        return []
+    behind = [s for s in seeds if nats[("oracle", s)] >= nats[("smallest-only", s)]]
+    if not behind:
+        return [f"The oracle ends below smallest-only in every seed run ({len(seeds)}): the budget lets the whole "
+                "target beat the small model.", ""]
+    return [f"**The budget is too short for the target**: the oracle (every client trains the whole target) ends at or "
+            f"above smallest-only in {len(behind)} of {len(seeds)} seeds (seeds {', '.join(map(str, behind))}): at "
+            "this budget the target's extra capacity does not pay even when every client trains all of it.", ""]
 
 
 def _mean_sd(values: list[float]) -> str:
