@@ -98,9 +98,11 @@ def oracle_verdict(nats: dict[tuple[str, int], float]) -> list[str]:
     if not behind:
         return [f"The oracle ends below smallest-only in every seed run ({len(seeds)}): the budget lets the whole "
                 "target beat the small model.", ""]
-    return [f"**The budget is too short for the target**: the oracle (every client trains the whole target) ends at or "
-            f"above smallest-only in {len(behind)} of {len(seeds)} seeds (seeds {', '.join(map(str, behind))}): at "
-            "this budget the target's extra capacity does not pay even when every client trains all of it.", ""]
+    return [f"**The whole target does not beat the small model here**: the oracle (every client trains the whole target) "
+            f"ends at or above smallest-only in {len(behind)} of {len(seeds)} seeds (seeds {', '.join(map(str, behind))}): "
+            "at this budget the target's extra capacity does not pay even when every client trains all of it, so no "
+            "way of folding the devices' work into it can be expected to beat the small model (a longer budget, or a "
+            "task the small model cannot hold, is needed first).", ""]
 
 
 def _mean_sd(values: list[float]) -> str:
