@@ -8,6 +8,7 @@ torch and transformers there is seconds of the loop's wall time spent for nothin
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Generator
 from importlib import import_module
 from importlib.util import find_spec
@@ -93,6 +94,16 @@ def model(request) -> LlamaForCausalLM:
     heads, kv = request.param
     torch.manual_seed(0)
     return LlamaForCausalLM(tiny_config(heads=heads, kv_heads=kv)).eval()
+
+
+@pytest.fixture(autouse=True)
+def torch_threads_reset():
+    """Each test starts on one torch thread, as collection left it (tests/test_ordered.py): code under test widens it
+    (the server's thread probe, a client's ``threads``) and a later test on that xdist worker then trained tiny
+    models on two threads, measured 8x slower on a loaded 2-core machine (test_inprocess.py: 4 s -> 35 s)."""
+    torch = sys.modules.get("torch")  # a test of a torch-free module leaves torch unimported
+    if torch is not None:
+        torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,8 @@ they are made of."""
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import pytest
 import torch
 from transformers import LlamaForCausalLM
@@ -41,37 +43,42 @@ def test_one_full_width_client_per_round_is_that_clients_own_training():
     assert stats.client_rounds == 2 and stats.tokens == 2 * 3 * 4 * 8
 
 
+@lru_cache(maxsize=4)
+def _generative(device_state: str, top_k: int):
+    """(run, its result): 3 rounds of a generative federation on ``_setup()``'s clients, run once for the tests that
+    read it (none changes what it returns)."""
+    cfg, state, windows = _setup()
+    run = GenerativeRun(cfg, 0.5, windows, rounds=3, per_round=2, steps=2, lr=0.01, batch_size=4,
+                        generative=GenerativeConfig(sample_fraction=0.5, server_steps=2, server_batch=4,
+                                                    top_k=top_k, device_state=device_state))
+    return run, run_generative(run, state)
+
+
+@pytest.mark.xdist_group("generative_runs")  # with -n, on the worker that holds _generative's runs
 @pytest.mark.parametrize("device_state", ["server", "node"])
 def test_generative_returns_each_sampled_devices_own_model_and_counts_the_messages_bytes(device_state):
-    cfg, state, windows = _setup()
+    cfg, state, _ = _setup()
     plan = plan_slice(cfg, 0.5, "static")
-    run = GenerativeRun(cfg, 0.5, windows, rounds=2, per_round=2, steps=2, lr=0.01, batch_size=4,
-                        generative=GenerativeConfig(sample_fraction=0.5, server_steps=2, server_batch=4,
-                                                    device_state=device_state))
+    run, (target, stats, devices) = _generative(device_state, 0)  # the bit-for-bit test below reads the same runs
     assert run.client_config.to_dict() == sub_config(cfg, plan).to_dict()
-    target, stats, devices = run_generative(run, state)
     assert set(devices) <= {0, 1, 2} and len(devices) >= 2
     start = wire_state(extract(state, cfg, plan), config_aliases(run.client_config))
     for own in devices.values():
         assert own.keys() == start.keys() and any(not torch.equal(own[k], start[k]) for k in own)
     model, samples = sum(v.numel() * 4 for v in start.values()), 6 * 9 * 8  # float32; ceil(0.5 x 12) windows x 9 ids, int64
     if device_state == "server":  # each device's model goes down and up every round
-        assert stats.bytes_down == 2 * 2 * model and stats.bytes_up == 2 * 2 * (model + samples)  # rounds x clients
+        assert stats.bytes_down == 3 * 2 * model and stats.bytes_up == 3 * 2 * (model + samples)  # rounds x clients
     else:  # a device's model goes down in its first round only, never up
-        assert stats.bytes_down == len(devices) * model and stats.bytes_up == 2 * 2 * samples
+        assert stats.bytes_down == len(devices) * model and stats.bytes_up == 3 * 2 * samples
     assert any(not torch.equal(target[k], state[k]) for k in state) and stats.server_flops > 0
     assert stats.flops > 6.0 * stats.tokens * sum(v.numel() for v in start.values())  # + the sampling's forwards
 
 
+@pytest.mark.xdist_group("generative_runs")
 @pytest.mark.parametrize("top_k", [0, 2])
 def test_generative_node_and_server_state_train_the_same_target_bit_for_bit(top_k):
-    cfg, state, windows = _setup()
-    runs = {mode: GenerativeRun(cfg, 0.5, windows, rounds=3, per_round=2, steps=2, lr=0.01, batch_size=4,
-                                generative=GenerativeConfig(sample_fraction=0.5, server_steps=2, server_batch=4,
-                                                            top_k=top_k, device_state=mode))
-            for mode in ("server", "node")}
     (server, server_stats, server_devices), (node, node_stats, node_devices) = (
-        run_generative(runs[m], state) for m in ("server", "node"))
+        _generative(m, top_k)[1] for m in ("server", "node"))
     assert all(torch.equal(server[k], node[k]) for k in server)
     assert server_devices.keys() == node_devices.keys()
     assert all(torch.equal(server_devices[p][k], node_devices[p][k]) for p in server_devices for k in server_devices[p])

@@ -6,9 +6,12 @@ import cycle anywhere and a recipe loads without importing any implementation.""
 from __future__ import annotations
 
 import ast
+from functools import lru_cache
 from pathlib import Path
 
 import pytest
+
+pytestmark = pytest.mark.xdist_group("layout")  # with -n, one worker parses the sources (edges below)
 
 ROOT = Path(__file__).parents[1]
 DIRS = {"fedfusion": ROOT / "fedfusion", "fedfusion.strategies": ROOT / "strategies", "fedfusion.clients": ROOT / "clients"}
@@ -79,7 +82,11 @@ def imports(module: str) -> set[str]:
     return found
 
 
-EDGES = {m: imports(m) for m in MODULES}
+@lru_cache(maxsize=1)
+def edges() -> dict[str, set[str]]:
+    """Each module's project imports: parsed (~1 s) by the first test that needs them, not by every xdist worker
+    that collects this file."""
+    return {m: imports(m) for m in MODULES}
 
 
 def package_of(module: str) -> str | None:
@@ -95,7 +102,7 @@ def closure(module: str) -> dict[str, list[str]]:
     paths, todo = {module: [module]}, [module]
     while todo:
         here = todo.pop()
-        for nxt in sorted(EDGES[here]):
+        for nxt in sorted(edges()[here]):
             if nxt not in paths:
                 paths[nxt] = [*paths[here], nxt]
                 todo.append(nxt)
@@ -128,7 +135,7 @@ def test_every_module_lives_in_a_package_of_the_layout():
 
 
 def test_the_root_package_imports_nothing_of_fedfusion():
-    assert not EDGES["fedfusion"]
+    assert not edges()["fedfusion"]
 
 
 @pytest.mark.slow  # ~10 s: one process importing torch, transformers and every script

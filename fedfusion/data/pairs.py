@@ -40,6 +40,11 @@ class ClientPairs:
 
 
 # -- the corpus ---------------------------------------------------------------------------------------
+# libyaml's parser where PyYAML was built with it: the same objects as yaml.safe_load (every file of every
+# language compared), ten times faster (the corpus took ~2 s to parse)
+SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
 @lru_cache(maxsize=2)
 def load_chatterbot(language: str = "english") -> dict[str, tuple[Pair, ...]]:
     """Every distinct (turn, next turn) pair of the chatterbot corpus in ``language``, by category (file
@@ -54,7 +59,7 @@ def load_chatterbot(language: str = "english") -> dict[str, tuple[Pair, ...]]:
         raise ValueError(f"chatterbot-corpus has no language {language!r}")
     corpus = {}
     for path in sorted(folder.glob("*.yml")):
-        conversations = yaml.safe_load(path.read_text(encoding="utf-8")).get("conversations") or []
+        conversations = yaml.load(path.read_text(encoding="utf-8"), Loader=SAFE_LOADER).get("conversations") or []
         pairs = [
             Pair(str(turns[i]).strip(), str(turns[i + 1]).strip(), path.stem)
             for turns in conversations if isinstance(turns, list) for i in range(len(turns) - 1)
