@@ -265,7 +265,7 @@ def test_a_directory_or_a_mistyped_name_says_what_would_work(tmp_path):
     with pytest.raises(RecipeError, match=re.escape(f"recipe '{tmp_path}': a directory, not a recipe file; give one "
                                                     "of its YAML files (mine.yaml) or a built-in recipe name")):
         load_checked(tmp_path)
-    with pytest.raises(RecipeError, match="did you mean 'quickstart'[?] built-in: distill, knowledge, .*quickstart"):
+    with pytest.raises(RecipeError, match="did you mean 'quickstart'[?] built-in: distill, grow, knowledge, .*quickstart"):
         load_checked("quickstrat")
 
 
