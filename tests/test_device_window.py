@@ -177,7 +177,7 @@ def test_export_device_command_writes_a_window_program(tmp_path, capsys):
     assert "phone: full-forward window (" in capsys.readouterr().out
     program = DeviceProgram.load(out, next(out.glob("*.json")).stem)
     m = program.manifest
-    assert m["window"]["units"] == {"heads": 1, "neurons": 64} and not m["window"]["shared"]
+    assert m["window"]["per_layer"] == {"heads": 1, "neurons": 64} and not m["window"]["shared"]
     assert [i["name"] for i in m["inputs"][:3]] == ["tokens", "units/heads", "units/neurons"]
     assert sorted(ProgramRunner(program).params) == sorted(p["name"] for p in m["parameters"])
 

@@ -47,7 +47,7 @@ def cmd_export_device(args: argparse.Namespace) -> int:
                 f"{a['base_bits'] or 32}-bit frozen {m['family']} base of {a['base_params']:,} parameters (the ptd)")
     elif "window" in m:
         w = m["window"]
-        units = ", ".join(f"{n} {axis}" for axis, n in w["units"].items())
+        units = ", ".join(f"{n} {axis}" for axis, n in w["per_layer"].items())
         what = (f"full-forward window ({params:,} trained parameters: {units} of every layer"
                 f"{', shared tensors' if w['shared'] else ''}) in a frozen float32 {m['family']} target of "
                 f"{w['target_params']:,} parameters (program inputs, {w['frozen_bytes']:,} bytes)")

@@ -161,7 +161,7 @@ def export_window_program(config: PretrainedConfig, plan: SlicePlan, batch_size:
                "dtype": DTYPES[window[w.name].dtype]} for w in written]
     manifest = _manifest(pte, ptd, planned, key, family, config, specs, LM_LOSS, params, train,
                          time.perf_counter() - start, WINDOW_DATA)
-    manifest["window"] = {"units": {a: len(plan.units(a) or ()) for a in axes}, "shared": plan.shared,
+    manifest["window"] = {"per_layer": {a: len(plan.units(a) or ()) for a in axes}, "shared": plan.shared,
                           "target_params": sum(t.numel() for t in state.values()),
                           "frozen_bytes": sum(4 * math.prod(state[n].shape) for n in frozen)}
     return DeviceProgram(pte, ptd, manifest)
