@@ -173,13 +173,13 @@ def check_window(recipe: Recipe) -> None:
                          "tensor each window tensor is; an on-device window slices units (heads, neurons)")
 
 
-def tier_window(recipe: Recipe, tier: str) -> SlicePlan:
-    """The window a full-forward tier trains, at the static policy's positions: its shape (units per axis, the
-    shared tensors or not) is the one every round's window of that tier has."""
+def tier_window(recipe: Recipe, tier: str, target: PretrainedConfig) -> SlicePlan:
+    """The window a full-forward tier trains in ``target`` (:func:`tier_config`'s), at the static policy's positions:
+    its shape (units per axis, the shared tensors or not) is the one every round's window of that tier has."""
     from fedfusion.models.full_forward import window_axes
     from fedfusion.models.slicing import plan_slice
 
-    target, f = tier_config(recipe, tier), recipe.fusion
+    f = recipe.fusion
     axes = window_axes(target, tuple(f.axes) if f.axes else None)
     plan = plan_slice(target, f.window_widths.get(tier, f.widths[tier]), "static", axes=axes, scale=False)
     return replace(plan, shared=f.window_shared)
@@ -200,8 +200,8 @@ def export_tier(recipe: Recipe, tier: str) -> DeviceProgram:
         return export_lora_program(load_base(lora.base), list(lora.target_modules), lora.ranks[tier], lora.alpha,
                                    recipe.train.batch_size, recipe.train.seq_len, recipe.train, recipe.seed,
                                    lora.quantize.get(tier, 0), lora.base)
+    config = tier_config(recipe, tier)
     if recipe.fusion.forward == "full":
-        return export_window_program(tier_config(recipe, tier), tier_window(recipe, tier), recipe.train.batch_size,
+        return export_window_program(config, tier_window(recipe, tier, config), recipe.train.batch_size,
                                      recipe.train.seq_len, recipe.train, recipe.seed)
-    return export_program(tier_config(recipe, tier), recipe.train.batch_size, recipe.train.seq_len, recipe.train,
-                          recipe.seed)
+    return export_program(config, recipe.train.batch_size, recipe.train.seq_len, recipe.train, recipe.seed)
