@@ -115,7 +115,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arms", default=",".join(ARMS), help=f"which of {', '.join(ARMS)}")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--name", default="overhead", help="writes NAME.json and NAME.md into --out")
+    parser.add_argument("--report-only", action="store_true", help="rewrite NAME.md from NAME.json")
     args = parser.parse_args(argv)
+    if args.report_only:
+        write_report(json.loads((args.out / f"{args.name}.json").read_text()), args.out / f"{args.name}.md")
+        return 0
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     if not arms or set(arms) - set(ARMS):
         parser.error(f"--arms: choose from {', '.join(ARMS)}")
@@ -147,19 +151,30 @@ def main(argv: list[str] | None = None) -> int:
                     "load_avg_1min": spread(loads)},
         "command": " ".join(["python -m fedfusion run", args.recipe, *args.overrides]),
         "benchmark": " ".join(["python benchmarks/overhead.py", args.recipe, *args.overrides,
-                               f"--repeats {args.repeats} --eval-every {args.eval_every}"]),
+                               f"--repeats {args.repeats} --eval-every {args.eval_every}",
+                               *([f"--arms {','.join(arms)}"] if arms != list(ARMS) else []),
+                               *([f"--name {args.name}"] if args.name != "overhead" else [])]),
         "repeats": args.repeats, "arms": summary, "runs": runs,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=2))
+    write_report(result, args.out / f"{args.name}.md")
+    return 0
+
+
+def write_report(result: dict, path: Path) -> None:
+    """``result``'s markdown table (also printed)."""
+    summary, runs, cores = result["arms"], result["runs"], result["machine"]["cpus"]
     load = result["machine"]["load_avg_1min"]
     lines = [
         "# Flower overhead: round wall time against the clients' own training", "",
         f"Benchmark: `{result['benchmark']}`: each arm runs `{result['command']} train.eval_every=N` as a whole "
-        f"command {args.repeats} times, the arms interleaved. Machine: {result['machine']['platform']}, {cores} CPUs, "
-        f"Python {result['machine']['python']}; 1-minute load average before and after the runs: min "
-        f"{load['min']:.2f}, median {load['median']:.2f}, max {load['max']:.2f}"
-        + (" (**a loaded machine: timings are not the quiet ones**)" if load["median"] > cores * 0.6 else "") + ".", "",
+        f"command {result['repeats']} times, the arms interleaved. Machine: {result['machine']['platform']}, {cores} "
+        f"CPUs, Python {result['machine']['python']}; 1-minute load average before and after the runs: min "
+        f"{load['min']:.2f}, median {load['median']:.2f}, max {load['max']:.2f} (a run keeps about 2 processes busy "
+        "itself: its two parallel clients and the server; the average also trails the run before)"
+        + (" (**more load than cores: other jobs shared the machine, timings are not the quiet ones**)"
+           if load["median"] > cores else "") + ".", "",
         "Ratio: rounds 2 on, their summed wall time over their summed ideal (the round's clients' `train_s` packed "
         "onto the parallel slots: max of the longest client and the sum over the slots; goal 1.10x).", "",
         "| arm | client model cache | train.eval_every | rounds 2+ wall / ideal: min / median / max | whole command s: "
@@ -187,9 +202,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['eval_s']:.2f} | {r['aggregate_s']:.3f} | {r['rest_s']:.2f} | "
               f"{r['ratio']:.2f} |" if r["ratio"] else f"| {r['round']} | 0 | | {r['wall_s']:.2f} | | | | | |"
               for r in median_run["rounds"]]
-    (args.out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
+    path.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    return 0
 
 
 if __name__ == "__main__":
