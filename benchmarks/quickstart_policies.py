@@ -62,10 +62,27 @@ def run_arm(overrides: list[str], out: Path, reuse: bool) -> dict:
     return json.loads(summary_path.read_text())
 
 
-def last_rounds_ppl(out: Path, n: int = 3) -> float:
-    """Mean held-out perplexity of the last ``n`` rounds: the final round alone is noisy for unstable arms."""
+def round_ppl(out: Path) -> dict[int, float]:
+    """Held-out perplexity after each scored round (round 0: before training)."""
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return statistics.mean(r["eval_ppl"] for r in rows[-n:])
+    return {r["round"]: r["eval_ppl"] for r in rows if "eval_ppl" in r}
+
+
+def rounds_against_smallest(rows: list[dict], arms: list[str], grow: int) -> list[str]:
+    """Round by round against smallest-only of the same seed, for the arms that grow: up to the growth round they
+    must equal it (the target *is* the small model then), after it say which rounds end worse (higher perplexity)."""
+    small = {r["seed"]: r["rounds"] for r in rows if r["arm"] == "smallest-only"}
+    lines = []
+    for arm in (a for a in arms if a.startswith("grow")):
+        for r in (r for r in rows if r["arm"] == arm and r["seed"] in small):
+            ref, mine = small[r["seed"]], r["rounds"]
+            before = max((abs(mine[k] - ref[k]) for k in mine if k <= grow and k in ref), default=float("nan"))
+            worse = [f"{k} (+{mine[k] - ref[k]:.3f})" for k in sorted(mine) if k > grow and k in ref and mine[k] > ref[k]]
+            lines.append(f"- {arm} seed {r['seed']}: rounds 0-{grow} differ from smallest-only by at most {before:.2e} "
+                         f"in perplexity; after growth, rounds worse than smallest-only: {', '.join(worse) or 'none'}")
+    if lines:
+        lines = [f"Round by round against smallest-only (growth after round {grow}):", "", *lines, ""]
+    return lines
 
 
 def against_smallest(rows: list[dict], arms: list[str]) -> list[str]:
@@ -126,8 +143,10 @@ def main() -> None:
         for seed in args.seeds:
             out = Path(args.work) / f"{arm}-s{seed}"
             summary = run_arm([*arm_overrides, f"seed={seed}", *args.overrides], out, args.reuse)
+            scored = round_ppl(out)
             rows.append({"arm": arm, "seed": seed, **summary["final"], "initial_ppl": summary["initial"]["eval_ppl"],
-                         "last3_ppl": last_rounds_ppl(out), "wall_s": summary["wall_s"],
+                         "last3_ppl": statistics.mean(v for _, v in sorted(scored.items())[-3:]),
+                         "rounds": scored, "wall_s": summary["wall_s"],
                          "energy_j": summary.get("energy_j"), "run_dir": str(out)})
             print(f"{arm} seed {seed}: ppl {summary['final']['eval_ppl']:.3f}", flush=True)
     per_seed = {arm: {r["seed"]: round(r["eval_ppl"], 3) for r in rows if r["arm"] == arm} for arm in args.arms}
@@ -166,6 +185,7 @@ def main() -> None:
         f"{arm}: " + ", ".join(f"s{s}={v}" for s, v in seeds.items()) for arm, seeds in per_seed.items()),
         "", f"Round-0 perplexity (seed {rows[0]['seed']}): {rows[0]['initial_ppl']:.2f}.", ""]
     lines += against_smallest(rows, args.arms)
+    lines += rounds_against_smallest(rows, args.arms, rounds // 3)
     lines += ["Arm overrides: " + "; ".join(f"{a}: `{' '.join(o)}`" for a, o in report["settings"]["arm_overrides"].items()),
               ""]
     (RESULTS / f"{args.out}.md").write_text("\n".join(lines))
