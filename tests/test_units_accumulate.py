@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from fedfusion.config.recipe import RecipeError, load_recipe
 from fedfusion.run.units import train_step
 from fedfusion.units import Freivalds, UnitDevice, UnitEngine, install
 from fedfusion.units.accumulate import MissingSum, RunningSums
@@ -214,3 +215,10 @@ def test_timeline_counts_the_weight_gradient_once_and_is_never_slower() -> None:
     timed = simulate(devices(3), chains, elem_bytes=8, accumulate=True)
     measured = sum(sum(rec.up_bytes.values()) for rec in engine.trace)
     assert abs(timed.up_bytes.sum() / measured - 1) <= 0.05
+
+
+def test_recipe_key_defaults_on_and_is_validated() -> None:
+    assert load_recipe("units").units.accumulate is True
+    assert load_recipe("units", ["units.accumulate=false"]).units.accumulate is False
+    with pytest.raises(RecipeError, match="units.accumulate"):
+        load_recipe("units", ["units.accumulate=maybe"])

@@ -7,9 +7,10 @@ wraps.
 Modules: ``devices`` (``UnitDevice``: memory, FLOP/s, link rates, latency; ``from_catalog``), ``plan`` (cost model
 and planner), ``messages`` (wire format, the device side ``compute_units``/``DeviceRuntime``, the byte formula),
 ``verify`` (Freivalds' check, strikes), ``engine`` (``UnitEngine``: plan, dispatch, verify, re-dispatch,
-assemble), ``accumulate`` (weight-gradient tiles summed on the devices over a step's micro-batches), ``hooks`` (``install`` on a Hugging Face Llama), ``phases`` (a step's phases from the shape alone),
-``timeline`` (virtual step time under links, micro-batches and churn), ``ledger`` (the server's compute, checks and
-traffic priced with ``price_work``, and the same step on a cloud GPU), ``workers`` (emulated faulty devices).
+assemble), ``accumulate`` (weight-gradient tiles summed on the devices over a step's micro-batches), ``hooks``
+(``install`` on a Hugging Face Llama), ``phases`` (a step's phases from the shape alone), ``timeline`` (virtual
+step time under links, micro-batches and churn), ``ledger`` (the server's compute, checks and traffic priced with
+``price_work``, and the same step on a cloud GPU), ``workers`` (emulated faulty devices).
 
 README -- the API the Flower layer calls
 -----------------------------------------
@@ -44,9 +45,9 @@ the devices meanwhile (Flower's ``Grid.push_messages`` keeps them all in flight)
 A message to a device (``messages.encode_units``): a 4-byte header length, a JSON header
 ``{"phase": p, "units": [[uid, a_key, a_transposed, b_key, b_transposed], ...],
 "arrays": [[key, dtype, shape], ...]}`` and the raw bytes of those arrays (a weight-gradient unit adds
-``sum_key, micro, emit``: the device adds its product to a running sum and replies the sum only when ``emit``). Keys name operand blocks in base
-coordinates (``X[0:256,0:128]``, weights ``W12@3[0:512,0:128]`` with their version); a block used by several
-units travels once and weight blocks the device already holds are left out. The device computes
+``sum_key, micro, emit``: the device adds its product to a running sum and replies the sum only when ``emit``).
+Keys name operand blocks in base coordinates (``X[0:256,0:128]``, weights ``W12@3[0:512,0:128]`` with their
+version); a block used by several units travels once and weight blocks the device already holds are left out. The device computes
 ``op(blocks[a_key]) @ op(blocks[b_key])`` per unit.
 
 A reply (``messages.encode_reply``): the same framing, header ``{"phase": p, "arrays": [[uid, dtype, shape],
@@ -55,8 +56,8 @@ the operands' dtype.
 
 Device side (a ClientApp handler): ``DeviceRuntime()(payload) -> reply`` -- keep one ``DeviceRuntime`` per node
 (its ``cache`` dict of weight blocks and its running ``sums`` belong in ``context.state`` between messages;
-without them, answer with an error so the server resends the weights and recomputes the sums). It uses torch on the CPU; put the tensors on the device's accelerator
-where it has one.
+without them, answer with an error so the server resends the weights and recomputes the sums). It uses torch on
+the CPU; put the tensors on the device's accelerator where it has one.
 """
 
 from fedfusion.units.devices import UnitDevice, from_catalog
