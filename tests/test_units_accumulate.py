@@ -187,13 +187,14 @@ def test_a_holder_lost_mid_step_has_its_sums_recomputed_and_the_step_is_exact(ki
 
 
 def test_running_sums_fold_in_micro_batch_order_survive_state_and_refuse_a_missing_micro_batch() -> None:
-    x = [torch.tensor([1e16]), torch.tensor([1.0]), torch.tensor([-1e16])]
+    x = [torch.tensor([1e16], dtype=torch.float64), torch.tensor([-1e16], dtype=torch.float64),
+         torch.tensor([1.0], dtype=torch.float64)]  # in micro-batch order 1.0, in arrival order (2, 1, 0) 0.0
     sums = RunningSums()
     sums.add("dW1@2[0:1,0:1,0:4]", 2, x[2])
     sums.add("dW1@2[0:1,0:1,0:4]", 1, x[1])
     sums = RunningSums.from_arrays(sums.to_arrays())  # a node's context.state between messages
     sums.add("dW1@2[0:1,0:1,0:4]", 0, x[0])
-    assert sums.emit("dW1@2[0:1,0:1,0:4]", 3).item() == ((x[0] + x[1]) + x[2]).item()
+    assert sums.emit("dW1@2[0:1,0:1,0:4]", 3).item() == 1.0
     sums.add("dW1@2[0:1,0:1,0:4]", 1, x[1])
     with pytest.raises(MissingSum):
         sums.emit("dW1@2[0:1,0:1,0:4]", 2)
@@ -201,14 +202,18 @@ def test_running_sums_fold_in_micro_batch_order_survive_state_and_refuse_a_missi
     assert list(sums.sums) == ["dW1@3[0:1,0:1,0:4]"]
 
 
-def test_timeline_counts_the_weight_gradient_once_and_is_never_slower() -> None:
+def test_timeline_counts_the_weight_gradient_once_and_saves_upload_time() -> None:
+    """Fewer bytes up, a few more down (the running-sum fields): never slower by more than those, and faster
+    where the uplink is what the step waits for."""
     shape = dict(hidden=128, intermediate=512, layers=2, heads=8, kv_heads=8, vocab=100)
+    ratios = []
     for n, micro in ((4, 4), (16, 2), (64, 4)):
         chains = [llama_phases(**shape, tokens=256 // micro)] * micro
         on = simulate(devices(n), chains, accumulate=True)
         off = simulate(devices(n), chains)
-        assert on.step_s <= off.step_s and on.up_bytes.sum() < off.up_bytes.sum()
-        assert on.down_bytes.sum() <= off.down_bytes.sum() * 1.01
+        assert on.up_bytes.sum() < off.up_bytes.sum() and on.down_bytes.sum() <= off.down_bytes.sum() * 1.01
+        ratios.append(on.step_s / off.step_s)
+    assert max(ratios) <= 1 + 1e-4 and min(ratios) < 0.9, ratios
     engine = UnitEngine(devices(3))
     units_step(torch.float64, batch(4), 4, engine)
     chains = chains_from_trace(engine.trace)
