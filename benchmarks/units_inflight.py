@@ -5,7 +5,8 @@ device's processor waits between its messages, and the step's time.
 
 Timeline (``fedfusion.units.timeline``, no Flower): the quickstart target (hidden 128, 4 layers, every linear layer
 offloaded), a batch of 4 x 256 tokens as 4 micro-batches, 8 phones (``tests/test_units_timeline.phones``: 0.5-1.5
-TFLOP/s, 5-10 MB/s down, 2-6 MB/s up, 50 ms RTT) and 20 ms of server time between phases; ``in_flight`` 1, 2 and 4.
+TFLOP/s, 5-10 MB/s down, 2-6 MB/s up, 50 ms RTT) and 20 ms of server time between phases; ``in_flight`` 1, 2 and 4;
+weight-gradient tiles summed on the devices (``units.accumulate``, the default).
 With ``--flower`` also ``fedfusion run units units.steps=3 units.in_flight=N`` (recipes/units.yaml: 8 simulated
 nodes, 2 micro-batches) for N = 1 and 0 (all): per step the loss, virtual and wall seconds. Writes
 ``units_inflight.json`` and ``units_inflight.md``.
@@ -42,7 +43,7 @@ def timeline() -> list[dict]:
     chains = [llama_phases(**QUICKSTART, tokens=256, mode="all")] * 4
     rows = []
     for in_flight in (1, 2, 4):
-        t = simulate(phones(8), chains, server_gap_s=GAP_S, in_flight=in_flight)
+        t = simulate(phones(8), chains, server_gap_s=GAP_S, in_flight=in_flight, accumulate=True)
         used = t.down_bytes > 0
         rows.append({"in_flight": in_flight, "step_s": t.step_s, "idle_gap_mean_s": float(np.mean(t.idle_gap_s[used])),
                      "idle_gap_max_s": float(np.max(t.idle_gap_s[used])), "compute_mean_s": float(np.mean(t.compute_s[used])),
@@ -66,8 +67,8 @@ def flower() -> list[dict]:
 def markdown(data: dict) -> str:
     lines = ["# units mode: micro-batches one at a time vs in flight", "", f"Command: `{data['command']}`.", "",
              "Timeline: quickstart target, every linear layer, 4 micro-batches of 256 tokens, 8 phones, "
-             f"{GAP_S * 1e3:.0f} ms of server time between phases. Idle gap: the seconds a device's processor waits "
-             "between two of its messages (its downlink time included).", "",
+             f"{GAP_S * 1e3:.0f} ms of server time between phases, weight gradients summed on the devices. Idle gap: "
+             "the seconds a device's processor waits between two of its messages (its downlink time included).", "",
              "| in flight | step (s) | mean idle gap (s) | max idle gap (s) | mean compute (s) | link util. |",
              "|---|---|---|---|---|---|"]
     lines += [f"| {r['in_flight']} | {r['step_s']:.2f} | {r['idle_gap_mean_s']:.2f} | {r['idle_gap_max_s']:.2f} | "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 from functools import lru_cache
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 import torch
@@ -144,28 +145,39 @@ def evaluate(msg: Message, context: Context) -> Message:
     return Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
 
 
-# where a node keeps the units mode's weight blocks between messages: Flower's context.state (it persists per node
-# in simulation, whichever actor runs the message, and across a deployed SuperNode's per-message processes)
+# where a node keeps the units mode's weight blocks and running sums between messages: Flower's context.state (it
+# persists per node in simulation, whichever actor runs the message, and across a deployed SuperNode's per-message
+# processes)
 UNITS_CACHE = "units-cache"
+UNITS_SUMS = "units-sums"
+
+
+def _tensors(record: Any) -> dict[str, torch.Tensor]:
+    """A node's ``context.state`` ArrayRecord as tensors (nothing when the node has none yet)."""
+    return {k: torch.from_numpy(a.numpy()) for k, a in record.items()} if isinstance(record, ArrayRecord) else {}
 
 
 @app.train(UNITS_ACTION)
 def units(msg: Message, context: Context) -> Message:
     """The exact mode (``train.units``): compute the GEMM tiles of the payload's bytes with the node's weight cache
-    (``context.state``) and reply the result bytes; a message that needs a weight block the cache lacks gets a
-    ``units-error`` reply and the server sends the weights again."""
+    and running sums (``context.state``) and reply the result bytes; a message that needs a weight block the cache
+    lacks, or a sum the node lost, gets a ``units-error`` reply (the node's state cleared) and the server sends
+    the weights again and recomputes the sums."""
     from fedfusion.clients import units as role
+    from fedfusion.units.accumulate import RunningSums
 
     config = msg.content.config_records.get("config")
     spec = UnitsSpec.from_config_if_any(config) if config is not None else None
     payload = msg.content.array_records[UNITS_RECORD][UNITS_PAYLOAD].numpy().tobytes()
-    kept = context.state.get(UNITS_CACHE)
-    cache = {k: torch.from_numpy(a.numpy()) for k, a in kept.items()} if isinstance(kept, ArrayRecord) else {}
-    reply = role.compute(payload, cache, spec.stall_s if spec else 0.0)
+    cache = _tensors(context.state.get(UNITS_CACHE))
+    sums = RunningSums.from_arrays(_tensors(context.state.get(UNITS_SUMS)))
+    reply = role.compute(payload, cache, sums, spec.stall_s if spec else 0.0)
     if reply is None:
         context.state[UNITS_CACHE] = ArrayRecord()
-        return Message(RecordDict({UNITS_ERROR: ConfigRecord({"reason": "weight block not in this node's cache"})}),
-                       reply_to=msg)
+        context.state[UNITS_SUMS] = ArrayRecord()
+        return Message(RecordDict({UNITS_ERROR: ConfigRecord({"reason": "weight block or running sum not on this "
+                                                                        "node"})}), reply_to=msg)
     context.state[UNITS_CACHE] = ArrayRecord({k: Array(v.numpy()) for k, v in cache.items()})
+    context.state[UNITS_SUMS] = ArrayRecord({k: Array(v.numpy()) for k, v in sums.to_arrays().items()})
     return Message(RecordDict({UNITS_RECORD: ArrayRecord({UNITS_PAYLOAD: Array(np.frombuffer(reply, np.uint8))})}),
                    reply_to=msg)

@@ -357,6 +357,9 @@ class UnitsSection:
     # micro-batches in flight at once (0: all): each runs in its own thread, so a device's next message is already
     # queued while it computes the current one (the server's time between phases no longer leaves it idle)
     in_flight: int = 0
+    # each device sums its weight-gradient tiles over the step's micro-batches and uploads them once per step
+    # (fedfusion.units.accumulate) instead of once per micro-batch; false: every micro-batch uploads its own
+    accumulate: bool = True
     deadline_factor: float = 3.0  # a device's deadline: this multiple of its message's predicted (virtual) time
     # the wall-clock floor of a device's deadline: the predicted times are the catalog device's, the real transport
     # (Flower's simulation engine sweeps each node's queue every 0.1 s) adds its own latency

@@ -501,7 +501,7 @@ def units_plan(recipe: Recipe) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     from fedfusion.data.population import data_spec, data_tokenizer, tier_list
     from fedfusion.units import from_catalog
     from fedfusion.units.ledger import price_server, server_timeline
-    from fedfusion.units.phases import llama_phases, server_flops
+    from fedfusion.units.phases import WEIGHT_GRADIENT, llama_phases, server_flops
     from fedfusion.units.plan import CostModel, Tile, plan_phase
     from fedfusion.units.timeline import simulate
     from fedfusion.units.verify import check_flops
@@ -515,14 +515,20 @@ def units_plan(recipe: Recipe) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     gemms = [g for shapes, _ in phases for g in shapes] * u.micro_batches
     own = server_flops(**shape, tokens=tokens * u.micro_batches, seq=seq, params=param_count(recipe_target(recipe)),
                        mode=u.offload, optimizer=recipe.train.optimizer)
-    verify = float(sum(check_flops(g.m, g.n, g.k) for g in gemms)) if u.verify else 0.0
+    # one check per product; a weight gradient summed on the devices is checked once per step, over every
+    # micro-batch's tokens (fedfusion.units.accumulate)
+    summed = u.accumulate and u.micro_batches > 1
+    checked = [(g.m, g.n, g.k * (u.micro_batches if summed and spec == WEIGHT_GRADIENT else 1))
+               for shapes, specs in phases for g, spec in zip(shapes, specs)
+               for _ in range(1 if summed and spec == WEIGHT_GRADIENT else u.micro_batches)]
+    verify = float(sum(check_flops(*mnk) for mnk in checked)) if u.verify else 0.0
     catalog = load_catalog(recipe.population.catalog)
     server = catalog[u.server_device]
     tiers = tier_list(recipe)
     devices = [from_catalog(catalog[t], name=str(i)) for i, t in enumerate(tiers)]
     gap_s, optimizer_s = server_timeline(server, own, verify, len(phases) * u.micro_batches)
     timing = simulate(devices, [phases] * u.micro_batches, deadline_factor=u.deadline_factor, server_gap_s=gap_s,
-                      optimizer_s=optimizer_s, in_flight=u.in_flight)
+                      optimizer_s=optimizer_s, in_flight=u.in_flight, accumulate=u.accumulate)
     priced = price_server(server, catalog[recipe.report.cloud], own, verify, int(timing.down_bytes.sum()),
                           int(timing.up_bytes.sum()), float(sum(g.flops for g in gemms)))
     cm = CostModel(devices)

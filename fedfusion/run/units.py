@@ -205,7 +205,9 @@ def train_step(model: PreTrainedModel, opt: torch.optim.Optimizer, batch: torch.
     of them at once (0: all), each in a thread of its own (``on_micro`` runs in it first). Each micro-batch's
     gradients are summed in micro-batch order, as backward() would accumulate them one after the other, so the step
     is the same however many run at once, up to float rounding (with several in flight the updated weights at times
-    differ in their last bits, the losses equal; the cause is not found yet)."""
+    differ in their last bits, the losses equal; the cause is not found yet). With the engine's ``accumulate`` a
+    weight's gradient comes in one micro-batch's gradients only (the devices summed it in micro-batch order), the
+    others have None for it."""
     opt.zero_grad(set_to_none=True)
     parts = batch.chunk(micro_batches)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -341,7 +343,8 @@ def _run_units(grid: Grid, recipe: Recipe, run: RunDir, on_round: Callable[[dict
         stall[[caps[n].partition for n in order].index(u.stall_partition)] = (u.stall_after, u.stall_s)
     transport = GridTransport(grid, order, floor_s=u.deadline_floor_s, stall=stall)
     engine = UnitEngine(devices, transport=transport, deadline_factor=u.deadline_factor,
-                        verifier=Freivalds(seed=recipe.seed) if u.verify else None)
+                        verifier=Freivalds(seed=recipe.seed) if u.verify else None,
+                        accumulate=u.micro_batches if u.accumulate else 1)
     opt = make_optimizer(model, recipe.train.optimizer, recipe.train.lr, recipe.train.weight_decay)
     earlier_s = 0.0
     if ckpt is not None:
@@ -382,7 +385,8 @@ def _run_units(grid: Grid, recipe: Recipe, run: RunDir, on_round: Callable[[dict
         trace = engine.trace[traced:]
         gaps, server = server_step(recipe, model, target.params, batch, trace, catalog)
         timing = simulate(devices, chains_from_trace(trace), deadline_factor=u.deadline_factor,
-                          server_gap_s=gaps[0], optimizer_s=gaps[1], in_flight=u.in_flight) if trace else None
+                          server_gap_s=gaps[0], optimizer_s=gaps[1], in_flight=u.in_flight,
+                          accumulate=u.accumulate) if trace else None
         used = {d for rec in trace for d in rec.down_bytes}
         scores: dict[str, float] = {}
         if step == u.steps or (u.eval_every and step % u.eval_every == 0):

@@ -7,21 +7,26 @@ wraps.
 Modules: ``devices`` (``UnitDevice``: memory, FLOP/s, link rates, latency; ``from_catalog``), ``plan`` (cost model
 and planner), ``messages`` (wire format, the device side ``compute_units``/``DeviceRuntime``, the byte formula),
 ``verify`` (Freivalds' check, strikes), ``engine`` (``UnitEngine``: plan, dispatch, verify, re-dispatch,
-assemble), ``hooks`` (``install`` on a Hugging Face Llama), ``phases`` (a step's phases from the shape alone),
-``timeline`` (virtual step time under links, micro-batches and churn), ``ledger`` (the server's compute, checks and
-traffic priced with ``price_work``, and the same step on a cloud GPU), ``workers`` (emulated faulty devices).
+assemble), ``accumulate`` (weight-gradient tiles summed on the devices over a step's micro-batches), ``hooks``
+(``install`` on a Hugging Face Llama), ``phases`` (a step's phases from the shape alone), ``timeline`` (virtual
+step time under links, micro-batches and churn), ``ledger`` (the server's compute, checks and traffic priced with
+``price_work``, and the same step on a cloud GPU), ``workers`` (emulated faulty devices).
 
 README -- the API the Flower layer calls
 -----------------------------------------
 
 Server side (a ServerApp mode)::
 
-    engine = UnitEngine(devices=[from_catalog(tier, name=str(node_id)) for ...], transport=flower_transport)
+    engine = UnitEngine(devices=[from_catalog(tier, name=str(node_id)) for ...], transport=flower_transport,
+                        accumulate=len(micro_batches))   # devices sum weight gradients over the micro-batches
     handle = install(model, engine, mode="all")      # or "mlp"; the parameters stay the same objects
     for micro, batch in enumerate(micro_batches):
-        engine.chain = micro
+        engine.chain = micro                         # required with accumulate: names the micro-batch's share
         model(**batch).loss.backward()               # every linear GEMM goes through engine.phase(...)
     optimizer.step()                                 # weights' versions change: device caches go stale by key
+
+With ``accumulate`` > 1 a weight's gradient reaches ``.grad`` only from the step's last micro-batch to reach that
+layer (the devices' sums); that micro-batch's phase waits for the others' products of that weight to be kept.
 
 ``transport(payloads: dict[int, bytes], deadlines: dict[int, float]) -> dict[int, bytes | None]`` is the one
 seam to Flower. Per phase round the engine hands it one payload per device (device index -> bytes) and each
@@ -39,18 +44,20 @@ the devices meanwhile (Flower's ``Grid.push_messages`` keeps them all in flight)
 
 A message to a device (``messages.encode_units``): a 4-byte header length, a JSON header
 ``{"phase": p, "units": [[uid, a_key, a_transposed, b_key, b_transposed], ...],
-"arrays": [[key, dtype, shape], ...]}`` and the raw bytes of those arrays. Keys name operand blocks in base
-coordinates (``X[0:256,0:128]``, weights ``W12@3[0:512,0:128]`` with their version); a block used by several
-units travels once and weight blocks the device already holds are left out. The device computes
+"arrays": [[key, dtype, shape], ...]}`` and the raw bytes of those arrays (a weight-gradient unit adds
+``sum_key, micro, emit``: the device adds its product to a running sum and replies the sum only when ``emit``).
+Keys name operand blocks in base coordinates (``X[0:256,0:128]``, weights ``W12@3[0:512,0:128]`` with their
+version); a block used by several units travels once and weight blocks the device already holds are left out. The device computes
 ``op(blocks[a_key]) @ op(blocks[b_key])`` per unit.
 
 A reply (``messages.encode_reply``): the same framing, header ``{"phase": p, "arrays": [[uid, dtype, shape],
-...]}`` and one result tile per unit, in the operands' dtype.
+...]}`` (and ``"kept": n``, the products kept in running sums) and one result tile per unit that returns one, in
+the operands' dtype.
 
 Device side (a ClientApp handler): ``DeviceRuntime()(payload) -> reply`` -- keep one ``DeviceRuntime`` per node
-(its ``cache`` dict of weight blocks belongs in ``context.state`` between messages; without it, answer with an
-error so the server resends the weights). It uses torch on the CPU; put the tensors on the device's accelerator
-where it has one.
+(its ``cache`` dict of weight blocks and its running ``sums`` belong in ``context.state`` between messages;
+without them, answer with an error so the server resends the weights and recomputes the sums). It uses torch on
+the CPU; put the tensors on the device's accelerator where it has one.
 """
 
 from fedfusion.units.devices import UnitDevice, from_catalog

@@ -5,7 +5,9 @@ first member called computes the whole group, the others take their slice), ``o`
 alone. Per group a custom ``autograd.Function`` runs
 
 - forward: ``Y = X W^T`` (one phase),
-- backward: ``dX = dY W`` and ``dW = dY^T X`` (one phase, both GEMMs in one message per device),
+- backward: ``dX = dY W`` and ``dW = dY^T X`` (one phase, both GEMMs in one message per device; with the
+  engine's ``accumulate`` the devices sum ``dW`` over the step's micro-batches and only the last micro-batch to
+  reach the layer gets it: the others return no weight gradient),
 
 so attention cores, norms, embeddings, the loss and the optimizer stay on the server, and the parameters stay
 the same ``nn.Parameter`` objects (state dict names and optimizers are untouched).
@@ -35,6 +37,7 @@ class _UnitLinear(torch.autograd.Function):
                 *weights: torch.Tensor) -> torch.Tensor:
         w = torch.cat(weights, 0) if len(weights) > 1 else weights[0]
         (y,) = engine.phase([Gemm(Operand("X", x2d), Operand(name, w, t=True, version=version))])
+        assert y is not None  # a forward product is never a running sum
         ctx.engine, ctx.name, ctx.version = engine, name, version
         ctx.save_for_backward(x2d, *weights)
         return y
@@ -49,11 +52,11 @@ class _UnitLinear(torch.autograd.Function):
         if need_x:
             gemms.append(Gemm(Operand("dY", dy), Operand(ctx.name, w, version=ctx.version)))
         if need_w:
-            gemms.append(Gemm(Operand("dY", dy, t=True), Operand("X", x2d)))
+            gemms.append(Gemm(Operand("dY", dy, t=True), Operand("X", x2d), sums=f"{ctx.name}@{ctx.version}"))
         outs = ctx.engine.phase(gemms) if gemms else []
         dx = outs.pop(0) if need_x else None
         dws: list[torch.Tensor | None] = [None] * len(weights)
-        if need_w:
+        if need_w and outs[0] is not None:
             dws = list(outs[0].split([wi.shape[0] for wi in weights], 0))
         return (None, None, None, dx, *dws)
 

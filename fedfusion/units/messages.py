@@ -10,6 +10,12 @@ receives, and the server leaves out of later messages the blocks it knows the de
 carries the weight's version (``W3@17[0:64,0:128]``), so blocks go stale by themselves when the optimizer
 changes the weights, and within a step the weights travel once per device however many micro-batches and
 phases (forward, input gradient) use them.
+
+Running sums (``fedfusion.units.accumulate``): a unit may carry three more fields, ``[.., sum_key, micro, emit]``:
+the device adds the product to its running sum ``sum_key`` as micro-batch ``micro``'s and, when ``emit`` is the
+step's micro-batch count, replies the sum (every micro-batch's product in it, or an error); with ``emit`` 0 it
+keeps the product and returns no tile for it: the reply's ``"kept"`` counts such units (all of the message's or
+an error reply, so the count says which).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from fedfusion.units.accumulate import RunningSums
 from fedfusion.units.plan import GemmShape, Tile
 
 # Closed-form header sizes used by the byte formula (``formula_bytes``); the measured bytes include the real ones.
@@ -30,6 +37,8 @@ UNIT_HEADER = 50  # [uid,"X[..]",false,"W..[..]",true],
 ARRAY_HEADER = 36  # ["W..[..]","<f4",[r,c]],
 REPLY_HEADER = 28  # length prefix + {"phase":..,"arrays":[]}
 RESULT_HEADER = 22  # [uid,"<f4",[r,c]],
+SUM_HEADER = 32  # ,"dW12@3[0:128,0:512,0:256]",1,4 (a unit's running-sum fields)
+KEPT_HEADER = 8  # ,"kept": before the count of kept products (a reply that keeps products in running sums)
 
 
 def is_weight(name: str) -> bool:
@@ -74,6 +83,7 @@ class Gemm:
 
     a: Operand
     b: Operand
+    sums: str = ""  # a weight gradient: the weight and version (``W3@7``) whose step sum it adds to; "" otherwise
 
     @property
     def shape(self) -> GemmShape:
@@ -113,9 +123,14 @@ def _arrays(specs: list[list[object]], body: memoryview, shape_at: int) -> list[
     return out
 
 
-def encode_units(phase: int, units: list[tuple[int, Gemm, Tile]], held: set[str] | None = None) -> bytes:
+SumRef = tuple[str, int, int]  # a unit's running sum: (sum key, micro-batch, emit: the step's micro-batches or 0)
+
+
+def encode_units(phase: int, units: list[tuple[int, Gemm, Tile]], held: set[str] | None = None,
+                 sums: dict[int, SumRef] | None = None) -> bytes:
     """The message for one device: its units and every operand block they need, each block once, except the
-    weight blocks in ``held`` (the device has them); the weight blocks sent are added to ``held``."""
+    weight blocks in ``held`` (the device has them); the weight blocks sent are added to ``held``. ``sums``: the
+    units (by uid) whose products go to a running sum."""
     blocks: dict[str, torch.Tensor] = {}
     specs: list[list[object]] = []
     for uid, gemm, tile in units:
@@ -123,7 +138,7 @@ def encode_units(phase: int, units: list[tuple[int, Gemm, Tile]], held: set[str]
         for key, block in ((ak, ab), (bk, bb)):
             if held is None or key not in held:
                 blocks.setdefault(key, block)
-        specs.append([uid, ak, gemm.a.t, bk, gemm.b.t])
+        specs.append([uid, ak, gemm.a.t, bk, gemm.b.t, *(sums[uid] if sums and uid in sums else ())])
     if held is not None:
         held.update(k for k in blocks if is_weight(k))
     arrays = [b.detach().cpu().numpy() for b in blocks.values()]
@@ -132,8 +147,10 @@ def encode_units(phase: int, units: list[tuple[int, Gemm, Tile]], held: set[str]
     return _pack(header, arrays)
 
 
-def compute_units(payload: bytes, cache: dict[str, torch.Tensor] | None = None) -> bytes:
-    """The device side: decode a message, compute every unit, encode the reply; weight blocks go to ``cache``."""
+def compute_units(payload: bytes, cache: dict[str, torch.Tensor] | None = None,
+                  sums: RunningSums | None = None) -> bytes:
+    """The device side: decode a message, compute every unit, encode the reply; weight blocks go to ``cache``,
+    products of running sums to ``sums`` (``accumulate.MissingSum``: an emit without every micro-batch's)."""
     header, body = _unpack(payload)
     blocks = dict(zip((str(s[0]) for s in header["arrays"]), _arrays(header["arrays"], body, 2)))
     if cache is not None:
@@ -144,27 +161,43 @@ def compute_units(payload: bytes, cache: dict[str, torch.Tensor] | None = None) 
                     del cache[old]  # an older version of this weight
                 cache[key] = block
         blocks = {**cache, **blocks}
-    results = []
-    for uid, ak, at, bk, bt in header["units"]:
+    results, kept = [], 0
+    sums = RunningSums() if sums is None else sums
+    for uid, ak, at, bk, bt, *acc in header["units"]:
         a, b = blocks[str(ak)], blocks[str(bk)]
-        results.append((int(uid), (a.T if at else a) @ (b.T if bt else b)))  # type: ignore[call-overload]
-    return encode_reply(header["phase"], results)  # type: ignore[arg-type]
+        product = (a.T if at else a) @ (b.T if bt else b)  # type: ignore[call-overload]
+        u = int(uid)  # type: ignore[call-overload]
+        if not acc:
+            results.append((u, product))
+            continue
+        key, micro, emit = str(acc[0]), int(acc[1]), int(acc[2])  # type: ignore[call-overload]
+        sums.add(key, micro, product)
+        if emit:
+            results.append((u, sums.emit(key, emit)))
+        else:
+            kept += 1
+    return encode_reply(header["phase"], results, kept)  # type: ignore[arg-type]
 
 
 class DeviceRuntime:
-    """One device's side with its weight cache (in Flower: the ClientApp handler, the cache in ``context.state``)."""
+    """One device's side with its weight cache and running sums (in Flower: the ClientApp handler, both in
+    ``context.state``)."""
 
     def __init__(self) -> None:
         self.cache: dict[str, torch.Tensor] = {}
+        self.sums = RunningSums()
 
     def __call__(self, payload: bytes) -> bytes:
-        return compute_units(payload, self.cache)
+        return compute_units(payload, self.cache, self.sums)
 
 
-def encode_reply(phase: int, results: list[tuple[int, torch.Tensor]]) -> bytes:
-    """A reply: the result tile of each unit, by unit id."""
+def encode_reply(phase: int, results: list[tuple[int, torch.Tensor]], kept: int = 0) -> bytes:
+    """A reply: the result tile of each unit, by unit id, and how many products the device kept in running sums."""
     arrays = [r.detach().cpu().numpy() for _, r in results]
-    header = {"phase": phase, "arrays": [[uid, a.dtype.str, list(a.shape)] for (uid, _), a in zip(results, arrays)]}
+    header: dict[str, object] = {
+        "phase": phase, "arrays": [[uid, a.dtype.str, list(a.shape)] for (uid, _), a in zip(results, arrays)]}
+    if kept:
+        header["kept"] = kept
     return _pack(header, arrays)
 
 
@@ -172,6 +205,18 @@ def decode_reply(payload: bytes) -> dict[int, torch.Tensor]:
     """Unit id -> result tile of a reply."""
     header, body = _unpack(payload)
     return dict(zip((int(s[0]) for s in header["arrays"]), _arrays(header["arrays"], body, 2)))  # type: ignore[call-overload]
+
+
+def emitting(payload: bytes) -> set[int]:
+    """The ids of a message's units whose replies are running sums (what a device returns for a whole step)."""
+    header, _ = _unpack(payload)
+    return {int(u[0]) for u in header["units"] if len(u) > 5 and int(u[7])}  # type: ignore[call-overload]
+
+
+def decode_kept(payload: bytes) -> int:
+    """How many products a reply says the device kept in running sums."""
+    header, _ = _unpack(payload)
+    return int(header.get("kept", 0))  # type: ignore[arg-type]
 
 
 Spec = tuple[str, bool, str, bool]  # (A key, A transposed, B key, B transposed): what dedup needs of a GEMM
@@ -183,7 +228,8 @@ def spec(g: Gemm) -> Spec:
 
 
 def formula_bytes(tiles: list[Tile], specs: list[Spec], elem_bytes: int, held: set[str] | None = None,
-                  versions: dict[str, int] | None = None, resident: bool = False) -> tuple[int, int]:
+                  versions: dict[str, int] | None = None, resident: bool = False,
+                  sums: dict[int, bool] | None = None, phase: int | None = None) -> tuple[int, int]:
     """Closed-form bytes (down, up) of one device's message and reply.
 
     down = MSG_HEADER + UNIT_HEADER * units + sum over distinct operand blocks not already ``held`` by the device
@@ -193,10 +239,14 @@ def formula_bytes(tiles: list[Tile], specs: list[Spec], elem_bytes: int, held: s
     held that is ``elem_bytes * (|I| * k + k * |J|)`` down and ``elem_bytes * |I| * |J|`` up per device. The
     weight blocks counted are added to ``held`` (pass a per-device set to follow the cache through a step);
     ``versions`` gives the weights' versions (default 0) so keys match the wire's; ``resident``: every weight block
-    is on the device already (a frozen base cached across steps).
+    is on the device already (a frozen base cached across steps). ``sums``: position in ``tiles`` -> whether that
+    running-sum unit emits; each such unit adds SUM_HEADER down, and one that keeps its product no tile up (the
+    reply's count of kept products: KEPT_HEADER and its digits). ``phase``: the message's phase id (the reply's
+    header counts its digits; REPLY_HEADER assumes two), so a reply that only keeps products is priced exactly.
     """
+    sums = sums or {}
     seen: set[str] = set()
-    down = MSG_HEADER + UNIT_HEADER * len(tiles)
+    down = MSG_HEADER + UNIT_HEADER * len(tiles) + SUM_HEADER * len(sums)
     for t in tiles:
         ak, at, bk, bt = specs[t.gemm]
         for name, tr, r0, r1, c0, c1 in ((ak, at, t.i0, t.i1, t.k0, t.k1), (bk, bt, t.k0, t.k1, t.j0, t.j1)):
@@ -209,5 +259,8 @@ def formula_bytes(tiles: list[Tile], specs: list[Spec], elem_bytes: int, held: s
                 down += ARRAY_HEADER + elem_bytes * (r1 - r0) * (c1 - c0)
     if held is not None:
         held.update(k for k in seen if is_weight(k))
-    up = REPLY_HEADER + sum(RESULT_HEADER + elem_bytes * t.c_elems for t in tiles)
+    kept = {u for u, emits in sums.items() if not emits}
+    up = REPLY_HEADER + sum(RESULT_HEADER + elem_bytes * t.c_elems for u, t in enumerate(tiles) if u not in kept)
+    up += (KEPT_HEADER + len(str(len(kept)))) if kept else 0
+    up += 0 if phase is None else len(str(phase)) - 2
     return down, up

@@ -15,13 +15,14 @@ from fedfusion.units.messages import Spec
 from fedfusion.units.plan import GemmShape
 
 Phase = tuple[list[GemmShape], list[Spec]]
+WEIGHT_GRADIENT: Spec = ("dY", True, "X", False)  # ``dW = dY^T X``: what ``install``'s backward names it
 
 def linear_phases(tokens: int, d_in: int, d_out: int, name: str = "W", frozen: bool = False) -> tuple[Phase, Phase]:
     """Forward ``Y = X W^T`` and backward ``dX = dY W``, ``dW = dY^T X`` of a (fused) linear layer ``name``
     (``frozen``: no weight gradient, as when fine-tuning adapters on a frozen base)."""
     backward: Phase = ([GemmShape(tokens, d_in, d_out)], [("dY", False, name, False)])
     if not frozen:
-        backward = (backward[0] + [GemmShape(d_out, d_in, tokens)], backward[1] + [("dY", True, "X", False)])
+        backward = (backward[0] + [GemmShape(d_out, d_in, tokens)], backward[1] + [WEIGHT_GRADIENT])
     return ([GemmShape(tokens, d_out, d_in)], [("X", False, name, True)]), backward
 
 

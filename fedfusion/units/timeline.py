@@ -17,6 +17,12 @@ notices at the message's deadline, ``issue + deadline_factor * (predicted reply 
 from later plans and re-dispatches the lost units, each to the live device with the earliest predicted reply
 (first valid result wins; the dead device's late results never come). Bytes are the closed form of
 ``messages.formula_bytes``. Approximation: a re-dispatched message queues behind work already booked.
+
+Accumulation (``accumulate``, ``fedfusion.units.accumulate``): a weight gradient's tiles upload only with the
+step's last micro-batch to reach that phase (the others' replies just list the kept units); the device's FIFO
+processor has summed the earlier micro-batches by then. A device that dies holding sums has them recomputed at
+the emit on the live device that answers first, every micro-batch's unit (approximation: the emit's own tiles
+are planned on the live devices as if their sums matched that plan).
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import numpy as np
 from fedfusion.units.devices import UnitDevice
 from fedfusion.units.engine import PhaseRecord
 from fedfusion.units.messages import Spec, formula_bytes
-from fedfusion.units.phases import Phase
+from fedfusion.units.phases import WEIGHT_GRADIENT, Phase
 from fedfusion.units.plan import LAYOUTS, CostModel, PhasePlan, Tile, plan_phase
 
 
@@ -120,10 +126,12 @@ def chains_from_trace(trace: list[PhaseRecord]) -> list[list[Phase]]:
 def simulate(devices: list[UnitDevice], chains: list[list[Phase]], *, elem_bytes: int = 4, server_gap_s: float = 0.0,
              optimizer_s: float = 0.0, kills: tuple[Kill, ...] = (), deadline_factor: float = 3.0,
              layouts: tuple[str, ...] = LAYOUTS, max_groups: int | None = None,
-             cache_weights: bool = True, resident_weights: bool = False, in_flight: int = 0) -> StepTiming:
+             cache_weights: bool = True, resident_weights: bool = False, in_flight: int = 0,
+             accumulate: bool = False) -> StepTiming:
     """Virtual time of one step whose micro-batches are ``chains``, ``in_flight`` at once (0: all, from time 0); with
     ``cache_weights`` a device receives each weight block once per step (``messages.DeviceRuntime``), with
-    ``resident_weights`` never (a frozen base cached on the devices by earlier steps)."""
+    ``resident_weights`` never (a frozen base cached on the devices by earlier steps); with ``accumulate`` the
+    devices sum weight gradients over the micro-batches and upload each tile once per step."""
     cm = CostModel(devices, elem_bytes)
     links = _Links(devices)
     kill_at = {k.device: k.at_s for k in kills}
@@ -133,9 +141,16 @@ def simulate(devices: list[UnitDevice], chains: list[list[Phase]], *, elem_bytes
     running = len(chains) if in_flight <= 0 else min(in_flight, len(chains))
     heap = [(0.0, c, 0) for c in range(running)]
     ends, redispatched, deadlines = [0.0], 0, []
+    reached: dict[int, int] = {}  # accumulate: phase position -> micro-batches that reached it
+    holders: dict[int, dict[int, list[Tile]]] = {}  # accumulate: phase position -> device -> the sums it holds
     while heap:
         t, c, p = heapq.heappop(heap)
         shapes, specs = chains[c][p]
+        summed = accumulate and len(chains) > 1 and WEIGHT_GRADIENT in specs
+        emit = False
+        if summed:
+            reached[p] = reached.get(p, 0) + 1
+            emit = reached[p] == len(chains)
         live = tuple(d for d in range(len(devices)) if known_dead.get(d, np.inf) > t)
         key = (tuple(shapes), live)
         if key not in plans:
@@ -145,11 +160,25 @@ def simulate(devices: list[UnitDevice], chains: list[list[Phase]], *, elem_bytes
         for tile in plans[key].tiles:
             by_dev.setdefault(tile.device, []).append(tile)
         work = [(t, d, tl) for d, tl in by_dev.items()]
+        if summed and not emit:
+            for d, tl in by_dev.items():
+                holders.setdefault(p, {}).setdefault(d, [x for x in tl if specs[x.gemm] == WEIGHT_GRADIENT])
         done, phase_deadline = t, t
+        if emit:  # the sums of devices known dead: every micro-batch's unit on the live device that answers first
+            for d, lost in holders.get(p, {}).items():
+                if known_dead.get(d, np.inf) <= t and lost:
+                    alive = [x for x in range(len(devices)) if known_dead.get(x, np.inf) > t]
+                    down_b, up_b = formula_bytes(lost, specs, elem_bytes, resident=resident_weights)
+                    flops = float(sum(x.flops for x in lost))
+                    n = len(chains)
+                    best = min(alive, key=lambda x: links.reply_at(x, t, n * down_b, n * flops, n * up_b, book=False))
+                    done = max(done, links.reply_at(best, t, n * down_b, n * flops, n * up_b, book=True))
+                    redispatched += n * len(lost)
         while work:
             issue, d, tiles = work.pop(0)
+            sums = {i: emit for i, x in enumerate(tiles) if specs[x.gemm] == WEIGHT_GRADIENT} if summed else None
             down_b, up_b = formula_bytes(tiles, specs, elem_bytes, held.setdefault(d, set()) if cache_weights else None,
-                                         resident=resident_weights)
+                                         resident=resident_weights, sums=sums)
             reply = links.reply_at(d, issue, down_b, sum(x.flops for x in tiles), up_b, book=True)
             deadline = issue + deadline_factor * (reply - issue)
             phase_deadline = max(phase_deadline, deadline)

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from fedfusion.units.messages import DeviceRuntime, decode_reply, encode_reply
+from fedfusion.units.messages import DeviceRuntime, decode_kept, decode_reply, emitting, encode_reply
 
 
 class Corrupt:
-    """Computes honestly, then adds ``scale * max|C|`` to one random entry of a tile with probability ``rate``."""
+    """Computes honestly, then adds ``scale * max|C|`` to one random entry of a tile with probability ``rate``
+    (``sums_only``: only the running sums it emits, its other tiles honest)."""
 
-    def __init__(self, rate: float = 1.0, scale: float = 1e-2, seed: int = 0) -> None:
-        self.rate, self.scale = rate, scale
+    def __init__(self, rate: float = 1.0, scale: float = 1e-2, seed: int = 0, sums_only: bool = False) -> None:
+        self.rate, self.scale, self.sums_only = rate, scale, sums_only
         self.gen = torch.Generator().manual_seed(seed)
         self.corrupted = 0
         self.runtime = DeviceRuntime()
@@ -19,14 +20,19 @@ class Corrupt:
     def __call__(self, payload: bytes) -> bytes:
         header_phase = 0
         results = []
-        for uid, c in decode_reply(self.runtime(payload)).items():
+        reply = self.runtime(payload)
+        targets = emitting(payload) if self.sums_only else None
+        for uid, c in decode_reply(reply).items():
+            if targets is not None and uid not in targets:
+                results.append((uid, c))
+                continue
             if torch.rand((), generator=self.gen).item() < self.rate and c.numel():
                 flat = c.reshape(-1)
                 i = int(torch.randint(0, flat.numel(), (), generator=self.gen))
                 flat[i] += self.scale * (float(flat.abs().max()) + 1.0)
                 self.corrupted += 1
             results.append((uid, c))
-        return encode_reply(header_phase, results)
+        return encode_reply(header_phase, results, decode_kept(reply))
 
 
 class DiesAfter:
