@@ -6,34 +6,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from fedfusion.config.recipe import RecipeError, load_recipe
 from fedfusion.run.units import train_step
-from fedfusion.units import Freivalds, UnitDevice, UnitEngine, install
+from fedfusion.units import Freivalds, UnitEngine, install
 from fedfusion.units.accumulate import MissingSum, RunningSums
 from fedfusion.units.messages import DeviceRuntime
 from fedfusion.units.phases import llama_phases
 from fedfusion.units.timeline import chains_from_trace, simulate
 from fedfusion.units.workers import Corrupt, DiesAfter
+from tests.test_units_exact import CONFIG, devices, model
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py: tiny GEMMs on one thread, restored after
-
-CONFIG = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
-              vocab_size=50, max_position_embeddings=64)
-
-
-def devices(count: int) -> list[UnitDevice]:
-    """Uneven devices (tests/test_units_exact.py's): speeds, links and memory differ by up to 8x."""
-    return [UnitDevice(f"d{i}", memory_bytes=2e5 * (1 + i % 4), flops=1e9 * (1 + 3 * (i % 3)),
-                       down_bps=1e6 * (1 + i % 2), up_bps=2e5 * (1 + i % 5), rtt_s=0.02 * (1 + i % 3))
-            for i in range(count)]
-
-
-def model(dtype: torch.dtype) -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(**CONFIG)).to(dtype)
-
 
 def batch(micro: int) -> torch.Tensor:
     return torch.randint(0, CONFIG["vocab_size"], (2 * micro, 13), generator=torch.Generator().manual_seed(1))
