@@ -15,6 +15,7 @@ Arms (``fusion.widths.phone`` stays the recipe's 0.125 except for the oracle):
 - ``generative``: generative distillation on the sampled tokens alone (``generative.top_k=0``).
 - ``generative_topk``: the recipe as it ships (``generative.top_k=8``: the samples carry each position's 8
   likeliest tokens and their log-probabilities).
+- ``generative_topk_t07``: the recipe with ``generative.temperature=0.7`` (colder samples).
 - ``grow_core``: smallest-only for ``--grow-round`` rounds, then full-forward windows with the small model's
   units as a core plus a rolling window (FedRolex's shared start, ``stagger=false``) and embeddings and norms.
 - ``grow_small``: ``grow_core`` with ``fusion.core_forward=small``: the core trains in the small model's own forward
@@ -49,7 +50,7 @@ from other_facts import write as write_facts  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-ARMS = ("smallest_only", "grow_core", "grow_small", "generative", "generative_topk", "oracle")
+ARMS = ("smallest_only", "grow_core", "grow_small", "generative", "generative_topk", "generative_topk_t07", "oracle")
 FILES = ("1200:7", "2400:13")  # facts:generator seed
 
 
@@ -67,6 +68,7 @@ def overrides(arm: str, rounds: int, grow_round: int) -> list[str]:
         "smallest_only": ["fusion.method=submodel", "fusion.policy=static", f"fusion.grow_round={rounds}"],
         "generative": ["fusion.method=generative", "generative.top_k=0"],
         "generative_topk": ["fusion.method=generative", "generative.top_k=8"],
+        "generative_topk_t07": ["fusion.method=generative", "generative.top_k=8", "generative.temperature=0.7"],
         "grow_core": ["fusion.method=submodel", "fusion.policy=rolling", "fusion.stagger=false",
                       f"fusion.grow_round={grow_round}", "fusion.forward=full", "fusion.window_core=true",
                       "fusion.window_shared=true"],
