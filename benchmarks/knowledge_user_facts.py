@@ -119,7 +119,7 @@ def write_results(out: str, work: Path, files: list[tuple[int, int]], arms: list
                        for f, n in budgets.items())
     data = {"machine": machine, "files": [{"facts": f, "generator_seed": s} for f, s in files], "runs": runs}
     lines = ["# The knowledge recipe on user facts files, every arm through `fedfusion run knowledge`", "",
-             f"Machine: {machine}; every run alone (one at a time, `nice -n 10`), the cores shared with other "
+             f"Machine: {machine}; every run alone (one at a time), the cores possibly shared with other "
              "engineers' jobs: `load` is the 1-minute load average as each run started (2 cores, so above 2 the runs "
              "waited for CPU). Wall times are the runs' own `wall_s`: compare them within this table only.", "",
              "Facts: `python benchmarks/other_facts.py DIR --facts F --seed S` (fictional towns, four attributes, "
