@@ -8,6 +8,7 @@ Each round's wall time is split into that ideal, the server's central evaluation
 building and data loading, and the training the packing could not overlap.
 
     python benchmarks/overhead.py [RECIPE] [key=value ...] [--repeats 3] [--eval-every 4] [--out benchmarks/results]
+    python benchmarks/overhead.py --name NAME --report-only     # rewrite NAME.md from NAME.json
 
 runs the whole command ``python -m fedfusion run RECIPE ...`` ``--repeats`` times for each of four arms, interleaved
 (repeat 1 of every arm, then repeat 2, ...: a drift in the machine's load touches every arm alike):

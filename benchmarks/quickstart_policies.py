@@ -14,6 +14,9 @@ rounds, clients per round, local steps, optimizer and data); only ``fusion.*`` d
   (``fusion.core_forward=small``): the core takes exactly smallest-only's steps, the rest learns what the target adds;
 - ``oracle``: every client trains the whole target (width 1.0 for every tier; no device of the recipe holds it).
 
+Every run's per-round perplexities are kept; with smallest-only beside them the grow arms are checked round by
+round (equal to smallest-only up to growth, and which rounds after it end worse).
+
     python benchmarks/quickstart_policies.py --seeds 0 1 2 [--reuse] [extra key=value overrides]
     python benchmarks/quickstart_policies.py --arms smallest-only rolling-staggered grow-core oracle --seeds 0 1 2 \
         --work runs/bench-smallest --out quickstart_smallest --reuse

@@ -518,10 +518,13 @@ def units_plan(recipe: Recipe) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     # one check per product; a weight gradient summed on the devices is checked once per step, over every
     # micro-batch's tokens (fedfusion.units.accumulate)
     summed = u.accumulate and u.micro_batches > 1
-    checked = [(g.m, g.n, g.k * (u.micro_batches if summed and spec == WEIGHT_GRADIENT else 1))
-               for shapes, specs in phases for g, spec in zip(shapes, specs)
-               for _ in range(1 if summed and spec == WEIGHT_GRADIENT else u.micro_batches)]
-    verify = float(sum(check_flops(*mnk) for mnk in checked)) if u.verify else 0.0
+    verify = 0.0
+    for shapes, specs in phases if u.verify else ():
+        for g, spec in zip(shapes, specs):
+            if summed and spec == WEIGHT_GRADIENT:
+                verify += check_flops(g.m, g.n, g.k * u.micro_batches)
+            else:
+                verify += u.micro_batches * check_flops(g.m, g.n, g.k)
     catalog = load_catalog(recipe.population.catalog)
     server = catalog[u.server_device]
     tiers = tier_list(recipe)
