@@ -1,25 +1,27 @@
-"""Benchmark: slicing policies on the quickstart recipe (small-to-large: every client <= 1/2 of the target), and
-the quickstart's target against the small model the same devices could train together.
+"""Benchmark: slicing policies on a recipe (default the quickstart; small-to-large: every client <= 1/2 of the
+target), and the recipe's target against the small model the same devices could train together.
 
 Runs the real CLI (Flower simulation engine) once per (arm, seed) and writes
 ``benchmarks/results/<out>.{json,md}`` with the machine and settings. Every arm has the recipe's budget (its
 rounds, clients per round, local steps, optimizer and data); only ``fusion.*`` differs:
 
-- the policies (``static``, ``rolling-shared``, ``rolling-staggered``: the recipe as it ships, ``random``);
+- the policies in their own small forward pass (``static``, ``rolling-shared``, ``rolling-staggered``: the policy of
+  ``recipes/rolling.yaml``, ``random``);
 - ``smallest-only``: every round trains the smallest width's static slice inside a target silenced around it
   (``fusion.grow_round`` = the recipe's rounds), so the scored target *is* the model every device can hold;
 - ``grow-core``: smallest-only for the first third of the rounds, then full-forward windows around the small model's
-  units (``fusion.forward=full fusion.window_core=true``);
+  units (``fusion.forward=full fusion.window_core=true``): on the quickstart, the recipe as it ships;
 - ``grow-small``: as ``grow-core``, the core trained in the small model's own forward pass
   (``fusion.core_forward=small``): the core takes exactly smallest-only's steps, the rest learns what the target adds;
 - ``oracle``: every client trains the whole target (width 1.0 for every tier; no device of the recipe holds it).
 
+Every arm names all the fusion settings it differs in (``--recipe rolling`` gives the old quickstart's devices).
 Every run's per-round perplexities are kept; with smallest-only beside them the grow arms are checked round by
 round (equal to smallest-only up to growth, and which rounds after it end worse).
 
     python benchmarks/quickstart_policies.py --seeds 0 1 2 [--reuse] [extra key=value overrides]
     python benchmarks/quickstart_policies.py --arms smallest-only rolling-staggered grow-core oracle --seeds 0 1 2 \
-        --work runs/bench-smallest --out quickstart_smallest --reuse
+        --work runs/bench-default --out quickstart_default --reuse
 """
 
 from __future__ import annotations
@@ -36,31 +38,34 @@ from pathlib import Path
 
 from fedfusion.config.recipe import load_recipe
 
+# every arm names all the fusion settings it differs in, so that its meaning does not depend on the base recipe
+SLICES = ["fusion.grow_round=0", "fusion.forward=slice", "fusion.window_core=false", "fusion.window_shared=false"]
+GROW = ["fusion.policy=rolling", "fusion.stagger=false", "fusion.grow_round={third}", "fusion.forward=full",
+        "fusion.window_core=true", "fusion.window_shared=true"]
 ARMS = {  # id -> (label, overrides)
-    "static": ("static (HeteroFL prefix)", ["fusion.policy=static"]),
-    "rolling-shared": ("rolling, shared start (FedRolex)", ["fusion.policy=rolling", "fusion.stagger=false"]),
-    "rolling-staggered": ("rolling, staggered (fedfusion default)", ["fusion.policy=rolling", "fusion.stagger=true"]),
-    "random": ("random (Federated Dropout)", ["fusion.policy=random"]),
-    "smallest-only": ("smallest-only (the 1/8 model every device holds)", ["fusion.policy=static",
-                                                                          "fusion.grow_round={rounds}"]),
-    "grow-core": ("grow after a third, then core windows", ["fusion.policy=rolling", "fusion.stagger=false",
-                                                            "fusion.grow_round={third}", "fusion.forward=full",
-                                                            "fusion.window_core=true", "fusion.window_shared=true"]),
+    "static": ("static (HeteroFL prefix)", [*SLICES, "fusion.policy=static"]),
+    "rolling-shared": ("rolling, shared start (FedRolex)", [*SLICES, "fusion.policy=rolling", "fusion.stagger=false"]),
+    "rolling-staggered": ("rolling, staggered (recipes/rolling.yaml)",
+                          [*SLICES, "fusion.policy=rolling", "fusion.stagger=true"]),
+    "random": ("random (Federated Dropout)", [*SLICES, "fusion.policy=random"]),
+    "smallest-only": ("smallest-only (the 1/8 model every device holds)",
+                      ["fusion.policy=static", "fusion.grow_round={rounds}", "fusion.forward=slice",
+                       "fusion.window_core=false", "fusion.window_shared=false"]),
+    "grow-core": ("grow after a third, then core windows", [*GROW, "fusion.core_forward=full"]),
     "grow-small": ("grow after a third, then core windows, the core in its own forward pass",
-                   ["fusion.policy=rolling", "fusion.stagger=false", "fusion.grow_round={third}", "fusion.forward=full",
-                    "fusion.window_core=true", "fusion.window_shared=true", "fusion.core_forward=small"]),
-    "oracle": ("oracle (every client trains the whole target)", ["fusion.policy=static", "fusion.widths.phone=1.0",
+                   [*GROW, "fusion.core_forward=small"]),
+    "oracle": ("oracle (every client trains the whole target)", [*SLICES, "fusion.policy=static", "fusion.widths.phone=1.0",
                                                                 "fusion.widths.laptop=1.0", "fusion.widths.desktop=1.0"]),
 }
 POLICIES = ["static", "rolling-shared", "rolling-staggered", "random"]
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def run_arm(overrides: list[str], out: Path, reuse: bool) -> dict:
+def run_arm(recipe: str, overrides: list[str], out: Path, reuse: bool) -> dict:
     """One CLI run (or, with ``reuse``, the finished run already in ``out``); returns its summary.json."""
     summary_path = out / "summary.json"
     if not (reuse and summary_path.is_file() and json.loads(summary_path.read_text()).get("status") == "ok"):
-        cmd = [sys.executable, "-m", "fedfusion.cli", "run", "quickstart", *overrides, "--out", str(out)]
+        cmd = [sys.executable, "-m", "fedfusion.cli", "run", recipe, *overrides, "--out", str(out)]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     return json.loads(summary_path.read_text())
 
@@ -132,6 +137,7 @@ def _mean_sd(values: list[float]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--recipe", default="quickstart", help="the base recipe every arm overrides")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--work", default="runs/bench-policies")
     parser.add_argument("--reuse", action="store_true", help="keep finished runs found in --work")
@@ -139,13 +145,13 @@ def main() -> None:
     parser.add_argument("--out", default="quickstart_policies", help="results file name under benchmarks/results/")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
-    rounds = load_recipe("quickstart", args.overrides).rounds
+    rounds = load_recipe(args.recipe, args.overrides).rounds
     rows = []
     for arm in args.arms:
         arm_overrides = [o.format(rounds=rounds, third=rounds // 3) for o in ARMS[arm][1]]
         for seed in args.seeds:
             out = Path(args.work) / f"{arm}-s{seed}"
-            summary = run_arm([*arm_overrides, f"seed={seed}", *args.overrides], out, args.reuse)
+            summary = run_arm(args.recipe, [*arm_overrides, f"seed={seed}", *args.overrides], out, args.reuse)
             scored = round_ppl(out)
             rows.append({"arm": arm, "seed": seed, **summary["final"], "initial_ppl": summary["initial"]["eval_ppl"],
                          "last3_ppl": statistics.mean(v for _, v in sorted(scored.items())[-3:]),
@@ -157,7 +163,7 @@ def main() -> None:
         "benchmark": args.out,
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
                     "load_1min_at_end": round(os.getloadavg()[0], 2)},
-        "settings": {"recipe": "quickstart", "overrides": args.overrides, "seeds": args.seeds, "arms": args.arms,
+        "settings": {"recipe": args.recipe, "overrides": args.overrides, "seeds": args.seeds, "arms": args.arms,
                      "arm_overrides": {a: [o.format(rounds=rounds, third=rounds // 3) for o in ARMS[a][1]]
                                        for a in args.arms}},
         "runs": rows,
@@ -165,12 +171,12 @@ def main() -> None:
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{args.out}.json").write_text(json.dumps(report, indent=2))
-    recipe = load_recipe("quickstart", args.overrides)
+    recipe = load_recipe(args.recipe, args.overrides)
     lines = [
-        "# Slicing policies on the quickstart (small-to-large)" if args.arms == POLICIES else
-        "# The quickstart's target against the small model every device holds (equal budget)", "",
+        f"# Slicing policies on {args.recipe} (small-to-large)" if args.arms == POLICIES else
+        f"# The {args.recipe} recipe's target against the small model every device holds (equal budget)", "",
         f"Machine: {report['machine']['platform']}, {report['machine']['cpus']} CPUs (1-minute load at the end "
-        f"{report['machine']['load_1min_at_end']}; the perplexities do not depend on it). Recipe: quickstart "
+        f"{report['machine']['load_1min_at_end']}; the perplexities do not depend on it). Recipe: {args.recipe} "
         f"{' '.join(args.overrides)}: {recipe.rounds} rounds x {recipe.train.local_steps} local steps, "
         f"{recipe.selection.clients_per_round} of {recipe.population.num_clients} clients per round, widths "
         f"{dict(recipe.fusion.widths)}, target {recipe.model.hidden_size} hidden x {recipe.model.num_layers} layers; "
