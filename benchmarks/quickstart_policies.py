@@ -45,7 +45,7 @@ GROW = ["fusion.policy=rolling", "fusion.stagger=false", "fusion.grow_round={thi
 ARMS = {  # id -> (label, overrides)
     "static": ("static (HeteroFL prefix)", [*SLICES, "fusion.policy=static"]),
     "rolling-shared": ("rolling, shared start (FedRolex)", [*SLICES, "fusion.policy=rolling", "fusion.stagger=false"]),
-    "rolling-staggered": ("rolling, staggered (recipes/rolling.yaml)",
+    "rolling-staggered": ("rolling, staggered (the policy of recipes/rolling.yaml)",
                           [*SLICES, "fusion.policy=rolling", "fusion.stagger=true"]),
     "random": ("random (Federated Dropout)", [*SLICES, "fusion.policy=random"]),
     "smallest-only": ("smallest-only (the 1/8 model every device holds)",
@@ -187,6 +187,7 @@ def main() -> None:
         f"{recipe.selection.clients_per_round} of {recipe.population.num_clients} clients per round, widths "
         f"{dict(recipe.fusion.widths)}, target {recipe.model.hidden_size} hidden x {recipe.model.num_layers} layers; "
         f"seeds {args.seeds}. The target is evaluated at full width on pooled held-out text.", "",
+        "Command: `python benchmarks/quickstart_policies.py " + " ".join(sys.argv[1:]) + "`", "",
         "| arm | final ppl (mean ± std) | last-3-rounds ppl (mean ± std) | final next-char acc | last / best round - 1 "
         "(worst seed) | run wall s |",
         "|---|---|---|---|---|---|",

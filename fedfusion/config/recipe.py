@@ -737,7 +737,9 @@ def _validate_growth(recipe: Recipe) -> None:
     coordinates only with the ordinary policies."""
     f = recipe.fusion
     if f.grow_round < 0 or (recipe.rounds and f.grow_round > recipe.rounds):  # rounds 0: checked once resolved
-        raise RecipeError(f"fusion.grow_round: must be in [0, rounds={recipe.rounds}], got {f.grow_round}")
+        raise RecipeError(f"fusion.grow_round: must be in [0, rounds={recipe.rounds}], got {f.grow_round} (the "
+                          "small model grows into the target after that round: run more rounds, or set "
+                          "fusion.grow_round to at most rounds; 0 grows nothing)")
     if (f.grow_round or f.forward == "full") and f.method != SUBMODEL:
         raise RecipeError(f"fusion.grow_round / fusion.forward=full apply to fusion.method=submodel, got {f.method!r}")
     if f.forward == "full" and f.policy == "ordered":
