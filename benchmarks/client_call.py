@@ -5,13 +5,16 @@ Builds the quickstart's round-1 messages with the real strategy (no Flower runti
 twice with the cache on (the second pass: every model shape already built). Per message: the seconds outside
 ``train_s`` (decoding the arrays, the client's windows, building or reloading the model, the optimizer, the reply).
 
-    python benchmarks/client_call.py [LOCAL_STEPS]
+    python benchmarks/client_call.py [LOCAL_STEPS] [--recipe NAME]
+
+``--recipe`` (default ``quickstart``, whose round 1 trains the small model every device holds): ``rolling`` builds
+each tier's own slice in round 1.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
-import sys
 import time
 
 import torch
@@ -28,9 +31,13 @@ from fedfusion.wire.specs import Caps
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("local_steps", nargs="?", type=int, default=5, help="each client's local steps (default 5)")
+    parser.add_argument("--recipe", default="quickstart", help="the recipe whose round-1 messages are built")
+    args = parser.parse_args()
     TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 0  # messages outside a Flower runtime
-    recipe = load_recipe("quickstart")
-    recipe.train.local_steps = int(sys.argv[1]) if len(sys.argv) > 1 else 5
+    recipe = load_recipe(args.recipe)
+    recipe.train.local_steps = args.local_steps
     target = lm_target(recipe)
     strategy = build_strategy(recipe, target)
     tiers = ["phone"] * 16 + ["laptop"] * 10 + ["desktop"] * 6

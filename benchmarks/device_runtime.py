@@ -1,20 +1,20 @@
-"""On-device training programs for the quickstart's tiers: export time, program and weight-file sizes, steps per
+"""On-device training programs for the rolling recipe's tiers: export time, program and weight-file sizes, steps per
 second through the ExecuTorch runtime (client-code AdamW) against eager torch on the same slice and batches, and
 how far the two drift apart.
 
-For each tier: the tier's slice of a seeded quickstart target (rolling plan, round 3), the quickstart's batch
+For each tier: the tier's slice of a seeded ``RECIPE`` target (rolling plan, round 3), the recipe's batch
 (16 x 64 tokens), ``STEPS`` AdamW steps each way from the same weights on client 0's Shakespeare windows, both on
 one CPU thread. Writes benchmarks/results/device_runtime.{json,md}. Needs the [device] extra.
 
-    python benchmarks/device_runtime.py
+    python benchmarks/device_runtime.py [TIER ...]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
-import sys
 from pathlib import Path
 
 import torch
@@ -28,6 +28,8 @@ from fedfusion.phone.commands import export_tier
 from fedfusion.phone.runtime import ProgramRunner, train_program
 from fedfusion.train.loop import train_steps
 
+# results measured on the rolling slices (the quickstart's recipe until it switched to growth); phones' programs run it
+RECIPE = "rolling"
 STEPS, SEED, LR = 20, 7, 3e-3
 OUT = Path(__file__).parent / "results"
 
@@ -69,17 +71,20 @@ def tier_row(recipe, tier: str, target, windows: torch.Tensor) -> dict:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("tiers", nargs="*", help="tiers to export and time (default: every tier of the recipe)")
+    args = parser.parse_args()
     torch.set_num_threads(1)
-    recipe = load_recipe("quickstart")
+    recipe = load_recipe(RECIPE)
     target = build_target(recipe.model, load_tokenizer(None), recipe.seed)
     windows = client_windows(data_spec(recipe), 0, recipe.train.seq_len, "train")
-    tiers = sys.argv[1:] or list(recipe.fusion.widths)
+    tiers = args.tiers or list(recipe.fusion.widths)
     rows = [tier_row(recipe, tier, target, windows) for tier in tiers]
-    result = {"machine": machine(), "recipe": "quickstart", "steps": STEPS, "lr": LR, "batch": recipe.train.batch_size,
+    result = {"machine": machine(), "recipe": RECIPE, "steps": STEPS, "lr": LR, "batch": recipe.train.batch_size,
               "seq_len": recipe.train.seq_len, "threads": 1, "rows": rows}
     OUT.mkdir(exist_ok=True)
     (OUT / "device_runtime.json").write_text(json.dumps(result, indent=1) + "\n")
-    lines = [f"# On-device training programs (quickstart tiers)\n\n{result['machine']}; {STEPS} AdamW steps, batch "
+    lines = [f"# On-device training programs ({RECIPE} tiers)\n\n{result['machine']}; {STEPS} AdamW steps, batch "
              f"{result['batch']} x {result['seq_len']} tokens, 1 thread. `python benchmarks/device_runtime.py`\n",
              "| tier | width | params | export s | .pte bytes | .ptd bytes | runtime steps/s | torch steps/s | "
              "loss first -> last | mean loss runtime / torch | rel. update error | max abs weight diff |",

@@ -10,7 +10,7 @@ Arms (the metric each reports):
 - transfer-only: ``kd_weight=0``, the target trained on the transfer text alone (a control: no client
   knowledge reaches the target);
 - oracle: sub-model fusion with every width 1.0 (every client trains the whole target);
-- submodel-rolling: sub-model fusion with the quickstart's rolling slices (phones 1/8 .. desktops 1/2).
+- submodel-rolling: sub-model fusion with the rolling recipe's slices (phones 1/8 .. desktops 1/2).
 
 Scores are on the pooled held-out text in nats per character (target and families alike).
 

@@ -1,10 +1,10 @@
-"""Benchmark for fault tolerance (issue #7): faulty clients on the quickstart, and fuzzed malformed replies.
+"""Benchmark for fault tolerance (issue #7): faulty clients on the rolling recipe, and fuzzed malformed replies.
 
 Two parts, results in ``benchmarks/results/faults.{json,md}`` (each part keeps the other's section):
 the markdown is rendered only from what the part just ran plus what ``faults.json`` holds (never from run
 directories, which a fresh clone lacks), and both files are replaced atomically once it has been rendered.
 
-``sim``  runs the real CLI (Flower simulation engine) once per (arm, seed) on a reduced quickstart: fault-free,
+``sim``  runs the real CLI (Flower simulation engine) once per (arm, seed) on a reduced ``RECIPE``: fault-free,
          30% of sampled clients crashing or straggling past the round deadline (mean and median), 10% of
          them replying with a corrupted (NaN) update. Reports final eval ppl/loss per arm, the relative
          difference to the fault-free arm with the same seed (same sample: faults are drawn client-side),
@@ -36,6 +36,8 @@ from fedfusion.devices.catalog import load_catalog
 from fedfusion.selection.participation import Participation
 from fedfusion.selection.selectors import make_selector
 
+# results measured on the rolling slices (the quickstart's recipe until it switched to growth); the fault mechanics are its
+RECIPE = "rolling"
 RESULTS = Path(__file__).resolve().parent / "results"
 JSON_PATH, MD_PATH = RESULTS / "faults.json", RESULTS / "faults.md"
 
@@ -60,7 +62,7 @@ def run_arm(overrides: list[str], out: Path, reuse: bool) -> dict:
     if not (reuse and summary_path.is_file() and json.loads(summary_path.read_text()).get("status") == "ok"):
         if out.exists():
             raise FileExistsError(f"{out} exists but holds no finished run; remove it or pick another --work")
-        cmd = [sys.executable, "-m", "fedfusion.cli", "run", "quickstart", *overrides, "--out", str(out)]
+        cmd = [sys.executable, "-m", "fedfusion.cli", "run", RECIPE, *overrides, "--out", str(out)]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     return json.loads(summary_path.read_text())
 
@@ -144,7 +146,7 @@ def cmd_sim(args: argparse.Namespace) -> dict:
         r["rel_ppl_vs_fault_free"] = r["eval_ppl"] / ref["eval_ppl"] - 1 if ref else None
         r["rel_loss_vs_fault_free"] = r["eval_loss"] / ref["eval_loss"] - 1 if ref else None
         r["rel_last3_ppl_vs_fault_free"] = r["last3_ppl"] / ref["last3_ppl"] - 1 if ref else None
-    return {"settings": {"recipe": "quickstart", "overrides": base, "seeds": args.seeds,
+    return {"settings": {"recipe": RECIPE, "overrides": base, "seeds": args.seeds,
                          "timeout_s": args.timeout, "straggler_delay_s": args.delay,
                          "arms": {k: v[1] for k, v in arms.items()}},
             "runs": rows, "not_run": missing, "command": args.command_line}
@@ -164,7 +166,7 @@ def plot_sim(sim: dict, path: Path) -> None:
             n = min(len(c) for c in curves)
             ax.plot(range(1, n + 1), [statistics.mean(c[i] for c in curves) for i in range(n)], marker="o", label=label)
     ax.set(xlabel="round", ylabel="held-out perplexity (mean over seeds)",
-           title=f"quickstart, {len(sim['settings']['seeds'])} seeds")
+           title=f"{RECIPE}, {len(sim['settings']['seeds'])} seeds")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -175,13 +177,14 @@ def sim_markdown(sim: dict) -> list[str]:
     from fedfusion.config.recipe import load_recipe
 
     s = sim["settings"]
-    recipe = load_recipe("quickstart", s["overrides"])
+    recipe, shipped = load_recipe(RECIPE, s["overrides"]), load_recipe(RECIPE)
     arms = sim_arms(s["timeout_s"], s["straggler_delay_s"])
     cpus = next((o.split("=", 1)[1] for o in s["overrides"] if o.startswith("engine.cpus_per_client=")), None)
     lines = [
-        "## Faulty clients on the quickstart", "",
+        f"## Faulty clients on the {RECIPE} recipe", "",
         f"Command: `{sim['command']}`" + (f" ({sim['code']['note']})" if sim.get("code", {}).get("note") else ""), "",
-        f"Recipe: quickstart `{' '.join(s['overrides'])}`: {recipe.rounds} rounds (the quickstart has 12) x "
+        f"Recipe: {RECIPE} `{' '.join(s['overrides'])}`: {recipe.rounds} rounds (the {RECIPE} recipe has "
+        f"{shipped.rounds}) x "
         f"{recipe.train.local_steps} local steps, {recipe.selection.clients_per_round} of "
         f"{recipe.population.num_clients} clients per round, rolling staggered slices, widths "
         f"{dict(recipe.fusion.widths)}; seeds {s['seeds']}. Deadline `selection.timeout_s={s['timeout_s']:g}` in every "
@@ -630,7 +633,7 @@ def write(report: dict, ran: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="part", required=True)
-    sim = sub.add_parser("sim", help="faulty clients on a reduced quickstart (Flower simulation)")
+    sim = sub.add_parser("sim", help=f"faulty clients on a reduced {RECIPE} recipe (Flower simulation)")
     sim.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     sim.add_argument("--rounds", type=int, default=8)
     sim.add_argument("--timeout", type=float, default=75.0, help="selection.timeout_s, the round deadline")

@@ -5,7 +5,12 @@ schedule and no cap (before), and as the recipe stands, lr schedule and ``train.
 Runs the real CLI (Flower simulation engine) once per (arm, seed), one run at a time, and writes
 ``benchmarks/results/quickstart_last_vs_best.{json,md}`` with each run's per-round curve, the machine and its load.
 
-    python benchmarks/quickstart_last_vs_best.py --seeds 0 1 2 [--arms ARM ...] [--work DIR] [--reuse]
+    python benchmarks/quickstart_last_vs_best.py --seeds 0 1 2 [--recipe NAME] [--arms ARM ...] [--work DIR] [--reuse]
+
+``--recipe`` (default ``quickstart``) is the recipe every arm runs. The stored results file was measured on the
+quickstart before it switched to growth, what is now ``--recipe rolling``:
+
+    python benchmarks/quickstart_last_vs_best.py --seeds 0 1 2 --recipe rolling
 """
 
 from __future__ import annotations
@@ -30,14 +35,14 @@ GOAL = 0.02  # the issue's bar: last round within 2 % of the best round
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def run(overrides: list[str], out: Path, reuse: bool) -> tuple[list[dict], dict]:
-    """One CLI run (or, with ``reuse``, the finished run already in ``out``): its metrics.jsonl rows, and its wall
+def run(recipe: str, overrides: list[str], out: Path, reuse: bool) -> tuple[list[dict], dict]:
+    """One CLI run of ``recipe`` (or, with ``reuse``, the finished run already in ``out``): its metrics.jsonl rows, and its wall
     seconds and the 1-minute load average before and after it (None for a reused run)."""
     summary = out / "summary.json"
     load: list[float | None] = [None, None]
     if not (reuse and summary.is_file() and json.loads(summary.read_text()).get("status") == "ok"):
         load[0] = os.getloadavg()[0]
-        cmd = [sys.executable, "-m", "fedfusion.cli", "run", "quickstart", *overrides, "--out", str(out)]
+        cmd = [sys.executable, "-m", "fedfusion.cli", "run", recipe, *overrides, "--out", str(out)]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         load[1] = os.getloadavg()[0]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -78,12 +83,14 @@ def _sd(values: list[float]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--recipe", default="quickstart",
+                        help="the recipe every arm runs (default quickstart; the stored results: rolling)")
     parser.add_argument("--work", default="runs/bench-last-vs-best")
     parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS),
                         help="the arms to run, in this order (default all); the reports hold these arms' runs")
     parser.add_argument("--reuse", action="store_true", help="keep finished runs found in --work")
     args = parser.parse_args()
-    t = load_recipe("quickstart").train
+    t = load_recipe(args.recipe).train
     load_before = os.getloadavg()
     saved = RESULTS / "quickstart_last_vs_best.json"  # a reused run keeps the loads measured when it ran
     previous = json.loads(saved.read_text()) if saved.is_file() else {"runs": []}
@@ -94,7 +101,7 @@ def main() -> None:
         for arm in args.arms:
             overrides = ARMS[arm][1]
             out = Path(args.work) / f"{arm}-s{seed}"
-            metrics, cost = run([*overrides, f"seed={seed}"], out, args.reuse)
+            metrics, cost = run(args.recipe, [*overrides, f"seed={seed}"], out, args.reuse)
             result = last_vs_best(metrics)
             ran |= cost["load1_before"] is not None
             if cost["load1_before"] is None and str(out) in measured:
@@ -107,19 +114,20 @@ def main() -> None:
             # after every run: an interrupted benchmark keeps what it measured; reports remade from reused runs alone
             # keep the loads of the benchmark that ran them
             machine = previous["machine"] if not ran and "machine" in previous else None
-            write_results(rows, load_before, machine)
+            write_results(args.recipe, rows, load_before, machine)
 
 
-def write_results(rows: list[dict], load_before: tuple[float, float, float], machine: dict | None = None) -> None:
-    """The json and markdown reports of the runs so far (``machine``: the machine and loads to report, when given)."""
+def write_results(name: str, rows: list[dict], load_before: tuple[float, float, float], machine: dict | None = None) -> None:
+    """The json and markdown reports of the runs so far of recipe ``name`` (``machine``: the machine and loads to
+    report, when given)."""
     seeds = sorted({r["seed"] for r in rows})
-    recipe = load_recipe("quickstart")
+    recipe = load_recipe(name)
     t = recipe.train
     report = {
         "benchmark": "quickstart_last_vs_best",
         "machine": machine or {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
                                "loadavg_1_5_15_at_start": load_before, "loadavg_1_5_15_at_end": os.getloadavg()},
-        "settings": {"recipe": "quickstart", "seeds": seeds, "goal": GOAL, "lr": t.lr,
+        "settings": {"recipe": name, "seeds": seeds, "goal": GOAL, "lr": t.lr,
                      "recipe_lr_schedule": t.lr_schedule, "recipe_lr_final": t.lr_final,
                      "recipe_max_epochs": t.max_epochs,
                      "arms": {arm: overrides for arm, (_, overrides) in ARMS.items()}},
@@ -129,12 +137,12 @@ def write_results(rows: list[dict], load_before: tuple[float, float, float], mac
     (RESULTS / "quickstart_last_vs_best.json").write_text(json.dumps(report, indent=2))
     m = report["machine"]
     lines = [
-        "# The quickstart's last round against its best (issue 24)", "",
+        f"# The {name} recipe's last round against its best (issue 24)", "",
         f"Machine: {m['platform']}, {m['cpus']} CPUs, shared with other jobs (load average 1/5/15 min "
         f"{' / '.join(f'{x:.2f}' for x in m['loadavg_1_5_15_at_start'])} at the start, "
         f"{' / '.join(f'{x:.2f}' for x in m['loadavg_1_5_15_at_end'])} at the end); runs one at a time under "
         f"`nice -n 10`. Command: `nice -n 10 python benchmarks/quickstart_last_vs_best.py --seeds "
-        f"{' '.join(map(str, seeds))}`, each run `fedfusion run quickstart seed=S [override]` ({recipe.rounds} "
+        f"{' '.join(map(str, seeds))} --recipe {name}`, each run `fedfusion run {name} seed=S [override]` ({recipe.rounds} "
         f"rounds, {recipe.selection.clients_per_round} of {recipe.population.num_clients} clients per round, "
         f"{t.local_steps} local AdamW steps at train.lr {t.lr:g}). The after arm is the recipe as it stands: "
         f"train.lr_schedule {t.lr_schedule}, train.lr_final {t.lr_final:g}, train.max_epochs {t.max_epochs:g} (a client "
@@ -160,7 +168,7 @@ def write_results(rows: list[dict], load_before: tuple[float, float, float], mac
         lines.append(f"| {label} | {statistics.mean(last):.3f} ± {_sd(last):.3f} | "
                      f"{statistics.mean(best):.3f} ± {_sd(best):.3f} | {100 * max(r['gap'] for r in mine):+.2f} % | "
                      f"{statistics.mean(r['client_tokens'] for r in mine) / 1e6:.1f} |")
-    lines += ["", "Per-round perplexity (rounds 1-12):", ""]
+    lines += ["", f"Per-round perplexity (rounds 1-{recipe.rounds}):", ""]
     lines += [f"- {r['arm']} seed {r['seed']}: {', '.join(f'{v:.2f}' for v in r['curve'])} ({r['wall_s']:.0f} s; "
               f"1-min load {_load(r['load1_before'])} before, {_load(r['load1_after'])} after)" for r in rows]
     lines += ["", "The last round's client with the fewest training windows: the local steps it took, and its own training "

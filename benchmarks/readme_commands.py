@@ -26,19 +26,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 FLWR = ('flwr run {root} --stream --federation-config "num-supernodes=32 client-resources-num-cpus=1" '
-        "-c \"recipe='quickstart' overrides='rounds=4' out='{work}/runs/flwr'\"")
+        "-c \"recipe='quickstart' overrides='rounds=5' out='{work}/runs/flwr'\"")
 # name -> the README's command (as shown; {root} is the checkout, {work} the scratch directory)
 COMMANDS = {
     "quickstart": "fedfusion run quickstart",
     "flwr_run": FLWR,
     "plan": "fedfusion plan quickstart fusion.auto_widths=true",
-    "static_4_rounds": "fedfusion run quickstart fusion.policy=static rounds=4 --out runs/static",
+    "static_4_rounds": "fedfusion run rolling fusion.policy=static rounds=4 --out runs/static",
     "report": "fedfusion report runs/static",
     "devices": "fedfusion devices",
     "facts": "fedfusion facts my-facts",
     "certs": "fedfusion certs certificates",
     "edge_cloud": "fedfusion edge-cloud",
-    "deploy": "fedfusion deploy quickstart population.num_clients=3 selection.clients_per_round=3 rounds=2",
+    "deploy": "fedfusion deploy quickstart population.num_clients=3 selection.clients_per_round=3 rounds=5",
 }
 FROM_SOURCE = {"deploy": " --out {work}/runs/deploy"}  # run from the checkout (flwr needs its pyproject.toml)
 

@@ -1,6 +1,6 @@
 """Server memory and per-round time of one federation as its population grows (issue #17, section 4).
 
-One `fedfusion run` per population size (default 100, 1,000 and 10,000 virtual clients), each through Flower's
+One `fedfusion run RECIPE` per population size (default 100, 1,000 and 10,000 virtual clients), each through Flower's
 simulation engine exactly as a user runs it, with 50 clients sampled per round from a pool of 200
 (``selection.pool``: a population of at most 200 is queried whole in round 1; a larger one is drawn from a random
 200 of its nodes each round, the new ones queried for their capabilities) and a small target (a one-layer Llama,
@@ -39,6 +39,8 @@ from typing import Any
 
 import psutil
 
+# results measured on the rolling slices (the quickstart's recipe until it switched to growth)
+RECIPE = "rolling"
 OUT = Path(__file__).parent / "results"
 PER_ROUND, POOL, ROUNDS, CHARS_PER_CLIENT = 50, 200, 4, 1500
 SETTINGS = [
@@ -142,7 +144,7 @@ def run_size(clients: int, work: Path, limit_s: float) -> dict[str, Any]:
     ``limit_s`` is stopped and reported as far as it got (``finished: false``)."""
     data = corpus(work / f"text-{clients}.txt", clients)
     out = work / f"run-{clients}"
-    cmd = [sys.executable, "-m", "fedfusion", "run", "quickstart", *SETTINGS, f"data.path={data}",
+    cmd = [sys.executable, "-m", "fedfusion", "run", RECIPE, *SETTINGS, f"data.path={data}",
            f"population.num_clients={clients}", "--out", str(out)]
     env = {**os.environ, "FEDFUSION_CACHE": str(work / "cache")}
     start = time.perf_counter()
@@ -356,7 +358,7 @@ def write(report: dict[str, Any]) -> None:
         "",
         f"Machine: {m['platform']}, {m['cpus']} CPUs, {m['memory_gb']} GB; **shared with other jobs while this ran** "
         f"(load average {m['load_average_at_start']:.1f} at the start of the last run), so seconds are noisy and "
-        "memory is not. Command: `python benchmarks/scale.py` (one `fedfusion run` per size, settings below).",
+        f"memory is not. Command: `python benchmarks/scale.py` (one `fedfusion run {RECIPE}` per size, settings below).",
         "",
         f"Settings: {PER_ROUND} clients per round, {ROUNDS} rounds, a one-layer Llama target (hidden 64), one local "
         f"step per client, {CHARS_PER_CLIENT} characters of text per client, 2 client actors (1 CPU each), "

@@ -1,6 +1,6 @@
 """Benchmark: client selectors side by side on 1,000 virtual devices with diurnal availability.
 
-Every (selector, seed) is one real `fedfusion run` (Flower simulation engine) of the quickstart task on
+Every (selector, seed) is one real `fedfusion run RECIPE` (Flower simulation engine) of the quickstart task on
 a population of 1,000 Shakespeare speakers (phones, laptops, desktops in the quickstart mix), with the
 availability model on. Choices fixed before any comparison:
 
@@ -16,7 +16,7 @@ availability model on. Choices fixed before any comparison:
   A dropped client's planned work is charged as wasted energy.
 - **Target.** Fixed from the random selector alone: the eval loss at which random has made
   ``TARGET_SHARE`` of its improvement from round 0 to its plateau (mean of its last 3 rounds, mean over
-  seeds). Fewer local steps than the quickstart (3) make learning take several rounds.
+  seeds). Fewer local steps (3) than ``RECIPE``'s 40 make learning take several rounds.
 
 For each run: rounds, energy and CO2 until the target is first reached, wasted energy, dropouts and
 Jain's participation fairness; per-seed ratios to random. Writes ``benchmarks/results/selection.{json,md}``.
@@ -48,6 +48,8 @@ from fedfusion.models.build import build_target
 from fedfusion.models.slicing import extract, plan_slice
 from fedfusion.run.run_dir import read_jsonl
 
+# results measured on the rolling slices (the quickstart's recipe until it switched to growth); selection runs on it
+RECIPE = "rolling"
 SELECTORS = ("random", "oort", "energy", "carbon_budget")
 RESULTS = Path(__file__).resolve().parent / "results"
 BASE = [  # a 0.14M-parameter target keeps 20 runs of 1,000 clients near an hour on 2 cores
@@ -101,12 +103,12 @@ def tier_costs(recipe: Recipe) -> dict[str, dict[str, float]]:
 def run(overrides: list[str], out: Path, reuse: bool) -> None:
     """One CLI run, unless ``reuse`` and a finished run of the same recipe is already in ``out``."""
     if reuse and _finished(out):
-        if load_recipe(out / "recipe.yaml") != load_recipe("quickstart", overrides):
+        if load_recipe(out / "recipe.yaml") != load_recipe(RECIPE, overrides):
             raise SystemExit(f"{out} holds a run of another recipe; choose another --work")
         return
     if out.exists():  # an unfinished (or, without --reuse, an earlier) run
         shutil.rmtree(out)
-    cmd = [sys.executable, "-m", "fedfusion.cli", "run", "quickstart", *overrides, "--out", str(out)]
+    cmd = [sys.executable, "-m", "fedfusion.cli", "run", RECIPE, *overrides, "--out", str(out)]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
 
 
@@ -150,7 +152,7 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     settings = [*BASE, f"rounds={args.rounds}", *args.overrides]
-    recipe = load_recipe("quickstart", settings)
+    recipe = load_recipe(RECIPE, settings)
     params = target_params(recipe)
     scale = VIRTUAL_PARAMS / params
     catalog = scaled_catalog(recipe, scale, Path(args.work).resolve() / f"catalog-x{scale:.0f}.yaml")
@@ -203,7 +205,7 @@ def main() -> None:
     report = {
         "benchmark": "selection",
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
-        "settings": {"recipe": "quickstart", "overrides": settings, "seeds": args.seeds, "target_params": params,
+        "settings": {"recipe": RECIPE, "overrides": settings, "seeds": args.seeds, "target_params": params,
                      "virtual_params": VIRTUAL_PARAMS, "price_scale": scale, "tier_costs": costs,
                      "carbon_budget_j_per_zone_round": budget, "target_loss": target,
                      "target_rule": f"{TARGET_SHARE:.0%} of random's improvement from round 0 to its plateau "
@@ -217,7 +219,7 @@ def main() -> None:
                     for t, c in costs.items())
     lines = [
         "# Client selection on 1,000 virtual devices with diurnal availability", "",
-        f"Machine: {report['machine']['platform']}, {report['machine']['cpus']} CPUs. Recipe: quickstart with "
+        f"Machine: {report['machine']['platform']}, {report['machine']['cpus']} CPUs. Recipe: {RECIPE} with "
         f"`{' '.join(settings)}`; seeds {args.seeds}. The target has {params:,} parameters; jobs are priced "
         f"from counted work as if it had {VIRTUAL_PARAMS:.3g} (catalog rates / {scale:.0f}); one job: {job}. "
         f"Target loss {target:.4f} ({TARGET_SHARE:.0%} of random's improvement {start:.3f} -> {plateau:.3f}); "

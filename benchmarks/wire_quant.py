@@ -3,10 +3,10 @@
 
 Two tasks, the same wire arms, paired by seed:
 
-- ``quickstart``: the real CLI (``fedfusion run quickstart``, Flower's simulation engine), so the bytes are what the
-  messages carried (``clients.jsonl``'s ``bytes_down`` / ``bytes_up``) and error feedback lives where a deployment
-  keeps it (each node's ``context.state``); metric: the target's held-out ``eval_loss`` (nats per character, lower
-  is better), mean of the last 3 rounds.
+- ``quickstart``: the quickstart's task through the real CLI on ``RECIPE`` (``fedfusion run rolling``, Flower's
+  simulation engine), so the bytes are what the messages carried (``clients.jsonl``'s ``bytes_down`` / ``bytes_up``)
+  and error feedback lives where a deployment keeps it (each node's ``context.state``); metric: the target's
+  held-out ``eval_loss`` (nats per character, lower is better), mean of the last 3 rounds.
 - ``knowledge``: the federated-knowledge benchmark's ``phones`` regime, ``rolling`` arm
   (:func:`benchmarks.knowledge.run_arm`, its in-process round loop at its default settings), with the wire arms'
   settings; metrics: ``probe_acc`` (higher is better) and ``answer_loss``, means of the last 3 evaluations.
@@ -18,7 +18,7 @@ last 3 evaluations of the float32 arm) and the float32 arm's standard deviation 
     python benchmarks/wire_quant.py [--seeds 0 1 2] [--arms float32 int8 ...] [--tasks quickstart knowledge]
         [--jobs 2] [--out wire_quant] [--smoke]
 
-``--smoke`` runs 2 quickstart rounds of 2 clients x 2 steps and 20 knowledge rounds (seed 0): it checks the script,
+``--smoke`` runs 2 ``RECIPE`` rounds of 2 clients x 2 steps and 20 knowledge rounds (seed 0): it checks the script,
 it measures nothing. Finished runs are kept in ``<out>.partial.json`` (until both tasks are done), so an interrupted
 run resumes and the two tasks can run at different times (``--tasks knowledge``, then ``--tasks quickstart``).
 """
@@ -42,6 +42,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ is not a package
 import knowledge  # noqa: E402
 
+from fedfusion.config.recipe import load_recipe  # noqa: E402
+
+# results measured on the rolling slices (the quickstart's recipe until it switched to growth); the slice wire is its
+RECIPE = "rolling"
 RESULTS = Path(__file__).resolve().parent / "results"
 ARMS = {  # id -> (down, up, error feedback)
     "float32": ("float32", "float32", True),
@@ -61,10 +65,10 @@ def wire_overrides(arm: str) -> list[str]:
 
 
 def quickstart_run(arm: str, seed: int, extra: list[str]) -> dict:
-    """One real quickstart run of ``arm``: last-3-round metric, its spread, bytes each way (every client row)."""
+    """One real ``RECIPE`` run of ``arm``: last-3-round metric, its spread, bytes each way (every client row)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run"
-        cmd = [sys.executable, "-m", "fedfusion.cli", "run", "quickstart", f"seed={seed}", *wire_overrides(arm),
+        cmd = [sys.executable, "-m", "fedfusion.cli", "run", RECIPE, f"seed={seed}", *wire_overrides(arm),
                *extra, "--out", str(out)]
         start = time.perf_counter()
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
@@ -158,7 +162,7 @@ def report(payload: dict) -> str:
         metric, higher = METRICS[task]
         if task == "quickstart":
             shipped = " ".join(payload["quickstart_overrides"]) or "recipe as shipped"
-            lines += [f"## quickstart (real CLI run, Flower simulation): {shipped}",
+            lines += [f"## quickstart: `fedfusion run {RECIPE}` (real CLI run, Flower simulation): {shipped}",
                       "", f"Metric: the target's held-out `{metric}` (nats/char, lower is better), mean of the last "
                       "3 rounds; bytes from clients.jsonl (what the messages carried).", ""]
         else:
@@ -182,9 +186,11 @@ def report(payload: dict) -> str:
                       _fmt(s["up_ratio"]), f"{s['wall_s']:.0f}"]
             lines.append("| " + " | ".join(cells) + " |")
         if task == "quickstart":
+            run = load_recipe(RECIPE, payload["quickstart_overrides"])
             lines += ["", "Client rows ok (all seeds): " + ", ".join(f"{arm} {s['clients_ok']}" for arm, s in arms.items())
-                      + ". Error feedback carries over only when a client is sampled again (the quickstart samples 6 "
-                      "of 32 clients a round)."]
+                      + ". Error feedback carries over only when a client is sampled again (the "
+                      f"{RECIPE} recipe samples {run.selection.clients_per_round} of {run.population.num_clients} "
+                      "clients a round)."]
         lines.append("")
     return "\n".join(lines)
 
