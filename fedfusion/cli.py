@@ -331,7 +331,7 @@ def cmd_edge_cloud(args: argparse.Namespace) -> int:
 
 EXAMPLES = (
     "fedfusion run quickstart",
-    "fedfusion run quickstart fusion.policy=static rounds=4 --out runs/static",
+    "fedfusion run rolling fusion.policy=static rounds=4 --out runs/static",
     "fedfusion plan quickstart fusion.auto_widths=true",
     "fedfusion run --resume runs/static",
     "fedfusion report runs/static",

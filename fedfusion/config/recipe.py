@@ -486,9 +486,9 @@ def _file_config(path: Path, text: str | None) -> DictConfig:
         raise RecipeError(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(raw, DictConfig):
         raise RecipeError(f"{path}: a recipe must be a mapping of sections")
-    if not raw:  # not silently the defaults (the quickstart): a recipe states at least its name
+    if not raw:  # not silently the defaults: a recipe states at least its name
         raise RecipeError(f"{path}: empty recipe; state at least its name (e.g. `name: my-run`) and what differs from "
-                          "the defaults (recipes/quickstart.yaml shows them)")
+                          "the defaults (recipes/rolling.yaml is the defaults plus an lr schedule and an epoch cap)")
     given = tuple(k for k in WHOLE_MAPPINGS if OmegaConf.select(raw, k, default=None) is not None)
     return _merge(_schema(), raw, str(path), given)
 
