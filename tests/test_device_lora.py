@@ -155,7 +155,7 @@ def test_export_device_command_writes_a_lora_program(tmp_path, capsys):
     base_dir = tmp_path / "base"
     tiny_base().save_pretrained(base_dir)
     out = tmp_path / "programs"
-    args = ["export-device", "quickstart", "fusion.method=lora", "data.source=chatterbot", f"lora.base={base_dir}",
+    args = ["export-device", "rolling", "fusion.method=lora", "data.source=chatterbot", f"lora.base={base_dir}",
             f"train.seq_len={SEQ}", f"train.batch_size={BATCH}", "--tier", "phone", "--out", str(out)]
     assert main(args) == 0
     printed = capsys.readouterr().out

@@ -166,14 +166,14 @@ def test_gpt2_shared_window_trains_its_tied_head():
 @pytest.mark.slow
 @pytest.mark.device
 def test_export_device_command_writes_a_window_program(tmp_path, capsys):
-    """``fedfusion export-device`` with ``fusion.forward=full``: the quickstart phone tier's window (2 layers here),
-    its three files and its manifest's per-round inputs."""
+    """``fedfusion export-device`` with ``fusion.forward=full``: the rolling recipe's phone tier's window (2 layers
+    here), its three files and its manifest's per-round inputs."""
     from fedfusion.cli import main
     from fedfusion.phone.program import DeviceProgram
     from fedfusion.phone.runtime import ProgramRunner
 
     out = tmp_path / "programs"
-    assert main(["export-device", "quickstart", "fusion.forward=full", *QUICK, "--tier", "phone", "--out", str(out)]) == 0
+    assert main(["export-device", "rolling", "fusion.forward=full", *QUICK, "--tier", "phone", "--out", str(out)]) == 0
     assert "phone: full-forward window (" in capsys.readouterr().out
     program = DeviceProgram.load(out, next(out.glob("*.json")).stem)
     m = program.manifest
@@ -192,7 +192,7 @@ def test_export_device_names_what_blocks_a_window(overrides, setting):
     from fedfusion.config.recipe import load_recipe
     from fedfusion.phone.commands import check_tier
 
-    recipe = load_recipe("quickstart", ["fusion.forward=full", *overrides])
+    recipe = load_recipe("rolling", ["fusion.forward=full", *overrides])
     with pytest.raises(ValueError) as refused:
         check_tier(recipe, "phone")
     message = str(refused.value)

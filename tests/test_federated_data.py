@@ -54,8 +54,8 @@ def files(tmp_path_factory) -> dict[str, Path]:
 
 
 def recipe_for(path: Path | str, partitioner: str, clients: int = 4, *more: str):
-    return load_checked("quickstart", ["data.source=dataset", f"data.dataset={path}", f"data.partitioner={partitioner}",
-                                      f"population.num_clients={clients}", "selection.clients_per_round=2", *more])
+    return load_checked("rolling", ["data.source=dataset", f"data.dataset={path}", f"data.partitioner={partitioner}",
+                                   f"population.num_clients={clients}", "selection.clients_per_round=2", *more])
 
 
 def rows_of(recipe) -> list[list[str]]:
@@ -138,14 +138,14 @@ def test_instruction_pairs_come_from_the_prompt_and_response_columns(files):
 
 @pytest.mark.usefixtures("lora_base_installed")
 def test_the_built_in_corpora_are_datasets_like_any_other():
-    recipe = load_checked("quickstart", ["data.source=dataset", "data.dataset=shakespeare", "data.min_chars=20000",
-                                        "data.partitioner={name: natural, by: role}", "population.num_clients=4",
-                                        "selection.clients_per_round=2", "data.shuffle=false"])
+    recipe = load_checked("rolling", ["data.source=dataset", "data.dataset=shakespeare", "data.min_chars=20000",
+                                     "data.partitioner={name: natural, by: role}", "population.num_clients=4",
+                                     "selection.clients_per_round=2", "data.shuffle=false"])
     with pytest.raises(ValueError, match="population.num_clients: shakespeare has (\\d+) distinct 'role'"):
         partitions(data_spec(recipe))
-    recipe = load_checked("quickstart", ["data.source=dataset", "data.dataset=chatterbot", "fusion.method=lora",
-                                        "data.partitioner={name: dirichlet, by: category, alpha: 0.1}",
-                                        "population.num_clients=4", "selection.clients_per_round=2"])
+    recipe = load_checked("rolling", ["data.source=dataset", "data.dataset=chatterbot", "fusion.method=lora",
+                                     "data.partitioner={name: dirichlet, by: category, alpha: 0.1}",
+                                     "population.num_clients=4", "selection.clients_per_round=2"])
     sizes = partition_sizes(recipe)
     assert sizes.unit == "pairs" and sizes.label == "category" and len(sizes.labels) == 4
     assert label_skew(sizes)["labels"] > 10
@@ -226,7 +226,7 @@ def test_a_recipe_trains_end_to_end_from_a_local_parquet_file_with_tensorboard(t
     rows = [{"text": " ".join(words[(i + k) % 4] for k in range(20)), "user": USERS[i % 4]} for i in range(40)]
     pd.DataFrame(rows).to_parquet(tmp_path / "posts.parquet")
     out = tmp_path / "run"
-    assert main(["run", "quickstart", "rounds=2", "population.num_clients=4", "selection.clients_per_round=2",
+    assert main(["run", "rolling", "rounds=2", "population.num_clients=4", "selection.clients_per_round=2",
                  "data.source=dataset", f"data.dataset={tmp_path / 'posts.parquet'}",
                  "data.partitioner={name: natural, by: user}", "output.tracker=tensorboard",
                  "model.hidden_size=32", "model.num_heads=4", "model.num_kv_heads=2", "model.intermediate_size=64",

@@ -53,11 +53,11 @@ def _flwr_env(flwr_home: Path) -> dict[str, str]:
 
 def _flwr_run_cmd(supernodes: int, overrides: str, out: Path) -> list[str]:
     return [FLWR, "run", ".", "--stream", "--federation-config", f"num-supernodes={supernodes} client-resources-num-cpus=1",
-            "-c", f"recipe='quickstart' overrides='{overrides}' out='{out}'"]
+            "-c", f"recipe='rolling' overrides='{overrides}' out='{out}'"]
 
 
 def _flwr_run(tmp_path: Path, supernodes: int) -> tuple[subprocess.CompletedProcess, Path]:
-    """`flwr run . --stream` of the tiny quickstart on a local federation of ``supernodes`` SuperNodes (its own
+    """`flwr run . --stream` of the tiny rolling recipe on a local federation of ``supernodes`` SuperNodes (its own
     FLWR_HOME, its SuperLink stopped afterwards); the finished process and the run directory it was given."""
     flwr_home, out = tmp_path / "flwr-home", tmp_path / "run"
     flwr_home.mkdir()

@@ -185,8 +185,8 @@ def test_client_role_trains_and_samples(tmp_path):
     from fedfusion.data.population import data_spec
     from fedfusion.models.slicing import extract, plan_slice, sub_config
 
-    recipe = load_recipe("quickstart", ["data.source=facts", "data.people=20", "population.num_clients=2",
-                                        "selection.clients_per_round=2", "fusion.method=generative"])
+    recipe = load_recipe("rolling", ["data.source=facts", "data.people=20", "population.num_clients=2",
+                                     "selection.clients_per_round=2", "fusion.method=generative"])
     from fedfusion.run.targets import lm_target
 
     target = lm_target(recipe)

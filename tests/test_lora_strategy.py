@@ -400,8 +400,8 @@ def test_a_lora_run_writes_the_adapter_and_the_merged_base_only_when_asked(merge
     from fedfusion.config.recipe import load_recipe
     from fedfusion.run.targets import lora_target
 
-    recipe = load_recipe("quickstart", ["fusion.method=lora", "data.source=chatterbot", f"lora.base={base}",
-                                        "lora.eval_pairs=4", "train.seq_len=96", f"output.save_merged={merged}"])
+    recipe = load_recipe("rolling", ["fusion.method=lora", "data.source=chatterbot", f"lora.base={base}",
+                                     "lora.eval_pairs=4", "train.seq_len=96", f"output.save_merged={merged}"])
     target, _ = lora_target(recipe)
     modules = adapted_modules(target.model, list(recipe.lora.target_modules))
     arrays = ArrayRecord({**{f"{m}.lora_A": torch.randn(2, i) for m, (o, i) in modules.items()},

@@ -125,7 +125,7 @@ def test_lora_plan_rows_show_rank_precision_and_the_4bit_saving():
 
     base = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                        num_attention_heads=9, num_key_value_heads=3, head_dim=64)  # SmolLM2-135M's shape
-    recipe = load_recipe("quickstart", ["fusion.method=lora", "data.source=chatterbot"])
+    recipe = load_recipe("rolling", ["fusion.method=lora", "data.source=chatterbot"])
     rows = {r["tier"]: r for r in lora_plan_table(recipe, base)}
     assert rows["phone"]["rank"] == 4 and rows["phone"]["base"] == "4-bit"
     assert rows["phone"]["trainable"] == 30 * 4 * ((576 + 576) + (576 + 192))  # q_proj and v_proj adapters
@@ -169,7 +169,7 @@ def test_plan_prices_each_tier_with_the_ledgers_cost_model_and_the_bytes_it_move
     from fedfusion.models.build import build_target
     from fedfusion.models.slicing import extract, plan_slice
 
-    recipe = load_recipe("quickstart", [f"fusion.wire_dtype={wire}"])
+    recipe = load_recipe("rolling", [f"fusion.wire_dtype={wire}"])
     catalog, t = load_catalog(), recipe.train
     target = build_target(recipe.model, load_tokenizer(None), recipe.seed)
     rows = plan_table(recipe)
@@ -194,7 +194,7 @@ def test_plan_prices_a_quantised_wire_at_the_bytes_its_arrays_carry(down, up):
     from fedfusion.models.slicing import extract, plan_slice
     from fedfusion.wire.quantize import encode
 
-    recipe = load_recipe("quickstart", [f"fusion.wire_dtype={down}", f"fusion.wire_up={up}"])
+    recipe = load_recipe("rolling", [f"fusion.wire_dtype={down}", f"fusion.wire_up={up}"])
     target = build_target(recipe.model, load_tokenizer(None), recipe.seed)
     for row in plan_table(recipe):
         sub = extract(target.state_dict(), target.config, plan_slice(target.config, row["width"], "static"))
@@ -211,7 +211,7 @@ def test_lora_plan_prices_the_adapter_each_way():
 
     base = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                        num_attention_heads=9, num_key_value_heads=3, head_dim=64)
-    recipe = load_recipe("quickstart", ["fusion.method=lora", "data.source=chatterbot"])
+    recipe = load_recipe("rolling", ["fusion.method=lora", "data.source=chatterbot"])
     t = recipe.train
     for row in lora_plan_table(recipe, base):
         flops = train_flops(frozen_work_params(param_count(base), row["trainable"]), t.local_steps * t.batch_size * t.seq_len)

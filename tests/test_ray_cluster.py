@@ -123,7 +123,7 @@ def test_a_recipe_runs_spread_over_a_two_node_ray_cluster_and_the_cluster_stops_
         _wait_for_nodes(address, 2)
         out = tmp_path / "run"
         run = subprocess.run(
-            [sys.executable, "-m", "fedfusion", "run", "quickstart", *TINY, f"engine.ray_address={address}",
+            [sys.executable, "-m", "fedfusion", "run", "rolling", *TINY, f"engine.ray_address={address}",
              "--out", str(out)], capture_output=True, text=True, timeout=600, env=os.environ.copy())
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
         assert f"on the Ray cluster at {address}" in run.stdout

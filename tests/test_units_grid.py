@@ -127,7 +127,7 @@ def test_a_node_that_lost_its_weight_cache_answers_an_error_and_gets_the_weights
                                           ("units.stall_partition=99", "units.stall_partition")])
 def test_units_recipe_values_are_checked(override, key):
     with pytest.raises(RecipeError, match=key):
-        load_recipe("quickstart", ["fusion.method=units", override])
+        load_recipe("rolling", ["fusion.method=units", override])
 
 
 def test_units_recipe_loads_and_the_shipped_recipe_is_units():
