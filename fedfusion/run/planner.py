@@ -319,7 +319,8 @@ def plan_table(
                          **_UNPRICED})
             continue
         if recipe.fusion.forward == "full" and tier_methods(recipe).get(tier) == SUBMODEL:
-            rows.append({**row, **window_row(recipe, target, tier, device, budget, tokens)})
+            core = min(w for w in widths.values() if w is not None) if recipe.fusion.window_core else 0.0
+            rows.append({**row, **window_row(recipe, target, tier, width, core, device, budget, tokens)})
             continue
         sub = sliced_config(target, width, axes)
         params = param_count(sub)
@@ -339,16 +340,17 @@ def plan_table(
 FROZEN_BITS = {"float32": 32, "float16": 16, "int8": 8, "int4": 4}
 
 
-def window_row(recipe: Recipe, target: PretrainedConfig, tier: str, device: Device, budget: float,
-               tokens: int) -> dict[str, Any]:
+def window_row(recipe: Recipe, target: PretrainedConfig, tier: str, width: float, core: float, device: Device,
+               budget: float, tokens: int) -> dict[str, Any]:
     """A full-forward tier's plan (``fusion.forward=full``): its window of units (``fusion.window_widths``, else its
-    width; the residual stream whole), the frozen target held in ``fusion.frozen_dtype`` plus the window's weights,
-    gradients and AdamW state and the whole target's activations; the frozen target down (every round) and the
-    window both ways; the target's forward and activation gradients plus the window's training as FLOPs."""
+    ``width``, as the plan's widths give it; the residual stream whole) plus ``core`` (the smallest width's units,
+    in every window with ``fusion.window_core``; 0 without), the frozen target held in ``fusion.frozen_dtype`` plus
+    the window's weights, gradients and AdamW state and the whole target's activations; the frozen target down
+    (every round) and the window both ways; the target's forward and activation gradients plus the window's
+    training as FLOPs."""
     f = recipe.fusion
-    width = f.window_widths.get(tier, f.widths[tier])
+    width = f.window_widths.get(tier, width)
     axes = window_axes(target, tuple(f.axes) if f.axes else None)
-    core = min(f.widths.values()) if f.window_core else 0.0  # the smallest width's units, in every window too
     plan = replace(plan_slice(target, min(1.0, width + core), "static", axes=axes, scale=False), shared=f.window_shared)
     with torch.device("meta"):
         state = AutoModelForCausalLM.from_config(target).state_dict()
@@ -361,10 +363,10 @@ def window_row(recipe: Recipe, target: PretrainedConfig, tier: str, device: Devi
     mem = estimate_memory(target, recipe.train.batch_size, recipe.train.seq_len, base_bits=FROZEN_BITS[f.frozen_dtype],
                           window=window, checkpoint=recipe.train.checkpoint).total
     down = encoded_bytes(f.frozen_dtype, total) + encoded_bytes(f.wire_dtype, window)
-    label = (f"rank-{f.window_rank} update of every matrix" if f.window_rank else
-             f"window of {width:g} of the units" + (f" + the {core:g} core" if core else ""))
-    label += ", activations checkpointed" if recipe.train.checkpoint else ""
-    return {"width": 1.0 if f.window_rank else width, "slice": f"{label}, full forward ({f.frozen_dtype} target)",
+    label = (f"rank-{f.window_rank} of every matrix" if f.window_rank else
+             f"units {width:g}" + (f" + core {core:g}" if core else ""))
+    label += ", checkpointed" if recipe.train.checkpoint else ""
+    return {"width": 1.0 if f.window_rank else width, "slice": f"{label}; full forward, {f.frozen_dtype} target",
             "params": window, "peak MB": _mb(mem), "device MB": round(device.memory_gb * 1024),
             "fits": "yes" if mem <= budget else "NO",
             **priced(device, train_flops(frozen_work_params(total, window), tokens), down,
@@ -591,7 +593,10 @@ def slices_view(recipe: Recipe, title: str = "") -> PlanView:
     """Width slicing: per tier its width (fitted to memory with ``fusion.auto_widths``), slice, size and cost."""
     widths = auto_widths(recipe, recipe.fusion.width_ladder) if recipe.fusion.auto_widths else None
     rows = plan_table(recipe, widths, ladder=recipe.fusion.width_ladder)
+    grow = recipe.fusion.grow_round
     title = f"plan for {recipe.name} ({method_label(recipe)}" + title
+    title += (f", the smallest slice grown into the target after round {grow}: a round after growth"
+              if grow and recipe.fusion.method == SUBMODEL else "")
     title += ", widths fitted to memory)" if widths else ")"
     return PlanView(title, rows, ("tier", "width", "slice", "params", "peak MB", "device MB", "fits", *PLAN_COSTS),
                     left=("tier", "slice", "fits"), width=200)
