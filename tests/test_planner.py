@@ -87,12 +87,12 @@ def test_quantised_base_is_smaller_and_fit_prefers_precision_then_rank():
     assert fit_lora_rank(cfg, sized(total[4] * 0.9 / 2**30), 1, 8, usable=1.0) is None
 
 
-def test_plan_rows_for_a_tier_that_fits_nothing_explain_instead_of_raising():
-    recipe = load_recipe("quickstart")
-    rows = plan_table(recipe, widths={"phone": None, "laptop": 0.25, "desktop": 0.5})
+@pytest.mark.parametrize("recipe, what", [("rolling", "width 0.0625"), ("quickstart", "a full-forward window of 0.0625")])
+def test_plan_rows_for_a_tier_that_fits_nothing_explain_instead_of_raising(recipe, what):
+    rows = plan_table(load_recipe(recipe), widths={"phone": None, "laptop": 0.25, "desktop": 0.5})
     phone = rows[0]
     assert phone["tier"] == "phone" and phone["width"] is None and phone["params"] is None
-    assert phone["fits"].startswith("NO: even width 0.0625 needs")
+    assert phone["fits"].startswith(f"NO: even {what} needs")
     assert [r["tier"] for r in rows[1:]] == ["laptop", "desktop"]
 
 
@@ -294,3 +294,22 @@ def test_the_plan_says_when_activations_are_checkpointed_and_counts_less():
     kept = plan_table(load_recipe("quickstart", ["train.checkpoint=true"]))
     assert all("checkpointed" in r["slice"] and "checkpointed" not in p["slice"] for r, p in zip(kept, plain))
     assert all(r["peak MB"] < p["peak MB"] for r, p in zip(kept, plain))
+
+
+def test_auto_widths_fit_full_forward_windows_not_just_slices():
+    """A full-forward tier holds the frozen target and its activations besides its window: its fitted width is the
+    widest whose window fits, narrower than a slice of the same memory, and the plan agrees that every row fits."""
+    big = ["model.hidden_size=1024", "model.num_heads=16", "model.num_kv_heads=16", "model.intermediate_size=4096",
+           "model.num_layers=24", "train.batch_size=8"]
+    grown = load_recipe("quickstart", big)
+    sliced = load_recipe("quickstart", [*big, "fusion.forward=slice", "fusion.window_core=false",
+                                        "fusion.window_shared=false", "fusion.grow_round=0"])
+    windows, slices = auto_widths(grown), auto_widths(sliced)
+    assert windows["phone"] is not None and windows["phone"] < slices["phone"]
+    assert all(windows[t] <= slices[t] for t in windows)
+    assert all(r["fits"] == "yes" and r["width"] == windows[r["tier"]] for r in plan_table(grown, widths=windows))
+    lowend = [*big, "fusion.auto_widths=true", "population.mix={phone-lowend: 1.0}"]
+    assert auto_widths(load_recipe("rolling", lowend))["phone-lowend"] is not None  # a slice fits it
+    grown_lowend = load_recipe("quickstart", lowend)
+    [row] = plan_table(grown_lowend, widths=auto_widths(grown_lowend))  # the frozen target and its activations do not
+    assert row["width"] is None and row["fits"].startswith("NO: even a full-forward window of 0.0625 needs")

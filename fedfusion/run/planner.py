@@ -234,13 +234,30 @@ def recipe_target(recipe: Recipe) -> PretrainedConfig:
 def auto_widths(
     recipe: Recipe, ladder: Sequence[float] = WIDTH_LADDER, usable: float = USABLE,
 ) -> dict[str, float | None]:
-    """For every tier of the population mix, :func:`fit_width` of the recipe's target (None: nothing fits)."""
+    """For every tier of the population mix, :func:`fit_width` of the recipe's target (None: nothing fits). With
+    full-forward windows (``fusion.forward=full``) a width must also fit as a window (:func:`window_memory`: the
+    frozen target and the whole target's activations besides the window), so a tier steps down the ladder until it
+    does, with a core (``fusion.window_core``) of the smallest slice width found or its own width where that is
+    smaller (the core is the smallest tier's width; it can only shrink, so every window checked still fits)."""
     catalog = load_catalog(recipe.population.catalog)
     target = recipe_target(recipe)
     axes = recipe.fusion.axes or None
-    return {tier: fit_width(target, catalog[tier], recipe.train.batch_size, recipe.train.seq_len, ladder, usable,
-                            axes)
-            for tier in recipe.population.mix}
+    fitted = {tier: fit_width(target, catalog[tier], recipe.train.batch_size, recipe.train.seq_len, ladder, usable,
+                              axes)
+              for tier in recipe.population.mix}
+    f = recipe.fusion
+    if f.forward != "full" or f.method != SUBMODEL:
+        return fitted
+    known = [w for w in fitted.values() if w is not None]
+    core = min(known) if f.window_core and known else 0.0
+    steps = sorted(ladder, reverse=True)
+    for tier, width in fitted.items():
+        budget = _budget(catalog[tier], usable)
+        while width is not None and window_memory(recipe, target, f.window_widths.get(tier, width),
+                                                  min(core, width))[1] > budget:
+            width = next((w for w in steps if w < width), None)
+        fitted[tier] = width
+    return fitted
 
 
 def fit_widths(recipe: Recipe) -> None:
@@ -310,15 +327,17 @@ def plan_table(
         width = widths.get(tier)
         budget = _budget(device, usable)
         row: dict[str, Any] = {"tier": tier, "width": width}
+        full = recipe.fusion.forward == "full" and tier_methods(recipe).get(tier) == SUBMODEL
         if width is None:
             smallest = min(ladder)
-            need = training_memory_bytes(sliced_config(target, smallest, axes), batch, seq)
+            need = (window_memory(recipe, target, smallest, smallest if recipe.fusion.window_core else 0.0)[1] if full
+                    else training_memory_bytes(sliced_config(target, smallest, axes), batch, seq))
+            what = f"a full-forward window of {smallest:g}" if full else f"width {smallest:g}"
             rows.append({**row, "slice": "-", "params": None, "peak MB": _mb(need),
                          "device MB": round(device.memory_gb * 1024),
-                         "fits": f"NO: even width {smallest:g} needs {_mb(need)} MB, {_mb(budget)} MB usable",
-                         **_UNPRICED})
+                         "fits": f"NO: even {what} needs {_mb(need)} MB, {_mb(budget)} MB usable", **_UNPRICED})
             continue
-        if recipe.fusion.forward == "full" and tier_methods(recipe).get(tier) == SUBMODEL:
+        if full:
             core = min(w for w in widths.values() if w is not None) if recipe.fusion.window_core else 0.0
             rows.append({**row, **window_row(recipe, target, tier, width, core, device, budget, tokens)})
             continue
@@ -340,6 +359,27 @@ def plan_table(
 FROZEN_BITS = {"float32": 32, "float16": 16, "int8": 8, "int4": 4}
 
 
+def window_memory(recipe: Recipe, target: PretrainedConfig, width: float, core: float) -> tuple[int, int]:
+    """A full-forward window's trained parameters and its device's peak training memory in bytes (the frozen
+    target in ``fusion.frozen_dtype``, the window's float32 weights, gradients and AdamW state, the whole target's
+    activations): a window of ``width`` of the units plus ``core``, or with ``fusion.window_rank`` a rank-r update
+    of every matrix (whatever the width)."""
+    f = recipe.fusion
+    with torch.device("meta"):
+        state = AutoModelForCausalLM.from_config(target).state_dict()
+    if f.window_rank:  # a rank-r update of every matrix plus the exact tensors (fedfusion.models.low_rank)
+        factored, exact = split(target, wire_state(state, config_aliases(target)), f.window_shared)
+        window = factor_params(state, factored, f.window_rank) + sum(state[n].numel() for n in exact)
+    else:
+        axes = window_axes(target, tuple(f.axes) if f.axes else None)
+        plan = replace(plan_slice(target, min(1.0, width + core), "static", axes=axes, scale=False),
+                       shared=f.window_shared)
+        window = window_params(target, state, plan)
+    mem = estimate_memory(target, recipe.train.batch_size, recipe.train.seq_len, base_bits=FROZEN_BITS[f.frozen_dtype],
+                          window=window, checkpoint=recipe.train.checkpoint).total
+    return window, mem
+
+
 def window_row(recipe: Recipe, target: PretrainedConfig, tier: str, width: float, core: float, device: Device,
                budget: float, tokens: int) -> dict[str, Any]:
     """A full-forward tier's plan (``fusion.forward=full``): its window of units (``fusion.window_widths``, else its
@@ -350,18 +390,8 @@ def window_row(recipe: Recipe, target: PretrainedConfig, tier: str, width: float
     training as FLOPs."""
     f = recipe.fusion
     width = f.window_widths.get(tier, width)
-    axes = window_axes(target, tuple(f.axes) if f.axes else None)
-    plan = replace(plan_slice(target, min(1.0, width + core), "static", axes=axes, scale=False), shared=f.window_shared)
-    with torch.device("meta"):
-        state = AutoModelForCausalLM.from_config(target).state_dict()
-    if f.window_rank:  # a rank-r update of every matrix plus the exact tensors (fedfusion.models.low_rank)
-        factored, exact = split(target, wire_state(state, config_aliases(target)), f.window_shared)
-        window = factor_params(state, factored, f.window_rank) + sum(state[n].numel() for n in exact)
-    else:
-        window = window_params(target, state, plan)
+    window, mem = window_memory(recipe, target, width, core)
     total = param_count(target)
-    mem = estimate_memory(target, recipe.train.batch_size, recipe.train.seq_len, base_bits=FROZEN_BITS[f.frozen_dtype],
-                          window=window, checkpoint=recipe.train.checkpoint).total
     down = encoded_bytes(f.frozen_dtype, total) + encoded_bytes(f.wire_dtype, window)
     label = (f"rank-{f.window_rank} of every matrix" if f.window_rank else
              f"units {width:g}" + (f" + core {core:g}" if core else ""))
