@@ -7,8 +7,8 @@ accumulation), and what a per-step choice of the count could reach.
 Per setting it reports the busiest link's busy seconds B (bytes / bandwidth, the larger of down and up) and the
 latency chain L = phases x (RTT + per-message overhead): a micro-batch's phases are dependent, so no step is shorter
 than L whatever the count, and utilisation is at most B / L. Where B < 0.70 L no count reaches 0.70 (more
-micro-batches only add bytes and per-message overhead). "auto" is the rule the issue proposes: the smallest count
-whose simulated utilisation reaches 0.70, else the count with the shortest simulated step.
+micro-batches only add bytes and per-message overhead). "auto" is ``timeline.choose_micro_batches``: the smallest
+count whose simulated utilisation reaches 0.70 without a slower step than 1, else the one with the shortest step.
 Writes ``units_microbatches.json`` and ``units_microbatches.md``.
 """
 
@@ -23,9 +23,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from units import BATCH, RESULTS, SEQ, TARGETS, fleets  # noqa: E402
 
-from fedfusion.units.timeline import simulate  # noqa: E402
+from fedfusion.units.timeline import choose_micro_batches  # noqa: E402
 
-COUNTS = [m for m in range(1, BATCH + 1) if BATCH % m == 0]
+COUNTS = [m for m in range(1, BATCH + 1) if BATCH % m == 0]  # what choose_micro_batches tries
 
 
 def main() -> None:
@@ -36,14 +36,12 @@ def main() -> None:
     for target in TARGETS:
         for fleet, (proto, _) in fleets().items():
             for n in [4, 16, 64, 256, 1024]:
-                per = {}
-                for m in COUNTS:
-                    r = simulate([proto] * n, [target.phases(BATCH * SEQ // m)] * m, accumulate=True)
-                    per[m] = {"step_s": r.step_s, "floor_s": r.floor_s, "link_utilisation": r.link_utilisation,
-                              "busiest_link_s": float(max(r.down_busy_s.max(), r.up_busy_s.max()))}
-                lat = (proto.rtt_s + proto.overhead_s) * r.phases_per_chain
-                ok = [m for m in COUNTS if per[m]["link_utilisation"] >= 0.7]
-                auto = ok[0] if ok else min(COUNTS, key=lambda m: per[m]["step_s"])
+                auto, timings = choose_micro_batches([proto] * n, lambda m, t=target: t.phases(BATCH * SEQ // m), BATCH,
+                                                     accumulate=True)
+                per = {m: {"step_s": r.step_s, "floor_s": r.floor_s, "link_utilisation": r.link_utilisation,
+                           "busiest_link_s": float(max(r.down_busy_s.max(), r.up_busy_s.max()))}
+                       for m, r in timings.items()}
+                lat = (proto.rtt_s + proto.overhead_s) * timings[1].phases_per_chain
                 rows.append({"target": target.name, "fleet": fleet, "devices": n, "latency_chain_s": lat,
                              "ceiling": min(1.0, max(p["busiest_link_s"] for p in per.values()) / lat),
                              "auto": auto, "counts": {str(m): p for m, p in per.items()}})
@@ -55,7 +53,8 @@ def main() -> None:
              f"Command: `python benchmarks/units_microbatches.py` ({wall:.0f} s). Settings as in units.md (batch 8 x 128 "
              "tokens, on-device accumulation). B: the busiest link's busy seconds at 1 micro-batch; L: phases x (RTT + "
              "per-message overhead), the chain no count shortens; ceiling: max B over the counts / L (capped at 1). "
-             "auto: the smallest count at >= 0.70 utilisation, else the one with the shortest step.", "",
+             "auto: `timeline.choose_micro_batches`, the smallest count at >= 0.70 utilisation without a slower step "
+             "than 1, else the one with the shortest step.", "",
              "| target | fleet | devices | B (s) | L (s) | ceiling | " +
              " | ".join(f"util. / step (s) at {m}" for m in COUNTS) + " | auto |",
              "|---|---|---|---|---|---|" + "---|" * len(COUNTS) + "---|"]
