@@ -351,6 +351,17 @@ def findings(data: dict) -> list[str]:
                     f"{min(r['no_accumulation']['step_over_floor'] for r in rows):.2f}-"
                     f"{max(r['no_accumulation']['step_over_floor'] for r in rows):.2f}, "
                     f"{sum(r['no_accumulation']['link_utilisation'] >= 0.7 for r in rows)} at >= 0.70 utilisation."))
+    per_count = RESULTS / "units_microbatches.json"  # benchmarks/units_microbatches.py: every divisor of the batch
+    if per_count.exists():
+        pc = json.loads(per_count.read_text())["rows"]
+        auto = [r["counts"][str(r["auto"])] for r in pc]
+        out.append(f"- Per-step count (`timeline.choose_micro_batches`, units_microbatches.md, counts 1/2/4/8): "
+                   f"{sum(a['link_utilisation'] >= 0.7 for a in auto)} of {len(pc)} settings at >= 0.70 utilisation, "
+                   f"step / floor {min(a['step_s'] / a['floor_s'] for a in auto):.2f}-"
+                   f"{max(a['step_s'] / a['floor_s'] for a in auto):.2f}; {sum(r['ceiling'] < 0.7 for r in pc)} are "
+                   "latency-bound at every count (the busiest link's busy seconds < 0.70 x phases x (RTT + overhead)), "
+                   f"{sum(r['ceiling'] >= 0.7 and max(p['link_utilisation'] for p in r['counts'].values()) < 0.7 for r in pc)}"
+                   " more stay below 0.70 from per-message overhead and the phases' dependency.")
     for target, ref in refs.items():
         ratios = [ref["check_cpu_s"] / r["step_s"] for r in data["sweep"] if r["target"] == target]
         out.append(f"- {target}: the server's Freivalds checks take {ref['check_cpu_s']:.3f} CPU s per step (one thread): "

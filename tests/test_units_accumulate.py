@@ -212,3 +212,20 @@ def test_recipe_key_defaults_on_and_is_validated() -> None:
     assert load_recipe("units", ["units.accumulate=false"]).units.accumulate is False
     with pytest.raises(RecipeError, match="units.accumulate"):
         load_recipe("units", ["units.accumulate=maybe"])
+
+
+def test_float64_step_with_the_chosen_micro_batch_count_equals_local() -> None:
+    """``timeline.choose_micro_batches`` on this model's phases: the count divides the batch and the step through
+    units with that count (accumulated, all in flight) still equals the local step."""
+    from fedfusion.units.timeline import choose_micro_batches
+
+    ids = batch(4)  # 8 sequences of 12 tokens
+    shape = dict(hidden=CONFIG["hidden_size"], intermediate=CONFIG["intermediate_size"],
+                 layers=CONFIG["num_hidden_layers"], heads=CONFIG["num_attention_heads"],
+                 kv_heads=CONFIG["num_key_value_heads"], vocab=CONFIG["vocab_size"])
+    chosen, _ = choose_micro_batches(devices(3), lambda m: llama_phases(**shape, tokens=len(ids) // m * 12, mode="all"),
+                                     len(ids), accumulate=True)
+    assert len(ids) % chosen == 0
+    engine = UnitEngine(devices(3))
+    worst, _ = gaps(local_step(torch.float64, ids, chosen), units_step(torch.float64, ids, chosen, engine, 0))
+    assert worst <= 1e-10
