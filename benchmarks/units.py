@@ -346,7 +346,7 @@ def findings(data: dict) -> list[str]:
                    f"{max(r['step_over_floor'] for r in rows):.2f} ({sum(r['step_over_floor'] > 1.5 for r in rows)} of "
                    f"{len(rows)} above 1.5); busiest-link utilisation {min(r['link_utilisation'] for r in rows):.2f}-"
                    f"{max(r['link_utilisation'] for r in rows):.2f} ({sum(r['link_utilisation'] >= 0.7 for r in rows)} "
-                   "at >= 0.70; the rest are latency-bound: small tiles, phases x RTT dominate)" +
+                   "at >= 0.70; the rest are held by phases x (RTT + message overhead), see the micro-batch line below)" +
                    ("." if m == 1 else f"; without accumulation step / floor "
                     f"{min(r['no_accumulation']['step_over_floor'] for r in rows):.2f}-"
                     f"{max(r['no_accumulation']['step_over_floor'] for r in rows):.2f}, "
