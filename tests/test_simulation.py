@@ -355,15 +355,18 @@ def test_a_simulation_engine_that_cannot_start_fails_the_run_at_once(tmp_path, m
     assert not ray.is_initialized()
 
 
-@pytest.mark.parametrize("rank", [0, 2])
-def test_grow_then_full_forward_windows_run_on_flower(tmp_path, rank):
+@pytest.mark.parametrize("recipe, extra", [
+    ("rolling", ["fusion.forward=full", "fusion.frozen_dtype=int8", "fusion.window_rank=0"]),
+    ("rolling", ["fusion.forward=full", "fusion.frozen_dtype=int8", "fusion.window_rank=2", "train.checkpoint=true"]),
+    ("quickstart", []),  # as it ships: every axis sliced, the core and the shared tensors in every window
+])
+def test_grow_then_full_forward_windows_run_on_flower(tmp_path, recipe, extra):
     """fusion.grow_round: round 1 trains the smallest slice of a silenced target (the target is that small model);
     round 2 sends every client the whole target frozen in int8 plus its window (role window): the window's exact
     values back, or with fusion.window_rank the factors of a low-rank update of every matrix (that run with
-    activation checkpointing, train.checkpoint, on the clients)."""
+    activation checkpointing, train.checkpoint, on the clients); the quickstart's own core windows too."""
     out = tmp_path / "grow"
-    assert main(["run", "rolling", *TINY, "fusion.grow_round=1", "fusion.forward=full", "fusion.frozen_dtype=int8",
-                 f"fusion.window_rank={rank}", f"train.checkpoint={bool(rank)}", "--out", str(out)]) == 0
+    assert main(["run", recipe, *TINY, "fusion.grow_round=1", *extra, "--out", str(out)]) == 0
     clients = read_jsonl(out / "clients.jsonl")
     assert all(c["status"] == "ok" for c in clients) and len(clients) == 2 * 3
     grow = [c for c in clients if c["round"] == 1]
