@@ -321,6 +321,8 @@ def plan_table(
     widths = recipe.fusion.widths if widths is None else widths
     batch, seq = recipe.train.batch_size, recipe.train.seq_len
     tokens = recipe.train.local_steps * batch * seq
+    fitted = [w for w in widths.values() if w is not None]
+    core = min(fitted) if recipe.fusion.window_core and fitted else 0.0  # full forward: in every window too
     rows = []
     for tier in sorted(tiers or recipe.population.mix, key=lambda t: (widths.get(t) is not None, widths.get(t) or 0)):
         device = catalog[tier]
@@ -338,7 +340,6 @@ def plan_table(
                          "fits": f"NO: even {what} needs {_mb(need)} MB, {_mb(budget)} MB usable", **_UNPRICED})
             continue
         if full:
-            core = min(w for w in widths.values() if w is not None) if recipe.fusion.window_core else 0.0
             rows.append({**row, **window_row(recipe, target, tier, width, core, device, budget, tokens)})
             continue
         sub = sliced_config(target, width, axes)
