@@ -24,7 +24,10 @@ extraction, client training step and fold), so arms see the same clients, sample
   outer optimizer on the aggregated change (``fedfusion.fusion.outer``);
 - ``generative``: each client keeps a small model of its own and sends samples of it; the server trains the target
   on them (``fedfusion.models.samples``). Also reported: what the devices' own models know at the end (the ceiling of
-  what their samples can carry) and the best single device's recall;
+  what their samples can carry) and the best single device's recall; ``generative_grow``: the smallest_only run
+  for ``--grow-round`` rounds, then generative distillation whose devices start from their slices of the grown
+  target and whose server trains the grown target (``fusion.grow_round`` with ``fusion.method=generative``), to
+  ``--gen-rounds`` rounds in all;
 - ``feddf_public``: FedDF on a public transfer set (biographies of as many people again, owned by nobody): the
   smallest_only federation, with the target distilled from its model's logits on the public text with the
   generative arm's server budget (``fedfusion.fusion.inprocess.run_transfer``). Public text cannot carry private facts:
@@ -182,6 +185,8 @@ def arm_setup(arm: str, ladder: tuple[float, ...], clients: int,
         return [min(ladder)] * clients, "static", outer, min(ladder)
     if base == "oracle":
         return [1.0] * clients, "static", outer, None
+    if base == "generative_grow":  # smallest-only rounds, then generative distillation from the grown small model
+        return widths, "generative", outer, None
     if base == "feddf_public":  # the smallest_only federation, its model distilled into the target on public text
         return [min(ladder)] * clients, "feddf", outer, None
     if base.startswith("tier_"):  # one tier's clients alone, training that tier's own model
@@ -295,7 +300,8 @@ def run_arm(job: dict) -> dict:
                                 generative=GenerativeConfig(sample_fraction=a["gen_samples"], temperature=a["gen_temperature"],
                                                             server_steps=a["gen_server_steps"], server_lr=a["gen_server_lr"],
                                                             top_k=a.get("gen_top_k", 0),
-                                                            device_state=a.get("gen_device_state", "server")))
+                                                            device_state=a.get("gen_device_state", "server")),
+                                grow_round=a["grow_round"] if arm == "generative_grow" else 0)
         _, stats, devices = run_generative(gen_run, initial, evaluate)
         if task.hits is not None:
             ceiling = device_ceiling(task, gen_run.client_config, devices)
@@ -447,11 +453,12 @@ def report(payload: dict) -> str:
                 f"{statistics.mean(r['server_j'] for r in runs):.2f} | {statistics.mean(r['wall_s'] for r in runs):.0f} |")
         if regime in summary["regimes"]:
             lines += ["", f"Span (oracle - smallest-only {primary}): {summary['regimes'][regime]['span']:.3f}."]
-        gen = [r for r in arms.get("generative", []) if "devices_union_acc" in r]
-        if gen:
-            lines += ["", "Generative's devices at the end of the run: each owner's own model recalls "
-                      f"{_mean_sd([r['devices_union_acc'] for r in gen])} of all probes (the ceiling of what their "
-                      f"samples can teach the target); the best single device alone {_mean_sd([r['best_device_acc'] for r in gen])}."]
+        for name in ("generative", "generative_grow"):
+            gen = [r for r in arms.get(name, []) if "devices_union_acc" in r]
+            if gen:
+                lines += ["", f"{name}'s devices at the end of the run: each owner's own model recalls "
+                          f"{_mean_sd([r['devices_union_acc'] for r in gen])} of all probes (the ceiling of what their "
+                          f"samples can teach the target); the best single device alone {_mean_sd([r['best_device_acc'] for r in gen])}."]
         lines.append("")
     if summary["best"]:
         b = summary["best"]

@@ -173,6 +173,35 @@ def test_dropout_follows_the_messages_seed_not_the_processs_history():
     assert train_steps(model, windows[0], 3, 1e-2, 4, seed=12).loss != losses[0]
 
 
+def test_generative_after_growth_starts_devices_and_server_from_the_grown_small_model():
+    """``grow_round`` g: rounds 1..g are the smallest-only federation (the target after them is that run's, bit for
+    bit); round g+1's device model is its slice of the grown target trained, and the server trains the grown target
+    on its samples."""
+    cfg, state, windows = _setup(clients=1)
+    g = GenerativeConfig(sample_fraction=0.5, server_steps=3, server_lr=0.01, server_batch=4)
+    common = dict(per_round=1, steps=2, lr=0.01, batch_size=4)
+    after: dict[int, dict[str, torch.Tensor]] = {}
+
+    def keep(target, rnd):
+        after[rnd] = {k: v.clone() for k, v in target.items()}
+
+    run = GenerativeRun(cfg, 0.5, windows, rounds=2, generative=g, grow_round=1, **common)
+    target, _, devices = run_generative(run, state, keep)
+    grown, _ = run_submodel(SubModelRun(cfg, windows, [0.5], policy="static", rounds=1, grow_round=1, **common), state)
+    assert all(torch.equal(after[1][k], grown[k]) for k in grown)
+    plan = plan_slice(cfg, 0.5, "static")
+    own = model_from_state(sub_config(cfg, plan), extract(grown, cfg, plan))
+    seed = client_seed(0, 2, 0)
+    train_steps(own, windows[0], 2, 0.01, 4, seed)
+    samples = sample_windows(own, windows[0], 6, g.temperature, seed)
+    server = model_from_state(cfg, grown)
+    train_steps(server, samples, 3, 0.01, 4, server_seed(0, 2, 1))
+    for key, value in server.state_dict().items():
+        torch.testing.assert_close(target[key], value, rtol=0, atol=0)
+    for key, value in devices[0].items():
+        torch.testing.assert_close(own.state_dict()[key], value, rtol=0, atol=0)
+
+
 def test_grow_rounds_are_smallest_only_training_and_the_grown_target_equals_it():
     """During ``grow_round`` rounds the target is the smallest slice's model: its held-out loss equals that of the
     small model a plain smallest-only federation trains (same clients, seeds and steps)."""

@@ -143,7 +143,9 @@ class FusionConfig:
     # model's own forward pass (exactly smallest-only's steps), the rest of the window learning what the target adds
     core_forward: str = "full"
     # submodel: rounds 1..grow_round train the smallest width's static slice of a target silenced around it (the
-    # target equals that small model: smallest-only training); later rounds train the whole grown target. 0: off
+    # target equals that small model: smallest-only training); later rounds train the whole grown target.
+    # generative: the same grow rounds, then each device's own model starts from its slice of the grown target and
+    # the server trains the grown target on the samples. 0: off
     grow_round: int = 0
     # method=mixed: each tier's method (submodel | distill | generative); a method's per-tier settings stay in its
     # own section (a submodel or generative tier's width in fusion.widths, a distill tier's family in
@@ -733,15 +735,18 @@ def _validate_units(recipe: Recipe) -> None:
 
 
 def _validate_growth(recipe: Recipe) -> None:
-    """Growth and full-forward windows are width slicing's: they need its tiers, and a window reaches its own
-    coordinates only with the ordinary policies."""
+    """Growth is width slicing's and generative distillation's (its grow rounds are smallest-only slicing);
+    full-forward windows are width slicing's, and a window reaches its own coordinates only with the ordinary
+    policies."""
     f = recipe.fusion
     if f.grow_round < 0 or (recipe.rounds and f.grow_round > recipe.rounds):  # rounds 0: checked once resolved
         raise RecipeError(f"fusion.grow_round: must be in [0, rounds={recipe.rounds}], got {f.grow_round} (the "
                           "small model grows into the target after that round: run more rounds, or set "
                           "fusion.grow_round to at most rounds; 0 grows nothing)")
-    if (f.grow_round or f.forward == "full") and f.method != SUBMODEL:
-        raise RecipeError(f"fusion.grow_round / fusion.forward=full apply to fusion.method=submodel, got {f.method!r}")
+    if f.grow_round and f.method not in (SUBMODEL, GENERATIVE):
+        raise RecipeError(f"fusion.grow_round: applies to fusion.method=submodel or generative, got {f.method!r}")
+    if f.forward == "full" and f.method != SUBMODEL:
+        raise RecipeError(f"fusion.forward=full: applies to fusion.method=submodel, got {f.method!r}")
     if f.forward == "full" and f.policy == "ordered":
         raise RecipeError("fusion.forward=full: policy 'ordered' trains nested sub-models in their own forward pass; "
                           "use static, rolling, random or owned")

@@ -207,6 +207,7 @@ class GenerativeRun(Rounds):
     windows: Sequence[torch.Tensor]  # per partition
     axes: tuple[str, ...] | None = None
     generative: GenerativeConfig = field(default_factory=GenerativeConfig)
+    grow_round: int = 0  # rounds of smallest-only training before devices' own models start from the grown target
 
     @property
     def client_config(self) -> PretrainedConfig:
@@ -226,12 +227,20 @@ def run_generative(run: GenerativeRun, initial: dict[str, torch.Tensor], evaluat
     its device ends the run (what the samples could carry: the ceiling of what the target can learn)."""
     tier = f"w{run.width:g}"
     method = GenerativeMethod(run.config, {tier: run.width}, initial, run.generative, run.windows[0].shape[1] - 1,
-                              len(run.windows), run.seed, run.axes)
+                              len(run.windows), run.seed, run.axes, grow_round=run.grow_round)
     sampling = {"seconds": 0.0, "flops": 0.0}
     nodes: dict[int, State] = {}  # device_state=node: each partition's own model, as its node keeps it
 
     def train(rnd: int, payload: Payload) -> tuple[State, dict[str, float]]:
-        ask, partition = GenerativeSpec.from_config(payload.spec), payload.client.partition
+        partition = payload.client.partition
+        if RoleSpec.from_config(payload.spec).role != method.role:  # a grow round: the slice, as the submodel role
+            config = run.config.__class__.from_dict(ModelSpec.from_config(payload.spec).model_config)
+            model = model_from_state(config, decode(payload.arrays))
+            out = train_steps(model, run.windows[partition], run.steps, run.lr, run.batch_size, payload.client.seed,
+                              run.weight_decay, run.optimizer)
+            reply = wire_state({k: v.detach() for k, v in model.state_dict().items()}, tied_aliases(model))
+            return reply, {**out.metrics(), NUM_EXAMPLES: len(run.windows[partition])}
+        ask = GenerativeSpec.from_config(payload.spec)
         start_from = nodes[partition] if ask.kept else payload.arrays
         model = model_from_state(sub_config(run.config, method.plans[tier]), start_from)
         own, seed = run.windows[partition], payload.client.seed

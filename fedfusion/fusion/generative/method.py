@@ -16,6 +16,12 @@ The server sees every client's samples, which carry its private data almost verb
 It keeps one AdamW over the target across rounds (a fresh one each round would restart its moments, so every
 round's first steps would be sign-sized jolts), and with ``top_k`` fits each sampled position's teacher
 distribution instead of the one sampled token.
+
+With ``grow_round`` g the run first trains what every device holds, as width slicing's grow-then-fuse does (rounds
+1..g are :class:`~fedfusion.fusion.submodel.method.SubModelMethod`'s smallest-only rounds inside a silenced target);
+from round g+1 each device's own model starts from its slice of that grown target (the small model's function, with
+spare units where its tier is wider) and the server's training starts from the grown target instead of random
+weights.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ from fedfusion.fusion.base import (
 )
 from fedfusion.fusion.rounds import server_seed
 from fedfusion.fusion.state import load_optimizer_state, optimizer_state, pack_tensors, unpack_tensors
-from fedfusion.fusion.submodel.method import SliceWire
+from fedfusion.fusion.submodel.method import SliceWire, SubModelMethod
 from fedfusion.models.build import full_state, model_from_state, tied_aliases
 from fedfusion.models.samples import (
     SAMPLES_KEY,
@@ -68,8 +74,12 @@ class GenerativeMethod(FusionMethod):
 
     def __init__(self, config: PretrainedConfig, widths: dict[str, float], template: State,
                  generative: GenerativeConfig, seq_len: int, population: int, run_seed: int = 0,
-                 axes: tuple[str, ...] | None = None, scale: bool = True) -> None:
+                 axes: tuple[str, ...] | None = None, scale: bool = True, grow_round: int = 0) -> None:
         self.config, self.widths, self.generative = config, widths, generative
+        self.grow_round = grow_round
+        # rounds 1..grow_round: smallest-only training of a target silenced around the smallest slice
+        self.grower = SubModelMethod(config, widths, template, policy="static", run_seed=run_seed, axes=axes,
+                                     scale=scale, grow_round=grow_round) if grow_round else None
         self.seq_len, self.population, self.run_seed, self.axes, self.scale = seq_len, population, run_seed, axes, scale
         self.wire = SliceWire(config)
         self.plans = {tier: plan_slice(config, w, "static", axes=axes, scale=scale) for tier, w in widths.items()}
@@ -88,8 +98,17 @@ class GenerativeMethod(FusionMethod):
     def describe(self) -> str:
         g = self.generative
         top = f" top_k={g.top_k}" if g.top_k else ""
+        grow = f" grow_round={self.grow_round}" if self.grow_round else ""
         return (f"generative: widths={self.widths} samples/window={g.sample_fraction} server_steps={g.server_steps}"
-                f"{top} device_state={g.device_state}")
+                f"{top} device_state={g.device_state}{grow}")
+
+    def begin(self, target: State) -> State:
+        """With ``grow_round``, the target silenced around the smallest slice (the small model every device trains)."""
+        return self.grower.begin(target) if self.grower is not None else target
+
+    def _growing(self, server_round: int) -> SubModelMethod | None:
+        """The smallest-only method while ``server_round`` is a grow round, else None."""
+        return self.grower if server_round <= self.grow_round else None
 
     @property
     def on_node(self) -> bool:
@@ -118,8 +137,11 @@ class GenerativeMethod(FusionMethod):
         return self.costs[tier]
 
     def payloads(self, server_round: int, target: State, clients: Sequence[Client]) -> list[Payload]:
-        """Each client's own small model (none where its node keeps it) and the spec to train and sample it."""
-        if self.initial is None:
+        """Each client's own small model (none where its node keeps it) and the spec to train and sample it; in a
+        grow round, the smallest slice to train as one federated model."""
+        if (grower := self._growing(server_round)) is not None:
+            return grower.payloads(server_round, target, clients)
+        if self.initial is None:  # the first generative round's target: built, or grown from the small model
             self.initial = {k: v.clone() for k, v in target.items()}
         out = []
         for client in clients:
@@ -140,6 +162,8 @@ class GenerativeMethod(FusionMethod):
         return out
 
     def check(self, payload: Payload, reply: State, weight: float) -> Update:
+        if self.grower is not None and RoleSpec.from_config(payload.spec).role != self.role:
+            return self.grower.check(payload, reply, weight)  # a grow round's slice
         arrays = dict(reply)
         wanted = (SAMPLES_KEY, *TEACHER_KEYS) if self.generative.top_k else (SAMPLES_KEY,)
         missing = [key for key in wanted if key not in arrays]
@@ -166,7 +190,9 @@ class GenerativeMethod(FusionMethod):
 
     def fold(self, server_round: int, target: State, updates: Sequence[Update]) -> Fold:
         """Keep each reply's samples (and, ``device_state=server``, its model; ``node``: note that its node keeps
-        one), then train the target on every client's latest samples."""
+        one), then train the target on every client's latest samples. A grow round averages the small model's slices."""
+        if (grower := self._growing(server_round)) is not None:
+            return grower.fold(server_round, target, updates)
         for update in updates:
             partition, (arrays, samples) = update.payload.client.partition, update.data
             if self.on_node:
