@@ -236,6 +236,15 @@ def test_a_low_rank_window_names_what_it_needs(overrides, match):
         load_checked("rolling", overrides)
     assert load_checked("rolling", ["fusion.forward=full", "fusion.window_rank=4"]).fusion.window_rank == 4
 
+def test_growth_applies_to_slicing_and_generative_and_full_forward_to_slicing_only():
+    """Generative distillation may start from the grown small model; methods without a small slice may not grow."""
+    assert load_checked("knowledge", ["fusion.grow_round=10"]).fusion.grow_round == 10
+    with pytest.raises(RecipeError, match="fusion.forward=full: applies to fusion.method=submodel, got 'generative'"):
+        load_checked("knowledge", ["fusion.forward=full"])
+    with pytest.raises(RecipeError, match="fusion.grow_round: applies to fusion.method=submodel or generative, got 'mixed'"):
+        load_checked("mixed", ["fusion.grow_round=2"])
+
+
 def test_facts_files_are_read_line_by_line_before_a_run(tmp_path):
     """What the first round used to find, the recipe check finds: the file and line, or the count to set."""
     train, probes = write_facts_files(tmp_path)

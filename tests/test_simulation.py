@@ -317,6 +317,25 @@ def test_a_users_facts_run_end_to_end_with_generative_distillation(tmp_path):
     assert AutoTokenizer.from_pretrained(out / "model").get_vocab()["<bos>"] == 2
 
 
+def test_generative_grown_from_the_small_model_runs_on_flower(tmp_path):
+    """fusion.grow_round with generative distillation: round 1 trains the smallest slice on every node (the
+    submodel role), round 2 sends each node its slice of the grown target as its own model and folds samples."""
+    from fedfusion.data.facts import write_facts
+
+    paths = write_facts(tmp_path / "facts", 4, 24, seed=7)
+    out = tmp_path / "knowledge"
+    assert main(["run", "knowledge", "rounds=2", "fusion.grow_round=1", f"data.path={paths['train']}",
+                 f"data.probes={paths['probes']}", "population.num_clients=4", "selection.clients_per_round=4",
+                 "train.local_steps=2", "generative.server_steps=2", "engine.cpus_per_client=1.0",
+                 "--out", str(out)]) == 0
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert all(r["clients_ok"] == 4 for r in rows[1:])
+    assert rows[1].get("server_flops", 0) == 0 and rows[2]["server_flops"] > 0  # the server trains after growth
+    clients = {(c["round"], c["partition"]): c for c in read_jsonl(out / "clients.jsonl")}
+    assert all(clients[1, p]["forward"] == "slice" and clients[2, p]["bytes_down"] > 0 for p in range(4))
+    assert all(clients[2, p]["bytes_up"] < clients[1, p]["bytes_up"] for p in range(4))  # samples, not the slice
+
+
 def test_a_mixed_federation_runs_on_flower_with_a_method_per_tier(tmp_path):
     """Phones distil a tiny family, laptops and desktops train slices: one run, one target, a method on every row."""
     out = tmp_path / "mixed"

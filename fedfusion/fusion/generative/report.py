@@ -9,5 +9,8 @@ NOTE = " A client's sampling (writing the windows it sends) is not priced; the s
 
 
 def trained(client: dict[str, Any]) -> str:
-    """What one client round trained, from its ledger row: the device's own model."""
+    """What one client round trained, from its ledger row: the device's own model, or in a grow round (its row
+    names the forward pass) the small model every device trains together."""
+    if "forward" in client:
+        return f"the small model every device holds (the static slice at width {client['width']:g}), before growth"
     return f"its own model (the static slice at width {client['width']:g})"
