@@ -7,8 +7,10 @@ Runs the real CLI (Flower simulation engine) once per (arm, seed), one run at a 
 
     python benchmarks/quickstart_last_vs_best.py --seeds 0 1 2 [--recipe NAME] [--arms ARM ...] [--work DIR] [--reuse]
 
-``--recipe`` (default ``quickstart``) is the recipe every arm runs. The stored results file was measured on the
-quickstart before it switched to growth, what is now ``--recipe rolling``:
+``--recipe`` (default ``rolling``) is the recipe every arm runs and ``--out`` (default
+``quickstart_last_vs_best``) names the results files; the script refuses to write over results of another recipe.
+The stored results file was measured on the quickstart before it switched to growth, what is now
+``--recipe rolling`` (the defaults):
 
     python benchmarks/quickstart_last_vs_best.py --seeds 0 1 2 --recipe rolling
 """
@@ -83,17 +85,22 @@ def _sd(values: list[float]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--recipe", default="quickstart",
-                        help="the recipe every arm runs (default quickstart; the stored results: rolling)")
+    parser.add_argument("--recipe", default="rolling",
+                        help="the recipe every arm runs (default rolling: the stored results' recipe)")
     parser.add_argument("--work", default="runs/bench-last-vs-best")
     parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS),
                         help="the arms to run, in this order (default all); the reports hold these arms' runs")
     parser.add_argument("--reuse", action="store_true", help="keep finished runs found in --work")
+    parser.add_argument("--out", default="quickstart_last_vs_best",
+                        help="results/<out>.{json,md} (default: the stored results, measured with --recipe rolling)")
     args = parser.parse_args()
     t = load_recipe(args.recipe).train
     load_before = os.getloadavg()
-    saved = RESULTS / "quickstart_last_vs_best.json"  # a reused run keeps the loads measured when it ran
+    saved = RESULTS / f"{args.out}.json"  # a reused run keeps the loads measured when it ran
     previous = json.loads(saved.read_text()) if saved.is_file() else {"runs": []}
+    if previous.get("settings", {}).get("recipe", args.recipe) != args.recipe:
+        parser.error(f"{saved} holds runs of --recipe {previous['settings']['recipe']}, not {args.recipe}: "
+                     f"pass --out NAME for another results file (nothing was run or written)")
     measured = {r["run_dir"]: r for r in previous["runs"]}
     ran = False
     rows: list[dict] = []
@@ -114,12 +121,13 @@ def main() -> None:
             # after every run: an interrupted benchmark keeps what it measured; reports remade from reused runs alone
             # keep the loads of the benchmark that ran them
             machine = previous["machine"] if not ran and "machine" in previous else None
-            write_results(args.recipe, rows, load_before, machine)
+            write_results(args.out, args.recipe, rows, load_before, machine)
 
 
-def write_results(name: str, rows: list[dict], load_before: tuple[float, float, float], machine: dict | None = None) -> None:
-    """The json and markdown reports of the runs so far of recipe ``name`` (``machine``: the machine and loads to
-    report, when given)."""
+def write_results(out: str, name: str, rows: list[dict], load_before: tuple[float, float, float],
+                  machine: dict | None = None) -> None:
+    """``results/<out>.{json,md}``: the reports of the runs so far of recipe ``name`` (``machine``: the machine and
+    loads to report, when given)."""
     seeds = sorted({r["seed"] for r in rows})
     recipe = load_recipe(name)
     t = recipe.train
@@ -134,7 +142,7 @@ def write_results(name: str, rows: list[dict], load_before: tuple[float, float, 
         "runs": rows,
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "quickstart_last_vs_best.json").write_text(json.dumps(report, indent=2))
+    (RESULTS / f"{out}.json").write_text(json.dumps(report, indent=2))
     m = report["machine"]
     lines = [
         f"# The {name} recipe's last round against its best (issue 24)", "",
@@ -142,7 +150,7 @@ def write_results(name: str, rows: list[dict], load_before: tuple[float, float, 
         f"{' / '.join(f'{x:.2f}' for x in m['loadavg_1_5_15_at_start'])} at the start, "
         f"{' / '.join(f'{x:.2f}' for x in m['loadavg_1_5_15_at_end'])} at the end); runs one at a time under "
         f"`nice -n 10`. Command: `nice -n 10 python benchmarks/quickstart_last_vs_best.py --seeds "
-        f"{' '.join(map(str, seeds))} --recipe {name}`, each run `fedfusion run {name} seed=S [override]` ({recipe.rounds} "
+        f"{' '.join(map(str, seeds))} --recipe {name} --out {out}`, each run `fedfusion run {name} seed=S [override]` ({recipe.rounds} "
         f"rounds, {recipe.selection.clients_per_round} of {recipe.population.num_clients} clients per round, "
         f"{t.local_steps} local AdamW steps at train.lr {t.lr:g}). The after arm is the recipe as it stands: "
         f"train.lr_schedule {t.lr_schedule}, train.lr_final {t.lr_final:g}, train.max_epochs {t.max_epochs:g} (a client "
@@ -176,7 +184,7 @@ def write_results(name: str, rows: list[dict], load_before: tuple[float, float, 
     lines += [f"- {r['arm']} seed {r['seed']}: a {s['device']} with {s['windows']} windows, {s['steps']} steps, "
               f"training loss {s['train_loss']:.2f} against held-out {s['held_out_loss_before']:.2f}"
               for r in rows for s in [r["last_round_smallest"]]]
-    (RESULTS / "quickstart_last_vs_best.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / f"{out}.md").write_text("\n".join(lines) + "\n")
 
 
 def _load(value: float | None) -> str:
