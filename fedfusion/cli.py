@@ -16,7 +16,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from fedfusion.config.methods import hook, method
+from fedfusion.config.methods import UNITS, hook, method
 from fedfusion.config.recipe import Recipe, RecipeError, builtin_recipes, load_recipe, method_label
 from fedfusion.run.check import check_recipe
 from fedfusion.run.seed_paper import NAME as SEED_PAPER
@@ -37,11 +37,15 @@ def _checked(ref: str, overrides: list[str]) -> Recipe:
     """The recipe, validated and checked (:func:`fedfusion.run.check.check_recipe`); says how many rounds a recipe
     with ``rounds: 0`` got from its facts."""
     recipe = load_recipe(ref, overrides)
-    from_facts = recipe.rounds == 0
+    from_facts, chosen = recipe.rounds == 0, recipe.units.micro_batches == 0 and recipe.fusion.method == UNITS
     check_recipe(recipe)
     if from_facts:
         console.print(f"rounds: {recipe.rounds} (rounds: 0 gives one round per data.facts_per_round="
                       f"{recipe.data.facts_per_round:g} facts; set rounds=N for another budget)", highlight=False)
+    if chosen:
+        console.print(f"units.micro_batches: {recipe.units.micro_batches} (0: the count the timeline predicts keeps "
+                      "the busiest link >= 70 % busy without a slower step; set units.micro_batches=N to fix it)",
+                      highlight=False)
     return recipe
 
 

@@ -355,7 +355,9 @@ class UnitsSection:
 
     offload: str = "mlp"  # mlp (the MLP's linear layers) | all (every linear layer, lm_head included)
     steps: int = 3  # optimizer steps on the pooled training text
-    micro_batches: int = 1  # each step's batch is cut into this many micro-batches (gradients summed)
+    # each step's batch is cut into this many micro-batches (gradients summed); 0: the count the timeline predicts
+    # keeps the busiest link >= 70 % busy without a slower step (fedfusion.units.timeline.choose_micro_batches)
+    micro_batches: int = 1
     # micro-batches in flight at once (0: all): each runs in its own thread, so a device's next message is already
     # queued while it computes the current one (the server's time between phases no longer leaves it idle)
     in_flight: int = 0
@@ -709,15 +711,18 @@ def validate(recipe: Recipe) -> None:
 def _validate_units(recipe: Recipe) -> None:
     """``units.*``: the exact mode trains one Llama target centrally on language-model text."""
     u = recipe.units
-    for key in ("steps", "micro_batches", "deadline_factor", "deadline_floor_s"):
+    for key in ("steps", "deadline_factor", "deadline_floor_s"):
         _positive(f"units.{key}", getattr(u, key))
+    if u.micro_batches < 0:
+        raise RecipeError(f"units.micro_batches: must be >= 0 (0: chosen before the run from the devices' links), "
+                          f"got {u.micro_batches}")
     if u.eval_every < 0:
         raise RecipeError(f"units.eval_every: must be >= 0, got {u.eval_every}")
     if u.in_flight < 0:
         raise RecipeError(f"units.in_flight: must be >= 0 (0: every micro-batch), got {u.in_flight}")
     if recipe.fusion.method != UNITS:
         return
-    if recipe.train.batch_size % u.micro_batches:
+    if u.micro_batches and recipe.train.batch_size % u.micro_batches:
         raise RecipeError(f"units.micro_batches: {u.micro_batches} does not divide train.batch_size "
                           f"{recipe.train.batch_size}")
     if recipe.model.family != "llama":

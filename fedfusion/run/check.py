@@ -15,7 +15,7 @@ from importlib.util import find_spec
 from pathlib import Path
 
 from fedfusion.config.choices import BUILTIN_DATASETS, SMOLLM2_BASE, SMOLLM2_INSTALL, SMOLLM2_PACKAGE
-from fedfusion.config.methods import DISTILL, LORA, METHODS
+from fedfusion.config.methods import DISTILL, LORA, METHODS, UNITS
 from fedfusion.config.recipe import Recipe, RecipeError, load_recipe, uses, validate
 from fedfusion.data.bios import synthetic_facts
 from fedfusion.data.federated import is_local as is_local_dataset
@@ -64,6 +64,10 @@ def check_recipe(recipe: Recipe) -> Recipe:
         validate(recipe)  # again, with the number: e.g. a fusion.grow_round past it
     _check_lora_base(recipe)
     _check_devices(recipe)
+    if recipe.fusion.method == UNITS and recipe.units.micro_batches == 0:
+        from fedfusion.run.planner import units_micro_batches  # torch: only for a count to choose
+
+        recipe.units.micro_batches = units_micro_batches(recipe)
     return recipe
 
 

@@ -525,46 +525,102 @@ def lora_plan_table(recipe: Recipe, base_config: PretrainedConfig, usable: float
     return rows
 
 
+@dataclass(frozen=True)
+class UnitsWork:
+    """One units-mode step of a recipe's shape at a micro-batch count: one micro-batch's phases, the server's own
+    FLOPs and its checks' FLOPs, and the server's seconds between phases and for the optimizer (priced on
+    ``units.server_device``)."""
+
+    phases: list[Any]
+    own: dict[str, float]  # the server's own FLOPs by kind (fedfusion.units.phases.server_flops)
+    verify: float
+    gap_s: float
+    optimizer_s: float
+
+
+def units_work(recipe: Recipe, micro_batches: int) -> UnitsWork:
+    """The step :func:`units_plan` prices, with the batch cut into ``micro_batches``."""
+    from fedfusion.data.population import data_spec, data_tokenizer
+    from fedfusion.units.ledger import server_timeline
+    from fedfusion.units.phases import WEIGHT_GRADIENT, llama_phases, server_flops
+    from fedfusion.units.verify import check_flops
+
+    m, u, seq = recipe.model, recipe.units, recipe.train.seq_len
+    vocab = len(data_tokenizer(data_spec(recipe)))
+    tokens = recipe.train.batch_size // micro_batches * seq
+    shape: dict[str, Any] = dict(hidden=m.hidden_size, intermediate=m.intermediate_size, layers=m.num_layers,
+                                 heads=m.num_heads, kv_heads=m.num_kv_heads, vocab=vocab)
+    phases = llama_phases(**shape, tokens=tokens, mode=u.offload)
+    own = server_flops(**shape, tokens=tokens * micro_batches, seq=seq, params=param_count(recipe_target(recipe)),
+                       mode=u.offload, optimizer=recipe.train.optimizer)
+    # one check per product; a weight gradient summed on the devices is checked once per step, over every
+    # micro-batch's tokens (fedfusion.units.accumulate)
+    summed = u.accumulate and micro_batches > 1
+    verify = 0.0
+    for shapes, specs in phases if u.verify else ():
+        for g, spec in zip(shapes, specs):
+            if summed and spec == WEIGHT_GRADIENT:
+                verify += check_flops(g.m, g.n, g.k * micro_batches)
+            else:
+                verify += micro_batches * check_flops(g.m, g.n, g.k)
+    server = load_catalog(recipe.population.catalog)[u.server_device]
+    gap_s, optimizer_s = server_timeline(server, own, verify, len(phases) * micro_batches)
+    return UnitsWork(phases, own, verify, gap_s, optimizer_s)
+
+
+def units_devices(recipe: Recipe) -> list[Any]:
+    """The units mode's devices, one per client of the population (:func:`fedfusion.units.from_catalog`)."""
+    from fedfusion.data.population import tier_list
+    from fedfusion.units import from_catalog
+
+    catalog = load_catalog(recipe.population.catalog)
+    return [from_catalog(catalog[t], name=str(i)) for i, t in enumerate(tier_list(recipe))]
+
+
+def units_micro_batches(recipe: Recipe) -> int:
+    """``units.micro_batches`` as a run uses it: the recipe's count, or with 0 the count
+    :func:`fedfusion.units.timeline.choose_micro_batches` predicts for the recipe's devices and shape (the smallest
+    that keeps the busiest link >= 70 % busy without a slower step, else the fastest)."""
+    from fedfusion.units.timeline import choose_micro_batches
+
+    u = recipe.units
+    if u.micro_batches:
+        return u.micro_batches
+    works = {}  # count -> its work, built once for both callbacks
+
+    def work(m: int) -> UnitsWork:
+        if m not in works:
+            works[m] = units_work(recipe, m)
+        return works[m]
+
+    chosen, _ = choose_micro_batches(
+        units_devices(recipe), lambda m: work(m).phases, recipe.train.batch_size,
+        kwargs_for=lambda m: {"server_gap_s": work(m).gap_s, "optimizer_s": work(m).optimizer_s},
+        deadline_factor=u.deadline_factor, in_flight=u.in_flight, accumulate=u.accumulate)
+    return chosen
+
+
 def units_plan(recipe: Recipe) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The exact (units) mode's step from the recipe's shape alone (``fedfusion.units.phases`` priced by the
     timeline on the population's devices, no churn, the server's own time between phases): the step's virtual
     seconds, its floor and phases, the server's work and the same step on the cloud GPU
     (:func:`fedfusion.units.ledger.price_server`, under ``server``), and per tier the devices, their mean units per
     step, the largest unit (rows x columns x inner length), their mean MB down / up and busy seconds per step."""
-    from fedfusion.data.population import data_spec, data_tokenizer, tier_list
-    from fedfusion.units import from_catalog
-    from fedfusion.units.ledger import price_server, server_timeline
-    from fedfusion.units.phases import WEIGHT_GRADIENT, llama_phases, server_flops
+    from fedfusion.data.population import tier_list
+    from fedfusion.units.ledger import price_server
     from fedfusion.units.plan import CostModel, Tile, plan_phase
     from fedfusion.units.timeline import simulate
-    from fedfusion.units.verify import check_flops
 
-    m, u, seq = recipe.model, recipe.units, recipe.train.seq_len
-    vocab = len(data_tokenizer(data_spec(recipe)))
-    tokens = recipe.train.batch_size // u.micro_batches * seq
-    shape: dict[str, Any] = dict(hidden=m.hidden_size, intermediate=m.intermediate_size, layers=m.num_layers,
-                                 heads=m.num_heads, kv_heads=m.num_kv_heads, vocab=vocab)
-    phases = llama_phases(**shape, tokens=tokens, mode=u.offload)
-    gemms = [g for shapes, _ in phases for g in shapes] * u.micro_batches
-    own = server_flops(**shape, tokens=tokens * u.micro_batches, seq=seq, params=param_count(recipe_target(recipe)),
-                       mode=u.offload, optimizer=recipe.train.optimizer)
-    # one check per product; a weight gradient summed on the devices is checked once per step, over every
-    # micro-batch's tokens (fedfusion.units.accumulate)
-    summed = u.accumulate and u.micro_batches > 1
-    verify = 0.0
-    for shapes, specs in phases if u.verify else ():
-        for g, spec in zip(shapes, specs):
-            if summed and spec == WEIGHT_GRADIENT:
-                verify += check_flops(g.m, g.n, g.k * u.micro_batches)
-            else:
-                verify += u.micro_batches * check_flops(g.m, g.n, g.k)
+    u, micro = recipe.units, units_micro_batches(recipe)
+    work = units_work(recipe, micro)
+    phases, own, verify = work.phases, work.own, work.verify
+    gemms = [g for shapes, _ in phases for g in shapes] * micro
     catalog = load_catalog(recipe.population.catalog)
     server = catalog[u.server_device]
     tiers = tier_list(recipe)
-    devices = [from_catalog(catalog[t], name=str(i)) for i, t in enumerate(tiers)]
-    gap_s, optimizer_s = server_timeline(server, own, verify, len(phases) * u.micro_batches)
-    timing = simulate(devices, [phases] * u.micro_batches, deadline_factor=u.deadline_factor, server_gap_s=gap_s,
-                      optimizer_s=optimizer_s, in_flight=u.in_flight, accumulate=u.accumulate)
+    devices = units_devices(recipe)
+    timing = simulate(devices, [phases] * micro, deadline_factor=u.deadline_factor, server_gap_s=work.gap_s,
+                      optimizer_s=work.optimizer_s, in_flight=u.in_flight, accumulate=u.accumulate)
     priced = price_server(server, catalog[recipe.report.cloud], own, verify, int(timing.down_bytes.sum()),
                           int(timing.up_bytes.sum()), float(sum(g.flops for g in gemms)))
     cm = CostModel(devices)
@@ -579,7 +635,7 @@ def units_plan(recipe: Recipe) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         mine = [t for i in idx for t in units[i]]
         big = max(mine, key=lambda t: t.flops, default=None)
         rows.append({"tier": tier, "devices": len(idx), "used": int(sum(timing.down_bytes[i] > 0 for i in idx)),
-                     "units/step": len(mine) * u.micro_batches / len(idx),
+                     "units/step": len(mine) * micro / len(idx),
                      "largest unit": f"{big.i1 - big.i0}x{big.j1 - big.j0}x{big.k1 - big.k0}" if big else "",
                      "MB down": float(sum(timing.down_bytes[i] for i in idx)) / len(idx) / 1e6,
                      "MB up": float(sum(timing.up_bytes[i] for i in idx)) / len(idx) / 1e6,
@@ -592,7 +648,7 @@ def units_plan(recipe: Recipe) -> tuple[dict[str, Any], list[dict[str, Any]]]:
              {"tier": f"{priced.cloud} (the same step)", "devices": 1, "used": 1, "units/step": None, "largest unit": "",
               "MB down": 0.0, "MB up": 0.0,
               "busy s": priced.cloud_step.compute_s}]
-    step = {"step_s": timing.step_s, "floor_s": timing.floor_s, "phases": len(phases) * u.micro_batches,
+    step = {"step_s": timing.step_s, "floor_s": timing.floor_s, "phases": len(phases) * micro, "micro_batches": micro,
             "steps": u.steps, "MB down": float(timing.down_bytes.sum()) / 1e6, "MB up": float(timing.up_bytes.sum()) / 1e6,
             "server": s}
     return step, rows
@@ -685,7 +741,11 @@ def units_view(recipe: Recipe) -> PlanView:
     same step on the cloud GPU, and the step's time."""
     step, rows = units_plan(recipe)
     s = step["server"]
-    notes = (f"one step: {step['phases']} phases, {step['step_s']:.2f} virtual s (floor {step['floor_s']:.2f} "
+    micro = step["micro_batches"]
+    chosen = " (units.micro_batches 0: chosen by fedfusion.units.timeline.choose_micro_batches)" \
+        if not recipe.units.micro_batches else ""
+    notes = (f"one step: {micro} micro-batch{'es' if micro > 1 else ''}{chosen}, {step['phases']} phases, "
+             f"{step['step_s']:.2f} virtual s (floor {step['floor_s']:.2f} "
              f"s), {step['MB down']:.1f} MB down and {step['MB up']:.1f} MB up in all; {step['steps']} steps "
              f"(fedfusion.units.timeline on the catalog's links, no churn, the server's time between phases)",
              f"server ({s['server_device']}) per step: own compute {s['server_flops'] / 1e9:.3g} GFLOP (attention "
