@@ -132,6 +132,28 @@ def test_micro_batches_zero_is_chosen_before_the_run_and_the_plan_steps_with_it(
         load_recipe("units", ["units.micro_batches=-2"])
 
 
+def test_micro_batches_zero_is_the_choosers_count_on_the_plans_steps(capsys: pytest.CaptureFixture[str]) -> None:
+    """``units.micro_batches: 0`` resolves to ``timeline.choose_micro_batches``'s count for the recipe's devices and
+    batch, here re-derived from the plan at every divisor of the batch (the same devices, phases and server time):
+    the smallest whose busiest link is >= 0.70 busy without a slower step than one micro-batch, else the fastest;
+    ``fedfusion plan`` prints the count and steps with it."""
+    from fedfusion.cli import main
+    from fedfusion.run.check import load_checked
+
+    batch = load_recipe("units").train.batch_size
+    plans = {m: units_plan(load_recipe("units", [f"units.micro_batches={m}"]))[0]
+             for m in range(1, batch + 1) if batch % m == 0}
+    ok = [m for m, p in plans.items() if p["link_utilisation"] >= 0.7 and p["step_s"] <= plans[1]["step_s"]]
+    expected = ok[0] if ok else min(plans, key=lambda m: (plans[m]["step_s"], m))
+    assert load_checked("units", ["units.micro_batches=0"]).units.micro_batches == expected
+    assert main(["plan", "units", "units.micro_batches=0"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    chosen = plans[expected]
+    assert f"units.micro_batches: {expected} (0:" in out
+    assert (f"one step: {expected} micro-batch{'es' if expected > 1 else ''}, {chosen['phases']} phases, "
+            f"{chosen['step_s']:.2f} virtual s") in out
+
+
 def test_units_report_has_the_server_and_cloud_section(tmp_path: Path) -> None:
     row = {"round": 1, "step": 1, "train_loss": 4.0, "bytes_down": 10, "bytes_up": 5, "virtual_s": 2.0,
            "energy_j": 3.0, "server_energy_j": 1.0, "server_flops": 5e8, "server_compute_s": 1e-5,

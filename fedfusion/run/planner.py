@@ -602,8 +602,9 @@ def units_micro_batches(recipe: Recipe) -> int:
 
 def units_plan(recipe: Recipe) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The exact (units) mode's step from the recipe's shape alone (``fedfusion.units.phases`` priced by the
-    timeline on the population's devices, no churn, the server's own time between phases): the step's virtual
-    seconds, its floor and phases, the server's work and the same step on the cloud GPU
+    timeline on the population's devices, no churn, the server's own time between phases): the micro-batch count
+    (:func:`units_micro_batches`), the step's virtual seconds, its floor, busiest-link utilisation and phases, the
+    server's work and the same step on the cloud GPU
     (:func:`fedfusion.units.ledger.price_server`, under ``server``), and per tier the devices, their mean units per
     step, the largest unit (rows x columns x inner length), their mean MB down / up and busy seconds per step."""
     from fedfusion.data.population import tier_list
@@ -648,7 +649,8 @@ def units_plan(recipe: Recipe) -> tuple[dict[str, Any], list[dict[str, Any]]]:
              {"tier": f"{priced.cloud} (the same step)", "devices": 1, "used": 1, "units/step": None, "largest unit": "",
               "MB down": 0.0, "MB up": 0.0,
               "busy s": priced.cloud_step.compute_s}]
-    step = {"step_s": timing.step_s, "floor_s": timing.floor_s, "phases": len(phases) * micro, "micro_batches": micro,
+    step = {"step_s": timing.step_s, "floor_s": timing.floor_s, "link_utilisation": timing.link_utilisation,
+            "phases": len(phases) * micro, "micro_batches": micro,
             "steps": u.steps, "MB down": float(timing.down_bytes.sum()) / 1e6, "MB up": float(timing.up_bytes.sum()) / 1e6,
             "server": s}
     return step, rows
@@ -745,8 +747,8 @@ def units_view(recipe: Recipe) -> PlanView:
     chosen = " (units.micro_batches 0: chosen by fedfusion.units.timeline.choose_micro_batches)" \
         if not recipe.units.micro_batches else ""
     notes = (f"one step: {micro} micro-batch{'es' if micro > 1 else ''}{chosen}, {step['phases']} phases, "
-             f"{step['step_s']:.2f} virtual s (floor {step['floor_s']:.2f} "
-             f"s), {step['MB down']:.1f} MB down and {step['MB up']:.1f} MB up in all; {step['steps']} steps "
+             f"{step['step_s']:.2f} virtual s (floor {step['floor_s']:.2f} s), busiest-link utilisation "
+             f"{step['link_utilisation']:.2f}, {step['MB down']:.1f} MB down and {step['MB up']:.1f} MB up in all; {step['steps']} steps "
              f"(fedfusion.units.timeline on the catalog's links, no churn, the server's time between phases)",
              f"server ({s['server_device']}) per step: own compute {s['server_flops'] / 1e9:.3g} GFLOP (attention "
              f"{s['server_attention_flops'] / 1e9:.3g}, element-wise {s['server_elementwise_flops'] / 1e9:.3g}, linear "

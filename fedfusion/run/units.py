@@ -353,9 +353,9 @@ def _run_units(grid: Grid, recipe: Recipe, run: RunDir, on_round: Callable[[dict
         run.cut_ledgers(ckpt.round)
         progress.last = progress.saved = ckpt.round
         earlier_s = ckpt.elapsed_s
-    log(INFO, "units mode: %d devices (%s), offload=%s, %d steps", len(devices),
+    log(INFO, "units mode: %d devices (%s), offload=%s, %d steps of %d micro-batch(es)", len(devices),
         ", ".join(f"{t}={sum(caps[n].device == t for n in order)}" for t in sorted({c.device for c in caps.values()})),
-        u.offload, u.steps)
+        u.offload, u.steps, u.micro_batches)
 
     def evaluate() -> dict[str, float]:
         scores = target.evaluate()  # on the server, every layer local (no units)
@@ -436,6 +436,7 @@ def _run_units(grid: Grid, recipe: Recipe, run: RunDir, on_round: Callable[[dict
     final = rows[-1]
     summary = {
         "status": "ok", "name": recipe.name, "mode": UNITS, "offload": u.offload, "steps": u.steps,
+        "micro_batches": u.micro_batches,  # as the recipe check resolved a 0 (recipe.yaml holds it too)
         "target_params": target.params, "metric_names": target.metric_names, "devices": len(devices),
         "initial": {k: first[k] for k in ("eval_loss", "eval_ppl", "eval_acc")},
         "final": {k: final[k] for k in ("eval_loss", "eval_ppl", "eval_acc")},
