@@ -8,7 +8,8 @@ For each target (the quickstart's: hidden 128, 4 layers, 8 heads, MLP 512, vocab
 fleet (phones at 10 MB/s down / 2 MB/s up, 50 ms RTT; laptops on a 1 Gb/s LAN, 2 ms RTT) it simulates one step
 with 4 ... 1,024 devices and 1 or 4 micro-batches in flight (``fedfusion.units.timeline``; with several, the
 devices sum the weight-gradient tiles over the micro-batches and upload them once per step, ``units.accumulate``'s
-default; 4 micro-batches are also priced without that), and compares with
+default; 4 micro-batches are also priced without that), and the count ``units.micro_batches: 0`` takes there
+(``timeline.choose_micro_batches`` over the divisors of the batch), and compares with
 
 - one local torch step of the same model on this machine (measured; the larger model measured at fewer tokens
   and scaled linearly by tokens),
@@ -37,7 +38,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from fedfusion.devices.catalog import load_catalog
 from fedfusion.units import UnitDevice, UnitEngine, install
 from fedfusion.units.phases import llama_phases, server_flops
-from fedfusion.units.timeline import Kill, chains_from_trace, simulate
+from fedfusion.units.timeline import Kill, chains_from_trace, choose_micro_batches, simulate
 from fedfusion.units.verify import Freivalds
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -158,6 +159,29 @@ def sweep(counts: list[int], micro: list[int]) -> list[dict]:
                     print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in rows[-1].items()}),
                           flush=True)
     return rows
+
+
+def chosen(counts: list[int]) -> list[dict]:
+    """Per setting the count ``units.micro_batches: 0`` takes (``timeline.choose_micro_batches`` over the divisors
+    of the batch, on-device accumulation) and its step, beside the sweep's fixed counts."""
+    rows = []
+    for target in TARGETS:
+        for fleet, (proto, _) in fleets().items():
+            for n in counts:
+                m, timings = choose_micro_batches([proto] * n, lambda k, t=target: t.phases(BATCH * SEQ // k), BATCH,
+                                                  accumulate=True)
+                r = timings[m]
+                rows.append({"target": target.name, "fleet": fleet, "devices": n, "micro_batches": m,
+                             "step_s": r.step_s, "floor_s": r.floor_s, "step_over_floor": r.step_s / r.floor_s,
+                             "link_utilisation": r.link_utilisation})
+                print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def fixed(data: dict, r: dict, m: int) -> dict:
+    """The sweep's row of ``r``'s setting at ``m`` micro-batches."""
+    return next(q for q in data["sweep"] if q["micro_batches"] == m and
+                (q["target"], q["fleet"], q["devices"]) == (r["target"], r["fleet"], r["devices"]))
 
 
 def recovery(counts: list[int]) -> list[dict]:
@@ -285,6 +309,16 @@ def markdown(data: dict) -> str:
                      f"{r['step_s'] / ref['local_step_s']:.2f}x | {r['step_s'] / ref['a5000_step_s']:.0f}x | "
                      f"{r['device_energy_j']:.0f} | " + ("| | |" if r["micro_batches"] == 1 else
                      f"{plain['step_s']:.2f} | {plain['link_utilisation']:.2f} | {plain['up_mb_per_device_max']:.1f} |"))
+    lines += ["", "Chosen count (`units.micro_batches: 0`: `timeline.choose_micro_batches` over 1/2/4/8 micro-batches, "
+              "the smallest at >= 0.70 link utilisation without a slower step than 1, else the fastest; with "
+              "accumulation) beside the fixed counts above:", "",
+              "| target | fleet | devices | chosen | step (s) | step/floor | link util. | step at 1 (s) | step at 4 (s) | "
+              "link util. at 4 |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in data["chosen"]:
+        one, four = fixed(data, r, 1), fixed(data, r, 4)
+        lines.append(f"| {r['target']} | {r['fleet']} | {r['devices']} | {r['micro_batches']} | {r['step_s']:.2f} | "
+                     f"{r['step_over_floor']:.2f} | {r['link_utilisation']:.2f} | {one['step_s']:.2f} | "
+                     f"{four['step_s']:.2f} | {four['link_utilisation']:.2f} |")
     lines += ["", "Recovery (phones, a device killed at half the step):", "",
               "| target | devices | micro-batches | step (s) | extra (s) | phase deadline (s) | detected after (s) | "
               "restart instead (s) | units re-dispatched |", "|---|---|---|---|---|---|---|---|---|"]
@@ -323,8 +357,7 @@ def findings(data: dict) -> list[str]:
                    f"{min(r['device_energy_j'] for r in rows):.0f}-{max(r['device_energy_j'] for r in rows):.0f} J "
                    f"against the A5000's {ref['a5000_energy_j']:.2f} J.")
     def one(r: dict) -> float:
-        return next(q["step_s"] for q in data["sweep"] if q["micro_batches"] == 1 and
-                    (q["target"], q["fleet"], q["devices"]) == (r["target"], r["fleet"], r["devices"]))
+        return float(fixed(data, r, 1)["step_s"])
 
     several = [r for r in data["sweep"] if r["micro_batches"] > 1]
     beat = [r for r in several if r["step_s"] < one(r)]
@@ -362,6 +395,17 @@ def findings(data: dict) -> list[str]:
                    "latency-bound at every count (the busiest link's busy seconds < 0.70 x phases x (RTT + overhead)), "
                    f"{sum(r['ceiling'] >= 0.7 and max(p['link_utilisation'] for p in r['counts'].values()) < 0.7 for r in pc)}"
                    " more stay below 0.70 from per-message overhead and the phases' dependency.")
+    picked = data["chosen"]
+    vs_one = [r["step_s"] / one(r) for r in picked]
+    vs_four = [r["step_s"] / fixed(data, r, 4)["step_s"] for r in picked]
+    out.append("- The chosen count (`units.micro_batches: 0`, table above): "
+               + ", ".join(f"{m} in {sum(r['micro_batches'] == m for r in picked)}"
+                           for m in sorted({r["micro_batches"] for r in picked})) +
+               f" of {len(picked)} settings; {sum(r['link_utilisation'] >= 0.7 for r in picked)} at >= 0.70 "
+               f"utilisation (fixed 4: {sum(fixed(data, r, 4)['link_utilisation'] >= 0.7 for r in picked)}), step / "
+               f"floor {min(r['step_over_floor'] for r in picked):.2f}-{max(r['step_over_floor'] for r in picked):.2f}; "
+               f"its step {min(vs_one):.2f}-{max(vs_one):.2f}x the step at 1 and {min(vs_four):.2f}-{max(vs_four):.2f}x "
+               f"the step at 4 (faster than 4 in {sum(x < 1 for x in vs_four)}).")
     for target, ref in refs.items():
         ratios = [ref["check_cpu_s"] / r["step_s"] for r in data["sweep"] if r["target"] == target]
         out.append(f"- {target}: the server's Freivalds checks take {ref['check_cpu_s']:.3f} CPU s per step (one thread): "
@@ -393,7 +437,8 @@ def main(argv: list[str] | None = None) -> int:
             "settings": {"batch": BATCH, "seq": SEQ, "a5000_fp32_peak": A5000_FP32_PEAK,
                          "a5000_sustained": A5000_SUSTAINED, "deadline_factor": 3.0},
             "references": references(), "real": real_runs([4, 16, 64]),
-            "recovery": recovery([16, 64, 256]), "scenarios": scenarios(counts), "sweep": sweep(counts, [1, 4])}
+            "recovery": recovery([16, 64, 256]), "scenarios": scenarios(counts), "sweep": sweep(counts, [1, 4]),
+            "chosen": chosen(counts)}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "units.json").write_text(json.dumps(data, indent=1))
     (args.out / "units.md").write_text(markdown(data))
@@ -404,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def plot(data: dict, path: Path) -> None:
     """Step time against device count, one panel per target and fleet: 1 micro-batch, 4 with on-device
-    accumulation, 4 without, and the floor of the first two."""
+    accumulation, 4 without, the floor of the first two, and the chosen count."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -421,6 +466,8 @@ def plot(data: dict, path: Path) -> None:
             ax.plot(n, [r["floor_s"] for r in mine], style[0] + ":", alpha=0.5, label=f"floor, {m}")
             if m > 1:
                 ax.plot(n, [r["no_accumulation"]["step_s"] for r in mine], "x--", label=f"{m} micro-batches, no accumulation")
+        picked = [r for r in data["chosen"] if (r["target"], r["fleet"]) == (target, fleet)]
+        ax.plot([r["devices"] for r in picked], [r["step_s"] for r in picked], "d-.", label="chosen count (0)")
         ax.set(xscale="log", yscale="log", xlabel="devices", ylabel="virtual step (s)", title=f"{target}, {fleet}")
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
