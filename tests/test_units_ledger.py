@@ -11,11 +11,14 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from fedfusion.cli import main
 from fedfusion.config.recipe import load_recipe
 from fedfusion.devices.catalog import load_catalog
 from fedfusion.devices.energy import price_work
+from fedfusion.run.check import load_checked
 from fedfusion.run.planner import units_plan
 from fedfusion.run.report import write_report
+from fedfusion.run.run_dir import RunDir
 from fedfusion.units import UnitDevice, UnitEngine, install
 from fedfusion.units.ledger import price_server, server_timeline
 from fedfusion.units.phases import OPTIMIZER_FLOPS, llama_phases, server_flops
@@ -117,7 +120,6 @@ def test_micro_batches_zero_is_chosen_before_the_run_and_the_plan_steps_with_it(
     """``units.micro_batches: 0``: the recipe check sets the count the timeline predicts (a divisor of the batch, a
     step no slower than one micro-batch's), the plan prices that count, and a count given is kept."""
     from fedfusion.config.recipe import RecipeError
-    from fedfusion.run.check import load_checked
     from fedfusion.run.planner import units_micro_batches
 
     checked = load_checked("units", ["units.micro_batches=0"])
@@ -132,20 +134,21 @@ def test_micro_batches_zero_is_chosen_before_the_run_and_the_plan_steps_with_it(
         load_recipe("units", ["units.micro_batches=-2"])
 
 
-def test_micro_batches_zero_is_the_choosers_count_on_the_plans_steps(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.slow  # a plan at every divisor of the batch, then the chooser and `fedfusion plan`: 4-11 s here
+def test_micro_batches_zero_is_the_choosers_count_on_the_plans_steps(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
     """``units.micro_batches: 0`` resolves to ``timeline.choose_micro_batches``'s count for the recipe's devices and
     batch, here re-derived from the plan at every divisor of the batch (the same devices, phases and server time):
     the smallest whose busiest link is >= 0.70 busy without a slower step than one micro-batch, else the fastest;
-    ``fedfusion plan`` prints the count and steps with it."""
-    from fedfusion.cli import main
-    from fedfusion.run.check import load_checked
-
+    the run directory's recipe.yaml records it and ``fedfusion plan`` prints the count and steps with it."""
     batch = load_recipe("units").train.batch_size
     plans = {m: units_plan(load_recipe("units", [f"units.micro_batches={m}"]))[0]
              for m in range(1, batch + 1) if batch % m == 0}
     ok = [m for m, p in plans.items() if p["link_utilisation"] >= 0.7 and p["step_s"] <= plans[1]["step_s"]]
     expected = ok[0] if ok else min(plans, key=lambda m: (plans[m]["step_s"], m))
-    assert load_checked("units", ["units.micro_batches=0"]).units.micro_batches == expected
+    checked = load_checked("units", ["units.micro_batches=0"])
+    assert checked.units.micro_batches == expected
+    assert RunDir.reopen(RunDir(tmp_path / "run", checked).path).recipe.units.micro_batches == expected
     assert main(["plan", "units", "units.micro_batches=0"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     chosen = plans[expected]
@@ -170,7 +173,6 @@ def test_units_report_has_the_server_and_cloud_section(tmp_path: Path) -> None:
 
 def test_an_unknown_server_device_is_refused() -> None:
     from fedfusion.config.recipe import RecipeError
-    from fedfusion.run.check import load_checked
 
     with pytest.raises(RecipeError, match="units.server_device: unknown device 'nope'"):
         load_checked("units", ["units.server_device=nope"])
