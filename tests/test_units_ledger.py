@@ -115,25 +115,6 @@ def test_plan_shows_the_server_and_the_cloud_step() -> None:
     assert slow["server"]["server_compute_s"] > 100 * s["server_compute_s"]
 
 
-@pytest.mark.slow  # the chooser simulates a step at every divisor of the batch (~2 s)
-def test_micro_batches_zero_is_chosen_before_the_run_and_the_plan_steps_with_it() -> None:
-    """``units.micro_batches: 0``: the recipe check sets the count the timeline predicts (a divisor of the batch, a
-    step no slower than one micro-batch's), the plan prices that count, and a count given is kept."""
-    from fedfusion.config.recipe import RecipeError
-    from fedfusion.run.planner import units_micro_batches
-
-    checked = load_checked("units", ["units.micro_batches=0"])
-    chosen, batch = checked.units.micro_batches, checked.train.batch_size
-    assert chosen >= 1 and batch % chosen == 0
-    assert units_micro_batches(load_recipe("units", ["units.micro_batches=8"])) == 8
-    step, _ = units_plan(checked)
-    one, _ = units_plan(load_recipe("units", ["units.micro_batches=1"]))
-    assert step["micro_batches"] == chosen and step["step_s"] <= one["step_s"]
-    assert step["phases"] == chosen * one["phases"]
-    with pytest.raises(RecipeError, match="units.micro_batches: must be >= 0"):
-        load_recipe("units", ["units.micro_batches=-2"])
-
-
 @pytest.mark.slow  # a plan at every divisor of the batch, then the chooser and `fedfusion plan`: 4-11 s here
 def test_micro_batches_zero_is_the_choosers_count_on_the_plans_steps(tmp_path: Path,
                                                                       capsys: pytest.CaptureFixture[str]) -> None:
