@@ -744,9 +744,7 @@ def units_view(recipe: Recipe) -> PlanView:
     step, rows = units_plan(recipe)
     s = step["server"]
     micro = step["micro_batches"]
-    chosen = " (units.micro_batches 0: chosen by fedfusion.units.timeline.choose_micro_batches)" \
-        if not recipe.units.micro_batches else ""
-    notes = (f"one step: {micro} micro-batch{'es' if micro > 1 else ''}{chosen}, {step['phases']} phases, "
+    notes = (f"one step: {micro} micro-batch{'es' if micro > 1 else ''}, {step['phases']} phases, "
              f"{step['step_s']:.2f} virtual s (floor {step['floor_s']:.2f} s), busiest-link utilisation "
              f"{step['link_utilisation']:.2f}, {step['MB down']:.1f} MB down and {step['MB up']:.1f} MB up in all; {step['steps']} steps "
              f"(fedfusion.units.timeline on the catalog's links, no churn, the server's time between phases)",
