@@ -6,21 +6,17 @@ import json
 from collections import Counter
 from itertools import accumulate
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
-import matplotlib
+from omegaconf import OmegaConf
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import MaxNLocator  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
-
-from fedfusion.config.choices import DEFAULT_CLOUD  # noqa: E402
-from fedfusion.config.methods import BY_NAME, CENTRAL, MIXED, SERVER_WORK, hook  # noqa: E402
-from fedfusion.data.federated import describe, read_partition_sizes  # noqa: E402
-from fedfusion.devices.catalog import load_catalog  # noqa: E402
-from fedfusion.run.edge_cloud import check_cloud, edge_cloud_markdown, work_from_clients  # noqa: E402
-from fedfusion.run.run_dir import read_jsonl  # noqa: E402
+from fedfusion.config.choices import DEFAULT_CLOUD
+from fedfusion.config.methods import BY_NAME, CENTRAL, MIXED, SERVER_WORK, hook
+from fedfusion.data.federated import describe, read_partition_sizes
+from fedfusion.devices.catalog import load_catalog
+from fedfusion.run.edge_cloud import check_cloud, edge_cloud_markdown, work_from_clients
+from fedfusion.run.run_dir import read_jsonl
 
 # What eval_loss, eval_ppl and eval_acc measure, by how the target is scored: fedfusion.run.targets picks one for
 # the run and summary.json records it as metric_names
@@ -33,6 +29,17 @@ FACTS_METRICS = {"eval_loss": "probe answer loss (nats/token)", "eval_ppl": "pro
 RESPONSE_METRICS = {"eval_loss": "held-out response loss (nats/token)", "eval_ppl": "held-out response perplexity",
                     "eval_acc": "next-token accuracy (response tokens)"}
 LOWER_IS_BETTER = {"eval_loss": True, "eval_ppl": True, "eval_acc": False, "probe_acc": False}
+
+
+def _pyplot() -> ModuleType:
+    """matplotlib's pyplot on the file-only Agg backend, imported by the first plot: the server, the CLI and the
+    tests import this module without drawing (pyplot is a few hundred ms)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def _load(run: Path) -> tuple[list[dict], dict]:
@@ -101,6 +108,9 @@ def _curve_labels(runs: list[Path]) -> tuple[tuple[str, str], ...]:
 
 def plot_curves(runs: list[Path], out_dir: Path) -> list[Path]:
     """One PNG per metric, every run as a line against the round number."""
+    from matplotlib.ticker import MaxNLocator
+
+    plt = _pyplot()
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     for key, title in _curve_labels(runs):
@@ -130,6 +140,7 @@ def plot_curves(runs: list[Path], out_dir: Path) -> list[Path]:
 def _plot_cost(runs: list[Path], out_dir: Path) -> Path:
     """Held-out loss against cumulative energy and cumulative CO2e: what the learning cost."""
     loss = _curve_labels(runs)[0][1]
+    plt = _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
     for run in runs:
         rows, _ = _load(run)
@@ -162,6 +173,7 @@ def _data_section(run: Path, out: Path) -> list[str]:
     if sizes is None:
         return []
     (out / "plots").mkdir(parents=True, exist_ok=True)
+    plt = _pyplot()
     fig, axes = plt.subplots(1, 2 if sizes.labels else 1, figsize=(11 if sizes.labels else 6, 4), squeeze=False)
     axes[0, 0].hist(sizes.examples, bins=min(20, max(1, len(set(sizes.examples)))), color="tab:blue")
     axes[0, 0].set_xlabel(f"{sizes.unit} per client")
