@@ -90,16 +90,23 @@ def test_a_generative_round_is_the_clients_training_its_samples_and_the_servers_
     g = GenerativeConfig(sample_fraction=0.5, server_steps=3, server_lr=0.01, server_batch=4)
     run = GenerativeRun(cfg, 0.5, windows, rounds=1, per_round=1, steps=2, lr=0.01, batch_size=4, generative=g)
     target, _, devices = run_generative(run, state)
+    _assert_one_generative_round(cfg, windows[0], g, state, 1, target, devices[0])
+
+
+def _assert_one_generative_round(cfg, own_windows, g, start, rnd, target, device) -> None:
+    """``target`` and ``device`` are round ``rnd`` of a one-client generative run from ``start``, step for step: the
+    device trains its slice of ``start`` (2 steps), samples it, and the server trains ``start`` on the samples
+    (3 steps)."""
     plan = plan_slice(cfg, 0.5, "static")
-    own = model_from_state(sub_config(cfg, plan), extract(state, cfg, plan))
-    seed = client_seed(0, 1, 0)
-    train_steps(own, windows[0], 2, 0.01, 4, seed)
-    samples = sample_windows(own, windows[0], 6, g.temperature, seed)
-    server = model_from_state(cfg, state)
-    train_steps(server, samples, 3, 0.01, 4, server_seed(0, 1, 1))
+    own = model_from_state(sub_config(cfg, plan), extract(start, cfg, plan))
+    seed = client_seed(0, rnd, 0)
+    train_steps(own, own_windows, 2, 0.01, 4, seed)
+    samples = sample_windows(own, own_windows, 6, g.temperature, seed)
+    server = model_from_state(cfg, start)
+    train_steps(server, samples, 3, 0.01, 4, server_seed(0, rnd, 1))
     for key, value in server.state_dict().items():
         torch.testing.assert_close(target[key], value, rtol=0, atol=0)
-    for key, value in devices[0].items():
+    for key, value in device.items():
         torch.testing.assert_close(own.state_dict()[key], value, rtol=0, atol=0)
 
 
@@ -189,17 +196,7 @@ def test_generative_after_growth_starts_devices_and_server_from_the_grown_small_
     target, _, devices = run_generative(run, state, keep)
     grown, _ = run_submodel(SubModelRun(cfg, windows, [0.5], policy="static", rounds=1, grow_round=1, **common), state)
     assert all(torch.equal(after[1][k], grown[k]) for k in grown)
-    plan = plan_slice(cfg, 0.5, "static")
-    own = model_from_state(sub_config(cfg, plan), extract(grown, cfg, plan))
-    seed = client_seed(0, 2, 0)
-    train_steps(own, windows[0], 2, 0.01, 4, seed)
-    samples = sample_windows(own, windows[0], 6, g.temperature, seed)
-    server = model_from_state(cfg, grown)
-    train_steps(server, samples, 3, 0.01, 4, server_seed(0, 2, 1))
-    for key, value in server.state_dict().items():
-        torch.testing.assert_close(target[key], value, rtol=0, atol=0)
-    for key, value in devices[0].items():
-        torch.testing.assert_close(own.state_dict()[key], value, rtol=0, atol=0)
+    _assert_one_generative_round(cfg, windows[0], g, grown, 2, target, devices[0])
 
 
 def test_grow_rounds_are_smallest_only_training_and_the_grown_target_equals_it():
