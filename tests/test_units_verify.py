@@ -7,6 +7,7 @@ import torch
 
 from fedfusion.units import Freivalds, Gemm, Operand, UnitDevice, UnitEngine
 from fedfusion.units.messages import DeviceRuntime
+from fedfusion.units.verify import WeightId
 from fedfusion.units.workers import Corrupt, DiesAfter
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py: tiny GEMMs on one thread, restored after
@@ -99,6 +100,29 @@ def test_two_cancelling_entries_need_more_vectors() -> None:
     assert caught[2] / trials[2] < 0.99  # the default two vectors are weaker against this adversarial pattern
 
 
+def test_a_weights_kept_check_vectors_catch_the_same_errors_and_never_vouch_for_other_values() -> None:
+    """The vectors kept for a weight (``check(..., weight=...)``): every micro-batch's product against that weight is
+    checked as strictly as with fresh vectors, and a weight whose version repeats with other values (a new model's
+    weights restart at version 0) is not checked against the old values: a device computing with the old weights
+    (a stale cache) is caught."""
+    gen = torch.Generator().manual_seed(11)
+    check = Freivalds(vectors=2, seed=12)
+    w = torch.randn(40, 48, generator=gen)
+    missed = 0
+    for trial in range(300):  # 300 micro-batches against one weight version: the kept vectors
+        x = torch.randn(64, 48, generator=gen)
+        c = x @ w.T
+        assert check.check(x, w.T, c, weight=("W0", 7, True))
+        missed += check.check(x, w.T, inject(c, check.tolerance(x, w.T), KINDS[trial % len(KINDS)], gen),
+                              weight=("W0", 7, True))
+    assert missed <= 1
+    assert len(check._weights) == 1
+    other = torch.randn(40, 48, generator=gen)
+    x = torch.randn(64, 48, generator=gen)
+    assert not check.check(x, other.T, x @ w.T, weight=("W0", 7, True))  # the old weight's product: rejected
+    assert check.check(x, other.T, x @ other.T, weight=("W0", 7, True))
+
+
 def devices(n: int) -> list[UnitDevice]:
     return [UnitDevice(f"d{i}", 1e8, 1e9 * (1 + i), 1e6, 1e6) for i in range(n)]
 
@@ -153,7 +177,7 @@ def test_joint_check_failing_without_a_culprit_falls_back_to_the_server() -> Non
     class JointOnly(Freivalds):
         """Rejects every whole product, passes every tile: the engine cannot blame a device."""
 
-        def check(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> bool:
+        def check(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, weight: WeightId | None = None) -> bool:
             return a.shape[0] != 64 or b.shape[1] != 40
 
     gen = torch.Generator().manual_seed(10)

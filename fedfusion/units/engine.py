@@ -30,6 +30,7 @@ from fedfusion.units.messages import (
     decode_reply,
     encode_units,
     formula_bytes,
+    is_weight,
     spec,
 )
 from fedfusion.units.plan import LAYOUTS, CostModel, GemmShape, PhasePlan, Tile, plan_phase, tile_loads
@@ -247,8 +248,9 @@ class UnitEngine:
         assert self.verifier is not None
         g = work.gemms[gi]
         a, b = joined[0].whole() if joined else (g.a.logical(), g.b.logical())
+        weight = (g.b.key, g.b.version, g.b.t) if not joined and is_weight(g.b.key) else None
         rec.verify_flops += self.verifier.flops(a, b)
-        if self.verifier.check(a, b, c):
+        if self.verifier.check(a, b, c, weight=weight):
             return c
         culprits = 0
         mine = [(u, work.pos.get(u)) for u, t in enumerate(work.tiles)
