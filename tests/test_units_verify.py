@@ -7,7 +7,7 @@ import torch
 
 from fedfusion.units import Freivalds, Gemm, Operand, UnitDevice, UnitEngine
 from fedfusion.units.messages import DeviceRuntime
-from fedfusion.units.verify import WeightId
+from fedfusion.units.verify import WeightId, abs_mv
 from fedfusion.units.workers import Corrupt, DiesAfter
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py: tiny GEMMs on one thread, restored after
@@ -186,3 +186,13 @@ def test_joint_check_failing_without_a_culprit_falls_back_to_the_server() -> Non
     (got,) = engine.phase([g])
     assert (got - want).abs().max() <= 1e-12
     assert engine.server_fallback == 1 and not engine.strikes.counts
+
+
+@pytest.mark.parametrize("shape", [(3, 5), (700, 1), (1100, 300), (300, 1100)])
+def test_abs_mv_equals_the_plain_product_for_rows_and_transposed_views(shape: tuple[int, int]) -> None:
+    """``abs_mv`` (blocks through one buffer, a transposed view by its base's rows) is ``|x| @ v``."""
+    gen = torch.Generator().manual_seed(13)
+    v = torch.rand(shape[1], generator=gen, dtype=torch.float64)
+    for x in (torch.randn(*shape, generator=gen, dtype=torch.float64),
+              torch.randn(shape[1], shape[0], generator=gen, dtype=torch.float64).T):
+        torch.testing.assert_close(abs_mv(x, v), torch.mv(x.abs(), v), rtol=1e-13, atol=0)
