@@ -157,6 +157,16 @@ def run_rounds(methods: Mapping[str, FusionMethod], tiers: Sequence[str | None],
     return state, stats
 
 
+def _spec_config(config: PretrainedConfig, payload: Payload) -> PretrainedConfig:
+    """The model config a message's spec names (a slice's), of ``config``'s class: what the client app builds."""
+    return config.__class__.from_dict(ModelSpec.from_config(payload.spec).model_config)
+
+
+def _wire_of(model: torch.nn.Module) -> State:
+    """A trained model's state as a client replies it (detached, tied weights once)."""
+    return wire_state({k: v.detach() for k, v in model.state_dict().items()}, tied_aliases(model))
+
+
 def run_submodel(run: SubModelRun, initial: dict[str, torch.Tensor], evaluate: Evaluate | None = None,
                  ) -> tuple[dict[str, torch.Tensor], RunStats]:
     """Train ``initial`` for ``run.rounds`` rounds of width slicing (:class:`~fedfusion.fusion.submodel.method.SubModelMethod`
@@ -178,7 +188,7 @@ def run_submodel(run: SubModelRun, initial: dict[str, torch.Tensor], evaluate: E
 
     def train(rnd: int, payload: Payload) -> tuple[State, dict[str, float]]:
         received = decode(payload.arrays, keep=FROZEN)  # as the client app decodes it
-        config = run.config.__class__.from_dict(ModelSpec.from_config(payload.spec).model_config)
+        config = _spec_config(run.config, payload)
         full = RoleSpec.from_config(payload.spec).role == "window"  # the client role fedfusion.clients.window
         model = (from_payload(config, received, WindowSpec.from_config(payload.spec), payload.client.seed) if full
                  else model_from_state(config, received))
@@ -186,7 +196,7 @@ def run_submodel(run: SubModelRun, initial: dict[str, torch.Tensor], evaluate: E
         out = train_steps(model, run.windows[p], run.steps, run.lr, run.batch_size, payload.client.seed,
                           run.weight_decay, run.optimizer, loss=loss_of(model)).metrics()
         trained = (model.trained() if isinstance(model, WindowModel | LowRankModel) else
-                   wire_state({k: v.detach() for k, v in model.state_dict().items()}, tied_aliases(model)))
+                   _wire_of(model))
         feedback = run.wire.error_feedback and run.wire.up != "float32" and not full
         reply, residuals[p] = client_reply(trained, payload.arrays, run.wire.up,
                                            residuals.get(p, {}) if feedback else None, received)
@@ -234,18 +244,16 @@ def run_generative(run: GenerativeRun, initial: dict[str, torch.Tensor], evaluat
     def train(rnd: int, payload: Payload) -> tuple[State, dict[str, float]]:
         partition = payload.client.partition
         if RoleSpec.from_config(payload.spec).role != method.role:  # a grow round: the slice, as the submodel role
-            config = run.config.__class__.from_dict(ModelSpec.from_config(payload.spec).model_config)
-            model = model_from_state(config, decode(payload.arrays))
+            model = model_from_state(_spec_config(run.config, payload), decode(payload.arrays))
             out = train_steps(model, run.windows[partition], run.steps, run.lr, run.batch_size, payload.client.seed,
                               run.weight_decay, run.optimizer)
-            reply = wire_state({k: v.detach() for k, v in model.state_dict().items()}, tied_aliases(model))
-            return reply, {**out.metrics(), NUM_EXAMPLES: len(run.windows[partition])}
+            return _wire_of(model), {**out.metrics(), NUM_EXAMPLES: len(run.windows[partition])}
         ask = GenerativeSpec.from_config(payload.spec)
         start_from = nodes[partition] if ask.kept else payload.arrays
         model = model_from_state(sub_config(run.config, method.plans[tier]), start_from)
         own, seed = run.windows[partition], payload.client.seed
         out = train_steps(model, own, run.steps, run.lr, run.batch_size, seed, run.weight_decay, run.optimizer)
-        trained = wire_state({k: v.detach() for k, v in model.state_dict().items()}, tied_aliases(model))
+        trained = _wire_of(model)
         if ask.device_state == "node":
             nodes[partition], reply = trained, {}
         else:
