@@ -9,10 +9,11 @@ from dataclasses import asdict
 
 import pytest
 import torch
+from fedfusion.clients import smallmodel
+from fedfusion.strategies import FusionStrategy
 from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
 from transformers import GPT2Config, LlamaConfig, LlamaForCausalLM
 
-from fedfusion.clients import smallmodel
 from fedfusion.config.recipe import DataConfig, DistillConfig
 from fedfusion.data.text import build_char_tokenizer
 from fedfusion.devices.catalog import load_catalog
@@ -20,7 +21,6 @@ from fedfusion.fusion.distill.method import DistillMethod, Family, family_eval_s
 from fedfusion.models import build as models
 from fedfusion.selection.participation import Participation
 from fedfusion.selection.selectors import make_selector
-from fedfusion.strategies import FusionStrategy
 from fedfusion.train.transfer import family_tokenizer, train_bpe, wrap_tokenizer
 from tests.test_strategy import FakeGrid, task_identity  # noqa: F401  (autouse fixture)
 
@@ -173,7 +173,8 @@ def test_errors_absurd_norms_and_missing_replies(bpe):
     msgs = {m.metadata.dst_node_id: m for m in strategy.configure_train(1, ArrayRecord(target), ConfigRecord({}), FakeGrid(GRID))}
     before = {k: {n: t.clone() for n, t in s.items()} for k, s in dm(strategy).family_states.items()}
     huge = {k: v * 1000 for k, v in msgs[11].content["arrays"].to_torch_state_dict().items()}
-    arrays, metrics = strategy.aggregate_train(1, [_reply(msgs[11], huge), _reply(msgs[12], None, error="boom\nRuntimeError: device crashed")])
+    arrays, metrics = strategy.aggregate_train(1, [_reply(msgs[11], huge),
+                                                   _reply(msgs[12], None, error="boom\nRuntimeError: device crashed")])
     status = {n: c.status for n, c in strategy.round.rows.items()}
     assert status == {11: "rejected", 12: "failed", 13: "timeout"}
     assert "norm" in strategy.round.rows[11].error and strategy.round.rows[12].error == "RuntimeError: device crashed"

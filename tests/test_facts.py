@@ -144,7 +144,8 @@ def _facts_recipe(tmp_path, *extra: str):
 
     paths = write_facts(tmp_path / "facts", 4, 24, seed=2)
     return load_recipe("quickstart", [
-        "data.source=facts", f"data.path={paths['train']}", f"data.probes={paths['probes']}", "population.num_clients=4", "selection.clients_per_round=2",
+        "data.source=facts", f"data.path={paths['train']}", f"data.probes={paths['probes']}", "population.num_clients=4",
+        "selection.clients_per_round=2",
         "model.hidden_size=32", "model.num_heads=4", "model.num_kv_heads=4", "model.intermediate_size=64",
         "model.num_layers=1", "train.seq_len=48", *extra]), paths
 
@@ -196,7 +197,8 @@ def test_text_files_with_a_client_field_keep_their_partition(tmp_path):
     path = tmp_path / "corpus.jsonl"
     path.write_text("".join(json.dumps({"client": c, "text": t * 30}) + "\n"
                             for c, t in [("b", "bee text. "), ("a", "ay text. "), ("b", "more bee. ")]))
-    recipe = load_recipe("quickstart", ["data.source=text", f"data.path={path}", "population.num_clients=2", "selection.clients_per_round=2"])
+    recipe = load_recipe("quickstart", ["data.source=text", f"data.path={path}", "population.num_clients=2",
+                                        "selection.clients_per_round=2"])
     clients = population_data(data_spec(recipe))
     assert [c.name for c in clients] == ["client-a", "client-b"]
     assert "bee" not in clients[0].train + clients[0].held_out and "ay text" not in clients[1].train + clients[1].held_out

@@ -1,4 +1,5 @@
-"""FusionStrategy driving heterogeneous-rank LoRA (LoRAMethod) on hand-built Flower Messages and on in-process clients over a tiny base (no Ray)."""
+"""FusionStrategy driving heterogeneous-rank LoRA (LoRAMethod) on hand-built Flower Messages and on in-process
+clients over a tiny base (no Ray)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import json
 
 import pytest
 import torch
+from fedfusion.strategies import FusionStrategy
 from flwr.app import (
     ArrayRecord,
     ConfigRecord,
@@ -41,7 +43,6 @@ from fedfusion.fusion.lora.method import (
 from fedfusion.models.pretrained import load_base_tokenizer
 from fedfusion.selection.participation import Participation
 from fedfusion.selection.selectors import make_selector
-from fedfusion.strategies import FusionStrategy
 from fedfusion.train.instruct import encode_pairs, evaluate_instruct
 from fedfusion.wire.specs import Caps, ClientSpec, FaultSpec, LoRABaseSpec, PrivacySpec, TrainSpec, merge
 from tests.conftest import LazyModule
@@ -333,9 +334,9 @@ def test_a_round_without_learning_leaves_the_global_update_unchanged(method, bas
 def test_dp_clipping_bounds_each_lora_clients_adapter_update(method, base, shapes):
     """privacy.mode=clip with LoRA: Flower's fixedclipping_mod clips reply - sent over the whole adapter; FLoRA's
     frozen merged update reaches the client but is left out of the comparison and of the reply."""
+    from fedfusion.clients.privacy import privacy_mod
     from flwr.app import Context
 
-    from fedfusion.clients.privacy import privacy_mod
     from fedfusion.config.recipe import load_recipe
     from fedfusion.run.federation import privacy_spec
 
@@ -370,9 +371,9 @@ def test_dp_clipping_bounds_each_lora_clients_adapter_update(method, base, shape
 def test_local_dp_noise_is_not_mistaken_for_an_absurd_update(base, shapes):
     """privacy.mode=local: LocalDpMod's noise (sigma ~0.5 per coordinate at the defaults) dwarfs a served
     adapter's norm; the replies must still be accepted from round 2 on, so the norm check is off."""
+    from fedfusion.clients.privacy import privacy_mod
     from flwr.app import Context
 
-    from fedfusion.clients.privacy import privacy_mod
     from fedfusion.config.recipe import load_recipe
     from fedfusion.run.federation import privacy_spec
 

@@ -147,6 +147,7 @@ def test_outer_state_survives_a_json_checkpoint_and_a_missing_one_is_refused():
     """The strategy's checkpoint is JSON: the outer optimizer's buffers must round-trip through it exactly."""
     import json
 
+    from fedfusion.strategies import FusionStrategy
     from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
     from flwr.supercore.task_identity import TaskIdentity
 
@@ -154,7 +155,6 @@ def test_outer_state_survives_a_json_checkpoint_and_a_missing_one_is_refused():
     from fedfusion.fusion.submodel.method import SubModelMethod
     from fedfusion.selection.participation import Participation
     from fedfusion.selection.selectors import make_selector
-    from fedfusion.strategies import FusionStrategy
     from tests.test_strategy import FakeGrid
 
     TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 0

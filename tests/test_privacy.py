@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from fedfusion.clients.privacy import privacy_mod
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 
-from fedfusion.clients.privacy import privacy_mod
 from fedfusion.config.recipe import RecipeError, load_recipe
 from fedfusion.models.build import model_from_state
 from fedfusion.models.slicing import extract, plan_slice, sub_config

@@ -45,8 +45,9 @@ def test_the_torch_jit_deprecation_is_ignored_and_other_deprecations_are_not():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         silence_expected_noise()
-        warnings.warn("`torch.jit.script_method` is deprecated. Please switch to `torch.compile`", DeprecationWarning)
-        warnings.warn("`torch.jit.trace` is deprecated", DeprecationWarning)
+        warnings.warn("`torch.jit.script_method` is deprecated. Please switch to `torch.compile`", DeprecationWarning,
+                      stacklevel=1)
+        warnings.warn("`torch.jit.trace` is deprecated", DeprecationWarning, stacklevel=1)
     assert [str(w.message) for w in caught] == ["`torch.jit.trace` is deprecated"]
 
 
@@ -55,8 +56,8 @@ def test_the_gradient_checkpointing_rename_is_ignored_and_other_future_warnings_
         warnings.simplefilter("always")
         silence_expected_noise()
         warnings.warn("`is_gradient_checkpointing` is deprecated and will be removed in v6. Use "
-                      "`is_activation_checkpointing` instead.", FutureWarning)
-        warnings.warn("`use_cache` is deprecated", FutureWarning)
+                      "`is_activation_checkpointing` instead.", FutureWarning, stacklevel=1)
+        warnings.warn("`use_cache` is deprecated", FutureWarning, stacklevel=1)
     assert [str(w.message) for w in caught] == ["`use_cache` is deprecated"]
 
 
@@ -65,7 +66,8 @@ def test_only_lora_imports_peft_and_bitsandbytes():
     """A server and the sub-model, small-model and generative client roles load neither (LoRA clients do)."""
     code = ("import sys, fedfusion.server_app, fedfusion.run.federation, fedfusion.client_app, fedfusion.strategies as s; "
             "import fedfusion.clients.submodel, fedfusion.clients.smallmodel, fedfusion.clients.generative; "
-            "s.FusionStrategy, fedfusion.run.federation.build_strategy; from fedfusion.fusion.lora.method import LoRAMethod; print(sorted(m for m in ('peft', 'bitsandbytes') if m in sys.modules))")
+            "s.FusionStrategy, fedfusion.run.federation.build_strategy; from fedfusion.fusion.lora.method import LoRAMethod; "
+            "print(sorted(m for m in ('peft', 'bitsandbytes') if m in sys.modules))")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr

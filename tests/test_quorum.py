@@ -6,10 +6,10 @@ from __future__ import annotations
 from uuid import uuid4
 
 import pytest
+from fedfusion.strategies.quorum import QuorumGrid
 from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MessageType, MetricRecord, RecordDict
 
 from fedfusion.config.recipe import RecipeError, load_recipe
-from fedfusion.strategies.quorum import QuorumGrid
 from tests.test_strategy import FakeGrid, _reply, make_strategy, task_identity  # noqa: F401 (autouse fixture)
 
 

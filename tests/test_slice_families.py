@@ -283,8 +283,8 @@ def test_cnn_groupnorm_groups_stay_whole_and_exact():
     x = torch.randn(2, 1, 12, 12, generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         a, b = x, x
-        for l, (fb, sb) in enumerate(zip(full.blocks, sub.blocks)):
-            block = cfg.channels[l] // cfg.groups
+        for layer, (fb, sb) in enumerate(zip(full.blocks, sub.blocks)):
+            block = cfg.channels[layer] // cfg.groups
             kept = torch.tensor([u * block + i for u in plan.channels for i in range(block)])
             a, b = fb(a), sb(b)
             torch.testing.assert_close(b, a[:, kept], rtol=1e-5, atol=1e-5)  # GroupNorm stats are the group's own

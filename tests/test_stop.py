@@ -8,10 +8,10 @@ import threading
 import time
 
 import pytest
+from fedfusion.strategies.stop import RunInterrupted, StopGrid
 from flwr.app import MessageType
 
 from fedfusion.run.interrupt import CtrlC
-from fedfusion.strategies.stop import RunInterrupted, StopGrid
 from tests.test_quorum import TimedGrid, _messages
 from tests.test_strategy import task_identity  # noqa: F401 (autouse fixture)
 
