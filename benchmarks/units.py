@@ -106,7 +106,9 @@ def local_step_s(target: Target, tokens: int) -> float:
 def check_cpu_s(target: Target, tokens: int, micro: int = 1) -> float:
     """CPU seconds of the server's Freivalds checks over one step of ``micro`` micro-batches, as the engine runs
     them when every tile is honest: each forward and input-gradient product once per micro-batch (its weight's
-    check vectors kept across them), each weight gradient once per step (the devices' sum over the micro-batches)."""
+    vectors and ``|B| 1`` kept across them), each weight gradient once per step over the micro-batches' operands
+    (``dY^T`` a transposed view, as the engine's; the engine's concatenation of them not timed). In process, one
+    thread, no engine around it: a lower bound of the engine's own ``verify_s`` (``benchmarks/units_checks.py``)."""
     check, gen, total = Freivalds(seed=0), torch.Generator().manual_seed(0), 0.0
     weights: dict[str, torch.Tensor] = {}
     phases = target.phases(tokens // micro)
@@ -116,11 +118,11 @@ def check_cpu_s(target: Target, tokens: int, micro: int = 1) -> float:
                 if b_key == "X":  # a weight gradient: checked once, at the step's last micro-batch, over all tokens
                     if chain < micro - 1:
                         continue
-                    a, b, weight = torch.randn(g.m, g.k * micro, generator=gen), torch.randn(g.k * micro, g.n,
-                                                                                            generator=gen), None
+                    a = torch.randn(g.k * micro, g.m, generator=gen).T
+                    b, weight = torch.randn(g.k * micro, g.n, generator=gen), None
                 else:
                     base = weights.setdefault(b_key, torch.randn(*((g.n, g.k) if b_t else (g.k, g.n)), generator=gen))
-                    a, b, weight = torch.randn(g.m, g.k, generator=gen), (base.T if b_t else base), (b_key, 0, b_t)
+                    a, b, weight = torch.randn(g.m, g.k, generator=gen), (base.T if b_t else base), (b_key, b_t)
                 c = a @ b
                 t0 = time.thread_time()
                 check.check(a, b, c, weight=weight)

@@ -248,7 +248,7 @@ class UnitEngine:
         assert self.verifier is not None
         g = work.gemms[gi]
         a, b = joined[0].whole() if joined else (g.a.logical(), g.b.logical())
-        weight = (g.b.key, g.b.version, g.b.t) if not joined and is_weight(g.b.key) else None
+        weight = (g.b.key, g.b.t) if not joined and is_weight(g.b.key) else None
         rec.verify_flops += self.verifier.flops(a, b)
         if self.verifier.check(a, b, c, weight=weight):
             return c

@@ -21,14 +21,14 @@ Cost: ``(vectors + 1) * 2 * (mk + kn + mn)`` FLOPs against ``2 mnk`` for the pro
 ``(vectors + 1) * (1/m + 1/n + 1/k)``; the engine checks each GEMM's assembled product once (the sum over its
 tiles is checked with the same secret ``r``) and checks single tiles only to find the culprit when that fails.
 On a CPU these are passes over memory, not FLOPs: all vectors go through an operand in one product
-(``vectors @ x.T``), ``|x| v`` runs a cache-sized block at a time, and a weight's side (``r``, ``B r``, ``|B| 1``)
-is computed once per version (:class:`Freivalds`), so a micro-batch's product costs passes over ``A`` and ``C``.
+(``vectors @ x.T``), ``|x| v`` runs a cache-sized block at a time, and a weight's ``|B| 1`` is computed once while
+its values last (:class:`Freivalds`), so a further micro-batch's product against it skips that pass.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -73,38 +73,28 @@ def _times(x: torch.Tensor, vectors: torch.Tensor) -> torch.Tensor:
     return vectors @ x.T
 
 
-WeightId = tuple[str, int, bool]  # (operand key, version, transposed): a weight as one product's right factor
-FINGERPRINT = 16  # secret entries of a weight compared before its kept check vectors are reused
+WeightId = tuple[str, bool]  # (operand key, transposed): a weight as one product's right factor
 
 
 @dataclass
 class _Side:
-    """A right factor's part of the check: version, ``r`` (vectors x n), ``(B r)^T`` (vectors x k), ``|B| 1``, and for a
-    weight its fingerprint (values at secret positions)."""
+    """A right factor's part of the check: ``r`` (vectors x n), ``(B r)^T`` (vectors x k) and ``|B| 1``."""
 
-    version: int
     r: torch.Tensor
     br: torch.Tensor
     rows: torch.Tensor
-    rows_at: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
-    cols_at: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
-    values: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
-
-    def matches(self, b: torch.Tensor, version: int) -> bool:
-        """Whether these vectors still describe ``b`` at ``version`` (same shape, dtype and fingerprint)."""
-        return (self.version == version and self.r.dtype == b.dtype and self.r.shape[1] == b.shape[1]
-                and self.rows.shape[0] == b.shape[0] and torch.equal(b[self.rows_at, self.cols_at], self.values))
 
 
 class Freivalds:
     """The randomised check with a private generator (the devices never see ``r``).
 
     A weight enters many products of a step (every micro-batch's forward and input gradient) with the same values:
-    ``check(..., weight=...)`` keeps that weight's vectors ``r``, ``B r`` and row sums ``|B| 1`` while its version
-    and a fingerprint (its values at ``FINGERPRINT`` secret positions) stay the same, so those products cost passes
-    over ``A`` and ``C`` only. The fingerprint guards against a version that names other values (a new model whose
-    weights restart at version 0): without it a device holding the same stale weights would pass. Reusing ``r``
-    within a version is safe for the same reason one ``r`` is: the devices never see it."""
+    ``check(..., weight=...)`` keeps that weight's ``r``, ``B r`` and ``|B| 1``, and on each later product recomputes
+    ``B r`` (one pass over ``B``) and reuses ``|B| 1`` (the tolerance's, the costlier pass) only when the fresh ``B r``
+    equals the kept one bit for bit: a changed ``B`` moves ``B r`` unless the change happens to be orthogonal to every
+    secret vector (probability 0 for continuous ``r``), so the residual always uses the ``B`` given and no version or
+    fingerprint is trusted. The same ``r`` serves every product of a weight while its values last; a device learns
+    of ``r`` only whether its tiles passed (strikes, re-sends), and is blocked after ``Strikes.limit`` failures."""
 
     R_MAX = 2.0
 
@@ -127,19 +117,18 @@ class Freivalds:
         return sign * (1 + torch.rand(self.vectors, n, generator=self.gen, dtype=dtype))
 
     def _right(self, b: torch.Tensor, weight: WeightId | None) -> _Side:
-        """The vectors ``r``, the products ``B r`` and ``|B| 1`` for ``b`` (a weight's kept, see the class)."""
-        if weight is not None:
-            kept = self._weights.get(weight[::2])
-            if kept is not None and kept.matches(b, weight[1]):
+        """The vectors ``r``, the products ``B r`` and ``|B| 1`` for ``b`` (a weight's ``|B| 1`` reused, see the
+        class)."""
+        kept = self._weights.get(weight) if weight is not None else None
+        if kept is not None and kept.r.dtype == b.dtype and kept.r.shape[1] == b.shape[1] \
+                and kept.rows.shape[0] == b.shape[0]:
+            br = _times(b, kept.r)
+            if torch.equal(br, kept.br):
                 return kept
         r = self._draw(b.shape[1], b.dtype)
-        side = _Side(weight[1] if weight else 0, r, _times(b, r), abs_mv(b, torch.ones(b.shape[1], dtype=b.dtype)))
+        side = _Side(r, _times(b, r), abs_mv(b, torch.ones(b.shape[1], dtype=b.dtype)))
         if weight is not None:
-            n = min(FINGERPRINT, b.numel())
-            side.rows_at = torch.randint(0, b.shape[0], (n,), generator=self.gen)
-            side.cols_at = torch.randint(0, b.shape[1], (n,), generator=self.gen)
-            side.values = b[side.rows_at, side.cols_at].clone()
-            self._weights[weight[::2]] = side
+            self._weights[weight] = side
         return side
 
     def _scale(self, b: torch.Tensor) -> float:
@@ -161,7 +150,7 @@ class Freivalds:
 
     def check(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, weight: WeightId | None = None) -> bool:
         """True when ``c`` passes as ``a @ b`` (right shape, finite, residual within tolerance on every row).
-        ``weight`` names ``b`` when it is a weight (key, version, transposed), so its side is computed once."""
+        ``weight`` names ``b`` when it is a weight (key, transposed), so its ``|B| 1`` is computed once per values."""
         if c.shape != (a.shape[0], b.shape[1]):
             return False
         side = self._right(b, weight)
