@@ -300,9 +300,10 @@ def markdown(data: dict) -> str:
              "2 MB/s up, 50 ms RTT, 5 ms per message. Laptops: 3 TFLOP/s (catalog `laptop`), 125 MB/s both ways, "
              "2 ms RTT, 2 ms per message. A5000: FLOPs / (27.8 TFLOP/s x 0.6), launches ignored. Local CPU step: "
              "CPU seconds of one thread (best of 3; hidden1024 measured at 2 x 128 tokens, scaled x4). Check CPU: the "
-             "server's Freivalds checks (2 vectors) over the step as the engine runs them with 1 and 4 micro-batches "
-             "(forward and input-gradient products per micro-batch, a weight's check vectors kept across them; each "
-             "weight gradient once, summed), one thread. Floor (the issue's): max over devices of (downlink "
+             "server's Freivalds checks (2 vectors) over the step in process with 1 and 4 micro-batches, as the engine "
+             "orders them (forward and input-gradient products per micro-batch, a weight's check vectors kept across "
+             "them; each weight gradient once, summed), one thread: a lower bound of the engine's own time. "
+             "Floor (the issue's): max over devices of (downlink "
              "seconds + message overheads, uplink seconds, compute seconds) + phases x (RTT + overhead). Step times "
              "are virtual (the timeline); only the real engine runs compute tiles.", "",
              "| target | params | step GFLOP | local CPU step (s) | A5000 step | A5000 energy (J) | check CPU (s) | "

@@ -118,7 +118,7 @@ def test_a_weights_kept_check_vectors_catch_the_same_errors_and_never_vouch_for_
     assert missed <= 1
     assert len(check._weights) == 1
     dense = torch.randn(40, 48, generator=gen)
-    sparse = w.clone()
+    sparse = dense.clone()  # after ``dense``: one entry changed
     sparse[3, 5] += 0.5
     for other in (dense, sparse):
         for _ in range(20):

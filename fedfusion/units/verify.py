@@ -122,11 +122,13 @@ class Freivalds:
         kept = self._weights.get(weight) if weight is not None else None
         if kept is not None and kept.r.dtype == b.dtype and kept.r.shape[1] == b.shape[1] \
                 and kept.rows.shape[0] == b.shape[0]:
-            br = _times(b, kept.r)
+            r, br = kept.r, _times(b, kept.r)  # the weight's vectors; new values recompute only ``|B| 1``
             if torch.equal(br, kept.br):
                 return kept
-        r = self._draw(b.shape[1], b.dtype)
-        side = _Side(r, _times(b, r), abs_mv(b, torch.ones(b.shape[1], dtype=b.dtype)))
+        else:
+            r = self._draw(b.shape[1], b.dtype)
+            br = _times(b, r)
+        side = _Side(r, br, abs_mv(b, torch.ones(b.shape[1], dtype=b.dtype)))
         if weight is not None:
             self._weights[weight] = side
         return side
@@ -137,7 +139,11 @@ class Freivalds:
 
     def tolerance(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """Per-row tolerance of the check of ``a @ b`` (in the operands' dtype)."""
-        return self._scale(b) * abs_mv(a, abs_mv(b, torch.ones(b.shape[1], dtype=b.dtype))) + torch.finfo(a.dtype).tiny
+        return self._tolerance(a, b, abs_mv(b, torch.ones(b.shape[1], dtype=b.dtype)))
+
+    def _tolerance(self, a: torch.Tensor, b: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The tolerance from ``|B| 1`` (``rows``): the module's formula."""
+        return self._scale(b) * abs_mv(a, rows) + torch.finfo(a.dtype).tiny
 
     def residual(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
         """``max_vectors |C r - A (B r)|`` per row, for fresh secret vectors (NaN when ``c`` is not finite)."""
@@ -154,8 +160,7 @@ class Freivalds:
         if c.shape != (a.shape[0], b.shape[1]):
             return False
         side = self._right(b, weight)
-        tol = self._scale(b) * abs_mv(a, side.rows) + torch.finfo(a.dtype).tiny
-        return bool((self._residual(a, c, side.r, side.br) <= tol).all())  # NaN compares False
+        return bool((self._residual(a, c, side.r, side.br) <= self._tolerance(a, b, side.rows)).all())  # NaN compares False
 
 
 class Strikes:
