@@ -5,10 +5,12 @@ device's processor waits between its messages, and the step's time.
 
 Timeline (``fedfusion.units.timeline``, no Flower): the quickstart target (hidden 128, 4 layers, every linear layer
 offloaded), a batch of 4 x 256 tokens as 4 micro-batches, 8 phones (``tests/test_units_timeline.phones``: 0.5-1.5
-TFLOP/s, 5-10 MB/s down, 2-6 MB/s up, 50 ms RTT) and 20 ms of server time between phases; ``in_flight`` 1, 2 and 4;
-weight-gradient tiles summed on the devices (``units.accumulate``, the default).
-With ``--flower`` also ``fedfusion run units units.steps=3 units.in_flight=N`` (recipes/units.yaml: 8 simulated
-nodes, 2 micro-batches) for N = 1 and 0 (all): per step the loss, virtual and wall seconds. Writes
+TFLOP/s, 5-10 MB/s down, 2-6 MB/s up, 50 ms RTT) and 20 ms of server time between phases; ``in_flight`` 1, 2 and 4 on
+devices that take their next message while they compute (``lanes=0``), and 4 on devices that hold one message at a
+time (``lanes=1``, Flower's SuperNode); weight-gradient tiles summed on the devices (``units.accumulate``).
+With ``--flower`` also ``fedfusion run units units.steps=3 units.micro_batches=2 units.in_flight=N``
+(recipes/units.yaml: 8 simulated nodes; virtual time for nodes that hold one message at a time, ``units.lanes:
+1``) for N = 1 and 0 (all): per step the loss, virtual and wall seconds. Writes
 ``units_inflight.json`` and ``units_inflight.md``.
 """
 
@@ -42,10 +44,10 @@ def phones(n: int) -> list[UnitDevice]:
 def timeline() -> list[dict]:
     chains = [llama_phases(**QUICKSTART, tokens=256, mode="all")] * 4
     rows = []
-    for in_flight in (1, 2, 4):
-        t = simulate(phones(8), chains, server_gap_s=GAP_S, in_flight=in_flight, accumulate=True)
+    for lanes, in_flight in ((0, 1), (0, 2), (0, 4), (1, 4)):
+        t = simulate(phones(8), chains, server_gap_s=GAP_S, in_flight=in_flight, accumulate=True, lanes=lanes)
         used = t.down_bytes > 0
-        rows.append({"in_flight": in_flight, "step_s": t.step_s, "idle_gap_mean_s": float(np.mean(t.idle_gap_s[used])),
+        rows.append({"lanes": lanes, "in_flight": in_flight, "step_s": t.step_s, "idle_gap_mean_s": float(np.mean(t.idle_gap_s[used])),
                      "idle_gap_max_s": float(np.max(t.idle_gap_s[used])), "compute_mean_s": float(np.mean(t.compute_s[used])),
                      "link_utilisation": t.link_utilisation})
     return rows
@@ -57,7 +59,8 @@ def flower() -> list[dict]:
         for in_flight in (1, 0):
             out = Path(tmp) / f"in_flight{in_flight}"
             subprocess.run([sys.executable, "-m", "fedfusion.cli", "run", "units", "units.steps=3",
-                            f"units.in_flight={in_flight}", "--out", str(out)], check=True, capture_output=True)
+                            "units.micro_batches=2", f"units.in_flight={in_flight}", "--out", str(out)],
+                           check=True, capture_output=True)
             for r in read_jsonl(out / "metrics.jsonl")[1:]:
                 rows.append({"in_flight": in_flight, "step": r["step"], "train_loss": r["train_loss"],
                              "virtual_s": r["virtual_s"], "wall_s": r["wall_s"]})
@@ -68,14 +71,17 @@ def markdown(data: dict) -> str:
     lines = ["# units mode: micro-batches one at a time vs in flight", "", f"Command: `{data['command']}`.", "",
              "Timeline: quickstart target, every linear layer, 4 micro-batches of 256 tokens, 8 phones, "
              f"{GAP_S * 1e3:.0f} ms of server time between phases, weight gradients summed on the devices. Idle gap: "
-             "the seconds a device's processor waits between two of its messages (its downlink time included).", "",
-             "| in flight | step (s) | mean idle gap (s) | max idle gap (s) | mean compute (s) | link util. |",
-             "|---|---|---|---|---|---|"]
-    lines += [f"| {r['in_flight']} | {r['step_s']:.2f} | {r['idle_gap_mean_s']:.2f} | {r['idle_gap_max_s']:.2f} | "
+             "the seconds a device's processor waits between two of its messages (its downlink time included). Lanes: "
+             "the messages a device holds at once (0: no limit, a runtime that receives while it computes; 1: "
+             "Flower's SuperNode).", "",
+             "| lanes | in flight | step (s) | mean idle gap (s) | max idle gap (s) | mean compute (s) | link util. |",
+             "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['lanes']} | {r['in_flight']} | {r['step_s']:.2f} | {r['idle_gap_mean_s']:.2f} | {r['idle_gap_max_s']:.2f} | "
               f"{r['compute_mean_s']:.3f} | {r['link_utilisation']:.2f} |" for r in data["timeline"]]
     if data.get("flower"):
-        lines += ["", "Flower (`fedfusion run units units.steps=3 units.in_flight=N`, 8 simulated nodes, 2 micro-batches; "
-                  "wall seconds on this machine's shared cores; in_flight 0 = all):", "",
+        lines += ["", "Flower (`fedfusion run units units.steps=3 units.micro_batches=2 units.in_flight=N`, 8 simulated "
+                  "nodes; virtual seconds for devices that hold one message at a time (`units.lanes: 1`, Flower's "
+                  "SuperNode), wall seconds on this machine's shared cores; in_flight 0 = all):", "",
                   "| in_flight | step | train loss | virtual (s) | wall (s) |", "|---|---|---|---|---|"]
         lines += [f"| {r['in_flight']} | {r['step']} | {r['train_loss']:.6f} | {r['virtual_s']:.2f} | {r['wall_s']:.1f} |"
                   for r in data["flower"]]

@@ -1,6 +1,8 @@
 """The units mode's busiest-link utilisation against the micro-batch count (1, 2, 4, 8: the divisors of batch 8),
 in the same 20 settings as ``benchmarks/units.py`` (virtual time, ``fedfusion.units.timeline``, on-device
-accumulation), and what a per-step choice of the count could reach.
+accumulation), and what a per-step choice of the count could reach, on a device runtime that takes its next message while it works
+(the timeline's default) and on one that holds 1 or 2 messages at a time (``simulate(lanes=...)``; Flower 1.42's
+SuperNode holds one: it pulls, computes, replies, then pulls again).
 
     python benchmarks/units_microbatches.py [--out benchmarks/results]
 
@@ -21,11 +23,19 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from units import BATCH, RESULTS, SEQ, TARGETS, fleets  # noqa: E402
+from units import BATCH, RESULTS, SEQ, TARGETS, Target, fleets  # noqa: E402
 
 from fedfusion.units.timeline import choose_micro_batches  # noqa: E402
 
 COUNTS = [m for m in range(1, BATCH + 1) if BATCH % m == 0]  # what choose_micro_batches tries
+LANES = (2, 1)  # messages a device holds at once, beside the default's no limit
+
+
+def summary(timings: dict) -> dict[str, dict[str, float]]:
+    """Per count: the step, its floor, the busiest link's utilisation and busy seconds."""
+    return {str(m): {"step_s": r.step_s, "floor_s": r.floor_s, "link_utilisation": r.link_utilisation,
+                     "busiest_link_s": float(max(r.down_busy_s.max(), r.up_busy_s.max()))}
+            for m, r in timings.items()}
 
 
 def main() -> None:
@@ -36,16 +46,20 @@ def main() -> None:
     for target in TARGETS:
         for fleet, (proto, _) in fleets().items():
             for n in [4, 16, 64, 256, 1024]:
-                auto, timings = choose_micro_batches([proto] * n, lambda m, t=target: t.phases(BATCH * SEQ // m), BATCH,
-                                                     accumulate=True)
-                per = {m: {"step_s": r.step_s, "floor_s": r.floor_s, "link_utilisation": r.link_utilisation,
-                           "busiest_link_s": float(max(r.down_busy_s.max(), r.up_busy_s.max()))}
-                       for m, r in timings.items()}
+                def phases_for(m: int, t: Target = target) -> list:
+                    return t.phases(BATCH * SEQ // m)
+
+                auto, timings = choose_micro_batches([proto] * n, phases_for, BATCH, accumulate=True)
+                per = summary(timings)
                 lat = (proto.rtt_s + proto.overhead_s) * timings[1].phases_per_chain
+                lanes = {}
+                for k in LANES:
+                    chosen, limited = choose_micro_batches([proto] * n, phases_for, BATCH, accumulate=True, lanes=k)
+                    lanes[str(k)] = {"auto": chosen, "counts": summary(limited)}
                 rows.append({"target": target.name, "fleet": fleet, "devices": n, "latency_chain_s": lat,
                              "ceiling": min(1.0, max(p["busiest_link_s"] for p in per.values()) / lat),
-                             "auto": auto, "counts": {str(m): p for m, p in per.items()}})
-                print(json.dumps({k: v for k, v in rows[-1].items() if k != "counts"}), flush=True)
+                             "auto": auto, "counts": per, "lanes": lanes})
+                print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("counts", "lanes")}), flush=True)
     wall = time.perf_counter() - t_start
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "units_microbatches.json").write_text(json.dumps({"wall_s": wall, "rows": rows}, indent=1))
@@ -86,6 +100,32 @@ def main() -> None:
                                f"{max(p['link_utilisation'] for p in r['counts'].values()):.2f}" for r in never) +
                      "): each micro-batch adds phases x per-message overhead on every device's downlink "
                      "(not link bytes), and a chain's phases wait on each other.")
+    lines += ["", "## A device that holds fewer messages at once", "",
+              "The same settings when a device holds at most k messages (`timeline.simulate(lanes=k)`): a message "
+              "starts its download only when the reply of the message k before it on that device is back. k = 1 is "
+              "Flower 1.42's SuperNode (pull, compute, reply, then pull the next); no limit is the table above. Per k: "
+              "the auto count, its utilisation / step (s), and the best utilisation at any count.", "",
+              "| target | fleet | devices | step at 1 (s) | no limit: auto, util. / step | " +
+              " | ".join(f"{k} lane(s): auto, util. / step, best util." for k in LANES) + " |",
+              "|---|---|---|---|---|" + "---|" * len(LANES)]
+    for r in rows:
+        cells = [f"{r['auto']}, {r['counts'][str(r['auto'])]['link_utilisation']:.2f} / "
+                 f"{r['counts'][str(r['auto'])]['step_s']:.2f}"]
+        for k in LANES:
+            lane = r["lanes"][str(k)]
+            pick = lane["counts"][str(lane["auto"])]
+            cells.append(f"{lane['auto']}, {pick['link_utilisation']:.2f} / {pick['step_s']:.2f}, "
+                         f"{max(p['link_utilisation'] for p in lane['counts'].values()):.2f}")
+        lines.append(f"| {r['target']} | {r['fleet']} | {r['devices']} | {r['counts']['1']['step_s']:.2f} | " +
+                     " | ".join(cells) + " |")
+    lines += [""]
+    for k in LANES:
+        picks = [(r, r["lanes"][str(k)]) for r in rows]
+        reach = sum(lane["counts"][str(lane["auto"])]["link_utilisation"] >= 0.7 for _, lane in picks)
+        one = sum(lane["auto"] == 1 for _, lane in picks)
+        ratio = [lane["counts"][str(lane["auto"])]["step_s"] / r["counts"][str(r["auto"])]["step_s"] for r, lane in picks]
+        lines.append(f"- {k} lane(s): the auto count reaches >= 0.70 utilisation in {reach} of {len(rows)} settings and "
+                     f"is 1 in {one}; its step is {min(ratio):.2f}-{max(ratio):.2f}x the no-limit runtime's.")
     (args.out / "units_microbatches.md").write_text("\n".join(lines) + "\n")
 
 

@@ -74,6 +74,7 @@ def test_resolved_recipe_reloads_identically(tmp_path):
         ("train:\n  max_epochs: many\n", "train.max_epochs"),
         ("engine:\n  server_threads: -1\n", "engine.server_threads"),
         ("fusion:\n  method: units\nunits:\n  micro_batches: -1\n", "units.micro_batches: must be >= 0"),
+        ("fusion:\n  method: units\nunits:\n  lanes: -1\n", "units.lanes: must be >= 0"),
         ("train:\n  eval_every: -1\n", "train.eval_every"),
         ("train:\n  eval_every: sometimes\n", "train.eval_every"),
         ("fusion:\n  method: generative\ngenerative:\n  top_k: -2\n", "generative.top_k"),

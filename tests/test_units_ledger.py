@@ -115,6 +115,17 @@ def test_plan_shows_the_server_and_the_cloud_step() -> None:
     assert slow["server"]["server_compute_s"] > 100 * s["server_compute_s"]
 
 
+def test_the_plan_prices_the_devices_lanes() -> None:
+    """``units.lanes`` reaches the plan's timeline: with 2 micro-batches in flight a device that holds one message at
+    a time (Flower's SuperNode, the default) overlaps nothing, so its step is slower than one that holds two, whose
+    step equals the no-limit runtime's (two chains never queue a third message); the bytes are the same."""
+    steps = {lanes: units_plan(load_recipe("units", ["units.micro_batches=2", f"units.lanes={lanes}"]))[0]
+             for lanes in (0, 1, 2)}
+    assert steps[0]["step_s"] == steps[2]["step_s"] < steps[1]["step_s"]
+    assert steps[0]["MB down"] == steps[1]["MB down"] and steps[0]["MB up"] == steps[1]["MB up"]
+    assert load_recipe("units").units.lanes == 1
+
+
 @pytest.mark.slow  # a plan at every divisor of the batch, then the chooser and `fedfusion plan`: 4-11 s here
 def test_micro_batches_zero_is_the_choosers_count_on_the_plans_steps(tmp_path: Path,
                                                                       capsys: pytest.CaptureFixture[str]) -> None:

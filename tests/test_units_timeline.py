@@ -103,6 +103,28 @@ def test_single_message_time_is_overhead_links_latency_compute() -> None:
     assert down > 4 * 32 * 64 and up > 4 * 32 * 512  # the operands and the fused [gate|up] output moved
 
 
+def test_one_lane_serialises_a_devices_messages() -> None:
+    """``lanes=1`` (Flower's SuperNode: pull, compute, reply, then pull the next): on one device with every
+    micro-batch in flight the step is the sum of each message's own time, nothing overlaps; without the limit the
+    device receives the next message while it computes, so the same step is shorter and its links busier."""
+    dev = UnitDevice("x", 1e9, 2e9, 1e6, 5e5, rtt_s=0.1, overhead_s=0.01)
+    chains = [llama_phases(**SHAPE, tokens=32, mode="all")] * 3
+    one = simulate([dev], chains, lanes=1, accumulate=True)
+    messages = sum(len(ch) for ch in chains)
+    serial = messages * (0.01 + 0.1) + one.down_busy_s[0] + one.compute_s[0] + one.up_busy_s[0]
+    assert one.step_s == pytest.approx(serial, rel=1e-12)
+    free = simulate([dev], chains, accumulate=True)
+    assert free.step_s < one.step_s and free.link_utilisation > one.link_utilisation
+    assert (free.down_bytes == one.down_bytes).all() and (free.up_bytes == one.up_bytes).all()
+    # a single chain never has two messages on a device: the limit changes nothing
+    single = [llama_phases(**SHAPE, tokens=96, mode="all")]
+    assert simulate(phones(3), single, lanes=1).step_s == simulate(phones(3), single).step_s
+    two = simulate([dev], chains, lanes=2, accumulate=True)
+    assert free.step_s <= two.step_s < one.step_s
+    with pytest.raises(ValueError, match="lanes"):
+        simulate([dev], chains, lanes=-1)
+
+
 def test_micro_batches_keep_links_busy_and_step_near_floor() -> None:
     devs = phones(4)
     one = simulate(devs, [llama_phases(**QUICKSTART, tokens=1024, mode="all")])

@@ -364,6 +364,11 @@ class UnitsSection:
     # each device sums its weight-gradient tiles over the step's micro-batches and uploads them once per step
     # (fedfusion.units.accumulate) instead of once per micro-batch; false: every micro-batch uploads its own
     accumulate: bool = True
+    # messages a device holds at once, for the step's virtual time and the micro-batch choice (timeline.simulate):
+    # 1 is Flower's SuperNode (it pulls a message, computes, replies, then pulls the next: its links and processor
+    # never overlap, so micro-batches in flight do not shorten a device's share); 0: no limit, a device runtime that
+    # receives its next message while it computes (the seed paper's devices; 2 already reach it, units_microbatches.md)
+    lanes: int = 1
     deadline_factor: float = 3.0  # a device's deadline: this multiple of its message's predicted (virtual) time
     # the wall-clock floor of a device's deadline: the predicted times are the catalog device's, the real transport
     # (Flower's simulation engine sweeps each node's queue every 0.1 s) adds its own latency
@@ -720,6 +725,9 @@ def _validate_units(recipe: Recipe) -> None:
         raise RecipeError(f"units.eval_every: must be >= 0, got {u.eval_every}")
     if u.in_flight < 0:
         raise RecipeError(f"units.in_flight: must be >= 0 (0: every micro-batch), got {u.in_flight}")
+    if u.lanes < 0:
+        raise RecipeError(f"units.lanes: must be >= 0 (1: Flower's SuperNode, one message at a time; 0: no limit), "
+                          f"got {u.lanes}")
     if recipe.fusion.method != UNITS:
         return
     if u.micro_batches and recipe.train.batch_size % u.micro_batches:

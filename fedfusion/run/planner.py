@@ -596,7 +596,7 @@ def units_micro_batches(recipe: Recipe) -> int:
     chosen, _ = choose_micro_batches(
         units_devices(recipe), lambda m: work(m).phases, recipe.train.batch_size,
         kwargs_for=lambda m: {"server_gap_s": work(m).gap_s, "optimizer_s": work(m).optimizer_s},
-        deadline_factor=u.deadline_factor, in_flight=u.in_flight, accumulate=u.accumulate)
+        deadline_factor=u.deadline_factor, in_flight=u.in_flight, accumulate=u.accumulate, lanes=u.lanes)
     return chosen
 
 
@@ -621,7 +621,7 @@ def units_plan(recipe: Recipe) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     tiers = tier_list(recipe)
     devices = units_devices(recipe)
     timing = simulate(devices, [phases] * micro, deadline_factor=u.deadline_factor, server_gap_s=work.gap_s,
-                      optimizer_s=work.optimizer_s, in_flight=u.in_flight, accumulate=u.accumulate)
+                      optimizer_s=work.optimizer_s, in_flight=u.in_flight, accumulate=u.accumulate, lanes=u.lanes)
     priced = price_server(server, catalog[recipe.report.cloud], own, verify, int(timing.down_bytes.sum()),
                           int(timing.up_bytes.sum()), float(sum(g.flops for g in gemms)))
     cm = CostModel(devices)

@@ -386,7 +386,7 @@ def _run_units(grid: Grid, recipe: Recipe, run: RunDir, on_round: Callable[[dict
         gaps, server = server_step(recipe, model, target.params, batch, trace, catalog)
         timing = simulate(devices, chains_from_trace(trace), deadline_factor=u.deadline_factor,
                           server_gap_s=gaps[0], optimizer_s=gaps[1], in_flight=u.in_flight,
-                          accumulate=u.accumulate) if trace else None
+                          accumulate=u.accumulate, lanes=u.lanes) if trace else None
         used = {d for rec in trace for d in rec.down_bytes}
         scores: dict[str, float] = {}
         if step == u.steps or (u.eval_every and step % u.eval_every == 0):

@@ -7,7 +7,12 @@ Each device has three FIFO resources: its downlink, its processor and its uplink
     up:      starts at max(compute end, uplink free), takes bytes_up / up_bps, then rtt / 2 back
 
 so a device can receive micro-batch 2's operands while it computes micro-batch 1's and sends back micro-batch
-0's. Micro-batches are independent chains of dependent phases (a phase is issued when the previous phase of
+0's. That needs a device runtime that takes its next message while it works on the current one. ``lanes`` caps the
+messages a device holds at once: a message cannot start its download before the reply of the message ``lanes``
+before it on that device is back. Flower 1.42's SuperNode is ``lanes=1``: it pulls a message, runs the ClientApp,
+sends the reply and only then pulls the next (its pull's round trip is the message's ``rtt``), so its downlink,
+processor and uplink never overlap; ``lanes=0`` (no limit, the default) is a runtime that prefetches, the seed
+paper's devices. Micro-batches are independent chains of dependent phases (a phase is issued when the previous phase of
 its chain is back, plus the server's own time between phases), processed in order of issue time. ``in_flight``
 chains run at once (the scheduler keeps that many micro-batches' messages queued, the engine one thread each);
 the next starts when one ends. A device's idle gap is the time its processor waits between two messages.
@@ -79,9 +84,11 @@ class StepTiming:
 class _Links:
     """The FIFO resources of every device and what they carried."""
 
-    def __init__(self, devices: list[UnitDevice]) -> None:
+    def __init__(self, devices: list[UnitDevice], lanes: int = 0) -> None:
         n = len(devices)
         self.devices = devices
+        self.lanes = lanes
+        self.replies: list[list[float]] = [[] for _ in range(n)]  # per device: its booked messages' reply times
         self.down_free, self.cpu_free, self.up_free = np.zeros(n), np.zeros(n), np.zeros(n)
         self.down_bytes, self.up_bytes = np.zeros(n), np.zeros(n)
         self.down_busy, self.up_busy, self.compute = np.zeros(n), np.zeros(n), np.zeros(n)
@@ -92,6 +99,8 @@ class _Links:
     def reply_at(self, d: int, t: float, down_b: float, flops: float, up_b: float, book: bool) -> float:
         """When a message issued at ``t`` would be back; ``book`` reserves the resources."""
         dev = self.devices[d]
+        if self.lanes and len(self.replies[d]) >= self.lanes:  # waits for a lane's reply to be back
+            t = max(t, self.replies[d][-self.lanes])
         down_end = max(t, self.down_free[d]) + dev.overhead_s + down_b / dev.down_bps
         comp_start = max(down_end + dev.rtt_s / 2, self.cpu_free[d])
         comp_end = comp_start + flops / dev.flops
@@ -107,6 +116,7 @@ class _Links:
             self.up_busy[d] += up_b / dev.up_bps
             self.compute[d] += flops / dev.flops
             self.overhead[d] += dev.overhead_s
+            self.replies[d].append(float(up_end + dev.rtt_s / 2))
         return float(up_end + dev.rtt_s / 2)
 
 
@@ -129,13 +139,16 @@ def simulate(devices: list[UnitDevice], chains: list[list[Phase]], *, elem_bytes
              optimizer_s: float = 0.0, kills: tuple[Kill, ...] = (), deadline_factor: float = 3.0,
              layouts: tuple[str, ...] = LAYOUTS, max_groups: int | None = None,
              cache_weights: bool = True, resident_weights: bool = False, in_flight: int = 0,
-             accumulate: bool = False) -> StepTiming:
+             accumulate: bool = False, lanes: int = 0) -> StepTiming:
     """Virtual time of one step whose micro-batches are ``chains``, ``in_flight`` at once (0: all, from time 0); with
     ``cache_weights`` a device receives each weight block once per step (``messages.DeviceRuntime``), with
     ``resident_weights`` never (a frozen base cached on the devices by earlier steps); with ``accumulate`` the
-    devices sum weight gradients over the micro-batches and upload each tile once per step."""
+    devices sum weight gradients over the micro-batches and upload each tile once per step; ``lanes``: the messages
+    a device holds at once (0: no limit; 1: Flower's SuperNode)."""
+    if lanes < 0:
+        raise ValueError(f"lanes must be >= 0 (0: no limit), got {lanes}")
     cm = CostModel(devices, elem_bytes)
-    links = _Links(devices)
+    links = _Links(devices, lanes)
     kill_at = {k.device: k.at_s for k in kills}
     known_dead: dict[int, float] = {}
     held: dict[int, set[str]] = {}
