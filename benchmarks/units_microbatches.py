@@ -124,8 +124,11 @@ def main() -> None:
         reach = sum(lane["counts"][str(lane["auto"])]["link_utilisation"] >= 0.7 for _, lane in picks)
         one = sum(lane["auto"] == 1 for _, lane in picks)
         ratio = [lane["counts"][str(lane["auto"])]["step_s"] / r["counts"][str(r["auto"])]["step_s"] for r, lane in picks]
+        floor = [lane["counts"][str(lane["auto"])]["step_s"] / lane["counts"][str(lane["auto"])]["floor_s"]
+                 for _, lane in picks]
         lines.append(f"- {k} lane(s): the auto count reaches >= 0.70 utilisation in {reach} of {len(rows)} settings and "
-                     f"is 1 in {one}; its step is {min(ratio):.2f}-{max(ratio):.2f}x the no-limit runtime's.")
+                     f"is 1 in {one}; its step is {min(ratio):.2f}-{max(ratio):.2f}x the no-limit runtime's, step / floor "
+                     f"{min(floor):.2f}-{max(floor):.2f} ({sum(f > 1.5 for f in floor)} above 1.5).")
     (args.out / "units_microbatches.md").write_text("\n".join(lines) + "\n")
 
 
