@@ -747,7 +747,9 @@ def units_view(recipe: Recipe) -> PlanView:
     notes = (f"one step: {micro} micro-batch{'es' if micro > 1 else ''}, {step['phases']} phases, "
              f"{step['step_s']:.2f} virtual s (floor {step['floor_s']:.2f} s), busiest-link utilisation "
              f"{step['link_utilisation']:.2f}, {step['MB down']:.1f} MB down and {step['MB up']:.1f} MB up in all; {step['steps']} steps "
-             f"(fedfusion.units.timeline on the catalog's links, no churn, the server's time between phases)",
+             f"(fedfusion.units.timeline on the catalog's links, no churn, the server's time between phases, devices "
+             f"holding {recipe.units.lanes or 'any number of'} message{'' if recipe.units.lanes == 1 else 's'} at a time: "
+             f"units.lanes)",
              f"server ({s['server_device']}) per step: own compute {s['server_flops'] / 1e9:.3g} GFLOP (attention "
              f"{s['server_attention_flops'] / 1e9:.3g}, element-wise {s['server_elementwise_flops'] / 1e9:.3g}, linear "
              f"{s['server_linear_flops'] / 1e9:.3g}, optimizer {s['server_optimizer_flops'] / 1e9:.3g}) "
