@@ -1,8 +1,9 @@
 """The units mode's busiest-link utilisation against the micro-batch count (1, 2, 4, 8: the divisors of batch 8),
 in the same 20 settings as ``benchmarks/units.py`` (virtual time, ``fedfusion.units.timeline``, on-device
 accumulation), and what a per-step choice of the count could reach, on a device runtime that takes its next message while it works
-(the timeline's default) and on one that holds 1 or 2 messages at a time (``simulate(lanes=...)``; Flower 1.42's
-SuperNode holds one: it pulls, computes, replies, then pulls again).
+(the timeline's default), on one that holds 1 or 2 messages at a time (``simulate(lanes=...)``; Flower 1.42's
+SuperNode holds one: it pulls, computes, replies, then pulls again), and on devices that each run 2 SuperNodes
+(``simulate(supernodes=2)``: micro-batches alternate between them, each keeps its own weight blocks and sums).
 
     python benchmarks/units_microbatches.py [--out benchmarks/results]
 
@@ -28,7 +29,9 @@ from units import BATCH, RESULTS, SEQ, TARGETS, Target, fleets  # noqa: E402
 from fedfusion.units.timeline import choose_micro_batches  # noqa: E402
 
 COUNTS = [m for m in range(1, BATCH + 1) if BATCH % m == 0]  # what choose_micro_batches tries
-LANES = (2, 1)  # messages a device holds at once, beside the default's no limit
+# beside the default's no limit: messages a device holds at once, or SuperNodes per device (label -> simulate's kwargs)
+VARIANTS: dict[str, dict[str, int]] = {"2 lanes": {"lanes": 2}, "1 lane": {"lanes": 1},
+                                       "2 SuperNodes": {"supernodes": 2}}
 
 
 def summary(timings: dict) -> dict[str, dict[str, float]]:
@@ -52,14 +55,14 @@ def main() -> None:
                 auto, timings = choose_micro_batches([proto] * n, phases_for, BATCH, accumulate=True)
                 per = summary(timings)
                 lat = (proto.rtt_s + proto.overhead_s) * timings[1].phases_per_chain
-                lanes = {}
-                for k in LANES:
-                    chosen, limited = choose_micro_batches([proto] * n, phases_for, BATCH, accumulate=True, lanes=k)
-                    lanes[str(k)] = {"auto": chosen, "counts": summary(limited)}
+                variants = {}
+                for label, kwargs in VARIANTS.items():
+                    chosen, limited = choose_micro_batches([proto] * n, phases_for, BATCH, accumulate=True, **kwargs)
+                    variants[label] = {"auto": chosen, "counts": summary(limited)}
                 rows.append({"target": target.name, "fleet": fleet, "devices": n, "latency_chain_s": lat,
                              "ceiling": min(1.0, max(p["busiest_link_s"] for p in per.values()) / lat),
-                             "auto": auto, "counts": per, "lanes": lanes})
-                print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("counts", "lanes")}), flush=True)
+                             "auto": auto, "counts": per, "variants": variants})
+                print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("counts", "variants")}), flush=True)
     wall = time.perf_counter() - t_start
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "units_microbatches.json").write_text(json.dumps({"wall_s": wall, "rows": rows}, indent=1))
@@ -102,32 +105,38 @@ def main() -> None:
                      "(not link bytes), and a chain's phases wait on each other.")
     lines += ["", "## A device that holds fewer messages at once", "",
               "The same settings when a device holds at most k messages (`timeline.simulate(lanes=k)`): a message "
-              "starts its download only when the reply of the message k before it on that device is back. k = 1 is "
-              "Flower 1.42's SuperNode (pull, compute, reply, then pull the next); no limit is the table above. Per k: "
-              "the auto count, its utilisation / step (s), and the best utilisation at any count.", "",
+              "starts its download only when the reply of the message k before it on that device is back. 1 lane is "
+              "Flower 1.42's SuperNode (pull, compute, reply, then pull the next); no limit is the table above. "
+              "2 SuperNodes (`simulate(supernodes=2)`): each device runs two, micro-batch c goes to node c mod 2, each "
+              "node holds one message and its own weight blocks and sums (weights travel twice a step; more bytes "
+              "also raise utilisation, so compare the steps). Per variant: the auto count, its utilisation / step "
+              "(s), and the best utilisation at any count.", "",
               "| target | fleet | devices | step at 1 (s) | no limit: auto, util. / step | " +
-              " | ".join(f"{k} lane(s): auto, util. / step, best util." for k in LANES) + " |",
-              "|---|---|---|---|---|" + "---|" * len(LANES)]
+              " | ".join(f"{k}: auto, util. / step, best util." for k in VARIANTS) + " |",
+              "|---|---|---|---|---|" + "---|" * len(VARIANTS)]
     for r in rows:
         cells = [f"{r['auto']}, {r['counts'][str(r['auto'])]['link_utilisation']:.2f} / "
                  f"{r['counts'][str(r['auto'])]['step_s']:.2f}"]
-        for k in LANES:
-            lane = r["lanes"][str(k)]
+        for k in VARIANTS:
+            lane = r["variants"][k]
             pick = lane["counts"][str(lane["auto"])]
             cells.append(f"{lane['auto']}, {pick['link_utilisation']:.2f} / {pick['step_s']:.2f}, "
                          f"{max(p['link_utilisation'] for p in lane['counts'].values()):.2f}")
         lines.append(f"| {r['target']} | {r['fleet']} | {r['devices']} | {r['counts']['1']['step_s']:.2f} | " +
                      " | ".join(cells) + " |")
     lines += [""]
-    for k in LANES:
-        picks = [(r, r["lanes"][str(k)]) for r in rows]
+    for k in VARIANTS:
+        picks = [(r, r["variants"][k]) for r in rows]
         reach = sum(lane["counts"][str(lane["auto"])]["link_utilisation"] >= 0.7 for _, lane in picks)
         one = sum(lane["auto"] == 1 for _, lane in picks)
         ratio = [lane["counts"][str(lane["auto"])]["step_s"] / r["counts"][str(r["auto"])]["step_s"] for r, lane in picks]
         floor = [lane["counts"][str(lane["auto"])]["step_s"] / lane["counts"][str(lane["auto"])]["floor_s"]
                  for _, lane in picks]
-        lines.append(f"- {k} lane(s): the auto count reaches >= 0.70 utilisation in {reach} of {len(rows)} settings and "
-                     f"is 1 in {one}; its step is {min(ratio):.2f}-{max(ratio):.2f}x the no-limit runtime's, step / floor "
+        vs_one = [lane["counts"][str(lane["auto"])]["step_s"] /
+                  r["variants"]["1 lane"]["counts"][str(r["variants"]["1 lane"]["auto"])]["step_s"] for r, lane in picks]
+        lines.append(f"- {k}: the auto count reaches >= 0.70 utilisation in {reach} of {len(rows)} settings and "
+                     f"is 1 in {one}; its step is {min(ratio):.2f}-{max(ratio):.2f}x the no-limit runtime's and "
+                     f"{min(vs_one):.2f}-{max(vs_one):.2f}x 1 lane's ({sum(x < 1 for x in vs_one)} faster), step / floor "
                      f"{min(floor):.2f}-{max(floor):.2f} ({sum(f > 1.5 for f in floor)} above 1.5).")
     (args.out / "units_microbatches.md").write_text("\n".join(lines) + "\n")
 

@@ -125,6 +125,28 @@ def test_one_lane_serialises_a_devices_messages() -> None:
         simulate([dev], chains, lanes=-1)
 
 
+def test_supernodes_per_device_each_keep_their_own_weights_and_sums() -> None:
+    """``supernodes=k``: micro-batch c on node c mod k of each device, one message per node at a time, each node its
+    own weight blocks and running sums. One node is one lane exactly; with two nodes and two micro-batches each node
+    carries one micro-batch's whole traffic (weights included, no sums), so every device moves exactly twice what one
+    micro-batch alone moves, and the step is no faster than two lanes sharing one cache."""
+    chains = [llama_phases(**SHAPE, tokens=64, mode="all")] * 2
+    for devs in ([UnitDevice("x", 1e9, 2e9, 1e6, 5e5, rtt_s=0.1, overhead_s=0.01)], phones(4)):
+        one_node = simulate(devs, chains * 2, supernodes=1, accumulate=True)
+        one_lane = simulate(devs, chains * 2, lanes=1, accumulate=True)
+        assert one_node.step_s == one_lane.step_s and (one_node.down_bytes == one_lane.down_bytes).all()
+        alone = simulate(devs, chains[:1])
+        two_nodes = simulate(devs, chains, supernodes=2, accumulate=True)
+        assert (two_nodes.down_bytes == 2 * alone.down_bytes).all() and (two_nodes.up_bytes == 2 * alone.up_bytes).all()
+        two_lanes = simulate(devs, chains, lanes=2, accumulate=True)
+        assert (two_lanes.down_bytes < two_nodes.down_bytes).all() and two_lanes.step_s <= two_nodes.step_s
+    base = simulate(phones(8), chains, supernodes=2, accumulate=True)
+    hit = simulate(phones(8), chains, supernodes=2, accumulate=True, kills=(Kill(device=3, at_s=0.5 * base.step_s),))
+    assert hit.redispatched > 0 and 3 in hit.detected and hit.step_s > base.step_s
+    with pytest.raises(ValueError, match="not both"):
+        simulate(phones(2), chains, lanes=1, supernodes=2)
+
+
 def test_micro_batches_keep_links_busy_and_step_near_floor() -> None:
     devs = phones(4)
     one = simulate(devs, [llama_phases(**QUICKSTART, tokens=1024, mode="all")])

@@ -12,7 +12,10 @@ messages a device holds at once: a message cannot start its download before the 
 before it on that device is back. Flower 1.42's SuperNode is ``lanes=1``: it pulls a message, runs the ClientApp,
 sends the reply and only then pulls the next (its pull's round trip is the message's ``rtt``), so its downlink,
 processor and uplink never overlap; ``lanes=0`` (no limit, the default) is a runtime that prefetches, the seed
-paper's devices. Micro-batches are independent chains of dependent phases (a phase is issued when the previous phase of
+paper's devices. ``supernodes=k`` prices a way to more lanes within Flower: each device runs k SuperNodes,
+micro-batch ``c`` goes to its node ``c mod k``, and each node holds one message at a time and its own weight blocks
+and running sums (so weights travel and sums upload once per node and step), over the device's one set of links and
+processor. Micro-batches are independent chains of dependent phases (a phase is issued when the previous phase of
 its chain is back, plus the server's own time between phases), processed in order of issue time. ``in_flight``
 chains run at once (the scheduler keeps that many micro-batches' messages queued, the engine one thread each);
 the next starts when one ends. A device's idle gap is the time its processor waits between two messages.
@@ -87,8 +90,8 @@ class _Links:
     def __init__(self, devices: list[UnitDevice], lanes: int = 0) -> None:
         n = len(devices)
         self.devices = devices
-        self.lanes = lanes
-        self.replies: list[list[float]] = [[] for _ in range(n)]  # per device: its booked messages' reply times
+        self.lanes = lanes  # messages held at once per (device, node)
+        self.replies: dict[tuple[int, int], list[float]] = {}  # per (device, node): its booked messages' replies
         self.down_free, self.cpu_free, self.up_free = np.zeros(n), np.zeros(n), np.zeros(n)
         self.down_bytes, self.up_bytes = np.zeros(n), np.zeros(n)
         self.down_busy, self.up_busy, self.compute = np.zeros(n), np.zeros(n), np.zeros(n)
@@ -96,11 +99,13 @@ class _Links:
         self.messages = np.zeros(n, dtype=np.int64)
         self.idle_gap = np.zeros(n)  # processor seconds waiting between a message's compute and the next's
 
-    def reply_at(self, d: int, t: float, down_b: float, flops: float, up_b: float, book: bool) -> float:
-        """When a message issued at ``t`` would be back; ``book`` reserves the resources."""
+    def reply_at(self, d: int, t: float, down_b: float, flops: float, up_b: float, book: bool,
+                 node: int = 0) -> float:
+        """When a message issued at ``t`` to ``node`` of device ``d`` would be back; ``book`` reserves the resources."""
         dev = self.devices[d]
-        if self.lanes and len(self.replies[d]) >= self.lanes:  # waits for a lane's reply to be back
-            t = max(t, self.replies[d][-self.lanes])
+        replies = self.replies.setdefault((d, node), [])
+        if self.lanes and len(replies) >= self.lanes:  # waits for a lane's reply to be back
+            t = max(t, replies[-self.lanes])
         down_end = max(t, self.down_free[d]) + dev.overhead_s + down_b / dev.down_bps
         comp_start = max(down_end + dev.rtt_s / 2, self.cpu_free[d])
         comp_end = comp_start + flops / dev.flops
@@ -116,15 +121,15 @@ class _Links:
             self.up_busy[d] += up_b / dev.up_bps
             self.compute[d] += flops / dev.flops
             self.overhead[d] += dev.overhead_s
-            self.replies[d].append(float(up_end + dev.rtt_s / 2))
+            replies.append(float(up_end + dev.rtt_s / 2))
         return float(up_end + dev.rtt_s / 2)
 
 
 def _reply_with(links: _Links, d: int, t: float, tiles: list[Tile], specs: list[Spec], elem_bytes: int,
-                held: set[str] | None, resident: bool) -> float:
+                held: set[str] | None, resident: bool, node: int) -> float:
     """When device ``d`` would answer a message with ``tiles`` issued at ``t`` (nothing booked)."""
     down_b, up_b = formula_bytes(tiles, specs, elem_bytes, None if held is None else set(held), resident=resident)
-    return links.reply_at(d, t, down_b, sum(u.flops for u in tiles), up_b, book=False)
+    return links.reply_at(d, t, down_b, sum(u.flops for u in tiles), up_b, book=False, node=node)
 
 
 def chains_from_trace(trace: list[PhaseRecord]) -> list[list[Phase]]:
@@ -139,33 +144,40 @@ def simulate(devices: list[UnitDevice], chains: list[list[Phase]], *, elem_bytes
              optimizer_s: float = 0.0, kills: tuple[Kill, ...] = (), deadline_factor: float = 3.0,
              layouts: tuple[str, ...] = LAYOUTS, max_groups: int | None = None,
              cache_weights: bool = True, resident_weights: bool = False, in_flight: int = 0,
-             accumulate: bool = False, lanes: int = 0) -> StepTiming:
+             accumulate: bool = False, lanes: int = 0, supernodes: int = 0) -> StepTiming:
     """Virtual time of one step whose micro-batches are ``chains``, ``in_flight`` at once (0: all, from time 0); with
     ``cache_weights`` a device receives each weight block once per step (``messages.DeviceRuntime``), with
     ``resident_weights`` never (a frozen base cached on the devices by earlier steps); with ``accumulate`` the
     devices sum weight gradients over the micro-batches and upload each tile once per step; ``lanes``: the messages
-    a device holds at once (0: no limit; 1: Flower's SuperNode)."""
-    if lanes < 0:
-        raise ValueError(f"lanes must be >= 0 (0: no limit), got {lanes}")
+    a device holds at once (0: no limit; 1: Flower's SuperNode); ``supernodes``: SuperNodes per device (0: off; see
+    the module)."""
+    if lanes < 0 or supernodes < 0 or (lanes and supernodes):
+        raise ValueError(f"lanes and supernodes must be >= 0 and not both set, got {lanes} and {supernodes}")
     cm = CostModel(devices, elem_bytes)
-    links = _Links(devices, lanes)
+    links = _Links(devices, 1 if supernodes else lanes)
     kill_at = {k.device: k.at_s for k in kills}
     known_dead: dict[int, float] = {}
-    held: dict[int, set[str]] = {}
+    held: dict[tuple[int, int], set[str]] = {}  # (device, node) -> the weight blocks it holds
+
+    def node_of(chain: int) -> int:
+        return chain % supernodes if supernodes else 0
+
+    members = {n: sum(node_of(c) == n for c in range(len(chains))) for n in {node_of(c) for c in range(len(chains))}}
     plans: dict[tuple[object, ...], PhasePlan] = {}
     running = len(chains) if in_flight <= 0 else min(in_flight, len(chains))
     heap = [(0.0, c, 0) for c in range(running)]
     ends, redispatched, deadlines = [0.0], 0, []
-    reached: dict[int, int] = {}  # accumulate: phase position -> micro-batches that reached it
-    holders: dict[int, dict[int, list[Tile]]] = {}  # accumulate: phase position -> device -> the sums it holds
+    reached: dict[tuple[int, int], int] = {}  # accumulate: (phase position, node) -> micro-batches that reached it
+    holders: dict[tuple[int, int], dict[int, list[Tile]]] = {}  # accumulate: (position, node) -> device -> its sums
     while heap:
         t, c, p = heapq.heappop(heap)
         shapes, specs = chains[c][p]
-        summed = accumulate and len(chains) > 1 and WEIGHT_GRADIENT in specs
+        node = node_of(c)
+        summed = accumulate and members[node] > 1 and WEIGHT_GRADIENT in specs
         emit = False
         if summed:
-            reached[p] = reached.get(p, 0) + 1
-            emit = reached[p] == len(chains)
+            reached[p, node] = reached.get((p, node), 0) + 1
+            emit = reached[p, node] == members[node]
         live = tuple(d for d in range(len(devices)) if known_dead.get(d, np.inf) > t)
         key = (tuple(shapes), live)
         if key not in plans:
@@ -177,24 +189,26 @@ def simulate(devices: list[UnitDevice], chains: list[list[Phase]], *, elem_bytes
         work = [(t, d, tl) for d, tl in by_dev.items()]
         if summed and not emit:
             for d, tl in by_dev.items():
-                holders.setdefault(p, {}).setdefault(d, [x for x in tl if specs[x.gemm] == WEIGHT_GRADIENT])
+                holders.setdefault((p, node), {}).setdefault(d, [x for x in tl if specs[x.gemm] == WEIGHT_GRADIENT])
         done, phase_deadline = t, t
         if emit:  # the sums of devices known dead: every micro-batch's unit on the live device that answers first
-            for d, lost in holders.get(p, {}).items():
+            for d, lost in holders.get((p, node), {}).items():
                 if known_dead.get(d, np.inf) <= t and lost:
                     alive = [x for x in range(len(devices)) if known_dead.get(x, np.inf) > t]
                     down_b, up_b = formula_bytes(lost, specs, elem_bytes, resident=resident_weights)
                     flops = float(sum(x.flops for x in lost))
-                    n = len(chains)
-                    best = min(alive, key=lambda x: links.reply_at(x, t, n * down_b, n * flops, n * up_b, book=False))
-                    done = max(done, links.reply_at(best, t, n * down_b, n * flops, n * up_b, book=True))
+                    n = members[node]
+                    best = min(alive, key=lambda x: links.reply_at(x, t, n * down_b, n * flops, n * up_b, book=False,
+                                                                    node=node))
+                    done = max(done, links.reply_at(best, t, n * down_b, n * flops, n * up_b, book=True, node=node))
                     redispatched += n * len(lost)
         while work:
             issue, d, tiles = work.pop(0)
             sums = {i: emit for i, x in enumerate(tiles) if specs[x.gemm] == WEIGHT_GRADIENT} if summed else None
-            down_b, up_b = formula_bytes(tiles, specs, elem_bytes, held.setdefault(d, set()) if cache_weights else None,
+            down_b, up_b = formula_bytes(tiles, specs, elem_bytes,
+                                         held.setdefault((d, node), set()) if cache_weights else None,
                                          resident=resident_weights, sums=sums)
-            reply = links.reply_at(d, issue, down_b, sum(x.flops for x in tiles), up_b, book=True)
+            reply = links.reply_at(d, issue, down_b, sum(x.flops for x in tiles), up_b, book=True, node=node)
             deadline = issue + deadline_factor * (reply - issue)
             phase_deadline = max(phase_deadline, deadline)
             if kill_at.get(d, np.inf) >= reply:
@@ -207,9 +221,9 @@ def simulate(devices: list[UnitDevice], chains: list[list[Phase]], *, elem_bytes
                 raise RuntimeError("every device is gone")
             moved: dict[int, list[Tile]] = {}
             for tile in tiles:  # each lost unit to the device that would answer first, counting what it got already
-                best = min(alive, key=lambda x: _reply_with(links, x, deadline, moved.get(x, []) + [tile], specs,
-                                                             elem_bytes, held.get(x, set()) if cache_weights else None,
-                                                             resident_weights))
+                best = min(alive, key=lambda x: _reply_with(
+                    links, x, deadline, moved.get(x, []) + [tile], specs, elem_bytes,
+                    held.get((x, node), set()) if cache_weights else None, resident_weights, node))
                 moved.setdefault(best, []).append(tile)
             work += [(deadline, x, tl) for x, tl in moved.items()]
         deadlines.append((t, phase_deadline))
