@@ -359,15 +359,15 @@ class UnitsSection:
     # keeps the busiest link >= 70 % busy without a slower step (fedfusion.units.timeline.choose_micro_batches)
     micro_batches: int = 1
     # micro-batches in flight at once (0: all): each runs in its own thread, so a device's next message is already
-    # queued while it computes the current one (the server's time between phases no longer leaves it idle)
+    # queued at the SuperLink while it computes the current one (the server's time between phases is hidden)
     in_flight: int = 0
     # each device sums its weight-gradient tiles over the step's micro-batches and uploads them once per step
     # (fedfusion.units.accumulate) instead of once per micro-batch; false: every micro-batch uploads its own
     accumulate: bool = True
     # messages a device holds at once, for the step's virtual time and the micro-batch choice (timeline.simulate):
-    # 1 is Flower's SuperNode (it pulls a message, computes, replies, then pulls the next: its links and processor
-    # never overlap, so micro-batches in flight do not shorten a device's share); 0: no limit, a device runtime that
-    # receives its next message while it computes (the seed paper's devices; 2 already reach it, units_microbatches.md)
+    # 1 is the order of Flower's SuperNode (it pulls a message, computes, replies, then pulls the next: its links and
+    # processor never overlap; its polling waits are not modelled); 0: no limit, a device runtime that receives its
+    # next message while it computes (the seed paper's devices; 2 come within 5 % of it, units_microbatches.md)
     lanes: int = 1
     deadline_factor: float = 3.0  # a device's deadline: this multiple of its message's predicted (virtual) time
     # the wall-clock floor of a device's deadline: the predicted times are the catalog device's, the real transport

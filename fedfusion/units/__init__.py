@@ -37,10 +37,12 @@ device (``Grid.push_messages``; content e.g. ``ConfigRecord({"units": payload})`
 came by the deadline (the device is taken offline and its units re-dispatched; a later reply is dropped) or
 ``b""`` for an error reply (e.g. the device lost its weight cache: no strike, its units go elsewhere and its
 weights are sent in full next time). Everything else -- which device gets which tile, verification, strikes,
-re-dispatch, first-valid-wins, assembly -- stays in the engine. To keep devices busy, call the engine from one
+re-dispatch, first-valid-wins, assembly -- stays in the engine. To overlap micro-batches, call the engine from one
 thread per micro-batch (``engine.chain`` is per thread; ``fedfusion.run.units.train_step`` does): a thread's
-phase releases the engine's lock while its transport waits, so the other micro-batches' messages are queued on
-the devices meanwhile (Flower's ``Grid.push_messages`` keeps them all in flight).
+phase releases the engine's lock while its transport waits, so the other micro-batches' messages are queued at the
+SuperLink meanwhile (Flower's ``Grid.push_messages`` keeps them all in flight) and the server's time between phases
+is hidden; whether a device also overlaps them depends on how many messages it holds at once (``timeline``'s
+``lanes``).
 
 A message to a device (``messages.encode_units``): a 4-byte header length, a JSON header
 ``{"phase": p, "units": [[uid, a_key, a_transposed, b_key, b_transposed], ...],

@@ -9,9 +9,11 @@ Each device has three FIFO resources: its downlink, its processor and its uplink
 so a device can receive micro-batch 2's operands while it computes micro-batch 1's and sends back micro-batch
 0's. That needs a device runtime that takes its next message while it works on the current one. ``lanes`` caps the
 messages a device holds at once: a message cannot start its download before the reply of the message ``lanes``
-before it on that device is back. Flower 1.42's SuperNode is ``lanes=1``: it pulls a message, runs the ClientApp,
-sends the reply and only then pulls the next (its pull's round trip is the message's ``rtt``), so its downlink,
-processor and uplink never overlap; ``lanes=0`` (no limit, the default) is a runtime that prefetches, the seed
+before it on that device is back. ``lanes=1`` is the order of Flower 1.42's SuperNode: it pulls a message, runs the
+ClientApp, sends the reply and only then pulls the next, so its downlink, processor and uplink never overlap. Only
+the order: the model charges one ``rtt`` and ``overhead_s`` per message, while a deployed SuperNode makes several
+calls per message, polls its ClientApp every 0.5 s and sleeps 3 s after a pull that finds nothing (the simulation
+engine, for its part, may run two of a node's messages at once); ``lanes=0`` (no limit, the default) is a runtime that prefetches, the seed
 paper's devices. ``supernodes=k`` prices a way to more lanes within Flower: each device runs k SuperNodes,
 micro-batch ``c`` goes to its node ``c mod k``, and each node holds one message at a time and its own weight blocks
 and running sums (so weights travel and sums upload once per node and step), over the device's one set of links and
@@ -24,7 +26,12 @@ Churn: a device killed at ``Kill.at_s`` never answers a message whose reply was 
 notices at the message's deadline, ``issue + deadline_factor * (predicted reply - issue)``, drops the device
 from later plans and re-dispatches the lost units, each to the live device with the earliest predicted reply
 (first valid result wins; the dead device's late results never come). Bytes are the closed form of
-``messages.formula_bytes``. Approximation: a re-dispatched message queues behind work already booked.
+``messages.formula_bytes``. Approximations: messages are booked first come, first served, so a re-dispatched
+message queues behind work already booked and a message booked after it with an earlier issue time waits behind it
+(on the links and, with ``lanes``, for a lane); a deadline here counts from the issue, so it includes a message's
+wait for a lane, while the engine's is a multiple of the message's own predicted time; and a dead device's booked
+replies still hold its lanes until the server notices. ``floor_s`` is the issue's floor, which assumes a device's
+download, compute and upload overlap (a one-lane device cannot reach it).
 
 Accumulation (``accumulate``, ``fedfusion.units.accumulate``): a weight gradient's tiles upload only with the
 step's last micro-batch to reach that phase (the others' replies just list the kept units); the device's FIFO
