@@ -5,7 +5,7 @@ accumulation), and what a per-step choice of the count could reach, on a device 
 SuperNode holds one: it pulls, computes, replies, then pulls again), and on devices that each run 2 SuperNodes
 (``simulate(supernodes=2)``: micro-batches alternate between them, each keeps its own weight blocks and sums).
 
-    python benchmarks/units_microbatches.py [--out benchmarks/results]
+    python benchmarks/units_microbatches.py [--markdown-only] [--out benchmarks/results]
 
 Per setting it reports the busiest link's busy seconds B (bytes / bandwidth, the larger of down and up) and the
 latency chain L = phases x (RTT + per-message overhead): a micro-batch's phases are dependent, so no step is shorter
@@ -41,10 +41,8 @@ def summary(timings: dict) -> dict[str, dict[str, float]]:
             for m, r in timings.items()}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    args = parser.parse_args()
+def measure() -> dict:
+    """Every setting's timings at each count, for the default runtime and each variant."""
     t_start, rows = time.perf_counter(), []
     for target in TARGETS:
         for fleet, (proto, _) in fleets().items():
@@ -63,9 +61,12 @@ def main() -> None:
                              "ceiling": min(1.0, max(p["busiest_link_s"] for p in per.values()) / lat),
                              "auto": auto, "counts": per, "variants": variants})
                 print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("counts", "variants")}), flush=True)
-    wall = time.perf_counter() - t_start
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "units_microbatches.json").write_text(json.dumps({"wall_s": wall, "rows": rows}, indent=1))
+    return {"wall_s": time.perf_counter() - t_start, "rows": rows}
+
+
+def markdown(data: dict) -> str:
+    """The report: the counts' table, the findings, the variants' table and summary."""
+    wall, rows = data["wall_s"], data["rows"]
     lines = ["# units mode: busiest-link utilisation against the micro-batch count", "",
              f"Command: `python benchmarks/units_microbatches.py` ({wall:.0f} s). Settings as in units.md (batch 8 x 128 "
              "tokens, on-device accumulation). B: the busiest link's busy seconds at 1 micro-batch; L: phases x (RTT + "
@@ -134,11 +135,28 @@ def main() -> None:
                  for _, lane in picks]
         vs_one = [lane["counts"][str(lane["auto"])]["step_s"] /
                   r["variants"]["1 lane"]["counts"][str(r["variants"]["1 lane"]["auto"])]["step_s"] for r, lane in picks]
+        than_one = "" if k == "1 lane" else (f" and {min(vs_one):.2f}-{max(vs_one):.2f}x 1 lane's "
+                                              f"({sum(x < 1 for x in vs_one)} faster)")
         lines.append(f"- {k}: the auto count reaches >= 0.70 utilisation in {reach} of {len(rows)} settings and "
-                     f"is 1 in {one}; its step is {min(ratio):.2f}-{max(ratio):.2f}x the no-limit runtime's and "
-                     f"{min(vs_one):.2f}-{max(vs_one):.2f}x 1 lane's ({sum(x < 1 for x in vs_one)} faster), step / floor "
-                     f"{min(floor):.2f}-{max(floor):.2f} ({sum(f > 1.5 for f in floor)} above 1.5).")
-    (args.out / "units_microbatches.md").write_text("\n".join(lines) + "\n")
+                     f"is 1 in {one}; its step is {min(ratio):.2f}-{max(ratio):.2f}x the no-limit runtime's{than_one}, "
+                     f"step / floor {min(floor):.2f}-{max(floor):.2f} ({sum(f > 1.5 for f in floor)} above 1.5).")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--markdown-only", action="store_true",
+                        help="rewrite units_microbatches.md from units_microbatches.json")
+    args = parser.parse_args()
+    path = args.out / "units_microbatches.json"
+    if args.markdown_only:
+        data = json.loads(path.read_text())
+    else:
+        data = measure()
+        args.out.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data, indent=1))
+    (args.out / "units_microbatches.md").write_text(markdown(data))
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ are planned on the live devices as if their sums matched that plan).
 from __future__ import annotations
 
 import heapq
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -169,7 +170,7 @@ def simulate(devices: list[UnitDevice], chains: list[list[Phase]], *, elem_bytes
     def node_of(chain: int) -> int:
         return chain % supernodes if supernodes else 0
 
-    members = {n: sum(node_of(c) == n for c in range(len(chains))) for n in {node_of(c) for c in range(len(chains))}}
+    members = Counter(node_of(c) for c in range(len(chains)))  # node -> its micro-batches
     plans: dict[tuple[object, ...], PhasePlan] = {}
     running = len(chains) if in_flight <= 0 else min(in_flight, len(chains))
     heap = [(0.0, c, 0) for c in range(running)]

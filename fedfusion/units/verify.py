@@ -73,6 +73,11 @@ def _times(x: torch.Tensor, vectors: torch.Tensor) -> torch.Tensor:
     return vectors @ x.T
 
 
+def _row_sums(b: torch.Tensor) -> torch.Tensor:
+    """``|B| 1``: the tolerance's factor of the right operand."""
+    return abs_mv(b, torch.ones(b.shape[1], dtype=b.dtype))
+
+
 WeightId = tuple[str, bool]  # (operand key, transposed): a weight as one product's right factor
 
 
@@ -128,7 +133,7 @@ class Freivalds:
         else:
             r = self._draw(b.shape[1], b.dtype)
             br = _times(b, r)
-        side = _Side(r, br, abs_mv(b, torch.ones(b.shape[1], dtype=b.dtype)))
+        side = _Side(r, br, _row_sums(b))
         if weight is not None:
             self._weights[weight] = side
         return side
@@ -139,7 +144,7 @@ class Freivalds:
 
     def tolerance(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """Per-row tolerance of the check of ``a @ b`` (in the operands' dtype)."""
-        return self._tolerance(a, b, abs_mv(b, torch.ones(b.shape[1], dtype=b.dtype)))
+        return self._tolerance(a, b, _row_sums(b))
 
     def _tolerance(self, a: torch.Tensor, b: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """The tolerance from ``|B| 1`` (``rows``): the module's formula."""
