@@ -17,7 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from fedfusion.config.methods import UNITS, hook, method
-from fedfusion.config.recipe import Recipe, RecipeError, builtin_recipes, load_recipe, method_label
+from fedfusion.config.recipe import Recipe, RecipeError, builtin_recipes, load_recipe, method_label, nodes_per_client
 from fedfusion.run.check import check_recipe
 from fedfusion.run.seed_paper import NAME as SEED_PAPER
 
@@ -169,7 +169,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         try:
             with ctrl_c:
                 run_simulation(
-                    server_app=server_app, client_app=client_app, num_supernodes=recipe.population.num_clients,
+                    server_app=server_app, client_app=client_app, num_supernodes=recipe.population.num_clients * nodes_per_client(recipe),
                     backend_config=backend_config(recipe),
                 )
         except RuntimeError:  # Flower re-raises its engine's failure once the ServerApp thread has ended

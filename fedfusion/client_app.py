@@ -74,7 +74,7 @@ def query(msg: Message, context: Context) -> Message:
     device = context.node_config.get("device")
     if device is None:
         p = PopulationSpec.from_config(config)
-        device = population_tiers(tuple(p.mix.items()), p.num_clients, p.seed)[_partition(context)]
+        device = population_tiers(tuple(p.mix.items()), p.num_clients, p.seed)[p.client(_partition(context))]
     examples = _role(config).num_examples(config, _partition(context))
     caps = ConfigRecord({**Caps(str(device), _partition(context), int(examples)).to_config(),
                          **capabilities(_accelerator(context))})

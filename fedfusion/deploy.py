@@ -218,10 +218,12 @@ def deploy_local(app_dir: Path, recipe_ref: str, overrides: list[str], workdir: 
                  unregistered: int = 0, timeout: float = 3600, echo=print) -> DeployResult:
     """Run a recipe on a loopback deployment with TLS and SuperNode auth; every process is stopped after.
 
-    One SuperNode per client of the recipe's population, node ``i`` started with
-    ``--node-config 'partition-id=i num-partitions=N device="<tier of client i>"'``. ``unregistered``
+    One SuperNode per client of the recipe's population (``units.supernodes`` per client in the units mode:
+    :func:`~fedfusion.config.recipe.nodes_per_client`), node ``i`` started with
+    ``--node-config 'partition-id=i num-partitions=N device="<tier of its client>"'``. ``unregistered``
     extra SuperNodes start with keys nobody registered, to show that the SuperLink refuses them.
     """
+    from fedfusion.config.recipe import nodes_per_client
     from fedfusion.data.population import tier_list
     from fedfusion.run.check import load_checked
 
@@ -229,7 +231,8 @@ def deploy_local(app_dir: Path, recipe_ref: str, overrides: list[str], workdir: 
     config = run_config(recipe_ref, overrides, out)  # refuses what flwr run cannot carry before anything starts
     if not (app_dir / "pyproject.toml").is_file():
         raise FileNotFoundError(f"{app_dir}: no pyproject.toml; run from the fedfusion source tree (flwr run needs it)")
-    n = recipe.population.num_clients
+    k = nodes_per_client(recipe)
+    n = recipe.population.num_clients * k
     files = make_deploy_files(workdir / "certs", ["127.0.0.1", "localhost"], n + unregistered)
     fed = LocalFederation(workdir, files)
     try:
@@ -237,7 +240,7 @@ def deploy_local(app_dir: Path, recipe_ref: str, overrides: list[str], workdir: 
         echo(f"SuperLink on 127.0.0.1:{fed.port} (TLS, SuperNode auth); logs in {workdir / 'logs'}")
         for i in range(n):
             fed.register(files.node_keys[i], f"node{i}")
-        tiers = tier_list(recipe)
+        tiers = [t for t in tier_list(recipe) for _ in range(k)]  # node i is client i // k's
         for i in range(n):
             fed.start_supernode(f"node{i}", files.node_keys[i],
                                 f'partition-id={i} num-partitions={n} device="{tiers[i]}"')

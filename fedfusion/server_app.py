@@ -13,6 +13,7 @@ from flwr.app import Context
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
+from fedfusion.config.recipe import nodes_per_client
 from fedfusion.run.check import load_checked
 from fedfusion.run.federation import check_federation, run_federation
 from fedfusion.run.interrupt import reap_on_flower_exit
@@ -34,11 +35,11 @@ def main(grid: Grid, context: Context) -> None:
             log(INFO, "fedfusion: %s already finished; nothing to resume, nothing changed", run.path)
             return
         recipe = run.recipe
-        check_federation(grid, recipe.population.num_clients)
+        check_federation(grid, recipe.population.num_clients, nodes_per_client(recipe))
     else:
         recipe = load_checked(str(cfg.get("recipe", "quickstart")), shlex.split(str(cfg.get("overrides", ""))))
         fit_widths(recipe)
-        check_federation(grid, recipe.population.num_clients)
+        check_federation(grid, recipe.population.num_clients, nodes_per_client(recipe))
         run = RunDir(new_run_path(recipe, str(cfg.get("out", "")) or None).resolve(), recipe)
     log(INFO, "fedfusion: writing the run to %s", run.path)
     run_federation(grid, recipe, run, resume=bool(resume))

@@ -30,3 +30,13 @@ def test_fewer_or_more_supernodes_than_clients_is_an_error_naming_both_and_the_f
     message = str(err.value)
     assert f"has {total} SuperNodes but population.num_clients is 4" in message
     assert 'num-supernodes=4' in message and f"population.num_clients={total}" in message
+
+
+def test_the_units_mode_expects_its_supernodes_per_client():
+    """units.supernodes=2: 4 clients are 8 SuperNodes; 6 connected is an error naming 8 and the client count 3."""
+    assert check_federation(Joining(8), 4, per_client=2, wait_s=5.0, poll_s=0.0) == 8
+    with pytest.raises(ValueError) as err:
+        check_federation(Joining(6, connected=5), 4, per_client=2, wait_s=0.05, poll_s=0.01)
+    message = str(err.value)
+    assert "2 SuperNodes (units.supernodes)" in message and "num-supernodes=8" in message
+    assert "population.num_clients=3" in message

@@ -57,7 +57,7 @@ def central_losses(overrides: list[str]) -> list[float]:
     return losses
 
 
-def run_units(tmp_path: Path, extra: list[str]) -> tuple[list[dict], list[float]]:
+def run_units(tmp_path: Path, extra: list[str], nodes: int = 4) -> tuple[list[dict], list[float]]:
     out = tmp_path / "units"
     assert main(["run", "rolling", *TINY, *extra, "--out", str(out)]) == 0
     rows = read_jsonl(out / "metrics.jsonl")
@@ -68,7 +68,8 @@ def run_units(tmp_path: Path, extra: list[str]) -> tuple[list[dict], list[float]
         # the devices' work and the server's own (its compute, checks and traffic: fedfusion.units.ledger)
         assert row["energy_j"] == pytest.approx(sum(r["energy_j"] for r in mine) + row["server_energy_j"])
         assert row["server_energy_j"] > 0 and row["server_verify_flops"] > 0 and row["cloud_step_s"] > 0
-    assert (out / "report.md").is_file() and (out / "nodes.jsonl").read_text().count("\n") == 4
+    assert (out / "report.md").is_file() and (out / "nodes.jsonl").read_text().count("\n") == nodes
+    assert {r["partition"] for r in ledger} <= set(range(4))  # one ledger row per device (client), not per node
     return rows, central_losses([*TINY, *extra])
 
 
@@ -102,6 +103,24 @@ def test_units_run_equals_central_training_step_for_step(tmp_path):
             assert abs(row["virtual_s"] - step["step_s"]) <= 0.02 * step["step_s"]
         for key in ("server_flops", "server_verify_flops", "cloud_flops"):  # the server's work as planned
             assert row[key] == pytest.approx(step["server"][key], rel=1e-6), key
+
+
+def test_two_supernodes_per_device_train_central_trainings_curve(tmp_path):
+    """units.supernodes=2: the simulation runs 8 nodes for 4 devices, micro-batch c goes to each device's node
+    c mod 2 (own weight cache, own running sums): the loss curve is central training's, and the bytes and virtual
+    seconds are what `fedfusion plan` prices for two SuperNodes per device."""
+    extra = ["units.offload=all", "units.micro_batches=2", "units.supernodes=2"]
+    rows, central = run_units(tmp_path, extra, nodes=8)
+    assert_same_curve(rows, central)
+    step, _ = units_plan(load_recipe("rolling", [*TINY, *extra]))
+    one, _ = units_plan(load_recipe("rolling", [*TINY, *extra[:2]]))
+    assert step["MB down"] > one["MB down"]  # each node receives its own weight blocks
+    for row in rows[1:]:
+        assert row["server_fallback"] == 0 and not row["missed"] and row["formula_rel_down"] <= 0.05
+        if not row["redispatched"]:
+            assert abs(row["bytes_down"] - step["MB down"] * 1e6) <= 0.01 * row["bytes_down"]
+            assert abs(row["bytes_up"] - step["MB up"] * 1e6) <= 0.01 * row["bytes_up"]
+            assert abs(row["virtual_s"] - step["step_s"]) <= 0.02 * step["step_s"]
 
 
 def test_a_device_silent_mid_phase_costs_one_deadline_and_the_loss_stays_exact(tmp_path):

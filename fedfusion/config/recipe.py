@@ -17,7 +17,7 @@ from functools import lru_cache
 from importlib import resources
 from itertools import takewhile
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, TypedDict
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -346,6 +346,13 @@ class ReportConfig:
     cloud: str = DEFAULT_CLOUD  # the catalog's cloud tier that the edge-vs-cloud section prices the same work on
 
 
+class UnitsRuntime(TypedDict, total=False):
+    """The devices' runtime as ``fedfusion.units.timeline.simulate`` takes it (keyword arguments)."""
+
+    lanes: int
+    supernodes: int
+
+
 @dataclass
 class UnitsSection:
     """The exact mode (fusion.method=units, issue 25): the server keeps the target, the data and the optimizer and
@@ -369,6 +376,10 @@ class UnitsSection:
     # processor never overlap; its polling waits are not modelled); 0: no limit, a device runtime that receives its
     # next message while it computes (the seed paper's devices; 2 come within 5 % of it, units_microbatches.md)
     lanes: int = 1
+    # SuperNodes per device (>= 1): micro-batch c runs on the device's node c mod k, so a device works on k messages
+    # at once, each node with its own weight cache and running sums (weights travel and sums upload k times a step);
+    # the simulation starts num_clients x k nodes, `fedfusion deploy` k SuperNodes per client. Needs lanes 1.
+    supernodes: int = 1
     deadline_factor: float = 3.0  # a device's deadline: this multiple of its message's predicted (virtual) time
     # the wall-clock floor of a device's deadline: the predicted times are the catalog device's, the real transport
     # (Flower's simulation engine sweeps each node's queue every 0.1 s) adds its own latency
@@ -382,6 +393,10 @@ class UnitsSection:
     stall_partition: int = -1
     stall_after: int = 0
     stall_s: float = 0.0
+
+    def runtime(self) -> UnitsRuntime:
+        """The device runtime as ``fedfusion.units.timeline.simulate`` takes it: ``lanes``, or ``supernodes``."""
+        return {"supernodes": self.supernodes} if self.supernodes > 1 else {"lanes": self.lanes}
 
 
 @dataclass
@@ -728,6 +743,11 @@ def _validate_units(recipe: Recipe) -> None:
     if u.lanes < 0:
         raise RecipeError(f"units.lanes: must be >= 0 (1: Flower's SuperNode, one message at a time; 0: no limit), "
                           f"got {u.lanes}")
+    if u.supernodes < 1:
+        raise RecipeError(f"units.supernodes: must be >= 1 (SuperNodes per device), got {u.supernodes}")
+    if u.supernodes > 1 and u.lanes != 1:
+        raise RecipeError(f"units.supernodes: {u.supernodes} SuperNodes per device hold one message each; "
+                          f"units.lanes must be 1 with it, got {u.lanes}")
     if recipe.fusion.method != UNITS:
         return
     if u.micro_batches and recipe.train.batch_size % u.micro_batches:
@@ -814,6 +834,13 @@ def method_label(recipe: Recipe) -> str:
     if f.method == MIXED:
         return f"{MIXED}(" + ", ".join(f"{tier}={method}" for tier, method in tier_methods(recipe).items()) + ")"
     return f"{f.method}/{f.policy}" if methods.method(f.method).policy_in_label else f.method
+
+
+def nodes_per_client(recipe: Recipe) -> int:
+    """SuperNodes each client of the population runs (``units.supernodes`` in the units mode, else 1): node
+    ``partition-id`` p is client ``p // k``'s node ``p % k`` (the simulation and ``fedfusion deploy`` start
+    ``num_clients x k`` nodes)."""
+    return recipe.units.supernodes if recipe.fusion.method == UNITS else 1
 
 
 def uses(recipe: Recipe, method: str) -> bool:

@@ -351,18 +351,23 @@ def run_federation(grid: Grid, recipe: Recipe, run: RunDir, on_round: RoundCallb
         raise
 
 
-def check_federation(grid: Grid, expected: int, wait_s: float = 30.0, poll_s: float = 1.0) -> int:
-    """``flwr run .``: the federation's SuperNodes are the recipe's population, one per partition. Waits up to
-    ``wait_s`` for ``expected`` nodes to connect; fewer (e.g. a local federation's default ``num-supernodes``)
-    or more is a ValueError that names both numbers and the fix, raised before anything is written."""
+def check_federation(grid: Grid, clients: int, per_client: int = 1, wait_s: float = 30.0, poll_s: float = 1.0) -> int:
+    """``flwr run .``: the federation's SuperNodes are the recipe's population, ``per_client`` per partition
+    (:func:`~fedfusion.config.recipe.nodes_per_client`). Waits up to ``wait_s`` for them to connect; fewer (e.g. a
+    local federation's default ``num-supernodes``) or more is a ValueError that names both numbers and the fix,
+    raised before anything is written."""
+    expected = clients * per_client
     deadline = time.monotonic() + wait_s
     nodes = len(list(grid.get_node_ids()))
     while nodes < expected and time.monotonic() < deadline:
         time.sleep(poll_s)
         nodes = len(list(grid.get_node_ids()))
     if nodes != expected:
+        each = ("every client is one SuperNode" if per_client == 1
+                else f"every client is {per_client} SuperNodes (units.supernodes)")
+        fix = (f" (or set the override population.num_clients={nodes // per_client})" if nodes % per_client == 0
+               else "")
         raise ValueError(
-            f"the federation has {nodes} SuperNodes but population.num_clients is {expected}: every client is one "
-            f"SuperNode, so run with --federation-config \"num-supernodes={expected}\" (or set the override "
-            f"population.num_clients={nodes})")
+            f"the federation has {nodes} SuperNodes but population.num_clients is {clients}: {each}, so run with "
+            f"--federation-config \"num-supernodes={expected}\"{fix}")
     return nodes

@@ -40,7 +40,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig
 
 from fedfusion.config.methods import DISTILL, GENERATIVE, SLICES, SUBMODEL, UNITS
-from fedfusion.config.recipe import Recipe, RecipeError, method_label, tier_methods
+from fedfusion.config.recipe import Recipe, RecipeError, UnitsSection, method_label, tier_methods
 from fedfusion.devices.catalog import Device, load_catalog
 from fedfusion.devices.energy import frozen_work_params, price_work, train_flops
 from fedfusion.models.build import config_aliases, target_config, target_model_config, wire_state
@@ -596,7 +596,7 @@ def units_micro_batches(recipe: Recipe) -> int:
     chosen, _ = choose_micro_batches(
         units_devices(recipe), lambda m: work(m).phases, recipe.train.batch_size,
         kwargs_for=lambda m: {"server_gap_s": work(m).gap_s, "optimizer_s": work(m).optimizer_s},
-        deadline_factor=u.deadline_factor, in_flight=u.in_flight, accumulate=u.accumulate, lanes=u.lanes)
+        deadline_factor=u.deadline_factor, in_flight=u.in_flight, accumulate=u.accumulate, **u.runtime())
     return chosen
 
 
@@ -621,7 +621,7 @@ def units_plan(recipe: Recipe) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     tiers = tier_list(recipe)
     devices = units_devices(recipe)
     timing = simulate(devices, [phases] * micro, deadline_factor=u.deadline_factor, server_gap_s=work.gap_s,
-                      optimizer_s=work.optimizer_s, in_flight=u.in_flight, accumulate=u.accumulate, lanes=u.lanes)
+                      optimizer_s=work.optimizer_s, in_flight=u.in_flight, accumulate=u.accumulate, **u.runtime())
     priced = price_server(server, catalog[recipe.report.cloud], own, verify, int(timing.down_bytes.sum()),
                           int(timing.up_bytes.sum()), float(sum(g.flops for g in gemms)))
     cm = CostModel(devices)
@@ -738,6 +738,14 @@ def lora_view(recipe: Recipe) -> PlanView:
                      *PLAN_COSTS), left=("tier", "base", "fits", "max fit"), width=190)
 
 
+def _runtime_words(u: UnitsSection) -> str:
+    """How the plan's step line names the devices' runtime (``units.lanes``, ``units.supernodes``)."""
+    if u.supernodes > 1:
+        return f"devices running {u.supernodes} SuperNodes of one message each: units.supernodes"
+    held = f"{u.lanes or 'any number of'} message{'' if u.lanes == 1 else 's'}"
+    return f"devices holding {held} at a time: units.lanes"
+
+
 def units_view(recipe: Recipe) -> PlanView:
     """The units mode: per device tier and step what it moves and how long it is busy, the server's row and the
     same step on the cloud GPU, and the step's time."""
@@ -747,9 +755,8 @@ def units_view(recipe: Recipe) -> PlanView:
     notes = (f"one step: {micro} micro-batch{'es' if micro > 1 else ''}, {step['phases']} phases, "
              f"{step['step_s']:.2f} virtual s (floor {step['floor_s']:.2f} s), busiest-link utilisation "
              f"{step['link_utilisation']:.2f}, {step['MB down']:.1f} MB down and {step['MB up']:.1f} MB up in all; {step['steps']} steps "
-             f"(fedfusion.units.timeline on the catalog's links, no churn, the server's time between phases, devices "
-             f"holding {recipe.units.lanes or 'any number of'} message{'' if recipe.units.lanes == 1 else 's'} at a time: "
-             f"units.lanes)",
+             f"(fedfusion.units.timeline on the catalog's links, no churn, the server's time between phases, "
+             f"{_runtime_words(recipe.units)})",
              f"server ({s['server_device']}) per step: own compute {s['server_flops'] / 1e9:.3g} GFLOP (attention "
              f"{s['server_attention_flops'] / 1e9:.3g}, element-wise {s['server_elementwise_flops'] / 1e9:.3g}, linear "
              f"{s['server_linear_flops'] / 1e9:.3g}, optimizer {s['server_optimizer_flops'] / 1e9:.3g}) "

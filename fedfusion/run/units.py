@@ -32,7 +32,7 @@ from transformers import PreTrainedModel
 from transformers.utils import logging as hf_logging
 
 from fedfusion.config.methods import UNITS
-from fedfusion.config.recipe import Recipe
+from fedfusion.config.recipe import Recipe, nodes_per_client
 from fedfusion.data.population import client_windows, data_spec, write_partition_sizes
 from fedfusion.data.text import sample_batch
 from fedfusion.devices.catalog import Device, load_catalog
@@ -82,48 +82,50 @@ class PhaseWait:
 
 @dataclass
 class GridTransport:
-    """The engine's transport seam over a Flower Grid: ``(payloads, deadlines) -> replies`` per device index.
+    """The engine's transport seam over a Flower Grid: ``(payloads, deadlines) -> replies`` per node index
+    (``UnitEngine.slot``: the device index with one SuperNode per device).
 
-    Pushes one ``train.units`` message per device (the bytes as one uint8 array), then pulls on its own short
+    Pushes one ``train.units`` message per node (the bytes as one uint8 array), then pulls on its own short
     loop (``poll_s``; not ``send_and_receive``, which sleeps 0.1 s or 3 s between pulls) until every reply is in
-    or each missing device's deadline has passed: that device's reply is None (a later reply is never pulled).
-    ``stall`` injects a fault: device index -> (messages it answers first, seconds it then sleeps before replying).
+    or each missing node's deadline has passed: that node's reply is None (a later reply is never pulled).
+    ``stall`` injects a fault: node index -> (messages it answers first, seconds it then sleeps before replying).
     """
 
     grid: Grid
-    node_ids: list[int]  # device index -> node id
+    node_ids: list[int]  # node index -> Flower node id
     floor_s: float = 2.0
     poll_s: float = 0.01
     stall: dict[int, tuple[int, float]] = field(default_factory=dict)
-    sent: dict[int, int] = field(default_factory=dict)  # messages sent per device
+    sent: dict[int, int] = field(default_factory=dict)  # messages sent per node index
     waits: list[PhaseWait] = field(default_factory=list)  # one per call; calls overlap with micro-batches in flight
+    supernodes: int = 1  # per device: ``PhaseWait.missed`` names devices (node index // supernodes)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def deadline(self, predicted_s: float) -> float:
         """A device's wall-clock deadline: the engine's, but never below the transport's own latency floor."""
         return max(self.floor_s, predicted_s)
 
-    def message(self, dev: int, payload: bytes, deadline_s: float) -> Message:
+    def message(self, slot: int, payload: bytes, deadline_s: float) -> Message:
         with self._lock:  # one call per micro-batch in flight
-            count = self.sent.get(dev, 0)
-            self.sent[dev] = count + 1
-        after, stall_s = self.stall.get(dev, (0, 0.0))
-        spec = UnitsSpec(stall_s if dev in self.stall and count >= after else 0.0)
+            count = self.sent.get(slot, 0)
+            self.sent[slot] = count + 1
+        after, stall_s = self.stall.get(slot, (0, 0.0))
+        spec = UnitsSpec(stall_s if slot in self.stall and count >= after else 0.0)
         content = RecordDict({UNITS_RECORD: ArrayRecord({UNITS_PAYLOAD: Array(np.frombuffer(payload, np.uint8))}),
                               "config": ConfigRecord(spec.to_config())})
-        return Message(content, dst_node_id=self.node_ids[dev], message_type=UNITS_MESSAGE,
+        return Message(content, dst_node_id=self.node_ids[slot], message_type=UNITS_MESSAGE,
                        ttl=deadline_s + TTL_SLACK_S)
 
     def __call__(self, payloads: dict[int, bytes], deadlines: dict[int, float]) -> dict[int, bytes | None]:
-        walls = {dev: self.deadline(deadlines[dev]) for dev in payloads}
-        messages = {dev: self.message(dev, payload, walls[dev]) for dev, payload in payloads.items()}
+        walls = {slot: self.deadline(deadlines[slot]) for slot in payloads}
+        messages = {slot: self.message(slot, payload, walls[slot]) for slot, payload in payloads.items()}
         start = time.monotonic()
         ids = list(self.grid.push_messages(list(messages.values())))
         if len(ids) != len(messages):
             raise RuntimeError(f"the Grid stored {len(ids)} of {len(messages)} units messages")
-        device_of = dict(zip(ids, messages))
-        due = {mid: start + walls[device_of[mid]] for mid in ids}
-        replies: dict[int, bytes | None] = {dev: None for dev in payloads}
+        slot_of = dict(zip(ids, messages))
+        due = {mid: start + walls[slot_of[mid]] for mid in ids}
+        replies: dict[int, bytes | None] = {slot: None for slot in payloads}
         pending = set(ids)
         while pending:
             for reply in self.grid.pull_messages(pending):
@@ -131,18 +133,18 @@ class GridTransport:
                 if mid not in pending:
                     continue
                 pending.discard(mid)
-                dev = device_of[mid]
+                slot = slot_of[mid]
                 if reply.has_error():
-                    replies[dev] = _error_kind(reply)
+                    replies[slot] = _error_kind(reply)
                 elif UNITS_ERROR in reply.content:
-                    replies[dev] = b""
+                    replies[slot] = b""
                 else:
-                    replies[dev] = reply.content.array_records[UNITS_RECORD][UNITS_PAYLOAD].numpy().tobytes()
+                    replies[slot] = reply.content.array_records[UNITS_RECORD][UNITS_PAYLOAD].numpy().tobytes()
             now = time.monotonic()
             pending -= {mid for mid in pending if due[mid] <= now}  # past its deadline: None, dropped if it comes
             if pending:
                 time.sleep(self.poll_s)
-        missed = [dev for dev, reply in replies.items() if reply is None]
+        missed = sorted({slot // self.supernodes for slot, reply in replies.items() if reply is None})
         self.waits.append(PhaseWait(time.monotonic() - start, max(walls.values()), missed))
         return replies
 
@@ -156,14 +158,16 @@ def wait_for_nodes(grid: Grid, expected: int, wait_s: float = 60.0) -> list[int]
         time.sleep(0.2)
         nodes = sorted(grid.get_node_ids())
     if len(nodes) < expected:
-        raise RuntimeError(f"units mode: {len(nodes)} nodes connected, population.num_clients is {expected}")
+        raise RuntimeError(f"units mode: {len(nodes)} nodes connected, {expected} expected (population.num_clients "
+                           f"x units.supernodes)")
     return nodes
 
 
 def query_nodes(grid: Grid, recipe: Recipe, nodes: list[int], timeout_s: float = 120.0) -> dict[int, Caps]:
     """Every node's device tier and partition, from one QUERY round (the ClientApp's ``@app.query``)."""
     config = merge(ClientSpec(data_spec(recipe), recipe.train.seq_len, recipe.engine.threads_per_client),
-                   PopulationSpec(dict(recipe.population.mix), recipe.population.num_clients, recipe.seed),
+                   PopulationSpec(dict(recipe.population.mix), recipe.population.num_clients, recipe.seed,
+                                  recipe.units.supernodes),
                    RoleSpec(UNITS))
     messages = [Message(RecordDict({"config": ConfigRecord(config)}), dst_node_id=n, message_type=MessageType.QUERY)
                 for n in nodes]
@@ -232,20 +236,21 @@ def train_step(model: PreTrainedModel, opt: torch.optim.Optimizer, batch: torch.
     return sum(value for value, _ in done)
 
 
-def price_step(step: int, trace: list[PhaseRecord], order: list[int], caps: dict[int, Caps],
+def price_step(step: int, trace: list[PhaseRecord], firsts: list[int], caps: dict[int, Caps],
                catalog: dict[str, Device], failed: set[int]) -> list[dict[str, Any]]:
-    """One clients.jsonl row per device the step sent units to: the FLOPs of those units (re-sends included), the
-    bytes it received and sent, priced on its catalog profile (:func:`~fedfusion.devices.energy.price_work`, as
-    every ledger row); a device taken offline in the step (``failed``) did its work for nothing (``wasted``)."""
+    """One clients.jsonl row per device the step sent units to (``firsts``: each device's first node; the
+    partition is the device's client): the FLOPs of those units (re-sends included), the bytes its nodes received
+    and sent, priced on its catalog profile (:func:`~fedfusion.devices.energy.price_work`, as every ledger row); a
+    device taken offline in the step (``failed``) did its work for nothing (``wasted``)."""
     rows = []
-    for dev, node in enumerate(order):
+    for dev, node in enumerate(firsts):
         down = sum(rec.down_bytes.get(dev, 0) for rec in trace)
         if not down:
             continue
         flops = sum(rec.flops.get(dev, 0.0) for rec in trace)
         up = sum(rec.up_bytes.get(dev, 0) for rec in trace)
         cost = price_work(catalog[caps[node].device], flops, down, up)
-        rows.append({"round": step, "node": node, "partition": caps[node].partition, "device": caps[node].device,
+        rows.append({"round": step, "node": node, "partition": dev, "device": caps[node].device,
                      "status": "failed" if dev in failed else "ok", "flops": flops, "bytes_down": down,
                      "bytes_up": up, **cost.ledger(dev in failed)})
     return rows
@@ -331,20 +336,22 @@ def _run_units(grid: Grid, recipe: Recipe, run: RunDir, on_round: Callable[[dict
     model = target.model
     write_partition_sizes(run.path, recipe)
     windows = training_windows(recipe)
-    nodes = wait_for_nodes(grid, recipe.population.num_clients)
+    k = nodes_per_client(recipe)
+    nodes = wait_for_nodes(grid, recipe.population.num_clients * k)
     caps = query_nodes(grid, recipe, nodes)
-    order = sorted(nodes, key=lambda n: caps[n].partition)  # device index = partition: seeded, run after run
+    # node index (UnitEngine.slot) = partition: device partition // k, its node partition % k; seeded, run after run
+    order = sorted(nodes, key=lambda n: caps[n].partition)
+    firsts = order[::k]  # each device's node 0 (all its nodes report the device's tier)
     # a resumed run's nodes are new (their ids change with the federation): logged at the step it resumes after
     run.log_nodes([{"round": ckpt.round if ckpt else 0, "node": n, **caps[n].to_config()} for n in order])
     catalog = load_catalog(recipe.population.catalog)
-    devices: list[UnitDevice] = [from_catalog(catalog[caps[n].device], name=str(n)) for n in order]
-    stall = {}
-    if u.stall_partition >= 0:
-        stall[[caps[n].partition for n in order].index(u.stall_partition)] = (u.stall_after, u.stall_s)
-    transport = GridTransport(grid, order, floor_s=u.deadline_floor_s, stall=stall)
+    devices: list[UnitDevice] = [from_catalog(catalog[caps[n].device], name=str(n)) for n in firsts]
+    # the stalled device's nodes each answer stall_after messages, then go silent
+    stall = {u.stall_partition * k + node: (u.stall_after, u.stall_s) for node in range(k)} if u.stall_partition >= 0 else {}
+    transport = GridTransport(grid, order, floor_s=u.deadline_floor_s, stall=stall, supernodes=k)
     engine = UnitEngine(devices, transport=transport, deadline_factor=u.deadline_factor,
                         verifier=Freivalds(seed=recipe.seed) if u.verify else None,
-                        accumulate=u.micro_batches if u.accumulate else 1)
+                        accumulate=u.micro_batches if u.accumulate else 1, supernodes=k)
     opt = make_optimizer(model, recipe.train.optimizer, recipe.train.lr, recipe.train.weight_decay)
     earlier_s = 0.0
     if ckpt is not None:
@@ -353,9 +360,10 @@ def _run_units(grid: Grid, recipe: Recipe, run: RunDir, on_round: Callable[[dict
         run.cut_ledgers(ckpt.round)
         progress.last = progress.saved = ckpt.round
         earlier_s = ckpt.elapsed_s
-    log(INFO, "units mode: %d devices (%s), offload=%s, %d steps of %d micro-batch(es)", len(devices),
-        ", ".join(f"{t}={sum(caps[n].device == t for n in order)}" for t in sorted({c.device for c in caps.values()})),
-        u.offload, u.steps, u.micro_batches)
+    log(INFO, "units mode: %d devices (%s) of %d SuperNode(s) each, offload=%s, %d steps of %d micro-batch(es)",
+        len(devices),
+        ", ".join(f"{t}={sum(caps[n].device == t for n in firsts)}" for t in sorted({c.device for c in caps.values()})),
+        k, u.offload, u.steps, u.micro_batches)
 
     def evaluate() -> dict[str, float]:
         scores = target.evaluate()  # on the server, every layer local (no units)
@@ -386,7 +394,7 @@ def _run_units(grid: Grid, recipe: Recipe, run: RunDir, on_round: Callable[[dict
         gaps, server = server_step(recipe, model, target.params, batch, trace, catalog)
         timing = simulate(devices, chains_from_trace(trace), deadline_factor=u.deadline_factor,
                           server_gap_s=gaps[0], optimizer_s=gaps[1], in_flight=u.in_flight,
-                          accumulate=u.accumulate, lanes=u.lanes) if trace else None
+                          accumulate=u.accumulate, **u.runtime()) if trace else None
         used = {d for rec in trace for d in rec.down_bytes}
         scores: dict[str, float] = {}
         if step == u.steps or (u.eval_every and step % u.eval_every == 0):
@@ -395,7 +403,7 @@ def _run_units(grid: Grid, recipe: Recipe, run: RunDir, on_round: Callable[[dict
             handle = install(model, engine, u.offload)
         now = time.perf_counter()
         step_waits = transport.waits[waits:]
-        ledger = price_step(step, trace, order, caps, catalog, engine.offline - offline_before)
+        ledger = price_step(step, trace, firsts, caps, catalog, engine.offline - offline_before)
         run.log_clients(ledger)
         row = {
             "round": step, "step": step, "train_loss": loss, **scores,

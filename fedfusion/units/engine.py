@@ -37,12 +37,13 @@ from fedfusion.units.plan import LAYOUTS, CostModel, GemmShape, PhasePlan, Tile,
 from fedfusion.units.verify import Freivalds, Strikes
 
 Worker = Callable[[bytes], "bytes | None"]
-# payload per device and its deadline in seconds -> reply per device (None: none by the deadline, b"": an error)
+# payload per node (``UnitEngine.slot``: the device with one SuperNode each) and its deadline in seconds -> reply per
+# node (None: none by the deadline, b"": an error)
 Transport = Callable[[dict[int, bytes], dict[int, float]], "dict[int, bytes | None]"]
 
 
 def in_process(workers: list[Worker]) -> Transport:
-    """A transport that calls each device's worker in turn (an exception is an error reply)."""
+    """A transport that calls each node's worker in turn (an exception is an error reply)."""
 
     def send(payloads: dict[int, bytes], deadlines: dict[int, float]) -> dict[int, bytes | None]:
         replies: dict[int, bytes | None] = {}
@@ -91,12 +92,16 @@ class UnitEngine:
     trace: list[PhaseRecord] = field(default_factory=list)
     server_fallback: int = 0  # tiles the server computed itself because no device was left
     cache_weights: bool = True  # leave out weight blocks a device already holds (same version)
-    held: dict[int, set[str]] = field(default_factory=dict)  # wire keys of the weight blocks each device holds
+    held: dict[int, set[str]] = field(default_factory=dict)  # wire keys of the weight blocks each node holds
     transport: Transport | None = None  # how messages travel (default: in process, through ``workers``)
+    # SuperNodes per device: micro-batch c's messages go to the device's node c mod k, each node with its own weight
+    # cache and running sums; nodes are numbered ``slot(device, node)`` (workers, payloads and replies by slot)
+    supernodes: int = 1
     deadline_factor: float = 3.0  # a device's deadline: this multiple of its message's predicted time
     # micro-batches per step whose weight gradients the devices sum before uploading (``accumulate``); 1: off
     accumulate: int = 1
-    _sums: dict[str, StepSum] = field(default_factory=dict, repr=False)  # this step's sums by weight and version
+    # this step's sums by (weight and version, node): each node sums its own micro-batches
+    _sums: dict[tuple[str, int], StepSum] = field(default_factory=dict, repr=False)
     _settled: threading.Condition = field(init=False, repr=False)
     _models: dict[int, CostModel] = field(default_factory=dict)
     # several micro-batches in flight: one thread each, its own chain; the lock guards everything but the transport
@@ -114,10 +119,12 @@ class UnitEngine:
         self._local.chain = value
 
     def __post_init__(self) -> None:
+        if self.supernodes < 1:
+            raise ValueError(f"supernodes must be >= 1, got {self.supernodes}")
         if self.workers is None:
-            self.workers = [DeviceRuntime() for _ in self.devices]
-        if len(self.workers) != len(self.devices):
-            raise ValueError("one worker per device")
+            self.workers = [DeviceRuntime() for _ in range(len(self.devices) * self.supernodes)]
+        if len(self.workers) != len(self.devices) * self.supernodes:
+            raise ValueError("one worker per device and SuperNode")
         if self.transport is None:
             self.transport = in_process(self.workers)
         self._settled = threading.Condition(self._lock)  # a micro-batch's products of a sum kept (or lost)
@@ -126,6 +133,15 @@ class UnitEngine:
         if elem_bytes not in self._models:
             self._models[elem_bytes] = CostModel(self.devices, elem_bytes)
         return self._models[elem_bytes]
+
+    def slot(self, device: int, node: int) -> int:
+        """The index of ``device``'s SuperNode ``node`` (the order of the nodes' partition ids)."""
+        return device * self.supernodes + node
+
+    @property
+    def node(self) -> int:
+        """The SuperNode of each device that the calling thread's micro-batch uses."""
+        return self.chain % self.supernodes
 
     def live(self) -> list[int]:
         """Devices that may get units: online and not blocked."""
@@ -155,18 +171,21 @@ class UnitEngine:
             finally:
                 for s, _, emit in joined.values():
                     if emit and settled:
-                        del self._sums[s.name]
+                        del self._sums[s.name, self.node]
                     elif not emit:
                         s.finished += 1
                 self._settled.notify_all()
             return outs
 
     def _join(self, g: Gemm) -> tuple[StepSum, int, bool]:
-        """The calling micro-batch's part in its step's sum of ``g``'s weight gradient: (sum, micro-batch, emit)."""
-        s = self._sums.setdefault(g.sums, StepSum(g.sums, self.accumulate, []))
-        micro = self.chain
+        """The calling micro-batch's part in its node's sum of ``g``'s weight gradient over the step: (sum, its
+        place among the node's micro-batches, emit). With k SuperNodes per device node n sums micro-batches n, n+k, .."""
+        node, k = self.node, self.supernodes
+        count = len(range(node, self.accumulate, k))
+        s = self._sums.setdefault((g.sums, node), StepSum(g.sums, count, []))
+        micro = self.chain // k
         if micro in s.operands or not 0 <= micro < s.count:
-            raise RuntimeError(f"micro-batch {micro} of {s.count} reached {g.sums} twice or out of range "
+            raise RuntimeError(f"micro-batch {self.chain} of {self.accumulate} reached {g.sums} twice or out of range "
                                "(set engine.chain per micro-batch)")
         s.operands[micro] = (g.a.logical(), g.b.logical())
         s.arrived += 1
@@ -277,9 +296,11 @@ class UnitEngine:
         return joined[0].server_sum() if joined else g.a.logical() @ g.b.logical()
 
     def _dispatch(self, work: _Work, rec: PhaseRecord, elem: int, first: bool, phase_id: int) -> float:
-        """One message per device with its pending units; collect well-formed replies. Returns the seconds the
-        transport took (the lock released meanwhile, so other micro-batches' phases go on)."""
+        """One message per device (to the micro-batch's SuperNode of it) with its pending units; collect
+        well-formed replies. Returns the seconds the transport took (the lock released meanwhile, so other
+        micro-batches' phases go on)."""
         tiles, pending, gemms = work.tiles, work.pending, work.gemms
+        node = self.node
         by_dev: dict[int, list[int]] = {}
         for uid in sorted(pending):
             by_dev.setdefault(tiles[uid].device, []).append(uid)
@@ -287,19 +308,20 @@ class UnitEngine:
         deadlines: dict[int, float] = {}
         cm = self.cost_model(elem)
         for dev, uids in by_dev.items():
+            slot = self.slot(dev, node)
             units = [(uid, gemms[tiles[uid].gemm], tiles[uid]) for uid in uids]
-            held = self.held.setdefault(dev, set()) if self.cache_weights else None
+            held = self.held.setdefault(slot, set()) if self.cache_weights else None
             sums = {uid: work.sums[uid] for uid in uids if uid in work.sums}
             if first:
                 versions = {op.key: op.version for g in gemms for op in (g.a, g.b)}
                 rec.formula_down[dev], rec.formula_up[dev] = formula_bytes(
                     [u[2] for u in units], [spec(g) for g in gemms], elem, None if held is None else set(held),
                     versions, sums={i: bool(sums[uid][2]) for i, uid in enumerate(uids) if uid in sums}, phase=phase_id)
-            payloads[dev] = encode_units(phase_id, units, held, sums)
-            rec.down_bytes[dev] = rec.down_bytes.get(dev, 0) + len(payloads[dev])
+            payloads[slot] = encode_units(phase_id, units, held, sums)
+            rec.down_bytes[dev] = rec.down_bytes.get(dev, 0) + len(payloads[slot])
             down, flops, up = tile_loads([u[2] for u in units], len(self.devices))
             rec.flops[dev] = rec.flops.get(dev, 0.0) + float(flops[dev])
-            deadlines[dev] = self.deadline_factor * float(cm.time(down, flops, up)[dev])
+            deadlines[slot] = self.deadline_factor * float(cm.time(down, flops, up)[dev])
             for uid in uids:
                 work.tried[uid].add(dev)
         t0 = time.perf_counter()
@@ -310,15 +332,16 @@ class UnitEngine:
             self._lock.acquire()
         worker_s = time.perf_counter() - t0
         for dev, uids in by_dev.items():
-            reply = replies.get(dev)
+            reply = replies.get(self.slot(dev, node))
             if reply is None:
                 self.offline.add(dev)
                 rec.failed_devices.append(dev)
                 continue
-            if not reply:  # an error reply: the device lost its cache and its sums (or failed); its units go elsewhere
-                self.held.pop(dev, None)
-                for s in self._sums.values():
-                    s.lost |= {pos for pos, t in enumerate(s.tiles) if t.device == dev}
+            if not reply:  # an error reply: the node lost its cache and its sums (or failed); its units go elsewhere
+                self.held.pop(self.slot(dev, node), None)
+                for (_, at), s in self._sums.items():
+                    if at == node:
+                        s.lost |= {pos for pos, t in enumerate(s.tiles) if t.device == dev}
                 continue
             rec.up_bytes[dev] = rec.up_bytes.get(dev, 0) + len(reply)
             got = decode_reply(reply)

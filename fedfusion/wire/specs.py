@@ -384,12 +384,18 @@ class WireSpec(Spec):
 # -- the capability query ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class PopulationSpec(Spec):
-    """The recipe's seeded population (sent in the capability query): a simulated node draws its tier from it."""
+    """The recipe's seeded population (sent in the capability query): a simulated node draws its tier from it; with
+    ``supernodes`` > 1 per client (the units mode) node ``partition-id`` p is client ``p // supernodes``."""
 
     prefix = "population-"
     mix: dict[str, float] = field(metadata=JSON)
     num_clients: int
     seed: int
+    supernodes: int = 1
+
+    def client(self, partition: int) -> int:
+        """The client (device) whose node has ``partition-id`` ``partition``."""
+        return partition // self.supernodes
 
 
 @dataclass(frozen=True)
