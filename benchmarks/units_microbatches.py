@@ -2,8 +2,9 @@
 in the same 20 settings as ``benchmarks/units.py`` (virtual time, ``fedfusion.units.timeline``, on-device
 accumulation), and what a per-step choice of the count could reach, on a device runtime that takes its next message while it works
 (the timeline's default), on one that holds 1 or 2 messages at a time (``simulate(lanes=...)``; Flower 1.42's
-SuperNode holds one: it pulls, computes, replies, then pulls again), and on devices that each run 2 SuperNodes
-(``simulate(supernodes=2)``: micro-batches alternate between them, each keeps its own weight blocks and sums).
+SuperNode holds one: it pulls, computes, replies, then pulls again), and on devices that each run 2 or 4 SuperNodes
+(``simulate(supernodes=k)``, ``units.supernodes`` on Flower: micro-batch c goes to node c mod k, each keeps its own
+weight blocks and sums).
 
     python benchmarks/units_microbatches.py [--markdown-only] [--out benchmarks/results]
 
@@ -31,7 +32,8 @@ from fedfusion.units.timeline import choose_micro_batches  # noqa: E402
 COUNTS = [m for m in range(1, BATCH + 1) if BATCH % m == 0]  # what choose_micro_batches tries
 # beside the default's no limit: messages a device holds at once, or SuperNodes per device (label -> simulate's kwargs)
 VARIANTS: dict[str, dict[str, int]] = {"2 lanes": {"lanes": 2}, "1 lane": {"lanes": 1},
-                                       "2 SuperNodes": {"supernodes": 2}}
+                                       "2 SuperNodes": {"supernodes": 2},
+                                       "4 SuperNodes": {"supernodes": 4}}
 
 
 def summary(timings: dict) -> dict[str, dict[str, float]]:
@@ -108,9 +110,10 @@ def markdown(data: dict) -> str:
               "The same settings when a device holds at most k messages (`timeline.simulate(lanes=k)`): a message "
               "starts its download only when the reply of the message k before it on that device is back. 1 lane is "
               "Flower 1.42's SuperNode (pull, compute, reply, then pull the next); no limit is the table above. "
-              "2 SuperNodes (`simulate(supernodes=2)`): each device runs two, micro-batch c goes to node c mod 2, each "
-              "node holds one message and its own weight blocks and sums (weights travel twice a step; more bytes "
-              "also raise utilisation, so compare the steps). Per variant: the auto count, its utilisation / step "
+              "k SuperNodes (`simulate(supernodes=k)`, `units.supernodes` on Flower): each device runs k, micro-batch "
+              "c goes to node c mod k, each node holds one message and its own weight blocks and sums (weights travel "
+              "k times a step; more bytes also raise utilisation, so compare the steps). "
+              "Per variant: the auto count, its utilisation / step "
               "(s), and the best utilisation at any count.", "",
               "| target | fleet | devices | step at 1 (s) | no limit: auto, util. / step | " +
               " | ".join(f"{k}: auto, util. / step, best util." for k in VARIANTS) + " |",

@@ -115,7 +115,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     central = method(recipe.fusion.method).central  # the units mode: optimizer steps, not rounds
     shape = (f"{recipe.units.steps} steps, units.offload={recipe.units.offload}" if central
              else f"{recipe.selection.clients_per_round} per round, {recipe.rounds} rounds")
-    console.print(f"[bold]fedfusion[/] {verb} {escape(recipe.name)}: {recipe.population.num_clients} clients, "
+    k = nodes_per_client(recipe)
+    nodes = f" ({recipe.population.num_clients * k} SuperNodes: units.supernodes={k})" if k > 1 else ""
+    console.print(f"[bold]fedfusion[/] {verb} {escape(recipe.name)}: {recipe.population.num_clients} clients{nodes}, "
                   f"{shape}, fusion={method_label(recipe)}"
                   + (f", on the Ray cluster at {recipe.engine.ray_address}" if recipe.engine.ray_address else "")
                   + f"; writing {escape(str(run.path))}")
@@ -169,7 +171,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         try:
             with ctrl_c:
                 run_simulation(
-                    server_app=server_app, client_app=client_app, num_supernodes=recipe.population.num_clients * nodes_per_client(recipe),
+                    server_app=server_app, client_app=client_app, num_supernodes=recipe.population.num_clients * k,
                     backend_config=backend_config(recipe),
                 )
         except RuntimeError:  # Flower re-raises its engine's failure once the ServerApp thread has ended

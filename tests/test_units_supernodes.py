@@ -105,7 +105,8 @@ def test_population_spec_maps_nodes_to_clients_and_the_recipe_key_is_validated()
     assert nodes_per_client(recipe) == 2 and recipe.units.runtime() == {"supernodes": 2}
     assert nodes_per_client(load_recipe("quickstart", ["units.supernodes=2"])) == 1  # other methods: one node each
     assert load_recipe("units").units.runtime() == {"lanes": 1}
-    for bad, key in ((["units.supernodes=0"], "units.supernodes"), (["units.supernodes=2", "units.lanes=0"], "units.lanes")):
+    for bad, key in ((["units.supernodes=0"], "units.supernodes"), (["units.supernodes=2", "units.lanes=0"], "units.lanes"),
+                     (["units.supernodes=2", "units.micro_batches=1"], "units.supernodes.*no work")):
         with pytest.raises(RecipeError, match=key):
             load_recipe("units", bad)
     with pytest.raises(ValueError, match="supernodes"):

@@ -750,6 +750,10 @@ def _validate_units(recipe: Recipe) -> None:
                           f"units.lanes must be 1 with it, got {u.lanes}")
     if recipe.fusion.method != UNITS:
         return
+    if u.micro_batches and u.supernodes > u.micro_batches:
+        raise RecipeError(f"units.supernodes: micro-batch c runs on a device's node c mod {u.supernodes}, so with "
+                          f"units.micro_batches {u.micro_batches} some of the {u.supernodes} would get no work; use at "
+                          f"most {u.micro_batches}")
     if u.micro_batches and recipe.train.batch_size % u.micro_batches:
         raise RecipeError(f"units.micro_batches: {u.micro_batches} does not divide train.batch_size "
                           f"{recipe.train.batch_size}")

@@ -83,7 +83,7 @@ class PhaseWait:
 @dataclass
 class GridTransport:
     """The engine's transport seam over a Flower Grid: ``(payloads, deadlines) -> replies`` per node index
-    (``UnitEngine.slot``: the device index with one SuperNode per device).
+    (``UnitEngine.slot``; the device index when each device runs one SuperNode).
 
     Pushes one ``train.units`` message per node (the bytes as one uint8 array), then pulls on its own short
     loop (``poll_s``; not ``send_and_receive``, which sleeps 0.1 s or 3 s between pulls) until every reply is in

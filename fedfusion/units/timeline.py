@@ -14,10 +14,11 @@ ClientApp, sends the reply and only then pulls the next, so its downlink, proces
 the order: the model charges one ``rtt`` and ``overhead_s`` per message, while a deployed SuperNode makes several
 calls per message, polls its ClientApp every 0.5 s and sleeps 3 s after a pull that finds nothing (the simulation
 engine, for its part, may run two of a node's messages at once); ``lanes=0`` (no limit, the default) is a runtime that prefetches, the seed
-paper's devices. ``supernodes=k`` prices a way to more lanes within Flower: each device runs k SuperNodes,
-micro-batch ``c`` goes to its node ``c mod k``, and each node holds one message at a time and its own weight blocks
-and running sums (so weights travel and sums upload once per node and step), over the device's one set of links and
-processor. Micro-batches are independent chains of dependent phases (a phase is issued when the previous phase of
+paper's devices. ``supernodes=k`` prices more lanes within Flower (``units.supernodes``, ``UnitEngine.supernodes``):
+each device runs k SuperNodes, micro-batch ``c`` goes to its node ``c mod k``, and each node holds one message at a
+time and its own weight blocks and running sums (so weights travel and sums upload once per node and step), over the
+device's one set of links and processor.
+Micro-batches are independent chains of dependent phases (a phase is issued when the previous phase of
 its chain is back, plus the server's own time between phases), processed in order of issue time. ``in_flight``
 chains run at once (the scheduler keeps that many micro-batches' messages queued, the engine one thread each);
 the next starts when one ends. A device's idle gap is the time its processor waits between two messages.
