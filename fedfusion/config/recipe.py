@@ -388,8 +388,9 @@ class UnitsSection:
     # the catalog tier that prices the server's own compute, its checks and its traffic (fedfusion.units.ledger)
     server_device: str = DEFAULT_SERVER_DEVICE
     eval_every: int = 0  # steps between central evaluations (0: only before the first and after the last step)
-    # fault injection for tests and benchmarks: the node of this partition stops answering (sleeps stall_s before
-    # it replies) after answering stall_after messages; -1: off
+    # fault injection for tests and benchmarks: the device of this partition stops answering (each of its nodes
+    # sleeps stall_s before it replies) after answering stall_after messages; -1: off. In simulation a sleeping node
+    # holds one of the engine's actors (engine.cpus_per_client), so other nodes queue behind it when actors run out
     stall_partition: int = -1
     stall_after: int = 0
     stall_s: float = 0.0
