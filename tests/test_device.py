@@ -87,6 +87,40 @@ def test_gateway_refuses_unknown_and_revoked_tokens(gateway):
     assert call(f"{url}/v1/register", "POST", "tok-b", b"")[0] == 200
 
 
+def test_a_device_outlives_its_gateway_going_away(gateway):
+    """The gateway shuts down while a device polls it: the device says so once and keeps polling (idle time), so a
+    restarted gateway finds it again, and ``idle_s`` still ends it; nothing is raised in its thread."""
+    from fedfusion.phone.reference import ReferenceDevice
+
+    server, _, _ = gateway
+    said: list[str] = []
+    device = ReferenceDevice(server.url, "tok-a")
+    result: list[int] = []
+    worker = threading.Thread(target=lambda: result.append(device.serve(poll_s=0.05, idle_s=1.5, echo=said.append)))
+    worker.start()
+    time.sleep(0.3)  # registered and polling
+    server.shutdown()
+    server.server_close()
+    worker.join(timeout=30)
+    assert result == [0] and not worker.is_alive()
+    assert said[0].startswith("registered with") and sum("unreachable" in line for line in said) == 1
+
+
+@pytest.mark.device
+def test_the_device_command_names_a_gateway_it_cannot_reach(capsys):
+    """`fedfusion device` against a port nothing listens on: one line naming the gateway, exit code 4."""
+    import socket
+
+    from fedfusion.cli import main
+
+    with socket.socket() as probe:  # a free port, closed again: connecting to it is refused
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    assert main(["device", "--gateway", url, "--token", "tok-a"]) == 4
+    assert f"error: gateway {url} unreachable" in capsys.readouterr().out
+
+
 def test_gateway_task_life_cycle(gateway):
     """A task goes to one device; another device cannot read or answer it; a result comes back to the node."""
     server, secret, _ = gateway

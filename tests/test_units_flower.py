@@ -121,6 +121,10 @@ def test_two_supernodes_per_device_train_central_trainings_curve(tmp_path):
             assert abs(row["bytes_down"] - step["MB down"] * 1e6) <= 0.01 * row["bytes_down"]
             assert abs(row["bytes_up"] - step["MB up"] * 1e6) <= 0.01 * row["bytes_up"]
             assert abs(row["virtual_s"] - step["step_s"]) <= 0.02 * step["step_s"]
+        # each node's weight-gradient sums are checked once per step: the server's work as planned
+        for key in ("server_flops", "server_verify_flops", "cloud_flops"):
+            assert row[key] == pytest.approx(step["server"][key], rel=1e-6), key
+    assert step["server"]["server_verify_flops"] > one["server"]["server_verify_flops"]  # two sums' checks, not one
 
 
 @pytest.mark.parametrize("nodes", [1, 2])

@@ -98,6 +98,9 @@ def cmd_device(args: argparse.Namespace) -> int:
     except DeviceRefused as exc:
         print(f"error: {exc}")
         return 3
+    except OSError as exc:  # registration: the gateway cannot be reached at all (a wrong URL, nothing listening)
+        print(f"error: gateway {args.gateway} unreachable: {exc}")
+        return 4
     print(json.dumps({"tasks": done}))
     return 0
 

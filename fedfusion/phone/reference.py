@@ -97,11 +97,21 @@ class ReferenceDevice:
     def serve(self, tasks: int | None = None, poll_s: float = 1.0, idle_s: float | None = None,
               echo: Callable[[str], None] = print) -> int:
         """Register, then take and train tasks until ``tasks`` are done or nothing came for ``idle_s`` seconds
-        (None: forever). Returns the number of tasks trained."""
+        (None: forever). A gateway that stops answering (restarted, or gone) counts as idle time: said once, then
+        polled again every ``poll_s``, as a phone app keeps trying. Returns the number of tasks trained."""
         echo(f"registered with {self.gateway} as {self.register()}")
-        done, idle_since = 0, time.monotonic()
+        done, idle_since, lost = 0, time.monotonic(), False
         while tasks is None or done < tasks:
-            status, body = self.get("/v1/task")
+            try:
+                status, body = self.get("/v1/task")
+            except OSError as exc:  # connection refused or reset, a timeout (urllib's URLError is an OSError)
+                if not lost:
+                    echo(f"gateway {self.gateway} unreachable ({exc}); trying again every {poll_s:g} s")
+                status, body, lost = 204, b"", True
+            else:
+                if lost:
+                    echo(f"gateway {self.gateway} answers again")
+                lost = False
             if status == 204:
                 if idle_s is not None and time.monotonic() - idle_since > idle_s:
                     break
@@ -112,7 +122,7 @@ class ReferenceDevice:
                 metrics = self.run_task(task)
             except DeviceRefused:
                 raise
-            except RuntimeError as exc:  # e.g. 409: finished after the deadline; the next task may fit
+            except (RuntimeError, OSError) as exc:  # e.g. 409: finished after the deadline, or the gateway went away
                 echo(f"task {task['task']}: {exc}")
                 continue
             done, idle_since = done + 1, time.monotonic()

@@ -553,14 +553,15 @@ def units_work(recipe: Recipe, micro_batches: int) -> UnitsWork:
     phases = llama_phases(**shape, tokens=tokens, mode=u.offload)
     own = server_flops(**shape, tokens=tokens * micro_batches, seq=seq, params=param_count(recipe_target(recipe)),
                        mode=u.offload, optimizer=recipe.train.optimizer)
-    # one check per product; a weight gradient summed on the devices is checked once per step, over every
-    # micro-batch's tokens (fedfusion.units.accumulate)
+    # one check per product; a weight gradient summed on the devices is checked once per step and SuperNode, over
+    # the tokens of that node's micro-batches (fedfusion.units.accumulate; node j sums micro-batches j, j+K, ..)
     summed = u.accumulate and micro_batches > 1
+    per_node = [c for c in (len(range(j, micro_batches, u.supernodes)) for j in range(u.supernodes)) if c]
     verify = 0.0
     for shapes, specs in phases if u.verify else ():
         for g, spec in zip(shapes, specs):
             if summed and spec == WEIGHT_GRADIENT:
-                verify += check_flops(g.m, g.n, g.k * micro_batches)
+                verify += sum(check_flops(g.m, g.n, g.k * c) for c in per_node)
             else:
                 verify += micro_batches * check_flops(g.m, g.n, g.k)
     server = load_catalog(recipe.population.catalog)[u.server_device]
