@@ -126,6 +126,18 @@ def test_the_plan_prices_the_devices_lanes() -> None:
     assert load_recipe("units").units.lanes == 1
 
 
+def test_the_plan_prices_supernodes_per_device() -> None:
+    """``units.supernodes=2`` reaches the plan's timeline and its step line: with 2 micro-batches each device works on
+    two messages at once (faster than one SuperNode), and each node receives its own weight blocks (more bytes)."""
+    from fedfusion.run.planner import units_view
+
+    one = units_plan(load_recipe("units", ["units.micro_batches=2"]))[0]
+    recipe = load_recipe("units", ["units.micro_batches=2", "units.supernodes=2"])
+    two = units_plan(recipe)[0]
+    assert two["step_s"] < one["step_s"] and two["MB down"] > one["MB down"]
+    assert "devices running 2 SuperNodes of one message each: units.supernodes" in units_view(recipe).notes[0]
+
+
 @pytest.mark.slow  # a plan at every divisor of the batch, then the chooser and `fedfusion plan`: 4-11 s here
 def test_micro_batches_zero_is_the_choosers_count_on_the_plans_steps(tmp_path: Path,
                                                                       capsys: pytest.CaptureFixture[str]) -> None:
