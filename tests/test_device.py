@@ -88,22 +88,32 @@ def test_gateway_refuses_unknown_and_revoked_tokens(gateway):
 
 
 def test_a_device_outlives_its_gateway_going_away(gateway):
-    """The gateway shuts down while a device polls it: the device says so once and keeps polling (idle time), so a
-    restarted gateway finds it again, and ``idle_s`` still ends it; nothing is raised in its thread."""
+    """The gateway shuts down while a device polls it: the device says so once and keeps polling (idle time); a
+    gateway restarted on the same address gets it registered again; ``idle_s`` still ends it; nothing is raised in
+    its thread."""
     from fedfusion.phone.reference import ReferenceDevice
 
-    server, _, _ = gateway
+    server, _, tokens = gateway
     said: list[str] = []
     device = ReferenceDevice(server.url, "tok-a")
     result: list[int] = []
-    worker = threading.Thread(target=lambda: result.append(device.serve(poll_s=0.05, idle_s=1.5, echo=said.append)))
+    worker = threading.Thread(target=lambda: result.append(device.serve(poll_s=0.05, idle_s=3.0, echo=said.append)))
     worker.start()
     time.sleep(0.3)  # registered and polling
     server.shutdown()
     server.server_close()
-    worker.join(timeout=30)
-    assert result == [0] and not worker.is_alive()
-    assert said[0].startswith("registered with") and sum("unreachable" in line for line in said) == 1
+    time.sleep(0.5)  # unreachable for a while
+    again = GatewayServer(server.server_address, Gateway(Tokens(tokens), tokens.parent / "programs"))
+    threading.Thread(target=again.serve_forever, daemon=True).start()
+    try:
+        worker.join(timeout=30)
+        assert result == [0] and not worker.is_alive()
+        assert said[0].startswith("registered with") and sum("unreachable" in line for line in said) == 1
+        assert any(line.startswith(f"gateway {server.url} answers again; registered as phone-a") for line in said)
+        assert call(f"{server.url}/v1/task", "GET", "tok-a")[0] == 204  # registered with the new gateway
+    finally:
+        again.shutdown()
+        again.server_close()
 
 
 @pytest.mark.device

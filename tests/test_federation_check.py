@@ -40,3 +40,6 @@ def test_the_units_mode_expects_its_supernodes_per_client():
     message = str(err.value)
     assert "2 SuperNodes (units.supernodes)" in message and "num-supernodes=8" in message
     assert "population.num_clients=3" in message
+    with pytest.raises(ValueError) as err:  # no client count fits: no override is suggested
+        check_federation(Joining(1, connected=0), 4, per_client=2, wait_s=0.05, poll_s=0.01)
+    assert "num-supernodes=8" in str(err.value) and "population.num_clients=" not in str(err.value)

@@ -69,7 +69,9 @@ def run_units(tmp_path: Path, extra: list[str], nodes: int = 4) -> tuple[list[di
         assert row["energy_j"] == pytest.approx(sum(r["energy_j"] for r in mine) + row["server_energy_j"])
         assert row["server_energy_j"] > 0 and row["server_verify_flops"] > 0 and row["cloud_step_s"] > 0
     assert (out / "report.md").is_file() and (out / "nodes.jsonl").read_text().count("\n") == nodes
-    assert {r["partition"] for r in ledger} <= set(range(4))  # one ledger row per device (client), not per node
+    for step in {r["round"] for r in ledger}:  # one ledger row per device (client) and step, not per node
+        parts = [r["partition"] for r in ledger if r["round"] == step]
+        assert len(parts) == len(set(parts)) and set(parts) <= set(range(4))
     return rows, central_losses([*TINY, *extra])
 
 

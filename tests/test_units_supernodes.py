@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from fedfusion.config.recipe import RecipeError, load_recipe, nodes_per_client
+from fedfusion.run.units import nodes_in_order
 from fedfusion.units import UnitEngine, in_process
 from fedfusion.units.messages import DeviceRuntime
 from fedfusion.units.workers import DiesAfter
-from fedfusion.wire.specs import PopulationSpec
+from fedfusion.wire.specs import Caps, PopulationSpec
 from tests.test_units_accumulate import Forgets, batch, gaps, local_step, units_step, weight_gradient_phases
 from tests.test_units_exact import devices
 
@@ -63,8 +64,8 @@ def test_each_node_caches_its_own_weights_and_uploads_its_own_sums() -> None:
     ids = batch(2)
     one, _ = engine_with(3, 1)
     two, _ = engine_with(3, 2)
-    units_step(torch.float64, ids, 2, one, in_flight=0)
-    units_step(torch.float64, ids, 2, two, in_flight=0)
+    units_step(torch.float64, ids, 2, one, in_flight=1)  # one node, one micro-batch at a time: no message races
+    units_step(torch.float64, ids, 2, two, in_flight=0)  # one micro-batch per node
     assert set(two.held) == {two.slot(d, n) for d in range(3) for n in range(2)}
     assert all(two.held[two.slot(d, 0)] == two.held[two.slot(d, 1)] == one.held[d] for d in range(3))
     up = [sum(sum(rec.up_bytes.values()) for rec in weight_gradient_phases(e)) for e in (one, two)]
@@ -82,13 +83,13 @@ def test_a_node_lost_mid_step_costs_only_its_own_sums(kind: str) -> None:
     """Node 1 of device 1 (slot 3) dies (the device goes offline: its other node gets nothing more) or loses its
     state (its micro-batches' sums are recomputed; node 0's sums of the same device are used): the step is exact."""
     ids = batch(4)
-    lost = DiesAfter(15) if kind == "dies" else Forgets(15)
+    lost = DiesAfter(8) if kind == "dies" else Forgets(8)  # of its 22 messages: in the forward phases
     workers = [DeviceRuntime() for _ in range(8)]
     workers[3] = lost  # type: ignore[call-overload]
     engine, transport = engine_with(4, 2, workers)
     got = units_step(torch.float64, ids, 4, engine, in_flight=0)
     assert gaps(local_step(torch.float64, ids, 4), got)[0] <= 1e-10
-    assert sum(rec.redispatched for rec in weight_gradient_phases(engine)) >= 1 and not engine._sums
+    assert sum(rec.redispatched for rec in engine.trace) >= 1 and not engine._sums  # its units went elsewhere
     assert engine.offline == ({1} if kind == "dies" else set())
     late = [slots for chain, slots in transport.calls[len(transport.calls) // 2:]]
     if kind == "dies":  # the device is gone: neither of its nodes gets units after it
@@ -111,3 +112,24 @@ def test_population_spec_maps_nodes_to_clients_and_the_recipe_key_is_validated()
             load_recipe("units", bad)
     with pytest.raises(ValueError, match="supernodes"):
         UnitEngine(devices(2), supernodes=0)
+
+
+def test_nodes_map_to_devices_by_partition_and_a_bad_federation_is_named() -> None:
+    """Node index = partition-id (device p // k); ids not exactly 0 .. clients x k - 1, or a device whose nodes
+    report different tiers (hand-started SuperNodes), stop the run with what is off."""
+    caps = {100 + p: Caps("phone" if p < 2 else "laptop", p, 0) for p in (3, 0, 2, 1)}
+    assert nodes_in_order(caps, 2, 2) == [100, 101, 102, 103]
+    with pytest.raises(ValueError, match=r"partition-ids are \[0, 1, 2, 2\], expected 0..3"):
+        nodes_in_order({**caps, 103: Caps("laptop", 2, 0)}, 2, 2)
+    with pytest.raises(ValueError, match=r"device 1 \(partition-ids 2..3\) report different tiers"):
+        nodes_in_order({**caps, 103: Caps("phone", 3, 0)}, 2, 2)
+
+
+def test_micro_batches_zero_chooses_at_least_one_per_supernode() -> None:
+    """``micro_batches: 0`` with k SuperNodes chooses among counts >= k (fewer would leave nodes idle, which a fixed
+    count is refused for); more SuperNodes than the batch has examples is refused."""
+    from fedfusion.run.planner import units_micro_batches
+
+    assert units_micro_batches(load_recipe("units", ["units.micro_batches=0", "units.supernodes=4"])) >= 4
+    with pytest.raises(RecipeError, match="units.supernodes.*train.batch_size"):
+        load_recipe("units", ["units.supernodes=16", "units.micro_batches=0", "train.batch_size=8"])

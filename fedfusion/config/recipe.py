@@ -378,7 +378,8 @@ class UnitsSection:
     lanes: int = 1
     # SuperNodes per device (>= 1): micro-batch c runs on the device's node c mod k, so a device works on k messages
     # at once, each node with its own weight cache and running sums (weights travel and sums upload k times a step);
-    # the simulation starts num_clients x k nodes, `fedfusion deploy` k SuperNodes per client. Needs lanes 1.
+    # the simulation starts num_clients x k nodes, `fedfusion deploy` k SuperNodes per client. Needs lanes 1 and at
+    # least k micro-batches (micro_batches: 0 then chooses among counts >= k).
     supernodes: int = 1
     deadline_factor: float = 3.0  # a device's deadline: this multiple of its message's predicted (virtual) time
     # the wall-clock floor of a device's deadline: the predicted times are the catalog device's, the real transport
@@ -388,9 +389,9 @@ class UnitsSection:
     # the catalog tier that prices the server's own compute, its checks and its traffic (fedfusion.units.ledger)
     server_device: str = DEFAULT_SERVER_DEVICE
     eval_every: int = 0  # steps between central evaluations (0: only before the first and after the last step)
-    # fault injection for tests and benchmarks: the device of this partition stops answering (each of its nodes
-    # sleeps stall_s before it replies) after answering stall_after messages; -1: off. In simulation a sleeping node
-    # holds one of the engine's actors (engine.cpus_per_client), so other nodes queue behind it when actors run out
+    # fault injection for tests and benchmarks: the device (client index) of this partition stops answering: each of
+    # its nodes answers stall_after messages, then sleeps stall_s before every reply; -1: off. In simulation a
+    # sleeping node holds one of the engine's actors (engine.cpus_per_client): other nodes queue when actors run out
     stall_partition: int = -1
     stall_after: int = 0
     stall_s: float = 0.0
@@ -751,6 +752,9 @@ def _validate_units(recipe: Recipe) -> None:
                           f"units.lanes must be 1 with it, got {u.lanes}")
     if recipe.fusion.method != UNITS:
         return
+    if u.supernodes > recipe.train.batch_size:
+        raise RecipeError(f"units.supernodes: {u.supernodes} SuperNodes per device need as many micro-batches, more "
+                          f"than train.batch_size {recipe.train.batch_size}")
     if u.micro_batches and u.supernodes > u.micro_batches:
         raise RecipeError(f"units.supernodes: micro-batch c runs on a device's node c mod {u.supernodes}, so with "
                           f"units.micro_batches {u.micro_batches} some of the {u.supernodes} would get no work; use at "

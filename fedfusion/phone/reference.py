@@ -98,20 +98,20 @@ class ReferenceDevice:
               echo: Callable[[str], None] = print) -> int:
         """Register, then take and train tasks until ``tasks`` are done or nothing came for ``idle_s`` seconds
         (None: forever). A gateway that stops answering (restarted, or gone) counts as idle time: said once, then
-        polled again every ``poll_s``, as a phone app keeps trying. Returns the number of tasks trained."""
+        polled again every ``poll_s``, as a phone app keeps trying; when it answers again the device registers again
+        (a restarted gateway knows no registrations). Returns the number of tasks trained."""
         echo(f"registered with {self.gateway} as {self.register()}")
         done, idle_since, lost = 0, time.monotonic(), False
         while tasks is None or done < tasks:
             try:
+                if lost:  # a restarted gateway knows no registrations: register again first
+                    echo(f"gateway {self.gateway} answers again; registered as {self.register()}")
+                    lost = False
                 status, body = self.get("/v1/task")
             except OSError as exc:  # connection refused or reset, a timeout (urllib's URLError is an OSError)
                 if not lost:
                     echo(f"gateway {self.gateway} unreachable ({exc}); trying again every {poll_s:g} s")
                 status, body, lost = 204, b"", True
-            else:
-                if lost:
-                    echo(f"gateway {self.gateway} answers again")
-                lost = False
             if status == 204:
                 if idle_s is not None and time.monotonic() - idle_since > idle_s:
                     break

@@ -365,8 +365,8 @@ def check_federation(grid: Grid, clients: int, per_client: int = 1, wait_s: floa
     if nodes != expected:
         each = ("every client is one SuperNode" if per_client == 1
                 else f"every client is {per_client} SuperNodes (units.supernodes)")
-        fix = (f" (or set the override population.num_clients={nodes // per_client})" if nodes % per_client == 0
-               else "")
+        fix = (f" (or set the override population.num_clients={nodes // per_client})"
+               if nodes >= per_client and nodes % per_client == 0 else "")
         raise ValueError(
             f"the federation has {nodes} SuperNodes but population.num_clients is {clients}: {each}, so run with "
             f"--federation-config \"num-supernodes={expected}\"{fix}")

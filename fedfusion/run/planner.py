@@ -597,7 +597,8 @@ def units_micro_batches(recipe: Recipe) -> int:
     chosen, _ = choose_micro_batches(
         units_devices(recipe), lambda m: work(m).phases, recipe.train.batch_size,
         kwargs_for=lambda m: {"server_gap_s": work(m).gap_s, "optimizer_s": work(m).optimizer_s},
-        deadline_factor=u.deadline_factor, in_flight=u.in_flight, accumulate=u.accumulate, **u.runtime())
+        deadline_factor=u.deadline_factor, in_flight=u.in_flight, accumulate=u.accumulate, min_count=u.supernodes,
+        **u.runtime())
     return chosen
 
 

@@ -188,6 +188,23 @@ def query_nodes(grid: Grid, recipe: Recipe, nodes: list[int], timeout_s: float =
     return caps
 
 
+def nodes_in_order(caps: dict[int, Caps], clients: int, k: int) -> list[int]:
+    """The node ids by node index (``UnitEngine.slot``), which is the partition id: device ``p // k``, its node
+    ``p % k``; seeded, run after run. The partition ids must be exactly 0 .. clients x k - 1 and a device's k nodes
+    must report one tier (hand-started SuperNodes can get either wrong): a ValueError names what is off."""
+    order = sorted(caps, key=lambda n: caps[n].partition)
+    got = [caps[n].partition for n in order]
+    if got != list(range(clients * k)):
+        raise ValueError(f"units mode: the nodes' partition-ids are {got}, expected 0..{clients * k - 1} "
+                         f"(population.num_clients {clients} x units.supernodes {k}, one node each)")
+    for dev in range(clients):
+        tiers = {caps[n].device for n in order[dev * k:(dev + 1) * k]}
+        if len(tiers) > 1:
+            raise ValueError(f"units mode: the {k} nodes of device {dev} (partition-ids {dev * k}..{dev * k + k - 1}) "
+                             f"report different tiers {sorted(tiers)}")
+    return order
+
+
 def training_windows(recipe: Recipe) -> torch.Tensor:
     """The pooled training text of the whole population as token windows (every client's train split, in
     partition order): in the units mode the server holds the data."""
@@ -237,11 +254,12 @@ def train_step(model: PreTrainedModel, opt: torch.optim.Optimizer, batch: torch.
 
 
 def price_step(step: int, trace: list[PhaseRecord], firsts: list[int], caps: dict[int, Caps],
-               catalog: dict[str, Device], failed: set[int]) -> list[dict[str, Any]]:
-    """One clients.jsonl row per device the step sent units to (``firsts``: each device's first node; the
-    partition is the device's client): the FLOPs of those units (re-sends included), the bytes its nodes received
-    and sent, priced on its catalog profile (:func:`~fedfusion.devices.energy.price_work`, as every ledger row); a
-    device taken offline in the step (``failed``) did its work for nothing (``wasted``)."""
+               catalog: dict[str, Device], failed: set[int], k: int = 1) -> list[dict[str, Any]]:
+    """One clients.jsonl row per device the step sent units to (``firsts``: each device's first node, its id the
+    row's ``node``; ``k`` nodes per device, the row's partition the device's client): the FLOPs of those units
+    (re-sends included), the bytes its nodes received and sent, priced on its catalog profile
+    (:func:`~fedfusion.devices.energy.price_work`, as every ledger row); a device taken offline in the step
+    (``failed``) did its work for nothing (``wasted``)."""
     rows = []
     for dev, node in enumerate(firsts):
         down = sum(rec.down_bytes.get(dev, 0) for rec in trace)
@@ -250,7 +268,7 @@ def price_step(step: int, trace: list[PhaseRecord], firsts: list[int], caps: dic
         flops = sum(rec.flops.get(dev, 0.0) for rec in trace)
         up = sum(rec.up_bytes.get(dev, 0) for rec in trace)
         cost = price_work(catalog[caps[node].device], flops, down, up)
-        rows.append({"round": step, "node": node, "partition": dev, "device": caps[node].device,
+        rows.append({"round": step, "node": node, "partition": caps[node].partition // k, "device": caps[node].device,
                      "status": "failed" if dev in failed else "ok", "flops": flops, "bytes_down": down,
                      "bytes_up": up, **cost.ledger(dev in failed)})
     return rows
@@ -339,9 +357,8 @@ def _run_units(grid: Grid, recipe: Recipe, run: RunDir, on_round: Callable[[dict
     k = nodes_per_client(recipe)
     nodes = wait_for_nodes(grid, recipe.population.num_clients * k)
     caps = query_nodes(grid, recipe, nodes)
-    # node index (UnitEngine.slot) = partition: device partition // k, its node partition % k; seeded, run after run
-    order = sorted(nodes, key=lambda n: caps[n].partition)
-    firsts = order[::k]  # each device's node 0 (all its nodes report the device's tier)
+    order = nodes_in_order(caps, recipe.population.num_clients, k)
+    firsts = order[::k]  # each device's node 0
     # a resumed run's nodes are new (their ids change with the federation): logged at the step it resumes after
     run.log_nodes([{"round": ckpt.round if ckpt else 0, "node": n, **caps[n].to_config()} for n in order])
     catalog = load_catalog(recipe.population.catalog)
@@ -403,7 +420,7 @@ def _run_units(grid: Grid, recipe: Recipe, run: RunDir, on_round: Callable[[dict
             handle = install(model, engine, u.offload)
         now = time.perf_counter()
         step_waits = transport.waits[waits:]
-        ledger = price_step(step, trace, firsts, caps, catalog, engine.offline - offline_before)
+        ledger = price_step(step, trace, firsts, caps, catalog, engine.offline - offline_before, k)
         run.log_clients(ledger)
         row = {
             "round": step, "step": step, "train_loss": loss, **scores,

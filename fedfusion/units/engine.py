@@ -45,7 +45,9 @@ Transport = Callable[[dict[int, bytes], dict[int, float]], "dict[int, bytes | No
 def in_process(workers: list[Worker]) -> Transport:
     """A transport that calls each node's worker in turn (an exception is an error reply). A worker takes one
     message at a time, as a SuperNode does: micro-batches in flight queue for it (a ``DeviceRuntime``'s cache and
-    sums are not safe for two messages at once; measured: error replies and re-sends in 3 of 20 steps without it)."""
+    sums are not safe for two messages at once; measured: error replies and re-sends in 3 of 20 steps without it).
+    The queue is not in order of issue: a message that counts on a block sent in another micro-batch's message may
+    go first, get an error reply and be re-sent with the block (exact all the same, as on Flower)."""
     locks = [threading.Lock() for _ in workers]
 
     def send(payloads: dict[int, bytes], deadlines: dict[int, float]) -> dict[int, bytes | None]:

@@ -254,18 +254,21 @@ def simulate(devices: list[UnitDevice], chains: list[list[Phase]], *, elem_bytes
 
 def choose_micro_batches(devices: list[UnitDevice], phases_for: Callable[[int], list[Phase]], batch_size: int, *,
                          target_utilisation: float = 0.7,
-                         kwargs_for: Callable[[int], dict[str, Any]] | None = None,
+                         kwargs_for: Callable[[int], dict[str, Any]] | None = None, min_count: int = 1,
                          **kwargs: Any) -> tuple[int, dict[int, StepTiming]]:
     """The micro-batch count for a step, predicted with ``simulate`` (``kwargs`` pass through, with
     ``kwargs_for(m)``'s added for count ``m``: e.g. the server's time between phases, which grows with the count):
-    the smallest divisor of ``batch_size`` whose busiest-link utilisation reaches ``target_utilisation`` without a
-    slower step than one micro-batch; else the divisor with the shortest step (ties: the smaller count).
+    among the divisors of ``batch_size`` from ``min_count`` on (k SuperNodes per device need k micro-batches to keep
+    each node busy), the smallest whose busiest-link utilisation reaches ``target_utilisation`` without a slower step
+    than the smallest divisor's; else the one with the shortest step (ties: the smaller count).
     ``phases_for(m)`` is one micro-batch's phase list when the batch is cut into ``m``. Returns the count and every
     count's timing, so a setting that reaches no count at the target stays visible as such (latency-bound: a chain's
     phases x (RTT + overhead) exceed what the links carry)."""
-    counts = [m for m in range(1, batch_size + 1) if batch_size % m == 0]
+    counts = [m for m in range(max(1, min_count), batch_size + 1) if batch_size % m == 0]
+    if not counts:
+        raise ValueError(f"no divisor of batch size {batch_size} is at least {min_count}")
     timings = {m: simulate(devices, [phases_for(m)] * m, **kwargs, **(kwargs_for(m) if kwargs_for else {}))
                for m in counts}
-    one = timings[1].step_s
+    one = timings[counts[0]].step_s
     ok = [m for m in counts if timings[m].link_utilisation >= target_utilisation and timings[m].step_s <= one]
     return (ok[0] if ok else min(counts, key=lambda m: (timings[m].step_s, m))), timings
