@@ -18,20 +18,18 @@ denominator.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results_files import run_facts, write_pair  # noqa: E402
 
-from fedfusion.config.recipe import load_recipe
-from fedfusion.run.planner import units_plan
-from fedfusion.run.run_dir import read_jsonl
+from fedfusion.config.recipe import load_recipe  # noqa: E402
+from fedfusion.run.planner import units_plan  # noqa: E402
+from fedfusion.run.run_dir import read_jsonl  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -83,16 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
-    load = " / ".join(f"{x:.2f}" for x in os.getloadavg())
+    facts = run_facts("benchmarks/units_checks.py", argv)
     start = time.time()
     rows = [r for micro in args.micro_batches for r in run(args.steps, micro)]
-    data = {"command": " ".join(["python benchmarks/units_checks.py", *(argv if argv is not None else sys.argv[1:])]),
-            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "torch": torch.__version__,
-            "load_before": load, "seconds": time.time() - start, "rows": rows}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "units_checks.json").write_text(json.dumps(data, indent=1))
-    (args.out / "units_checks.md").write_text(markdown(data))
-    print(markdown(data))
+    data = {**facts, "seconds": time.time() - start, "rows": rows}
+    write_pair(args.out, "units_checks", data, markdown(data))
     return 0
 
 

@@ -17,7 +17,6 @@ With ``--flower`` also ``fedfusion run units units.steps=3 units.micro_batches=2
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import tempfile
@@ -25,10 +24,13 @@ from pathlib import Path
 
 import numpy as np
 
-from fedfusion.run.run_dir import read_jsonl
-from fedfusion.units import UnitDevice
-from fedfusion.units.phases import llama_phases
-from fedfusion.units.timeline import simulate
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results_files import write_pair  # noqa: E402
+
+from fedfusion.run.run_dir import read_jsonl  # noqa: E402
+from fedfusion.units import UnitDevice  # noqa: E402
+from fedfusion.units.phases import llama_phases  # noqa: E402
+from fedfusion.units.timeline import simulate  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 QUICKSTART = dict(hidden=128, intermediate=512, layers=4, heads=8, kv_heads=8, vocab=100)
@@ -95,10 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     data = {"command": "python benchmarks/units_inflight.py" + (" --flower" if args.flower else ""),
             "timeline": timeline(), "flower": flower() if args.flower else []}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "units_inflight.json").write_text(json.dumps(data, indent=1))
-    (args.out / "units_inflight.md").write_text(markdown(data))
-    print(markdown(data))
+    write_pair(args.out, "units_inflight", data, markdown(data))
     return 0
 
 
