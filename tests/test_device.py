@@ -87,6 +87,7 @@ def test_gateway_refuses_unknown_and_revoked_tokens(gateway):
     assert call(f"{url}/v1/register", "POST", "tok-b", b"")[0] == 200
 
 
+@pytest.mark.slow  # waits out the device's idle time on real sockets (~3.5 s)
 def test_a_device_outlives_its_gateway_going_away(gateway):
     """The gateway shuts down while a device polls it: the device says so once and keeps polling (idle time); a
     gateway restarted on the same address gets it registered again; ``idle_s`` still ends it; nothing is raised in

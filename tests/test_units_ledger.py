@@ -126,6 +126,7 @@ def test_the_plan_prices_the_devices_lanes() -> None:
     assert load_recipe("units").units.lanes == 1
 
 
+@pytest.mark.slow  # two plans of the units recipe: ~2.5 s
 def test_the_plan_prices_supernodes_per_device() -> None:
     """``units.supernodes=2`` reaches the plan's timeline and its step line: with 2 micro-batches each device works on
     two messages at once (faster than one SuperNode), and each node receives its own weight blocks (more bytes)."""

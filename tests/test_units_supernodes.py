@@ -78,6 +78,7 @@ def test_each_node_caches_its_own_weights_and_uploads_its_own_sums() -> None:
             assert abs(n / rec.formula_up[dev] - 1) <= 0.05
 
 
+@pytest.mark.slow  # two full steps of 4 micro-batches on 8 nodes: ~1 s each, kept out of the quick loop
 @pytest.mark.parametrize("kind", ["dies", "forgets"])
 def test_a_node_lost_mid_step_costs_only_its_own_sums(kind: str) -> None:
     """Node 1 of device 1 (slot 3) dies (the device goes offline: its other node gets nothing more) or loses its
