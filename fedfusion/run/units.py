@@ -254,9 +254,9 @@ def train_step(model: PreTrainedModel, opt: torch.optim.Optimizer, batch: torch.
 
 
 def price_step(step: int, trace: list[PhaseRecord], firsts: list[int], caps: dict[int, Caps],
-               catalog: dict[str, Device], failed: set[int], k: int = 1) -> list[dict[str, Any]]:
+               catalog: dict[str, Device], failed: set[int]) -> list[dict[str, Any]]:
     """One clients.jsonl row per device the step sent units to (``firsts``: each device's first node, its id the
-    row's ``node``; ``k`` nodes per device, the row's partition the device's client): the FLOPs of those units
+    row's ``node``; the row's partition is the device index, its client: ``nodes_in_order`` makes them one): the FLOPs of those units
     (re-sends included), the bytes its nodes received and sent, priced on its catalog profile
     (:func:`~fedfusion.devices.energy.price_work`, as every ledger row); a device taken offline in the step
     (``failed``) did its work for nothing (``wasted``)."""
@@ -268,7 +268,7 @@ def price_step(step: int, trace: list[PhaseRecord], firsts: list[int], caps: dic
         flops = sum(rec.flops.get(dev, 0.0) for rec in trace)
         up = sum(rec.up_bytes.get(dev, 0) for rec in trace)
         cost = price_work(catalog[caps[node].device], flops, down, up)
-        rows.append({"round": step, "node": node, "partition": caps[node].partition // k, "device": caps[node].device,
+        rows.append({"round": step, "node": node, "partition": dev, "device": caps[node].device,
                      "status": "failed" if dev in failed else "ok", "flops": flops, "bytes_down": down,
                      "bytes_up": up, **cost.ledger(dev in failed)})
     return rows
@@ -420,7 +420,7 @@ def _run_units(grid: Grid, recipe: Recipe, run: RunDir, on_round: Callable[[dict
             handle = install(model, engine, u.offload)
         now = time.perf_counter()
         step_waits = transport.waits[waits:]
-        ledger = price_step(step, trace, firsts, caps, catalog, engine.offline - offline_before, k)
+        ledger = price_step(step, trace, firsts, caps, catalog, engine.offline - offline_before)
         run.log_clients(ledger)
         row = {
             "round": step, "step": step, "train_loss": loss, **scores,
