@@ -65,12 +65,18 @@ def steady_s(result: dict) -> float:
     return sum(later) / len(later)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's command line (tests/test_results_commands.py parses the results' commands with it)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--recipe", default="mixed")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--arms", nargs="+", default=["auto", "all"], choices=["auto", "all"])
     parser.add_argument("--out", type=Path, default=RESULTS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     cpus = os.cpu_count() or 1
     runs: list[dict] = []

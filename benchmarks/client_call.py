@@ -30,10 +30,16 @@ from fedfusion.wire.quantize import decode
 from fedfusion.wire.specs import Caps
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's command line (tests/test_results_commands.py parses the results' commands with it)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("local_steps", nargs="?", type=int, default=5, help="each client's local steps (default 5)")
     parser.add_argument("--recipe", default="quickstart", help="the recipe whose round-1 messages are built")
+    return parser
+
+
+def main() -> int:
+    parser = build_parser()
     args = parser.parse_args()
     TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 0  # messages outside a Flower runtime
     recipe = load_recipe(args.recipe)

@@ -37,10 +37,16 @@ def compare(old: Path, new: Path, name: str) -> tuple[list[str], set[str], set[s
     return diffs, only_old, only_new
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's command line (tests/test_results_commands.py parses the results' commands with it)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("old", type=Path)
     parser.add_argument("new", type=Path)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     failed = False
     for name in ("metrics.jsonl", "clients.jsonl"):

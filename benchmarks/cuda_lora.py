@@ -108,9 +108,8 @@ def report(payload: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    import sys
-
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's command line (tests/test_results_commands.py parses the results' commands with it)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--bits", type=int, nargs="+", default=[32, 16, 8, 4], choices=list(PRECISION))
@@ -119,6 +118,13 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
+    return parser
+
+
+def main() -> None:
+    import sys
+
+    parser = build_parser()
     a = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/cuda_lora.py needs a CUDA GPU (torch sees none)")

@@ -51,11 +51,17 @@ def step_ms(target: Target, dtype: str, steps: int) -> float:
     return 1000 * (time.perf_counter() - start) / steps
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's command line (tests/test_results_commands.py parses the results' commands with it)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--catalog-device", default="cloud-h100")
     parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     a = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("cuda_step.py needs a CUDA GPU")

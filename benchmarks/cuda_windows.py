@@ -143,7 +143,8 @@ def replan(path: Path, out_dir: Path) -> None:
     (out_dir / "cuda_windows.md").write_text(report(payload))
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's command line (tests/test_results_commands.py parses the results' commands with it)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", nargs="+", default=["135m", "360m"], choices=list(SHAPES))
     parser.add_argument("--arms", nargs="+", default=["full", "slice", "window", "window-dense", "window-int4",
@@ -158,6 +159,11 @@ def main() -> None:
     parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--replan", type=Path, default=None,
                         help="no GPU: recompute the planned column of this results JSON with today's planner")
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     a = parser.parse_args()
     if a.replan is not None:
         replan(a.replan, a.out_dir)

@@ -70,9 +70,15 @@ def tier_row(recipe, tier: str, target, windows: torch.Tensor) -> dict:
     }
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's command line (tests/test_results_commands.py parses the results' commands with it)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("tiers", nargs="*", help="tiers to export and time (default: every tier of the recipe)")
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
     torch.set_num_threads(1)
     recipe = load_recipe(RECIPE)

@@ -115,7 +115,8 @@ def _mean_sd(values: list[float], digits: int = 3) -> str:
     return f"{statistics.mean(values):.{digits}f} ± {sd:.{digits}f}"
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's command line (tests/test_results_commands.py parses the results' commands with it)."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
@@ -124,6 +125,11 @@ def main() -> None:
     parser.add_argument("--finished-only", action="store_true",
                         help="report the finished runs found in --work and start none (for a cut-short run)")
     parser.add_argument("overrides", nargs="*")
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
     settings = [*SETTINGS, *args.overrides]
     runs, params = [], {}

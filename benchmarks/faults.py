@@ -630,7 +630,8 @@ def write(report: dict, ran: str) -> None:
     print("\n".join(lines))
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's command line (tests/test_results_commands.py parses the results' commands with it)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="part", required=True)
     sim = sub.add_parser("sim", help=f"faulty clients on a reduced {RECIPE} recipe (Flower simulation)")
@@ -653,6 +654,11 @@ def main() -> None:
     fuzz.add_argument("--verbose", action="store_true", help="print the server's WARNING lines")
     for p in (sim, fuzz):
         p.add_argument("--note", default="", help="which code was measured (e.g. a commit), kept in the results")
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
     if args.part == "sim" and args.delay <= args.timeout:
         parser.error("--delay must exceed --timeout, or stragglers do not miss the deadline")

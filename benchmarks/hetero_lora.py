@@ -585,7 +585,8 @@ def reading(report: dict) -> list[str]:
     return out
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's command line (tests/test_results_commands.py parses the results' commands with it)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
@@ -614,6 +615,11 @@ def main() -> None:
     parser.add_argument("--probe-steps", type=int, default=1)
     parser.add_argument("--probe", choices=list(PROBE_TIERS), help=argparse.SUPPRESS)
     parser.add_argument("--out", default="hetero_lora", help="results/<out>.{json,md,png}")
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
     if args.probe:
         probe(args.probe, args)

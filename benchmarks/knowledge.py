@@ -68,7 +68,7 @@ import numpy as np
 import torch
 from transformers import LlamaConfig
 
-from fedfusion.config.choices import DEVICE_STATES
+from fedfusion.config.choices import DEVICE_STATES, POLICIES
 from fedfusion.data.facts import (
     encode_documents,
     encode_probes,
@@ -561,10 +561,35 @@ def arguments() -> argparse.ArgumentParser:
     return parser
 
 
+build_parser = arguments  # the name every benchmark script gives its command line (tests/test_results_commands.py)
+
+
+def known_arm(arm: str) -> bool:
+    """Whether ``arm`` names an arm :func:`run_arm` runs: a base (:data:`ARMS`, a grow-then-fuse arm of
+    :data:`GROWTH`, a slicing policy, ``tier_<width>``, ``smallest_only_hetero``, ``generative_grow``) with optional
+    ``_unscaled`` and ``_<outer>`` markers."""
+    base = without_outer(scaled(arm)[0], OuterConfig("adam"))[0]
+    if base.startswith("tier_"):
+        try:
+            return float(base[5:]) > 0
+        except ValueError:
+            return False
+    return base in {*ARMS, *GROWTH, *POLICIES, "smallest_only_hetero", "generative_grow"}
+
+
+def check_args(args: argparse.Namespace) -> str:
+    """What is wrong with the parsed command line that argparse does not see ("" when nothing)."""
+    unknown = [arm for arm in args.arms if not known_arm(arm)]
+    return f"--arms: no such arm {', '.join(unknown)} (see ARMS, GROWTH and arm_setup)" if unknown else ""
+
+
 def main() -> None:
     import sys
 
-    args = arguments().parse_args()
+    parser = arguments()
+    args = parser.parse_args()
+    if bad := check_args(args):
+        parser.error(bad)
     args.people_list = args.people
     if args.capacity:
         capacity(args)

@@ -169,7 +169,8 @@ def write_results(out: str, work: Path, files: list[tuple[int, int]], arms: list
     (RESULTS / f"{out}.md").write_text("\n".join(lines))
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's command line (tests/test_results_commands.py parses the results' commands with it)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--files", nargs="+", default=list(FILES), help="FACTS:GENERATOR_SEED per facts file")
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
@@ -179,6 +180,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--work", type=Path, default=ROOT / "runs" / "user_facts", help="facts files and run dirs")
     parser.add_argument("--out", default="knowledge_user_facts")
     parser.add_argument("--collect-only", action="store_true")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
     args = parser.parse_args(argv)
     files = [(int(f), int(s)) for f, s in (spec.split(":") for spec in args.files)]
     all_seeds = sorted({int(p.name.rsplit("-s", 1)[1]) for p in args.work.glob("*-s*") if finished(p)} | set(args.seeds))

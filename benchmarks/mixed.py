@@ -145,7 +145,8 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's command line (tests/test_results_commands.py parses the results' commands with it)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--rounds", type=int, default=6)
@@ -153,6 +154,11 @@ def main() -> None:
     parser.add_argument("--arms", nargs="+", help="default: every arm of the task")
     parser.add_argument("--out", default="mixed", help="results/<out>.{json,md}")
     parser.add_argument("overrides", nargs="*", help="key=value overrides applied to every arm")
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
     arms = TASKS[args.task][2]
     args.arms = args.arms or list(arms)

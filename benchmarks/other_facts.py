@@ -81,13 +81,19 @@ def write(out: Path, facts: int, clients: int, seed: int, skew: float = 1.0) -> 
     return paths
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's command line (tests/test_results_commands.py parses the results' commands with it)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--facts", type=int, default=2400, help="probes to write (4 per town)")
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--seed", type=int, default=11)
     parser.add_argument("--skew", type=float, default=1.0, help="Zipf exponent of towns per client (0: equal)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
     args = parser.parse_args(argv)
     train, probes = write(args.out, args.facts, args.clients, args.seed, args.skew)
     print(f"wrote {train} and {probes}")

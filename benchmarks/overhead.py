@@ -107,7 +107,8 @@ def spread(values: list[float]) -> dict[str, float]:
     return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's command line (tests/test_results_commands.py parses the results' commands with it)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("recipe", nargs="?", default="quickstart")
     parser.add_argument("overrides", nargs="*", help="key=value recipe overrides (every arm)")
@@ -117,6 +118,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--name", default="overhead", help="writes NAME.json and NAME.md into --out")
     parser.add_argument("--report-only", action="store_true", help="rewrite NAME.md from NAME.json")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.report_only:
         write_report(json.loads((args.out / f"{args.name}.json").read_text()), args.out / f"{args.name}.md")

@@ -82,7 +82,8 @@ def _sd(values: list[float]) -> float:
     return statistics.stdev(values) if len(values) > 1 else 0.0
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's command line (tests/test_results_commands.py parses the results' commands with it)."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--recipe", default="rolling",
@@ -93,6 +94,11 @@ def main() -> None:
     parser.add_argument("--reuse", action="store_true", help="keep finished runs found in --work")
     parser.add_argument("--out", default="quickstart_last_vs_best",
                         help="results/<out>.{json,md} (default: the stored results, measured with --recipe rolling)")
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
     t = load_recipe(args.recipe).train
     load_before = os.getloadavg()

@@ -141,7 +141,8 @@ def _mean_sd(values: list[float]) -> str:
     return f"{statistics.mean(values):.3f} ± {sd:.3f}"
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's command line (tests/test_results_commands.py parses the results' commands with it)."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--recipe", default="quickstart", help="the base recipe every arm overrides")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
@@ -150,6 +151,11 @@ def main() -> None:
     parser.add_argument("--arms", nargs="+", default=POLICIES, choices=list(ARMS))
     parser.add_argument("--out", default="quickstart_policies", help="results file name under benchmarks/results/")
     parser.add_argument("overrides", nargs="*")
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
     rounds = load_recipe(args.recipe, args.overrides).rounds
     rows = []

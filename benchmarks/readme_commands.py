@@ -56,10 +56,16 @@ def time_command(name: str, work: Path) -> dict:
     return row if done.returncode == 0 else {**row, "failed": done.returncode, "stderr": done.stderr[-2000:]}
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's command line (tests/test_results_commands.py parses the results' commands with it)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", nargs="+", choices=list(COMMANDS), default=list(COMMANDS))
     parser.add_argument("--out", type=Path, default=RESULTS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if shutil.which("fedfusion") is None:
         raise SystemExit("fedfusion is not on PATH: activate the project's venv first")

@@ -384,12 +384,18 @@ def write(report: dict[str, Any]) -> None:
     (OUT / "scale.md").write_text("\n".join(lines) + "\n")
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's command line (tests/test_results_commands.py parses the results' commands with it)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="*", default=[100, 1000, 10000], help="populations to run")
     parser.add_argument("--limit-min", type=float, default=60, help="stop a run still going after this many minutes")
     parser.add_argument("--probe", type=int, nargs="*", default=[100, 1000, 10000],
                         help="populations to probe in-process (registry bytes per node, sampling and polling time)")
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
     path = OUT / "scale.json"
     report = json.loads(path.read_text()) if path.exists() else {"sizes": {}}

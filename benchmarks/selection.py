@@ -140,7 +140,8 @@ def _ratio(value: float | None, base: float | None) -> float | None:
     return None if value is None or base is None else value / base
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's command line (tests/test_results_commands.py parses the results' commands with it)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     parser.add_argument("--rounds", type=int, default=20)
@@ -150,6 +151,11 @@ def main() -> None:
     parser.add_argument("--no-run", action="store_true",
                         help="start no run: report the seeds whose runs of every selector are finished in --work")
     parser.add_argument("overrides", nargs="*")
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
     settings = [*BASE, f"rounds={args.rounds}", *args.overrides]
     recipe = load_recipe(RECIPE, settings)

@@ -444,11 +444,17 @@ def findings(data: dict) -> list[str]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's command line (tests/test_results_commands.py parses the results' commands with it)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="4 and 64 devices only")
     parser.add_argument("--markdown-only", action="store_true", help="rewrite units.md from units.json")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.markdown_only:
         (args.out / "units.md").write_text(markdown(json.loads((args.out / "units.json").read_text())))

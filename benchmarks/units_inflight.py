@@ -90,10 +90,16 @@ def markdown(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's command line (tests/test_results_commands.py parses the results' commands with it)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--flower", action="store_true", help="also run the units recipe on Flower (minutes)")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     data = {"command": "python benchmarks/units_inflight.py" + (" --flower" if args.flower else ""),
             "timeline": timeline(), "flower": flower() if args.flower else []}

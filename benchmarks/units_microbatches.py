@@ -146,11 +146,17 @@ def markdown(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's command line (tests/test_results_commands.py parses the results' commands with it)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--markdown-only", action="store_true",
                         help="rewrite units_microbatches.md from units_microbatches.json")
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
     path = args.out / "units_microbatches.json"
     if args.markdown_only:

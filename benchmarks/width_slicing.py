@@ -341,7 +341,8 @@ def report(results: dict, systems: dict, args: argparse.Namespace) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's command line (tests/test_results_commands.py parses the results' commands with it)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--tasks", nargs="+", default=["lm", "fmnist-iid", "fmnist-skew"])
@@ -352,6 +353,11 @@ def main() -> None:
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=[*ARMS, *EXTRA_ARMS])
     parser.add_argument("--out", default="width_slicing", help="results/<out>.{json,md}")
     parser.add_argument("--skip-systems", action="store_true", help="keep the systems figures of an earlier run")
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
     torch.set_num_threads(1)
     sizes = {"rounds": args.rounds, "per_round": args.per_round, "steps": args.steps}

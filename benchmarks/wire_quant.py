@@ -195,7 +195,8 @@ def report(payload: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's command line (tests/test_results_commands.py parses the results' commands with it)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
@@ -203,6 +204,11 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=2, help="knowledge runs at once (1 torch thread each)")
     parser.add_argument("--smoke", action="store_true", help="a few rounds of seed 0: checks the script only")
     parser.add_argument("--out", default=None, help="results name (default wire_quant, or wire_quant_smoke)")
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
     if "float32" not in args.arms:
         parser.error("--arms needs float32: every other arm is compared with it")
