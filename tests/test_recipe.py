@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from fedfusion.config.recipe import RecipeError, load_recipe, to_yaml
+from fedfusion.config.recipe import RecipeError, builtin_recipes, grow_round_at, grow_rounds, load_recipe, to_yaml
 from fedfusion.run import check
 from fedfusion.run.check import load_checked
 from fedfusion.run.planner import fit_widths
@@ -237,6 +237,41 @@ def test_a_low_rank_window_names_what_it_needs(overrides, match):
     with pytest.raises(RecipeError, match=match):
         load_checked("rolling", overrides)
     assert load_checked("rolling", ["fusion.forward=full", "fusion.window_rank=4"]).fusion.window_rank == 4
+
+@pytest.mark.parametrize("name", sorted(builtin_recipes()))
+@pytest.mark.parametrize("rounds", [2, 3])
+def test_every_shipped_recipe_shortens_with_rounds_alone(name, rounds):
+    """``rounds=N`` alone shortens every shipped recipe: a round-numbered setting scales with the run."""
+    recipe = load_checked(name, [f"rounds={rounds}"])
+    assert recipe.rounds == rounds
+    assert 0 <= grow_rounds(recipe) <= rounds
+
+
+@pytest.mark.parametrize("fraction,rounds,expected", [(0.33, 12, 4), (0.33, 2, 1), (0.33, 3, 1), (0.33, 6, 2),
+                                                      (0.5, 30, 15), (0.01, 5, 1), (0.99, 4, 4)])
+def test_a_grow_round_fraction_resolves_against_the_rounds(fraction, rounds, expected):
+    """A fraction of the rounds is round(fraction x rounds), at least 1; an integral float is that round."""
+    assert grow_round_at(fraction, rounds) == expected
+    recipe = load_checked("quickstart", [f"rounds={rounds}", f"fusion.grow_round={fraction}"])
+    assert recipe.fusion.grow_round == expected and isinstance(recipe.fusion.grow_round, int)
+    assert load_checked("quickstart", ["fusion.grow_round=6.0"]).fusion.grow_round == 6
+
+
+def test_a_grow_round_fraction_waits_for_rounds_the_facts_set():
+    """rounds 0 (as many as the facts need): the fraction resolves once check_recipe has the number."""
+    raw = load_recipe("knowledge", ["fusion.method=submodel", "fusion.grow_round=0.5"])
+    assert raw.rounds == 0 and raw.fusion.grow_round == 0.5
+    with pytest.raises(RecipeError, match="unresolved"):
+        grow_rounds(raw)
+    checked = load_checked("knowledge", ["fusion.method=submodel", "fusion.grow_round=0.5"])
+    assert checked.rounds > 0 and checked.fusion.grow_round == grow_round_at(0.5, checked.rounds)
+
+
+@pytest.mark.parametrize("value", ["1.5", "-0.2", "-1", "13"])
+def test_a_bad_grow_round_names_the_key(value):
+    with pytest.raises(RecipeError, match="fusion.grow_round: "):
+        load_checked("quickstart", [f"fusion.grow_round={value}"])
+
 
 def test_growth_applies_to_slicing_and_generative_and_full_forward_to_slicing_only():
     """Generative distillation may start from the grown small model; methods without a small slice may not grow."""

@@ -17,7 +17,7 @@ from functools import lru_cache
 from importlib import resources
 from itertools import takewhile
 from pathlib import Path
-from typing import Any, Optional, TypedDict
+from typing import Any, Optional, TypedDict, Union
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -145,8 +145,10 @@ class FusionConfig:
     # submodel: rounds 1..grow_round train the smallest width's static slice of a target silenced around it (the
     # target equals that small model: smallest-only training); later rounds train the whole grown target.
     # generative: the same grow rounds, then each device's own model starts from its slice of the grown target and
-    # the server trains the grown target on the samples. 0: off
-    grow_round: int = 0
+    # the server trains the grown target on the samples. 0: off. A round number, or a fraction in (0, 1) of the
+    # run's rounds (0.33: the first third), so that `rounds=N` shortens a recipe without a second override; a
+    # fraction resolves to round(fraction x rounds), at least 1, once rounds is known (grow_round_at)
+    grow_round: Union[int, float] = 0
     # method=mixed: each tier's method (submodel | distill | generative); a method's per-tier settings stay in its
     # own section (a submodel or generative tier's width in fusion.widths, a distill tier's family in
     # distill.tier_family). Every round folds them into one target in fedfusion.fusion.rounds.FOLD_ORDER.
@@ -776,15 +778,37 @@ def _validate_units(recipe: Recipe) -> None:
         raise RecipeError("privacy.mode: the units mode sends no model update to clip; leave it 'none'")
 
 
+def grow_round_at(fraction: float, rounds: int) -> int:
+    """The round a ``fusion.grow_round`` fraction of ``rounds`` names: round(fraction x rounds), at least 1."""
+    return max(1, round(fraction * rounds))
+
+
+def grow_rounds(recipe: Recipe) -> int:
+    """``fusion.grow_round`` as a round number; a fraction must have been resolved (:func:`validate` does it once
+    ``rounds`` is known), so a caller never reads a fraction as round 0."""
+    g = recipe.fusion.grow_round
+    if isinstance(g, float):
+        raise RecipeError(f"fusion.grow_round: the fraction {g} is unresolved until rounds is known (rounds=0: "
+                          "fedfusion.run.check.check_recipe sets it)")
+    return g
+
+
 def _validate_growth(recipe: Recipe) -> None:
     """Growth is width slicing's and generative distillation's (its grow rounds are smallest-only slicing);
     full-forward windows are width slicing's, and a window reaches its own coordinates only with the ordinary
     policies."""
     f = recipe.fusion
-    if f.grow_round < 0 or (recipe.rounds and f.grow_round > recipe.rounds):  # rounds 0: checked once resolved
-        raise RecipeError(f"fusion.grow_round: must be in [0, rounds={recipe.rounds}], got {f.grow_round} (the "
-                          "small model grows into the target after that round: run more rounds, or set "
-                          "fusion.grow_round to at most rounds; 0 grows nothing)")
+    given = f.grow_round
+    if isinstance(given, float) and given.is_integer():  # 4.0 in YAML is round 4
+        given = f.grow_round = int(given)
+    if isinstance(given, float) and not 0 < given < 1:
+        raise RecipeError(f"fusion.grow_round: a round number or a fraction in (0, 1) of the rounds, got {given}")
+    if isinstance(given, float) and recipe.rounds:  # rounds 0: resolved once the facts set it (check_recipe)
+        f.grow_round = grow_round_at(given, recipe.rounds)
+    elif given < 0 or (recipe.rounds and given > recipe.rounds):
+        raise RecipeError(f"fusion.grow_round: must be in [0, rounds={recipe.rounds}], got {given} (the "
+                          "small model grows into the target after that round: run more rounds, give a fraction "
+                          "of them (e.g. 0.33), or set fusion.grow_round to at most rounds; 0 grows nothing)")
     if f.grow_round and f.method not in (SUBMODEL, GENERATIVE):
         raise RecipeError(f"fusion.grow_round: applies to fusion.method=submodel or generative, got {f.method!r}")
     if f.forward == "full" and f.method != SUBMODEL:

@@ -40,7 +40,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig
 
 from fedfusion.config.methods import DISTILL, GENERATIVE, SLICES, SUBMODEL, UNITS
-from fedfusion.config.recipe import Recipe, RecipeError, UnitsSection, method_label, tier_methods
+from fedfusion.config.recipe import Recipe, RecipeError, UnitsSection, grow_rounds, method_label, tier_methods
 from fedfusion.devices.catalog import Device, load_catalog
 from fedfusion.devices.energy import frozen_work_params, price_work, train_flops
 from fedfusion.models.build import config_aliases, target_config, target_model_config, wire_state
@@ -684,7 +684,7 @@ def slices_view(recipe: Recipe, title: str = "") -> PlanView:
     """Width slicing: per tier its width (fitted to memory with ``fusion.auto_widths``), slice, size and cost."""
     widths = auto_widths(recipe, recipe.fusion.width_ladder) if recipe.fusion.auto_widths else None
     rows = plan_table(recipe, widths, ladder=recipe.fusion.width_ladder)
-    grow = recipe.fusion.grow_round
+    grow = grow_rounds(recipe)
     title = f"plan for {recipe.name} ({method_label(recipe)}" + title
     title += (f", the smallest slice grown into the target after round {grow}: a round after growth"
               if grow and recipe.fusion.method == SUBMODEL else "")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fedfusion.config.recipe import Recipe
+from fedfusion.config.recipe import Recipe, grow_rounds
 from fedfusion.fusion.base import BuildTarget
 from fedfusion.fusion.generative.method import GenerativeMethod
 from fedfusion.models.samples import GenerativeConfig
@@ -17,4 +17,4 @@ def build(recipe: Recipe, target: BuildTarget, tiers: list[str]) -> GenerativeMe
         GenerativeConfig(g.sample_fraction, g.temperature, g.server_steps, g.server_lr, g.server_batch, top_k=g.top_k,
                          device_state=g.device_state),
         seq_len=recipe.train.seq_len, population=recipe.population.num_clients, run_seed=recipe.seed,
-        axes=tuple(f.axes) if f.axes else None, scale=f.scaler, grow_round=f.grow_round)
+        axes=tuple(f.axes) if f.axes else None, scale=f.scaler, grow_round=grow_rounds(recipe))

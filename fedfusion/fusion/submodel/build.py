@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fedfusion.config.recipe import Recipe
+from fedfusion.config.recipe import Recipe, grow_rounds
 from fedfusion.fusion.base import BuildTarget
 from fedfusion.fusion.outer import OuterConfig
 from fedfusion.fusion.rounds import recipe_wire
@@ -19,6 +19,6 @@ def build(recipe: Recipe, target: BuildTarget, tiers: list[str]) -> SubModelMeth
         trim=f.trim, axes=tuple(f.axes) if f.axes else None, scale=f.scaler,
         ordered_ladder=tuple(f.ordered_ladder) if f.ordered_ladder else None, ordered_distill=f.ordered_distill,
         wire=recipe_wire(recipe), outer=OuterConfig(f.outer, f.outer_lr, f.outer_momentum), forward=f.forward,
-        frozen=f.frozen_dtype, window_shared=f.window_shared, grow_round=f.grow_round,
+        frozen=f.frozen_dtype, window_shared=f.window_shared, grow_round=grow_rounds(recipe),
         window_widths={t: f.window_widths[t] for t in tiers if t in f.window_widths} or None,
         window_rank=f.window_rank, window_core=f.window_core, core_forward=f.core_forward)
