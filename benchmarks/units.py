@@ -292,7 +292,7 @@ def markdown(data: dict) -> str:
     refs = data["references"]
     lines = ["# units mode: step time and bytes vs device count (in process, no Flower)", "",
              f"Machine: {data['machine']['cpu']}, {data['machine']['threads']} torch thread(s), shared with other "
-             f"jobs; torch {data['machine']['torch']}. Command: `{data['command']}`.", "",
+             f"jobs; torch {data['machine']['torch']}.", "", f"Command: `{data['command']}`", "",
              "Settings: batch 8 x 128 tokens, every linear layer offloaded (8 phases per layer + lm_head), float32 "
              "on the wire, deadline 3x the predicted reply; with 4 micro-batches the devices sum the weight-gradient "
              "tiles on-device and upload them once per step (`units.accumulate`, the default; the last columns: "

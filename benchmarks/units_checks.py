@@ -50,8 +50,8 @@ def run(steps: int, micro: int) -> list[dict]:
 def markdown(data: dict) -> str:
     rows = data["rows"]
     lines = ["# units mode on Flower: the server's checks against its time per step", "",
-             f"Machine: {data['machine']}; torch {data['torch']}; load average before {data['load_before']}. "
-             f"Command: `{data['command']}`.", "",
+             f"Machine: {data['machine']}; torch {data['torch']}; load average before {data['load_before']}.", "",
+             f"Command: `{data['command']}`", "",
              "Each row one step of `fedfusion run units` (recipes/units.yaml, 8 simulated nodes, Flower's simulation "
              "engine). Checks: CPU seconds of the server's Freivalds checks (`verify_s`); wall: the server's wall "
              "seconds for the step; virtual: the step on the recipe's devices' links and speeds, devices holding one "

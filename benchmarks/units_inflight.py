@@ -70,7 +70,7 @@ def flower() -> list[dict]:
 
 
 def markdown(data: dict) -> str:
-    lines = ["# units mode: micro-batches one at a time vs in flight", "", f"Command: `{data['command']}`.", "",
+    lines = ["# units mode: micro-batches one at a time vs in flight", "", f"Command: `{data['command']}`", "",
              "Timeline: quickstart target, every linear layer, 4 micro-batches of 256 tokens, 8 phones, "
              f"{GAP_S * 1e3:.0f} ms of server time between phases, weight gradients summed on the devices. Idle gap: "
              "the seconds a device's processor waits between two of its messages (its downlink time included). Lanes: "

@@ -62,7 +62,7 @@ def markdown(data: dict) -> str:
     base = [s["train_loss"] for s in runs[0]["steps"]]
     lines = ["# units mode on Flower: several SuperNodes per device", "",
              f"Machine: {data['machine']}; torch {data['torch']}; load average before {data['load_before']}; "
-             f"{data['seconds']:.0f} s in all. Command: `{data['command']}`.", "",
+             f"{data['seconds']:.0f} s in all.", "", f"Command: `{data['command']}`", "",
              "Each row one setting of `fedfusion run units` (recipes/units.yaml: 8 devices, every linear layer "
              "offloaded, Flower's simulation engine with devices x SuperNodes nodes; micro-batch c on each device's "
              "node c mod K, each node with its own weight blocks and running sums). Virtual: the run's step on the "
