@@ -56,6 +56,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import statistics
 import tempfile
 import time
@@ -427,9 +428,9 @@ def report(payload: dict) -> str:
     title = ("# Federated knowledge: does the target recall more than any device's model could?" if a["task"] == "facts"
              else "# Shakespeare (LM): the knowledge benchmark's methods carried back to next-character prediction")
     lines = [title, "", f"Machine: {payload['machine']}. {_describe(a)}", "",
-             "Command: `" + " ".join(["python benchmarks/knowledge.py", *payload["argv"]]) + "`"
-             + ("" if payload["argv"] else " (every default)") + f". Wall seconds were taken with {a['jobs']} runs in parallel, one thread "
-             "each: compare them within this table only.", ""]
+             "Command: `" + payload.get("command", " ".join(["python benchmarks/knowledge.py", *payload["argv"]])) + "`", "",
+             f"Wall seconds were taken with {a['jobs']} runs in parallel, one thread each: compare them within this table "
+             "only.", ""]
     if payload.get("earlier"):
         lines += ["Runs of " + ", ".join(payload["earlier"]) + " come from an earlier invocation with the same settings "
                   "on the same machine kind (resumed from `<out>.partial.json`).", ""]
@@ -654,7 +655,8 @@ def main() -> None:
     for regime in args.regimes[1:]:  # the one oracle run serves every regime
         if "oracle" in first and regime in results:
             results[regime]["oracle"] = first["oracle"]
-    payload = {"args": conf, "argv": sys.argv[1:], "results": results, "earlier": earlier,
+    payload = {"command": shlex.join(["python", "benchmarks/knowledge.py", *sys.argv[1:]]), "args": conf,
+               "argv": sys.argv[1:], "results": results, "earlier": earlier,
                "machine": f"{ran_on}, {saved['args']['jobs'] if earlier and not jobs else args.jobs} processes x 1 thread"}
     payload["summary"] = summarise(results, args.task)
     payload["best"] = payload["summary"]["best"]
