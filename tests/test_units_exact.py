@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fp_bounds import matmul_bound
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from fedfusion.units import UnitDevice, UnitEngine, install
+from fedfusion.units.messages import Gemm
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py: tiny GEMMs on one thread, restored after
 
@@ -34,29 +36,24 @@ def adamw_step(m: torch.nn.Module, ids: torch.Tensor) -> float:
     return float(loss.detach())
 
 
-def compare(dtype: torch.dtype, count: int, mode: str, layouts: tuple[str, ...], max_groups: int | None
-            ) -> tuple[float, float, UnitEngine]:
-    """(max |d theta|, worst per-tensor ||theta_u - theta_l||_F / ||theta_l||_F, engine) between local and units.
+def ids() -> torch.Tensor:
+    return torch.randint(0, CONFIG["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(1))
 
-    The float32 criterion is norm-wise per tensor: element-wise, AdamW's first step ``lr g / (|g| + eps)`` turns
-    rounding noise in gradients near ``eps`` into differences of a sizeable fraction of ``lr`` even between two
-    local torch runs with different GEMM blockings.
-    """
-    ids = torch.randint(0, CONFIG["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(1))
-    local, units = model(dtype), model(dtype)
+
+def compare(count: int, mode: str, layouts: tuple[str, ...], max_groups: int | None) -> tuple[float, UnitEngine]:
+    """(max |d theta| between a local float64 AdamW step and one through units, engine); every parameter moved."""
+    local, units = model(torch.float64), model(torch.float64)
     before = {k: v.detach().clone() for k, v in local.named_parameters()}
     engine = UnitEngine(devices(count), layouts=layouts, max_groups=max_groups)
     install(units, engine, mode)
-    loss_l, loss_u = adamw_step(local, ids), adamw_step(units, ids)
-    assert abs(loss_l - loss_u) <= 1e-5 * abs(loss_l)
-    worst_abs, worst_rel = 0.0, 0.0
+    loss_l, loss_u = adamw_step(local, ids()), adamw_step(units, ids())
+    assert abs(loss_l - loss_u) <= 1e-10 * abs(loss_l)
+    worst = 0.0
     pu = dict(units.named_parameters())
     for name, p in local.named_parameters():
-        diff = (p.detach() - pu[name].detach()).abs().max().item()
-        worst_abs = max(worst_abs, diff)
-        worst_rel = max(worst_rel, ((p.detach() - pu[name].detach()).norm() / p.detach().norm()).item())
+        worst = max(worst, (p.detach() - pu[name].detach()).abs().max().item())
         assert not torch.equal(p.detach(), before[name])  # every parameter took the step
-    return worst_abs, worst_rel, engine
+    return worst, engine
 
 
 @pytest.mark.parametrize("mode", ["mlp", "all"])
@@ -65,7 +62,7 @@ def compare(dtype: torch.dtype, count: int, mode: str, layouts: tuple[str, ...],
                                                         (7, ("rows", "cols", "k"), None)])
 def test_float64_step_through_units_equals_local(mode: str, count: int, layouts: tuple[str, ...],
                                                   max_groups: int | None) -> None:
-    worst, _, engine = compare(torch.float64, count, mode, layouts, max_groups)
+    worst, engine = compare(count, mode, layouts, max_groups)
     assert worst <= 1e-10
     used = {t.device for rec in engine.trace for t in rec.plan.tiles}
     assert len(used) >= (count + 1) // 2  # the units were spread (the planner may leave a slow device idle)
@@ -76,9 +73,35 @@ def test_float64_step_through_units_equals_local(mode: str, count: int, layouts:
 
 @pytest.mark.parametrize("mode", ["mlp", "all"])
 @pytest.mark.parametrize("count", [3, 7])
-def test_float32_step_through_units_within_relative_1e5(mode: str, count: int) -> None:
-    _, rel, _ = compare(torch.float32, count, mode, ("rows", "cols", "k"), None)
-    assert rel <= 1e-5
+def test_float32_step_through_units_within_the_rounding_bound_of_every_product(mode: str, count: int) -> None:
+    """Float32: every product the units assemble in a training step (forward and backward, split over rows,
+    columns and the inner dimension across 3 or 7 devices) is within the worst case of float32 arithmetic,
+    ``gamma_k |A| |B|`` entry-wise (tests/fp_bounds.py), of the exact product of its float32 operands.
+
+    The float64 tests prove the step's algebra; this proves its float32 arithmetic loses nothing beyond rounding,
+    on any CPU: a bound that holds for every summation order and blocking, not a constant one machine met. (Two
+    float32 steps, local and through units, then differ by what these per-product errors propagate to; after
+    AdamW's ``g / (|g| + eps)`` that is no bound worth asserting.)"""
+    units = model(torch.float32)
+    engine = UnitEngine(devices(count), layouts=("rows", "cols", "k"))
+    products: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    phase = engine.phase
+
+    def recorded(gemms: list[Gemm]) -> list[torch.Tensor | None]:
+        outs = phase(gemms)
+        products.extend((g.a.logical().detach().clone(), g.b.logical().detach().clone(), c.detach().clone())
+                        for g, c in zip(gemms, outs) if c is not None)  # as computed: the step changes the weights
+        return outs
+
+    engine.phase = recorded  # type: ignore[method-assign]
+    install(units, engine, mode)
+    adamw_step(units, ids())
+    assert len(products) >= len(engine.trace) > 0  # every phase gave its products
+    for a, b, c in products:
+        assert c.dtype == torch.float32
+        exact = a.double() @ b.double()
+        assert ((c.double() - exact).abs() <= matmul_bound(a, b)).all()
+    assert {t.device for rec in engine.trace for t in rec.plan.tiles} >= {0, 1}  # the products were split
 
 
 def test_install_keeps_parameters_and_remove_restores() -> None:

@@ -1,0 +1,38 @@
+"""Worst-case rounding-error bounds for the suite's floating-point tolerances.
+
+A test that compares two computations of the same quantity in floating point bounds their difference by what the
+arithmetic can make, never by a constant that one machine's rounding happened to meet. The bounds are Higham's
+(*Accuracy and Stability of Numerical Algorithms*, 2nd ed., section 3.1 and 3.5): with ``u`` the unit roundoff and
+``gamma_n = n u / (1 - n u)``, a sum of ``n`` terms computed in any order is off by at most
+``gamma_{n-1} sum |x_i|``, and each entry of a product ``A @ B`` with inner dimension ``k``, computed in any order
+and blocking (FMA included), by at most ``gamma_k (|A| |B|)_ij``. Two computations that each meet a bound differ by
+at most twice it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """Half the machine epsilon of ``dtype``: the largest relative error of one rounding."""
+    return torch.finfo(dtype).eps / 2
+
+
+def gamma(n: int, dtype: torch.dtype) -> float:
+    """Higham's ``gamma_n``: the relative error bound of ``n`` successive roundings."""
+    nu = n * unit_roundoff(dtype)
+    assert nu < 1, f"gamma_{n} undefined in {dtype}: n u >= 1"
+    return nu / (1 - nu)
+
+
+def matmul_bound(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Entry-wise bound on ``|fl(a @ b) - a @ b|`` in ``dtype`` (default the operands'): ``gamma_k |a| |b|``,
+    evaluated in float64 so the bound itself carries no rounding of note."""
+    k = a.shape[-1]
+    return gamma(k, dtype or a.dtype) * (a.abs().double() @ b.abs().double())
+
+
+def sum_bound(terms: int, abs_sum: float, dtype: torch.dtype) -> float:
+    """Bound on the error of a sum of ``terms`` numbers whose magnitudes add to ``abs_sum``, in any order."""
+    return gamma(max(terms - 1, 1), dtype) * abs_sum
