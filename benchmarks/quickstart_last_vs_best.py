@@ -137,7 +137,10 @@ def write_results(out: str, name: str, rows: list[dict], load_before: tuple[floa
     seeds = sorted({r["seed"] for r in rows})
     recipe = load_recipe(name)
     t = recipe.train
+    command = (f"nice -n 10 python benchmarks/quickstart_last_vs_best.py --seeds {' '.join(map(str, seeds))} "
+               f"--recipe {name} --out {out}")
     report = {
+        "command": command,
         "benchmark": "quickstart_last_vs_best",
         "machine": machine or {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
                                "loadavg_1_5_15_at_start": load_before, "loadavg_1_5_15_at_end": os.getloadavg()},
@@ -155,8 +158,8 @@ def write_results(out: str, name: str, rows: list[dict], load_before: tuple[floa
         f"Machine: {m['platform']}, {m['cpus']} CPUs, shared with other jobs (load average 1/5/15 min "
         f"{' / '.join(f'{x:.2f}' for x in m['loadavg_1_5_15_at_start'])} at the start, "
         f"{' / '.join(f'{x:.2f}' for x in m['loadavg_1_5_15_at_end'])} at the end); runs one at a time under "
-        f"`nice -n 10`. Command: `nice -n 10 python benchmarks/quickstart_last_vs_best.py --seeds "
-        f"{' '.join(map(str, seeds))} --recipe {name} --out {out}`, each run `fedfusion run {name} seed=S [override]` ({recipe.rounds} "
+        "`nice -n 10`.", "", f"Command: `{command}`", "",
+        f"Each run `fedfusion run {name} seed=S [override]` ({recipe.rounds} "
         f"rounds, {recipe.selection.clients_per_round} of {recipe.population.num_clients} clients per round, "
         f"{t.local_steps} local AdamW steps at train.lr {t.lr:g}). The after arm is the recipe as it stands: "
         f"train.lr_schedule {t.lr_schedule}, train.lr_final {t.lr_final:g}, train.max_epochs {t.max_epochs:g} (a client "

@@ -31,6 +31,7 @@ import json
 import math
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -172,6 +173,7 @@ def main() -> None:
             print(f"{arm} seed {seed}: ppl {summary['final']['eval_ppl']:.3f}", flush=True)
     per_seed = {arm: {r["seed"]: round(r["eval_ppl"], 3) for r in rows if r["arm"] == arm} for arm in args.arms}
     report = {
+        "command": shlex.join(["python", "benchmarks/quickstart_policies.py", *sys.argv[1:]]),
         "benchmark": args.out,
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
                     "load_1min_at_end": round(os.getloadavg()[0], 2)},
@@ -193,7 +195,7 @@ def main() -> None:
         f"{recipe.selection.clients_per_round} of {recipe.population.num_clients} clients per round, widths "
         f"{dict(recipe.fusion.widths)}, target {recipe.model.hidden_size} hidden x {recipe.model.num_layers} layers; "
         f"seeds {args.seeds}. The target is evaluated at full width on pooled held-out text.", "",
-        "Command: `python benchmarks/quickstart_policies.py " + " ".join(sys.argv[1:]) + "`", "",
+        f"Command: `{report['command']}`", "",
         "| arm | final ppl (mean ± std) | last-3-rounds ppl (mean ± std) | final next-char acc | last / best round - 1 "
         "(worst seed) | run wall s |",
         "|---|---|---|---|---|---|",

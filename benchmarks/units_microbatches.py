@@ -70,7 +70,8 @@ def markdown(data: dict) -> str:
     """The report: the counts' table, the findings, the variants' table and summary."""
     wall, rows = data["wall_s"], data["rows"]
     lines = ["# units mode: busiest-link utilisation against the micro-batch count", "",
-             f"Command: `{data.get('command', 'python benchmarks/units_microbatches.py')}` ({wall:.0f} s). Settings as in units.md (batch 8 x 128 "
+             f"Command: `{data.get('command', 'python benchmarks/units_microbatches.py')}` ({wall:.0f} s). Settings as in "
+             "units.md (batch 8 x 128 "
              "tokens, on-device accumulation). B: the busiest link's busy seconds at 1 micro-batch; L: phases x (RTT + "
              "per-message overhead), the chain no count shortens; ceiling: max B over the counts / L (capped at 1). "
              "auto: `timeline.choose_micro_batches`, the smallest count at >= 0.70 utilisation without a slower step "
