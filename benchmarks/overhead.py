@@ -121,15 +121,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_args(args: argparse.Namespace) -> str:
+    """What is wrong with the parsed command line that argparse does not see ("" when nothing): ``--arms``."""
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    return f"--arms: choose from {', '.join(ARMS)}" if not arms or set(arms) - set(ARMS) else ""
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.report_only:
         write_report(json.loads((args.out / f"{args.name}.json").read_text()), args.out / f"{args.name}.md")
         return 0
+    if bad := check_args(args):
+        parser.error(bad)
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    if not arms or set(arms) - set(ARMS):
-        parser.error(f"--arms: choose from {', '.join(ARMS)}")
     cores = os.cpu_count() or 1
     settings = {"default": (False, 1), "cache": (True, 1), "eval_every": (False, args.eval_every),
                 "both": (True, args.eval_every)}
@@ -156,11 +162,11 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": cores,
                     "load_avg_1min": spread(loads)},
-        "command": " ".join(["python -m fedfusion run", args.recipe, *args.overrides]),
-        "benchmark": " ".join(["python benchmarks/overhead.py", args.recipe, *args.overrides,
-                               f"--repeats {args.repeats} --eval-every {args.eval_every}",
-                               *([f"--arms {','.join(arms)}"] if arms != list(ARMS) else []),
-                               *([f"--name {args.name}"] if args.name != "overhead" else [])]),
+        "command": " ".join(["python benchmarks/overhead.py", args.recipe, *args.overrides,
+                             f"--repeats {args.repeats} --eval-every {args.eval_every}",
+                             *([f"--arms {','.join(arms)}"] if arms != list(ARMS) else []),
+                             *([f"--name {args.name}"] if args.name != "overhead" else [])]),
+        "run_command": " ".join(["python -m fedfusion run", args.recipe, *args.overrides]),
         "repeats": args.repeats, "arms": summary, "runs": runs,
     }
     args.out.mkdir(parents=True, exist_ok=True)
@@ -175,7 +181,8 @@ def write_report(result: dict, path: Path) -> None:
     load = result["machine"]["load_avg_1min"]
     lines = [
         "# Flower overhead: round wall time against the clients' own training", "",
-        f"Benchmark: `{result['benchmark']}`: each arm runs `{result['command']} train.eval_every=N` as a whole "
+        f"Command: `{result['command']}`", "",
+        f"Each arm runs `{result['run_command']} train.eval_every=N` as a whole "
         f"command {result['repeats']} times, the arms interleaved. Machine: {result['machine']['platform']}, {cores} "
         f"CPUs, Python {result['machine']['python']}; 1-minute load average before and after the runs: min "
         f"{load['min']:.2f}, median {load['median']:.2f}, max {load['max']:.2f} (a run keeps about 2 processes busy "
