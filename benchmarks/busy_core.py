@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -91,17 +92,19 @@ def main(argv: list[str] | None = None) -> int:
         quiet, busy = (next(r for r in runs if r["arm"] == arm and r["busy"] is b) for b in (False, True))
         ratios[arm] = {"round_1": busy["rounds"][0]["wall_s"] / quiet["rounds"][0]["wall_s"],
                        "steady": steady_s(busy) / steady_s(quiet)}
-    command = f"python -m fedfusion run {args.recipe} rounds={args.rounds} engine.server_threads=T"
+    command = shlex.join(["python", "benchmarks/busy_core.py", *(sys.argv[1:] if argv is None else argv)])
+    run_command = f"python -m fedfusion run {args.recipe} rounds={args.rounds} engine.server_threads=T"
     result = {"machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": cpus},
-              "command": command, "busy_process": f"python -c '{SPINNER}'", "runs": runs, "busy_over_quiet": ratios}
+              "command": command, "run_command": run_command, "busy_process": f"python -c '{SPINNER}'", "runs": runs,
+              "busy_over_quiet": ratios}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "busy_core.json").write_text(json.dumps(result, indent=1) + "\n")
     lines = ["# A run beside a busy core", "",
-             f"Machine: {result['machine']['platform']}, {cpus} CPUs, Python {result['machine']['python']}. "
-             f"Command: `{command}` with T = 0 (`auto`, the default: all of torch's threads where a short probe finds "
-             f"them clearly faster than one, else one, each round) or T = {cpus} (`all`: torch's default, the "
-             f"behaviour before), each quiet and beside one `python -c '{SPINNER}'`. Written by "
-             "`python benchmarks/busy_core.py`.", "",
+             f"Machine: {result['machine']['platform']}, {cpus} CPUs, Python {result['machine']['python']}.", "",
+             f"Command: `{command}`", "",
+             f"Each run: `{run_command}` with T = 0 (`auto`, the default: all of torch's threads where a short probe "
+             f"finds them clearly faster than one, else one, each round) or T = {cpus} (`all`: torch's default, the "
+             f"behaviour before), each quiet and beside one `python -c '{SPINNER}'`.", "",
              "| setting | condition | load at start | round walls s | server s per round | steady round s | "
              "whole command s | final |", "|---|---|---|---|---|---|---|---|"]
     for r in runs:
