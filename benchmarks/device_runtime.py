@@ -15,6 +15,8 @@ import argparse
 import json
 import os
 import platform
+import shlex
+import sys
 from pathlib import Path
 
 import torch
@@ -86,12 +88,13 @@ def main() -> None:
     windows = client_windows(data_spec(recipe), 0, recipe.train.seq_len, "train")
     tiers = args.tiers or list(recipe.fusion.widths)
     rows = [tier_row(recipe, tier, target, windows) for tier in tiers]
-    result = {"machine": machine(), "recipe": RECIPE, "steps": STEPS, "lr": LR, "batch": recipe.train.batch_size,
+    result = {"command": shlex.join(["python", "benchmarks/device_runtime.py", *sys.argv[1:]]), "machine": machine(),
+              "recipe": RECIPE, "steps": STEPS, "lr": LR, "batch": recipe.train.batch_size,
               "seq_len": recipe.train.seq_len, "threads": 1, "rows": rows}
     OUT.mkdir(exist_ok=True)
     (OUT / "device_runtime.json").write_text(json.dumps(result, indent=1) + "\n")
     lines = [f"# On-device training programs ({RECIPE} tiers)\n\n{result['machine']}; {STEPS} AdamW steps, batch "
-             f"{result['batch']} x {result['seq_len']} tokens, 1 thread. `python benchmarks/device_runtime.py`\n",
+             f"{result['batch']} x {result['seq_len']} tokens, 1 thread.\n", f"Command: `{result['command']}`\n",
              "| tier | width | params | export s | .pte bytes | .ptd bytes | runtime steps/s | torch steps/s | "
              "loss first -> last | mean loss runtime / torch | rel. update error | max abs weight diff |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
