@@ -1,4 +1,4 @@
-"""Server memory and per-round time of one federation as its population grows (issue #17, section 4).
+"""Server memory and per-round time of one federation as its population grows.
 
 One `fedfusion run RECIPE` per population size (default 100, 1,000 and 10,000 virtual clients), each through Flower's
 simulation engine exactly as a user runs it, with 50 clients sampled per round from a pool of 200
@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import platform
+import shlex
 import signal
 import statistics
 import subprocess
@@ -358,7 +359,11 @@ def write(report: dict[str, Any]) -> None:
         "",
         f"Machine: {m['platform']}, {m['cpus']} CPUs, {m['memory_gb']} GB; **shared with other jobs while this ran** "
         f"(load average {m['load_average_at_start']:.1f} at the start of the last run), so seconds are noisy and "
-        f"memory is not. Command: `python benchmarks/scale.py` (one `fedfusion run {RECIPE}` per size, settings below).",
+        "memory is not.",
+        "",
+        f"Command: `{report.get('command', 'python benchmarks/scale.py')}`",
+        "",
+        f"One `fedfusion run {RECIPE}` per size, settings below.",
         "",
         f"Settings: {PER_ROUND} clients per round, {ROUNDS} rounds, a one-layer Llama target (hidden 64), one local "
         f"step per client, {CHARS_PER_CLIENT} characters of text per client, 2 client actors (1 CPU each), "
@@ -401,6 +406,7 @@ def main() -> None:
     report = json.loads(path.read_text()) if path.exists() else {"sizes": {}}
     if args.probe or args.sizes:
         report["machine"] = machine()
+        report["command"] = shlex.join(["python", "benchmarks/scale.py", *sys.argv[1:]])
     if args.probe:
         report.pop("probe", None)  # measured again below
     write(report)  # with neither: the report rewritten from the results file
