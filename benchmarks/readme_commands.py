@@ -91,10 +91,12 @@ def write(out: Path, rows: dict[str, dict]) -> None:
     """The results so far (after every command: an interrupted or failing run keeps what it measured)."""
     machine = f"{platform.platform()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "readme_commands.json").write_text(json.dumps({"machine": machine, "commands": rows}, indent=1) + "\n")
+    command = "python benchmarks/readme_commands.py"  # every row (--only NAME re-times one of them in place)
+    (out / "readme_commands.json").write_text(json.dumps({"command": command, "machine": machine, "commands": rows},
+                                                         indent=1) + "\n")
     lines = ["# The README's commands, timed", "", f"Machine: {machine}. Each command alone, whole (Python start-up, "
              "imports, Ray), from a scratch directory; `load` is the 1-minute load average as it started (2 CPUs: "
-             "below ~0.5 the machine was quiet). Written by `python benchmarks/readme_commands.py`.", "",
+             "below ~0.5 the machine was quiet).", "", f"Command: `{command}`", "",
              "| command | seconds | load |", "|---|---|---|"]
     lines += [f"| `{r['command']}` | {seconds_cell(r)} | {r['load_at_start']} |" for r in rows.values()]
     (out / "readme_commands.md").write_text("\n".join(lines) + "\n")
