@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -61,7 +62,7 @@ BASE = [  # a 0.14M-parameter target keeps 20 runs of 1,000 clients near an hour
 VIRTUAL_PARAMS = 1.1e9  # jobs are priced as if the target had this many parameters
 TARGET_SHARE = 0.95
 BUDGET_SHARE = 0.5  # carbon_budget: every zone may spend half of what k average clients of the mix would
-GOAL = {"energy_j": 0.7, "co2_g": 0.7, "rounds": 1.1}  # issue #6: energy vs random
+GOAL = {"energy_j": 0.7, "co2_g": 0.7, "rounds": 1.1}  # the goal: energy vs random
 READING = "## Reading"  # a section written by hand at the end of selection.md, kept when the tables are rewritten
 
 
@@ -162,7 +163,8 @@ def main() -> None:
     params = target_params(recipe)
     scale = VIRTUAL_PARAMS / params
     catalog = scaled_catalog(recipe, scale, Path(args.work).resolve() / f"catalog-x{scale:.0f}.yaml")
-    settings.append(f"population.catalog={catalog}")
+    settings.append(f"population.catalog={catalog}")  # absolute: the runs' Ray actors need not share this cwd
+    shown = [*settings[:-1], f"population.catalog={os.path.relpath(catalog)}"]  # what the results say: no machine path
     recipe = replace(recipe, population=replace(recipe.population, catalog=str(catalog)))
     costs = tier_costs(recipe)
     mix = recipe.population.mix
@@ -209,9 +211,10 @@ def main() -> None:
         ratios[sel] = {seed: {k: _ratio(by[sel, seed][k], by["random", seed][k]) for k in GOAL}
                        for seed in args.seeds}
     report = {
+        "command": shlex.join(["python", "benchmarks/selection.py", *sys.argv[1:]]),
         "benchmark": "selection",
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
-        "settings": {"recipe": RECIPE, "overrides": settings, "seeds": args.seeds, "target_params": params,
+        "settings": {"recipe": RECIPE, "overrides": shown, "seeds": args.seeds, "target_params": params,
                      "virtual_params": VIRTUAL_PARAMS, "price_scale": scale, "tier_costs": costs,
                      "carbon_budget_j_per_zone_round": budget, "target_loss": target,
                      "target_rule": f"{TARGET_SHARE:.0%} of random's improvement from round 0 to its plateau "
@@ -226,10 +229,10 @@ def main() -> None:
     lines = [
         "# Client selection on 1,000 virtual devices with diurnal availability", "",
         f"Machine: {report['machine']['platform']}, {report['machine']['cpus']} CPUs. Recipe: {RECIPE} with "
-        f"`{' '.join(settings)}`; seeds {args.seeds}. The target has {params:,} parameters; jobs are priced "
+        f"`{' '.join(shown)}`; seeds {args.seeds}. The target has {params:,} parameters; jobs are priced "
         f"from counted work as if it had {VIRTUAL_PARAMS:.3g} (catalog rates / {scale:.0f}); one job: {job}. "
         f"Target loss {target:.4f} ({TARGET_SHARE:.0%} of random's improvement {start:.3f} -> {plateau:.3f}); "
-        f"carbon_budget: {budget:.0f} J per zone per round.", "",
+        f"carbon_budget: {budget:.0f} J per zone per round.", "", f"Command: `{report['command']}`", "",
         "| selector | rounds to target | energy to target (J) | CO2 to target (g) | final loss | wasted J | "
         "dropouts (of picks) | Jain fairness | picks phone/laptop/desktop | J per round | g per round |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
@@ -257,7 +260,7 @@ def main() -> None:
                f"mean {'yes' if mean and all(mean[k] <= GOAL[k] for k in GOAL) else 'no'}")
         mean_cell = " / ".join(fmt(mean[k]) for k in ("rounds", "energy_j", "co2_g")) if mean else "never"
         lines.append(f"| {sel} | " + " | ".join(cells) + f" | {mean_cell} | {met} |")
-    lines += ["", f"Goal (issue #6): `energy` at most {GOAL['energy_j']}x the energy and {GOAL['co2_g']}x the CO2 "
+    lines += ["", f"Goal: `energy` at most {GOAL['energy_j']}x the energy and {GOAL['co2_g']}x the CO2 "
               f"of `random`, in at most {GOAL['rounds']}x the rounds.", ""]
     md = RESULTS / "selection.md"
     kept = md.read_text().split(READING, 1)[1] if md.is_file() and READING in md.read_text() else ""
