@@ -6,11 +6,12 @@ availability model. Every selector runs 30 rounds of select + feedback (so Oort'
 we time ``select`` alone, and separately building the :class:`Candidates` view and one availability
 query over all devices. Writes benchmarks/results/selection_speed.{json,md}.
 
-    .venv/bin/python benchmarks/selection_speed.py
+    python benchmarks/selection_speed.py
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -50,7 +51,13 @@ def timed(fn, *args) -> tuple[float, object]:
     return (time.perf_counter() - start) * 1e3, result
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's command line, no options (tests/test_results_commands.py parses the results' commands with it)."""
+    return argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+
+
 def main() -> None:
+    build_parser().parse_args()
     catalog = load_catalog()
     rng = np.random.default_rng(SEED)
     tiers = np.array(assign_tiers({"phone": 0.6, "laptop": 0.3, "desktop": 0.1}, N, SEED))
@@ -76,7 +83,7 @@ def main() -> None:
                                      energy_j=float(cand.energy_j[c])) for c in picks])
         results[name] = {"median_ms": statistics.median(times), "p95_ms": float(np.percentile(times, 95)),
                          "max_ms": max(times), "picked_last_round": len(picks)}
-    report = {"machine": machine(), "candidates": N, "k": K, "rounds": ROUNDS,
+    report = {"command": "python benchmarks/selection_speed.py", "machine": machine(), "candidates": N, "k": K, "rounds": ROUNDS,
               "candidates_build_ms": build_ms, "availability_state_ms": avail_ms, "selectors": results}
     OUT.mkdir(exist_ok=True)
     (OUT / "selection_speed.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -84,6 +91,8 @@ def main() -> None:
         f"# Selecting {K} of {N:,} candidates",
         "",
         f"Machine: {report['machine']}. {ROUNDS} rounds of select + feedback per selector; `select` timed alone.",
+        "",
+        f"Command: `{report['command']}`",
         "",
         "| selector | median ms | p95 ms | max ms | picked |",
         "|---|---|---|---|---|",
