@@ -183,6 +183,7 @@ def sim_markdown(sim: dict) -> list[str]:
     lines = [
         f"## Faulty clients on the {RECIPE} recipe", "",
         f"Command: `{sim['command']}`" + (f" ({sim['code']['note']})" if sim.get("code", {}).get("note") else ""), "",
+        *([f"Command: `{sim['rendered_by']}` (the tables, from the runs in `--work`)", ""] if sim.get("rendered_by") else []),
         f"Recipe: {RECIPE} `{' '.join(s['overrides'])}`: {recipe.rounds} rounds (the {RECIPE} recipe has "
         f"{shipped.rounds}) x "
         f"{recipe.train.local_steps} local steps, {recipe.selection.clients_per_round} of "
@@ -618,6 +619,8 @@ def write(report: dict, ran: str) -> None:
         lines += sim_markdown(report["sim"])
     if "fuzz" in report:
         lines += fuzz_markdown(report["fuzz"])
+    first = report["sim" if "sim" in report else "fuzz"]["command"]  # the markdown's first Command line
+    report = {"command": first, **{k: v for k, v in report.items() if k != "command"}}
     if ran == "sim":
         plot = RESULTS / f".faults_ppl.{os.getpid()}.png"
         try:
@@ -665,9 +668,15 @@ def main() -> None:
     args.command_line = "python benchmarks/faults.py " + shlex.join(sys.argv[1:])
     import fedfusion
 
-    code = {"fedfusion": str(Path(fedfusion.__file__).parent), "note": args.note}
+    package = Path(fedfusion.__file__).resolve().parent  # where the measured code was; no machine path in results
+    root = RESULTS.parent.parent
+    code = {"fedfusion": str(package.relative_to(root)) if package.is_relative_to(root) else "an installed fedfusion",
+            "note": args.note}
     part = {**(cmd_sim(args) if args.part == "sim" else cmd_fuzz(args)), "code": code}
     report = json.loads(JSON_PATH.read_text()) if JSON_PATH.is_file() else {}  # read late: keep the other part
+    measured = report.get("sim", {}).get("command", "")
+    if args.part == "sim" and args.no_run and measured and "--no-run" not in shlex.split(measured):
+        part["command"], part["rendered_by"] = measured, part["command"]  # a re-render: the runs' command stays
     report["machine"] = {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()}
     report[args.part] = part
     write(report, args.part)
