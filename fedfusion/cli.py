@@ -18,6 +18,7 @@ from rich.table import Table
 
 from fedfusion.config.methods import UNITS, hook, method
 from fedfusion.config.recipe import Recipe, RecipeError, builtin_recipes, load_recipe, method_label, nodes_per_client
+from fedfusion.run.arms import ARM_NAMES
 from fedfusion.run.check import check_recipe
 from fedfusion.run.seed_paper import NAME as SEED_PAPER
 
@@ -200,6 +201,26 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compare(args: argparse.Namespace) -> int:
+    """Run the recipe, its smallest-only and its oracle arm at the same budget and seeds; write compare.md/.json/.png."""
+    from shlex import join
+
+    from fedfusion.run.compare import execute, plan
+
+    argv = [args.recipe, *args.overrides, "--seeds", *map(str, args.seeds)]
+    argv += ["--out", args.out] if args.out else []
+    argv += ["--arms", *args.arms] if list(args.arms) != list(ARM_NAMES) else []
+    comparison = plan(args.recipe, args.overrides, args.seeds, Path(args.out) if args.out else None, args.arms,
+                      command="fedfusion compare " + join(argv))
+    jobs = len(comparison.arms) * len(comparison.seeds)
+    console.print(f"[bold]fedfusion compare[/] {escape(args.recipe)}: {', '.join(comparison.arms)} x seeds "
+                  f"{', '.join(map(str, comparison.seeds))} ({jobs} runs); writing {escape(str(comparison.out))}")
+    for name, arm in comparison.arms.items():
+        console.print(f"  {name}: {arm.about}" + (f" [{' '.join(arm.overrides)}]" if arm.overrides else ""),
+                      markup=False, highlight=False)
+    return execute(comparison, echo=lambda line: console.print(line, markup=False, highlight=False))
+
+
 PLAN_NOTE = ("s and J per round: the tier's training FLOPs and the bytes it moves, priced as the run's ledger "
              "prices them (fedfusion.devices.energy.price_work; J drawn from the wall)")
 
@@ -368,6 +389,18 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--out", help="run directory (default: <output.dir>/<name>-<timestamp>)")
     run.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run from its last checkpoint")
     run.set_defaults(func=cmd_run)
+    compare = sub.add_parser("compare", help="the recipe against its smallest-only and oracle arms, same budget and seeds",
+                             description="Run the recipe, its smallest-only arm (every client trains only what the "
+                             "weakest tier can train) and its oracle arm (every client trains the whole target) at the "
+                             "same rounds, clients, local steps, optimizer, data and seeds; write DIR/compare.md, .json "
+                             "and .png. Finished runs are kept: the same command resumes (docs/running.md).")
+    compare.add_argument("recipe", help="recipe file, or the name of a built-in recipe (e.g. quickstart)")
+    compare.add_argument("overrides", nargs="*", help="key=value overrides for every arm, e.g. rounds=6 data.path=F")
+    compare.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="run seeds (default: 0 1 2)")
+    compare.add_argument("--out", help="where the runs and the report go (default: <output.dir>/compare-<name>)")
+    compare.add_argument("--arms", nargs="+", default=list(ARM_NAMES), choices=ARM_NAMES,
+                         help="which arms to run (default: all three)")
+    compare.set_defaults(func=cmd_compare)
     plan = sub.add_parser("plan", help="show what each device tier trains and what it costs")
     plan.add_argument("recipe")
     plan.add_argument("overrides", nargs="*")

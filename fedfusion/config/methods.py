@@ -4,9 +4,9 @@ roles that names it.
 Every list of methods is read from here: ``config.choices.FUSION_METHODS`` and ``MIXABLE``, the client roles
 (``wire.specs.ROLES``), the fold order of a mixed round (``fusion.rounds.FOLD_ORDER``), the builders
 (``run.federation.build_methods``), the plan (``fedfusion plan``), the server's priced work
-(``run.federation``, ``run.check``, ``run.report``). An entry is pure data: its hooks are ``"module:function"``
-paths, imported only where they are called (:func:`hook`), so loading a recipe still imports nothing of
-fedfusion and no torch.
+(``run.federation``, ``run.check``, ``run.report``), the arms ``fedfusion compare`` runs (``run.arms``). An entry is
+pure data: its hooks are ``"module:function"`` paths, imported only where they are called (:func:`hook`), so loading a
+recipe still imports nothing of fedfusion and no torch.
 
 Adding a method: its folder ``fedfusion/fusion/<name>/`` (the method, its ``build`` and, where it has a plan of
 its own, its plan rows), its client role module(s) in ``clients/``, and one entry below.
@@ -44,6 +44,9 @@ class Method:
     trained: str = ""  # "module:function" (ledger row) -> what a client of it trained, as the report says
     policy_in_label: bool = False  # a run's header names it with fusion.policy ("submodel/rolling")
     central: bool = False  # the server trains the target step by step, nodes compute parts (no fusion rounds)
+    # "module:function" (recipe) -> (smallest-only Arm, oracle Arm): what `fedfusion compare` runs beside a recipe of
+    # it (fedfusion.run.arms); empty: compare refuses the method
+    arms: str = ""
     home: str = ""  # its folder (package): fedfusion.fusion.<name> unless given
 
     @property
@@ -57,19 +60,24 @@ class Method:
 METHODS: tuple[Method, ...] = (
     Method(SUBMODEL, roles=((SUBMODEL, "fedfusion.clients.submodel"), ("window", "fedfusion.clients.window")),
            fold_rank=0, mixable=True, slices=True, build="fedfusion.fusion.submodel.build:build",
-           plan="fedfusion.run.planner:slices_view", policy_in_label=True),
+           plan="fedfusion.run.planner:slices_view", policy_in_label=True,
+           arms="fedfusion.run.arms:slicing_arms"),
     Method(DISTILL, roles=(("smallmodel", "fedfusion.clients.smallmodel"),), fold_rank=3, mixable=True,
            server_device=DISTILL, server_work="the server's distillation",
-           build="fedfusion.fusion.distill.build:build", plan="fedfusion.run.planner:distill_view"),
+           build="fedfusion.fusion.distill.build:build", plan="fedfusion.run.planner:distill_view",
+           arms="fedfusion.run.arms:distill_arms"),
     Method(LORA, roles=((LORA, "fedfusion.clients.lora"),), fold_rank=1, build="fedfusion.fusion.lora.build:build",
-           plan="fedfusion.run.planner:lora_view"),
+           plan="fedfusion.run.planner:lora_view", arms="fedfusion.run.arms:lora_arms"),
     Method(GENERATIVE, roles=((GENERATIVE, "fedfusion.clients.generative"),), fold_rank=2, mixable=True, slices=True,
            server_device=GENERATIVE, server_work="the server's training on the samples",
            build="fedfusion.fusion.generative.build:build", plan="fedfusion.run.planner:generative_view",
-           report_note="fedfusion.fusion.generative.report:NOTE", trained="fedfusion.fusion.generative.report:trained"),
-    Method(MIXED, plan="fedfusion.run.planner:mixed_view", home="fedfusion.config.methods"),  # tiers: fusion.tiers
+           report_note="fedfusion.fusion.generative.report:NOTE", trained="fedfusion.fusion.generative.report:trained",
+           arms="fedfusion.run.arms:slicing_arms"),
+    Method(MIXED, plan="fedfusion.run.planner:mixed_view", home="fedfusion.config.methods",  # tiers: fusion.tiers
+           arms="fedfusion.run.arms:mixed_arms"),
     Method(UNITS, roles=((UNITS, "fedfusion.clients.units"),), plan="fedfusion.run.planner:units_view", central=True,
-           server_device=UNITS, home="fedfusion.units"),  # units.server_device prices its server (fedfusion.units.ledger)
+           # units.server_device prices its server (fedfusion.units.ledger); compare refuses it (units_arms says why)
+           server_device=UNITS, home="fedfusion.units", arms="fedfusion.run.arms:units_arms"),
 )
 BY_NAME = {m.name: m for m in METHODS}
 FUSION_METHODS = tuple(BY_NAME)
