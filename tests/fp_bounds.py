@@ -36,3 +36,18 @@ def matmul_bound(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype | None = N
 def sum_bound(terms: int, abs_sum: float, dtype: torch.dtype) -> float:
     """Bound on the error of a sum of ``terms`` numbers whose magnitudes add to ``abs_sum``, in any order."""
     return gamma(max(terms - 1, 1), dtype) * abs_sum
+
+
+def product_error(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``|c - a @ b|`` entry-wise, the product exact (float64 operands of float32 or narrower values: exact to
+    well below the bounds here)."""
+    return (c.double() - a.double() @ b.double()).abs()
+
+
+def assert_product_within_bound(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, times: float = 1.0,
+                                dtype: torch.dtype | None = None) -> float:
+    """``c`` is ``a @ b`` computed in ``dtype`` (default ``c``'s): every entry within ``times`` x ``gamma_k |a||b|``
+    of the exact product of the operands. Returns the worst ratio of error to bound (0 where both are 0)."""
+    err, bound = product_error(c, a, b), times * matmul_bound(a, b, dtype or c.dtype)
+    assert (err <= bound).all(), f"worst error / bound {float((err / bound).nan_to_num(0, float('inf')).max()):.3g}"
+    return float((err / bound.clamp_min(torch.finfo(torch.float64).tiny)).max()) if err.numel() else 0.0

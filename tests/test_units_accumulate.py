@@ -16,7 +16,7 @@ from fedfusion.units.messages import DeviceRuntime
 from fedfusion.units.phases import llama_phases
 from fedfusion.units.timeline import chains_from_trace, simulate
 from fedfusion.units.workers import Corrupt, DiesAfter
-from tests.test_units_exact import CONFIG, devices, model
+from tests.test_units_exact import CONFIG, assert_products_within_rounding, devices, model, record_products
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py: tiny GEMMs on one thread, restored after
 
@@ -81,12 +81,20 @@ def test_float64_step_with_accumulation_equals_local(micro: int, count: int, lay
 
 
 @pytest.mark.parametrize("count", [3, 7])
-def test_float32_step_with_accumulation_within_relative_1e5(count: int) -> None:
-    """(Two micro-batches: with four of two windows each, units and local differ by up to 4e-5 per tensor with
-    accumulation on and off alike, the AdamW first-step noise tests/test_units_exact.py describes.)"""
+def test_float32_step_with_accumulation_within_the_rounding_bound_of_every_product(count: int) -> None:
+    """Float32, two micro-batches in flight, weight gradients summed on the devices: every product the step uses
+    (forward, input gradient, and each weight gradient's sum over the micro-batches: one inner product over the
+    concatenated micro-batches) is within ``gamma_k |A| |B|`` of the exact product of its float32 operands, on any
+    CPU (tests/test_units_exact.py, tests/fp_bounds.py). The float64 tests above prove the step equals a local one;
+    the two float32 steps' parameters differ by what AdamW's first step ``g / (|g| + eps)`` makes of rounding-level
+    gradient differences, for which no bound worth asserting exists."""
     ids = batch(2)
-    got = units_step(torch.float32, ids, 2, UnitEngine(devices(count)), in_flight=0)
-    assert gaps(local_step(torch.float32, ids, 2), got)[1] <= 1e-5
+    engine = UnitEngine(devices(count))
+    products = record_products(engine)
+    units_step(torch.float32, ids, 2, engine, in_flight=0)
+    sums = [(a, b) for a, b, _ in products if a.shape[1] == len(ids) * (ids.shape[1] - 1)]  # over both micro-batches
+    assert len(sums) == 4 * CONFIG["num_hidden_layers"] + 1  # every weight gradient came as its step's sum
+    assert_products_within_rounding(products)
 
 
 def test_row_and_column_tiles_sum_bit_for_bit_as_backward_accumulates() -> None:
