@@ -22,6 +22,7 @@ import argparse
 import gc
 import json
 import platform
+import shlex
 import tempfile
 import time
 from pathlib import Path
@@ -90,7 +91,7 @@ def report(payload: dict) -> str:
              f"Machine: {payload['machine']}. Rank {a['rank']} on {', '.join(LORA_MODULES)}, batch {a['batch']} x "
              f"{a['seq']} tokens, {a['steps']} timed AdamW steps after 2 warm-up steps; random-weight Llamas of "
              "SmolLM2's shapes.", "",
-             "Command: `python benchmarks/cuda_lora.py " + " ".join(payload["argv"]) + "`", "",
+             f"Command: `{payload['command']}`", "",
              "| shape | base | linear layer | weights MiB (planned) | peak MiB (planned) | peak / planned | "
              "step ms | first loss (vs fp32) | adapter finite |", "|---|---|---|---|---|---|---|---|---|"]
     for shape, rows in payload["results"].items():
@@ -142,7 +143,11 @@ def main() -> None:
                 row = measure(base_dir, Path(tmp) / "cache", cfg, bits, a, data)
                 results.setdefault(shape, []).append(row)
                 print(json.dumps({"shape": shape, **row}), flush=True)
-    payload = {"args": {k: v for k, v in vars(a).items() if k != "out_dir"}, "argv": sys.argv[1:], "results": results,
+    argv = sys.argv[1:]  # without --out-dir: where a run writes is not what it measures (nor a path for the results)
+    argv = [x for i, x in enumerate(argv) if x != "--out-dir" and (i == 0 or argv[i - 1] != "--out-dir")
+            and not x.startswith("--out-dir=")]
+    payload = {"command": shlex.join(["python", "benchmarks/cuda_lora.py", *argv]),
+               "args": {k: v for k, v in vars(a).items() if k != "out_dir"}, "argv": argv, "results": results,
                "machine": f"{torch.cuda.get_device_name()}, {platform.platform()}, Python {platform.python_version()}, "
                           f"torch {torch.__version__}"}
     a.out_dir.mkdir(parents=True, exist_ok=True)

@@ -147,8 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The benchmark's command line (tests/test_results_commands.py parses the results' commands with it)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", nargs="+", default=["135m", "360m"], choices=list(SHAPES))
-    parser.add_argument("--arms", nargs="+", default=["full", "slice", "window", "window-dense", "window-int4",
-                                                      "core", "rank"])
+    arms = ["full", "slice", "window", "window-dense", "window-int4", "core", "rank"]  # arm_model's
+    parser.add_argument("--arms", nargs="+", default=arms, choices=arms)
     parser.add_argument("--width", type=float, default=0.125)
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--batch", type=int, default=8)
