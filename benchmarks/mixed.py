@@ -117,7 +117,7 @@ def _stat(values: list[float]) -> str:
 
 METRIC_TEXT = {
     "eval_loss": ("final loss (nats/char)", "best loss", "Loss: the target's held-out loss per character (the "
-                  "quickstart's pooled held-out text), lower is better"),
+                  "rolling recipe's pooled held-out text), lower is better"),
     "probe_acc": ("final probe_acc", "best probe_acc", "probe_acc: the share of all clients' private facts the target "
                   "recalls by greedy exact match, higher is better"),
 }
