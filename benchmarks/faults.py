@@ -1,4 +1,4 @@
-"""Benchmark for fault tolerance (issue #7): faulty clients on the rolling recipe, and fuzzed malformed replies.
+"""Benchmark for fault tolerance: faulty clients on the rolling recipe, and fuzzed malformed replies.
 
 Two parts, results in ``benchmarks/results/faults.{json,md}`` (each part keeps the other's section):
 the markdown is rendered only from what the part just ran plus what ``faults.json`` holds (never from run
@@ -242,7 +242,7 @@ def sim_markdown(sim: dict) -> list[str]:
                             f"{len(rel)} seeds (worst {max(rel):+.1%}), last-3-rounds mean in "
                             f"{sum(v <= 0.02 for v in rel3)} of {len(rel3)} (worst {max(rel3):+.1%})")
     if verdicts:
-        lines += ["", "Issue #7's criterion (the final metric stays within 2% of the fault-free run; lower ppl is "
+        lines += ["", "The goal (the final metric stays within 2% of the fault-free run; lower ppl is "
                   "better, so a faulty arm ending lower is within it): " + "; ".join(verdicts) + "."]
     swings, unknown = [], 0
     for r in sim["runs"]:
@@ -612,7 +612,7 @@ def write(report: dict, ran: str) -> None:
     """
     RESULTS.mkdir(parents=True, exist_ok=True)
     m = report["machine"]
-    lines = ["# Fault tolerance (issue #7)", "",
+    lines = ["# Fault tolerance", "",
              f"Machine: {m['platform']}, {m['cpus']} CPUs (shared with other jobs while this ran), Python "
              f"{m['python']}.", ""]
     if "sim" in report:

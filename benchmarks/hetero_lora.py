@@ -1,4 +1,4 @@
-"""Benchmark: heterogeneous-rank LoRA fusion (issue #4): zeropad, HetLoRA, FlexLoRA and FLoRA against a
+"""Benchmark: heterogeneous-rank LoRA fusion: zeropad, HetLoRA, FlexLoRA and FLoRA against a
 homogeneous rank-r_min FedAvg and a centralised LoRA oracle, on a frozen base, plus systems figures.
 
 Parts (each cached as JSON under ``--work``, so an interrupted run resumes with ``--reuse``):
@@ -399,7 +399,7 @@ def markdown(report: dict) -> str:
     seeds = sorted({r["seed"] for r in runs})
     m = report["machine"]
     lines = [
-        "# Heterogeneous-rank LoRA fusion (issue #4)", "",
+        "# Heterogeneous-rank LoRA fusion", "",
         f"Machine: {m['platform']}, {m['cpus']} CPUs shared with other jobs (every process one thread), CPU only; "
         f"torch {m['torch']}, peft {m['peft']}, transformers {m['transformers']}.", "",
         "The federated loop runs in-process, clients one after another: this benchmarks the aggregation math, not "

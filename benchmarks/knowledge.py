@@ -101,6 +101,7 @@ from fedfusion.wire.quantize import Wire
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PRIMARY = {"facts": ("probe_acc", "answer_loss"), "lm": ("eval_loss", "eval_acc")}  # task -> (gap-closure metric, other)
+HIGHER_IS_BETTER = {"facts": True, "lm": False}  # the primary metric's direction
 # regime -> (client widths, dealt in equal shares; sliced axes). "tiny": clients hold a genuinely smaller Llama
 # (a quarter of the heads, MLP neurons and hidden dims: ~1/11 of the target's parameters); "tiny8": an eighth of
 # each (with --hidden 128 --intermediate 512 the same client model as "tiny" at the defaults, under a target 4x
@@ -196,7 +197,7 @@ def arm_setup(arm: str, ladder: tuple[float, ...], clients: int,
     return widths, base, outer, None
 
 
-# Grow-then-fuse arms (fedfusion.growth; SubModelMethod's grow_round and forward): the first --grow-round rounds
+# Grow-then-fuse arms (fedfusion.models.growth; SubModelMethod's grow_round and forward): the first --grow-round rounds
 # train the smallest slice of a target silenced around it (smallest-only training: the target *is* that small
 # model), then the whole grown target trains as the arm says. smallest_only is the same run that never grows.
 GROWTH = {
@@ -370,9 +371,15 @@ def _mean_sd(values: list[float]) -> str:
 
 def summarise(results: dict, task: str = "facts") -> dict:
     """Per regime: gap closure of every arm on the task's primary metric (facts: probe accuracy; lm: held-out
-    loss), from the means over seeds; the best arm overall."""
+    loss), from the means over seeds; the best arm overall, or None.
+
+    The best arm is one a device of its regime can train (not an oracle, not smallest-only) that does better than
+    smallest-only on the mean of its primary metric; among those, the one furthest ahead of smallest-only in units
+    of the regime's |oracle - smallest-only| (its gap closure when the oracle beats smallest-only). An arm worse
+    than or level with smallest-only is never the best arm, whatever its gap closure."""
     out, best = {}, None
     key, _ = PRIMARY[task]
+    sign = 1.0 if HIGHER_IS_BETTER[task] else -1.0
     for regime, arms in results.items():
         mean = {arm: statistics.mean(r[key] for r in runs) for arm, runs in arms.items() if runs}
         if "smallest_only" not in mean or "oracle" not in mean:
@@ -384,9 +391,12 @@ def summarise(results: dict, task: str = "facts") -> dict:
             # references no device of the regime could train (the oracles) are not candidates; c != c: NaN
             if arm in ("oracle", "smallest_only", "grow_oracle") or arm.startswith("tier_") or c != c:
                 continue
+            lead = sign * (mean[arm] - mean["smallest_only"]) / abs(span)
+            if lead <= 0:  # not better than smallest-only
+                continue
             ratio = statistics.mean(r["size_ratio"] for r in arms[arm])
-            if best is None or c > best["gap_closure"]:
-                best = {"regime": regime, "arm": arm, "gap_closure": c, "size_ratio": ratio}
+            if best is None or lead > best["lead"]:
+                best = {"regime": regime, "arm": arm, "gap_closure": c, "size_ratio": ratio, "lead": lead}
     return {"regimes": out, "best": best}
 
 
@@ -465,6 +475,9 @@ def report(payload: dict) -> str:
         b = summary["best"]
         lines += [f"**Best arm**: `{b['arm']}` ({b['regime']}): gap closure {b['gap_closure']:.2f} at size ratio "
                   f"{b['size_ratio']:.1f}.", ""]
+    elif summary["regimes"]:
+        lines += [f"**Best arm**: none. No arm a device can train does better than smallest-only on the mean {primary}.",
+                  ""]
     lines += [f"Gap closure = (arm - smallest_only) / (oracle - smallest_only) on the mean {primary}. Size ratio = "
               "target parameters / the largest client's trained parameters; memory ratio = the full target's peak training "
               "memory with AdamW / the largest client's, both as `fedfusion plan` estimates them (runs from before it "

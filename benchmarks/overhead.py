@@ -13,8 +13,8 @@ building and data loading, and the training the packing could not overlap.
 runs the whole command ``python -m fedfusion run RECIPE ...`` ``--repeats`` times for each of four arms, interleaved
 (repeat 1 of every arm, then repeat 2, ...: a drift in the machine's load touches every arm alike):
 
-- ``default``: what the code did before issue 26, every round scored and every client message building its model
-  (``FEDFUSION_CLIENT_CACHE=0``, ``train.eval_every=1``);
+- ``default``: what the code did before the client model cache and ``train.eval_every``, every round scored and
+  every client message building its model (``FEDFUSION_CLIENT_CACHE=0``, ``train.eval_every=1``);
 - ``cache``: the clients keep their built models between messages (``clients/cache.py``; the default now);
 - ``eval_every=N``: central evaluation on round 0, every N-th and the last round only (``train.eval_every=N``);
 - ``both``: the two together.

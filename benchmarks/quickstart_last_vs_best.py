@@ -1,4 +1,4 @@
-"""Benchmark (issue 24): does the quickstart end at its best? Its last round's held-out perplexity against its best
+"""Benchmark: does the quickstart end at its best? Its last round's held-out perplexity against its best
 round's, per seed: with the clients' lr constant over rounds and no cap on their local epochs, with the recipe's lr
 schedule and no cap (before), and as the recipe stands, lr schedule and ``train.max_epochs`` (after).
 
@@ -33,7 +33,7 @@ ARMS = {  # id -> (label, overrides)
     "schedule": ("the lr schedule, no epoch cap (before)", ["train.max_epochs=0"]),
     "recipe": ("the recipe: lr schedule and epoch cap (after)", []),
 }
-GOAL = 0.02  # the issue's bar: last round within 2 % of the best round
+GOAL = 0.02  # the goal: last round within 2 % of the best round
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -154,7 +154,7 @@ def write_results(out: str, name: str, rows: list[dict], load_before: tuple[floa
     (RESULTS / f"{out}.json").write_text(json.dumps(report, indent=2))
     m = report["machine"]
     lines = [
-        f"# The {name} recipe's last round against its best (issue 24)", "",
+        f"# The {name} recipe's last round against its best", "",
         f"Machine: {m['platform']}, {m['cpus']} CPUs, shared with other jobs (load average 1/5/15 min "
         f"{' / '.join(f'{x:.2f}' for x in m['loadavg_1_5_15_at_start'])} at the start, "
         f"{' / '.join(f'{x:.2f}' for x in m['loadavg_1_5_15_at_end'])} at the end); runs one at a time under "

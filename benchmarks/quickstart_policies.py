@@ -78,7 +78,7 @@ def round_ppl(out: Path) -> dict[int, float]:
 
 
 def last_over_best(rounds: dict[int, float]) -> float:
-    """The last scored round's perplexity over the best (lowest) of rounds 1.. minus 1 (issue 24: <= 2 %)."""
+    """The last scored round's perplexity over the best (lowest) of rounds 1.. minus 1 (the goal: <= 2 %)."""
     trained = {k: v for k, v in rounds.items() if k >= 1}
     return trained[max(trained)] / min(trained.values()) - 1
 

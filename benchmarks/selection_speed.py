@@ -1,4 +1,4 @@
-"""How long selecting 100 clients from 100,000 candidates takes, per selector (issue: under 50 ms).
+"""How long selecting 100 clients from 100,000 candidates takes, per selector (the goal: under 50 ms).
 
 A population of 100,000 virtual devices (catalog tiers phone/laptop/desktop 60/30/10, five grid zones),
 each priced for one quickstart-sized round with ``price_work``; battery and power state from the

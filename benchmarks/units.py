@@ -219,7 +219,7 @@ def recovery(counts: list[int]) -> list[dict]:
 
 def scenarios(counts: list[int]) -> list[dict]:
     """Where the mode could compete: a frozen base resident on the devices (no weight traffic, no weight
-    gradients), and the issue's first-principles estimate (1.1B Llama, 8 x 1024 tokens, 64 phones at 10/2 MB/s)."""
+    gradients), and a first-principles estimate's setting (1.1B Llama, 8 x 1024 tokens, 64 phones at 10/2 MB/s)."""
     rows = []
     phone, laptop = fleets()["phones 10/2 MB/s"][0], fleets()["laptops 1 Gb/s LAN"][0]
     big = TARGETS[1]
@@ -237,7 +237,7 @@ def scenarios(counts: list[int]) -> list[dict]:
     tiny = llama_phases(hidden=2048, intermediate=5632, layers=22, heads=32, kv_heads=4, vocab=32000, tokens=8 * 1024)
     flops = sum(g.flops for shapes, _ in tiny for g in shapes) + 3 * 22 * 2 * 2 * 8 * 1024 * 1024 * 2048
     r = simulate([phone] * 64, [tiny])
-    rows.append({"scenario": "issue estimate: 1.1B Llama, 8 x 1024 tokens, all linear", "fleet": "phones 10/2 MB/s",
+    rows.append({"scenario": "first-principles estimate: 1.1B Llama, 8 x 1024 tokens, all linear", "fleet": "phones 10/2 MB/s",
                  "devices": 64, "step_s": r.step_s, "down_mb_per_device_max": r.down_bytes.max() / 1e6,
                  "up_mb_per_device_max": r.up_bytes.max() / 1e6,
                  "a5000_step_s": flops / (A5000_FP32_PEAK * A5000_SUSTAINED)})
@@ -303,7 +303,7 @@ def markdown(data: dict) -> str:
              "server's Freivalds checks (2 vectors) over the step in process with 1 and 4 micro-batches, as the engine "
              "orders them (forward and input-gradient products per micro-batch, a weight's check vectors kept across "
              "them; each weight gradient once, summed), one thread: a lower bound of the engine's own time. "
-             "Floor (the issue's): max over devices of (downlink "
+             "Floor (the overlap floor): max over devices of (downlink "
              "seconds + message overheads, uplink seconds, compute seconds) + phases x (RTT + overhead). Step times "
              "are virtual (the timeline); only the real engine runs compute tiles.", "",
              "| target | params | step GFLOP | local CPU step (s) | A5000 step | A5000 energy (J) | check CPU (s) | "

@@ -1,4 +1,4 @@
-"""Client role for the exact (units) mode: compute the GEMM tiles a message carries (issue 25).
+"""Client role for the exact (units) mode: compute the GEMM tiles a message carries.
 
 A units message is not a training round: the server keeps the target and the optimizer and sends this node
 operand blocks and the products it wants (``fedfusion.units.messages``' wire format); the node computes them

@@ -1,5 +1,5 @@
-"""`flwr run .`: the federation's SuperNodes must be the recipe's population (issue: a local federation's default
-SuperNode count silently trained 2 of 32 clients)."""
+"""`flwr run .`: the federation's SuperNodes must be the recipe's population (a local federation's default
+SuperNode count once silently trained 2 of 32 clients)."""
 
 from __future__ import annotations
 

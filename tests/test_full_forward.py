@@ -1,4 +1,4 @@
-"""Full-forward windows (fedfusion.full_forward): exact gradients of the whole target, only the window moves."""
+"""Full-forward windows (fedfusion.models.full_forward): exact gradients of the whole target, only the window moves."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Function-preserving growth (fedfusion.growth): the grown target computes what the small model computes."""
+"""Function-preserving growth (fedfusion.models.growth): the grown target computes what the small model computes."""
 
 from __future__ import annotations
 

@@ -181,7 +181,7 @@ def test_plan_prices_each_tier_with_the_ledgers_cost_model_and_the_bytes_it_move
         flops = train_flops(row["params"], t.local_steps * t.batch_size * t.seq_len)
         _assert_priced_as_the_ledger(row, catalog[row["tier"]], flops, sent, 4 * row["params"])
     laptop = next(r for r in rows if r["tier"] == "laptop")
-    assert laptop["transfer s"] > laptop["compute s"]  # what the compute-only plan missed (issue 14, item 11)
+    assert laptop["transfer s"] > laptop["compute s"]  # what a plan pricing compute alone would miss
 
 
 @pytest.mark.parametrize("down, up", [("int8", "int8"), ("int4", "int4"), ("float16", "int4")])

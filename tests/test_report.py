@@ -163,7 +163,7 @@ def test_edge_cloud_section_without_the_recipe_cloud_lists_the_catalog_cloud_tie
 
 
 def distill_run(path: Path) -> Path:
-    """A distillation run: clients' rows add up to 19.54 J, the server's distillation to 52.97 J (issue 14)."""
+    """A distillation run: clients' rows add up to 19.54 J, the server's distillation to 52.97 J."""
     run = fake_run(path)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     for r in rows[1:]:

@@ -1,4 +1,4 @@
-"""The exact (units) mode through ``fedfusion run`` on Flower's simulation engine (issue 25): the server trains the
+"""The exact (units) mode through ``fedfusion run`` on Flower's simulation engine: the server trains the
 target centrally, the nodes compute its linear layers' GEMM tiles, and the loss curve is central training's."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Early queueing (issue 25, Build 3): several micro-batches in flight, one thread each, so a device's next
+"""Early queueing: several micro-batches in flight, one thread each, so a device's next
 message is queued while it computes the current one. The step stays the same (float64: to rounding; float32: every
 product within its rounding bound, as tests/test_units_exact.py), the engine has several messages out at once, and
 in virtual time each device idles less between its messages."""

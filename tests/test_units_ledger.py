@@ -1,4 +1,4 @@
-"""The units mode's ledger (issue 25, Build 5): the server's own compute, its checks and its traffic, priced with
+"""The units mode's ledger: the server's own compute, its checks and its traffic, priced with
 ``price_work`` on its catalog tier, and the same step on the catalog's cloud GPU; in ``fedfusion plan`` and in a
 run's report. Each priced item is there, non-zero, and follows its formula."""
 

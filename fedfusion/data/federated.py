@@ -146,7 +146,7 @@ def client_texts(spec: str) -> list[tuple[str, str]]:
 
 
 def instruct_clients(spec: str):
-    """Every client's instruction pairs (:class:`fedfusion.train.instruct.ClientPairs`) from its rows'
+    """Every client's instruction pairs (:class:`fedfusion.data.pairs.ClientPairs`) from its rows'
     ``data.prompt_column`` and ``data.response_column``: a seeded ``data.held_out`` share of each client's
     pairs is held out (at least one when it has two or more), the rest it trains on."""
     from fedfusion.data.pairs import ClientPairs, Pair

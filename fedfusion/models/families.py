@@ -91,7 +91,7 @@ class Family:
 
     def growth_factor(self, name: str, config: PretrainedConfig, c: float) -> float:
         """What growing a small model into the target multiplies its tensor ``name`` by when the residual stream's
-        kept dims grow by ``c = sqrt(N / n)`` (:mod:`fedfusion.growth`); 1 when no hidden dim is added."""
+        kept dims grow by ``c = sqrt(N / n)`` (:mod:`fedfusion.models.growth`); 1 when no hidden dim is added."""
         if c == 1.0:
             return 1.0
         raise ValueError(f"growth: a {self.name} model normalises with LayerNorm over its hidden dims, which new zero "

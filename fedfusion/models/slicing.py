@@ -47,7 +47,7 @@ class SlicePlan:
     ``attn_units``: attention units (kv groups); ``neurons``: MLP neurons; ``hidden``: residual dims;
     ``layers``: kept layers (target indices, in order); ``channels``: CNN GroupNorm groups.
     ``scale``: fold the HeteroFL scaler into the weights (see the module docstring). ``grown``: the plan's
-    units hold a small model grown into the target (:mod:`fedfusion.growth`): the family's growth factor
+    units hold a small model grown into the target (:mod:`fedfusion.models.growth`): the family's growth factor
     instead (so extracting gives that small model back exactly). ``shared``: whether tensors on no sliced axis
     (embeddings, norms, with the hidden axis whole) belong to the slice; a full-forward window may leave them
     frozen.

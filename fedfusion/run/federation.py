@@ -277,7 +277,7 @@ def run_federation(grid: Grid, recipe: Recipe, run: RunDir, on_round: RoundCallb
     its ``wall_s`` adds up every part. Setting ``stop`` ends the run at the strategy's next Grid call with
     ``status: interrupted``, the last completed round and the round a resume continues after.
     """
-    if method(recipe.fusion.method).central:  # the exact mode: central training, linear layers on the nodes (issue 25)
+    if method(recipe.fusion.method).central:  # the exact mode: central training, linear layers on the nodes
         from fedfusion.run.units import run_units
 
         return run_units(grid, recipe, run, on_round, stop, resume)

@@ -1,4 +1,4 @@
-"""The exact (units) mode on Flower (issue 25): the server trains the target centrally and every linear layer's
+"""The exact (units) mode on Flower: the server trains the target centrally and every linear layer's
 GEMMs run as tiles on the federation's nodes.
 
 Instead of fusion rounds, :func:`run_units` builds the recipe's target, the pooled training text of the whole

@@ -1,4 +1,4 @@
-"""Units mode: the whole target trained exactly through sub-matrix units on devices (issue 25; after Cleave,
+"""Units mode: the whole target trained exactly through sub-matrix units on devices (after Cleave,
 arXiv 2512.22142). The server keeps the model, the data, attention cores, norms, embeddings, the loss and the
 optimizer; every linear layer's GEMMs (forward ``X W^T``, input gradient ``dY W``, weight gradient ``dY^T X``)
 are cut into tiles sized to each device and computed there. No Flower here; this is the core the Flower layer

@@ -1,7 +1,7 @@
 """What the unit planner needs to know about one device: memory, speed, links, latency, availability.
 
 Plain numbers in SI units (bytes, FLOP/s, bytes/s, seconds) so the planner and the timeline never depend on the
-catalog's format; ``from_catalog`` is the one adapter from ``fedfusion.devices.Device`` (easy to re-point).
+catalog's format; ``from_catalog`` is the one adapter from ``fedfusion.devices.catalog.Device`` (easy to re-point).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class UnitDevice:
 
 def from_catalog(tier: Any, *, name: str | None = None, rtt_s: float = 0.05, overhead_s: float = 0.005,
                  memory_share: float = 1.0) -> UnitDevice:
-    """A ``UnitDevice`` from a catalog tier (``fedfusion.devices.Device``: GB, TFLOP/s, Mbit/s)."""
+    """A ``UnitDevice`` from a catalog tier (``fedfusion.devices.catalog.Device``: GB, TFLOP/s, Mbit/s)."""
     return UnitDevice(name=name or tier.name, memory_bytes=tier.memory_gb * 1e9 * memory_share,
                       flops=tier.tflops * 1e12, down_bps=tier.down_mbps * 1e6 / 8, up_bps=tier.up_mbps * 1e6 / 8,
                       rtt_s=rtt_s, overhead_s=overhead_s)

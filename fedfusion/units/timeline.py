@@ -31,7 +31,7 @@ from later plans and re-dispatches the lost units, each to the live device with 
 message queues behind work already booked and a message booked after it with an earlier issue time waits behind it
 (on the links and, with ``lanes``, for a lane); a deadline here counts from the issue, so it includes a message's
 wait for a lane, while the engine's is a multiple of the message's own predicted time; and a dead device's booked
-replies still hold its lanes until the server notices. ``floor_s`` is the issue's floor, which assumes a device's
+replies still hold its lanes until the server notices. ``floor_s`` is the overlap floor, which assumes a device's
 download, compute and upload overlap (a one-lane device cannot reach it).
 
 Accumulation (``accumulate``, ``fedfusion.units.accumulate``): a weight gradient's tiles upload only with the

@@ -1,5 +1,5 @@
 """Heterogeneous-rank LoRA as a fusion method: every device tier trains peft LoRA adapters of its own rank (and
-alpha, and base precision) on one frozen pretrained base; the fold is one of :data:`fedfusion.fusion.lora.aggregate.METHODS`.
+alpha, and base precision) on one frozen pretrained base; the fold is one of :data:`fedfusion.config.choices.LORA_METHODS`.
 
 The target this method carries between rounds is the **global update** relative to the original frozen base,
 one low-rank pair per adapted module ``m``: ``m.lora_A`` (R, in) and ``m.lora_B`` (out, R) with update ``B @ A``
