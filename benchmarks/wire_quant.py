@@ -15,7 +15,7 @@ Two tasks, the same wire arms, paired by seed:
 that positive is worse; the noise next to it: ``spread`` (the largest round-to-round change of the metric over the
 last 3 evaluations of the float32 arm) and the float32 arm's standard deviation over seeds.
 
-    python benchmarks/wire_quant.py [--seeds 0 1 2] [--arms float32 int8 ...] [--tasks quickstart knowledge]
+    python benchmarks/wire_quant.py [--seeds 0 1 2] [--arms float32 int8 ...] [--tasks quickstart knowledge] [key=value ...]
         [--jobs 2] [--out wire_quant] [--smoke]
 
 ``--smoke`` runs 2 ``RECIPE`` rounds of 2 clients x 2 steps and 20 knowledge rounds (seed 0): it checks the script,
@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -150,7 +151,7 @@ def report(payload: dict) -> str:
     lines = [
         "# Bytes on the wire: int8 / int4 payloads and uploads against float32", "",
         f"Machine: {payload['machine']}. Seeds {payload['seeds']}.{smoke}", "",
-        f"Command: `python benchmarks/wire_quant.py {' '.join(payload['argv'])}`", "",
+        "Command: `" + payload.get("command", " ".join(["python benchmarks/wire_quant.py", *payload["argv"]])) + "`", "",
         "Arms: down / up format, error feedback on the quantised uplink (blockwise absmax, 64 values per float16 "
         "scale; vectors go float16; `fedfusion.wire.quantize`). `bytes ratio` = (down + up bytes) / the float32 arm's, "
         "paired by seed. `worse by` = the paired change of the metric against float32, signed so that positive = worse; "
@@ -204,6 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--jobs", type=int, default=2, help="knowledge runs at once (1 torch thread each)")
     parser.add_argument("--smoke", action="store_true", help="a few rounds of seed 0: checks the script only")
     parser.add_argument("--out", default=None, help="results name (default wire_quant, or wire_quant_smoke)")
+    parser.add_argument("overrides", nargs="*", help=f"key=value overrides of every quickstart-task run ({RECIPE})")
     return parser
 
 
@@ -214,7 +216,7 @@ def main() -> None:
         parser.error("--arms needs float32: every other arm is compared with it")
     seeds = [0] if args.smoke else args.seeds
     name = args.out or ("wire_quant_smoke" if args.smoke else "wire_quant")
-    extra = SMOKE_QUICKSTART if args.smoke else []
+    extra = [*(SMOKE_QUICKSTART if args.smoke else []), *args.overrides]
     k_args = knowledge_args(args.smoke)
     machine = f"{platform.platform()}, {os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}"
     partial = RESULTS / f"{name}.partial.json"
@@ -248,7 +250,8 @@ def main() -> None:
     for arms in results.values():
         for runs in arms.values():
             runs.sort(key=lambda r: r["seed"])
-    payload = {**settings, "argv": sys.argv[1:], "seeds": seeds, "machine": saved["machine"], "results": results,
+    payload = {"command": shlex.join(["python", "benchmarks/wire_quant.py", *sys.argv[1:]]), **settings,
+               "argv": sys.argv[1:], "seeds": seeds, "machine": saved["machine"], "results": results,
                "summary": summarise(results)}
     (RESULTS / f"{name}.json").write_text(json.dumps(payload, indent=1))
     (RESULTS / f"{name}.md").write_text(report(payload))
