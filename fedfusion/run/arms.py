@@ -206,8 +206,11 @@ def _yaml(value: Any) -> str:
 
 
 def _changes(recipe: Recipe, wanted: list[tuple[str, Any]]) -> tuple[str, ...]:
-    """The overrides that set each wanted ``(key, value)`` the recipe does not already have."""
-    return tuple(f"{key}={_yaml(value)}" for key, value in wanted if _get(recipe, key) != value)
+    """The overrides that set each wanted ``(key, value)`` the recipe does not already have. With
+    ``fusion.auto_widths`` the resolved widths are the fitted ones, which an arm turning the fit off would lose: its
+    widths are then always stated."""
+    fitted = ("fusion.widths",) if recipe.fusion.auto_widths else ()
+    return tuple(f"{key}={_yaml(value)}" for key, value in wanted if _get(recipe, key) != value or key in fitted)
 
 
 # -- the equal-budget check -----------------------------------------------------------------------------------------
