@@ -51,3 +51,12 @@ def assert_product_within_bound(c: torch.Tensor, a: torch.Tensor, b: torch.Tenso
     err, bound = product_error(c, a, b), times * matmul_bound(a, b, dtype or c.dtype)
     assert (err <= bound).all(), f"worst error / bound {float((err / bound).nan_to_num(0, float('inf')).max()):.3g}"
     return float((err / bound.clamp_min(torch.finfo(torch.float64).tiny)).max()) if err.numel() else 0.0
+
+
+def assert_within(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor | float) -> float:
+    """``|got - want| <= bound`` entry-wise, the difference taken in float64 (exact for float32 or narrower
+    values). Returns the worst ratio of difference to bound (0 where both are 0)."""
+    err = (got.double() - want.double()).abs()
+    bound = torch.as_tensor(bound, dtype=torch.float64)
+    assert (err <= bound).all(), f"worst difference / bound {float((err / bound).nan_to_num(0, float('inf')).max()):.3g}"
+    return float((err / bound.clamp_min(torch.finfo(torch.float64).tiny)).max()) if err.numel() else 0.0
