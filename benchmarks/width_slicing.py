@@ -32,6 +32,7 @@ import json
 import platform
 import random
 import resource
+import shlex
 import statistics
 import subprocess
 import sys
@@ -206,7 +207,7 @@ def run_arm(task: Task, arm: str, regime: str, seed: int) -> dict:
     slowest: dict[int, float] = {}  # round -> its slowest client's training seconds
 
     def train(rnd: int, payload: Payload) -> tuple[dict, dict]:
-        plan, sliced_from = payload.context
+        plan, sliced_from = payload.context[:2]  # (plan, the target it was cut from, low-rank flag)
         sub = family.build(sub_config(cfg, plan))
         sub.load_state_dict(payload.arrays)
         c, w = payload.client.partition, payload.width
@@ -288,9 +289,10 @@ def _fmt(values: list[float]) -> str:
     return f"{statistics.mean(values):.4f} ± {sd:.4f}"
 
 
-def report(results: dict, systems: dict, args: argparse.Namespace) -> str:
-    """Markdown tables and the three claims of the issue, computed from ``results``."""
-    lines = ["# Width slicing: arms x regimes x tasks", "",
+def report(results: dict, systems: dict, args: argparse.Namespace, commands: list[str] | tuple[str, ...] = ()) -> str:
+    """Markdown tables and the three claims of the issue, computed from ``results``; ``commands``: the command that
+    wrote the results, then any earlier ones whose runs they kept."""
+    lines = ["# Width slicing: arms x regimes x tasks", "", *(f"Command: `{c}`\n" for c in commands),
              f"Seeds {args.seeds}; {args.rounds} rounds x {args.per_round} clients x {args.steps} local steps; "
              f"machine: {platform.machine()}, {platform.python_version()}, torch {torch.__version__}, "
              "1 thread. Final metric = mean of the last 3 rounds' evaluations of the global model "
@@ -393,11 +395,12 @@ def main() -> None:
         systems["memory"] = {f"{rule}, {n} clients": memory_probe(n, rule) for rule, n in
                              (("mean", 10), ("mean", 50), ("median", 10), ("median", 20))}
     RESULTS.mkdir(exist_ok=True)
-    payload = {"args": vars(args), "results": results, "systems": systems,
+    command = shlex.join(["python", "benchmarks/width_slicing.py", *sys.argv[1:]])
+    payload = {"command": command, "args": vars(args), "results": results, "systems": systems,
                "machine": {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
                            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}}
     final_path.write_text(json.dumps(payload, indent=1))
-    (RESULTS / f"{args.out}.md").write_text(report(results, systems, args))
+    (RESULTS / f"{args.out}.md").write_text(report(results, systems, args, [command]))
     partial_path.unlink(missing_ok=True)
     print((RESULTS / f"{args.out}.md").read_text())
 
