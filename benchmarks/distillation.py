@@ -24,6 +24,7 @@ import json
 import math
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -32,6 +33,7 @@ from pathlib import Path
 from fedfusion.config.recipe import load_recipe
 
 RESULTS = Path(__file__).resolve().parent / "results"
+RECIPE = "distill"  # every arm overrides it
 # Cheaper than the recipe's defaults so the arms fit a 2-core machine shared with other benchmarks; the report
 # says so.
 SETTINGS = ["rounds=6", "train.local_steps=20", "distill.back_steps=5",
@@ -65,7 +67,7 @@ def run_arm(overrides: list[str], out: Path, reuse: bool) -> dict:
     """One CLI run (or, with ``reuse``, the finished run already in ``out``); returns its summary.json."""
     summary_path = out / "summary.json"
     if not (reuse and finished(out)):
-        cmd = [sys.executable, "-m", "fedfusion.cli", "run", "distill", *overrides, "--out", str(out)]
+        cmd = [sys.executable, "-m", "fedfusion.cli", "run", RECIPE, *overrides, "--out", str(out)]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     return json.loads(summary_path.read_text())
 
@@ -155,9 +157,10 @@ def main() -> None:
         span = loss["smallest-only"] - loss["oracle"]
         closure = {a: (loss["smallest-only"] - loss[a]) / span for a in arms} if span else {}
     report = {
+        **commands(args),
         "benchmark": "distillation",
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
-        "settings": {"recipe": "distill", "overrides": settings, "seeds": args.seeds,
+        "settings": {"recipe": RECIPE, "overrides": settings, "seeds": args.seeds,
                      "arms": {a: ARMS[a][1] for a in arms}},
         "params": params,
         "runs": runs,
@@ -172,7 +175,7 @@ def main() -> None:
 
 def markdown(report: dict, args: argparse.Namespace, settings: list[str]) -> str:
     """The results table, the verdicts and the commands, as markdown."""
-    recipe = load_recipe("distill", settings)
+    recipe = load_recipe(RECIPE, settings)
     runs, params, closure = report["runs"], report["params"], report["gap_closure"]
     families = ", ".join(f"{n}: {f.model_type} {f.hidden_size}h x {f.num_layers}L, {f.tokenizer} tokenizer, "
                          f"{params.get(n, 0):,} params" for n, f in recipe.distill.families.items())
@@ -231,13 +234,24 @@ def markdown(report: dict, args: argparse.Namespace, settings: list[str]) -> str
     lines += ["", *verdicts(report), "", "Per-seed loss (nats/char): " + "; ".join(
         f"{arm}: " + ", ".join(f"s{r['seed']}={r['loss']:.4f}" for r in runs if r["arm"] == arm)
         for arm in report["mean_loss"]), "",
-        "Commands:", "", "```", f"python benchmarks/distillation.py --seeds {' '.join(map(str, args.seeds))} --reuse"
-        + (" --finished-only" if args.finished_only else "")
-        + (" " + " ".join(args.overrides) if args.overrides else ""), "# each run is:"]
+        f"Command: `{report['command']}`", ""]
+    if report.get("rendered_by"):
+        lines += [f"Command: `{report['rendered_by']}` (this report, from the finished runs in `--work`)", ""]
+    lines += ["Each run is:", "", "```"]
     lines += [f"fedfusion run distill {' '.join(repr(o) if ' ' in o else o for o in [*settings, *ARMS[a][1]])} "
               f"seed=S --out {args.work}/{a}-sS" for a in report["mean_loss"]]
     lines += ["```", ""]
     return "\n".join(lines)
+
+
+def commands(args: argparse.Namespace) -> dict[str, str]:
+    """``command``: what runs every arm and seed (and reuses the finished ones); with ``--finished-only``,
+    ``rendered_by``: the command as given, which reports the finished runs and starts none."""
+    arms = ["--arms", *args.arms] if args.arms != list(ARMS) else []
+    run = shlex.join(["python", "benchmarks/distillation.py", "--seeds", *map(str, args.seeds), *arms,
+                      "--work", str(args.work), "--reuse", *args.overrides])
+    given = shlex.join(["python", "benchmarks/distillation.py", *sys.argv[1:]])
+    return {"command": run, "rendered_by": given} if args.finished_only else {"command": run}
 
 
 def verdicts(report: dict) -> list[str]:
