@@ -30,8 +30,6 @@ TRACKER = re.compile(
     r"|\bBuild \d+\b|\bitem \d+\b"  # an issue's sections
     r"|\bthe issue's\b|\(issue:",   # an issue named without its number
     re.I)
-# Files another change owns, that still cite a tracker number: each must still do so (then drop it from here).
-WAIVED = {"fedfusion/config/recipe.py", "recipes/units.yaml"}
 
 
 def _module_source(name: str) -> str | None:
@@ -95,11 +93,8 @@ def _tracker_hits(path: Path) -> list[str]:
 
 
 def test_no_tracker_numbers_in_code_or_docs():
-    hits = [h for path in [*DOCS, *CODE, *OTHER] if path.relative_to(ROOT).as_posix() not in WAIVED
-            for h in _tracker_hits(path)]
+    hits = [h for path in [*DOCS, *CODE, *OTHER] for h in _tracker_hits(path)]
     assert not hits, "say what the thing is, not which issue asked for it:\n" + "\n".join(hits)
-    cleared = [name for name in WAIVED if not _tracker_hits(ROOT / name)]
-    assert not cleared, f"{cleared} no longer cite a tracker number: remove them from WAIVED"
 
 
 def test_tracker_references_are_caught():

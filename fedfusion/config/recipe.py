@@ -54,6 +54,9 @@ class DataConfig:
     people: int = 400
     facts_per_round: float = 40.0  # rounds: 0 gives one round per this many facts (probes), so more facts train longer
     skew: float = 1.0  # Zipf exponent of how many people each client owns (0: equal shares)
+    # source=facts with model.pretrained: characters of general text (Shakespeare, which the base already models)
+    # the target is also scored on every round, as general_loss (nats/token): what fine-tuning makes it forget. 0: none
+    general_chars: int = 0
     min_chars: int = 2000  # a Shakespeare role needs this much text to become a client
     held_out: float = 0.1  # tail fraction of each client's text kept for evaluation
     eval_chars: int = 40000  # cap on the pooled held-out text the server evaluates on
@@ -357,10 +360,11 @@ class UnitsRuntime(TypedDict, total=False):
 
 @dataclass
 class UnitsSection:
-    """The exact mode (fusion.method=units, issue 25): the server keeps the target, the data and the optimizer and
-    trains the target centrally; every linear layer's GEMMs (fedfusion.units) are cut into tiles that the
-    population's nodes compute. ``train.lr``, ``train.weight_decay``, ``train.batch_size`` and ``train.seq_len``
-    set the central training; ``rounds``, ``selection``, ``train.lr_schedule`` and ``train.max_epochs`` do not apply."""
+    """The exact mode (fusion.method=units: the devices compute sub-matrix units of every step): the server keeps
+    the target, the data and the optimizer and trains the target centrally; every linear layer's GEMMs
+    (fedfusion.units) are cut into tiles that the population's nodes compute. ``train.lr``,
+    ``train.weight_decay``, ``train.batch_size`` and ``train.seq_len`` set the central training;
+    ``rounds``, ``selection``, ``train.lr_schedule`` and ``train.max_epochs`` do not apply."""
 
     offload: str = "mlp"  # mlp (the MLP's linear layers) | all (every linear layer, lm_head included)
     steps: int = 3  # optimizer steps on the pooled training text
@@ -635,8 +639,11 @@ def validate(recipe: Recipe) -> None:
         if not set(tier_methods(recipe).values()) <= {SUBMODEL, GENERATIVE}:
             raise RecipeError(f"fusion.method: data.source=facts runs with submodel or generative fusion, "
                               f"got {recipe.fusion.method!r}")
-        if recipe.model.pretrained:
-            raise RecipeError("model.pretrained: data.source=facts builds its own word tokenizer; leave it unset")
+        if recipe.data.general_chars and not recipe.model.pretrained:
+            raise RecipeError("data.general_chars: scores what a pretrained target forgets; set model.pretrained")
+    if recipe.data.general_chars < 0 or (recipe.data.general_chars and recipe.data.source != "facts"):
+        raise RecipeError(f"data.general_chars: >= 0, and only with data.source=facts, got {recipe.data.general_chars} "
+                          f"with source {recipe.data.source!r}")
     m = recipe.model
     if m.hidden_size % m.num_heads:
         raise RecipeError(f"model.num_heads: {m.num_heads} does not divide hidden_size {m.hidden_size}")

