@@ -36,6 +36,7 @@ import json
 import os
 import platform
 import resource
+import shlex
 import statistics
 import subprocess
 import sys
@@ -536,10 +537,23 @@ def markdown(report: dict) -> str:
               "so they say little about speed; compare the per-step times of the tiers only with each other, and "
               "loosely. After load is low for fp32 because the safetensors weights are memory-mapped and paged in on "
               "first use; the bf16 tier converts the float32 checkpoint while loading, so its weights are resident "
-              "at once.", "", "Commands (this report; `--reuse` runs what is missing and keeps what is cached under "
-              "`--work`, `--finished-only` reports the cached runs without starting any):", "", "```",
-              report["command"], "```", ""]
+              "at once.", "", f"Command: `{report['command']}`", ""]
+    if report.get("rendered_by"):
+        lines += [f"Command: `{report['rendered_by']}` (this report, from the runs cached under `--work`)", ""]
+    lines += ["`--reuse` runs what is missing and keeps what is cached under `--work`; `--finished-only` reports the "
+              "cached runs without starting any.", ""]
     return "\n".join(lines)
+
+
+def commands(argv: list[str]) -> dict[str, str]:
+    """``command``: what runs the report's arms (``--reuse`` keeps the cached runs); with ``--finished-only``,
+    ``rendered_by``: the command as given, which starts none."""
+    given = shlex.join(["python", "benchmarks/hetero_lora.py", *argv])
+    if "--finished-only" not in argv:
+        return {"command": given}
+    run = [x for x in argv if x != "--finished-only"]
+    run = run if "--reuse" in run else [*run, "--reuse"]
+    return {"command": shlex.join(["python", "benchmarks/hetero_lora.py", *run]), "rendered_by": given}
 
 
 def reading(report: dict) -> list[str]:
@@ -661,7 +675,7 @@ def main() -> None:
         "runs": runs,
         "left_out": left_out,
         "comm": comm_table(runs, [a for a in args.arms if a != "oracle"]),
-        "command": "python benchmarks/hetero_lora.py " + " ".join(sys.argv[1:]),
+        **commands(sys.argv[1:]),
     }
     best = args.real_method or best_method(runs)
     methods = {} if args.skip_real else {m: run for m in (best, "zeropad") if (run := real_arm(m, args))}
