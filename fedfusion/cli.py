@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import os
+import shlex
 import sys
 from pathlib import Path
 from textwrap import shorten
@@ -350,8 +351,12 @@ def cmd_edge_cloud(args: argparse.Namespace) -> int:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         stem = f"edge_cloud_{args.setting.replace('-', '_')}" + ("" if cloud == CLOUD else f"_{cloud}")
-        (out / f"{stem}.md").write_text(text)
-        (out / f"{stem}.json").write_text(json.dumps(res, indent=1) + "\n")
+        shown = os.path.relpath(out) if not os.path.relpath(out).startswith("..") else str(out)
+        command = shlex.join(["fedfusion", "edge-cloud", "--setting", args.setting, *(["--cloud", args.cloud] if args.cloud else []),
+                              *(["--catalog", args.catalog] if args.catalog else []), "--out", shown])
+        title, _, rest = text.partition("\n\n")  # the results' convention: the command that wrote them, below the title
+        (out / f"{stem}.md").write_text(f"{title}\n\nCommand: `{command}`\n\n{rest}")
+        (out / f"{stem}.json").write_text(json.dumps({"command": command, **res}, indent=1) + "\n")
         console.print(f"wrote {out / stem}.md and .json")
     return 0
 
