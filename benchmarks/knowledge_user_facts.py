@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import time
@@ -103,8 +104,10 @@ def collect(run: Path) -> dict:
             "rising": still_rising(curve), "wall_s": summary["wall_s"], **meta}
 
 
-def write_results(out: str, work: Path, files: list[tuple[int, int]], arms: list[str], seeds: list[int]) -> None:
-    """Collect every finished run under ``work`` into ``benchmarks/results/<out>.{md,json}``."""
+def write_results(out: str, work: Path, files: list[tuple[int, int]], arms: list[str], seeds: list[int],
+                  commands: list[str] | tuple[str, ...] = ()) -> None:
+    """Collect every finished run under ``work`` into ``benchmarks/results/<out>.{md,json}``; ``commands``: the
+    invocations whose runs these are, the latest first (each a Command line, the first one the JSON's command)."""
     runs: dict[str, dict] = {}
     for facts, _ in files:
         for arm in arms:
@@ -117,11 +120,13 @@ def write_results(out: str, work: Path, files: list[tuple[int, int]], arms: list
                for f, _ in files}
     budget = "; ".join(f"{f} facts: {n} rounds" + ("" if n == recipe_rounds(f) else f" instead of its {recipe_rounds(f)}")
                        for f, n in budgets.items())
-    data = {"machine": machine, "files": [{"facts": f, "generator_seed": s} for f, s in files], "runs": runs}
+    data = {**({"command": commands[0], "earlier_commands": list(commands[1:])} if commands else {}),
+            "machine": machine, "files": [{"facts": f, "generator_seed": s} for f, s in files], "runs": runs}
     lines = ["# The knowledge recipe on user facts files, every arm through `fedfusion run knowledge`", "",
              f"Machine: {machine}; every run alone (one at a time), the cores possibly shared with other "
              "engineers' jobs: `load` is the 1-minute load average as each run started (2 cores, so above 2 the runs "
              "waited for CPU). Wall times are the runs' own `wall_s`: compare them within this table only.", "",
+             *(line for c in commands for line in (f"Command: `{c}`", "")),
              "Facts: `python benchmarks/other_facts.py DIR --facts F --seed S` (fictional towns, four attributes, "
              "Zipf-skewed over 16 clients): " + ", ".join(f"{f} facts (seed {s})" for f, s in files) + ". "
              f"Budget: the recipe's ({budget}; x 6 of 16 clients x 20 local AdamW steps, lr 0.003). "
@@ -183,9 +188,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def invocations(out: str, argv: list[str]) -> list[str]:
+    """This command, then the earlier ones ``results/<out>.json`` names (their runs are collected too, when they
+    share ``--work``); a ``--collect-only`` run starts nothing, so it adds none."""
+    path = RESULTS / f"{out}.json"
+    old = json.loads(path.read_text()) if path.is_file() else {}
+    before = [c for c in (old.get("command"), *old.get("earlier_commands", [])) if c]
+    if "--collect-only" in argv:
+        return before
+    this = shlex.join(["python", "benchmarks/knowledge_user_facts.py", *argv])
+    return [this, *(c for c in before if c != this)]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
+    commands = invocations(args.out, sys.argv[1:] if argv is None else argv)
     files = [(int(f), int(s)) for f, s in (spec.split(":") for spec in args.files)]
     all_seeds = sorted({int(p.name.rsplit("-s", 1)[1]) for p in args.work.glob("*-s*") if finished(p)} | set(args.seeds))
     if not args.collect_only:
@@ -206,8 +224,8 @@ def main(argv: list[str] | None = None) -> None:
                     subprocess.run([sys.executable, "-m", *cmd], check=True, stdout=subprocess.DEVNULL)
                     (run / "bench.json").write_text(json.dumps({"load": round(load, 2), "grow_round": grow_round
                                                                 if arm.startswith("grow") else None}))
-                    write_results(args.out, args.work, files, list(ARMS), all_seeds)
-    write_results(args.out, args.work, files, list(ARMS), all_seeds)
+                    write_results(args.out, args.work, files, list(ARMS), all_seeds, commands)
+    write_results(args.out, args.work, files, list(ARMS), all_seeds, commands)
 
 
 if __name__ == "__main__":
