@@ -174,7 +174,8 @@ def run_size(clients: int, work: Path, limit_s: float) -> dict[str, Any]:
                        "train_s_sum": sum(trained), "rss_mb": sampler.at_round.get(row["round"], 0) / MB})
     steady = rounds[1:]
     return {
-        "clients": clients, "command": " ".join(cmd[1:]).replace(str(work), "WORK"),  # WORK: the benchmark's temporary folder "finished": finished, "run_wall_s": wall,
+        # WORK: the benchmark's temporary folder (no machine path in the results)
+        "clients": clients, "command": " ".join(cmd[1:]).replace(str(work), "WORK"), "finished": finished, "run_wall_s": wall,
         "nodes_answered_query": answered,
         "limit_s": limit_s, "server_rss_peak_mb": sampler.peak / MB, "actors_rss_peak_mb": sampler.actors_peak / MB,
         "server_rss_round0_mb": sampler.at_round.get(0, 0) / MB, "server_rss_last_mb": sampler.last / MB,
