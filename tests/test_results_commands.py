@@ -85,7 +85,7 @@ def recipe_problem(recipe: str | None, overrides: list[str]) -> str:
         else:
             resolve_recipe_path(recipe)
     except RecipeError as exc:
-        return f"recipe {recipe!r}: {exc}"
+        return str(exc) if str(exc).startswith("recipe ") else f"recipe {recipe!r}: {exc}"
     return ""
 
 
@@ -118,9 +118,11 @@ def problem(command: str) -> str:
     module = load_script(script.stem)
     if not hasattr(module, "build_parser"):
         return f"{argv[1]} has no build_parser()"
-    args, error = parse_quietly(module.build_parser(), argv[2:])
+    script_parser = module.build_parser()
+    script_parser.prog = argv[1]
+    args, error = parse_quietly(script_parser, argv[2:])
     if args is None:
-        return f"{argv[1]}: {error}"
+        return error
     if hasattr(module, "check_args") and (bad := module.check_args(args)):
         return f"{argv[1]}: {bad}"
     recipe = getattr(args, "recipe", None) or getattr(module, "RECIPE", None)
@@ -180,8 +182,12 @@ def test_the_command_parser_catches_a_broken_command():
     assert not problem("python -m fedfusion run rolling rounds=2 --out runs/x")
 
 
+COMMANDS = all_commands()
+
+
 @pytest.mark.slow  # seconds: imports every benchmark script (torch, transformers, Flower)
-@pytest.mark.parametrize(("md", "command"), all_commands(), ids=lambda x: x if len(x) < 40 else x[:40])
+@pytest.mark.parametrize(("md", "command"), COMMANDS,
+                         ids=[f"{md}:{sum(m == md for m, _ in COMMANDS[:i])}" for i, (md, _) in enumerate(COMMANDS)])
 def test_every_command_runs_on_todays_code(md: str, command: str):
     why = problem(command)
     assert not why, f"{md}: `{command}`: {why}"
