@@ -30,7 +30,7 @@ def matmul_bound(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype | None = N
     """Entry-wise bound on ``|fl(a @ b) - a @ b|`` in ``dtype`` (default the operands'): ``gamma_k |a| |b|``,
     evaluated in float64 so the bound itself carries no rounding of note."""
     k = a.shape[-1]
-    return gamma(k, dtype or a.dtype) * (a.abs().double() @ b.abs().double())
+    return gamma(k, dtype or a.dtype) * (a.detach().abs().double() @ b.detach().abs().double())
 
 
 def sum_bound(terms: int, abs_sum: float, dtype: torch.dtype) -> float:
@@ -41,7 +41,7 @@ def sum_bound(terms: int, abs_sum: float, dtype: torch.dtype) -> float:
 def product_error(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``|c - a @ b|`` entry-wise, the product exact (float64 operands of float32 or narrower values: exact to
     well below the bounds here)."""
-    return (c.double() - a.double() @ b.double()).abs()
+    return (c.detach().double() - a.detach().double() @ b.detach().double()).abs()
 
 
 def assert_product_within_bound(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, times: float = 1.0,
@@ -56,7 +56,7 @@ def assert_product_within_bound(c: torch.Tensor, a: torch.Tensor, b: torch.Tenso
 def assert_within(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor | float) -> float:
     """``|got - want| <= bound`` entry-wise, the difference taken in float64 (exact for float32 or narrower
     values). Returns the worst ratio of difference to bound (0 where both are 0)."""
-    err = (got.double() - want.double()).abs()
-    bound = torch.as_tensor(bound, dtype=torch.float64)
+    err = (got.detach().double() - want.detach().double()).abs()
+    bound = torch.as_tensor(bound, dtype=torch.float64).detach()
     assert (err <= bound).all(), f"worst difference / bound {float((err / bound).nan_to_num(0, float('inf')).max()):.3g}"
     return float((err / bound.clamp_min(torch.finfo(torch.float64).tiny)).max()) if err.numel() else 0.0
