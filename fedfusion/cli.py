@@ -17,7 +17,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from fedfusion.config.methods import UNITS, hook, method
+from fedfusion.config.methods import GENERATIVE, SUBMODEL, UNITS, hook, method
 from fedfusion.config.recipe import Recipe, RecipeError, builtin_recipes, load_recipe, method_label, nodes_per_client
 from fedfusion.run.arms import ARM_NAMES
 from fedfusion.run.check import check_recipe
@@ -237,6 +237,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     for note in (*view.notes, *runtime_notes(load_catalog(recipe.population.catalog), list(recipe.population.mix))):
         console.print(note, highlight=False, soft_wrap=True)
+    if args.ways or (args.ways is None and recipe.model.pretrained and recipe.fusion.method in (SUBMODEL, GENERATIVE)):
+        from fedfusion.run.planner import ways_view
+
+        ways = ways_view(recipe)
+        _print_table(ways.title, ways.rows, ways.headers, left=ways.left, width=ways.width)
     if not view.per_round:
         return 0
     console.print(PLAN_NOTE, highlight=False)
@@ -409,6 +414,9 @@ def parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="show what each device tier trains and what it costs")
     plan.add_argument("recipe")
     plan.add_argument("overrides", nargs="*")
+    plan.add_argument("--ways", action=argparse.BooleanOptionalAction, default=None,
+                      help="also price every way of training the target on each tier (full fine-tuning, windows, "
+                           "rank windows, LoRA; default: for a pretrained target)")
     plan.set_defaults(func=cmd_plan)
     devices = sub.add_parser("devices", help="list the device catalog")
     devices.add_argument("--catalog", help="a device catalog YAML (default: the built-in one)")

@@ -33,7 +33,7 @@ from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from fedfusion.data.bios import ATTRIBUTES, MAX_PEOPLE, SYLLABLES
 from fedfusion.data.records import client_order, read_facts
-from fedfusion.data.text import as_text
+from fedfusion.data.text import as_text, scoring_batch
 
 SPECIAL_TOKENS = ("<pad>", "<unk>", "<bos>", "<eos>")
 
@@ -264,6 +264,7 @@ def _per_probe(model: torch.nn.Module, probes: EncodedProbes,
     """Per probe: exact match, summed answer nats, answer tokens (on the CPU)."""
     model.eval()
     device = next(model.parameters()).device
+    batch_size = scoring_batch(batch_size, probes.ids.shape[1], getattr(getattr(model, "config", None), "vocab_size", 0))
     right, nll, tokens = [], [], []
     for i in range(0, probes.ids.shape[0], batch_size):
         ids, mark = probes.ids[i: i + batch_size].to(device), probes.answer[i: i + batch_size].to(device)

@@ -148,6 +148,15 @@ def lm_windows(ids: torch.Tensor, seq_len: int) -> torch.Tensor:
     return ids[: n * width].reshape(n, width)
 
 
+LOGITS_BUDGET = 2**25  # logit values one scoring pass may hold (128 MiB in float32; the loss keeps a few copies)
+
+
+def scoring_batch(rows: int, positions: int, vocab: int) -> int:
+    """At most ``rows`` sequences per scoring forward pass, fewer where their ``positions x vocab`` logits would pass
+    :data:`LOGITS_BUDGET`: a pretrained target's 49k-token vocabulary made a 512-probe pass hold gigabytes."""
+    return max(1, min(rows, LOGITS_BUDGET // max(1, positions * vocab)))
+
+
 def sample_batch(windows: torch.Tensor, batch_size: int, generator: torch.Generator) -> torch.Tensor:
     """``batch_size`` rows of ``windows`` drawn uniformly with replacement."""
     rows = torch.randint(len(windows), (batch_size,), generator=generator)

@@ -133,15 +133,16 @@ def estimate_memory(
         raise ValueError(f"batch and seq must be >= 1, got {batch}, {seq}")
     if base_bits not in _BITS_STORED:
         raise ValueError(f"base_bits: must be one of {', '.join(map(str, _BITS_STORED))}, got {base_bits}")
-    if lora_rank is None and window is None and base_bits != 32:
-        raise ValueError("base_bits: a reduced-precision base needs lora_rank or window (full training keeps fp32 weights)")
+    if lora_rank is None and window is None and base_bits not in (32, 16):
+        raise ValueError("base_bits: full training keeps its weights in 32 or 16 bits; 8 and 4 need lora_rank or window")
     h, inter, heads, kv, d, layers = _dims(config)
     params = param_count(config)
     one_layer = batch * seq * (10 * h + 3 * inter + 2 * heads * seq)
     layer_values = batch * seq * layers * h + one_layer if checkpoint else layers * one_layer
-    if lora_rank is None and window is None:
-        return MemoryEstimate(4 * params, 4 * params, 8 * params, 4 * layer_values + _logit_bytes(config, batch, seq, 4),
-                              params, params)
+    if lora_rank is None and window is None:  # 16: pure bfloat16 training, AdamW's moments in bfloat16 too
+        b = base_bits // 8
+        return MemoryEstimate(b * params, b * params, 2 * b * params,
+                              b * layer_values + _logit_bytes(config, batch, seq, b), params, params)
     trainable = lora_params(config, lora_rank, lora_modules) if lora_rank is not None else int(window or 0)
     linear = layers * (h * heads * d * 2 + h * kv * d * 2 + 3 * h * inter)
     act_bytes = 4 if window is not None else base_bits // 8 if base_bits >= 16 else compute_bytes
@@ -403,6 +404,55 @@ def window_row(recipe: Recipe, target: PretrainedConfig, tier: str, width: float
             "fits": "yes" if mem <= budget else "NO",
             **priced(device, train_flops(frozen_work_params(total, window), tokens), down,
                      encoded_bytes(f.wire_up, window))}
+
+
+WAY_RANK = 8  # the adapter and window rank the ways table prices (memory barely depends on it)
+
+
+def training_ways(recipe: Recipe, target: PretrainedConfig, width: float) -> list[tuple[str, int, int, int]]:
+    """Every way a device can train (part of) ``target`` at the recipe's batch and sequence length, as (way, trainable
+    parameters, peak bytes without, with activation checkpointing): the whole target with AdamW in float32 and in
+    bfloat16; a full-forward window of ``width`` of the units on the frozen target in int8 and int4; rank-r updates
+    of every matrix on an int8 target; LoRA adapters of rank r on an int8 and a 4-bit base."""
+    batch, seq, f = recipe.train.batch_size, recipe.train.seq_len, recipe.fusion
+    with torch.device("meta"):
+        state = AutoModelForCausalLM.from_config(target).state_dict()
+    axes = window_axes(target, tuple(f.axes) if f.axes else None)
+    window = window_params(target, state, replace(plan_slice(target, width, "static", axes=axes, scale=False),
+                                                  shared=f.window_shared))
+    factored, exact = split(target, wire_state(state, config_aliases(target)), f.window_shared)
+    ranked = factor_params(state, factored, WAY_RANK) + sum(state[n].numel() for n in exact)
+    ways: list[tuple[str, dict[str, Any]]] = [
+        ("whole target, AdamW float32", {}), ("whole target, AdamW bfloat16", {"base_bits": 16}),
+        (f"window {width:g} of the units, int8 target", {"base_bits": 8, "window": window}),
+        (f"window {width:g} of the units, int4 target", {"base_bits": 4, "window": window}),
+        (f"rank-{WAY_RANK} windows, int8 target", {"base_bits": 8, "window": ranked}),
+        (f"LoRA rank {WAY_RANK}, int8 base", {"base_bits": 8, "lora_rank": WAY_RANK}),
+        (f"LoRA rank {WAY_RANK}, 4-bit base", {"base_bits": 4, "lora_rank": WAY_RANK}),
+    ]
+    rows = []
+    for way, kw in ways:
+        off, on = (estimate_memory(target, batch, seq, checkpoint=c, **kw) for c in (False, True))
+        rows.append((way, off.trainable, off.total, on.total))
+    return rows
+
+
+def ways_view(recipe: Recipe, usable: float = USABLE) -> PlanView:
+    """Per tier, every way of training the target (:func:`training_ways`, a window at the tier's width) against
+    the tier's memory: which fit, which fit only with activation checkpointing, and by how much the rest miss."""
+    target, catalog = recipe_target(recipe), load_catalog(recipe.population.catalog)
+    rows = []
+    for tier in recipe.population.mix:
+        budget = _budget(catalog[tier], usable)
+        for way, trainable, off, on in training_ways(recipe, target, recipe.fusion.widths.get(tier, 1.0)):
+            fits = ("yes" if off <= budget else "with checkpointing" if on <= budget else
+                    f"NO: needs {_mb(on)} MB even checkpointed, {_mb(budget)} MB usable")
+            rows.append({"tier": tier, "way": way, "trainable": trainable, "peak MB": _mb(off),
+                         "checkpointed MB": _mb(on), "fits": fits})
+    title = (f"ways to train {recipe.name}'s target ({param_count(target):,} parameters) on each tier, batch "
+             f"{recipe.train.batch_size} x {recipe.train.seq_len} tokens, {usable:.0%} of the tier's memory usable")
+    return PlanView(title, rows, ("tier", "way", "trainable", "peak MB", "checkpointed MB", "fits"),
+                    left=("tier", "way", "fits"), width=170, per_round=False)
 
 
 def _family_label(name: str, config: PretrainedConfig, kind: str) -> str:

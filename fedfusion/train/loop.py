@@ -20,6 +20,7 @@ import torch
 from transformers import PreTrainedModel
 
 from fedfusion.config.choices import OPTIMIZERS
+from fedfusion.data.text import scoring_batch
 from fedfusion.devices.energy import train_flops
 from fedfusion.models.frozen import FrozenTargetModel
 from fedfusion.models.full_forward import WindowModel
@@ -243,6 +244,7 @@ def train_steps(
 def evaluate_lm(model: PreTrainedModel, windows: torch.Tensor, batch_size: int = 64) -> dict[str, float]:
     """Mean next-token loss, perplexity and accuracy over every position of ``windows``."""
     model.eval()
+    batch_size = scoring_batch(batch_size, windows.shape[1], getattr(getattr(model, "config", None), "vocab_size", 0))
     loss_sum, correct, count = 0.0, 0, 0
     for i in range(0, windows.shape[0], batch_size):
         batch = windows[i : i + batch_size]
