@@ -3,7 +3,9 @@
 The convention (benchmarks/results_files.py writes it; docs of a benchmark's report follow it):
 
 - a result's markdown holds one or more lines that start ``Command: `...` ``: the whole command, one per line, in
-  backticks (the first such line is the command that wrote the file; later ones re-render it or made its inputs);
+  backticks; the first such line is the command that wrote the file (for a report of cached runs, the command that
+  runs them), later ones the re-render that wrote it from cached runs, earlier invocations whose runs it holds, or
+  the command that drew a figure it names;
 - its JSON, where it is a mapping, holds ``"command"``: one of the markdown's commands, word for word;
 - any other file (a figure) shares the stem of a markdown, or is named by one;
 - a result measured on code or recipes that no longer exist moves to ``benchmarks/results/archive/``, its markdown's
@@ -127,6 +129,18 @@ def problem(command: str) -> str:
         return f"{argv[1]}: {bad}"
     recipe = getattr(args, "recipe", None) or getattr(module, "RECIPE", None)
     return recipe_problem(recipe, [o for o in getattr(args, "overrides", None) or [] if "=" in o])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _benchmark_scripts_imported_here_only():
+    """The scripts import each other by bare name (benchmarks/ on sys.path): take that path and the scripts' modules
+    (``units``, ``selection``, ...) back out after this module, so no later test imports one by accident."""
+    path = list(sys.path)
+    yield
+    sys.path[:] = path
+    for name, module in list(sys.modules.items()):
+        if Path(getattr(module, "__file__", None) or "/").parent == BENCHMARKS:
+            del sys.modules[name]
 
 
 def test_every_markdown_result_names_its_command():
