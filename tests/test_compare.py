@@ -227,6 +227,7 @@ def test_an_oracle_worse_than_smallest_only_has_no_gap_to_close():
             ORACLE: {0: run_entry([3.0, 2.9, 2.8, 2.7, 2.6])}}
     stats = analyse(runs, LOSS)
     assert stats["span_resolved"] and stats["span"][0] == pytest.approx(-0.4) and "closure" not in stats
+    assert stats["per_seed"][0]["closure"] is None  # no gap to close, whatever the recipe did
 
 
 def write_run(path: Path, recipe, curve: list[float], key: str = "eval_loss", extra: dict | None = None) -> None:

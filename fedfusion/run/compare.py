@@ -43,7 +43,7 @@ from fedfusion.run.report import still_rising
 
 EXIT_INTERRUPTED = 130
 FINAL = ("final: the last scored round's value (what the run ends with, as every report of the project quotes it); "
-         "last-3: the mean of the last 3 scored rounds")
+         "last-3: the mean of the last 3 scored rounds after round 0")
 
 
 @dataclass(frozen=True)
@@ -283,7 +283,8 @@ def collect_run(run: Path, arm: Arm, metric: Metric) -> dict[str, Any]:
     summary = _summary(run)
     ppl = arm.key("eval_ppl") if metric.key == "eval_loss" else None
     last_ppl = next((r[ppl] for r in reversed(rows) if ppl and r.get(ppl) is not None), None)
-    return {"dir": str(run), "key": key, "curve": curve, "final": values[-1], "last3": statistics.mean(values[-3:]),
+    trained = [v for r, v in curve if r > 0] or values  # round 0 is the untrained target: never in the last 3
+    return {"dir": str(run), "key": key, "curve": curve, "final": values[-1], "last3": statistics.mean(trained[-3:]),
             "final_ppl": last_ppl, "noise": noise(values), "rising": rising(values, metric.lower_is_better),
             "wall_s": summary.get("wall_s"), "machine": summary.get("versions", {}).get("machine")}
 
@@ -311,7 +312,8 @@ def analyse(runs: dict[str, dict[int, dict[str, Any]]], metric: Metric) -> dict[
         span = g(o["final"]) - g(sm["final"])
         threshold = 2 * math.sqrt(2) * sigma if sigma is not None else None
         resolved = None if threshold is None else abs(span) > threshold
-        closure = per_seed[s]["recipe_minus_smallest"] / span if span and resolved is not False else None
+        # a gap to close: the oracle better than smallest-only, beyond the noise (or the noise not measurable)
+        closure = per_seed[s]["recipe_minus_smallest"] / span if span > 0 and resolved is not False else None
         per_seed[s].update(span=span, noise=sigma, threshold=threshold, resolved=resolved, closure=closure)
     out: dict[str, Any] = {"per_seed": per_seed, "seeds_with_every_arm": seeds}
     if small_seeds:
@@ -454,6 +456,7 @@ def markdown(c: Comparison, runs: dict[str, dict[int, dict[str, Any]]], stats: d
         lines += ["| seed | recipe - smallest-only | span | noise | gap closure |", "|---|---|---|---|---|"]
         for s, v in sorted(stats["per_seed"].items()):
             closure = ("-" if "span" not in v else "span within noise" if v["resolved"] is False
+                       else "no gap (the oracle is not better)" if v["span"] <= 0
                        else _fmt(v["closure"], 2) + (" (noise not measured)" if v["resolved"] is None else ""))
             lines.append(f"| {s} | {_signed(v['recipe_minus_smallest'])} | {_signed(v.get('span'))} | "
                          f"{_fmt(v.get('noise'))} | {closure} |")
@@ -474,20 +477,21 @@ def verdict(c: Comparison, runs: dict[str, dict[int, dict[str, Any]]], stats: di
     if "span" in stats:
         mean, sd = stats["span"]
         spread = f" ± {sd:.4f}" if n > 1 else ""
+        checked = ("beyond the noise" if stats["noise_measured"] else
+                   "not checked against the noise in every seed: fewer than 4 scored rounds leave it unmeasured")
         if not stats["span_resolved"]:
             out.append(f"**The span is within noise** ({mean:+.4f}{spread} over {n} seed(s); see the per-seed noise): "
                        "the oracle and smallest-only are not told apart at this budget, so a gap closure would be "
                        "meaningless and none is given.")
         elif mean < 0:
             out.append(f"**The whole target does not beat the small model at this budget**: the oracle is worse than "
-                       f"smallest-only by {-mean:.4f}{spread} in every seed, so there is no gap for the recipe to close "
-                       "(a longer budget, or a task the small model cannot hold, comes first).")
+                       f"smallest-only by {-mean:.4f}{spread} in every seed ({checked}), so there is no gap for the "
+                       "recipe to close (a longer budget, or a task the small model cannot hold, comes first).")
         else:
             cm, csd = stats["closure"]
-            checked = ("beyond the noise" if stats["noise_measured"] else
-                       "not checked against the noise in every seed: fewer than 4 scored rounds leave it unmeasured")
             out.append(f"**Span {mean:.4f}{spread}** (the oracle better than smallest-only in every seed; {checked}); "
-                       f"the recipe closes **{cm:.2f}{f' ± {csd:.2f}' if n > 1 else ''}** of that gap.")
+                       f"the recipe closes **{cm:.2f}{f' ± {csd:.2f}' if n > 1 else ''}** of that gap"
+                       + (" (above 1: it ends better than the oracle)." if cm > 1 else "."))
     elif SMALLEST in c.arms and ORACLE in c.arms:
         out.append("No seed has all three arms finished: no span or closure yet.")
     if "recipe_minus_smallest" in stats:
