@@ -456,6 +456,10 @@ def write_report(run: Path, out: Path | None = None) -> Path:
                   "only its own facts, "
                   f"so the best any single device could recall alone is {100 * f['largest_client_share']:.1f} % "
                   "(the largest client's share, with perfect memory).", ""]
+        general = [r["general_loss"] for r in rows if r.get("general_loss") is not None]
+        if len(general) > 1:  # a pretrained target: what fine-tuning made it forget (data.general_chars)
+            lines += [f"General-text loss (text the pretrained target already modelled): {general[0]:.3f} -> "
+                      f"{general[-1]:.3f} nats/token, {100 * (general[-1] / general[0] - 1):+.1f} %.", ""]
         rising = still_rising([r["probe_acc"] for r in rows if r.get("probe_acc") is not None])
         if rising is not None:
             lines += [f"Still rising: the last {rising[0]} evaluations gained {100 * rising[1]:.1f} points of recall; "
