@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fp_bounds import assert_within, gamma
 from transformers import LlamaConfig
 
 from fedfusion.config import choices
@@ -36,21 +37,31 @@ def test_none_is_plain_averaging_and_bad_settings_are_refused():
 
 def test_avgm_and_nesterov_follow_their_formulas():
     """Two rounds with a constant change d: heavy ball gives lr*d then lr*(1+mu)*d; Nesterov lr*(1+mu)*d then
-    lr*(1+mu+mu^2)*d (the look-ahead applies the updated momentum once more)."""
+    lr*(1+mu+mu^2)*d (the look-ahead applies the updated momentum once more).
+
+    The step runs in float32 (lr and mu rounded to it too): against the exact values, the first round takes at most
+    seven roundings of ``lr (1 + mu) |d|`` (the constants, the momentum, the product, the sum); the second also
+    rounds ``x1 + d``, the change read back from it, the momentum's update and ``x2 - x1``: twelve of the magnitudes
+    it adds (fp_bounds)."""
     d, lr, mu = torch.tensor([0.5, -1.0]), 0.7, 0.9
     for method, first, second in (("avgm", 1.0, 1 + mu), ("nesterov", 1 + mu, 1 + mu + mu * mu)):
         opt = OuterOptimizer(OuterConfig(method, lr=lr, momentum=mu))
         x0 = torch.zeros(2)
         x1 = opt.step({"w": x0}, {"w": x0 + d})["w"]
-        assert torch.allclose(x1, lr * first * d)
+        exact = d.double() * lr
+        assert_within(x1, exact * first, gamma(7, torch.float32) * (exact * first).abs())
         x2 = opt.step({"w": x1}, {"w": x1 + d})["w"]
-        assert torch.allclose(x2 - x1, lr * second * d)
+        size = x1.double().abs() + x2.double().abs() + d.double().abs() + (exact * second).abs()
+        assert_within(x2 - x1, exact * second, gamma(12, torch.float32) * size)
 
 
 def test_adam_step_is_normalised():
     opt = OuterOptimizer(OuterConfig("adam", lr=0.1, momentum=0.0, beta2=0.0, eps=1e-12))
-    out = opt.step({"w": torch.zeros(2)}, {"w": torch.tensor([3.0, -0.001])})["w"]
-    assert torch.allclose(out, torch.tensor([0.1, -0.1]), atol=1e-6)  # sign(d) * lr when m = d and v = d^2
+    d = torch.tensor([3.0, -0.001])
+    out = opt.step({"w": torch.zeros(2)}, {"w": d})["w"]
+    # sign(d) * lr when m = d and v = d^2: lr d / (|d| + eps) in float32 (d^2, its root, the sum, the quotient, the
+    # product: gamma_5 of lr), eps moving it by lr eps / |d|
+    assert_within(out, torch.sign(d) * 0.1, 0.1 * (gamma(5, torch.float32) + 1e-12 / d.abs().double()))
 
 
 def test_only_held_coordinates_move_and_keep_momentum():
@@ -78,8 +89,10 @@ def test_fold_without_outer_is_the_selective_average():
     assert all(torch.equal(fold(averager)[k], expected[k]) for k in expected)
     stepped = fold(averager, OuterOptimizer(OuterConfig("avgm", lr=2.0, momentum=0.0)))
     held = averager.held()
-    for k in state:
-        assert torch.allclose(stepped[k][held[k]], (state[k] + 2 * (expected[k] - state[k]))[held[k]], atol=1e-6)
+    for k in state:  # x + 2 (avg - x) in float32 here and in the step: each within gamma_3 of its magnitudes
+        x, change = state[k][held[k]].double(), (expected[k] - state[k])[held[k]].double()
+        bound = 2 * gamma(3, torch.float32) * (x.abs() + 2 * change.abs())
+        assert_within(stepped[k][held[k]], (state[k] + 2 * (expected[k] - state[k]))[held[k]], bound)
         assert torch.equal(stepped[k][~held[k]], state[k][~held[k]])
 
 
