@@ -7,6 +7,7 @@ import pytest
 import torch
 from fedfusion.clients.privacy import privacy_mod
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
+from fp_bounds import gamma, unit_roundoff
 
 from fedfusion.config.recipe import RecipeError, load_recipe
 from fedfusion.models.build import model_from_state
@@ -47,16 +48,23 @@ def _run(spec: dict, shift: float) -> tuple[dict[str, np.ndarray], dict[str, np.
 
 
 def _update_norm(sent: dict, got: dict) -> float:
-    return float(np.sqrt(sum(((got[k] - sent[k]) ** 2).sum() for k in sent)))
+    """The norm of got - sent, in float64 (exact differences of float32 values, and no rounding of note)."""
+    return float(np.sqrt(sum(((got[k].astype(np.float64) - sent[k]) ** 2).sum() for k in sent)))
 
 
 def test_clip_mode_bounds_the_update_norm_of_a_sub_model():
     spec = privacy_spec(load_recipe("quickstart", ["privacy.mode=clip", "privacy.clipping_norm=0.5"]))
     sent, got = _run(spec, shift=1.0)
-    assert _update_norm(sent, got) == pytest.approx(0.5, rel=1e-4)
+    # the clip in float32: the change (one rounding each), its squared norm over n numbers (gamma_n, halved by the
+    # root), the root, the factor, the product (gamma_5 more), and each clipped value's own rounding (u |got|)
+    n = sum(v.size for v in sent.values())
+    size = float(np.sqrt(sum((v.astype(np.float64) ** 2).sum() for v in got.values())))
+    bound = 0.5 * gamma(n // 2 + 6, torch.float32) + unit_roundoff(torch.float32) * size
+    assert abs(_update_norm(sent, got) - 0.5) <= bound
     small_sent, small_got = _run(spec, shift=1e-4)  # already inside the bound: untouched
     assert _update_norm(small_sent, small_got) < 0.5
-    assert all(np.allclose(small_got[k], small_sent[k] + 1e-4, atol=1e-6) for k in small_sent)
+    # the client's own sent + 1e-4 (one IEEE float32 addition, the same on every machine), passed through untouched
+    assert all(np.array_equal(small_got[k], small_sent[k] + np.float32(1e-4)) for k in small_sent)
 
 
 def test_local_mode_clips_then_adds_noise():
@@ -68,7 +76,7 @@ def test_local_mode_clips_then_adds_noise():
 
 def test_no_privacy_passes_the_reply_through():
     sent, got = _run(privacy_spec(load_recipe("quickstart")), shift=0.25)
-    assert all(np.allclose(got[k], sent[k] + 0.25, atol=1e-6) for k in sent)
+    assert all(np.array_equal(got[k], sent[k] + np.float32(0.25)) for k in sent)  # one IEEE addition, untouched
 
 
 def test_privacy_recipe_values_are_checked():
