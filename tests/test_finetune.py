@@ -113,6 +113,7 @@ def test_finetune_runs_on_flower_with_a_local_pretrained_target(pretrained, tmp_
     assert all("general_loss" in r and "probe_acc" in r for r in rows)
     assert rows[-1]["clients_ok"] == 2
     assert rows[-1]["general_loss"] != rows[0]["general_loss"]  # the windows changed the pretrained target
+    assert "General-text loss" in (out / "report.md").read_text()
 
 
 SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
