@@ -11,6 +11,8 @@ at most twice it.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -60,3 +62,14 @@ def assert_within(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor | f
     bound = torch.as_tensor(bound, dtype=torch.float64).detach()
     assert (err <= bound).all(), f"worst difference / bound {float((err / bound).nan_to_num(0, float('inf')).max()):.3g}"
     return float((err / bound.clamp_min(torch.finfo(torch.float64).tiny)).max()) if err.numel() else 0.0
+
+
+def log_softmax_bound(x: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Entry-wise bound on ``|fl(log_softmax(x)) - log_softmax(x)|`` along the last dim, ``x`` exact in ``dtype``:
+    ``(x - max) - log sum exp(x - max)`` rounds the shift, each ``exp`` (within 2 ulps: glibc's and SLEEF's
+    documented accuracy), the sum of ``V`` positive terms, the log and the final subtraction, so
+    ``gamma_{V+6} (2 |x - max| + log V + 1)`` covers them all."""
+    x = x.detach().double()
+    v = x.shape[-1]
+    shift = (x - x.amax(-1, keepdim=True)).abs()
+    return gamma(v + 6, dtype) * (2 * shift + math.log(v) + 1)

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from fp_bounds import assert_within, gamma, log_softmax_bound, unit_roundoff
 from transformers import LlamaForCausalLM
 
 from fedfusion.devices.energy import train_flops
@@ -32,11 +33,40 @@ def _kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
     return (p * (log_p - log_q)).sum(-1).mean()
 
 
+def kd_bound(student: torch.Tensor, target: torch.Tensor, t: float) -> float:
+    """Bound on float32 ``kd_loss(student, target, t)``'s error against the exact value of its float32 inputs: per
+    position ``sum_j p_j (l_j - s_j)`` with ``s = log_softmax(student / t)`` off by ``log_softmax_bound`` plus the
+    division's rounding (``u |x / t|``, moved at most twice by log_softmax), ``p = exp(l)`` by 2 ulps, the difference
+    and product by one rounding each, the sum over V and the mean over the rows by ``gamma_{V+R}``; then ``t^2``."""
+    z = (student.detach().double() / t)
+    u = unit_roundoff(torch.float32)
+    eps_s = log_softmax_bound(z) + 2 * u * z.abs().amax(-1, keepdim=True)
+    p, lt = target.double().exp(), target.double()
+    terms = p * (lt - torch.log_softmax(z, -1))
+    per_row = (p * (eps_s + u * (lt - torch.log_softmax(z, -1)).abs())).sum(-1) \
+        + gamma(z.shape[-1] + z.shape[0] + 4, torch.float32) * terms.abs().sum(-1)
+    return float(t**2 * per_row.mean() * (1 + 2 * u))
+
+
+def kd_grad_bound(student: torch.Tensor, target: torch.Tensor, t: float) -> torch.Tensor:
+    """Bound on autograd's float32 gradient of ``kd_loss`` against the exact ``t (softmax(x / t) - p_t) / N``:
+    softmax's entries off by ``p_s (e^eps - 1)`` (eps: ``kd_bound``'s for log_softmax) plus its own 3 roundings,
+    ``p_t = exp(l)`` by 2 ulps, the difference and the scaling by ``t / N`` by one each."""
+    z = (student.detach().double() / t)
+    u = unit_roundoff(torch.float32)
+    eps_s = log_softmax_bound(z) + 2 * u * z.abs().amax(-1, keepdim=True)
+    p_s, p_t = torch.softmax(z, -1), target.double().exp()
+    err = p_s * (eps_s.expm1() + 3 * u) + 2 * u * p_t + 2 * u * (p_s - p_t).abs()
+    return t * err * (1 + 2 * u) / student.shape[0]
+
+
 @pytest.mark.parametrize("temperature", [1.0, 2.0, 4.0])
 def test_kd_is_zero_when_student_equals_teacher(temperature):
     logits = torch.randn(3, 5, 11, generator=torch.Generator().manual_seed(0))
     teacher = feddf_teacher(logits[None], temperature)
-    assert kd_loss(logits, teacher.log_probs, temperature).item() == pytest.approx(0.0, abs=1e-6)
+    # one teacher's mean is its own logits (x * 1, a sum of one, / 1: exact), so both sides take log_softmax of the
+    # same x / T: the same values, and every term of the KL is exactly 0
+    assert kd_loss(logits, teacher.log_probs, temperature).item() == 0.0
 
 
 def test_kd_is_t_squared_times_the_kl_at_temperature_and_its_gradient_is_t_times_q_minus_p():
@@ -46,10 +76,10 @@ def test_kd_is_t_squared_times_the_kl_at_temperature_and_its_gradient_is_t_times
     for t in (1.0, 3.0):
         target = F.log_softmax(teacher_logits / t, dim=-1)
         loss = kd_loss(student, target, t)
-        assert loss.item() == pytest.approx(t**2 * _kl(teacher_logits / t, student / t).item(), rel=1e-5)
+        assert_within(loss, t**2 * _kl(target.double(), student.double() / t), kd_bound(student, target, t))
         (grad,) = torch.autograd.grad(loss, student)
-        expected = t * (F.softmax(student / t, -1) - target.exp()) / student.shape[0]
-        torch.testing.assert_close(grad, expected)
+        expected = t * (F.softmax(student.double() / t, -1) - target.double().exp()) / student.shape[0]
+        assert_within(grad, expected, kd_grad_bound(student, target, t))
         # a descent step moves the student's distribution towards the teacher's
         assert kd_loss(student - 0.1 * grad, target, t) < loss
 
@@ -59,7 +89,10 @@ def test_kd_mask_averages_only_the_kept_positions():
     student, teacher = torch.randn(2, 3, 5, generator=gen), torch.randn(2, 3, 5, generator=gen).log_softmax(-1)
     mask = torch.tensor([[True, False, False], [False, False, True]])
     kept = kd_loss(student[mask], teacher[mask])
-    assert kd_loss(student, teacher, mask=mask).item() == pytest.approx(kept.item(), rel=1e-6)
+    # the same per-position terms, summed over the kept ones with the others' exact zeros: twice gamma_P of them
+    terms = torch.stack([kd_loss(student[mask][i], teacher[mask][i]) for i in range(int(mask.sum()))]).double()
+    bound = 2 * gamma(mask.numel() + 2, torch.float32) * float(terms.abs().mean())
+    assert abs(kd_loss(student, teacher, mask=mask).item() - kept.item()) <= bound
     assert kd_loss(student, teacher, mask=torch.zeros(2, 3, dtype=torch.bool)).item() == 0.0
 
 
@@ -90,8 +123,13 @@ def test_confidence_rules_rank_a_peaked_teacher_above_a_flat_one():
     for rule in ("variance", "entropy", "maxprob"):
         c = confidence(torch.stack([flat, peaked]), rule)
         assert c[1] > c[0] >= 0
-    assert confidence(flat[None], "entropy").item() == pytest.approx(0.0, abs=1e-6)
-    assert confidence(flat[None], "variance").item() == pytest.approx(0.0, abs=1e-9)
+    # log V - entropy of the uniform: log_softmax's rounding (log_softmax_bound), p = exp(log p) (2 ulps), the V
+    # products and their sum, the subtraction: gamma_{V+4} more of log V
+    v = flat.numel()
+    bound = float(log_softmax_bound(flat).max()) * (1 + 3 * unit_roundoff(torch.float32)) + gamma(v + 4, torch.float32) * math.log(v)
+    assert 0.0 <= confidence(flat[None], "entropy").item() <= bound
+    # equal probabilities p: their float32 mean is within gamma_{V+1} p of p, so the variance within its square
+    assert 0.0 <= confidence(flat[None], "variance").item() <= (gamma(v + 2, torch.float32) / v) ** 2
     with pytest.raises(ValueError, match="confidence 'vibes'"):
         confidence(flat[None], "vibes")
 
@@ -133,10 +171,16 @@ def test_distillation_loss_mixes_kd_diversity_and_lm():
     kd = kd_loss(student, teacher.log_probs)
     div = kd_loss(student, teacher.diverse_log_probs)
     ce = F.cross_entropy(student.reshape(-1, 6), labels.reshape(-1))
-    assert distillation_loss(student, labels, teacher)[0].item() == pytest.approx(kd.item())
+    assert distillation_loss(student, labels, teacher)[0].item() == kd.item()  # the same kd_loss, weight 1: bit for bit
     loss, parts = distillation_loss(student, labels, teacher, kd_weight=0.1, diversity_weight=0.5)
-    assert loss.item() == pytest.approx(0.1 * (kd + 0.5 * div).item() + 0.9 * ce.item(), rel=1e-6)
-    assert parts == pytest.approx({"kd": kd.item(), "diversity": div.item(), "lm": ce.item()})
+    assert parts["kd"] == kd.item() and parts["lm"] == ce.item()  # the same operations on the same values
+    # the diversity term runs through the all-ones mask's sum / count, not mean: gamma_{P+2} of the per-position terms
+    div_terms = torch.stack([kd_loss(student[i, j], teacher.diverse_log_probs[i, j]) for i in range(2) for j in range(3)])
+    assert abs(parts["diversity"] - div.item()) <= 2 * gamma(8, torch.float32) * float(div_terms.double().abs().mean())
+    # the float32 mix: the weights' own roundings, 0.5 div (exact), the sums and products: gamma_6 of the magnitudes
+    mix = 0.1 * (abs(parts["kd"]) + 0.5 * abs(parts["diversity"])) + 0.9 * abs(parts["lm"])
+    want = 0.1 * (parts["kd"] + 0.5 * parts["diversity"]) + 0.9 * parts["lm"]
+    assert abs(loss.item() - want) <= gamma(6, torch.float32) * mix
     with pytest.raises(ValueError, match="kd_weight"):
         distillation_loss(student, labels, teacher, kd_weight=1.5)
 
