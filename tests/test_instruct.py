@@ -7,6 +7,7 @@ from importlib.util import find_spec
 
 import pytest
 import torch
+from fp_bounds import gamma, log_softmax_bound, unit_roundoff
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from fedfusion.data.instruct import instruct_clients, pooled_held_out
@@ -131,14 +132,22 @@ def tiny_lm(vocab: int = 100) -> LlamaForCausalLM:
 def test_evaluation_scores_response_tokens_only():
     tok = chat_tokenizer()
     data = encode_pairs(tok, [Pair("a?", "yes"), Pair("why not?", "no idea")], max_len=100)
-    model = tiny_lm()
+    model = tiny_lm().double()  # float64 logits: one row at a time and padded in a batch agree to its rounding
     got = evaluate_instruct(model, data, batch_size=1)
-    logits = model(input_ids=data.input_ids, attention_mask=data.attention_mask).logits[:, :-1]
+    with torch.no_grad():
+        logits = model(input_ids=data.input_ids, attention_mask=data.attention_mask).logits[:, :-1]
     target = data.labels[:, 1:]
     scored = target != IGNORE
     assert int(scored.sum()) == len("yes<eos>\n") - 4 + len("no idea<eos>\n") - 4
-    want = torch.nn.functional.cross_entropy(logits[scored], target[scored])
-    assert got["eval_loss"] == pytest.approx(want.item(), rel=1e-5)
+    z, y = logits[scored], target[scored]
+    want = torch.nn.functional.cross_entropy(z, y)
+    # evaluate_instruct rounds the logits to float32 (moving each token's loss by at most 2 u max|z|) and takes the
+    # cross-entropy there (log_softmax's error, fp_bounds) and its sum over the n tokens (gamma_n)
+    per_token = torch.nn.functional.cross_entropy(z, y, reduction="none")
+    u = unit_roundoff(torch.float32)
+    each = log_softmax_bound(z).gather(-1, y[:, None])[:, 0] + 2 * u * z.abs().amax(-1)
+    bound = float(each.mean()) + gamma(len(y), torch.float32) * float(per_token.abs().mean())
+    assert abs(got["eval_loss"] - want.item()) <= bound
 
 
 def test_training_lowers_the_response_loss_and_only_touches_trainable_parameters():
