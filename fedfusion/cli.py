@@ -371,6 +371,7 @@ EXAMPLES = (
     "fedfusion run rolling fusion.policy=static rounds=4 --out runs/static",
     "fedfusion plan quickstart fusion.auto_widths=true",
     "fedfusion run --resume runs/static",
+    "fedfusion compare quickstart --seeds 0 1 2 --out runs/cmp-quickstart",
     "fedfusion report runs/static",
 )
 
