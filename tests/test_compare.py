@@ -59,6 +59,12 @@ def test_every_shipped_recipe_has_its_arms_or_a_clear_refusal_and_they_share_its
                     for r in resolved.values()}) == 1
 
 
+def test_every_registry_entry_names_an_arms_rule_that_resolves():
+    from fedfusion.config.methods import METHODS, hook
+
+    assert all(m.arms and callable(hook(m.arms)) for m in METHODS)
+
+
 def test_quickstart_arms_are_the_benchmarks_smallest_only_and_oracle():
     """benchmarks/quickstart_policies.py's smallest-only (grow after the last round: the 1/8 model) and oracle (width
     1.0, static, no growth, each slice in its own forward pass), derived from the resolved recipe."""
