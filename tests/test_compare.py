@@ -35,7 +35,7 @@ SLICE_FORWARD = {"fusion.forward=slice", "fusion.window_core=false", "fusion.win
 
 
 # -- the arms per method, from the shipped recipes (pure: nothing runs) ----------------------------------------------
-@pytest.mark.usefixtures("lora_base_installed")
+@pytest.mark.usefixtures("lora_base_installed", "smollm2_config_dir")
 @pytest.mark.parametrize("name", sorted(builtin_recipes()))
 def test_every_shipped_recipe_has_its_arms_or_a_clear_refusal_and_they_share_its_budget(name, tmp_path):
     """Every built-in recipe (a new one too, when its method is an existing one) gets three arms whose resolved recipes

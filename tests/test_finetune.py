@@ -116,22 +116,12 @@ def test_finetune_runs_on_flower_with_a_local_pretrained_target(pretrained, tmp_
     assert "General-text loss" in (out / "report.md").read_text()
 
 
-SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                    num_attention_heads=9, num_key_value_heads=3, head_dim=64, tie_word_embeddings=True,
-                    model_type="llama", architectures=["LlamaForCausalLM"])  # SmolLM2-135M's published config
+def test_full_bfloat16_training_is_priced_at_two_bytes_a_value(smollm2_config_dir):
+    from transformers import AutoConfig
 
-
-@pytest.fixture
-def smollm2_config(tmp_path):
-    """SmolLM2-135M's config alone: all the planner reads of a pretrained target."""
-    (tmp_path / "config.json").write_text(json.dumps(SMOLLM2_135M))
-    return str(tmp_path)
-
-
-def test_full_bfloat16_training_is_priced_at_two_bytes_a_value():
     from fedfusion.run.planner import estimate_memory
 
-    cfg = LlamaConfig(**SMOLLM2_135M)
+    cfg = AutoConfig.from_pretrained(smollm2_config_dir)
     fp32, bf16 = estimate_memory(cfg, 4, 32), estimate_memory(cfg, 4, 32, base_bits=16)
     assert (bf16.weights, bf16.grads, bf16.optimizer) == (fp32.weights // 2, fp32.grads // 2, fp32.optimizer // 2)
     assert bf16.trainable == fp32.trainable == fp32.params
@@ -139,12 +129,12 @@ def test_full_bfloat16_training_is_priced_at_two_bytes_a_value():
         estimate_memory(cfg, 4, 32, base_bits=8)
 
 
-def test_the_plan_shows_which_ways_each_tier_can_train_the_pretrained_target(smollm2_config):
+def test_the_plan_shows_which_ways_each_tier_can_train_the_pretrained_target(smollm2_config_dir):
     """The low-end phone (2 GB) cannot fine-tune SmolLM2-135M whole in float32 even checkpointed; every
     window, rank window and LoRA way fits it, and the ways order as their memory does."""
     from fedfusion.run.planner import ways_view
 
-    view = ways_view(load_checked("finetune", [f"model.pretrained={smollm2_config}"]))
+    view = ways_view(load_checked("finetune", [f"model.pretrained={smollm2_config_dir}"]))
     lowend = [r for r in view.rows if r["tier"] == "phone-lowend"]
     full = next(r for r in lowend if r["way"] == "whole target, AdamW float32")
     assert full["fits"].startswith("NO: needs") and full["trainable"] == 134_515_008
@@ -155,8 +145,8 @@ def test_the_plan_shows_which_ways_each_tier_can_train_the_pretrained_target(smo
     assert all(r["fits"] in ("yes", "with checkpointing") for r in view.rows if r["tier"] == "laptop")
 
 
-def test_fedfusion_plan_prints_the_ways_for_a_pretrained_target(smollm2_config, capsys):
-    assert main(["plan", "finetune", f"model.pretrained={smollm2_config}"]) == 0
+def test_fedfusion_plan_prints_the_ways_for_a_pretrained_target(smollm2_config_dir, capsys):
+    assert main(["plan", "finetune", f"model.pretrained={smollm2_config_dir}"]) == 0
     out = capsys.readouterr().out
     assert "ways to train finetune's target (134,515,008 parameters)" in out and "NO: needs" in out
     assert main(["plan", "quickstart"]) == 0 and "ways to train" not in capsys.readouterr().out

@@ -111,7 +111,7 @@ def test_bad_inputs_are_named():
         fit_width(cfg, PHONE, 1, 8, ladder=(2.0,))
     with pytest.raises(ValueError, match="base_bits: must be one of"):
         estimate_memory(cfg, 1, 8, lora_rank=4, base_bits=3)
-    with pytest.raises(ValueError, match="needs lora_rank"):
+    with pytest.raises(ValueError, match="8 and 4 need lora_rank or window"):
         estimate_memory(cfg, 1, 8, base_bits=4)
     with pytest.raises(ValueError, match="unknown module 'qkv'"):
         lora_params(cfg, 4, ("qkv",))

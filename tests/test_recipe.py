@@ -240,14 +240,10 @@ def test_a_low_rank_window_names_what_it_needs(overrides, match):
 
 @pytest.mark.parametrize("name", sorted(builtin_recipes()))
 @pytest.mark.parametrize("rounds", [2, 3])
-def test_every_shipped_recipe_shortens_with_rounds_alone(name, rounds, tmp_path):
-    """``rounds=N`` alone shortens every shipped recipe: a round-numbered setting scales with the run. (A recipe
-    whose target is the SmolLM2 GGUF gets a stand-in model directory: the package is no test dependency.)"""
-    stand_in = []
-    if load_recipe(name).model.pretrained == "smollm2":
-        (tmp_path / "config.json").write_text("{}")
-        stand_in = [f"model.pretrained={tmp_path}"]
-    recipe = load_checked(name, [f"rounds={rounds}", *stand_in])
+@pytest.mark.usefixtures("smollm2_config_dir")  # the finetune recipe's target, without its GGUF package
+def test_every_shipped_recipe_shortens_with_rounds_alone(name, rounds):
+    """``rounds=N`` alone shortens every shipped recipe: a round-numbered setting scales with the run."""
+    recipe = load_checked(name, [f"rounds={rounds}"])
     assert recipe.rounds == rounds
     assert 0 <= grow_rounds(recipe) <= rounds
 

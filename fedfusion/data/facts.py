@@ -285,7 +285,7 @@ def greedy_answer(model: torch.nn.Module, tok: PreTrainedTokenizerBase, prompt: 
     out: list[int] = []
     for _ in range(max_tokens):
         nxt = int(model(input_ids=ids).logits[0, -1].argmax())
-        if tok.decode([nxt]).strip() == ".":  # "." alone, or after a space in a byte-level BPE
+        if as_text(tok.decode([nxt]), "decode").strip() == ".":  # "." alone, or after a space in a byte-level BPE
             break
         out.append(nxt)
         ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)

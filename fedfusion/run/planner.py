@@ -7,7 +7,10 @@ Memory model (:func:`estimate_memory`), per training step of ``batch`` sequences
   the decoder's linear layers quantised (4 bit: 4.5 bits per weight, 8 bit: 8.5, counting
   bitsandbytes' per-block scales), embeddings, norms and lm_head at 16 bit, or everything at 16/32 bit.
 - **gradients**: 4 bytes per trainable parameter (all of them; with LoRA only the adapters).
-- **optimizer**: AdamW's two fp32 moments, 8 bytes per trainable parameter.
+- **optimizer**: AdamW's two fp32 moments, 8 bytes per trainable parameter; its step (torch's multi-tensor AdamW)
+  allocates one more trainable-sized temporary, ``sqrt(v)``. Backward has freed the activations by then, so the
+  peak counts the larger of the activations and that temporary: for the whole target at a small batch the step is
+  the peak (measured on CPU, ``benchmarks/results/cpu_memory.md``).
 - **activations** kept for backward: per token and layer ``10*hidden + 3*intermediate + 2*heads*seq``
   values (attention inputs/outputs, norms, SwiGLU branches, attention scores and probabilities), 4 bytes
   each, 2 with a 16-bit or quantised LoRA base (a full-forward window computes in float32 whatever its frozen
@@ -111,10 +114,11 @@ class MemoryEstimate:
     activations: int
     params: int  # all parameters of the model trained (base included)
     trainable: int
+    step: int = 0  # the optimizer step's temporaries: live after backward has freed the activations
 
     @property
     def total(self) -> int:
-        return self.weights + self.grads + self.optimizer + self.activations
+        return self.weights + self.grads + self.optimizer + max(self.activations, self.step)
 
 
 def estimate_memory(
@@ -142,7 +146,7 @@ def estimate_memory(
     if lora_rank is None and window is None:  # 16: pure bfloat16 training, AdamW's moments in bfloat16 too
         b = base_bits // 8
         return MemoryEstimate(b * params, b * params, 2 * b * params,
-                              b * layer_values + _logit_bytes(config, batch, seq, b), params, params)
+                              b * layer_values + _logit_bytes(config, batch, seq, b), params, params, b * params)
     trainable = lora_params(config, lora_rank, lora_modules) if lora_rank is not None else int(window or 0)
     linear = layers * (h * heads * d * 2 + h * kv * d * 2 + 3 * h * inter)
     act_bytes = 4 if window is not None else base_bits // 8 if base_bits >= 16 else compute_bytes
@@ -152,7 +156,7 @@ def estimate_memory(
         weights = linear * _BITS_STORED[base_bits] / 8 + (params - linear) * act_bytes
     return MemoryEstimate(int(weights) + 4 * trainable, 4 * trainable, 8 * trainable,
                           act_bytes * layer_values + _logit_bytes(config, batch, seq, act_bytes),
-                          params + (trainable if window is None else 0), trainable)
+                          params + (trainable if window is None else 0), trainable, 4 * trainable)
 
 
 def _logit_bytes(config: PretrainedConfig, batch: int, seq: int, act_bytes: int) -> int:
