@@ -370,6 +370,7 @@ def test_the_docs_show_a_compare_command():
     assert COMPARE_COMMANDS
 
 
+@pytest.mark.usefixtures("smollm2_config_dir")  # the finetune recipe's target, without its GGUF package
 @pytest.mark.parametrize("where,argv", COMPARE_COMMANDS, ids=[w for w, _ in COMPARE_COMMANDS])
 def test_a_shown_compare_command_plans_its_arms(where, argv, tmp_path):
     """Every `fedfusion compare` the docs show parses and its arms resolve and share the budget (nothing runs)."""
