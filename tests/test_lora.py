@@ -73,6 +73,18 @@ def product_size(A: dict[str, torch.Tensor], B: dict[str, torch.Tensor], scale: 
     return {n: scale * B[n].double().abs() @ A[n].double().abs() for n in A}
 
 
+
+def assert_padded_mean(delta: torch.Tensor, clients, weights, n: str) -> None:
+    """``delta`` is (sum_k w_k s_k B_k padded to rank 8) @ (sum_k w_k A_k padded), within the float32 roundings of
+    the same sums of magnitudes."""
+    def mean(part, rows: bool, magnitude: bool) -> torch.Tensor:
+        return sum(w * (1.0 if rows else c.scale) * torch.nn.functional.pad(
+            getattr(c, part)[n].double().abs() if magnitude else getattr(c, part)[n].double(),
+            (0, 0, 0, 8 - c.rank) if rows else (0, 8 - c.rank)) for c, w in zip(clients, weights))
+
+    assert_within(delta, mean("B", False, False) @ mean("A", True, False),
+                  ROUNDINGS * mean("B", False, True) @ mean("A", True, True))
+
 def test_effective_delta_is_peft_scaling():
     c = client(4, 16.0)
     for n in SHAPES:
@@ -151,12 +163,7 @@ def test_zeropad_is_the_padded_average_and_biased():
     agg = aggregate_lora(clients, "zeropad")
     p = [w / sum(WEIGHTS) for w in WEIGHTS]
     for n in SHAPES:
-        A = sum(pk * torch.nn.functional.pad(c.A[n].double(), (0, 0, 0, 8 - c.rank)) for c, pk in zip(clients, p))
-        B = sum(pk * c.scale * torch.nn.functional.pad(c.B[n].double(), (0, 8 - c.rank)) for c, pk in zip(clients, p))
-        size_a = sum(pk * torch.nn.functional.pad(c.A[n].double().abs(), (0, 0, 0, 8 - c.rank)) for c, pk in zip(clients, p))
-        size_b = sum(pk * c.scale * torch.nn.functional.pad(c.B[n].double().abs(), (0, 8 - c.rank))
-                     for c, pk in zip(clients, p))
-        assert_within(agg.delta[n], B @ A, ROUNDINGS * size_b @ size_a)
+        assert_padded_mean(agg.delta[n], clients, p, n)
         assert not torch.allclose(agg.delta[n].double(), weighted_sum(clients)[n], atol=1e-3)
 
 
@@ -221,12 +228,7 @@ def test_hetlora_weights_are_the_update_norms():
     for n in SHAPES:
         norms = [c.weight * torch.linalg.matrix_norm(c.scale * c.B[n].double() @ c.A[n].double()) for c in clients]
         q = [float(x / sum(norms)) for x in norms]
-        A = sum(qk * torch.nn.functional.pad(c.A[n].double(), (0, 0, 0, 8 - c.rank)) for c, qk in zip(clients, q))
-        B = sum(qk * c.scale * torch.nn.functional.pad(c.B[n].double(), (0, 8 - c.rank)) for c, qk in zip(clients, q))
-        size_a = sum(qk * torch.nn.functional.pad(c.A[n].double().abs(), (0, 0, 0, 8 - c.rank)) for c, qk in zip(clients, q))
-        size_b = sum(qk * c.scale * torch.nn.functional.pad(c.B[n].double().abs(), (0, 8 - c.rank))
-                     for c, qk in zip(clients, q))
-        assert_within(agg.delta[n], B @ A, ROUNDINGS * size_b @ size_a)
+        assert_padded_mean(agg.delta[n], clients, q, n)
 
 
 def test_fedavg_serves_only_its_rank():
