@@ -10,7 +10,8 @@ Two rules, both over decimal numbers (``8.163``, ``+0.49%``, ``1.5x``: counts an
    paragraph, a list item, a heading and a table row each stand alone. Code (fenced blocks and inline spans) and
    link targets are not read: commands and file names are settings, not results.
 
-In README.md a number must also be somewhere a file backs it: in a marked block or in a sentence that cites a file.
+In README.md and docs/*.md a number must also be somewhere a file backs it: in a marked block or in a sentence that
+cites a file. A version, a default or a setting goes in code (``1.42``), where it is not read.
 "Appear" allows rounding half up to the quoted decimals (7.20 quotes 7.195)."""
 
 from __future__ import annotations
@@ -105,11 +106,18 @@ def test_every_number_in_a_sentence_that_cites_a_results_file_is_in_that_file(do
     assert not failures, f"{doc.name}:\n" + "\n".join(failures)
 
 
-def test_every_readme_number_has_a_file_behind_it():
-    doc = ROOT / "README.md"
-    bare = [f"{numbers}: {unit[:160]}" for unit, cites, numbers in cited_numbers(doc, doc.read_text(encoding="utf-8"))
-            if not cites]
-    assert not bare, "README.md numbers in no marked block and no sentence citing a results file:\n" + "\n".join(bare)
+def bare(doc: Path, text: str) -> list[str]:
+    """Numbers in no marked block and in no sentence that cites a results file, with their sentences."""
+    return [f"{numbers}: {unit[:160]}" for unit, cites, numbers in cited_numbers(doc, text) if not cites]
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=[d.name for d in DOCS])
+def test_every_number_has_a_file_behind_it(doc):
+    uncited = bare(doc, doc.read_text(encoding="utf-8"))
+    for line in uncited:
+        print(f"{doc.relative_to(ROOT)}: {line}")
+    assert not uncited, (f"{doc.name} numbers in no marked block and no sentence citing a results file:\n"
+                         + "\n".join(uncited))
 
 
 def test_a_number_missing_from_its_file_is_caught(tmp_path):
