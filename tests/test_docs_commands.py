@@ -94,7 +94,7 @@ def stand_in(path: Path, overrides: list[str]) -> None:
 
 
 @pytest.mark.parametrize("where,command", COMMANDS, ids=[w for w, _ in COMMANDS])
-@pytest.mark.usefixtures("lora_base_installed")  # the docs ask users to install it before its commands
+@pytest.mark.usefixtures("lora_base_installed", "smollm2_config_dir")  # the docs ask users to install them before their commands
 def test_shown_command_loads_its_recipe(where, command, tmp_path):
     argv = argv_of(command)
     if argv is None:
