@@ -365,6 +365,9 @@ class FusionStrategy(Strategy):
         for node in nodes:
             payload = self.round.payloads[node]
             record = ArrayRecord(payload.arrays)
+            # the message holds the arrays now: the payload keeps only what check() reads, so a whole-model
+            # payload per client (the oracle arm of a pretrained target) is not held twice for the whole round
+            self.round.payloads[node] = replace(payload, arrays={})
             steps = self.local_steps(node)
             capped = {} if steps is None else {TrainSpec.key("local_steps"): steps}
             spec = ConfigRecord({**config, **self.train_config, **lr, **capped, **payload.spec,

@@ -84,6 +84,7 @@ def write_tier(tmp_path, drop: str = "", **changes) -> Path:
     ("", {"battery_wh": 0}, "battery_wh"),
     ("", {"zone": ""}, "zone"),
     ("", {"colour": "red"}, "colour"),
+    ("", {"bfloat16": "yes"}, "bfloat16"),
 ])
 def test_user_catalog_errors_name_the_tier_and_field(tmp_path, drop, changes, field):
     with pytest.raises(ValueError, match=f"'watch'.*{field}"):
@@ -95,6 +96,14 @@ def test_user_catalog_types_fields_and_allows_mains_devices(tmp_path):
     assert watch.memory_gb == 1.0 and isinstance(watch.memory_gb, float) and watch.zone == "FRA"
     mains = load_catalog(write_tier(tmp_path, battery_wh=None))["watch"]
     assert mains.battery_wh is None
+    assert load_catalog(write_tier(tmp_path, drop="bfloat16"))["watch"].bfloat16 is False  # unsaid: float32 only
+    assert load_catalog(write_tier(tmp_path, bfloat16=True))["watch"].bfloat16 is True
+
+
+def test_only_tiers_with_bfloat16_arithmetic_say_so_with_a_source():
+    catalog = load_catalog()
+    assert [t for t, d in catalog.items() if not d.bfloat16] == ["phone", "phone-lowend", "laptop-x86"]
+    assert all("bfloat16:" in d.sources for d in catalog.values())
 
 
 def test_catalog_rows_one_per_tier_in_order():

@@ -130,14 +130,18 @@ def test_full_bfloat16_training_is_priced_at_two_bytes_a_value(smollm2_config_di
 
 
 def test_the_plan_shows_which_ways_each_tier_can_train_the_pretrained_target(smollm2_config_dir):
-    """The low-end phone (2 GB) cannot fine-tune SmolLM2-135M whole in float32 even checkpointed; every
-    window, rank window and LoRA way fits it, and the ways order as their memory does."""
+    """The low-end phone (2 GB) cannot fine-tune SmolLM2-135M whole in float32 even checkpointed, nor in bfloat16
+    (its memory would hold it, its cores have no bfloat16 arithmetic); every window, rank window and LoRA way fits
+    it, and the ways order as their memory does. The laptop (bfloat16 arithmetic) may train it whole in bfloat16."""
     from fedfusion.run.planner import ways_view
 
     view = ways_view(load_checked("finetune", [f"model.pretrained={smollm2_config_dir}"]))
     lowend = [r for r in view.rows if r["tier"] == "phone-lowend"]
     full = next(r for r in lowend if r["way"] == "whole target, AdamW float32")
     assert full["fits"].startswith("NO: needs") and full["trainable"] == 134_515_008
+    bf16 = next(r for r in lowend if r["way"] == "whole target, AdamW bfloat16")
+    assert bf16["peak MB"] < 2048 * 0.9 and bf16["fits"] == "NO: no bfloat16 arithmetic on this tier (catalog bfloat16: false)"
+    assert next(r for r in view.rows if r["tier"] == "laptop" and "bfloat16" in r["way"])["fits"] == "yes"
     assert all(r["fits"] == "yes" for r in lowend[2:])  # windows, rank windows, LoRA
     assert all(r["checkpointed MB"] <= r["peak MB"] for r in view.rows)
     peaks = [r["peak MB"] for r in lowend]

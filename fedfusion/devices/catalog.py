@@ -32,6 +32,7 @@ class Device:
     zone: str  # default grid zone, a key of fedfusion.devices.energy.GRID_G_PER_KWH
     sources: str  # where each number comes from, or "assumed"
     runtime: str = "torch"  # what it trains with: torch, or executorch (a phone's training program; docs/devices.md)
+    bfloat16: bool = False  # computes in bfloat16 at speed, so may train in it (the planner's bfloat16 ways)
 
 
 _TEXT = ("description", "zone", "sources")
@@ -53,7 +54,7 @@ def _device(name: str, fields: Any) -> Device:
     missing = [f for f in _FIELDS if f not in fields]
     if missing:
         raise ValueError(f"tier {name!r} lacks {', '.join(missing)}")
-    unknown = sorted(set(fields) - set(_FIELDS) - {"runtime"})
+    unknown = sorted(set(fields) - set(_FIELDS) - {"runtime", "bfloat16"})
     if unknown:
         raise ValueError(f"tier {name!r}: unknown field {', '.join(map(str, unknown))}")
     for f in _TEXT:
@@ -68,8 +69,12 @@ def _device(name: str, fields: Any) -> Device:
     runtime = fields.get("runtime", "torch")
     if runtime not in RUNTIMES:
         raise ValueError(f"tier {name!r}: runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r}")
+    bf16 = fields.get("bfloat16", False)
+    if not isinstance(bf16, bool):
+        raise ValueError(f"tier {name!r}: bfloat16 must be true or false, got {bf16!r}")
     values: dict[str, Any] = {f: fields[f].strip() for f in _TEXT} | {f: float(fields[f]) for f in _POSITIVE}
-    return Device(name=name, **values, battery_wh=None if battery is None else float(battery), runtime=runtime)
+    return Device(name=name, **values, battery_wh=None if battery is None else float(battery), runtime=runtime,
+                  bfloat16=bf16)
 
 
 def load_catalog(path: str | Path | None = None) -> dict[str, Device]:

@@ -413,6 +413,9 @@ def window_row(recipe: Recipe, target: PretrainedConfig, tier: str, width: float
 WAY_RANK = 8  # the adapter and window rank the ways table prices (memory barely depends on it)
 
 
+BFLOAT16_WAY = "AdamW bfloat16"  # the way only a tier with bfloat16 arithmetic (catalog ``bfloat16``) may take
+
+
 def training_ways(recipe: Recipe, target: PretrainedConfig, width: float) -> list[tuple[str, int, int, int]]:
     """Every way a device can train (part of) ``target`` at the recipe's batch and sequence length, as (way, trainable
     parameters, peak bytes without, with activation checkpointing): the whole target with AdamW in float32 and in
@@ -427,7 +430,7 @@ def training_ways(recipe: Recipe, target: PretrainedConfig, width: float) -> lis
     factored, exact = split(target, wire_state(state, config_aliases(target)), f.window_shared)
     ranked = factor_params(state, factored, WAY_RANK) + sum(state[n].numel() for n in exact)
     ways: list[tuple[str, dict[str, Any]]] = [
-        ("whole target, AdamW float32", {}), ("whole target, AdamW bfloat16", {"base_bits": 16}),
+        ("whole target, AdamW float32", {}), (f"whole target, {BFLOAT16_WAY}", {"base_bits": 16}),
         (f"window {width:g} of the units, int8 target", {"base_bits": 8, "window": window}),
         (f"window {width:g} of the units, int4 target", {"base_bits": 4, "window": window}),
         (f"rank-{WAY_RANK} windows, int8 target", {"base_bits": 8, "window": ranked}),
@@ -443,13 +446,18 @@ def training_ways(recipe: Recipe, target: PretrainedConfig, width: float) -> lis
 
 def ways_view(recipe: Recipe, usable: float = USABLE) -> PlanView:
     """Per tier, every way of training the target (:func:`training_ways`, a window at the tier's width) against
-    the tier's memory: which fit, which fit only with activation checkpointing, and by how much the rest miss."""
+    the tier's memory: which fit, which fit only with activation checkpointing, and by how much the rest miss; the
+    bfloat16 way only on a tier that computes in bfloat16 (without it, bfloat16 matmuls are emulated at a fraction
+    of float32's speed)."""
     target, catalog = recipe_target(recipe), load_catalog(recipe.population.catalog)
     rows = []
     for tier in recipe.population.mix:
-        budget = _budget(catalog[tier], usable)
+        device = catalog[tier]
+        budget = _budget(device, usable)
         for way, trainable, off, on in training_ways(recipe, target, recipe.fusion.widths.get(tier, 1.0)):
-            fits = ("yes" if off <= budget else "with checkpointing" if on <= budget else
+            fits = ("NO: no bfloat16 arithmetic on this tier (catalog bfloat16: false)"
+                    if BFLOAT16_WAY in way and not device.bfloat16 else
+                    "yes" if off <= budget else "with checkpointing" if on <= budget else
                     f"NO: needs {_mb(on)} MB even checkpointed, {_mb(budget)} MB usable")
             rows.append({"tier": tier, "way": way, "trainable": trainable, "peak MB": _mb(off),
                          "checkpointed MB": _mb(on), "fits": fits})
