@@ -1,10 +1,14 @@
-"""Deployment: TLS material and node keys, then the rolling recipe over a real SuperLink and SuperNodes."""
+"""Deployment: TLS material and node keys, then recipes over a real SuperLink and SuperNodes (one mixed deployment,
+with an unregistered SuperNode, read by two tests; the units mode)."""
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 import subprocess
+from contextlib import redirect_stdout
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -18,11 +22,6 @@ from fedfusion.run.run_dir import read_jsonl
 pytestmark = pytest.mark.slow  # Flower's runtime (Ray or SuperLink processes): minutes, not seconds
 
 ROOT = Path(__file__).resolve().parents[1]
-OVERRIDES = [
-    "rounds=1", "population.num_clients=2", "selection.clients_per_round=2", "model.hidden_size=32",
-    "model.num_heads=2", "model.num_kv_heads=2", "model.intermediate_size=32", "model.num_layers=1",
-    "train.local_steps=1", "data.eval_chars=2000",
-]
 
 
 def test_certificates_chain_to_the_ca_and_node_keys_are_what_flower_accepts(tmp_path):
@@ -46,24 +45,6 @@ def test_certificates_chain_to_the_ca_and_node_keys_are_what_flower_accepts(tmp_
         make_deploy_files(tmp_path / "none", ["127.0.0.1"], nodes=0)
 
 
-@pytest.mark.skipif(shutil.which("pgrep") is None, reason="needs pgrep to check that every process stopped")
-def test_rolling_over_tls_with_registered_supernodes_refuses_an_unregistered_one(tmp_path, monkeypatch, capsys):
-    monkeypatch.chdir(ROOT)
-    out, workdir = tmp_path / "run", tmp_path / "deploy"
-    assert main(["deploy", "rolling", *OVERRIDES, "--out", str(out), "--workdir", str(workdir),
-                 "--unregistered", "1"]) == 0, capsys.readouterr().out[-4000:]
-    printed = capsys.readouterr().out
-    assert "unregistered0: refused by the SuperLink" in printed
-    assert json.loads((out / "summary.json").read_text())["status"] == "ok"
-    clients = read_jsonl(out / "clients.jsonl")
-    assert len({c["node"] for c in clients}) == 2 and {c["status"] for c in clients} == {"ok"}
-    tiers = tier_list(load_recipe("rolling", OVERRIDES))  # each node trained as the tier its node-config named
-    assert sorted((c["partition"], c["device"]) for c in clients) == list(enumerate(tiers))
-    assert "Failed to activate SuperNode" in (workdir / "logs" / "unregistered0.log").read_text()
-    left = subprocess.run(["pgrep", "-f", str(workdir)], capture_output=True, text=True).stdout.split()
-    assert left == [], "processes left running"
-
-
 MIXED = [  # a phone distilling its own tiny model and a laptop training a quarter slice, in one round
     "rounds=1", "population.num_clients=2", "population.mix={phone: 0.5, laptop: 0.5}",
     "fusion.tiers={phone: distill, laptop: submodel}", "fusion.widths={laptop: 0.25}", "selection.clients_per_round=2",
@@ -71,24 +52,74 @@ MIXED = [  # a phone distilling its own tiny model and a laptop training a quart
     "model.num_layers=1", "train.local_steps=1", "data.eval_chars=2000", "distill.server_steps=2",
     "distill.back_steps=1", "distill.transfer.max_chars=2000",
 ]
+# the tests of the one mixed deployment stay on one pytest-xdist worker (addopts: --dist loadgroup): made once
+ON_THE_MIXED_DEPLOYMENT = pytest.mark.xdist_group("test_deploy.mixed")
+needs_pgrep = pytest.mark.skipif(shutil.which("pgrep") is None, reason="needs pgrep to check that every process stopped")
 
 
-@pytest.mark.skipif(shutil.which("pgrep") is None, reason="needs pgrep to check that every process stopped")
-def test_a_mixed_method_federation_deploys(tmp_path, monkeypatch, capsys):
+@dataclass(frozen=True)
+class Deployment:
+    """What one `fedfusion deploy` left: its exit code, what it printed, its run directory and its workdir (certs,
+    logs), and the processes still running from that workdir once it returned."""
+
+    code: int
+    printed: str
+    out: Path
+    workdir: Path
+    left: list[str]
+
+
+def deploy(tmp_path: Path, recipe: str, overrides: list[str], *extra: str) -> Deployment:
+    """`fedfusion deploy RECIPE` over a real SuperLink and SuperNodes, run from the source tree (flwr run . needs its
+    pyproject.toml). The SuperExecs poll for tasks every 0.2 s instead of Flower's 1 s (its
+    FLWR_SUPEREXEC_TASK_POLL_INTERVAL): every ClientApp message of a deployment starts after one such poll."""
+    out, workdir = tmp_path / "run", tmp_path / "deploy"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(ROOT)
+        mp.setenv("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", "0.2")
+        with redirect_stdout(io.StringIO()) as printed:
+            code = main(["deploy", recipe, *overrides, "--out", str(out), "--workdir", str(workdir), *extra])
+    left = subprocess.run(["pgrep", "-f", str(workdir)], capture_output=True, text=True).stdout.split()
+    return Deployment(code, printed.getvalue(), out, workdir, left)
+
+
+@pytest.fixture(scope="module")
+def mixed_deployment(tmp_path_factory) -> Deployment:
+    """recipes/mixed.yaml deployed once, with one SuperNode more than the recipe's two whose key nobody registered."""
+    return deploy(tmp_path_factory.mktemp("mixed"), "mixed", MIXED, "--unregistered", "1")
+
+
+@needs_pgrep
+@ON_THE_MIXED_DEPLOYMENT
+def test_deploying_over_tls_with_registered_supernodes_refuses_an_unregistered_one(mixed_deployment):
+    """Over TLS with SuperNode authentication: the registered SuperNodes train, each as the tier its node-config
+    named, the unregistered one is refused by the SuperLink, and no process of the deployment is left."""
+    d = mixed_deployment
+    assert d.code == 0, d.printed[-4000:]
+    assert "unregistered0: refused by the SuperLink" in d.printed
+    assert json.loads((d.out / "summary.json").read_text())["status"] == "ok"
+    clients = read_jsonl(d.out / "clients.jsonl")
+    assert len({c["node"] for c in clients}) == 2 and {c["status"] for c in clients} == {"ok"}
+    tiers = tier_list(load_recipe("mixed", MIXED))  # each node trained as the tier its node-config named
+    assert sorted((c["partition"], c["device"]) for c in clients) == list(enumerate(tiers))
+    assert "Failed to activate SuperNode" in (d.workdir / "logs" / "unregistered0.log").read_text()
+    assert d.left == [], "processes left running"
+
+
+@needs_pgrep
+@ON_THE_MIXED_DEPLOYMENT
+def test_a_mixed_method_federation_deploys(mixed_deployment):
     """recipes/mixed.yaml over a real SuperLink and SuperNodes: each node trains with its tier's method, and the
     ledger says which."""
-    monkeypatch.chdir(ROOT)
-    out, workdir = tmp_path / "run", tmp_path / "deploy"
-    assert main(["deploy", "mixed", *MIXED, "--out", str(out), "--workdir", str(workdir)]) == 0, \
-        capsys.readouterr().out[-4000:]
-    assert json.loads((out / "summary.json").read_text())["status"] == "ok"
-    clients = read_jsonl(out / "clients.jsonl")
+    d = mixed_deployment
+    assert d.code == 0, d.printed[-4000:]
+    assert json.loads((d.out / "summary.json").read_text())["status"] == "ok"
+    clients = read_jsonl(d.out / "clients.jsonl")
     assert sorted((c["device"], c["method"], c["status"]) for c in clients) == [
         ("laptop", "submodel", "ok"), ("phone", "distill", "ok")]
-    metrics = read_jsonl(out / "metrics.jsonl")
+    metrics = read_jsonl(d.out / "metrics.jsonl")
     assert [r["round"] for r in metrics] == [0, 1] and metrics[1]["eval_loss"] != metrics[0]["eval_loss"]
-    left = subprocess.run(["pgrep", "-f", str(workdir)], capture_output=True, text=True).stdout.split()
-    assert left == [], "processes left running"
+    assert d.left == [], "processes left running"
 
 
 def test_the_run_config_carries_overrides_with_spaces_whole(tmp_path):
@@ -116,8 +147,8 @@ UNITS = [  # the exact mode over real SuperNodes: 2 steps of a 1-layer target, i
 ]
 
 
-@pytest.mark.skipif(shutil.which("pgrep") is None, reason="needs pgrep to check that every process stopped")
-def test_the_units_mode_deploys_and_its_loss_is_central_training(tmp_path, monkeypatch, capsys):
+@needs_pgrep
+def test_the_units_mode_deploys_and_its_loss_is_central_training(tmp_path):
     """fusion.method=units through `fedfusion deploy` (~2 min here): every phase's tiles computed by the two
     SuperNodes (weight blocks kept in context.state), the loss curve that of a plain torch loop. (With
     ``units.supernodes=2 units.micro_batches=2`` the same command starts 4 SuperNodes and its losses were bit-equal
@@ -125,18 +156,14 @@ def test_the_units_mode_deploys_and_its_loss_is_central_training(tmp_path, monke
     SuperNodes per device on the simulation engine.)"""
     from tests.test_units_flower import central_losses
 
-    monkeypatch.chdir(ROOT)
-    out, workdir = tmp_path / "run", tmp_path / "deploy"
-    overrides = UNITS
-    assert main(["deploy", "rolling", *overrides, "--out", str(out), "--workdir", str(workdir)]) == 0, \
-        capsys.readouterr().out[-4000:]
-    assert "2 registered SuperNodes started" in capsys.readouterr().out
-    assert json.loads((out / "summary.json").read_text())["status"] == "ok"
-    assert [n["partition"] for n in read_jsonl(out / "nodes.jsonl")] == [0, 1]
-    rows = read_jsonl(out / "metrics.jsonl")
+    d = deploy(tmp_path, "rolling", UNITS)
+    assert d.code == 0, d.printed[-4000:]
+    assert "2 registered SuperNodes started" in d.printed
+    assert json.loads((d.out / "summary.json").read_text())["status"] == "ok"
+    assert [n["partition"] for n in read_jsonl(d.out / "nodes.jsonl")] == [0, 1]
+    rows = read_jsonl(d.out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2]
-    for row, central in zip(rows[1:], central_losses(overrides)):
+    for row, central in zip(rows[1:], central_losses(UNITS)):
         assert abs(row["train_loss"] - central) <= 1e-5 * central
         assert row["clients_ok"] == 2 and not row["missed"] and row["server_fallback"] == 0
-    left = subprocess.run(["pgrep", "-f", str(workdir)], capture_output=True, text=True).stdout.split()
-    assert left == [], "processes left running"
+    assert d.left == [], "processes left running"
