@@ -60,6 +60,12 @@ def central_losses(overrides: list[str]) -> list[float]:
 def run_units(tmp_path: Path, extra: list[str], nodes: int = 4) -> tuple[list[dict], list[float]]:
     out = tmp_path / "units"
     assert main(["run", "rolling", *TINY, *extra, "--out", str(out)]) == 0
+    return check_units_run(out, extra, nodes)
+
+
+def check_units_run(out: Path, extra: list[str], nodes: int = 4) -> tuple[list[dict], list[float]]:
+    """The ledgers of a finished units run of ``TINY + extra`` in ``out``, checked; its metrics rows and the loss
+    curve of central training on the same batches."""
     rows = read_jsonl(out / "metrics.jsonl")
     ledger = read_jsonl(out / "clients.jsonl")  # every device's priced work, per step
     for row in rows[1:]:
@@ -84,8 +90,23 @@ def assert_same_curve(rows: list[dict], central: list[float]) -> None:
     assert got[-1] < got[0]  # it trains
 
 
-def test_units_run_equals_central_training_step_for_step(tmp_path):
-    rows, central = run_units(tmp_path, ["units.offload=all", "units.micro_batches=2"])
+ALL_TWO = ["units.offload=all", "units.micro_batches=2"]  # every linear layer offloaded, 2 micro-batches a step
+# the tests that read the one uninterrupted ALL_TWO run stay on one pytest-xdist worker (addopts: --dist loadgroup)
+ON_THE_ALL_TWO_RUN = pytest.mark.xdist_group("test_units_flower.all_two_run")
+
+
+@pytest.fixture(scope="module")
+def all_two_run(tmp_path_factory) -> Path:
+    """One uninterrupted units run of ``TINY + ALL_TWO``: checked against central training and, by the kill-and-resume
+    test, against the resumed run."""
+    out = tmp_path_factory.mktemp("all-two") / "units"
+    assert main(["run", "rolling", *TINY, *ALL_TWO, "--out", str(out)]) == 0
+    return out
+
+
+@ON_THE_ALL_TWO_RUN
+def test_units_run_equals_central_training_step_for_step(all_two_run):
+    rows, central = check_units_run(all_two_run, ALL_TWO)
     assert_same_curve(rows, central)
     for row in rows[1:]:
         assert row["bytes_down"] > 0 and row["bytes_up"] > 0 and row["virtual_s"] > 0
@@ -95,7 +116,7 @@ def test_units_run_equals_central_training_step_for_step(tmp_path):
         assert row["formula_rel_down"] <= 0.05 and row["formula_rel_up"] <= 0.05  # bytes per device per phase
     assert "eval_loss" in rows[0] and "eval_loss" in rows[-1]
     # `fedfusion plan` prices the same step from the shape alone: its bytes and virtual seconds are the run's
-    step, _ = units_plan(load_recipe("rolling", [*TINY, "units.offload=all", "units.micro_batches=2"]))
+    step, _ = units_plan(load_recipe("rolling", [*TINY, *ALL_TWO]))
     for row in rows[1:]:
         if row["redispatched"]:  # a unit re-sent after its deadline (a loaded host) travels twice: more than planned
             assert row["bytes_down"] > step["MB down"] * 1e6 * 0.99
@@ -162,15 +183,14 @@ def test_each_step_prices_every_device_it_sent_units_to():
     assert rows[1]["energy_j"] == pytest.approx(price_work(catalog["laptop"], 6e9, 300, 90).wall_j)
 
 
-def test_a_units_run_killed_after_step_one_resumes_to_the_uninterrupted_curve(tmp_path):
+@ON_THE_ALL_TWO_RUN
+def test_a_units_run_killed_after_step_one_resumes_to_the_uninterrupted_curve(all_two_run, tmp_path):
     """Killed (SIGKILL: the CLI, Ray and its workers) once step 1's checkpoint (target, AdamW moments) is written,
     then resumed with `fedfusion run --resume`: steps 2 and 3 and the final evaluation are the uninterrupted run's
     (float tolerance: with micro-batches in flight a tile's last bits may vary, see run.units.train_step)."""
-    extra = ["units.offload=all", "units.micro_batches=2"]
-    whole = tmp_path / "whole"
-    assert main(["run", "rolling", *TINY, *extra, "--out", str(whole)]) == 0
+    whole = all_two_run
     out = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, "-m", "fedfusion.cli", "run", "rolling", *TINY, *extra, "--out", str(out)],
+    proc = subprocess.Popen([sys.executable, "-m", "fedfusion.cli", "run", "rolling", *TINY, *ALL_TWO, "--out", str(out)],
                             start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     state, deadline = out / "checkpoint" / "state.json", time.monotonic() + 400
     while proc.poll() is None and time.monotonic() < deadline and not state.is_file():
