@@ -12,6 +12,7 @@ import sys
 from collections.abc import Generator
 from importlib import import_module
 from importlib.util import find_spec
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -122,6 +123,25 @@ def one_thread():
 def private_cache(tmp_path_factory):
     """Tests (and the Ray workers they start, which inherit the environment) never touch ~/.cache."""
     os.environ["FEDFUSION_CACHE"] = str(tmp_path_factory.mktemp("fedfusion-cache"))
+
+
+@pytest.fixture(scope="session")
+def flower_app(tmp_path_factory) -> Path:
+    """The source tree's Flower app as ``flwr run .`` bundles it: the FAB that Flower's own builder makes of the
+    checkout, unpacked. ``flwr run`` of this directory submits the very same FAB (same files, same bytes, same hash),
+    without walking the checkout again: Flower's builder visits every file under the app directory before it filters
+    them, a virtual environment inside the checkout included (10-20 s a ``flwr run .`` on a loaded 2-core machine)."""
+    import io
+    import zipfile
+
+    from flwr.cli.build import build_fab_from_disk  # flwr.cli pulls in fastapi: only where a test needs it
+
+    path = tmp_path_factory.mktemp("flower-app")
+    with zipfile.ZipFile(io.BytesIO(build_fab_from_disk(Path(__file__).resolve().parents[1]))) as fab:
+        for name in fab.namelist():
+            if not name.startswith(".info/"):  # the FAB's own metadata, written again by every build
+                fab.extract(name, path)
+    return path
 
 
 @pytest.fixture

@@ -21,7 +21,6 @@ from fedfusion.run.run_dir import read_jsonl
 
 pytestmark = pytest.mark.slow  # Flower's runtime (Ray or SuperLink processes): minutes, not seconds
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_certificates_chain_to_the_ca_and_node_keys_are_what_flower_accepts(tmp_path):
@@ -69,13 +68,14 @@ class Deployment:
     left: list[str]
 
 
-def deploy(tmp_path: Path, recipe: str, overrides: list[str], *extra: str) -> Deployment:
-    """`fedfusion deploy RECIPE` over a real SuperLink and SuperNodes, run from the source tree (flwr run . needs its
-    pyproject.toml). The SuperExecs poll for tasks every 0.2 s instead of Flower's 1 s (its
-    FLWR_SUPEREXEC_TASK_POLL_INTERVAL): every ClientApp message of a deployment starts after one such poll."""
+def deploy(tmp_path: Path, app: Path, recipe: str, overrides: list[str], *extra: str) -> Deployment:
+    """`fedfusion deploy RECIPE` over a real SuperLink and SuperNodes, run from ``app``: the source tree's Flower app
+    as `flwr run .` bundles it (the ``flower_app`` fixture; flwr run . needs its pyproject.toml). The SuperExecs poll
+    for tasks every 0.2 s instead of Flower's 1 s (its FLWR_SUPEREXEC_TASK_POLL_INTERVAL): every ClientApp message of
+    a deployment starts after one such poll."""
     out, workdir = tmp_path / "run", tmp_path / "deploy"
     with pytest.MonkeyPatch.context() as mp:
-        mp.chdir(ROOT)
+        mp.chdir(app)
         mp.setenv("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", "0.2")
         with redirect_stdout(io.StringIO()) as printed:
             code = main(["deploy", recipe, *overrides, "--out", str(out), "--workdir", str(workdir), *extra])
@@ -84,9 +84,9 @@ def deploy(tmp_path: Path, recipe: str, overrides: list[str], *extra: str) -> De
 
 
 @pytest.fixture(scope="module")
-def mixed_deployment(tmp_path_factory) -> Deployment:
+def mixed_deployment(tmp_path_factory, flower_app) -> Deployment:
     """recipes/mixed.yaml deployed once, with one SuperNode more than the recipe's two whose key nobody registered."""
-    return deploy(tmp_path_factory.mktemp("mixed"), "mixed", MIXED, "--unregistered", "1")
+    return deploy(tmp_path_factory.mktemp("mixed"), flower_app, "mixed", MIXED, "--unregistered", "1")
 
 
 @needs_pgrep
@@ -148,7 +148,7 @@ UNITS = [  # the exact mode over real SuperNodes: 2 steps of a 1-layer target, i
 
 
 @needs_pgrep
-def test_the_units_mode_deploys_and_its_loss_is_central_training(tmp_path):
+def test_the_units_mode_deploys_and_its_loss_is_central_training(tmp_path, flower_app):
     """fusion.method=units through `fedfusion deploy` (~2 min here): every phase's tiles computed by the two
     SuperNodes (weight blocks kept in context.state), the loss curve that of a plain torch loop. (With
     ``units.supernodes=2 units.micro_batches=2`` the same command starts 4 SuperNodes and its losses were bit-equal
@@ -156,7 +156,7 @@ def test_the_units_mode_deploys_and_its_loss_is_central_training(tmp_path):
     SuperNodes per device on the simulation engine.)"""
     from tests.test_units_flower import central_losses
 
-    d = deploy(tmp_path, "rolling", UNITS)
+    d = deploy(tmp_path, flower_app, "rolling", UNITS)
     assert d.code == 0, d.printed[-4000:]
     assert "2 registered SuperNodes started" in d.printed
     assert json.loads((d.out / "summary.json").read_text())["status"] == "ok"

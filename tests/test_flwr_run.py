@@ -1,4 +1,5 @@
-"""`flwr run .` runs the same ServerApp/ClientApp through Flower's own CLI and local SuperLink."""
+"""`flwr run .` runs the same ServerApp/ClientApp through Flower's own CLI and local SuperLink (from the unpacked FAB
+that `flwr run .` bundles of the source tree, the ``flower_app`` fixture: the same FAB, built once)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ import pytest
 
 pytestmark = pytest.mark.slow  # Flower's runtime (Ray or SuperLink processes): minutes, not seconds
 
-ROOT = Path(__file__).resolve().parents[1]
 FLWR = os.path.join(os.path.dirname(sys.executable), "flwr")
 OVERRIDES = (
     "rounds=1 population.num_clients=3 selection.clients_per_round=2 model.hidden_size=32 model.num_heads=2 "
@@ -56,21 +56,21 @@ def _flwr_run_cmd(supernodes: int, overrides: str, out: Path) -> list[str]:
             "-c", f"recipe='rolling' overrides='{overrides}' out='{out}'"]
 
 
-def _flwr_run(tmp_path: Path, supernodes: int) -> tuple[subprocess.CompletedProcess, Path]:
-    """`flwr run . --stream` of the tiny rolling recipe on a local federation of ``supernodes`` SuperNodes (its own
-    FLWR_HOME, its SuperLink stopped afterwards); the finished process and the run directory it was given."""
+def _flwr_run(tmp_path: Path, app: Path, supernodes: int) -> tuple[subprocess.CompletedProcess, Path]:
+    """`flwr run . --stream` in ``app`` of the tiny rolling recipe on a local federation of ``supernodes`` SuperNodes
+    (its own FLWR_HOME, its SuperLink stopped afterwards); the finished process and the run directory it was given."""
     flwr_home, out = tmp_path / "flwr-home", tmp_path / "run"
     flwr_home.mkdir()
     try:
-        return subprocess.run(_flwr_run_cmd(supernodes, OVERRIDES, out), cwd=ROOT, env=_flwr_env(flwr_home),
+        return subprocess.run(_flwr_run_cmd(supernodes, OVERRIDES, out), cwd=app, env=_flwr_env(flwr_home),
                               capture_output=True, text=True, timeout=480), out
     finally:
         _stop_local_superlink(flwr_home)
 
 
 @pytest.mark.skipif(shutil.which("pkill") is None, reason="needs pkill to stop the local SuperLink")
-def test_flwr_run_writes_a_complete_run(tmp_path):
-    proc, out = _flwr_run(tmp_path, supernodes=3)
+def test_flwr_run_writes_a_complete_run(tmp_path, flower_app):
+    proc, out = _flwr_run(tmp_path, flower_app, supernodes=3)
     assert (out / "summary.json").is_file(), proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "ok"
@@ -80,21 +80,21 @@ def test_flwr_run_writes_a_complete_run(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("pkill") is None, reason="needs pkill to stop the local SuperLink")
-def test_flwr_run_with_more_supernodes_than_clients_is_a_clear_error(tmp_path):
+def test_flwr_run_with_more_supernodes_than_clients_is_a_clear_error(tmp_path, flower_app):
     """(Fewer SuperNodes wait 30 s for more to connect first: that case is held by tests/test_federation_check.py.)"""
-    proc, out = _flwr_run(tmp_path, supernodes=4)
+    proc, out = _flwr_run(tmp_path, flower_app, supernodes=4)
     said = proc.stdout + proc.stderr
     assert "the federation has 4 SuperNodes but population.num_clients is 3" in said, said[-3000:]
     assert not out.exists()  # refused before the run directory is made
 
 
 @pytest.mark.skipif(shutil.which("pkill") is None, reason="needs pkill to stop the local SuperLink")
-def test_flwr_stop_leaves_no_process_of_the_run_behind(tmp_path):
+def test_flwr_stop_leaves_no_process_of_the_run_behind(tmp_path, flower_app):
     """`flwr stop` ends the run's flwr-simulation process; Ray's agents used to outlive it by a minute or more."""
     flwr_home, out = tmp_path / "flwr-home", tmp_path / "run"
     flwr_home.mkdir()
     env = _flwr_env(flwr_home)
-    cli = subprocess.Popen(_flwr_run_cmd(3, OVERRIDES.replace("rounds=1", "rounds=200"), out), cwd=ROOT, env=env,
+    cli = subprocess.Popen(_flwr_run_cmd(3, OVERRIDES.replace("rounds=1", "rounds=200"), out), cwd=flower_app, env=env,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 300
