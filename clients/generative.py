@@ -41,9 +41,10 @@ def train(state: dict[str, torch.Tensor], spec: ConfigRecord, partition: int,
     set_threads(spec)
     windows = _windows(spec, partition, "train")
     model = _model(state, spec, accelerator)
+    steps = local_steps(spec)
     new_state, metrics = trained_reply(model, windows, (corrupt and not on_node, delay),
-                                       lambda: train_steps(model, windows, **local_steps(spec)))
-    samples = samples_reply(model, windows, ask, RoundSpec.from_config(spec).seed)
+                                       lambda: train_steps(model, windows, **steps))
+    samples = samples_reply(model, windows, ask, RoundSpec.from_config(spec).seed, private=steps["dp"] is not None)
     if corrupt and on_node:
         samples[SAMPLES_KEY].view(-1)[0] = -1  # a token id outside every vocabulary
     new_state.update(samples)

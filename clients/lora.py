@@ -26,6 +26,7 @@ import time
 from functools import lru_cache
 
 import torch
+from fedfusion.clients.privacy import private_training
 from fedfusion.clients.submodel import inject_faults, set_threads
 from flwr.app import ConfigRecord
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -94,7 +95,8 @@ def train(arrays: dict[str, torch.Tensor], spec: ConfigRecord, partition: int,
             load_factors(model, arrays)
             with HostMeter(gpu_index(base.device)) as meter:  # the host's own meters (labelled, not priced)
                 stats = train_steps(model, data, steps=train.local_steps, lr=train.lr, batch_size=train.batch_size,
-                                    seed=seed, weight_decay=train.weight_decay, loss=RESPONSE).metrics()
+                                    seed=seed, weight_decay=train.weight_decay, loss=RESPONSE,
+                                    dp=private_training(spec)).metrics()
             stats.update(meter.metrics())
             factors = adapter_factors(model)
             sent = [k for k in arrays if k.endswith((".lora_A", ".lora_B"))]

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 from fedfusion.clients.cache import MODELS
+from fedfusion.clients.privacy import private_training
 from flwr.app import ConfigRecord
 from transformers import PreTrainedModel
 
@@ -67,8 +68,9 @@ def inject_faults(spec: ConfigRecord, partition: int) -> tuple[bool, float]:
 
 
 def local_steps(spec: ConfigRecord) -> dict[str, Any]:
-    """The spec's local training settings, as ``train_steps`` takes them (:func:`fedfusion.wire.specs.read_train`)."""
-    return read_train(spec)
+    """The spec's local training settings, as ``train_steps`` takes them (:func:`fedfusion.wire.specs.read_train`),
+    with DP-SGD's where the run asks for it."""
+    return {**read_train(spec), "dp": private_training(spec)}
 
 
 def trained_reply(model: torch.nn.Module, windows: torch.Tensor, faults: tuple[bool, float],

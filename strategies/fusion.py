@@ -48,6 +48,7 @@ from fedfusion.fusion.base import (
 from fedfusion.fusion.rounds import client_seed, client_steps, fold_order, fold_round, round_payloads
 from fedfusion.fusion.state import rng_state, set_rng_state
 from fedfusion.selection.participation import Participation, draw_size
+from fedfusion.train.dp import ClientBudgets
 from fedfusion.wire.keys import NUM_EXAMPLES
 from fedfusion.wire.specs import DROPPED, Caps, ClientSpec, PrivacySpec, RoundSpec, SpecError, TrainSpec
 
@@ -81,6 +82,14 @@ class _Round:
     clock_s: float = 0.0
     fed_eval: dict[str, float] = field(default_factory=dict)
     server_cost: dict[str, float] = field(default_factory=lambda: {"flops": 0.0, "seconds": 0.0, "tokens": 0.0})
+
+
+def private_budgets(train_config: Mapping[str, Any]) -> ClientBudgets | None:
+    """The clients' DP-SGD budgets of a run whose common spec asks for ``privacy.mode=dp_sgd``, else None."""
+    spec = PrivacySpec.from_config_if_any(train_config)
+    if spec is None or spec.mode != "dp_sgd":
+        return None
+    return ClientBudgets(spec.noise_multiplier, spec.delta, spec.epsilon, {})
 
 
 class FusionStrategy(Strategy):
@@ -149,6 +158,7 @@ class FusionStrategy(Strategy):
         # local DP adds noise to every coordinate of a reply, so its norm says nothing about abuse: no norm check
         local_dp = self.train_config.get(PrivacySpec.key("mode")) == "local"
         self.max_norm_ratio = 0.0 if local_dp else max_norm_ratio
+        self.budgets = private_budgets(self.train_config)  # dp_sgd: each client's epsilon, accounted here
         # over-selection: sample this many more, and the round closes at clients_per_round replies (QuorumGrid)
         self.overselect = overselect
         if pool < self.per_round_draw:
@@ -172,6 +182,7 @@ class FusionStrategy(Strategy):
         self.costs: dict[str, WorkCost] = {}
         self.round = _Round()
         self.round_offset = 0  # rounds done before a resume: Flower counts from 1 again, the run does not
+        self.exhausted: set[int] = set()  # dp_sgd: partitions left out for their budget (logged once)
 
     @property
     def per_round_draw(self) -> int:
@@ -182,7 +193,8 @@ class FusionStrategy(Strategy):
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint must keep for a resumed run to sample and fold as the uninterrupted one would."""
         return {"rng": rng_state(self.rng), "participation": self.participation.state_dict(),
-                "methods": {m.name: m.state_dict() for m in self.fold_order}}
+                "methods": {m.name: m.state_dict() for m in self.fold_order},
+                "dp_history": {} if self.budgets is None else dict(self.budgets.history)}
 
     def load_state_dict(self, state: dict[str, Any], rounds_done: int) -> None:
         """Continue from a checkpoint taken after ``rounds_done`` rounds."""
@@ -190,6 +202,8 @@ class FusionStrategy(Strategy):
         self.participation.load_state_dict(state["participation"])
         for method in self.fold_order:
             method.load_state_dict(state.get("methods", {}).get(method.name, {}))
+        if self.budgets is not None:
+            self.budgets.history = {int(p): [tuple(e) for e in h] for p, h in state.get("dp_history", {}).items()}
         self.round_offset = rounds_done
 
     def summary(self) -> None:
@@ -291,6 +305,24 @@ class FusionStrategy(Strategy):
         steps = int(c.get(TrainSpec.key("local_steps"), 0)) if steps is None else steps
         return steps * int(c.get(TrainSpec.key("batch_size"), 0)) * int(c.get(ClientSpec.key("seq_len"), 0))
 
+    def within_budget(self, by_partition: dict[int, int]) -> dict[int, int]:
+        """``by_partition`` less the clients whose next round of DP-SGD would spend more than the run's epsilon
+        (each logged when it is left out); all of them without dp_sgd."""
+        if self.budgets is None:
+            return by_partition
+        batch, steps = int(self.train_config[TrainSpec.key("batch_size")]), self.train_config[TrainSpec.key("local_steps")]
+        keep = {}
+        for p, node in by_partition.items():
+            steps_now = self.local_steps(node) or int(steps)
+            after = self.budgets.after(p, int(self.caps[node][Caps.key("examples")]), batch, steps_now)
+            if after <= self.budgets.epsilon:
+                keep[p] = node
+            elif p not in self.exhausted:
+                self.exhausted.add(p)
+                log(WARNING, "partition %d stops training: another round would bring its epsilon to %.3g, over "
+                    "privacy.epsilon=%g (spent %.3g)", p, after, self.budgets.epsilon, self.budgets.spent(p))
+        return keep
+
     def local_steps(self, node: int) -> int | None:
         """The local steps ``node`` takes this round under ``max_epochs`` (:func:`client_steps`, from the examples
         its capability reply counted); None when no cap applies (``max_epochs`` 0): ``train_config``'s."""
@@ -330,7 +362,7 @@ class FusionStrategy(Strategy):
 
     def sample(self, grid: Grid, server_round: int) -> list[int]:
         """The participation draw over the round's pool: the nodes to train (dropouts are logged, not sent)."""
-        by_partition = self.candidates(grid, self._wait_for_nodes(grid), server_round)
+        by_partition = self.within_budget(self.candidates(grid, self._wait_for_nodes(grid), server_round))
         if not by_partition:
             log(WARNING, "no node has answered the capability query; this round trains nobody")
         draw = self.participation.draw(server_round, {p: self.device_of(n) for p, n in by_partition.items()},
@@ -417,9 +449,14 @@ class FusionStrategy(Strategy):
         if self.max_norm_ratio and payload.sent_norm and update.norm > self.max_norm_ratio * payload.sent_norm:
             raise ValueError(f"update norm {update.norm:.3g} is over {self.max_norm_ratio:g}x the norm of the "
                              f"{method.noun} sent ({payload.sent_norm:.3g})")
-        self.round.rows[row.node] = replace(self.round.rows[row.node], status="ok", examples=train.examples,
-                                            train_loss=train.loss, train_s=train.seconds, device_s=train.device_s,
-                                            tokens=train.tokens)
+        ok = replace(self.round.rows[row.node], status="ok", examples=train.examples, train_loss=train.loss,
+                     train_s=train.seconds, device_s=train.device_s, tokens=train.tokens)
+        if self.budgets is not None:  # the round this client trained, accounted (Opacus' RDP accountant)
+            batch = int(self.train_config[TrainSpec.key("batch_size")])
+            steps = self.local_steps(row.node) or int(self.train_config[TrainSpec.key("local_steps")])
+            spent = self.budgets.spend(row.partition, int(self.caps[row.node][Caps.key("examples")]), batch, steps)
+            ok = replace(ok, extra={**ok.extra, "epsilon": spent, "delta": self.budgets.delta})
+        self.round.rows[row.node] = ok
         return update
 
     def close_round(self) -> None:

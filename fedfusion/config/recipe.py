@@ -307,12 +307,16 @@ class FaultConfig:
 
 @dataclass
 class PrivacyConfig:
-    """Client-side differential privacy, applied to each client's update by Flower's own mods."""
+    """Client-side differential privacy: on each client's update by Flower's own mods (clip, local), or in the
+    devices' training loop (dp_sgd: :mod:`fedfusion.train.dp`, accounted across every round a client trains)."""
 
-    mode: str = "none"  # none | clip (fixedclipping_mod: bound the update's L2 norm) | local (LocalDpMod: + noise)
-    clipping_norm: float = 1.0  # L2 bound on a client's update (also the sensitivity LocalDpMod calibrates to)
-    epsilon: float = 10.0  # local: per-round privacy budget of one client's update
-    delta: float = 1e-5  # local
+    # none | clip (fixedclipping_mod: bound the update's L2 norm) | local (LocalDpMod: + noise) | dp_sgd (per-example
+    # clipping and Gaussian noise in every local step, epsilon accounted over the run)
+    mode: str = "none"
+    clipping_norm: float = 1.0  # L2 bound on a client's update (clip, local) or on one example's gradient (dp_sgd)
+    epsilon: float = 10.0  # local: per-round budget of one client's update; dp_sgd: a client's budget for the run
+    delta: float = 1e-5  # local, dp_sgd
+    noise_multiplier: float = 1.0  # dp_sgd: the noise's sd over the clipping norm
 
 
 @dataclass
@@ -618,6 +622,12 @@ def validate(recipe: Recipe) -> None:
             _positive(f"privacy.{name}", getattr(recipe.privacy, name))
         if recipe.privacy.delta >= 1:
             raise RecipeError(f"privacy.delta: must be < 1, got {recipe.privacy.delta}")
+        if recipe.privacy.mode == "dp_sgd":
+            _positive("privacy.noise_multiplier", recipe.privacy.noise_multiplier)
+        elif uses(recipe, GENERATIVE):
+            raise RecipeError(f"privacy.mode: {recipe.privacy.mode} clips a reply against the model sent, but a "
+                              "generative client replies samples; use privacy.mode=dp_sgd (its samples are drawn from a "
+                              "DP-trained model)")
     if not 0 < recipe.data.held_out < 1:
         raise RecipeError(f"data.held_out: must be in (0, 1), got {recipe.data.held_out}")
     if recipe.data.source == "text" and not recipe.data.path:
@@ -853,7 +863,7 @@ def _validate_wire(recipe: Recipe) -> None:
         if not (uses(recipe, SUBMODEL) or uses(recipe, LORA)):
             raise RecipeError(f"fusion.{key}: {value} applies to the tiers of fusion.method=submodel or lora only, "
                               f"got {f.method!r}")
-        if recipe.privacy.mode != "none" and value in ("int8", "int4"):
+        if recipe.privacy.mode in ("clip", "local") and value in ("int8", "int4"):
             raise RecipeError(f"fusion.{key}: {value} cannot go with privacy.mode={recipe.privacy.mode} (Flower's "
                               "DP mods clip the reply against the payload value by value); use float32 or float16 down "
                               "and float32 up")

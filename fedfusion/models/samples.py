@@ -63,13 +63,17 @@ class GenerativeConfig:
 
 @torch.no_grad()
 def sample_windows(model: PreTrainedModel, own: torch.Tensor, n: int, temperature: float,
-                   seed: int) -> torch.Tensor:
+                   seed: int, private: bool = False) -> torch.Tensor:
     """``n`` windows shaped like ``own`` (the client's training windows) sampled from ``model`` (ancestral
-    sampling, KV-cached), each opened by the first token of a random own window (``<bos>`` for facts); seeded
-    without touching the caller's global random state."""
+    sampling, KV-cached), each opened by the first token of a random own window (``<bos>`` for facts), or, when
+    ``private`` (a DP-trained model), by a uniformly random token id, so that nothing of the client's data but what
+    the model learned privately goes up; seeded without touching the caller's global random state."""
     model.eval()
     gen = torch.Generator().manual_seed(seed)
-    start = own[torch.randint(len(own), (n,), generator=gen), :1].to(model.device)
+    if private:
+        start = torch.randint(int(model.config.vocab_size), (n, 1), generator=gen).to(model.device)
+    else:
+        start = own[torch.randint(len(own), (n,), generator=gen), :1].to(model.device)
     width = own.shape[1]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -94,10 +98,12 @@ def top_tokens(model: PreTrainedModel, windows: torch.Tensor, k: int, batch_size
     return torch.cat(ids), torch.cat(logp)
 
 
-def samples_reply(model: PreTrainedModel, own: torch.Tensor, ask: GenerativeSpec, seed: int) -> dict[str, torch.Tensor]:
+def samples_reply(model: PreTrainedModel, own: torch.Tensor, ask: GenerativeSpec, seed: int,
+                  private: bool = False) -> dict[str, torch.Tensor]:
     """What a client adds to its reply: ``ask.samples`` windows sampled from ``model`` under :data:`SAMPLES_KEY`
-    and, with ``ask.top_k``, their teacher arrays under :data:`TEACHER_KEYS`."""
-    samples = sample_windows(model, own, ask.samples, ask.temperature, seed)
+    and, with ``ask.top_k``, their teacher arrays under :data:`TEACHER_KEYS` (``private``: see
+    :func:`sample_windows`)."""
+    samples = sample_windows(model, own, ask.samples, ask.temperature, seed, private)
     if not ask.top_k:
         return {SAMPLES_KEY: samples}
     ids, logp = top_tokens(model, samples, ask.top_k)

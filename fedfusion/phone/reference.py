@@ -74,7 +74,7 @@ class ReferenceDevice:
         import torch
 
         from fedfusion.data.population import client_windows
-        from fedfusion.wire.specs import ClientSpec, LoRABaseSpec, read_train
+        from fedfusion.wire.specs import ClientSpec, LoRABaseSpec, PrivacySpec, read_train
 
         torch.set_num_threads(self.threads)
         spec = task["spec"]
@@ -87,6 +87,10 @@ class ReferenceDevice:
                                                        LoRABaseSpec.from_config(spec).base, client.seq_len)
         else:
             data = client_windows(client.data_spec, int(spec["partition"]), client.seq_len, "train")
+        privacy = PrivacySpec.from_config_if_any(spec)
+        if privacy is not None and privacy.mode == "dp_sgd":  # the program's step is fixed: no per-example clipping
+            raise RuntimeError("privacy.mode=dp_sgd: a phone's training program has no DP-SGD step; this device "
+                               "cannot train privately")
         stats = train_program(runner, data, **read_train(spec))
         metrics = {NUM_EXAMPLES: len(data), "train_loss": stats.loss, "train_s": stats.seconds,
                    "train_tokens": stats.tokens, DEVICE_STEP_S: stats.seconds / max(1, len(stats.losses))}

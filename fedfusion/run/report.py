@@ -434,6 +434,25 @@ def units_report(run: Path, rows: list[dict], summary: dict, out: Path) -> Path:
     return path
 
 
+def _privacy_lines(recipe: Any, clients: list[dict[str, Any]]) -> list[str]:
+    """With ``privacy.mode=dp_sgd``: the mechanism and the epsilon each client spent (its last accounted round)."""
+    privacy = OmegaConf.select(recipe, "privacy", default=None) or {}
+    if privacy.get("mode") != "dp_sgd":
+        return []
+    spent: dict[int, float] = {}
+    for row in clients:
+        if row.get("epsilon") is not None:
+            spent[row["partition"]] = row["epsilon"]
+    head = (f"Privacy: DP-SGD on every device (per-example gradients clipped to {privacy['clipping_norm']:g}, noise "
+            f"multiplier {privacy['noise_multiplier']:g}; Opacus' RDP accountant at delta {privacy['delta']:g}, "
+            f"budget {privacy['epsilon']:g} per client).")
+    if not spent:
+        return [head + " No client trained.", ""]
+    values = sorted(spent.values())
+    return [f"{head} Epsilon spent: at most {values[-1]:.3g}, median {values[len(values) // 2]:.3g}, over the "
+            f"{len(values)} clients that trained (each client's in `clients.jsonl`, column `epsilon`).", ""]
+
+
 def write_report(run: Path, out: Path | None = None) -> Path:
     """report.md and plots/ for one run directory, written into ``out`` (default: the run directory itself)."""
     rows, summary = _load(run)
@@ -465,6 +484,7 @@ def write_report(run: Path, out: Path | None = None) -> Path:
             lines += [f"Still rising: the last {rising[0]} evaluations gained {100 * rising[1]:.1f} points of recall; "
                       "the budget (`rounds`) may be too short for these facts.", ""]
     lines += [f"Status: **{summary.get('status')}**", ""]
+    lines += _privacy_lines(recipe, clients)
     if summary.get("status") == "ok":
         lines += [
             f"Target: {summary['target_params']:,} parameters, {summary['rounds']} rounds, "

@@ -25,6 +25,7 @@ from fedfusion.devices.energy import train_flops
 from fedfusion.models.frozen import FrozenTargetModel
 from fedfusion.models.full_forward import WindowModel
 from fedfusion.models.low_rank import LowRankModel
+from fedfusion.train.dp import DpSgd, noise_generator, private_gradients
 
 
 def lm_loss(model: PreTrainedModel | WindowModel | LowRankModel, batch: torch.Tensor,
@@ -195,6 +196,7 @@ def train_steps(
     checkpoint: bool = False,
     loss: Loss = LM,
     opt: torch.optim.Optimizer | None = None,
+    dp: DpSgd | None = None,
 ) -> TrainResult:
     """The one local training loop: ``steps`` optimizer steps (:func:`make_optimizer`) of ``loss`` on random
     batches of ``data``.
@@ -210,6 +212,8 @@ def train_steps(
     ``opt``: an optimizer over ``model``'s parameters to continue (its moments carry across calls, as the server's
     generative training keeps one across rounds) instead of a fresh one; ``optimizer``, ``lr`` and
     ``weight_decay`` are then its own.
+    ``dp``: DP-SGD (:mod:`fedfusion.train.dp`): each step's gradient is the noisy mean of the batch's clipped
+    per-example gradients (one example's backward at a time).
 
     Batches are drawn on the CPU with a seeded generator (the same batches on any accelerator) and
     moved to wherever ``model`` lives; dropout, where the model has any, follows ``seed`` too.
@@ -224,11 +228,15 @@ def train_steps(
     opt = opt if opt is not None else make_optimizer(model, optimizer, lr, weight_decay)
     model.train()
     start, losses, tokens, flops, sums = time.perf_counter(), list[float](), 0, 0.0, dict[str, float]()
+    noise = noise_generator() if dp is not None else None
     with seeded_randomness(seed, model.device):
         for _ in range(steps):
             rows = torch.randint(len(data), (batch_size,), generator=gen)
-            step = loss(model, data[rows], rows)
-            value = optimizer_step(opt, step.loss, loss.what)
+            if dp is None or noise is None:
+                step = loss(model, data[rows], rows)
+                value = optimizer_step(opt, step.loss, loss.what)
+            else:
+                step, value = _private_step(model, opt, loss, data, rows, dp, noise)
             losses.append(value if step.reported is None else step.reported)
             tokens += step.tokens
             flops += step.flops
@@ -238,6 +246,34 @@ def train_steps(
     params = sum(p.numel() for p in model.parameters())
     return TrainResult(tuple(losses), float(tokens), seconds, {k: v / steps for k, v in sums.items()},
                        train_flops(params, tokens) + flops)
+
+
+def _private_step(model: Any, opt: torch.optim.Optimizer, loss: Loss, data: Any, rows: torch.Tensor, dp: DpSgd,
+                  noise: torch.Generator) -> tuple[Step, float]:
+    """One DP-SGD step on the batch ``data[rows]``: the batch's loss and tokens as a plain step would report them,
+    the gradient :func:`fedfusion.train.dp.private_gradients` of its examples taken one at a time."""
+    params = [p for group in opt.param_groups for p in group["params"] if p.requires_grad]
+    steps: list[Step] = []
+
+    def example_losses() -> Iterator[torch.Tensor]:
+        for i in range(len(rows)):
+            one = loss(model, data[rows[i: i + 1]], rows[i: i + 1])
+            value = one.loss.item()
+            if not math.isfinite(value):
+                raise FloatingPointError(f"{loss.what} loss became {value}")
+            steps.append(one)
+            yield one.loss
+
+    grads = private_gradients(params, example_losses(), len(rows), dp, noise)
+    opt.zero_grad(set_to_none=True)
+    for p, g in zip(params, grads):
+        p.grad = g
+    opt.step()
+    reported = [s.loss.item() if s.reported is None else s.reported for s in steps]
+    parts = {k: sum(s.parts.get(k, 0.0) for s in steps) / len(steps) for k in steps[0].parts}
+    step = Step(torch.tensor(sum(reported) / len(reported)), sum(s.tokens for s in steps), parts=parts,
+                flops=sum(s.flops for s in steps))
+    return step, float(step.loss)
 
 
 @torch.no_grad()

@@ -238,13 +238,14 @@ class PrivacySpec(Spec):
     clipping_norm: float = field(metadata={KEY: KEY_CLIPPING_NORM})
     epsilon: float
     delta: float
+    noise_multiplier: float = 1.0  # dp_sgd
 
     def __post_init__(self) -> None:
         _check(self, "mode", PRIVACY_MODES)
 
     @classmethod
     def from_recipe(cls, privacy: PrivacyConfig) -> PrivacySpec:
-        return cls(privacy.mode, privacy.clipping_norm, privacy.epsilon, privacy.delta)
+        return cls(privacy.mode, privacy.clipping_norm, privacy.epsilon, privacy.delta, privacy.noise_multiplier)
 
 
 # -- what each role trains -----------------------------------------------------------------------------------

@@ -1,0 +1,99 @@
+"""DP-SGD on a device (Abadi et al., 2016) and its privacy accounting (plain torch, no Flower).
+
+A private step computes every example's gradient on its own, clips it to ``clip`` in L2 norm over all trainable
+tensors, sums them, adds Gaussian noise of standard deviation ``noise_multiplier * clip`` and divides by the
+batch size; the optimizer then steps on that. An example is one training window of the client's data (``seq_len``
+tokens): a document spread over several windows is protected as a group, at a proportionally weaker guarantee.
+
+The noise is drawn from a generator seeded by the operating system, never by the round's seed: the server chooses
+that seed, and noise it could reproduce would protect nothing. A private run is therefore not bit-for-bit
+repeatable.
+
+Accounting (:func:`epsilon_spent`) is Opacus' Rényi-DP accountant over the client's whole history of steps, each
+with its sampling rate ``batch_size / examples``. Batches are drawn uniformly with replacement; the accountant's
+analysis is for Poisson sampling at the same rate, the approximation DP-SGD implementations usually make.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class DpSgd:
+    """The private step's two settings: the per-example L2 clipping bound and the noise multiplier."""
+
+    clip: float
+    noise_multiplier: float
+
+    def __post_init__(self) -> None:
+        if not self.clip > 0 or not self.noise_multiplier > 0:
+            raise ValueError(f"DP-SGD needs clip > 0 and noise_multiplier > 0, got {self.clip}, {self.noise_multiplier}")
+
+
+def noise_generator() -> torch.Generator:
+    """A CPU generator seeded from the operating system's entropy (see the module docstring)."""
+    return torch.Generator().manual_seed(secrets.randbits(63))
+
+
+def private_gradients(params: Sequence[torch.Tensor], example_losses: Any, batch_size: int, dp: DpSgd,
+                      noise: torch.Generator) -> list[torch.Tensor]:
+    """The noisy mean of the clipped per-example gradients of ``params``. ``example_losses`` yields each example's
+    loss in turn (a scalar tensor), so only one example's graph is alive at a time."""
+    total = [torch.zeros_like(p) for p in params]
+    for loss in example_losses:
+        raw = torch.autograd.grad(loss, params, allow_unused=True)
+        grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, raw)]
+        norm = float(torch.stack([g.float().pow(2).sum() for g in grads]).sum().sqrt())
+        scale = min(1.0, dp.clip / (norm + 1e-12))
+        for t, g in zip(total, grads):
+            t.add_(g, alpha=scale)
+    sd = dp.noise_multiplier * dp.clip
+    for t in total:
+        t.add_(torch.randn(t.shape, generator=noise, dtype=torch.float32).to(t.device, t.dtype), alpha=sd)
+        t.div_(batch_size)
+    return total
+
+
+def epsilon_spent(history: Sequence[tuple[float, float, int]], delta: float) -> float:
+    """The epsilon at ``delta`` of a client's whole DP-SGD history: (noise multiplier, sampling rate, steps) per
+    round it trained (Opacus' RDP accountant). 0 for an empty history."""
+    if not history:
+        return 0.0
+    from opacus.accountants import RDPAccountant  # the server's only use of opacus: imported when accounting
+
+    accountant = RDPAccountant()
+    accountant.history = [(float(sigma), min(float(q), 1.0), int(steps)) for sigma, q, steps in history]
+    return float(accountant.get_epsilon(delta))
+
+
+@dataclass
+class ClientBudgets:
+    """Each client's DP-SGD history (by partition) and what it has spent at ``delta``, against a run's budget
+    ``epsilon``: the server's side of ``privacy.mode=dp_sgd``. Plain data, so a checkpoint keeps it."""
+
+    noise_multiplier: float
+    delta: float
+    epsilon: float
+    history: dict[int, list[tuple[float, float, int]]]
+
+    def spent(self, partition: int) -> float:
+        """Epsilon spent by ``partition`` so far."""
+        return epsilon_spent(self.history.get(partition, []), self.delta)
+
+    def after(self, partition: int, examples: int, batch_size: int, steps: int) -> float:
+        """Epsilon ``partition`` would have spent after ``steps`` more steps of ``batch_size`` of its ``examples``."""
+        return epsilon_spent([*self.history.get(partition, []), self._entry(examples, batch_size, steps)], self.delta)
+
+    def spend(self, partition: int, examples: int, batch_size: int, steps: int) -> float:
+        """Record a round ``partition`` trained; returns its epsilon now."""
+        self.history.setdefault(partition, []).append(self._entry(examples, batch_size, steps))
+        return self.spent(partition)
+
+    def _entry(self, examples: int, batch_size: int, steps: int) -> tuple[float, float, int]:
+        return (self.noise_multiplier, min(1.0, batch_size / max(examples, 1)), steps)

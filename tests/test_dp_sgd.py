@@ -1,0 +1,143 @@
+"""DP-SGD on the devices (``privacy.mode=dp_sgd``): the private step, its accounting and the recipe's checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_config
+from transformers import LlamaForCausalLM
+
+from fedfusion.config.recipe import RecipeError, load_recipe
+from fedfusion.run.check import load_checked
+from fedfusion.train.dp import ClientBudgets, DpSgd, epsilon_spent, private_gradients
+from fedfusion.train.loop import train_steps
+
+
+def _lm(dtype: torch.dtype = torch.float64) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    return LlamaForCausalLM(tiny_config()).to(dtype)
+
+
+def test_the_private_gradient_is_the_mean_of_the_clipped_example_gradients_plus_the_stated_noise():
+    """Two examples of a linear loss with known gradients (norms 5 and 0.5) clipped at 1: (3/5, 4/5) and the
+    second as it is, summed, plus noise of sd noise_multiplier x clip drawn from the given generator, over 2."""
+    w = torch.zeros(2, dtype=torch.float64, requires_grad=True)
+    xs = [torch.tensor([3.0, 4.0], dtype=torch.float64), torch.tensor([0.3, 0.4], dtype=torch.float64)]
+    dp = DpSgd(clip=1.0, noise_multiplier=0.5)
+    got = private_gradients([w], ((w * x).sum() for x in xs), 2, dp, torch.Generator().manual_seed(3))[0]
+    noise = torch.randn(2, generator=torch.Generator().manual_seed(3), dtype=torch.float32).double() * 0.5
+    want = (torch.tensor([0.6, 0.8], dtype=torch.float64) + xs[1] + noise) / 2
+    # the clip divides by norm + 1e-12 (a guard for a zero gradient): relative 1e-12 / 5 on values below 1
+    assert torch.allclose(got, want, rtol=0, atol=1e-12)
+
+
+def test_a_private_step_with_a_loose_clip_and_no_noise_to_speak_of_is_the_plain_sgd_step():
+    """float64: with every example's gradient under the clip and noise of sd 1e-20, a DP-SGD step (one example's
+    backward at a time) moves the model as the plain batched SGD step does: the batch's mean loss is the mean of
+    its examples' (every window has the same token count)."""
+    data = torch.randint(0, 50, (16, 9), generator=torch.Generator().manual_seed(1))
+    plain, private = _lm(), _lm()
+    a = train_steps(plain, data, steps=2, lr=0.1, batch_size=4, seed=5, optimizer="sgd")
+    b = train_steps(private, data, steps=2, lr=0.1, batch_size=4, seed=5, optimizer="sgd",
+                    dp=DpSgd(clip=1e6, noise_multiplier=1e-26))
+    assert a.tokens == b.tokens and a.losses[0] == pytest.approx(b.losses[0], rel=1e-12)
+    for (name, p), q in zip(plain.named_parameters(), private.parameters()):
+        assert torch.allclose(p, q, rtol=0, atol=1e-10), name
+
+
+def test_a_tight_clip_bounds_what_one_private_step_can_move():
+    """Each example's gradient clipped to 1e-3 in L2 over all tensors: one SGD step of lr 1 moves the parameters by
+    at most the clip (their mean) plus the noise (sd 1e-9 x 1e-3 per coordinate, negligible in float64)."""
+    model = _lm()
+    before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+    data = torch.randint(0, 50, (8, 9), generator=torch.Generator().manual_seed(2))
+    train_steps(model, data, steps=1, lr=1.0, batch_size=4, seed=0, optimizer="sgd", dp=DpSgd(1e-3, 1e-9))
+    moved = torch.cat([p.detach().flatten() for p in model.parameters()]) - before
+    assert 0 < float(moved.norm()) <= 1e-3 * (1 + 1e-6)
+
+
+def test_the_noise_is_not_the_rounds_seed():
+    """The same seed, data and model twice: the private steps differ (the noise comes from the OS, which the
+    server cannot reproduce), the plain ones do not."""
+    data = torch.randint(0, 50, (8, 9), generator=torch.Generator().manual_seed(2))
+    runs = []
+    for dp in (None, None, DpSgd(1.0, 1.0), DpSgd(1.0, 1.0)):
+        model = _lm(torch.float32)
+        train_steps(model, data, steps=1, lr=0.1, batch_size=4, seed=0, dp=dp)
+        runs.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[2], runs[3])
+
+
+def test_epsilon_grows_with_steps_and_sampling_and_shrinks_with_noise():
+    assert epsilon_spent([], 1e-5) == 0.0
+    base = epsilon_spent([(1.0, 0.05, 100)], 1e-5)
+    assert 0 < base < epsilon_spent([(1.0, 0.05, 200)], 1e-5)
+    assert base < epsilon_spent([(1.0, 0.1, 100)], 1e-5)
+    assert epsilon_spent([(2.0, 0.05, 100)], 1e-5) < base
+    # two rounds recorded apart are the same history as one of their steps together
+    assert epsilon_spent([(1.0, 0.05, 100), (1.0, 0.05, 100)], 1e-5) == pytest.approx(
+        epsilon_spent([(1.0, 0.05, 200)], 1e-5), rel=1e-9)
+
+
+def test_client_budgets_account_each_partition_apart_and_say_what_a_round_would_cost():
+    budgets = ClientBudgets(noise_multiplier=1.0, delta=1e-5, epsilon=3.0, history={})
+    ahead = budgets.after(0, examples=40, batch_size=4, steps=8)
+    assert budgets.spent(0) == 0.0 and ahead > 0
+    assert budgets.spend(0, examples=40, batch_size=4, steps=8) == pytest.approx(ahead)
+    assert budgets.spent(1) == 0.0  # another client's history is its own
+    assert budgets.history[0] == [(1.0, 0.1, 8)]
+    assert budgets.spend(1, examples=2, batch_size=4, steps=1) == pytest.approx(epsilon_spent([(1.0, 1.0, 1)], 1e-5))
+
+
+def test_dp_sgd_settings_are_checked_with_the_key_named():
+    recipe = load_checked("quickstart", ["privacy.mode=dp_sgd", "privacy.noise_multiplier=0.8"])
+    assert recipe.privacy.noise_multiplier == 0.8
+    with pytest.raises(RecipeError, match="privacy.noise_multiplier"):
+        load_checked("quickstart", ["privacy.mode=dp_sgd", "privacy.noise_multiplier=0"])
+    with pytest.raises(RecipeError, match="privacy.epsilon"):
+        load_checked("quickstart", ["privacy.mode=dp_sgd", "privacy.epsilon=-1"])
+
+
+def test_generative_takes_dp_sgd_and_refuses_the_reply_mods_with_a_reason():
+    with pytest.raises(RecipeError, match="generative client replies samples; use privacy.mode=dp_sgd"):
+        load_recipe("knowledge", ["privacy.mode=local"])
+    assert load_recipe("knowledge", ["privacy.mode=dp_sgd"]).privacy.mode == "dp_sgd"
+
+
+def test_private_samples_open_with_random_tokens_not_the_clients_own():
+    from fedfusion.models.samples import sample_windows
+
+    model = _lm(torch.float32)
+    own = torch.full((4, 9), 7)
+    plain = sample_windows(model, own, 16, 1.0, seed=0)
+    private = sample_windows(model, own, 16, 1.0, seed=0, private=True)
+    assert plain.shape == private.shape == (16, 9)
+    assert (plain[:, 0] == 7).all() and len(set(private[:, 0].tolist())) > 1
+
+
+@pytest.mark.slow  # Flower's simulation engine
+def test_a_dp_sgd_run_accounts_every_clients_epsilon_and_keeps_each_within_the_budget(tmp_path):
+    """The quickstart with DP-SGD and a budget (4) that one round of the clients with the fewest windows already
+    passes (their sampling rate batch / windows is the highest): every trained row carries its client's epsilon,
+    recomputed here from the ledger's history of that client, none over the budget; a client whose first round
+    would pass it never trains; the report states the mechanism and what was spent."""
+    import json
+
+    from omegaconf import OmegaConf
+
+    from fedfusion.cli import main
+
+    out = tmp_path / "run"
+    assert main(["run", "quickstart", "privacy.mode=dp_sgd", "privacy.epsilon=4", "rounds=3",
+                 "population.num_clients=4", "selection.clients_per_round=2", "train.local_steps=2",
+                 "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in (out / "clients.jsonl").read_text().splitlines()]
+    ok = [r for r in rows if r["status"] == "ok"]
+    assert ok and all(0 < r["epsilon"] <= 4 and r["delta"] == 1e-5 for r in ok)
+    history: dict[int, list] = {}
+    batch = OmegaConf.load(out / "recipe.yaml").train.batch_size
+    for r in ok:  # a batch of the client's windows, 2 steps a round, noise multiplier 1
+        history.setdefault(r["partition"], []).append((1.0, min(1.0, batch / r["examples"]), 2))
+        assert r["epsilon"] == pytest.approx(epsilon_spent(history[r["partition"]], 1e-5), rel=1e-9)
+    assert len({r["partition"] for r in ok}) < 4  # some client never trained: one round passes its budget
+    assert "Privacy: DP-SGD on every device" in (out / "report.md").read_text()
