@@ -22,7 +22,6 @@ from fedfusion.run.run_dir import read_jsonl
 pytestmark = pytest.mark.slow  # Flower's runtime (Ray or SuperLink processes): minutes, not seconds
 
 
-
 def test_certificates_chain_to_the_ca_and_node_keys_are_what_flower_accepts(tmp_path):
     # imported here, not at the top: flwr.cli pulls in fastapi, a second of every worker's collection with -m "not slow"
     from cryptography import x509
