@@ -102,6 +102,18 @@ def test_finetune_recipe_errors_name_the_key(overrides, match):
         load_checked("finetune", overrides)
 
 
+def test_a_hub_id_neither_cached_nor_confirmed_stops_the_check_with_nothing_written(monkeypatch, tmp_path):
+    """Offline, a base name that is no file, no directory, no built-in base and not in the Hugging Face cache is one
+    error line from the check (not a from_pretrained traceback minutes into a run) and no run directory."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(RecipeError, match="model.pretrained: 'no-such-base' is not a model directory.*HF_HUB_OFFLINE"):
+        load_checked("finetune", ["model.pretrained=no-such-base"])
+    out = tmp_path / "run"
+    assert main(["run", "finetune", "model.pretrained=no-such-base", "--out", str(out)]) == 2 and not out.exists()
+
+
 @pytest.mark.slow  # Flower's simulation engine
 def test_finetune_runs_on_flower_with_a_local_pretrained_target(pretrained, tmp_path):
     out = tmp_path / "run"

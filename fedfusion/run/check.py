@@ -140,8 +140,11 @@ def _check_files(recipe: Recipe) -> None:
         if not Path(name).is_file():
             raise RecipeError(f"{key}: {name}: not a file")
     for key, model in models:
-        if not model or not _local_path(model):
-            continue  # unset, or a hub id (``name`` or ``org/name``), which from_pretrained resolves
+        if not model:
+            continue
+        if not _local_path(model):  # a hub id (``name`` or ``org/name``): cached, or one the hub confirms now
+            _check_hub_id(key, model)
+            continue
         if not Path(model).is_dir():
             raise RecipeError(f"{key}: {model}: no such model directory")
         if not (Path(model) / "config.json").is_file():
@@ -160,6 +163,27 @@ def _resolve_target(recipe: Recipe) -> None:
             recipe.model.pretrained = resolve_base(name)
         except ValueError as exc:
             raise RecipeError(f"model.pretrained: {exc}") from None
+
+
+HUB_TIMEOUT_S = 5.0  # how long the check waits for the hub to confirm a model id before the run starts
+
+
+def _check_hub_id(key: str, name: str) -> None:
+    """A hub id is usable now: in the local Hugging Face cache, or (online) a model the hub confirms within
+    :data:`HUB_TIMEOUT_S`; else RecipeError, before anything is written (a typo would otherwise fail minutes
+    later, after from_pretrained's retries)."""
+    from huggingface_hub import constants, model_info, try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(name, "config.json"), str):
+        return
+    what = (f"{key}: {name!r} is not a model directory, a .gguf file or {SMOLLM2_BASE!r}, nor a Hugging Face model "
+            "id in the local cache")
+    if constants.HF_HUB_OFFLINE:
+        raise RecipeError(f"{what} (HF_HUB_OFFLINE is set)")
+    try:
+        model_info(name, timeout=HUB_TIMEOUT_S)
+    except Exception as exc:  # any failure to confirm it (no such repo, no network, a timeout) stops the run here
+        raise RecipeError(f"{what} that the hub confirms now ({type(exc).__name__})") from None
 
 
 def _check_records(recipe: Recipe) -> int | None:
