@@ -189,7 +189,8 @@ def test_missing_probes_file_is_named_and_existing_files_pass(tmp_path):
 
 @pytest.mark.parametrize("key,extra", [("model.pretrained", []),
                                        ("lora.base", ["fusion.method=lora", "data.source=chatterbot"])])
-def test_a_model_given_as_a_path_must_be_a_model_directory_and_a_hub_id_is_left_to_the_hub(key, extra, tmp_path):
+def test_a_model_given_as_a_path_must_be_a_model_directory_and_a_hub_id_must_be_cached_or_confirmed(
+        key, extra, tmp_path, monkeypatch):
     for missing in ("/no/model", "./no-model", "no/such/model"):
         with pytest.raises(RecipeError, match=f"^{key.replace('.', '[.]')}: {missing}: no such model directory$"):
             load_checked("rolling", [*extra, f"{key}={missing}"])
@@ -197,7 +198,20 @@ def test_a_model_given_as_a_path_must_be_a_model_directory_and_a_hub_id_is_left_
         load_checked("rolling", [*extra, f"{key}={tmp_path}"])
     (tmp_path / "config.json").write_text("{}")
     assert load_checked("rolling", [*extra, f"{key}={tmp_path}"])
-    assert load_checked("rolling", [*extra, f"{key}=HuggingFaceTB/SmolLM2-135M"])  # a hub id: not checked here
+    # a hub id: offline and not in the Hugging Face cache, refused; once the cache holds its config, accepted
+    import huggingface_hub.constants
+
+    cache = tmp_path / "hub"
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(RecipeError, match=f"^{key.replace('.', '[.]')}: 'HuggingFaceTB/SmolLM2-135M' is not .*cache"):
+        load_checked("rolling", [*extra, f"{key}=HuggingFaceTB/SmolLM2-135M"])
+    repo = cache / "models--HuggingFaceTB--SmolLM2-135M"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0" * 40)
+    (repo / "snapshots" / ("0" * 40)).mkdir(parents=True)
+    (repo / "snapshots" / ("0" * 40) / "config.json").write_text("{}")
+    assert load_checked("rolling", [*extra, f"{key}=HuggingFaceTB/SmolLM2-135M"])
 
 
 @pytest.mark.parametrize("overrides, match", [
