@@ -18,6 +18,7 @@ import pytest
 
 from fedfusion.cli import backend_config
 from fedfusion.config.recipe import RecipeError, load_recipe
+from fedfusion.deploy import _wait_port
 
 RAY = str(Path(sys.executable).parent / "ray")
 TINY = [
@@ -80,21 +81,6 @@ def _stop(starters: list[subprocess.Popen], temp_dir: str) -> list[psutil.Proces
     return left
 
 
-def _wait_for_gcs(port: int, head: subprocess.Popen, timeout_s: float = 240) -> None:
-    """The head's GCS accepts connections on ``port``: all a worker's `ray start --address` needs to join (it reads
-    the cluster's session from the GCS, retrying until the head has written it). A socket probe, not `ray status`:
-    on a loaded 2-core machine each `ray status` takes 5-15 s."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if head.poll() is not None:
-            raise RuntimeError(f"`ray start --head` exited with {head.returncode} before its GCS listened on {port}")
-        with socket.socket() as sock:
-            if sock.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.2)
-    raise TimeoutError(f"the Ray head's GCS does not listen on port {port} after {timeout_s:.0f} s")
-
-
 def _wait_for_nodes(address: str, count: int, timeout_s: float = 240) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -132,7 +118,9 @@ def test_a_recipe_runs_spread_over_a_two_node_ray_cluster_and_the_cluster_stops_
             [RAY, "start", "--head", f"--port={address.rsplit(':', 1)[1]}", f"--temp-dir={temp_dir}",
              "--include-dashboard=false", *common],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        _wait_for_gcs(int(address.rsplit(":", 1)[1]), starters[0])
+        # the head's GCS accepts connections: all a worker's `ray start --address` needs to join (a socket probe, not
+        # `ray status`, which takes 5-15 s a call on a loaded 2-core machine); Ray's logs are under temp_dir
+        _wait_port(int(address.rsplit(":", 1)[1]), starters[0], Path(temp_dir), 240)
         starters.append(subprocess.Popen([RAY, "start", f"--address={address}", *common],
                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         _wait_for_nodes(address, 2)
