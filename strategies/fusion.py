@@ -310,11 +310,9 @@ class FusionStrategy(Strategy):
         (each logged when it is left out); all of them without dp_sgd."""
         if self.budgets is None:
             return by_partition
-        batch, steps = int(self.train_config[TrainSpec.key("batch_size")]), self.train_config[TrainSpec.key("local_steps")]
         keep = {}
         for p, node in by_partition.items():
-            steps_now = self.local_steps(node) or int(steps)
-            after = self.budgets.after(p, int(self.caps[node][Caps.key("examples")]), batch, steps_now)
+            after = self.budgets.after(p, *self.private_work(node))
             if after <= self.budgets.epsilon:
                 keep[p] = node
             elif p not in self.exhausted:
@@ -322,6 +320,12 @@ class FusionStrategy(Strategy):
                 log(WARNING, "partition %d stops training: another round would bring its epsilon to %.3g, over "
                     "privacy.epsilon=%g (spent %.3g)", p, after, self.budgets.epsilon, self.budgets.spent(p))
         return keep
+
+    def private_work(self, node: int) -> tuple[int, int, int]:
+        """(its examples, batch size, local steps) of ``node``'s round: what DP-SGD's accounting charges it."""
+        c = self.train_config
+        steps = self.local_steps(node) or int(c[TrainSpec.key("local_steps")])
+        return int(self.caps[node][Caps.key("examples")]), int(c[TrainSpec.key("batch_size")]), steps
 
     def local_steps(self, node: int) -> int | None:
         """The local steps ``node`` takes this round under ``max_epochs`` (:func:`client_steps`, from the examples
@@ -452,9 +456,7 @@ class FusionStrategy(Strategy):
         ok = replace(self.round.rows[row.node], status="ok", examples=train.examples, train_loss=train.loss,
                      train_s=train.seconds, device_s=train.device_s, tokens=train.tokens)
         if self.budgets is not None:  # the round this client trained, accounted (Opacus' RDP accountant)
-            batch = int(self.train_config[TrainSpec.key("batch_size")])
-            steps = self.local_steps(row.node) or int(self.train_config[TrainSpec.key("local_steps")])
-            spent = self.budgets.spend(row.partition, int(self.caps[row.node][Caps.key("examples")]), batch, steps)
+            spent = self.budgets.spend(row.partition, *self.private_work(row.node))
             ok = replace(ok, extra={**ok.extra, "epsilon": spent, "delta": self.budgets.delta})
         self.round.rows[row.node] = ok
         return update

@@ -228,11 +228,11 @@ def train_steps(
     opt = opt if opt is not None else make_optimizer(model, optimizer, lr, weight_decay)
     model.train()
     start, losses, tokens, flops, sums = time.perf_counter(), list[float](), 0, 0.0, dict[str, float]()
-    noise = noise_generator() if dp is not None else None
+    noise = noise_generator()  # used only by DP-SGD; never the round's seed (fedfusion.train.dp)
     with seeded_randomness(seed, model.device):
         for _ in range(steps):
             rows = torch.randint(len(data), (batch_size,), generator=gen)
-            if dp is None or noise is None:
+            if dp is None:
                 step = loss(model, data[rows], rows)
                 value = optimizer_step(opt, step.loss, loss.what)
             else:
