@@ -1,0 +1,83 @@
+"""benchmarks/privacy.py's measures on toy cases that can fail: exposure from a sampled rank, a model trained to
+memorise a canary against canaries it never saw, the generative reply's trigram scorer, verbatim search."""
+
+from __future__ import annotations
+
+import math
+import random
+import sys
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import privacy  # noqa: E402
+
+from fedfusion.data.facts import build_word_tokenizer  # noqa: E402
+
+
+def test_exposure_from_a_sampled_rank() -> None:
+    candidates = torch.arange(1000, dtype=torch.float64)  # scores 0 .. 999, lower = likelier
+    best = privacy.exposure(-1.0, candidates)
+    assert math.isclose(best["sampled"], math.log2(1001)) and best["rank_share"] == 0.0
+    middle = privacy.exposure(499.5, candidates)  # 500 candidates better: rank share one half
+    assert math.isclose(middle["sampled"], -math.log2(501 / 1001))
+    assert privacy.exposure(2000.0, candidates)["sampled"] < 0.01  # worse than every candidate: no exposure
+    normal = torch.randn(4000, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    far = privacy.exposure(-5.0, normal)  # 5 sd below normal scores: tail 2.9e-7, 21.7 bits, beyond the sample
+    assert far["sampled"] == math.log2(4001) and 20 < far["fit"] < 23.5
+    assert privacy.exposure(-5.0, normal, space_bits=5.0)["fit"] <= 5.0  # capped at log2|R|
+
+
+def _toy() -> tuple[object, LlamaForCausalLM]:
+    tok = build_word_tokenizer([privacy.CANARY_VOCAB])
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=4, head_dim=8, max_position_embeddings=32)
+    torch.manual_seed(0)
+    return tok, LlamaForCausalLM(cfg)
+
+
+def test_memorised_canary_against_never_seen_ones() -> None:
+    tok, model = _toy()
+    rng = random.Random(0)
+    canary, *unseen = privacy.draw_secrets(rng, 9)
+    others = privacy.draw_secrets(rng, 64)  # other text of the same form, so the model learns digits in general
+    data = torch.cat([privacy.encode_secrets(tok, [canary] * 32), privacy.encode_secrets(tok, others)])
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(150):
+        loss = model(input_ids=data, labels=data).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    candidates = privacy.sequence_nll(model, privacy.encode_secrets(tok, privacy.draw_secrets(random.Random(1), 511)))
+    score = privacy.sequence_nll(model, privacy.encode_secrets(tok, [canary]))[0]
+    seen = privacy.exposure(float(score), candidates)
+    assert seen["sampled"] == math.log2(512)  # ranks above every sampled candidate
+    assert seen["fit"] > 15  # and far out in the candidates' tail: near log2|R| (29.9)
+    floor = [privacy.exposure(float(s), candidates)["sampled"]
+             for s in privacy.sequence_nll(model, privacy.encode_secrets(tok, unseen))]
+    assert sum(floor) / len(floor) < 3.0  # never seen: -log2 of a uniform draw, 1.44 bits on average
+
+
+def test_samples_scorer_and_verbatim_search() -> None:
+    tok = build_word_tokenizer([privacy.CANARY_VOCAB])
+    rng = random.Random(2)
+    canary, *unseen = privacy.draw_secrets(rng, 9)
+    ids = privacy.encode_secrets(tok, [canary])
+    noise = privacy.encode_secrets(tok, privacy.draw_secrets(rng, 40))
+    leaky = torch.cat([noise, ids.repeat(4, 1)])  # samples that repeat the canary
+    candidates = privacy.encode_secrets(tok, privacy.draw_secrets(random.Random(3), 255))
+    secret = ids[0, -privacy.DIGITS - 1:-1].tolist()
+    for samples, leaked in ((leaky, True), (noise, False)):
+        scorer = privacy.SampleScorer(samples, len(tok))
+        bits = privacy.exposure(float(scorer.nll(ids)[0]), scorer.nll(candidates))["sampled"]
+        assert (bits == math.log2(256)) if leaked else bits < 4
+        assert privacy.contains(samples, secret) is leaked
+    floor = [privacy.exposure(float(s), privacy.SampleScorer(leaky, len(tok)).nll(candidates))["sampled"]
+             for s in privacy.SampleScorer(leaky, len(tok)).nll(privacy.encode_secrets(tok, unseen))]
+    assert sum(floor) / len(floor) < 3.0
+    # top-k probabilities count instead of the sampled token: a reply whose top-1 is the canary's next token leaks it
+    top_ids = torch.cat([leaky[:, 1:], leaky[:, -1:]], dim=1)[..., None]  # each position's next token, k = 1
+    soft = privacy.SampleScorer(leaky, len(tok), top_ids, torch.zeros(top_ids.shape))
+    assert privacy.exposure(float(soft.nll(ids)[0]), soft.nll(candidates))["sampled"] == math.log2(256)
