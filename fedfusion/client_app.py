@@ -14,6 +14,8 @@ from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 
 from fedfusion.clients.privacy import privacy_mod
+from fedfusion.clients.secagg import query as secagg_query
+from fedfusion.clients.secagg import secagg_mod
 from fedfusion.config.methods import GENERATIVE
 from fedfusion.devices.catalog import assign_tiers
 from fedfusion.devices.hardware import capabilities, pick_accelerator
@@ -22,6 +24,7 @@ from fedfusion.wire.keys import FROZEN
 from fedfusion.wire.quantize import client_reply, decode
 from fedfusion.wire.specs import (
     ROLES,
+    SECAGG_ACTION,
     STATE_LOST,
     UNITS_ACTION,
     UNITS_ERROR,
@@ -81,6 +84,12 @@ def query(msg: Message, context: Context) -> Message:
     return Message(RecordDict({"caps": caps}), reply_to=msg)
 
 
+@app.query(SECAGG_ACTION)
+def secagg(msg: Message, context: Context) -> Message:
+    """A step of secure aggregation around a training round (:mod:`fedfusion.clients.secagg`)."""
+    return secagg_query(msg, context)
+
+
 # where a node keeps its uplink's error-feedback residual between rounds (Flower's context.state persists per node)
 RESIDUAL = "wire-residual"
 # where a node keeps its device's own generative model between rounds (generative.device_state=node)
@@ -95,7 +104,7 @@ def _keeps_model(spec: ConfigRecord) -> GenerativeSpec | None:
     return ask if ask.device_state == "node" else None
 
 
-@app.train(mods=[privacy_mod])
+@app.train(mods=[secagg_mod, privacy_mod])
 def train(msg: Message, context: Context) -> Message:
     """Train the received model as its spec says and reply with the new weights (or, with a quantised uplink,
     their change, error feedback kept in ``context.state``) and metrics. A generative node that keeps its own model

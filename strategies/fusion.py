@@ -27,7 +27,9 @@ from dataclasses import dataclass, field, replace
 from logging import INFO, WARNING
 from typing import Any, cast
 
+import numpy as np
 import torch
+from fedfusion.strategies.secagg import SecureAggregation
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid
@@ -39,9 +41,11 @@ from fedfusion.devices.meters import read_measured
 from fedfusion.fusion.base import (
     Client,
     ClientRound,
+    Fold,
     FusionMethod,
     Payload,
     RoundReport,
+    SecureFold,
     Update,
     read_train_metrics,
 )
@@ -50,6 +54,7 @@ from fedfusion.fusion.state import rng_state, set_rng_state
 from fedfusion.selection.participation import Participation, draw_size
 from fedfusion.train.dp import ClientBudgets
 from fedfusion.wire.keys import NUM_EXAMPLES
+from fedfusion.wire.secagg import decode, unflatten
 from fedfusion.wire.specs import DROPPED, Caps, ClientSpec, PrivacySpec, RoundSpec, SpecError, TrainSpec
 
 Listener = Callable[[RoundReport], None]
@@ -82,6 +87,9 @@ class _Round:
     clock_s: float = 0.0
     fed_eval: dict[str, float] = field(default_factory=dict)
     server_cost: dict[str, float] = field(default_factory=lambda: {"flops": 0.0, "seconds": 0.0, "tokens": 0.0})
+    # secure aggregation: the target's tensors in the order of a masked vector, and each node's masked vector
+    secure_target: dict[str, torch.Tensor] = field(default_factory=dict)
+    masked: dict[int, np.ndarray] = field(default_factory=dict)
 
 
 def private_budgets(train_config: Mapping[str, Any]) -> ClientBudgets | None:
@@ -141,6 +149,7 @@ class FusionStrategy(Strategy):
         server_threads: int = 0,
         eval_every: int = 1,
         max_epochs: float = 0.0,
+        secure: SecureAggregation | None = None,
     ) -> None:
         if not methods:
             raise ValueError("no fusion method: map at least one device tier to a method")
@@ -183,6 +192,14 @@ class FusionStrategy(Strategy):
         self.round = _Round()
         self.round_offset = 0  # rounds done before a resume: Flower counts from 1 again, the run does not
         self.exhausted: set[int] = set()  # dp_sgd: partitions left out for their budget (logged once)
+        # secure aggregation: the server folds one unmasked sum, so it never checks one client's update
+        self.secure = secure
+        if secure is not None:
+            if len(self.fold_order) != 1 or not isinstance(self.fold_order[0], SecureFold):
+                raise ValueError("secure aggregation folds one sum of target-shaped changes: every tier must train "
+                                 f"one method that can (submodel), got {[m.name for m in self.fold_order]}")
+            self.max_norm_ratio = 0.0
+        self.grid: Grid | None = None  # the round's grid, for secure aggregation's unmask step
 
     @property
     def per_round_draw(self) -> int:
@@ -390,6 +407,11 @@ class FusionStrategy(Strategy):
         target = arrays.to_torch_state_dict()
         self.round = _Round(number=server_round, target=target)
         nodes = self.sample(grid, server_round)
+        left = self.secure.setup(grid, nodes, server_round) if self.secure is not None else {}
+        self.grid = grid
+        if self.secure is not None:
+            names = cast(SecureFold, self.fold_order[0]).secure_names(target)
+            self.round.secure_target = {name: target[name] for name in names}
         population = {self.partition_of(n): self.device_of(n) for n in self.caps}
         clients = {n: Client(self.partition_of(n), self.device_of(n),
                              client_seed(self.run_seed, server_round, self.partition_of(n)), self.caps[n])
@@ -400,19 +422,28 @@ class FusionStrategy(Strategy):
         messages = []
         for node in nodes:
             payload = self.round.payloads[node]
+            secure: dict[str, Any] = {}
+            if self.secure is not None and node not in left:
+                method = cast(SecureFold, self.methods[payload.client.tier])
+                secure, sealed = self.secure.train_parts(node)
+                payload = replace(payload, arrays={**payload.arrays, **method.secure_layout(payload), **sealed})
             record = ArrayRecord(payload.arrays)
             # the message holds the arrays now: the payload keeps only what check() reads, so a whole-model
             # payload per client (the oracle arm of a pretrained target) is not held twice for the whole round
             self.round.payloads[node] = replace(payload, arrays={})
             steps = self.local_steps(node)
             capped = {} if steps is None else {TrainSpec.key("local_steps"): steps}
-            spec = ConfigRecord({**config, **self.train_config, **lr, **capped, **payload.spec,
+            spec = ConfigRecord({**config, **self.train_config, **lr, **capped, **payload.spec, **secure,
                                  **RoundSpec(server_round, payload.client.seed).to_config()})
             self.round.rows[node] = ClientRound(
                 node=node, device=payload.client.tier, width=payload.width, method=self.methods[payload.client.tier].name,
                 assignment=payload.assignment, partition=self.partition_of(node),
                 bytes_down=record.count_bytes(), params=payload.params, sent_norm=payload.sent_norm,
                 tokens=self.tokens(steps), extra=payload.row)
+            if node in left:  # secure aggregation's key steps failed for it: it cannot train this round
+                self.round.rows[node] = replace(self.round.rows[node], status="failed", bytes_down=0, error=left[node])
+                log(WARNING, "round %d node %d: client failed: %s", server_round, node, left[node])
+                continue
             messages.append(Message(RecordDict({"arrays": record, "config": spec}), dst_node_id=node,
                                     message_type=MessageType.TRAIN))
         return messages
@@ -444,12 +475,17 @@ class FusionStrategy(Strategy):
         if measured is not None:
             row = self.round.rows[row.node] = replace(row, measured_j=measured[0], measured_source=measured[1])
         record = cast(ArrayRecord, reply.content["arrays"])  # anything else fails here and is rejected
-        state = record.to_torch_state_dict()
         self.round.rows[row.node] = replace(row, bytes_up=record.count_bytes())
         train = read_train_metrics(metrics, row.tokens)
         payload = self.round.payloads[row.node]
         method = self.methods[row.device]
-        update = method.check(payload, state, float(train.examples) if self.weighting == "examples" else 1.0)
+        weight = float(train.examples) if self.weighting == "examples" else 1.0
+        if self.secure is not None:  # a masked vector: who trained what at which weight is all the server reads
+            size = sum(t.numel() for t in self.round.secure_target.values())
+            self.round.masked[row.node] = self.secure.read(record, size)
+            update = Update(payload, weight, 0.0, None)
+        else:
+            update = method.check(payload, record.to_torch_state_dict(), weight)
         if self.max_norm_ratio and payload.sent_norm and update.norm > self.max_norm_ratio * payload.sent_norm:
             raise ValueError(f"update norm {update.norm:.3g} is over {self.max_norm_ratio:g}x the norm of the "
                              f"{method.noun} sent ({payload.sent_norm:.3g})")
@@ -497,7 +533,14 @@ class FusionStrategy(Strategy):
             self.round.aggregate_s = time.perf_counter() - start
             return None, MetricRecord({"clients_ok": ok})
         self.set_threads()
-        folded = fold_round(self.methods, self.round.number, self.round.target, updates)
+        if self.secure is not None:
+            folded = self.fold_secure(updates)
+            if folded is None:
+                self.round.void = True
+                self.round.aggregate_s = time.perf_counter() - start
+                return None, MetricRecord({"clients_ok": 0})
+        else:
+            folded = fold_round(self.methods, self.round.number, self.round.target, updates)
         self.round.coverage, self.round.server_cost = folded.coverage, dict(folded.server_cost)
         self.round.aggregate_s = time.perf_counter() - start
         good = [r for r in self.round.rows.values() if r.status == "ok"]
@@ -507,6 +550,24 @@ class FusionStrategy(Strategy):
             **folded.stats,
             "server_flops": self.round.server_cost["flops"], "server_s": self.round.server_cost["seconds"],
         })
+
+    def fold_secure(self, updates: list[Update]) -> Fold | None:
+        """Secure aggregation's fold: the masked replies' sum unmasked (the unmask step on the grid) and folded by
+        the one method; None when it cannot be unmasked (too few shares came back)."""
+        assert self.secure is not None and self.grid is not None
+        total = self.secure.unmask(self.grid, dict(self.round.masked))
+        for node, nbytes in self.secure.keys.nbytes.items():  # the extra steps' bytes, each way, per client
+            if node in self.round.rows:
+                row = self.round.rows[node]
+                self.round.rows[node] = replace(row, extra={**row.extra, "secagg_bytes": nbytes})
+        if total is None:
+            return None
+        names = list(self.round.secure_target)
+        sums = unflatten(decode(total), names, [tuple(t.shape) for t in self.round.secure_target.values()])
+        method = cast(SecureFold, self.fold_order[0])
+        folded = method.fold_sum(self.round.number, self.round.target, updates, sums)
+        cost = {"flops": 0.0, "seconds": 0.0, "tokens": 0.0, **folded.server_cost, "secagg_s": self.secure.keys.seconds}
+        return replace(folded, server_cost=cost)
 
     def set_threads(self) -> None:
         """The torch threads for this round's server work (fold, then central evaluation): ``server_threads``,

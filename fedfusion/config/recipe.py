@@ -317,6 +317,9 @@ class PrivacyConfig:
     epsilon: float = 10.0  # local: per-round budget of one client's update; dp_sgd: a client's budget for the run
     delta: float = 1e-5  # local, dp_sgd
     noise_multiplier: float = 1.0  # dp_sgd: the noise's sd over the clipping norm
+    # the server folds the sum of the round's masked updates and never one client's (fedfusion.wire.secagg);
+    # submodel tiers, aggregate mean, a float32 uplink, at least 2 clients a round
+    secure_aggregation: bool = False
 
 
 @dataclass
@@ -628,6 +631,8 @@ def validate(recipe: Recipe) -> None:
             raise RecipeError(f"privacy.mode: {recipe.privacy.mode} clips a reply against the model sent, but a "
                               "generative client replies samples; use privacy.mode=dp_sgd (its samples are drawn from a "
                               "DP-trained model)")
+    if recipe.privacy.secure_aggregation:
+        _validate_secure(recipe)
     if not 0 < recipe.data.held_out < 1:
         raise RecipeError(f"data.held_out: must be in (0, 1), got {recipe.data.held_out}")
     if recipe.data.source == "text" and not recipe.data.path:
@@ -867,6 +872,22 @@ def _validate_wire(recipe: Recipe) -> None:
             raise RecipeError(f"fusion.{key}: {value} cannot go with privacy.mode={recipe.privacy.mode} (Flower's "
                               "DP mods clip the reply against the payload value by value); use float32 or float16 down "
                               "and float32 up")
+
+
+def _validate_secure(recipe: Recipe) -> None:
+    """Secure aggregation sums target-shaped changes: it needs a method that folds a sum (width slices and full
+    windows), the plain mean, exact float32 replies and a round of at least two clients."""
+    f, why = recipe.fusion, "privacy.secure_aggregation: the server folds one sum of masked updates, so"
+    if set(tier_methods(recipe).values()) != {SUBMODEL}:
+        raise RecipeError(f"{why} every tier must train fusion.method=submodel, got {f.method!r}")
+    if f.aggregate != "mean":
+        raise RecipeError(f"{why} fusion.aggregate must be mean (a {f.aggregate} needs each client's values)")
+    if f.window_rank:
+        raise RecipeError(f"{why} fusion.window_rank must be 0 (a low-rank reply is factors, not a change)")
+    if f.wire_up != "float32":
+        raise RecipeError(f"{why} fusion.wire_up must be float32 (the masked vector is its own fixed-point encoding)")
+    if recipe.selection.clients_per_round < 2:
+        raise RecipeError(f"{why} selection.clients_per_round must be >= 2, got {recipe.selection.clients_per_round}")
 
 
 def tier_methods(recipe: Recipe) -> dict[str, str]:

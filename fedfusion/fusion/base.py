@@ -13,7 +13,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -108,6 +108,24 @@ class TierCost:
     def bytes_up(self) -> int:
         """Bytes of one reply."""
         return self.nbytes if self.nbytes_up is None else self.nbytes_up
+
+
+@runtime_checkable
+class SecureFold(Protocol):
+    """A method whose round can fold from one sum of its clients' weighted changes, padded to the target's shape,
+    instead of each client's update: what secure aggregation gives the server (:mod:`fedfusion.wire.secagg`)."""
+
+    def secure_layout(self, payload: Payload) -> State:
+        """The arrays that tell ``payload``'s client where its trained arrays sit in the target."""
+        ...
+
+    def secure_names(self, target: State) -> list[str]:
+        """The target tensors a padded change holds, in its order."""
+        ...
+
+    def fold_sum(self, server_round: int, target: State, updates: Sequence[Update], total: State) -> Fold:
+        """The round folded from ``updates`` (who trained what, at which weight; no data) and ``total``."""
+        ...
 
 
 class FusionMethod(ABC):

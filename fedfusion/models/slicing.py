@@ -384,6 +384,18 @@ class SelectiveAverager:
             scatter(self.counts[name], index, torch.full_like(value, weight), accumulate=True)
         self.clients += 1
 
+    def add_sum(self, sums: dict[str, torch.Tensor]) -> None:
+        """Add a sum of weighted values whose clients :meth:`add` already counted (their starting values, at the same
+        weights): secure aggregation's unmasked sum of the clients' changes (:mod:`fedfusion.wire.secagg`), which no
+        client's own update can be read from. ``mean`` only; a key the target lacks or a wrong shape raises."""
+        if self.rule != "mean":
+            raise ValueError(f"a sum over clients averages; aggregate {self.rule!r} needs each client's values")
+        for name, value in sums.items():
+            if name not in self.sums or self.sums[name].shape != value.shape:
+                raise ValueError(f"{name}: not a target tensor of shape {tuple(value.shape)}")
+        for name, value in sums.items():
+            self.sums[name] += value
+
     def coverage(self) -> float:
         """Fraction of target coordinates that at least one client updated."""
         held = sum(int((c > 0).sum()) for c in self.counts.values())

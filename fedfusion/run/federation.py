@@ -38,6 +38,7 @@ from fedfusion.selection.participation import Participation, jain_index
 from fedfusion.selection.selectors import make_selector
 from fedfusion.strategies.fusion import FusionStrategy, Listener
 from fedfusion.strategies.quorum import QuorumGrid
+from fedfusion.strategies.secagg import SecureAggregation
 from fedfusion.strategies.stop import RunInterrupted, StopGrid
 from fedfusion.wire.specs import (
     ClientSpec,
@@ -123,6 +124,8 @@ def build_strategy(recipe: Recipe, target: Target, listeners: Sequence[Listener]
         server_threads=recipe.engine.server_threads,
         eval_every=recipe.train.eval_every,
         max_epochs=recipe.train.max_epochs,
+        secure=SecureAggregation(recipe.fusion.weighting, recipe.selection.timeout_s)
+        if recipe.privacy.secure_aggregation else None,
     )
 
 

@@ -248,6 +248,38 @@ class PrivacySpec(Spec):
         return cls(privacy.mode, privacy.clipping_norm, privacy.epsilon, privacy.delta, privacy.noise_multiplier)
 
 
+@dataclass(frozen=True)
+class SecAggSpec(Spec):
+    """One step of secure aggregation (:mod:`fedfusion.wire.secagg`; ``privacy.secure_aggregation``): ``stage`` is
+    ``keys``, ``shares``, ``train`` or ``unmask``; ``nodes`` the round's node ids (as text) in the order that
+    numbers them (a client's position is its number); ``peers`` the positions a stage works with (shares: those
+    that sent keys; train: those whose shares went out, the pairs that mask; unmask: those whose masked vector the
+    server holds) and ``dropped`` (unmask) those whose mask key the server may rebuild; ``weighting`` says whether
+    the update is weighted by its examples before it is masked."""
+
+    prefix = "secagg-"
+    stage: str
+    round: int
+    nodes: tuple[str, ...] = field(metadata=JSON)
+    threshold: int
+    peers: tuple[int, ...] = field(default=(), metadata=JSON)
+    dropped: tuple[int, ...] = field(default=(), metadata=JSON)
+    weighting: str = "uniform"
+
+    def __post_init__(self) -> None:
+        _check(self, "stage", SECAGG_STAGES)
+
+    def position(self, node: int) -> int:
+        """``node``'s number in this round; SpecError if the round does not hold it."""
+        if str(node) not in self.nodes:
+            raise SpecError(f"secure aggregation: node {node} is not one of round {self.round}'s nodes")
+        return self.nodes.index(str(node))
+
+
+SECAGG_ACTION = "secagg"  # message type "query.secagg": the ClientApp's @app.query("secagg")
+SECAGG_STAGES = ("keys", "shares", "train", "unmask")
+
+
 # -- what each role trains -----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ModelSpec(Spec):

@@ -40,6 +40,7 @@ from fedfusion.models.slicing import (
     tensor_slices,
 )
 from fedfusion.train.ordered import ordered_fractions
+from fedfusion.wire import secagg
 from fedfusion.wire.keys import FROZEN
 from fedfusion.wire.quantize import INDEX_KEY, Wire, encode, pack_index
 from fedfusion.wire.specs import ModelSpec, OrderedSpec, RoleSpec, SliceSpec, Spec, WindowSpec, WireSpec, merge
@@ -269,6 +270,41 @@ class SubModelMethod(FusionMethod):
         averager = SelectiveAverager(target, self.config, self.aggregate, self.trim)
         for update in updates:
             averager.add(update.data, plan=update.payload.context[0], weight=update.weight)
+        coverage = averager.coverage()
+        return Fold(fold(averager, self.outer), coverage)
+
+    def secure_layout(self, payload: Payload) -> State:
+        """Where ``payload``'s trained arrays sit in the target, for its client to pad its change to the target's
+        shape under secure aggregation (:mod:`fedfusion.wire.secagg`): each array's target tensor and indices, its
+        scaler, and the target's shapes (its tensors without tied aliases, sorted by name)."""
+        plan, target, low_rank = payload.context
+        if low_rank:
+            raise ValueError("secure aggregation sums dense changes; a window_rank reply is factors")
+        names = sorted(self.wire.exact(target))
+        ids = {name: i for i, name in enumerate(names)}
+        index, scales = {}, {}
+        for name, sl in tensor_slices(target, self.config, plan).items():
+            if name in ids:  # a tied alias is rebuilt from what it aliases
+                index[sl.sub_name], scales[sl.sub_name] = (ids[name], sl.index), sl.scale
+        return {secagg.INDEX_KEY: pack_index(index),
+                secagg.SCALES_KEY: torch.tensor([scales[k] for k in sorted(scales)], dtype=torch.float64),
+                secagg.SHAPES_KEY: secagg.pack_shapes([tuple(target[n].shape) for n in names])}
+
+    def secure_names(self, target: State) -> list[str]:
+        """The target tensors of a securely aggregated vector, in its order (:meth:`secure_layout`'s)."""
+        return sorted(self.wire.exact(target))
+
+    def fold_sum(self, server_round: int, target: State, updates: Sequence[Update], total: State) -> Fold:
+        """Fold a round whose replies are one sum: ``updates`` (data None) say who trained which slice at what
+        weight, ``total`` is the unmasked sum of their weighted changes in the target's shape
+        (:meth:`secure_names`). Each client's starting slice is known here, so the selective average comes out as
+        :meth:`fold` makes it of the clients' trained slices."""
+        averager = SelectiveAverager(target, self.config, self.aggregate, self.trim)
+        for update in updates:
+            plan, sent, _ = update.payload.context
+            averager.add(full_state(self.wire.exact(extract(sent, self.config, plan)), self.wire.aliases), plan=plan,
+                         weight=update.weight)
+        averager.add_sum(full_state(total, self.wire.aliases))
         coverage = averager.coverage()
         return Fold(fold(averager, self.outer), coverage)
 
