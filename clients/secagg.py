@@ -141,8 +141,9 @@ def _layout(arrays: dict[str, torch.Tensor], names: list[str]) -> tuple[dict[str
 
 
 def secagg_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
-    """Train, then reply the masked target-shaped change (:data:`fedfusion.wire.secagg.MASKED_KEY`) instead of the
-    trained arrays; a message without a secure-aggregation spec passes as it is."""
+    """Train, then reply the masked target-shaped change, cut to the round's support
+    (:data:`fedfusion.wire.secagg.MASKED_KEY`), instead of the trained arrays; a message without a
+    secure-aggregation spec passes as it is."""
     config = msg.content.config_records["config"]
     spec = SecAggSpec.from_config_if_any(config)
     if spec is None:
@@ -163,7 +164,8 @@ def secagg_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> 
     change = {k: trained[k].float() - received[k] for k in trained}
     index, scales, shapes = _layout(layout, list(change))
     weight = float(cast(int, metrics[NUM_EXAMPLES])) if spec.weighting == "examples" else 1.0
-    vector = sa.encode(padded(change, index, scales, shapes, weight))
+    support = sa.unpack_support(layout[sa.SUPPORT_KEY])
+    vector = sa.encode(padded(change, index, scales, shapes, weight)[support])
     s_public = cast(list[bytes], state["s-public"])
     peers = {p: s_public[p] for p in spec.peers}
     masked = sa.masked(vector, own, cast(bytes, state["seed"]), cast(bytes, state["s-secret"]), peers)

@@ -20,6 +20,7 @@ Round flow (``Strategy.start`` drives it):
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -54,7 +55,7 @@ from fedfusion.fusion.state import rng_state, set_rng_state
 from fedfusion.selection.participation import Participation, draw_size
 from fedfusion.train.dp import ClientBudgets
 from fedfusion.wire.keys import NUM_EXAMPLES
-from fedfusion.wire.secagg import decode, unflatten
+from fedfusion.wire.secagg import SUPPORT_KEY, decode, pack_support, unflatten, unpack_support
 from fedfusion.wire.specs import DROPPED, Caps, ClientSpec, PrivacySpec, RoundSpec, SpecError, TrainSpec
 
 Listener = Callable[[RoundReport], None]
@@ -87,9 +88,11 @@ class _Round:
     clock_s: float = 0.0
     fed_eval: dict[str, float] = field(default_factory=dict)
     server_cost: dict[str, float] = field(default_factory=lambda: {"flops": 0.0, "seconds": 0.0, "tokens": 0.0})
-    # secure aggregation: the target's tensors in the order of a masked vector, and each node's masked vector
+    # secure aggregation: the target tensors a masked vector is cut from (flattened in this order), each node's masked
+    # vector, and the coordinates of that flat target the vectors carry (the round's support)
     secure_target: dict[str, torch.Tensor] = field(default_factory=dict)
     masked: dict[int, np.ndarray] = field(default_factory=dict)
+    support: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # the flat coordinates they carry
 
 
 def private_budgets(train_config: Mapping[str, Any]) -> ClientBudgets | None:
@@ -409,15 +412,13 @@ class FusionStrategy(Strategy):
         nodes = self.sample(grid, server_round)
         left = self.secure.setup(grid, nodes, server_round) if self.secure is not None else {}
         self.grid = grid
-        if self.secure is not None:
-            names = cast(SecureFold, self.fold_order[0]).secure_names(target)
-            self.round.secure_target = {name: target[name] for name in names}
         population = {self.partition_of(n): self.device_of(n) for n in self.caps}
         clients = {n: Client(self.partition_of(n), self.device_of(n),
                              client_seed(self.run_seed, server_round, self.partition_of(n)), self.caps[n])
                    for n in nodes}
         payloads = round_payloads(self.methods, server_round, target, [clients[n] for n in nodes], population)
         self.round.payloads = dict(zip(nodes, payloads))
+        support = self.secure_support(target, [p for n, p in self.round.payloads.items() if n not in left])
         lr = {} if self.client_lr is None else {TrainSpec.key("lr"): self.client_lr(server_round)}
         messages = []
         for node in nodes:
@@ -426,7 +427,8 @@ class FusionStrategy(Strategy):
             if self.secure is not None and node not in left:
                 method = cast(SecureFold, self.methods[payload.client.tier])
                 secure, sealed = self.secure.train_parts(node)
-                payload = replace(payload, arrays={**payload.arrays, **method.secure_layout(payload), **sealed})
+                payload = replace(payload, arrays={**payload.arrays, **method.secure_layout(payload), **sealed,
+                                                   SUPPORT_KEY: support})
             record = ArrayRecord(payload.arrays)
             # the message holds the arrays now: the payload keeps only what check() reads, so a whole-model
             # payload per client (the oracle arm of a pretrained target) is not held twice for the whole round
@@ -481,8 +483,7 @@ class FusionStrategy(Strategy):
         method = self.methods[row.device]
         weight = float(train.examples) if self.weighting == "examples" else 1.0
         if self.secure is not None:  # a masked vector: who trained what at which weight is all the server reads
-            size = sum(t.numel() for t in self.round.secure_target.values())
-            self.round.masked[row.node] = self.secure.read(record, size)
+            self.round.masked[row.node] = self.secure.read(record, self.round.support.size)
             update = Update(payload, weight, 0.0, None)
         else:
             update = method.check(payload, record.to_torch_state_dict(), weight)
@@ -551,6 +552,18 @@ class FusionStrategy(Strategy):
             "server_flops": self.round.server_cost["flops"], "server_s": self.round.server_cost["seconds"],
         })
 
+    def secure_support(self, target: dict[str, torch.Tensor], payloads: list[Payload]) -> torch.Tensor:
+        """Secure aggregation: the target tensors of this round's vectors (in their order) and the coordinates of
+        them that ``payloads`` train, as the runs every message carries; nothing without secure aggregation."""
+        if self.secure is None:
+            return torch.zeros(0, dtype=torch.int64)
+        method = cast(SecureFold, self.fold_order[0])
+        held = method.secure_support(target, payloads)
+        self.round.secure_target = {name: target[name] for name in held}
+        runs = pack_support(torch.cat([h.flatten() for h in held.values()]))
+        self.round.support = unpack_support(runs)
+        return runs
+
     def fold_secure(self, updates: list[Update]) -> Fold | None:
         """Secure aggregation's fold: the masked replies' sum unmasked (the unmask step on the grid) and folded by
         the one method; None when it cannot be unmasked (too few shares came back)."""
@@ -562,8 +575,10 @@ class FusionStrategy(Strategy):
                 self.round.rows[node] = replace(row, extra={**row.extra, "secagg_bytes": nbytes})
         if total is None:
             return None
-        names = list(self.round.secure_target)
-        sums = unflatten(decode(total), names, [tuple(t.shape) for t in self.round.secure_target.values()])
+        shapes = [tuple(t.shape) for t in self.round.secure_target.values()]
+        flat = np.zeros(sum(math.prod(shape) for shape in shapes))
+        flat[self.round.support] = decode(total)
+        sums = unflatten(flat, list(self.round.secure_target), shapes)
         method = cast(SecureFold, self.fold_order[0])
         folded = method.fold_sum(self.round.number, self.round.target, updates, sums)
         cost = {"flops": 0.0, "seconds": 0.0, "tokens": 0.0, **folded.server_cost, "secagg_s": self.secure.keys.seconds}

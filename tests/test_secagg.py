@@ -272,3 +272,11 @@ def test_a_malformed_masked_reply_is_rejected_and_the_rest_still_unmask(caplog):
 def test_a_recipe_secure_aggregation_cannot_serve_is_one_error(override, message):
     with pytest.raises(RecipeError, match=message):
         load_recipe("quickstart", ["privacy.secure_aggregation=true", override])
+
+
+def test_the_support_travels_as_runs_and_comes_back_as_its_positions():
+    held = torch.tensor([0, 1, 1, 0, 0, 1, 0, 1, 1, 1], dtype=torch.bool)
+    runs = sa.pack_support(held)
+    assert runs.tolist() == [1, 3, 5, 6, 7, 10]
+    assert sa.unpack_support(runs).tolist() == held.nonzero().flatten().tolist()
+    assert sa.unpack_support(sa.pack_support(torch.zeros(4, dtype=torch.bool))).size == 0

@@ -123,6 +123,10 @@ class SecureFold(Protocol):
         """The target tensors a padded change holds, in its order."""
         ...
 
+    def secure_support(self, target: State, payloads: Sequence[Payload]) -> dict[str, torch.Tensor]:
+        """Per target tensor, the coordinates some payload of ``payloads`` trains (bool)."""
+        ...
+
     def fold_sum(self, server_round: int, target: State, updates: Sequence[Update], total: State) -> Fold:
         """The round folded from ``updates`` (who trained what, at which weight; no data) and ``total``."""
         ...

@@ -39,7 +39,8 @@ INDEX_KEY = "secagg::index"  # the target coordinates of every trained array (fe
 SCALES_KEY = "secagg::scales"  # what each trained array's values are divided by in the target (a slice's scaler)
 SHAPES_KEY = "secagg::shapes"  # the shapes of the target's tensors, in the order of the masked vector
 MASKED_KEY = "secagg::masked"  # a reply's masked vector (uint64)
-ARRAY_KEYS = (INDEX_KEY, SCALES_KEY, SHAPES_KEY)
+SUPPORT_KEY = "secagg::support"  # the coordinates the round's vectors carry: those some client of the round trains
+ARRAY_KEYS = (INDEX_KEY, SCALES_KEY, SHAPES_KEY, SUPPORT_KEY)
 C_PUBLIC, S_PUBLIC = "secagg::cpk/", "secagg::spk/"  # + position: a client's share-sealing and mask public keys
 SEALED = "secagg::sealed/"  # + position: shares sealed for (a shares reply) or from (a train message) that position
 SHARE = "secagg::share/"  # + position: the share an unmask reply gives of that position's seed or mask secret
@@ -171,6 +172,19 @@ def unpack_shapes(packed: torch.Tensor) -> list[tuple[int, ...]]:
         out.append(tuple(values[at + 1: at + 1 + n]))
         at += 1 + n
     return out
+
+
+def pack_support(held: torch.Tensor) -> torch.Tensor:
+    """The True positions of a flat bool vector as [start, stop) runs (int64): the round's support, which every
+    client's vector is cut to (a coordinate no client trains sums to zero, so it need not travel)."""
+    edges = torch.diff(torch.cat([held.new_zeros(1), held, held.new_zeros(1)]).to(torch.int8))
+    return torch.stack([(edges == 1).nonzero().flatten(), (edges == -1).nonzero().flatten()], 1).flatten()
+
+
+def unpack_support(runs: torch.Tensor) -> np.ndarray:
+    """:func:`pack_support`'s positions."""
+    pairs = runs.view(-1, 2).tolist()
+    return np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in pairs]) if pairs else np.zeros(0, np.int64)
 
 
 def unflatten(vector: np.ndarray, names: Sequence[str], shapes: Sequence[tuple[int, ...]]) -> dict[str, torch.Tensor]:

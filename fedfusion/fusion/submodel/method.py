@@ -35,6 +35,8 @@ from fedfusion.models.slicing import (
     SlicePlan,
     extract,
     plan_slice,
+    scatter,
+    sliced_shape,
     stage_update,
     sub_config,
     tensor_slices,
@@ -289,6 +291,16 @@ class SubModelMethod(FusionMethod):
         return {secagg.INDEX_KEY: pack_index(index),
                 secagg.SCALES_KEY: torch.tensor([scales[k] for k in sorted(scales)], dtype=torch.float64),
                 secagg.SHAPES_KEY: secagg.pack_shapes([tuple(target[n].shape) for n in names])}
+
+    def secure_support(self, target: State, payloads: Sequence[Payload]) -> dict[str, torch.Tensor]:
+        """Per target tensor (:meth:`secure_names`), the coordinates some payload of ``payloads`` trains (bool)."""
+        held = {name: torch.zeros(target[name].shape, dtype=torch.bool) for name in self.secure_names(target)}
+        for payload in payloads:
+            for name, sl in tensor_slices(target, self.config, payload.context[0]).items():
+                if name in held:
+                    shape = sliced_shape(target[name].shape, sl.index)
+                    scatter(held[name], sl.index, torch.ones(shape, dtype=torch.bool), accumulate=False)
+        return held
 
     def secure_names(self, target: State) -> list[str]:
         """The target tensors of a securely aggregated vector, in its order (:meth:`secure_layout`'s)."""
