@@ -195,6 +195,7 @@ class FusionStrategy(Strategy):
         self.round = _Round()
         self.round_offset = 0  # rounds done before a resume: Flower counts from 1 again, the run does not
         self.exhausted: set[int] = set()  # dp_sgd: partitions left out for their budget (logged once)
+        self.total_rounds = 0  # the run's rounds, resumed ones included (set by start)
         # secure aggregation: the server folds one unmasked sum, so it never checks one client's update
         self.secure = secure
         if secure is not None:
@@ -241,6 +242,7 @@ class FusionStrategy(Strategy):
         :func:`scored_round` picks, and once a round is over (scored or not) its :class:`RoundReport` goes to every
         listener."""
         last = self.round_offset + num_rounds  # the run's last round, whatever part of it this start runs
+        self.total_rounds = last
 
         def evaluate_and_report(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
             if server_round == 0 and self.round_offset:
@@ -386,7 +388,10 @@ class FusionStrategy(Strategy):
 
     def sample(self, grid: Grid, server_round: int) -> list[int]:
         """The participation draw over the round's pool: the nodes to train (dropouts are logged, not sent)."""
-        by_partition = self.within_budget(self.candidates(grid, self._wait_for_nodes(grid), server_round))
+        nodes = self._wait_for_nodes(grid)
+        if self.budgets is not None and not self.budgets.rounds:  # auto noise: each client's expected rounds
+            self.budgets.rounds = max(1, math.ceil(self.total_rounds * self.per_round_draw / max(len(nodes), 1)))
+        by_partition = self.within_budget(self.candidates(grid, nodes, server_round))
         if not by_partition:
             log(WARNING, "no node has answered the capability query; this round trains nobody")
         draw = self.participation.draw(server_round, {p: self.device_of(n) for p, n in by_partition.items()},
@@ -435,7 +440,10 @@ class FusionStrategy(Strategy):
             self.round.payloads[node] = replace(payload, arrays={})
             steps = self.local_steps(node)
             capped = {} if steps is None else {TrainSpec.key("local_steps"): steps}
-            spec = ConfigRecord({**config, **self.train_config, **lr, **capped, **payload.spec, **secure,
+            noise: dict[str, float] = {}
+            if self.budgets is not None and not self.budgets.noise_multiplier:  # auto: this client's own noise
+                noise[PrivacySpec.key("noise_multiplier")] = self.budgets.sigma(*self.private_work(node))
+            spec = ConfigRecord({**config, **self.train_config, **lr, **capped, **noise, **payload.spec, **secure,
                                  **RoundSpec(server_round, payload.client.seed).to_config()})
             self.round.rows[node] = ClientRound(
                 node=node, device=payload.client.tier, width=payload.width, method=self.methods[payload.client.tier].name,
@@ -494,7 +502,8 @@ class FusionStrategy(Strategy):
                      train_s=train.seconds, device_s=train.device_s, tokens=train.tokens)
         if self.budgets is not None:  # the round this client trained, accounted (Opacus' RDP accountant)
             spent = self.budgets.spend(row.partition, *self.private_work(row.node))
-            ok = replace(ok, extra={**ok.extra, "epsilon": spent, "delta": self.budgets.delta})
+            sigma = self.budgets.history[row.partition][-1][0]
+            ok = replace(ok, extra={**ok.extra, "epsilon": spent, "delta": self.budgets.delta, "noise_multiplier": sigma})
         self.round.rows[row.node] = ok
         return update
 

@@ -89,11 +89,26 @@ def test_client_budgets_account_each_partition_apart_and_say_what_a_round_would_
     assert budgets.spend(1, examples=2, batch_size=4, steps=1) == pytest.approx(epsilon_spent([(1.0, 1.0, 1)], 1e-5))
 
 
+def test_auto_noise_spends_each_clients_budget_over_its_expected_rounds_and_no_more():
+    """noise_multiplier 0: each client's noise is the smallest whose expected rounds fit the budget (to Opacus'
+    search tolerance, 0.01 in epsilon), so the last of them lands just under it and one more would pass it; a client
+    with more examples (a lower sampling rate) gets less noise for the same budget."""
+    budgets = ClientBudgets(noise_multiplier=0.0, delta=1e-5, epsilon=4.0, history={}, rounds=3)
+    for _ in range(3):
+        spent = budgets.spend(0, examples=48, batch_size=16, steps=10)
+    assert 4.0 - 0.01 <= spent <= 4.0
+    assert budgets.after(0, examples=48, batch_size=16, steps=10) > 4.0
+    assert budgets.sigma(480, 16, 10) < budgets.sigma(48, 16, 10)
+    assert budgets.history[0][0][0] == budgets.sigma(48, 16, 10) > 0
+    with pytest.raises(ValueError, match="rounds each client's budget"):
+        ClientBudgets(noise_multiplier=0.0, delta=1e-5, epsilon=4.0, history={}).sigma(48, 16, 10)
+
+
 def test_dp_sgd_settings_are_checked_with_the_key_named():
     recipe = load_checked("quickstart", ["privacy.mode=dp_sgd", "privacy.noise_multiplier=0.8"])
     assert recipe.privacy.noise_multiplier == 0.8
     with pytest.raises(RecipeError, match="privacy.noise_multiplier"):
-        load_checked("quickstart", ["privacy.mode=dp_sgd", "privacy.noise_multiplier=0"])
+        load_checked("quickstart", ["privacy.mode=dp_sgd", "privacy.noise_multiplier=-1"])
     with pytest.raises(RecipeError, match="privacy.epsilon"):
         load_checked("quickstart", ["privacy.mode=dp_sgd", "privacy.epsilon=-1"])
 

@@ -316,7 +316,9 @@ class PrivacyConfig:
     clipping_norm: float = 1.0  # L2 bound on a client's update (clip, local) or on one example's gradient (dp_sgd)
     epsilon: float = 10.0  # local: per-round budget of one client's update; dp_sgd: a client's budget for the run
     delta: float = 1e-5  # local, dp_sgd
-    noise_multiplier: float = 1.0  # dp_sgd: the noise's sd over the clipping norm
+    # dp_sgd: the noise's sd over the clipping norm; 0: each client's, calibrated to spend epsilon over the rounds it
+    # is expected to train (rounds x clients_per_round / clients)
+    noise_multiplier: float = 1.0
     # the server folds the sum of the round's masked updates and never one client's (fedfusion.wire.secagg);
     # submodel tiers, aggregate mean, a float32 uplink, at least 2 clients a round
     secure_aggregation: bool = False
@@ -626,7 +628,9 @@ def validate(recipe: Recipe) -> None:
         if recipe.privacy.delta >= 1:
             raise RecipeError(f"privacy.delta: must be < 1, got {recipe.privacy.delta}")
         if recipe.privacy.mode == "dp_sgd":
-            _positive("privacy.noise_multiplier", recipe.privacy.noise_multiplier)
+            if recipe.privacy.noise_multiplier < 0:
+                raise RecipeError(f"privacy.noise_multiplier: must be > 0, or 0 to calibrate each client's noise to "
+                                  f"privacy.epsilon, got {recipe.privacy.noise_multiplier}")
         elif uses(recipe, GENERATIVE):
             raise RecipeError(f"privacy.mode: {recipe.privacy.mode} clips a reply against the model sent, but a "
                               "generative client replies samples; use privacy.mode=dp_sgd (its samples are drawn from a "

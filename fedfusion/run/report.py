@@ -443,9 +443,11 @@ def _privacy_lines(recipe: Any, clients: list[dict[str, Any]]) -> list[str]:
     for row in clients:
         if row.get("epsilon") is not None:
             spent[row["partition"]] = row["epsilon"]
-    head = (f"Privacy: DP-SGD on every device (per-example gradients clipped to {privacy['clipping_norm']:g}, noise "
-            f"multiplier {privacy['noise_multiplier']:g}; Opacus' RDP accountant at delta {privacy['delta']:g}, "
-            f"budget {privacy['epsilon']:g} per client).")
+    sigmas = sorted({row["noise_multiplier"] for row in clients if row.get("noise_multiplier") is not None})
+    noise = (f"noise multiplier {privacy['noise_multiplier']:g}" if privacy["noise_multiplier"] or not sigmas else
+             f"noise multiplier calibrated per client to the budget, {sigmas[0]:.3g} to {sigmas[-1]:.3g}")
+    head = (f"Privacy: DP-SGD on every device (per-example gradients clipped to {privacy['clipping_norm']:g}, "
+            f"{noise}; Opacus' RDP accountant at delta {privacy['delta']:g}, budget {privacy['epsilon']:g} per client).")
     if not spent:
         return [head + " No client trained.", ""]
     values = sorted(spent.values())

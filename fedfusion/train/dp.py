@@ -19,6 +19,7 @@ from __future__ import annotations
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import torch
@@ -72,15 +73,30 @@ def epsilon_spent(history: Sequence[tuple[float, float, int]], delta: float) -> 
     return float(accountant.get_epsilon(delta))
 
 
+@lru_cache(maxsize=4096)
+def calibrated_noise(epsilon: float, delta: float, sample_rate: float, steps: int) -> float:
+    """The smallest noise multiplier whose ``steps`` steps at ``sample_rate`` spend at most ``epsilon`` at ``delta``
+    (Opacus' search over its RDP accountant, to 0.01 in epsilon); cached, as clients often share their rate."""
+    from opacus.accountants.utils import get_noise_multiplier
+
+    return float(get_noise_multiplier(target_epsilon=epsilon, target_delta=delta, sample_rate=sample_rate,
+                                      steps=steps, accountant="rdp"))
+
+
 @dataclass
 class ClientBudgets:
     """Each client's DP-SGD history (by partition) and what it has spent at ``delta``, against a run's budget
-    ``epsilon``: the server's side of ``privacy.mode=dp_sgd``. Plain data, so a checkpoint keeps it."""
+    ``epsilon``: the server's side of ``privacy.mode=dp_sgd``. Plain data, so a checkpoint keeps it.
+
+    ``noise_multiplier`` 0 calibrates each client's noise instead (:meth:`sigma`): the smallest that keeps
+    ``rounds`` rounds of its work (its sampling rate, its steps) within ``epsilon``, so a client sampled as often
+    as expected spends its budget by the run's end, and one sampled more often is left out once it would pass it."""
 
     noise_multiplier: float
     delta: float
     epsilon: float
     history: dict[int, list[tuple[float, float, int]]]
+    rounds: int = 0  # auto noise: the rounds a client's budget is spread over (its expected participation; 0: unset)
 
     def spent(self, partition: int) -> float:
         """Epsilon spent by ``partition`` so far."""
@@ -95,5 +111,14 @@ class ClientBudgets:
         self.history.setdefault(partition, []).append(self._entry(examples, batch_size, steps))
         return self.spent(partition)
 
+    def sigma(self, examples: int, batch_size: int, steps: int) -> float:
+        """The noise multiplier of a round of ``steps`` steps of ``batch_size`` of ``examples``: the run's, or
+        (auto) the one calibrated to spend ``epsilon`` over ``rounds`` such rounds."""
+        if self.noise_multiplier:
+            return self.noise_multiplier
+        if self.rounds < 1:
+            raise ValueError("auto noise (noise_multiplier 0) needs the rounds each client's budget is spread over")
+        return calibrated_noise(self.epsilon, self.delta, min(1.0, batch_size / max(examples, 1)), steps * self.rounds)
+
     def _entry(self, examples: int, batch_size: int, steps: int) -> tuple[float, float, int]:
-        return (self.noise_multiplier, min(1.0, batch_size / max(examples, 1)), steps)
+        return (self.sigma(examples, batch_size, steps), min(1.0, batch_size / max(examples, 1)), steps)
