@@ -35,36 +35,42 @@ def task_identity():
     TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 0
 
 
-def test_pairwise_masks_cancel_in_the_sum_and_hide_each_vector():
-    rng = np.random.default_rng(0)
-    n, size = 4, 20_000
-    updates = [rng.normal(0, 0.05, size) for _ in range(n)]
+def masked_clients(n: int, size: int, sd: float, seed: int) -> tuple[list, list, list, dict, list]:
+    """``n`` clients' random updates, their mask secrets, self-mask seeds, mask public keys and masked vectors."""
+    rng = np.random.default_rng(seed)
+    updates = [rng.normal(0, sd, size) for _ in range(n)]
     keys = [sa.new_keys() for _ in range(n)]
     seeds = [sa.new_seed() for _ in range(n)]
     publics = {i: keys[i][1] for i in range(n)}
     masked = [sa.masked(sa.encode(u), i, seeds[i], keys[i][0], publics) for i, u in enumerate(updates)]
-    total = np.zeros(size, dtype=np.uint64)
+    return updates, [k[0] for k in keys], seeds, publics, masked
+
+
+def fixed_point_bound(n: int, exact: np.ndarray) -> float:
+    """How far the decoded sum of ``n`` encoded vectors may be from their exact sum: half a unit of 2**-32 per
+    vector, and the float64 conversions and sums of the reference (a few ulps of its largest value)."""
+    return n * 2.0 ** -33 + 4 * n * np.finfo(np.float64).eps * float(np.abs(exact).max())
+
+
+def test_pairwise_masks_cancel_in_the_sum_and_hide_each_vector():
+    n = 4
+    updates, _, seeds, publics, masked = masked_clients(n, 20_000, 0.05, 0)
+    total = np.zeros(20_000, dtype=np.uint64)
     for m in masked:
         total += m
     unmasked = sa.unmask(total, dict(enumerate(seeds)), {}, publics, range(n))
     exact = sum(updates)
-    # each encoded value is off by at most half a unit of 2**-32, the sum by n of them; decoding is exact in float64
-    assert np.abs(sa.decode(unmasked) - exact).max() <= n * 2.0 ** -33 + 4 * np.finfo(np.float64).eps * np.abs(exact).max()
+    assert np.abs(sa.decode(unmasked) - exact).max() <= fixed_point_bound(n, exact)
     for u, m in zip(updates, masked):  # one masked vector says nothing of its update: uniform modulo 2**64
         assert abs(np.corrcoef(sa.decode(m), u)[0, 1]) < 0.05  # |corr| of independent vectors: ~1/sqrt(size) = 0.007
 
 
 def test_a_dropped_clients_pairwise_masks_come_off_with_its_rebuilt_secret():
-    rng = np.random.default_rng(1)
-    n, size = 3, 1000
-    updates = [rng.normal(0, 1, size) for _ in range(n)]
-    keys = [sa.new_keys() for _ in range(n)]
-    seeds = [sa.new_seed() for _ in range(n)]
-    publics = {i: keys[i][1] for i in range(n)}
-    masked = [sa.masked(sa.encode(u), i, seeds[i], keys[i][0], publics) for i, u in enumerate(updates)]
+    updates, secrets, seeds, publics, masked = masked_clients(3, 1000, 1.0, 1)
     total = masked[0] + masked[2]  # client 1 masked with the others, then dropped
-    out = sa.unmask(total, {0: seeds[0], 2: seeds[2]}, {1: keys[1][0]}, publics, [0, 2])
-    assert np.abs(sa.decode(out) - (updates[0] + updates[2])).max() <= 2 * 2.0 ** -33 + 1e-12
+    out = sa.unmask(total, {0: seeds[0], 2: seeds[2]}, {1: secrets[1]}, publics, [0, 2])
+    exact = updates[0] + updates[2]
+    assert np.abs(sa.decode(out) - exact).max() <= fixed_point_bound(2, exact)
 
 
 def test_fixed_point_refuses_what_it_cannot_carry():
