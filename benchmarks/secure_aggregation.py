@@ -27,12 +27,19 @@ RESULTS = Path(__file__).resolve().parent / "results"
 ARMS = {"plain": [], "secure": ["privacy.secure_aggregation=true"]}
 
 
-def run(recipe: str, overrides: list[str], out: Path) -> float:
-    """One CLI run into ``out``; its wall seconds."""
+def run(recipe: str, overrides: list[str], out: Path, reuse: bool = False) -> float:
+    """One CLI run into ``out``; its wall seconds (with ``reuse``, a finished run already there is kept: the wall
+    seconds it recorded)."""
+    summary = out / "summary.json"
+    if reuse and summary.is_file() and json.loads(summary.read_text()).get("status") == "ok":
+        return float(json.loads((out / "wall_s.json").read_text())) if (out / "wall_s.json").is_file() else \
+            sum(float(r.get("wall_s", 0.0)) for r in jsonl(out / "metrics.jsonl"))
     start = time.perf_counter()
     cmd = [sys.executable, "-m", "fedfusion.cli", "run", recipe, *overrides, "--out", str(out)]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    return time.perf_counter() - start
+    wall = time.perf_counter() - start
+    (out / "wall_s.json").write_text(json.dumps(wall))
+    return wall
 
 
 def jsonl(path: Path) -> list[dict]:
@@ -57,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--work", default="runs/bench-secagg", help="where the runs go")
     parser.add_argument("--out", default="secure_aggregation", help="results file stem under benchmarks/results")
+    parser.add_argument("--reuse", action="store_true", help="keep the finished runs already in --work")
     parser.add_argument("overrides", nargs="*", help="key=value overrides for both arms")
     return parser
 
@@ -68,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     for seed in args.seeds:
         for arm, extra in ARMS.items():
             out = Path(args.work) / f"{arm}-s{seed}"
-            wall = run(args.recipe, [f"seed={seed}", *args.overrides, *extra], out)
+            wall = run(args.recipe, [f"seed={seed}", *args.overrides, *extra], out, args.reuse)
             runs[arm][seed] = summarize(out, wall)
     rows, worst = [], 0.0
     for seed in args.seeds:
