@@ -211,8 +211,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     argv = [args.recipe, *args.overrides, "--seeds", *map(str, args.seeds)]
     argv += ["--out", args.out] if args.out else []
     argv += ["--arms", *args.arms] if list(args.arms) != list(ARM_NAMES) else []
+    argv += [a for spec in args.engine for a in ("--engine", spec)]
     comparison = plan(args.recipe, args.overrides, args.seeds, Path(args.out) if args.out else None, args.arms,
-                      command="fedfusion compare " + join(argv))
+                      command="fedfusion compare " + join(argv), engine=args.engine)
     jobs = len(comparison.arms) * len(comparison.seeds)
     console.print(f"[bold]fedfusion compare[/] {escape(args.recipe)}: {', '.join(comparison.arms)} x seeds "
                   f"{', '.join(map(str, comparison.seeds))} ({jobs} runs); writing {escape(str(comparison.out))}")
@@ -411,6 +412,9 @@ def parser() -> argparse.ArgumentParser:
     compare.add_argument("--out", help="where the runs and the report go (default: <output.dir>/compare-<name>)")
     compare.add_argument("--arms", nargs="+", default=list(ARM_NAMES), choices=ARM_NAMES,
                          help="which arms to run (default: all three)")
+    compare.add_argument("--engine", action="append", default=[], metavar="ARM:KEY=VALUE",
+                         help="an engine setting for one arm only, e.g. oracle:cpus_per_client=2 (fewer whole-model "
+                              "clients at once); how the simulation schedules clients, not the budget")
     compare.set_defaults(func=cmd_compare)
     plan = sub.add_parser("plan", help="show what each device tier trains and what it costs")
     plan.add_argument("recipe")

@@ -154,6 +154,21 @@ def test_auto_widths_arms_state_their_widths():
     assert comparison.recipes[SMALLEST, 0].fusion.widths == fitted
 
 
+def test_an_engine_setting_for_one_arm_schedules_that_arm_only_and_a_bad_one_is_refused():
+    """``--engine oracle:cpus_per_client=2`` (fewer whole-model clients at once) reaches the oracle's runs alone, and
+    their recipes as they will load; an arm not run or a key engine lacks is one error naming the spec."""
+    comparison = plan("quickstart", [], [0], None, engine=["oracle:cpus_per_client=2"])
+    assert "engine.cpus_per_client=2" in comparison.run_args(ORACLE, 0)
+    assert not [a for a in comparison.run_args(RECIPE, 0) if a.startswith("engine.")]
+    assert comparison.recipes[ORACLE, 0].engine.cpus_per_client == 2
+    assert comparison.recipes[RECIPE, 0].engine.cpus_per_client == 1
+    for spec in ("oracle:rounds=3", "nobody:cpus_per_client=2", "oracle:cpus_per_client"):
+        with pytest.raises(ValueError, match="--engine"):
+            plan("quickstart", [], [0], None, engine=[spec])
+    with pytest.raises(ValueError, match="--engine"):
+        plan("quickstart", [], [0], None, names=[RECIPE], engine=["oracle:cpus_per_client=2"])
+
+
 # -- the equal-budget check -----------------------------------------------------------------------------------------
 def test_the_budget_check_fails_when_an_arm_changes_a_budget_key():
     base = load_checked("quickstart")

@@ -32,11 +32,11 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from fedfusion.config.recipe import Recipe, RecipeError, load_recipe
+from fedfusion.config.recipe import EngineConfig, Recipe, RecipeError, load_recipe
 from fedfusion.run.arms import ARM_NAMES, ORACLE, RECIPE, SMALLEST, Arm, arms_for, check_equal_budget, flat
 from fedfusion.run.check import check_recipe
 from fedfusion.run.report import still_rising
@@ -79,13 +79,14 @@ class Comparison:
     metric: Metric
     command: str = ""
     base: Recipe | None = field(default=None, repr=False)
+    engine: dict[str, list[str]] = field(default_factory=dict)  # arm -> its own engine.* overrides (not budget)
 
     def run_dir(self, arm: str, seed: int) -> Path:
         return self.out / f"{arm}-s{seed}"
 
     def run_args(self, arm: str, seed: int) -> list[str]:
         """The ``fedfusion run`` arguments of one (arm, seed)."""
-        return ["run", self.ref, *self.overrides, *self.arms[arm].overrides, f"seed={seed}",
+        return ["run", self.ref, *self.overrides, *self.arms[arm].overrides, *self.engine.get(arm, []), f"seed={seed}",
                 "--out", str(self.run_dir(arm, seed))]
 
 
@@ -100,10 +101,28 @@ def resolve(ref: str, overrides: list[str]) -> Recipe:
     return recipe
 
 
+def engine_overrides(specs: list[str], names: list[str] | tuple[str, ...]) -> dict[str, list[str]]:
+    """``ARM:KEY=VALUE`` specs (``--engine``) as each arm's ``engine.KEY=VALUE`` overrides; ValueError naming a spec
+    whose arm is not run or whose key is not an ``engine`` setting. How the simulation schedules an arm's clients
+    (for instance fewer at once, where the oracle's whole-model clients would not fit in memory together) is not
+    its budget: the clients do the same work."""
+    known = {f.name for f in fields(EngineConfig)}
+    out: dict[str, list[str]] = {}
+    for spec in specs:
+        arm, _, setting = spec.partition(":")
+        key = setting.partition("=")[0].strip().removeprefix("engine.")
+        if arm not in names or "=" not in setting or key not in known:
+            raise ValueError(f"--engine {spec!r}: give ARM:KEY=VALUE with ARM one of {', '.join(names)} and KEY one "
+                             f"of engine's {', '.join(sorted(known))}")
+        out.setdefault(arm, []).append(f"engine.{key}={setting.partition('=')[2]}")
+    return out
+
+
 def plan(ref: str, overrides: list[str], seeds: list[int], out: Path | None, names: list[str] | tuple[str, ...] = ARM_NAMES,
-         command: str = "") -> Comparison:
+         command: str = "", engine: list[str] | tuple[str, ...] = ()) -> Comparison:
     """Load and check the recipe and every (arm, seed) before anything runs; raises RecipeError (one line) on a bad
-    recipe or arm, :class:`fedfusion.run.arms.UnequalBudget` where an arm leaves the budget."""
+    recipe or arm, :class:`fedfusion.run.arms.UnequalBudget` where an arm leaves the budget. ``engine``: ``--engine``
+    specs (:func:`engine_overrides`), applied after the budget check."""
     if any(o.split("=", 1)[0].strip() == "seed" for o in overrides):
         raise RecipeError("seed: compare runs every arm at each of --seeds; give them there, not as an override")
     if not seeds or len(set(seeds)) != len(seeds):
@@ -111,6 +130,7 @@ def plan(ref: str, overrides: list[str], seeds: list[int], out: Path | None, nam
     unknown = [n for n in names if n not in ARM_NAMES]
     if unknown or not names:
         raise ValueError(f"--arms: choose from {', '.join(ARM_NAMES)}, got {' '.join(names) or 'none'}")
+    scheduling = engine_overrides(list(engine), names)
     base = resolve(ref, list(overrides))
     if base.data.source == "dataset":  # load and partition it now: a missing column or a bad count stops here
         from fedfusion.data.population import partition_sizes
@@ -125,10 +145,15 @@ def plan(ref: str, overrides: list[str], seeds: list[int], out: Path | None, nam
             except RecipeError as exc:
                 raise RecipeError(f"the {name} arm ({' '.join(arms[name].overrides)}): {exc}") from None
         check_equal_budget(recipes[RECIPE, seed], {n: recipes[n, seed] for n in ARM_NAMES if n != RECIPE}, arms)
+        for name, extra in scheduling.items():  # the recipe each such run writes, checked as it will load
+            try:
+                recipes[name, seed] = resolve(ref, [*overrides, *arms[name].overrides, *extra, f"seed={seed}"])
+            except RecipeError as exc:
+                raise RecipeError(f"--engine for the {name} arm ({' '.join(extra)}): {exc}") from None
     chosen = [n for n in ARM_NAMES if n in names]
     return Comparison(ref, list(overrides), list(seeds), out or Path(base.output.dir) / f"compare-{base.name}",
                       {n: arms[n] for n in chosen}, {k: v for k, v in recipes.items() if k[0] in chosen},
-                      headline(base), command, base)
+                      headline(base), command, base, scheduling)
 
 
 # -- running ------------------------------------------------------------------------------------------------------
