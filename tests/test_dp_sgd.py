@@ -24,17 +24,23 @@ def test_the_private_gradient_is_the_mean_of_the_clipped_example_gradients_plus_
     w = torch.zeros(2, dtype=torch.float64, requires_grad=True)
     xs = [torch.tensor([3.0, 4.0], dtype=torch.float64), torch.tensor([0.3, 0.4], dtype=torch.float64)]
     dp = DpSgd(clip=1.0, noise_multiplier=0.5)
-    got = private_gradients([w], ((w * x).sum() for x in xs), 2, dp, torch.Generator().manual_seed(3))[0]
+    per_example = [torch.autograd.grad((w * x).sum(), [w])[0] for x in xs]
+    chunks = [[torch.stack(per_example)]]  # one chunk holding both examples' gradients
+    got = private_gradients([w], chunks, 2, dp, torch.Generator().manual_seed(3))[0]
     noise = torch.randn(2, generator=torch.Generator().manual_seed(3), dtype=torch.float32).double() * 0.5
     want = (torch.tensor([0.6, 0.8], dtype=torch.float64) + xs[1] + noise) / 2
     # the clip divides by norm + 1e-12 (a guard for a zero gradient): relative 1e-12 / 5 on values below 1
     assert torch.allclose(got, want, rtol=0, atol=1e-12)
 
 
-def test_a_private_step_with_a_loose_clip_and_no_noise_to_speak_of_is_the_plain_sgd_step():
-    """float64: with every example's gradient under the clip and noise of sd 1e-20, a DP-SGD step (one example's
-    backward at a time) moves the model as the plain batched SGD step does: the batch's mean loss is the mean of
-    its examples' (every window has the same token count)."""
+@pytest.mark.parametrize("per_example", ["vmap", "loop"])
+def test_a_private_step_with_a_loose_clip_and_no_noise_to_speak_of_is_the_plain_sgd_step(per_example, monkeypatch):
+    """float64: with every example's gradient under the clip and noise of sd 1e-20, a DP-SGD step (the examples'
+    gradients vmapped, or one example's backward at a time) moves the model as the plain batched SGD step does: the
+    batch's mean loss is the mean of its examples' (every window has the same token count)."""
+    from fedfusion.train import loop
+
+    monkeypatch.setattr(loop, "_LOOPED", {(LlamaForCausalLM, type(loop.LM))} if per_example == "loop" else set())
     data = torch.randint(0, 50, (16, 9), generator=torch.Generator().manual_seed(1))
     plain, private = _lm(), _lm()
     a = train_steps(plain, data, steps=2, lr=0.1, batch_size=4, seed=5, optimizer="sgd")

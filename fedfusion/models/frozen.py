@@ -203,6 +203,10 @@ class FrozenTargetModel(torch.nn.Module):
     its trainable part there; any other tensor through a parametrization (:meth:`write`, :meth:`add`), tied
     copies included."""
 
+    # the frozen layers hold the trainable tensors themselves, where torch.func.functional_call cannot swap them:
+    # DP-SGD takes this model's per-example gradients one example at a time (fedfusion.train.loop._private_step)
+    per_example_vmap = False
+
     def __init__(self, config: PretrainedConfig, target: PreTrainedModel) -> None:
         super().__init__()
         self._target = [target]  # a list: not a submodule

@@ -17,10 +17,9 @@ analysis is for Poisson sampling at the same rate, the approximation DP-SGD impl
 from __future__ import annotations
 
 import secrets
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
 
 import torch
 
@@ -42,18 +41,19 @@ def noise_generator() -> torch.Generator:
     return torch.Generator().manual_seed(secrets.randbits(63))
 
 
-def private_gradients(params: Sequence[torch.Tensor], example_losses: Any, batch_size: int, dp: DpSgd,
-                      noise: torch.Generator) -> list[torch.Tensor]:
-    """The noisy mean of the clipped per-example gradients of ``params``. ``example_losses`` yields each example's
-    loss in turn (a scalar tensor), so only one example's graph is alive at a time."""
+def private_gradients(params: Sequence[torch.Tensor], example_grads: Iterable[Sequence[torch.Tensor]],
+                      batch_size: int, dp: DpSgd, noise: torch.Generator) -> list[torch.Tensor]:
+    """The noisy mean of the clipped per-example gradients of ``params``. ``example_grads`` yields the examples'
+    gradients in chunks, one tensor per parameter with the chunk's examples along a leading dim (a chunk of one
+    where they are computed one at a time); each example's gradient is clipped to ``dp.clip`` in L2 over all
+    tensors."""
     total = [torch.zeros_like(p) for p in params]
-    for loss in example_losses:
-        raw = torch.autograd.grad(loss, params, allow_unused=True)
-        grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, raw)]
-        norm = float(torch.stack([g.float().pow(2).sum() for g in grads]).sum().sqrt())
-        scale = min(1.0, dp.clip / (norm + 1e-12))
-        for t, g in zip(total, grads):
-            t.add_(g, alpha=scale)
+    for chunk in example_grads:
+        norms = torch.stack([torch.linalg.vector_norm(g.flatten(1), dim=1, dtype=torch.float64).pow(2)
+                             for g in chunk]).sum(0).sqrt()
+        scale = (dp.clip / (norms + 1e-12)).clamp(max=1.0)
+        for t, g in zip(total, chunk):
+            t.add_(torch.einsum("k,k...->...", scale.to(g.dtype), g))
     sd = dp.noise_multiplier * dp.clip
     for t in total:
         t.add_(torch.randn(t.shape, generator=noise, dtype=torch.float32).to(t.device, t.dtype), alpha=sd)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -248,32 +249,99 @@ def train_steps(
                        train_flops(params, tokens) + flops)
 
 
+# per-example gradients of one chunk held at once: at most this many bytes (float32), so a large model's DP step
+# takes a few examples at a time rather than a batch of whole-model gradients
+CHUNK_BYTES = 256 * 2**20
+_LOOPED: set[tuple[type, type]] = set()  # (model, loss) classes whose loss torch.func could not vmap: looped
+
+
+class _LossOf(torch.nn.Module):
+    """``loss`` of ``model`` as a module's forward, so :func:`torch.func.functional_call` can swap its parameters."""
+
+    def __init__(self, model: Any, loss: Loss) -> None:
+        super().__init__()
+        self.model, self.loss = model, loss
+
+    def forward(self, batch: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return self.loss(self.model, batch, rows).loss
+
+
+def _vmapped_grads(model: Any, loss: Loss, batch: torch.Tensor, rows: torch.Tensor,
+                   params: list[torch.Tensor]) -> Iterator[tuple[list[torch.Tensor], torch.Tensor]]:
+    """Per-example gradients of ``params`` and losses, a chunk of examples at a time (:data:`CHUNK_BYTES`), each
+    example's computed on its own by :func:`torch.func.vmap` over :func:`torch.func.grad` (no example sees
+    another's)."""
+    from torch.func import functional_call, grad_and_value, vmap
+
+    names = {id(p): name for name, p in model.named_parameters()}
+    keys = [f"model.{names[id(p)]}" for p in params]
+    module = _LossOf(model, loss)
+
+    def one(trained: dict[str, torch.Tensor], example: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+        return functional_call(module, trained, (example.unsqueeze(0), row.unsqueeze(0)))
+
+    per_example = vmap(grad_and_value(one), in_dims=(None, 0, 0), randomness="different")
+    detached = {k: p.detach() for k, p in zip(keys, params)}
+    chunk = max(1, CHUNK_BYTES // max(4 * sum(p.numel() for p in params), 1))
+    for i in range(0, len(rows), chunk):
+        with warnings.catch_warnings():  # attention ops without a batching rule run per example: slower, not wrong
+            warnings.filterwarnings("ignore", message="There is a performance drop")
+            grads, values = per_example(detached, batch[i: i + chunk], rows[i: i + chunk])
+        yield [grads[k] for k in keys], values
+
+
+def _looped_grads(model: Any, loss: Loss, data: Any, rows: torch.Tensor,
+                  params: list[torch.Tensor]) -> Iterator[tuple[list[torch.Tensor], torch.Tensor]]:
+    """Per-example gradients of ``params`` and losses, one example's backward at a time (any loss plug-in)."""
+    for i in range(len(rows)):
+        one = loss(model, data[rows[i: i + 1]], rows[i: i + 1])
+        raw = torch.autograd.grad(one.loss, params, allow_unused=True)
+        grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, raw)]
+        yield [g.unsqueeze(0) for g in grads], one.loss.detach().reshape(1)
+
+
 def _private_step(model: Any, opt: torch.optim.Optimizer, loss: Loss, data: Any, rows: torch.Tensor, dp: DpSgd,
                   noise: torch.Generator) -> tuple[Step, float]:
-    """One DP-SGD step on the batch ``data[rows]``: the batch's loss and tokens as a plain step would report them,
-    the gradient :func:`fedfusion.train.dp.private_gradients` of its examples taken one at a time."""
+    """One DP-SGD step on the batch ``data[rows]``: the gradient :func:`fedfusion.train.dp.private_gradients` of
+    its examples' gradients, vmapped (:func:`_vmapped_grads`) where the model's trainable tensors are its
+    parameters as modules reach them (not a model that says ``per_example_vmap = False``) and the loss has no op
+    torch.func cannot batch, one example at a time otherwise; the step reports the batch's loss and tokens as a
+    plain step would."""
     params = [p for group in opt.param_groups for p in group["params"] if p.requires_grad]
-    steps: list[Step] = []
+    batch = data[rows]
+    key = (type(model), type(loss))
+    losses: list[torch.Tensor] = []
 
-    def example_losses() -> Iterator[torch.Tensor]:
-        for i in range(len(rows)):
-            one = loss(model, data[rows[i: i + 1]], rows[i: i + 1])
-            value = one.loss.item()
-            if not math.isfinite(value):
-                raise FloatingPointError(f"{loss.what} loss became {value}")
-            steps.append(one)
-            yield one.loss
+    def chunks(source: Iterator[tuple[list[torch.Tensor], torch.Tensor]]) -> Iterator[list[torch.Tensor]]:
+        for grads, values in source:
+            if not bool(torch.isfinite(values).all()):
+                raise FloatingPointError(f"{loss.what} loss became {values[~torch.isfinite(values)][0].item()}")
+            losses.append(values)
+            yield grads
 
-    grads = private_gradients(params, example_losses(), len(rows), dp, noise)
+    grads = None
+    if isinstance(batch, torch.Tensor) and getattr(model, "per_example_vmap", True) and key not in _LOOPED:
+        try:
+            grads = private_gradients(params, chunks(_vmapped_grads(model, loss, batch, rows, params)), len(rows), dp,
+                                      noise)
+        except FloatingPointError:
+            raise
+        except Exception as exc:  # an op torch.func cannot batch (data-dependent control flow, .item()): loop
+            _LOOPED.add(key)
+            losses.clear()
+            warnings.warn(f"DP-SGD: per-example gradients one example at a time for {key[0].__name__} with "
+                          f"{key[1].__name__} (torch.func could not vmap it: {str(exc).splitlines()[0][:200]})",
+                          stacklevel=2)
+    if grads is None:
+        grads = private_gradients(params, chunks(_looped_grads(model, loss, data, rows, params)), len(rows), dp, noise)
+    with torch.no_grad():  # what the step reports: the batch's tokens, parts and extra work, as a plain step's
+        plain = loss(model, batch, rows)
     opt.zero_grad(set_to_none=True)
     for p, g in zip(params, grads):
         p.grad = g
     opt.step()
-    reported = [s.loss.item() if s.reported is None else s.reported for s in steps]
-    parts = {k: sum(s.parts.get(k, 0.0) for s in steps) / len(steps) for k in steps[0].parts}
-    step = Step(torch.tensor(sum(reported) / len(reported)), sum(s.tokens for s in steps), parts=parts,
-                flops=sum(s.flops for s in steps))
-    return step, float(step.loss)
+    step = Step(plain.loss, plain.tokens, reported=plain.reported, parts=plain.parts, flops=plain.flops)
+    return step, float(plain.loss)
 
 
 @torch.no_grad()
