@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from conftest import tiny_config
+from fp_bounds import assert_within, gamma
 from transformers import LlamaForCausalLM
 
 from fedfusion.config.recipe import RecipeError, load_recipe
@@ -190,3 +193,46 @@ def test_the_strategy_keeps_each_clients_dp_history_in_its_checkpoint_state():
     second.load_state_dict(first.state_dict(), rounds_done=1)
     assert second.budgets is not None and second.budgets.history == {3: [(0.7, 0.1, 8)]}
     assert second.budgets.spent(3) == spent
+
+
+@pytest.mark.parametrize("window", ["core", "low_rank", "float32"])
+def test_a_vmapped_private_step_on_a_frozen_target_window_moves_it_as_the_looped_one(window, monkeypatch):
+    """A full-forward window (its trainable tensors read through fedfusion.models.frozen.Slot, so torch.func's
+    functional_call reaches the frozen layers) takes the vmapped path and moves as one example's backward at a time
+    does. float32 (the frozen target is): each gradient entry sums at most batch x positions x hidden products in
+    another order, so the two differ by at most 2 gamma_n times their magnitudes, taken here as the step's largest
+    move; a window whose layers missed the swap would lose whole gradients, far beyond it."""
+    from fedfusion.fusion.base import Client
+    from fedfusion.fusion.submodel.method import SubModelMethod
+    from fedfusion.models.families import family_of
+    from fedfusion.models.full_forward import from_payload
+    from fedfusion.train import loop
+    from fedfusion.wire.keys import FROZEN
+    from fedfusion.wire.quantize import decode
+    from fedfusion.wire.specs import WindowSpec
+
+    cfg = tiny_config()
+    torch.manual_seed(0)
+    state = family_of(cfg).build(cfg).state_dict()
+    kind = {"core": {"window_core": True}, "low_rank": {"window_rank": 2}, "float32": {}}[window]
+    method = SubModelMethod(cfg, {"t": 0.25}, state, forward="full", frozen="float32" if window == "float32" else "int8",
+                            scale=False, stagger=False, window_shared=True, **kind)
+    payload = method.payloads(2, state, [Client(partition=0, tier="t", seed=3)])[0]
+    spec = WindowSpec.from_config(WindowSpec.from_config(payload.spec).to_config())
+    start = from_payload(cfg, decode(payload.arrays, keep=FROZEN), spec, 3)
+    data = torch.randint(0, cfg.vocab_size, (16, 9), generator=torch.Generator().manual_seed(1))
+    moved = {}
+    for path in ("vmap", "loop"):
+        model = copy.deepcopy(start)
+        key = (type(model), type(loop.loss_of(model)))
+        monkeypatch.setattr(loop, "_LOOPED", {key} if path == "loop" else set())
+        assert loop._vmappable(model, loop.loss_of(model)) == (path == "vmap")
+        train_steps(model, data, steps=1, lr=0.5, batch_size=8, seed=5, optimizer="sgd", loss=loop.loss_of(model),
+                    dp=DpSgd(clip=1e6, noise_multiplier=1e-30))
+        assert loop._LOOPED == ({key} if path == "loop" else set())  # the vmapped path did not fall back
+        moved[path] = [p.detach() - q.detach() for p, q in zip(model.parameters(), start.parameters())]
+    largest = max(float(m.abs().max()) for m in moved["loop"])
+    bound = 2 * gamma(8 * 8 * cfg.hidden_size, torch.float32) * largest
+    assert largest > 0
+    for a, b in zip(moved["vmap"], moved["loop"]):
+        assert_within(a, b, bound)

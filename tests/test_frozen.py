@@ -79,13 +79,14 @@ def test_a_packed_target_trains_the_window_as_the_decoded_one_does(frozen, rank)
     for m, x, g in seen.values():
         x, g = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])
         if m._window is not None:
-            values, (rows, cols) = m._window
+            slot, (rows, cols) = m._window
+            values = slot()
             g_r = g if rows is None else g.index_select(1, rows)
             x_c = x if cols is None else x.index_select(1, cols)
             assert_within(values.grad, grads[names[id(values)]], 2 * matmul_bound(g_r.T, x_c))
             bounded.add(names[id(values)])
         if m._low_rank is not None:
-            a, b = m._low_rank
+            a, b = (slot() for slot in m._low_rank)
             bound = 2 * gamma(len(x) + x.shape[1], torch.float32) * (g.abs().T.double() @ x.abs().double()
                                                                     @ a.abs().T.double())
             assert_within(b.grad, grads[names[id(b)]], bound)

@@ -58,7 +58,8 @@ def test_window_training_is_the_targets_gradient_restricted_to_the_window():
     sub_of = {id(model.window[key]): sub for sub, key in model._keys.items()}
     bounded = set()
     for m, x, g in seen.values():
-        values, (rows, cols) = m._window
+        slot, (rows, cols) = m._window
+        values = slot()
         x, g = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])
         g_r = g if rows is None else g.index_select(1, rows)
         x_c = x if cols is None else x.index_select(1, cols)

@@ -10,6 +10,7 @@ usual. No Flower import.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,11 +29,17 @@ class _FrozenMatmul(torch.autograd.Function):
     """``x @ W.T`` for a :class:`FrozenLinear`'s matrix ``W`` (its window's ``values`` written in): ``W`` is rebuilt
     for backward instead of being kept, and the window's gradient is only the rows and columns it holds."""
 
+    generate_vmap_rule = True  # torch.func: DP-SGD's per-example gradients (fedfusion.train.loop._vmapped_grads)
+
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, values: torch.Tensor | None, layer: FrozenLinear) -> torch.Tensor:
+    def forward(x: torch.Tensor, values: torch.Tensor | None, layer: FrozenLinear) -> torch.Tensor:
+        return torch.nn.functional.linear(x, layer.matrix(values))
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        x, values, layer = inputs
         ctx.layer = layer
         ctx.save_for_backward(x, values)
-        return torch.nn.functional.linear(x, layer.matrix(values))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
@@ -57,6 +64,28 @@ def _on(index: Index, device: torch.device) -> Index:
     return tuple(None if i is None else i.to(device) for i in index)
 
 
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` starts where ``b`` does; True for a tensor without storage of its own (a torch.func wrapper,
+    under DP-SGD's vmap), which is then copied rather than risked."""
+    try:
+        return a.data_ptr() == b.data_ptr()
+    except RuntimeError:
+        return True
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where a wrapper keeps a trainable tensor: read at each forward, so that :func:`torch.func.functional_call`
+    on the wrapper (DP-SGD's per-example gradients) reaches the frozen layers that use it, and a deep copy of the
+    wrapper follows its own parameters."""
+
+    params: torch.nn.ParameterDict
+    key: str
+
+    def __call__(self) -> torch.Tensor:
+        return self.params[self.key]
+
+
 class FrozenLinear(torch.nn.Module):
     """A linear layer whose frozen matrix is kept as it travelled (a :class:`~fedfusion.wire.quantize.Packed`'s
     codes and scales as buffers, so ``.to()`` moves them), with an optional trainable window of its coordinates and
@@ -71,21 +100,21 @@ class FrozenLinear(torch.nn.Module):
         self.register_buffer("scale", packed.scale)
         self.register_buffer("bias", bias)
         self.dims = packed.dims
-        self._window: tuple[torch.nn.Parameter, Index] | None = None  # not registered: the wrapper owns them
+        self._window: tuple[Slot, Index] | None = None  # not registered: the wrapper owns them
         self._fixed: torch.Tensor | None = None  # the window's coordinates read without gradient (see attach_window)
-        self._low_rank: tuple[torch.nn.Parameter, torch.nn.Parameter] | None = None
+        self._low_rank: tuple[Slot, Slot] | None = None
 
     def stored(self) -> Packed:
         """The matrix as it is held."""
         return Packed(self.codes, self.scale, self.dims)
 
-    def attach_window(self, values: torch.nn.Parameter, index: Index, fixed: torch.Tensor | None = None) -> None:
+    def attach_window(self, values: Slot, index: Index, fixed: torch.Tensor | None = None) -> None:
         """Train ``values``, the coordinates ``index`` (rows, columns; None = all) of this matrix; where the mask
         ``fixed`` (shaped as ``values``) is True, the forward reads them without gradient (they train elsewhere)."""
         self._window = (values, (*index, None, None)[:2])
         self._fixed = fixed
 
-    def attach_low_rank(self, a: torch.nn.Parameter, b: torch.nn.Parameter) -> None:
+    def attach_low_rank(self, a: Slot, b: Slot) -> None:
         """Add the trainable update ``b @ a`` to this matrix."""
         self._low_rank = (a, b)
 
@@ -102,18 +131,18 @@ class FrozenLinear(torch.nn.Module):
         w = self.stored().value()
         if values is None:
             return w
-        if w.data_ptr() == self.codes.data_ptr():
+        if _same_storage(w, self.codes):
             w = w.clone()  # a float32 base: never write into what was received
         scatter(w, self.window_index(w.device), values.detach().to(w.dtype), accumulate=False)
         return w
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        values: torch.Tensor | None = self._window[0] if self._window is not None else None
+        values: torch.Tensor | None = self._window[0]() if self._window is not None else None
         if values is not None and self._fixed is not None:
             values = without_grad(values, self._fixed)
         y = _FrozenMatmul.apply(x, values, self)
         if self._low_rank is not None:
-            a, b = self._low_rank
+            a, b = (slot() for slot in self._low_rank)
             y = y + (x @ a.T) @ b.T
         if self.bias is not None:
             y = y + self.bias
@@ -169,14 +198,14 @@ class _Written(torch.nn.Module):
     """A parametrization of a frozen tensor: trainable ``values`` written into the coordinates ``index`` (all
     None: the whole tensor), recomputed at each access (so activation checkpointing's recompute sees them too)."""
 
-    def __init__(self, values: torch.nn.Parameter, index: Index, fixed: torch.Tensor | None = None) -> None:
+    def __init__(self, values: Slot, index: Index, fixed: torch.Tensor | None = None) -> None:
         super().__init__()
-        self._values = [values]  # a list: the wrapper owns the parameter
+        self._values = values  # the wrapper owns the parameter
         self._index = index
         self._fixed = fixed
 
     def forward(self, frozen: torch.Tensor) -> torch.Tensor:
-        values = self._values[0] if self._fixed is None else without_grad(self._values[0], self._fixed)
+        values = self._values() if self._fixed is None else without_grad(self._values(), self._fixed)
         if all(i is None for i in self._index):
             return values
         out = frozen.clone()
@@ -188,12 +217,12 @@ class _Written(torch.nn.Module):
 class _Added(torch.nn.Module):
     """A parametrization of a frozen matrix: plus the trainable update ``b @ a``."""
 
-    def __init__(self, a: torch.nn.Parameter, b: torch.nn.Parameter) -> None:
+    def __init__(self, a: Slot, b: Slot) -> None:
         super().__init__()
-        self._factors = [a, b]
+        self._factors = (a, b)
 
     def forward(self, frozen: torch.Tensor) -> torch.Tensor:
-        a, b = self._factors
+        a, b = (slot() for slot in self._factors)
         return frozen + b @ a
 
 
@@ -202,10 +231,6 @@ class FrozenTargetModel(torch.nn.Module):
     frozen tensors are no parameters of the wrapper) but moves with it. A matrix on a :class:`FrozenLinear` takes
     its trainable part there; any other tensor through a parametrization (:meth:`write`, :meth:`add`), tied
     copies included."""
-
-    # the frozen layers hold the trainable tensors themselves, where torch.func.functional_call cannot swap them:
-    # DP-SGD takes this model's per-example gradients one example at a time (fedfusion.train.loop._private_step)
-    per_example_vmap = False
 
     def __init__(self, config: PretrainedConfig, target: PreTrainedModel) -> None:
         super().__init__()
@@ -235,7 +260,7 @@ class FrozenTargetModel(torch.nn.Module):
             module, _, attr = each.rpartition(".")
             register_parametrization(self._target[0].get_submodule(module), attr, make(), unsafe=True)
 
-    def write(self, name: str, values: torch.nn.Parameter, index: Index, fixed: torch.Tensor | None = None) -> None:
+    def write(self, name: str, values: Slot, index: Index, fixed: torch.Tensor | None = None) -> None:
         """Train ``values``, the coordinates ``index`` of the target's tensor ``name``; the coordinates of ``values``
         where the mask ``fixed`` is True are read without gradient (they train in another forward pass)."""
         layer = linear_of(self._target[0], name)
@@ -244,7 +269,7 @@ class FrozenTargetModel(torch.nn.Module):
         else:
             self._parametrize(name, lambda: _Written(values, index, fixed))
 
-    def add(self, name: str, a: torch.nn.Parameter, b: torch.nn.Parameter) -> None:
+    def add(self, name: str, a: Slot, b: Slot) -> None:
         """Train the update ``b @ a`` of the target's matrix ``name``."""
         layer = linear_of(self._target[0], name)
         if layer is not None:

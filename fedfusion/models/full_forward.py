@@ -25,7 +25,7 @@ from transformers import PretrainedConfig
 
 from fedfusion.models.build import config_aliases, full_state, tied_aliases
 from fedfusion.models.families import family_of
-from fedfusion.models.frozen import FrozenTargetModel, as_packed, frozen_target
+from fedfusion.models.frozen import FrozenTargetModel, Slot, as_packed, frozen_target
 from fedfusion.models.low_rank import LowRankModel
 from fedfusion.models.slicing import SlicePlan, sliced_shape, sub_config, tensor_slices
 from fedfusion.wire.keys import FROZEN
@@ -70,14 +70,16 @@ class WindowModel(FrozenTargetModel):
             if want != {sub for sub, *_ in self._core}:
                 raise ValueError(f"core: the window does not hold the small model's {sorted(want ^ {s for s, *_ in self._core})[:3]}")
         for name, sl in slices.items():
-            self.write(name, self.window[self._keys[sl.sub_name]], sl.index, fixed.get(name))
+            self.write(name, Slot(self.window, self._keys[sl.sub_name]), sl.index, fixed.get(name))
 
     def core_loss(self, batch: torch.Tensor) -> torch.Tensor:
         """The small model's next-token loss on ``batch``, its tensors read from the core's coordinates of the
         window (so its gradient trains them, and only it). ValueError without a core."""
         if not self._core:
             raise ValueError("core_loss: this window has no core")
-        small = self._small[0].to(self.device)
+        small = self._small[0]
+        if next(small.parameters()).device != self.device:  # moved once (inside torch.func a move would crash)
+            small = self._small[0] = small.to(self.device)
         tensors = {sub: _take(self.window[key], at) * scale for sub, key, at, scale in self._core}
         tensors = full_state(tensors, tied_aliases(small))
         batch = batch.to(self.device)

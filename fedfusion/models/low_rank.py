@@ -19,7 +19,7 @@ import torch
 from transformers import PretrainedConfig
 
 from fedfusion.models.build import config_aliases
-from fedfusion.models.frozen import FrozenTargetModel, as_packed, frozen_target
+from fedfusion.models.frozen import FrozenTargetModel, Slot, as_packed, frozen_target
 from fedfusion.models.slicing import on_unit_axis
 from fedfusion.wire.quantize import Packed
 
@@ -66,12 +66,12 @@ class LowRankModel(FrozenTargetModel):
             bound = 1 / math.sqrt(in_dim)  # LoRA's A: uniform in +-1/sqrt(fan_in)
             self.A[key] = torch.nn.Parameter((torch.rand(min(rank, in_dim, out_dim), in_dim, generator=gen) * 2 - 1) * bound)
             self.B[key] = torch.nn.Parameter(torch.zeros(out_dim, self.A[key].shape[0]))
-            self.add(name, self.A[key], self.B[key])
+            self.add(name, Slot(self.A, key), Slot(self.B, key))
         self._exact = {name: f"e{i}" for i, name in enumerate(exact)}
         self.exact = torch.nn.ParameterDict({key: torch.nn.Parameter(exact[name].detach().clone().float())
                                              for name, key in self._exact.items()})
         for name, key in self._exact.items():
-            self.write(name, self.exact[key], (None,) * self.exact[key].dim())
+            self.write(name, Slot(self.exact, key), (None,) * self.exact[key].dim())
 
     def trained(self) -> State:
         """The reply: each matrix's factors under ``name + FACTOR_A / FACTOR_B`` and the exact tensors' values."""

@@ -255,6 +255,19 @@ CHUNK_BYTES = 256 * 2**20
 _LOOPED: set[tuple[type, type]] = set()  # (model, loss) classes whose loss torch.func could not vmap: looped
 
 
+def _vmappable(model: Any, loss: Loss) -> bool:
+    """Whether DP-SGD vmaps this model's per-example gradients: the next-token loss (:data:`LM`) of the library's own
+    model families and frozen-target wrappers, which the tests check against the loop; anything else (a peft model,
+    another loss plug-in: :data:`CORE` reads its batch in Python) takes one example at a time, as a failure inside
+    torch.func can be a crash rather than an exception."""
+    from fedfusion.models.families import FAMILIES
+
+    language = {t for family in FAMILIES if family.name != "cnn" for t in family.model_types}
+    ours = isinstance(model, FrozenTargetModel) or (isinstance(model, PreTrainedModel)
+                                                    and getattr(model.config, "model_type", None) in language)
+    return ours and isinstance(loss, LMLoss) and (type(model), type(loss)) not in _LOOPED
+
+
 class _LossOf(torch.nn.Module):
     """``loss`` of ``model`` as a module's forward, so :func:`torch.func.functional_call` can swap its parameters."""
 
@@ -303,10 +316,10 @@ def _looped_grads(model: Any, loss: Loss, data: Any, rows: torch.Tensor,
 def _private_step(model: Any, opt: torch.optim.Optimizer, loss: Loss, data: Any, rows: torch.Tensor, dp: DpSgd,
                   noise: torch.Generator) -> tuple[Step, float]:
     """One DP-SGD step on the batch ``data[rows]``: the gradient :func:`fedfusion.train.dp.private_gradients` of
-    its examples' gradients, vmapped (:func:`_vmapped_grads`) where the model's trainable tensors are its
-    parameters as modules reach them (not a model that says ``per_example_vmap = False``) and the loss has no op
-    torch.func cannot batch, one example at a time otherwise; the step reports the batch's loss and tokens as a
-    plain step would."""
+    its examples' gradients, vmapped (:func:`_vmapped_grads`: the model's trainable tensors are its parameters, read
+    where its modules reach them, :class:`fedfusion.models.frozen.Slot` included) where the loss has no op torch.func
+    cannot batch, one example at a time otherwise; the step reports the batch's loss and tokens as a plain step
+    would."""
     params = [p for group in opt.param_groups for p in group["params"] if p.requires_grad]
     batch = data[rows]
     key = (type(model), type(loss))
@@ -320,7 +333,7 @@ def _private_step(model: Any, opt: torch.optim.Optimizer, loss: Loss, data: Any,
             yield grads
 
     grads = None
-    if isinstance(batch, torch.Tensor) and getattr(model, "per_example_vmap", True) and key not in _LOOPED:
+    if isinstance(batch, torch.Tensor) and _vmappable(model, loss):
         try:
             grads = private_gradients(params, chunks(_vmapped_grads(model, loss, batch, rows, params)), len(rows), dp,
                                       noise)
