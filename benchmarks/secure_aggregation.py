@@ -99,7 +99,11 @@ def main(argv: list[str] | None = None) -> None:
         *rows, "",
         f"Largest relative perplexity difference over every seed and scored round: {worst:.2e} (the goal: under 1 %).",
         "The masked vector is 8 bytes (uint64 fixed point) per coordinate of the round's support (the coordinates "
-        "some sampled client trains), against 4 bytes (float32) per coordinate of a client's own reply.", ""])
+        "some sampled client trains), against 4 bytes (float32) per coordinate of a client's own reply. Wall and "
+        "server seconds are as the runs recorded them, under whatever else ran on the machine then (the load above "
+        "is this report's): compare them within a row. With `engine.server_threads=0` the server's thread count is "
+        "measured each round, so the order of its float sums, and the last bits of a run, can differ between any "
+        "two runs, plain ones included.", ""])
     data = {**facts, "recipe": args.recipe, "overrides": args.overrides, "seeds": args.seeds,
             "runs": {arm: {str(s): r for s, r in by_seed.items()} for arm, by_seed in runs.items()},
             "max_relative_ppl_difference": worst}
