@@ -58,7 +58,8 @@ wrapping the driver's ``run_rounds`` while a run lasts (:func:`capturing`), with
     python benchmarks/privacy.py --seeds 0 1 2 [--methods grown rolling distill generative] [--people 200]
         [--candidates 4095] [--jobs 2] [--quick] [--out privacy]
 
-``--quick``: one seed, 60 people, 6 rounds, 511 candidates (a smoke run; writes ``<out>_quick``).
+``--quick``: one seed, 60 people, 6 rounds, 511 candidates (a smoke run; writes ``<out>_quick``). ``--report-only``:
+rewrite ``<out>.md`` from ``<out>.json``.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import json
 import math
 import os
 import platform
@@ -497,6 +499,14 @@ def report(payload: dict) -> str:
         f"{SPACE_BITS:.1f} bits) inserted 1, 4 and 16 times into three clients drawn by the seed among those the run "
         f"samples, and eight never inserted (the references). Seeds {', '.join(str(s) for s in a['seeds'])}; every cell is mean ± sd over "
         "seeds.", "",
+        "Methods, each through the library's in-process driver (`fedfusion.fusion.inprocess`) on the same task, "
+        "rounds and local training: `grown` takes recipes/quickstart.yaml's fusion (its device mix and widths over "
+        "the clients; the small model for the first third of the rounds, grown into the target, then full-forward "
+        "windows with the core on an int8 frozen target); `rolling` recipes/rolling.yaml's (rolling, staggered slices "
+        "in their own forward pass, its device mix); `distill` FedDF on the facts' public biographies (every client "
+        "trains the phones' 1/8 slice as one family model; every round the server distils it into the target with "
+        "the generative method's server steps); `generative` recipes/knowledge.yaml's (phones' own 1/8 models, "
+        "samples with top-8 log-probabilities, kept on the node).", "",
         f"Exposure = log2|R| - log2(rank), the rank estimated from {a['candidates']:,} secrets drawn uniformly from R "
         f"(the same for every canary and view): -log2((k + 1) / (n + 1)) with k the candidates scoring better, so at "
         f"most {cap:.1f} bits (a canary better than every candidate). A never-inserted canary averages 1.44 bits; the "
@@ -541,9 +551,22 @@ def report(payload: dict) -> str:
             never = sum(any(v.get("never_in_samples") for v in r["views"].values()) for r in mine)
             secret = " / ".join(f"{c}/{len(mine)}" for c in [*counts, never]) + " seeds"
         lines.append(f"| {m} | {_ms(view, 3)} | {_ms(final, 3)} | {facts:.0f} | {secret} |")
-    lines += ["", f"Runs: {len(runs)}; wall time per run {_ms([r['wall_s'] for r in runs], 0)} s. The canary clients' "
-              "last sampled rounds (server's view) per method and seed are in the JSON (`views.<insertions>.round`).",
-              ""]
+    lines += ["", "Reading the tables:", "",
+              "- One copy is not one pass: a sampled client takes 20 local steps of 32 windows over its own windows "
+              "every round it is sampled, many epochs of a small client's text, so a canary inserted once is seen "
+              "many times by its client's model.",
+              "- Generative's server's-view score is a trigram model of one reply's samples and top-8 probabilities "
+              "(contexts of two tokens): a lower bound on what the samples reveal. The server itself trains the "
+              "target on every client's samples and top-8 log-probabilities with the whole context; its final-target "
+              "row is what that reads off them.",
+              "- A final target's exposure depends on how recently the canary's client trained before the run ended; "
+              "the canary clients' last sampled rounds per method and seed are in the JSON (`views.<insertions>.round`).",
+              "- Distill's final target learns only from the family model's logits on public text: its row measures "
+              "what passes through that, and the server's view (the client's own family model) is what the server "
+              "holds before distilling.",
+              "", f"Runs: {len(runs)}; wall time per run {_ms([r['wall_s'] for r in runs], 0)} s.", ""]
+    if payload.get("rendered_by"):
+        lines += [f"Command: `{payload['rendered_by']}` (this report, re-rendered from the JSON's runs)", ""]
     return "\n".join(lines)
 
 
@@ -558,6 +581,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--candidates", type=int, default=4095, help="secrets sampled to estimate a canary's rank")
     parser.add_argument("--jobs", type=int, default=2, help="processes (1 torch thread each)")
     parser.add_argument("--quick", action="store_true", help="smoke run: seed 0, 60 people, 6 rounds, 511 candidates")
+    parser.add_argument("--report-only", action="store_true", help="rewrite <out>.md from <out>.json, running nothing")
     parser.add_argument("--out", default="privacy")
     return parser
 
@@ -565,10 +589,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     facts = run_facts("benchmarks/privacy.py", argv)
+    if args.report_only:
+        payload = json.loads((RESULTS / f"{args.out}.json").read_text())
+        payload["rendered_by"] = facts["command"]
+        write_pair(RESULTS, args.out, payload, report(payload))
+        return
     if args.quick:
         args.seeds, args.people, args.rounds, args.candidates = [args.seeds[0]], 60, 6, 511
         args.out = f"{args.out}_quick"
-    conf = {k: v for k, v in vars(args).items() if k != "out"}
+    conf = {k: v for k, v in vars(args).items() if k not in ("out", "report_only")}
     jobs = [{"method": m, "seed": s, "args": conf} for s in args.seeds for m in args.methods]
     runs = []
     with ProcessPoolExecutor(args.jobs) as pool:
