@@ -9,6 +9,7 @@ client trains a payload. Clients train one after another; there are no faults, m
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -29,6 +30,7 @@ from fedfusion.models.low_rank import LowRankModel
 from fedfusion.models.samples import SAMPLES_KEY, GenerativeConfig, samples_reply
 from fedfusion.models.slicing import extract, plan_slice, sub_config
 from fedfusion.train.distill import DistillationLoss, Teacher, feddf_teacher, forward_flops
+from fedfusion.train.dp import ClientBudgets, DpSgd, epsilon_spent
 from fedfusion.train.loop import loss_of, train_steps
 from fedfusion.wire.keys import FROZEN, NUM_EXAMPLES
 from fedfusion.wire.quantize import Wire, client_reply, decode
@@ -49,10 +51,38 @@ class Rounds:
     seed: int = 0
     weight_decay: float = 0.0
     optimizer: str = "adamw"  # the clients' local optimizer (fedfusion.train.loop.OPTIMIZERS)
+    # DP-SGD on every client (privacy.mode=dp_sgd with noise_multiplier 0): each client's noise calibrated to spend
+    # ``dp_epsilon`` at ``dp_delta`` over the rounds it is expected to train; 0: no DP
+    dp_epsilon: float = 0.0
+    dp_delta: float = 1e-5
+    dp_clip: float = 1.0
 
     def draw(self, rng: random.Random, population: int) -> list[int]:
         """This round's sampled partitions, sorted (the strategy's seeded random selector, uniform)."""
         return sorted(rng.sample(range(population), min(self.per_round, population)))
+
+    def private(self, examples: int, population: int) -> DpSgd | None:
+        """A client's DP-SGD settings (None without DP): the noise :class:`fedfusion.train.dp.ClientBudgets` would
+        calibrate for a client of ``examples`` windows in a population of ``population``, as the Flower strategy
+        does with ``privacy.noise_multiplier=0``. The in-process driver leaves no client out for its budget: one
+        sampled more often than expected spends more (:meth:`spent` says how much)."""
+        if not self.dp_epsilon:
+            return None
+        budgets = ClientBudgets(0.0, self.dp_delta, self.dp_epsilon, {}, self.expected_rounds(population))
+        return DpSgd(self.dp_clip, budgets.sigma(examples, self.batch_size, self.steps))
+
+    def expected_rounds(self, population: int) -> int:
+        """The rounds a client is expected to train: rounds x per_round / population, rounded up."""
+        return max(1, math.ceil(self.rounds * min(self.per_round, population) / population))
+
+    def spent(self, examples: int, population: int, rounds_trained: int) -> float:
+        """The epsilon a client of ``examples`` windows spent after training ``rounds_trained`` rounds (0 without
+        DP)."""
+        dp = self.private(examples, population)
+        if dp is None or not rounds_trained:
+            return 0.0
+        rate = min(1.0, self.batch_size / max(examples, 1))
+        return epsilon_spent([(dp.noise_multiplier, rate, self.steps)] * rounds_trained, self.dp_delta)
 
 
 @dataclass(frozen=True)
@@ -194,7 +224,8 @@ def run_submodel(run: SubModelRun, initial: dict[str, torch.Tensor], evaluate: E
                  else model_from_state(config, received))
         p = payload.client.partition
         out = train_steps(model, run.windows[p], run.steps, run.lr, run.batch_size, payload.client.seed,
-                          run.weight_decay, run.optimizer, loss=loss_of(model)).metrics()
+                          run.weight_decay, run.optimizer, loss=loss_of(model),
+                          dp=run.private(len(run.windows[p]), len(run.windows))).metrics()
         trained = (model.trained() if isinstance(model, WindowModel | LowRankModel) else
                    _wire_of(model))
         feedback = run.wire.error_feedback and run.wire.up != "float32" and not full
@@ -246,20 +277,22 @@ def run_generative(run: GenerativeRun, initial: dict[str, torch.Tensor], evaluat
         if RoleSpec.from_config(payload.spec).role != method.role:  # a grow round: the slice, as the submodel role
             model = model_from_state(_spec_config(run.config, payload), decode(payload.arrays))
             out = train_steps(model, run.windows[partition], run.steps, run.lr, run.batch_size, payload.client.seed,
-                              run.weight_decay, run.optimizer)
+                              run.weight_decay, run.optimizer, dp=run.private(len(run.windows[partition]),
+                                                                                len(run.windows)))
             return _wire_of(model), {**out.metrics(), NUM_EXAMPLES: len(run.windows[partition])}
         ask = GenerativeSpec.from_config(payload.spec)
         start_from = nodes[partition] if ask.kept else payload.arrays
         model = model_from_state(sub_config(run.config, method.plans[tier]), start_from)
         own, seed = run.windows[partition], payload.client.seed
-        out = train_steps(model, own, run.steps, run.lr, run.batch_size, seed, run.weight_decay, run.optimizer)
+        dp = run.private(len(own), len(run.windows))
+        out = train_steps(model, own, run.steps, run.lr, run.batch_size, seed, run.weight_decay, run.optimizer, dp=dp)
         trained = _wire_of(model)
         if ask.device_state == "node":
             nodes[partition], reply = trained, {}
         else:
             reply = trained
         start = time.perf_counter()
-        reply.update(samples_reply(model, own, ask, seed))
+        reply.update(samples_reply(model, own, ask, seed, private=dp is not None))
         params = sum(p.numel() for p in model.parameters())
         sampling["seconds"] += time.perf_counter() - start
         # generation, plus the teacher's forward pass over the samples with top_k
