@@ -20,7 +20,7 @@ import statistics
 from pathlib import Path
 
 from results_files import run_facts, write_pair
-from secure_aggregation import RESULTS, jsonl, run
+from secure_aggregation import RESULTS, jsonl, run, runs_parser
 
 from fedfusion.config.recipe import load_recipe
 
@@ -51,15 +51,9 @@ def summarize(out: Path, facts: bool, wall: float) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--recipe", default="quickstart")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser = runs_parser(__doc__.split("\n\n")[0], "runs/bench-privacy-utility", "privacy_utility")
     parser.add_argument("--epsilons", type=float, nargs="+", default=[8.0, 4.0, 1.0])
     parser.add_argument("--arm", action="append", default=[], help="NAME=key=value,key=value: a further arm")
-    parser.add_argument("--work", default="runs/bench-privacy-utility", help="where the runs go")
-    parser.add_argument("--out", default="privacy_utility", help="results file stem under benchmarks/results")
-    parser.add_argument("--reuse", action="store_true", help="keep the finished runs already in --work")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides for every arm")
     return parser
 
 

@@ -58,15 +58,21 @@ def summarize(out: Path, wall: float) -> dict:
             "secagg_s": sum(float(r.get("secagg_s", 0.0)) for r in rounds), "wall_s": wall}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def runs_parser(description: str, work: str, out: str) -> argparse.ArgumentParser:
+    """The arguments of a benchmark that runs a recipe's arms through the CLI: recipe, seeds, where the runs go
+    (``work``), the results stem (``out``), reuse of finished runs, and overrides for every arm."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--recipe", default="quickstart")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--work", default="runs/bench-secagg", help="where the runs go")
-    parser.add_argument("--out", default="secure_aggregation", help="results file stem under benchmarks/results")
+    parser.add_argument("--work", default=work, help="where the runs go")
+    parser.add_argument("--out", default=out, help="results file stem under benchmarks/results")
     parser.add_argument("--reuse", action="store_true", help="keep the finished runs already in --work")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides for both arms")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides for every arm")
     return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    return runs_parser(__doc__.split("\n\n")[0], "runs/bench-secagg", "secure_aggregation")
 
 
 def main(argv: list[str] | None = None) -> None:
