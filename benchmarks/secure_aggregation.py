@@ -5,8 +5,8 @@ For each seed, the recipe (default the quickstart) runs twice with the same budg
 ``privacy.secure_aggregation=true``. Secure aggregation changes only how the replies are summed (fixed point, masks
 that cancel), so the two runs train the same clients on the same batches and differ by rounding alone; the table
 gives each run's final perplexity, the largest relative difference of any scored round, the uplink bytes per
-trained client (the masked vector against the plain reply), the extra steps' bytes, the server's seconds in them
-(key routing, unmasking) and the wall time.
+trained client (the masked vector against the plain reply), the extra steps' bytes, the server's wall seconds in them
+(round trips to the clients for keys, shares and unmasking, and the unmasking itself) and the wall time.
 
     python benchmarks/secure_aggregation.py --seeds 0 1 2 [--work runs/bench-secagg] [extra key=value overrides]
 """

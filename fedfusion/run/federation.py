@@ -225,7 +225,7 @@ class RoundRecorder:
             "server_flops": report.server_cost["flops"],
             "server_s": report.server_cost["seconds"],
             "server_energy_j": server["energy_j"], "server_co2_g": server["co2_g"],
-            # secure aggregation: the server's seconds in its extra steps (routing keys and shares, unmasking)
+            # secure aggregation: the server's wall seconds in its extra steps (round trips to the clients, unmasking)
             **{k: v for k, v in report.server_cost.items() if k == "secagg_s"},
             **report.fed_eval,
         }

@@ -316,20 +316,17 @@ def _looped_grads(model: Any, loss: Loss, data: Any, rows: torch.Tensor,
 def _private_step(model: Any, opt: torch.optim.Optimizer, loss: Loss, data: Any, rows: torch.Tensor, dp: DpSgd,
                   noise: torch.Generator) -> tuple[Step, float]:
     """One DP-SGD step on the batch ``data[rows]``: the gradient :func:`fedfusion.train.dp.private_gradients` of
-    its examples' gradients, vmapped (:func:`_vmapped_grads`: the model's trainable tensors are its parameters, read
-    where its modules reach them, :class:`fedfusion.models.frozen.Slot` included) where the loss has no op torch.func
-    cannot batch, one example at a time otherwise; the step reports the batch's loss and tokens as a plain step
-    would."""
+    its examples' gradients, vmapped (:func:`_vmapped_grads`) where :func:`_vmappable` allows it, one example at a time
+    otherwise (and from then on, for that model and loss, if torch.func raises); the step reports the batch's loss
+    and tokens as a plain step would."""
     params = [p for group in opt.param_groups for p in group["params"] if p.requires_grad]
     batch = data[rows]
     key = (type(model), type(loss))
-    losses: list[torch.Tensor] = []
 
     def chunks(source: Iterator[tuple[list[torch.Tensor], torch.Tensor]]) -> Iterator[list[torch.Tensor]]:
         for grads, values in source:
             if not bool(torch.isfinite(values).all()):
                 raise FloatingPointError(f"{loss.what} loss became {values[~torch.isfinite(values)][0].item()}")
-            losses.append(values)
             yield grads
 
     grads = None
@@ -341,7 +338,6 @@ def _private_step(model: Any, opt: torch.optim.Optimizer, loss: Loss, data: Any,
             raise
         except Exception as exc:  # an op torch.func cannot batch (data-dependent control flow, .item()): loop
             _LOOPED.add(key)
-            losses.clear()
             warnings.warn(f"DP-SGD: per-example gradients one example at a time for {key[0].__name__} with "
                           f"{key[1].__name__} (torch.func could not vmap it: {str(exc).splitlines()[0][:200]})",
                           stacklevel=2)
