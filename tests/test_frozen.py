@@ -9,9 +9,9 @@ from fp_bounds import assert_within, gamma, matmul_bound
 
 from fedfusion.fusion.base import Client
 from fedfusion.fusion.submodel.method import SubModelMethod
-from fedfusion.models.build import model_from_state
+from fedfusion.models.build import config_aliases, model_from_state, wire_state
 from fedfusion.models.families import family_of
-from fedfusion.models.frozen import FrozenLinear
+from fedfusion.models.frozen import FrozenLinear, as_packed, frozen_target
 from fedfusion.models.full_forward import WindowModel, from_payload
 from fedfusion.models.slicing import extract, plan_slice
 from fedfusion.train.loop import checkpoint_activations, lm_loss, train_steps
@@ -144,6 +144,27 @@ def test_moving_the_model_moves_its_frozen_target():
     model.to("meta")
     assert {t.device.type for t in model.target().state_dict().values()} == {"meta"}
     assert {p.device.type for p in model.parameters()} == {"meta"}
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "opt"])
+def test_building_a_frozen_target_allocates_no_float32_copy_of_its_matrices(family, monkeypatch):
+    """A device holds the matrices as they travelled from the first byte: the model is built with its parameters on
+    the meta device, so no linear layer's float32 matrix is allocated (or randomly initialised) on the way; tied
+    embeddings stay one tensor."""
+    cfg = CONFIGS[family]()
+    torch.manual_seed(0)
+    state = {k: v.clone() for k, v in family_of(cfg).build(cfg).state_dict().items()}
+    plan = plan_slice(cfg, 0.5, "rolling", server_round=2, stride=0.25, scale=False)
+    made: list[torch.device] = []
+    reset = torch.nn.Linear.reset_parameters
+    monkeypatch.setattr(torch.nn.Linear, "reset_parameters", lambda self: (made.append(self.weight.device), reset(self)))
+    model = WindowModel(cfg, state, extract(state, cfg, plan), plan)
+    assert made and {d.type for d in made} == {"meta"}
+    target = model.target()
+    assert not [n for n, t in [*target.named_parameters(), *target.named_buffers()] if t.device.type == "meta"]
+    bare = frozen_target(cfg, as_packed(wire_state(state, config_aliases(cfg))))
+    if cfg.tie_word_embeddings:
+        assert bare.get_output_embeddings().weight is bare.get_input_embeddings().weight
 
 
 def _saved_bytes(model, data: torch.Tensor) -> int:

@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from accelerate import init_empty_weights
 from torch.nn.utils.parametrize import register_parametrization
 from transformers import PretrainedConfig, PreTrainedModel
 
-from fedfusion.models.build import config_aliases, full_state, tied_aliases
+from fedfusion.models.build import config_aliases, full_state
 from fedfusion.models.families import family_of
 from fedfusion.models.slicing import scatter
 from fedfusion.wire.quantize import Packed
@@ -152,9 +153,13 @@ class FrozenLinear(torch.nn.Module):
 def frozen_target(config: PretrainedConfig, packed: dict[str, Packed]) -> PreTrainedModel:
     """A model of ``config`` holding ``packed`` (a wire state, tied aliases absent): each ``torch.nn.Linear`` whose
     matrix arrived becomes a :class:`FrozenLinear` keeping it packed; every other tensor is float32. Frozen
-    (no tensor requires grad). ValueError naming a tensor the model lacks or one of its tensors that is missing."""
-    model = family_of(config).build(config)
-    aliases = tied_aliases(model)
+    (no tensor requires grad). ValueError naming a tensor the model lacks or one of its tensors that is missing.
+
+    The model is built with its parameters on the meta device (buffers real), so no float32 copy of the target is
+    ever allocated or randomly initialised: the device's peak is what the planner prices, from the first byte."""
+    with init_empty_weights(include_buffers=False):
+        model = family_of(config).build(config)
+    aliases = config_aliases(config)  # not tied_aliases(model): parameters made empty this way are not tied
     replaced: set[str] = set()  # the tensors the FrozenLinear layers hold
     layers: list[str] = []
     for name, module in list(model.named_modules()):
@@ -167,11 +172,14 @@ def frozen_target(config: PretrainedConfig, packed: dict[str, Packed]) -> PreTra
             replaced |= {weight, f"{name}.bias"}
             layers.append(name)
     dense = {k: p.value() for k, p in packed.items() if k not in replaced}
-    missing, unexpected = model.load_state_dict(full_state(dense, aliases), strict=False)
+    missing, unexpected = model.load_state_dict(full_state(dense, aliases), strict=False, assign=True)
     held = {f"{name}.{k}" for name in layers for k in ("codes", "scale", "bias")}
     stray = [k for k in missing if k not in held]
     if unexpected or stray:
         raise ValueError(f"frozen target: unexpected {sorted(unexpected)[:3]}, missing {sorted(stray)[:3]}")
+    for alias, key in aliases.items():  # assign loads each key as its own Parameter: tie them again
+        module, _, attr = alias.rpartition(".")
+        setattr(model.get_submodule(module), attr, model.get_parameter(key))
     return model.requires_grad_(False)
 
 
