@@ -195,11 +195,11 @@ def test_the_strategy_keeps_each_clients_dp_history_in_its_checkpoint_state():
     assert second.budgets.spent(3) == spent
 
 
-@pytest.mark.parametrize("window", ["core", "low_rank", "float32"])
+@pytest.mark.parametrize("window", ["core", "low_rank", "float32", "expanded"])
 def test_a_vmapped_private_step_on_a_frozen_target_window_moves_it_as_the_looped_one(window, monkeypatch):
     """A full-forward window (its trainable tensors read through fedfusion.models.frozen.Slot, so torch.func's
     functional_call reaches the frozen layers) takes the vmapped path and moves as one example's backward at a time
-    does. float32 (the frozen target is): each gradient entry sums at most batch x positions x hidden products in
+    does (expanded: the frozen target made float32 once, each example writing into its own copy). float32 (the frozen target is): each gradient entry sums at most batch x positions x hidden products in
     another order, so the two differ by at most 2 gamma_n times their magnitudes, taken here as the step's largest
     move; a window whose layers missed the swap would lose whole gradients, far beyond it."""
     from fedfusion.fusion.base import Client
@@ -214,7 +214,8 @@ def test_a_vmapped_private_step_on_a_frozen_target_window_moves_it_as_the_looped
     cfg = tiny_config()
     torch.manual_seed(0)
     state = family_of(cfg).build(cfg).state_dict()
-    kind = {"core": {"window_core": True}, "low_rank": {"window_rank": 2}, "float32": {}}[window]
+    kind = {"core": {"window_core": True}, "low_rank": {"window_rank": 2}, "float32": {},
+            "expanded": {"expand": frozenset({"t"})}}[window]
     method = SubModelMethod(cfg, {"t": 0.25}, state, forward="full", frozen="float32" if window == "float32" else "int8",
                             scale=False, stagger=False, window_shared=True, **kind)
     payload = method.payloads(2, state, [Client(partition=0, tier="t", seed=3)])[0]

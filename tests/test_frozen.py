@@ -101,6 +101,37 @@ def test_a_packed_target_trains_the_window_as_the_decoded_one_does(frozen, rank)
     assert max(float((got[k] - v).abs().max()) for k, v in before.items()) > 1e-3  # the window did train
 
 
+@pytest.mark.parametrize("frozen,kind", [("int8", {}), ("int4", {}), ("float16", {}), ("float32", {}),
+                                         ("int8", {"window_rank": 2}), ("int8", {"window_core": True})])
+def test_an_expanded_target_trains_the_window_bit_for_bit_as_the_narrow_one(frozen, kind):
+    """A tier whose memory holds the float32 target gets ``WindowSpec.expand``: its device makes each matrix float32
+    once (the same IEEE-exact codes times scale the narrow path makes in every pass) and writes the window into that
+    copy in place, so the losses and trained values equal the narrow path's exactly; the received arrays are not
+    written into."""
+    cfg = tiny_config()
+    torch.manual_seed(0)
+    state = {k: v.clone() for k, v in family_of(cfg).build(cfg).state_dict().items()}
+    data = torch.randint(0, cfg.vocab_size, (16, 17), generator=torch.Generator().manual_seed(1))
+    trained = {}
+    for expand in (frozenset(), frozenset({"t"})):
+        method = SubModelMethod(cfg, {"t": 0.25}, state, forward="full", frozen=frozen, scale=False, policy="rolling",
+                                window_shared=True, expand=expand, **kind)
+        payload = method.payloads(2, state, [Client(partition=0, tier="t", seed=7)])[0]
+        spec = WindowSpec.from_config(WindowSpec.from_config(payload.spec).to_config())
+        assert spec.expand == bool(expand)
+        received = decode(payload.arrays, keep=FROZEN)
+        sent = {k: v.clone() for k, v in received.items()}
+        model = from_payload(cfg, received, spec, 7)
+        layers = [m for m in model.target().modules() if isinstance(m, FrozenLinear)]
+        assert {m.codes.dtype == torch.float32 and m.scale is None for m in layers} == {True} or not expand
+        out = train_steps(model, data, steps=3, lr=1e-2, batch_size=8, seed=1)
+        trained[bool(expand)] = (out.loss, model.trained())
+        assert all(torch.equal(received[k], v) for k, v in sent.items())  # what arrived is never written into
+    assert trained[True][0] == trained[False][0]
+    assert trained[True][1].keys() == trained[False][1].keys()
+    assert all(torch.equal(trained[True][1][k], v) for k, v in trained[False][1].items())
+
+
 def test_decode_keeps_the_frozen_entries_as_they_travelled():
     arrays = encode({"frozen/w": torch.randn(8, 64), "w": torch.randn(8, 64)}, "int8")
     kept = decode(arrays, keep=FROZEN)

@@ -13,13 +13,16 @@ from fedfusion.run.planner import (
     WIDTH_LADDER,
     auto_widths,
     estimate_memory,
+    expanded_tiers,
     fit_lora_rank,
     fit_width,
     lora_params,
     param_count,
     plan_table,
+    recipe_target,
     sliced_config,
     training_memory_bytes,
+    window_memory,
 )
 from tests.conftest import tiny_config
 
@@ -313,3 +316,26 @@ def test_auto_widths_fit_full_forward_windows_not_just_slices():
     grown_lowend = load_recipe("quickstart", lowend)
     [row] = plan_table(grown_lowend, widths=auto_widths(grown_lowend))  # the frozen target and its activations do not
     assert row["width"] is None and row["fits"].startswith("NO: even a full-forward window of 0.0625 needs")
+
+
+def test_a_tier_expands_its_frozen_target_only_where_its_memory_holds_the_float32_copy():
+    """fedfusion.run.planner.window_path: a device whose memory holds the window with the frozen target made float32
+    once (and the message's int8 copy beside it) trains that way (faster, the same values); one whose memory does
+    not keeps the target as it travelled. The plan prices the way each tier takes, and the run's messages say the
+    same (expanded_tiers, read by SubModelMethod)."""
+    big = ["model.hidden_size=1024", "model.num_heads=16", "model.num_kv_heads=16", "model.intermediate_size=4096",
+           "model.num_layers=24", "train.batch_size=8", "population.mix={phone: 0.5, laptop: 0.5}",
+           "fusion.widths={phone: 0.0625, laptop: 0.25}"]
+    recipe = load_recipe("quickstart", big)
+    target, catalog = recipe_target(recipe), load_catalog()
+    rows = {r["tier"]: r for r in plan_table(recipe)}
+    for tier, width in recipe.fusion.widths.items():
+        narrow, wide = (window_memory(recipe, target, width, 0.0625, expand)[1] for expand in (False, True))
+        budget = catalog[tier].memory_gb * 2**30 * 0.9
+        assert narrow < wide
+        expands = wide <= budget
+        assert (tier in expanded_tiers(recipe)) == expands
+        assert rows[tier]["slice"].endswith(", float32 once") == expands
+        assert rows[tier]["peak MB"] == round((wide if expands else narrow) / 2**20, 1)
+    assert expanded_tiers(recipe) == {"laptop"}  # the phone (3.6 GB usable) holds the int8 target, not a float32 one
+    assert expanded_tiers(load_recipe("quickstart", [*big, "fusion.forward=slice", "fusion.window_core=false"])) == set()

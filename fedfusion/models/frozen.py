@@ -65,6 +65,11 @@ def _on(index: Index, device: torch.device) -> Index:
     return tuple(None if i is None else i.to(device) for i in index)
 
 
+def _plain(t: torch.Tensor) -> bool:
+    """Whether ``t`` is an ordinary tensor, not a torch.func wrapper (DP-SGD's vmap batches the window's values)."""
+    return not torch._C._functorch.is_functorch_wrapped_tensor(t)
+
+
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a`` starts where ``b`` does; True for a tensor without storage of its own (a torch.func wrapper,
     under DP-SGD's vmap), which is then copied rather than risked."""
@@ -104,10 +109,18 @@ class FrozenLinear(torch.nn.Module):
         self._window: tuple[Slot, Index] | None = None  # not registered: the wrapper owns them
         self._fixed: torch.Tensor | None = None  # the window's coordinates read without gradient (see attach_window)
         self._low_rank: tuple[Slot, Slot] | None = None
+        self._owned = False  # the matrix is this layer's own float32 copy (expand): the window is written into it
 
     def stored(self) -> Packed:
         """The matrix as it is held."""
         return Packed(self.codes, self.scale, self.dims)
+
+    def expand(self) -> None:
+        """Hold the matrix as float32, made once (for the round) instead of in every forward and backward pass: a
+        device whose memory holds the float32 target trains faster, on the same values. The window's values are
+        then written into this copy in place at each pass (they own those coordinates; no other one changes)."""
+        if not self._owned:
+            self.codes, self.scale, self._owned = self.stored().value().clone(), None, True
 
     def attach_window(self, values: Slot, index: Index, fixed: torch.Tensor | None = None) -> None:
         """Train ``values``, the coordinates ``index`` (rows, columns; None = all) of this matrix; where the mask
@@ -132,8 +145,8 @@ class FrozenLinear(torch.nn.Module):
         w = self.stored().value()
         if values is None:
             return w
-        if _same_storage(w, self.codes):
-            w = w.clone()  # a float32 base: never write into what was received
+        if _same_storage(w, self.codes) and not (self._owned and _plain(values)):
+            w = w.clone()  # a float32 base: never write into what was received (nor one copy per example, vmapped)
         scatter(w, self.window_index(w.device), values.detach().to(w.dtype), accumulate=False)
         return w
 
@@ -276,6 +289,13 @@ class FrozenTargetModel(torch.nn.Module):
             layer.attach_window(values, index, fixed)
         else:
             self._parametrize(name, lambda: _Written(values, index, fixed))
+
+    def expand(self) -> None:
+        """Hold every frozen matrix as float32 for the round (:meth:`FrozenLinear.expand`): the same values, no
+        per-pass dequantisation; the planner prices it (``fedfusion plan``: "float32 once") where memory allows."""
+        for module in self._target[0].modules():
+            if isinstance(module, FrozenLinear):
+                module.expand()
 
     def add(self, name: str, a: Slot, b: Slot) -> None:
         """Train the update ``b @ a`` of the target's matrix ``name``."""

@@ -180,12 +180,18 @@ def from_payload(config: PretrainedConfig, received: Mapping[str, torch.Tensor],
     """The model a device trains from a full-forward payload: the frozen target under :data:`FROZEN` keys, kept as
     it travelled (:func:`~fedfusion.wire.quantize.decode` with ``keep=FROZEN``; float tensors there are taken as
     they are), and the window's exact values (decoded), which it trains; with ``spec.rank`` r, a rank-r update (its
-    ``A`` drawn from ``seed``) of every matrix the payload does not carry exactly, and those it carries."""
+    ``A`` drawn from ``seed``) of every matrix the payload does not carry exactly, and those it carries. With
+    ``spec.expand`` the frozen matrices are made float32 once (:meth:`~fedfusion.models.frozen.FrozenTargetModel.expand`)."""
     frozen = unpack({k.removeprefix(FROZEN): v for k, v in received.items() if k.startswith(FROZEN)})
     window = {k: v for k, v in received.items() if not k.startswith(FROZEN)}
     if not frozen:
         raise ValueError(f"a full-forward payload carries the frozen target under {FROZEN!r} keys; none arrived")
+    model: WindowModel | LowRankModel
     if spec.rank:
         factored = [n for n, p in frozen.items() if len(p.shape) == 2 and n not in window]
-        return LowRankModel(config, frozen, factored, window, spec.rank, seed)
-    return WindowModel(config, frozen, window, window_plan(spec), core_plan(spec))
+        model = LowRankModel(config, frozen, factored, window, spec.rank, seed)
+    else:
+        model = WindowModel(config, frozen, window, window_plan(spec), core_plan(spec))
+    if spec.expand:
+        model.expand()
+    return model

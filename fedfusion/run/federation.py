@@ -29,7 +29,9 @@ from fedfusion.devices.energy import price_work, train_flops
 from fedfusion.fusion.base import ClientRound, FusionMethod, RoundReport
 from fedfusion.fusion.lora.build import client_spec as lora_client_spec
 from fedfusion.fusion.rounds import initial_state, round_lr
+from fedfusion.fusion.submodel.method import SubModelMethod
 from fedfusion.run.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from fedfusion.run.planner import expanded_tiers
 from fedfusion.run.quiet import silence_expected_noise
 from fedfusion.run.report import write_report
 from fedfusion.run.run_dir import RunDir, read_jsonl
@@ -89,6 +91,9 @@ def build_methods(recipe: Recipe, target: Target) -> dict[str, FusionMethod]:
     for tier, name in assigned.items():
         tiers.setdefault(name, []).append(tier)
     built = {name: hook(method(name).build)(recipe, target, mine) for name, mine in tiers.items()}
+    for each in built.values():
+        if isinstance(each, SubModelMethod):  # the tiers whose memory holds the frozen target in float32 (the plan's)
+            each.expand = expanded_tiers(recipe)
     return {tier: built[name] for tier, name in assigned.items()}
 
 

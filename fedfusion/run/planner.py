@@ -366,11 +366,13 @@ def plan_table(
 FROZEN_BITS = {"float32": 32, "float16": 16, "int8": 8, "int4": 4}
 
 
-def window_memory(recipe: Recipe, target: PretrainedConfig, width: float, core: float) -> tuple[int, int]:
+def window_memory(recipe: Recipe, target: PretrainedConfig, width: float, core: float,
+                  expand: bool = False) -> tuple[int, int]:
     """A full-forward window's trained parameters and its device's peak training memory in bytes (the frozen
     target in ``fusion.frozen_dtype``, the window's float32 weights, gradients and AdamW state, the whole target's
     activations): a window of ``width`` of the units plus ``core``, or with ``fusion.window_rank`` a rank-r update
-    of every matrix (whatever the width)."""
+    of every matrix (whatever the width). ``expand``: the frozen target made float32 once for the round
+    (``WindowSpec.expand``), with the message's narrow copy still held beside it."""
     f = recipe.fusion
     with torch.device("meta"):
         state = AutoModelForCausalLM.from_config(target).state_dict()
@@ -382,9 +384,36 @@ def window_memory(recipe: Recipe, target: PretrainedConfig, width: float, core: 
         plan = replace(plan_slice(target, min(1.0, width + core), "static", axes=axes, scale=False),
                        shared=f.window_shared)
         window = window_params(target, state, plan)
-    mem = estimate_memory(target, recipe.train.batch_size, recipe.train.seq_len, base_bits=FROZEN_BITS[f.frozen_dtype],
+    bits = 32 if expand else FROZEN_BITS[f.frozen_dtype]
+    mem = estimate_memory(target, recipe.train.batch_size, recipe.train.seq_len, base_bits=bits,
                           window=window, checkpoint=recipe.train.checkpoint).total
-    return window, mem
+    return window, mem + (encoded_bytes(f.frozen_dtype, param_count(target)) if expand else 0)
+
+
+def window_path(recipe: Recipe, target: PretrainedConfig, width: float, core: float,
+                budget: float) -> tuple[int, int, bool]:
+    """The way a device with ``budget`` bytes trains its window: expanded (the frozen target made float32 once for
+    the round: no dequantisation in every pass) where that fits, else on the target as it travelled; as (window
+    parameters, peak bytes, expanded). The run sends the same choice (:func:`expanded_tiers`)."""
+    window, wide = window_memory(recipe, target, width, core, expand=True)
+    if wide <= budget:
+        return window, wide, True
+    return (*window_memory(recipe, target, width, core), False)
+
+
+def expanded_tiers(recipe: Recipe, usable: float = USABLE) -> frozenset[str]:
+    """The tiers of a full-forward sub-model recipe whose memory holds their window with the frozen target made
+    float32 (:func:`window_path`): their messages say so (``WindowSpec.expand``); the values trained are the same."""
+    f = recipe.fusion
+    methods = tier_methods(recipe)
+    tiers = [t for t in recipe.population.mix if methods.get(t) == SUBMODEL and t in f.widths]
+    if f.forward != "full" or not tiers:
+        return frozenset()
+    catalog = load_catalog(recipe.population.catalog)
+    target = recipe_target(recipe)
+    core = min(f.widths.values()) if f.window_core else 0.0
+    return frozenset(t for t in tiers if window_path(recipe, target, f.window_widths.get(t, f.widths[t]), core,
+                                                     _budget(catalog[t], usable))[2])
 
 
 def window_row(recipe: Recipe, target: PretrainedConfig, tier: str, width: float, core: float, device: Device,
@@ -397,13 +426,14 @@ def window_row(recipe: Recipe, target: PretrainedConfig, tier: str, width: float
     training as FLOPs."""
     f = recipe.fusion
     width = f.window_widths.get(tier, width)
-    window, mem = window_memory(recipe, target, width, core)
+    window, mem, expand = window_path(recipe, target, width, core, budget)
     total = param_count(target)
     down = encoded_bytes(f.frozen_dtype, total) + encoded_bytes(f.wire_dtype, window)
     label = (f"rank-{f.window_rank} of every matrix" if f.window_rank else
              f"units {width:g}" + (f" + core {core:g}" if core else ""))
     label += ", checkpointed" if recipe.train.checkpoint else ""
-    return {"width": 1.0 if f.window_rank else width, "slice": f"{label}; full forward, {f.frozen_dtype} target",
+    return {"width": 1.0 if f.window_rank else width, "slice": f"{label}; full forward, {f.frozen_dtype} target"
+                                                        + (", float32 once" if expand else ""),
             "params": window, "peak MB": _mb(mem), "device MB": round(device.memory_gb * 1024),
             "fits": "yes" if mem <= budget else "NO",
             **priced(device, train_flops(frozen_work_params(total, window), tokens), down,

@@ -310,12 +310,14 @@ class WindowSpec(Spec):
     whether the tensors on no sliced axis (embeddings, norms) are part of it, and ``rank``: 0 trains the units'
     exact values; r >= 1 trains a rank-r update of every matrix the message does not carry exactly
     (:mod:`fedfusion.models.low_rank`); ``core``: the small model's units inside the window, trained in its own
-    forward pass (``fusion.core_forward: small``; empty: none)."""
+    forward pass (``fusion.core_forward: small``; empty: none); ``expand``: the device's memory holds the frozen
+    target in float32, so it makes it so once for the round instead of in every pass (the same values, faster)."""
 
     units: dict[str, list[list[int]]] = field(metadata=JSON)
     shared: bool
     rank: int = 0
     core: dict[str, list[list[int]]] = field(default_factory=dict, metadata=JSON)
+    expand: bool = False
 
 
 @dataclass(frozen=True)

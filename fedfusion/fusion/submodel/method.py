@@ -99,7 +99,7 @@ class SubModelMethod(FusionMethod):
                  wire: Wire | None = None, outer: OuterConfig | None = None, forward: str = "slice",
                  frozen: str = "int8", window_shared: bool = False, grow_round: int = 0,
                  window_widths: dict[str, float] | None = None, window_rank: int = 0, window_core: bool = False,
-                 core_forward: str = "full") -> None:
+                 core_forward: str = "full", expand: frozenset[str] = frozenset()) -> None:
         if forward not in FORWARDS:
             raise ValueError(f"forward {forward!r} is not one of {', '.join(FORWARDS)}")
         if window_rank < 0 or (window_rank and forward != "full"):
@@ -118,6 +118,7 @@ class SubModelMethod(FusionMethod):
             raise ValueError(f"core_forward {core_forward!r}: one of {', '.join(CORE_FORWARDS)}; 'small' needs "
                              "window_core and window_shared (the small model whole inside every window)")
         self.core_forward = core_forward  # small: the core trains in the small model's own forward pass
+        self.expand = expand  # tiers whose memory holds the frozen target in float32 (WindowSpec.expand)
         # low rank: (matrices trained as rank-r updates, tensors trained exactly), fixed for the run
         self.low_rank = split(config, wire_state(template, config_aliases(config)), window_shared) if window_rank else ([], [])
         # full forward: each tier's window, as a fraction of the units (default: the tier's width)
@@ -229,7 +230,7 @@ class SubModelMethod(FusionMethod):
             specs: list[Spec] = [SliceSpec(width, policy, self.axes or None), WireSpec(self.wire.formats.up, feedback)]
             if full:
                 core = self.small.assignment() if self.core_forward == "small" else {}
-                window = WindowSpec(plan.assignment(), plan.shared, self.window_rank, core)
+                window = WindowSpec(plan.assignment(), plan.shared, self.window_rank, core, client.tier in self.expand)
                 specs += [RoleSpec("window"), ModelSpec(self.config.to_dict()), window]
             else:
                 specs += [RoleSpec(self.role), ModelSpec(sub_config(self.config, plan).to_dict())]
