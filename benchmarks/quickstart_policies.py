@@ -11,6 +11,8 @@ rounds, clients per round, local steps, optimizer and data); only ``fusion.*`` d
   (``fusion.grow_round`` = the recipe's rounds), so the scored target *is* the model every device can hold;
 - ``grow-core``: smallest-only for the first third of the rounds, then full-forward windows around the small model's
   units (``fusion.forward=full fusion.window_core=true``): on the quickstart, the recipe as it ships;
+- ``grow-core-fixed``: as ``grow-core``, each window drawn from the units outside the core
+  (``fusion.window_outside_core=true``), so core + window has one size every round (a device program's shape);
 - ``grow-small``: as ``grow-core``, the core trained in the small model's own forward pass
   (``fusion.core_forward=small``): the core takes exactly smallest-only's steps, the rest learns what the target adds;
 - ``oracle``: every client trains the whole target (width 1.0 for every tier; no device of the recipe holds it).
@@ -52,9 +54,12 @@ ARMS = {  # id -> (label, overrides)
     "smallest-only": ("smallest-only (the 1/8 model every device holds)",
                       ["fusion.policy=static", "fusion.grow_round={rounds}", "fusion.forward=slice",
                        "fusion.window_core=false", "fusion.window_shared=false"]),
-    "grow-core": ("grow after a third, then core windows", [*GROW, "fusion.core_forward=full"]),
+    "grow-core": ("grow after a third, then core windows", [*GROW, "fusion.core_forward=full",
+                                                             "fusion.window_outside_core=false"]),
+    "grow-core-fixed": ("grow after a third, then core windows of one size (each window drawn outside the core)",
+                        [*GROW, "fusion.core_forward=full", "fusion.window_outside_core=true"]),
     "grow-small": ("grow after a third, then core windows, the core in its own forward pass",
-                   [*GROW, "fusion.core_forward=small"]),
+                   [*GROW, "fusion.core_forward=small", "fusion.window_outside_core=false"]),
     "oracle": ("oracle (every client trains the whole target)", [*SLICES, "fusion.policy=static", "fusion.widths.phone=1.0",
                                                                 "fusion.widths.laptop=1.0", "fusion.widths.desktop=1.0"]),
 }

@@ -199,7 +199,8 @@ def test_the_strategy_keeps_each_clients_dp_history_in_its_checkpoint_state():
 def test_a_vmapped_private_step_on_a_frozen_target_window_moves_it_as_the_looped_one(window, monkeypatch):
     """A full-forward window (its trainable tensors read through fedfusion.models.frozen.Slot, so torch.func's
     functional_call reaches the frozen layers) takes the vmapped path and moves as one example's backward at a time
-    does (expanded: the frozen target made float32 once, each example writing into its own copy). float32 (the frozen target is): each gradient entry sums at most batch x positions x hidden products in
+    does (expanded: the frozen target made float32 once, each vmapped example writing into its own copy). float32
+    (the frozen target is, or is made): each gradient entry sums at most batch x positions x hidden products in
     another order, so the two differ by at most 2 gamma_n times their magnitudes, taken here as the step's largest
     move; a window whose layers missed the swap would lose whole gradients, far beyond it."""
     from fedfusion.fusion.base import Client

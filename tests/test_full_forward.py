@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from fp_bounds import assert_within, matmul_bound
 from transformers import LlamaConfig
 
+from fedfusion.fusion.base import Client
+from fedfusion.fusion.submodel.method import SubModelMethod
 from fedfusion.models.build import model_from_state
 from fedfusion.models.families import family_of
 from fedfusion.models.full_forward import WindowModel, window_params, with_core
@@ -99,6 +102,37 @@ def test_a_core_window_adds_the_small_models_units_and_keeps_whole_axes_whole():
         assert set(getattr(both, axis)) == set(getattr(window, axis)) | set(getattr(core, axis))
         assert len(getattr(both, axis)) > len(getattr(window, axis))  # round 3's window is not the static prefix
     assert both.hidden == window.hidden == tuple(range(cfg.hidden_size))  # the residual stream stays whole
+
+
+@pytest.mark.parametrize("policy", ["rolling", "random"])
+def test_windows_drawn_outside_the_core_have_one_size_every_round_and_cover_every_unit(policy):
+    """fusion.window_outside_core: each round's window is drawn from the units outside the core (the smallest
+    width's static units), so core + window has one shape for the whole run (what a device program needs), where
+    a window rolling over every unit shrinks its union with the core whenever they overlap. Over a rolling pass the
+    windows still visit every unit outside the core."""
+    cfg = config()
+    torch.manual_seed(0)
+    state = {k: v.clone() for k, v in family_of(cfg).build(cfg).state_dict().items()}
+    shapes, union_shapes, seen = set(), set(), {"attn_units": set(), "neurons": set()}
+    for outside in (True, False):
+        method = SubModelMethod(cfg, {"small": 0.25, "t": 0.25}, state, forward="full", scale=False, policy=policy,
+                                stride=0.25, window_core=True, window_shared=True, outside_core=outside)
+        core = method.small
+        for server_round in range(1, 9):
+            [payload] = method.payloads(server_round, state, [Client(partition=3, tier="t", seed=1)])
+            plan = payload.context[0]
+            shape = tuple(len(getattr(plan, a)) for a in ("attn_units", "neurons"))
+            (shapes if outside else union_shapes).add(shape)
+            for axis in seen:
+                assert set(getattr(core, axis)) <= set(getattr(plan, axis))  # the core is in every window
+                if outside:
+                    seen[axis] |= set(getattr(plan, axis)) - set(getattr(core, axis))
+    assert shapes == {(2, 32)}  # a quarter of the 4 heads and 64 neurons, plus the core's quarter
+    if policy == "rolling":
+        assert len(union_shapes) > 1  # the other draw's union changes size from round to round
+        assert seen == {"attn_units": {1, 2, 3}, "neurons": set(range(16, 64))}
+    with pytest.raises(ValueError, match="outside_core"):
+        SubModelMethod(cfg, {"t": 0.25}, state, forward="full", window_core=False, outside_core=True)
 
 
 def test_a_core_travels_in_the_window_spec_and_its_client_trains_it_in_the_small_forward_pass():

@@ -145,6 +145,10 @@ class FusionConfig:
     # window_core: where the core trains. full: in the target's forward pass, with the window; small: in the small
     # model's own forward pass (exactly smallest-only's steps), the rest of the window learning what the target adds
     core_forward: str = "full"
+    # window_core: draw each round's window from the units outside the core, so core + window has one size for the
+    # whole run (a device program's fixed shape); false: the window rolls over every unit and its union with the core
+    # shrinks where they overlap
+    window_outside_core: bool = False
     # submodel: rounds 1..grow_round train the smallest width's static slice of a target silenced around it (the
     # target equals that small model: smallest-only training); later rounds train the whole grown target.
     # generative: the same grow rounds, then each device's own model starts from its slice of the grown target and
@@ -851,6 +855,10 @@ def _validate_growth(recipe: Recipe) -> None:
     if f.window_core and (f.forward != "full" or f.window_rank):
         raise RecipeError("fusion.window_core: adds the smallest width's units to a window of units "
                           f"(fusion.forward=full, window_rank 0), got forward={f.forward}, window_rank={f.window_rank}")
+    if f.window_outside_core and (not f.window_core or f.policy == "owned"):
+        raise RecipeError("fusion.window_outside_core: draws each window outside the core; it needs "
+                          f"fusion.window_core=true and a policy other than owned (whose windows already tile the "
+                          f"units outside the core), got window_core={f.window_core}, policy={f.policy}")
     if f.core_forward == "small" and not (f.window_core and f.window_shared):
         raise RecipeError("fusion.core_forward=small: the core is the small model inside a window that holds it "
                           f"whole; set fusion.window_core=true and fusion.window_shared=true, got "

@@ -85,12 +85,12 @@ def owned_starts(widths: Mapping[int, float], floor: float = 0.0) -> dict[int, f
 
 def plan_round(config: PretrainedConfig, clients: Sequence[tuple[int, float]], policy: str, server_round: int,
                run_seed: int, stride: float = 0.125, stagger: bool = False, axes: Iterable[str] | None = None,
-               scale: bool = True, owned: Mapping[int, float] | None = None) -> list[SlicePlan]:
+               scale: bool = True, owned: Mapping[int, float] | None = None, skip: float = 0.0) -> list[SlicePlan]:
     """Slice plans of a round's sampled ``clients`` ((partition, width), in sample order).
 
     ``stagger`` (rolling) lays the windows end to end in sample order; ``owned`` starts each client's window
     where ``owned`` (from :func:`owned_starts` over the whole population) says, every round, so clients tile
-    the target and keep their units.
+    the target and keep their units. ``skip``: windows drawn outside the first units (a core; ``plan_slice``).
     """
     if policy == "owned" and owned is None:
         raise ValueError("policy 'owned' needs every partition's window start (owned_starts)")
@@ -99,7 +99,7 @@ def plan_round(config: PretrainedConfig, clients: Sequence[tuple[int, float]], p
     for partition, width in clients:
         start = owned[partition] if owned is not None and policy == "owned" else offset
         plans.append(plan_slice(config, width, policy, server_round, stride, start,
-                                client_seed(run_seed, server_round, partition), axes=axes, scale=scale))
+                                client_seed(run_seed, server_round, partition), axes=axes, scale=scale, skip=skip))
         if stagger:
             offset += width
     return plans

@@ -142,7 +142,7 @@ def _layers(total: int, width: float, policy: str, server_round: int, stride: fl
 
 def plan_slice(
     config: PretrainedConfig, width: float, policy: str, server_round: int = 1, stride: float = 0.125,
-    offset: float = 0.0, seed: int = 0, axes: Iterable[str] | None = None, scale: bool = True,
+    offset: float = 0.0, seed: int = 0, axes: Iterable[str] | None = None, scale: bool = True, skip: float = 0.0,
 ) -> SlicePlan:
     """The units a client of ``width`` keeps in ``server_round`` (1-based) under ``policy``.
 
@@ -156,7 +156,14 @@ def plan_slice(
     (Federated Dropout), from a generator seeded by ``seed``, which the caller makes distinct per client
     and round. Depth keeps the first and last layer and applies the policy to the middle ones.
     GPT-2/OPT keep ``heads x head_dim`` hidden dims (their attention width is the hidden width).
+
+    ``skip`` (a fraction): the units are drawn from those after the first ``ceil(skip x K)`` of each sliced unit
+    axis (the static slice of width ``skip``: a core every window adds), the window still ``ceil(width x K)`` long
+    (at most what is left; none where the core holds the whole axis), so the core plus the window has one size every
+    round. Not on ``depth`` (its first and last layers are kept anyway) nor ``hidden`` (no window slices it).
     """
+    if not 0 <= skip < 1:
+        raise ValueError(f"skip must be in [0, 1), got {skip}")
     if not 0 < width <= 1:
         raise ValueError(f"width must be in (0, 1], got {width}")
     if policy not in POLICIES:
@@ -177,7 +184,9 @@ def plan_slice(
             n = units_kept(total, width)
             if axis == "hidden" and family.hidden_follows_heads:
                 n = len(kept["heads"]) * family.head_dim(config)
-            kept[axis] = _choose(total, n, policy, server_round, stride, offset, gen)
+            first = units_kept(total, skip) if skip and axis != "hidden" else 0
+            kept[axis] = tuple(first + u for u in _choose(total - first, min(n, total - first), policy, server_round,
+                                                          stride, offset, gen)) if total > first else ()
     return SlicePlan.of({_FIELD[a]: units for a, units in kept.items()}, scale=scale)
 
 

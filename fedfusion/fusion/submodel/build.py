@@ -21,4 +21,5 @@ def build(recipe: Recipe, target: BuildTarget, tiers: list[str]) -> SubModelMeth
         wire=recipe_wire(recipe), outer=OuterConfig(f.outer, f.outer_lr, f.outer_momentum), forward=f.forward,
         frozen=f.frozen_dtype, window_shared=f.window_shared, grow_round=grow_rounds(recipe),
         window_widths={t: f.window_widths[t] for t in tiers if t in f.window_widths} or None,
-        window_rank=f.window_rank, window_core=f.window_core, core_forward=f.core_forward)
+        window_rank=f.window_rank, window_core=f.window_core, core_forward=f.core_forward,
+        outside_core=f.window_outside_core)

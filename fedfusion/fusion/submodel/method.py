@@ -99,7 +99,8 @@ class SubModelMethod(FusionMethod):
                  wire: Wire | None = None, outer: OuterConfig | None = None, forward: str = "slice",
                  frozen: str = "int8", window_shared: bool = False, grow_round: int = 0,
                  window_widths: dict[str, float] | None = None, window_rank: int = 0, window_core: bool = False,
-                 core_forward: str = "full", expand: frozenset[str] = frozenset()) -> None:
+                 core_forward: str = "full", outside_core: bool = False,
+                 expand: frozenset[str] = frozenset()) -> None:
         if forward not in FORWARDS:
             raise ValueError(f"forward {forward!r} is not one of {', '.join(FORWARDS)}")
         if window_rank < 0 or (window_rank and forward != "full"):
@@ -118,6 +119,10 @@ class SubModelMethod(FusionMethod):
             raise ValueError(f"core_forward {core_forward!r}: one of {', '.join(CORE_FORWARDS)}; 'small' needs "
                              "window_core and window_shared (the small model whole inside every window)")
         self.core_forward = core_forward  # small: the core trains in the small model's own forward pass
+        if outside_core and (not window_core or policy == "owned"):
+            raise ValueError("outside_core: draws a window of units besides the core (window_core; owned windows "
+                             "already tile the units outside it)")
+        self.outside_core = outside_core  # each window drawn from the units outside the core: one size every round
         self.expand = expand  # tiers whose memory holds the frozen target in float32 (WindowSpec.expand)
         # low rank: (matrices trained as rank-r updates, tensors trained exactly), fixed for the run
         self.low_rank = split(config, wire_state(template, config_aliases(config)), window_shared) if window_rank else ([], [])
@@ -182,7 +187,8 @@ class SubModelMethod(FusionMethod):
         widths = [(self.window_widths if full else self.widths)[c.tier] for c in clients]
         plans = plan_round(self.config, [(c.partition, w) for c, w in zip(clients, widths)], self.policy,
                            server_round, self.run_seed, self.stride, self.stagger, self.window_axes if full else self.axes,
-                           self.scale and not full, self.owned)
+                           self.scale and not full, self.owned,
+                           skip=min(self.widths.values()) if full and self.outside_core else 0.0)
         return ([self._window(p) for p in plans] if full else plans), widths, full
 
     def _window(self, plan: SlicePlan) -> SlicePlan:
@@ -203,7 +209,7 @@ class SubModelMethod(FusionMethod):
         grow = f" grow_round={self.grow_round}" if self.grow_round else ""
         full = f" forward=full frozen={self.frozen}" if self.forward == "full" else ""
         full += f" window_rank={self.window_rank}" if self.window_rank else ""
-        full += " window_core" if self.window_core else ""
+        full += " window_core" + (" outside_core" if self.outside_core else "") if self.window_core else ""
         full += " core_forward=small" if self.core_forward == "small" else ""
         return f"submodel: policy={self.policy} stride={self.stride} stagger={self.stagger} widths={self.widths}{grow}{full}"
 
