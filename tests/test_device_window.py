@@ -185,6 +185,8 @@ def test_export_device_command_writes_a_window_program(tmp_path, capsys):
 @pytest.mark.parametrize("overrides,setting", [
     (["fusion.window_rank=2"], "fusion.window_rank=2"),
     (["fusion.window_core=true"], "fusion.window_core=true"),
+    (["fusion.window_core=true", "fusion.window_outside_core=true", "fusion.window_shared=true",
+      "fusion.core_forward=small"], "fusion.core_forward=small"),
     (["fusion.axes=[heads,neurons,depth]"], "fusion.axes with depth"),
 ])
 def test_export_device_names_what_blocks_a_window(overrides, setting):
@@ -197,3 +199,33 @@ def test_export_device_names_what_blocks_a_window(overrides, setting):
         check_tier(recipe, "phone")
     message = str(refused.value)
     assert message.startswith(setting + ":") and "\n" not in message
+
+
+def test_a_core_window_drawn_outside_the_core_is_the_programs_one_shape_every_round():
+    """The quickstart with fusion.window_outside_core: every round after growth, each tier's window (the core plus a
+    window drawn outside it) has the shape the exported program is built for (phone: the core's 1 head and 16
+    neurons plus 1 and 16 more, of 8 heads and 128 neurons a layer here), so export-device accepts the recipe."""
+    from fedfusion.config.recipe import load_recipe
+    from fedfusion.fusion.base import Client
+    from fedfusion.fusion.submodel.method import SubModelMethod
+    from fedfusion.models.families import family_of
+    from fedfusion.phone.commands import check_tier, tier_config, tier_window
+
+    recipe = load_recipe("quickstart", ["fusion.window_outside_core=true", "model.intermediate_size=128"])
+    check_tier(recipe, "phone")
+    config = tier_config(recipe, "phone")
+    f = recipe.fusion
+    state = family_of(config).build(config).state_dict()
+    method = SubModelMethod(config, dict(f.widths), state, forward="full", policy=f.policy, stride=f.stride,
+                            axes=tuple(f.axes), scale=False, window_core=True, window_shared=True, outside_core=True,
+                            grow_round=4)
+    for tier in f.widths:
+        want = tier_window(recipe, tier, config)
+        for server_round in range(5, 13):
+            [payload] = method.payloads(server_round, state, [Client(partition=1, tier=tier, seed=1)])
+            plan = payload.context[0]
+            assert [len(getattr(plan, a)) for a in ("attn_units", "neurons")] == \
+                [len(getattr(want, a)) for a in ("attn_units", "neurons")]
+            assert plan.shared == want.shared
+    phone = tier_window(recipe, "phone", config)
+    assert (len(phone.attn_units), len(phone.neurons)) == (2, 32)

@@ -168,9 +168,13 @@ def check_window(recipe: Recipe) -> None:
     if f.window_rank:
         raise ValueError(f"fusion.window_rank={f.window_rank}: a device program trains a window of units, not "
                          "low-rank updates of every matrix; on-device full-forward windows need fusion.window_rank=0")
-    if f.window_core:
-        raise ValueError("fusion.window_core=true: the core's union with a moving window changes the window's size "
-                         "round to round, and a device program's shape is fixed; set fusion.window_core=false")
+    if f.window_core and not f.window_outside_core:
+        raise ValueError("fusion.window_core=true: the core's union with a window moving over every unit changes the "
+                         "window's size round to round, and a device program's shape is fixed; set "
+                         "fusion.window_outside_core=true (each window drawn outside the core) or fusion.window_core=false")
+    if f.window_core and f.core_forward == "small":
+        raise ValueError("fusion.core_forward=small: the core trains in the small model's own forward pass, which a "
+                         "window program does not run; on-device core windows need fusion.core_forward=full")
     if "depth" in (f.axes or ()):
         raise ValueError("fusion.axes with depth: a window's layers change round to round, and with them which target "
                          "tensor each window tensor is; an on-device window slices units (heads, neurons)")
@@ -179,13 +183,17 @@ def check_window(recipe: Recipe) -> None:
 def tier_window(recipe: Recipe, tier: str, target: PretrainedConfig) -> SlicePlan:
     """The window a full-forward tier trains in ``target`` (:func:`tier_config`'s), at the static policy's positions:
     its shape (units per axis, the shared tensors or not) is the one every round's window of that tier has."""
-    from fedfusion.models.full_forward import window_axes
+    from fedfusion.models.full_forward import window_axes, with_core
     from fedfusion.models.slicing import plan_slice
 
     f = recipe.fusion
     axes = window_axes(target, tuple(f.axes) if f.axes else None)
-    plan = plan_slice(target, f.window_widths.get(tier, f.widths[tier]), "static", axes=axes, scale=False)
-    return replace(plan, shared=f.window_shared)
+    smallest = min(f.widths.values())
+    plan = plan_slice(target, f.window_widths.get(tier, f.widths[tier]), "static", axes=axes, scale=False,
+                      skip=smallest if f.window_core else 0.0)
+    plan = replace(plan, shared=f.window_shared)
+    core = plan_slice(target, smallest, "static", axes=tuple(f.axes) if f.axes else None)
+    return with_core(plan, core) if f.window_core else plan  # the core besides the window: one shape every round
 
 
 def export_tier(recipe: Recipe, tier: str) -> DeviceProgram:

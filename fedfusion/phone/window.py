@@ -21,10 +21,11 @@ The frozen target enters the program as float32: the device dequantises what tra
 once per round (:func:`window_round`). Holding it int8 inside the program is not built. Tensors the window covers
 whole (the shared tensors with ``window_shared``) are parameters only, not inputs.
 
-Not built: windows over the depth axis (the window's layers would change which target tensor each of its tensors
-is), ``fusion.window_core`` (the core's union with a moving window changes the window's size) and
-``fusion.window_rank`` (low-rank updates): ``fedfusion export-device`` refuses them in one line
-(:func:`fedfusion.phone.commands.check_window`).
+A core window (``fusion.window_core``) exports where each window is drawn outside the core
+(``fusion.window_outside_core``): core + window then has one shape every round. Not built: windows over the depth
+axis (the window's layers would change which target tensor each of its tensors is), a core whose window rolls over
+every unit (its union with the core changes size), ``core_forward=small`` and ``fusion.window_rank`` (low-rank
+updates): ``fedfusion export-device`` refuses them in one line (:func:`fedfusion.phone.commands.check_window`).
 """
 
 from __future__ import annotations
