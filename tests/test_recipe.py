@@ -247,8 +247,6 @@ def test_a_mixed_recipe_assigns_each_tier_its_method():
     (["fusion.forward=full", "fusion.window_rank=4", "fusion.window_core=true"], "fusion.window_core"),
     (["fusion.forward=full", "fusion.window_core=true", "fusion.core_forward=small"], "fusion.core_forward=small"),
     (["fusion.core_forward=tiny"], "fusion.core_forward"),
-    (["fusion.window_core=false", "fusion.window_outside_core=true"], "fusion.window_outside_core: .* window_core=False"),
-    (["fusion.policy=owned", "fusion.window_outside_core=true"], "fusion.window_outside_core: .* policy=owned"),
 ])
 def test_a_low_rank_window_names_what_it_needs(overrides, match):
     with pytest.raises(RecipeError, match=match):

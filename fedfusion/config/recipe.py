@@ -147,7 +147,7 @@ class FusionConfig:
     core_forward: str = "full"
     # window_core: draw each round's window from the units outside the core, so core + window has one size for the
     # whole run (a device program's fixed shape); false: the window rolls over every unit and its union with the core
-    # shrinks where they overlap
+    # shrinks where they overlap. No effect without window_core, nor with policy owned (its windows tile the rest)
     window_outside_core: bool = False
     # submodel: rounds 1..grow_round train the smallest width's static slice of a target silenced around it (the
     # target equals that small model: smallest-only training); later rounds train the whole grown target.
@@ -855,10 +855,6 @@ def _validate_growth(recipe: Recipe) -> None:
     if f.window_core and (f.forward != "full" or f.window_rank):
         raise RecipeError("fusion.window_core: adds the smallest width's units to a window of units "
                           f"(fusion.forward=full, window_rank 0), got forward={f.forward}, window_rank={f.window_rank}")
-    if f.window_outside_core and (not f.window_core or f.policy == "owned"):
-        raise RecipeError("fusion.window_outside_core: draws each window outside the core; it needs "
-                          f"fusion.window_core=true and a policy other than owned (whose windows already tile the "
-                          f"units outside the core), got window_core={f.window_core}, policy={f.policy}")
     if f.core_forward == "small" and not (f.window_core and f.window_shared):
         raise RecipeError("fusion.core_forward=small: the core is the small model inside a window that holds it "
                           f"whole; set fusion.window_core=true and fusion.window_shared=true, got "

@@ -56,7 +56,7 @@ DESIGN_SECTIONS = ("fusion", DISTILL, LORA, GENERATIVE)  # fusion.* and the sect
 # the width-slicing settings that make each client train its slice in the slice's own forward pass
 SLICE_FORWARD: tuple[tuple[str, Any], ...] = (
     ("fusion.forward", "slice"), ("fusion.window_core", False), ("fusion.window_shared", False),
-    ("fusion.window_rank", 0), ("fusion.core_forward", "full"))
+    ("fusion.window_rank", 0), ("fusion.core_forward", "full"), ("fusion.window_outside_core", False))
 
 
 class UnequalBudget(RecipeError):

@@ -119,10 +119,9 @@ class SubModelMethod(FusionMethod):
             raise ValueError(f"core_forward {core_forward!r}: one of {', '.join(CORE_FORWARDS)}; 'small' needs "
                              "window_core and window_shared (the small model whole inside every window)")
         self.core_forward = core_forward  # small: the core trains in the small model's own forward pass
-        if outside_core and (not window_core or policy == "owned"):
-            raise ValueError("outside_core: draws a window of units besides the core (window_core; owned windows "
-                             "already tile the units outside it)")
-        self.outside_core = outside_core  # each window drawn from the units outside the core: one size every round
+        # each window drawn from the units outside the core, so core + window has one size every round (owned
+        # windows tile the units outside the core already)
+        self.outside_core = outside_core and window_core and policy != "owned"
         self.expand = expand  # tiers whose memory holds the frozen target in float32 (WindowSpec.expand)
         # low rank: (matrices trained as rank-r updates, tensors trained exactly), fixed for the run
         self.low_rank = split(config, wire_state(template, config_aliases(config)), window_shared) if window_rank else ([], [])
