@@ -32,7 +32,7 @@ from fedfusion.models.families import family_of
 from fedfusion.train.loop import train_steps
 
 MB = 2**20
-ARMS = ["full", "slice", "window", "window-int4", "core", "rank"]
+ARMS = ["full", "slice", "window", "window-expanded", "window-int4", "core", "rank"]
 GOAL = 0.15  # the planner's estimate within 15 % of the measured peak
 
 

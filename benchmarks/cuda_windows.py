@@ -44,7 +44,7 @@ from fedfusion.models.build import model_from_state
 from fedfusion.models.families import family_of
 from fedfusion.models.full_forward import from_payload
 from fedfusion.models.slicing import extract, plan_slice, sub_config
-from fedfusion.run.planner import FROZEN_BITS, estimate_memory
+from fedfusion.run.planner import estimate_memory, frozen_window_memory
 from fedfusion.train.loop import train_steps
 from fedfusion.wire.keys import FROZEN
 from fedfusion.wire.quantize import decode
@@ -60,12 +60,15 @@ def arm_model(arm: str, cfg: LlamaConfig, state: dict, width: float, rank: int) 
     if arm == "slice":
         plan = plan_slice(cfg, width, "static")
         return model_from_state(sub_config(cfg, plan), extract(state, cfg, plan)), 0
-    frozen = {"window": "int8", "window-dense": "int8", "window-int4": "int4", "core": "int8", "rank": "int8"}[arm]
+    frozen = {"window": "int8", "window-dense": "int8", "window-int4": "int4", "core": "int8", "rank": "int8",
+              "window-expanded": "int8"}[arm]
     method = SubModelMethod(cfg, {"small": width, "t": width}, state, forward="full", frozen=frozen, scale=False,
-                            policy="rolling", window_core=arm == "core", window_rank=rank if arm == "rank" else 0)
+                            policy="rolling", window_core=arm == "core", window_rank=rank if arm == "rank" else 0,
+                            expand=frozenset({"t"}) if arm == "window-expanded" else frozenset())
     payload = method.payloads(2, state, [Client(partition=0, tier="t", seed=7)])[0]
     received = decode(payload.arrays) if arm == "window-dense" else decode(payload.arrays, keep=FROZEN)
     model = from_payload(cfg, received, WindowSpec.from_config(payload.spec), 7)
+    model.message = received  # held while the device trains, as the client app holds its message (expanded: a copy)
     return model, sum(p.numel() for p in model.parameters())
 
 
@@ -74,8 +77,8 @@ def planned(arm: str, cfg: LlamaConfig, trainable: int, width: float, batch: int
         return estimate_memory(cfg, batch, seq, checkpoint=checkpoint).total
     if arm == "slice":
         return estimate_memory(sub_config(cfg, plan_slice(cfg, width, "static")), batch, seq, checkpoint=checkpoint).total
-    bits = FROZEN_BITS["int4" if arm == "window-int4" else "int8"]
-    return estimate_memory(cfg, batch, seq, base_bits=bits, window=trainable, checkpoint=checkpoint).total
+    return frozen_window_memory(cfg, batch, seq, trainable, "int4" if arm == "window-int4" else "int8", checkpoint,
+                                expand=arm == "window-expanded")
 
 
 def measure(arm: str, cfg: LlamaConfig, state: dict, a: argparse.Namespace, checkpoint: bool) -> dict:
@@ -147,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The benchmark's command line (tests/test_results_commands.py parses the results' commands with it)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", nargs="+", default=["135m", "360m"], choices=list(SHAPES))
-    arms = ["full", "slice", "window", "window-dense", "window-int4", "core", "rank"]  # arm_model's
+    arms = ["full", "slice", "window", "window-dense", "window-expanded", "window-int4", "core", "rank"]  # arm_model's
     parser.add_argument("--arms", nargs="+", default=arms, choices=arms)
     parser.add_argument("--width", type=float, default=0.125)
     parser.add_argument("--rank", type=int, default=8)

@@ -100,7 +100,7 @@ def measure(name: str, a: argparse.Namespace) -> dict:
         rows.append({"arm": arm, "trainable": trainable[arm], "step_ms": 1000 * statistics.median(times[arm]),
                      "times_ms": [1000 * t for t in times[arm]], "ratio": statistics.median(ratios),
                      "ratio_min": min(ratios), "ratio_max": max(ratios)})
-    return {"target": name, "params": sum(t.numel() for t in state.values()), "batch": s["batch"], "seq": s["seq"],
+    return {"target": name, "params": family_of(s["config"]).param_count(s["config"]), "batch": s["batch"], "seq": s["seq"],
             "width": s["width"], "axes": list(s["window_axes"]), "shared": s["shared"], "frozen": s["frozen"],
             "rows": rows, "profile_window": table}
 

@@ -384,10 +384,17 @@ def window_memory(recipe: Recipe, target: PretrainedConfig, width: float, core: 
         plan = replace(plan_slice(target, min(1.0, width + core), "static", axes=axes, scale=False),
                        shared=f.window_shared)
         window = window_params(target, state, plan)
-    bits = 32 if expand else FROZEN_BITS[f.frozen_dtype]
-    mem = estimate_memory(target, recipe.train.batch_size, recipe.train.seq_len, base_bits=bits,
-                          window=window, checkpoint=recipe.train.checkpoint).total
-    return window, mem + (encoded_bytes(f.frozen_dtype, param_count(target)) if expand else 0)
+    return window, frozen_window_memory(target, recipe.train.batch_size, recipe.train.seq_len, window, f.frozen_dtype,
+                                        recipe.train.checkpoint, expand)
+
+
+def frozen_window_memory(target: PretrainedConfig, batch: int, seq: int, window: int, frozen_dtype: str,
+                         checkpoint: bool = False, expand: bool = False) -> int:
+    """Peak bytes of training ``window`` parameters on ``target`` frozen in ``frozen_dtype``; ``expand``: made float32
+    once (``WindowSpec.expand``) while the message's ``frozen_dtype`` copy is still held beside it."""
+    bits = 32 if expand else FROZEN_BITS[frozen_dtype]
+    mem = estimate_memory(target, batch, seq, base_bits=bits, window=window, checkpoint=checkpoint).total
+    return mem + (encoded_bytes(frozen_dtype, param_count(target)) if expand else 0)
 
 
 def window_path(recipe: Recipe, target: PretrainedConfig, width: float, core: float,
