@@ -30,6 +30,7 @@ from typing import Any, cast
 
 import numpy as np
 import torch
+from fedfusion.strategies.nodes import connected_nodes
 from fedfusion.strategies.secagg import SecureAggregation
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.common.logger import log
@@ -272,16 +273,12 @@ class FusionStrategy(Strategy):
 
     # -- capability discovery and sampling ------------------------------------------------------
     def _wait_for_nodes(self, grid: Grid) -> list[int]:
-        deadline = time.monotonic() + self.wait_nodes_s
-        nodes = list(grid.get_node_ids())
-        while len(nodes) < self.clients_per_round and time.monotonic() < deadline:
-            time.sleep(0.5)
-            nodes = list(grid.get_node_ids())
+        nodes = connected_nodes(grid, self.clients_per_round, self.wait_nodes_s)
         if len(nodes) < self.min_clients:
             raise RuntimeError(
                 f"only {len(nodes)} nodes connected after {self.wait_nodes_s:.0f}s; need selection.min_clients={self.min_clients}"
             )
-        return sorted(nodes)
+        return nodes
 
     def query_nodes(self, grid: Grid, nodes: list[int]) -> None:
         """QUERY every node of ``nodes`` not seen yet for its capabilities (device tier, partition, data size); a

@@ -159,7 +159,7 @@ def test_export_device_command_writes_a_lora_program(tmp_path, capsys):
             f"train.seq_len={SEQ}", f"train.batch_size={BATCH}", "--tier", "phone", "--out", str(out)]
     assert main(args) == 0
     printed = capsys.readouterr().out
-    assert "phone: rank-4 LoRA adapter" in printed and "4-bit frozen llama base" in printed
+    assert "phone (rounds 1..12): rank-4 LoRA adapter" in printed and "4-bit frozen llama base" in printed
     program_id = next(out.glob("*.json")).stem
     runner = ProgramRunner(DeviceProgram.load(out, program_id))
     assert sorted(runner.params) == sorted(start_adapter(tiny_base(), RANK))

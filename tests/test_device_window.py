@@ -174,12 +174,37 @@ def test_export_device_command_writes_a_window_program(tmp_path, capsys):
 
     out = tmp_path / "programs"
     assert main(["export-device", "rolling", "fusion.forward=full", *QUICK, "--tier", "phone", "--out", str(out)]) == 0
-    assert "phone: full-forward window (" in capsys.readouterr().out
+    assert "phone (rounds 1..12): full-forward window (" in capsys.readouterr().out
     program = DeviceProgram.load(out, next(out.glob("*.json")).stem)
     m = program.manifest
     assert m["window"]["per_layer"] == {"heads": 1, "neurons": 64} and not m["window"]["shared"]
     assert [i["name"] for i in m["inputs"][:3]] == ["tokens", "units/heads", "units/neurons"]
     assert sorted(ProgramRunner(program).params) == sorted(p["name"] for p in m["parameters"])
+
+
+@pytest.mark.slow
+@pytest.mark.device
+def test_export_device_writes_the_quickstarts_two_phases_for_a_phone(tmp_path, capsys):
+    """The quickstart with windows drawn outside the core exports for a phone: the small model's slice program for
+    rounds 1..4 (what the rounds before growth send) and the grown phase's window program (core + window, one shape
+    every round) for rounds 5..12, each a program a runner loads."""
+    from fedfusion.cli import main
+    from fedfusion.phone.program import DeviceProgram
+    from fedfusion.phone.runtime import ProgramRunner
+
+    out = tmp_path / "programs"
+    args = ["export-device", "quickstart", "fusion.window_outside_core=true", *QUICK, "--tier", "phone", "--out", str(out)]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "phone (rounds 1..4): llama sub-model, " in printed
+    assert "phone (rounds 5..12): full-forward window (" in printed and "shared tensors" in printed
+    manifests = {DeviceProgram.load(out, p.stem).manifest.get("window") is not None: p.stem for p in out.glob("*.json")}
+    assert set(manifests) == {True, False}
+    window = DeviceProgram.load(out, manifests[True])
+    assert window.manifest["window"]["per_layer"] == {"heads": 2, "neurons": 128}  # core 1 + 1 of 8 heads; 64 + 64
+    for program in manifests.values():
+        runner = ProgramRunner(DeviceProgram.load(out, program))
+        assert runner.params
 
 
 @pytest.mark.parametrize("overrides,setting", [

@@ -37,8 +37,31 @@ def cmd_export_device(args: argparse.Namespace) -> int:
     needs_executorch("export-device")  # first: it takes no torch, so a missing extra is said in a second
     recipe = load_checked(args.recipe, args.overrides)  # a bad recipe or tier is reported before anything is written
     check_tier(recipe, args.tier)
-    program = export_tier(recipe, args.tier)
-    paths = program.save(Path(args.out))
+    for program, rounds in export_phases(recipe, args.tier):
+        _report(args.tier, program, program.save(Path(args.out)), rounds)
+    return 0
+
+
+def export_phases(recipe: Recipe, tier: str) -> list[tuple[DeviceProgram, str]]:
+    """The programs a tier trains the recipe with, each with the rounds it serves: with full-forward windows after
+    ``fusion.grow_round`` rounds of the small model (the quickstart), the small model's slice program for rounds
+    1..N (the gateway finds it by its shape for those rounds' messages) and the window program after; else one."""
+    from fedfusion.config.recipe import grow_rounds
+
+    program = export_tier(recipe, tier)
+    grow = grow_rounds(recipe) if recipe.fusion.method == SUBMODEL else 0
+    if recipe.fusion.forward != "full" or not grow:
+        return [(program, f"1..{recipe.rounds}")]
+    from fedfusion.phone.program import export_program
+    from fedfusion.run.planner import recipe_target, sliced_config
+
+    small = sliced_config(recipe_target(recipe), min(recipe.fusion.widths.values()), recipe.fusion.axes or None)
+    before = export_program(small, recipe.train.batch_size, recipe.train.seq_len, recipe.train, recipe.seed)
+    return [(before, f"1..{grow}"), (program, f"{grow + 1}..{recipe.rounds}")]
+
+
+def _report(tier: str, program: DeviceProgram, paths: dict[str, Path], rounds: str) -> None:
+    """What ``export-device`` prints for one program."""
     m = program.manifest
     params = sum(_numel(p["shape"]) for p in m["parameters"])
     if "adapter" in m:
@@ -53,10 +76,9 @@ def cmd_export_device(args: argparse.Namespace) -> int:
                 f"{w['target_params']:,} parameters (program inputs, {w['frozen_bytes']:,} bytes)")
     else:
         what = f"{m['family']} sub-model, {params:,} parameters"
-    print(f"{args.tier}: {what}, input {m['inputs'][0]['shape']}, exported in {m['export_s']} s")
+    print(f"{tier} (rounds {rounds}): {what}, input {m['inputs'][0]['shape']}, exported in {m['export_s']} s")
     for kind, path in paths.items():
         print(f"  {kind}: {path} ({path.stat().st_size:,} bytes)")
-    return 0
 
 
 def _numel(shape: list[int]) -> int:

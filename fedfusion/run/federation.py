@@ -39,6 +39,7 @@ from fedfusion.run.targets import Target, lm_target, lora_target
 from fedfusion.selection.participation import Participation, jain_index
 from fedfusion.selection.selectors import make_selector
 from fedfusion.strategies.fusion import FusionStrategy, Listener
+from fedfusion.strategies.nodes import connected_nodes
 from fedfusion.strategies.quorum import QuorumGrid
 from fedfusion.strategies.secagg import SecureAggregation
 from fedfusion.strategies.stop import RunInterrupted, StopGrid
@@ -367,11 +368,7 @@ def check_federation(grid: Grid, clients: int, per_client: int = 1, wait_s: floa
     local federation's default ``num-supernodes``) or more is a ValueError that names both numbers and the fix,
     raised before anything is written."""
     expected = clients * per_client
-    deadline = time.monotonic() + wait_s
-    nodes = len(list(grid.get_node_ids()))
-    while nodes < expected and time.monotonic() < deadline:
-        time.sleep(poll_s)
-        nodes = len(list(grid.get_node_ids()))
+    nodes = len(connected_nodes(grid, expected, wait_s, poll_s))
     if nodes != expected:
         each = ("every client is one SuperNode" if per_client == 1
                 else f"every client is {per_client} SuperNodes (units.supernodes)")

@@ -42,6 +42,7 @@ from fedfusion.run.checkpoint import Checkpoint, load_checkpoint, save_checkpoin
 from fedfusion.run.report import write_report
 from fedfusion.run.run_dir import RunDir, read_jsonl
 from fedfusion.run.targets import lm_target
+from fedfusion.strategies.nodes import connected_nodes
 from fedfusion.train.loop import lm_loss, make_optimizer
 from fedfusion.units import Freivalds, PhaseRecord, UnitDevice, UnitEngine, from_catalog, install
 from fedfusion.units.ledger import ServerStep, price_server, server_timeline
@@ -152,11 +153,7 @@ class GridTransport:
 def wait_for_nodes(grid: Grid, expected: int, wait_s: float = 60.0) -> list[int]:
     """The federation's node ids once ``expected`` of them are connected (simulation registers them
     asynchronously); fewer after ``wait_s`` is an error that names both numbers."""
-    deadline = time.monotonic() + wait_s
-    nodes = sorted(grid.get_node_ids())
-    while len(nodes) < expected and time.monotonic() < deadline:
-        time.sleep(0.2)
-        nodes = sorted(grid.get_node_ids())
+    nodes = connected_nodes(grid, expected, wait_s, poll_s=0.2)
     if len(nodes) < expected:
         raise RuntimeError(f"units mode: {len(nodes)} nodes connected, {expected} expected (population.num_clients "
                            f"x units.supernodes)")
