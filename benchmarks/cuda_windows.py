@@ -40,11 +40,12 @@ from transformers import LlamaConfig
 
 from fedfusion.fusion.base import Client
 from fedfusion.fusion.submodel.method import SubModelMethod
-from fedfusion.models.build import model_from_state
+from fedfusion.models.build import config_aliases, model_from_state, wire_state
 from fedfusion.models.families import family_of
 from fedfusion.models.full_forward import from_payload
+from fedfusion.models.low_rank import split
 from fedfusion.models.slicing import extract, plan_slice, sub_config
-from fedfusion.run.planner import estimate_memory, frozen_window_memory
+from fedfusion.run.planner import estimate_memory, frozen_window_memory, rank_dense_bytes
 from fedfusion.train.loop import train_steps
 from fedfusion.wire.keys import FROZEN
 from fedfusion.wire.quantize import decode
@@ -77,8 +78,13 @@ def planned(arm: str, cfg: LlamaConfig, trainable: int, width: float, batch: int
         return estimate_memory(cfg, batch, seq, checkpoint=checkpoint).total
     if arm == "slice":
         return estimate_memory(sub_config(cfg, plan_slice(cfg, width, "static")), batch, seq, checkpoint=checkpoint).total
-    return frozen_window_memory(cfg, batch, seq, trainable, "int4" if arm == "window-int4" else "int8", checkpoint,
-                                expand=arm == "window-expanded")
+    dense = 0
+    if arm == "rank":  # the arm's rank-r updates cover every matrix (window_shared off: split's factored list)
+        with torch.device("meta"):
+            state = family_of(cfg).build(cfg).state_dict()
+        dense = rank_dense_bytes(cfg, split(cfg, wire_state(state, config_aliases(cfg)), False)[0])
+    return dense + frozen_window_memory(cfg, batch, seq, trainable, "int4" if arm == "window-int4" else "int8",
+                                        checkpoint, expand=arm == "window-expanded")
 
 
 def measure(arm: str, cfg: LlamaConfig, state: dict, a: argparse.Namespace, checkpoint: bool) -> dict:

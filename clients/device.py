@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from flwr.app import ConfigRecord
 
-from fedfusion.config.methods import LORA, SUBMODEL
+from fedfusion.config.methods import LORA, SUBMODEL, WINDOW
 from fedfusion.devices.meters import WIRE_PREFIX
 from fedfusion.phone.gateway import ADAPTER, call, pack, unpack
 from fedfusion.wire.keys import DEVICE_STEP_S, NUM_EXAMPLES
@@ -33,6 +33,7 @@ from fedfusion.wire.specs import (
     RoundSpec,
     SliceSpec,
     TrainSpec,
+    WindowSpec,
     merge,
 )
 
@@ -64,14 +65,20 @@ def relay(state: dict[str, torch.Tensor], spec: ConfigRecord, partition: int,
     """Hand one train message to the gateway and wait for a phone's result; returns (state, metrics)."""
     url, secret, deadline_s = _gateway(node_config)
     role = RoleSpec.from_config(spec).role
-    policy = SliceSpec.from_config(spec).policy if role == SUBMODEL else None
-    if role not in (SUBMODEL, LORA) or policy == "ordered":
-        raise ValueError(f"a device gateway serves width slices (role submodel, any policy but ordered) and LoRA "
-                         f"adapters (role lora); this message is role {role!r}, policy {policy!r}")
+    policy = SliceSpec.from_config(spec).policy if role in (SUBMODEL, WINDOW) else None
+    if role not in (SUBMODEL, LORA, WINDOW) or policy == "ordered":
+        raise ValueError(f"a device gateway serves width slices (role submodel, any policy but ordered), full-forward "
+                         f"windows (role window) and LoRA adapters (role lora); this message is role {role!r}, "
+                         f"policy {policy!r}")
+    window = WindowSpec.from_config(spec) if role == WINDOW else None
+    if window is not None and (window.rank or window.core):
+        raise ValueError("a device window program trains a window of units in the target's forward pass: no rank-r "
+                         "update (fusion.window_rank) and no core in the small model's (fusion.core_forward=small)")
     if any(".merged_" in k for k in state):
         raise ValueError("a device LoRA program has no input for a frozen merged update (m.merged_*: lora.method=flora)")
     # what a device needs of the message (the program holds the model): its data, training settings and round
-    task_spec = merge(ClientSpec.from_config(spec), TrainSpec.from_config(spec), RoundSpec.from_config(spec))
+    task_spec = merge(ClientSpec.from_config(spec), TrainSpec.from_config(spec), RoundSpec.from_config(spec),
+                      *([window] if window is not None else []))
     task_spec["partition"] = partition
     meta: dict[str, Any] = {"spec": task_spec, "deadline_s": deadline_s}
     if role == LORA:  # the gateway's program is the adapter's on the frozen base; a device's data are pairs
@@ -83,6 +90,8 @@ def relay(state: dict[str, torch.Tensor], spec: ConfigRecord, partition: int,
         task_spec.update(merge(base))  # the device's tokenizer is the base's
     else:
         meta["model_config"] = ModelSpec.from_config(spec).model_config
+    if window is not None:  # the gateway's program is the window's shape on the whole target; positions are inputs
+        meta["window"] = True
     body = pack(state, meta)
     status, answer = call(f"{url}/v1/node/tasks", "POST", secret, body, timeout=SUBMIT_TIMEOUT_S)
     if status != 200:

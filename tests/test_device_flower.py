@@ -119,3 +119,49 @@ def test_two_phones_fine_tune_lora_adapters_through_gateway_nodes(tmp_path, monk
     trained = [d for d in devices if d.runners]
     assert all(len(d.runners) == 1 for d in trained) and fetched.count("weights.ptd") == len(trained)
     assert json.loads((out / "summary.json").read_text())["status"] == "ok"
+
+
+def test_two_phones_train_the_quickstart_before_and_after_growth_through_gateway_nodes(tmp_path, monkeypatch):
+    """The default recipe's two phases on phones in a real deployment: SuperLink with TLS and node auth, two
+    SuperNodes that serve phones through one gateway, two reference devices. Round 1 trains the small model (a slice
+    program), round 2, after growth, a core window drawn outside the core on the frozen int8 target (a window
+    program, its frozen target and positions the round's inputs). Every client row is ok, priced at the phone's own
+    seconds; round 2's rows trained the whole target's forward; each device ran both programs."""
+    from fedfusion.phone.reference import ReferenceDevice
+
+    monkeypatch.chdir(ROOT)
+    tokens = tmp_path / "tokens.json"
+    (tmp_path / "node.secret").write_text(write_tokens(tokens, {"tok-a": "phone-a", "tok-b": "phone-b"}))
+    gateway = Gateway(Tokens(tokens), tmp_path / "programs")
+    (tmp_path / "programs").mkdir()
+    server = GatewayServer(("127.0.0.1", 0), gateway)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    devices = [ReferenceDevice(server.url, token) for token in ("tok-a", "tok-b")]
+    for device in devices:  # they poll until the test ends
+        threading.Thread(target=device.serve, kwargs={"poll_s": 0.2, "echo": lambda s: None}, daemon=True).start()
+    out = tmp_path / "run"
+    files = make_deploy_files(tmp_path / "certs", ["127.0.0.1", "localhost"], 2)
+    fed = LocalFederation(tmp_path / "deploy", files)
+    overrides = [*OVERRIDES, "fusion.grow_round=1", "fusion.window_outside_core=true"]
+    try:
+        fed.start_superlink()
+        for i in range(2):
+            fed.register(files.node_keys[i], f"node{i}")
+            fed.start_supernode(f"node{i}", files.node_keys[i],
+                                f'partition-id={i} num-partitions=2 device="phone" gateway="{server.url}" '
+                                f'gateway-secret-file="{tmp_path / "node.secret"}" gateway-deadline-s=600')
+        config = f'recipe="quickstart" overrides="{" ".join(overrides)}" out="{out}"'
+        proc = fed.run_app(ROOT, config, timeout=1800)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:] + fed.log("node1")[-4000:]
+    finally:
+        fed.stop()
+        server.shutdown()
+        server.server_close()
+    rows = {(r["round"], r["partition"]): r for r in read_jsonl(out / "clients.jsonl")}
+    assert {k: r["status"] for k, r in rows.items()} == {(1, 0): "ok", (1, 1): "ok", (2, 0): "ok", (2, 1): "ok"}
+    assert all(r["device_s"] is not None and r["compute_s"] == r["device_s"] == r["train_s"] for r in rows.values())
+    assert {rows[1, p]["forward"] for p in (0, 1)} != {rows[2, p]["forward"] for p in (0, 1)}  # slice, then window
+    manifests = [json.loads(p.read_text()) for p in (tmp_path / "programs").glob("*.json")]
+    assert sorted("window" in m for m in manifests) == [False, True]  # the small model's program and the window's
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert all(m["clients_ok"] == 2 for m in metrics[1:]) and json.loads((out / "summary.json").read_text())["status"] == "ok"

@@ -24,6 +24,7 @@ LORA = "lora"
 GENERATIVE = "generative"
 MIXED = "mixed"
 UNITS = "units"
+WINDOW = "window"  # the client role of a full-forward window (SUBMODEL with fusion.forward=full)
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ class Method:
 # devices trained of the target itself), then LoRA's update, then the server-side methods that train the whole
 # target from what devices sent (generative samples, then distillation from the family models).
 METHODS: tuple[Method, ...] = (
-    Method(SUBMODEL, roles=((SUBMODEL, "fedfusion.clients.submodel"), ("window", "fedfusion.clients.window")),
+    Method(SUBMODEL, roles=((SUBMODEL, "fedfusion.clients.submodel"), (WINDOW, "fedfusion.clients.window")),
            fold_rank=0, mixable=True, slices=True, build="fedfusion.fusion.submodel.build:build",
            plan="fedfusion.run.planner:slices_view", policy_in_label=True,
            arms="fedfusion.run.arms:slicing_arms"),

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig
 
+from fedfusion.config.methods import WINDOW
 from fedfusion.fusion.base import Client, FusionMethod, Payload, State
 from fedfusion.fusion.generative.method import GenerativeMethod
 from fedfusion.fusion.outer import OuterConfig
@@ -219,7 +220,7 @@ def run_submodel(run: SubModelRun, initial: dict[str, torch.Tensor], evaluate: E
     def train(rnd: int, payload: Payload) -> tuple[State, dict[str, float]]:
         received = decode(payload.arrays, keep=FROZEN)  # as the client app decodes it
         config = _spec_config(run.config, payload)
-        full = RoleSpec.from_config(payload.spec).role == "window"  # the client role fedfusion.clients.window
+        full = RoleSpec.from_config(payload.spec).role == WINDOW  # the client role fedfusion.clients.window
         model = (from_payload(config, received, WindowSpec.from_config(payload.spec), payload.client.seed) if full
                  else model_from_state(config, received))
         p = payload.client.partition

@@ -52,9 +52,10 @@ ADAPTER = "adapter"  # a task's meta key: the LoRA adapter a device trains on it
 
 def pack(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> bytes:
     """Named tensors as safetensors bytes, ``meta`` (JSON-able values) in its ``__metadata__``: the wire format
-    of weights both ways (a phone parses it with a few lines: 8-byte header length, JSON header, raw data)."""
-    return save_tensors({k: v.detach().cpu().float().contiguous() for k, v in tensors.items()},
-                        metadata={k: json.dumps(v) for k, v in meta.items()})
+    of weights both ways (a phone parses it with a few lines: 8-byte header length, JSON header, raw data). Floating
+    tensors go as float32; integer ones (a frozen target's int8 codes and shapes) as they are."""
+    return save_tensors({k: (v.float() if v.is_floating_point() else v).detach().cpu().contiguous()
+                         for k, v in tensors.items()}, metadata={k: json.dumps(v) for k, v in meta.items()})
 
 
 def unpack(body: bytes) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -161,6 +162,23 @@ class Gateway:
                     return manifest.stem
             return export_program(config, batch_size, seq_len).save(self.programs)["json"].stem
 
+    def window_program_for(self, model_config: dict, spec: dict, batch_size: int, seq_len: int) -> str:
+        """The id of the training program of a full-forward window of this shape (units per axis, shared tensors or
+        not; ``spec`` carries the message's :class:`~fedfusion.wire.specs.WindowSpec`) in a target of
+        ``model_config``: found in ``programs`` by its key, else exported there once."""
+        from fedfusion.models.families import config_from_dict
+        from fedfusion.models.full_forward import window_plan
+        from fedfusion.phone.window import export_window_program, window_program_key
+        from fedfusion.wire.specs import WindowSpec
+
+        config, plan = config_from_dict(model_config), window_plan(WindowSpec.from_config(spec))
+        key = window_program_key(config, plan, batch_size, seq_len)
+        with self.export_lock:
+            for manifest in self.programs.glob("*.json"):
+                if json.loads(manifest.read_text()).get("key") == key:
+                    return manifest.stem
+            return export_window_program(config, plan, batch_size, seq_len).save(self.programs)["json"].stem
+
     def lora_program_for(self, lora: dict, batch_size: int, seq_len: int) -> str:
         """The id of the training program of this LoRA adapter (``lora``: base, target_modules, rank, alpha, bits):
         found in ``programs`` by its key, else exported there once from the base (which the gateway's host holds)."""
@@ -192,6 +210,7 @@ class Gateway:
         spec, deadline_s = dict(meta["spec"]), float(meta["deadline_s"])
         shape = int(spec["batch-size"]), int(spec["seq-len"])
         program = (self.lora_program_for(meta[ADAPTER], *shape) if ADAPTER in meta
+                   else self.window_program_for(meta["model_config"], spec, *shape) if meta.get("window")
                    else self.program_for(meta["model_config"], *shape))
         task = Task(secrets.token_hex(8), program, spec, pack(tensors, {}), time.monotonic() + deadline_s)
         with self.lock:

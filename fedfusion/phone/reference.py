@@ -80,6 +80,12 @@ class ReferenceDevice:
         spec = task["spec"]
         runner = self.runner(str(task["program"]))
         weights, _ = unpack(_ok(*self.get(f"/v1/tasks/{task['task']}/weights"), "weights"))
+        if "window" in runner.manifest:  # the round's frozen target and window positions are the program's inputs
+            from fedfusion.phone.window import window_round
+            from fedfusion.wire.specs import WindowSpec
+
+            weights, inputs = window_round(runner.manifest, weights, WindowSpec.from_config(spec))
+            runner.hold(inputs)
         runner.load(weights)
         client = ClientSpec.from_config(spec)
         if "adapter" in runner.manifest:  # a LoRA adapter's program: this device's instruction pairs

@@ -376,16 +376,34 @@ def window_memory(recipe: Recipe, target: PretrainedConfig, width: float, core: 
     f = recipe.fusion
     with torch.device("meta"):
         state = AutoModelForCausalLM.from_config(target).state_dict()
+    dense = 0
     if f.window_rank:  # a rank-r update of every matrix plus the exact tensors (fedfusion.models.low_rank)
         factored, exact = split(target, wire_state(state, config_aliases(target)), f.window_shared)
         window = factor_params(state, factored, f.window_rank) + sum(state[n].numel() for n in exact)
+        dense = rank_dense_bytes(target, factored)
     else:
         axes = window_axes(target, tuple(f.axes) if f.axes else None)
         plan = replace(plan_slice(target, min(1.0, width + core), "static", axes=axes, scale=False),
                        shared=f.window_shared)
         window = window_params(target, state, plan)
-    return window, frozen_window_memory(target, recipe.train.batch_size, recipe.train.seq_len, window, f.frozen_dtype,
-                                        recipe.train.checkpoint, expand)
+    return window, dense + frozen_window_memory(target, recipe.train.batch_size, recipe.train.seq_len, window,
+                                                f.frozen_dtype, recipe.train.checkpoint, expand)
+
+
+def rank_dense_bytes(target: PretrainedConfig, factored: Sequence[str]) -> int:
+    """What a rank-r update costs beyond its factors where it does not ride on a linear layer (an embedding, a
+    Conv1D): the parametrization makes the dense ``frozen + B @ A`` at each use (a tied embedding: twice, input and
+    head), and backward its dense gradient, float32 each (``fedfusion.models.frozen._Added``)."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(target)
+    aliases = config_aliases(target)
+    total = 0
+    for name in factored:
+        module = model.get_submodule(name.rpartition(".")[0])
+        if not isinstance(module, torch.nn.Linear):
+            uses = 1 + sum(1 for source in aliases.values() if source == name)
+            total += 2 * 4 * model.get_parameter(name).numel() * uses
+    return total
 
 
 def frozen_window_memory(target: PretrainedConfig, batch: int, seq: int, window: int, frozen_dtype: str,

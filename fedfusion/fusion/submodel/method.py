@@ -22,6 +22,7 @@ import torch
 from transformers import PretrainedConfig
 
 from fedfusion.config.choices import CORE_FORWARDS, FORWARDS
+from fedfusion.config.methods import WINDOW
 from fedfusion.devices.energy import frozen_work_params
 from fedfusion.fusion.base import Client, Fold, FusionMethod, Payload, State, TierCost, Update, state_norm, state_size
 from fedfusion.fusion.outer import OuterConfig, OuterOptimizer
@@ -236,7 +237,7 @@ class SubModelMethod(FusionMethod):
             if full:
                 core = self.small.assignment() if self.core_forward == "small" else {}
                 window = WindowSpec(plan.assignment(), plan.shared, self.window_rank, core, client.tier in self.expand)
-                specs += [RoleSpec("window"), ModelSpec(self.config.to_dict()), window]
+                specs += [RoleSpec(WINDOW), ModelSpec(self.config.to_dict()), window]
             else:
                 specs += [RoleSpec(self.role), ModelSpec(sub_config(self.config, plan).to_dict())]
             if policy == "ordered":
