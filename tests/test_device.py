@@ -48,6 +48,20 @@ def test_pack_round_trip_and_garbage():
         unpack(b"\x05\x00\x00\x00\x00\x00\x00\x00garbage")
 
 
+def test_a_frozen_target_crosses_the_gateway_as_it_travelled():
+    """A window task's frozen target (int8 codes, float16 scales, integer shapes) is packed as it is, so the device
+    decodes exactly what the SuperNode received; other floating tensors go as float32."""
+    from fedfusion.wire.keys import FROZEN
+    from fedfusion.wire.quantize import decode, encode
+
+    frozen = {FROZEN + k: v for k, v in encode({"m": torch.randn(8, 64)}, "int8").items()}
+    back, _ = unpack(pack({**frozen, "w": torch.ones(2, dtype=torch.bfloat16)}, {}))
+    assert all(back[k].dtype == v.dtype and torch.equal(back[k], v) for k, v in frozen.items())
+    assert back["w"].dtype == torch.float32
+    assert torch.equal(decode({k.removeprefix(FROZEN): v for k, v in back.items() if k.startswith(FROZEN)})["m"],
+                       decode({k.removeprefix(FROZEN): v for k, v in frozen.items()})["m"])
+
+
 @pytest.fixture
 def gateway(tmp_path):
     """A gateway on a loopback port with devices A and B; programs/ holds a stand-in manifest so tasks need no export."""

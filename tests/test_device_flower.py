@@ -74,43 +74,14 @@ def test_two_phones_fine_tune_lora_adapters_through_gateway_nodes(tmp_path, monk
     """LoRA fusion in a real deployment: SuperLink with TLS and node auth, two SuperNodes that serve phones through
     one gateway, two reference devices, 2 rounds on a tiny local base whose phone tier holds it in 4 bits. Every
     client row is ok with the phone's rank; each device loads the program and its frozen base once."""
-    from fedfusion.phone.reference import ReferenceDevice
     from tests.test_lora_client import save_tiny_base
 
     monkeypatch.chdir(ROOT)
     base = save_tiny_base(tmp_path / "base")
-    tokens = tmp_path / "tokens.json"
-    (tmp_path / "node.secret").write_text(write_tokens(tokens, {"tok-a": "phone-a", "tok-b": "phone-b"}))
-    gateway = Gateway(Tokens(tokens), tmp_path / "programs")
-    (tmp_path / "programs").mkdir()
-    fetched: list[str] = []
-    serve_file = gateway.program_file
-    gateway.program_file = lambda program, name: fetched.append(name) or serve_file(program, name)
-    server = GatewayServer(("127.0.0.1", 0), gateway)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    devices = [ReferenceDevice(server.url, token) for token in ("tok-a", "tok-b")]
-    for device in devices:  # they poll until the test ends
-        threading.Thread(target=device.serve, kwargs={"poll_s": 0.2, "echo": lambda s: None}, daemon=True).start()
-    out = tmp_path / "run"
-    files = make_deploy_files(tmp_path / "certs", ["127.0.0.1", "localhost"], 2)
-    fed = LocalFederation(tmp_path / "deploy", files)
     overrides = ["rounds=2", "population.num_clients=2", "selection.clients_per_round=2", "train.local_steps=2",
                  "train.batch_size=4", "train.seq_len=96", "fusion.method=lora", "data.source=chatterbot",
                  f"lora.base={base}", "lora.eval_pairs=8", "lora.samples=1"]
-    try:
-        fed.start_superlink()
-        for i in range(2):
-            fed.register(files.node_keys[i], f"node{i}")
-            fed.start_supernode(f"node{i}", files.node_keys[i],
-                                f'partition-id={i} num-partitions=2 device="phone" gateway="{server.url}" '
-                                f'gateway-secret-file="{tmp_path / "node.secret"}" gateway-deadline-s=300')
-        config = f'recipe="rolling" overrides="{" ".join(overrides)}" out="{out}"'
-        proc = fed.run_app(ROOT, config, timeout=1800)
-        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:] + fed.log("node1")[-4000:]
-    finally:
-        fed.stop()
-        server.shutdown()
-        server.server_close()
+    out, devices, fetched = _two_phones(tmp_path, "rolling", overrides, deadline_s=300)
     rows = {(r["round"], r["partition"]): r for r in read_jsonl(out / "clients.jsonl")}
     assert {k: r["status"] for k, r in rows.items()} == {(1, 0): "ok", (1, 1): "ok", (2, 0): "ok", (2, 1): "ok"}
     assert {r["rank"] for r in rows.values()} == {4}
@@ -127,36 +98,10 @@ def test_two_phones_train_the_quickstart_before_and_after_growth_through_gateway
     program), round 2, after growth, a core window drawn outside the core on the frozen int8 target (a window
     program, its frozen target and positions the round's inputs). Every client row is ok, priced at the phone's own
     seconds; round 2's rows trained the whole target's forward; each device ran both programs."""
-    from fedfusion.phone.reference import ReferenceDevice
-
     monkeypatch.chdir(ROOT)
-    tokens = tmp_path / "tokens.json"
-    (tmp_path / "node.secret").write_text(write_tokens(tokens, {"tok-a": "phone-a", "tok-b": "phone-b"}))
-    gateway = Gateway(Tokens(tokens), tmp_path / "programs")
-    (tmp_path / "programs").mkdir()
-    server = GatewayServer(("127.0.0.1", 0), gateway)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    devices = [ReferenceDevice(server.url, token) for token in ("tok-a", "tok-b")]
-    for device in devices:  # they poll until the test ends
-        threading.Thread(target=device.serve, kwargs={"poll_s": 0.2, "echo": lambda s: None}, daemon=True).start()
-    out = tmp_path / "run"
-    files = make_deploy_files(tmp_path / "certs", ["127.0.0.1", "localhost"], 2)
-    fed = LocalFederation(tmp_path / "deploy", files)
     overrides = [*OVERRIDES, "fusion.grow_round=1", "fusion.window_outside_core=true"]
-    try:
-        fed.start_superlink()
-        for i in range(2):
-            fed.register(files.node_keys[i], f"node{i}")
-            fed.start_supernode(f"node{i}", files.node_keys[i],
-                                f'partition-id={i} num-partitions=2 device="phone" gateway="{server.url}" '
-                                f'gateway-secret-file="{tmp_path / "node.secret"}" gateway-deadline-s=600')
-        config = f'recipe="quickstart" overrides="{" ".join(overrides)}" out="{out}"'
-        proc = fed.run_app(ROOT, config, timeout=1800)
-        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:] + fed.log("node1")[-4000:]
-    finally:
-        fed.stop()
-        server.shutdown()
-        server.server_close()
+    out, devices, _ = _two_phones(tmp_path, "quickstart", overrides, deadline_s=600)
+    assert len({program for d in devices for program in d.runners}) == 2  # the small model's program and the window's
     rows = {(r["round"], r["partition"]): r for r in read_jsonl(out / "clients.jsonl")}
     assert {k: r["status"] for k, r in rows.items()} == {(1, 0): "ok", (1, 1): "ok", (2, 0): "ok", (2, 1): "ok"}
     assert all(r["device_s"] is not None and r["compute_s"] == r["device_s"] == r["train_s"] for r in rows.values())
@@ -165,3 +110,41 @@ def test_two_phones_train_the_quickstart_before_and_after_growth_through_gateway
     assert sorted("window" in m for m in manifests) == [False, True]  # the small model's program and the window's
     metrics = read_jsonl(out / "metrics.jsonl")
     assert all(m["clients_ok"] == 2 for m in metrics[1:]) and json.loads((out / "summary.json").read_text())["status"] == "ok"
+
+
+def _two_phones(tmp_path: Path, recipe: str, overrides: list[str], deadline_s: float):
+    """Run ``recipe`` in a real deployment (SuperLink with TLS and node auth) whose two SuperNodes serve phones
+    through one gateway, two reference devices polling it; returns (the run directory, the devices, the program
+    files they fetched)."""
+    from fedfusion.phone.reference import ReferenceDevice
+
+    tokens = tmp_path / "tokens.json"
+    (tmp_path / "node.secret").write_text(write_tokens(tokens, {"tok-a": "phone-a", "tok-b": "phone-b"}))
+    gateway = Gateway(Tokens(tokens), tmp_path / "programs")
+    (tmp_path / "programs").mkdir()
+    fetched: list[str] = []
+    serve_file = gateway.program_file
+    gateway.program_file = lambda program, name: fetched.append(name) or serve_file(program, name)  # type: ignore[method-assign]
+    server = GatewayServer(("127.0.0.1", 0), gateway)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    devices = [ReferenceDevice(server.url, token) for token in ("tok-a", "tok-b")]
+    for device in devices:  # they poll until the test ends
+        threading.Thread(target=device.serve, kwargs={"poll_s": 0.2, "echo": lambda s: None}, daemon=True).start()
+    out = tmp_path / "run"
+    files = make_deploy_files(tmp_path / "certs", ["127.0.0.1", "localhost"], 2)
+    fed = LocalFederation(tmp_path / "deploy", files)
+    try:
+        fed.start_superlink()
+        for i in range(2):
+            fed.register(files.node_keys[i], f"node{i}")
+            fed.start_supernode(f"node{i}", files.node_keys[i],
+                                f'partition-id={i} num-partitions=2 device="phone" gateway="{server.url}" '
+                                f'gateway-secret-file="{tmp_path / "node.secret"}" gateway-deadline-s={deadline_s:g}')
+        config = f'recipe="{recipe}" overrides="{" ".join(overrides)}" out="{out}"'
+        proc = fed.run_app(ROOT, config, timeout=1800)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:] + fed.log("node1")[-4000:]
+    finally:
+        fed.stop()
+        server.shutdown()
+        server.server_close()
+    return out, devices, fetched

@@ -50,12 +50,16 @@ PROGRAM_FILES = {"program.pte": "pte", "weights.ptd": "ptd", "manifest.json": "j
 ADAPTER = "adapter"  # a task's meta key: the LoRA adapter a device trains on its frozen base (absent: a slice)
 
 
+KEPT_FLOATS = (torch.float32, torch.float16)  # the floating dtypes pack sends as they are
+
+
 def pack(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> bytes:
     """Named tensors as safetensors bytes, ``meta`` (JSON-able values) in its ``__metadata__``: the wire format
-    of weights both ways (a phone parses it with a few lines: 8-byte header length, JSON header, raw data). Floating
-    tensors go as float32; integer ones (a frozen target's int8 codes and shapes) as they are."""
-    return save_tensors({k: (v.float() if v.is_floating_point() else v).detach().cpu().contiguous()
-                         for k, v in tensors.items()}, metadata={k: json.dumps(v) for k, v in meta.items()})
+    of weights both ways (a phone parses it with a few lines: 8-byte header length, JSON header, raw data). Tensors
+    go as float32, except those a frozen target travels in, kept as they are: integer codes and shapes, float16
+    scales."""
+    return save_tensors({k: (v if v.dtype in KEPT_FLOATS or not v.is_floating_point() else v.float()).detach().cpu()
+                         .contiguous() for k, v in tensors.items()}, metadata={k: json.dumps(v) for k, v in meta.items()})
 
 
 def unpack(body: bytes) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
