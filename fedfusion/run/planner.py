@@ -148,7 +148,7 @@ def estimate_memory(
         return MemoryEstimate(b * params, b * params, 2 * b * params,
                               b * layer_values + _logit_bytes(config, batch, seq, b), params, params, b * params)
     trainable = lora_params(config, lora_rank, lora_modules) if lora_rank is not None else int(window or 0)
-    linear = layers * (h * heads * d * 2 + h * kv * d * 2 + 3 * h * inter)
+    linear = linear_params(config)
     act_bytes = 4 if window is not None else base_bits // 8 if base_bits >= 16 else compute_bytes
     if base_bits >= 16:
         weights = params * base_bits / 8
@@ -157,6 +157,12 @@ def estimate_memory(
     return MemoryEstimate(int(weights) + 4 * trainable, 4 * trainable, 8 * trainable,
                           act_bytes * layer_values + _logit_bytes(config, batch, seq, act_bytes),
                           params + (trainable if window is None else 0), trainable, 4 * trainable)
+
+
+def linear_params(config: PretrainedConfig) -> int:
+    """Values of the decoder layers' projection matrices (what a quantised base or frozen target holds narrow)."""
+    h, inter, heads, kv, d, layers = _dims(config)
+    return layers * (h * heads * d * 2 + h * kv * d * 2 + 3 * h * inter)
 
 
 def _logit_bytes(config: PretrainedConfig, batch: int, seq: int, act_bytes: int) -> int:
@@ -387,7 +393,7 @@ def window_memory(recipe: Recipe, target: PretrainedConfig, width: float, core: 
                        shared=f.window_shared)
         window = window_params(target, state, plan)
     return window, dense + frozen_window_memory(target, recipe.train.batch_size, recipe.train.seq_len, window,
-                                                f.frozen_dtype, recipe.train.checkpoint, expand)
+                                                f.frozen_dtype, recipe.train.checkpoint, expand, f.wire_dtype)
 
 
 def rank_dense_bytes(target: PretrainedConfig, factored: Sequence[str]) -> int:
@@ -407,12 +413,16 @@ def rank_dense_bytes(target: PretrainedConfig, factored: Sequence[str]) -> int:
 
 
 def frozen_window_memory(target: PretrainedConfig, batch: int, seq: int, window: int, frozen_dtype: str,
-                         checkpoint: bool = False, expand: bool = False) -> int:
+                         checkpoint: bool = False, expand: bool = False, wire_dtype: str = "float32") -> int:
     """Peak bytes of training ``window`` parameters on ``target`` frozen in ``frozen_dtype``; ``expand``: made float32
-    once (``WindowSpec.expand``) while the message's ``frozen_dtype`` copy is still held beside it."""
+    once (``WindowSpec.expand``). The message stays held while the device trains (the client app holds it): its
+    window values (in ``wire_dtype``) besides the trained copy, and of the frozen target what the model does not
+    share with it: the narrow path keeps the projections' codes themselves but decodes the other matrices
+    (embeddings) to float32; the expanded path decodes them all."""
     bits = 32 if expand else FROZEN_BITS[frozen_dtype]
     mem = estimate_memory(target, batch, seq, base_bits=bits, window=window, checkpoint=checkpoint).total
-    return mem + (encoded_bytes(frozen_dtype, param_count(target)) if expand else 0)
+    decoded = param_count(target) - (0 if expand else linear_params(target))
+    return mem + encoded_bytes(wire_dtype, window) + (encoded_bytes(frozen_dtype, decoded) if bits != 32 or expand else 0)
 
 
 def window_path(recipe: Recipe, target: PretrainedConfig, width: float, core: float,
