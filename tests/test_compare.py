@@ -31,7 +31,8 @@ from fedfusion.run.compare import (
 ROOT = Path(__file__).parents[1]
 LOSS = Metric("eval_loss", "held-out loss (nats)", True)
 RECALL = Metric("probe_acc", "probe accuracy", False)
-SLICE_FORWARD = {"fusion.forward=slice", "fusion.window_core=false", "fusion.window_shared=false"}
+SLICE_FORWARD = {"fusion.forward=slice", "fusion.window_core=false", "fusion.window_shared=false",
+                 "fusion.window_outside_core=false"}
 
 
 # -- the arms per method, from the shipped recipes (pure: nothing runs) ----------------------------------------------
