@@ -2,7 +2,7 @@
 
 A window step runs the whole target's forward pass and its activation gradients (every layer holds window units)
 but only the window's weight gradients and AdamW state, so it should cost clearly less than training the whole
-target (issue: <= 0.8x). Per target, on the same batches, one thread (a simulated client's ``cpus_per_client: 1``):
+target (the goal: at most 0.8x). Per target, on the same batches, one thread (a simulated client's ``cpus_per_client: 1``):
 
 - ``full``: the whole target trained with AdamW (the oracle's device);
 - ``window``: the recipe's window of the weakest tier's width on the frozen target kept as it travelled

@@ -267,11 +267,14 @@ def cmd_devices(args: argparse.Namespace) -> int:
 
 def _print_table(title: str, rows: list[dict[str, Any]], headers: dict[str, str], left: tuple[str, ...],
                  width: int) -> None:
-    """Rows as a rich table; ``headers`` picks and renames columns (empty: every key as is)."""
+    """Rows as a rich table; ``headers`` picks and renames columns (empty: every key as is). The first column (the
+    tier or device name each row is about) is never cut short; a narrow console shortens the others."""
     headers = headers or {k: k for k in rows[0]}
     table = Table(title=title)
+    first = next(iter(headers))
     for key, name in headers.items():
-        table.add_column(name, justify="left" if key in left else "right", no_wrap=True)
+        whole = max([len(name), *(len(_cell(r[key])) for r in rows)]) if key == first else None
+        table.add_column(name, justify="left" if key in left else "right", no_wrap=True, min_width=whole)
     for row in rows:
         table.add_row(*[_cell(row[k]) for k in headers])
     Console(width=max(console.width, width)).print(table)

@@ -335,7 +335,7 @@ def test_a_tier_expands_its_frozen_target_only_where_its_memory_holds_the_float3
         assert narrow < wide
         expands = wide <= budget
         assert (tier in expanded_tiers(recipe)) == expands
-        assert rows[tier]["slice"].endswith(", float32 once") == expands
+        assert rows[tier]["slice"].endswith(" -> float32") == expands
         assert rows[tier]["peak MB"] == round((wide if expands else narrow) / 2**20, 1)
     assert expanded_tiers(recipe) == {"laptop"}  # the phone (3.6 GB usable) holds the int8 target, not a float32 one
     assert expanded_tiers(load_recipe("quickstart", [*big, "fusion.forward=slice", "fusion.window_core=false"])) == set()

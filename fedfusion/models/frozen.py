@@ -292,7 +292,7 @@ class FrozenTargetModel(torch.nn.Module):
 
     def expand(self) -> None:
         """Hold every frozen matrix as float32 for the round (:meth:`FrozenLinear.expand`): the same values, no
-        per-pass dequantisation; the planner prices it (``fedfusion plan``: "float32 once") where memory allows."""
+        per-pass dequantisation; the planner prices it (``fedfusion plan``: "int8 target -> float32") where memory allows."""
         for module in self._target[0].modules():
             if isinstance(module, FrozenLinear):
                 module.expand()

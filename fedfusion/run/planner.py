@@ -429,7 +429,8 @@ def window_path(recipe: Recipe, target: PretrainedConfig, width: float, core: fl
                 budget: float) -> tuple[int, int, bool]:
     """The way a device with ``budget`` bytes trains its window: expanded (the frozen target made float32 once for
     the round: no dequantisation in every pass) where that fits, else on the target as it travelled; as (window
-    parameters, peak bytes, expanded). The run sends the same choice (:func:`expanded_tiers`)."""
+    parameters, peak bytes, expanded; the plan's row says "int8 target -> float32"). The run sends the same choice
+    (:func:`expanded_tiers`)."""
     window, wide = window_memory(recipe, target, width, core, expand=True)
     if wide <= budget:
         return window, wide, True
@@ -467,8 +468,8 @@ def window_row(recipe: Recipe, target: PretrainedConfig, tier: str, width: float
     label = (f"rank-{f.window_rank} of every matrix" if f.window_rank else
              f"units {width:g}" + (f" + core {core:g}" if core else ""))
     label += ", checkpointed" if recipe.train.checkpoint else ""
-    return {"width": 1.0 if f.window_rank else width, "slice": f"{label}; full forward, {f.frozen_dtype} target"
-                                                        + (", float32 once" if expand else ""),
+    return {"width": 1.0 if f.window_rank else width,
+            "slice": f"{label}; {f.frozen_dtype} target" + (" -> float32" if expand else ""),
             "params": window, "peak MB": _mb(mem), "device MB": round(device.memory_gb * 1024),
             "fits": "yes" if mem <= budget else "NO",
             **priced(device, train_flops(frozen_work_params(total, window), tokens), down,
