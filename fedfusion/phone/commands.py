@@ -210,12 +210,12 @@ def tier_window(recipe: Recipe, tier: str, target: PretrainedConfig) -> SlicePla
 
     f = recipe.fusion
     axes = window_axes(target, tuple(f.axes) if f.axes else None)
-    smallest = min(f.widths.values())
-    plan = plan_slice(target, f.window_widths.get(tier, f.widths[tier]), "static", axes=axes, scale=False,
-                      skip=smallest if f.window_core else 0.0)
-    plan = replace(plan, shared=f.window_shared)
-    core = plan_slice(target, smallest, "static", axes=tuple(f.axes) if f.axes else None)
-    return with_core(plan, core) if f.window_core else plan  # the core besides the window: one shape every round
+    core = min(f.widths.values()) if f.window_core else 0.0
+    plan = replace(plan_slice(target, f.window_widths.get(tier, f.widths[tier]), "static", axes=axes, scale=False,
+                              skip=core), shared=f.window_shared)
+    if not core:
+        return plan
+    return with_core(plan, plan_slice(target, core, "static", axes=tuple(f.axes) if f.axes else None))  # one shape
 
 
 def export_tier(recipe: Recipe, tier: str) -> DeviceProgram:

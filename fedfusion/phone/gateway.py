@@ -36,15 +36,19 @@ import secrets
 import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlparse
 
 import torch
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
+
+if TYPE_CHECKING:
+    from fedfusion.phone.program import DeviceProgram
 
 PROGRAM_FILES = {"program.pte": "pte", "weights.ptd": "ptd", "manifest.json": "json"}
 ADAPTER = "adapter"  # a task's meta key: the LoRA adapter a device trains on its frozen base (absent: a slice)
@@ -160,11 +164,7 @@ class Gateway:
 
         config = config_from_dict(model_config)
         key = program_key(config, batch_size, seq_len)
-        with self.export_lock:
-            for manifest in self.programs.glob("*.json"):
-                if json.loads(manifest.read_text()).get("key") == key:
-                    return manifest.stem
-            return export_program(config, batch_size, seq_len).save(self.programs)["json"].stem
+        return self._found_or_exported(key, lambda: export_program(config, batch_size, seq_len))
 
     def window_program_for(self, model_config: dict, spec: dict, batch_size: int, seq_len: int) -> str:
         """The id of the training program of a full-forward window of this shape (units per axis, shared tensors or
@@ -177,11 +177,7 @@ class Gateway:
 
         config, plan = config_from_dict(model_config), window_plan(WindowSpec.from_config(spec))
         key = window_program_key(config, plan, batch_size, seq_len)
-        with self.export_lock:
-            for manifest in self.programs.glob("*.json"):
-                if json.loads(manifest.read_text()).get("key") == key:
-                    return manifest.stem
-            return export_window_program(config, plan, batch_size, seq_len).save(self.programs)["json"].stem
+        return self._found_or_exported(key, lambda: export_window_program(config, plan, batch_size, seq_len))
 
     def lora_program_for(self, lora: dict, batch_size: int, seq_len: int) -> str:
         """The id of the training program of this LoRA adapter (``lora``: base, target_modules, rank, alpha, bits):
@@ -191,13 +187,17 @@ class Gateway:
 
         modules, rank, alpha, bits = list(lora["target_modules"]), int(lora["rank"]), float(lora["alpha"]), int(lora["bits"])
         key = lora_program_key(lora["base"], modules, rank, alpha, bits, batch_size, seq_len)
+        return self._found_or_exported(key, lambda: export_lora_program(
+            load_base(lora["base"]), modules, rank, alpha, batch_size, seq_len, bits=bits, base_name=lora["base"]))
+
+    def _found_or_exported(self, key: str, export: Callable[[], DeviceProgram]) -> str:
+        """The id of the program whose manifest has ``key`` in ``programs``, else of the one ``export`` makes, saved
+        there once (one export at a time)."""
         with self.export_lock:
             for manifest in self.programs.glob("*.json"):
                 if json.loads(manifest.read_text()).get("key") == key:
                     return manifest.stem
-            program = export_lora_program(load_base(lora["base"]), modules, rank, alpha, batch_size, seq_len,
-                                          bits=bits, base_name=lora["base"])
-            return program.save(self.programs)["json"].stem
+            return export().save(self.programs)["json"].stem
 
     def program_file(self, program: str, name: str) -> bytes:
         if name not in PROGRAM_FILES or not program.isalnum():

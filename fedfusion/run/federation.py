@@ -92,9 +92,10 @@ def build_methods(recipe: Recipe, target: Target) -> dict[str, FusionMethod]:
     for tier, name in assigned.items():
         tiers.setdefault(name, []).append(tier)
     built = {name: hook(method(name).build)(recipe, target, mine) for name, mine in tiers.items()}
+    expand = expanded_tiers(recipe)  # the tiers whose memory holds the frozen target in float32 (the plan's)
     for each in built.values():
-        if isinstance(each, SubModelMethod):  # the tiers whose memory holds the frozen target in float32 (the plan's)
-            each.expand = expanded_tiers(recipe)
+        if isinstance(each, SubModelMethod):
+            each.expand = expand
     return {tier: built[name] for tier, name in assigned.items()}
 
 
