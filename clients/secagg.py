@@ -5,8 +5,8 @@ the shares the server may have.
 The round's steps arrive as QUERY messages (``query.secagg``: keys, shares, unmask) around the TRAIN message; what a
 node must remember between them (its secrets, the others' public keys, the sealed shares it holds) stays in
 Flower's ``context.state``, which persists per node. :func:`secagg_mod` wraps training: it takes the trained
-arrays off the reply and puts the masked target-shaped change in their place, so the server never holds the
-client's update itself.
+arrays off the reply and puts the masked target-shaped change in their place (for a LoRA method that averages
+dense updates, the change of each module's dense update), so the server never holds the client's update itself.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordD
 from flwr.clientapp.typing import ClientAppCallable
 from flwr.common.secure_aggregation.crypto.shamir import create_shares
 
+from fedfusion.fusion.lora.aggregate import dense_change
 from fedfusion.models.slicing import scatter
 from fedfusion.wire import secagg as sa
 from fedfusion.wire.keys import FROZEN, NUM_EXAMPLES
@@ -151,7 +152,7 @@ def secagg_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> 
     state = _state(context, spec)
     own = spec.position(msg.metadata.dst_node_id)
     record = msg.content.array_records["arrays"]
-    layout = {k: torch.from_numpy(record[k].numpy()) for k in sa.ARRAY_KEYS}
+    layout = {k: torch.from_numpy(record[k].numpy()) for k in (*sa.ARRAY_KEYS, sa.PRODUCT_KEY) if k in record}
     sealed = {int(k.removeprefix(sa.SEALED)): _bytes(record, k) for k in record if k.startswith(sa.SEALED)}
     plain = ArrayRecord({k: record[k] for k in record if k not in layout and not k.startswith(sa.SEALED)})
     msg.content["arrays"] = plain
@@ -161,7 +162,10 @@ def secagg_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> 
         return reply
     trained = reply.content.array_records["arrays"].to_torch_state_dict()
     metrics = reply.content.metric_records["metrics"]
-    change = {k: trained[k].float() - received[k] for k in trained}
+    if sa.PRODUCT_KEY in layout:  # a dense LoRA method: the change of each module's dense update
+        change = dense_change(received, trained, float(layout[sa.PRODUCT_KEY]))
+    else:
+        change = {k: trained[k].float() - received[k] for k in trained}
     index, scales, shapes = _layout(layout, list(change))
     weight = float(cast(int, metrics[NUM_EXAMPLES])) if spec.weighting == "examples" else 1.0
     support = sa.unpack_support(layout[sa.SUPPORT_KEY])

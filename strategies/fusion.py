@@ -89,9 +89,9 @@ class _Round:
     clock_s: float = 0.0
     fed_eval: dict[str, float] = field(default_factory=dict)
     server_cost: dict[str, float] = field(default_factory=lambda: {"flops": 0.0, "seconds": 0.0, "tokens": 0.0})
-    # secure aggregation: the target tensors a masked vector is cut from (flattened in this order), each node's masked
-    # vector, and the coordinates of that flat target the vectors carry (the round's support)
-    secure_target: dict[str, torch.Tensor] = field(default_factory=dict)
+    # secure aggregation: the shapes of the tensors a masked vector is cut from (flattened in this order; the method's
+    # padded change), each node's masked vector, and the coordinates of that flat vector they carry (the round's support)
+    secure_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     masked: dict[int, np.ndarray] = field(default_factory=dict)
     support: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # the flat coordinates they carry
 
@@ -202,7 +202,7 @@ class FusionStrategy(Strategy):
         if secure is not None:
             if len(self.fold_order) != 1 or not isinstance(self.fold_order[0], SecureFold):
                 raise ValueError("secure aggregation folds one sum of target-shaped changes: every tier must train "
-                                 f"one method that can (submodel), got {[m.name for m in self.fold_order]}")
+                                 f"one method that can (submodel or lora), got {[m.name for m in self.fold_order]}")
             self.max_norm_ratio = 0.0
         self.grid: Grid | None = None  # the round's grid, for secure aggregation's unmask step
 
@@ -565,7 +565,7 @@ class FusionStrategy(Strategy):
             return torch.zeros(0, dtype=torch.int64)
         method = cast(SecureFold, self.fold_order[0])
         held = method.secure_support(target, payloads)
-        self.round.secure_target = {name: target[name] for name in held}
+        self.round.secure_shapes = {name: tuple(h.shape) for name, h in held.items()}
         runs = pack_support(torch.cat([h.flatten() for h in held.values()]))
         self.round.support = unpack_support(runs)
         return runs
@@ -581,10 +581,10 @@ class FusionStrategy(Strategy):
                 self.round.rows[node] = replace(row, extra={**row.extra, "secagg_bytes": nbytes})
         if total is None:
             return None
-        shapes = [tuple(t.shape) for t in self.round.secure_target.values()]
+        shapes = list(self.round.secure_shapes.values())
         flat = np.zeros(sum(math.prod(shape) for shape in shapes))
         flat[self.round.support] = decode(total)
-        sums = unflatten(flat, list(self.round.secure_target), shapes)
+        sums = unflatten(flat, list(self.round.secure_shapes), shapes)
         method = cast(SecureFold, self.fold_order[0])
         folded = method.fold_sum(self.round.number, self.round.target, updates, sums)
         cost = {"flops": 0.0, "seconds": 0.0, "tokens": 0.0, **folded.server_cost, "secagg_s": self.secure.keys.seconds}

@@ -264,7 +264,10 @@ def test_distillation_recipe_runs_on_flower_and_prices_the_server(tmp_path):
     assert (out / "model" / "model.safetensors").is_file()
 
 
-def test_lora_recipe_runs_on_flower_with_heterogeneous_ranks(tmp_path):
+@pytest.mark.parametrize("secure", [False, True])
+def test_lora_recipe_runs_on_flower_with_heterogeneous_ranks(tmp_path, secure):
+    """Heterogeneous ranks through Flower's simulation; with secure aggregation every reply is a masked vector of one
+    length a round (the dense update's change: flexlora), whatever rank its client trained."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from fedfusion.data.text import build_char_tokenizer
@@ -281,10 +284,15 @@ def test_lora_recipe_runs_on_flower_with_heterogeneous_ranks(tmp_path):
     assert main(["run", "rolling", *TINY, "selection.evaluate_clients=0", "fusion.method=lora",
                  "data.source=chatterbot", f"lora.base={base}", "lora.ranks={phone: 2, laptop: 4, desktop: 8}",
                  "lora.quantize={phone: 0, laptop: 0, desktop: 0}", "lora.method=flexlora", "lora.eval_pairs=20",
-                 "train.seq_len=96", "train.local_steps=3", "--out", str(out)]) == 0
+                 "train.seq_len=96", "train.local_steps=3", f"privacy.secure_aggregation={str(secure).lower()}",
+                 "--out", str(out)]) == 0
     rows = read_jsonl(out / "metrics.jsonl")
     assert all(r["clients_ok"] == 3 for r in rows[1:])
     clients = read_jsonl(out / "clients.jsonl")
+    if secure:
+        assert all(c["secagg_bytes"] > 0 for c in clients)
+        for round_ in {c["round"] for c in clients}:
+            assert len({c["bytes_up"] for c in clients if c["round"] == round_}) == 1
     ranks = {"phone": 2, "laptop": 4, "desktop": 8}
     assert all(c["rank"] == ranks[c["device"]] and c["status"] == "ok" for c in clients)
     assert (out / "adapter" / "adapter_config.json").is_file()

@@ -35,6 +35,8 @@ AVERAGES = ("logits", "probs")
 CONFIDENCES = ("variance", "entropy", "maxprob")
 TRANSFER_SOURCES = ("shakespeare", "text")
 LORA_METHODS = ("fedavg", "zeropad", "hetlora", "flexlora", "flora")
+# those secure aggregation can fold from one sum of changes (hetlora weighs each client by its own update's norm)
+LORA_SECURE_METHODS = ("fedavg", "zeropad", "flexlora", "flora")
 LORA_DTYPES = ("float32", "bfloat16", "float16")  # an unquantised base
 QUANTIZE_BITS = (0, 4, 8)  # lora.quantize: a base's bits per tier (0: none)
 TRACKERS = ("none", "tensorboard", "mlflow")  # output.tracker

@@ -31,6 +31,7 @@ from fedfusion.config.choices import (
     DEFAULT_SERVER_DEVICE,
     FAMILY_MODEL_TYPES,
     FAMILY_TOKENIZERS,
+    LORA_SECURE_METHODS,
     MIXABLE,
     SMOLLM2_BASE,
 )
@@ -884,10 +885,18 @@ def _validate_wire(recipe: Recipe) -> None:
 
 def _validate_secure(recipe: Recipe) -> None:
     """Secure aggregation sums target-shaped changes: it needs a method that folds a sum (width slices and full
-    windows), the plain mean, exact float32 replies and a round of at least two clients."""
+    windows; LoRA but hetlora), the plain mean, exact float32 replies (and for LoRA, whose start the server adds
+    back, exact float32 payloads) and a round of at least two clients."""
     f, why = recipe.fusion, "privacy.secure_aggregation: the server folds one sum of masked updates, so"
-    if set(tier_methods(recipe).values()) != {SUBMODEL}:
-        raise RecipeError(f"{why} every tier must train fusion.method=submodel, got {f.method!r}")
+    methods = set(tier_methods(recipe).values())
+    if methods not in ({SUBMODEL}, {LORA}):
+        raise RecipeError(f"{why} every tier must train fusion.method=submodel or every tier lora, got {f.method!r}")
+    if methods == {LORA} and recipe.lora.method not in LORA_SECURE_METHODS:
+        raise RecipeError(f"{why} lora.method must be one of {', '.join(LORA_SECURE_METHODS)} (hetlora weighs each "
+                          f"client by its own update's norm), got {recipe.lora.method!r}")
+    if methods == {LORA} and f.wire_dtype != "float32":
+        raise RecipeError(f"{why} fusion.wire_dtype must be float32 with LoRA (the server adds back the exact adapter "
+                          "it sent)")
     if f.aggregate != "mean":
         raise RecipeError(f"{why} fusion.aggregate must be mean (a {f.aggregate} needs each client's values)")
     if f.window_rank:

@@ -41,6 +41,9 @@ SHAPES_KEY = "secagg::shapes"  # the shapes of the target's tensors, in the orde
 MASKED_KEY = "secagg::masked"  # a reply's masked vector (uint64)
 SUPPORT_KEY = "secagg::support"  # the coordinates the round's vectors carry: those some client of the round trains
 ARRAY_KEYS = (INDEX_KEY, SCALES_KEY, SHAPES_KEY, SUPPORT_KEY)
+# a LoRA client whose method averages the dense update (flexlora, flora): its adapter's scaling alpha / r; its change
+# travels as the change of each module's dense update, not of its factors (fedfusion.fusion.lora.aggregate)
+PRODUCT_KEY = "secagg::product"
 C_PUBLIC, S_PUBLIC = "secagg::cpk/", "secagg::spk/"  # + position: a client's share-sealing and mask public keys
 SEALED = "secagg::sealed/"  # + position: shares sealed for (a shares reply) or from (a train message) that position
 SHARE = "secagg::share/"  # + position: the share an unmask reply gives of that position's seed or mask secret

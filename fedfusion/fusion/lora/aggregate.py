@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fedfusion.config.choices import LORA_METHODS
+from fedfusion.config.choices import LORA_METHODS, LORA_SECURE_METHODS
 
 Factors = tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]
 
@@ -252,6 +252,56 @@ def aggregate_lora(clients: list[ClientLoRA], method: str) -> LoRAAggregate:
     A = {n: a for n, (a, _) in stacks.items()}
     B = {n: b for n, (_, b) in stacks.items()}
     return LoRAAggregate(method, delta, True, _f32(A), _f32(B), 1.0)
+
+
+# -- secure aggregation: the aggregate from one sum of the clients' weighted changes ----------------------------------
+DENSE_METHODS = ("flexlora", "flora")  # the methods that average the dense update rather than the factors
+
+
+def dense_change(received: dict[str, torch.Tensor], trained: dict[str, torch.Tensor],
+                 scale: float) -> dict[str, torch.Tensor]:
+    """Per module ``m`` (``m.lora_A`` (r, in), ``m.lora_B`` (out, r)), the change of its dense update
+    ``scale * B @ A`` from the received adapter to the trained one, float64: what a client of a dense method adds to
+    a securely summed vector, since the sum of dense updates is not a product of summed factors."""
+    out = {}
+    for key in sorted(trained):
+        if key.endswith(".lora_A"):
+            m = key.removesuffix(".lora_A")
+            now = trained[f"{m}.lora_B"].double() @ trained[key].double()
+            out[m] = scale * (now - received[f"{m}.lora_B"].double() @ received[key].double())
+    return out
+
+
+def aggregate_sum(method: str, starts: list[ClientLoRA], total: dict[str, torch.Tensor]) -> LoRAAggregate:
+    """The aggregate :func:`aggregate_lora` makes of the trained clients, from their starting adapters ``starts``
+    (factors, alpha, weight: what the server sent) and ``total``, the unmasked sum of their weighted changes: for
+    the dense methods per module ``m`` the sum of ``w_k * dense_change``; for fedavg and zeropad per factor
+    (``m.lora_A`` (R, in), ``m.lora_B`` (out, R), R the largest rank) the sum of ``w_k`` x the change of ``A_k`` and
+    of ``s_k B_k`` zero-padded to R. Each start is known to the server, so only the sum of changes travels."""
+    if method not in LORA_SECURE_METHODS:
+        raise ValueError(f"secure aggregation cannot fold lora.method={method!r}: use one of {LORA_SECURE_METHODS}")
+    p, ranks = _weights(starts)
+    if method == "fedavg" and len({(r, c.alpha) for r, c in zip(ranks, starts)}) > 1:
+        raise ValueError(f"fedavg needs one rank and one alpha for all clients, got ranks {ranks}")
+    names = sorted(starts[0].A)
+    weight = sum(c.weight for c in starts)
+    if method in DENSE_METHODS:
+        delta = {n: (_sum([pk * c.scale * (c.B[n].double() @ c.A[n].double()) for c, pk in zip(starts, p)])
+                     + total[n].double() / weight) for n in names}
+        if method == "flexlora":
+            return LoRAAggregate(method, _f32(delta), False)
+        factors = {n: torch.linalg.svd(d, full_matrices=False) for n, d in delta.items()}
+        return LoRAAggregate(method, _f32(delta), True, {n: vh.float() for n, (_, _, vh) in factors.items()},
+                             {n: (u * s).float() for n, (u, s, _) in factors.items()}, 1.0)
+    A, B = {}, {}
+    for n in names:
+        a, b = _padded_mean(starts, ranks, p, n)
+        A[n], B[n] = a + total[f"{n}.lora_A"].double() / weight, b + total[f"{n}.lora_B"].double() / weight
+    if method == "fedavg":
+        s = starts[0].scale
+        return LoRAAggregate(method, {n: (B[n] @ A[n]).float() for n in names}, False, _f32(A),
+                             {n: (b / s).float() for n, b in B.items()}, s)
+    return LoRAAggregate(method, {n: (B[n] @ A[n]).float() for n in names}, False, _f32(A), _f32(B), 1.0)
 
 
 # -- the global update as one low-rank pair per module (what the Flower layer carries between rounds) ------

@@ -20,6 +20,10 @@ front, fresh seeded ones behind, B = 0), so its reply carries exactly the keys a
 Flower's DP mods need to clip ``reply - sent`` (FLoRA's frozen ``m.merged_*`` arrays are left out of that
 comparison by :func:`fedfusion.clients.privacy.privacy_mod`). Every tier's width is 1.0 (a LoRA client runs the
 whole target); ``coverage`` is the largest rank trained in the round over the largest tier rank.
+
+Under secure aggregation (:mod:`fedfusion.wire.secagg`) a client's change travels padded to one shape for every
+rank: fedavg's and zeropad's factor changes zero-padded to the largest tier rank, the dense methods' change of each
+module's dense update; the server adds the starting adapters it sent (:func:`~fedfusion.fusion.lora.aggregate.aggregate_sum`).
 """
 
 from __future__ import annotations
@@ -36,15 +40,18 @@ from fedfusion.config.choices import LORA_METHODS, QUANTIZE_BITS
 from fedfusion.devices.energy import frozen_work_params
 from fedfusion.fusion.base import Client, Fold, FusionMethod, Payload, State, TierCost, Update
 from fedfusion.fusion.lora.aggregate import (
+    DENSE_METHODS,
     ClientLoRA,
     aggregate_lora,
+    aggregate_sum,
     from_global,
     global_factors,
     merged_arrays,
     serve,
     starting_adapter,
 )
-from fedfusion.wire.quantize import Wire, encoded_bytes
+from fedfusion.wire import secagg
+from fedfusion.wire.quantize import Index, Wire, encoded_bytes, pack_index
 from fedfusion.wire.specs import AdapterSpec, LoRABaseSpec, QuantizeSpec, RoleSpec, WireSpec, merge
 
 Shapes = dict[str, tuple[int, int]]
@@ -171,6 +178,67 @@ class LoRAMethod(FusionMethod):
         clients = [u.data for u in updates]
         A, B = global_factors(aggregate_lora(clients, self.method), self.merged)
         coverage = max(c.rank for c in clients) / max(self.ranks.values())
+        return Fold({**{f"{m}.lora_A": a for m, a in A.items()}, **{f"{m}.lora_B": b for m, b in B.items()}}, coverage)
+
+    # -- secure aggregation (fedfusion.fusion.base.SecureFold) ------------------------------------------------------
+    def _secure_shapes(self) -> dict[str, tuple[int, int]]:
+        """The padded change's tensors and shapes: per module its dense update (out, in) for the dense methods, else
+        its factors at the largest tier rank."""
+        if self.method in DENSE_METHODS:
+            return dict(self.modules)
+        r = max(self.ranks.values())
+        return {**{f"{m}.lora_A": (r, i) for m, (_, i) in self.modules.items()},
+                **{f"{m}.lora_B": (o, r) for m, (o, _) in self.modules.items()}}
+
+    def secure_names(self, target: State) -> list[str]:
+        return sorted(self._secure_shapes())
+
+    def secure_layout(self, payload: Payload) -> State:
+        """Where ``payload``'s change sits in the padded vector: a dense method's per-module update whole (and the
+        adapter's scaling, :data:`~fedfusion.wire.secagg.PRODUCT_KEY`, for the client to form it), else the factors'
+        first ``rank`` rows of A and columns of B, B's change multiplied by alpha / rank (its scale the inverse)."""
+        rank, alpha = int(payload.row["rank"]), float(payload.row["alpha"])
+        shapes = self._secure_shapes()
+        names = sorted(shapes)
+        ids = {name: i for i, name in enumerate(names)}
+        index: dict[str, Index]
+        extra: State = {}
+        if self.method in DENSE_METHODS:
+            index = {m: (ids[m], (None, None)) for m in self.modules}
+            scales = dict.fromkeys(index, 1.0)
+            extra[secagg.PRODUCT_KEY] = torch.tensor([alpha / rank], dtype=torch.float64)
+        else:
+            keep = torch.arange(rank)
+            index = {**{f"{m}.lora_A": (ids[f"{m}.lora_A"], (keep, None)) for m in self.modules},
+                     **{f"{m}.lora_B": (ids[f"{m}.lora_B"], (None, keep)) for m in self.modules}}
+            scales = {k: 1.0 if k.endswith(".lora_A") else rank / alpha for k in index}
+        return {secagg.INDEX_KEY: pack_index(index),
+                secagg.SCALES_KEY: torch.tensor([scales[k] for k in sorted(scales)], dtype=torch.float64),
+                secagg.SHAPES_KEY: secagg.pack_shapes([shapes[n] for n in names]), **extra}
+
+    def secure_support(self, target: State, payloads: Sequence[Payload]) -> dict[str, torch.Tensor]:
+        """The coordinates some payload trains: a dense update whole; of padded factors, the first ``rank``
+        components of the largest rank in ``payloads``."""
+        shapes = self._secure_shapes()
+        held = {name: torch.zeros(shape, dtype=torch.bool) for name, shape in sorted(shapes.items())}
+        if self.method in DENSE_METHODS:
+            return {name: ~h for name, h in held.items()}
+        top = max((int(p.row["rank"]) for p in payloads), default=0)
+        for name, h in held.items():
+            if name.endswith(".lora_A"):
+                h[:top] = True
+            else:
+                h[:, :top] = True
+        return held
+
+    def fold_sum(self, server_round: int, target: State, updates: Sequence[Update], total: State) -> Fold:
+        """The round folded as :meth:`fold` folds it, from the starting adapters sent to ``updates``' clients and
+        ``total``, the unmasked sum of their weighted changes (:meth:`secure_layout`)."""
+        starts = [ClientLoRA({m: u.payload.context[f"{m}.lora_A"] for m in self.modules},
+                             {m: u.payload.context[f"{m}.lora_B"] for m in self.modules},
+                             float(u.payload.row["alpha"]), u.weight) for u in updates]
+        A, B = global_factors(aggregate_sum(self.method, starts, dict(total)), self.merged)
+        coverage = max(c.rank for c in starts) / max(self.ranks.values())
         return Fold({**{f"{m}.lora_A": a for m, a in A.items()}, **{f"{m}.lora_B": b for m, b in B.items()}}, coverage)
 
     def evaluation(self, target: State, tier: str) -> tuple[State, dict[str, Any]]:
