@@ -1,5 +1,6 @@
 """Client role for LoRA fusion: a frozen pretrained base (optionally 4-/8-bit), peft LoRA adapters of this
-client's rank, trained on its instruction pairs.
+client's rank, trained on its instruction pairs (response tokens), or on facts data (``data.source=facts``) on its
+documents' token windows (every token).
 
 Arrays a train message may carry, per adapted module ``m`` (its path in the base, e.g.
 ``model.layers.0.self_attn.q_proj``):
@@ -33,11 +34,12 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
 from fedfusion.data.instruct import instruct_clients
+from fedfusion.data.population import client_windows, windows_spec
 from fedfusion.devices.meters import HostMeter, gpu_index
 from fedfusion.models.adapters import adapter_factors, attach_adapter, load_factors, merged_update
 from fedfusion.models.pretrained import load_base, load_base_tokenizer
 from fedfusion.train.instruct import RESPONSE, InstructData, encode_pairs, evaluate_instruct
-from fedfusion.train.loop import train_steps
+from fedfusion.train.loop import LM, evaluate_lm, train_steps
 from fedfusion.wire.keys import NUM_EXAMPLES
 from fedfusion.wire.specs import AdapterSpec, ClientSpec, LoRABaseSpec, QuantizeSpec, RoundSpec, TrainSpec
 
@@ -66,12 +68,16 @@ def client_data(data_spec: str, partition: int, base: str, seq_len: int, split: 
 
 
 def num_examples(spec: ConfigRecord, partition: int) -> int:
-    """This client's number of training pairs, for the capability query (its client and LoRA base specs)."""
+    """This client's number of training pairs (or windows), for the capability query (its client and LoRA base
+    specs)."""
     return len(_data(spec, partition, "train"))
 
 
-def _data(spec: ConfigRecord, partition: int, split: str) -> InstructData:
+def _data(spec: ConfigRecord, partition: int, split: str) -> InstructData | torch.Tensor:
+    """This client's instruction pairs, or for a population's data spec (facts) its documents' token windows."""
     client = ClientSpec.from_config(spec)
+    if windows_spec(client.data_spec):
+        return client_windows(client.data_spec, partition, client.seq_len, split)
     return client_data(client.data_spec, partition, LoRABaseSpec.from_config(spec).base, client.seq_len, split)
 
 
@@ -95,7 +101,8 @@ def train(arrays: dict[str, torch.Tensor], spec: ConfigRecord, partition: int,
             load_factors(model, arrays)
             with HostMeter(gpu_index(base.device)) as meter:  # the host's own meters (labelled, not priced)
                 stats = train_steps(model, data, steps=train.local_steps, lr=train.lr, batch_size=train.batch_size,
-                                    seed=seed, weight_decay=train.weight_decay, loss=RESPONSE,
+                                    seed=seed, weight_decay=train.weight_decay,
+                                    loss=LM if isinstance(data, torch.Tensor) else RESPONSE,
                                     dp=private_training(spec)).metrics()
             stats.update(meter.metrics())
             factors = adapter_factors(model)
@@ -112,9 +119,10 @@ def train(arrays: dict[str, torch.Tensor], spec: ConfigRecord, partition: int,
 
 def evaluate(arrays: dict[str, torch.Tensor], spec: ConfigRecord, partition: int, accelerator: str = "cpu") -> dict:
     """Response loss of base + the global update (sent as frozen ``m.merged_*`` arrays) on this
-    client's held-out pairs."""
+    client's held-out pairs (facts: the language-model loss on its held-out windows)."""
     set_threads(spec)
     data = _data(spec, partition, "held_out")
     base = _base(spec, accelerator)
     with merged_update(base, arrays):
-        return {NUM_EXAMPLES: len(data), **evaluate_instruct(base, data)}
+        scores = evaluate_lm(base, data) if isinstance(data, torch.Tensor) else evaluate_instruct(base, data)
+        return {NUM_EXAMPLES: len(data), **scores}

@@ -141,6 +141,14 @@ def test_auto_widths_name_a_tier_that_fits_nothing():
         fit_widths(load_checked("rolling", huge))
 
 
+def test_lora_on_facts_tokenises_them_for_its_own_base():
+    lora = ["fusion.method=lora", "fusion.forward=slice"]
+    assert load_recipe("finetune", lora).lora.base == load_recipe("finetune", lora).model.pretrained
+    with pytest.raises(RecipeError, match="model.pretrained: fusion.method=lora on data.source=facts tokenises the "
+                                          "facts with model.pretrained, so it must name lora.base"):
+        load_recipe("finetune", [*lora, "lora.base=/some/other/base"])
+
+
 @pytest.mark.parametrize(
     "recipe,overrides,key,missing",
     [

@@ -301,6 +301,36 @@ def test_lora_recipe_runs_on_flower_with_heterogeneous_ranks(tmp_path, secure):
     assert rows[-1]["eval_loss"] < rows[0]["eval_loss"]
 
 
+def test_lora_learns_facts_on_a_pretrained_base_through_flower(tmp_path):
+    """``fusion.method=lora`` on the finetune recipe's facts: each tier's adapter rank on the base the facts are
+    tokenised for, the documents' token windows trained with the language-model loss, and the target (base + global
+    update) scored on every client's probes and on general text, as the window recipe's target is."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fedfusion.data.text import build_char_tokenizer
+
+    base = tmp_path / "tiny-base"
+    tok = build_char_tokenizer()
+    LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=256, pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)).save_pretrained(base)
+    tok.save_pretrained(base)
+    out = tmp_path / "lora-facts"
+    assert main(["run", "finetune", "fusion.method=lora", "fusion.forward=slice", f"model.pretrained={base}",
+                 f"lora.base={base}", "lora.ranks={phone-lowend: 2, phone: 4, laptop: 8}",
+                 "lora.quantize={phone-lowend: 0, phone: 0, laptop: 0}", "rounds=2", "population.num_clients=4",
+                 "selection.clients_per_round=2", "train.local_steps=4", "train.lr=0.01", "data.people=8",
+                 "data.general_chars=400", "train.seq_len=64", "--out", str(out)]) == 0
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert all({"probe_acc", "answer_loss", "general_loss"} <= set(r) for r in rows)
+    assert rows[-1]["answer_loss"] < rows[0]["answer_loss"]
+    clients = read_jsonl(out / "clients.jsonl")
+    ranks = {"phone-lowend": 2, "phone": 4, "laptop": 8}
+    assert len(clients) == 4 and all(c["status"] == "ok" and c["rank"] == ranks[c["device"]] for c in clients)
+    assert (out / "adapter" / "adapter_config.json").is_file()
+
+
 def test_a_users_facts_run_end_to_end_with_generative_distillation(tmp_path):
     """The knowledge recipe on a facts dataset written in the documented format, through Flower's simulation."""
     from fedfusion.data.facts import write_facts

@@ -660,8 +660,8 @@ def validate(recipe: Recipe) -> None:
                               f"{recipe.population.num_clients} clients one")
         if recipe.data.skew < 0:
             raise RecipeError(f"data.skew: must be >= 0, got {recipe.data.skew}")
-        if not set(tier_methods(recipe).values()) <= {SUBMODEL, GENERATIVE}:
-            raise RecipeError(f"fusion.method: data.source=facts runs with submodel or generative fusion, "
+        if not set(tier_methods(recipe).values()) <= {SUBMODEL, GENERATIVE} and recipe.fusion.method != LORA:
+            raise RecipeError(f"fusion.method: data.source=facts runs with submodel, generative or lora fusion, "
                               f"got {recipe.fusion.method!r}")
         if recipe.data.general_chars and not recipe.model.pretrained:
             raise RecipeError("data.general_chars: scores what a pretrained target forgets; set model.pretrained")
@@ -690,9 +690,15 @@ def validate(recipe: Recipe) -> None:
                           f"({', '.join(f'{t}: {v:g}' for t, v in recipe.population.mix.items())})")
     if uses(recipe, DISTILL):
         _validate_distill(recipe)
-    if (recipe.fusion.method == LORA) != (recipe.data.source == "chatterbot") and recipe.data.source != "dataset":
+    if (recipe.fusion.method == LORA) != (recipe.data.source == "chatterbot") and recipe.data.source not in ("dataset",
+                                                                                                         "facts"):
         raise RecipeError(f"data.source: fusion.method=lora trains on instruction pairs (data.source=chatterbot or "
-                          f"dataset) and only it does; got method {recipe.fusion.method!r} with source {recipe.data.source!r}")
+                          f"dataset) or on facts, and only it trains on chatterbot; got method {recipe.fusion.method!r} "
+                          f"with source {recipe.data.source!r}")
+    if recipe.fusion.method == LORA and recipe.data.source == "facts" and recipe.model.pretrained != recipe.lora.base:
+        raise RecipeError(f"model.pretrained: fusion.method=lora on data.source=facts tokenises the facts with "
+                          f"model.pretrained, so it must name lora.base ({recipe.lora.base!r}), got "
+                          f"{recipe.model.pretrained!r}")
     if recipe.fusion.method == LORA:
         _validate_lora(recipe)
     if uses(recipe, GENERATIVE):

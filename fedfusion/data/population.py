@@ -172,7 +172,7 @@ def partition_sizes(recipe) -> PartitionSizes:
     from fedfusion.data.population import data_spec, lora_data_spec, population_data
 
     data = asdict(recipe.data)
-    if recipe.fusion.method == LORA:
+    if recipe.fusion.method == LORA and recipe.data.source != "facts":
         from fedfusion.data.instruct import instruct_clients as pairs_of
 
         clients = pairs_of(lora_data_spec(recipe))
@@ -202,12 +202,20 @@ def write_partition_sizes(run_path: Path, recipe) -> None:
 
 
 def lora_data_spec(recipe: Recipe) -> str:
-    """The JSON spec from which server and clients rebuild the same instruction-pair partitions."""
+    """The JSON spec from which server and clients rebuild the same instruction-pair partitions; for facts, the
+    population's (:func:`data_spec`): its documents as token windows, trained with the language-model loss."""
     d = recipe.data
+    if d.source == "facts":
+        return data_spec(recipe)
     if d.source == "dataset":
         return instruct_spec(d, recipe.population.num_clients, recipe.seed)
     return json.dumps({"source": "chatterbot", "language": d.language, "num_clients": recipe.population.num_clients,
                        "split": d.split, "held_out": d.held_out, "seed": recipe.seed}, sort_keys=True)
+
+
+def windows_spec(spec: str) -> bool:
+    """Whether a client's data spec is :func:`data_spec`'s (token windows) rather than instruction pairs'."""
+    return "data" in json.loads(spec)
 
 
 @lru_cache(maxsize=64)

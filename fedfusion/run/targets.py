@@ -61,15 +61,12 @@ def lm_target(recipe: Recipe) -> Target:
     spec = data_spec(recipe)
     tokenizer = data_tokenizer(spec)
     model = build_target(recipe.model, tokenizer, recipe.seed)
-    sample = partial(sample_text, model, tokenizer, seed=recipe.seed)
+    sample: Callable[[], str] = partial(sample_text, model, tokenizer, seed=recipe.seed)
+    evaluate: Callable[[], dict[str, float]]
     names = TOKEN_METRICS if recipe.model.pretrained else CHAR_METRICS  # a pretrained model brings its tokenizer
     if recipe.data.source == "facts":
-        names = FACTS_METRICS
-        probes = facts_data(recipe.data, recipe.population.num_clients, recipe.seed).probes
-        general = (lm_windows(encode_text(tokenizer, general_text(recipe.data.general_chars)), recipe.train.seq_len)
-                   if recipe.data.general_chars else None)
-        evaluate = facts_evaluator(model, tokenizer, probes, general)
-        sample = partial(facts_sample, model, tokenizer, probes[:5])
+        facts = facts_target(recipe, model, tokenizer)
+        evaluate, sample, names = facts.evaluate, facts.sample, FACTS_METRICS
     else:
         windows = lm_windows(encode_text(tokenizer, pooled_held_out(spec, recipe.data.eval_chars)), recipe.train.seq_len)
         evaluate = partial(evaluate_lm, model, windows)
@@ -83,6 +80,21 @@ def lm_target(recipe: Recipe) -> Target:
         load=lambda arrays: model.load_state_dict(arrays.to_torch_state_dict()),
         evaluate=evaluate, save=save, sample=sample, params=count_params(model), metric_names=names,
     )
+
+
+@dataclass(frozen=True)
+class _Scoring:
+    evaluate: Callable[[], dict[str, float]]
+    sample: Callable[[], str]
+
+
+def facts_target(recipe: Recipe, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> _Scoring:
+    """How a facts recipe's target is scored and shown: every client's probes (:func:`facts_evaluator`), with
+    ``data.general_chars`` the loss on general text the pretrained model already modelled."""
+    probes = facts_data(recipe.data, recipe.population.num_clients, recipe.seed).probes
+    general = (lm_windows(encode_text(tokenizer, general_text(recipe.data.general_chars)), recipe.train.seq_len)
+               if recipe.data.general_chars else None)
+    return _Scoring(facts_evaluator(model, tokenizer, probes, general), partial(facts_sample, model, tokenizer, probes[:5]))
 
 
 def facts_sample(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, probes: Sequence[Probe]) -> str:
@@ -114,8 +126,14 @@ def lora_target(recipe: Recipe) -> tuple[Target, dict[str, torch.Tensor]]:
     tokenizer = load_base_tokenizer(lora.base)  # converts and caches a GGUF base once, before any client
     model = load_base(lora.base)
     original = snapshot(model, adapted_modules(model, list(lora.target_modules)))
-    pairs = pooled_pairs(lora_data_spec(recipe), lora.eval_pairs)
-    data = instruct.encode_pairs(tokenizer, pairs, recipe.train.seq_len)
+    if recipe.data.source == "facts":  # the base + update answers every client's probes, as lm_target's target does
+        facts = facts_target(recipe, model, tokenizer)
+        evaluate, sample, names = facts.evaluate, facts.sample, FACTS_METRICS
+    else:
+        pairs = pooled_pairs(lora_data_spec(recipe), lora.eval_pairs)
+        data = instruct.encode_pairs(tokenizer, pairs, recipe.train.seq_len)
+        evaluate, sample, names = partial(instruct.evaluate_instruct, model, data), partial(
+            pair_sample, model, tokenizer, [p.prompt for p in pairs[: lora.samples]]), RESPONSE_METRICS
 
     def save(out: Path, arrays: ArrayRecord) -> None:
         """The global update as a peft adapter in ``adapter/``; the merged model in ``out`` only when the recipe
@@ -127,15 +145,15 @@ def lora_target(recipe: Recipe) -> tuple[Target, dict[str, torch.Tensor]]:
         if recipe.output.save_merged:
             save_merged(model, original, state, tokenizer, out)
 
-    def sample() -> str:
-        prompts = [p.prompt for p in pairs[: lora.samples]]
-        answers = instruct.generate_responses(model, tokenizer, prompts)
-        return "\n".join(f"Q: {q}\nA: {a}" for q, a in zip(prompts, answers))
-
     target = Target(
         model=model, tokenizer=tokenizer, initial=ArrayRecord(),
         load=lambda arrays: apply_global(model, original, arrays.to_torch_state_dict()),
-        evaluate=lambda: instruct.evaluate_instruct(model, data), save=save, sample=sample,
-        params=count_params(model), metric_names=RESPONSE_METRICS,
+        evaluate=evaluate, save=save, sample=sample, params=count_params(model), metric_names=names,
     )
     return target, original
+
+
+def pair_sample(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str]) -> str:
+    """The target's responses to a few held-out prompts, for the report."""
+    answers = instruct.generate_responses(model, tokenizer, list(prompts))
+    return "\n".join(f"Q: {q}\nA: {a}" for q, a in zip(prompts, answers))
