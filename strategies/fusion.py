@@ -30,7 +30,7 @@ from typing import Any, cast
 
 import numpy as np
 import torch
-from fedfusion.strategies.nodes import connected_nodes
+from fedfusion.strategies.nodes import connected_nodes, query_messages
 from fedfusion.strategies.secagg import SecureAggregation
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.common.logger import log
@@ -286,11 +286,10 @@ class FusionStrategy(Strategy):
         new = [n for n in nodes if n not in self.caps and n not in self.unusable]
         if not new:
             return
-        msgs = [Message(RecordDict({"config": ConfigRecord(dict(self.query_config))}), dst_node_id=n,
-                        message_type=MessageType.QUERY) for n in new]
         # The first message to a node may start its process (a Ray actor importing torch): allow the
         # round deadline, not the short registration wait.
-        for reply in grid.send_and_receive(msgs, timeout=self.query_timeout_s):
+        for reply in grid.send_and_receive(query_messages(new, self.query_config),
+                                         timeout=self.query_timeout_s):
             node = reply.metadata.src_node_id
             if reply.has_error():
                 log(WARNING, "node %s: capability query failed: %s", node, reply.error.reason)

@@ -1,9 +1,11 @@
-"""A Grid that hands every call to another Grid: the base of the wrappers that change one behaviour."""
+"""A Grid that hands every call to another Grid (the base of the wrappers that change one behaviour), and the one
+loop that pulls replies (:func:`pull_replies`), which every wait for replies goes through."""
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 from flwr.app import Message, RecordDict
 from flwr.serverapp import Grid
@@ -53,14 +55,28 @@ def collect(grid: Grid, messages: Iterable[Message], timeout: float | None, pull
     """Push ``messages`` through ``grid``, then pull until every reply is in, ``enough(replies)`` holds or the
     deadline passes, pausing ``pull_interval_s`` between pulls (Flower's own grids wait the same way). Returns
     the replies and the ids of the messages still unanswered."""
-    waiting = set(grid.push_messages(messages))
-    end = time.monotonic() + timeout if timeout is not None else None
+    ids = grid.push_messages(messages)
+    end = time.monotonic() + timeout if timeout is not None else math.inf
+    return pull_replies(grid, dict.fromkeys(ids, end), pull_interval_s, enough, pause)
+
+
+def pull_replies(grid: Grid, due: Mapping[str, float], pull_interval_s: float,
+                 enough: Callable[[list[Message]], bool] = lambda replies: False,
+                 pause: Callable[[float], object] = time.sleep) -> tuple[list[Message], set[str]]:
+    """The one pull loop: pull the replies to the pushed messages of ``due`` (message id -> the ``time.monotonic()``
+    at which its reply is no longer waited for) until every reply is in, ``enough(replies)`` holds or every
+    unanswered message is past its time, pausing ``pull_interval_s`` between pulls. Returns the replies and the ids
+    of the messages unanswered (a reply that comes later is never pulled here)."""
+    waiting, late = set(due), set[str]()
     replies: list[Message] = []
     while waiting:
         got = list(grid.pull_messages(waiting))
         replies.extend(got)
         waiting.difference_update(m.metadata.reply_to_message_id for m in got)
-        if not waiting or enough(replies) or (end is not None and time.monotonic() >= end):
+        now = time.monotonic()
+        late |= {mid for mid in waiting if due[mid] <= now}
+        waiting -= late
+        if not waiting or enough(replies):
             break
         pause(pull_interval_s)
-    return replies, waiting
+    return replies, waiting | late

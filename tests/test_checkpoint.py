@@ -86,7 +86,7 @@ def test_resume_refuses_a_recipe_or_overrides(tmp_path, capsys):
 
 
 def test_a_resumed_runs_earlier_parts_count_from_their_summary_or_else_their_last_checkpoint(tmp_path):
-    from fedfusion.run.federation import earlier_wall_s
+    from fedfusion.run.lifecycle import earlier_wall_s
 
     run = RunDir(tmp_path / "r", load_recipe("rolling", ["rounds=3"]))
     ckpt = Checkpoint(round=1, target={}, elapsed_s=30.0)

@@ -94,7 +94,7 @@ def test_every_home_exists():
 
 @pytest.mark.parametrize("entry", METHODS, ids=lambda m: m.name)
 def test_every_hook_of_an_entry_resolves(entry):
-    for path in (entry.build, entry.plan, entry.report_note, entry.trained):
+    for path in (entry.build, entry.plan, entry.report_note, entry.trained, entry.central):
         if path:
             assert hook(path) is not None
     for role, module in entry.roles:

@@ -9,12 +9,12 @@ from uuid import uuid4
 
 import pytest
 import torch
+from fedfusion.strategies.transport import UNITS_MESSAGE, GridTransport
 from flwr.app import Context, Message, RecordDict
 
 from fedfusion.client_app import UNITS_CACHE
 from fedfusion.client_app import units as units_handler
 from fedfusion.config.recipe import RecipeError, load_recipe
-from fedfusion.run.units import UNITS_MESSAGE, GridTransport
 from fedfusion.units import Gemm, Operand, UnitDevice, UnitEngine
 
 

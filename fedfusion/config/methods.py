@@ -4,9 +4,9 @@ roles that names it.
 Every list of methods is read from here: ``config.choices.FUSION_METHODS`` and ``MIXABLE``, the client roles
 (``wire.specs.ROLES``), the fold order of a mixed round (``fusion.rounds.FOLD_ORDER``), the builders
 (``run.federation.build_methods``), the plan (``fedfusion plan``), the server's priced work
-(``run.federation``, ``run.check``, ``run.report``), the arms ``fedfusion compare`` runs (``run.arms``). An entry is
-pure data: its hooks are ``"module:function"`` paths, imported only where they are called (:func:`hook`), so loading a
-recipe still imports nothing of fedfusion and no torch.
+(``run.federation``, ``run.check``, ``run.report``), a central method's course (``run.central``), the arms
+``fedfusion compare`` runs (``run.arms``). An entry is pure data: its hooks are ``"module:function"`` paths, imported
+only where they are called (:func:`hook`), so loading a recipe still imports nothing of fedfusion and no torch.
 
 Adding a method: its folder ``fedfusion/fusion/<name>/`` (the method, its ``build`` and, where it has a plan of
 its own, its plan rows), its client role module(s) in ``clients/``, and one entry below.
@@ -44,7 +44,9 @@ class Method:
     report_note: str = ""  # "module:NAME": a sentence the report adds under "Who did the work" of a run of it
     trained: str = ""  # "module:function" (ledger row) -> what a client of it trained, as the report says
     policy_in_label: bool = False  # a run's header names it with fusion.policy ("submodel/rolling")
-    central: bool = False  # the server trains the target step by step, nodes compute parts (no fusion rounds)
+    # "module:function" (recipe, run directory) -> run.central.CentralMethod: the server trains the target step by
+    # step, nodes compute parts of each step (no fusion rounds); empty: the fusion strategy's rounds
+    central: str = ""
     # "module:function" (recipe) -> (smallest-only Arm, oracle Arm): what `fedfusion compare` runs beside a recipe of
     # it (fedfusion.run.arms); empty: compare refuses the method
     arms: str = ""
@@ -76,7 +78,8 @@ METHODS: tuple[Method, ...] = (
            arms="fedfusion.run.arms:slicing_arms"),
     Method(MIXED, plan="fedfusion.run.planner:mixed_view", home="fedfusion.config.methods",  # tiers: fusion.tiers
            arms="fedfusion.run.arms:mixed_arms"),
-    Method(UNITS, roles=((UNITS, "fedfusion.clients.units"),), plan="fedfusion.run.planner:units_view", central=True,
+    Method(UNITS, roles=((UNITS, "fedfusion.clients.units"),), plan="fedfusion.run.planner:units_view",
+           central="fedfusion.run.units:UnitsMethod",
            # units.server_device prices its server (fedfusion.units.ledger); compare refuses it (units_arms says why)
            server_device=UNITS, home="fedfusion.units", arms="fedfusion.run.arms:units_arms"),
 )

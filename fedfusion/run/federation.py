@@ -1,5 +1,6 @@
 """One federation from a recipe: build the target and each tier's method, run the fusion strategy, evaluate
-centrally, record and price every round, write the run.
+centrally, price every round; :func:`run_federation` runs it (or the recipe's central method) through the one run
+lifecycle (:mod:`fedfusion.run.lifecycle`), which records the rounds and writes the run.
 
 ``fedfusion run`` calls :func:`run_federation` through Flower's simulation engine; ``flwr run .`` reaches the same
 function through :data:`fedfusion.server_app.app`.
@@ -18,7 +19,6 @@ from typing import Any
 from flwr.app import ArrayRecord, MetricRecord
 from flwr.common.logger import log
 from flwr.serverapp import Grid
-from transformers.utils import logging as hf_logging
 
 from fedfusion.config.methods import LORA, SERVER_WORK, SUBMODEL, hook, method
 from fedfusion.config.recipe import Recipe, tier_methods, uses
@@ -30,10 +30,11 @@ from fedfusion.fusion.base import ClientRound, FusionMethod, RoundReport
 from fedfusion.fusion.lora.build import client_spec as lora_client_spec
 from fedfusion.fusion.rounds import initial_state, round_lr
 from fedfusion.fusion.submodel.method import SubModelMethod
-from fedfusion.run.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from fedfusion.run.central import central_course
+from fedfusion.run.checkpoint import Checkpoint
+from fedfusion.run.lifecycle import Recorder, RoundCallback, run_course
 from fedfusion.run.planner import expanded_tiers
 from fedfusion.run.quiet import silence_expected_noise
-from fedfusion.run.report import write_report
 from fedfusion.run.run_dir import RunDir, read_jsonl
 from fedfusion.run.targets import Target, lm_target, lora_target
 from fedfusion.selection.participation import Participation, jain_index
@@ -42,7 +43,6 @@ from fedfusion.strategies.fusion import FusionStrategy, Listener
 from fedfusion.strategies.nodes import connected_nodes
 from fedfusion.strategies.quorum import QuorumGrid
 from fedfusion.strategies.secagg import SecureAggregation
-from fedfusion.strategies.stop import RunInterrupted, StopGrid
 from fedfusion.wire.specs import (
     ClientSpec,
     FaultSpec,
@@ -54,7 +54,6 @@ from fedfusion.wire.specs import (
     merge,
 )
 
-RoundCallback = Callable[[dict[str, Any]], None]
 silence_expected_noise()  # the server's side of a run, whether started by `fedfusion run` or `flwr run`
 
 
@@ -177,26 +176,17 @@ class CentralEvaluation:
         return MetricRecord(metrics)
 
 
-class RoundRecorder:
-    """A listener of the strategy's round reports: writes the round's ledger rows, the progress line and, every
-    ``checkpoint_every`` rounds, the checkpoint (``state`` gives the strategy's state for it)."""
+class RoundLedger:
+    """A listener of the strategy's round reports: the round's metrics row (its prices, the server's work) and its
+    clients' ledger rows, recorded through the run's :class:`~fedfusion.run.lifecycle.Recorder` with the checkpoint
+    the round may be due (``state`` gives the strategy's state for it)."""
 
-    def __init__(self, run: RunDir, state: Callable[[], dict[str, Any]], target: Target, on_round: RoundCallback,
-                 catalog: dict[str, Device], checkpoint_every: int = 0, resumed: Checkpoint | None = None,
+    def __init__(self, recorder: Recorder, state: Callable[[], dict[str, Any]], target: Target,
+                 catalog: dict[str, Device], resumed: Checkpoint | None = None,
                  server_device: Device | None = None) -> None:
-        self.run, self.state, self.target = run, state, target
-        self.on_round, self.catalog = on_round, catalog
-        self.arrays = target.initial  # the target's arrays after the last round seen
+        self.recorder, self.state, self.catalog, self.server_device = recorder, state, catalog, server_device
+        self.arrays = target.initial if resumed is None else ArrayRecord(resumed.target)  # after the last round seen
         self.nodes_logged: set[int] = set()  # nodes whose capabilities are in nodes.jsonl
-        self.checkpoint_every, self.server_device = checkpoint_every, server_device
-        self.start = self.last = time.perf_counter()
-        self.rows: list[dict[str, Any]] = []
-        self.saved_round: int | None = None  # the round of the last checkpoint, the one a resume continues after
-        if resumed is not None:  # rounds up to the checkpoint are already in the ledger
-            self.arrays = ArrayRecord(resumed.target)
-            self.saved_round = resumed.round
-            self.start -= resumed.elapsed_s
-            self.rows = read_jsonl(run.path / "metrics.jsonl")
 
     def __call__(self, report: RoundReport) -> None:
         server_round, clients = report.round, report.clients
@@ -208,7 +198,7 @@ class RoundRecorder:
         if server_round > 0 and self.server_device is not None and report.server_cost["flops"]:
             cost = price_work(self.server_device, report.server_cost["flops"], 0, 0)
             server = {"virtual_s": cost.virtual_s, "energy_j": cost.wall_j, "co2_g": cost.co2_g}
-        now = time.perf_counter()
+        wall_s, elapsed_s = self.recorder.clock()
         first = server_round == 0
         row = {
             "round": server_round, **report.metrics,
@@ -222,7 +212,7 @@ class RoundRecorder:
             "clock_s": None if first else report.clock_s,
             "void": report.void,
             "aggregate_s": report.aggregate_s,
-            "wall_s": now - self.last, "elapsed_s": now - self.start,
+            "wall_s": wall_s, "elapsed_s": elapsed_s,
             # simulated time advances by the slowest client the round waited for (not the ones over-selection
             # cut), then the server's own work; energy and carbon add up over all of them
             "virtual_s": max((c["virtual_s"] for c in ledger if c["status"] != "cut"), default=0.0) + server["virtual_s"],
@@ -236,24 +226,12 @@ class RoundRecorder:
             **{k: v for k, v in report.server_cost.items() if k == "secagg_s"},
             **report.fed_eval,
         }
-        self.last = now
-        self.rows.append(row)
-        self.run.log_round(row)
-        self.run.log_clients(ledger)
         new_nodes = {n: c for n, c in report.nodes.items() if n not in self.nodes_logged}
-        self.run.log_nodes([{"round": server_round, "node": n, **dict(c)} for n, c in new_nodes.items()])
+        self.recorder.run.log_nodes([{"round": server_round, "node": n, **dict(c)} for n, c in new_nodes.items()])
         self.nodes_logged |= set(new_nodes)
-        if self.checkpoint_every and server_round and server_round % self.checkpoint_every == 0:
-            save_checkpoint(self.run.path, Checkpoint(
-                round=server_round, target=report.arrays.to_torch_state_dict(), elapsed_s=row["elapsed_s"],
-                strategy=self.state()))
-            self.saved_round = server_round
-        self.on_round(row)
-
-
-def scored_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The metrics rows central evaluation scored (``train.eval_every``: round 0, the last round, every n-th)."""
-    return [r for r in rows if r.get("eval_loss") is not None]
+        self.recorder.record(row, ledger, lambda: Checkpoint(
+            round=server_round, target=report.arrays.to_torch_state_dict(), elapsed_s=elapsed_s,
+            strategy=self.state()))
 
 
 def facts_summary(recipe: Recipe, rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -274,93 +252,71 @@ def participation_fairness(run: RunDir, num_clients: int) -> float:
     return jain_index(counts)
 
 
-def earlier_wall_s(run: RunDir, ckpt: Checkpoint) -> float:
-    """Host seconds the run's earlier parts took: what their last summary says or, for a part killed before it
-    could write one, the time up to its last checkpoint (whichever is more; both count every earlier part)."""
-    summary = run.read_summary() or {}
-    return max(float(summary.get("wall_s", 0.0)), ckpt.elapsed_s)
+class Federation:
+    """The federated methods' course (:class:`~fedfusion.run.lifecycle.Course`): the recipe's target and the fusion
+    strategy over its tiers' methods, whose rounds :class:`RoundLedger` records."""
+
+    def __init__(self, recipe: Recipe, run: RunDir) -> None:
+        self.recipe, self.run = recipe, run
+        self.target = lora_target(recipe)[0] if recipe.fusion.method == LORA else lm_target(recipe)
+        self.catalog = load_catalog(recipe.population.catalog)
+        self.server_device = next((self.catalog[getattr(recipe, m.server_device).server_device]
+                                   for m in map(method, SERVER_WORK) if uses(recipe, m.name)), None)
+        self.strategy = build_strategy(recipe, self.target)
+        write_partition_sizes(run.path, recipe)  # the population's data is built by now: plan and report show it
+        self.ledger: RoundLedger | None = None
+
+    @property
+    def rounds(self) -> int:
+        return self.recipe.rounds
+
+    def train(self, grid: Grid, recorder: Recorder, resumed: Checkpoint | None) -> None:
+        """Flower's strategy loop over the rounds left, from the checkpoint's target and strategy state."""
+        self.ledger = RoundLedger(recorder, self.strategy.state_dict, self.target, self.catalog, resumed,
+                                  self.server_device)
+        self.strategy.listeners.append(self.ledger)
+        initial = ArrayRecord(initial_state(self.strategy.methods, self.target.initial.to_torch_state_dict()))
+        if resumed is not None:
+            initial = ArrayRecord(resumed.target)
+            self.target.load(initial)
+            self.strategy.load_state_dict(resumed.strategy, resumed.round)
+        if self.recipe.selection.overselect > 0:
+            grid = QuorumGrid(grid, quorum=self.recipe.selection.clients_per_round)
+        self.strategy.start(
+            grid=grid, initial_arrays=initial, num_rounds=self.recipe.rounds - (resumed.round if resumed else 0),
+            timeout=self.recipe.selection.timeout_s, evaluate_fn=CentralEvaluation(self.target),
+        )
+
+    def arrays(self) -> ArrayRecord:
+        """The target after the last round."""
+        return self.ledger.arrays if self.ledger is not None else self.target.initial
+
+    def summary(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
+        """The rounds, the clients' outcomes and how evenly the population took part (and, for facts, what the target
+        recalls)."""
+        summary = {
+            "rounds": self.recipe.rounds,
+            **{k: sum(r.get(k, 0) for r in rows) for k in ("clients_ok", "clients_failed", "clients_cut", "wasted_j",
+                                                          "dropouts")},
+            "participation_jain": participation_fairness(self.run, self.recipe.population.num_clients),
+        }
+        if self.recipe.data.source == "facts":
+            summary["facts"] = facts_summary(self.recipe, rows)
+        return summary
 
 
 def run_federation(grid: Grid, recipe: Recipe, run: RunDir, on_round: RoundCallback = log_round,
                    resume: bool = False, stop: threading.Event | None = None) -> dict[str, Any]:
     """Train the recipe's target over the nodes of ``grid``; writes every output into ``run``.
 
-    With ``resume`` the run continues from the checkpoint in ``run`` (see :mod:`fedfusion.run.checkpoint`);
-    its ``wall_s`` adds up every part. Setting ``stop`` ends the run at the strategy's next Grid call with
-    ``status: interrupted``, the last completed round and the round a resume continues after.
+    The federated methods run as a :class:`Federation`, a central method (``fusion.method=units``) as its registry
+    entry's :class:`~fedfusion.run.central.CentralMethod`; both through one lifecycle
+    (:func:`~fedfusion.run.lifecycle.run_course`): with ``resume`` the run continues from the checkpoint in ``run``
+    (see :mod:`fedfusion.run.checkpoint`), its ``wall_s`` adding up every part; setting ``stop`` ends the run at the
+    next Grid call with ``status: interrupted``, the last completed round and the round a resume continues after.
     """
-    if method(recipe.fusion.method).central:  # the exact mode: central training, linear layers on the nodes
-        from fedfusion.run.units import run_units
-
-        return run_units(grid, recipe, run, on_round, stop, resume)
-    started, earlier_s = time.perf_counter(), 0.0
-    try:
-        target = lora_target(recipe)[0] if recipe.fusion.method == LORA else lm_target(recipe)
-        ckpt = load_checkpoint(run.path) if resume else None
-        catalog = load_catalog(recipe.population.catalog)
-        server_device = next((catalog[getattr(recipe, m.server_device).server_device]
-                              for m in map(method, SERVER_WORK) if uses(recipe, m.name)), None)
-        strategy = build_strategy(recipe, target)
-        write_partition_sizes(run.path, recipe)  # the population's data is built by now: plan and report show it
-        recorder = RoundRecorder(run, strategy.state_dict, target, on_round, catalog, recipe.output.checkpoint_every,
-                                 ckpt, server_device)
-        strategy.listeners.append(recorder)
-        initial = ArrayRecord(initial_state(strategy.methods, target.initial.to_torch_state_dict()))
-        if ckpt is not None:
-            initial = ArrayRecord(ckpt.target)
-            target.load(initial)
-            strategy.load_state_dict(ckpt.strategy, ckpt.round)
-            earlier_s = earlier_wall_s(run, ckpt)
-            run.cut_ledgers(ckpt.round)
-            log(INFO, "fedfusion: resuming %s after round %d of %d", run.path, ckpt.round, recipe.rounds)
-        if stop is not None:
-            grid = StopGrid(grid, stop)
-        if recipe.selection.overselect > 0:
-            grid = QuorumGrid(grid, quorum=recipe.selection.clients_per_round)
-        strategy.start(
-            grid=grid, initial_arrays=initial, num_rounds=recipe.rounds - (ckpt.round if ckpt else 0),
-            timeout=recipe.selection.timeout_s, evaluate_fn=CentralEvaluation(target),
-        )
-        if recipe.output.save_model:
-            hf_logging.disable_progress_bar()  # the run's own progress is the one to show
-            target.save(run.model_dir, recorder.arrays)
-        rows = recorder.rows
-        summary = {
-            "status": "ok", "name": recipe.name, "rounds": recipe.rounds,
-            "target_params": target.params, "metric_names": target.metric_names,
-            "initial": {k: rows[0][k] for k in ("eval_loss", "eval_ppl", "eval_acc")},
-            "final": {k: scored_rows(rows)[-1][k] for k in ("eval_loss", "eval_ppl", "eval_acc")},  # the last round's
-            "clients_ok": sum(r["clients_ok"] for r in rows),
-            "clients_failed": sum(r["clients_failed"] for r in rows),
-            "clients_cut": sum(r.get("clients_cut", 0) for r in rows),
-            "bytes_down": sum(r["bytes_down"] for r in rows), "bytes_up": sum(r["bytes_up"] for r in rows),
-            "energy_j": sum(r["energy_j"] for r in rows), "wasted_j": sum(r["wasted_j"] for r in rows),
-            "co2_g": sum(r["co2_g"] for r in rows), "virtual_s": sum(r["virtual_s"] for r in rows),
-            "dropouts": sum(r.get("dropouts", 0) for r in rows),
-            "participation_jain": participation_fairness(run, recipe.population.num_clients),
-            "wall_s": earlier_s + time.perf_counter() - started,
-            "sample": target.sample(),
-        }
-        if recipe.data.source == "facts":
-            summary["facts"] = facts_summary(recipe, rows)
-        run.write_summary(summary)
-        write_report(run.path)
-        return summary
-    except RunInterrupted as exc:  # raised only by the Grid, so the recorder exists
-        if exc.failure is not None:  # not a user's stop: what runs the clients died
-            run.write_summary({"status": "failed", "error": exc.failure,
-                               "wall_s": earlier_s + time.perf_counter() - started})
-            raise RuntimeError(exc.failure) from exc
-        summary = {"status": "interrupted", "name": recipe.name, "rounds": recipe.rounds,
-                   "last_round": recorder.rows[-1]["round"] if recorder.rows else None,
-                   "resume_after": recorder.saved_round,
-                   "wall_s": earlier_s + time.perf_counter() - started}
-        run.write_summary(summary)
-        return summary
-    except BaseException as exc:
-        run.write_summary({"status": "failed", "error": f"{type(exc).__name__}: {exc}",
-                           "wall_s": earlier_s + time.perf_counter() - started})
-        raise
+    build = central_course if method(recipe.fusion.method).central else Federation
+    return run_course(grid, recipe, run, partial(build, recipe, run), on_round, resume, stop)
 
 
 def check_federation(grid: Grid, clients: int, per_client: int = 1, wait_s: float = 30.0, poll_s: float = 1.0) -> int:

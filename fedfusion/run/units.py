@@ -1,35 +1,29 @@
-"""The exact (units) mode on Flower: the server trains the target centrally and every linear layer's
-GEMMs run as tiles on the federation's nodes.
+"""The exact (units) mode on Flower, a central method: the server trains the target centrally and every linear
+layer's GEMMs run as tiles on the federation's nodes.
 
-Instead of fusion rounds, :func:`run_units` builds the recipe's target, the pooled training text of the whole
-population and one optimizer, routes the Llama's linear layers (``units.offload``: the MLP's, or all of them)
-through a :class:`fedfusion.units.UnitEngine` whose devices are the simulation's nodes (their tiers from a QUERY
-round, priced by :func:`fedfusion.units.from_catalog`) and whose transport is :class:`GridTransport`: per phase
-round one ``train.units`` message per device through ``grid.push_messages``, a short ``pull_messages`` loop, each
-device's deadline (the engine's, floored by ``units.deadline_floor_s``); a device past its deadline answers None
-and the engine re-dispatches its tiles. Each step writes a ``metrics.jsonl`` row (loss, bytes down / up, the
-step's virtual seconds under the devices' links from :func:`fedfusion.units.timeline.simulate`, wall seconds).
+Instead of fusion rounds, :class:`UnitsMethod` (a :class:`~fedfusion.run.central.CentralMethod`, run through the
+one run lifecycle) builds the recipe's target, the pooled training text of the whole population and one optimizer,
+routes the Llama's linear layers (``units.offload``: the MLP's, or all of them) through a
+:class:`fedfusion.units.UnitEngine` whose devices are the simulation's nodes (their tiers from a QUERY round, priced
+by :func:`fedfusion.units.from_catalog`) and whose transport is
+:class:`~fedfusion.strategies.transport.GridTransport` (per phase one ``train.units`` message per device, each
+device's deadline floored by ``units.deadline_floor_s``; a device past its deadline answers None and the engine
+re-dispatches its tiles). Each step is a ``metrics.jsonl`` row (loss, bytes down / up, the step's virtual seconds
+under the devices' links from :func:`fedfusion.units.timeline.simulate`, its priced work).
 """
 
 from __future__ import annotations
 
-import math
-import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from logging import INFO
 from typing import Any
 
-import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageType, RecordDict
-from flwr.common.constant import ErrorCode
+from flwr.app import ArrayRecord
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from transformers import PreTrainedModel
-from transformers.utils import logging as hf_logging
 
 from fedfusion.config.methods import UNITS
 from fedfusion.config.recipe import Recipe, nodes_per_client
@@ -38,116 +32,18 @@ from fedfusion.data.text import sample_batch
 from fedfusion.devices.catalog import Device, load_catalog
 from fedfusion.devices.energy import price_work
 from fedfusion.fusion.state import load_optimizer_state, optimizer_state
-from fedfusion.run.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
-from fedfusion.run.report import write_report
-from fedfusion.run.run_dir import RunDir, read_jsonl
+from fedfusion.run.checkpoint import Checkpoint
+from fedfusion.run.run_dir import RunDir
 from fedfusion.run.targets import lm_target
-from fedfusion.strategies.nodes import connected_nodes
-from fedfusion.train.loop import lm_loss, make_optimizer
+from fedfusion.strategies.nodes import connected_nodes, query_messages
+from fedfusion.strategies.transport import GridTransport
+from fedfusion.strategies.wrapped import collect
+from fedfusion.train.loop import finite_loss, gradient_step, lm_loss, make_optimizer
 from fedfusion.units import Freivalds, PhaseRecord, UnitDevice, UnitEngine, from_catalog, install
 from fedfusion.units.ledger import ServerStep, price_server, server_timeline
 from fedfusion.units.phases import server_flops
 from fedfusion.units.timeline import chains_from_trace, simulate
-from fedfusion.wire.specs import (
-    UNITS_ACTION,
-    UNITS_ERROR,
-    UNITS_PAYLOAD,
-    UNITS_RECORD,
-    Caps,
-    ClientSpec,
-    PopulationSpec,
-    RoleSpec,
-    UnitsSpec,
-    merge,
-)
-
-TTL_SLACK_S = 30.0  # a message outlives its deadline by this much before Flower drops it undelivered
-UNITS_MESSAGE = f"{MessageType.TRAIN}.{UNITS_ACTION}"
-
-
-def _error_kind(reply: Message) -> bytes | None:
-    """An error reply as the engine's transport seam reads it: the ClientApp failed (b"": its units go elsewhere,
-    the device stays) or the message never reached a node (None: taken offline)."""
-    error: Error = reply.error
-    return b"" if error.code in (ErrorCode.CLIENT_APP_RAISED_EXCEPTION, ErrorCode.LOAD_CLIENT_APP_EXCEPTION) else None
-
-
-@dataclass
-class PhaseWait:
-    """One transport round: how long it waited, the longest deadline it had, the devices that missed theirs."""
-
-    waited_s: float
-    deadline_s: float
-    missed: list[int]
-
-
-@dataclass
-class GridTransport:
-    """The engine's transport seam over a Flower Grid: ``(payloads, deadlines) -> replies`` per node index
-    (``UnitEngine.slot``; the device index when each device runs one SuperNode).
-
-    Pushes one ``train.units`` message per node (the bytes as one uint8 array), then pulls on its own short
-    loop (``poll_s``; not ``send_and_receive``, which sleeps 0.1 s or 3 s between pulls) until every reply is in
-    or each missing node's deadline has passed: that node's reply is None (a later reply is never pulled).
-    ``stall`` injects a fault: node index -> (messages it answers first, seconds it then sleeps before replying).
-    """
-
-    grid: Grid
-    node_ids: list[int]  # node index -> Flower node id
-    floor_s: float = 2.0
-    poll_s: float = 0.01
-    stall: dict[int, tuple[int, float]] = field(default_factory=dict)
-    sent: dict[int, int] = field(default_factory=dict)  # messages sent per node index
-    waits: list[PhaseWait] = field(default_factory=list)  # one per call; calls overlap with micro-batches in flight
-    supernodes: int = 1  # per device: ``PhaseWait.missed`` names devices (node index // supernodes)
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def deadline(self, predicted_s: float) -> float:
-        """A device's wall-clock deadline: the engine's, but never below the transport's own latency floor."""
-        return max(self.floor_s, predicted_s)
-
-    def message(self, slot: int, payload: bytes, deadline_s: float) -> Message:
-        with self._lock:  # one call per micro-batch in flight
-            count = self.sent.get(slot, 0)
-            self.sent[slot] = count + 1
-        after, stall_s = self.stall.get(slot, (0, 0.0))
-        spec = UnitsSpec(stall_s if slot in self.stall and count >= after else 0.0)
-        content = RecordDict({UNITS_RECORD: ArrayRecord({UNITS_PAYLOAD: Array(np.frombuffer(payload, np.uint8))}),
-                              "config": ConfigRecord(spec.to_config())})
-        return Message(content, dst_node_id=self.node_ids[slot], message_type=UNITS_MESSAGE,
-                       ttl=deadline_s + TTL_SLACK_S)
-
-    def __call__(self, payloads: dict[int, bytes], deadlines: dict[int, float]) -> dict[int, bytes | None]:
-        walls = {slot: self.deadline(deadlines[slot]) for slot in payloads}
-        messages = {slot: self.message(slot, payload, walls[slot]) for slot, payload in payloads.items()}
-        start = time.monotonic()
-        ids = list(self.grid.push_messages(list(messages.values())))
-        if len(ids) != len(messages):
-            raise RuntimeError(f"the Grid stored {len(ids)} of {len(messages)} units messages")
-        slot_of = dict(zip(ids, messages))
-        due = {mid: start + walls[slot_of[mid]] for mid in ids}
-        replies: dict[int, bytes | None] = {slot: None for slot in payloads}
-        pending = set(ids)
-        while pending:
-            for reply in self.grid.pull_messages(pending):
-                mid = reply.metadata.reply_to_message_id
-                if mid not in pending:
-                    continue
-                pending.discard(mid)
-                slot = slot_of[mid]
-                if reply.has_error():
-                    replies[slot] = _error_kind(reply)
-                elif UNITS_ERROR in reply.content:
-                    replies[slot] = b""
-                else:
-                    replies[slot] = reply.content.array_records[UNITS_RECORD][UNITS_PAYLOAD].numpy().tobytes()
-            now = time.monotonic()
-            pending -= {mid for mid in pending if due[mid] <= now}  # past its deadline: None, dropped if it comes
-            if pending:
-                time.sleep(self.poll_s)
-        missed = sorted({slot // self.supernodes for slot, reply in replies.items() if reply is None})
-        self.waits.append(PhaseWait(time.monotonic() - start, max(walls.values()), missed))
-        return replies
+from fedfusion.wire.specs import Caps, ClientSpec, PopulationSpec, RoleSpec, merge
 
 
 def wait_for_nodes(grid: Grid, expected: int, wait_s: float = 60.0) -> list[int]:
@@ -161,27 +57,21 @@ def wait_for_nodes(grid: Grid, expected: int, wait_s: float = 60.0) -> list[int]
 
 
 def query_nodes(grid: Grid, recipe: Recipe, nodes: list[int], timeout_s: float = 120.0) -> dict[int, Caps]:
-    """Every node's device tier and partition, from one QUERY round (the ClientApp's ``@app.query``)."""
+    """Every node's device tier and partition, from one QUERY round (the ClientApp's ``@app.query``); a node that
+    fails it or does not answer in ``timeout_s`` is an error (the units mode needs every one)."""
     config = merge(ClientSpec(data_spec(recipe), recipe.train.seq_len, recipe.engine.threads_per_client),
                    PopulationSpec(dict(recipe.population.mix), recipe.population.num_clients, recipe.seed,
                                   recipe.units.supernodes),
                    RoleSpec(UNITS))
-    messages = [Message(RecordDict({"config": ConfigRecord(config)}), dst_node_id=n, message_type=MessageType.QUERY)
-                for n in nodes]
-    ids = set(grid.push_messages(messages))
+    replies, unanswered = collect(grid, query_messages(nodes, config), timeout_s, pull_interval_s=0.05)
     caps: dict[int, Caps] = {}
-    deadline = time.monotonic() + timeout_s
-    while ids and time.monotonic() < deadline:
-        for reply in grid.pull_messages(ids):
-            ids.discard(reply.metadata.reply_to_message_id)
-            if reply.has_error():
-                raise RuntimeError(f"units mode: node {reply.metadata.src_node_id} failed its query: "
-                                   f"{reply.error.reason}")
-            caps[reply.metadata.src_node_id] = Caps.from_config(dict(reply.content.config_records["caps"]))
-        if ids:
-            time.sleep(0.05)
-    if ids:
-        raise RuntimeError(f"units mode: {len(ids)} of {len(nodes)} nodes did not answer the query in {timeout_s} s")
+    for reply in replies:
+        if reply.has_error():
+            raise RuntimeError(f"units mode: node {reply.metadata.src_node_id} failed its query: {reply.error.reason}")
+        caps[reply.metadata.src_node_id] = Caps.from_config(dict(reply.content.config_records["caps"]))
+    if unanswered:
+        raise RuntimeError(f"units mode: {len(unanswered)} of {len(nodes)} nodes did not answer the query in "
+                           f"{timeout_s} s")
     return caps
 
 
@@ -226,28 +116,29 @@ def train_step(model: PreTrainedModel, opt: torch.optim.Optimizer, batch: torch.
     differ in their last bits, the losses equal; the cause is not found yet). With the engine's ``accumulate`` a
     weight's gradient comes in one micro-batch's gradients only (the devices summed it in micro-batch order), the
     others have None for it."""
-    opt.zero_grad(set_to_none=True)
     parts = batch.chunk(micro_batches)
     params = [p for p in model.parameters() if p.requires_grad]
 
     def run(micro: int) -> tuple[float, tuple[torch.Tensor | None, ...]]:
         on_micro(micro)
         loss, _ = lm_loss(model, parts[micro])
-        value = loss.item()
-        if not math.isfinite(value):
-            raise FloatingPointError(f"units training loss became {value}")
         share = len(parts[micro]) / len(batch)
-        return value * share, torch.autograd.grad(loss * share, params, allow_unused=True)
+        return finite_loss(loss, "units training") * share, torch.autograd.grad(loss * share, params, allow_unused=True)
 
     with ThreadPoolExecutor(len(parts) if in_flight <= 0 else min(in_flight, len(parts))) as pool:
         done = list(pool.map(run, range(len(parts))))
-    for i, p in enumerate(params):
-        for _, grads in done:
-            g = grads[i]
-            if g is not None:
-                p.grad = g if p.grad is None else p.grad.add_(g)
-    opt.step()
+    gradient_step(opt, params, [_summed(grads[i] for _, grads in done) for i in range(len(params))])
     return sum(value for value, _ in done)
+
+
+def _summed(grads: Iterable[torch.Tensor | None]) -> torch.Tensor | None:
+    """The micro-batches' gradients of one weight added in micro-batch order, as backward() would accumulate them
+    (None where no micro-batch has one)."""
+    total: torch.Tensor | None = None
+    for g in grads:
+        if g is not None:
+            total = g if total is None else total.add_(g)
+    return total
 
 
 def price_step(step: int, trace: list[PhaseRecord], firsts: list[int], caps: dict[int, Caps],
@@ -305,120 +196,93 @@ def _worst_rel(trace: list[PhaseRecord], way: str) -> float:
     return worst
 
 
-@dataclass
-class Progress:
-    """How far a units run got: its last completed step and the step of its last checkpoint (what a resume
-    continues after)."""
+class UnitsMethod:
+    """The units mode as a :class:`~fedfusion.run.central.CentralMethod`: the server trains the recipe's target on
+    the pooled training text for ``units.steps`` optimizer steps, its linear layers (``units.offload``) computed as
+    GEMM tiles on the federation's nodes through a :class:`~fedfusion.units.UnitEngine` over a
+    :class:`~fedfusion.strategies.transport.GridTransport`; a step's row adds up what it moved, its virtual seconds
+    under the devices' links and its priced work (the devices' and the server's)."""
 
-    last: int | None = None
-    saved: int | None = None
+    def __init__(self, recipe: Recipe, run: RunDir) -> None:
+        self.recipe, self.run, self.u = recipe, run, recipe.units
+        self.target = lm_target(recipe)
+        self.model = self.target.model
+        write_partition_sizes(run.path, recipe)
+        self.windows = training_windows(recipe)
+        self.catalog = load_catalog(recipe.population.catalog)
+        self.opt = make_optimizer(self.model, recipe.train.optimizer, recipe.train.lr, recipe.train.weight_decay)
+        self.handle: Any = None  # the target's linear layers routed through the engine (install), while training
 
+    @property
+    def steps(self) -> int:
+        return self.u.steps
 
-def run_units(grid: Grid, recipe: Recipe, run: RunDir, on_round: Callable[[dict[str, Any]], None],
-              stop: Any = None, resume: bool = False) -> dict[str, Any]:
-    """Train the recipe's target for ``units.steps`` steps with its linear layers computed on ``grid``'s nodes;
-    with ``resume`` from the run's checkpoint (target, optimizer state, step: ``output.checkpoint_every``), so the
-    loss curve goes on as the uninterrupted run's."""
-    from fedfusion.strategies.stop import RunInterrupted
+    def connect(self, grid: Grid, after: int) -> None:
+        """Wait for the population's nodes, query their tiers, order them by partition and build the engine over
+        them (a resumed run's nodes are new: their ids change with the federation; logged at the step it resumes
+        after)."""
+        recipe, u = self.recipe, self.u
+        k = nodes_per_client(recipe)
+        caps = query_nodes(grid, recipe, wait_for_nodes(grid, recipe.population.num_clients * k))
+        order = nodes_in_order(caps, recipe.population.num_clients, k)
+        self.caps, self.firsts = caps, order[::k]  # each device's node 0
+        self.run.log_nodes([{"round": after, "node": n, **caps[n].to_config()} for n in order])
+        self.devices: list[UnitDevice] = [from_catalog(self.catalog[caps[n].device], name=str(n)) for n in self.firsts]
+        # the stalled device's nodes each answer stall_after messages, then go silent
+        stall = ({u.stall_partition * k + node: (u.stall_after, u.stall_s) for node in range(k)}
+                 if u.stall_partition >= 0 else {})
+        self.transport = GridTransport(grid, order, floor_s=u.deadline_floor_s, stall=stall, supernodes=k)
+        self.engine = UnitEngine(self.devices, transport=self.transport, deadline_factor=u.deadline_factor,
+                                 verifier=Freivalds(seed=recipe.seed) if u.verify else None,
+                                 accumulate=u.micro_batches if u.accumulate else 1, supernodes=k)
+        tiers = ", ".join(f"{t}={sum(caps[n].device == t for n in self.firsts)}"
+                          for t in sorted({c.device for c in caps.values()}))
+        log(INFO, "units mode: %d devices (%s) of %d SuperNode(s) each, offload=%s, %d steps of %d micro-batch(es)",
+            len(self.devices), tiers, k, u.offload, u.steps, u.micro_batches)
 
-    started, progress = time.perf_counter(), Progress()
-    try:
-        return _run_units(grid, recipe, run, on_round, stop, started, progress, resume)
-    except RunInterrupted as exc:
-        if exc.failure is not None:  # what runs the clients died
-            run.write_summary({"status": "failed", "error": exc.failure, "wall_s": time.perf_counter() - started})
-            raise RuntimeError(exc.failure) from exc
-        summary = {"status": "interrupted", "name": recipe.name, "rounds": recipe.units.steps,
-                   "last_round": progress.last, "resume_after": progress.saved,
-                   "wall_s": time.perf_counter() - started}
-        run.write_summary(summary)
-        return summary
-    except BaseException as exc:
-        run.write_summary({"status": "failed", "error": f"{type(exc).__name__}: {exc}",
-                           "wall_s": time.perf_counter() - started})
-        raise
+    def restore(self, ckpt: Checkpoint) -> None:
+        """The target and the optimizer's state (its groups and moments) as the checkpoint holds them."""
+        self.model.load_state_dict(ckpt.target)
+        load_optimizer_state(self.opt, ckpt.strategy, ckpt.tensors)
 
+    def batches(self) -> Iterator[torch.Tensor]:
+        return step_batches(self.recipe, self.windows)
 
-def _run_units(grid: Grid, recipe: Recipe, run: RunDir, on_round: Callable[[dict[str, Any]], None], stop: Any,
-               started: float, progress: Progress, resume: bool) -> dict[str, Any]:
-    u = recipe.units
-    ckpt = load_checkpoint(run.path) if resume else None
-    if stop is not None:  # Ctrl-C (or a dead engine) ends the run at the next Grid call
-        from fedfusion.strategies.stop import StopGrid
-
-        grid = StopGrid(grid, stop)
-    target = lm_target(recipe)
-    model = target.model
-    write_partition_sizes(run.path, recipe)
-    windows = training_windows(recipe)
-    k = nodes_per_client(recipe)
-    nodes = wait_for_nodes(grid, recipe.population.num_clients * k)
-    caps = query_nodes(grid, recipe, nodes)
-    order = nodes_in_order(caps, recipe.population.num_clients, k)
-    firsts = order[::k]  # each device's node 0
-    # a resumed run's nodes are new (their ids change with the federation): logged at the step it resumes after
-    run.log_nodes([{"round": ckpt.round if ckpt else 0, "node": n, **caps[n].to_config()} for n in order])
-    catalog = load_catalog(recipe.population.catalog)
-    devices: list[UnitDevice] = [from_catalog(catalog[caps[n].device], name=str(n)) for n in firsts]
-    # the stalled device's nodes each answer stall_after messages, then go silent
-    stall = {u.stall_partition * k + node: (u.stall_after, u.stall_s) for node in range(k)} if u.stall_partition >= 0 else {}
-    transport = GridTransport(grid, order, floor_s=u.deadline_floor_s, stall=stall, supernodes=k)
-    engine = UnitEngine(devices, transport=transport, deadline_factor=u.deadline_factor,
-                        verifier=Freivalds(seed=recipe.seed) if u.verify else None,
-                        accumulate=u.micro_batches if u.accumulate else 1, supernodes=k)
-    opt = make_optimizer(model, recipe.train.optimizer, recipe.train.lr, recipe.train.weight_decay)
-    earlier_s = 0.0
-    if ckpt is not None:
-        model.load_state_dict(ckpt.target)
-        load_optimizer_state(opt, ckpt.strategy, ckpt.tensors)
-        run.cut_ledgers(ckpt.round)
-        progress.last = progress.saved = ckpt.round
-        earlier_s = ckpt.elapsed_s
-    log(INFO, "units mode: %d devices (%s) of %d SuperNode(s) each, offload=%s, %d steps of %d micro-batch(es)",
-        len(devices),
-        ", ".join(f"{t}={sum(caps[n].device == t for n in firsts)}" for t in sorted({c.device for c in caps.values()})),
-        k, u.offload, u.steps, u.micro_batches)
-
-    def evaluate() -> dict[str, float]:
-        scores = target.evaluate()  # on the server, every layer local (no units)
-        model.train()
+    def evaluate(self) -> dict[str, float]:
+        """The target scored on the server, every layer local (no units), then back to training."""
+        if self.handle is not None:
+            self.handle.remove()
+        scores = self.target.evaluate()
+        self.model.train()
+        if self.handle is not None:
+            self.handle = install(self.model, self.engine, self.u.offload)
         return scores
 
-    if ckpt is not None:  # the steps up to the checkpoint are in the ledger already
-        rows = read_jsonl(run.path / "metrics.jsonl")
-    else:
-        rows = [{"round": 0, "step": 0, **evaluate(), "train_loss": None, "bytes_down": 0, "bytes_up": 0,
-                 "virtual_s": 0.0, "wall_s": time.perf_counter() - started, "clients_ok": 0, "clients_failed": 0}]
-        run.log_round(rows[0])
-        on_round(rows[0])
-    first = rows[0]
-    handle = install(model, engine, u.offload)
-    last = time.perf_counter()
-    for step, batch in enumerate(step_batches(recipe, windows), start=1):
-        if step <= (progress.saved or 0):  # drawn all the same: the batches after it are the uninterrupted run's
-            continue
-        traced, waits = len(engine.trace), len(transport.waits)
+    def first_row(self) -> dict[str, Any]:
+        return {"round": 0, "step": 0, **self.evaluate(), "train_loss": None, "bytes_down": 0, "bytes_up": 0,
+                "virtual_s": 0.0, "clients_ok": 0, "clients_failed": 0}
+
+    def step(self, step: int, batch: torch.Tensor) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """One optimizer step through :func:`train_step`, then its server work, timeline and ledger."""
+        u, engine = self.u, self.engine
+        if self.handle is None:
+            self.handle = install(self.model, engine, u.offload)
+        traced, waits = len(engine.trace), len(self.transport.waits)
         offline_before = set(engine.offline)
 
         def on_micro(micro: int) -> None:
             engine.chain = micro
 
-        loss = train_step(model, opt, batch, u.micro_batches, on_micro, u.in_flight)
+        loss = train_step(self.model, self.opt, batch, u.micro_batches, on_micro, u.in_flight)
         trace = engine.trace[traced:]
-        gaps, server = server_step(recipe, model, target.params, batch, trace, catalog)
-        timing = simulate(devices, chains_from_trace(trace), deadline_factor=u.deadline_factor,
+        gaps, server = server_step(self.recipe, self.model, self.target.params, batch, trace, self.catalog)
+        timing = simulate(self.devices, chains_from_trace(trace), deadline_factor=u.deadline_factor,
                           server_gap_s=gaps[0], optimizer_s=gaps[1], in_flight=u.in_flight,
                           accumulate=u.accumulate, **u.runtime()) if trace else None
         used = {d for rec in trace for d in rec.down_bytes}
-        scores: dict[str, float] = {}
-        if step == u.steps or (u.eval_every and step % u.eval_every == 0):
-            handle.remove()
-            scores = evaluate()
-            handle = install(model, engine, u.offload)
-        now = time.perf_counter()
-        step_waits = transport.waits[waits:]
-        ledger = price_step(step, trace, firsts, caps, catalog, engine.offline - offline_before)
-        run.log_clients(ledger)
+        scores = self.evaluate() if step == u.steps or (u.eval_every and step % u.eval_every == 0) else {}
+        step_waits = self.transport.waits[waits:]
+        ledger = price_step(step, trace, self.firsts, self.caps, self.catalog, engine.offline - offline_before)
         row = {
             "round": step, "step": step, "train_loss": loss, **scores,
             "phases": len(trace), "messages": sum(len(rec.down_bytes) for rec in trace),
@@ -438,40 +302,33 @@ def _run_units(grid: Grid, recipe: Recipe, run: RunDir, on_round: Callable[[dict
             "missed": [{"waited_s": w.waited_s, "deadline_s": w.deadline_s, "devices": w.missed}
                        for w in step_waits if w.missed],
             "transport_s": sum(w.waited_s for w in step_waits),
-            "wall_s": now - last, "elapsed_s": earlier_s + now - started,
         }
-        last = now
-        rows.append(row)
-        run.log_round(row)
-        progress.last = step
-        if recipe.output.checkpoint_every and step % recipe.output.checkpoint_every == 0:
-            groups, moments = optimizer_state(opt)
-            save_checkpoint(run.path, Checkpoint(
-                round=step, target={k: v.detach().clone() for k, v in model.state_dict().items()},
-                elapsed_s=row["elapsed_s"], strategy=groups, tensors=moments))
-            progress.saved = step
-        on_round(row)
-    handle.remove()
-    if recipe.output.save_model:
-        hf_logging.disable_progress_bar()
-        target.save(run.model_dir, ArrayRecord(model.state_dict()))
-    final = rows[-1]
-    summary = {
-        "status": "ok", "name": recipe.name, "mode": UNITS, "offload": u.offload, "steps": u.steps,
-        "micro_batches": u.micro_batches,  # as the recipe check resolved a 0 (recipe.yaml holds it too)
-        "target_params": target.params, "metric_names": target.metric_names, "devices": len(devices),
-        "initial": {k: first[k] for k in ("eval_loss", "eval_ppl", "eval_acc")},
-        "final": {k: final[k] for k in ("eval_loss", "eval_ppl", "eval_acc")},
-        "train_loss": [r["train_loss"] for r in rows[1:]],
-        "bytes_down": sum(r["bytes_down"] for r in rows), "bytes_up": sum(r["bytes_up"] for r in rows),
-        "virtual_s": sum(r["virtual_s"] for r in rows), "offline": sorted(engine.offline),
-        "energy_j": sum(r.get("energy_j", 0.0) for r in rows), "co2_g": sum(r.get("co2_g", 0.0) for r in rows),
-        "server_device": u.server_device, "cloud_device": recipe.report.cloud,
-        **{k: sum(r[k] for r in rows[1:]) for k in ("server_energy_j", "server_co2_g", "cloud_step_s", "cloud_energy_j",
-                                                    "cloud_co2_g")},
-        "server_fallback": engine.server_fallback, "wall_s": earlier_s + time.perf_counter() - started,
-        "sample": target.sample(),
-    }
-    run.write_summary(summary)
-    write_report(run.path)
-    return summary
+        return row, ledger
+
+    def checkpoint(self, step: int, elapsed_s: float) -> Checkpoint:
+        """The target, the optimizer's groups (state.json) and moments (tensors.safetensors) after ``step``."""
+        groups, moments = optimizer_state(self.opt)
+        return Checkpoint(round=step, target={k: v.detach().clone() for k, v in self.model.state_dict().items()},
+                          elapsed_s=elapsed_s, strategy=groups, tensors=moments)
+
+    def finish(self) -> None:
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+
+    def arrays(self) -> ArrayRecord:
+        return ArrayRecord(self.model.state_dict())
+
+    def summary(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
+        """The mode, its steps and devices, the loss curve and the server's work beside the cloud's."""
+        u = self.u
+        return {
+            "mode": UNITS, "offload": u.offload, "steps": u.steps,
+            "micro_batches": u.micro_batches,  # as the recipe check resolved a 0 (recipe.yaml holds it too)
+            "devices": len(self.devices), "train_loss": [r["train_loss"] for r in rows[1:]],
+            "offline": sorted(self.engine.offline), "server_device": u.server_device,
+            "cloud_device": self.recipe.report.cloud,
+            **{k: sum(r[k] for r in rows[1:]) for k in ("server_energy_j", "server_co2_g", "cloud_step_s",
+                                                        "cloud_energy_j", "cloud_co2_g")},
+            "server_fallback": self.engine.server_fallback,
+        }

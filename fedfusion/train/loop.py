@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -54,16 +54,40 @@ def make_optimizer(model: torch.nn.Module, name: str, lr: float, weight_decay: f
     return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay)
 
 
-def optimizer_step(opt: torch.optim.Optimizer, loss: torch.Tensor, what: str = "training") -> float:
-    """The one local step every training loop takes: refuse a non-finite loss (naming ``what`` loss), zero the
-    gradients, back-propagate and step. Returns the loss. Clipping, a schedule or mixed precision go here, once."""
+def finite_loss(loss: torch.Tensor, what: str = "training") -> float:
+    """The loss as a float, refused (FloatingPointError naming ``what`` loss) when it is not finite: the one check
+    every training step makes before it touches the weights."""
     value = loss.item()
     if not math.isfinite(value):
         raise FloatingPointError(f"{what} loss became {value}")
+    return value
+
+
+def optimizer_step(opt: torch.optim.Optimizer, loss: torch.Tensor, what: str = "training") -> float:
+    """The one local step every training loop takes: refuse a non-finite loss (:func:`finite_loss`), back-propagate
+    and step (:func:`gradient_step`). Returns the loss."""
+    value = finite_loss(loss, what)
     opt.zero_grad(set_to_none=True)
     loss.backward()
-    opt.step()
+    _update(opt)
     return value
+
+
+def gradient_step(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor],
+                  grads: Sequence[torch.Tensor | None]) -> None:
+    """The step of a loop that computes its gradients itself (DP-SGD's noisy mean, the units mode's micro-batches
+    summed in order): ``params``' gradients set to ``grads`` (None: none), then the update :func:`optimizer_step`
+    makes."""
+    opt.zero_grad(set_to_none=True)
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g
+    _update(opt)
+
+
+def _update(opt: torch.optim.Optimizer) -> None:
+    """The update from the gradients in place, for every step there is: clipping, a schedule or mixed precision go
+    here, once."""
+    opt.step()
 
 
 def checkpoint_activations(model: PreTrainedModel | FrozenTargetModel) -> None:
@@ -345,10 +369,7 @@ def _private_step(model: Any, opt: torch.optim.Optimizer, loss: Loss, data: Any,
         grads = private_gradients(params, chunks(_looped_grads(model, loss, data, rows, params)), len(rows), dp, noise)
     with torch.no_grad():  # what the step reports: the batch's tokens, parts and extra work, as a plain step's
         plain = loss(model, batch, rows)
-    opt.zero_grad(set_to_none=True)
-    for p, g in zip(params, grads):
-        p.grad = g
-    opt.step()
+    gradient_step(opt, params, grads)
     step = Step(plain.loss, plain.tokens, reported=plain.reported, parts=plain.parts, flops=plain.flops)
     return step, float(plain.loss)
 

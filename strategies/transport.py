@@ -1,0 +1,102 @@
+"""The units engine's transport seam over a Flower Grid: one ``train.units`` message per node and phase, replies
+pulled through the one pull loop (:func:`fedfusion.strategies.wrapped.pull_replies`) until each node's own deadline.
+
+The server of the exact (units) mode trains the target itself; :class:`fedfusion.units.UnitEngine` cuts each
+linear layer's GEMMs into tiles and hands each phase's payloads to a transport ``(payloads, deadlines) -> replies``.
+This one carries them to the federation's nodes; a node past its deadline answers None and the engine re-dispatches
+its tiles.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+from fedfusion.strategies.wrapped import pull_replies
+from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageType, RecordDict
+from flwr.common.constant import ErrorCode
+from flwr.serverapp import Grid
+
+from fedfusion.wire.specs import UNITS_ACTION, UNITS_ERROR, UNITS_PAYLOAD, UNITS_RECORD, UnitsSpec
+
+TTL_SLACK_S = 30.0  # a message outlives its deadline by this much before Flower drops it undelivered
+UNITS_MESSAGE = f"{MessageType.TRAIN}.{UNITS_ACTION}"
+
+
+def _error_kind(reply: Message) -> bytes | None:
+    """An error reply as the engine's transport seam reads it: the ClientApp failed (b"": its units go elsewhere,
+    the device stays) or the message never reached a node (None: taken offline)."""
+    error: Error = reply.error
+    return b"" if error.code in (ErrorCode.CLIENT_APP_RAISED_EXCEPTION, ErrorCode.LOAD_CLIENT_APP_EXCEPTION) else None
+
+
+@dataclass
+class PhaseWait:
+    """One transport round: how long it waited, the longest deadline it had, the devices that missed theirs."""
+
+    waited_s: float
+    deadline_s: float
+    missed: list[int]
+
+
+@dataclass
+class GridTransport:
+    """The engine's transport seam over a Flower Grid: ``(payloads, deadlines) -> replies`` per node index
+    (``UnitEngine.slot``; the device index when each device runs one SuperNode).
+
+    Pushes one ``train.units`` message per node (the bytes as one uint8 array), then pulls on its own short
+    interval (``poll_s``; not ``send_and_receive``, which sleeps 0.1 s or 3 s between pulls) until every reply is in
+    or each missing node's deadline has passed: that node's reply is None (a later reply is never pulled).
+    ``stall`` injects a fault: node index -> (messages it answers first, seconds it then sleeps before replying).
+    """
+
+    grid: Grid
+    node_ids: list[int]  # node index -> Flower node id
+    floor_s: float = 2.0
+    poll_s: float = 0.01
+    stall: dict[int, tuple[int, float]] = field(default_factory=dict)
+    sent: dict[int, int] = field(default_factory=dict)  # messages sent per node index
+    waits: list[PhaseWait] = field(default_factory=list)  # one per call; calls overlap with micro-batches in flight
+    supernodes: int = 1  # per device: ``PhaseWait.missed`` names devices (node index // supernodes)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def deadline(self, predicted_s: float) -> float:
+        """A device's wall-clock deadline: the engine's, but never below the transport's own latency floor."""
+        return max(self.floor_s, predicted_s)
+
+    def message(self, slot: int, payload: bytes, deadline_s: float) -> Message:
+        """The ``train.units`` message carrying ``payload`` to node index ``slot`` (with its injected stall, if
+        any)."""
+        with self._lock:  # one call per micro-batch in flight
+            count = self.sent.get(slot, 0)
+            self.sent[slot] = count + 1
+        after, stall_s = self.stall.get(slot, (0, 0.0))
+        spec = UnitsSpec(stall_s if slot in self.stall and count >= after else 0.0)
+        content = RecordDict({UNITS_RECORD: ArrayRecord({UNITS_PAYLOAD: Array(np.frombuffer(payload, np.uint8))}),
+                              "config": ConfigRecord(spec.to_config())})
+        return Message(content, dst_node_id=self.node_ids[slot], message_type=UNITS_MESSAGE,
+                       ttl=deadline_s + TTL_SLACK_S)
+
+    def __call__(self, payloads: dict[int, bytes], deadlines: dict[int, float]) -> dict[int, bytes | None]:
+        walls = {slot: self.deadline(deadlines[slot]) for slot in payloads}
+        messages = {slot: self.message(slot, payload, walls[slot]) for slot, payload in payloads.items()}
+        start = time.monotonic()
+        ids = list(self.grid.push_messages(list(messages.values())))
+        if len(ids) != len(messages):
+            raise RuntimeError(f"the Grid stored {len(ids)} of {len(messages)} units messages")
+        slot_of = dict(zip(ids, messages))
+        got, _ = pull_replies(self.grid, {mid: start + walls[slot_of[mid]] for mid in ids}, self.poll_s)
+        replies: dict[int, bytes | None] = {slot: None for slot in payloads}  # past its deadline: None
+        for reply in got:
+            slot = slot_of[reply.metadata.reply_to_message_id]
+            if reply.has_error():
+                replies[slot] = _error_kind(reply)
+            elif UNITS_ERROR in reply.content:
+                replies[slot] = b""
+            else:
+                replies[slot] = reply.content.array_records[UNITS_RECORD][UNITS_PAYLOAD].numpy().tobytes()
+        missed = sorted({slot // self.supernodes for slot, reply in replies.items() if reply is None})
+        self.waits.append(PhaseWait(time.monotonic() - start, max(walls.values()), missed))
+        return replies

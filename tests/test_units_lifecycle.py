@@ -1,0 +1,123 @@
+"""The units mode through the one run lifecycle, without Flower's runtime: ``run_federation`` over an in-memory Grid
+whose nodes run the real ClientApp handlers (the capability query and ``train.units``). A Ctrl-C stops it with
+``status: interrupted`` after the last step recorded, a resume continues from the checkpoint to the uninterrupted
+run's curve, a finished run has its report, and a dead client runtime fails the run, as for the federated methods
+(tests/test_simulation.py)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+from uuid import uuid4
+
+import pytest
+from fedfusion.strategies.stop import StopRequest
+from flwr.app import Context, Message, MessageType, RecordDict
+
+from fedfusion.client_app import query as query_handler
+from fedfusion.client_app import units as units_handler
+from fedfusion.run.check import load_checked
+from fedfusion.run.federation import run_federation
+from fedfusion.run.run_dir import RunDir, read_jsonl
+from tests.test_units_flower import TINY
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _task_identity() -> None:
+    from flwr.supercore.task_identity import TaskIdentity
+
+    TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 0  # as tests/test_strategy.py does
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py: tiny GEMMs on one thread, restored after
+
+CLIENTS = 4
+UNITS = [*TINY, f"population.num_clients={CLIENTS}", "output.checkpoint_every=1", "units.deadline_floor_s=30"]
+
+
+class NodesGrid:
+    """A federation of ``nodes`` SuperNodes in this process: each pushed message is answered at once by the
+    ClientApp handler of its type (node ``i`` holds partition ``i``, its state kept between messages)."""
+
+    def __init__(self, nodes: int) -> None:
+        self.contexts = {100 + p: Context(run_id=1, node_id=100 + p, state=RecordDict(), run_config={},
+                                          node_config={"partition-id": p, "num-partitions": nodes})
+                         for p in range(nodes)}
+        self.replies: dict[str, Message] = {}
+
+    def get_node_ids(self) -> list[int]:
+        return list(self.contexts)
+
+    def push_messages(self, messages: Iterable[Message]) -> list[str]:
+        ids = []
+        for msg in messages:
+            msg.metadata.__dict__["_message_id"] = str(uuid4())
+            handler = query_handler if msg.metadata.message_type == MessageType.QUERY else units_handler
+            self.replies[msg.metadata.message_id] = handler(msg, self.contexts[msg.metadata.dst_node_id])
+            ids.append(msg.metadata.message_id)
+        return ids
+
+    def pull_messages(self, message_ids: Iterable[str]) -> list[Message]:
+        return [self.replies.pop(m) for m in list(message_ids) if m in self.replies]
+
+
+def units_run(path: Path, overrides: tuple[str, ...] = (), stop: StopRequest | None = None,
+              stop_after: int | None = None, resume: bool = False) -> dict[str, Any]:
+    """One units run in ``path`` (or the resumed one there); ``stop`` is set once step ``stop_after`` is recorded."""
+    run = RunDir.reopen(path) if resume else RunDir(path, load_checked("rolling", [*UNITS, *overrides]))
+
+    def on_round(row: dict[str, Any]) -> None:
+        if stop is not None and row["round"] == stop_after:
+            stop.set()
+
+    return run_federation(NodesGrid(CLIENTS), run.recipe, run, on_round=on_round, resume=resume, stop=stop)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One uninterrupted units run of three steps."""
+    path = tmp_path_factory.mktemp("units") / "whole"
+    assert units_run(path)["status"] == "ok"
+    return path
+
+
+def test_an_uninterrupted_units_run_writes_its_summary_and_report(whole):
+    summary = json.loads((whole / "summary.json").read_text())
+    rows = read_jsonl(whole / "metrics.jsonl")
+    assert [r["round"] for r in rows] == [0, 1, 2, 3] and summary["mode"] == "units"
+    assert summary["train_loss"] == [r["train_loss"] for r in rows[1:]]
+    assert summary["final"]["eval_loss"] == rows[-1]["eval_loss"] < rows[0]["eval_loss"]
+    assert summary["bytes_down"] == sum(r["bytes_down"] for r in rows) > 0
+    assert (whole / "report.md").is_file() and json.loads((whole / "checkpoint" / "state.json").read_text())["round"] == 3
+
+
+def test_ctrl_c_stops_a_units_run_after_its_step_and_resume_ends_as_the_uninterrupted_run(whole, tmp_path):
+    path, stop = tmp_path / "stopped", StopRequest()
+    summary = units_run(path, stop=stop, stop_after=1)
+    assert summary["status"] == "interrupted" and summary["last_round"] == summary["resume_after"] == 1, summary
+    assert summary["rounds"] == 3 and json.loads((path / "summary.json").read_text())["status"] == "interrupted"
+    assert [r["round"] for r in read_jsonl(path / "metrics.jsonl")] == [0, 1] and not (path / "report.md").exists()
+    resumed = units_run(path, resume=True)
+    assert resumed["status"] == "ok" and resumed["wall_s"] >= summary["wall_s"]
+    first, again = read_jsonl(whole / "metrics.jsonl"), read_jsonl(path / "metrics.jsonl")
+    assert [r["round"] for r in again] == [0, 1, 2, 3]
+    for key in ("train_loss", "eval_loss", "eval_ppl", "eval_acc"):  # one process, one micro-batch: to the bit
+        assert [r.get(key) for r in again] == [r.get(key) for r in first], key
+    assert resumed["final"] == json.loads((whole / "summary.json").read_text())["final"]
+    assert (path / "report.md").is_file()
+
+
+def test_a_units_run_stopped_before_its_first_checkpoint_says_there_is_nothing_to_resume(tmp_path):
+    summary = units_run(tmp_path / "early", stop=StopRequest(), stop_after=0)
+    assert summary["status"] == "interrupted" and summary["last_round"] == 0 and summary["resume_after"] is None
+
+
+def test_a_dead_client_runtime_fails_a_units_run_with_its_reason(tmp_path):
+    stop = StopRequest()
+    stop.fail("the simulation engine died")
+    with pytest.raises(RuntimeError, match="engine died"):
+        units_run(tmp_path / "dead", stop=stop)
+    summary = json.loads((tmp_path / "dead" / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["error"] == "the simulation engine died"
