@@ -174,6 +174,33 @@ def test_gateway_task_life_cycle(gateway):
     assert call(f"{url}/v1/node/tasks/{task}?wait=0", "GET", secret)[0] == 404  # delivered, then forgotten
 
 
+def test_a_device_that_cannot_train_a_task_says_why_and_keeps_serving(gateway):
+    """A task the device cannot train (a malformed payload, a program it cannot fetch) is reported to the gateway:
+    the node hears the device's reason at once, not at the deadline; the device goes on serving; a second report
+    of the same task is refused (409)."""
+    from fedfusion.phone.reference import ReferenceDevice
+
+    server, secret, _ = gateway
+    url = server.url
+    device = ReferenceDevice(url, "tok-a")
+    failures = iter([ValueError("a full-forward payload without its frozen target"), RuntimeError("no program")])
+
+    def run_task(task: dict) -> dict:
+        raise next(failures)
+
+    device.run_task = run_task  # type: ignore[method-assign]
+    tasks = [_submit(url, secret, 60), _submit(url, secret, 60)]
+    start = time.monotonic()
+    said: list[str] = []
+    assert device.serve(poll_s=0.05, idle_s=0.5, echo=said.append) == 0
+    for task, reason in zip(tasks, ("ValueError: a full-forward payload", "RuntimeError: no program")):
+        status, body = call(f"{url}/v1/node/tasks/{task}?wait=5", "GET", secret)
+        assert status == 410 and f"device phone-a could not train the task: {reason}" in json.loads(body)["reason"]
+        assert call(f"{url}/v1/tasks/{task}/error", "POST", "tok-a", b'{"error": "again"}')[0] == 409
+    assert time.monotonic() - start < 30  # long before the 60 s deadline
+    assert sum(line.startswith("task ") for line in said) == 2
+
+
 def test_gateway_drops_a_task_past_its_deadline(gateway):
     """A device that takes a task and goes silent makes it a dropout; its late result is refused (409)."""
     server, secret, _ = gateway

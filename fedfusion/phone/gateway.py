@@ -12,6 +12,8 @@ Device side, every call with ``Authorization: Bearer <device token>``:
 - ``GET  /v1/programs/<id>/<file>``           -> ``program.pte``, ``weights.ptd`` or ``manifest.json``
 - ``GET  /v1/tasks/<task>/weights``           -> the round's weights (safetensors)
 - ``POST /v1/tasks/<task>/result``            body: trained weights (safetensors; ``__metadata__.metrics`` = JSON)
+- ``POST /v1/tasks/<task>/error``             body: ``{"error": reason}``: the device cannot train it (the task is
+  dropped at once with that reason)
                                                -> 200, 409 (past the deadline) or 403 (not this device's task)
 
 Node side, with ``Authorization: Bearer <node secret>``:
@@ -276,6 +278,16 @@ class Gateway:
             raise Refused(403, "this task is not this device's")
         return task
 
+    def fail(self, device: str, task_id: str, reason: str) -> None:
+        """A device could not train its task: the task is dropped at once with the device's reason, so its node
+        answers the server with it instead of waiting for the deadline."""
+        task = self.own(device, task_id)
+        with self.lock:
+            if task.status != "running":
+                raise Refused(409, f"task is {task.status}: {task.reason}")
+            task.status, task.reason = "dropped", f"device {device} could not train the task: {reason[:500]}"
+            task.done.set()
+
     def push(self, device: str, task_id: str, body: bytes) -> None:
         """Accept a device's result (checked to be safetensors with metrics) unless its deadline has passed."""
         task = self.own(device, task_id)
@@ -370,6 +382,9 @@ class _Handler(BaseHTTPRequestHandler):
         elif method == "POST" and len(parts) == 3 and parts[0] == "tasks" and parts[2] == "result":
             gateway.push(device, parts[1], self._body())
             self._json(200, {"status": "accepted"})
+        elif method == "POST" and len(parts) == 3 and parts[0] == "tasks" and parts[2] == "error":
+            gateway.fail(device, parts[1], str(json.loads(self._body() or b"{}").get("error", "")))
+            self._json(200, {"status": "dropped"})
         else:
             raise Refused(404, "not found")
 

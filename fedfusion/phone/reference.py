@@ -69,11 +69,19 @@ class ReferenceDevice:
                                                                 json.loads(files["manifest.json"])))
         return self.runners[program]
 
+    def report(self, task: str, reason: str) -> None:
+        """Tell the gateway this device could not train ``task`` (so its node answers at once, not at the
+        deadline); a gateway that does not take it (the task already dropped, or gone) is left as it is."""
+        try:
+            call(f"{self.gateway}/v1/tasks/{task}/error", "POST", self.token, json.dumps({"error": reason}).encode())
+        except OSError:
+            pass
+
     def run_task(self, task: dict) -> dict:
         """Train one task through the runtime and send the result; returns the metrics sent."""
         import torch
 
-        from fedfusion.data.population import client_windows
+        from fedfusion.data.population import client_windows, windows_spec
         from fedfusion.wire.specs import ClientSpec, LoRABaseSpec, PrivacySpec, read_train
 
         torch.set_num_threads(self.threads)
@@ -88,6 +96,9 @@ class ReferenceDevice:
             runner.hold(inputs)
         runner.load(weights)
         client = ClientSpec.from_config(spec)
+        if "adapter" in runner.manifest and windows_spec(client.data_spec):
+            raise RuntimeError("a phone's LoRA program trains instruction pairs (their response tokens); this task's "
+                               "data is a population's token windows (data.source=facts)")
         if "adapter" in runner.manifest:  # a LoRA adapter's program: this device's instruction pairs
             data: torch.Tensor | InstructData = _pairs(client.data_spec, int(spec["partition"]),
                                                        LoRABaseSpec.from_config(spec).base, client.seq_len)
@@ -132,8 +143,9 @@ class ReferenceDevice:
                 metrics = self.run_task(task)
             except DeviceRefused:
                 raise
-            except (RuntimeError, OSError) as exc:  # e.g. 409: finished after the deadline, or the gateway went away
-                echo(f"task {task['task']}: {exc}")
+            except Exception as exc:  # a task it cannot train, or 409/a gateway gone: the device keeps serving
+                echo(f"task {task['task']}: {type(exc).__name__}: {exc}")
+                self.report(str(task["task"]), f"{type(exc).__name__}: {exc}")
                 continue
             done, idle_since = done + 1, time.monotonic()
             echo(f"task {task['task']} (program {task['program']}): loss {metrics['train_loss']:.4f}, "
