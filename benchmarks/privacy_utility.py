@@ -11,11 +11,15 @@ transfer on the knowledge recipe.
     python benchmarks/privacy_utility.py --seeds 0 1 2 --epsilons 8 4 1
     python benchmarks/privacy_utility.py --recipe knowledge --seeds 0 --epsilons 8 \\
         --arm slices=fusion.method=submodel --out privacy_utility_knowledge
+
+``--only ARM ...`` runs those arms alone and tabulates the others' finished runs (a seed's private arms added to a
+table whose plain arms ran for fewer seeds: each row says which seeds it holds).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 from pathlib import Path
 
@@ -50,10 +54,19 @@ def summarize(out: Path, facts: bool, wall: float) -> dict:
             "wall_s": wall}
 
 
+def finished(out: Path) -> bool:
+    """Whether ``out`` holds a run that ended ok."""
+    summary = out / "summary.json"
+    return summary.is_file() and json.loads(summary.read_text()).get("status") == "ok"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = runs_parser(__doc__.split("\n\n")[0], "runs/bench-privacy-utility", "privacy_utility")
     parser.add_argument("--epsilons", type=float, nargs="+", default=[8.0, 4.0, 1.0])
     parser.add_argument("--arm", action="append", default=[], help="NAME=key=value,key=value: a further arm")
+    parser.add_argument("--only", nargs="+", default=None, metavar="ARM",
+                        help="run only these arms (by name, e.g. 'dp_sgd eps 8'); the others' finished runs in --work "
+                             "are still tabulated")
     return parser
 
 
@@ -65,7 +78,10 @@ def main(argv: list[str] | None = None) -> None:
     for seed in args.seeds:
         for name, overrides in arms(args.epsilons, args.arm).items():
             out = Path(args.work) / args.recipe / f"{name.replace(' ', '_').replace(',', '')}-s{seed}"
-            wall = run(args.recipe, [f"seed={seed}", *args.overrides, *overrides], out, args.reuse)
+            if args.only is not None and name not in args.only and not finished(out):
+                continue
+            wall = run(args.recipe, [f"seed={seed}", *args.overrides, *overrides], out,
+                       args.reuse or (args.only is not None and name not in args.only))
             results.setdefault(name, {})[seed] = summarize(out, facts, wall)
     metric = "probe accuracy (higher is better)" if facts else "held-out perplexity (lower is better)"
     lines = []
