@@ -43,12 +43,14 @@ def arms(epsilons: list[float], extra: list[str]) -> dict[str, list[str]]:
 
 
 def summarize(out: Path, facts: bool, wall: float) -> dict:
-    """A run's final headline metric, the largest epsilon a client spent and the noise multipliers it trained with."""
+    """A run's final headline metric, the largest epsilon a client spent, the noise multipliers it trained with and
+    how many client rounds failed (a dropout, or a worker the host killed: a run with failures did less work)."""
     rows = [r for r in jsonl(out / "metrics.jsonl") if r.get("eval_loss") is not None]
     final = rows[-1]
     ok = [r for r in jsonl(out / "clients.jsonl") if r["status"] == "ok"]
     sigmas = sorted({r["noise_multiplier"] for r in ok if r.get("noise_multiplier") is not None})
-    return {"metric": float(final["probe_acc"] if facts else final["eval_ppl"]),
+    failed = sum(1 for r in jsonl(out / "clients.jsonl") if r["status"] != "ok")
+    return {"metric": float(final["probe_acc"] if facts else final["eval_ppl"]), "failed": failed,
             "epsilon_max": max((r.get("epsilon") or 0.0 for r in ok), default=0.0),
             "sigma": [sigmas[0], sigmas[-1]] if sigmas else None, "clients_trained": len({r["partition"] for r in ok}),
             "wall_s": wall}
@@ -94,7 +96,8 @@ def main(argv: list[str] | None = None) -> None:
         per_seed = ", ".join(f"s{s}={r['metric']:.4f}" for s, r in by_seed.items())
         lines.append(f"| {name} | {statistics.mean(values):.4f}{spread} | {per_seed} | "
                      f"{eps:.3g} | {sigma} | {statistics.mean(r['clients_trained'] for r in by_seed.values()):.1f} | "
-                     f"{statistics.mean(r['wall_s'] for r in by_seed.values()):.0f} |")
+                     f"{statistics.mean(r['wall_s'] for r in by_seed.values()):.0f} | "
+                     f"{sum(r.get('failed', 0) for r in by_seed.values())} |")
     markdown = "\n".join([
         f"# DP-SGD on the devices: {metric} at each privacy budget ({args.recipe})", "",
         f"Machine: {facts_run['machine']}, torch {facts_run['torch']}, load before {facts_run['load_before']}. "
@@ -102,8 +105,8 @@ def main(argv: list[str] | None = None) -> None:
         "clipping norm 1, each client's noise calibrated to spend the budget over the rounds it is expected to "
         "train (`privacy.noise_multiplier=0`); every arm has the recipe's budget.", "",
         f"| arm | final {metric} (mean ± sd over seeds) | per seed | largest epsilon spent | noise multipliers | "
-        "clients that trained | wall s |",
-        "|---|---|---|---|---|---|---|", *lines, ""])
+        "clients that trained | wall s | client rounds that failed (all seeds) |",
+        "|---|---|---|---|---|---|---|---|", *lines, ""])
     data = {**facts_run, "recipe": args.recipe, "overrides": args.overrides, "seeds": args.seeds,
             "epsilons": args.epsilons, "results": {n: {str(s): r for s, r in v.items()} for n, v in results.items()}}
     write_pair(RESULTS, args.out, data, markdown)
