@@ -20,7 +20,6 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordD
 from flwr.clientapp.typing import ClientAppCallable
 from flwr.common.secure_aggregation.crypto.shamir import create_shares
 
-from fedfusion.fusion.lora.aggregate import dense_change
 from fedfusion.models.slicing import scatter
 from fedfusion.wire import secagg as sa
 from fedfusion.wire.keys import FROZEN, NUM_EXAMPLES
@@ -163,7 +162,7 @@ def secagg_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> 
     trained = reply.content.array_records["arrays"].to_torch_state_dict()
     metrics = reply.content.metric_records["metrics"]
     if sa.PRODUCT_KEY in layout:  # a dense LoRA method: the change of each module's dense update
-        change = dense_change(received, trained, float(layout[sa.PRODUCT_KEY]))
+        change = sa.dense_change(received, trained, float(layout[sa.PRODUCT_KEY]))
     else:
         change = {k: trained[k].float() - received[k] for k in trained}
     index, scales, shapes = _layout(layout, list(change))

@@ -15,7 +15,7 @@ from fp_bounds import assert_within, gamma
 from fedfusion.config.choices import LORA_SECURE_METHODS
 from fedfusion.config.recipe import RecipeError, load_recipe
 from fedfusion.devices.catalog import load_catalog
-from fedfusion.fusion.lora.aggregate import ClientLoRA, aggregate_sum, dense_change
+from fedfusion.fusion.lora.aggregate import ClientLoRA, aggregate_sum
 from fedfusion.fusion.lora.method import LoRAMethod, split_global
 from fedfusion.selection.participation import Participation
 from fedfusion.selection.selectors import make_selector
@@ -125,7 +125,7 @@ def test_a_dense_change_is_the_change_of_the_scaled_product_and_sums_to_the_plai
     for s, t in zip(starts, trained):
         flat = {**{f"{m}.lora_A": a for m, a in s.A.items()}, **{f"{m}.lora_B": b for m, b in s.B.items()}}
         now = {**{f"{m}.lora_A": a for m, a in t.A.items()}, **{f"{m}.lora_B": b for m, b in t.B.items()}}
-        for m, d in dense_change(flat, now, s.scale).items():
+        for m, d in sa.dense_change(flat, now, s.scale).items():
             assert_within(d, s.scale * (t.B[m].double() @ t.A[m].double() - s.B[m].double() @ s.A[m].double()),
                           gamma(16, torch.float64) * s.scale * (t.B[m].double().abs() @ t.A[m].double().abs()
                                                                  + s.B[m].double().abs() @ s.A[m].double().abs()))

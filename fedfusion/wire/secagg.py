@@ -200,3 +200,17 @@ def unflatten(vector: np.ndarray, names: Sequence[str], shapes: Sequence[tuple[i
     if at != vector.size:
         raise ValueError(f"secure aggregation: a vector of {vector.size} values for a target of {at}")
     return out
+
+
+def dense_change(received: dict[str, torch.Tensor], trained: dict[str, torch.Tensor],
+                 scale: float) -> dict[str, torch.Tensor]:
+    """Per LoRA module ``m`` (``m.lora_A`` (r, in), ``m.lora_B`` (out, r)), the change of its dense update
+    ``scale * B @ A`` from the received adapter to the trained one, float64: what a client of a dense method adds to
+    a securely summed vector, since the sum of dense updates is not a product of summed factors."""
+    out = {}
+    for key in sorted(trained):
+        if key.endswith(".lora_A"):
+            m = key.removesuffix(".lora_A")
+            now = trained[f"{m}.lora_B"].double() @ trained[key].double()
+            out[m] = scale * (now - received[f"{m}.lora_B"].double() @ received[key].double())
+    return out

@@ -258,24 +258,10 @@ def aggregate_lora(clients: list[ClientLoRA], method: str) -> LoRAAggregate:
 DENSE_METHODS = ("flexlora", "flora")  # the methods that average the dense update rather than the factors
 
 
-def dense_change(received: dict[str, torch.Tensor], trained: dict[str, torch.Tensor],
-                 scale: float) -> dict[str, torch.Tensor]:
-    """Per module ``m`` (``m.lora_A`` (r, in), ``m.lora_B`` (out, r)), the change of its dense update
-    ``scale * B @ A`` from the received adapter to the trained one, float64: what a client of a dense method adds to
-    a securely summed vector, since the sum of dense updates is not a product of summed factors."""
-    out = {}
-    for key in sorted(trained):
-        if key.endswith(".lora_A"):
-            m = key.removesuffix(".lora_A")
-            now = trained[f"{m}.lora_B"].double() @ trained[key].double()
-            out[m] = scale * (now - received[f"{m}.lora_B"].double() @ received[key].double())
-    return out
-
-
 def aggregate_sum(method: str, starts: list[ClientLoRA], total: dict[str, torch.Tensor]) -> LoRAAggregate:
     """The aggregate :func:`aggregate_lora` makes of the trained clients, from their starting adapters ``starts``
     (factors, alpha, weight: what the server sent) and ``total``, the unmasked sum of their weighted changes: for
-    the dense methods per module ``m`` the sum of ``w_k * dense_change``; for fedavg and zeropad per factor
+    the dense methods per module ``m`` the sum of ``w_k`` x :func:`fedfusion.wire.secagg.dense_change`; for fedavg and zeropad per factor
     (``m.lora_A`` (R, in), ``m.lora_B`` (out, R), R the largest rank) the sum of ``w_k`` x the change of ``A_k`` and
     of ``s_k B_k`` zero-padded to R. Each start is known to the server, so only the sum of changes travels."""
     if method not in LORA_SECURE_METHODS:
