@@ -62,7 +62,7 @@ def _load_for_run(ref: str, overrides: list[str]) -> Recipe:
     if recipe.data.source == "dataset":  # load and partition it now: a missing column or a bad count stops here
         from fedfusion.data.population import partition_sizes
 
-        partition_sizes(recipe)
+        partition_sizes(recipe.data_source(), recipe.fusion.method)
     return recipe
 
 
@@ -249,7 +249,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from fedfusion.data.federated import describe
     from fedfusion.data.population import partition_sizes
 
-    console.print("\n".join(describe(partition_sizes(recipe))), highlight=False, soft_wrap=True)
+    console.print("\n".join(describe(partition_sizes(recipe.data_source(), recipe.fusion.method))), highlight=False, soft_wrap=True)
     return 0
 
 

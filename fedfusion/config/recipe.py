@@ -162,6 +162,14 @@ class FusionConfig:
     # distill.tier_family). Every round folds them into one target in fedfusion.fusion.rounds.FOLD_ORDER.
     tiers: dict[str, str] = field(default_factory=dict)
 
+    def grow_rounds(self) -> int:
+        """``grow_round`` as a round number; a fraction must have been resolved (loading does it once ``rounds`` is
+        known), so a caller never reads a fraction as round 0."""
+        if isinstance(self.grow_round, float):
+            raise RecipeError(f"fusion.grow_round: the fraction {self.grow_round} is unresolved until rounds is known "
+                              "(rounds=0: fedfusion.run.check.check_recipe sets it)")
+        return self.grow_round
+
 
 @dataclass
 class FamilyConfig:
@@ -446,6 +454,22 @@ class Recipe:
     output: OutputConfig = field(default_factory=OutputConfig)
     report: ReportConfig = field(default_factory=ReportConfig)
     units: UnitsSection = field(default_factory=UnitsSection)
+
+    def data_source(self) -> DataSource:
+        """What rebuilds this recipe's client data in any process (:class:`DataSource`)."""
+        return DataSource(self.data, self.population.num_clients, self.seed, self.model.pretrained)
+
+
+@dataclass(frozen=True)
+class DataSource:
+    """What the population's data is derived from, and all of the recipe the data modules read: the data section,
+    how many clients share it, the run's seed and the pretrained model whose tokenizer reads it (None: the fixed
+    character tokenizer, or a facts dataset's word tokenizer)."""
+
+    data: DataConfig
+    num_clients: int
+    seed: int
+    tokenizer: Optional[str] = None
 
 
 def builtin_recipe_path(name: str) -> Path:
@@ -818,16 +842,6 @@ def _validate_units(recipe: Recipe) -> None:
 def grow_round_at(fraction: float, rounds: int) -> int:
     """The round a ``fusion.grow_round`` fraction of ``rounds`` names: round(fraction x rounds), at least 1."""
     return max(1, round(fraction * rounds))
-
-
-def grow_rounds(recipe: Recipe) -> int:
-    """``fusion.grow_round`` as a round number; a fraction must have been resolved (:func:`validate` does it once
-    ``rounds`` is known), so a caller never reads a fraction as round 0."""
-    g = recipe.fusion.grow_round
-    if isinstance(g, float):
-        raise RecipeError(f"fusion.grow_round: the fraction {g} is unresolved until rounds is known (rounds=0: "
-                          "fedfusion.run.check.check_recipe sets it)")
-    return g
 
 
 def _validate_growth(recipe: Recipe) -> None:

@@ -135,7 +135,7 @@ def plan(ref: str, overrides: list[str], seeds: list[int], out: Path | None, nam
     if base.data.source == "dataset":  # load and partition it now: a missing column or a bad count stops here
         from fedfusion.data.population import partition_sizes
 
-        partition_sizes(base)
+        partition_sizes(base.data_source(), base.fusion.method)
     arms = arms_for(base)
     recipes: dict[tuple[str, int], Recipe] = {}
     for seed in seeds:
