@@ -18,7 +18,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from fedfusion.config.methods import GENERATIVE, SUBMODEL, UNITS, hook, method
-from fedfusion.config.recipe import Recipe, RecipeError, builtin_recipes, load_recipe, method_label, nodes_per_client
+from fedfusion.config.recipe import Recipe, builtin_recipes, load_recipe, method_label, nodes_per_client
+from fedfusion.config.sections import RecipeError
 from fedfusion.run.arms import ARM_NAMES
 from fedfusion.run.check import check_recipe
 from fedfusion.run.seed_paper import NAME as SEED_PAPER

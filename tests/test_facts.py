@@ -173,7 +173,8 @@ def test_a_users_facts_files_feed_clients_and_the_target(tmp_path):
 
 
 def test_generated_facts_need_no_files_and_bad_facts_recipes_are_refused(tmp_path):
-    from fedfusion.config.recipe import RecipeError, load_recipe
+    from fedfusion.config.recipe import load_recipe
+    from fedfusion.config.sections import RecipeError
     from fedfusion.data.population import data_spec, population_data
 
     recipe = load_recipe("quickstart", ["data.source=facts", "data.people=40", "population.num_clients=4", "selection.clients_per_round=2"])

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from fedfusion.cli import main
-from fedfusion.config.recipe import RecipeError
+from fedfusion.config.sections import RecipeError
 from fedfusion.data.federated import PartitionSizes, describe, label_skew, partitions, read_partition_sizes
 from fedfusion.data.instruct import instruct_clients, pooled_held_out
 from fedfusion.data.population import (

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from fedfusion.config.recipe import RecipeError, builtin_recipes, grow_round_at, load_recipe, to_yaml
+from fedfusion.config.recipe import builtin_recipes, grow_round_at, load_recipe, to_yaml
+from fedfusion.config.sections import RecipeError
 from fedfusion.run import check
 from fedfusion.run.check import load_checked
 from fedfusion.run.planner import fit_widths

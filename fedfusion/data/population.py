@@ -16,7 +16,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from fedfusion.config.methods import LORA
-from fedfusion.config.recipe import DataConfig, DataSource, PopulationConfig
+from fedfusion.config.sections import DataConfig, DataSource, PopulationConfig
 from fedfusion.data.cache import cached_tensor
 from fedfusion.data.facts import (
     Facts,

@@ -17,7 +17,7 @@ from transformers import PretrainedConfig
 
 from fedfusion.config.choices import LR_SCHEDULES
 from fedfusion.config.methods import FOLD_ORDER
-from fedfusion.config.recipe import FusionConfig
+from fedfusion.config.sections import FusionConfig
 from fedfusion.fusion.base import Client, Fold, FusionMethod, Payload, State, Update
 from fedfusion.fusion.outer import OuterOptimizer
 from fedfusion.models.slicing import SelectiveAverager, SlicePlan, plan_slice

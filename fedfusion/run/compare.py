@@ -36,7 +36,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from fedfusion.config.recipe import EngineConfig, Recipe, RecipeError, load_recipe
+from fedfusion.config.recipe import Recipe, load_recipe
+from fedfusion.config.sections import EngineConfig, RecipeError
 from fedfusion.run.arms import ARM_NAMES, ORACLE, RECIPE, SMALLEST, Arm, arms_for, check_equal_budget, flat
 from fedfusion.run.check import check_recipe
 from fedfusion.run.report import still_rising

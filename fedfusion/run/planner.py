@@ -43,7 +43,8 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig
 
 from fedfusion.config.methods import DISTILL, GENERATIVE, SLICES, SUBMODEL, UNITS
-from fedfusion.config.recipe import Recipe, RecipeError, UnitsSection, method_label, tier_methods
+from fedfusion.config.recipe import Recipe, method_label, tier_methods
+from fedfusion.config.sections import RecipeError, UnitsSection
 from fedfusion.devices.catalog import Device, load_catalog
 from fedfusion.devices.energy import frozen_work_params, price_work, train_flops
 from fedfusion.models.build import config_aliases, target_config, target_model_config, wire_state

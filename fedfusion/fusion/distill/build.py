@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fedfusion.config.recipe import DataSource, DistillConfig, ModelConfig, TrainConfig
+from fedfusion.config.sections import DataSource, DistillConfig, ModelConfig, TrainConfig
 from fedfusion.data.population import data_spec, pooled_held_out
 from fedfusion.data.text import load_tokenizer
 from fedfusion.fusion.base import BuildTarget

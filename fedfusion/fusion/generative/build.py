@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fedfusion.config.recipe import FusionConfig, GenerativeSection, PopulationConfig, TrainConfig
+from fedfusion.config.sections import FusionConfig, GenerativeSection, PopulationConfig, TrainConfig
 from fedfusion.fusion.base import BuildTarget
 from fedfusion.fusion.generative.method import GenerativeMethod
 from fedfusion.models.samples import GenerativeConfig

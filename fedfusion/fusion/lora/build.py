@@ -3,7 +3,7 @@ share."""
 
 from __future__ import annotations
 
-from fedfusion.config.recipe import FusionConfig, LoRAConfig
+from fedfusion.config.sections import FusionConfig, LoRAConfig
 from fedfusion.fusion.base import BuildTarget
 from fedfusion.fusion.lora.method import LoRAMethod, adapted_modules
 from fedfusion.fusion.rounds import fusion_wire

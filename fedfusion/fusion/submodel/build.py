@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fedfusion.config.recipe import FusionConfig
+from fedfusion.config.sections import FusionConfig
 from fedfusion.fusion.base import BuildTarget
 from fedfusion.fusion.outer import OuterConfig
 from fedfusion.fusion.rounds import fusion_wire
