@@ -13,7 +13,16 @@ from pathlib import Path
 import pytest
 
 from fedfusion.config.methods import METHODS, hook
-from fedfusion.config.recipe import Recipe
+from fedfusion.config.recipe import Recipe, load_recipe
+from fedfusion.config.sections import (
+    DataConfig,
+    DistillConfig,
+    FamilyConfig,
+    FusionConfig,
+    ModelConfig,
+    RecipeError,
+    TrainConfig,
+)
 
 ROOT = Path(__file__).parents[1]
 FOLDERS = (ROOT / "fedfusion", ROOT / "strategies", ROOT / "clients")
@@ -74,3 +83,33 @@ def test_a_build_hook_names_only_recipe_sections_and_what_build_methods_gives(en
     params = set(inspect.signature(hook(entry.build)).parameters)
     assert params <= sections | BUILD_GIVEN, params - sections - BUILD_GIVEN
     assert {"target", "tiers"} <= params
+
+
+def test_a_section_checks_its_own_fields_naming_the_key():
+    with pytest.raises(RecipeError, match=r"^data\.held_out: must be in \(0, 1\), got 1\.5$"):
+        DataConfig(held_out=1.5).check()
+    with pytest.raises(RecipeError, match=r"^distill\.families\.tiny\.num_heads: 3 does not divide hidden_size 32$"):
+        DistillConfig(families={"tiny": FamilyConfig(num_heads=3)}, tier_family={"phone": "tiny"}).check()
+    FusionConfig().check()  # the defaults are a valid section
+
+
+def test_only_the_sections_some_tier_trains_with_are_checked():
+    """An unused method's section is not the run's: a bad value there is not an error until a tier uses it."""
+    assert load_recipe("quickstart", ["distill.kd_weight=2"]).distill.kd_weight == 2
+    with pytest.raises(RecipeError, match=r"^distill\.kd_weight: must be in \[0, 1\], got 2"):
+        load_recipe("distill", ["distill.kd_weight=2"])
+
+
+def test_a_cross_section_rule_reports_after_the_sections_it_reads():
+    """train.seq_len against model.max_position is the recipe's rule, not either section's."""
+    TrainConfig(seq_len=1024).check()
+    ModelConfig(max_position=512).check()
+    with pytest.raises(RecipeError, match=r"^train\.seq_len: 1024 exceeds model\.max_position 512$"):
+        load_recipe("rolling", ["train.seq_len=1024", "model.max_position=512"])
+
+
+def test_the_data_source_is_what_the_data_modules_read():
+    recipe = load_recipe("quickstart", ["seed=3"])
+    source = recipe.data_source()
+    assert (source.data, source.num_clients, source.seed, source.tokenizer) == (
+        recipe.data, recipe.population.num_clients, 3, recipe.model.pretrained)
