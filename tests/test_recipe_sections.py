@@ -40,9 +40,17 @@ def names_recipe(annotation: ast.expr | None) -> bool:
     for node in ast.walk(annotation) if annotation is not None else ():
         if isinstance(node, ast.Name) and node.id == "Recipe" or isinstance(node, ast.Attribute) and node.attr == "Recipe":
             return True
-        if isinstance(node, ast.Constant) and isinstance(node.value, str) and names_recipe(ast.parse(node.value).body[0].value):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and names_recipe(quoted(node.value)):
             return True
     return False
+
+
+def quoted(text: str) -> ast.expr | None:
+    """A quoted annotation as an expression; None for a string that is not one (a ``Literal``'s value)."""
+    try:
+        return ast.parse(text, mode="eval").body
+    except SyntaxError:
+        return None
 
 
 def whole_recipe_parameters(source: str) -> list[str]:
@@ -60,7 +68,7 @@ def whole_recipe_parameters(source: str) -> list[str]:
 
 def test_the_scan_finds_a_whole_recipe_however_it_is_written():
     source = ("def a(recipe: Recipe): ...\ndef b(r: 'Recipe | None'): ...\ndef c(recipe): ...\n"
-              "def d(x: config.recipe.Recipe): ...\ndef e(data: DataConfig, recipe_like: int): ...\n"
+              "def d(x: config.recipe.Recipe): ...\ndef e(data: DataConfig, recipe_like: Literal['a b']): ...\n"
               "class K:\n    def f(self, *, recipe: Recipe): ...\n")
     assert whole_recipe_parameters(source) == ["a(recipe)", "b(r)", "c(recipe)", "d(x)", "f(recipe)"]
 
