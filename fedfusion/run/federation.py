@@ -103,7 +103,8 @@ def build_methods(recipe: Recipe, target: Target) -> dict[str, FusionMethod]:
 def build_strategy(recipe: Recipe, target: Target, listeners: Sequence[Listener] = ()) -> FusionStrategy:
     """The fusion strategy over the recipe's methods, with the specs its messages carry."""
     lora = recipe.fusion.method == LORA
-    client = ClientSpec(lora_data_spec(recipe.data_source()) if lora else data_spec(recipe.data_source()), recipe.train.seq_len,
+    source = recipe.data_source()
+    client = ClientSpec(lora_data_spec(source) if lora else data_spec(source), recipe.train.seq_len,
                         recipe.engine.threads_per_client)
     population = PopulationSpec(dict(recipe.population.mix), recipe.population.num_clients, recipe.seed)
     # the role that counts a node's examples: LoRA clients count instruction pairs of the base's tokens
