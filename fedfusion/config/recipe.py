@@ -79,15 +79,18 @@ class Recipe:
         return DataSource(self.data, self.population.num_clients, self.seed, self.model.pretrained)
 
     def check(self) -> None:
-        """Value checks beyond types: every key's allowed values, each section's own ``check``, then the rules
-        across sections (:func:`_check_across`, which also checks the population and the sections some tier uses:
-        distill, lora, generative); raises RecipeError naming the first bad key."""
+        """Value checks beyond types: every key's allowed values, the rounds, each section's own ``check``, then
+        the rules across sections (:func:`_check_across`, which also checks the population and the sections some
+        tier uses: distill, lora, generative); raises RecipeError naming the first bad key."""
         for key, allowed in CHOICES.items():
             value: Any = self
             for part in key.split("."):
                 value = getattr(value, part)
             if value not in allowed:
                 raise RecipeError(f"{key}: {value!r} is not one of {', '.join(allowed)}")
+        if self.rounds < 0 or (self.rounds == 0 and self.data.source != "facts"):
+            raise RecipeError(f"rounds: must be > 0 (0, as many as the facts need, only with data.source=facts), "
+                              f"got {self.rounds}")
         for section in (self.data, self.model, self.selection, self.train, self.engine, self.faults,
                         self.availability, self.output, self.privacy, self.fusion, self.units):
             section.check()
@@ -259,9 +262,6 @@ def uses(recipe: Recipe, method: str) -> bool:
 
 def _check_across(recipe: Recipe) -> None:
     """The rules that span sections, in the order they report."""
-    if recipe.rounds < 0 or (recipe.rounds == 0 and recipe.data.source != "facts"):
-        raise RecipeError(f"rounds: must be > 0 (0, as many as the facts need, only with data.source=facts), "
-                          f"got {recipe.rounds}")
     if recipe.privacy.mode in ("clip", "local") and uses(recipe, GENERATIVE):
         raise RecipeError(f"privacy.mode: {recipe.privacy.mode} clips a reply against the model sent, but a "
                           "generative client replies samples; use privacy.mode=dp_sgd (its samples are drawn from a "
@@ -299,7 +299,7 @@ def _check_across(recipe: Recipe) -> None:
 
 def _data_and_method(recipe: Recipe) -> None:
     """Which data each method trains on: facts with slices, generative or LoRA; chatterbot only with LoRA; a
-    dataset's distillation transfers from a file."""
+    dataset's distillation transfers from a file; general text scored only for facts on a pretrained target."""
     d, method = recipe.data, recipe.fusion.method
     if d.source == "dataset" and method == DISTILL and recipe.distill.transfer.source == "shakespeare":
         raise RecipeError("distill.transfer.source: with data.source=dataset the transfer text is a file "
@@ -313,6 +313,9 @@ def _data_and_method(recipe: Recipe) -> None:
                               f"got {method!r}")
         if d.general_chars and not recipe.model.pretrained:
             raise RecipeError("data.general_chars: scores what a pretrained target forgets; set model.pretrained")
+    if d.general_chars < 0 or (d.general_chars and d.source != "facts"):
+        raise RecipeError(f"data.general_chars: >= 0, and only with data.source=facts, got {d.general_chars} "
+                          f"with source {d.source!r}")
 
 
 def _tiers(recipe: Recipe) -> None:
