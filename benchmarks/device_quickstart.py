@@ -25,7 +25,6 @@ from pathlib import Path
 import torch
 from results_files import run_facts, write_pair
 
-from fedfusion.config.recipe import grow_rounds
 from fedfusion.data.population import client_windows, data_spec
 from fedfusion.data.text import load_tokenizer
 from fedfusion.fusion.base import Client
@@ -67,10 +66,10 @@ def one_phase(phase: str, tier: str, steps: int) -> dict:
 
     torch.set_num_threads(1)
     recipe = load_checked("quickstart", OVERRIDES)
-    grow = grow_rounds(recipe)
+    grow = recipe.fusion.grow_rounds()
     target = build_target(recipe.model, load_tokenizer(None), recipe.seed)
-    windows = client_windows(data_spec(recipe), 0, recipe.train.seq_len, "train")
-    method = build_method(recipe, _Target(target), list(recipe.fusion.widths))
+    windows = client_windows(data_spec(recipe.data_source()), 0, recipe.train.seq_len, "train")
+    method = build_method(recipe.fusion, recipe.seed, _Target(target), list(recipe.fusion.widths))
     state = target.state_dict()
     server_round = 1 if phase == "small" else grow + 2
     [payload] = method.payloads(server_round, state, [Client(partition=0, tier=tier, seed=3)])

@@ -85,7 +85,7 @@ def main() -> None:
     torch.set_num_threads(1)
     recipe = load_recipe(RECIPE)
     target = build_target(recipe.model, load_tokenizer(None), recipe.seed)
-    windows = client_windows(data_spec(recipe), 0, recipe.train.seq_len, "train")
+    windows = client_windows(data_spec(recipe.data_source()), 0, recipe.train.seq_len, "train")
     tiers = args.tiers or list(recipe.fusion.widths)
     rows = [tier_row(recipe, tier, target, windows) for tier in tiers]
     result = {"command": shlex.join(["python", "benchmarks/device_runtime.py", *sys.argv[1:]]), "machine": machine(),

@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 from fedfusion.clients import lora as lora_client
 
-from fedfusion.config.recipe import ModelConfig
+from fedfusion.config.sections import ModelConfig
 from fedfusion.data.instruct import pooled_held_out
 from fedfusion.data.text import build_char_tokenizer, encode_text, lm_windows, load_shakespeare_roles, split_text
 from fedfusion.fusion.base import Payload

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import yaml
 
-from fedfusion.config.recipe import DataConfig
+from fedfusion.config.sections import DataConfig
 from fedfusion.run.check import facts_rounds
 from fedfusion.run.report import still_rising
 

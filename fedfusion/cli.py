@@ -18,7 +18,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from fedfusion.config.methods import GENERATIVE, SUBMODEL, UNITS, hook, method
-from fedfusion.config.recipe import Recipe, RecipeError, builtin_recipes, load_recipe, method_label, nodes_per_client
+from fedfusion.config.recipe import Recipe, builtin_recipes, load_recipe, method_label, nodes_per_client
+from fedfusion.config.sections import RecipeError
 from fedfusion.run.arms import ARM_NAMES
 from fedfusion.run.check import check_recipe
 from fedfusion.run.seed_paper import NAME as SEED_PAPER
@@ -62,7 +63,7 @@ def _load_for_run(ref: str, overrides: list[str]) -> Recipe:
     if recipe.data.source == "dataset":  # load and partition it now: a missing column or a bad count stops here
         from fedfusion.data.population import partition_sizes
 
-        partition_sizes(recipe)
+        partition_sizes(recipe.data_source(), recipe.fusion.method)
     return recipe
 
 
@@ -249,7 +250,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from fedfusion.data.federated import describe
     from fedfusion.data.population import partition_sizes
 
-    console.print("\n".join(describe(partition_sizes(recipe))), highlight=False, soft_wrap=True)
+    console.print("\n".join(describe(partition_sizes(recipe.data_source(), recipe.fusion.method))), highlight=False, soft_wrap=True)
     return 0
 
 

@@ -240,7 +240,7 @@ def deploy_local(app_dir: Path, recipe_ref: str, overrides: list[str], workdir: 
         echo(f"SuperLink on 127.0.0.1:{fed.port} (TLS, SuperNode auth); logs in {workdir / 'logs'}")
         for i in range(n):
             fed.register(files.node_keys[i], f"node{i}")
-        tiers = [t for t in tier_list(recipe) for _ in range(k)]  # node i is client i // k's
+        tiers = [t for t in tier_list(recipe.population, recipe.seed) for _ in range(k)]  # node i is client i // k's
         for i in range(n):
             fed.start_supernode(f"node{i}", files.node_keys[i],
                                 f'partition-id={i} num-partitions={n} device="{tiers[i]}"')

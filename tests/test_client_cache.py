@@ -88,9 +88,9 @@ def test_client_data_is_cached_per_spec_and_a_different_spec_misses():
     from fedfusion.data.population import client_windows, data_spec
 
     recipe = load_recipe("quickstart")
-    spec = data_spec(recipe)
+    spec = data_spec(recipe.data_source())
     recipe.seed = 1
-    other = data_spec(recipe)
+    other = data_spec(recipe.data_source())
     first = client_windows(spec, 0, 64, "train")
     before = client_windows.cache_info()
     assert client_windows(spec, 0, 64, "train") is first

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from fedfusion.cli import main, parser
-from fedfusion.config.recipe import RecipeError, builtin_recipes, load_recipe, to_yaml
+from fedfusion.config.recipe import builtin_recipes, load_recipe, to_yaml
+from fedfusion.config.sections import RecipeError
 from fedfusion.run import arms as arms_module
 from fedfusion.run.arms import ORACLE, RECIPE, SMALLEST, Arm, UnequalBudget, arms_for, check_equal_budget
 from fedfusion.run.check import load_checked

@@ -99,7 +99,8 @@ def test_deploying_over_tls_with_registered_supernodes_refuses_an_unregistered_o
     assert json.loads((d.out / "summary.json").read_text())["status"] == "ok"
     clients = read_jsonl(d.out / "clients.jsonl")
     assert len({c["node"] for c in clients}) == 2 and {c["status"] for c in clients} == {"ok"}
-    tiers = tier_list(load_recipe("mixed", MIXED))  # each node trained as the tier its node-config named
+    mixed = load_recipe("mixed", MIXED)
+    tiers = tier_list(mixed.population, mixed.seed)  # each node trained as the tier its node-config named
     assert sorted((c["partition"], c["device"]) for c in clients) == list(enumerate(tiers))
     assert "Failed to activate SuperNode" in (d.workdir / "logs" / "unregistered0.log").read_text()
     assert d.left == [], "processes left running"

@@ -276,7 +276,7 @@ def test_runtime_training_matches_torch(phone_program, optimizer):
 
     recipe, program, _ = phone_program
     state, config = _phone_state(recipe)
-    windows = client_windows(data_spec(recipe), 0, recipe.train.seq_len, "train")
+    windows = client_windows(data_spec(recipe.data_source()), 0, recipe.train.seq_len, "train")
     steps, lr, batch = 8, (3e-3 if optimizer == "adamw" else 0.1), recipe.train.batch_size
 
     runner = ProgramRunner(program)
@@ -333,7 +333,7 @@ def test_gateway_and_reference_device_end_to_end(phone_program, tmp_path):
             ReferenceDevice(server.url, "wrong").register()
         state, config = _phone_state(recipe)
         spec = ConfigRecord(merge(TrainSpec.from_recipe(recipe.train), RoundSpec(3, 5), RoleSpec("submodel"),
-                                  ClientSpec(data_spec(recipe), recipe.train.seq_len, 1), SliceSpec(0.125, "rolling", None),
+                                  ClientSpec(data_spec(recipe.data_source()), recipe.train.seq_len, 1), SliceSpec(0.125, "rolling", None),
                                   ModelSpec(config.to_dict())))
         node = {"gateway": server.url, "gateway-secret-file": str(tmp_path / "secret"), "gateway-deadline-s": 60.0}
         device = ReferenceDevice(server.url, "tok-a")

@@ -10,7 +10,8 @@ from conftest import tiny_config
 from fp_bounds import assert_within, gamma
 from transformers import LlamaForCausalLM
 
-from fedfusion.config.recipe import RecipeError, load_recipe
+from fedfusion.config.recipe import load_recipe
+from fedfusion.config.sections import RecipeError
 from fedfusion.run.check import load_checked
 from fedfusion.train.dp import ClientBudgets, DpSgd, epsilon_spent, private_gradients
 from fedfusion.train.loop import train_steps

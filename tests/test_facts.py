@@ -155,7 +155,7 @@ def test_a_users_facts_files_feed_clients_and_the_target(tmp_path):
     from fedfusion.run.targets import lm_target
 
     recipe, paths = _facts_recipe(tmp_path)
-    spec = data_spec(recipe)
+    spec = data_spec(recipe.data_source())
     clients = population_data(spec)
     facts = load_facts(paths["train"], paths["probes"])
     assert [c.documents for c in clients] == list(facts.documents)
@@ -173,11 +173,12 @@ def test_a_users_facts_files_feed_clients_and_the_target(tmp_path):
 
 
 def test_generated_facts_need_no_files_and_bad_facts_recipes_are_refused(tmp_path):
-    from fedfusion.config.recipe import RecipeError, load_recipe
+    from fedfusion.config.recipe import load_recipe
+    from fedfusion.config.sections import RecipeError
     from fedfusion.data.population import data_spec, population_data
 
     recipe = load_recipe("quickstart", ["data.source=facts", "data.people=40", "population.num_clients=4", "selection.clients_per_round=2"])
-    clients = population_data(data_spec(recipe))
+    clients = population_data(data_spec(recipe.data_source()))
     assert len(clients) == 4 and sum(len(c.documents) for c in clients) == 40 * 3
     with pytest.raises(RecipeError, match="data.probes"):
         load_recipe("quickstart", ["data.source=facts", "data.path=x.jsonl"])
@@ -187,7 +188,7 @@ def test_generated_facts_need_no_files_and_bad_facts_recipes_are_refused(tmp_pat
         load_recipe("distill", ["data.source=facts"])
     recipe, _ = _facts_recipe(tmp_path, "population.num_clients=5")
     with pytest.raises(ValueError, match="holds 4 clients"):
-        population_data(data_spec(recipe))
+        population_data(data_spec(recipe.data_source()))
 
 
 def test_text_files_with_a_client_field_keep_their_partition(tmp_path):
@@ -199,6 +200,6 @@ def test_text_files_with_a_client_field_keep_their_partition(tmp_path):
                             for c, t in [("b", "bee text. "), ("a", "ay text. "), ("b", "more bee. ")]))
     recipe = load_recipe("quickstart", ["data.source=text", f"data.path={path}", "population.num_clients=2",
                                         "selection.clients_per_round=2"])
-    clients = population_data(data_spec(recipe))
+    clients = population_data(data_spec(recipe.data_source()))
     assert [c.name for c in clients] == ["client-a", "client-b"]
     assert "bee" not in clients[0].train + clients[0].held_out and "ay text" not in clients[1].train + clients[1].held_out

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from fedfusion.cli import main
-from fedfusion.config.recipe import RecipeError
+from fedfusion.config.sections import RecipeError
 from fedfusion.data.federated import PartitionSizes, describe, label_skew, partitions, read_partition_sizes
 from fedfusion.data.instruct import instruct_clients, pooled_held_out
 from fedfusion.data.population import (
@@ -59,7 +59,7 @@ def recipe_for(path: Path | str, partitioner: str, clients: int = 4, *more: str)
 
 
 def rows_of(recipe) -> list[list[str]]:
-    return [list(p["text"]) for p in partitions(data_spec(recipe))]
+    return [list(p["text"]) for p in partitions(data_spec(recipe.data_source()))]
 
 
 @pytest.mark.parametrize("fmt", ["jsonl", "csv", "parquet", "txt"])
@@ -77,32 +77,32 @@ def test_iid_without_shuffle_keeps_file_order_as_contiguous_shards(files):
 @pytest.mark.parametrize("fmt", ["jsonl", "csv", "parquet"])
 def test_natural_gives_each_id_its_own_client_named_after_it(files, fmt):
     recipe = recipe_for(files[fmt], "{name: natural, by: user}")
-    parts = partitions(data_spec(recipe))
+    parts = partitions(data_spec(recipe.data_source()))
     assert [set(p["user"]) for p in parts] == [{u} for u in sorted(USERS)]
     assert [len(p) for p in parts] == [Counter(r["user"] for r in records())[u] for u in sorted(USERS)]
-    assert [c.name for c in population_data(data_spec(recipe))] == [f"user={u}" for u in sorted(USERS)]
+    assert [c.name for c in population_data(data_spec(recipe.data_source()))] == [f"user={u}" for u in sorted(USERS)]
 
 
 def test_natural_with_a_population_of_another_size_names_the_fix(files):
     with pytest.raises(ValueError, match="population.num_clients: .* 4 distinct 'user' values.*set population.num_clients=4"):
-        partitions(data_spec(recipe_for(files["parquet"], "{name: natural, by: user}", 3)))
+        partitions(data_spec(recipe_for(files["parquet"], "{name: natural, by: user}", 3).data_source()))
 
 
 def test_dirichlet_skews_labels_more_as_alpha_falls_and_is_seeded(files):
     def top_share(alpha: float, seed: int = 0) -> float:
         recipe = recipe_for(files["jsonl"], f"{{name: dirichlet, by: label, alpha: {alpha}, min_partition_size: 2}}",
                             4, f"seed={seed}")
-        return label_skew(partition_sizes(recipe))["mean_top_share"]
+        return label_skew(partition_sizes(recipe.data_source(), recipe.fusion.method))["mean_top_share"]
 
     assert top_share(0.05) > top_share(1000.0) + 0.2
-    spec = data_spec(recipe_for(files["jsonl"], "{name: dirichlet, by: label, alpha: 0.3, min_partition_size: 2}"))
+    spec = data_spec(recipe_for(files["jsonl"], "{name: dirichlet, by: label, alpha: 0.3, min_partition_size: 2}").data_source())
     first = [list(p["text"]) for p in partitions(spec)]
     partitions.cache_clear()
     assert [list(p["text"]) for p in partitions(spec)] == first  # every process rebuilds the same partition
 
 
 def test_shard_gives_each_client_its_shards_of_the_sorted_labels(files):
-    parts = partitions(data_spec(recipe_for(files["parquet"], "{name: shard, by: label, num_shards_per_partition: 1}")))
+    parts = partitions(data_spec(recipe_for(files["parquet"], "{name: shard, by: label, num_shards_per_partition: 1}").data_source()))
     assert [len(set(p["label"])) for p in parts] == [1] * 4  # one shard of a label-sorted table: one label
     assert sorted(t for p in parts for t in p["text"]) == sorted(r["text"] for r in records())
 
@@ -110,12 +110,12 @@ def test_shard_gives_each_client_its_shards_of_the_sorted_labels(files):
 def test_pathological_limits_each_client_to_its_number_of_labels(files):
     recipe = recipe_for(files["csv"], "{name: pathological, by: label, num_classes_per_partition: 2, "
                                       "class_assignment_mode: deterministic}")
-    assert all(len(set(p["label"])) <= 2 for p in partitions(data_spec(recipe)))
+    assert all(len(set(p["label"])) <= 2 for p in partitions(data_spec(recipe.data_source())))
 
 
 def test_lm_clients_train_on_their_rows_text_and_hold_out_its_tail(files):
     recipe = recipe_for(files["jsonl"], "{name: natural, by: user}")
-    clients, parts = population_data(data_spec(recipe)), partitions(data_spec(recipe))
+    clients, parts = population_data(data_spec(recipe.data_source())), partitions(data_spec(recipe.data_source()))
     for client, part in zip(clients, parts):
         assert client.train + client.held_out == "\n".join(part["text"])
         assert 0 < len(client.held_out) < len(client.train)
@@ -125,8 +125,8 @@ def test_lm_clients_train_on_their_rows_text_and_hold_out_its_tail(files):
 def test_instruction_pairs_come_from_the_prompt_and_response_columns(files):
     recipe = recipe_for(files["parquet"], "{name: dirichlet, by: label, alpha: 0.5, min_partition_size: 2}", 4,
                         "fusion.method=lora", "train.seq_len=64", "data.held_out=0.2")
-    spec = lora_data_spec(recipe)
-    clients, parts = instruct_clients(spec), partitions(data_spec(recipe))
+    spec = lora_data_spec(recipe.data_source())
+    clients, parts = instruct_clients(spec), partitions(data_spec(recipe.data_source()))
     for client, part in zip(clients, parts):
         assert len(client.train) + len(client.held_out) == len(part)
         assert len(client.held_out) == max(1, round(0.2 * len(part)))
@@ -142,24 +142,24 @@ def test_the_built_in_corpora_are_datasets_like_any_other():
                                      "data.partitioner={name: natural, by: role}", "population.num_clients=4",
                                      "selection.clients_per_round=2", "data.shuffle=false"])
     with pytest.raises(ValueError, match="population.num_clients: shakespeare has (\\d+) distinct 'role'"):
-        partitions(data_spec(recipe))
+        partitions(data_spec(recipe.data_source()))
     recipe = load_checked("rolling", ["data.source=dataset", "data.dataset=chatterbot", "fusion.method=lora",
                                      "data.partitioner={name: dirichlet, by: category, alpha: 0.1}",
                                      "population.num_clients=4", "selection.clients_per_round=2"])
-    sizes = partition_sizes(recipe)
+    sizes = partition_sizes(recipe.data_source(), recipe.fusion.method)
     assert sizes.unit == "pairs" and sizes.label == "category" and len(sizes.labels) == 4
     assert label_skew(sizes)["labels"] > 10
 
 
 def test_a_missing_column_is_named_with_the_columns_there_are(files):
     with pytest.raises(ValueError, match="data.partitioner.by: .* has no column 'topic'; its columns: text, label"):
-        partitions(data_spec(recipe_for(files["jsonl"], "{name: dirichlet, by: topic, alpha: 1.0}")))
+        partitions(data_spec(recipe_for(files["jsonl"], "{name: dirichlet, by: topic, alpha: 1.0}").data_source()))
 
 
 def test_fewer_rows_than_clients_is_an_error_not_an_empty_client(tmp_path):
     (tmp_path / "few.jsonl").write_text("".join(json.dumps({"text": f"t{i}"}) + "\n" for i in range(3)))
     with pytest.raises(ValueError, match="population.num_clients: .*few.jsonl has 3 rows, fewer than the 4 clients"):
-        partitions(data_spec(recipe_for(tmp_path / "few.jsonl", "{name: iid}")))
+        partitions(data_spec(recipe_for(tmp_path / "few.jsonl", "{name: iid}").data_source()))
 
 
 @pytest.mark.parametrize("partitioner,message", [
@@ -184,9 +184,9 @@ def test_a_dataset_recipe_without_a_dataset_or_with_a_missing_file_is_a_recipe_e
 
 def test_sizes_go_to_the_run_directory_and_the_report_shows_them(files, tmp_path):
     recipe = recipe_for(files["jsonl"], "{name: dirichlet, by: label, alpha: 0.3, min_partition_size: 2}")
-    write_partition_sizes(tmp_path, recipe)
+    write_partition_sizes(tmp_path, recipe.data_source(), recipe.fusion.method)
     sizes = read_partition_sizes(tmp_path)
-    assert sizes == partition_sizes(recipe) and sum(sizes.examples) == len(records())
+    assert sizes == partition_sizes(recipe.data_source(), recipe.fusion.method) and sum(sizes.examples) == len(records())
     assert [sum(c.values()) for c in sizes.labels] == list(sizes.examples)
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"round": 0, "eval_loss": 4.0, "eval_ppl": 54.6,
                                                         "eval_acc": 0.0}) + "\n")
@@ -252,7 +252,7 @@ def test_a_hub_id_goes_to_load_dataset_with_its_subset_and_split(monkeypatch):
     monkeypatch.setattr(datasets, "load_dataset", fake_load)
     recipe = recipe_for("someone/reviews", "{name: dirichlet, by: label, alpha: 1.0, min_partition_size: 2}", 4,
                         "data.subset=plain", "data.dataset_split=validation")
-    assert sum(len(p) for p in partitions(data_spec(recipe))) == 40
+    assert sum(len(p) for p in partitions(data_spec(recipe.data_source()))) == 40
     assert calls == [("someone/reviews", "plain", "validation")]
 
 
@@ -260,11 +260,11 @@ def test_a_changed_local_file_is_a_new_data_spec_and_a_new_partition(tmp_path):
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records(40)))
     recipe = recipe_for(path, "{name: iid}")
-    before, pairs_before = data_spec(recipe), lora_data_spec(recipe)
+    before, pairs_before = data_spec(recipe.data_source()), lora_data_spec(recipe.data_source())
     assert sum(len(p) for p in partitions(before)) == 40
     path.write_text("".join(json.dumps(r) + "\n" for r in records(48)))
-    after = data_spec(recipe)
-    assert after != before and lora_data_spec(recipe) != pairs_before  # what was cached under the old spec is not reused
+    after = data_spec(recipe.data_source())
+    assert after != before and lora_data_spec(recipe.data_source()) != pairs_before  # what was cached under the old spec is not reused
     assert sum(len(p) for p in partitions(after)) == 48
 
 
@@ -272,10 +272,10 @@ def test_a_changed_text_file_is_a_new_data_spec(tmp_path):
     path = tmp_path / "corpus.txt"
     path.write_text("To be, or not to be, that is the question.\n" * 50)
     recipe = load_checked("quickstart", ["data.source=text", f"data.path={path}"])
-    before = data_spec(recipe)
-    assert data_spec(recipe) == before  # the same file is the same spec: its cache is reused
+    before = data_spec(recipe.data_source())
+    assert data_spec(recipe.data_source()) == before  # the same file is the same spec: its cache is reused
     path.write_text("Now is the winter of our discontent.\n" * 60)
-    assert data_spec(recipe) != before
+    assert data_spec(recipe.data_source()) != before
 
 
 def test_a_run_whose_dataset_lacks_the_text_column_stops_before_writing_anything(files, tmp_path, capsys):
@@ -290,4 +290,4 @@ def test_a_run_whose_dataset_lacks_the_text_column_stops_before_writing_anything
 def test_a_dirichlet_draw_that_cannot_meet_its_minimum_is_a_partitioner_error(files):
     recipe = recipe_for(files["jsonl"], "{name: dirichlet, by: label, alpha: 0.05, min_partition_size: 40}")
     with pytest.raises(ValueError, match="data.partitioner: The max number of attempts"):
-        partitions(data_spec(recipe))
+        partitions(data_spec(recipe.data_source()))

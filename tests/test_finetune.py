@@ -16,7 +16,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from fedfusion.cli import main
-from fedfusion.config.recipe import RecipeError
+from fedfusion.config.sections import RecipeError
 from fedfusion.data.facts import build_word_tokenizer, encode_probes, facts_from_records, generate_facts
 from fedfusion.data.text import general_text
 from fedfusion.run.check import load_checked

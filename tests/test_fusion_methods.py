@@ -11,7 +11,7 @@ import torch
 from fp_bounds import assert_within
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from fedfusion.config.recipe import DistillConfig
+from fedfusion.config.sections import DistillConfig
 from fedfusion.data.text import build_char_tokenizer
 from fedfusion.fusion.base import Client, FusionMethod
 from fedfusion.fusion.distill.method import DistillMethod, Family

@@ -210,7 +210,7 @@ def test_client_role_trains_and_samples(tmp_path):
     target = lm_target(recipe)
     cfg = target.model.config
     plan = plan_slice(cfg, 0.25, "static")
-    spec = ConfigRecord(merge(ClientSpec(data_spec(recipe), 48, 1), TrainSpec(2, 1e-2, 4, 0.0, "adamw"), RoundSpec(1, 5),
+    spec = ConfigRecord(merge(ClientSpec(data_spec(recipe.data_source()), 48, 1), TrainSpec(2, 1e-2, 4, 0.0, "adamw"), RoundSpec(1, 5),
                               GenerativeSpec(0.25, 3, 1.0, 2, "server", False), ModelSpec(sub_config(cfg, plan).to_dict())))
     state, metrics = role.train(extract(target.model.state_dict(), cfg, plan), spec, partition=1)
     samples = state.pop(SAMPLES_KEY)

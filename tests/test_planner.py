@@ -234,9 +234,9 @@ def test_distill_plan_shows_each_tiers_family_model_and_the_servers_work():
     rows = {r["tier"]: r for r in distill_plan_table(recipe)}
     assert list(rows) == ["phone", "laptop", "desktop", "server (cloud-a100)"]
     assert rows["phone"]["trains"].startswith("tiny: llama 32x2") and rows["laptop"]["trains"].startswith("small: gpt2")
-    text = transfer_text(d.transfer.source, data_spec(recipe), d.transfer.max_chars)
+    text = transfer_text(d.transfer.source, data_spec(recipe.data_source()), d.transfer.max_chars)
     built = {name: param_count(config) for name, (config, _) in
-             distill_families(recipe, load_tokenizer(None), text).items()}
+             distill_families(recipe.distill, recipe.model.max_position, load_tokenizer(None), text).items()}
     assert rows["phone"]["params"] == built["tiny"] and rows["desktop"]["params"] == built["small"]
     for tier in ("phone", "laptop", "desktop"):
         p = rows[tier]["params"]

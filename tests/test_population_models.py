@@ -14,15 +14,15 @@ from tests.conftest import tiny_config
 
 def test_shakespeare_population_is_seeded_and_split():
     recipe = load_recipe("quickstart")
-    clients = population_data(data_spec(recipe))
-    assert len(clients) == recipe.population.num_clients == len(tier_list(recipe))
+    clients = population_data(data_spec(recipe.data_source()))
+    assert len(clients) == recipe.population.num_clients == len(tier_list(recipe.population, recipe.seed))
     assert len({c.name for c in clients}) == len(clients)
     for c in clients:
         total = len(c.train) + len(c.held_out)
         assert abs(len(c.held_out) - 0.1 * total) <= 1
-    other = population_data(data_spec(load_recipe("quickstart", ["seed=1"])))
+    other = population_data(data_spec(load_recipe("quickstart", ["seed=1"]).data_source()))
     assert [c.name for c in other] != [c.name for c in clients]
-    assert len(pooled_held_out(data_spec(recipe), 5000)) <= 5000 + len(clients)
+    assert len(pooled_held_out(data_spec(recipe.data_source()), 5000)) <= 5000 + len(clients)
 
 
 def test_local_text_source_is_sharded_per_client(tmp_path):
@@ -30,7 +30,7 @@ def test_local_text_source_is_sharded_per_client(tmp_path):
     path.write_text("".join(f"line {i} of a local corpus\n" for i in range(400)))
     recipe = load_recipe("quickstart", ["data.source=text", f"data.path={path}", "population.num_clients=4",
                                         "selection.clients_per_round=2"])
-    clients = population_data(data_spec(recipe))
+    clients = population_data(data_spec(recipe.data_source()))
     assert [c.name for c in clients] == [f"shard-{i}" for i in range(4)]
     assert "".join(c.train + c.held_out for c in clients) == path.read_text()[: 4 * (len(path.read_text()) // 4)]
 
@@ -51,5 +51,5 @@ def test_pretrained_target_and_tokenizer_load_from_a_local_directory(tmp_path):
         assert torch.equal(model.state_dict()[name], value)
     assert target_model_config(recipe.model).hidden_size == cfg.hidden_size
     assert [r["width"] for r in plan_table(recipe)] == [0.125, 0.25, 0.5]
-    windows = client_windows(data_spec(recipe), 0, 16, "train")  # clients tokenise with the same tokenizer
+    windows = client_windows(data_spec(recipe.data_source()), 0, 16, "train")  # clients tokenise with the same tokenizer
     assert windows.shape[1] == 17 and int(windows.max()) < len(tok)

@@ -9,7 +9,8 @@ from fedfusion.clients.privacy import privacy_mod
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 from fp_bounds import gamma, unit_roundoff
 
-from fedfusion.config.recipe import RecipeError, load_recipe
+from fedfusion.config.recipe import load_recipe
+from fedfusion.config.sections import RecipeError
 from fedfusion.models.build import model_from_state
 from fedfusion.models.slicing import extract, plan_slice, sub_config
 from fedfusion.run.federation import privacy_spec

@@ -10,7 +10,8 @@ from fp_bounds import assert_within, gamma, unit_roundoff
 from transformers import LlamaForCausalLM
 
 from fedfusion.config.choices import CHOICES
-from fedfusion.config.recipe import RecipeError, load_recipe
+from fedfusion.config.recipe import load_recipe
+from fedfusion.config.sections import RecipeError
 from fedfusion.fusion.base import Client
 from fedfusion.fusion.submodel.method import SubModelMethod
 from fedfusion.models.slicing import extract

@@ -9,7 +9,8 @@ import pytest
 from fedfusion.strategies.quorum import QuorumGrid
 from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MessageType, MetricRecord, RecordDict
 
-from fedfusion.config.recipe import RecipeError, load_recipe
+from fedfusion.config.recipe import load_recipe
+from fedfusion.config.sections import RecipeError
 from tests.test_strategy import FakeGrid, _reply, make_strategy, task_identity  # noqa: F401 (autouse fixture)
 
 

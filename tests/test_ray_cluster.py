@@ -17,7 +17,8 @@ import psutil
 import pytest
 
 from fedfusion.cli import backend_config
-from fedfusion.config.recipe import RecipeError, load_recipe
+from fedfusion.config.recipe import load_recipe
+from fedfusion.config.sections import RecipeError
 from fedfusion.deploy import _wait_port
 
 RAY = str(Path(sys.executable).parent / "ray")

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from fedfusion.config.recipe import RecipeError, builtin_recipes, grow_round_at, grow_rounds, load_recipe, to_yaml
+from fedfusion.config.recipe import builtin_recipes, grow_round_at, load_recipe, to_yaml
+from fedfusion.config.sections import RecipeError
 from fedfusion.run import check
 from fedfusion.run.check import load_checked
 from fedfusion.run.planner import fit_widths
@@ -268,7 +269,7 @@ def test_every_shipped_recipe_shortens_with_rounds_alone(name, rounds):
     """``rounds=N`` alone shortens every shipped recipe: a round-numbered setting scales with the run."""
     recipe = load_checked(name, [f"rounds={rounds}"])
     assert recipe.rounds == rounds
-    assert 0 <= grow_rounds(recipe) <= rounds
+    assert 0 <= recipe.fusion.grow_rounds() <= rounds
 
 
 @pytest.mark.parametrize("fraction,rounds,expected", [(0.33, 12, 4), (0.33, 2, 1), (0.33, 3, 1), (0.33, 6, 2),
@@ -286,7 +287,7 @@ def test_a_grow_round_fraction_waits_for_rounds_the_facts_set():
     raw = load_recipe("knowledge", ["fusion.method=submodel", "fusion.grow_round=0.5"])
     assert raw.rounds == 0 and raw.fusion.grow_round == 0.5
     with pytest.raises(RecipeError, match="unresolved"):
-        grow_rounds(raw)
+        raw.fusion.grow_rounds()
     checked = load_checked("knowledge", ["fusion.method=submodel", "fusion.grow_round=0.5"])
     assert checked.rounds > 0 and checked.fusion.grow_round == grow_round_at(0.5, checked.rounds)
 

@@ -77,7 +77,8 @@ def parse_quietly(parser, argv: list[str]):
 
 def recipe_problem(recipe: str | None, overrides: list[str]) -> str:
     """Why ``recipe`` with ``overrides`` does not load ("" when it does)."""
-    from fedfusion.config.recipe import RecipeError, load_recipe, resolve_recipe_path
+    from fedfusion.config.recipe import load_recipe, resolve_recipe_path
+    from fedfusion.config.sections import RecipeError
 
     if recipe is None:
         return ""

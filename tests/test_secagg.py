@@ -15,7 +15,8 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, 
 from fp_bounds import assert_within, gamma
 from transformers import LlamaForCausalLM
 
-from fedfusion.config.recipe import RecipeError, load_recipe
+from fedfusion.config.recipe import load_recipe
+from fedfusion.config.sections import RecipeError
 from fedfusion.devices.catalog import load_catalog
 from fedfusion.fusion.submodel.method import SubModelMethod
 from fedfusion.selection.participation import Participation

@@ -13,7 +13,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from fp_bounds import assert_within, gamma
 
 from fedfusion.config.choices import LORA_SECURE_METHODS
-from fedfusion.config.recipe import RecipeError, load_recipe
+from fedfusion.config.recipe import load_recipe
+from fedfusion.config.sections import RecipeError
 from fedfusion.devices.catalog import load_catalog
 from fedfusion.fusion.lora.aggregate import ClientLoRA, aggregate_sum
 from fedfusion.fusion.lora.method import LoRAMethod, split_global

@@ -397,7 +397,7 @@ def test_a_pool_short_of_usable_nodes_takes_another_batch_and_a_useless_node_is_
 def test_a_pool_smaller_than_the_draw_is_refused():
     with pytest.raises(ValueError, match="pool must hold at least the 6 clients"):
         pooled_strategy(pool=5, clients_per_round=6)
-    from fedfusion.config.recipe import RecipeError
+    from fedfusion.config.sections import RecipeError
     from fedfusion.run.check import load_checked
 
     with pytest.raises(RecipeError, match="selection.pool: must be at least the 9 clients"):

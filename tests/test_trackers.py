@@ -7,7 +7,7 @@ import numpy
 import pytest
 
 import fedfusion.run.run_dir
-from fedfusion.config.recipe import RecipeError
+from fedfusion.config.sections import RecipeError
 from fedfusion.run.check import load_checked
 from fedfusion.run.run_dir import RunDir, read_jsonl
 from fedfusion.run.trackers import scalars

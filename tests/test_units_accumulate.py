@@ -8,7 +8,8 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from fedfusion.config.recipe import RecipeError, load_recipe
+from fedfusion.config.recipe import load_recipe
+from fedfusion.config.sections import RecipeError
 from fedfusion.run.units import train_step
 from fedfusion.units import Freivalds, UnitEngine, install
 from fedfusion.units.accumulate import MissingSum, RunningSums

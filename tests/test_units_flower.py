@@ -40,7 +40,7 @@ def central_losses(overrides: list[str]) -> list[float]:
     """The same target on the same batches, trained by a plain torch loop on this process: no units, no Flower."""
     recipe = load_recipe("rolling", overrides)
     torch.manual_seed(0)
-    model = build_target(recipe.model, data_tokenizer(data_spec(recipe)), recipe.seed)
+    model = build_target(recipe.model, data_tokenizer(data_spec(recipe.data_source())), recipe.seed)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=recipe.train.lr, weight_decay=recipe.train.weight_decay)
     losses = []

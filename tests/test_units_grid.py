@@ -14,7 +14,8 @@ from flwr.app import Context, Message, RecordDict
 
 from fedfusion.client_app import UNITS_CACHE
 from fedfusion.client_app import units as units_handler
-from fedfusion.config.recipe import RecipeError, load_recipe
+from fedfusion.config.recipe import load_recipe
+from fedfusion.config.sections import RecipeError
 from fedfusion.units import Gemm, Operand, UnitDevice, UnitEngine
 
 

@@ -177,7 +177,7 @@ def test_units_report_has_the_server_and_cloud_section(tmp_path: Path) -> None:
 
 
 def test_an_unknown_server_device_is_refused() -> None:
-    from fedfusion.config.recipe import RecipeError
+    from fedfusion.config.sections import RecipeError
 
     with pytest.raises(RecipeError, match="units.server_device: unknown device 'nope'"):
         load_checked("units", ["units.server_device=nope"])

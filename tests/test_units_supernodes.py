@@ -9,7 +9,8 @@ import threading
 import pytest
 import torch
 
-from fedfusion.config.recipe import RecipeError, load_recipe, nodes_per_client
+from fedfusion.config.recipe import load_recipe, nodes_per_client
+from fedfusion.config.sections import RecipeError
 from fedfusion.run.units import nodes_in_order
 from fedfusion.units import UnitEngine, in_process
 from fedfusion.units.messages import DeviceRuntime

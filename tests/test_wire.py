@@ -12,7 +12,7 @@ from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 
 from fedfusion.config.choices import LORA_METHODS as METHODS
 from fedfusion.config.choices import POLICIES
-from fedfusion.config.recipe import FaultConfig, PrivacyConfig, TrainConfig
+from fedfusion.config.sections import FaultConfig, PrivacyConfig, TrainConfig
 from fedfusion.wire.specs import (
     ROLES,
     SPEC_TYPES,

@@ -15,6 +15,7 @@ its own, its plan rows), its client role module(s) in ``clients/``, and one entr
 from __future__ import annotations
 
 import importlib
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +40,8 @@ class Method:
     slices: bool = False  # its tiers train a width slice of the target: each needs fusion.widths (or auto_widths)
     server_device: str = ""  # the recipe section whose ``server_device`` prices the server's own training
     server_work: str = ""  # what the report calls that training
-    build: str = ""  # "module:function" (recipe, target, tiers) -> FusionMethod
+    # "module:function" (the recipe sections it names, target, tiers) -> FusionMethod, called by :func:`call`
+    build: str = ""
     plan: str = ""  # "module:function" (recipe) -> planner.PlanView: what ``fedfusion plan`` prints
     report_note: str = ""  # "module:NAME": a sentence the report adds under "Who did the work" of a run of it
     trained: str = ""  # "module:function" (ledger row) -> what a client of it trained, as the report says
@@ -103,3 +105,12 @@ def hook(path: str) -> Any:
     """What a ``"module:name"`` path of an entry names (a function, or a constant), imported now."""
     module, _, name = path.partition(":")
     return getattr(importlib.import_module(module), name)
+
+
+def call(path: str, recipe: object, **given: Any) -> Any:
+    """Call the hook at ``path`` with what its parameters name: each from ``given``, else the recipe's section (or
+    top-level field) of that name. A hook so takes only the sections it reads, and its signature says which
+    (``build(fusion, seed, target, tiers)``)."""
+    fn = hook(path)
+    return fn(**{name: given[name] if name in given else getattr(recipe, name)
+                 for name in inspect.signature(fn).parameters})

@@ -16,7 +16,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from fedfusion.config.methods import LORA
-from fedfusion.config.recipe import DataConfig, Recipe
+from fedfusion.config.sections import DataConfig, DataSource, PopulationConfig
 from fedfusion.data.cache import cached_tensor
 from fedfusion.data.facts import (
     Facts,
@@ -57,15 +57,15 @@ class ClientData:
     held_out_documents: tuple[str, ...] = ()
 
 
-def data_spec(recipe: Recipe) -> str:
+def data_spec(source: DataSource) -> str:
     """The JSON spec from which any process rebuilds the population's data and tokenises it (with the local
     files it reads, their sizes and times: a changed file is a new spec, so nothing cached under the old one is reused)."""
-    spec = {"data": asdict(recipe.data), "num_clients": recipe.population.num_clients, "seed": recipe.seed,
-            "tokenizer": recipe.model.pretrained}
-    if recipe.data.source == "dataset":
-        spec["files"] = file_versions(recipe.data)
-    elif recipe.data.source == "text":
-        path = _text_path(recipe.data)
+    spec = {"data": asdict(source.data), "num_clients": source.num_clients, "seed": source.seed,
+            "tokenizer": source.tokenizer}
+    if source.data.source == "dataset":
+        spec["files"] = file_versions(source.data)
+    elif source.data.source == "text":
+        path = _text_path(source.data)
         stat = Path(path).stat()
         spec["files"] = [(path, stat.st_size, stat.st_mtime_ns)]
     return json.dumps(spec, sort_keys=True)
@@ -153,9 +153,9 @@ def client_token_windows(spec: str, partition: int, seq_len: int, split: str) ->
     return lm_windows(encode_text(tok, getattr(client, split)), seq_len)
 
 
-def tier_list(recipe: Recipe) -> list[str]:
-    """Device tier of every client (seeded by the recipe)."""
-    return assign_tiers(recipe.population.mix, recipe.population.num_clients, recipe.seed)
+def tier_list(population: PopulationConfig, seed: int) -> list[str]:
+    """Device tier of every client (seeded by the run's seed)."""
+    return assign_tiers(population.mix, population.num_clients, seed)
 
 
 def pooled_held_out(spec: str, max_chars: int) -> str:
@@ -165,52 +165,51 @@ def pooled_held_out(spec: str, max_chars: int) -> str:
     return "\n".join(c.held_out[:share] for c in clients)
 
 
-def partition_sizes(recipe) -> PartitionSizes:
-    """Each client's share of the recipe's data (every source, not only datasets), as plan and report show it."""
+def partition_sizes(source: DataSource, method: str) -> PartitionSizes:
+    """Each client's share of the data (every source, not only datasets), as plan and report show it; a
+    ``method`` of LoRA counts instruction pairs (facts aside)."""
     from collections import Counter
 
-    from fedfusion.data.population import data_spec, lora_data_spec, population_data
-
-    data = asdict(recipe.data)
-    if recipe.fusion.method == LORA and recipe.data.source != "facts":
+    data = asdict(source.data)
+    if method == LORA and source.data.source != "facts":
         from fedfusion.data.instruct import instruct_clients as pairs_of
 
-        clients = pairs_of(lora_data_spec(recipe))
-        label = "category" if recipe.data.source == "chatterbot" else label_column(data)
+        clients = pairs_of(lora_data_spec(source))
+        label = "category" if source.data.source == "chatterbot" else label_column(data)
         return PartitionSizes("pairs", tuple(f"client-{i}" for i in range(len(clients))),
                               tuple(len(c.train) for c in clients), label,
                               tuple(dict(Counter(p.category for p in c.train)) for c in clients) if label else ())
-    spec = data_spec(recipe)
-    if recipe.data.source == "dataset":
+    spec = data_spec(source)
+    if source.data.source == "dataset":
         parts, label = partitions(spec), label_column(data)
         check_columns(parts[0], data, ("text_column",))
         names = tuple(client_name(data, i, p) for i, p in enumerate(parts))
         return PartitionSizes("rows", names, tuple(len(p) for p in parts), label,
                               tuple(dict(Counter(str(v) for v in p[label])) for p in parts) if label else ())
     people = population_data(spec)
-    if recipe.data.source == "facts":
+    if source.data.source == "facts":
         return PartitionSizes("documents", tuple(c.name for c in people), tuple(len(c.documents) for c in people))
     return PartitionSizes("characters", tuple(c.name for c in people), tuple(len(c.train) for c in people))
 
 
 
-def write_partition_sizes(run_path: Path, recipe) -> None:
+def write_partition_sizes(run_path: Path, source: DataSource, method: str) -> None:
     """Write the run's partition sizes once (a resumed run keeps the file its first part wrote)."""
     path = Path(run_path) / PARTITIONS_FILE
     if not path.is_file():
-        path.write_text(json.dumps(partition_sizes(recipe).as_dict()))
+        path.write_text(json.dumps(partition_sizes(source, method).as_dict()))
 
 
-def lora_data_spec(recipe: Recipe) -> str:
+def lora_data_spec(source: DataSource) -> str:
     """The JSON spec from which server and clients rebuild the same instruction-pair partitions; for facts, the
     population's (:func:`data_spec`): its documents as token windows, trained with the language-model loss."""
-    d = recipe.data
+    d = source.data
     if d.source == "facts":
-        return data_spec(recipe)
+        return data_spec(source)
     if d.source == "dataset":
-        return instruct_spec(d, recipe.population.num_clients, recipe.seed)
-    return json.dumps({"source": "chatterbot", "language": d.language, "num_clients": recipe.population.num_clients,
-                       "split": d.split, "held_out": d.held_out, "seed": recipe.seed}, sort_keys=True)
+        return instruct_spec(d, source.num_clients, source.seed)
+    return json.dumps({"source": "chatterbot", "language": d.language, "num_clients": source.num_clients,
+                       "split": d.split, "held_out": d.held_out, "seed": source.seed}, sort_keys=True)
 
 
 def windows_spec(spec: str) -> bool:

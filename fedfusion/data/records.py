@@ -12,7 +12,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from fedfusion.config.recipe import RecipeError
+from fedfusion.config.sections import RecipeError
 
 
 def numbered_jsonl(path: str | Path, required: Sequence[str]) -> list[tuple[int, dict]]:

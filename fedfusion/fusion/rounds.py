@@ -17,7 +17,7 @@ from transformers import PretrainedConfig
 
 from fedfusion.config.choices import LR_SCHEDULES
 from fedfusion.config.methods import FOLD_ORDER
-from fedfusion.config.recipe import Recipe
+from fedfusion.config.sections import FusionConfig
 from fedfusion.fusion.base import Client, Fold, FusionMethod, Payload, State, Update
 from fedfusion.fusion.outer import OuterOptimizer
 from fedfusion.models.slicing import SelectiveAverager, SlicePlan, plan_slice
@@ -27,10 +27,9 @@ from fedfusion.wire.quantize import Wire
 # previous method's result (the registry's fold ranks: fedfusion.config.methods)
 
 
-def recipe_wire(recipe: Recipe) -> Wire:
+def fusion_wire(fusion: FusionConfig) -> Wire:
     """How payloads travel down and replies up (``fusion.wire_dtype``, ``fusion.wire_up``, ``fusion.error_feedback``)."""
-    f = recipe.fusion
-    return Wire(f.wire_dtype, f.wire_up, f.error_feedback)
+    return Wire(fusion.wire_dtype, fusion.wire_up, fusion.error_feedback)
 
 
 def client_seed(run_seed: int, server_round: int, partition: int) -> int:

@@ -21,7 +21,7 @@ from transformers import (
 )
 
 from fedfusion.config.choices import FAMILY_MODEL_TYPES
-from fedfusion.config.recipe import ModelConfig
+from fedfusion.config.sections import ModelConfig
 from fedfusion.data.text import load_tokenizer
 from fedfusion.models.families import family_of
 

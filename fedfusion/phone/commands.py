@@ -46,10 +46,8 @@ def export_phases(recipe: Recipe, tier: str) -> list[tuple[DeviceProgram, str]]:
     """The programs a tier trains the recipe with, each with the rounds it serves: with full-forward windows after
     ``fusion.grow_round`` rounds of the small model (the quickstart), the small model's slice program for rounds
     1..N (the gateway finds it by its shape for those rounds' messages) and the window program after; else one."""
-    from fedfusion.config.recipe import grow_rounds
-
     program = export_tier(recipe, tier)
-    grow = grow_rounds(recipe) if recipe.fusion.method == SUBMODEL else 0
+    grow = recipe.fusion.grow_rounds() if recipe.fusion.method == SUBMODEL else 0
     if recipe.fusion.forward != "full" or not grow:
         return [(program, f"1..{recipe.rounds}")]
     from fedfusion.phone.program import export_program

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
-from fedfusion.config.recipe import TrainConfig
+from fedfusion.config.sections import TrainConfig
 from fedfusion.models.build import tied_aliases
 from fedfusion.models.families import config_from_dict, family_of
 from fedfusion.train.instruct import response_loss

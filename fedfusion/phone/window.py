@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig
 
-from fedfusion.config.recipe import TrainConfig
+from fedfusion.config.sections import TrainConfig
 from fedfusion.models.build import config_aliases, wire_state
 from fedfusion.models.families import config_from_dict, family_of
 from fedfusion.models.full_forward import window_plan

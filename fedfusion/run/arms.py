@@ -47,7 +47,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from fedfusion.config.methods import DISTILL, GENERATIVE, LORA, MIXED, SUBMODEL, UNITS, hook, method
-from fedfusion.config.recipe import Recipe, RecipeError, tier_methods
+from fedfusion.config.recipe import Recipe, tier_methods
+from fedfusion.config.sections import RecipeError
 
 RECIPE, SMALLEST, ORACLE = "recipe", "smallest-only", "oracle"
 ARM_NAMES = (RECIPE, SMALLEST, ORACLE)

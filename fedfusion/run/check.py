@@ -16,7 +16,8 @@ from pathlib import Path
 
 from fedfusion.config.choices import BUILTIN_DATASETS, SMOLLM2_BASE, SMOLLM2_INSTALL, SMOLLM2_PACKAGE
 from fedfusion.config.methods import DISTILL, LORA, METHODS, UNITS
-from fedfusion.config.recipe import Recipe, RecipeError, load_recipe, uses, validate
+from fedfusion.config.recipe import Recipe, load_recipe, uses
+from fedfusion.config.sections import RecipeError
 from fedfusion.data.bios import synthetic_facts
 from fedfusion.data.federated import is_local as is_local_dataset
 from fedfusion.data.federated import local_files
@@ -60,9 +61,9 @@ def check_recipe(recipe: Recipe) -> Recipe:
     _resolve_target(recipe)
     facts = _check_records(recipe)
     if recipe.rounds == 0:  # one round per data.facts_per_round facts: more facts train longer
-        assert facts is not None  # validate() allows rounds 0 only with facts data
+        assert facts is not None  # Recipe.check allows rounds 0 only with facts data
         recipe.rounds = facts_rounds(facts, recipe.data.facts_per_round)
-        validate(recipe)  # again, with the number: e.g. a fusion.grow_round past it
+        recipe.check()  # again, with the number: e.g. a fusion.grow_round past it
     _check_lora_base(recipe)
     _check_devices(recipe)
     if recipe.fusion.method == UNITS and recipe.units.micro_batches == 0:

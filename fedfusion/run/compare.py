@@ -36,7 +36,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from fedfusion.config.recipe import EngineConfig, Recipe, RecipeError, load_recipe
+from fedfusion.config.recipe import Recipe, load_recipe
+from fedfusion.config.sections import EngineConfig, RecipeError
 from fedfusion.run.arms import ARM_NAMES, ORACLE, RECIPE, SMALLEST, Arm, arms_for, check_equal_budget, flat
 from fedfusion.run.check import check_recipe
 from fedfusion.run.report import still_rising
@@ -135,7 +136,7 @@ def plan(ref: str, overrides: list[str], seeds: list[int], out: Path | None, nam
     if base.data.source == "dataset":  # load and partition it now: a missing column or a bad count stops here
         from fedfusion.data.population import partition_sizes
 
-        partition_sizes(base)
+        partition_sizes(base.data_source(), base.fusion.method)
     arms = arms_for(base)
     recipes: dict[tuple[str, int], Recipe] = {}
     for seed in seeds:

@@ -20,7 +20,7 @@ from flwr.app import ArrayRecord, MetricRecord
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 
-from fedfusion.config.methods import LORA, SERVER_WORK, SUBMODEL, hook, method
+from fedfusion.config.methods import LORA, SERVER_WORK, SUBMODEL, call, method
 from fedfusion.config.recipe import Recipe, tier_methods, uses
 from fedfusion.data.population import data_spec, facts_data, lora_data_spec, tier_list, write_partition_sizes
 from fedfusion.devices.availability import AvailabilityConfig, AvailabilityModel
@@ -77,7 +77,7 @@ def build_participation(recipe: Recipe) -> Participation:
     """The recipe's selector and (optional) availability model over its population."""
     catalog = load_catalog(recipe.population.catalog)
     avail = recipe.availability
-    model = (AvailabilityModel.for_tiers(tier_list(recipe), catalog, seed=recipe.seed,
+    model = (AvailabilityModel.for_tiers(tier_list(recipe.population, recipe.seed), catalog, seed=recipe.seed,
                                          config=AvailabilityConfig(**avail.model)) if avail.enabled else None)
     selector = make_selector(recipe.selection.method, seed=recipe.seed, **recipe.selection.options)
     return Participation(selector, catalog, model, avail.start_clock_s, avail.round_interval_s, avail.deadline_s)
@@ -90,7 +90,9 @@ def build_methods(recipe: Recipe, target: Target) -> dict[str, FusionMethod]:
     tiers: dict[str, list[str]] = {}
     for tier, name in assigned.items():
         tiers.setdefault(name, []).append(tier)
-    built = {name: hook(method(name).build)(recipe, target, mine) for name, mine in tiers.items()}
+    source = recipe.data_source()
+    built = {name: call(method(name).build, recipe, source=source, target=target, tiers=mine)
+             for name, mine in tiers.items()}
     expand = expanded_tiers(recipe)  # the tiers whose memory holds the frozen target in float32 (the plan's)
     for each in built.values():
         if isinstance(each, SubModelMethod):
@@ -101,11 +103,12 @@ def build_methods(recipe: Recipe, target: Target) -> dict[str, FusionMethod]:
 def build_strategy(recipe: Recipe, target: Target, listeners: Sequence[Listener] = ()) -> FusionStrategy:
     """The fusion strategy over the recipe's methods, with the specs its messages carry."""
     lora = recipe.fusion.method == LORA
-    client = ClientSpec(lora_data_spec(recipe) if lora else data_spec(recipe), recipe.train.seq_len,
+    source = recipe.data_source()
+    client = ClientSpec(lora_data_spec(source) if lora else data_spec(source), recipe.train.seq_len,
                         recipe.engine.threads_per_client)
     population = PopulationSpec(dict(recipe.population.mix), recipe.population.num_clients, recipe.seed)
     # the role that counts a node's examples: LoRA clients count instruction pairs of the base's tokens
-    query = merge(client, population, RoleSpec(LORA if lora else SUBMODEL), *([lora_client_spec(recipe)] if lora else []))
+    query = merge(client, population, RoleSpec(LORA if lora else SUBMODEL), *([lora_client_spec(recipe.lora)] if lora else []))
     return FusionStrategy(
         build_methods(recipe, target),
         participation=build_participation(recipe),
@@ -263,7 +266,8 @@ class Federation:
         self.server_device = next((self.catalog[getattr(recipe, m.server_device).server_device]
                                    for m in map(method, SERVER_WORK) if uses(recipe, m.name)), None)
         self.strategy = build_strategy(recipe, self.target)
-        write_partition_sizes(run.path, recipe)  # the population's data is built by now: plan and report show it
+        # the population's data is built by now: plan and report show it
+        write_partition_sizes(run.path, recipe.data_source(), recipe.fusion.method)
         self.ledger: RoundLedger | None = None
 
     @property

@@ -43,7 +43,8 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig
 
 from fedfusion.config.methods import DISTILL, GENERATIVE, SLICES, SUBMODEL, UNITS
-from fedfusion.config.recipe import Recipe, RecipeError, UnitsSection, grow_rounds, method_label, tier_methods
+from fedfusion.config.recipe import Recipe, method_label, tier_methods
+from fedfusion.config.sections import RecipeError, UnitsSection
 from fedfusion.devices.catalog import Device, load_catalog
 from fedfusion.devices.energy import frozen_work_params, price_work, train_flops
 from fedfusion.models.build import config_aliases, target_config, target_model_config, wire_state
@@ -239,7 +240,7 @@ def recipe_target(recipe: Recipe) -> PretrainedConfig:
     if recipe.data.source == "facts" and not recipe.model.pretrained:
         from fedfusion.data.population import data_spec, data_tokenizer
 
-        return target_config(recipe.model, data_tokenizer(data_spec(recipe)))
+        return target_config(recipe.model, data_tokenizer(data_spec(recipe.data_source())))
     return target_model_config(recipe.model)
 
 
@@ -554,8 +555,8 @@ def distill_plan_table(recipe: Recipe, usable: float = USABLE, tiers: Sequence[s
 
     catalog = load_catalog(recipe.population.catalog)
     d, batch, seq = recipe.distill, recipe.train.batch_size, recipe.train.seq_len
-    text = transfer_text(d.transfer.source, data_spec(recipe), d.transfer.max_chars, d.transfer.path)
-    families = distill_families(recipe, load_tokenizer(recipe.model.pretrained), text)
+    text = transfer_text(d.transfer.source, data_spec(recipe.data_source()), d.transfer.max_chars, d.transfer.path)
+    families = distill_families(recipe.distill, recipe.model.max_position, load_tokenizer(recipe.model.pretrained), text)
     tokens = recipe.train.local_steps * batch * seq
     rows, trained = [], {}
     for tier in tiers or recipe.population.mix:
@@ -675,7 +676,7 @@ def units_work(recipe: Recipe, micro_batches: int) -> UnitsWork:
     from fedfusion.units.verify import check_flops
 
     m, u, seq = recipe.model, recipe.units, recipe.train.seq_len
-    vocab = len(data_tokenizer(data_spec(recipe)))
+    vocab = len(data_tokenizer(data_spec(recipe.data_source())))
     tokens = recipe.train.batch_size // micro_batches * seq
     shape: dict[str, Any] = dict(hidden=m.hidden_size, intermediate=m.intermediate_size, layers=m.num_layers,
                                  heads=m.num_heads, kv_heads=m.num_kv_heads, vocab=vocab)
@@ -704,7 +705,7 @@ def units_devices(recipe: Recipe) -> list[Any]:
     from fedfusion.units import from_catalog
 
     catalog = load_catalog(recipe.population.catalog)
-    return [from_catalog(catalog[t], name=str(i)) for i, t in enumerate(tier_list(recipe))]
+    return [from_catalog(catalog[t], name=str(i)) for i, t in enumerate(tier_list(recipe.population, recipe.seed))]
 
 
 def units_micro_batches(recipe: Recipe) -> int:
@@ -749,7 +750,7 @@ def units_plan(recipe: Recipe) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     gemms = [g for shapes, _ in phases for g in shapes] * micro
     catalog = load_catalog(recipe.population.catalog)
     server = catalog[u.server_device]
-    tiers = tier_list(recipe)
+    tiers = tier_list(recipe.population, recipe.seed)
     devices = units_devices(recipe)
     timing = simulate(devices, [phases] * micro, deadline_factor=u.deadline_factor, server_gap_s=work.gap_s,
                       optimizer_s=work.optimizer_s, in_flight=u.in_flight, accumulate=u.accumulate, **u.runtime())
@@ -813,7 +814,7 @@ def slices_view(recipe: Recipe, title: str = "") -> PlanView:
     """Width slicing: per tier its width (fitted to memory with ``fusion.auto_widths``), slice, size and cost."""
     widths = auto_widths(recipe, recipe.fusion.width_ladder) if recipe.fusion.auto_widths else None
     rows = plan_table(recipe, widths, ladder=recipe.fusion.width_ladder)
-    grow = grow_rounds(recipe)
+    grow = recipe.fusion.grow_rounds()
     title = f"plan for {recipe.name} ({method_label(recipe)}" + title
     title += (f", the smallest slice grown into the target after round {grow}: a round after growth"
               if grow and recipe.fusion.method == SUBMODEL else "")

@@ -58,7 +58,7 @@ def sample_text(model: torch.nn.Module, tokenizer, prompt: str = "KING:\n", char
 def lm_target(recipe: Recipe) -> Target:
     """A causal LM trained whole (sub-model and distillation fusion), scored on pooled held-out text; for
     data.source=facts, on every probe of every client (see :func:`facts_evaluator`)."""
-    spec = data_spec(recipe)
+    spec = data_spec(recipe.data_source())
     tokenizer = data_tokenizer(spec)
     model = build_target(recipe.model, tokenizer, recipe.seed)
     sample: Callable[[], str] = partial(sample_text, model, tokenizer, seed=recipe.seed)
@@ -130,7 +130,7 @@ def lora_target(recipe: Recipe) -> tuple[Target, dict[str, torch.Tensor]]:
         facts = facts_target(recipe, model, tokenizer)
         evaluate, sample, names = facts.evaluate, facts.sample, FACTS_METRICS
     else:
-        pairs = pooled_pairs(lora_data_spec(recipe), lora.eval_pairs)
+        pairs = pooled_pairs(lora_data_spec(recipe.data_source()), lora.eval_pairs)
         data = instruct.encode_pairs(tokenizer, pairs, recipe.train.seq_len)
         evaluate, sample, names = partial(instruct.evaluate_instruct, model, data), partial(
             pair_sample, model, tokenizer, [p.prompt for p in pairs[: lora.samples]]), RESPONSE_METRICS

@@ -59,7 +59,7 @@ def wait_for_nodes(grid: Grid, expected: int, wait_s: float = 60.0) -> list[int]
 def query_nodes(grid: Grid, recipe: Recipe, nodes: list[int], timeout_s: float = 120.0) -> dict[int, Caps]:
     """Every node's device tier and partition, from one QUERY round (the ClientApp's ``@app.query``); a node that
     fails it or does not answer in ``timeout_s`` is an error (the units mode needs every one)."""
-    config = merge(ClientSpec(data_spec(recipe), recipe.train.seq_len, recipe.engine.threads_per_client),
+    config = merge(ClientSpec(data_spec(recipe.data_source()), recipe.train.seq_len, recipe.engine.threads_per_client),
                    PopulationSpec(dict(recipe.population.mix), recipe.population.num_clients, recipe.seed,
                                   recipe.units.supernodes),
                    RoleSpec(UNITS))
@@ -95,7 +95,7 @@ def nodes_in_order(caps: dict[int, Caps], clients: int, k: int) -> list[int]:
 def training_windows(recipe: Recipe) -> torch.Tensor:
     """The pooled training text of the whole population as token windows (every client's train split, in
     partition order): in the units mode the server holds the data."""
-    spec = data_spec(recipe)
+    spec = data_spec(recipe.data_source())
     return torch.cat([client_windows(spec, p, recipe.train.seq_len, "train")
                       for p in range(recipe.population.num_clients)])
 
@@ -207,7 +207,7 @@ class UnitsMethod:
         self.recipe, self.run, self.u = recipe, run, recipe.units
         self.target = lm_target(recipe)
         self.model = self.target.model
-        write_partition_sizes(run.path, recipe)
+        write_partition_sizes(run.path, recipe.data_source(), recipe.fusion.method)
         self.windows = training_windows(recipe)
         self.catalog = load_catalog(recipe.population.catalog)
         self.opt = make_optimizer(self.model, recipe.train.optimizer, recipe.train.lr, recipe.train.weight_decay)

@@ -18,7 +18,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PretrainedConfig, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from fedfusion.config.choices import FAMILY_TOKENIZERS, TRANSFER_SOURCES
-from fedfusion.config.recipe import Recipe
+from fedfusion.config.sections import DistillConfig
 from fedfusion.data.population import population_data
 from fedfusion.data.text import build_char_tokenizer, load_shakespeare_roles, load_text_file
 from fedfusion.models.build import family_config
@@ -85,13 +85,14 @@ def family_tokenizer(kind: str, text: str = "", bpe_vocab: int = 512) -> PreTrai
 
 
 def distill_families(
-    recipe: Recipe, tokenizer: PreTrainedTokenizerBase, text: str,
+    distill: DistillConfig, max_position: int, tokenizer: PreTrainedTokenizerBase, text: str,
 ) -> dict[str, tuple[PretrainedConfig, PreTrainedTokenizerFast | None]]:
-    """Every family of ``recipe.distill``: its model config and its own tokenizer (None: the target's
-    ``tokenizer``), BPE tokenizers trained on the transfer ``text``. What the run trains and the plan prices."""
+    """Every family of the ``distill`` section: its model config (positions up to the target's ``max_position``)
+    and its own tokenizer (None: the target's ``tokenizer``), BPE tokenizers trained on the transfer ``text``.
+    What the run trains and the plan prices."""
     families = {}
-    for name, f in recipe.distill.families.items():
+    for name, f in distill.families.items():
         own = family_tokenizer(f.tokenizer, text, f.bpe_vocab)
         families[name] = (family_config(f.model_type, own or tokenizer, f.hidden_size, f.num_layers, f.num_heads,
-                                        f.num_kv_heads, f.intermediate_size, recipe.model.max_position), own)
+                                        f.num_kv_heads, f.intermediate_size, max_position), own)
     return families

@@ -23,7 +23,7 @@ from typing import Any, ClassVar, Self, get_type_hints
 
 from fedfusion.config.choices import DEVICE_STATES, LORA_DTYPES, LORA_METHODS, OPTIMIZERS, POLICIES, PRIVACY_MODES, QUANTIZE_BITS, UPLINK
 from fedfusion.config.methods import ROLES
-from fedfusion.config.recipe import FaultConfig, PrivacyConfig, TrainConfig
+from fedfusion.config.sections import FaultConfig, PrivacyConfig, TrainConfig
 
 # how an error reply says that a phone behind a device gateway missed its deadline: the strategy records a dropout
 DROPPED = "device dropped:"

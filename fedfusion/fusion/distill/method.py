@@ -25,7 +25,7 @@ import torch
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from fedfusion.config.methods import SUBMODEL
-from fedfusion.config.recipe import DistillConfig
+from fedfusion.config.sections import DistillConfig
 from fedfusion.data.text import encode_text, lm_windows
 from fedfusion.fusion.base import (
     Client,
