@@ -61,8 +61,8 @@ def main(argv: list[str] | None = None) -> None:
             if problems:
                 raise SystemExit("; ".join(problems))
             out = Path(args.work) / f"{name}-s{seed}"
-            wall = run("finetune", [f"seed={seed}", *overrides], out, reuse=True)
-            results.setdefault(name, {})[seed] = {**finals(out), "wall_s": wall}
+            run("finetune", [f"seed={seed}", *overrides], out, reuse=True)
+            results.setdefault(name, {})[seed] = finals(out)
         for name in COMPARED:
             results.setdefault(name, {})[seed] = finals(Path(args.compare) / f"{name}-s{seed}")
     lines = []

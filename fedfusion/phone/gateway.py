@@ -12,9 +12,9 @@ Device side, every call with ``Authorization: Bearer <device token>``:
 - ``GET  /v1/programs/<id>/<file>``           -> ``program.pte``, ``weights.ptd`` or ``manifest.json``
 - ``GET  /v1/tasks/<task>/weights``           -> the round's weights (safetensors)
 - ``POST /v1/tasks/<task>/result``            body: trained weights (safetensors; ``__metadata__.metrics`` = JSON)
-- ``POST /v1/tasks/<task>/error``             body: ``{"error": reason}``: the device cannot train it (the task is
-  dropped at once with that reason)
                                                -> 200, 409 (past the deadline) or 403 (not this device's task)
+- ``POST /v1/tasks/<task>/error``             body: ``{"error": reason}``: the device cannot train it (the task is
+  dropped at once with that reason) -> 200, 409 (no longer running) or 403
 
 Node side, with ``Authorization: Bearer <node secret>``:
 

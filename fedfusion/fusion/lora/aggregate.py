@@ -212,6 +212,13 @@ def _norm_weights(clients: list[ClientLoRA], ranks: list[int], p: list[float], n
     return [n / total for n in norms] if total > 0 else p
 
 
+def _check_one_rank(clients: list[ClientLoRA], ranks: list[int]) -> None:
+    """fedavg averages A and B separately: every client must have one rank and one alpha."""
+    alphas = [c.alpha for c in clients]
+    if len(set(ranks)) > 1 or len(set(alphas)) > 1:
+        raise ValueError(f"fedavg needs one rank and one alpha for all clients, got ranks {ranks}, alphas {alphas}")
+
+
 def flora_stack(clients: list[ClientLoRA]) -> Factors:
     """FLoRA's stacked factors per module: A_stack (sum r_k, in) = cat_k(p_k s_k A_k) and
     B_stack (out, sum r_k) = cat_k(B_k), so B_stack @ A_stack = sum_k p_k s_k B_k A_k exactly."""
@@ -230,9 +237,7 @@ def aggregate_lora(clients: list[ClientLoRA], method: str) -> LoRAAggregate:
     p, ranks = _weights(clients)
     names = sorted(clients[0].A)
     if method == "fedavg":
-        alphas = [c.alpha for c in clients]
-        if len(set(ranks)) > 1 or len(set(alphas)) > 1:
-            raise ValueError(f"fedavg needs one rank and one alpha for all clients, got ranks {ranks}, alphas {alphas}")
+        _check_one_rank(clients, ranks)
         s = clients[0].scale
         A = {n: _sum([pk * c.A[n].double() for c, pk in zip(clients, p)]) for n in names}
         B = {n: _sum([pk * c.B[n].double() for c, pk in zip(clients, p)]) for n in names}
@@ -267,8 +272,8 @@ def aggregate_sum(method: str, starts: list[ClientLoRA], total: dict[str, torch.
     if method not in LORA_SECURE_METHODS:
         raise ValueError(f"secure aggregation cannot fold lora.method={method!r}: use one of {LORA_SECURE_METHODS}")
     p, ranks = _weights(starts)
-    if method == "fedavg" and len({(r, c.alpha) for r, c in zip(ranks, starts)}) > 1:
-        raise ValueError(f"fedavg needs one rank and one alpha for all clients, got ranks {ranks}")
+    if method == "fedavg":
+        _check_one_rank(starts, ranks)
     names = sorted(starts[0].A)
     weight = sum(c.weight for c in starts)
     if method in DENSE_METHODS:

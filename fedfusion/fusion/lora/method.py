@@ -42,6 +42,7 @@ from fedfusion.fusion.base import Client, Fold, FusionMethod, Payload, State, Ti
 from fedfusion.fusion.lora.aggregate import (
     DENSE_METHODS,
     ClientLoRA,
+    LoRAAggregate,
     aggregate_lora,
     aggregate_sum,
     from_global,
@@ -176,7 +177,11 @@ class LoRAMethod(FusionMethod):
 
     def fold(self, server_round: int, target: State, updates: Sequence[Update]) -> Fold:
         clients = [u.data for u in updates]
-        A, B = global_factors(aggregate_lora(clients, self.method), self.merged)
+        return self._folded(aggregate_lora(clients, self.method), clients)
+
+    def _folded(self, agg: LoRAAggregate, clients: Sequence[ClientLoRA]) -> Fold:
+        """The round's global factors from ``agg``, and its coverage: the largest rank ``clients`` trained."""
+        A, B = global_factors(agg, self.merged)
         coverage = max(c.rank for c in clients) / max(self.ranks.values())
         return Fold({**{f"{m}.lora_A": a for m, a in A.items()}, **{f"{m}.lora_B": b for m, b in B.items()}}, coverage)
 
@@ -237,9 +242,7 @@ class LoRAMethod(FusionMethod):
         starts = [ClientLoRA({m: u.payload.context[f"{m}.lora_A"] for m in self.modules},
                              {m: u.payload.context[f"{m}.lora_B"] for m in self.modules},
                              float(u.payload.row["alpha"]), u.weight) for u in updates]
-        A, B = global_factors(aggregate_sum(self.method, starts, dict(total)), self.merged)
-        coverage = max(c.rank for c in starts) / max(self.ranks.values())
-        return Fold({**{f"{m}.lora_A": a for m, a in A.items()}, **{f"{m}.lora_B": b for m, b in B.items()}}, coverage)
+        return self._folded(aggregate_sum(self.method, starts, dict(total)), starts)
 
     def evaluation(self, target: State, tier: str) -> tuple[State, dict[str, Any]]:
         """The global update as a frozen ``m.merged_*`` update on the client's own copy of the base."""
