@@ -127,6 +127,9 @@ REFERENCES = 8  # never-inserted canaries: their mean exposure is the noise floo
 CANARY_VOCAB = TEMPLATE.format(secret=" ".join("0123456789"))  # the tokenizer holds every word a canary can use
 SPACE_BITS = DIGITS * math.log2(10)
 METHODS = ("grown", "rolling", "distill", "generative")
+# methods whose replies secure aggregation can sum (their fold is a sum over clients): under it the server learns the
+# round's folded target only; distillation needs each client's own model and generative each client's samples
+SECURE = ("grown", "rolling")
 NOT_MEASURED = {
     "units": "the data sits on the server by design (the units mode pools devices' compute on the data owner's "
              "server): nothing to measure",
@@ -304,10 +307,12 @@ def build_task(seed: int, people: int, clients: int, rounds: int, per_round: int
 # ---------------------------------------------------------------- reading the replies
 
 @contextlib.contextmanager
-def capturing(on_reply: Callable[[dict, int, Payload, dict], None]) -> Iterator[None]:
+def capturing(on_reply: Callable[[dict, int, Payload, dict], None],
+              on_round: Callable[[int, dict], None]) -> Iterator[None]:
     """While the block runs, every in-process run's client replies are shown to ``on_reply(methods, round, payload,
-    reply)`` after the client trains, before the driver checks and folds them: the driver's ``run_rounds`` is wrapped
-    for the block (the loops of ``fedfusion.fusion.inprocess`` call it by its module name) and restored after."""
+    reply)`` after the client trains, before the driver checks and folds them, and every round's folded target to
+    ``on_round(round, target)``: the driver's ``run_rounds`` is wrapped for the block (the loops of
+    ``fedfusion.fusion.inprocess`` call it by its module name) and restored after."""
     original = inprocess.run_rounds
 
     def wrapped(methods, tiers, initial, train, rounds, evaluate=None, weighting="uniform", caps=None):
@@ -316,7 +321,11 @@ def capturing(on_reply: Callable[[dict, int, Payload, dict], None]) -> Iterator[
             on_reply(methods, rnd, payload, reply)
             return reply, metrics
 
-        return original(methods, tiers, initial, watched, rounds, evaluate, weighting, caps)
+        def folded(target: dict, rnd: int):
+            on_round(rnd, target)
+            return evaluate(target, rnd) if evaluate is not None else None
+
+        return original(methods, tiers, initial, watched, rounds, folded, weighting, caps)
 
     inprocess.run_rounds = wrapped
     try:
@@ -384,6 +393,7 @@ def run_method(job: dict) -> dict:
             trained[p] += 1
     holder_of = {p: n for n, p in task.holders.items()}
     views: dict[int, dict] = {}
+    secure: dict[int, dict] = {}  # partition -> its view under secure aggregation (the round's folded target)
     recipe = method_recipe(name, seed, a["clients"], rounds)
     f = recipe.fusion
     tiers = assign_tiers(recipe.population.mix, a["clients"], seed)
@@ -416,12 +426,18 @@ def run_method(job: dict) -> dict:
             views[partition] = model_view(partition, single_fold(methods, rnd, payload, reply))
         views[partition]["round"] = rnd
 
+    def on_round(rnd: int, target: dict) -> None:
+        if name in SECURE:
+            for partition in holder_of:
+                if last[partition] == rnd:
+                    secure[partition] = {**model_view(partition, target), "round": rnd}
+
     torch.manual_seed(seed)
     initial = family_of(cfg).build(cfg).state_dict()
     common = dict(rounds=rounds, per_round=per_round, steps=t.local_steps, lr=t.lr, batch_size=t.batch_size, seed=seed,
                   weight_decay=t.weight_decay, optimizer=t.optimizer, dp_epsilon=a.get("epsilon", 0.0))
     g = knowledge.generative
-    with capturing(on_reply):
+    with capturing(on_reply, on_round):
         if name in ("grown", "rolling"):
             run = SubModelRun(cfg, task.windows, widths, policy=f.policy, stride=f.stride,
                               stagger=f.stagger and f.policy == "rolling", axes=axes, scale=f.scaler,
@@ -451,6 +467,8 @@ def run_method(job: dict) -> dict:
             "final_extraction": {str(p): extraction(target, task, p) for p in task.holders.values()},
             "views": {str(holder_of[p]): {**v, "exposure": {str(n): e for n, e in v["exposure"].items()}}
                       for p, v in views.items()},
+            "secure": {str(holder_of[p]): {**v, "exposure": {str(n): e for n, e in v["exposure"].items()}}
+                       for p, v in secure.items()},
             "facts": {str(p): len(task.probes[p]) for p in task.holders.values()},
             "epsilon_spent": {str(n): run.spent(len(task.windows[p]), a["clients"], trained[p])
                               for n, p in task.holders.items()},
@@ -479,9 +497,9 @@ def _ms(values: Sequence[float], digits: int = 2) -> str:
 
 
 def cells(runs: list[dict], view: str, key: str) -> list[str]:
-    """The table's exposure cells (1x, 4x, 16x, never) of one view (``final`` or ``server``) and estimate
-    (``sampled`` or ``fit``): mean ± sd over seeds; the never-inserted canary under the server's view is each seed's
-    mean over the three canary clients' views."""
+    """The table's exposure cells (1x, 4x, 16x, never) of one view (``final``, ``views``: the server's view of one
+    reply, or ``secure``: under secure aggregation) and estimate (``sampled`` or ``fit``): mean ± sd over seeds; the
+    never-inserted canary under a server's view is each seed's mean over the three canary clients' views."""
     out = []
     for n in (*INSERTIONS, 0):
         values = []
@@ -489,10 +507,10 @@ def cells(runs: list[dict], view: str, key: str) -> list[str]:
             if view == "final":
                 values.append(r["final"][str(n)][key])
             elif n:
-                if str(n) in r["views"]:
-                    values.append(r["views"][str(n)]["exposure"][str(n)][key])
+                if str(n) in r.get(view, {}):
+                    values.append(r[view][str(n)]["exposure"][str(n)][key])
             else:
-                floor = [v["exposure"]["0"][key] for v in r["views"].values()]
+                floor = [v["exposure"]["0"][key] for v in r.get(view, {}).values()]
                 if floor:
                     values.append(statistics.mean(floor))
         out.append(_ms(values))
@@ -529,14 +547,21 @@ def report(payload: dict) -> str:
         "Server's view: what the server can build from the canary client's last reply (parameter methods: that reply "
         "alone folded into the round's target by the library's fold; distill: the client's family model; generative: "
         "a trigram model of its samples' top-8 probabilities). The references' server-view cell is, per seed, "
-        "their mean over the three canary clients' views.", "",
+        "their mean over the three canary clients' views. Under secure aggregation (the methods whose fold is a sum "
+        "over clients, which `privacy.secure_aggregation` masks) the server learns only the round's sum: its view is "
+        "the target folded from every reply of the canary client's last round (identical to the plain fold within "
+        "rounding, tests/test_secagg.py); distillation needs each client's model and generative each client's "
+        "samples, so neither runs under it.", "",
         "## Exposure (bits), sampled rank", "",
         "| method | view | inserted 1x | inserted 4x | inserted 16x | never inserted |", "|---|---|---|---|---|---|"]
     for m, mine in by.items():
         if mine:
             lines.append(f"| {m} | final target | " + " | ".join(cells(mine, "final", "sampled")) + " |")
             lines.append(f"| {m} | server's view of the canary's client | "
-                         + " | ".join(cells(mine, "server", "sampled")) + " |")
+                         + " | ".join(cells(mine, "views", "sampled")) + " |")
+            if any(r.get("secure") for r in mine):
+                lines.append(f"| {m} | under secure aggregation (the round's sum) | "
+                             + " | ".join(cells(mine, "secure", "sampled")) + " |")
     for m, why in NOT_MEASURED.items():
         lines.append(f"| {m} | - | {why} | | | |")
     lines += ["", f"## Exposure (bits), skew-normal extrapolation (capped at {SPACE_BITS:.1f})", "",
@@ -546,18 +571,21 @@ def report(payload: dict) -> str:
     for m, mine in by.items():
         if mine:
             lines.append(f"| {m} | final target | " + " | ".join(cells(mine, "final", "fit")) + " |")
-            lines.append(f"| {m} | server's view | " + " | ".join(cells(mine, "server", "fit")) + " |")
+            lines.append(f"| {m} | server's view | " + " | ".join(cells(mine, "views", "fit")) + " |")
+            if any(r.get("secure") for r in mine):
+                lines.append(f"| {m} | under secure aggregation | " + " | ".join(cells(mine, "secure", "fit")) + " |")
     lines += ["", "## Extraction rate", "",
               "The share of a canary client's own facts the server reads off its view (parameter methods: greedy "
               "completion of the client's fact prompts by the view's model; generative: the fact's prompt and answer "
               "verbatim in the client's samples), and the final target's recall of the same facts; per seed the mean "
               "over the three canary clients.", "",
-              "| method | server's view of the client | final target | client facts (mean) | generative: secret in "
-              "samples (1x / 4x / 16x / never) |", "|---|---|---|---|---|"]
+              "| method | server's view of the client | under secure aggregation | final target | client facts (mean) "
+              "| generative: secret in samples (1x / 4x / 16x / never) |", "|---|---|---|---|---|---|"]
     for m, mine in by.items():
         if not mine:
             continue
         view = [statistics.mean(v["extraction"] for v in r["views"].values()) for r in mine if r["views"]]
+        summed = [statistics.mean(v["extraction"] for v in r["secure"].values()) for r in mine if r.get("secure")]
         final = [statistics.mean(r["final_extraction"].values()) for r in mine]
         facts = statistics.mean(statistics.mean(r["facts"].values()) for r in mine)
         secret = "-"
@@ -565,7 +593,7 @@ def report(payload: dict) -> str:
             counts = [sum(bool(r["views"].get(str(n), {}).get("secret_in_samples")) for r in mine) for n in INSERTIONS]
             never = sum(any(v.get("never_in_samples") for v in r["views"].values()) for r in mine)
             secret = " / ".join(f"{c}/{len(mine)}" for c in [*counts, never]) + " seeds"
-        lines.append(f"| {m} | {_ms(view, 3)} | {_ms(final, 3)} | {facts:.0f} | {secret} |")
+        lines.append(f"| {m} | {_ms(view, 3)} | {_ms(summed, 3)} | {_ms(final, 3)} | {facts:.0f} | {secret} |")
     lines += ["", "Reading the tables:", "",
               "- One copy is not one pass: a sampled client takes 20 local steps of 32 windows over its own windows "
               "every round it is sampled, many epochs of a small client's text, so a canary inserted once is seen "

@@ -81,3 +81,28 @@ def test_samples_scorer_and_verbatim_search() -> None:
     top_ids = torch.cat([leaky[:, 1:], leaky[:, -1:]], dim=1)[..., None]  # each position's next token, k = 1
     soft = privacy.SampleScorer(leaky, len(tok), top_ids, torch.zeros(top_ids.shape))
     assert privacy.exposure(float(soft.nll(ids)[0]), soft.nll(candidates))["sampled"] == math.log2(256)
+
+
+def test_capturing_shows_each_reply_and_each_rounds_folded_target() -> None:
+    """The secure-aggregation view is the round's folded target: the last one ``on_round`` sees is the run's final
+    target bit for bit, every reply of every round passes ``on_reply`` first, and the driver is restored after."""
+    from fedfusion.fusion.inprocess import SubModelRun, run_submodel
+    from tests.conftest import tiny_config
+
+    cfg = tiny_config()
+    torch.manual_seed(0)
+    state = LlamaForCausalLM(cfg).state_dict()
+    gen = torch.Generator().manual_seed(1)
+    windows = [torch.randint(3, cfg.vocab_size, (12, 9), generator=gen) for _ in range(3)]
+    run = SubModelRun(cfg, windows, [0.5, 1.0, 0.5], policy="rolling", rounds=2, per_round=2, steps=2, lr=0.01,
+                      batch_size=4)
+    replies: list[int] = []
+    targets: dict[int, dict] = {}
+    original = privacy.inprocess.run_rounds
+    with privacy.capturing(lambda methods, rnd, payload, reply: replies.append(rnd),
+                           lambda rnd, target: targets.setdefault(rnd, dict(target))):
+        final, _ = run_submodel(run, state)
+    assert privacy.inprocess.run_rounds is original
+    assert replies == [1, 1, 2, 2] and sorted(targets) == [1, 2]
+    assert all(torch.equal(targets[2][k], v) for k, v in final.items())
+    assert any(not torch.equal(targets[1][k], v) for k, v in final.items())
