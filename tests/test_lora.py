@@ -40,9 +40,10 @@ def weighted_sum(clients: list[ClientLoRA]) -> dict[str, torch.Tensor]:
 
 
 def served(agg, rank: int, alpha: float) -> dict[str, torch.Tensor]:
-    """The effective update a client of this rank/alpha starts from."""
+    """The effective update ``(alpha / rank) B @ A`` a client of this rank/alpha starts from (its adapter holds the
+    k <= rank served components in front, fresh ones with B = 0 behind)."""
     A, B = agg.for_client(rank, alpha)
-    return {n: effective_delta(A[n], B[n], alpha) for n in SHAPES}
+    return {n: (alpha / rank * (B[n].double() @ A[n].double())).float() for n in SHAPES}
 
 
 def assert_dicts_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], size: dict[str, torch.Tensor],
@@ -113,16 +114,24 @@ def test_flexlora_serves_the_truncated_svd_of_the_averaged_update(rank):
     clients = hetero()
     agg = aggregate_lora(clients, "flexlora")
     assert not agg.merge_into_base
-    assert_dicts_close(agg.delta, weighted_sum(clients), magnitude(clients))
+    want = weighted_sum(clients)
+    assert_dicts_close(agg.delta, want, magnitude(clients))
     got = served(agg, rank, alpha=2.0 * rank + 1)
     for n in SHAPES:
-        delta = agg.delta[n].double()
-        U, S, Vh = torch.linalg.svd(delta, full_matrices=False)
-        # the served factors' and product's float32 roundings on |U| S |Vh|, and the float64 SVD's backward error
-        bound = ROUNDINGS * (U[:, :rank].abs() * S[:rank]) @ Vh[:rank].abs() + gamma(delta.numel(), torch.float64) * S[0]
+        exact = want[n]  # the SVD runs on the clients' float64 stack, whose product is this sum
+        U, S, Vh = torch.linalg.svd(exact, full_matrices=False)
+        # the served factors' and product's float32 roundings on |U| S |Vh|; the float64 QRs' and SVDs' backward
+        # errors (gamma_{n^2} ||B|| ||A|| of the stack, both computations) moving the rank-r truncation by up to
+        # (2 + 4 S_1 / gap) of that (Wedin), the gap S_r - S_{r+1} of the exact sum
+        stack_a, stack_b = agg.A[n], agg.B[n]
+        backward = gamma(max(exact.shape) ** 2, torch.float64) * float(
+            torch.linalg.matrix_norm(stack_b) * torch.linalg.matrix_norm(stack_a) + torch.linalg.matrix_norm(exact))
+        held = sum(RANKS)  # the sum's rank: a larger client rank is served all of it
+        wedin = 2 + 4 * float(S[0] / (S[rank - 1] - S[rank])) if rank < held else 2
+        bound = ROUNDINGS * (U[:, :rank].abs() * S[:rank]) @ Vh[:rank].abs() + backward * wedin
         assert_within(got[n], U[:, :rank] * S[:rank] @ Vh[:rank], bound)
-        err = torch.linalg.matrix_norm(delta - got[n].double())
-        discarded = torch.linalg.svdvals(delta)[rank:]  # Eckart-Young, off by at most the served update's error
+        err = torch.linalg.matrix_norm(exact - got[n].double())
+        discarded = S[rank:]  # Eckart-Young, off by at most the served update's error
         assert abs(float(err) - float(discarded.square().sum().sqrt())) <= float(torch.linalg.matrix_norm(bound))
 
 
@@ -317,3 +326,26 @@ def test_a_merged_update_goes_as_factors_while_smaller_and_as_their_product_afte
     assert wire["low.merged_A"] is low[0] and wire["low.merged_B"] is low[1]
     assert_product_within_bound(wire["high.merged_W"], high[1], high[0])  # float32: gamma_40 |B| |A| (fp_bounds)
     assert sum(t.numel() for t in wire.values()) <= 2 * 64 * 48  # never more than dense, module by module
+
+
+def test_flexlora_svd_from_the_factors_is_the_dense_svd_sign_for_sign():
+    """The SVD flexlora runs on the stacked factors is the dense update's, each component with the same sign (the
+    largest entry of U's column positive), so what a client is served does not depend on which one ran: within
+    the float64 QRs' and SVDs' backward errors moved by the singular gaps (Wedin), and the components past the
+    factors' rank are absent."""
+    from fedfusion.fusion.lora.aggregate import dense_svd, factored_svd
+
+    g = torch.Generator().manual_seed(5)
+    A, B = torch.randn(6, 40, generator=g, dtype=torch.float64), torch.randn(30, 6, generator=g, dtype=torch.float64)
+    (U, S, Vh), (u, s, vh) = factored_svd(A, B), dense_svd(B @ A)
+    assert U.shape == (30, 6) and Vh.shape == (6, 40) and s.shape == (30,)
+    gaps = torch.cat([S[:1], S[:-1] - S[1:]]).minimum(torch.cat([S[:-1] - S[1:], S[-1:]]))
+    backward = gamma(40 * 40, torch.float64) * float(torch.linalg.matrix_norm(B) * torch.linalg.matrix_norm(A))
+    assert_within(S, s[:6], 2 * backward)  # Weyl
+    angle = 4 * backward / gaps  # per component: each vector within its rotation bound
+    assert_within(U, u[:, :6], angle.expand(30, 6))
+    assert_within(Vh, vh[:6], angle[:, None].expand(6, 40))
+    assert (U.gather(0, U.abs().argmax(0, keepdim=True)) > 0).all()
+    flipped = factored_svd(-A, -B)  # the same product from factors of the other sign: the same components
+    assert_within(flipped[0], U, angle.expand(30, 6))
+    assert_within(flipped[2], Vh, angle[:, None].expand(6, 40))
