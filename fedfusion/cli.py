@@ -57,7 +57,7 @@ def _load_for_run(ref: str, overrides: list[str]) -> Recipe:
     written. Torch loads only where widths are fitted, so every other recipe error comes in about a second."""
     recipe = _checked(ref, overrides)
     if recipe.fusion.auto_widths:
-        from fedfusion.run.planner import fit_widths
+        from fedfusion.fusion.submodel.plan import fit_widths
 
         fit_widths(recipe)
     if recipe.data.source == "dataset":  # load and partition it now: a missing column or a bad count stops here
@@ -231,7 +231,7 @@ PLAN_NOTE = ("s and J per round: the tier's training FLOPs and the bytes it move
 def cmd_plan(args: argparse.Namespace) -> int:
     """Print what each tier trains and what one round of it costs (and the server's own work, where it has any)."""
     recipe = _checked(args.recipe, args.overrides)
-    # the method's plan view (its registry entry's ``plan``, in fedfusion.run.planner): torch loads only now
+    # the method's plan view (its registry entry's ``plan``, in its folder's plan module): torch loads only now
     view = hook(method(recipe.fusion.method).plan)(recipe)
     _print_table(view.title, view.rows, view.headers, left=view.left, width=view.width)
     from fedfusion.devices.catalog import load_catalog
@@ -240,7 +240,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for note in (*view.notes, *runtime_notes(load_catalog(recipe.population.catalog), list(recipe.population.mix))):
         console.print(note, highlight=False, soft_wrap=True)
     if args.ways or (args.ways is None and recipe.model.pretrained and recipe.fusion.method in (SUBMODEL, GENERATIVE)):
-        from fedfusion.run.planner import ways_view
+        from fedfusion.analysis.plan import ways_view
 
         ways = ways_view(recipe)
         _print_table(ways.title, ways.rows, ways.headers, left=ways.left, width=ways.width)

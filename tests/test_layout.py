@@ -1,5 +1,5 @@
 """The package layout is the map of the flow: config -> wire, devices -> data -> models -> train -> fusion ->
-selection, run -> entry points. Every module's whole import closure (module-level and function-level imports,
+selection, analysis -> run -> entry points. Every module's whole import closure (module-level and function-level imports,
 read from the source, nothing imported) stays inside the packages its own package may use, so there is no
 import cycle anywhere and a recipe loads without importing any implementation."""
 
@@ -30,7 +30,10 @@ USES = {
     "phone": {"models", "train", "wire"},
     "strategies": {"fusion", "selection", "wire", "devices"},
     "clients": {"wire", "data", "models", "train", "phone", "units"},
-    "run": {"config", "wire", "devices", "data", "models", "train", "fusion", "selection", "strategies", "units"},
+    # the plan, the report, edge vs cloud: what a run or a recipe costs and shows, read by a run and by the CLI
+    "analysis": {"config", "wire", "devices", "data", "models", "train", "fusion", "units"},
+    "run": {"config", "wire", "devices", "data", "models", "train", "fusion", "selection", "strategies", "units",
+            "analysis"},
 }
 ENTRY_POINTS = {"fedfusion", "fedfusion.__main__", "fedfusion.cli", "fedfusion.server_app", "fedfusion.client_app",
                 "fedfusion.deploy", "fedfusion.phone.commands"}  # phone.commands: the CLI's phone commands

@@ -42,7 +42,7 @@ class Method:
     server_work: str = ""  # what the report calls that training
     # "module:function" (the recipe sections it names, target, tiers) -> FusionMethod, called by :func:`call`
     build: str = ""
-    plan: str = ""  # "module:function" (recipe) -> planner.PlanView: what ``fedfusion plan`` prints
+    plan: str = ""  # "module:function" (recipe) -> fedfusion.fusion.plan.PlanView: what ``fedfusion plan`` prints
     report_note: str = ""  # "module:NAME": a sentence the report adds under "Who did the work" of a run of it
     trained: str = ""  # "module:function" (ledger row) -> what a client of it trained, as the report says
     policy_in_label: bool = False  # a run's header names it with fusion.policy ("submodel/rolling")
@@ -65,22 +65,22 @@ class Method:
 METHODS: tuple[Method, ...] = (
     Method(SUBMODEL, roles=((SUBMODEL, "fedfusion.clients.submodel"), (WINDOW, "fedfusion.clients.window")),
            fold_rank=0, mixable=True, slices=True, build="fedfusion.fusion.submodel.build:build",
-           plan="fedfusion.run.planner:slices_view", policy_in_label=True,
+           plan="fedfusion.fusion.submodel.plan:slices_view", policy_in_label=True,
            arms="fedfusion.run.arms:slicing_arms"),
     Method(DISTILL, roles=(("smallmodel", "fedfusion.clients.smallmodel"),), fold_rank=3, mixable=True,
            server_device=DISTILL, server_work="the server's distillation",
-           build="fedfusion.fusion.distill.build:build", plan="fedfusion.run.planner:distill_view",
+           build="fedfusion.fusion.distill.build:build", plan="fedfusion.fusion.distill.plan:distill_view",
            arms="fedfusion.run.arms:distill_arms"),
     Method(LORA, roles=((LORA, "fedfusion.clients.lora"),), fold_rank=1, build="fedfusion.fusion.lora.build:build",
-           plan="fedfusion.run.planner:lora_view", arms="fedfusion.run.arms:lora_arms"),
+           plan="fedfusion.fusion.lora.plan:lora_view", arms="fedfusion.run.arms:lora_arms"),
     Method(GENERATIVE, roles=((GENERATIVE, "fedfusion.clients.generative"),), fold_rank=2, mixable=True, slices=True,
            server_device=GENERATIVE, server_work="the server's training on the samples",
-           build="fedfusion.fusion.generative.build:build", plan="fedfusion.run.planner:generative_view",
+           build="fedfusion.fusion.generative.build:build", plan="fedfusion.fusion.generative.plan:generative_view",
            report_note="fedfusion.fusion.generative.report:NOTE", trained="fedfusion.fusion.generative.report:trained",
            arms="fedfusion.run.arms:slicing_arms"),
-    Method(MIXED, plan="fedfusion.run.planner:mixed_view", home="fedfusion.config.methods",  # tiers: fusion.tiers
+    Method(MIXED, plan="fedfusion.analysis.plan:mixed_view", home="fedfusion.config.methods",  # tiers: fusion.tiers
            arms="fedfusion.run.arms:mixed_arms"),
-    Method(UNITS, roles=((UNITS, "fedfusion.clients.units"),), plan="fedfusion.run.planner:units_view",
+    Method(UNITS, roles=((UNITS, "fedfusion.clients.units"),), plan="fedfusion.analysis.units_plan:units_view",
            central="fedfusion.run.units:UnitsMethod",
            # units.server_device prices its server (fedfusion.units.ledger); compare refuses it (units_arms says why)
            server_device=UNITS, home="fedfusion.units", arms="fedfusion.run.arms:units_arms"),

@@ -158,7 +158,7 @@ def load_recipe(ref: str | Path, overrides: list[str] | tuple[str, ...] = ()) ->
 
     Needs no torch, so a bad recipe is reported in about a second; :func:`fedfusion.run.check.check_recipe` adds
     the checks that need the implementation. ``fusion.auto_widths`` is resolved by
-    :func:`fedfusion.run.planner.fit_widths`, which a run calls before it writes anything.
+    :func:`fedfusion.fusion.submodel.plan.fit_widths`, which a run calls before it writes anything.
     """
     path = resolve_recipe_path(ref)
     try:

@@ -67,7 +67,7 @@ def check_recipe(recipe: Recipe) -> Recipe:
     _check_lora_base(recipe)
     _check_devices(recipe)
     if recipe.fusion.method == UNITS and recipe.units.micro_batches == 0:
-        from fedfusion.run.planner import units_micro_batches  # torch: only for a count to choose
+        from fedfusion.analysis.units_plan import units_micro_batches  # torch: only for a count to choose
 
         recipe.units.micro_batches = units_micro_batches(recipe)
     return recipe

@@ -96,7 +96,7 @@ def resolve(ref: str, overrides: list[str]) -> Recipe:
     loads it: validated, checked, rounds from facts, ``fusion.auto_widths`` fitted)."""
     recipe = check_recipe(load_recipe(ref, overrides))
     if recipe.fusion.auto_widths:
-        from fedfusion.run.planner import fit_widths
+        from fedfusion.fusion.submodel.plan import fit_widths
 
         fit_widths(recipe)
     return recipe

@@ -30,10 +30,10 @@ from fedfusion.fusion.base import ClientRound, FusionMethod, RoundReport
 from fedfusion.fusion.lora.build import client_spec as lora_client_spec
 from fedfusion.fusion.rounds import initial_state, round_lr
 from fedfusion.fusion.submodel.method import SubModelMethod
+from fedfusion.fusion.submodel.plan import expanded_tiers
 from fedfusion.run.central import central_course
 from fedfusion.run.checkpoint import Checkpoint
 from fedfusion.run.lifecycle import Recorder, RoundCallback, run_course
-from fedfusion.run.planner import expanded_tiers
 from fedfusion.run.quiet import silence_expected_noise
 from fedfusion.run.run_dir import RunDir, read_jsonl
 from fedfusion.run.targets import Target, lm_target, lora_target
