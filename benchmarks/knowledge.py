@@ -90,11 +90,11 @@ from fedfusion.data.text import (
 from fedfusion.devices.catalog import load_catalog
 from fedfusion.devices.energy import price_work
 from fedfusion.devices.memory import FROZEN_BITS, estimate_memory
+from fedfusion.fusion.generative.config import GenerativeConfig
 from fedfusion.fusion.inprocess import GenerativeRun, SubModelRun, TransferRun, run_generative, run_submodel, run_transfer
 from fedfusion.fusion.outer import OuterConfig
 from fedfusion.models.build import model_from_state
 from fedfusion.models.families import family_of
-from fedfusion.models.samples import GenerativeConfig
 from fedfusion.models.slicing import extract, plan_slice, sub_config
 from fedfusion.train.loop import evaluate_lm, train_steps
 from fedfusion.wire.quantize import Wire

@@ -112,7 +112,7 @@ from fedfusion.fusion.outer import OuterConfig
 from fedfusion.fusion.rounds import fold_round
 from fedfusion.models.build import model_from_state, target_config
 from fedfusion.models.families import family_of
-from fedfusion.models.samples import SAMPLES_KEY, TOP_IDS_KEY, TOP_LOGP_KEY, GenerativeConfig
+from fedfusion.models.samples import SAMPLES_KEY, TOP_IDS_KEY, TOP_LOGP_KEY
 from fedfusion.models.slicing import extract, plan_slice, sub_config
 from fedfusion.run.check import facts_rounds
 
@@ -438,9 +438,7 @@ def run_method(job: dict) -> dict:
             final, _ = run_transfer(transfer, initial, initial)
         elif name == "generative":
             run = GenerativeRun(cfg, min(widths), task.windows, axes,
-                                generative=GenerativeConfig(g.sample_fraction, g.temperature, g.server_steps,
-                                                            g.server_lr, g.server_batch, top_k=g.top_k,
-                                                            device_state=g.device_state), **common)
+                                generative=g, **common)
             final, _, _ = run_generative(run, initial)
         else:
             raise ValueError(f"no such method {name!r}")

@@ -30,12 +30,9 @@ from fedfusion.config.sections import (
     AvailabilitySection,
     DataConfig,
     DataSource,
-    DistillConfig,
     EngineConfig,
     FaultConfig,
     FusionConfig,
-    GenerativeSection,
-    LoRAConfig,
     ModelConfig,
     OutputConfig,
     PopulationConfig,
@@ -46,6 +43,9 @@ from fedfusion.config.sections import (
     TrainConfig,
     UnitsSection,
 )
+from fedfusion.fusion.distill.config import DistillConfig
+from fedfusion.fusion.generative.config import GenerativeConfig
+from fedfusion.fusion.lora.config import LoRAConfig
 
 
 @dataclass
@@ -61,9 +61,10 @@ class Recipe:
     model: ModelConfig = field(default_factory=ModelConfig)
     population: PopulationConfig = field(default_factory=PopulationConfig)
     fusion: FusionConfig = field(default_factory=FusionConfig)
+    # the methods' own sections, each in its folder (fedfusion.fusion.<method>.config)
     distill: DistillConfig = field(default_factory=DistillConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
-    generative: GenerativeSection = field(default_factory=GenerativeSection)
+    generative: GenerativeConfig = field(default_factory=GenerativeConfig)
     selection: SelectionConfig = field(default_factory=SelectionConfig)
     availability: AvailabilitySection = field(default_factory=AvailabilitySection)
     train: TrainConfig = field(default_factory=TrainConfig)

@@ -21,6 +21,7 @@ from transformers import PretrainedConfig
 
 from fedfusion.config.methods import WINDOW
 from fedfusion.fusion.base import Client, FusionMethod, Payload, State
+from fedfusion.fusion.generative.config import GenerativeConfig
 from fedfusion.fusion.generative.method import GenerativeMethod
 from fedfusion.fusion.outer import OuterConfig
 from fedfusion.fusion.rounds import client_seed, fold_round, initial_state, round_payloads, server_seed
@@ -28,7 +29,7 @@ from fedfusion.fusion.submodel.method import SubModelMethod
 from fedfusion.models.build import model_from_state, tied_aliases, wire_state
 from fedfusion.models.full_forward import WindowModel, from_payload
 from fedfusion.models.low_rank import LowRankModel
-from fedfusion.models.samples import SAMPLES_KEY, GenerativeConfig, samples_reply
+from fedfusion.models.samples import SAMPLES_KEY, samples_reply
 from fedfusion.models.slicing import extract, plan_slice, sub_config
 from fedfusion.train.distill import DistillationLoss, Teacher, feddf_teacher, forward_flops
 from fedfusion.train.dp import ClientBudgets, DpSgd, epsilon_spent
