@@ -17,12 +17,12 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from fedfusion.analysis.seed_paper import NAME as SEED_PAPER
 from fedfusion.config.methods import GENERATIVE, SUBMODEL, UNITS, hook, method
 from fedfusion.config.recipe import Recipe, builtin_recipes, load_recipe, method_label, nodes_per_client
 from fedfusion.config.sections import RecipeError
 from fedfusion.run.arms import ARM_NAMES
 from fedfusion.run.check import check_recipe
-from fedfusion.run.seed_paper import NAME as SEED_PAPER
 
 # soft_wrap: a line is never broken at the terminal's (or, off a terminal, rich's 80-column) width, so every
 # message stays one line that grep finds
@@ -291,7 +291,7 @@ def _cell(value: Any) -> str:
 
 def cmd_report(args: argparse.Namespace) -> int:
     """report.md + plots for one run, or a side-by-side comparison of several."""
-    from fedfusion.run.report import compare_runs, write_report
+    from fedfusion.analysis.report import compare_runs, write_report
 
     runs = [Path(p) for p in args.runs]
     if len(runs) == 1:
@@ -347,9 +347,9 @@ def cmd_facts(args: argparse.Namespace) -> int:
 
 def cmd_edge_cloud(args: argparse.Namespace) -> int:
     """Price a named edge-vs-cloud setting (the seed paper's) and say whether it lands in the paper's ranges."""
+    from fedfusion.analysis.edge_cloud import check_cloud
+    from fedfusion.analysis.seed_paper import CLOUD, markdown, results
     from fedfusion.devices.catalog import load_catalog
-    from fedfusion.run.edge_cloud import check_cloud
-    from fedfusion.run.seed_paper import CLOUD, markdown, results
 
     catalog = load_catalog(args.catalog)
     cloud = args.cloud or CLOUD

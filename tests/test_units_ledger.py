@@ -11,13 +11,13 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from fedfusion.analysis.report import write_report
 from fedfusion.analysis.units_plan import units_plan
 from fedfusion.cli import main
 from fedfusion.config.recipe import load_recipe
 from fedfusion.devices.catalog import load_catalog
 from fedfusion.devices.energy import price_work
 from fedfusion.run.check import load_checked
-from fedfusion.run.report import write_report
 from fedfusion.run.run_dir import RunDir
 from fedfusion.units import UnitDevice, UnitEngine, install
 from fedfusion.units.ledger import price_server, server_timeline

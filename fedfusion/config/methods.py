@@ -3,13 +3,16 @@ roles that names it.
 
 Every list of methods is read from here: ``config.choices.FUSION_METHODS`` and ``MIXABLE``, the client roles
 (``wire.specs.ROLES``), the fold order of a mixed round (``fusion.rounds.FOLD_ORDER``), the builders
-(``run.federation.build_methods``), the plan (``fedfusion plan``), the server's priced work
-(``run.federation``, ``run.check``, ``run.report``), a central method's course (``run.central``), the arms
-``fedfusion compare`` runs (``run.arms``). An entry is pure data: its hooks are ``"module:function"`` paths, imported
-only where they are called (:func:`hook`), so loading a recipe still imports nothing of fedfusion and no torch.
+(``run.federation.build_methods``), the plan (``fedfusion plan``: each entry's view, ``fusion.<name>.plan``; a mixed
+federation's in ``analysis.plan``), the server's priced work (``run.federation``, ``run.check``,
+``analysis.report``), a central method's course (``run.central``), the arms ``fedfusion compare`` runs
+(``run.arms``). An entry is pure data: its hooks are ``"module:function"`` paths, imported only where they are
+called (:func:`hook`), so loading a recipe still imports nothing of fedfusion's implementation and no torch (the
+recipe composes the methods' own sections from their folders' ``config`` modules, which import only ``config``).
 
-Adding a method: its folder ``fedfusion/fusion/<name>/`` (the method, its ``build`` and, where it has a plan of
-its own, its plan rows), its client role module(s) in ``clients/``, and one entry below.
+Adding a method: its folder ``fedfusion/fusion/<name>/`` (the method, its ``build``, its plan view ``plan.py`` and,
+where it has settings of its own, its recipe section ``config.py``), its client role module(s) in ``clients/``, and
+one entry below (and the section's field of ``config.recipe.Recipe``).
 """
 
 from __future__ import annotations
