@@ -91,7 +91,8 @@ from fedfusion.devices.catalog import load_catalog
 from fedfusion.devices.energy import price_work
 from fedfusion.devices.memory import FROZEN_BITS, estimate_memory
 from fedfusion.fusion.generative.config import GenerativeConfig
-from fedfusion.fusion.inprocess import GenerativeRun, SubModelRun, TransferRun, run_generative, run_submodel, run_transfer
+from fedfusion.fusion.generative.inprocess import GenerativeRun, run_generative
+from fedfusion.fusion.inprocess import SubModelRun, TransferRun, run_submodel, run_transfer
 from fedfusion.fusion.outer import OuterConfig
 from fedfusion.models.build import model_from_state
 from fedfusion.models.families import family_of

@@ -52,8 +52,9 @@ uses neither):
   (the in-process driver has no LoRA or mixed loop; a row says so).
 
 Every method runs through the library's in-process driver (``fedfusion.fusion.inprocess``: ``run_submodel``,
-``run_generative``, ``run_transfer``, the same method objects as the Flower strategy); the replies are read by
-wrapping the driver's ``run_rounds`` while a run lasts (:func:`capturing`), with nothing in the library changed.
+``run_transfer``; ``fedfusion.fusion.generative.inprocess.run_generative``; the same method objects as the Flower
+strategy); the replies are read by wrapping the driver's ``run_rounds`` while a run lasts (:func:`capturing`), with
+nothing in the library changed.
 
     python benchmarks/privacy.py --seeds 0 1 2 [--methods grown rolling distill generative] [--people 200]
         [--candidates 4095] [--jobs 2] [--quick] [--out privacy]
@@ -99,15 +100,8 @@ from fedfusion.data.facts import (
 from fedfusion.data.text import read_jsonl
 from fedfusion.devices.catalog import assign_tiers
 from fedfusion.fusion.base import Payload
-from fedfusion.fusion.inprocess import (
-    GenerativeRun,
-    Rounds,
-    SubModelRun,
-    TransferRun,
-    run_generative,
-    run_submodel,
-    run_transfer,
-)
+from fedfusion.fusion.generative.inprocess import GenerativeRun, run_generative
+from fedfusion.fusion.inprocess import Rounds, SubModelRun, TransferRun, run_submodel, run_transfer
 from fedfusion.fusion.outer import OuterConfig
 from fedfusion.fusion.rounds import fold_round
 from fedfusion.models.build import model_from_state, target_config
@@ -307,7 +301,7 @@ def build_task(seed: int, people: int, clients: int, rounds: int, per_round: int
 def capturing(on_reply: Callable[[dict, int, Payload, dict], None]) -> Iterator[None]:
     """While the block runs, every in-process run's client replies are shown to ``on_reply(methods, round, payload,
     reply)`` after the client trains, before the driver checks and folds them: the driver's ``run_rounds`` is wrapped
-    for the block (the loops of ``fedfusion.fusion.inprocess`` call it by its module name) and restored after."""
+    for the block (every in-process loop calls it by its module name) and restored after."""
     original = inprocess.run_rounds
 
     def wrapped(methods, tiers, initial, train, rounds, evaluate=None, weighting="uniform", caps=None):

@@ -18,7 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from fedfusion.analysis.seed_paper import NAME as SEED_PAPER
-from fedfusion.config.methods import GENERATIVE, SUBMODEL, UNITS, hook, method
+from fedfusion.config.methods import SLICES, UNITS, hook, method
 from fedfusion.config.recipe import Recipe, builtin_recipes, load_recipe, method_label, nodes_per_client
 from fedfusion.config.sections import RecipeError
 from fedfusion.run.arms import ARM_NAMES
@@ -239,7 +239,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     for note in (*view.notes, *runtime_notes(load_catalog(recipe.population.catalog), list(recipe.population.mix))):
         console.print(note, highlight=False, soft_wrap=True)
-    if args.ways or (args.ways is None and recipe.model.pretrained and recipe.fusion.method in (SUBMODEL, GENERATIVE)):
+    if args.ways or (args.ways is None and recipe.model.pretrained and recipe.fusion.method in SLICES):
         from fedfusion.analysis.plan import ways_view
 
         ways = ways_view(recipe)

@@ -11,7 +11,8 @@ from fp_bounds import gamma
 from transformers import LlamaForCausalLM
 
 from fedfusion.fusion.generative.config import GenerativeConfig
-from fedfusion.fusion.inprocess import GenerativeRun, SubModelRun, TransferRun, run_generative, run_submodel, run_transfer
+from fedfusion.fusion.generative.inprocess import GenerativeRun, run_generative
+from fedfusion.fusion.inprocess import SubModelRun, TransferRun, run_submodel, run_transfer
 from fedfusion.fusion.rounds import client_seed, server_seed
 from fedfusion.fusion.submodel.method import SubModelMethod
 from fedfusion.models.build import config_aliases, model_from_state, wire_state

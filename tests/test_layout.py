@@ -159,6 +159,7 @@ def test_the_packages_above_a_method_section_import_nothing():
             assert not edges()[package], f"{package} imports {sorted(edges()[package])}"
 
 
+@pytest.mark.slow  # a fresh Python process (~1 s)
 def test_loading_a_recipe_imports_no_torch_and_no_implementation():
     import subprocess
     import sys

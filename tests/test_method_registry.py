@@ -94,7 +94,7 @@ def test_every_home_exists():
 
 @pytest.mark.parametrize("entry", METHODS, ids=lambda m: m.name)
 def test_every_hook_of_an_entry_resolves(entry):
-    for path in (entry.build, entry.plan, entry.report_note, entry.trained, entry.central):
+    for path in (entry.build, entry.plan, entry.mixed_plan, entry.report_note, entry.trained, entry.central):
         if path:
             assert hook(path) is not None
     for role, module in entry.roles:
@@ -109,6 +109,7 @@ def test_the_lists_are_the_registrys():
     assert list(methods.SERVER_WORK) == ["distill", "generative"]  # a mixed run prices distillation first
     assert all(m.plan for m in METHODS), "fedfusion plan needs every method's view"
     assert all(m.build for m in METHODS if m.fold_rank is not None), "a folded method needs a builder"
+    assert all(m.mixed_plan for m in METHODS if m.mixable), "a mixed plan needs every mixable method's rows"
 
 
 def test_a_built_method_carries_its_registry_name():

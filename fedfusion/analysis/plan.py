@@ -9,14 +9,11 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
-from fedfusion.config.methods import DISTILL, GENERATIVE, SLICES
+from fedfusion.config.methods import SERVER_WORK, hook, method
 from fedfusion.config.recipe import Recipe, method_label, tier_methods
 from fedfusion.devices.catalog import load_catalog
 from fedfusion.devices.memory import PLAN_COSTS, USABLE, estimate_memory, mb, param_count, usable_bytes
-from fedfusion.fusion.distill.plan import distill_plan_table
-from fedfusion.fusion.generative.plan import generative_server_row
 from fedfusion.fusion.plan import PlanView, recipe_target
-from fedfusion.fusion.submodel.plan import plan_table
 from fedfusion.models.build import config_aliases, wire_state
 from fedfusion.models.full_forward import window_axes, window_params
 from fedfusion.models.low_rank import factor_params, split
@@ -38,21 +35,14 @@ def mixed_plan_table(recipe: Recipe, usable: float = USABLE) -> list[dict[str, A
     methods = tier_methods(recipe)
     mine = {m: [t for t, n in methods.items() if n == m] for m in dict.fromkeys(methods.values())}
     rows: list[dict[str, Any]] = []
-    sliced = [tier for name in SLICES for tier in mine.get(name, [])]  # the tiers that train a width slice
-    if sliced:
-        slicing = plan_table(recipe, usable=usable, tiers=sliced)
-        rows += [{"method": methods[r["tier"]], **r,
-                  "trains": f"width {r['width']:g}: {r['slice']}" if r["width"] is not None else r["slice"]}
-                 for r in slicing]
-    server = []
-    if DISTILL in mine:
-        *family_rows, distill_server = distill_plan_table(recipe, usable, mine[DISTILL])
-        rows += [{"method": DISTILL, **r} for r in family_rows]
-        server.append({"method": DISTILL, **distill_server})
-    if GENERATIVE in mine:
-        server.append({"method": GENERATIVE, **generative_server_row(recipe, usable)})
+    server: dict[str, dict[str, Any]] = {}
+    for name, tiers in mine.items():  # each method's part: its registry entry's mixed_plan
+        own, serves = hook(method(name).mixed_plan)(recipe, usable, tiers)
+        rows += [{"method": name, **r} for r in own]
+        if serves is not None:
+            server[name] = {"method": name, **serves}
     order = list(recipe.population.mix)
-    return sorted(rows, key=lambda r: order.index(r["tier"])) + server
+    return sorted(rows, key=lambda r: order.index(r["tier"])) + [server[n] for n in SERVER_WORK if n in server]
 
 
 WAY_RANK = 8  # the adapter and window rank the ways table prices (memory barely depends on it)

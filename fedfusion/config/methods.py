@@ -46,6 +46,10 @@ class Method:
     # "module:function" (the recipe sections it names, target, tiers) -> FusionMethod, called by :func:`call`
     build: str = ""
     plan: str = ""  # "module:function" (recipe) -> fedfusion.fusion.plan.PlanView: what ``fedfusion plan`` prints
+    # mixable: "module:function" (recipe, usable, tiers) -> (its tiers' plan rows, its server's row or None): its part
+    # of a mixed federation's plan (fedfusion.analysis.plan.mixed_plan_table)
+    mixed_plan: str = ""
+    grows: bool = False  # fusion.grow_round applies to it (its first rounds train the smallest slice, then grow)
     report_note: str = ""  # "module:NAME": a sentence the report adds under "Who did the work" of a run of it
     trained: str = ""  # "module:function" (ledger row) -> what a client of it trained, as the report says
     policy_in_label: bool = False  # a run's header names it with fusion.policy ("submodel/rolling")
@@ -68,17 +72,20 @@ class Method:
 METHODS: tuple[Method, ...] = (
     Method(SUBMODEL, roles=((SUBMODEL, "fedfusion.clients.submodel"), (WINDOW, "fedfusion.clients.window")),
            fold_rank=0, mixable=True, slices=True, build="fedfusion.fusion.submodel.build:build",
-           plan="fedfusion.fusion.submodel.plan:slices_view", policy_in_label=True,
+           plan="fedfusion.fusion.submodel.plan:slices_view", mixed_plan="fedfusion.fusion.submodel.plan:mixed_rows",
+           grows=True, policy_in_label=True,
            arms="fedfusion.run.arms:slicing_arms"),
     Method(DISTILL, roles=(("smallmodel", "fedfusion.clients.smallmodel"),), fold_rank=3, mixable=True,
            server_device=DISTILL, server_work="the server's distillation",
            build="fedfusion.fusion.distill.build:build", plan="fedfusion.fusion.distill.plan:distill_view",
+           mixed_plan="fedfusion.fusion.distill.plan:mixed_rows",
            arms="fedfusion.run.arms:distill_arms"),
     Method(LORA, roles=((LORA, "fedfusion.clients.lora"),), fold_rank=1, build="fedfusion.fusion.lora.build:build",
            plan="fedfusion.fusion.lora.plan:lora_view", arms="fedfusion.run.arms:lora_arms"),
     Method(GENERATIVE, roles=((GENERATIVE, "fedfusion.clients.generative"),), fold_rank=2, mixable=True, slices=True,
            server_device=GENERATIVE, server_work="the server's training on the samples",
            build="fedfusion.fusion.generative.build:build", plan="fedfusion.fusion.generative.plan:generative_view",
+           mixed_plan="fedfusion.fusion.generative.plan:mixed_rows", grows=True,
            report_note="fedfusion.fusion.generative.report:NOTE", trained="fedfusion.fusion.generative.report:trained",
            arms="fedfusion.run.arms:slicing_arms"),
     Method(MIXED, plan="fedfusion.analysis.plan:mixed_view", home="fedfusion.config.methods",  # tiers: fusion.tiers
@@ -92,6 +99,7 @@ BY_NAME = {m.name: m for m in METHODS}
 FUSION_METHODS = tuple(BY_NAME)
 MIXABLE = tuple(m.name for m in METHODS if m.mixable)
 SLICES = tuple(m.name for m in METHODS if m.slices)
+GROWS = tuple(m.name for m in METHODS if m.grows)
 FOLD_ORDER = tuple(m.name for m in sorted((m for m in METHODS if m.fold_rank is not None), key=lambda m: m.fold_rank or 0))
 ROLES = {role: module for m in METHODS for role, module in m.roles}
 CENTRAL = tuple(m.name for m in METHODS if m.central)

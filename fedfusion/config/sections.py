@@ -14,7 +14,7 @@ from fedfusion.config.choices import (
     DEFAULT_CLOUD,
     DEFAULT_SERVER_DEVICE,
 )
-from fedfusion.config.methods import GENERATIVE, SUBMODEL
+from fedfusion.config.methods import GROWS, SUBMODEL
 
 
 class RecipeError(ValueError):
@@ -218,8 +218,8 @@ class FusionConfig:
         """Growth is width slicing's and generative distillation's (its grow rounds are smallest-only slicing);
         full-forward windows are width slicing's, and a window reaches its own coordinates only with the ordinary
         policies."""
-        if self.grow_round and self.method not in (SUBMODEL, GENERATIVE):
-            raise RecipeError(f"fusion.grow_round: applies to fusion.method=submodel or generative, got {self.method!r}")
+        if self.grow_round and self.method not in GROWS:
+            raise RecipeError(f"fusion.grow_round: applies to fusion.method={' or '.join(GROWS)}, got {self.method!r}")
         if self.forward == "full" and self.method != SUBMODEL:
             raise RecipeError(f"fusion.forward=full: applies to fusion.method=submodel, got {self.method!r}")
         if self.forward == "full" and self.policy == "ordered":

@@ -68,3 +68,10 @@ def distill_view(recipe: Recipe) -> PlanView:
                     "model, the server distils them into the target)", distill_plan_table(recipe),
                     ("tier", "trains", "params", "peak MB", "device MB", "fits", *PLAN_COSTS),
                     left=("tier", "trains", "fits"), width=240)
+
+
+def mixed_rows(recipe: Recipe, usable: float, tiers: list[str]) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """Its part of a mixed federation's plan (the registry entry's ``mixed_plan``): the family rows of ``tiers``,
+    the server's distillation."""
+    *family_rows, server = distill_plan_table(recipe, usable, tiers)
+    return family_rows, server

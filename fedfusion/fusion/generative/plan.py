@@ -10,7 +10,7 @@ from fedfusion.config.recipe import Recipe
 from fedfusion.devices.energy import train_flops
 from fedfusion.devices.memory import USABLE, param_count
 from fedfusion.fusion.plan import PlanView, recipe_target, server_plan_row
-from fedfusion.fusion.submodel.plan import slices_view
+from fedfusion.fusion.submodel.plan import slice_rows, slices_view
 
 
 def generative_view(recipe: Recipe) -> PlanView:
@@ -36,3 +36,9 @@ def generative_server_row(recipe: Recipe, usable: float = USABLE) -> dict[str, A
     flops = train_flops(param_count(recipe_target(recipe)), g.server_steps * g.server_batch * recipe.train.seq_len)
     return server_plan_row(recipe, g.server_device, f"learns the samples ({g.server_steps} steps)",
                            flops, g.server_batch, usable)
+
+
+def mixed_rows(recipe: Recipe, usable: float, tiers: list[str]) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """Its part of a mixed federation's plan (the registry entry's ``mixed_plan``): each tier's own model, the
+    server's training on the samples."""
+    return slice_rows(recipe, usable, tiers), generative_server_row(recipe, usable)

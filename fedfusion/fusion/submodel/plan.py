@@ -281,3 +281,14 @@ def slices_view(recipe: Recipe, title: str = "") -> PlanView:
     title += ", widths fitted to memory)" if widths else ")"
     return PlanView(title, rows, ("tier", "width", "slice", "params", "peak MB", "device MB", "fits", *PLAN_COSTS),
                     left=("tier", "slice", "fits"), width=200)
+
+
+def mixed_rows(recipe: Recipe, usable: float, tiers: list[str]) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """Its tiers' rows in a mixed federation's plan (the registry entry's ``mixed_plan``); no server work."""
+    return slice_rows(recipe, usable, tiers), None
+
+
+def slice_rows(recipe: Recipe, usable: float, tiers: list[str]) -> list[dict[str, Any]]:
+    """:func:`plan_table`'s rows of ``tiers``, each naming what it trains under ``trains`` (a mixed plan's column)."""
+    return [{**r, "trains": f"width {r['width']:g}: {r['slice']}" if r["width"] is not None else r["slice"]}
+            for r in plan_table(recipe, usable=usable, tiers=tiers)]
