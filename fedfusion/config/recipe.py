@@ -12,7 +12,7 @@ before it writes anything or imports torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from difflib import get_close_matches
 from functools import lru_cache
 from importlib import resources
@@ -96,6 +96,11 @@ class Recipe:
                         self.availability, self.output, self.privacy, self.fusion, self.units):
             section.check()
         _check_across(self)
+
+
+# the sections the methods own (each composed from its folder's ``config`` module: distill, lora, generative)
+METHOD_SECTIONS = tuple(f.name for f in fields(Recipe)
+                        if getattr(f.default_factory, "__module__", "").startswith("fedfusion.fusion."))
 
 
 def builtin_recipe_path(name: str) -> Path:
