@@ -1,5 +1,5 @@
 """Benchmark: each way of training a SmolLM2-shaped target on a CPU device, its measured peak resident memory against
-the planner's estimate (:func:`fedfusion.run.planner.estimate_memory`, what ``fedfusion plan`` prices a tier with).
+the planner's estimate (:func:`fedfusion.devices.memory.estimate_memory`, what ``fedfusion plan`` prices a tier with).
 
 The arms are :mod:`cuda_windows`' (full fine-tuning with AdamW, a width slice, full-forward windows on an int8 or
 int4 frozen target, window plus core, rank windows), each without and with activation checkpointing. Each arm runs in
@@ -85,7 +85,7 @@ def report(data: dict) -> str:
                      f"{r['held_mb']:.0f} | {r['peak_mb']:.0f} | {r['planned_mb']:.0f} | {r['planned_over_peak']:.2f} |")
     lines += ["", f"**{within} of {len(rows)} estimates within {GOAL:.0%} of the measured peak.** Held: resident after "
               "the device's model was built and the whole target's state freed; peak: the high-water mark while "
-              "training; both above the process's memory after imports. Planned: `fedfusion.run.planner."
+              "training; both above the process's memory after imports. Planned: `fedfusion.devices.memory."
               "estimate_memory` with the arm's arguments (`benchmarks/cuda_windows.py`'s `planned`)."]
     return "\n".join(lines) + "\n"
 

@@ -2,7 +2,7 @@
 
 What a CPU run cannot check: that a base quantised on the CPU (:func:`fedfusion.models.pretrained.quantized_copy`)
 loads and trains on CUDA through bitsandbytes, and whether the memory model that sizes every tier's LoRA rank
-and base precision (:func:`fedfusion.run.planner.estimate_memory`) holds on a real accelerator. Per base shape and
+and base precision (:func:`fedfusion.devices.memory.estimate_memory`) holds on a real accelerator. Per base shape and
 precision it records the measured weight memory and peak training memory (``torch.cuda.max_memory_allocated``
 above what was allocated before the base loaded) next to the planner's estimate, the time of a training step
 (the project's :func:`fedfusion.train.loop.train_steps` with the response-only loss on
@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from fedfusion.devices.memory import LORA_MODULES, estimate_memory
 from fedfusion.models.adapters import adapter_factors, attach_adapter
 from fedfusion.models.pretrained import load_base
-from fedfusion.run.planner import LORA_MODULES, estimate_memory
 from fedfusion.train.instruct import RESPONSE, InstructData, response_loss
 from fedfusion.train.loop import train_steps
 
@@ -103,7 +103,7 @@ def report(payload: dict) -> str:
                          f"{r['peak_mb'] / r['peak_est_mb']:.2f} | {r['step_ms']:.1f} | {r['first_loss']:.4f}{delta} | "
                          f"{r['finite']} |")
     lines += ["", "Weights: allocated after loading the base and attaching the adapter. Peak: the most allocated "
-              "during training, both above the allocation before loading. Planned: `fedfusion.run.planner.estimate_memory` "
+              "during training, both above the allocation before loading. Planned: `fedfusion.devices.memory.estimate_memory` "
               "(which assumes no fused attention: PyTorch's SDPA keeps no seq x seq probabilities, so the planner "
               "over-counts activations there).", ""]
     return "\n".join(lines)

@@ -1,7 +1,7 @@
 """Benchmark (needs a CUDA GPU): what a full-forward window really costs a device, measured against the planner.
 
 The knowledge benchmark's memory ratio (a device's peak training memory against the whole target trained with
-AdamW) is the planner's estimate (:func:`fedfusion.run.planner.estimate_memory`). This measures it. Per target
+AdamW) is the planner's estimate (:func:`fedfusion.devices.memory.estimate_memory`). This measures it. Per target
 shape and arm: the peak CUDA memory of training (``torch.cuda.max_memory_allocated`` above the allocation before
 the model moved to the GPU) next to the planner's estimate, and the time of a step. Arms, all AdamW in float32:
 
@@ -38,14 +38,15 @@ import torch
 from cuda_lora import SHAPES, shape_config  # SmolLM2's shapes, as the LoRA benchmark uses them
 from transformers import LlamaConfig
 
+from fedfusion.devices.memory import estimate_memory
 from fedfusion.fusion.base import Client
 from fedfusion.fusion.submodel.method import SubModelMethod
+from fedfusion.fusion.submodel.plan import frozen_window_memory, rank_dense_bytes
 from fedfusion.models.build import config_aliases, model_from_state, wire_state
 from fedfusion.models.families import family_of
 from fedfusion.models.full_forward import from_payload
 from fedfusion.models.low_rank import split
 from fedfusion.models.slicing import extract, plan_slice, sub_config
-from fedfusion.run.planner import estimate_memory, frozen_window_memory, rank_dense_bytes
 from fedfusion.train.loop import train_steps
 from fedfusion.wire.keys import FROZEN
 from fedfusion.wire.quantize import decode
@@ -127,7 +128,7 @@ def report(payload: dict) -> str:
                          f"| {r['planned_mb']:.0f} | {r['peak_over_planned']:.2f} | {full / r['peak_mb']:.2f} | "
                          f"{r['step_ms']:.1f} |")
     lines += ["", "Held: allocated after the model moved to the GPU. Peak: the most allocated while training, both "
-              "above the allocation before the move. Planned: `fedfusion.run.planner.estimate_memory` (for windows: "
+              "above the allocation before the move. Planned: `fedfusion.devices.memory.estimate_memory` (for windows: "
               "the frozen target at its wire bits, float32 activations). full's peak / peak: the memory ratio against "
               "the whole target trained with AdamW without checkpointing (the oracle's device)."]
     if payload.get("replanned"):

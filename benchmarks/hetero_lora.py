@@ -74,7 +74,7 @@ TINY = ModelConfig(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=4, i
                    max_position=512)
 REAL_RANKS = (8, 4, 2, 1)
 PROBE_TIERS = {"4bit": (4, "float32"), "8bit": (8, "float32"), "bf16": (0, "bfloat16"), "fp32": (0, "float32")}
-PLANNER_BITS = {"4bit": 4, "8bit": 8, "bf16": 16, "fp32": 32}  # fedfusion.run.planner's base_bits of each tier
+PLANNER_BITS = {"4bit": 4, "8bit": 8, "bf16": 16, "fp32": 32}  # fedfusion.devices.memory's base_bits of each tier
 PROMPTS = ("What is your favorite book?", "Tell me a joke.", "What is a computer?")
 
 
@@ -312,11 +312,11 @@ def systems(args: argparse.Namespace) -> dict | None:
 
 
 def planner_estimates(args: argparse.Namespace) -> dict[str, dict[str, float]]:
-    """fedfusion.run.planner's estimate (MB) of each probed tier's training memory, for comparison with the probe."""
+    """fedfusion.devices.memory's estimate (MB) of each probed tier's training memory, for comparison with the probe."""
     from transformers import AutoConfig
 
+    from fedfusion.devices.memory import estimate_memory
     from fedfusion.models.pretrained import resolve_base
-    from fedfusion.run.planner import estimate_memory
 
     config = AutoConfig.from_pretrained(resolve_base("smollm2"))
     out = {}
@@ -529,7 +529,7 @@ def markdown(report: dict) -> str:
                          f"{r['after_data_mb']:.0f} | {r['peak_rss_mb']:.0f} | "
                          f"{r['peak_rss_mb'] - r['after_imports_mb']:.0f} | {plan} | {r['ru_maxrss_mb']:.0f} | "
                          f"{r['load_s']:.1f} | {r['train_s'] / r['steps']:.1f} |")
-        lines += ["", "The planner's estimate (`fedfusion.run.planner.estimate_memory`, same batch, sequence, rank and "
+        lines += ["", "The planner's estimate (`fedfusion.devices.memory.estimate_memory`, same batch, sequence, rank and "
                   "modules) counts the model's training memory only, so compare it with peak - imports; it "
                   "prices activations at 2 bytes for a quantised or 16-bit base, while these quantised tiers compute "
                   "in float32 (`lora.dtype` default)."]

@@ -89,13 +89,14 @@ from fedfusion.data.text import (
 )
 from fedfusion.devices.catalog import load_catalog
 from fedfusion.devices.energy import price_work
-from fedfusion.fusion.inprocess import GenerativeRun, SubModelRun, TransferRun, run_generative, run_submodel, run_transfer
+from fedfusion.devices.memory import FROZEN_BITS, estimate_memory
+from fedfusion.fusion.generative.config import GenerativeConfig
+from fedfusion.fusion.generative.inprocess import GenerativeRun, run_generative
+from fedfusion.fusion.inprocess import SubModelRun, TransferRun, run_submodel, run_transfer
 from fedfusion.fusion.outer import OuterConfig
 from fedfusion.models.build import model_from_state
 from fedfusion.models.families import family_of
-from fedfusion.models.samples import GenerativeConfig
 from fedfusion.models.slicing import extract, plan_slice, sub_config
-from fedfusion.run.planner import FROZEN_BITS, estimate_memory
 from fedfusion.train.loop import evaluate_lm, train_steps
 from fedfusion.wire.quantize import Wire
 
@@ -242,7 +243,7 @@ def growth_fields(arm: str, rounds: int, grow_round: int, rank: int) -> dict | N
 def memory_ratio(cfg: LlamaConfig, a: dict, growth: dict | None, client_params: int, widths: list[float],
                  axes: tuple[str, ...]) -> float:
     """Peak training memory of the full target trained with AdamW over that of the largest client's training, both
-    as the planner estimates them (:func:`fedfusion.run.planner.estimate_memory`; batch and sequence of the run)."""
+    as the planner estimates them (:func:`fedfusion.devices.memory.estimate_memory`; batch and sequence of the run)."""
     batch, seq = a["batch"], a["seq_len"]
     full = estimate_memory(cfg, batch, seq).total
     if growth is not None and growth.get("forward") == "full":

@@ -42,9 +42,9 @@ from pathlib import Path
 
 import yaml
 
+from fedfusion.analysis.report import still_rising
 from fedfusion.config.sections import DataConfig
 from fedfusion.run.check import facts_rounds
-from fedfusion.run.report import still_rising
 
 sys.path.insert(0, str(Path(__file__).parent))
 from other_facts import write as write_facts  # noqa: E402
@@ -142,7 +142,7 @@ def write_results(out: str, work: Path, files: list[tuple[int, int]], arms: list
               "static slice inside a target silenced around it and the scored target *is* that small model (a "
               "slice without growth would be scored inside a target whose other units keep their random "
               "initialisation). Rising: the gain over the last "
-              "evaluations where the report's check (`fedfusion.run.report.still_rising`) finds the curve still rising.", ""]
+              "evaluations where the report's check (`fedfusion.analysis.report.still_rising`) finds the curve still rising.", ""]
     for facts, _ in files:
         lines += [f"## {facts} facts", "", "| arm | seed | final recall | best | gap closure | rising | wall s | load |",
                   "|---|---|---|---|---|---|---|---|"]

@@ -88,10 +88,11 @@ def run_arm(task: str, arm: str, seed: int, rounds: int, overrides: list[str], w
     """One run of ``arm``; its per-round metrics and totals."""
     from flwr.supercore.task_identity import TaskIdentity
 
+    from fedfusion.analysis.report import read_jsonl
     from fedfusion.config.recipe import load_recipe
+    from fedfusion.fusion.submodel.plan import fit_widths
     from fedfusion.run.federation import run_federation
-    from fedfusion.run.planner import fit_widths
-    from fedfusion.run.run_dir import RunDir, read_jsonl
+    from fedfusion.run.run_dir import RunDir
 
     TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 0  # messages outside a Flower runtime
     metric, lower, arms = TASKS[task]

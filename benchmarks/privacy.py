@@ -52,8 +52,9 @@ uses neither):
   (the in-process driver has no LoRA or mixed loop; a row says so).
 
 Every method runs through the library's in-process driver (``fedfusion.fusion.inprocess``: ``run_submodel``,
-``run_generative``, ``run_transfer``, the same method objects as the Flower strategy); the replies are read by
-wrapping the driver's ``run_rounds`` while a run lasts (:func:`capturing`), with nothing in the library changed.
+``run_transfer``; ``fedfusion.fusion.generative.inprocess.run_generative``; the same method objects as the Flower
+strategy); the replies are read by wrapping the driver's ``run_rounds`` while a run lasts (:func:`capturing`), with
+nothing in the library changed.
 
     python benchmarks/privacy.py --seeds 0 1 2 [--methods grown rolling distill generative] [--people 200]
         [--candidates 4095] [--jobs 2] [--quick] [--out privacy]
@@ -99,20 +100,13 @@ from fedfusion.data.facts import (
 from fedfusion.data.text import read_jsonl
 from fedfusion.devices.catalog import assign_tiers
 from fedfusion.fusion.base import Payload
-from fedfusion.fusion.inprocess import (
-    GenerativeRun,
-    Rounds,
-    SubModelRun,
-    TransferRun,
-    run_generative,
-    run_submodel,
-    run_transfer,
-)
+from fedfusion.fusion.generative.inprocess import GenerativeRun, run_generative
+from fedfusion.fusion.inprocess import Rounds, SubModelRun, TransferRun, run_submodel, run_transfer
 from fedfusion.fusion.outer import OuterConfig
 from fedfusion.fusion.rounds import fold_round
 from fedfusion.models.build import model_from_state, target_config
 from fedfusion.models.families import family_of
-from fedfusion.models.samples import SAMPLES_KEY, TOP_IDS_KEY, TOP_LOGP_KEY, GenerativeConfig
+from fedfusion.models.samples import SAMPLES_KEY, TOP_IDS_KEY, TOP_LOGP_KEY
 from fedfusion.models.slicing import extract, plan_slice, sub_config
 from fedfusion.run.check import facts_rounds
 
@@ -311,8 +305,8 @@ def capturing(on_reply: Callable[[dict, int, Payload, dict], None],
               on_round: Callable[[int, dict], None]) -> Iterator[None]:
     """While the block runs, every in-process run's client replies are shown to ``on_reply(methods, round, payload,
     reply)`` after the client trains, before the driver checks and folds them, and every round's folded target to
-    ``on_round(round, target)``: the driver's ``run_rounds`` is wrapped for the block (the loops of
-    ``fedfusion.fusion.inprocess`` call it by its module name) and restored after."""
+    ``on_round(round, target)``: the driver's ``run_rounds`` is wrapped for the block (every in-process loop calls
+    it by its module name) and restored after."""
     original = inprocess.run_rounds
 
     def wrapped(methods, tiers, initial, train, rounds, evaluate=None, weighting="uniform", caps=None):
@@ -454,9 +448,7 @@ def run_method(job: dict) -> dict:
             final, _ = run_transfer(transfer, initial, initial)
         elif name == "generative":
             run = GenerativeRun(cfg, min(widths), task.windows, axes,
-                                generative=GenerativeConfig(g.sample_fraction, g.temperature, g.server_steps,
-                                                            g.server_lr, g.server_batch, top_k=g.top_k,
-                                                            device_state=g.device_state), **common)
+                                generative=g, **common)
             final, _, _ = run_generative(run, initial)
         else:
             raise ValueError(f"no such method {name!r}")

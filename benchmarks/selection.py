@@ -41,13 +41,13 @@ from pathlib import Path
 
 import yaml
 
+from fedfusion.analysis.report import read_jsonl
 from fedfusion.config.recipe import Recipe, load_recipe
 from fedfusion.data.text import load_tokenizer
 from fedfusion.devices.catalog import load_catalog
 from fedfusion.devices.energy import price_work, train_flops
 from fedfusion.models.build import build_target
 from fedfusion.models.slicing import extract, plan_slice
-from fedfusion.run.run_dir import read_jsonl
 
 # results measured on the rolling slices (the quickstart's recipe until it switched to growth); selection runs on it
 RECIPE = "rolling"

@@ -27,9 +27,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from results_files import run_facts, write_pair  # noqa: E402
 
+from fedfusion.analysis.report import read_jsonl  # noqa: E402
+from fedfusion.analysis.units_plan import units_plan  # noqa: E402
 from fedfusion.config.recipe import load_recipe  # noqa: E402
-from fedfusion.run.planner import units_plan  # noqa: E402
-from fedfusion.run.run_dir import read_jsonl  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -27,7 +27,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from results_files import write_pair  # noqa: E402
 
-from fedfusion.run.run_dir import read_jsonl  # noqa: E402
+from fedfusion.analysis.report import read_jsonl  # noqa: E402
 from fedfusion.units import UnitDevice  # noqa: E402
 from fedfusion.units.phases import llama_phases  # noqa: E402
 from fedfusion.units.timeline import simulate  # noqa: E402

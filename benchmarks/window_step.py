@@ -37,11 +37,11 @@ from torch.profiler import profile
 
 from fedfusion.config.recipe import load_recipe
 from fedfusion.fusion.base import Client
+from fedfusion.fusion.plan import recipe_target
 from fedfusion.fusion.submodel.method import SubModelMethod
 from fedfusion.models.build import model_from_state
 from fedfusion.models.families import family_of
 from fedfusion.models.full_forward import from_payload, window_axes
-from fedfusion.run.planner import recipe_target
 from fedfusion.train.loop import train_steps
 from fedfusion.wire.keys import FROZEN
 from fedfusion.wire.quantize import decode

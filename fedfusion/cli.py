@@ -17,12 +17,12 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from fedfusion.config.methods import GENERATIVE, SUBMODEL, UNITS, hook, method
+from fedfusion.analysis.seed_paper import NAME as SEED_PAPER
+from fedfusion.config.methods import SLICES, UNITS, hook, method
 from fedfusion.config.recipe import Recipe, builtin_recipes, load_recipe, method_label, nodes_per_client
 from fedfusion.config.sections import RecipeError
 from fedfusion.run.arms import ARM_NAMES
 from fedfusion.run.check import check_recipe
-from fedfusion.run.seed_paper import NAME as SEED_PAPER
 
 # soft_wrap: a line is never broken at the terminal's (or, off a terminal, rich's 80-column) width, so every
 # message stays one line that grep finds
@@ -57,7 +57,7 @@ def _load_for_run(ref: str, overrides: list[str]) -> Recipe:
     written. Torch loads only where widths are fitted, so every other recipe error comes in about a second."""
     recipe = _checked(ref, overrides)
     if recipe.fusion.auto_widths:
-        from fedfusion.run.planner import fit_widths
+        from fedfusion.fusion.submodel.plan import fit_widths
 
         fit_widths(recipe)
     if recipe.data.source == "dataset":  # load and partition it now: a missing column or a bad count stops here
@@ -231,7 +231,7 @@ PLAN_NOTE = ("s and J per round: the tier's training FLOPs and the bytes it move
 def cmd_plan(args: argparse.Namespace) -> int:
     """Print what each tier trains and what one round of it costs (and the server's own work, where it has any)."""
     recipe = _checked(args.recipe, args.overrides)
-    # the method's plan view (its registry entry's ``plan``, in fedfusion.run.planner): torch loads only now
+    # the method's plan view (its registry entry's ``plan``, in its folder's plan module): torch loads only now
     view = hook(method(recipe.fusion.method).plan)(recipe)
     _print_table(view.title, view.rows, view.headers, left=view.left, width=view.width)
     from fedfusion.devices.catalog import load_catalog
@@ -239,8 +239,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     for note in (*view.notes, *runtime_notes(load_catalog(recipe.population.catalog), list(recipe.population.mix))):
         console.print(note, highlight=False, soft_wrap=True)
-    if args.ways or (args.ways is None and recipe.model.pretrained and recipe.fusion.method in (SUBMODEL, GENERATIVE)):
-        from fedfusion.run.planner import ways_view
+    if args.ways or (args.ways is None and recipe.model.pretrained and recipe.fusion.method in SLICES):
+        from fedfusion.analysis.plan import ways_view
 
         ways = ways_view(recipe)
         _print_table(ways.title, ways.rows, ways.headers, left=ways.left, width=ways.width)
@@ -291,7 +291,7 @@ def _cell(value: Any) -> str:
 
 def cmd_report(args: argparse.Namespace) -> int:
     """report.md + plots for one run, or a side-by-side comparison of several."""
-    from fedfusion.run.report import compare_runs, write_report
+    from fedfusion.analysis.report import compare_runs, write_report
 
     runs = [Path(p) for p in args.runs]
     if len(runs) == 1:
@@ -347,9 +347,9 @@ def cmd_facts(args: argparse.Namespace) -> int:
 
 def cmd_edge_cloud(args: argparse.Namespace) -> int:
     """Price a named edge-vs-cloud setting (the seed paper's) and say whether it lands in the paper's ranges."""
+    from fedfusion.analysis.edge_cloud import check_cloud
+    from fedfusion.analysis.seed_paper import CLOUD, markdown, results
     from fedfusion.devices.catalog import load_catalog
-    from fedfusion.run.edge_cloud import check_cloud
-    from fedfusion.run.seed_paper import CLOUD, markdown, results
 
     catalog = load_catalog(args.catalog)
     cloud = args.cloud or CLOUD

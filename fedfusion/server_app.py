@@ -14,10 +14,10 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
 from fedfusion.config.recipe import nodes_per_client
+from fedfusion.fusion.submodel.plan import fit_widths
 from fedfusion.run.check import load_checked
 from fedfusion.run.federation import check_federation, run_federation
 from fedfusion.run.interrupt import reap_on_flower_exit
-from fedfusion.run.planner import fit_widths
 from fedfusion.run.run_dir import RunDir, new_run_path
 
 app = ServerApp()

@@ -9,11 +9,12 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord
 
+from fedfusion.analysis.report import read_jsonl
 from fedfusion.cli import main
 from fedfusion.config.recipe import load_recipe
 from fedfusion.fusion.state import load_optimizer_state, optimizer_state, rng_state, set_rng_state
 from fedfusion.run.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
-from fedfusion.run.run_dir import RunDir, read_jsonl
+from fedfusion.run.run_dir import RunDir
 from tests.test_strategy import FakeGrid, make_strategy, plans, task_identity  # noqa: F401 (autouse fixture)
 
 

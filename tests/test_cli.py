@@ -15,7 +15,8 @@ import pytest
 
 from fedfusion.cli import EXAMPLES, main, parser
 from fedfusion.config.recipe import load_recipe
-from fedfusion.run.planner import llama_params, plan_table
+from fedfusion.devices.memory import llama_params
+from fedfusion.fusion.submodel.plan import plan_table
 
 ROOT = Path(__file__).parents[1]
 HEAVY = ("torch", "transformers", "flwr", "peft", "bitsandbytes", "ray")

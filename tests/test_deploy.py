@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from fedfusion.analysis.report import read_jsonl
 from fedfusion.cli import main
 from fedfusion.config.recipe import load_recipe
 from fedfusion.data.population import tier_list
 from fedfusion.deploy import make_deploy_files
-from fedfusion.run.run_dir import read_jsonl
 
 pytestmark = pytest.mark.slow  # Flower's runtime (Ray or SuperLink processes): minutes, not seconds
 

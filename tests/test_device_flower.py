@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from fedfusion.analysis.report import read_jsonl
 from fedfusion.deploy import LocalFederation, make_deploy_files
 from fedfusion.phone.gateway import Gateway, GatewayServer, Tokens, write_tokens
-from fedfusion.run.run_dir import read_jsonl
 from tests.test_device import _take_and_vanish
 
 pytestmark = [pytest.mark.slow, pytest.mark.device]  # SuperLink and SuperNode processes plus an ExecuTorch export: minutes

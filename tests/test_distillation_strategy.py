@@ -16,9 +16,10 @@ from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MetricRecord, Re
 from fp_bounds import gamma, log_softmax_bound, unit_roundoff
 from transformers import GPT2Config, LlamaConfig, LlamaForCausalLM
 
-from fedfusion.config.sections import DataConfig, DistillConfig
+from fedfusion.config.sections import DataConfig
 from fedfusion.data.text import build_char_tokenizer
 from fedfusion.devices.catalog import load_catalog
+from fedfusion.fusion.distill.config import DistillConfig
 from fedfusion.fusion.distill.method import DistillMethod, Family, family_eval_set, score_per_char
 from fedfusion.models import build as models
 from fedfusion.selection.participation import Participation

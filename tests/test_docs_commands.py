@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from fedfusion.cli import parser
+from fedfusion.fusion.submodel.plan import fit_widths
 from fedfusion.run.check import load_checked
-from fedfusion.run.planner import fit_widths
 
 ROOT = Path(__file__).parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

@@ -81,7 +81,7 @@ def test_every_fedfusion_name_in_docs_and_code_exists(group):
 
 def test_a_moved_module_is_caught():
     assert resolves("fedfusion.models.growth") and resolves("fedfusion.models.growth.silence")
-    assert resolves("fedfusion.fusion.base.Fold.server_cost") and resolves("fedfusion.run.planner.estimate_memory")
+    assert resolves("fedfusion.fusion.base.Fold.server_cost") and resolves("fedfusion.devices.memory.estimate_memory")
     assert not resolves("fedfusion.growth") and not resolves("fedfusion.planner.estimate_memory")
     assert not resolves("fedfusion.models.growth.no_such_function")
 

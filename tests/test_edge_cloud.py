@@ -6,10 +6,8 @@ import dataclasses
 
 import pytest
 
-from fedfusion.devices.catalog import Device, load_catalog
-from fedfusion.devices.energy import GRID_G_PER_KWH, price_work
-from fedfusion.run import seed_paper
-from fedfusion.run.edge_cloud import (
+from fedfusion.analysis import seed_paper
+from fedfusion.analysis.edge_cloud import (
     CARBON_VIEWS,
     EDGE_COLUMN,
     EDGE_PARTS,
@@ -28,6 +26,8 @@ from fedfusion.run.edge_cloud import (
     totals,
     work_from_clients,
 )
+from fedfusion.devices.catalog import Device, load_catalog
+from fedfusion.devices.energy import GRID_G_PER_KWH, price_work
 
 CAT = load_catalog()
 WORK = [TierWork("phone", 4e15, 2e8, 2e8, useful_flops=3e15), TierWork("laptop", 6e15, 3e8, 3e8)]

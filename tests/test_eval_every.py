@@ -10,10 +10,10 @@ import pytest
 from fedfusion.strategies.fusion import scored_round
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 
-from fedfusion.run import report
+from fedfusion.analysis import report
+from fedfusion.analysis.report import compare_runs, plot_curves, write_report
 from fedfusion.run.federation import facts_summary, log_round
 from fedfusion.run.lifecycle import scored_rows
-from fedfusion.run.report import compare_runs, plot_curves, write_report
 from fedfusion.wire.specs import Caps
 from tests.test_report import fake_run
 from tests.test_strategy import make_strategy

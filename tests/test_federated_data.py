@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from fedfusion.analysis.report import write_report
 from fedfusion.cli import main
 from fedfusion.config.sections import RecipeError
 from fedfusion.data.federated import PartitionSizes, describe, label_skew, partitions, read_partition_sizes
@@ -22,7 +23,6 @@ from fedfusion.data.population import (
     write_partition_sizes,
 )
 from fedfusion.run.check import load_checked
-from fedfusion.run.report import write_report
 
 # flwr-datasets (and the pandas, datasets and matplotlib it imports: seconds) is imported by the tests that partition,
 # not at collection: with -n every worker collects every module. The group runs them on one worker, which alone pays it.
@@ -220,7 +220,7 @@ def test_plan_of_the_quickstart_prints_characters_per_role(capsys):
 def test_a_recipe_trains_end_to_end_from_a_local_parquet_file_with_tensorboard(tmp_path):
     import pandas as pd
 
-    from fedfusion.run.run_dir import read_jsonl
+    from fedfusion.analysis.report import read_jsonl
 
     words = ("the river runs", "a quiet field", "under the hill", "bright morning")
     rows = [{"text": " ".join(words[(i + k) % 4] for k in range(20)), "user": USERS[i % 4]} for i in range(40)]

@@ -131,7 +131,7 @@ def test_finetune_runs_on_flower_with_a_local_pretrained_target(pretrained, tmp_
 def test_full_bfloat16_training_is_priced_at_two_bytes_a_value(smollm2_config_dir):
     from transformers import AutoConfig
 
-    from fedfusion.run.planner import estimate_memory
+    from fedfusion.devices.memory import estimate_memory
 
     cfg = AutoConfig.from_pretrained(smollm2_config_dir)
     fp32, bf16 = estimate_memory(cfg, 4, 32), estimate_memory(cfg, 4, 32, base_bits=16)
@@ -145,7 +145,7 @@ def test_the_plan_shows_which_ways_each_tier_can_train_the_pretrained_target(smo
     """The low-end phone (2 GB) cannot fine-tune SmolLM2-135M whole in float32 even checkpointed, nor in bfloat16
     (its memory would hold it, its cores have no bfloat16 arithmetic); every window, rank window and LoRA way fits
     it, and the ways order as their memory does. The laptop (bfloat16 arithmetic) may train it whole in bfloat16."""
-    from fedfusion.run.planner import ways_view
+    from fedfusion.analysis.plan import ways_view
 
     view = ways_view(load_checked("finetune", [f"model.pretrained={smollm2_config_dir}"]))
     lowend = [r for r in view.rows if r["tier"] == "phone-lowend"]

@@ -13,12 +13,12 @@ from fp_bounds import assert_within, gamma, unit_roundoff
 from transformers import LlamaForCausalLM
 
 from fedfusion.devices.catalog import load_catalog
+from fedfusion.fusion.generative.config import GenerativeConfig
 from fedfusion.fusion.generative.method import GenerativeMethod
 from fedfusion.models.samples import (
     SAMPLES_KEY,
     TOP_IDS_KEY,
     TOP_LOGP_KEY,
-    GenerativeConfig,
     SamplePool,
     check_samples,
     check_teacher,

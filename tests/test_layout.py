@@ -1,5 +1,5 @@
 """The package layout is the map of the flow: config -> wire, devices -> data -> models -> train -> fusion ->
-selection, run -> entry points. Every module's whole import closure (module-level and function-level imports,
+selection, analysis -> run -> entry points. Every module's whole import closure (module-level and function-level imports,
 read from the source, nothing imported) stays inside the packages its own package may use, so there is no
 import cycle anywhere and a recipe loads without importing any implementation."""
 
@@ -30,7 +30,10 @@ USES = {
     "phone": {"models", "train", "wire"},
     "strategies": {"fusion", "selection", "wire", "devices"},
     "clients": {"wire", "data", "models", "train", "phone", "units"},
-    "run": {"config", "wire", "devices", "data", "models", "train", "fusion", "selection", "strategies", "units"},
+    # the plan, the report, edge vs cloud: what a run or a recipe costs and shows, read by a run and by the CLI
+    "analysis": {"config", "wire", "devices", "data", "models", "train", "fusion", "units"},
+    "run": {"config", "wire", "devices", "data", "models", "train", "fusion", "selection", "strategies", "units",
+            "analysis"},
 }
 ENTRY_POINTS = {"fedfusion", "fedfusion.__main__", "fedfusion.cli", "fedfusion.server_app", "fedfusion.client_app",
                 "fedfusion.deploy", "fedfusion.phone.commands"}  # phone.commands: the CLI's phone commands
@@ -94,7 +97,15 @@ def package_of(module: str) -> str | None:
     if module in ENTRY_POINTS:
         return None
     parts = module.split(".")
+    if is_method_section(module):  # a method's recipe section, in its folder: composed by the recipe
+        return "config"
     return parts[1] if parts[1] in USES else None
+
+
+def is_method_section(module: str) -> bool:
+    """``fedfusion.fusion.<method>.config``: a method's recipe section, on the config floor though in its folder."""
+    parts = module.split(".")
+    return len(parts) == 4 and parts[:2] == ["fedfusion", "fusion"] and parts[3] == "config"
 
 
 def closure(module: str) -> dict[str, list[str]]:
@@ -136,6 +147,30 @@ def test_every_module_lives_in_a_package_of_the_layout():
 
 def test_the_root_package_imports_nothing_of_fedfusion():
     assert not edges()["fedfusion"]
+
+
+def test_the_packages_above_a_method_section_import_nothing():
+    """Importing ``fedfusion.fusion.<method>.config`` runs ``fedfusion.fusion``'s and the method folder's
+    ``__init__``: they stay empty, so composing a method's section into the recipe loads nothing else."""
+    sections = [m for m in MODULES if is_method_section(m)]
+    assert sections, "no method section found"
+    for module in sections:
+        for package in ("fedfusion.fusion", module.rpartition(".")[0]):
+            assert not edges()[package], f"{package} imports {sorted(edges()[package])}"
+
+
+@pytest.mark.slow  # a fresh Python process (~1 s)
+def test_loading_a_recipe_imports_no_torch_and_no_implementation():
+    import subprocess
+    import sys
+
+    code = ("import sys, fedfusion.config.recipe; print(sorted(m for m in sys.modules if m == 'torch' or "
+            "m.startswith('fedfusion.') and not m.startswith('fedfusion.config') and not m.endswith('.config')"
+            " and m not in ('fedfusion.fusion', 'fedfusion.fusion.distill', 'fedfusion.fusion.lora', "
+            "'fedfusion.fusion.generative')))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]", done.stdout
 
 
 @pytest.mark.slow  # ~10 s: one process importing torch, transformers and every script

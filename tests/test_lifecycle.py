@@ -12,11 +12,12 @@ import pytest
 import torch
 from flwr.app import ArrayRecord
 
+from fedfusion.analysis.report import read_jsonl
 from fedfusion.config.recipe import load_recipe
 from fedfusion.run import lifecycle
 from fedfusion.run.checkpoint import Checkpoint
 from fedfusion.run.lifecycle import Recorder, run_course
-from fedfusion.run.run_dir import RunDir, read_jsonl
+from fedfusion.run.run_dir import RunDir
 from fedfusion.run.targets import Target
 
 ROUNDS = 5

@@ -125,11 +125,12 @@ def test_measured_joules_reach_clients_jsonl_next_to_the_priced_energy(fake, tmp
     from fedfusion.clients.submodel import trained_reply
     from transformers import LlamaConfig
 
+    from fedfusion.analysis.report import read_jsonl
     from fedfusion.config.recipe import load_recipe
     from fedfusion.devices.catalog import load_catalog
     from fedfusion.models.build import model_from_state
     from fedfusion.run.federation import ledger_row
-    from fedfusion.run.run_dir import RunDir, read_jsonl
+    from fedfusion.run.run_dir import RunDir
 
     strategy, state = make_strategy()
     msgs = list(strategy.configure_train(1, ArrayRecord(state), ConfigRecord({}),

@@ -9,21 +9,9 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM
 
 from fedfusion.config.recipe import load_recipe
 from fedfusion.devices.catalog import load_catalog
-from fedfusion.run.planner import (
-    WIDTH_LADDER,
-    auto_widths,
-    estimate_memory,
-    expanded_tiers,
-    fit_lora_rank,
-    fit_width,
-    lora_params,
-    param_count,
-    plan_table,
-    recipe_target,
-    sliced_config,
-    training_memory_bytes,
-    window_memory,
-)
+from fedfusion.devices.memory import estimate_memory, fit_lora_rank, lora_params, param_count, training_memory_bytes
+from fedfusion.fusion.plan import recipe_target
+from fedfusion.fusion.submodel.plan import WIDTH_LADDER, auto_widths, expanded_tiers, fit_width, plan_table, sliced_config, window_memory
 from tests.conftest import tiny_config
 
 PHONE = load_catalog()["phone"]
@@ -124,7 +112,7 @@ def test_lora_plan_rows_show_rank_precision_and_the_4bit_saving():
     from transformers import LlamaConfig
 
     from fedfusion.config.recipe import load_recipe
-    from fedfusion.run.planner import lora_plan_table
+    from fedfusion.fusion.lora.plan import lora_plan_table
 
     base = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                        num_attention_heads=9, num_key_value_heads=3, head_dim=64)  # SmolLM2-135M's shape
@@ -210,7 +198,7 @@ def test_lora_plan_prices_the_adapter_each_way():
     from transformers import LlamaConfig
 
     from fedfusion.devices.energy import frozen_work_params, train_flops
-    from fedfusion.run.planner import lora_plan_table
+    from fedfusion.fusion.lora.plan import lora_plan_table
 
     base = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                        num_attention_heads=9, num_key_value_heads=3, head_dim=64)
@@ -225,7 +213,7 @@ def test_distill_plan_shows_each_tiers_family_model_and_the_servers_work():
     from fedfusion.data.population import data_spec
     from fedfusion.data.text import load_tokenizer
     from fedfusion.devices.energy import train_flops
-    from fedfusion.run.planner import distill_plan_table
+    from fedfusion.fusion.distill.plan import distill_plan_table
     from fedfusion.train.distill import forward_flops
     from fedfusion.train.transfer import distill_families, transfer_text
 
@@ -251,7 +239,7 @@ def test_distill_plan_shows_each_tiers_family_model_and_the_servers_work():
 
 def test_generative_server_row_prices_the_targets_training_on_the_samples():
     from fedfusion.devices.energy import train_flops
-    from fedfusion.run.planner import generative_server_row
+    from fedfusion.fusion.generative.plan import generative_server_row
 
     recipe = load_recipe("knowledge")
     g, row = recipe.generative, generative_server_row(recipe)
@@ -261,7 +249,7 @@ def test_generative_server_row_prices_the_targets_training_on_the_samples():
 
 
 def test_generative_plan_says_what_travels_with_the_device_state():
-    from fedfusion.run.planner import generative_view
+    from fedfusion.fusion.generative.plan import generative_view
 
     node = generative_view(load_recipe("knowledge")).notes[0]
     assert "first round only" in node and "top tokens" in node
@@ -319,7 +307,7 @@ def test_auto_widths_fit_full_forward_windows_not_just_slices():
 
 
 def test_a_tier_expands_its_frozen_target_only_where_its_memory_holds_the_float32_copy():
-    """fedfusion.run.planner.window_path: a device whose memory holds the window with the frozen target made float32
+    """fedfusion.fusion.submodel.plan.window_path: a device whose memory holds the window with the frozen target made float32
     once (and the message's int8 copy beside it) trains that way (faster, the same values); one whose memory does
     not keeps the target as it travelled. The plan prices the way each tier takes, and the run's messages say the
     same (expanded_tiers, read by SubModelMethod)."""

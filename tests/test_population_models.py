@@ -7,8 +7,8 @@ import torch
 from fedfusion.config.recipe import load_recipe
 from fedfusion.data.population import client_windows, data_spec, pooled_held_out, population_data, tier_list
 from fedfusion.data.text import load_tokenizer
+from fedfusion.fusion.submodel.plan import plan_table
 from fedfusion.models.build import build_target, target_model_config
-from fedfusion.run.planner import plan_table
 from tests.conftest import tiny_config
 
 

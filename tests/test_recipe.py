@@ -11,9 +11,9 @@ from omegaconf import OmegaConf
 
 from fedfusion.config.recipe import builtin_recipes, grow_round_at, load_recipe, to_yaml
 from fedfusion.config.sections import RecipeError
+from fedfusion.fusion.submodel.plan import fit_widths
 from fedfusion.run import check
 from fedfusion.run.check import load_checked
-from fedfusion.run.planner import fit_widths
 
 
 def write(tmp_path: Path, text: str) -> Path:

@@ -9,8 +9,8 @@ from pathlib import Path
 import matplotlib.figure
 import pytest
 
-from fedfusion.run import report
-from fedfusion.run.report import compare_runs, plot_curves, write_report
+from fedfusion.analysis import report
+from fedfusion.analysis.report import compare_runs, plot_curves, write_report
 
 # the last round is worse than the best one (round 2), as in many real runs
 LOSSES = [4.1, 3.0, 2.2, 2.6, 2.9]

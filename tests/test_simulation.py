@@ -14,9 +14,9 @@ import psutil
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from fedfusion.analysis.report import read_jsonl
 from fedfusion.cli import main
 from fedfusion.fusion.rounds import client_steps
-from fedfusion.run.run_dir import read_jsonl
 
 pytestmark = pytest.mark.slow  # Flower's runtime (Ray or SuperLink processes): minutes, not seconds
 # the tests of the module's one tiny run (run_dir) stay on one pytest-xdist worker (addopts: --dist loadgroup), so

@@ -7,9 +7,10 @@ import numpy
 import pytest
 
 import fedfusion.run.run_dir
+from fedfusion.analysis.report import read_jsonl
 from fedfusion.config.sections import RecipeError
 from fedfusion.run.check import load_checked
-from fedfusion.run.run_dir import RunDir, read_jsonl
+from fedfusion.run.run_dir import RunDir
 from fedfusion.run.trackers import scalars
 
 ROWS = [{"round": 0, "eval_loss": 4.6, "train_loss": None, "void": False, "clients_ok": 0},

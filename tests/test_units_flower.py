@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from fedfusion.analysis.report import read_jsonl
+from fedfusion.analysis.units_plan import units_plan
 from fedfusion.cli import main
 from fedfusion.config.recipe import load_recipe
 from fedfusion.data.population import data_spec, data_tokenizer
 from fedfusion.devices.catalog import load_catalog
 from fedfusion.devices.energy import price_work
 from fedfusion.models.build import build_target
-from fedfusion.run.planner import units_plan
-from fedfusion.run.run_dir import read_jsonl
 from fedfusion.run.units import price_step, step_batches, training_windows
 from fedfusion.units import PhaseRecord
 from fedfusion.wire.specs import Caps

@@ -11,13 +11,13 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from fedfusion.analysis.report import write_report
+from fedfusion.analysis.units_plan import units_plan
 from fedfusion.cli import main
 from fedfusion.config.recipe import load_recipe
 from fedfusion.devices.catalog import load_catalog
 from fedfusion.devices.energy import price_work
 from fedfusion.run.check import load_checked
-from fedfusion.run.planner import units_plan
-from fedfusion.run.report import write_report
 from fedfusion.run.run_dir import RunDir
 from fedfusion.units import UnitDevice, UnitEngine, install
 from fedfusion.units.ledger import price_server, server_timeline
@@ -130,7 +130,7 @@ def test_the_plan_prices_the_devices_lanes() -> None:
 def test_the_plan_prices_supernodes_per_device() -> None:
     """``units.supernodes=2`` reaches the plan's timeline and its step line: with 2 micro-batches each device works on
     two messages at once (faster than one SuperNode), and each node receives its own weight blocks (more bytes)."""
-    from fedfusion.run.planner import units_view
+    from fedfusion.analysis.units_plan import units_view
 
     one = units_plan(load_recipe("units", ["units.micro_batches=2"]))[0]
     recipe = load_recipe("units", ["units.micro_batches=2", "units.supernodes=2"])

@@ -16,11 +16,12 @@ import pytest
 from fedfusion.strategies.stop import StopRequest
 from flwr.app import Context, Message, MessageType, RecordDict
 
+from fedfusion.analysis.report import read_jsonl
 from fedfusion.client_app import query as query_handler
 from fedfusion.client_app import units as units_handler
 from fedfusion.run.check import load_checked
 from fedfusion.run.federation import run_federation
-from fedfusion.run.run_dir import RunDir, read_jsonl
+from fedfusion.run.run_dir import RunDir
 from tests.test_units_flower import TINY
 
 

@@ -130,7 +130,7 @@ def test_nodes_map_to_devices_by_partition_and_a_bad_federation_is_named() -> No
 def test_micro_batches_zero_chooses_at_least_one_per_supernode() -> None:
     """``micro_batches: 0`` with k SuperNodes chooses among counts >= k (fewer would leave nodes idle, which a fixed
     count is refused for); more SuperNodes than the batch has examples is refused."""
-    from fedfusion.run.planner import units_micro_batches
+    from fedfusion.analysis.units_plan import units_micro_batches
 
     assert units_micro_batches(load_recipe("units", ["units.micro_batches=0", "units.supernodes=4"])) >= 4
     with pytest.raises(RecipeError, match="units.supernodes.*train.batch_size"):

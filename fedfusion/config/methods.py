@@ -3,13 +3,16 @@ roles that names it.
 
 Every list of methods is read from here: ``config.choices.FUSION_METHODS`` and ``MIXABLE``, the client roles
 (``wire.specs.ROLES``), the fold order of a mixed round (``fusion.rounds.FOLD_ORDER``), the builders
-(``run.federation.build_methods``), the plan (``fedfusion plan``), the server's priced work
-(``run.federation``, ``run.check``, ``run.report``), a central method's course (``run.central``), the arms
-``fedfusion compare`` runs (``run.arms``). An entry is pure data: its hooks are ``"module:function"`` paths, imported
-only where they are called (:func:`hook`), so loading a recipe still imports nothing of fedfusion and no torch.
+(``run.federation.build_methods``), the plan (``fedfusion plan``: each entry's view, ``fusion.<name>.plan``; a mixed
+federation's in ``analysis.plan``), the server's priced work (``run.federation``, ``run.check``,
+``analysis.report``), a central method's course (``run.central``), the arms ``fedfusion compare`` runs
+(``run.arms``). An entry is pure data: its hooks are ``"module:function"`` paths, imported only where they are
+called (:func:`hook`), so loading a recipe still imports nothing of fedfusion's implementation and no torch (the
+recipe composes the methods' own sections from their folders' ``config`` modules, which import only ``config``).
 
-Adding a method: its folder ``fedfusion/fusion/<name>/`` (the method, its ``build`` and, where it has a plan of
-its own, its plan rows), its client role module(s) in ``clients/``, and one entry below.
+Adding a method: its folder ``fedfusion/fusion/<name>/`` (the method, its ``build``, its plan view ``plan.py`` and,
+where it has settings of its own, its recipe section ``config.py``), its client role module(s) in ``clients/``, and
+one entry below (and the section's field of ``config.recipe.Recipe``).
 """
 
 from __future__ import annotations
@@ -42,7 +45,11 @@ class Method:
     server_work: str = ""  # what the report calls that training
     # "module:function" (the recipe sections it names, target, tiers) -> FusionMethod, called by :func:`call`
     build: str = ""
-    plan: str = ""  # "module:function" (recipe) -> planner.PlanView: what ``fedfusion plan`` prints
+    plan: str = ""  # "module:function" (recipe) -> fedfusion.fusion.plan.PlanView: what ``fedfusion plan`` prints
+    # mixable: "module:function" (recipe, usable, tiers) -> (its tiers' plan rows, its server's row or None): its part
+    # of a mixed federation's plan (fedfusion.analysis.plan.mixed_plan_table)
+    mixed_plan: str = ""
+    grows: bool = False  # fusion.grow_round applies to it (its first rounds train the smallest slice, then grow)
     report_note: str = ""  # "module:NAME": a sentence the report adds under "Who did the work" of a run of it
     trained: str = ""  # "module:function" (ledger row) -> what a client of it trained, as the report says
     policy_in_label: bool = False  # a run's header names it with fusion.policy ("submodel/rolling")
@@ -65,22 +72,25 @@ class Method:
 METHODS: tuple[Method, ...] = (
     Method(SUBMODEL, roles=((SUBMODEL, "fedfusion.clients.submodel"), (WINDOW, "fedfusion.clients.window")),
            fold_rank=0, mixable=True, slices=True, build="fedfusion.fusion.submodel.build:build",
-           plan="fedfusion.run.planner:slices_view", policy_in_label=True,
+           plan="fedfusion.fusion.submodel.plan:slices_view", mixed_plan="fedfusion.fusion.submodel.plan:mixed_rows",
+           grows=True, policy_in_label=True,
            arms="fedfusion.run.arms:slicing_arms"),
     Method(DISTILL, roles=(("smallmodel", "fedfusion.clients.smallmodel"),), fold_rank=3, mixable=True,
            server_device=DISTILL, server_work="the server's distillation",
-           build="fedfusion.fusion.distill.build:build", plan="fedfusion.run.planner:distill_view",
+           build="fedfusion.fusion.distill.build:build", plan="fedfusion.fusion.distill.plan:distill_view",
+           mixed_plan="fedfusion.fusion.distill.plan:mixed_rows",
            arms="fedfusion.run.arms:distill_arms"),
     Method(LORA, roles=((LORA, "fedfusion.clients.lora"),), fold_rank=1, build="fedfusion.fusion.lora.build:build",
-           plan="fedfusion.run.planner:lora_view", arms="fedfusion.run.arms:lora_arms"),
+           plan="fedfusion.fusion.lora.plan:lora_view", arms="fedfusion.run.arms:lora_arms"),
     Method(GENERATIVE, roles=((GENERATIVE, "fedfusion.clients.generative"),), fold_rank=2, mixable=True, slices=True,
            server_device=GENERATIVE, server_work="the server's training on the samples",
-           build="fedfusion.fusion.generative.build:build", plan="fedfusion.run.planner:generative_view",
+           build="fedfusion.fusion.generative.build:build", plan="fedfusion.fusion.generative.plan:generative_view",
+           mixed_plan="fedfusion.fusion.generative.plan:mixed_rows", grows=True,
            report_note="fedfusion.fusion.generative.report:NOTE", trained="fedfusion.fusion.generative.report:trained",
            arms="fedfusion.run.arms:slicing_arms"),
-    Method(MIXED, plan="fedfusion.run.planner:mixed_view", home="fedfusion.config.methods",  # tiers: fusion.tiers
+    Method(MIXED, plan="fedfusion.analysis.plan:mixed_view", home="fedfusion.config.methods",  # tiers: fusion.tiers
            arms="fedfusion.run.arms:mixed_arms"),
-    Method(UNITS, roles=((UNITS, "fedfusion.clients.units"),), plan="fedfusion.run.planner:units_view",
+    Method(UNITS, roles=((UNITS, "fedfusion.clients.units"),), plan="fedfusion.analysis.units_plan:units_view",
            central="fedfusion.run.units:UnitsMethod",
            # units.server_device prices its server (fedfusion.units.ledger); compare refuses it (units_arms says why)
            server_device=UNITS, home="fedfusion.units", arms="fedfusion.run.arms:units_arms"),
@@ -89,6 +99,7 @@ BY_NAME = {m.name: m for m in METHODS}
 FUSION_METHODS = tuple(BY_NAME)
 MIXABLE = tuple(m.name for m in METHODS if m.mixable)
 SLICES = tuple(m.name for m in METHODS if m.slices)
+GROWS = tuple(m.name for m in METHODS if m.grows)
 FOLD_ORDER = tuple(m.name for m in sorted((m for m in METHODS if m.fold_rank is not None), key=lambda m: m.fold_rank or 0))
 ROLES = {role: module for m in METHODS for role, module in m.roles}
 CENTRAL = tuple(m.name for m in METHODS if m.central)

@@ -12,7 +12,7 @@ before it writes anything or imports torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from difflib import get_close_matches
 from functools import lru_cache
 from importlib import resources
@@ -30,12 +30,9 @@ from fedfusion.config.sections import (
     AvailabilitySection,
     DataConfig,
     DataSource,
-    DistillConfig,
     EngineConfig,
     FaultConfig,
     FusionConfig,
-    GenerativeSection,
-    LoRAConfig,
     ModelConfig,
     OutputConfig,
     PopulationConfig,
@@ -46,6 +43,9 @@ from fedfusion.config.sections import (
     TrainConfig,
     UnitsSection,
 )
+from fedfusion.fusion.distill.config import DistillConfig
+from fedfusion.fusion.generative.config import GenerativeConfig
+from fedfusion.fusion.lora.config import LoRAConfig
 
 
 @dataclass
@@ -61,9 +61,10 @@ class Recipe:
     model: ModelConfig = field(default_factory=ModelConfig)
     population: PopulationConfig = field(default_factory=PopulationConfig)
     fusion: FusionConfig = field(default_factory=FusionConfig)
+    # the methods' own sections, each in its folder (fedfusion.fusion.<method>.config)
     distill: DistillConfig = field(default_factory=DistillConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
-    generative: GenerativeSection = field(default_factory=GenerativeSection)
+    generative: GenerativeConfig = field(default_factory=GenerativeConfig)
     selection: SelectionConfig = field(default_factory=SelectionConfig)
     availability: AvailabilitySection = field(default_factory=AvailabilitySection)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -95,6 +96,11 @@ class Recipe:
                         self.availability, self.output, self.privacy, self.fusion, self.units):
             section.check()
         _check_across(self)
+
+
+# the sections the methods own (each composed from its folder's ``config`` module: distill, lora, generative)
+METHOD_SECTIONS = tuple(f.name for f in fields(Recipe)
+                        if getattr(f.default_factory, "__module__", "").startswith("fedfusion.fusion."))
 
 
 def builtin_recipe_path(name: str) -> Path:
@@ -158,7 +164,7 @@ def load_recipe(ref: str | Path, overrides: list[str] | tuple[str, ...] = ()) ->
 
     Needs no torch, so a bad recipe is reported in about a second; :func:`fedfusion.run.check.check_recipe` adds
     the checks that need the implementation. ``fusion.auto_widths`` is resolved by
-    :func:`fedfusion.run.planner.fit_widths`, which a run calls before it writes anything.
+    :func:`fedfusion.fusion.submodel.plan.fit_widths`, which a run calls before it writes anything.
     """
     path = resolve_recipe_path(ref)
     try:

@@ -13,12 +13,8 @@ from fedfusion.config.choices import (
     BUILTIN_DATASETS,
     DEFAULT_CLOUD,
     DEFAULT_SERVER_DEVICE,
-    FAMILY_MODEL_TYPES,
-    FAMILY_TOKENIZERS,
-    QUANTIZE_BITS,
-    SMOLLM2_BASE,
 )
-from fedfusion.config.methods import GENERATIVE, SUBMODEL
+from fedfusion.config.methods import GROWS, SUBMODEL
 
 
 class RecipeError(ValueError):
@@ -62,7 +58,7 @@ class DataConfig:
         """``data.*`` on its own: sizes and the files a source needs named (``general_chars``, which facts with a
         pretrained target score, is the recipe's rule)."""
         for key in ("facts_per_round", "eval_chars"):
-            _positive(f"data.{key}", getattr(self, key))
+            positive(f"data.{key}", getattr(self, key))
         if not 0 < self.held_out < 1:
             raise RecipeError(f"data.held_out: must be in (0, 1), got {self.held_out}")
         if self.source == "text" and not self.path:
@@ -92,7 +88,7 @@ class ModelConfig:
     def check(self) -> None:
         """``model.*``: positive sizes, heads that divide the hidden size and key/value heads that divide heads."""
         for key in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size"):
-            _positive(f"model.{key}", getattr(self, key))
+            positive(f"model.{key}", getattr(self, key))
         if self.hidden_size % self.num_heads:
             raise RecipeError(f"model.num_heads: {self.num_heads} does not divide hidden_size {self.hidden_size}")
         if self.num_heads % self.num_kv_heads:
@@ -111,7 +107,7 @@ class PopulationConfig:
 
     def check(self) -> None:
         """``population.*``: clients, and a mix of positive shares that sum to 1."""
-        _positive("population.num_clients", self.num_clients)
+        positive("population.num_clients", self.num_clients)
         if not self.mix:
             raise RecipeError("population.mix: needs at least one tier")
         for tier, share in self.mix.items():
@@ -204,7 +200,7 @@ class FusionConfig:
             raise RecipeError(f"fusion.width_ladder: needs widths in (0, 1], got {self.width_ladder}")
         if not 0 <= self.trim < 0.5:
             raise RecipeError(f"fusion.trim: must be in [0, 0.5), got {self.trim}")
-        _positive("fusion.outer_lr", self.outer_lr)
+        positive("fusion.outer_lr", self.outer_lr)
         if not 0 <= self.outer_momentum < 1:
             raise RecipeError(f"fusion.outer_momentum: must be in [0, 1), got {self.outer_momentum}")
         if not 0 < self.stride <= 1:
@@ -222,8 +218,8 @@ class FusionConfig:
         """Growth is width slicing's and generative distillation's (its grow rounds are smallest-only slicing);
         full-forward windows are width slicing's, and a window reaches its own coordinates only with the ordinary
         policies."""
-        if self.grow_round and self.method not in (SUBMODEL, GENERATIVE):
-            raise RecipeError(f"fusion.grow_round: applies to fusion.method=submodel or generative, got {self.method!r}")
+        if self.grow_round and self.method not in GROWS:
+            raise RecipeError(f"fusion.grow_round: applies to fusion.method={' or '.join(GROWS)}, got {self.method!r}")
         if self.forward == "full" and self.method != SUBMODEL:
             raise RecipeError(f"fusion.forward=full: applies to fusion.method=submodel, got {self.method!r}")
         if self.forward == "full" and self.policy == "ordered":
@@ -251,150 +247,6 @@ class FusionConfig:
 
 
 @dataclass
-class FamilyConfig:
-    """A small model family that some tiers train in distillation fusion."""
-
-    model_type: str = "llama"  # llama | gpt2
-    hidden_size: int = 32
-    num_layers: int = 2
-    num_heads: int = 4
-    num_kv_heads: Optional[int] = None  # llama: default num_heads
-    intermediate_size: Optional[int] = None  # default 4 x hidden_size
-    tokenizer: str = "target"  # target (the target's) | char | bpe (trained on the transfer text)
-    bpe_vocab: int = 512
-
-    def check(self, name: str) -> None:
-        """``distill.families.<name>.*``: a known architecture and tokenizer, positive sizes."""
-        key = f"distill.families.{name}"
-        if self.model_type not in FAMILY_MODEL_TYPES:
-            raise RecipeError(f"{key}.model_type: {self.model_type!r} is not one of {', '.join(FAMILY_MODEL_TYPES)}")
-        if self.tokenizer not in FAMILY_TOKENIZERS:
-            raise RecipeError(f"{key}.tokenizer: {self.tokenizer!r} is not one of {', '.join(FAMILY_TOKENIZERS)}")
-        for size in ("hidden_size", "num_layers", "num_heads"):
-            _positive(f"{key}.{size}", getattr(self, size))
-        if self.hidden_size % self.num_heads:
-            raise RecipeError(f"{key}.num_heads: {self.num_heads} does not divide hidden_size {self.hidden_size}")
-        if self.tokenizer == "bpe" and self.bpe_vocab < 260:
-            raise RecipeError(f"{key}.bpe_vocab: must be >= 260 (bytes + specials), got {self.bpe_vocab}")
-
-
-@dataclass
-class TransferConfig:
-    """The server's unlabeled transfer set, disjoint from every client's data."""
-
-    source: str = "shakespeare"  # shakespeare: roles no client owns | text: a local file (e.g. the KJV)
-    path: Optional[str] = None
-    max_chars: int = 100000
-
-    def check(self) -> None:
-        """``distill.transfer.*``: a file where the source is one, a positive size."""
-        if self.source == "text" and not self.path:
-            raise RecipeError("distill.transfer.path: required when distill.transfer.source is 'text'")
-        _positive("distill.transfer.max_chars", self.max_chars)
-
-
-@dataclass
-class DistillConfig:
-    """Distillation fusion (fusion.method=distill): small families per tier, distilled into the target."""
-
-    families: dict[str, FamilyConfig] = field(default_factory=lambda: {
-        "tiny": FamilyConfig(), "small": FamilyConfig(hidden_size=48, model_type="gpt2", tokenizer="bpe",
-                                                      bpe_vocab=384)})
-    tier_family: dict[str, str] = field(default_factory=lambda: {"phone": "tiny", "laptop": "small",
-                                                                  "desktop": "small"})
-    teacher: str = "fedet"  # feddf (average) | fedet (confidence-weighted consensus + diversity)
-    average: str = "logits"  # feddf: logits | probs
-    confidence: str = "variance"  # fedet: variance | entropy | maxprob
-    diversity_weight: float = 0.1  # fedet
-    temperature: float = 1.0
-    kd_weight: float = 0.1  # 1: pure distillation (FedDF); lower mixes in the LM loss on the transfer text
-    server_steps: int = 100
-    server_lr: float = 1e-3
-    server_batch_size: int = 16
-    back_distill: bool = True  # the target teaches each family back (FedMKT)
-    back_steps: int = 10
-    back_lr: float = 1e-3
-    server_device: str = DEFAULT_SERVER_DEVICE  # the catalog tier that prices the server's distillation work
-    transfer: TransferConfig = field(default_factory=TransferConfig)
-
-    def check(self) -> None:
-        """``distill.*`` where some tier distils: families named by tiers exist and are well formed, the server's
-        steps and weights are in range, the transfer set is given."""
-        for tier, family in self.tier_family.items():
-            if family not in self.families:
-                raise RecipeError(f"distill.tier_family.{tier}: unknown family {family!r}; "
-                                  f"families: {', '.join(sorted(self.families))}")
-        for name, f in self.families.items():
-            f.check(name)
-        for key in ("temperature", "server_steps", "server_lr", "server_batch_size", "back_steps", "back_lr"):
-            _positive(f"distill.{key}", getattr(self, key))
-        if not 0 <= self.kd_weight <= 1:
-            raise RecipeError(f"distill.kd_weight: must be in [0, 1], got {self.kd_weight}")
-        if self.diversity_weight < 0:
-            raise RecipeError(f"distill.diversity_weight: must be >= 0, got {self.diversity_weight}")
-        self.transfer.check()
-
-
-@dataclass
-class GenerativeSection:
-    """Generative distillation (fusion.method=generative): each tier keeps its own model (the static slice of
-    the target at its fusion.widths), the target learns from the text those models write."""
-
-    sample_fraction: float = 0.5  # windows a sampled client writes per window of its own data
-    temperature: float = 1.0
-    server_steps: int = 30  # target training steps per round on every client's latest samples
-    server_lr: float = 3e-3
-    server_batch: int = 64
-    server_device: str = DEFAULT_SERVER_DEVICE  # the catalog tier that prices the server's training
-    # > 0: each sampled position also carries its k likeliest tokens and log-probs (the target fits that teacher
-    # distribution instead of the one sampled token); 0: token ids only
-    top_k: int = 0
-    # node: each device keeps its own model in its node's Flower context.state (a round's messages carry no model
-    # once a device has one); server: the server holds every device's model and sends it both ways every round
-    device_state: str = "node"
-
-    def check(self) -> None:
-        """``generative.*`` where some tier trains generatively: positive sampling and server settings."""
-        for name in ("sample_fraction", "temperature", "server_lr"):
-            _positive(f"generative.{name}", getattr(self, name))
-        for name in ("server_steps", "server_batch"):
-            if getattr(self, name) < 1:
-                raise RecipeError(f"generative.{name}: must be >= 1, got {getattr(self, name)}")
-        if self.top_k < 0:
-            raise RecipeError(f"generative.top_k: must be >= 0 (0: the samples' token ids only), got {self.top_k}")
-
-
-@dataclass
-class LoRAConfig:
-    """Heterogeneous-rank LoRA (fusion.method=lora): adapters of each tier's rank on one frozen base."""
-
-    base: str = SMOLLM2_BASE  # smollm2 (offline GGUF package) | a local model directory | a .gguf file | a hub id
-    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
-    ranks: dict[str, int] = field(default_factory=lambda: {"phone": 4, "laptop": 8, "desktop": 32})
-    alpha: float = 16.0
-    quantize: dict[str, int] = field(default_factory=lambda: {"phone": 4, "laptop": 8, "desktop": 0})  # base bits
-    dtype: str = "float32"  # unquantised base: float32 | bfloat16 | float16
-    dropout: float = 0.0
-    method: str = "flexlora"  # fedavg (equal ranks) | zeropad | hetlora | flexlora | flora
-    eval_pairs: int = 200  # held-out pairs the server scores the target on
-    samples: int = 3  # generations shown in the report
-
-    def check(self) -> None:
-        """``lora.*`` with fusion.method=lora: positive ranks, known base bits, modules to adapt, a dropout < 1."""
-        for tier, rank in self.ranks.items():
-            _positive(f"lora.ranks.{tier}", rank)
-        for tier, bits in self.quantize.items():
-            if bits not in QUANTIZE_BITS:
-                raise RecipeError(f"lora.quantize.{tier}: must be 0 (none), 4 or 8 bits, got {bits}")
-        if not self.target_modules:
-            raise RecipeError("lora.target_modules: name at least one module (e.g. q_proj)")
-        for key in ("alpha", "eval_pairs"):
-            _positive(f"lora.{key}", getattr(self, key))
-        if not 0 <= self.dropout < 1:
-            raise RecipeError(f"lora.dropout: must be in [0, 1), got {self.dropout}")
-
-
-@dataclass
 class SelectionConfig:
     """Which clients train in a round."""
 
@@ -410,7 +262,7 @@ class SelectionConfig:
     def check(self) -> None:
         """``selection.*``: positive counts and deadline, a bounded overselection, a quorum within the round."""
         for key in ("clients_per_round", "min_clients", "timeout_s"):
-            _positive(f"selection.{key}", getattr(self, key))
+            positive(f"selection.{key}", getattr(self, key))
         if not 0 <= self.overselect <= 4:
             raise RecipeError(f"selection.overselect: must be in [0, 4] (extra clients sampled per round, as a "
                               f"fraction of clients_per_round), got {self.overselect}")
@@ -470,7 +322,7 @@ class TrainConfig:
         """``train.*``: positive steps, lr and shapes; the schedule's final fraction, the epoch cap and the
         evaluation interval in range."""
         for key in ("local_steps", "lr", "batch_size", "seq_len"):
-            _positive(f"train.{key}", getattr(self, key))
+            positive(f"train.{key}", getattr(self, key))
         if self.eval_every < 0:
             raise RecipeError(f"train.eval_every: must be >= 0 (rounds between central evaluations; 0: only round 0 "
                               f"and the last), got {self.eval_every}")
@@ -523,7 +375,7 @@ class PrivacyConfig:
         if self.mode == "none":
             return
         for name in ("clipping_norm", "epsilon", "delta"):
-            _positive(f"privacy.{name}", getattr(self, name))
+            positive(f"privacy.{name}", getattr(self, name))
         if self.delta >= 1:
             raise RecipeError(f"privacy.delta: must be < 1, got {self.delta}")
         if self.mode == "dp_sgd" and self.noise_multiplier < 0:
@@ -548,7 +400,7 @@ class EngineConfig:
     def check(self) -> None:
         """``engine.*``: positive client resources, server threads >= 0, a Ray address the engine can join."""
         for key in ("cpus_per_client", "threads_per_client"):
-            _positive(f"engine.{key}", getattr(self, key))
+            positive(f"engine.{key}", getattr(self, key))
         if self.server_threads < 0:
             raise RecipeError(f"engine.server_threads: must be >= 0 (0: chosen each round), got {self.server_threads}")
         _check_ray_address(self.ray_address)
@@ -639,7 +491,7 @@ class UnitsSection:
         """``units.*`` on its own, whatever the method (the units mode's rules, which read the train, model, data
         and population sections too, are the recipe's)."""
         for key in ("steps", "deadline_factor", "deadline_floor_s"):
-            _positive(f"units.{key}", getattr(self, key))
+            positive(f"units.{key}", getattr(self, key))
         if self.micro_batches < 0:
             raise RecipeError(f"units.micro_batches: must be >= 0 (0: chosen before the run from the devices' links), "
                               f"got {self.micro_batches}")
@@ -669,7 +521,8 @@ class DataSource:
     tokenizer: Optional[str] = None
 
 
-def _positive(key: str, value: float) -> None:
+def positive(key: str, value: float) -> None:
+    """Raise RecipeError naming ``key`` unless ``value`` > 0 (shared by the sections in the methods' folders)."""
     if value <= 0:
         raise RecipeError(f"{key}: must be > 0, got {value}")
 

@@ -1,19 +1,7 @@
 """Fusion methods without Flower: one object per method (width slicing, LoRA, distillation, generative) behind
 the :class:`~fedfusion.fusion.base.FusionMethod` protocol; the Flower strategy and the in-process driver run them.
 
-Each method lives in its own module (``fedfusion.fusion.submodel.method``, ``.lora``, ``.distill``, ``.generative``),
-imported where it is used.
+Each method lives in its own folder (``fedfusion.fusion.submodel``, ``.lora``, ``.distill``, ``.generative``): the
+method, its ``build``, its plan view and, where it has one, its recipe section (``config.py``, on the config floor).
+This package imports nothing, so the recipe composes a method's section without loading torch.
 """
-
-from fedfusion.fusion.base import (
-    Client,
-    ClientRound,
-    Fold,
-    FusionMethod,
-    Payload,
-    RoundReport,
-    TierCost,
-    Update,
-)
-
-__all__ = ["Client", "ClientRound", "Fold", "FusionMethod", "Payload", "RoundReport", "TierCost", "Update"]

@@ -1,5 +1,6 @@
 """The library's in-process driver: the fusion method objects (:mod:`fedfusion.fusion`) run round by round
-without Flower or Ray, and the loops built on it (width slicing, generative distillation, transfer distillation).
+without Flower or Ray, and the loops built on it (width slicing, transfer distillation; a method's own loop sits in
+its folder: :mod:`fedfusion.fusion.generative.inprocess`).
 
 For benchmarks and tests that compare many methods on the same clients, samples and seeds. :func:`run_rounds`
 takes the steps the Flower strategy takes (:func:`fedfusion.fusion.rounds.round_payloads`, the methods' checks,
@@ -21,21 +22,19 @@ from transformers import PretrainedConfig
 
 from fedfusion.config.methods import WINDOW
 from fedfusion.fusion.base import Client, FusionMethod, Payload, State
-from fedfusion.fusion.generative.method import GenerativeMethod
 from fedfusion.fusion.outer import OuterConfig
 from fedfusion.fusion.rounds import client_seed, fold_round, initial_state, round_payloads, server_seed
 from fedfusion.fusion.submodel.method import SubModelMethod
 from fedfusion.models.build import model_from_state, tied_aliases, wire_state
 from fedfusion.models.full_forward import WindowModel, from_payload
 from fedfusion.models.low_rank import LowRankModel
-from fedfusion.models.samples import SAMPLES_KEY, GenerativeConfig, samples_reply
 from fedfusion.models.slicing import extract, plan_slice, sub_config
 from fedfusion.train.distill import DistillationLoss, Teacher, feddf_teacher, forward_flops
 from fedfusion.train.dp import ClientBudgets, DpSgd, epsilon_spent
 from fedfusion.train.loop import loss_of, train_steps
 from fedfusion.wire.keys import FROZEN, NUM_EXAMPLES
 from fedfusion.wire.quantize import Wire, client_reply, decode
-from fedfusion.wire.specs import Caps, GenerativeSpec, ModelSpec, RoleSpec, WindowSpec
+from fedfusion.wire.specs import ModelSpec, RoleSpec, WindowSpec
 
 Evaluate = Callable[[dict[str, torch.Tensor], int], "dict[str, float] | None"]
 
@@ -188,12 +187,12 @@ def run_rounds(methods: Mapping[str, FusionMethod], tiers: Sequence[str | None],
     return state, stats
 
 
-def _spec_config(config: PretrainedConfig, payload: Payload) -> PretrainedConfig:
+def spec_config(config: PretrainedConfig, payload: Payload) -> PretrainedConfig:
     """The model config a message's spec names (a slice's), of ``config``'s class: what the client app builds."""
     return config.__class__.from_dict(ModelSpec.from_config(payload.spec).model_config)
 
 
-def _wire_of(model: torch.nn.Module) -> State:
+def wire_of(model: torch.nn.Module) -> State:
     """A trained model's state as a client replies it (detached, tied weights once)."""
     return wire_state({k: v.detach() for k, v in model.state_dict().items()}, tied_aliases(model))
 
@@ -219,7 +218,7 @@ def run_submodel(run: SubModelRun, initial: dict[str, torch.Tensor], evaluate: E
 
     def train(rnd: int, payload: Payload) -> tuple[State, dict[str, float]]:
         received = decode(payload.arrays, keep=FROZEN)  # as the client app decodes it
-        config = _spec_config(run.config, payload)
+        config = spec_config(run.config, payload)
         full = RoleSpec.from_config(payload.spec).role == WINDOW  # the client role fedfusion.clients.window
         model = (from_payload(config, received, WindowSpec.from_config(payload.spec), payload.client.seed) if full
                  else model_from_state(config, received))
@@ -228,83 +227,13 @@ def run_submodel(run: SubModelRun, initial: dict[str, torch.Tensor], evaluate: E
                           run.weight_decay, run.optimizer, loss=loss_of(model),
                           dp=run.private(len(run.windows[p]), len(run.windows))).metrics()
         trained = (model.trained() if isinstance(model, WindowModel | LowRankModel) else
-                   _wire_of(model))
+                   wire_of(model))
         feedback = run.wire.error_feedback and run.wire.up != "float32" and not full
         reply, residuals[p] = client_reply(trained, payload.arrays, run.wire.up,
                                            residuals.get(p, {}) if feedback else None, received)
         return reply, {**out, NUM_EXAMPLES: len(run.windows[p])}
 
     return run_rounds({t: method for t in tiers}, tiers, initial, train, run, evaluate)
-
-
-@dataclass(frozen=True)
-class GenerativeRun(Rounds):
-    """One generative-distillation federation (:class:`~fedfusion.fusion.generative.method.GenerativeMethod`): each
-    client trains its own small model (the static slice of the target at ``width``, kept between rounds, never
-    averaged; on its node or on the server, as ``generative.device_state`` says) and sends samples of it; the server
-    trains the target (``config``) on every client's latest samples (:mod:`fedfusion.models.samples`)."""
-
-    config: PretrainedConfig
-    width: float
-    windows: Sequence[torch.Tensor]  # per partition
-    axes: tuple[str, ...] | None = None
-    generative: GenerativeConfig = field(default_factory=GenerativeConfig)
-    grow_round: int = 0  # rounds of smallest-only training before devices' own models start from the grown target
-
-    @property
-    def client_config(self) -> PretrainedConfig:
-        """The config of every client's own model."""
-        return sub_config(self.config, plan_slice(self.config, self.width, "static", axes=self.axes))
-
-
-def run_generative(run: GenerativeRun, initial: dict[str, torch.Tensor], evaluate: Evaluate | None = None,
-                   ) -> tuple[dict[str, torch.Tensor], RunStats, dict[int, dict[str, torch.Tensor]]]:
-    """Train the target ``initial`` from the clients' samples for ``run.rounds`` rounds (see :class:`GenerativeRun`):
-    :class:`~fedfusion.fusion.generative.method.GenerativeMethod` through :func:`run_rounds`, each client training
-    and sampling its model as the client app and role :mod:`fedfusion.clients.generative` do, a node-state device
-    (``device_state=node``) keeping it in a per-partition dict as its node would in ``context.state``. Bytes are the
-    messages' (with ``server`` the model both ways; with ``node`` the model down in a device's first round only and
-    never up; the samples up as the client sends them); the clients' sampling counts as work (~2 x params per
-    generated token, forward only, KV-cached). Returns the target, the costs and each sampled partition's own model as
-    its device ends the run (what the samples could carry: the ceiling of what the target can learn)."""
-    tier = f"w{run.width:g}"
-    method = GenerativeMethod(run.config, {tier: run.width}, initial, run.generative, run.windows[0].shape[1] - 1,
-                              len(run.windows), run.seed, run.axes, grow_round=run.grow_round)
-    sampling = {"seconds": 0.0, "flops": 0.0}
-    nodes: dict[int, State] = {}  # device_state=node: each partition's own model, as its node keeps it
-
-    def train(rnd: int, payload: Payload) -> tuple[State, dict[str, float]]:
-        partition = payload.client.partition
-        if RoleSpec.from_config(payload.spec).role != method.role:  # a grow round: the slice, as the submodel role
-            model = model_from_state(_spec_config(run.config, payload), decode(payload.arrays))
-            out = train_steps(model, run.windows[partition], run.steps, run.lr, run.batch_size, payload.client.seed,
-                              run.weight_decay, run.optimizer, dp=run.private(len(run.windows[partition]),
-                                                                                len(run.windows)))
-            return _wire_of(model), {**out.metrics(), NUM_EXAMPLES: len(run.windows[partition])}
-        ask = GenerativeSpec.from_config(payload.spec)
-        start_from = nodes[partition] if ask.kept else payload.arrays
-        model = model_from_state(sub_config(run.config, method.plans[tier]), start_from)
-        own, seed = run.windows[partition], payload.client.seed
-        dp = run.private(len(own), len(run.windows))
-        out = train_steps(model, own, run.steps, run.lr, run.batch_size, seed, run.weight_decay, run.optimizer, dp=dp)
-        trained = _wire_of(model)
-        if ask.device_state == "node":
-            nodes[partition], reply = trained, {}
-        else:
-            reply = trained
-        start = time.perf_counter()
-        reply.update(samples_reply(model, own, ask, seed, private=dp is not None))
-        params = sum(p.numel() for p in model.parameters())
-        sampling["seconds"] += time.perf_counter() - start
-        # generation, plus the teacher's forward pass over the samples with top_k
-        sampling["flops"] += 2.0 * params * reply[SAMPLES_KEY].numel() * (2 if ask.top_k else 1)
-        return reply, {**out.metrics(), NUM_EXAMPLES: len(own)}
-
-    caps = [{Caps.key("examples"): len(w)} for w in run.windows]  # what each node reports of itself
-    target, stats = run_rounds({tier: method}, [tier] * len(run.windows), initial, train, run, evaluate, caps=caps)
-    stats.client_s += sampling["seconds"]
-    stats.flops += sampling["flops"]
-    return target, stats, nodes if method.on_node else method.devices
 
 
 @dataclass(frozen=True)

@@ -19,12 +19,9 @@ round's reply is its samples), ``server`` has the server hold it and send it bot
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from transformers import PreTrainedModel
 
-from fedfusion.config.choices import DEVICE_STATES
 from fedfusion.models.build import generate
 from fedfusion.wire.specs import GenerativeSpec
 
@@ -33,32 +30,6 @@ TOP_IDS_KEY = "generated-top-ids"  # top_k: each sampled position's k likeliest 
 TOP_LOGP_KEY = "generated-top-logp"  # top_k: their log-probabilities under the client's model (n, seq_len, k) float16
 TEACHER_KEYS = (TOP_IDS_KEY, TOP_LOGP_KEY)
 SAMPLE_KEYS = (SAMPLES_KEY, *TEACHER_KEYS)  # every array of a reply that is not the device's model
-
-
-@dataclass(frozen=True)
-class GenerativeConfig:
-    """Settings of generative distillation."""
-
-    sample_fraction: float = 0.5  # a sampled client writes this many windows per window of its own data
-    temperature: float = 1.0
-    server_steps: int = 30  # target steps per round on the pooled samples
-    server_lr: float = 3e-3
-    server_batch: int = 64
-    max_windows: int = 4096  # the most training windows the server credits a client with (its samples and pool share)
-    top_k: int = 0  # > 0: samples carry each position's k likeliest tokens and log-probs; the target fits those
-    device_state: str = "node"  # where a device's own model lives between rounds: its node | the server
-
-    def __post_init__(self) -> None:
-        if self.device_state not in DEVICE_STATES:
-            raise ValueError(f"device_state must be one of {', '.join(DEVICE_STATES)}, got {self.device_state!r}")
-        if self.server_steps < 1 or self.server_batch < 1 or self.max_windows < 1:
-            raise ValueError(f"server_steps, server_batch and max_windows must be >= 1, got {self}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0: token ids only), got {self.top_k}")
-        if not self.sample_fraction > 0:
-            raise ValueError(f"sample_fraction must be > 0, got {self.sample_fraction}")
-        if not self.temperature > 0 or not self.server_lr > 0:
-            raise ValueError(f"temperature and server_lr must be > 0, got {self.temperature}, {self.server_lr}")
 
 
 @torch.no_grad()

@@ -50,8 +50,9 @@ def export_phases(recipe: Recipe, tier: str) -> list[tuple[DeviceProgram, str]]:
     grow = recipe.fusion.grow_rounds() if recipe.fusion.method == SUBMODEL else 0
     if recipe.fusion.forward != "full" or not grow:
         return [(program, f"1..{recipe.rounds}")]
+    from fedfusion.fusion.plan import recipe_target
+    from fedfusion.fusion.submodel.plan import sliced_config
     from fedfusion.phone.program import export_program
-    from fedfusion.run.planner import recipe_target, sliced_config
 
     small = sliced_config(recipe_target(recipe), min(recipe.fusion.widths.values()), recipe.fusion.axes or None)
     before = export_program(small, recipe.train.batch_size, recipe.train.seq_len, recipe.train, recipe.seed)
@@ -167,7 +168,8 @@ def check_tier(recipe: Recipe, tier: str) -> None:
 def tier_config(recipe: Recipe, tier: str) -> PretrainedConfig:
     """The model config a tier trains under the recipe: its width's slice of the target along the recipe's axes
     (the shape every slicing policy gives that width), or with ``fusion.forward=full`` the whole target."""
-    from fedfusion.run.planner import fit_widths, recipe_target, sliced_config  # torch: after the recipe is checked
+    from fedfusion.fusion.plan import recipe_target
+    from fedfusion.fusion.submodel.plan import fit_widths, sliced_config  # torch: after the recipe is checked
 
     if recipe.fusion.method != SUBMODEL:
         raise ValueError(f"fusion.method {recipe.fusion.method!r}: on-device programs exist for width slices "

@@ -46,14 +46,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from fedfusion.config.methods import DISTILL, GENERATIVE, LORA, MIXED, SUBMODEL, UNITS, hook, method
-from fedfusion.config.recipe import Recipe, tier_methods
+from fedfusion.config.methods import DISTILL, MIXED, SUBMODEL, UNITS, hook, method
+from fedfusion.config.recipe import METHOD_SECTIONS, Recipe, tier_methods
 from fedfusion.config.sections import RecipeError
 
 RECIPE, SMALLEST, ORACLE = "recipe", "smallest-only", "oracle"
 ARM_NAMES = (RECIPE, SMALLEST, ORACLE)
 # what an arm may change: how client work reaches the target; every other section of a recipe is its budget
-DESIGN_SECTIONS = ("fusion", DISTILL, LORA, GENERATIVE)  # fusion.* and the sections named after their methods
+DESIGN_SECTIONS = ("fusion", *METHOD_SECTIONS)  # fusion.* and the methods' own sections
 # the width-slicing settings that make each client train its slice in the slice's own forward pass
 SLICE_FORWARD: tuple[tuple[str, Any], ...] = (
     ("fusion.forward", "slice"), ("fusion.window_core", False), ("fusion.window_shared", False),

@@ -14,6 +14,7 @@ from dataclasses import fields
 from importlib.util import find_spec
 from pathlib import Path
 
+from fedfusion.analysis.edge_cloud import check_cloud
 from fedfusion.config.choices import BUILTIN_DATASETS, SMOLLM2_BASE, SMOLLM2_INSTALL, SMOLLM2_PACKAGE
 from fedfusion.config.methods import DISTILL, LORA, METHODS, UNITS
 from fedfusion.config.recipe import Recipe, load_recipe, uses
@@ -25,7 +26,6 @@ from fedfusion.data.partitioners import check_partitioner
 from fedfusion.data.records import check_client_count, natural_partition, read_jsonl, read_probes
 from fedfusion.devices.availability import AvailabilityConfig
 from fedfusion.devices.catalog import load_catalog
-from fedfusion.run.edge_cloud import check_cloud
 from fedfusion.run.trackers import INSTALL, TRACKERS
 from fedfusion.selection.participation import draw_size
 from fedfusion.selection.selectors import make_selector
@@ -67,7 +67,7 @@ def check_recipe(recipe: Recipe) -> Recipe:
     _check_lora_base(recipe)
     _check_devices(recipe)
     if recipe.fusion.method == UNITS and recipe.units.micro_batches == 0:
-        from fedfusion.run.planner import units_micro_batches  # torch: only for a count to choose
+        from fedfusion.analysis.units_plan import units_micro_batches  # torch: only for a count to choose
 
         recipe.units.micro_batches = units_micro_batches(recipe)
     return recipe

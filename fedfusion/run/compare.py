@@ -36,11 +36,11 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from fedfusion.analysis.report import still_rising
 from fedfusion.config.recipe import Recipe, load_recipe
 from fedfusion.config.sections import EngineConfig, RecipeError
 from fedfusion.run.arms import ARM_NAMES, ORACLE, RECIPE, SMALLEST, Arm, arms_for, check_equal_budget, flat
 from fedfusion.run.check import check_recipe
-from fedfusion.run.report import still_rising
 
 EXIT_INTERRUPTED = 130
 FINAL = ("final: the last scored round's value (what the run ends with, as every report of the project quotes it); "
@@ -96,7 +96,7 @@ def resolve(ref: str, overrides: list[str]) -> Recipe:
     loads it: validated, checked, rounds from facts, ``fusion.auto_widths`` fitted)."""
     recipe = check_recipe(load_recipe(ref, overrides))
     if recipe.fusion.auto_widths:
-        from fedfusion.run.planner import fit_widths
+        from fedfusion.fusion.submodel.plan import fit_widths
 
         fit_widths(recipe)
     return recipe
@@ -539,7 +539,7 @@ def plot_curves(c: Comparison, runs: dict[str, dict[int, dict[str, Any]]], label
         return None
     from matplotlib.ticker import MaxNLocator
 
-    from fedfusion.run.report import _pyplot
+    from fedfusion.analysis.report import _pyplot
 
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.2))

@@ -20,6 +20,7 @@ from flwr.app import ArrayRecord, MetricRecord
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 
+from fedfusion.analysis.report import read_jsonl
 from fedfusion.config.methods import LORA, SERVER_WORK, SUBMODEL, call, method
 from fedfusion.config.recipe import Recipe, tier_methods, uses
 from fedfusion.data.population import data_spec, facts_data, lora_data_spec, tier_list, write_partition_sizes
@@ -30,12 +31,12 @@ from fedfusion.fusion.base import ClientRound, FusionMethod, RoundReport
 from fedfusion.fusion.lora.build import client_spec as lora_client_spec
 from fedfusion.fusion.rounds import initial_state, round_lr
 from fedfusion.fusion.submodel.method import SubModelMethod
+from fedfusion.fusion.submodel.plan import expanded_tiers
 from fedfusion.run.central import central_course
 from fedfusion.run.checkpoint import Checkpoint
 from fedfusion.run.lifecycle import Recorder, RoundCallback, run_course
-from fedfusion.run.planner import expanded_tiers
 from fedfusion.run.quiet import silence_expected_noise
-from fedfusion.run.run_dir import RunDir, read_jsonl
+from fedfusion.run.run_dir import RunDir
 from fedfusion.run.targets import Target, lm_target, lora_target
 from fedfusion.selection.participation import Participation, jain_index
 from fedfusion.selection.selectors import make_selector

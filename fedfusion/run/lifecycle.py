@@ -21,10 +21,10 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from transformers.utils import logging as hf_logging
 
+from fedfusion.analysis.report import read_jsonl, write_report
 from fedfusion.config.recipe import Recipe
 from fedfusion.run.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
-from fedfusion.run.report import write_report
-from fedfusion.run.run_dir import RunDir, read_jsonl
+from fedfusion.run.run_dir import RunDir
 from fedfusion.run.targets import Target
 from fedfusion.strategies.stop import RunInterrupted, StopGrid
 

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fedfusion.analysis.report import read_jsonl
 from fedfusion.config.recipe import Recipe, to_yaml
 from fedfusion.run.check import load_checked
 from fedfusion.run.trackers import Tracker, open_tracker
@@ -116,8 +117,3 @@ def write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Rows of a .jsonl file."""
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

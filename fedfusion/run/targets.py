@@ -18,6 +18,7 @@ import torch
 from flwr.app import ArrayRecord
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from fedfusion.analysis.report import CHAR_METRICS, FACTS_METRICS, RESPONSE_METRICS, TOKEN_METRICS
 from fedfusion.config.recipe import Recipe
 from fedfusion.data.facts import Probe, encode_probes, greedy_answer, probe_metrics
 from fedfusion.data.instruct import pooled_held_out as pooled_pairs
@@ -26,7 +27,6 @@ from fedfusion.data.text import encode_text, general_text, lm_windows
 from fedfusion.fusion.lora.method import adapted_modules, apply_global, save_adapter, save_merged, snapshot
 from fedfusion.models.build import build_target, count_params, generate
 from fedfusion.models.pretrained import load_base, load_base_tokenizer, resolve_base
-from fedfusion.run.report import CHAR_METRICS, FACTS_METRICS, RESPONSE_METRICS, TOKEN_METRICS
 from fedfusion.train import instruct
 from fedfusion.train.loop import evaluate_lm
 
@@ -43,7 +43,7 @@ class Target:
     save: Callable[[Path, ArrayRecord], None]  # the run directory's model/ (and adapter/)
     sample: Callable[[], str]  # text for the report
     params: int
-    metric_names: dict[str, str]  # what evaluate's eval_loss, eval_ppl and eval_acc measure (fedfusion.run.report)
+    metric_names: dict[str, str]  # what evaluate's eval_loss, eval_ppl and eval_acc measure (fedfusion.analysis.report)
 
 
 def sample_text(model: torch.nn.Module, tokenizer, prompt: str = "KING:\n", chars: int = 200, seed: int = 0) -> str:

@@ -18,9 +18,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PretrainedConfig, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from fedfusion.config.choices import FAMILY_TOKENIZERS, TRANSFER_SOURCES
-from fedfusion.config.sections import DistillConfig
 from fedfusion.data.population import population_data
 from fedfusion.data.text import build_char_tokenizer, load_shakespeare_roles, load_text_file
+from fedfusion.fusion.distill.config import DistillConfig
 from fedfusion.models.build import family_config
 
 _SPECIALS = ("<pad>", "<unk>", "<bos>", "<eos>")

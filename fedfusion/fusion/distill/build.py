@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from fedfusion.config.sections import DataSource, DistillConfig, ModelConfig, TrainConfig
+from fedfusion.config.sections import DataSource, ModelConfig, TrainConfig
 from fedfusion.data.population import data_spec, pooled_held_out
 from fedfusion.data.text import load_tokenizer
 from fedfusion.fusion.base import BuildTarget
+from fedfusion.fusion.distill.config import DistillConfig
 from fedfusion.fusion.distill.method import DistillMethod, Family
 from fedfusion.train.transfer import distill_families, transfer_text
 

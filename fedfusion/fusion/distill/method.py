@@ -25,7 +25,6 @@ import torch
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from fedfusion.config.methods import SUBMODEL
-from fedfusion.config.sections import DistillConfig
 from fedfusion.data.text import encode_text, lm_windows
 from fedfusion.fusion.base import (
     Client,
@@ -40,6 +39,7 @@ from fedfusion.fusion.base import (
     state_size,
 )
 from fedfusion.fusion.distill.align import BridgedWindows, TokenBridge
+from fedfusion.fusion.distill.config import DistillConfig
 from fedfusion.fusion.state import pack_tensors, unpack_tensors
 from fedfusion.models.build import config_aliases, model_from_state, small_model, tied_aliases, wire_state
 from fedfusion.train.distill import DistillationLoss, Teacher, feddf_teacher, fedet_teacher, fit_vocab, forward_flops

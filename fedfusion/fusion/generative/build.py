@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-from fedfusion.config.sections import FusionConfig, GenerativeSection, PopulationConfig, TrainConfig
+from fedfusion.config.sections import FusionConfig, PopulationConfig, TrainConfig
 from fedfusion.fusion.base import BuildTarget
+from fedfusion.fusion.generative.config import GenerativeConfig
 from fedfusion.fusion.generative.method import GenerativeMethod
-from fedfusion.models.samples import GenerativeConfig
 
 
-def build(fusion: FusionConfig, generative: GenerativeSection, train: TrainConfig, population: PopulationConfig,
+def build(fusion: FusionConfig, generative: GenerativeConfig, train: TrainConfig, population: PopulationConfig,
           seed: int, target: BuildTarget, tiers: list[str]) -> GenerativeMethod:
     """Generative distillation for ``tiers``: each keeps the static slice at its ``fusion.widths`` as its own model
     (after ``fusion.grow_round`` rounds of the smallest slice, a slice of the grown target)."""
-    f, g = fusion, generative
+    f = fusion
     return GenerativeMethod(
-        target.model.config, {t: f.widths[t] for t in tiers}, target.initial.to_torch_state_dict(),
-        GenerativeConfig(g.sample_fraction, g.temperature, g.server_steps, g.server_lr, g.server_batch, top_k=g.top_k,
-                         device_state=g.device_state),
+        target.model.config, {t: f.widths[t] for t in tiers}, target.initial.to_torch_state_dict(), generative,
         seq_len=train.seq_len, population=population.num_clients, run_seed=seed,
         axes=tuple(f.axes) if f.axes else None, scale=f.scaler, grow_round=f.grow_rounds())

@@ -46,6 +46,7 @@ from fedfusion.fusion.base import (
     state_norm,
     state_size,
 )
+from fedfusion.fusion.generative.config import GenerativeConfig
 from fedfusion.fusion.rounds import server_seed
 from fedfusion.fusion.state import load_optimizer_state, optimizer_state, pack_tensors, unpack_tensors
 from fedfusion.fusion.submodel.method import SliceWire, SubModelMethod
@@ -55,7 +56,6 @@ from fedfusion.models.samples import (
     TEACHER_KEYS,
     TOP_IDS_KEY,
     TOP_LOGP_KEY,
-    GenerativeConfig,
     SamplePool,
     check_samples,
     check_teacher,
@@ -64,6 +64,8 @@ from fedfusion.models.slicing import extract, plan_slice, sub_config
 from fedfusion.train.distill import TopTokensLoss
 from fedfusion.train.loop import LM, make_optimizer, train_steps
 from fedfusion.wire.specs import STATE_LOST, Caps, GenerativeSpec, ModelSpec, RoleSpec, merge
+
+MAX_WINDOWS = 4096  # the most training windows the server credits a client with (its samples and pool share)
 
 
 class GenerativeMethod(FusionMethod):
@@ -75,6 +77,7 @@ class GenerativeMethod(FusionMethod):
     def __init__(self, config: PretrainedConfig, widths: dict[str, float], template: State,
                  generative: GenerativeConfig, seq_len: int, population: int, run_seed: int = 0,
                  axes: tuple[str, ...] | None = None, scale: bool = True, grow_round: int = 0) -> None:
+        generative.check()  # a recipe's section is checked on load; one built in code (tests, benchmarks) here
         self.config, self.widths, self.generative = config, widths, generative
         self.grow_round = grow_round
         # rounds 1..grow_round: smallest-only training of a target silenced around the smallest slice
@@ -150,7 +153,7 @@ class GenerativeMethod(FusionMethod):
             own = {} if kept else self.devices.get(client.partition) or extract(self.initial, self.config, plan)
             sent = self.wire(own)
             # the client's own count of training windows, capped by the server: a client cannot claim the pool
-            windows = min(int(client.caps.get(Caps.key("examples"), 1)), self.generative.max_windows)
+            windows = min(int(client.caps.get(Caps.key("examples"), 1)), MAX_WINDOWS)
             self.examples[client.partition] = windows
             g = self.generative
             spec = merge(RoleSpec(self.role), ModelSpec(sub_config(self.config, plan).to_dict()),

@@ -3,8 +3,9 @@ share."""
 
 from __future__ import annotations
 
-from fedfusion.config.sections import FusionConfig, LoRAConfig
+from fedfusion.config.sections import FusionConfig
 from fedfusion.fusion.base import BuildTarget
+from fedfusion.fusion.lora.config import LoRAConfig
 from fedfusion.fusion.lora.method import LoRAMethod, adapted_modules
 from fedfusion.fusion.rounds import fusion_wire
 from fedfusion.wire.specs import LoRABaseSpec

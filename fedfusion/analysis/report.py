@@ -11,12 +11,11 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from fedfusion.analysis.edge_cloud import check_cloud, edge_cloud_markdown, work_from_clients
 from fedfusion.config.choices import DEFAULT_CLOUD
 from fedfusion.config.methods import BY_NAME, CENTRAL, MIXED, SERVER_WORK, hook
 from fedfusion.data.federated import describe, read_partition_sizes
 from fedfusion.devices.catalog import load_catalog
-from fedfusion.run.edge_cloud import check_cloud, edge_cloud_markdown, work_from_clients
-from fedfusion.run.run_dir import read_jsonl
 
 # What eval_loss, eval_ppl and eval_acc measure, by how the target is scored: fedfusion.run.targets picks one for
 # the run and summary.json records it as metric_names
@@ -29,6 +28,11 @@ FACTS_METRICS = {"eval_loss": "probe answer loss (nats/token)", "eval_ppl": "pro
 RESPONSE_METRICS = {"eval_loss": "held-out response loss (nats/token)", "eval_ppl": "held-out response perplexity",
                     "eval_acc": "next-token accuracy (response tokens)"}
 LOWER_IS_BETTER = {"eval_loss": True, "eval_ppl": True, "eval_acc": False, "probe_acc": False}
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Rows of a run's .jsonl file (metrics, clients, nodes)."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def _pyplot() -> ModuleType:
@@ -204,7 +208,7 @@ def _fmt(value: object) -> str:
 
 
 def _edge_cloud_section(recipe: Any, clients: list[dict]) -> str:
-    """The run's client work priced on a cloud GPU instead (fedfusion.run.edge_cloud), or why it cannot be."""
+    """The run's client work priced on a cloud GPU instead (fedfusion.analysis.edge_cloud), or why it cannot be."""
     if not clients:
         return "## Edge vs cloud\n\nNo client work was recorded."
     catalog = load_catalog(OmegaConf.select(recipe, "population.catalog", default=None))

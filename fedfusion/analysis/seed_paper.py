@@ -4,7 +4,7 @@ The paper trained OPT-125m for 100 steps at batch 16 and sequence 512 on an Appl
 Snapdragon 888 phone and on an NVIDIA A5000, with 10 MB/s links and a 0.5 W WiFi radio, and found the
 edge 1.5-4x more energy-efficient and, once embodied carbon counts and the edge's is sunk (the devices
 exist anyway), 3.5-8x lower in total carbon. Here the same work is priced from the catalog with
-:mod:`fedfusion.run.edge_cloud` (one device of each edge tier against the cloud GPU, each doing the whole job),
+:mod:`fedfusion.analysis.edge_cloud` (one device of each edge tier against the cloud GPU, each doing the whole job),
 decomposed step by step into the factors that set each ratio, and the catalog number the paper's range
 would need is solved for.
 """
@@ -13,9 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
-from fedfusion.devices.catalog import Device, load_catalog
-from fedfusion.devices.energy import train_flops
-from fedfusion.run.edge_cloud import (
+from fedfusion.analysis.edge_cloud import (
     ATTRIBUTIONAL,
     CARBON_VIEWS,
     CONSEQUENTIAL,
@@ -26,6 +24,8 @@ from fedfusion.run.edge_cloud import (
     solve,
     totals,
 )
+from fedfusion.devices.catalog import Device, load_catalog
+from fedfusion.devices.energy import train_flops
 
 NAME = "seed-paper"
 PARAMS = 125_000_000  # OPT-125m, nominal

@@ -1,0 +1,182 @@
+"""The exact (units) mode's plan: one step's phases priced by the timeline on the population's devices, the
+server's own work, and the micro-batch count a run uses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from fedfusion.config.methods import UNITS
+from fedfusion.config.recipe import Recipe
+from fedfusion.config.sections import UnitsSection
+from fedfusion.devices.catalog import load_catalog
+from fedfusion.devices.memory import param_count
+from fedfusion.fusion.plan import PlanView, recipe_target
+
+
+def units_view(recipe: Recipe) -> PlanView:
+    """The units mode: per device tier and step what it moves and how long it is busy, the server's row and the
+    same step on the cloud GPU, and the step's time."""
+    step, rows = units_plan(recipe)
+    s = step["server"]
+    micro = step["micro_batches"]
+    notes = (f"one step: {micro} micro-batch{'es' if micro > 1 else ''}, {step['phases']} phases, "
+             f"{step['step_s']:.2f} virtual s (floor {step['floor_s']:.2f} s), busiest-link utilisation "
+             f"{step['link_utilisation']:.2f}, {step['MB down']:.1f} MB down and {step['MB up']:.1f} MB up in all; {step['steps']} steps "
+             f"(fedfusion.units.timeline on the catalog's links, no churn, the server's time between phases, "
+             f"{_runtime_words(recipe.units)})",
+             f"server ({s['server_device']}) per step: own compute {s['server_flops'] / 1e9:.3g} GFLOP (attention "
+             f"{s['server_attention_flops'] / 1e9:.3g}, element-wise {s['server_elementwise_flops'] / 1e9:.3g}, linear "
+             f"{s['server_linear_flops'] / 1e9:.3g}, optimizer {s['server_optimizer_flops'] / 1e9:.3g}) "
+             f"{s['server_compute_s']:.3g} s; checks {s['server_verify_flops'] / 1e9:.3g} GFLOP "
+             f"{s['server_verify_s']:.3g} s; egress {s['server_egress_bytes'] / 1e6:.1f} MB, ingress "
+             f"{s['server_ingress_bytes'] / 1e6:.1f} MB {s['server_comm_s']:.3g} s; {s['server_energy_j']:.3g} J "
+             f"(price_work on the catalog tier)",
+             f"the same step on {s['cloud_device']}: {s['cloud_flops'] / 1e9:.3g} GFLOP in "
+             f"{s['cloud_step_s']:.3g} s, {s['cloud_energy_j']:.3g} J; the units step takes "
+             f"{step['step_s'] / s['cloud_step_s']:.0f}x as long")
+    return PlanView(f"plan for {recipe.name} ({UNITS}, offload={recipe.units.offload}: per device and step; the "
+                    f"target trains on the server)", rows,
+                    ("tier", "devices", "used", "units/step", "largest unit", "MB down", "MB up", "busy s"),
+                    left=("tier", "largest unit"), width=140, notes=notes, per_round=False)
+
+
+def _runtime_words(u: UnitsSection) -> str:
+    """How the plan's step line names the devices' runtime (``units.lanes``, ``units.supernodes``)."""
+    if u.supernodes > 1:
+        return f"devices running {u.supernodes} SuperNodes of one message each: units.supernodes"
+    held = f"{u.lanes or 'any number of'} message{'' if u.lanes == 1 else 's'}"
+    return f"devices holding {held} at a time: units.lanes"
+
+
+def units_plan(recipe: Recipe) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The exact (units) mode's step from the recipe's shape alone (``fedfusion.units.phases`` priced by the
+    timeline on the population's devices, no churn, the server's own time between phases): the micro-batch count
+    (:func:`units_micro_batches`), the step's virtual seconds, its floor, busiest-link utilisation and phases, the
+    server's work and the same step on the cloud GPU
+    (:func:`fedfusion.units.ledger.price_server`, under ``server``), and per tier the devices, their mean units per
+    step, the largest unit (rows x columns x inner length), their mean MB down / up and busy seconds per step."""
+    from fedfusion.data.population import tier_list
+    from fedfusion.units.ledger import price_server
+    from fedfusion.units.plan import CostModel, Tile, plan_phase
+    from fedfusion.units.timeline import simulate
+
+    u, micro = recipe.units, units_micro_batches(recipe)
+    work = units_work(recipe, micro)
+    phases, own, verify = work.phases, work.own, work.verify
+    gemms = [g for shapes, _ in phases for g in shapes] * micro
+    catalog = load_catalog(recipe.population.catalog)
+    server = catalog[u.server_device]
+    tiers = tier_list(recipe.population, recipe.seed)
+    devices = units_devices(recipe)
+    timing = simulate(devices, [phases] * micro, deadline_factor=u.deadline_factor, server_gap_s=work.gap_s,
+                      optimizer_s=work.optimizer_s, in_flight=u.in_flight, accumulate=u.accumulate, **u.runtime())
+    priced = price_server(server, catalog[recipe.report.cloud], own, verify, int(timing.down_bytes.sum()),
+                          int(timing.up_bytes.sum()), float(sum(g.flops for g in gemms)))
+    cm = CostModel(devices)
+    units: list[list[Tile]] = [[] for _ in devices]  # the timeline's plans (no churn): each device's units
+    for shapes, _ in phases:
+        for tile in plan_phase(cm, list(range(len(devices))), shapes).tiles:
+            units[tile.device].append(tile)
+    rows = []
+    for tier in sorted(set(tiers)):
+        idx = [i for i, t in enumerate(tiers) if t == tier]
+        busy = [max(timing.down_busy_s[i], timing.up_busy_s[i], timing.compute_s[i]) for i in idx]
+        mine = [t for i in idx for t in units[i]]
+        big = max(mine, key=lambda t: t.flops, default=None)
+        rows.append({"tier": tier, "devices": len(idx), "used": int(sum(timing.down_bytes[i] > 0 for i in idx)),
+                     "units/step": len(mine) * micro / len(idx),
+                     "largest unit": f"{big.i1 - big.i0}x{big.j1 - big.j0}x{big.k1 - big.k0}" if big else "",
+                     "MB down": float(sum(timing.down_bytes[i] for i in idx)) / len(idx) / 1e6,
+                     "MB up": float(sum(timing.up_bytes[i] for i in idx)) / len(idx) / 1e6,
+                     "busy s": sum(busy) / len(busy)})
+    s = priced.row()
+    rows += [{"tier": f"server ({server.name})", "devices": 1, "used": 1, "units/step": None, "largest unit": "",
+              "MB down": priced.ingress_bytes / 1e6,
+              "MB up": priced.egress_bytes / 1e6,
+              "busy s": float(s["server_compute_s"]) + float(s["server_verify_s"]) + float(s["server_comm_s"])},
+             {"tier": f"{priced.cloud} (the same step)", "devices": 1, "used": 1, "units/step": None, "largest unit": "",
+              "MB down": 0.0, "MB up": 0.0,
+              "busy s": priced.cloud_step.compute_s}]
+    step = {"step_s": timing.step_s, "floor_s": timing.floor_s, "link_utilisation": timing.link_utilisation,
+            "phases": len(phases) * micro, "micro_batches": micro,
+            "steps": u.steps, "MB down": float(timing.down_bytes.sum()) / 1e6, "MB up": float(timing.up_bytes.sum()) / 1e6,
+            "server": s}
+    return step, rows
+
+
+@dataclass(frozen=True)
+class UnitsWork:
+    """One units-mode step of a recipe's shape at a micro-batch count: one micro-batch's phases, the server's own
+    FLOPs and its checks' FLOPs, and the server's seconds between phases and for the optimizer (priced on
+    ``units.server_device``)."""
+
+    phases: list[Any]
+    own: dict[str, float]  # the server's own FLOPs by kind (fedfusion.units.phases.server_flops)
+    verify: float
+    gap_s: float
+    optimizer_s: float
+
+
+def units_work(recipe: Recipe, micro_batches: int) -> UnitsWork:
+    """The step :func:`units_plan` prices, with the batch cut into ``micro_batches``."""
+    from fedfusion.data.population import data_spec, data_tokenizer
+    from fedfusion.units.ledger import server_timeline
+    from fedfusion.units.phases import WEIGHT_GRADIENT, llama_phases, server_flops
+    from fedfusion.units.verify import check_flops
+
+    m, u, seq = recipe.model, recipe.units, recipe.train.seq_len
+    vocab = len(data_tokenizer(data_spec(recipe.data_source())))
+    tokens = recipe.train.batch_size // micro_batches * seq
+    shape: dict[str, Any] = dict(hidden=m.hidden_size, intermediate=m.intermediate_size, layers=m.num_layers,
+                                 heads=m.num_heads, kv_heads=m.num_kv_heads, vocab=vocab)
+    phases = llama_phases(**shape, tokens=tokens, mode=u.offload)
+    own = server_flops(**shape, tokens=tokens * micro_batches, seq=seq, params=param_count(recipe_target(recipe)),
+                       mode=u.offload, optimizer=recipe.train.optimizer)
+    # one check per product; a weight gradient summed on the devices is checked once per step and SuperNode, over
+    # the tokens of that node's micro-batches (fedfusion.units.accumulate; node j sums micro-batches j, j+K, ..)
+    summed = u.accumulate and micro_batches > 1
+    per_node = [c for c in (len(range(j, micro_batches, u.supernodes)) for j in range(u.supernodes)) if c]
+    verify = 0.0
+    for shapes, specs in phases if u.verify else ():
+        for g, spec in zip(shapes, specs):
+            if summed and spec == WEIGHT_GRADIENT:
+                verify += sum(check_flops(g.m, g.n, g.k * c) for c in per_node)
+            else:
+                verify += micro_batches * check_flops(g.m, g.n, g.k)
+    server = load_catalog(recipe.population.catalog)[u.server_device]
+    gap_s, optimizer_s = server_timeline(server, own, verify, len(phases) * micro_batches)
+    return UnitsWork(phases, own, verify, gap_s, optimizer_s)
+
+
+def units_devices(recipe: Recipe) -> list[Any]:
+    """The units mode's devices, one per client of the population (:func:`fedfusion.units.from_catalog`)."""
+    from fedfusion.data.population import tier_list
+    from fedfusion.units import from_catalog
+
+    catalog = load_catalog(recipe.population.catalog)
+    return [from_catalog(catalog[t], name=str(i)) for i, t in enumerate(tier_list(recipe.population, recipe.seed))]
+
+
+def units_micro_batches(recipe: Recipe) -> int:
+    """``units.micro_batches`` as a run uses it: the recipe's count, or with 0 the count
+    :func:`fedfusion.units.timeline.choose_micro_batches` predicts for the recipe's devices and shape (the smallest
+    that keeps the busiest link >= 70 % busy without a slower step, else the fastest)."""
+    from fedfusion.units.timeline import choose_micro_batches
+
+    u = recipe.units
+    if u.micro_batches:
+        return u.micro_batches
+    works = {}  # count -> its work, built once for both callbacks
+
+    def work(m: int) -> UnitsWork:
+        if m not in works:
+            works[m] = units_work(recipe, m)
+        return works[m]
+
+    chosen, _ = choose_micro_batches(
+        units_devices(recipe), lambda m: work(m).phases, recipe.train.batch_size,
+        kwargs_for=lambda m: {"server_gap_s": work(m).gap_s, "optimizer_s": work(m).optimizer_s},
+        deadline_factor=u.deadline_factor, in_flight=u.in_flight, accumulate=u.accumulate, min_count=u.supernodes,
+        **u.runtime())
+    return chosen

@@ -1,0 +1,40 @@
+"""LoRA's recipe section (``lora.*``: the frozen base, each tier's rank and base bits, the aggregation), composed into
+the recipe from here; on the config floor like every method's section (no torch, nothing of fedfusion but
+``config``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fedfusion.config.choices import QUANTIZE_BITS, SMOLLM2_BASE
+from fedfusion.config.sections import RecipeError, positive
+
+
+@dataclass
+class LoRAConfig:
+    """Heterogeneous-rank LoRA (fusion.method=lora): adapters of each tier's rank on one frozen base."""
+
+    base: str = SMOLLM2_BASE  # smollm2 (offline GGUF package) | a local model directory | a .gguf file | a hub id
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
+    ranks: dict[str, int] = field(default_factory=lambda: {"phone": 4, "laptop": 8, "desktop": 32})
+    alpha: float = 16.0
+    quantize: dict[str, int] = field(default_factory=lambda: {"phone": 4, "laptop": 8, "desktop": 0})  # base bits
+    dtype: str = "float32"  # unquantised base: float32 | bfloat16 | float16
+    dropout: float = 0.0
+    method: str = "flexlora"  # fedavg (equal ranks) | zeropad | hetlora | flexlora | flora
+    eval_pairs: int = 200  # held-out pairs the server scores the target on
+    samples: int = 3  # generations shown in the report
+
+    def check(self) -> None:
+        """``lora.*`` with fusion.method=lora: positive ranks, known base bits, modules to adapt, a dropout < 1."""
+        for tier, rank in self.ranks.items():
+            positive(f"lora.ranks.{tier}", rank)
+        for tier, bits in self.quantize.items():
+            if bits not in QUANTIZE_BITS:
+                raise RecipeError(f"lora.quantize.{tier}: must be 0 (none), 4 or 8 bits, got {bits}")
+        if not self.target_modules:
+            raise RecipeError("lora.target_modules: name at least one module (e.g. q_proj)")
+        for key in ("alpha", "eval_pairs"):
+            positive(f"lora.{key}", getattr(self, key))
+        if not 0 <= self.dropout < 1:
+            raise RecipeError(f"lora.dropout: must be in [0, 1), got {self.dropout}")
