@@ -98,7 +98,7 @@ def run_arm(task: str, arm: str, seed: int, rounds: int, overrides: list[str], w
     metric, lower, arms = TASKS[task]
     name, extra = arms[arm]
     recipe = load_recipe(name, [*extra, f"seed={seed}", f"rounds={rounds}", "output.save_model=false", *overrides])
-    fit_widths(recipe)
+    fit_widths(recipe.fusion, recipe.train, recipe.population, recipe.model, recipe.data_source())
     out = work / f"{arm}-s{seed}"
     start = time.perf_counter()
     summary = run_federation(LocalGrid(recipe.population.num_clients), recipe, RunDir(out, recipe), lambda row: None)

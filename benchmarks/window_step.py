@@ -55,7 +55,7 @@ def setting(name: str) -> dict:
     """A target's config, batch and the recipe's window settings (the weakest tier's width)."""
     recipe = load_recipe({"quickstart": "quickstart", "smollm2": "finetune"}[name])
     f = recipe.fusion
-    config = shape_config("135m") if name == "smollm2" else recipe_target(recipe)
+    config = shape_config("135m") if name == "smollm2" else recipe_target(recipe.model, recipe.data_source())
     axes = tuple(f.axes) if f.axes else None
     return {"config": config, "batch": recipe.train.batch_size, "seq": recipe.train.seq_len,
             "width": min(f.widths.values()), "axes": axes, "window_axes": window_axes(config, axes),

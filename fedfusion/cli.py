@@ -18,8 +18,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from fedfusion.analysis.seed_paper import NAME as SEED_PAPER
-from fedfusion.config.methods import SLICES, UNITS, hook, method
-from fedfusion.config.recipe import Recipe, builtin_recipes, load_recipe, method_label, nodes_per_client
+from fedfusion.config.methods import SLICES, UNITS, call, method
+from fedfusion.config.recipe import Recipe, builtin_recipes, load_recipe, nodes_per_client
 from fedfusion.config.sections import RecipeError
 from fedfusion.run.arms import ARM_NAMES
 from fedfusion.run.check import check_recipe
@@ -59,7 +59,7 @@ def _load_for_run(ref: str, overrides: list[str]) -> Recipe:
     if recipe.fusion.auto_widths:
         from fedfusion.fusion.submodel.plan import fit_widths
 
-        fit_widths(recipe)
+        fit_widths(recipe.fusion, recipe.train, recipe.population, recipe.model, recipe.data_source())
     if recipe.data.source == "dataset":  # load and partition it now: a missing column or a bad count stops here
         from fedfusion.data.population import partition_sizes
 
@@ -121,7 +121,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     k = nodes_per_client(recipe)
     nodes = f" ({recipe.population.num_clients * k} SuperNodes: units.supernodes={k})" if k > 1 else ""
     console.print(f"[bold]fedfusion[/] {verb} {escape(recipe.name)}: {recipe.population.num_clients} clients{nodes}, "
-                  f"{shape}, fusion={method_label(recipe)}"
+                  f"{shape}, fusion={recipe.fusion.label(recipe.population.mix)}"
                   + (f", on the Ray cluster at {recipe.engine.ray_address}" if recipe.engine.ray_address else "")
                   + f"; writing {escape(str(run.path))}")
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")  # we request no GPUs; silence Ray's notice
@@ -231,8 +231,9 @@ PLAN_NOTE = ("s and J per round: the tier's training FLOPs and the bytes it move
 def cmd_plan(args: argparse.Namespace) -> int:
     """Print what each tier trains and what one round of it costs (and the server's own work, where it has any)."""
     recipe = _checked(args.recipe, args.overrides)
-    # the method's plan view (its registry entry's ``plan``, in its folder's plan module): torch loads only now
-    view = hook(method(recipe.fusion.method).plan)(recipe)
+    # the method's plan view (its registry entry's ``plan``, in its folder's plan module, given the recipe sections
+    # it names): torch loads only now
+    view = call(method(recipe.fusion.method).plan, recipe, source=recipe.data_source())
     _print_table(view.title, view.rows, view.headers, left=view.left, width=view.width)
     from fedfusion.devices.catalog import load_catalog
     from fedfusion.devices.energy import runtime_notes

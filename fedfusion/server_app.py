@@ -38,7 +38,7 @@ def main(grid: Grid, context: Context) -> None:
         check_federation(grid, recipe.population.num_clients, nodes_per_client(recipe))
     else:
         recipe = load_checked(str(cfg.get("recipe", "quickstart")), shlex.split(str(cfg.get("overrides", ""))))
-        fit_widths(recipe)
+        fit_widths(recipe.fusion, recipe.train, recipe.population, recipe.model, recipe.data_source())
         check_federation(grid, recipe.population.num_clients, nodes_per_client(recipe))
         run = RunDir(new_run_path(recipe, str(cfg.get("out", "")) or None).resolve(), recipe)
     log(INFO, "fedfusion: writing the run to %s", run.path)

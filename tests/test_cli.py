@@ -16,6 +16,7 @@ import pytest
 from fedfusion.cli import EXAMPLES, main, parser
 from fedfusion.config.recipe import load_recipe
 from fedfusion.devices.memory import llama_params
+from fedfusion.fusion.plan import recipe_target
 from fedfusion.fusion.submodel.plan import plan_table
 
 ROOT = Path(__file__).parents[1]
@@ -66,7 +67,8 @@ def test_plan_lists_every_tier_with_its_slice(recipe, capsys):
     out = capsys.readouterr().out
     for tier in ("phone", "laptop", "desktop"):
         assert tier in out
-    rows = plan_table(load_recipe(recipe))
+    loaded = load_recipe(recipe)
+    rows = plan_table(loaded.fusion, loaded.train, loaded.population, recipe_target(loaded.model, loaded.data_source()))
     assert [r["width"] for r in rows] == [0.125, 0.25, 0.5]
     assert rows[0]["params"] < rows[1]["params"] < rows[2]["params"]
     assert all(r["fits"] == "yes" for r in rows)

@@ -114,7 +114,7 @@ def test_shown_command_loads_its_recipe(where, command, tmp_path):
     recipe = args.recipe if not args.recipe.endswith(".yaml") else str(ROOT / args.recipe)
     loaded = load_checked(recipe, overrides)  # RecipeError names the bad key
     if args.command != "plan":  # plan shows the fit, tiers that fit nothing included; a run stops on them
-        fit_widths(loaded)
+        fit_widths(loaded.fusion, loaded.train, loaded.population, loaded.model, loaded.data_source())
 
 
 EDGE_CLOUD = shown_commands(re.compile(r"\bfedfusion edge-cloud\b"))

@@ -17,6 +17,11 @@ from tests.conftest import tiny_config
 PHONE = load_catalog()["phone"]
 
 
+def slicing(recipe):
+    """What width slicing's plan reads of a recipe: its fusion, train and population sections, and its target."""
+    return recipe.fusion, recipe.train, recipe.population, recipe_target(recipe.model, recipe.data_source())
+
+
 def sized(gib: float):
     """The phone tier with ``gib`` GiB of memory."""
     return dataclasses.replace(PHONE, memory_gb=gib)
@@ -80,7 +85,7 @@ def test_quantised_base_is_smaller_and_fit_prefers_precision_then_rank():
 
 @pytest.mark.parametrize("recipe, what", [("rolling", "width 0.0625"), ("quickstart", "a full-forward window of 0.0625")])
 def test_plan_rows_for_a_tier_that_fits_nothing_explain_instead_of_raising(recipe, what):
-    rows = plan_table(load_recipe(recipe), widths={"phone": None, "laptop": 0.25, "desktop": 0.5})
+    rows = plan_table(*slicing(load_recipe(recipe)), widths={"phone": None, "laptop": 0.25, "desktop": 0.5})
     phone = rows[0]
     assert phone["tier"] == "phone" and phone["width"] is None and phone["params"] is None
     assert phone["fits"].startswith(f"NO: even {what} needs")
@@ -89,9 +94,9 @@ def test_plan_rows_for_a_tier_that_fits_nothing_explain_instead_of_raising(recip
 
 def test_auto_widths_give_every_quickstart_tier_the_full_model():
     recipe = load_recipe("quickstart")  # a tiny target: everything fits
-    widths = auto_widths(recipe)
+    widths = auto_widths(*slicing(recipe))
     assert widths == {"phone": 1.0, "laptop": 1.0, "desktop": 1.0}
-    assert all(r["fits"] == "yes" and r["width"] == 1.0 for r in plan_table(recipe, widths=widths))
+    assert all(r["fits"] == "yes" and r["width"] == 1.0 for r in plan_table(*slicing(recipe), widths=widths))
 
 
 def test_bad_inputs_are_named():
@@ -117,7 +122,7 @@ def test_lora_plan_rows_show_rank_precision_and_the_4bit_saving():
     base = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                        num_attention_heads=9, num_key_value_heads=3, head_dim=64)  # SmolLM2-135M's shape
     recipe = load_recipe("rolling", ["fusion.method=lora", "data.source=chatterbot"])
-    rows = {r["tier"]: r for r in lora_plan_table(recipe, base)}
+    rows = {r["tier"]: r for r in lora_plan_table(recipe.lora, recipe.fusion, recipe.train, recipe.population, base)}
     assert rows["phone"]["rank"] == 4 and rows["phone"]["base"] == "4-bit"
     assert rows["phone"]["trainable"] == 30 * 4 * ((576 + 576) + (576 + 192))  # q_proj and v_proj adapters
     assert rows["phone"]["peak MB"] < rows["phone"]["fp32 base MB"]  # the 4-bit base is what makes it fit
@@ -163,7 +168,7 @@ def test_plan_prices_each_tier_with_the_ledgers_cost_model_and_the_bytes_it_move
     recipe = load_recipe("rolling", [f"fusion.wire_dtype={wire}"])
     catalog, t = load_catalog(), recipe.train
     target = build_target(recipe.model, load_tokenizer(None), recipe.seed)
-    rows = plan_table(recipe)
+    rows = plan_table(*slicing(recipe))
     for row in rows:
         sub = extract(target.state_dict(), target.config, plan_slice(target.config, row["width"], "static"))
         sent = sum(v.numel() * (2 if wire == "float16" else 4) for v in sub.values())
@@ -187,7 +192,7 @@ def test_plan_prices_a_quantised_wire_at_the_bytes_its_arrays_carry(down, up):
 
     recipe = load_recipe("rolling", [f"fusion.wire_dtype={down}", f"fusion.wire_up={up}"])
     target = build_target(recipe.model, load_tokenizer(None), recipe.seed)
-    for row in plan_table(recipe):
+    for row in plan_table(*slicing(recipe)):
         sub = extract(target.state_dict(), target.config, plan_slice(target.config, row["width"], "static"))
         for fmt, planned in ((down, row["MB down"]), (up, row["MB up"])):
             actual = sum(v.nbytes for v in encode(sub, fmt).values())
@@ -204,7 +209,7 @@ def test_lora_plan_prices_the_adapter_each_way():
                        num_attention_heads=9, num_key_value_heads=3, head_dim=64)
     recipe = load_recipe("rolling", ["fusion.method=lora", "data.source=chatterbot"])
     t = recipe.train
-    for row in lora_plan_table(recipe, base):
+    for row in lora_plan_table(recipe.lora, recipe.fusion, recipe.train, recipe.population, base):
         flops = train_flops(frozen_work_params(param_count(base), row["trainable"]), t.local_steps * t.batch_size * t.seq_len)
         _assert_priced_as_the_ledger(row, load_catalog()[row["tier"]], flops, 4 * row["trainable"], 4 * row["trainable"])
 
@@ -219,7 +224,7 @@ def test_distill_plan_shows_each_tiers_family_model_and_the_servers_work():
 
     recipe = load_recipe("distill", ["distill.transfer.max_chars=20000"])
     d, t = recipe.distill, recipe.train
-    rows = {r["tier"]: r for r in distill_plan_table(recipe)}
+    rows = {r["tier"]: r for r in distill_plan_table(d, t, recipe.population, recipe.model, recipe.data_source())}
     assert list(rows) == ["phone", "laptop", "desktop", "server (cloud-a100)"]
     assert rows["phone"]["trains"].startswith("tiny: llama 32x2") and rows["laptop"]["trains"].startswith("small: gpt2")
     text = transfer_text(d.transfer.source, data_spec(recipe.data_source()), d.transfer.max_chars)
@@ -242,18 +247,22 @@ def test_generative_server_row_prices_the_targets_training_on_the_samples():
     from fedfusion.fusion.generative.plan import generative_server_row
 
     recipe = load_recipe("knowledge")
-    g, row = recipe.generative, generative_server_row(recipe)
+    g, row = recipe.generative, generative_server_row(recipe.generative, recipe.train, recipe.population,
+                                                   recipe_target(recipe.model, recipe.data_source()))
     assert row["tier"] == "server (cloud-a100)" and row["trains"] == "learns the samples (30 steps)"
     flops = train_flops(row["params"], g.server_steps * g.server_batch * recipe.train.seq_len)
     _assert_priced_as_the_ledger(row, load_catalog()["cloud-a100"], flops, 0, 0)
 
 
 def test_generative_plan_says_what_travels_with_the_device_state():
-    from fedfusion.fusion.generative.plan import generative_view
+    from fedfusion.config.methods import GENERATIVE, call, method
 
-    node = generative_view(load_recipe("knowledge")).notes[0]
+    def note(*overrides: str) -> str:  # the view as `fedfusion plan` calls it: its registry entry's, on its sections
+        recipe = load_recipe("knowledge", list(overrides))
+        return call(method(GENERATIVE).plan, recipe, source=recipe.data_source()).notes[0]
+
+    node, server = note(), note("generative.device_state=server")
     assert "first round only" in node and "top tokens" in node
-    server = generative_view(load_recipe("knowledge", ["generative.device_state=server"])).notes[0]
     assert "first round" not in server and server.startswith("a client's uplink also carries its samples")
 
 
@@ -263,7 +272,7 @@ def test_plan_prices_the_wire_of_a_mixed_federations_slicing_tiers_only():
     from fedfusion.wire.quantize import encoded_bytes
 
     recipe = load_recipe("mixed", ["fusion.wire_dtype=int8", "fusion.wire_up=int4"])
-    (row,) = plan_table(recipe, tiers=["laptop"])
+    (row,) = plan_table(*slicing(recipe), tiers=["laptop"])
     assert row["MB down"] * 2**20 == encoded_bytes("int8", row["params"])
     assert row["MB up"] * 2**20 == encoded_bytes("int4", row["params"])
 
@@ -281,8 +290,8 @@ def test_a_window_computes_in_float32_and_checkpointing_keeps_one_layer():
 
 
 def test_the_plan_says_when_activations_are_checkpointed_and_counts_less():
-    plain = plan_table(load_recipe("quickstart", []))
-    kept = plan_table(load_recipe("quickstart", ["train.checkpoint=true"]))
+    plain = plan_table(*slicing(load_recipe("quickstart", [])))
+    kept = plan_table(*slicing(load_recipe("quickstart", ["train.checkpoint=true"])))
     assert all("checkpointed" in r["slice"] and "checkpointed" not in p["slice"] for r, p in zip(kept, plain))
     assert all(r["peak MB"] < p["peak MB"] for r, p in zip(kept, plain))
 
@@ -295,14 +304,14 @@ def test_auto_widths_fit_full_forward_windows_not_just_slices():
     grown = load_recipe("quickstart", big)
     sliced = load_recipe("quickstart", [*big, "fusion.forward=slice", "fusion.window_core=false",
                                         "fusion.window_shared=false", "fusion.grow_round=0"])
-    windows, slices = auto_widths(grown), auto_widths(sliced)
+    windows, slices = auto_widths(*slicing(grown)), auto_widths(*slicing(sliced))
     assert windows["phone"] is not None and windows["phone"] < slices["phone"]
     assert all(windows[t] <= slices[t] for t in windows)
-    assert all(r["fits"] == "yes" and r["width"] == windows[r["tier"]] for r in plan_table(grown, widths=windows))
+    assert all(r["fits"] == "yes" and r["width"] == windows[r["tier"]] for r in plan_table(*slicing(grown), widths=windows))
     lowend = [*big, "fusion.auto_widths=true", "population.mix={phone-lowend: 1.0}"]
-    assert auto_widths(load_recipe("rolling", lowend))["phone-lowend"] is not None  # a slice fits it
+    assert auto_widths(*slicing(load_recipe("rolling", lowend)))["phone-lowend"] is not None  # a slice fits it
     grown_lowend = load_recipe("quickstart", lowend)
-    [row] = plan_table(grown_lowend, widths=auto_widths(grown_lowend))  # the frozen target and its activations do not
+    [row] = plan_table(*slicing(grown_lowend), widths=auto_widths(*slicing(grown_lowend)))  # the frozen target and its activations do not
     assert row["width"] is None and row["fits"].startswith("NO: even a full-forward window of 0.0625 needs")
 
 
@@ -315,15 +324,17 @@ def test_a_tier_expands_its_frozen_target_only_where_its_memory_holds_the_float3
            "model.num_layers=24", "train.batch_size=8", "population.mix={phone: 0.5, laptop: 0.5}",
            "fusion.widths={phone: 0.0625, laptop: 0.25}"]
     recipe = load_recipe("quickstart", big)
-    target, catalog = recipe_target(recipe), load_catalog()
-    rows = {r["tier"]: r for r in plan_table(recipe)}
+    (fusion, train, population, target), catalog = slicing(recipe), load_catalog()
+    rows = {r["tier"]: r for r in plan_table(fusion, train, population, target)}
+    expanded = expanded_tiers(fusion, train, population, recipe.model, recipe.data_source())
     for tier, width in recipe.fusion.widths.items():
-        narrow, wide = (window_memory(recipe, target, width, 0.0625, expand)[1] for expand in (False, True))
+        narrow, wide = (window_memory(fusion, train, target, width, 0.0625, expand)[1] for expand in (False, True))
         budget = catalog[tier].memory_gb * 2**30 * 0.9
         assert narrow < wide
         expands = wide <= budget
-        assert (tier in expanded_tiers(recipe)) == expands
+        assert (tier in expanded) == expands
         assert rows[tier]["slice"].endswith(" -> float32") == expands
         assert rows[tier]["peak MB"] == round((wide if expands else narrow) / 2**20, 1)
-    assert expanded_tiers(recipe) == {"laptop"}  # the phone (3.6 GB usable) holds the int8 target, not a float32 one
-    assert expanded_tiers(load_recipe("quickstart", [*big, "fusion.forward=slice", "fusion.window_core=false"])) == set()
+    assert expanded == {"laptop"}  # the phone (3.6 GB usable) holds the int8 target, not a float32 one
+    sliced = load_recipe("quickstart", [*big, "fusion.forward=slice", "fusion.window_core=false"])
+    assert expanded_tiers(sliced.fusion, sliced.train, sliced.population, sliced.model, sliced.data_source()) == set()

@@ -7,6 +7,7 @@ import torch
 from fedfusion.config.recipe import load_recipe
 from fedfusion.data.population import client_windows, data_spec, pooled_held_out, population_data, tier_list
 from fedfusion.data.text import load_tokenizer
+from fedfusion.fusion.plan import recipe_target
 from fedfusion.fusion.submodel.plan import plan_table
 from fedfusion.models.build import build_target, target_model_config
 from tests.conftest import tiny_config
@@ -50,6 +51,7 @@ def test_pretrained_target_and_tokenizer_load_from_a_local_directory(tmp_path):
     for name, value in saved.state_dict().items():
         assert torch.equal(model.state_dict()[name], value)
     assert target_model_config(recipe.model).hidden_size == cfg.hidden_size
-    assert [r["width"] for r in plan_table(recipe)] == [0.125, 0.25, 0.5]
+    rows = plan_table(recipe.fusion, recipe.train, recipe.population, recipe_target(recipe.model, recipe.data_source()))
+    assert [r["width"] for r in rows] == [0.125, 0.25, 0.5]
     windows = client_windows(data_spec(recipe.data_source()), 0, 16, "train")  # clients tokenise with the same tokenizer
     assert windows.shape[1] == 17 and int(windows.max()) < len(tok)

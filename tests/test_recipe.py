@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from fedfusion.config.recipe import builtin_recipes, grow_round_at, load_recipe, to_yaml
+from fedfusion.config.recipe import Recipe, builtin_recipes, grow_round_at, load_recipe, to_yaml
 from fedfusion.config.sections import RecipeError
 from fedfusion.fusion.submodel.plan import fit_widths
 from fedfusion.run import check
@@ -122,15 +122,21 @@ def test_every_shipped_recipe_is_valid():
         load_checked(path)
 
 
+def fit(recipe: Recipe) -> Recipe:
+    """``recipe`` with its ``fusion.auto_widths`` fitted, as a run fits them."""
+    fit_widths(recipe.fusion, recipe.train, recipe.population, recipe.model, recipe.data_source())
+    return recipe
+
+
 def test_auto_widths_fit_each_tier_and_are_recorded_in_the_recipe():
     recipe = load_checked("quickstart", ["fusion.auto_widths=true"])
-    fit_widths(recipe)
+    fit(recipe)
     assert recipe.fusion.widths == {"phone": 1.0, "laptop": 1.0, "desktop": 1.0}  # 1.1M parameters fit everywhere
     big = ["fusion.auto_widths=true", "model.hidden_size=1024", "model.num_heads=16", "model.num_kv_heads=16",
            "model.intermediate_size=4096", "model.num_layers=24", "train.batch_size=8"]
     recipe = load_checked("quickstart", big)
     assert recipe.fusion.widths == {"phone": 0.125, "laptop": 0.25, "desktop": 0.5}  # loading leaves them as given
-    fit_widths(recipe)
+    fit(recipe)
     fitted = recipe.fusion.widths
     assert fitted["phone"] < fitted["laptop"] <= fitted["desktop"] <= 1.0  # less memory, narrower slice
 
@@ -139,7 +145,7 @@ def test_auto_widths_name_a_tier_that_fits_nothing():
     huge = ["fusion.auto_widths=true", "model.hidden_size=2048", "model.num_heads=16", "model.num_kv_heads=16",
             "model.intermediate_size=8192", "model.num_layers=24", "population.mix={phone-lowend: 1.0}"]
     with pytest.raises(RecipeError, match="fusion.auto_widths: tier 'phone-lowend' fits no width"):
-        fit_widths(load_checked("rolling", huge))
+        fit(load_checked("rolling", huge))
 
 
 def test_lora_on_facts_tokenises_them_for_its_own_base():

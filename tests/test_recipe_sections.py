@@ -30,12 +30,12 @@ RUN_LEVEL = ("fedfusion/config/", "fedfusion/run/", "fedfusion/cli.py", "fedfusi
              "fedfusion/client_app.py", "fedfusion/deploy.py", "fedfusion/__main__.py",
              "fedfusion/phone/commands.py",  # the CLI's phone commands (export-device, gateway, device)
              "fedfusion/analysis/")  # the plan and report of a whole recipe or run
-# Not yet on their sections: each method's plan view, moved from run/planner.py into its folder, still reads the
-# whole recipe (the plan's shared rows too). Shrink this to nothing: a view takes its sections through methods.call.
-PLAN_VIEWS = ("fedfusion/fusion/plan.py", "fedfusion/fusion/submodel/plan.py", "fedfusion/fusion/distill/plan.py",
-              "fedfusion/fusion/lora/plan.py", "fedfusion/fusion/generative/plan.py")
 # what build_methods hands a build hook beside the recipe's sections
 BUILD_GIVEN = {"source", "target", "tiers"}
+# what `fedfusion plan` hands a plan view (the whole recipe: only a view of the run level, in fedfusion/analysis/),
+# and what a mixed plan hands each method's part of it, beside the recipe's sections
+PLAN_GIVEN = {"source", "recipe"}
+MIXED_PLAN_GIVEN = {"source", "usable", "tiers"}
 
 
 def names_recipe(annotation: ast.expr | None) -> bool:
@@ -82,7 +82,7 @@ def test_no_module_below_the_run_level_takes_the_whole_recipe():
     for folder in FOLDERS:
         for path in sorted(folder.rglob("*.py")):
             rel = path.relative_to(ROOT).as_posix()
-            if not rel.startswith(RUN_LEVEL) and rel not in PLAN_VIEWS:
+            if not rel.startswith(RUN_LEVEL):
                 offenders += [f"{rel}: {f}" for f in whole_recipe_parameters(path.read_text(encoding="utf-8"))]
     assert not offenders, "take the sections you read, not the whole Recipe:\n" + "\n".join(offenders)
 
@@ -95,6 +95,19 @@ def test_a_build_hook_names_only_recipe_sections_and_what_build_methods_gives(en
     params = set(inspect.signature(hook(entry.build)).parameters)
     assert params <= sections | BUILD_GIVEN, params - sections - BUILD_GIVEN
     assert {"target", "tiers"} <= params
+
+
+@pytest.mark.parametrize("entry", [m for m in METHODS if m.plan], ids=lambda m: m.name)
+def test_a_plan_view_names_only_recipe_sections_and_what_the_plan_gives(entry):
+    """``methods.call`` passes a plan view (and a mixable method's part of a mixed plan) the recipe's section of each
+    parameter's name, as it does a build hook."""
+    sections = {f.name for f in fields(Recipe)}
+    params = set(inspect.signature(hook(entry.plan)).parameters)
+    assert params <= sections | PLAN_GIVEN, params - sections - PLAN_GIVEN
+    if entry.mixed_plan:
+        params = set(inspect.signature(hook(entry.mixed_plan)).parameters)
+        assert params <= sections | MIXED_PLAN_GIVEN, params - sections - MIXED_PLAN_GIVEN
+        assert {"usable", "tiers"} <= params
 
 
 def test_a_section_checks_its_own_fields_naming_the_key():

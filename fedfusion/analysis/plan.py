@@ -9,8 +9,8 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
-from fedfusion.config.methods import SERVER_WORK, hook, method
-from fedfusion.config.recipe import Recipe, method_label, tier_methods
+from fedfusion.config.methods import SERVER_WORK, call, method
+from fedfusion.config.recipe import Recipe, tier_methods
 from fedfusion.devices.catalog import load_catalog
 from fedfusion.devices.memory import PLAN_COSTS, USABLE, estimate_memory, mb, param_count, usable_bytes
 from fedfusion.fusion.plan import PlanView, recipe_target
@@ -22,7 +22,7 @@ from fedfusion.models.slicing import plan_slice
 
 def mixed_view(recipe: Recipe) -> PlanView:
     """A mixed federation: every tier's row from its own method, then the server's rows."""
-    return PlanView(f"plan for {recipe.name} ({method_label(recipe)}: each tier trains what its method gives it; "
+    return PlanView(f"plan for {recipe.name} ({recipe.fusion.label(recipe.population.mix)}: each tier trains what its method gives it; "
                     "every round folds them into one target, slices first, then the server's distillation)",
                     mixed_plan_table(recipe), ("tier", "method", "trains", "params", "peak MB", "device MB", "fits",
                                                *PLAN_COSTS),
@@ -36,8 +36,9 @@ def mixed_plan_table(recipe: Recipe, usable: float = USABLE) -> list[dict[str, A
     mine = {m: [t for t, n in methods.items() if n == m] for m in dict.fromkeys(methods.values())}
     rows: list[dict[str, Any]] = []
     server: dict[str, dict[str, Any]] = {}
-    for name, tiers in mine.items():  # each method's part: its registry entry's mixed_plan
-        own, serves = hook(method(name).mixed_plan)(recipe, usable, tiers)
+    source = recipe.data_source()
+    for name, tiers in mine.items():  # each method's part: its registry entry's mixed_plan, on the sections it names
+        own, serves = call(method(name).mixed_plan, recipe, source=source, usable=usable, tiers=tiers)
         rows += [{"method": name, **r} for r in own]
         if serves is not None:
             server[name] = {"method": name, **serves}
@@ -84,7 +85,7 @@ def ways_view(recipe: Recipe, usable: float = USABLE) -> PlanView:
     the tier's memory: which fit, which fit only with activation checkpointing, and by how much the rest miss; the
     bfloat16 way only on a tier that computes in bfloat16 (without it, bfloat16 matmuls are emulated at a fraction
     of float32's speed)."""
-    target, catalog = recipe_target(recipe), load_catalog(recipe.population.catalog)
+    target, catalog = recipe_target(recipe.model, recipe.data_source()), load_catalog(recipe.population.catalog)
     rows = []
     for tier in recipe.population.mix:
         device = catalog[tier]

@@ -125,13 +125,13 @@ def units_work(recipe: Recipe, micro_batches: int) -> UnitsWork:
     from fedfusion.units.phases import WEIGHT_GRADIENT, llama_phases, server_flops
     from fedfusion.units.verify import check_flops
 
-    m, u, seq = recipe.model, recipe.units, recipe.train.seq_len
-    vocab = len(data_tokenizer(data_spec(recipe.data_source())))
+    m, u, seq, source = recipe.model, recipe.units, recipe.train.seq_len, recipe.data_source()
+    vocab = len(data_tokenizer(data_spec(source)))
     tokens = recipe.train.batch_size // micro_batches * seq
     shape: dict[str, Any] = dict(hidden=m.hidden_size, intermediate=m.intermediate_size, layers=m.num_layers,
                                  heads=m.num_heads, kv_heads=m.num_kv_heads, vocab=vocab)
     phases = llama_phases(**shape, tokens=tokens, mode=u.offload)
-    own = server_flops(**shape, tokens=tokens * micro_batches, seq=seq, params=param_count(recipe_target(recipe)),
+    own = server_flops(**shape, tokens=tokens * micro_batches, seq=seq, params=param_count(recipe_target(m, source)),
                        mode=u.offload, optimizer=recipe.train.optimizer)
     # one check per product; a weight gradient summed on the devices is checked once per step and SuperNode, over
     # the tokens of that node's micro-batches (fedfusion.units.accumulate; node j sums micro-batches j, j+K, ..)

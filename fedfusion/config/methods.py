@@ -45,9 +45,11 @@ class Method:
     server_work: str = ""  # what the report calls that training
     # "module:function" (the recipe sections it names, target, tiers) -> FusionMethod, called by :func:`call`
     build: str = ""
-    plan: str = ""  # "module:function" (recipe) -> fedfusion.fusion.plan.PlanView: what ``fedfusion plan`` prints
-    # mixable: "module:function" (recipe, usable, tiers) -> (its tiers' plan rows, its server's row or None): its part
-    # of a mixed federation's plan (fedfusion.analysis.plan.mixed_plan_table)
+    # "module:function" (the recipe sections it names, source) -> fedfusion.fusion.plan.PlanView: what ``fedfusion
+    # plan`` prints, called by :func:`call` (a view of the run level, in fedfusion.analysis, may name the whole recipe)
+    plan: str = ""
+    # mixable: "module:function" (the recipe sections it names, source, usable, tiers) -> (its tiers' plan rows, its
+    # server's row or None): its part of a mixed federation's plan (fedfusion.analysis.plan.mixed_plan_table)
     mixed_plan: str = ""
     grows: bool = False  # fusion.grow_round applies to it (its first rounds train the smallest slice, then grow)
     report_note: str = ""  # "module:NAME": a sentence the report adds under "Who did the work" of a run of it
@@ -120,8 +122,10 @@ def hook(path: str) -> Any:
 
 def call(path: str, recipe: object, **given: Any) -> Any:
     """Call the hook at ``path`` with what its parameters name: each from ``given``, else the recipe's section (or
-    top-level field) of that name. A hook so takes only the sections it reads, and its signature says which
-    (``build(fusion, seed, target, tiers)``)."""
+    top-level field) of that name, and ``recipe`` the whole recipe (a hook of the run level: the mixed and units
+    plan views). A hook so takes only the sections it reads, and its signature says which (``build(fusion, seed,
+    target, tiers)``)."""
     fn = hook(path)
+    given = {"recipe": recipe, **given}
     return fn(**{name: given[name] if name in given else getattr(recipe, name)
                  for name in inspect.signature(fn).parameters})

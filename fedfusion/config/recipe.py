@@ -23,7 +23,6 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from fedfusion.config import methods
 from fedfusion.config.choices import CHOICES, LORA_SECURE_METHODS, MIXABLE
 from fedfusion.config.methods import DISTILL, GENERATIVE, LORA, MIXED, SLICES, SUBMODEL, UNITS
 from fedfusion.config.sections import (
@@ -234,20 +233,8 @@ def grow_round_at(fraction: float, rounds: int) -> int:
 
 
 def tier_methods(recipe: Recipe) -> dict[str, str]:
-    """The fusion method of every tier of the population: ``fusion.tiers`` for ``fusion.method=mixed``, otherwise
-    ``fusion.method`` for each."""
-    if recipe.fusion.method == MIXED:
-        return {tier: recipe.fusion.tiers.get(tier, "") for tier in recipe.population.mix}
-    return {tier: recipe.fusion.method for tier in recipe.population.mix}
-
-
-def method_label(recipe: Recipe) -> str:
-    """The fusion method as a run's header and plan name it (the slicing policy where its entry says so; a mixed
-    federation's method per tier)."""
-    f = recipe.fusion
-    if f.method == MIXED:
-        return f"{MIXED}(" + ", ".join(f"{tier}={method}" for tier, method in tier_methods(recipe).items()) + ")"
-    return f"{f.method}/{f.policy}" if methods.method(f.method).policy_in_label else f.method
+    """The fusion method of every tier of the population (:meth:`FusionConfig.tier_method`)."""
+    return {tier: recipe.fusion.tier_method(tier) for tier in recipe.population.mix}
 
 
 def nodes_per_client(recipe: Recipe) -> int:

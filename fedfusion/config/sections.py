@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional, TypedDict, Union
+from typing import Any, Iterable, Optional, TypedDict, Union
 
 from fedfusion.config.choices import (
     AXES,
@@ -14,7 +14,7 @@ from fedfusion.config.choices import (
     DEFAULT_CLOUD,
     DEFAULT_SERVER_DEVICE,
 )
-from fedfusion.config.methods import GROWS, SUBMODEL
+from fedfusion.config.methods import BY_NAME, GROWS, MIXED, SUBMODEL
 
 
 class RecipeError(ValueError):
@@ -179,6 +179,17 @@ class FusionConfig:
     # own section (a submodel or generative tier's width in fusion.widths, a distill tier's family in
     # distill.tier_family). Every round folds them into one target in fedfusion.fusion.rounds.FOLD_ORDER.
     tiers: dict[str, str] = field(default_factory=dict)
+
+    def tier_method(self, tier: str) -> str:
+        """The method ``tier`` trains with: its ``tiers`` entry in a mixed federation (empty: none), else ``method``."""
+        return self.tiers.get(tier, "") if self.method == MIXED else self.method
+
+    def label(self, tiers: Iterable[str]) -> str:
+        """The method as a run's header and plan name it (the slicing policy where its registry entry says so; a
+        mixed federation's method per tier of ``tiers``, the population's)."""
+        if self.method == MIXED:
+            return f"{MIXED}(" + ", ".join(f"{tier}={self.tier_method(tier)}" for tier in tiers) + ")"
+        return f"{self.method}/{self.policy}" if BY_NAME[self.method].policy_in_label else self.method
 
     def grow_rounds(self) -> int:
         """``grow_round`` as a round number; a fraction must have been resolved (loading does it once ``rounds`` is

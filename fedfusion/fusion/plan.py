@@ -1,5 +1,6 @@
 """What every method's plan view (``fedfusion.fusion.<method>.plan``, named by its registry entry's ``plan``) shares:
-the table it returns, the recipe's target config and the server's own row."""
+the table it returns, the recipe's target config and the server's own row. A view takes the recipe sections it
+reads, by name (``fedfusion.config.methods.call``), and the data source."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
-from fedfusion.config.recipe import Recipe
+from fedfusion.config.sections import DataSource, ModelConfig, PopulationConfig
 from fedfusion.devices.catalog import load_catalog
 from fedfusion.devices.memory import USABLE, mb, param_count, priced, training_memory_bytes, usable_bytes
 from fedfusion.models.build import target_config, target_model_config
@@ -32,23 +33,23 @@ class PlanView:
         object.__setattr__(self, "headers", {k: k for k in self.columns})
 
 
-def recipe_target(recipe: Recipe) -> PretrainedConfig:
+def recipe_target(model: ModelConfig, source: DataSource) -> PretrainedConfig:
     """The target's config; a facts recipe's vocabulary is its own word tokenizer's (unless the target is a
     pretrained model, which brings its tokenizer)."""
-    if recipe.data.source == "facts" and not recipe.model.pretrained:
+    if source.data.source == "facts" and not model.pretrained:
         from fedfusion.data.population import data_spec, data_tokenizer
 
-        return target_config(recipe.model, data_tokenizer(data_spec(recipe.data_source())))
-    return target_model_config(recipe.model)
+        return target_config(model, data_tokenizer(data_spec(source)))
+    return target_model_config(model)
 
 
-def server_plan_row(recipe: Recipe, server_device: str, what: str, flops: float, batch: int,
-                    usable: float = USABLE) -> dict[str, Any]:
-    """The server's own work per round, priced on ``server_device`` as the ledger prices it (``server_energy_j``:
-    its FLOPs, no transfers); memory is training the target at the server's batch size."""
-    device = load_catalog(recipe.population.catalog)[server_device]
-    target = recipe_target(recipe)
-    mem = training_memory_bytes(target, batch, recipe.train.seq_len)
+def server_plan_row(population: PopulationConfig, target: PretrainedConfig, seq_len: int, server_device: str,
+                    what: str, flops: float, batch: int, usable: float = USABLE) -> dict[str, Any]:
+    """The server's own work per round, priced on ``server_device`` (of the population's catalog) as the ledger
+    prices it (``server_energy_j``: its FLOPs, no transfers); memory is training ``target`` at the server's batch
+    size and ``seq_len``."""
+    device = load_catalog(population.catalog)[server_device]
+    mem = training_memory_bytes(target, batch, seq_len)
     return {"tier": f"server ({server_device})", "trains": what, "params": param_count(target),
             "peak MB": mb(mem), "device MB": round(device.memory_gb * 1024),
             "fits": "yes" if mem <= usable_bytes(device, usable) else "NO", **priced(device, flops, 0, 0)}

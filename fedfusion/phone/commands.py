@@ -54,7 +54,8 @@ def export_phases(recipe: Recipe, tier: str) -> list[tuple[DeviceProgram, str]]:
     from fedfusion.fusion.submodel.plan import sliced_config
     from fedfusion.phone.program import export_program
 
-    small = sliced_config(recipe_target(recipe), min(recipe.fusion.widths.values()), recipe.fusion.axes or None)
+    small = sliced_config(recipe_target(recipe.model, recipe.data_source()), min(recipe.fusion.widths.values()),
+                          recipe.fusion.axes or None)
     before = export_program(small, recipe.train.batch_size, recipe.train.seq_len, recipe.train, recipe.seed)
     return [(before, f"1..{grow}"), (program, f"{grow + 1}..{recipe.rounds}")]
 
@@ -174,13 +175,14 @@ def tier_config(recipe: Recipe, tier: str) -> PretrainedConfig:
     if recipe.fusion.method != SUBMODEL:
         raise ValueError(f"fusion.method {recipe.fusion.method!r}: on-device programs exist for width slices "
                          "(fusion.method=submodel) and LoRA adapters (fusion.method=lora) only")
-    fit_widths(recipe)
+    fit_widths(recipe.fusion, recipe.train, recipe.population, recipe.model, recipe.data_source())
     if tier not in recipe.fusion.widths:
         raise ValueError(f"--tier {tier!r}: the recipe's fusion.widths has {', '.join(recipe.fusion.widths)}")
     if recipe.fusion.forward == "full":
         check_window(recipe)
-        return recipe_target(recipe)
-    return sliced_config(recipe_target(recipe), recipe.fusion.widths[tier], recipe.fusion.axes or None)
+        return recipe_target(recipe.model, recipe.data_source())
+    return sliced_config(recipe_target(recipe.model, recipe.data_source()), recipe.fusion.widths[tier],
+                         recipe.fusion.axes or None)
 
 
 def check_window(recipe: Recipe) -> None:

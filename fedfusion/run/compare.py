@@ -98,7 +98,7 @@ def resolve(ref: str, overrides: list[str]) -> Recipe:
     if recipe.fusion.auto_widths:
         from fedfusion.fusion.submodel.plan import fit_widths
 
-        fit_widths(recipe)
+        fit_widths(recipe.fusion, recipe.train, recipe.population, recipe.model, recipe.data_source())
     return recipe
 
 

@@ -94,7 +94,8 @@ def build_methods(recipe: Recipe, target: Target) -> dict[str, FusionMethod]:
     source = recipe.data_source()
     built = {name: call(method(name).build, recipe, source=source, target=target, tiers=mine)
              for name, mine in tiers.items()}
-    expand = expanded_tiers(recipe)  # the tiers whose memory holds the frozen target in float32 (the plan's)
+    # the tiers whose memory holds the frozen target in float32 (the plan's)
+    expand = expanded_tiers(recipe.fusion, recipe.train, recipe.population, recipe.model, source)
     for each in built.values():
         if isinstance(each, SubModelMethod):
             each.expand = expand

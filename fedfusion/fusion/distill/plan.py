@@ -6,10 +6,11 @@ from typing import Any, Sequence
 
 from transformers import PretrainedConfig
 
-from fedfusion.config.recipe import Recipe
+from fedfusion.config.sections import DataSource, ModelConfig, PopulationConfig, TrainConfig
 from fedfusion.devices.catalog import load_catalog
 from fedfusion.devices.energy import train_flops
 from fedfusion.devices.memory import PLAN_COSTS, USABLE, dims, mb, param_count, priced, training_memory_bytes, usable_bytes
+from fedfusion.fusion.distill.config import DistillConfig
 from fedfusion.fusion.plan import PlanView, recipe_target, server_plan_row
 
 
@@ -20,7 +21,8 @@ def _family_label(name: str, config: PretrainedConfig, kind: str) -> str:
     return f"{name}: {config.model_type} {h}x{layers}, {heads} heads, {kind}{vocab}"
 
 
-def distill_plan_table(recipe: Recipe, usable: float = USABLE, tiers: Sequence[str] | None = None,
+def distill_plan_table(distill: DistillConfig, train: TrainConfig, population: PopulationConfig, model: ModelConfig,
+                       source: DataSource, usable: float = USABLE, tiers: Sequence[str] | None = None,
                        ) -> list[dict[str, Any]]:
     """One row per tier for distillation fusion: the family model it trains (FedAvg within the family), its
     parameters, memory, and one round's cost (:func:`priced`: training FLOPs, the family model down and up in
@@ -32,13 +34,13 @@ def distill_plan_table(recipe: Recipe, usable: float = USABLE, tiers: Sequence[s
     from fedfusion.train.distill import forward_flops
     from fedfusion.train.transfer import distill_families, transfer_text
 
-    catalog = load_catalog(recipe.population.catalog)
-    d, batch, seq = recipe.distill, recipe.train.batch_size, recipe.train.seq_len
-    text = transfer_text(d.transfer.source, data_spec(recipe.data_source()), d.transfer.max_chars, d.transfer.path)
-    families = distill_families(recipe.distill, recipe.model.max_position, load_tokenizer(recipe.model.pretrained), text)
-    tokens = recipe.train.local_steps * batch * seq
+    catalog = load_catalog(population.catalog)
+    d, batch, seq = distill, train.batch_size, train.seq_len
+    text = transfer_text(d.transfer.source, data_spec(source), d.transfer.max_chars, d.transfer.path)
+    families = distill_families(d, model.max_position, load_tokenizer(model.pretrained), text)
+    tokens = train.local_steps * batch * seq
     rows, trained = [], {}
-    for tier in tiers or recipe.population.mix:
+    for tier in tiers or population.mix:
         device, name = catalog[tier], d.tier_family[tier]
         config = families[name][0]
         params = trained[name] = param_count(config)
@@ -49,7 +51,8 @@ def distill_plan_table(recipe: Recipe, usable: float = USABLE, tiers: Sequence[s
             "fits": "yes" if mem <= usable_bytes(device, usable) else "NO",
             **priced(device, train_flops(params, tokens), 4 * params, 4 * params),
         })
-    target = param_count(recipe_target(recipe))
+    target_config = recipe_target(model, source)
+    target = param_count(target_config)
     server_tokens, back_tokens = (steps * d.server_batch_size * seq for steps in (d.server_steps, d.back_steps))
     teachers = d.kd_weight > 0  # kd_weight 0 trains on the transfer text alone: no teacher runs
     flops = train_flops(target, server_tokens) + teachers * sum(forward_flops(p, server_tokens)
@@ -59,19 +62,24 @@ def distill_plan_table(recipe: Recipe, usable: float = USABLE, tiers: Sequence[s
                      for p in trained.values())
     what = f"distils {', '.join(sorted(trained))} in ({d.server_steps} steps)" + (
         f", and back ({d.back_steps} each)" if d.back_distill else "")
-    return rows + [server_plan_row(recipe, d.server_device, what, flops, d.server_batch_size, usable)]
+    return rows + [server_plan_row(population, target_config, seq, d.server_device, what, flops, d.server_batch_size,
+                                   usable)]
 
 
-def distill_view(recipe: Recipe) -> PlanView:
+def distill_view(name: str, distill: DistillConfig, train: TrainConfig, population: PopulationConfig,
+                 model: ModelConfig, source: DataSource) -> PlanView:
     """Distillation: each tier's family model, then the server's distillation."""
-    return PlanView(f"plan for {recipe.name} (distill/{recipe.distill.teacher}: each tier trains its family's "
-                    "model, the server distils them into the target)", distill_plan_table(recipe),
+    return PlanView(f"plan for {name} (distill/{distill.teacher}: each tier trains its family's "
+                    "model, the server distils them into the target)",
+                    distill_plan_table(distill, train, population, model, source),
                     ("tier", "trains", "params", "peak MB", "device MB", "fits", *PLAN_COSTS),
                     left=("tier", "trains", "fits"), width=240)
 
 
-def mixed_rows(recipe: Recipe, usable: float, tiers: list[str]) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+def mixed_rows(distill: DistillConfig, train: TrainConfig, population: PopulationConfig, model: ModelConfig,
+               source: DataSource, usable: float,
+               tiers: list[str]) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
     """Its part of a mixed federation's plan (the registry entry's ``mixed_plan``): the family rows of ``tiers``,
     the server's distillation."""
-    *family_rows, server = distill_plan_table(recipe, usable, tiers)
+    *family_rows, server = distill_plan_table(distill, train, population, model, source, usable, tiers)
     return family_rows, server

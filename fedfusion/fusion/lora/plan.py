@@ -7,26 +7,28 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig
 
-from fedfusion.config.recipe import Recipe
+from fedfusion.config.sections import FusionConfig, PopulationConfig, TrainConfig
 from fedfusion.devices.catalog import load_catalog
 from fedfusion.devices.energy import frozen_work_params, train_flops
 from fedfusion.devices.memory import PLAN_COSTS, USABLE, estimate_memory, fit_lora_rank, mb, param_count, priced, usable_bytes
+from fedfusion.fusion.lora.config import LoRAConfig
 from fedfusion.fusion.plan import PlanView
 from fedfusion.wire.quantize import encoded_bytes
 
 
-def lora_plan_table(recipe: Recipe, base_config: PretrainedConfig, usable: float = USABLE) -> list[dict[str, Any]]:
+def lora_plan_table(lora: LoRAConfig, fusion: FusionConfig, train: TrainConfig, population: PopulationConfig,
+                    base_config: PretrainedConfig, usable: float = USABLE) -> list[dict[str, Any]]:
     """One row per tier for LoRA fusion: its rank and base precision, trainable parameters, estimated peak
     memory on its base and on an fp32 base, whether it fits, the largest rank that would fit, and one round's
     cost (:func:`priced`: the FLOPs of :func:`~fedfusion.devices.energy.frozen_work_params`, the adapter down in
     ``fusion.wire_dtype`` and up in ``fusion.wire_up``)."""
-    catalog = load_catalog(recipe.population.catalog)
-    lora, batch, seq = recipe.lora, recipe.train.batch_size, recipe.train.seq_len
+    catalog = load_catalog(population.catalog)
+    batch, seq = train.batch_size, train.seq_len
     modules = list(lora.target_modules)
     compute = getattr(torch, lora.dtype).itemsize  # a quantised base computes (and keeps its other weights) in lora.dtype
-    base_params, tokens = param_count(base_config), recipe.train.local_steps * batch * seq
+    base_params, tokens = param_count(base_config), train.local_steps * batch * seq
     rows = []
-    for tier in recipe.population.mix:
+    for tier in population.mix:
         device, rank, bits = catalog[tier], lora.ranks[tier], lora.quantize.get(tier, 0) or 32
         est = estimate_memory(base_config, batch, seq, lora_rank=rank, base_bits=bits, lora_modules=modules,
                               compute_bytes=compute)
@@ -38,20 +40,20 @@ def lora_plan_table(recipe: Recipe, base_config: PretrainedConfig, usable: float
             "fits": "yes" if est.total <= usable_bytes(device, usable) else "NO",
             "max fit": f"r={best.rank} on {best.base_bits}-bit" if best else "nothing fits",
             **priced(device, train_flops(frozen_work_params(base_params, est.trainable), tokens),
-                     encoded_bytes(recipe.fusion.wire_dtype, est.trainable), encoded_bytes(recipe.fusion.wire_up,
-                                                                                         est.trainable)),
+                     encoded_bytes(fusion.wire_dtype, est.trainable), encoded_bytes(fusion.wire_up, est.trainable)),
         })
     return rows
 
 
-def lora_view(recipe: Recipe) -> PlanView:
+def lora_view(name: str, lora: LoRAConfig, fusion: FusionConfig, train: TrainConfig,
+              population: PopulationConfig) -> PlanView:
     """LoRA: per tier its rank and base precision, memory against an fp32 base, the largest rank that fits."""
     from transformers import AutoConfig
 
     from fedfusion.models.pretrained import resolve_base
 
-    config = AutoConfig.from_pretrained(resolve_base(recipe.lora.base))
-    return PlanView(f"plan for {recipe.name} (lora/{recipe.lora.method} on {recipe.lora.base}; memory estimated)",
-                    lora_plan_table(recipe, config),
+    config = AutoConfig.from_pretrained(resolve_base(lora.base))
+    return PlanView(f"plan for {name} (lora/{lora.method} on {lora.base}; memory estimated)",
+                    lora_plan_table(lora, fusion, train, population, config),
                     ("tier", "rank", "base", "trainable", "peak MB", "fp32 base MB", "device MB", "fits", "max fit",
                      *PLAN_COSTS), left=("tier", "base", "fits", "max fit"), width=190)

@@ -1,5 +1,6 @@
 """Width slicing's plan: each tier's slice (or full-forward window), its memory and one round's cost, and the
-auto-fit of widths to each tier's memory (``fusion.auto_widths``)."""
+auto-fit of widths to each tier's memory (``fusion.auto_widths``). Reads the fusion, train and population sections
+and the target's config (:func:`fedfusion.fusion.plan.recipe_target`)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from fedfusion.config.methods import SUBMODEL
-from fedfusion.config.recipe import Recipe, method_label, tier_methods
-from fedfusion.config.sections import RecipeError
+from fedfusion.config.sections import DataSource, FusionConfig, ModelConfig, PopulationConfig, RecipeError, TrainConfig
 from fedfusion.devices.catalog import Device, load_catalog
 from fedfusion.devices.energy import frozen_work_params, train_flops
 from fedfusion.devices.memory import (
@@ -58,20 +58,19 @@ def fit_width(
 
 
 def auto_widths(
-    recipe: Recipe, ladder: Sequence[float] = WIDTH_LADDER, usable: float = USABLE,
+    fusion: FusionConfig, train: TrainConfig, population: PopulationConfig, target: PretrainedConfig,
+    ladder: Sequence[float] = WIDTH_LADDER, usable: float = USABLE,
 ) -> dict[str, float | None]:
-    """For every tier of the population mix, :func:`fit_width` of the recipe's target (None: nothing fits). With
+    """For every tier of the population mix, :func:`fit_width` of ``target`` (None: nothing fits). With
     full-forward windows (``fusion.forward=full``) a width must also fit as a window (:func:`window_memory`: the
     frozen target and the whole target's activations besides the window), so a tier steps down the ladder until it
     does, with a core (``fusion.window_core``) of the smallest slice width found or its own width where that is
     smaller (the core is the smallest tier's width; it can only shrink, so every window checked still fits)."""
-    catalog = load_catalog(recipe.population.catalog)
-    target = recipe_target(recipe)
-    axes = recipe.fusion.axes or None
-    fitted = {tier: fit_width(target, catalog[tier], recipe.train.batch_size, recipe.train.seq_len, ladder, usable,
-                              axes)
-              for tier in recipe.population.mix}
-    f = recipe.fusion
+    catalog = load_catalog(population.catalog)
+    axes = fusion.axes or None
+    fitted = {tier: fit_width(target, catalog[tier], train.batch_size, train.seq_len, ladder, usable, axes)
+              for tier in population.mix}
+    f = fusion
     if f.forward != "full" or f.method != SUBMODEL:
         return fitted
     known = [w for w in fitted.values() if w is not None]
@@ -79,42 +78,46 @@ def auto_widths(
     steps = sorted(ladder, reverse=True)
     for tier, width in fitted.items():
         budget = usable_bytes(catalog[tier], usable)
-        while width is not None and window_memory(recipe, target, f.window_widths.get(tier, width),
+        while width is not None and window_memory(f, train, target, f.window_widths.get(tier, width),
                                                   min(core, width))[1] > budget:
             width = next((w for w in steps if w < width), None)
         fitted[tier] = width
     return fitted
 
 
-def fit_widths(recipe: Recipe) -> None:
+def fit_widths(fusion: FusionConfig, train: TrainConfig, population: PopulationConfig, model: ModelConfig,
+               source: DataSource) -> None:
     """With ``fusion.auto_widths``, set ``fusion.widths`` to :func:`auto_widths` (so the run's resolved recipe
     records them); a tier that fits no width of ``fusion.width_ladder`` is a RecipeError naming it. Here and not
     in the recipe module, so that validating a recipe needs no torch."""
-    if not recipe.fusion.auto_widths:
+    if not fusion.auto_widths:
         return
-    fitted = auto_widths(recipe, recipe.fusion.width_ladder)
+    target = recipe_target(model, source)
+    fitted = auto_widths(fusion, train, population, target, fusion.width_ladder)
     unfit = [tier for tier, width in fitted.items() if width is None]
     if unfit:
-        row = next(r for r in plan_table(recipe, fitted, ladder=recipe.fusion.width_ladder) if r["tier"] == unfit[0])
+        row = next(r for r in plan_table(fusion, train, population, target, fitted, ladder=fusion.width_ladder)
+                   if r["tier"] == unfit[0])
         raise RecipeError(f"fusion.auto_widths: tier {unfit[0]!r} fits no width of fusion.width_ladder "
                           f"({row['fits']}); see `fedfusion plan`")
-    recipe.fusion.widths = {tier: float(width) for tier, width in fitted.items() if width is not None}  # all fit
+    fusion.widths = {tier: float(width) for tier, width in fitted.items() if width is not None}  # all fit
 
 
-def _wire_bytes(recipe: Recipe, tier: str, params: int) -> tuple[int, int]:
+def _wire_bytes(fusion: FusionConfig, tier: str, params: int) -> tuple[int, int]:
     """Bytes a ``tier`` sub-model of ``params`` values goes down in (``fusion.wire_dtype``) and its reply up in
     (``fusion.wire_up``): :func:`fedfusion.wire.quantize.encoded_bytes`, as one matrix (float32 unless the tier trains
     with sub-model fusion)."""
-    if tier_methods(recipe).get(tier) != SUBMODEL:
+    if fusion.tier_method(tier) != SUBMODEL:
         return 4 * params, 4 * params
-    return encoded_bytes(recipe.fusion.wire_dtype, params), encoded_bytes(recipe.fusion.wire_up, params)
+    return encoded_bytes(fusion.wire_dtype, params), encoded_bytes(fusion.wire_up, params)
 
 
 def plan_table(
-    recipe: Recipe, widths: Mapping[str, float | None] | None = None, usable: float = USABLE,
-    ladder: Sequence[float] = WIDTH_LADDER, tiers: Sequence[str] | None = None,
+    fusion: FusionConfig, train: TrainConfig, population: PopulationConfig, target: PretrainedConfig,
+    widths: Mapping[str, float | None] | None = None, usable: float = USABLE, ladder: Sequence[float] = WIDTH_LADDER,
+    tiers: Sequence[str] | None = None,
 ) -> list[dict[str, Any]]:
-    """One row per tier of the population mix, narrowest first: the slice it trains (sub-model fusion; under
+    """One row per tier of the population mix, narrowest first: the slice of ``target`` it trains (sub-model fusion; under
     generative distillation the static slice it keeps as its own model), parameters, memory, and one round's
     cost (:func:`priced`: training FLOPs, the slice down in ``fusion.wire_dtype`` and back in ``fusion.wire_up``),
     at ``train.local_steps``: the most a client takes (``train.max_epochs`` gives one with few examples fewer).
@@ -124,24 +127,24 @@ def plan_table(
     instead of raising. Memory is :func:`training_memory_bytes`. ``tiers`` (default: every tier of the mix) picks
     the tiers to plan (a mixed federation's slicing tiers).
     """
-    catalog = load_catalog(recipe.population.catalog)
-    target = recipe_target(recipe)
-    axes = recipe.fusion.axes or None
-    widths = recipe.fusion.widths if widths is None else widths
-    batch, seq = recipe.train.batch_size, recipe.train.seq_len
-    tokens = recipe.train.local_steps * batch * seq
+    catalog = load_catalog(population.catalog)
+    f = fusion
+    axes = f.axes or None
+    widths = f.widths if widths is None else widths
+    batch, seq = train.batch_size, train.seq_len
+    tokens = train.local_steps * batch * seq
     fitted = [w for w in widths.values() if w is not None]
-    core = min(fitted) if recipe.fusion.window_core and fitted else 0.0  # full forward: in every window too
+    core = min(fitted) if f.window_core and fitted else 0.0  # full forward: in every window too
     rows = []
-    for tier in sorted(tiers or recipe.population.mix, key=lambda t: (widths.get(t) is not None, widths.get(t) or 0)):
+    for tier in sorted(tiers or population.mix, key=lambda t: (widths.get(t) is not None, widths.get(t) or 0)):
         device = catalog[tier]
         width = widths.get(tier)
         budget = usable_bytes(device, usable)
         row: dict[str, Any] = {"tier": tier, "width": width}
-        full = recipe.fusion.forward == "full" and tier_methods(recipe).get(tier) == SUBMODEL
+        full = f.forward == "full" and f.tier_method(tier) == SUBMODEL
         if width is None:
             smallest = min(ladder)
-            need = (window_memory(recipe, target, smallest, smallest if recipe.fusion.window_core else 0.0)[1] if full
+            need = (window_memory(f, train, target, smallest, smallest if f.window_core else 0.0)[1] if full
                     else training_memory_bytes(sliced_config(target, smallest, axes), batch, seq))
             what = f"a full-forward window of {smallest:g}" if full else f"width {smallest:g}"
             rows.append({**row, "slice": "-", "params": None, "peak MB": mb(need),
@@ -149,31 +152,31 @@ def plan_table(
                          "fits": f"NO: even {what} needs {mb(need)} MB, {mb(budget)} MB usable", **UNPRICED})
             continue
         if full:
-            rows.append({**row, **window_row(recipe, target, tier, width, core, device, budget, tokens)})
+            rows.append({**row, **window_row(f, train, target, tier, width, core, device, budget, tokens)})
             continue
         sub = sliced_config(target, width, axes)
         params = param_count(sub)
-        mem = training_memory_bytes(sub, batch, seq, recipe.train.checkpoint)
+        mem = training_memory_bytes(sub, batch, seq, train.checkpoint)
         rows.append({
             **row,
             "slice": f"{sub.num_attention_heads}/{target.num_attention_heads} heads, "
                      f"{dims(sub)[1]}/{dims(target)[1]} neurons"
-                     + (", activations checkpointed" if recipe.train.checkpoint else ""),
+                     + (", activations checkpointed" if train.checkpoint else ""),
             "params": params, "peak MB": mb(mem), "device MB": round(device.memory_gb * 1024),
             "fits": "yes" if mem <= budget else "NO",
-            **priced(device, train_flops(params, tokens), *_wire_bytes(recipe, tier, params)),
+            **priced(device, train_flops(params, tokens), *_wire_bytes(f, tier, params)),
         })
     return rows
 
 
-def window_memory(recipe: Recipe, target: PretrainedConfig, width: float, core: float,
+def window_memory(fusion: FusionConfig, train: TrainConfig, target: PretrainedConfig, width: float, core: float,
                   expand: bool = False) -> tuple[int, int]:
     """A full-forward window's trained parameters and its device's peak training memory in bytes (the frozen
     target in ``fusion.frozen_dtype``, the window's float32 weights, gradients and AdamW state, the whole target's
     activations): a window of ``width`` of the units plus ``core``, or with ``fusion.window_rank`` a rank-r update
     of every matrix (whatever the width). ``expand``: the frozen target made float32 once for the round
     (``WindowSpec.expand``), with the message's narrow copy still held beside it."""
-    f = recipe.fusion
+    f = fusion
     with torch.device("meta"):
         state = AutoModelForCausalLM.from_config(target).state_dict()
     dense = 0
@@ -186,8 +189,8 @@ def window_memory(recipe: Recipe, target: PretrainedConfig, width: float, core: 
         plan = replace(plan_slice(target, min(1.0, width + core), "static", axes=axes, scale=False),
                        shared=f.window_shared)
         window = window_params(target, state, plan)
-    return window, dense + frozen_window_memory(target, recipe.train.batch_size, recipe.train.seq_len, window,
-                                                f.frozen_dtype, recipe.train.checkpoint, expand, f.wire_dtype)
+    return window, dense + frozen_window_memory(target, train.batch_size, train.seq_len, window, f.frozen_dtype,
+                                                train.checkpoint, expand, f.wire_dtype)
 
 
 def rank_dense_bytes(target: PretrainedConfig, factored: Sequence[str]) -> int:
@@ -219,49 +222,49 @@ def frozen_window_memory(target: PretrainedConfig, batch: int, seq: int, window:
     return mem + encoded_bytes(wire_dtype, window) + (encoded_bytes(frozen_dtype, decoded) if bits != 32 or expand else 0)
 
 
-def window_path(recipe: Recipe, target: PretrainedConfig, width: float, core: float,
+def window_path(fusion: FusionConfig, train: TrainConfig, target: PretrainedConfig, width: float, core: float,
                 budget: float) -> tuple[int, int, bool]:
     """The way a device with ``budget`` bytes trains its window: expanded (the frozen target made float32 once for
     the round: no dequantisation in every pass) where that fits, else on the target as it travelled; as (window
     parameters, peak bytes, expanded; the plan's row says "int8 target -> float32"). The run sends the same choice
     (:func:`expanded_tiers`)."""
-    window, wide = window_memory(recipe, target, width, core, expand=True)
+    window, wide = window_memory(fusion, train, target, width, core, expand=True)
     if wide <= budget:
         return window, wide, True
-    return (*window_memory(recipe, target, width, core), False)
+    return (*window_memory(fusion, train, target, width, core), False)
 
 
-def expanded_tiers(recipe: Recipe, usable: float = USABLE) -> frozenset[str]:
+def expanded_tiers(fusion: FusionConfig, train: TrainConfig, population: PopulationConfig, model: ModelConfig,
+                   source: DataSource, usable: float = USABLE) -> frozenset[str]:
     """The tiers of a full-forward sub-model recipe whose memory holds their window with the frozen target made
     float32 (:func:`window_path`): their messages say so (``WindowSpec.expand``); the values trained are the same."""
-    f = recipe.fusion
-    methods = tier_methods(recipe)
-    tiers = [t for t in recipe.population.mix if methods.get(t) == SUBMODEL and t in f.widths]
+    f = fusion
+    tiers = [t for t in population.mix if f.tier_method(t) == SUBMODEL and t in f.widths]
     if f.forward != "full" or not tiers:
         return frozenset()
-    catalog = load_catalog(recipe.population.catalog)
-    target = recipe_target(recipe)
+    catalog = load_catalog(population.catalog)
+    target = recipe_target(model, source)
     core = min(f.widths.values()) if f.window_core else 0.0
-    return frozenset(t for t in tiers if window_path(recipe, target, f.window_widths.get(t, f.widths[t]), core,
+    return frozenset(t for t in tiers if window_path(f, train, target, f.window_widths.get(t, f.widths[t]), core,
                                                      usable_bytes(catalog[t], usable))[2])
 
 
-def window_row(recipe: Recipe, target: PretrainedConfig, tier: str, width: float, core: float, device: Device,
-               budget: float, tokens: int) -> dict[str, Any]:
+def window_row(fusion: FusionConfig, train: TrainConfig, target: PretrainedConfig, tier: str, width: float,
+               core: float, device: Device, budget: float, tokens: int) -> dict[str, Any]:
     """A full-forward tier's plan (``fusion.forward=full``): its window of units (``fusion.window_widths``, else its
     ``width``, as the plan's widths give it; the residual stream whole) plus ``core`` (the smallest width's units,
     in every window with ``fusion.window_core``; 0 without), the frozen target held in ``fusion.frozen_dtype`` plus
     the window's weights, gradients and AdamW state and the whole target's activations; the frozen target down
     (every round) and the window both ways; the target's forward and activation gradients plus the window's
     training as FLOPs."""
-    f = recipe.fusion
+    f = fusion
     width = f.window_widths.get(tier, width)
-    window, mem, expand = window_path(recipe, target, width, core, budget)
+    window, mem, expand = window_path(f, train, target, width, core, budget)
     total = param_count(target)
     down = encoded_bytes(f.frozen_dtype, total) + encoded_bytes(f.wire_dtype, window)
     label = (f"rank-{f.window_rank} of every matrix" if f.window_rank else
              f"units {width:g}" + (f" + core {core:g}" if core else ""))
-    label += ", checkpointed" if recipe.train.checkpoint else ""
+    label += ", checkpointed" if train.checkpoint else ""
     return {"width": 1.0 if f.window_rank else width,
             "slice": f"{label}; {f.frozen_dtype} target" + (" -> float32" if expand else ""),
             "params": window, "peak MB": mb(mem), "device MB": round(device.memory_gb * 1024),
@@ -270,25 +273,36 @@ def window_row(recipe: Recipe, target: PretrainedConfig, tier: str, width: float
                      encoded_bytes(f.wire_up, window))}
 
 
-def slices_view(recipe: Recipe, title: str = "") -> PlanView:
+def slices_view(name: str, fusion: FusionConfig, train: TrainConfig, population: PopulationConfig,
+                model: ModelConfig, source: DataSource) -> PlanView:
     """Width slicing: per tier its width (fitted to memory with ``fusion.auto_widths``), slice, size and cost."""
-    widths = auto_widths(recipe, recipe.fusion.width_ladder) if recipe.fusion.auto_widths else None
-    rows = plan_table(recipe, widths, ladder=recipe.fusion.width_ladder)
-    grow = recipe.fusion.grow_rounds()
-    title = f"plan for {recipe.name} ({method_label(recipe)}" + title
+    return slices_plan(name, fusion, train, population, recipe_target(model, source))
+
+
+def slices_plan(name: str, fusion: FusionConfig, train: TrainConfig, population: PopulationConfig,
+                target: PretrainedConfig, title: str = "") -> PlanView:
+    """:func:`slices_view` of ``target``, ``title`` added to its method's (generative distillation's view says what
+    the slices are there)."""
+    f = fusion
+    widths = auto_widths(f, train, population, target, f.width_ladder) if f.auto_widths else None
+    rows = plan_table(f, train, population, target, widths, ladder=f.width_ladder)
+    grow = f.grow_rounds()
+    title = f"plan for {name} ({f.label(population.mix)}" + title
     title += (f", the smallest slice grown into the target after round {grow}: a round after growth"
-              if grow and recipe.fusion.method == SUBMODEL else "")
+              if grow and f.method == SUBMODEL else "")
     title += ", widths fitted to memory)" if widths else ")"
     return PlanView(title, rows, ("tier", "width", "slice", "params", "peak MB", "device MB", "fits", *PLAN_COSTS),
                     left=("tier", "slice", "fits"), width=200)
 
 
-def mixed_rows(recipe: Recipe, usable: float, tiers: list[str]) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+def mixed_rows(fusion: FusionConfig, train: TrainConfig, population: PopulationConfig, model: ModelConfig,
+               source: DataSource, usable: float, tiers: list[str]) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
     """Its tiers' rows in a mixed federation's plan (the registry entry's ``mixed_plan``); no server work."""
-    return slice_rows(recipe, usable, tiers), None
+    return slice_rows(fusion, train, population, recipe_target(model, source), usable, tiers), None
 
 
-def slice_rows(recipe: Recipe, usable: float, tiers: list[str]) -> list[dict[str, Any]]:
+def slice_rows(fusion: FusionConfig, train: TrainConfig, population: PopulationConfig, target: PretrainedConfig,
+               usable: float, tiers: list[str]) -> list[dict[str, Any]]:
     """:func:`plan_table`'s rows of ``tiers``, each naming what it trains under ``trains`` (a mixed plan's column)."""
     return [{**r, "trains": f"width {r['width']:g}: {r['slice']}" if r["width"] is not None else r["slice"]}
-            for r in plan_table(recipe, usable=usable, tiers=tiers)]
+            for r in plan_table(fusion, train, population, target, usable=usable, tiers=tiers)]
