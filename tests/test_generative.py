@@ -225,13 +225,13 @@ def test_client_role_trains_and_samples(tmp_path):
 
 
 class KeptModelRole:
-    """A generative role that nudges the model it is given by 0.01 and writes one window: what the client app
+    """A generative role's training that nudges the model it is given by 0.01 and writes one window: what the role
     hands it (a sent or a kept model) is recorded by partition."""
 
     def __init__(self, vocab: int) -> None:
         self.vocab, self.given = vocab, {}
 
-    def train(self, state, spec, partition, accelerator="cpu"):
+    def train(self, state, spec, partition, accelerator, ask):
         self.given[partition] = state
         samples = torch.randint(0, self.vocab, (1, 9), generator=torch.Generator().manual_seed(partition))
         reply = {**{k: v + 0.01 for k, v in state.items()}, SAMPLES_KEY: samples}
@@ -239,6 +239,7 @@ class KeptModelRole:
 
 
 def test_node_state_sends_a_partitions_model_once_and_again_only_to_a_node_that_lost_it(monkeypatch, caplog):
+    from fedfusion.clients import generative
     from flwr.app import Context
 
     import fedfusion.client_app as client_app
@@ -248,7 +249,7 @@ def test_node_state_sends_a_partitions_model_once_and_again_only_to_a_node_that_
     strategy, state, cfg = _strategy(device_state="node")
     method = strategy.methods["phone"]
     fake_role = KeptModelRole(cfg.vocab_size)
-    monkeypatch.setattr(client_app, "_role", lambda spec: fake_role)
+    monkeypatch.setattr(generative, "sampled", fake_role.train)  # the real role keeps the model, the fake trains
     grid = FakeGrid({11: "phone", 12: "desktop"})
     nodes = {n: Context(run_id=1, node_id=n, node_config={"partition-id": n}, state=RecordDict(), run_config={})
              for n in (11, 12)}
@@ -265,7 +266,7 @@ def test_node_state_sends_a_partitions_model_once_and_again_only_to_a_node_that_
         assert msgs[n].content["config"]["device-state"] == "node" and not msgs[n].content["config"]["kept"]
         assert msgs[n].content["arrays"].to_torch_state_dict().keys() == slices[n].keys()
         assert list(replies[n].content["arrays"]) == [SAMPLES_KEY]  # the reply carries no model
-        kept = nodes[n].state[client_app.DEVICE_MODEL].to_torch_state_dict()
+        kept = nodes[n].state[generative.Node.KEY].to_torch_state_dict()
         assert all(torch.equal(kept[k], slices[n][k] + 0.01) for k in kept)  # the trained model stays on the node
     assert {r.status for r in strategy.round.rows.values()} == {"ok"} and method.devices == {} and method.kept == {11, 12}
     assert "devices" not in strategy.state_dict()["methods"]["generative"]  # a checkpoint holds no device model

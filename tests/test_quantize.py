@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fedfusion.clients.node import Stateless
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from fp_bounds import assert_within, gamma, unit_roundoff
 from transformers import LlamaForCausalLM
@@ -295,7 +296,9 @@ def test_a_rolling_clients_uploads_track_its_changes_across_rounds():
 class PatternRole:
     """A client role that adds :func:`_changes` to what it receives (the handler's wire path is under test)."""
 
-    def train(self, state, spec, partition, accelerator):
+    Node = Stateless
+
+    def train(self, state, spec, partition, accelerator, node):
         change = _changes({k: v.shape for k, v in state.items()}, small=2e-3)
         return {k: v + change[k] for k, v in state.items()}, {"num-examples": 4, "train_loss": 1.0, "train_s": 0.1}
 

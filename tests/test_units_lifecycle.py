@@ -13,11 +13,11 @@ from typing import Any
 from uuid import uuid4
 
 import pytest
+from fedfusion.clients.units import answer as units_handler
 from fedfusion.strategies.stop import StopRequest
 from flwr.app import Context, Message, MessageType, RecordDict
 
 from fedfusion.client_app import query as query_handler
-from fedfusion.client_app import units as units_handler
 from fedfusion.run.check import load_checked
 from fedfusion.run.federation import run_federation
 from fedfusion.run.run_dir import RunDir, read_jsonl
