@@ -11,7 +11,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MetricR
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 
-from fedfusion.clients.node import Residual, StateLost
+from fedfusion.clients.node import NodeState, Residual, StateLost
 from fedfusion.clients.privacy import privacy_mod
 from fedfusion.clients.secagg import query as secagg_query
 from fedfusion.clients.secagg import secagg_mod
@@ -90,7 +90,7 @@ def train(msg: Message, context: Context) -> Message:
         state, metrics = relay(received, spec, _partition(context), context.node_config)
     else:
         role = _role(spec)
-        node = role.Node.load(context.state)
+        node: NodeState = role.Node.load(context.state)
         try:
             state, metrics = role.train(received, spec, _partition(context), _accelerator(context), node)
         except StateLost as lost:
