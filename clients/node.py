@@ -42,7 +42,7 @@ class Stateless:
 
 
 class StateLost(RuntimeError):
-    """A message asks for state its node no longer holds (it restarted); the message starts with
+    """A message asks for state its node no longer holds (it restarted): the exception's text starts with
     :data:`~fedfusion.wire.specs.STATE_LOST`, the client app replies it as an error, and the server sends the state
     again."""
 

@@ -156,6 +156,16 @@ def test_the_method_grep_of_the_client_app_finds_what_it_looks_for(tmp_path):
     assert names == ["GENERATIVE", "LoRASpec", "fedfusion.clients.units", "keeps_window", "mixed"], names
 
 
+def test_every_role_names_its_node_state():
+    """The client app loads and saves a role's ``Node`` (fedfusion.clients.node) around its ``train``: every role
+    module defines one at its top level (read from the source: importing the LoRA role takes seconds)."""
+    for role, module in ROLES.items():
+        tree = ast.parse(path_of(module).read_text(encoding="utf-8"))
+        top = {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+        top |= {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
+        assert "Node" in top, (role, module)
+
+
 def test_every_message_type_of_a_role_has_a_handler():
     from fedfusion.client_app import app
     from fedfusion.wire.specs import ACTIONS
