@@ -431,7 +431,7 @@ def cmd_fuzz(args: argparse.Namespace) -> dict:
     """
     import numpy as np
     import torch
-    from fedfusion.strategies import FusionStrategy
+    from fedfusion.strategies.fusion import FusionStrategy, RunState, StrategySettings
     from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
     from flwr.supercore.task_identity import TaskIdentity
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -459,11 +459,10 @@ def cmd_fuzz(args: argparse.Namespace) -> dict:
     devices = {11 + i: ("phone", "laptop", "desktop")[i % 3] for i in range(8)}
     method = SubModelMethod(cfg, {"phone": 0.25, "laptop": 0.5, "desktop": 1.0}, state, policy="rolling", stride=0.25,
                             stagger=True, aggregate=args.aggregate)
-    strategy = FusionStrategy(
-        {tier: method for tier in method.widths}, clients_per_round=len(devices), min_clients=1,
-        query_config={"population": "{}"}, train_config={"local-steps": 1, "lr": 0.1, "seed": 0}, wait_nodes_s=1.0,
-        participation=Participation(make_selector("random", seed=args.seed), load_catalog()),
-    )
+    settings = StrategySettings(clients_per_round=len(devices), min_clients=1, query_config={"population": "{}"},
+                                train_config={"local-steps": 1, "lr": 0.1, "seed": 0}, wait_nodes_s=1.0)
+    participation = Participation(make_selector("random", seed=args.seed), load_catalog())
+    strategy = FusionStrategy(settings, RunState.begin(dict.fromkeys(method.widths, method), participation, settings))
     grid = FakeGrid(devices)
     rng = np.random.default_rng(args.seed)
     per_kind: dict[str, Counter] = {k: Counter() for k in [*KINDS, *METRIC_KINDS, "good", "error-reply", "silent"]}
@@ -511,15 +510,15 @@ def cmd_fuzz(args: argparse.Namespace) -> dict:
             continue
         warnings = counter.lines[before:]
         for node, kind in planned.items():
-            row = strategy.round.rows[node]
+            row = strategy.run.round.rows[node]
             per_kind[kind][row.status] += 1
             if row.status in ("rejected", "failed"):
                 logged = bool(row.error) and any(f"node {node}:" in line for line in warnings)
                 per_kind[kind]["logged" if logged else "NOT-logged"] += 1
         reference = SelectiveAverager(state, cfg, args.aggregate, method.trim)
-        for node in strategy.round.rows:  # sample order, as the strategy folds
+        for node in strategy.run.round.rows:  # sample order, as the strategy folds
             if node in goods:
-                reference.add(goods[node], strategy.round.payloads[node].context[0])
+                reference.add(goods[node], strategy.run.round.payloads[node].context[0])
         if goods:
             want, got = reference.result(), arrays.to_torch_state_dict()
             exact += all(torch.equal(want[k], got[k]) for k in want)

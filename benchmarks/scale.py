@@ -204,7 +204,7 @@ def registry_probe(nodes: int) -> dict[str, float]:
     import tracemalloc
 
     import torch
-    from fedfusion.strategies.fusion import FusionStrategy
+    from fedfusion.strategies.fusion import FusionStrategy, RunState, StrategySettings
     from flwr.app import ConfigRecord, Message, RecordDict
     from flwr.server.superlink.fleet.vce.vce_api import _register_node_info_stores, _register_nodes
     from flwr.server.superlink.linkstate import LinkStateFactory
@@ -247,10 +247,11 @@ def registry_probe(nodes: int) -> dict[str, float]:
 
     method = SubModelMethod(config, {"phone": 0.125, "laptop": 0.25, "desktop": 0.5},
                             LlamaForCausalLM(config).state_dict(), policy="rolling", stride=0.125, stagger=True)
-    strategy = FusionStrategy(
-        dict.fromkeys(("phone", "laptop", "desktop"), method), clients_per_round=PER_ROUND, min_clients=1,
-        participation=Participation(make_selector("random"), load_catalog()), pool=POOL,
-        query_config={"population": "{}"}, train_config={"seed": 0})
+    settings = StrategySettings(clients_per_round=PER_ROUND, min_clients=1, pool=POOL, query_config={"population": "{}"},
+                                train_config={"seed": 0})
+    participation = Participation(make_selector("random"), load_catalog())
+    strategy = FusionStrategy(settings, RunState.begin(dict.fromkeys(("phone", "laptop", "desktop"), method),
+                                                       participation, settings))
     grid = Grid()
     torch.set_num_threads(1)
     before = tracemalloc.get_traced_memory()[0]
@@ -258,7 +259,7 @@ def registry_probe(nodes: int) -> dict[str, float]:
         assert len(strategy.sample(grid, server_round)) == PER_ROUND
     ours = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
-    queried = len(strategy.caps)
+    queried = len(strategy.run.caps)
     assert len(stores) == nodes and queried <= ROUNDS * POOL
     start = time.perf_counter()
     for server_round in range(ROUNDS + 1, ROUNDS + 6):

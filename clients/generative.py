@@ -3,12 +3,16 @@
 It returns the trained model and, under ``fedfusion.models.samples.SAMPLES_KEY``, the sampled token windows the
 server trains the target on (and, with ``generative.top_k``, each position's likeliest tokens under
 ``TEACHER_KEYS``). With ``generative.device_state=server`` all of it is the reply (the server sends the model back
-next round); with ``node`` the client app keeps the model in the node's ``context.state`` and replies the samples.
+next round); with ``node`` the node keeps the model (its :class:`Node` state) and replies the samples.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar, Self
+
 import torch
+from fedfusion.clients.node import StateLost
 from fedfusion.clients.submodel import (
     _model,
     _windows,
@@ -19,24 +23,61 @@ from fedfusion.clients.submodel import (
     set_threads,
     trained_reply,
 )
-from flwr.app import ConfigRecord
+from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
-from fedfusion.models.samples import SAMPLES_KEY, samples_reply
+from fedfusion.models.samples import SAMPLES_KEY, samples_reply, split_reply
 from fedfusion.train.loop import train_steps
-from fedfusion.wire.specs import GenerativeSpec, RoundSpec
+from fedfusion.wire.specs import STATE_LOST, GenerativeSpec, RoundSpec
 
-__all__ = ["evaluate", "num_examples", "train"]
+__all__ = ["Node", "evaluate", "num_examples", "train"]
 
 
-def train(state: dict[str, torch.Tensor], spec: ConfigRecord, partition: int,
-          accelerator: str = "cpu") -> tuple[dict, dict]:
-    """Train the device's model in ``state`` as ``spec`` says, then sample the windows its
-    :class:`~fedfusion.wire.specs.GenerativeSpec` asks for from it; returns the trained model with the samples, and
-    metrics. An injected corruption (``faults.corrupt_prob``) hits what goes up: the model with ``device_state``
-    server, the samples with node (whose model stays on the node, unharmed), so the server rejects the reply either
-    way."""
-    corrupt, delay = inject_faults(spec, partition)
+@dataclass
+class Node:
+    """What a generative node keeps between rounds: its device's own model, when its messages say
+    ``device_state=node`` (after the first, they carry none: ``kept``)."""
+
+    KEY: ClassVar[str] = "generative-model"
+    model: ArrayRecord | None = None  # None: this node holds none (new, or restarted)
+
+    @classmethod
+    def load(cls, records: RecordDict) -> Self:
+        kept = records.get(cls.KEY)
+        return cls(kept if isinstance(kept, ArrayRecord) else None)
+
+    def save(self, records: RecordDict) -> None:
+        if self.model is not None:
+            records[self.KEY] = self.model
+
+
+def train(state: dict[str, torch.Tensor], spec: ConfigRecord, partition: int, accelerator: str = "cpu",
+          node: Node | None = None) -> tuple[dict, dict]:
+    """Train the device's model in ``state`` (or, when the message says ``kept``, the one ``node`` keeps) and sample
+    from it (:func:`sampled`); returns the trained model with the samples (with ``device_state=node``: the samples
+    only, the model kept in ``node``), and metrics. A ``kept`` message to a node that holds no model (it restarted)
+    raises :class:`~fedfusion.clients.node.StateLost`, and the server sends the initial model again."""
     ask = GenerativeSpec.from_config(spec)
+    if ask.device_state != "node":
+        return sampled(state, spec, partition, accelerator, ask)
+    node = Node() if node is None else node
+    if ask.kept:
+        if node.model is None:
+            raise StateLost(f"{STATE_LOST} partition {partition} was asked to train its kept generative model, but "
+                            "this node holds none (restarted?)")
+        state = node.model.to_torch_state_dict()
+    reply, metrics = sampled(state, spec, partition, accelerator, ask)
+    kept, samples = split_reply(reply)
+    node.model = ArrayRecord(kept)
+    return samples, metrics
+
+
+def sampled(state: dict[str, torch.Tensor], spec: ConfigRecord, partition: int, accelerator: str,
+            ask: GenerativeSpec) -> tuple[dict, dict]:
+    """Train the device's model in ``state`` as ``spec`` says, then sample the windows ``ask`` asks for from it;
+    returns the trained model with the samples, and metrics. An injected corruption (``faults.corrupt_prob``) hits
+    what goes up: the model with ``device_state`` server, the samples with node (whose model stays on the node,
+    unharmed), so the server rejects the reply either way."""
+    corrupt, delay = inject_faults(spec, partition)
     on_node = ask.device_state == "node"
     set_threads(spec)
     windows = _windows(spec, partition, "train")

@@ -27,6 +27,7 @@ import time
 from functools import lru_cache
 
 import torch
+from fedfusion.clients.node import Stateless
 from fedfusion.clients.privacy import private_training
 from fedfusion.clients.submodel import inject_faults, set_threads
 from flwr.app import ConfigRecord
@@ -42,6 +43,8 @@ from fedfusion.train.instruct import RESPONSE, InstructData, encode_pairs, evalu
 from fedfusion.train.loop import LM, evaluate_lm, train_steps
 from fedfusion.wire.keys import NUM_EXAMPLES
 from fedfusion.wire.specs import AdapterSpec, ClientSpec, LoRABaseSpec, QuantizeSpec, RoundSpec, TrainSpec
+
+Node = Stateless  # this role keeps nothing on its node (fedfusion.clients.node)
 
 hf_logging.disable_progress_bar()
 
@@ -86,8 +89,8 @@ def _base(spec: ConfigRecord, accelerator: str) -> PreTrainedModel:
     return frozen_base(base.base, QuantizeSpec.from_config(spec).quantize, base.dtype, accelerator)
 
 
-def train(arrays: dict[str, torch.Tensor], spec: ConfigRecord, partition: int,
-          accelerator: str = "cpu") -> tuple[dict, dict]:
+def train(arrays: dict[str, torch.Tensor], spec: ConfigRecord, partition: int, accelerator: str = "cpu",
+          node: Stateless | None = None) -> tuple[dict, dict]:
     """Train this client's adapter as ``spec`` says; returns the adapter tensors and reply metrics."""
     corrupt, delay = inject_faults(spec, partition)
     set_threads(spec)

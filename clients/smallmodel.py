@@ -12,6 +12,7 @@ from functools import lru_cache
 
 import torch
 from fedfusion.clients.cache import MODELS
+from fedfusion.clients.node import Stateless
 from fedfusion.clients.submodel import inject_faults, local_steps, set_threads, trained_reply
 from flwr.app import ConfigRecord
 from transformers import PreTrainedModel
@@ -23,6 +24,8 @@ from fedfusion.train.loop import evaluate_lm, train_steps
 from fedfusion.train.transfer import wrap_tokenizer
 from fedfusion.wire.keys import NUM_EXAMPLES
 from fedfusion.wire.specs import ClientSpec, FamilySpec, ModelSpec
+
+Node = Stateless  # this role keeps nothing on its node (fedfusion.clients.node)
 
 
 @lru_cache(maxsize=64)
@@ -53,8 +56,8 @@ def _model(state: dict[str, torch.Tensor], spec: ConfigRecord, accelerator: str)
     return MODELS.model(("smallmodel", config, accelerator), build, state)  # type: ignore[return-value]
 
 
-def train(state: dict[str, torch.Tensor], spec: ConfigRecord, partition: int,
-          accelerator: str = "cpu") -> tuple[dict, dict]:
+def train(state: dict[str, torch.Tensor], spec: ConfigRecord, partition: int, accelerator: str = "cpu",
+          node: Stateless | None = None) -> tuple[dict, dict]:
     """Train the family model in ``state`` as ``spec`` says; returns the new state and reply metrics."""
     faults = inject_faults(spec, partition)  # an injected crash happens before any work
     set_threads(spec)

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 from fedfusion.clients.cache import MODELS
+from fedfusion.clients.node import Stateless
 from fedfusion.clients.privacy import private_training
 from flwr.app import ConfigRecord
 from transformers import PreTrainedModel
@@ -22,6 +23,8 @@ from fedfusion.train.loop import TrainResult, evaluate_lm, train_steps
 from fedfusion.train.ordered import ordered_loss
 from fedfusion.wire.keys import NUM_EXAMPLES
 from fedfusion.wire.specs import ClientSpec, FaultSpec, ModelSpec, OrderedSpec, RoundSpec, SliceSpec, TrainSpec, read_train
+
+Node = Stateless  # this role keeps nothing on its node (fedfusion.clients.node)
 
 
 def num_examples(spec: ConfigRecord, partition: int) -> int:
@@ -92,8 +95,8 @@ def trained_reply(model: torch.nn.Module, windows: torch.Tensor, faults: tuple[b
     return new_state, {NUM_EXAMPLES: int(windows.shape[0]), **stats}
 
 
-def train(state: dict[str, torch.Tensor], spec: ConfigRecord, partition: int,
-          accelerator: str = "cpu") -> tuple[dict, dict]:
+def train(state: dict[str, torch.Tensor], spec: ConfigRecord, partition: int, accelerator: str = "cpu",
+          node: Stateless | None = None) -> tuple[dict, dict]:
     """Train the sub-model in ``state`` on ``accelerator`` as ``spec`` says; returns the new state and metrics."""
     faults = inject_faults(spec, partition)  # an injected crash happens before any work
     set_threads(spec)

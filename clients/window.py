@@ -4,6 +4,7 @@ the window's exact values written in, train only the window with the target's ow
 from __future__ import annotations
 
 import torch
+from fedfusion.clients.node import Stateless
 from fedfusion.clients.submodel import _windows, evaluate, inject_faults, local_steps, num_examples, set_threads, trained_reply
 from flwr.app import ConfigRecord
 
@@ -12,11 +13,13 @@ from fedfusion.models.full_forward import from_payload
 from fedfusion.train.loop import loss_of, train_steps
 from fedfusion.wire.specs import ModelSpec, RoundSpec, TrainSpec, WindowSpec
 
-__all__ = ["evaluate", "num_examples", "train"]
+__all__ = ["Node", "evaluate", "num_examples", "train"]
+
+Node = Stateless  # this role keeps nothing on its node (fedfusion.clients.node)
 
 
-def train(state: dict[str, torch.Tensor], spec: ConfigRecord, partition: int,
-          accelerator: str = "cpu") -> tuple[dict, dict]:
+def train(state: dict[str, torch.Tensor], spec: ConfigRecord, partition: int, accelerator: str = "cpu",
+          node: Stateless | None = None) -> tuple[dict, dict]:
     """Train the window of the target in ``state`` as ``spec`` says; returns the window's values and metrics."""
     faults = inject_faults(spec, partition)  # an injected crash happens before any work
     set_threads(spec)

@@ -3,48 +3,32 @@
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from functools import lru_cache
 from types import ModuleType
-from typing import Any
 
-import numpy as np
-import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 
+from fedfusion.clients.node import NodeState, Residual, StateLost
 from fedfusion.clients.privacy import privacy_mod
 from fedfusion.clients.secagg import query as secagg_query
 from fedfusion.clients.secagg import secagg_mod
-from fedfusion.config.methods import GENERATIVE
 from fedfusion.devices.catalog import assign_tiers
 from fedfusion.devices.hardware import capabilities, pick_accelerator
 from fedfusion.run.quiet import silence_expected_noise
 from fedfusion.wire.keys import FROZEN
 from fedfusion.wire.quantize import client_reply, decode
-from fedfusion.wire.specs import (
-    ROLES,
-    SECAGG_ACTION,
-    STATE_LOST,
-    UNITS_ACTION,
-    UNITS_ERROR,
-    UNITS_PAYLOAD,
-    UNITS_RECORD,
-    Caps,
-    GenerativeSpec,
-    PopulationSpec,
-    RoleSpec,
-    UnitsSpec,
-    WireSpec,
-)
+from fedfusion.wire.specs import ACTIONS, ROLES, SECAGG_ACTION, Caps, PopulationSpec, RoleSpec, WireSpec
 
 silence_expected_noise()  # in every simulation actor: it imports this module to unpickle the app
 app = ClientApp()
 
 
 def _role(spec: ConfigRecord) -> ModuleType:
-    """The module of the role the spec asks for (train(), evaluate(), num_examples()), imported on first use: the
-    LoRA role pulls in peft and bitsandbytes (seconds per simulation actor)."""
+    """The module of the role the spec asks for (``train()``, ``evaluate()``, ``num_examples()`` and its ``Node``
+    state), imported on first use: a role may pull in peft and bitsandbytes (seconds per simulation actor)."""
     return importlib.import_module(ROLES[RoleSpec.from_config(spec).role])
 
 
@@ -90,27 +74,13 @@ def secagg(msg: Message, context: Context) -> Message:
     return secagg_query(msg, context)
 
 
-# where a node keeps its uplink's error-feedback residual between rounds (Flower's context.state persists per node)
-RESIDUAL = "wire-residual"
-# where a node keeps its device's own generative model between rounds (generative.device_state=node)
-DEVICE_MODEL = "generative-model"
-
-
-def _keeps_model(spec: ConfigRecord) -> GenerativeSpec | None:
-    """The message's generative spec when its node keeps its own model (``device_state=node``), else None."""
-    if RoleSpec.from_config(spec).role != GENERATIVE:
-        return None
-    ask = GenerativeSpec.from_config(spec)
-    return ask if ask.device_state == "node" else None
-
-
 @app.train(mods=[secagg_mod, privacy_mod])
 def train(msg: Message, context: Context) -> Message:
-    """Train the received model as its spec says and reply with the new weights (or, with a quantised uplink,
-    their change, error feedback kept in ``context.state``) and metrics. A generative node that keeps its own model
-    (``device_state=node``) trains the one in ``context.state`` when the message carries none, keeps the trained
-    one there and replies its samples only; a message asking for a kept model this node lacks (it restarted) gets
-    a :data:`~fedfusion.wire.specs.STATE_LOST` error, and the server sends the initial model again."""
+    """Train the received model as its spec's role says, with the role's node state (``context.state``,
+    :mod:`fedfusion.clients.node`), and reply with the new weights (or, with a quantised uplink, their change, error
+    feedback kept in ``context.state``) and metrics. A role that finds its node lacks state the message asks for
+    (:class:`~fedfusion.clients.node.StateLost`: the node restarted) gets an error reply that says so, and the
+    server sends that state again."""
     spec = msg.content.config_records["config"]
     arrays = msg.content.array_records["arrays"].to_torch_state_dict()
     received = decode(arrays, keep=FROZEN)  # as float32 (roles copy it in), a frozen target as narrow as it came
@@ -119,28 +89,18 @@ def train(msg: Message, context: Context) -> Message:
 
         state, metrics = relay(received, spec, _partition(context), context.node_config)
     else:
-        keeps = _keeps_model(spec)
-        if keeps is not None and keeps.kept:
-            own = context.state.get(DEVICE_MODEL)
-            if not isinstance(own, ArrayRecord):
-                reason = (f"{STATE_LOST} partition {_partition(context)} was asked to train its kept generative "
-                          "model, but this node holds none (restarted?)")
-                return Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason), reply_to=msg)
-            received = own.to_torch_state_dict()
-        state, metrics = _role(spec).train(received, spec, _partition(context), _accelerator(context))
-        if keeps is not None:
-            from fedfusion.models.samples import split_reply
-
-            model, state = split_reply(state)
-            context.state[DEVICE_MODEL] = ArrayRecord(model)
+        role = _role(spec)
+        node: NodeState = role.Node.load(context.state)
+        try:
+            state, metrics = role.train(received, spec, _partition(context), _accelerator(context), node)
+        except StateLost as lost:
+            return Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, str(lost)), reply_to=msg)
+        node.save(context.state)
     wire = WireSpec.read(spec)
-    residual = None
-    if wire.error_feedback and wire.up != "float32":
-        kept = context.state.get(RESIDUAL)
-        residual = kept.to_torch_state_dict() if isinstance(kept, ArrayRecord) else {}
-    reply, left = client_reply(state, arrays, wire.up, residual, received)
+    residual = Residual.load(context.state) if wire.error_feedback and wire.up != "float32" else None
+    reply, left = client_reply(state, arrays, wire.up, None if residual is None else residual.left, received)
     if residual is not None:
-        context.state[RESIDUAL] = ArrayRecord(left)
+        Residual(left).save(context.state)
     content = RecordDict({"arrays": ArrayRecord(reply), "metrics": MetricRecord(metrics)})
     return Message(content, reply_to=msg)
 
@@ -154,39 +114,15 @@ def evaluate(msg: Message, context: Context) -> Message:
     return Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
 
 
-# where a node keeps the units mode's weight blocks and running sums between messages: Flower's context.state (it
-# persists per node in simulation, whichever actor runs the message, and across a deployed SuperNode's per-message
-# processes)
-UNITS_CACHE = "units-cache"
-UNITS_SUMS = "units-sums"
+def _answer(action: str) -> Callable[[Message, Context], Message]:
+    """The handler of message type ``train.<action>``: the ``answer`` of the role :data:`ACTIONS` names for it (it
+    keeps its own node state), imported on first use."""
+
+    def answer(msg: Message, context: Context) -> Message:
+        return importlib.import_module(ROLES[ACTIONS[action]]).answer(msg, context)
+
+    return answer
 
 
-def _tensors(record: Any) -> dict[str, torch.Tensor]:
-    """A node's ``context.state`` ArrayRecord as tensors (nothing when the node has none yet)."""
-    return {k: torch.from_numpy(a.numpy()) for k, a in record.items()} if isinstance(record, ArrayRecord) else {}
-
-
-@app.train(UNITS_ACTION)
-def units(msg: Message, context: Context) -> Message:
-    """The exact mode (``train.units``): compute the GEMM tiles of the payload's bytes with the node's weight cache
-    and running sums (``context.state``) and reply the result bytes; a message that needs a weight block the cache
-    lacks, or a sum the node lost, gets a ``units-error`` reply (the node's state cleared) and the server sends
-    the weights again and recomputes the sums."""
-    from fedfusion.clients import units as role
-    from fedfusion.units.accumulate import RunningSums
-
-    config = msg.content.config_records.get("config")
-    spec = UnitsSpec.from_config_if_any(config) if config is not None else None
-    payload = msg.content.array_records[UNITS_RECORD][UNITS_PAYLOAD].numpy().tobytes()
-    cache = _tensors(context.state.get(UNITS_CACHE))
-    sums = RunningSums.from_arrays(_tensors(context.state.get(UNITS_SUMS)))
-    reply = role.compute(payload, cache, sums, spec.stall_s if spec else 0.0)
-    if reply is None:
-        context.state[UNITS_CACHE] = ArrayRecord()
-        context.state[UNITS_SUMS] = ArrayRecord()
-        return Message(RecordDict({UNITS_ERROR: ConfigRecord({"reason": "weight block or running sum not on this "
-                                                                        "node"})}), reply_to=msg)
-    context.state[UNITS_CACHE] = ArrayRecord({k: Array(v.numpy()) for k, v in cache.items()})
-    context.state[UNITS_SUMS] = ArrayRecord({k: Array(v.numpy()) for k, v in sums.to_arrays().items()})
-    return Message(RecordDict({UNITS_RECORD: ArrayRecord({UNITS_PAYLOAD: Array(np.frombuffer(reply, np.uint8))})}),
-                   reply_to=msg)
+for _action in ACTIONS:  # after the plain train handler: a caller that takes the first "train.*" gets that one
+    app.train(_action)(_answer(_action))

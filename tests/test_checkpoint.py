@@ -67,11 +67,11 @@ def test_a_restored_strategy_samples_and_slices_like_the_uninterrupted_one():
     straight, state = make_strategy()
     for rnd in (1, 2):
         list(straight.configure_train(rnd, ArrayRecord(state), ConfigRecord({}), grid))
-    saved = json.loads(json.dumps(straight.state_dict()))
+    saved = json.loads(json.dumps(straight.run.state_dict()))
     third = list(straight.configure_train(3, ArrayRecord(state), ConfigRecord({}), grid))
 
     resumed, _ = make_strategy()
-    resumed.load_state_dict(saved, rounds_done=2)
+    resumed.run.load_state_dict(saved, rounds_done=2)
     again = list(resumed.configure_train(1, ArrayRecord(state), ConfigRecord({}), grid))  # Flower restarts at 1
     assert [m.metadata.dst_node_id for m in again] == [m.metadata.dst_node_id for m in third]
     assert [m.content["config"]["seed"] for m in again] == [m.content["config"]["seed"] for m in third]

@@ -433,7 +433,7 @@ def test_a_gateway_dropout_is_a_dropped_row_with_its_work():
                Message(Error(code=1, reason=f"DeviceDropped: {DROPPED} device phone-a took the task and sent no "
                                             "result before its deadline"), reply_to=msgs[12])]
     strategy.aggregate_train(1, replies)
-    ok, dropped = strategy.round.rows[11], strategy.round.rows[12]
+    ok, dropped = strategy.run.round.rows[11], strategy.run.round.rows[12]
     assert (ok.status, ok.measured_j, ok.measured_source) == ("ok", 42.0, "device")
     assert dropped.status == "dropped" and "phone-a" in dropped.error
     priced = price_client(dropped, load_catalog())

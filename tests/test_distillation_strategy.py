@@ -25,7 +25,7 @@ from fedfusion.models import build as models
 from fedfusion.selection.participation import Participation
 from fedfusion.selection.selectors import make_selector
 from fedfusion.train.transfer import family_tokenizer, train_bpe, wrap_tokenizer
-from tests.test_strategy import FakeGrid, task_identity  # noqa: F401  (autouse fixture)
+from tests.test_strategy import FakeGrid, new_strategy, task_identity  # noqa: F401  (autouse fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest
 
@@ -54,7 +54,7 @@ def make(bpe, min_clients: int = 1, back_distill: bool = False, teacher: str = "
                              server_batch_size=4, back_distill=back_distill, back_steps=2)
     method = DistillMethod(llama(32, len(CHAR)), CHAR, families, {"phone": "tiny", "laptop": "gpt"}, TEXT, 16,
                            settings, eval_text=eval_text)
-    strategy = FusionStrategy(
+    strategy = new_strategy(
         {"phone": method, "laptop": method}, clients_per_round=3,
         min_clients=min_clients, participation=Participation(make_selector("random", seed=0), load_catalog()),
         query_config={"population": "{}"},
@@ -67,7 +67,7 @@ def make(bpe, min_clients: int = 1, back_distill: bool = False, teacher: str = "
 
 def dm(strategy: FusionStrategy) -> DistillMethod:
     """The strategy's distillation method (every tier's)."""
-    return strategy.methods["phone"]
+    return strategy.run.methods["phone"]
 
 
 def fed_eval(strategy: FusionStrategy) -> dict:
@@ -101,7 +101,7 @@ def test_each_node_gets_its_family_model_and_a_spec_to_rebuild_it(bpe):
         state = m.content["arrays"].to_torch_state_dict()
         model = models.small_model(str(spec["model-config"]), state)  # the client can rebuild it
         assert type(model).__name__ == ("LlamaForCausalLM" if family == "tiny" else "GPT2LMHeadModel")
-        row = strategy.round.rows[node]
+        row = strategy.run.round.rows[node]
         assert row.assignment == {"family": family} and row.params == sum(t.numel() for t in state.values())
     tok = {m.content["config"]["family"]: str(m.content["config"]["tokenizer-json"]) for m in msgs}
     assert tok["tiny"] == ""  # the target's tokenizer
@@ -115,7 +115,7 @@ def test_families_are_averaged_and_distilled_into_the_target(bpe):
     arrays, metrics = strategy.aggregate_train(1, [_reply(msgs[11], _shifted(msgs[11], 0.01)),
                                                    _reply(msgs[13], _shifted(msgs[13], 0.03)),
                                                    _reply(msgs[12], _shifted(msgs[12], -0.01))])
-    assert metrics["clients_ok"] == 3 and strategy.round.coverage == 1.0 and not strategy.round.void
+    assert metrics["clients_ok"] == 3 and strategy.run.round.coverage == 1.0 and not strategy.run.round.void
     for name, shift in (("tiny", 0.02), ("gpt", -0.01)):  # FedAvg within each family
         for k, v in dm(strategy).family_states[name].items():
             torch.testing.assert_close(v, before[name][k] + shift)
@@ -124,9 +124,9 @@ def test_families_are_averaged_and_distilled_into_the_target(bpe):
     # the server's counted work: the target's training plus both teachers' forward passes
     tokens = 4 * 4 * 16
     target_params = sum(t.numel() for t in target.values())
-    assert strategy.round.server_cost["tokens"] == tokens
-    assert strategy.round.server_cost["flops"] > 6 * target_params * tokens
-    assert metrics["server_flops"] == strategy.round.server_cost["flops"] and strategy.round.server_cost["seconds"] > 0
+    assert strategy.run.round.server_cost["tokens"] == tokens
+    assert strategy.run.round.server_cost["flops"] > 6 * target_params * tokens
+    assert metrics["server_flops"] == strategy.run.round.server_cost["flops"] and strategy.run.round.server_cost["seconds"] > 0
 
 
 @pytest.mark.parametrize("teacher", ["feddf", "fedet"])
@@ -163,9 +163,9 @@ def test_bad_replies_are_rejected_and_good_ones_fold_in(bpe):
     wrong_shape["transformer.wte.weight"] = torch.zeros(3, 3)
     _, metrics = strategy.aggregate_train(1, [_reply(msgs[11], _shifted(msgs[11], 0.5)), _reply(msgs[13], nan),
                                               _reply(msgs[12], wrong_shape)])
-    status = {n: c.status for n, c in strategy.round.rows.items()}
+    status = {n: c.status for n, c in strategy.run.round.rows.items()}
     assert status == {11: "ok", 12: "rejected", 13: "rejected"} and metrics["clients_ok"] == 1
-    assert "NaN" in strategy.round.rows[13].error and "shape" in strategy.round.rows[12].error
+    assert "NaN" in strategy.run.round.rows[13].error and "shape" in strategy.run.round.rows[12].error
     for k, v in dm(strategy).family_states["tiny"].items():  # only node 11's update averaged in
         torch.testing.assert_close(v, before[k] + 0.5)
     assert dm(strategy).trained == {"tiny"}
@@ -178,12 +178,12 @@ def test_errors_absurd_norms_and_missing_replies(bpe):
     huge = {k: v * 1000 for k, v in msgs[11].content["arrays"].to_torch_state_dict().items()}
     arrays, metrics = strategy.aggregate_train(1, [_reply(msgs[11], huge),
                                                    _reply(msgs[12], None, error="boom\nRuntimeError: device crashed")])
-    status = {n: c.status for n, c in strategy.round.rows.items()}
+    status = {n: c.status for n, c in strategy.run.round.rows.items()}
     assert status == {11: "rejected", 12: "failed", 13: "timeout"}
-    assert "norm" in strategy.round.rows[11].error and strategy.round.rows[12].error == "RuntimeError: device crashed"
+    assert "norm" in strategy.run.round.rows[11].error and strategy.run.round.rows[12].error == "RuntimeError: device crashed"
     # a void round: the target (no arrays returned) and every family stay as they were, and nothing is charged
-    assert arrays is None and metrics["clients_ok"] == 0 and strategy.round.void
-    assert strategy.round.server_cost["flops"] == 0.0 and not dm(strategy).trained
+    assert arrays is None and metrics["clients_ok"] == 0 and strategy.run.round.void
+    assert strategy.run.round.server_cost["flops"] == 0.0 and not dm(strategy).trained
     for name, state in dm(strategy).family_states.items():
         assert all(torch.equal(v, before[name][k]) for k, v in state.items())
 
@@ -193,9 +193,9 @@ def test_checkpoint_state_restores_families_and_sampling(bpe):
     grid = FakeGrid({11: "phone", 12: "laptop", 13: "phone", 14: "laptop", 15: "phone", 16: "phone"})
     msgs = list(strategy.configure_train(1, ArrayRecord(target), ConfigRecord({}), grid))
     arrays, _ = strategy.aggregate_train(1, [_reply(m, _shifted(m, 0.1)) for m in msgs])
-    saved = json.loads(json.dumps(strategy.state_dict()))  # what a checkpoint writes and reads back
+    saved = json.loads(json.dumps(strategy.run.state_dict()))  # what a checkpoint writes and reads back
     resumed, _ = make(bpe)
-    resumed.load_state_dict(saved, rounds_done=1)
+    resumed.run.load_state_dict(saved, rounds_done=1)
     assert dm(resumed).trained == dm(strategy).trained and dm(strategy).trained
     for name, state in dm(strategy).family_states.items():
         assert all(torch.equal(dm(resumed).family_states[name][k], v) for k, v in state.items())
@@ -335,9 +335,9 @@ def test_every_trained_family_is_scored_each_round_and_void_rounds_keep_the_scor
     # a void round changes no family, and reports the same scores
     msgs = list(strategy.configure_train(3, ArrayRecord(target), ConfigRecord({}), FakeGrid(GRID)))
     strategy.aggregate_train(3, [_reply(m, None, error="boom") for m in msgs])
-    assert strategy.round.void and fed_eval(strategy) == scores
+    assert strategy.run.round.void and fed_eval(strategy) == scores
     resumed, _ = make(bpe, eval_text=HELD_OUT)  # a resumed run reports them too until the next round scores
-    resumed.load_state_dict(json.loads(json.dumps(strategy.state_dict())), rounds_done=3)
+    resumed.run.load_state_dict(json.loads(json.dumps(strategy.run.state_dict())), rounds_done=3)
     assert dm(resumed).metrics() == scores
 
 

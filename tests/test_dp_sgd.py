@@ -171,7 +171,7 @@ def test_a_dp_sgd_run_accounts_every_clients_epsilon_and_keeps_each_within_the_b
 def test_the_strategy_keeps_each_clients_dp_history_in_its_checkpoint_state():
     """A resumed run continues each client's accounting: the history goes into the strategy's state and back."""
     from fedfusion.strategies import FusionStrategy
-    from test_strategy import make_strategy
+    from test_strategy import make_strategy, new_strategy
 
     from fedfusion.devices.catalog import load_catalog
     from fedfusion.run.federation import privacy_spec
@@ -179,21 +179,21 @@ def test_the_strategy_keeps_each_clients_dp_history_in_its_checkpoint_state():
     from fedfusion.selection.selectors import make_selector
 
     plain, _ = make_strategy()
-    assert plain.budgets is None  # no dp_sgd in its spec: nothing accounted
+    assert plain.run.budgets is None  # no dp_sgd in its spec: nothing accounted
     dp = privacy_spec(load_recipe("quickstart", ["privacy.mode=dp_sgd", "privacy.noise_multiplier=0.7"]))
 
     def private() -> FusionStrategy:
-        return FusionStrategy(plain.methods, clients_per_round=3, query_config={"population": "{}"},
+        return new_strategy(plain.run.methods, clients_per_round=3, query_config={"population": "{}"},
                               participation=Participation(make_selector("random", seed=0), load_catalog()),
-                              train_config={**plain.train_config, **dp}, wait_nodes_s=1.0)
+                              train_config={**plain.settings.train_config, **dp}, wait_nodes_s=1.0)
 
     first = private()
-    assert first.budgets is not None and first.budgets.noise_multiplier == 0.7
-    spent = first.budgets.spend(3, examples=40, batch_size=4, steps=8)
+    assert first.run.budgets is not None and first.run.budgets.noise_multiplier == 0.7
+    spent = first.run.budgets.spend(3, examples=40, batch_size=4, steps=8)
     second = private()
-    second.load_state_dict(first.state_dict(), rounds_done=1)
-    assert second.budgets is not None and second.budgets.history == {3: [(0.7, 0.1, 8)]}
-    assert second.budgets.spent(3) == spent
+    second.run.load_state_dict(first.run.state_dict(), rounds_done=1)
+    assert second.run.budgets is not None and second.run.budgets.history == {3: [(0.7, 0.1, 8)]}
+    assert second.run.budgets.spent(3) == spent
 
 
 @pytest.mark.parametrize("window", ["core", "low_rank", "float32", "expanded"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 from fedfusion.strategies.fusion import scored_round
@@ -60,9 +61,9 @@ def test_the_strategy_evaluates_only_the_scored_rounds_and_reports_every_round(o
     listeners, an unscored one with no metrics. Resumed after round 2 (Flower counts from 1 again), the same
     absolute rounds 3, 6, 7 are scored, which Flower calls 1, 4, 5."""
     strategy, state = make_strategy()
-    strategy.eval_every = 3
+    strategy.settings = replace(strategy.settings, eval_every=3)
     if offset:
-        strategy.round_offset = offset
+        strategy.run.rounds_done = offset
     called, reports = [], []
     strategy.listeners.append(reports.append)
 

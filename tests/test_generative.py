@@ -7,7 +7,6 @@ import json
 import pytest
 import torch
 from fedfusion.clients import generative as role
-from fedfusion.strategies import FusionStrategy
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from fp_bounds import assert_within, gamma, unit_roundoff
 from transformers import LlamaForCausalLM
@@ -30,7 +29,7 @@ from fedfusion.selection.selectors import make_selector
 from fedfusion.train.distill import TopTokensLoss
 from fedfusion.wire.specs import ClientSpec, FaultSpec, GenerativeSpec, ModelSpec, RoundSpec, TrainSpec, merge
 from tests.conftest import tiny_config
-from tests.test_strategy import FakeGrid, task_identity  # noqa: F401  (autouse fixture)
+from tests.test_strategy import FakeGrid, new_strategy, task_identity  # noqa: F401  (autouse fixture)
 
 
 def test_samples_are_seeded_shaped_like_the_data_and_start_like_it():
@@ -120,7 +119,7 @@ def _strategy(top_k: int = 0, device_state: str = "server"):
     method = GenerativeMethod(cfg, {"phone": 0.25, "desktop": 0.5}, state,
                               GenerativeConfig(sample_fraction=0.5, server_steps=3, server_batch=4, top_k=top_k,
                                                device_state=device_state), seq_len=8, population=20)
-    strategy = FusionStrategy(
+    strategy = new_strategy(
         {"phone": method, "desktop": method}, clients_per_round=2, min_clients=1,
         query_config={"population": "{}"}, participation=Participation(make_selector("random", seed=0), load_catalog()),
         train_config={"local-steps": 1, "lr": 0.1, "seed": 0, "seq-len": 8}, wait_nodes_s=1.0)
@@ -142,19 +141,19 @@ def test_server_state_strategy_keeps_device_models_rejects_bad_samples_and_train
     good = {**own, SAMPLES_KEY: torch.randint(0, cfg.vocab_size, (1, 9))}
     bad = {**msgs[12].content["arrays"].to_torch_state_dict(), SAMPLES_KEY: torch.randint(0, cfg.vocab_size, (1, 5))}
     arrays, metrics = strategy.aggregate_train(1, [_reply(msgs[11], good), _reply(msgs[12], bad)])
-    assert {n: c.status for n, c in strategy.round.rows.items()} == {11: "ok", 12: "rejected"}
-    assert "integer token ids" in strategy.round.rows[12].error
-    assert metrics["clients_ok"] == 1 and strategy.round.server_cost["flops"] > 0
+    assert {n: c.status for n, c in strategy.run.round.rows.items()} == {11: "ok", 12: "rejected"}
+    assert "integer token ids" in strategy.run.round.rows[12].error
+    assert metrics["clients_ok"] == 1 and strategy.run.round.server_cost["flops"] > 0
     new = arrays.to_torch_state_dict()
     assert any(not torch.equal(new[k], state[k]) for k in state)  # the target trained on the samples
-    assert all(torch.equal(strategy.methods["phone"].devices[11][k], own[k]) for k in own)  # node 11's model is kept as returned
+    assert all(torch.equal(strategy.run.methods["phone"].devices[11][k], own[k]) for k in own)  # node 11's model is kept as returned
     again = {m.metadata.dst_node_id: m for m in strategy.configure_train(2, arrays, ConfigRecord({}), grid)}
     sent = again[11].content["arrays"].to_torch_state_dict()  # both nodes train every round (2 per round)
     assert all(torch.equal(sent[k], own[k]) for k in own)  # its own model back, not a fresh slice
     restored, _, _ = _strategy()
-    restored.load_state_dict(json.loads(json.dumps(strategy.state_dict())), 2)
-    assert torch.equal(restored.methods["phone"].pool.windows(), strategy.methods["phone"].pool.windows())
-    assert all(torch.equal(restored.methods["phone"].devices[11][k], strategy.methods["phone"].devices[11][k]) for k in own)
+    restored.run.load_state_dict(json.loads(json.dumps(strategy.run.state_dict())), 2)
+    assert torch.equal(restored.run.methods["phone"].pool.windows(), strategy.run.methods["phone"].pool.windows())
+    assert all(torch.equal(restored.run.methods["phone"].devices[11][k], strategy.run.methods["phone"].devices[11][k]) for k in own)
 
 
 def _round(strategy, rnd: int, arrays: ArrayRecord, grid: FakeGrid, extra) -> ArrayRecord:
@@ -180,18 +179,18 @@ def test_top_k_replies_are_checked_and_the_servers_adamw_carries_across_rounds_a
         return {SAMPLES_KEY: ids, TOP_IDS_KEY: top, **({} if node == 12 else {TOP_LOGP_KEY: logp})}
 
     first = _round(strategy, 1, ArrayRecord(state), grid, samples)
-    assert strategy.round.rows[11].status == "ok" and strategy.round.rows[12].status == "rejected"
-    assert TOP_LOGP_KEY in strategy.round.rows[12].error  # names the array the reply lacks
-    method = strategy.methods["phone"]
+    assert strategy.run.round.rows[11].status == "ok" and strategy.run.round.rows[12].status == "rejected"
+    assert TOP_LOGP_KEY in strategy.run.round.rows[12].error  # names the array the reply lacks
+    method = strategy.run.methods["phone"]
     assert set(method.pool.arrays()) == {"ids", TOP_IDS_KEY, TOP_LOGP_KEY}
     model, opt = method.server
     assert all(opt.state[p]["step"] == 3 for p in model.parameters())  # one round's server steps so far
-    saved = json.loads(json.dumps(strategy.state_dict()))
+    saved = json.loads(json.dumps(strategy.run.state_dict()))
     gen_state = gen.get_state()
     second = _round(strategy, 2, first, grid, samples)
     assert all(opt.state[p]["step"] == 6 for p in model.parameters())  # the same AdamW continued
     restored, _, _ = _strategy(top_k=2)
-    restored.load_state_dict(saved, 1)
+    restored.run.load_state_dict(saved, 1)
     gen.set_state(gen_state)
     again = _round(restored, 2, first, grid, samples)
     a, b = second.to_torch_state_dict(), again.to_torch_state_dict()
@@ -225,13 +224,13 @@ def test_client_role_trains_and_samples(tmp_path):
 
 
 class KeptModelRole:
-    """A generative role that nudges the model it is given by 0.01 and writes one window: what the client app
+    """A generative role's training that nudges the model it is given by 0.01 and writes one window: what the role
     hands it (a sent or a kept model) is recorded by partition."""
 
     def __init__(self, vocab: int) -> None:
         self.vocab, self.given = vocab, {}
 
-    def train(self, state, spec, partition, accelerator="cpu"):
+    def train(self, state, spec, partition, accelerator, ask):
         self.given[partition] = state
         samples = torch.randint(0, self.vocab, (1, 9), generator=torch.Generator().manual_seed(partition))
         reply = {**{k: v + 0.01 for k, v in state.items()}, SAMPLES_KEY: samples}
@@ -239,6 +238,7 @@ class KeptModelRole:
 
 
 def test_node_state_sends_a_partitions_model_once_and_again_only_to_a_node_that_lost_it(monkeypatch, caplog):
+    from fedfusion.clients import generative
     from flwr.app import Context
 
     import fedfusion.client_app as client_app
@@ -246,9 +246,9 @@ def test_node_state_sends_a_partitions_model_once_and_again_only_to_a_node_that_
     from fedfusion.wire.specs import STATE_LOST
 
     strategy, state, cfg = _strategy(device_state="node")
-    method = strategy.methods["phone"]
+    method = strategy.run.methods["phone"]
     fake_role = KeptModelRole(cfg.vocab_size)
-    monkeypatch.setattr(client_app, "_role", lambda spec: fake_role)
+    monkeypatch.setattr(generative, "sampled", fake_role.train)  # the real role keeps the model, the fake trains
     grid = FakeGrid({11: "phone", 12: "desktop"})
     nodes = {n: Context(run_id=1, node_id=n, node_config={"partition-id": n}, state=RecordDict(), run_config={})
              for n in (11, 12)}
@@ -265,18 +265,18 @@ def test_node_state_sends_a_partitions_model_once_and_again_only_to_a_node_that_
         assert msgs[n].content["config"]["device-state"] == "node" and not msgs[n].content["config"]["kept"]
         assert msgs[n].content["arrays"].to_torch_state_dict().keys() == slices[n].keys()
         assert list(replies[n].content["arrays"]) == [SAMPLES_KEY]  # the reply carries no model
-        kept = nodes[n].state[client_app.DEVICE_MODEL].to_torch_state_dict()
+        kept = nodes[n].state[generative.Node.KEY].to_torch_state_dict()
         assert all(torch.equal(kept[k], slices[n][k] + 0.01) for k in kept)  # the trained model stays on the node
-    assert {r.status for r in strategy.round.rows.values()} == {"ok"} and method.devices == {} and method.kept == {11, 12}
-    assert "devices" not in strategy.state_dict()["methods"]["generative"]  # a checkpoint holds no device model
+    assert {r.status for r in strategy.run.round.rows.values()} == {"ok"} and method.devices == {} and method.kept == {11, 12}
+    assert "devices" not in strategy.run.state_dict()["methods"]["generative"]  # a checkpoint holds no device model
 
     nodes[11] = Context(run_id=1, node_id=11, node_config={"partition-id": 11}, state=RecordDict(), run_config={})
     msgs, replies, second = round_(2, first)  # node 11 restarted: its context.state is empty
     for n in (11, 12):
         assert msgs[n].content["config"]["kept"] and len(msgs[n].content["arrays"]) == 0  # no model goes down
-        assert strategy.round.rows[n].bytes_down == 0
+        assert strategy.run.round.rows[n].bytes_down == 0
     assert replies[11].has_error() and STATE_LOST in replies[11].error.reason
-    assert strategy.round.rows[11].status == "failed" and strategy.round.rows[12].status == "ok"
+    assert strategy.run.round.rows[11].status == "failed" and strategy.run.round.rows[12].status == "ok"
     assert "partition 11" in caplog.text and STATE_LOST in caplog.text  # the server's warning names the partition
     assert all(torch.equal(fake_role.given[12][k], slices[12][k] + 0.01) for k in slices[12])  # node 12 trained its own
     assert method.kept == {12}
@@ -285,10 +285,10 @@ def test_node_state_sends_a_partitions_model_once_and_again_only_to_a_node_that_
     sent = msgs[11].content["arrays"].to_torch_state_dict()
     assert not msgs[11].content["config"]["kept"] and all(torch.equal(sent[k], slices[11][k]) for k in slices[11])
     assert msgs[12].content["config"]["kept"] and len(msgs[12].content["arrays"]) == 0
-    assert {r.status for r in strategy.round.rows.values()} == {"ok"} and method.kept == {11, 12}
+    assert {r.status for r in strategy.run.round.rows.values()} == {"ok"} and method.kept == {11, 12}
 
     restored, _, _ = _strategy(device_state="node")  # a resumed run: its nodes are new, so every slice goes again
-    restored.load_state_dict(json.loads(json.dumps(strategy.state_dict())), 3)
+    restored.run.load_state_dict(json.loads(json.dumps(strategy.run.state_dict())), 3)
     for m in restored.configure_train(4, third, ConfigRecord({}), grid):
         sent, n = m.content["arrays"].to_torch_state_dict(), m.metadata.dst_node_id
         assert not m.content["config"]["kept"] and all(torch.equal(sent[k], slices[n][k]) for k in slices[n])
@@ -301,5 +301,5 @@ def test_node_state_refuses_a_reply_that_carries_a_model():
     own = msgs[11].content["arrays"].to_torch_state_dict()
     samples = {SAMPLES_KEY: torch.randint(0, cfg.vocab_size, (1, 9))}
     strategy.aggregate_train(1, [_reply(msgs[11], {**own, **samples}), _reply(msgs[12], samples)])
-    assert strategy.round.rows[11].status == "rejected" and "samples only" in strategy.round.rows[11].error
-    assert strategy.round.rows[12].status == "ok" and strategy.methods["phone"].kept == {12}
+    assert strategy.run.round.rows[11].status == "rejected" and "samples only" in strategy.run.round.rows[11].error
+    assert strategy.run.round.rows[12].status == "ok" and strategy.run.methods["phone"].kept == {12}

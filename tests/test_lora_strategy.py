@@ -4,6 +4,7 @@ clients over a tiny base (no Ray)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -49,6 +50,7 @@ from fedfusion.wire.specs import Caps, ClientSpec, FaultSpec, LoRABaseSpec, Priv
 from tests.conftest import LazyModule
 from tests.test_lora import ROUNDINGS
 from tests.test_lora_client import DATA, MODULES, assert_layer_adds, recording, save_tiny_base
+from tests.test_strategy import new_strategy
 
 # the LoRA role imports peft and bitsandbytes (seconds): on first use, not at collection, and on one xdist worker only
 client = LazyModule("fedfusion.clients.lora")
@@ -138,7 +140,7 @@ def make(shapes, method="flexlora", base="unused", min_clients=1, ranks=RANKS, a
                       base=LoRABaseSpec(base, "float32", tuple(MODULES), 0.0))
     config = {**merge(ClientSpec(DATA, 96, 1), TrainSpec(2, 1e-2, 4, 0.0, "adamw"), FaultSpec(),
                       PrivacySpec("none", 1.0, 10.0, 1e-5)), "seed": 0, **train}
-    return FusionStrategy({tier: lora for tier in ranks}, clients_per_round=3, min_clients=min_clients,
+    return new_strategy({tier: lora for tier in ranks}, clients_per_round=3, min_clients=min_clients,
                           query_config={"population": "{}"}, weighting="examples",
                           participation=Participation(make_selector("random", seed=0), load_catalog()),
                           train_config=config, wait_nodes_s=0.0)  # a FakeGrid's nodes are all there: no waiting
@@ -217,14 +219,14 @@ def test_each_node_gets_its_tier_rank_alpha_and_precision_in_its_own_message(sha
         for mod, (o, i) in shapes.items():
             assert sent[f"{mod}.lora_A"].shape == (RANKS[tier], i) and sent[f"{mod}.lora_A"].abs().sum() > 0
             assert sent[f"{mod}.lora_B"].shape == (o, RANKS[tier]) and not sent[f"{mod}.lora_B"].any()
-        row = strategy.round.rows[m.metadata.dst_node_id]
+        row = strategy.run.round.rows[m.metadata.dst_node_id]
         assert row.extra["rank"] == RANKS[tier] and row.extra["adapter_params"] == RANKS[tier] * sum(o + i for o, i in shapes.values())
 
 
 def test_bad_replies_are_rejected_and_good_ones_aggregate_exactly(shapes):
     strategy = make(shapes, method="hetlora")
     grid = FakeGrid({**DEVICES, 14: "phone", 15: "laptop"})
-    strategy.clients_per_round = 5
+    strategy.settings = replace(strategy.settings, clients_per_round=5)
     msgs = {m.metadata.dst_node_id: m for m in strategy.configure_train(1, ArrayRecord(), ConfigRecord({}), grid)}
     good = {11: random_client(shapes, 2, 4.0, 10, 1), 13: random_client(shapes, 8, 8.0, 30, 2)}
     nan = as_arrays(random_client(shapes, 4, 8.0, 1, 3))
@@ -234,10 +236,10 @@ def test_bad_replies_are_rejected_and_good_ones_aggregate_exactly(shapes):
         reply(msgs[11], as_arrays(good[11]), n=10), reply(msgs[12], nan), reply(msgs[13], as_arrays(good[13]), n=30),
         reply(msgs[14], wrong_rank), reply(msgs[15], None, error="Traceback ...\nRuntimeError: out of memory"),
     ])
-    rows = strategy.round.rows
+    rows = strategy.run.round.rows
     assert {n: r.status for n, r in rows.items()} == {11: "ok", 12: "rejected", 13: "ok", 14: "rejected", 15: "failed"}
     assert "NaN" in rows[12].error and "expected (2, 64)" in rows[14].error and rows[15].error == "RuntimeError: out of memory"
-    assert metrics["clients_ok"] == 2 and metrics["num-examples"] == 40 and strategy.round.coverage == 1.0
+    assert metrics["clients_ok"] == 2 and metrics["num-examples"] == 40 and strategy.run.round.coverage == 1.0
     A, B = split_global(arrays.to_torch_state_dict())
     want = aggregate_lora([good[11], good[13]], "hetlora")
     for m in shapes:
@@ -259,8 +261,8 @@ def test_a_reply_far_larger_than_the_adapter_sent_is_rejected(shapes):
     served = {n: m.content["arrays"].to_torch_state_dict() for n, m in msgs.items()}
     wild = {k: v * 100 if k.endswith("lora_B") else v for k, v in served[13].items()}
     strategy.aggregate_train(1, [reply(msgs[11], served[11]), reply(msgs[12], served[12]), reply(msgs[13], wild)])
-    assert {n: r.status for n, r in strategy.round.rows.items()} == {11: "ok", 12: "ok", 13: "rejected"}
-    assert "over 10x the norm" in strategy.round.rows[13].error
+    assert {n: r.status for n, r in strategy.run.round.rows.items()} == {11: "ok", 12: "ok", 13: "rejected"}
+    assert "over 10x the norm" in strategy.run.round.rows[13].error
 
 
 def test_missing_keys_and_too_few_good_replies_leave_the_global_unchanged(shapes):
@@ -269,9 +271,9 @@ def test_missing_keys_and_too_few_good_replies_leave_the_global_unchanged(shapes
     partial = as_arrays(random_client(shapes, 2, 4.0, 1, 0))
     partial.pop("model.layers.0.self_attn.q_proj.lora_A")
     arrays, metrics = strategy.aggregate_train(1, [reply(msgs[0], partial)])
-    assert arrays is None and strategy.round.void and metrics["clients_ok"] == 0
-    assert "missing ['model.layers.0.self_attn.q_proj.lora_A']" in strategy.round.rows[11].error
-    assert sorted(r.status for r in strategy.round.rows.values()) == ["rejected", "timeout", "timeout"]
+    assert arrays is None and strategy.run.round.void and metrics["clients_ok"] == 0
+    assert "missing ['model.layers.0.self_attn.q_proj.lora_A']" in strategy.run.round.rows[11].error
+    assert sorted(r.status for r in strategy.run.round.rows.values()) == ["rejected", "timeout", "timeout"]
 
 
 def test_flora_sends_the_merged_update_and_fresh_adapters(shapes):
@@ -283,7 +285,7 @@ def test_flora_sends_the_merged_update_and_fresh_adapters(shapes):
         got = msg.content["arrays"].to_torch_state_dict()
         assert set(got) == {f"{m}.{kind}_{x}" for m in shapes for x in "AB" for kind in ("merged", "lora")}
         assert not any(got[f"{m}.lora_B"].any() for m in shapes)  # fresh adapters on the merged update
-        assert strategy.round.rows[msg.metadata.dst_node_id].bytes_down == msg.content["arrays"].count_bytes()
+        assert strategy.run.round.rows[msg.metadata.dst_node_id].bytes_down == msg.content["arrays"].count_bytes()
 
 
 def test_settings_that_cannot_work_are_refused_with_the_key(shapes):
@@ -302,7 +304,7 @@ def test_settings_that_cannot_work_are_refused_with_the_key(shapes):
 # -- in process: real clients on a tiny base, outputs in peft / Hugging Face format -------------------------
 def test_two_rounds_with_real_clients_train_and_save_in_peft_and_hf_format(base, shapes, tmp_path):
     strategy = make(shapes, method="flexlora", base=base, **{"local-steps": 6})
-    strategy.evaluate_clients = 1
+    strategy.settings = replace(strategy.settings, evaluate_clients=1)
     tok = load_base_tokenizer(base)
     held = encode_pairs(tok, pooled_held_out(DATA, 40), 96)
     model = AutoModelForCausalLM.from_pretrained(base)
@@ -315,7 +317,7 @@ def test_two_rounds_with_real_clients_train_and_save_in_peft_and_hf_format(base,
 
     grid = FakeGrid(DEVICES, train=True)
     result = strategy.start(grid=grid, initial_arrays=ArrayRecord(), num_rounds=2, evaluate_fn=evaluate)
-    assert [r.status for r in strategy.round.rows.values()] == ["ok"] * 3
+    assert [r.status for r in strategy.run.round.rows.values()] == ["ok"] * 3
     assert losses[-1] < losses[0] - 0.1
     # federated evaluation: the node scored base + global update on its own held-out pairs
     evaluated = [m for m in grid.sent if m.metadata.message_type == MessageType.EVALUATE]
@@ -327,7 +329,7 @@ def test_two_rounds_with_real_clients_train_and_save_in_peft_and_hf_format(base,
         want = evaluate_instruct(client.frozen_base(base, bits, "float32"),
                                  client.client_data(DATA, partition, base, 96, "held_out"))["eval_loss"]
     # the node ran these same operations on the same values: the same loss, bit for bit
-    assert strategy.round.fed_eval["fed_eval_loss"] == want
+    assert strategy.run.round.fed_eval["fed_eval_loss"] == want
     # the global adapter in peft format reproduces the merged model
     save_adapter(result.arrays.to_torch_state_dict(), tmp_path / "adapter", list(MODULES), base)
     merged = save_merged(model, original, result.arrays.to_torch_state_dict(), tok, tmp_path / "model")
@@ -403,7 +405,7 @@ def test_dp_clipping_bounds_each_lora_clients_adapter_update(method, base, shape
         assert abs(norm - 0.001) <= 0.001 * gamma(n // 2 + 6, torch.float32) + unit_roundoff(torch.float32) * size
         replies.append(out)
     strategy.aggregate_train(2, replies)
-    assert {r.status for r in strategy.round.rows.values()} == {"ok"}
+    assert {r.status for r in strategy.run.round.rows.values()} == {"ok"}
 
 
 def test_local_dp_noise_is_not_mistaken_for_an_absurd_update(base, shapes):
@@ -429,7 +431,7 @@ def test_local_dp_noise_is_not_mistaken_for_an_absurd_update(base, shapes):
 
     replies = [privacy_mod(m, ctx, train) for m in strategy.configure_train(2, arrays, ConfigRecord({}), FakeGrid(DEVICES))]
     strategy.aggregate_train(2, replies)
-    assert {r.status for r in strategy.round.rows.values()} == {"ok"}
+    assert {r.status for r in strategy.run.round.rows.values()} == {"ok"}
     assert make(shapes, method="flexlora").max_norm_ratio == 10.0  # on without local DP
 
 

@@ -4,6 +4,7 @@ each round's lr to every client in place of the recipe's constant one."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 from flwr.app import ArrayRecord, ConfigRecord
@@ -39,7 +40,7 @@ def test_every_message_of_a_round_carries_that_rounds_lr():
     strategy, state = make_strategy()  # train_config's lr is 0.1
     grid = FakeGrid({11: "phone", 12: "desktop", 13: "phone"})
     assert {m.content["config"]["lr"] for m in strategy.configure_train(2, ArrayRecord(state), ConfigRecord({}), grid)} == {0.1}
-    strategy.client_lr = lambda server_round: 0.1 / server_round
+    strategy.settings = replace(strategy.settings, client_lr=lambda server_round: 0.1 / server_round)
     for server_round in (1, 4):
         msgs = list(strategy.configure_train(server_round, ArrayRecord(state), ConfigRecord({}), grid))
         assert [m.content["config"]["lr"] for m in msgs] == [0.1 / server_round] * 3

@@ -3,6 +3,8 @@ strategy's messages carrying each capped client its own local steps, and the led
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
@@ -27,8 +29,8 @@ class SizedGrid(FakeGrid):
 
 def capped_strategy(max_epochs: float, local_steps: int = 40):
     strategy, state = make_strategy()
-    strategy.train_config |= {"local-steps": local_steps, "batch-size": 16, "seq-len": 64}
-    strategy.max_epochs = max_epochs
+    train_config = {**strategy.settings.train_config, "local-steps": local_steps, "batch-size": 16, "seq-len": 64}
+    strategy.settings = replace(strategy.settings, train_config=train_config, max_epochs=max_epochs)
     return strategy, state
 
 
@@ -54,13 +56,13 @@ def test_each_message_carries_its_clients_capped_steps_and_its_row_prices_them()
                                                                                           13: "phone"}))}
     steps = {n: m.content["config"]["local-steps"] for n, m in msgs.items()}
     assert steps == {11: 10, 12: 40, 13: 3}  # ceil(5 x 30 / 16), uncapped, ceil(5 x 7 / 16)
-    assert {n: row.tokens for n, row in strategy.round.rows.items()} == {n: s * 16 * 64 for n, s in steps.items()}
+    assert {n: row.tokens for n, row in strategy.run.round.rows.items()} == {n: s * 16 * 64 for n, s in steps.items()}
     # the reply's own count of what it trained is what the ledger keeps and prices
     replies = [Message(RecordDict({"arrays": m.content["arrays"], "metrics": MetricRecord(
         {"num-examples": EXAMPLES[n], "train_loss": 1.0, "train_s": 0.1, "train_tokens": steps[n] * 16 * 64})}),
         reply_to=m) for n, m in msgs.items()]
     strategy.aggregate_train(1, replies)
-    rows = strategy.round.rows
+    rows = strategy.run.round.rows
     assert {n: (row.status, row.tokens) for n, row in rows.items()} == {n: ("ok", s * 16 * 64) for n, s in steps.items()}
     catalog = load_catalog()
     compute_s = {n: price_client(rows[n], catalog)["compute_s"] for n in (11, 13)}
@@ -72,7 +74,7 @@ def test_a_cap_that_binds_no_client_sends_the_same_messages_as_none():
         msgs = strategy.configure_train(1, ArrayRecord(state), ConfigRecord({}), SizedGrid({11: "phone", 12: "desktop",
                                                                                             13: "phone"}))
         return ([(m.metadata.dst_node_id, dict(m.content["config"]), m.content["arrays"].to_torch_state_dict().keys())
-                 for m in msgs], [row.to_dict() for row in strategy.round.rows.values()])
+                 for m in msgs], [row.to_dict() for row in strategy.run.round.rows.values()])
 
     plain, capped = capped_strategy(0.0, local_steps=2), capped_strategy(100.0, local_steps=2)  # no client reaches it
     assert round_one(*plain) == round_one(*capped)

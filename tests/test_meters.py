@@ -146,7 +146,7 @@ def test_measured_joules_reach_clients_jsonl_next_to_the_priced_energy(fake, tmp
     strategy.aggregate_train(1, replies)
     run = RunDir(tmp_path / "run", load_recipe("quickstart"))
     catalog = load_catalog()
-    run.log_clients([ledger_row(1, row, catalog) for row in strategy.round.rows.values()])
+    run.log_clients([ledger_row(1, row, catalog) for row in strategy.run.round.rows.values()])
     rows = read_jsonl(run.path / "clients.jsonl")
     assert len(rows) == 3
     for row in rows:

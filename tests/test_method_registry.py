@@ -178,6 +178,69 @@ def test_the_lists_are_the_registrys():
     assert all(m.mixed_plan for m in METHODS if m.mixable), "a mixed plan needs every mixable method's rows"
 
 
+def code_names(path: Path) -> list[tuple[int, str]]:
+    """(line, text) of every identifier (names, attributes, definitions, imports, arguments) and string constant in
+    ``path``'s code, docstrings left out."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    docstrings = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        line = getattr(node, "lineno", 0)
+        if isinstance(node, ast.Name):
+            found.append((line, node.id))
+        elif isinstance(node, ast.Attribute):
+            found.append((line, node.attr))
+        elif isinstance(node, ast.FunctionDef | ast.ClassDef):
+            found.append((line, node.name))
+        elif isinstance(node, ast.arg):
+            found.append((line, node.arg))
+        elif isinstance(node, ast.ImportFrom):
+            found += [(line, node.module or "")] + [(line, a.name) for a in node.names]
+        elif isinstance(node, ast.Import):
+            found += [(line, a.name) for a in node.names]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            found.append((line, node.value))
+    return found
+
+
+NAMES = set(BY_NAME) | set(ROLES)  # the methods and their client roles
+
+
+def test_the_client_app_names_no_method():
+    """The client app only dispatches (a role's node state is the role's own: fedfusion.clients.node): no method's
+    or role's name, registry constant or module anywhere in its code."""
+    client_app = ROOT / "fedfusion" / "client_app.py"
+    named = [f"{line}: {text!r}" for line, text in code_names(client_app)
+             if any(name in text.lower() for name in NAMES)]
+    assert not named, "client_app.py names a method:\n" + "\n".join(named)
+
+
+def test_the_method_grep_of_the_client_app_finds_what_it_looks_for(tmp_path):
+    code = tmp_path / "x.py"
+    code.write_text('"""about lora"""\nfrom fedfusion.config.methods import GENERATIVE\nimport fedfusion.clients.units\n'
+                    'def f(keeps_window): return x.LoRASpec or "mixed"\n')
+    names = sorted(text for _, text in code_names(code) if any(name in text.lower() for name in NAMES))
+    assert names == ["GENERATIVE", "LoRASpec", "fedfusion.clients.units", "keeps_window", "mixed"], names
+
+
+def test_every_role_names_its_node_state():
+    """The client app loads and saves a role's ``Node`` (fedfusion.clients.node) around its ``train``: every role
+    module defines one at its top level (read from the source: importing the LoRA role takes seconds)."""
+    for role, module in ROLES.items():
+        tree = ast.parse(path_of(module).read_text(encoding="utf-8"))
+        top = {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+        top |= {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
+        assert "Node" in top, (role, module)
+
+
+def test_every_message_type_of_a_role_has_a_handler():
+    from fedfusion.client_app import app
+    from fedfusion.wire.specs import ACTIONS
+
+    for action, role in ACTIONS.items():
+        assert f"train.{action}" in app._registered_funcs and hook(f"{ROLES[role]}:answer") is not None
+
+
 def test_a_built_method_carries_its_registry_name():
     from fedfusion.fusion.distill.method import DistillMethod
     from fedfusion.fusion.generative.method import GenerativeMethod

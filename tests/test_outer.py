@@ -160,7 +160,6 @@ def test_outer_state_survives_a_json_checkpoint_and_a_missing_one_is_refused():
     """The strategy's checkpoint is JSON: the outer optimizer's buffers must round-trip through it exactly."""
     import json
 
-    from fedfusion.strategies import FusionStrategy
     from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
     from flwr.supercore.task_identity import TaskIdentity
 
@@ -168,7 +167,7 @@ def test_outer_state_survives_a_json_checkpoint_and_a_missing_one_is_refused():
     from fedfusion.fusion.submodel.method import SubModelMethod
     from fedfusion.selection.participation import Participation
     from fedfusion.selection.selectors import make_selector
-    from tests.test_strategy import FakeGrid
+    from tests.test_strategy import FakeGrid, new_strategy
 
     TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 0
     cfg = _cfg()
@@ -178,7 +177,7 @@ def test_outer_state_survives_a_json_checkpoint_and_a_missing_one_is_refused():
 
     def make(outer):
         method = SubModelMethod(cfg, {"phone": 0.5}, state, policy="rolling", stride=0.25, stagger=True, outer=outer)
-        return FusionStrategy(
+        return new_strategy(
             {"phone": method}, clients_per_round=2, min_clients=1, query_config={"population": "{}"},
             participation=Participation(make_selector("random", seed=0), load_catalog()),
             train_config={"local-steps": 1, "lr": 0.1, "seed": 0}, wait_nodes_s=1.0)
@@ -190,12 +189,12 @@ def test_outer_state_survives_a_json_checkpoint_and_a_missing_one_is_refused():
     replies = [Message(RecordDict({"arrays": ArrayRecord({k: v + 0.01 for k, v in m.content["arrays"].to_torch_state_dict().items()}),
                                    "metrics": metrics}), reply_to=m) for m in msgs]
     strategy.aggregate_train(1, replies)
-    saved = json.loads(json.dumps(strategy.state_dict()))  # what save_checkpoint writes
+    saved = json.loads(json.dumps(strategy.run.state_dict()))  # what save_checkpoint writes
     resumed = make(OuterConfig("nesterov", lr=0.7, momentum=0.9))
-    resumed.load_state_dict(saved, rounds_done=1)
-    before, after = strategy.methods["phone"].outer, resumed.methods["phone"].outer
+    resumed.run.load_state_dict(saved, rounds_done=1)
+    before, after = strategy.run.methods["phone"].outer, resumed.run.methods["phone"].outer
     assert after.steps == 1 and set(after.state) == set(before.state)
     assert all(torch.equal(after.state[k]["m"], before.state[k]["m"]) for k in before.state)
-    plain = make(None).state_dict()
+    plain = make(None).run.state_dict()
     with pytest.raises(ValueError, match="no outer-optimizer state"):
-        make(OuterConfig("avgm")).load_state_dict(json.loads(json.dumps(plain)), rounds_done=1)
+        make(OuterConfig("avgm")).run.load_state_dict(json.loads(json.dumps(plain)), rounds_done=1)

@@ -104,10 +104,10 @@ def test_participation_state_restores_selector_clock_and_examples():
 
 def test_strategy_logs_dropped_clients_without_sending_them_work():
     strategy, state = make_strategy()
-    strategy.participation.deadline_s = 1e-9  # every client is predicted too slow
+    strategy.run.participation.deadline_s = 1e-9  # every client is predicted too slow
     grid = FakeGrid({11: "phone", 12: "desktop", 13: "phone"})
     assert list(strategy.configure_train(1, ArrayRecord(state), ConfigRecord({}), grid)) == []
-    rows = strategy.round.rows.values()
+    rows = strategy.run.round.rows.values()
     assert {r.status for r in rows} == {"dropped"} and all(r.params > 0 and r.bytes_down > 0 for r in rows)
     arrays, metrics = strategy.aggregate_train(1, [])
     assert arrays is None and metrics["clients_ok"] == 0
@@ -128,7 +128,7 @@ def test_a_pool_takes_another_batch_while_too_few_of_its_nodes_are_available():
     avail = AvailabilityModel.for_tiers([tiers[n] for n in range(3000)], CATALOG, seed=3)
     clock = 18 * 3600.0  # about 1% of these devices are in a window
     strategy = pooled_strategy(pool=10)
-    strategy.participation = Participation(make_selector("random", seed=0), CATALOG, avail, start_clock_s=clock)
+    strategy.run.participation = Participation(make_selector("random", seed=0), CATALOG, avail, start_clock_s=clock)
     grid = CountingGrid(tiers)
     drawn = strategy.sample(grid, 1)
     eligible = set(avail.available(1, clock).tolist())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fedfusion.clients.node import Stateless
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from fp_bounds import assert_within, gamma, unit_roundoff
 from transformers import LlamaForCausalLM
@@ -295,7 +296,9 @@ def test_a_rolling_clients_uploads_track_its_changes_across_rounds():
 class PatternRole:
     """A client role that adds :func:`_changes` to what it receives (the handler's wire path is under test)."""
 
-    def train(self, state, spec, partition, accelerator):
+    Node = Stateless
+
+    def train(self, state, spec, partition, accelerator, node):
         change = _changes({k: v.shape for k, v in state.items()}, small=2e-3)
         return {k: v + change[k] for k, v in state.items()}, {"num-examples": 4, "train_loss": 1.0, "train_s": 0.1}
 
@@ -365,18 +368,17 @@ def test_the_ledger_counts_the_bytes_the_messages_carried():
     scales, shapes, index, and Flower's ~130 bytes of npy header and key per array); on a slice of 64 x 256 layers
     an int4 wire moves under a quarter of the float32 bytes each way (on the 32 x 48 test model the headers of
     three arrays per tensor would weigh a third)."""
-    from fedfusion.strategies import FusionStrategy
 
     from fedfusion.devices.catalog import load_catalog
     from fedfusion.selection.participation import Participation
     from fedfusion.selection.selectors import make_selector
-    from tests.test_strategy import FakeGrid
+    from tests.test_strategy import FakeGrid, new_strategy
 
     grid = FakeGrid({11: "phone", 12: "phone"})
     moved = {}
     for wire in (Wire(), Wire("int4", "int4")):
         method, state = _method(wire, hidden=64, inter=256)
-        strategy = FusionStrategy({"phone": method}, clients_per_round=2, query_config={"population": "{}"},
+        strategy = new_strategy({"phone": method}, clients_per_round=2, query_config={"population": "{}"},
                                   participation=Participation(make_selector("random", seed=0), load_catalog()),
                                   train_config={"local-steps": 1, "lr": 0.1, "seed": 0}, wait_nodes_s=1.0)
         msgs = list(strategy.configure_train(1, ArrayRecord(state), ConfigRecord({}), grid))
@@ -387,9 +389,9 @@ def test_the_ledger_counts_the_bytes_the_messages_carried():
             reply, _ = client_reply({k: v + 1e-3 for k, v in got.items()}, arrays, wire.up, {})
             replies.append(Message(RecordDict({"arrays": ArrayRecord(reply), "metrics": MetricRecord(
                 {"num-examples": 4, "train_loss": 1.0, "train_s": 0.1})}), reply_to=m))
-            assert strategy.round.rows[m.metadata.dst_node_id].bytes_down == m.content["arrays"].count_bytes()
+            assert strategy.run.round.rows[m.metadata.dst_node_id].bytes_down == m.content["arrays"].count_bytes()
         strategy.aggregate_train(1, replies)
-        rows = list(strategy.round.rows.values())
+        rows = list(strategy.run.round.rows.values())
         assert {r.status for r in rows} == {"ok"}
         assert [r.bytes_up for r in rows] == [r.content["arrays"].count_bytes() for r in replies]
         moved[wire.down] = (sum(r.bytes_down for r in rows), sum(r.bytes_up for r in rows))

@@ -3,6 +3,7 @@ the extra clients and records the ones it did not wait for as ``cut``."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from uuid import uuid4
 
 import pytest
@@ -84,20 +85,20 @@ def test_other_messages_wait_for_everyone_through_the_wrapped_grid():
 
 def test_over_selection_samples_extra_clients_and_records_the_ones_not_waited_for_as_cut():
     strategy, state = make_strategy()
-    strategy.clients_per_round, strategy.overselect = 2, 0.5  # ceil(2 x 1.5) = 3 sampled
+    strategy.settings = replace(strategy.settings, clients_per_round=2, overselect=0.5)  # ceil(2 x 1.5) = 3 sampled
     grid = FakeGrid({11: "phone", 12: "desktop", 13: "phone", 14: "desktop"})
     msgs = list(strategy.configure_train(1, ArrayRecord(state), ConfigRecord({}), grid))
     assert len(msgs) == 3
     ok = [_reply(m, m.content["arrays"].to_torch_state_dict()) for m in msgs[:2]]
     strategy.aggregate_train(1, ok)
-    statuses = sorted(c.status for c in strategy.round.rows.values())
+    statuses = sorted(c.status for c in strategy.run.round.rows.values())
     assert statuses == ["cut", "ok", "ok"]
-    cut = next(c for c in strategy.round.rows.values() if c.status == "cut")
+    cut = next(c for c in strategy.run.round.rows.values() if c.status == "cut")
     assert "closed once 2 updates" in cut.error
     # short of the quorum, a silent client timed out as without over-selection
     msgs = list(strategy.configure_train(2, ArrayRecord(state), ConfigRecord({}), grid))
     strategy.aggregate_train(2, [_reply(msgs[0], msgs[0].content["arrays"].to_torch_state_dict())])
-    assert sorted(c.status for c in strategy.round.rows.values()) == ["ok", "timeout", "timeout"]
+    assert sorted(c.status for c in strategy.run.round.rows.values()) == ["ok", "timeout", "timeout"]
 
 
 def test_overselect_is_checked():

@@ -26,6 +26,7 @@ from fedfusion.wire.keys import FROZEN, NUM_EXAMPLES
 from fedfusion.wire.quantize import Wire, decode, unpack_index
 from fedfusion.wire.specs import Caps, SecAggSpec
 from tests.conftest import tiny_config
+from tests.test_strategy import new_strategy
 
 
 @pytest.fixture(autouse=True)
@@ -154,7 +155,7 @@ def make_strategy(secure: bool, weighting: str = "examples", forward: str = "sli
     widths = {"phone": 0.25, "laptop": 0.5, "desktop": 0.5}
     method = SubModelMethod(cfg, widths, state, policy="rolling", stride=0.25, stagger=True, forward=forward,
                             wire=Wire("float16"))
-    strategy = FusionStrategy(
+    strategy = new_strategy(
         dict.fromkeys(widths, method), clients_per_round=4, query_config={"population": "{}"},
         participation=Participation(make_selector("random", seed=0), load_catalog()),
         train_config={"local-steps": 1, "lr": 0.1, "seed": 0}, wait_nodes_s=1.0, weighting=weighting,
@@ -173,11 +174,11 @@ def fold_bound(strategy: FusionStrategy, state: dict, replies: int) -> dict[str,
     """Per coordinate, how far the plain and the secure fold may differ: both sum at most ``replies`` weighted
     float32 terms of magnitude (start + change) / scale (gamma_{2 replies + 8}, the changes' float32 subtraction and the
     conversions included), and the secure sum carries half a unit of 2**-32 per reply; over the coordinate's weight."""
-    method = strategy.fold_order[0]
+    method = strategy.run.fold_order[0]
     sums = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in state.items()}
     counts = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in state.items()}
-    for node, payload in strategy.round.payloads.items():
-        row = strategy.round.rows[node]
+    for node, payload in strategy.run.round.payloads.items():
+        row = strategy.run.round.rows[node]
         if row.status != "ok":
             continue
         layout = method.secure_layout(payload)
@@ -214,7 +215,7 @@ def test_the_secure_fold_equals_the_plain_one_and_the_server_holds_only_masked_v
     grid = ClientGrid()
     got = run_round(secure, state, grid)
     assert got is not None and want is not None
-    assert all(r.status == "ok" for r in secure.round.rows.values()) and len(secure.round.rows) == 4
+    assert all(r.status == "ok" for r in secure.run.round.rows.values()) and len(secure.run.round.rows) == 4
     bound = fold_bound(secure, state, 4)
     moved = 0
     for name in want:
@@ -224,8 +225,8 @@ def test_the_secure_fold_equals_the_plain_one_and_the_server_holds_only_masked_v
     # what the server received: keys, sealed shares, masked vectors, shares; never a trained array
     trained = [r for r in grid.seen if "arrays" in r.content and "metrics" in r.content]
     assert len(trained) == 4 and all(set(r.content["arrays"].keys()) == {sa.MASKED_KEY} for r in trained)
-    assert "secagg_s" in secure.round.server_cost
-    assert all(row.extra["secagg_bytes"] > 0 for row in secure.round.rows.values())
+    assert "secagg_s" in secure.run.round.server_cost
+    assert all(row.extra["secagg_bytes"] > 0 for row in secure.run.round.rows.values())
 
 
 def test_a_client_that_drops_after_the_keys_is_unmasked_from_the_others_shares():
@@ -234,7 +235,7 @@ def test_a_client_that_drops_after_the_keys_is_unmasked_from_the_others_shares()
     got = run_round(secure, state, ClientGrid(drop=(12,)))
     want = run_round(plain, state, ClientGrid(drop=(12,)))
     assert got is not None and want is not None
-    assert secure.round.rows[12].status == "failed"
+    assert secure.run.round.rows[12].status == "failed"
     bound = fold_bound(secure, state, 3)
     for name in want:
         assert_within(got[name], want[name], bound.get(name, 0.0))
@@ -243,12 +244,12 @@ def test_a_client_that_drops_after_the_keys_is_unmasked_from_the_others_shares()
 def test_too_few_survivors_void_the_round_and_a_lying_server_gets_no_shares(caplog):
     secure, state = make_strategy(True)
     assert run_round(secure, state, ClientGrid(drop=(11, 12, 13))) is None  # 1 survivor < threshold 3
-    assert secure.round.void
+    assert secure.run.round.void
     assert "fewer than secure aggregation's threshold 3" in caplog.text
     secure, state = make_strategy(True)
     grid = ClientGrid(lie=True)
     assert run_round(secure, state, grid) is None  # every client refuses to reveal both secrets of a survivor
-    assert "refused to unmask" in caplog.text and secure.round.void
+    assert "refused to unmask" in caplog.text and secure.run.round.void
 
 
 def test_a_malformed_masked_reply_is_rejected_and_the_rest_still_unmask(caplog):
@@ -263,7 +264,7 @@ def test_a_malformed_masked_reply_is_rejected_and_the_rest_still_unmask(caplog):
     plain, state = make_strategy(False)
     secure, _ = make_strategy(True)
     got = run_round(secure, state, Short())
-    assert secure.round.rows[13].status == "rejected" and "masked vector must be" in secure.round.rows[13].error
+    assert secure.run.round.rows[13].status == "rejected" and "masked vector must be" in secure.run.round.rows[13].error
     want = run_round(plain, state, ClientGrid(drop=(13,)))
     bound = fold_bound(secure, state, 3)
     for name in want:

@@ -25,6 +25,7 @@ from fedfusion.wire.keys import NUM_EXAMPLES
 from fedfusion.wire.quantize import decode
 from fedfusion.wire.specs import LoRABaseSpec
 from tests.test_secagg import DEVICES, ClientGrid, change_of, task_identity  # noqa: F401 (an autouse fixture)
+from tests.test_strategy import new_strategy
 
 MODULES = {"layers.0.q_proj": (16, 12), "layers.0.v_proj": (8, 12)}
 # two float32 results, each a few float32 roundings (the factors' change, the unmasked sum, the aggregate's factors,
@@ -49,7 +50,7 @@ def make_strategy(method: str, secure: bool) -> FusionStrategy:
     alphas = {"phone": 4.0, "laptop": 8.0, "desktop": 8.0} if method != "fedavg" else dict.fromkeys(ranks, 8.0)
     lora = LoRAMethod(MODULES, ranks, alphas, dict.fromkeys(ranks, 0), method, 1000,
                       LoRABaseSpec("unused", "float32", tuple(MODULES), 0.0))
-    return FusionStrategy(
+    return new_strategy(
         dict.fromkeys(ranks, lora), clients_per_round=4, query_config={"population": "{}"},
         participation=Participation(make_selector("random", seed=0), load_catalog()),
         train_config={"local-steps": 1, "lr": 0.1, "seed": 0}, wait_nodes_s=1.0, weighting="examples",
@@ -66,7 +67,7 @@ def train_round(strategy: FusionStrategy, server_round: int, state: dict, grid: 
 def magnitudes(strategy: FusionStrategy, method: str) -> dict[str, torch.Tensor]:
     """Per module, the magnitudes the round's global update is a signed sum of: every trained client's starting and
     trained adapter, weighted (``sum p |s B| |A|`` for the dense methods, ``(sum p |s B|) (sum p |A|)`` padded)."""
-    rows = [(strategy.round.payloads[n], r) for n, r in strategy.round.rows.items() if r.status == "ok"]
+    rows = [(strategy.run.round.payloads[n], r) for n, r in strategy.run.round.rows.items() if r.status == "ok"]
     total = sum(r.examples for _, r in rows)
     out = {}
     for m, (o, i) in MODULES.items():
@@ -92,7 +93,7 @@ def test_the_secure_lora_fold_gives_the_plain_global_update_two_rounds_running(m
         grid = LoRAGrid()
         want = train_round(plain, server_round, want, LoRAGrid())
         got = train_round(secure, server_round, got, grid)
-        assert all(r.status == "ok" for r in secure.round.rows.values()) and len(secure.round.rows) == 4
+        assert all(r.status == "ok" for r in secure.run.round.rows.values()) and len(secure.run.round.rows) == 4
         # every trained reply the server got is a masked vector of the round's support alone
         trained = [r for r in grid.seen if "metrics" in r.content]
         assert len(trained) == 4 and all(set(r.content["arrays"].keys()) == {sa.MASKED_KEY} for r in trained)
@@ -106,7 +107,7 @@ def test_the_secure_lora_fold_gives_the_plain_global_update_two_rounds_running(m
                 if method in ("flexlora", "flora") else 0.0
             # the fixed point: half a unit of 2**-32 per reply and coordinate, over the round's examples; padded
             # factors carry it into the product through each row of B and column of A
-            eps = 4 * 2.0 ** -33 / sum(r.examples for r in secure.round.rows.values())
+            eps = 4 * 2.0 ** -33 / sum(r.examples for r in secure.run.round.rows.values())
             fixed = eps if method in ("flexlora", "flora") else \
                 eps * (gb[m].double().abs().sum(1, keepdim=True) + ga[m].double().abs().sum(0, keepdim=True) + 8 * eps)
             assert_within(g, w, ROUNDINGS * (size[m] + wb[m].double().abs() @ wa[m].double().abs()

@@ -9,7 +9,7 @@ from functools import partial
 import numpy as np
 import pytest
 import torch
-from fedfusion.strategies import FusionStrategy
+from fedfusion.strategies.fusion import FusionStrategy, RunState, StrategySettings
 from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
 from fp_bounds import assert_within, gamma
 from transformers import LlamaForCausalLM
@@ -62,8 +62,14 @@ def test_a_capability_reply_missing_a_key_is_refused_naming_it(caplog):
     strategy, state = make_strategy()
     grid = Partial({11: "phone", 12: "desktop", 13: "phone"})
     msgs = list(strategy.configure_train(1, ArrayRecord(state), ConfigRecord({}), grid))
-    assert sorted(m.metadata.dst_node_id for m in msgs) == [11, 13] and 12 not in strategy.caps
+    assert sorted(m.metadata.dst_node_id for m in msgs) == [11, 13] and 12 not in strategy.run.caps
     assert "node 12: capability reply refused: message spec lacks 'examples'" in caplog.text
+
+
+def new_strategy(methods: dict, participation: Participation, listeners=(), secure=None, **settings) -> FusionStrategy:
+    """A FusionStrategy with these settings (:class:`StrategySettings`) over ``methods``, on a new run's state."""
+    given = StrategySettings(**settings)
+    return FusionStrategy(given, RunState.begin(methods, participation, given), listeners, secure)
 
 
 def make_strategy(min_clients: int = 1, aggregate: str = "mean", wire_dtype: str = "float32") -> tuple[FusionStrategy, dict]:
@@ -72,7 +78,7 @@ def make_strategy(min_clients: int = 1, aggregate: str = "mean", wire_dtype: str
     state = LlamaForCausalLM(cfg).state_dict()
     method = SubModelMethod(cfg, {"phone": 0.25, "desktop": 0.5}, state, policy="rolling", stride=0.25, stagger=True,
                             aggregate=aggregate, wire=Wire(wire_dtype))
-    strategy = FusionStrategy(
+    strategy = new_strategy(
         {"phone": method, "desktop": method}, clients_per_round=3, min_clients=min_clients,
         query_config={"population": "{}"}, participation=Participation(make_selector("random", seed=0), load_catalog()),
         train_config={"local-steps": 1, "lr": 0.1, "seed": 0}, wait_nodes_s=1.0,
@@ -82,7 +88,7 @@ def make_strategy(min_clients: int = 1, aggregate: str = "mean", wire_dtype: str
 
 def plans(strategy: FusionStrategy) -> dict:
     """Each sampled node's slice plan this round."""
-    return {node: payload.context[0] for node, payload in strategy.round.payloads.items()}
+    return {node: payload.context[0] for node, payload in strategy.run.round.payloads.items()}
 
 
 def test_each_node_gets_its_own_message_with_its_slice_and_spec():
@@ -120,14 +126,14 @@ def test_bad_replies_are_rejected_and_logged_and_good_ones_fold_in():
     nan["model.norm.weight"][0] = float("nan")
     arrays, metrics = strategy.aggregate_train(1, [_reply(msgs[11], good), _reply(msgs[12], nan),
                                                    _reply(msgs[13], None, error="device crashed")])
-    status = {n: c.status for n, c in strategy.round.rows.items()}
+    status = {n: c.status for n, c in strategy.run.round.rows.items()}
     assert status == {11: "ok", 12: "rejected", 13: "failed"}
-    assert {r.method for r in strategy.round.rows.values()} == {"submodel"}  # clients.jsonl's method field
-    assert "NaN" in strategy.round.rows[12].error and "crashed" in strategy.round.rows[13].error
+    assert {r.method for r in strategy.run.round.rows.values()} == {"submodel"}  # clients.jsonl's method field
+    assert "NaN" in strategy.run.round.rows[12].error and "crashed" in strategy.run.round.rows[13].error
     assert metrics["clients_ok"] == 1
     new = arrays.to_torch_state_dict()
     plan = plans(strategy)[11]
-    plan_config = strategy.methods["phone"].config
+    plan_config = strategy.run.methods["phone"].config
     expected = extract(state, plan_config, plan)
     # node 11's slice moved by exactly its update (scaler undone); everything else unchanged
     got = extract(new, plan_config, plan)
@@ -144,8 +150,8 @@ def test_too_few_good_replies_leave_the_target_unchanged():
     msgs = list(strategy.configure_train(1, ArrayRecord(state), ConfigRecord({}), grid))
     replies = [_reply(msgs[0], msgs[0].content["arrays"].to_torch_state_dict())]  # two nodes never answer
     arrays, metrics = strategy.aggregate_train(1, replies)
-    assert arrays is None and metrics["clients_ok"] == 1 and strategy.round.void
-    assert sorted(c.status for c in strategy.round.rows.values()) == ["ok", "timeout", "timeout"]
+    assert arrays is None and metrics["clients_ok"] == 1 and strategy.run.round.void
+    assert sorted(c.status for c in strategy.run.round.rows.values()) == ["ok", "timeout", "timeout"]
 
 
 def test_unknown_device_is_not_sampled():
@@ -225,7 +231,7 @@ def test_fuzzed_malformed_replies_are_all_rejected_logged_and_leave_the_target_u
                    for i, m in enumerate(msgs)]
         arrays, metrics = strategy.aggregate_train(rnd, replies)
         assert arrays is None and metrics["clients_ok"] == 0
-        rows = strategy.round.rows.values()
+        rows = strategy.run.round.rows.values()
         assert all(r.status == "rejected" and r.error for r in rows), [(r.status, r.error) for r in rows]
 
 
@@ -239,7 +245,7 @@ def test_a_good_update_with_broken_train_metrics_is_rejected_whole():
                for m, metrics in zip(msgs, bad)]
     arrays, metrics = strategy.aggregate_train(1, replies)
     assert arrays is None and metrics["clients_ok"] == 0
-    assert {r.status for r in strategy.round.rows.values()} == {"rejected"}
+    assert {r.status for r in strategy.run.round.rows.values()} == {"rejected"}
 
 
 def test_a_measured_host_energy_reading_is_kept_and_labelled():
@@ -250,7 +256,7 @@ def test_a_measured_host_energy_reading_is_kept_and_labelled():
                             "measured-j-nvml": 2.5})
     replies = [Message(RecordDict({"arrays": m.content["arrays"], "metrics": metrics}), reply_to=m) for m in msgs]
     strategy.aggregate_train(1, replies)
-    rows = strategy.round.rows.values()
+    rows = strategy.run.round.rows.values()
     assert all(r.status == "ok" and r.measured_j == 42.5 and r.measured_source == "nvml+rapl" for r in rows)
 
 
@@ -270,7 +276,7 @@ def test_tied_embeddings_travel_once_and_stay_tied(family):
     torch.manual_seed(0)
     state = family_of(cfg).build(cfg).state_dict()
     method = SubModelMethod(cfg, {"phone": 0.5, "desktop": 1.0}, state, policy="rolling", stride=0.25)
-    strategy = FusionStrategy(
+    strategy = new_strategy(
         {"phone": method, "desktop": method}, clients_per_round=2, min_clients=1, query_config={"population": "{}"},
         participation=Participation(make_selector("random", seed=0), load_catalog()),
         train_config={"local-steps": 1, "lr": 0.1, "seed": 0}, wait_nodes_s=1.0,
@@ -279,7 +285,7 @@ def test_tied_embeddings_travel_once_and_stay_tied(family):
     replies = []
     for m in msgs:
         sent = m.content["arrays"].to_torch_state_dict()
-        row = strategy.round.rows[m.metadata.dst_node_id]
+        row = strategy.run.round.rows[m.metadata.dst_node_id]
         sub = model_from_state(cfg.__class__.from_dict(json.loads(m.content["config"]["model-config"])), sent)
         assert alias not in sent and source in sent
         assert row.params == sum(p.numel() for p in sub.parameters()) == sum(t.numel() for t in sent.values())
@@ -314,7 +320,7 @@ def test_an_fp16_downlink_halves_the_bytes_sent_and_loses_no_part_of_an_update()
         replies = []
         for m, s in zip(msgs, sent):  # every client moves every weight it holds by ``step`` (after the scaler)
             plan = plans(strategy)[m.metadata.dst_node_id]
-            model = model_from_state(sub_config(strategy.methods["phone"].config, plan), s)
+            model = model_from_state(sub_config(strategy.run.methods["phone"].config, plan), s)
             with torch.no_grad():
                 for p in model.parameters():
                     p.add_(step)
@@ -355,7 +361,7 @@ def pooled_strategy(pool: int, clients_per_round: int = 3) -> FusionStrategy:
     cfg = tiny_config(heads=4, kv_heads=4, hidden=32, inter=48)
     method = SubModelMethod(cfg, {"phone": 0.25, "desktop": 0.5}, LlamaForCausalLM(cfg).state_dict(),
                             policy="rolling", stride=0.25)
-    return FusionStrategy(
+    return new_strategy(
         {"phone": method, "desktop": method}, clients_per_round=clients_per_round, pool=pool,
         query_config={"population": "{}"}, participation=Participation(make_selector("random", seed=0), load_catalog()),
         train_config={"seed": 0}, wait_nodes_s=1.0,
@@ -367,7 +373,7 @@ def test_a_population_within_the_pool_is_queried_whole_once_and_drawn_from_whole
     strategy = pooled_strategy(pool=40)
     drawn = [strategy.sample(grid, r) for r in (1, 2, 3)]
     assert grid.queries == [list(range(1, 41))]  # round 1 asks everyone, later rounds no one
-    assert all(len(d) == 3 for d in drawn) and len(strategy.caps) == 40
+    assert all(len(d) == 3 for d in drawn) and len(strategy.run.caps) == 40
 
 
 def test_a_larger_population_is_queried_lazily_in_pools_never_twice_and_drawn_over_all_of_it():
@@ -377,8 +383,8 @@ def test_a_larger_population_is_queried_lazily_in_pools_never_twice_and_drawn_ov
     drawn = [n for r in range(1, 31) for n in strategy.sample(grid, r)]
     asked = [n for batch in grid.queries for n in batch]
     assert all(len(batch) <= 20 for batch in grid.queries) and len(asked) == len(set(asked))
-    assert len(strategy.caps) == len(asked) <= 30 * 20  # the server holds only the nodes its pools held
-    assert len(drawn) == 90 and set(drawn) <= set(strategy.caps)
+    assert len(strategy.run.caps) == len(asked) <= 30 * 20  # the server holds only the nodes its pools held
+    assert len(drawn) == 90 and set(drawn) <= set(strategy.run.caps)
     # each round's pool is drawn over every node, not over those known already: later rounds train new nodes
     assert len(set(drawn)) > 80
 
@@ -391,7 +397,7 @@ def test_a_pool_short_of_usable_nodes_takes_another_batch_and_a_useless_node_is_
         assert len(strategy.sample(grid, r)) == 3
     asked = [n for batch in grid.queries for n in batch]
     assert len(grid.queries) > 3 and len(asked) == len(set(asked))  # more than one batch a round, none repeated
-    assert strategy.unusable == {n for n in asked if devices[n] == "toaster"}
+    assert strategy.run.unusable == {n for n in asked if devices[n] == "toaster"}
 
 
 def test_a_pool_smaller_than_the_draw_is_refused():
@@ -421,7 +427,7 @@ def test_a_real_devices_own_training_time_is_priced_as_measured():
     replies = [Message(RecordDict({"arrays": ArrayRecord(msgs[n].content["arrays"].to_torch_state_dict()),
                                    "metrics": MetricRecord({**base, **extra[n]})}), reply_to=msgs[n]) for n in msgs]
     strategy.aggregate_train(1, replies)
-    device, simulated, broken = (strategy.round.rows[n] for n in (11, 12, 13))
+    device, simulated, broken = (strategy.run.round.rows[n] for n in (11, 12, 13))
     assert (device.status, device.device_s, simulated.status, simulated.device_s) == ("ok", 7.5, "ok", None)
     assert broken.status == "rejected" and DEVICE_STEP_S in (broken.error or "")
     phone = load_catalog()["phone"]

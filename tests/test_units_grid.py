@@ -1,5 +1,5 @@
 """The units mode's Flower seam without Flower's runtime: :class:`GridTransport` over an in-memory fake Grid whose
-nodes run the real ClientApp handler (``fedfusion.client_app.units``, weight cache in ``context.state``)."""
+nodes run the real handler (``fedfusion.clients.units.answer``, weight cache in ``context.state``)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from uuid import uuid4
 
 import pytest
 import torch
+from fedfusion.clients.units import Node
+from fedfusion.clients.units import answer as units_handler
 from fedfusion.strategies.transport import UNITS_MESSAGE, GridTransport
 from flwr.app import Context, Message, RecordDict
 
-from fedfusion.client_app import UNITS_CACHE
-from fedfusion.client_app import units as units_handler
 from fedfusion.config.recipe import load_recipe
 from fedfusion.config.sections import RecipeError
 from fedfusion.units import Gemm, Operand, UnitDevice, UnitEngine
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py: tiny GE
 
 
 class FakeGrid:
-    """Answers each pushed message at once through the ClientApp handler, except nodes in ``silent`` (never) and
+    """Answers each pushed message at once through the units role's handler, except nodes in ``silent`` (never) and
     nodes in ``forget`` (their context.state is wiped before each message: a lost weight cache)."""
 
     def __init__(self, nodes: list[int], silent: set[int] = frozenset(), forget: set[int] = frozenset()) -> None:
@@ -80,7 +80,7 @@ def test_grid_transport_pushes_one_units_message_per_device_and_the_product_is_e
     assert len({m.metadata.dst_node_id for m in grid.pushed}) == len(grid.pushed)  # one message per device
     assert transport.waits[0].waited_s < 1.0 and not transport.waits[0].missed
     # each node keeps the weight blocks it got in context.state; the next phase on the same weights sends none
-    assert any(len(grid.contexts[n].state[UNITS_CACHE]) for n in nodes)
+    assert any(len(grid.contexts[n].state[Node.CACHE]) for n in nodes)
     first = sum(engine.trace[0].down_bytes.values())
     (again,) = engine.phase([Gemm(Operand("X", g.a.base * 2), g.b)])
     assert (again - 2 * want).abs().max() <= 1e-12

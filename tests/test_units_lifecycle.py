@@ -13,12 +13,12 @@ from typing import Any
 from uuid import uuid4
 
 import pytest
+from fedfusion.clients.units import answer as units_handler
 from fedfusion.strategies.stop import StopRequest
 from flwr.app import Context, Message, MessageType, RecordDict
 
 from fedfusion.analysis.report import read_jsonl
 from fedfusion.client_app import query as query_handler
-from fedfusion.client_app import units as units_handler
 from fedfusion.run.check import load_checked
 from fedfusion.run.federation import run_federation
 from fedfusion.run.run_dir import RunDir

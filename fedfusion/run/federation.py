@@ -40,7 +40,7 @@ from fedfusion.run.run_dir import RunDir
 from fedfusion.run.targets import Target, lm_target, lora_target
 from fedfusion.selection.participation import Participation, jain_index
 from fedfusion.selection.selectors import make_selector
-from fedfusion.strategies.fusion import FusionStrategy, Listener
+from fedfusion.strategies.fusion import FusionStrategy, Listener, RunState, StrategySettings
 from fedfusion.strategies.nodes import connected_nodes
 from fedfusion.strategies.quorum import QuorumGrid
 from fedfusion.strategies.secagg import SecureAggregation
@@ -103,7 +103,8 @@ def build_methods(recipe: Recipe, target: Target) -> dict[str, FusionMethod]:
 
 
 def build_strategy(recipe: Recipe, target: Target, listeners: Sequence[Listener] = ()) -> FusionStrategy:
-    """The fusion strategy over the recipe's methods, with the specs its messages carry."""
+    """The fusion strategy of the recipe's settings, with the specs its messages carry, given a new run's state over
+    the recipe's methods and participation draw."""
     lora = recipe.fusion.method == LORA
     source = recipe.data_source()
     client = ClientSpec(lora_data_spec(source) if lora else data_spec(source), recipe.train.seq_len,
@@ -111,9 +112,7 @@ def build_strategy(recipe: Recipe, target: Target, listeners: Sequence[Listener]
     population = PopulationSpec(dict(recipe.population.mix), recipe.population.num_clients, recipe.seed)
     # the role that counts a node's examples: LoRA clients count instruction pairs of the base's tokens
     query = merge(client, population, RoleSpec(LORA if lora else SUBMODEL), *([lora_client_spec(recipe.lora)] if lora else []))
-    return FusionStrategy(
-        build_methods(recipe, target),
-        participation=build_participation(recipe),
+    settings = StrategySettings(
         clients_per_round=recipe.selection.clients_per_round,
         min_clients=recipe.selection.min_clients,
         query_config=query,
@@ -129,12 +128,15 @@ def build_strategy(recipe: Recipe, target: Target, listeners: Sequence[Listener]
         overselect=recipe.selection.overselect,
         query_timeout_s=recipe.selection.timeout_s,
         pool=recipe.selection.pool,
-        listeners=listeners,
         client_lr=partial(round_lr, recipe.train.lr, recipe.train.lr_schedule, recipe.train.lr_final,
                           rounds=recipe.rounds),
         server_threads=recipe.engine.server_threads,
         eval_every=recipe.train.eval_every,
         max_epochs=recipe.train.max_epochs,
+    )
+    return FusionStrategy(
+        settings, RunState.begin(build_methods(recipe, target), build_participation(recipe), settings),
+        listeners=listeners,
         secure=SecureAggregation(recipe.fusion.weighting, recipe.selection.timeout_s)
         if recipe.privacy.secure_aggregation else None,
     )
@@ -184,7 +186,7 @@ class CentralEvaluation:
 class RoundLedger:
     """A listener of the strategy's round reports: the round's metrics row (its prices, the server's work) and its
     clients' ledger rows, recorded through the run's :class:`~fedfusion.run.lifecycle.Recorder` with the checkpoint
-    the round may be due (``state`` gives the strategy's state for it)."""
+    the round may be due (``state`` gives the strategy's run state for it)."""
 
     def __init__(self, recorder: Recorder, state: Callable[[], dict[str, Any]], target: Target,
                  catalog: dict[str, Device], resumed: Checkpoint | None = None,
@@ -278,14 +280,14 @@ class Federation:
 
     def train(self, grid: Grid, recorder: Recorder, resumed: Checkpoint | None) -> None:
         """Flower's strategy loop over the rounds left, from the checkpoint's target and strategy state."""
-        self.ledger = RoundLedger(recorder, self.strategy.state_dict, self.target, self.catalog, resumed,
-                                  self.server_device)
+        run = self.strategy.run
+        self.ledger = RoundLedger(recorder, run.state_dict, self.target, self.catalog, resumed, self.server_device)
         self.strategy.listeners.append(self.ledger)
-        initial = ArrayRecord(initial_state(self.strategy.methods, self.target.initial.to_torch_state_dict()))
+        initial = ArrayRecord(initial_state(run.methods, self.target.initial.to_torch_state_dict()))
         if resumed is not None:
             initial = ArrayRecord(resumed.target)
             self.target.load(initial)
-            self.strategy.load_state_dict(resumed.strategy, resumed.round)
+            run.load_state_dict(resumed.strategy, resumed.round)
         if self.recipe.selection.overselect > 0:
             grid = QuorumGrid(grid, quorum=self.recipe.selection.clients_per_round)
         self.strategy.start(

@@ -22,7 +22,7 @@ from dataclasses import Field, asdict, dataclass, field, fields
 from typing import Any, ClassVar, Self, get_type_hints
 
 from fedfusion.config.choices import DEVICE_STATES, LORA_DTYPES, LORA_METHODS, OPTIMIZERS, POLICIES, PRIVACY_MODES, QUANTIZE_BITS, UPLINK
-from fedfusion.config.methods import ROLES
+from fedfusion.config.methods import ROLES, UNITS
 from fedfusion.config.sections import FaultConfig, PrivacyConfig, TrainConfig
 
 # how an error reply says that a phone behind a device gateway missed its deadline: the strategy records a dropout
@@ -457,6 +457,8 @@ UNITS_ACTION = "units"  # message type "train.units": the ClientApp's @app.train
 UNITS_RECORD = "units"  # the ArrayRecord (and reply ArrayRecord) that carries the bytes
 UNITS_PAYLOAD = "payload"  # its one array: the message's bytes as uint8
 UNITS_ERROR = "units-error"  # a reply's ConfigRecord when the node could not compute (lost weight cache): the server resends
+# the message types of their own (train.<action>) -> the role (ROLES) whose ``answer(msg, context)`` replies to them
+ACTIONS = {UNITS_ACTION: UNITS}
 
 SPEC_TYPES: tuple[type[Spec], ...] = (ClientSpec, RoundSpec, RoleSpec, TrainSpec, FaultSpec, PrivacySpec, ModelSpec,
                                       SliceSpec, WindowSpec, OrderedSpec, FamilySpec, GenerativeSpec, LoRABaseSpec, QuantizeSpec,
