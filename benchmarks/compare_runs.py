@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 
 # host timings and measurements: they differ between any two runs of the same code
-WALL_CLOCK = {"wall_s", "elapsed_s", "eval_s", "aggregate_s", "server_s", "train_s", "node", "measured_j", "measured_source"}
+WALL_CLOCK = {"wall_s", "elapsed_s", "eval_s", "aggregate_s", "server_s", "train_s", "node", "measured_j", "measured_source",
+              "transport_s", "verify_s"}  # the last two: the units mode's host timings
 
 
 def rows(path: Path) -> list[dict]:

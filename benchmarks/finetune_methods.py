@@ -35,12 +35,14 @@ COMPARED = {"recipe": "windows (the recipe)", "smallest-only": "smallest-only (t
 
 
 def finals(out: Path) -> dict[str, float]:
-    """A finished run's final probe recall, general-text loss at round 0 and at the end, and wall seconds."""
+    """A finished run's final probe recall and answer loss, general-text loss at round 0 and at the end, and wall
+    seconds."""
     rows = [r for r in jsonl(out / "metrics.jsonl") if r.get("probe_acc") is not None]
     summary = json.loads((out / "summary.json").read_text())
     if summary.get("status") != "ok":
         raise ValueError(f"{out}: the run did not finish (status {summary.get('status')!r})")
-    return {"probe_acc": float(rows[-1]["probe_acc"]), "general_0": float(rows[0]["general_loss"]),
+    return {"probe_acc": float(rows[-1]["probe_acc"]), "answer_loss": float(rows[-1]["answer_loss"]),
+            "general_0": float(rows[0]["general_loss"]),
             "general": float(rows[-1]["general_loss"]), "wall_s": float(summary.get("wall_s") or 0.0)}
 
 
@@ -75,9 +77,10 @@ def main(argv: list[str] | None = None) -> None:
         forget = [100 * (by_seed[s]["general"] / by_seed[s]["general_0"] - 1) for s in args.seeds]
         spread = f" ± {statistics.stdev(recall):.4f}" if len(recall) > 1 else ""
         walls = " / ".join(f"{by_seed[s]['wall_s']:.0f}" for s in args.seeds)
+        answer = " / ".join(f"{by_seed[s]['answer_loss']:.3f}" for s in args.seeds)
         what = COMPARED.get(name) or ARMS[name][1]
         lines.append(f"| {name} | {what} | {' / '.join(f'{v:.4f}' for v in recall)} | {statistics.mean(recall):.4f}"
-                     f"{spread} | {' / '.join(f'{c:.2f}' for c in closure)} | "
+                     f"{spread} | {' / '.join(f'{c:.2f}' for c in closure)} | {answer} | "
                      f"{' / '.join(f'{f:+.1f}' for f in forget)} | "
                      f"{walls} |")
     seeds = "/".join(map(str, args.seeds))
@@ -89,9 +92,12 @@ def main(argv: list[str] | None = None) -> None:
         f"oracle arms are `fedfusion compare finetune`'s runs in `{args.compare}`, the others this script's in "
         f"`{args.work}`, each checked to differ from the recipe only in its method's design keys.", "",
         f"| arm | every client trains | final probe recall (seeds {seeds}) | mean ± sd | gap closure "
-        f"(smallest-only 0, oracle 1; per seed) | general-text loss change, % (per seed) | wall s (per seed) |",
-        "|---|---|---|---|---|---|---|", *lines, "",
-        "Gap closure per seed: (arm - smallest-only) / (oracle - smallest-only) on that seed's finals. General-text "
+        f"(smallest-only 0, oracle 1; per seed) | answer loss, final (per seed) | general-text loss change, % "
+        "(per seed) | wall s (per seed) |",
+        "|---|---|---|---|---|---|---|---|", *lines, "",
+        "Gap closure per seed: (arm - smallest-only) / (oracle - smallest-only) on that seed's finals. Answer loss: "
+        "the target's mean loss on the probes' answer tokens (nats/token; recall's finer-grained companion). "
+        "General-text "
         "loss: the target's loss on Shakespeare (which the base models) at the end against round 0. Wall seconds as "
         "the runs recorded them, under whatever else ran on the machine then.", ""])
     data = {**facts, "seeds": args.seeds, "arms": {n: {"overrides": o, "about": a} for n, (o, a) in ARMS.items()},

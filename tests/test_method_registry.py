@@ -88,7 +88,6 @@ GENERATIVE_ELSEWHERE = {
                                "method's wire spec in its folder is the next step)",
     "fedfusion/models/samples.py": "what a generative client writes and the server pools: its client role uses it, so "
                                    "it sits below fusion/",
-    "fedfusion/client_app.py": "the node-state branch for a device's own model (a typed node state per role removes it)",
 }
 
 
