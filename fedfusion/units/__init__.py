@@ -9,7 +9,7 @@ and planner), ``messages`` (wire format, the device side ``compute_units``/``Dev
 ``verify`` (Freivalds' check, strikes), ``engine`` (``UnitEngine``: plan, dispatch, verify, re-dispatch,
 assemble), ``accumulate`` (weight-gradient tiles summed on the devices over a step's micro-batches), ``hooks``
 (``install`` on a Hugging Face Llama), ``phases`` (a step's phases from the shape alone), ``timeline`` (virtual
-step time under links, micro-batches and churn), ``ledger`` (the server's compute, checks and traffic priced with
+step time under the devices' and the server's links, micro-batches and churn, and its lower bound), ``ledger`` (the server's compute, checks and traffic priced with
 ``price_work``, and the same step on a cloud GPU), ``workers`` (emulated faulty devices).
 
 README -- the API the Flower layer calls
