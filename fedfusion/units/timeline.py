@@ -366,8 +366,9 @@ def choose_micro_batches(devices: list[UnitDevice], phases_for: Callable[[int], 
     """The micro-batch count for a step, predicted with ``simulate`` (``kwargs`` pass through, with
     ``kwargs_for(m)``'s added for count ``m``: e.g. the server's time between phases, which grows with the count):
     among the divisors of ``batch_size`` from ``min_count`` on (k SuperNodes per device need k micro-batches to keep
-    each node busy), the smallest whose busiest-link utilisation reaches ``target_utilisation`` without a slower step
-    than the smallest divisor's; else the one with the shortest step (ties: the smaller count).
+    each node busy), the smallest whose busiest-link utilisation (the server's links included) reaches
+    ``target_utilisation`` without a slower step than the smallest divisor's; else the one with the shortest step
+    (ties: the smaller count).
     ``phases_for(m)`` is one micro-batch's phase list when the batch is cut into ``m``. Returns the count and every
     count's timing, so a setting that reaches no count at the target stays visible as such (latency-bound: a chain's
     phases x (RTT + overhead) exceed what the links carry)."""
