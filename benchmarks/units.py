@@ -5,8 +5,9 @@ step and a cloud GPU, and the recovery from a device that dies mid-phase.
 
 For each target (the quickstart's: hidden 128, 4 layers, 8 heads, MLP 512, vocab 100; a larger one: hidden 1024,
 8 layers, 16 heads, MLP 2816, vocab 32000; both at batch 8 x 128 tokens, every linear layer offloaded) and each
-fleet (phones at 10 MB/s down / 2 MB/s up, 50 ms RTT; laptops on a 1 Gb/s LAN, 2 ms RTT) it simulates one step
-with 4 ... 1,024 devices and 1 or 4 micro-batches in flight (``fedfusion.units.timeline``; with several, the
+fleet (phones at 10 MB/s down / 2 MB/s up, 50 ms RTT; laptops on a 1 Gb/s LAN, 2 ms RTT), behind a server with a
+10 Gb/s link each way (``units.DEFAULT_SERVER``, the catalog's ``cloud-a100``: every device's bytes pass it), it
+simulates one step with 4 ... 1,024 devices and 1 or 4 micro-batches in flight (``fedfusion.units.timeline``; with several, the
 devices sum the weight-gradient tiles over the micro-batches and upload them once per step, ``units.accumulate``'s
 default; 4 micro-batches are also priced without that), and the count ``units.micro_batches: 0`` takes there
 (``timeline.choose_micro_batches`` over the divisors of the batch), and compares with
@@ -150,19 +151,18 @@ def sweep(counts: list[int], micro: list[int]) -> list[dict]:
                     t0 = time.perf_counter()
                     r = simulate(devs, [target.phases(tokens // m)] * m, accumulate=True)
                     plain = simulate(devs, [target.phases(tokens // m)] * m) if m > 1 else r
-                    lat = min(d.rtt_s + d.overhead_s for d in devs)
-                    busy = max(r.down_busy_s.max(), r.up_busy_s.max(), r.compute_s.max())
                     rows.append({
                         "target": target.name, "fleet": fleet, "devices": n, "micro_batches": m,
-                        "step_s": r.step_s, "floor_s": r.floor_s, "lower_bound_s": max(busy, r.phases_per_chain * lat),
-                        "step_over_floor": r.step_s / r.floor_s, "link_utilisation": r.link_utilisation,
+                        "step_s": r.step_s, "lower_bound_s": r.lower_bound_s, "bound_by": r.bound_by,
+                        "step_over_bound": r.step_over_bound, "link_utilisation": r.link_utilisation,
+                        "server_link_utilisation": r.server_link_utilisation,
                         "devices_used": r.devices_used, "phases": r.phases_per_chain,
                         "down_mb_per_device_max": r.down_bytes.max() / 1e6,
                         "up_mb_per_device_max": r.up_bytes.max() / 1e6,
                         "down_gb_total": r.down_bytes.sum() / 1e9, "up_gb_total": r.up_bytes.sum() / 1e9,
                         "device_energy_j": energy_j(r, cat[tier_name], r.step_s), "sim_s": time.perf_counter() - t0,
                         # the same without on-device accumulation (each micro-batch uploads its weight-gradient tiles)
-                        "no_accumulation": {"step_s": plain.step_s, "step_over_floor": plain.step_s / plain.floor_s,
+                        "no_accumulation": {"step_s": plain.step_s, "step_over_bound": plain.step_over_bound,
                                             "link_utilisation": plain.link_utilisation,
                                             "up_mb_per_device_max": plain.up_bytes.max() / 1e6},
                     })
@@ -182,8 +182,9 @@ def chosen(counts: list[int]) -> list[dict]:
                                                   accumulate=True)
                 r = timings[m]
                 rows.append({"target": target.name, "fleet": fleet, "devices": n, "micro_batches": m,
-                             "step_s": r.step_s, "floor_s": r.floor_s, "step_over_floor": r.step_s / r.floor_s,
-                             "link_utilisation": r.link_utilisation})
+                             "step_s": r.step_s, "lower_bound_s": r.lower_bound_s, "step_over_bound": r.step_over_bound,
+                             "link_utilisation": r.link_utilisation,
+                             "server_link_utilisation": r.server_link_utilisation})
                 print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -303,9 +304,12 @@ def markdown(data: dict) -> str:
              "server's Freivalds checks (2 vectors) over the step in process with 1 and 4 micro-batches, as the engine "
              "orders them (forward and input-gradient products per micro-batch, a weight's check vectors kept across "
              "them; each weight gradient once, summed), one thread: a lower bound of the engine's own time. "
-             "Floor (the overlap floor): max over devices of (downlink "
-             "seconds + message overheads, uplink seconds, compute seconds) + phases x (RTT + overhead). Step times "
-             "are virtual (the timeline); only the real engine runs compute tiles.", "",
+             "Server: a 10 Gb/s link each way (catalog `cloud-a100`), every message's download through its send "
+             "link and every reply through its receive link (shared queues of the timeline). Lower bound: what no "
+             "schedule of the step's messages beats under the timeline: the largest of every resource's busy time "
+             "(a device's downlink with its message overheads, its uplink, its compute; the server's links) and a "
+             "chain's phases x (RTT + overhead); 'bound by' names it. Step times are virtual (the timeline); only the "
+             "real engine runs compute tiles.", "",
              "| target | params | step GFLOP | local CPU step (s) | A5000 step | A5000 energy (J) | check CPU (s) | "
              "check CPU, 4 micro-batches (s) |",
              "|---|---|---|---|---|---|---|---|"]
@@ -313,27 +317,29 @@ def markdown(data: dict) -> str:
         lines.append(f"| {name} | {r['params'] / 1e6:.2f} M | {r['step_flops'] / 1e9:.1f} | {r['local_step_s']:.2f}"
                      f" | {r['a5000_step_s'] * 1e3:.2f} ms | {r['a5000_energy_j']:.2f} | {r['check_cpu_s']:.3f} | "
                      f"{r['check_cpu_s_4']:.3f} |")
-    lines += ["", "| target | fleet | devices | micro-batches | step (s) | floor (s) | step/floor | link util. | "
-              "down MB/device | up MB/device | vs local | vs A5000 | device energy (J) | no accum.: step (s) | "
-              "link util. | up MB/device |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| target | fleet | devices | micro-batches | step (s) | lower bound (s) | step / bound | bound by | "
+              "link util. | server link util. | down MB/device | up MB/device | down GB in all | vs local | vs A5000 | "
+              "device energy (J) | no accum.: step (s) | link util. | up MB/device |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in data["sweep"]:
         ref, plain = refs[r["target"]], r["no_accumulation"]
         lines.append(f"| {r['target']} | {r['fleet']} | {r['devices']} | {r['micro_batches']} | {r['step_s']:.2f} | "
-                     f"{r['floor_s']:.2f} | {r['step_over_floor']:.2f} | {r['link_utilisation']:.2f} | "
-                     f"{r['down_mb_per_device_max']:.1f} | {r['up_mb_per_device_max']:.1f} | "
+                     f"{r['lower_bound_s']:.2f} | {r['step_over_bound']:.2f} | {r['bound_by']} | "
+                     f"{r['link_utilisation']:.2f} | {r['server_link_utilisation']:.2f} | "
+                     f"{r['down_mb_per_device_max']:.1f} | {r['up_mb_per_device_max']:.1f} | {r['down_gb_total']:.1f} | "
                      f"{r['step_s'] / ref['local_step_s']:.2f}x | {r['step_s'] / ref['a5000_step_s']:.0f}x | "
                      f"{r['device_energy_j']:.0f} | " + ("| | |" if r["micro_batches"] == 1 else
                      f"{plain['step_s']:.2f} | {plain['link_utilisation']:.2f} | {plain['up_mb_per_device_max']:.1f} |"))
     lines += ["", "Chosen count (`units.micro_batches: 0`: `timeline.choose_micro_batches` over 1/2/4/8 micro-batches, "
               "the smallest at >= 0.70 link utilisation without a slower step than 1, else the fastest; with "
               "accumulation) beside the fixed counts above:", "",
-              "| target | fleet | devices | chosen | step (s) | step/floor | link util. | step at 1 (s) | step at 4 (s) | "
-              "link util. at 4 |", "|---|---|---|---|---|---|---|---|---|---|"]
+              "| target | fleet | devices | chosen | step (s) | step / bound | link util. | server link util. | "
+              "step at 1 (s) | step at 4 (s) | link util. at 4 |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in data["chosen"]:
         one, four = fixed(data, r, 1), fixed(data, r, 4)
         lines.append(f"| {r['target']} | {r['fleet']} | {r['devices']} | {r['micro_batches']} | {r['step_s']:.2f} | "
-                     f"{r['step_over_floor']:.2f} | {r['link_utilisation']:.2f} | {one['step_s']:.2f} | "
+                     f"{r['step_over_bound']:.2f} | {r['link_utilisation']:.2f} | {r['server_link_utilisation']:.2f} | "
+                     f"{one['step_s']:.2f} | "
                      f"{four['step_s']:.2f} | {four['link_utilisation']:.2f} |")
     lines += ["", "Recovery (phones, a device killed at half the step):", "",
               "| target | devices | micro-batches | step (s) | extra (s) | phase deadline (s) | detected after (s) | "
@@ -392,14 +398,19 @@ def findings(data: dict) -> list[str]:
                "(the units' running-sum fields on the downlink, where the saved uploads are off the critical path).")
     for m in (1, 4):
         rows = [r for r in data["sweep"] if r["micro_batches"] == m]
-        out.append(f"- {m} micro-batch(es): step / floor {min(r['step_over_floor'] for r in rows):.2f}-"
-                   f"{max(r['step_over_floor'] for r in rows):.2f} ({sum(r['step_over_floor'] > 1.5 for r in rows)} of "
-                   f"{len(rows)} above 1.5); busiest-link utilisation {min(r['link_utilisation'] for r in rows):.2f}-"
+        server = [r for r in rows if r["bound_by"].startswith("server")]
+        out.append(f"- {m} micro-batch(es): step / lower bound {min(r['step_over_bound'] for r in rows):.2f}-"
+                   f"{max(r['step_over_bound'] for r in rows):.2f} ({sum(r['step_over_bound'] > 1.5 for r in rows)} of "
+                   f"{len(rows)} above 1.5); the server's link sets the bound in {len(server)} of {len(rows)}"
+                   + (f" (from {min(r['devices'] for r in server)} devices, its busier link "
+                      f"{min(r['server_link_utilisation'] for r in server):.2f}-"
+                      f"{max(r['server_link_utilisation'] for r in server):.2f} busy)" if server else "") +
+                   f"; busiest-link utilisation {min(r['link_utilisation'] for r in rows):.2f}-"
                    f"{max(r['link_utilisation'] for r in rows):.2f} ({sum(r['link_utilisation'] >= 0.7 for r in rows)} "
                    "at >= 0.70; the rest are held by phases x (RTT + message overhead), see the micro-batch line below)" +
-                   ("." if m == 1 else f"; without accumulation step / floor "
-                    f"{min(r['no_accumulation']['step_over_floor'] for r in rows):.2f}-"
-                    f"{max(r['no_accumulation']['step_over_floor'] for r in rows):.2f}, "
+                   ("." if m == 1 else f"; without accumulation step / lower bound "
+                    f"{min(r['no_accumulation']['step_over_bound'] for r in rows):.2f}-"
+                    f"{max(r['no_accumulation']['step_over_bound'] for r in rows):.2f}, "
                     f"{sum(r['no_accumulation']['link_utilisation'] >= 0.7 for r in rows)} at >= 0.70 utilisation."))
     per_count = RESULTS / "units_microbatches.json"  # benchmarks/units_microbatches.py: every divisor of the batch
     if per_count.exists():
@@ -407,8 +418,8 @@ def findings(data: dict) -> list[str]:
         auto = [r["counts"][str(r["auto"])] for r in pc]
         out.append(f"- Per-step count (`timeline.choose_micro_batches`, units_microbatches.md, counts 1/2/4/8): "
                    f"{sum(a['link_utilisation'] >= 0.7 for a in auto)} of {len(pc)} settings at >= 0.70 utilisation, "
-                   f"step / floor {min(a['step_s'] / a['floor_s'] for a in auto):.2f}-"
-                   f"{max(a['step_s'] / a['floor_s'] for a in auto):.2f}; {sum(r['ceiling'] < 0.7 for r in pc)} are "
+                   f"step / lower bound {min(a['step_s'] / a['lower_bound_s'] for a in auto):.2f}-"
+                   f"{max(a['step_s'] / a['lower_bound_s'] for a in auto):.2f}; {sum(r['ceiling'] < 0.7 for r in pc)} are "
                    "latency-bound at every count (the busiest link's busy seconds < 0.70 x phases x (RTT + overhead)), "
                    f"{sum(r['ceiling'] >= 0.7 and max(p['link_utilisation'] for p in r['counts'].values()) < 0.7 for r in pc)}"
                    " more stay below 0.70 from per-message overhead and the phases' dependency.")
@@ -420,7 +431,8 @@ def findings(data: dict) -> list[str]:
                            for m in sorted({r["micro_batches"] for r in picked})) +
                f" of {len(picked)} settings; {sum(r['link_utilisation'] >= 0.7 for r in picked)} at >= 0.70 "
                f"utilisation (fixed 4: {sum(fixed(data, r, 4)['link_utilisation'] >= 0.7 for r in picked)}), step / "
-               f"floor {min(r['step_over_floor'] for r in picked):.2f}-{max(r['step_over_floor'] for r in picked):.2f}; "
+               f"lower bound {min(r['step_over_bound'] for r in picked):.2f}-"
+               f"{max(r['step_over_bound'] for r in picked):.2f}; "
                f"its step {min(vs_one):.2f}-{max(vs_one):.2f}x the step at 1 and {min(vs_four):.2f}-{max(vs_four):.2f}x "
                f"the step at 4 (faster than 4 in {sum(x < 1 for x in vs_four)}).")
     for target, ref in refs.items():
@@ -479,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def plot(data: dict, path: Path) -> None:
     """Step time against device count, one panel per target and fleet: 1 micro-batch, 4 with on-device
-    accumulation, 4 without, the floor of the first two, and the chosen count."""
+    accumulation, 4 without, the lower bound of the first two, and the chosen count."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -493,7 +505,7 @@ def plot(data: dict, path: Path) -> None:
             mine = [r for r in rows if r["micro_batches"] == m]
             n = [r["devices"] for r in mine]
             ax.plot(n, [r["step_s"] for r in mine], style, label=f"{m} micro-batch" + ("es, accumulated" if m > 1 else ""))
-            ax.plot(n, [r["floor_s"] for r in mine], style[0] + ":", alpha=0.5, label=f"floor, {m}")
+            ax.plot(n, [r["lower_bound_s"] for r in mine], style[0] + ":", alpha=0.5, label=f"lower bound, {m}")
             if m > 1:
                 ax.plot(n, [r["no_accumulation"]["step_s"] for r in mine], "x--", label=f"{m} micro-batches, no accumulation")
         picked = [r for r in data["chosen"] if (r["target"], r["fleet"]) == (target, fleet)]

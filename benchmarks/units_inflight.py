@@ -51,7 +51,8 @@ def timeline() -> list[dict]:
         used = t.down_bytes > 0
         rows.append({"lanes": lanes, "in_flight": in_flight, "step_s": t.step_s, "idle_gap_mean_s": float(np.mean(t.idle_gap_s[used])),
                      "idle_gap_max_s": float(np.max(t.idle_gap_s[used])), "compute_mean_s": float(np.mean(t.compute_s[used])),
-                     "link_utilisation": t.link_utilisation})
+                     "link_utilisation": t.link_utilisation, "lower_bound_s": t.lower_bound_s,
+                     "bound_by": t.bound_by})
     return rows
 
 
@@ -65,7 +66,8 @@ def flower() -> list[dict]:
                            check=True, capture_output=True)
             for r in read_jsonl(out / "metrics.jsonl")[1:]:
                 rows.append({"in_flight": in_flight, "step": r["step"], "train_loss": r["train_loss"],
-                             "virtual_s": r["virtual_s"], "wall_s": r["wall_s"]})
+                             "virtual_s": r["virtual_s"], "virtual_bound_s": r["virtual_bound_s"],
+                             "wall_s": r["wall_s"]})
     return rows
 
 
@@ -75,18 +77,23 @@ def markdown(data: dict) -> str:
              f"{GAP_S * 1e3:.0f} ms of server time between phases, weight gradients summed on the devices. Idle gap: "
              "the seconds a device's processor waits between two of its messages (its downlink time included). Lanes: "
              "the messages a device holds at once (0: no limit, a runtime that receives while it computes; 1: "
-             "Flower's SuperNode).", "",
-             "| lanes | in flight | step (s) | mean idle gap (s) | max idle gap (s) | mean compute (s) | link util. |",
-             "|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['lanes']} | {r['in_flight']} | {r['step_s']:.2f} | {r['idle_gap_mean_s']:.2f} | {r['idle_gap_max_s']:.2f} | "
-              f"{r['compute_mean_s']:.3f} | {r['link_utilisation']:.2f} |" for r in data["timeline"]]
+             "Flower's SuperNode). The server's links: 10 Gb/s each way, queued; its time between phases on its "
+             "processor. Lower bound: what no schedule of the step's messages beats under the timeline (bound by: "
+             "the resource or path that sets it).", "",
+             "| lanes | in flight | step (s) | lower bound (s) | step / bound | bound by | mean idle gap (s) | "
+             "max idle gap (s) | mean compute (s) | link util. |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['lanes']} | {r['in_flight']} | {r['step_s']:.2f} | {r['lower_bound_s']:.2f} | "
+              f"{r['step_s'] / r['lower_bound_s']:.2f} | {r['bound_by']} | {r['idle_gap_mean_s']:.2f} | "
+              f"{r['idle_gap_max_s']:.2f} | {r['compute_mean_s']:.3f} | {r['link_utilisation']:.2f} |"
+              for r in data["timeline"]]
     if data.get("flower"):
         lines += ["", "Flower (`fedfusion run units units.steps=3 units.micro_batches=2 units.in_flight=N`, 8 simulated "
                   "nodes; virtual seconds for devices that hold one message at a time (`units.lanes: 1`, Flower's "
                   "SuperNode), wall seconds on this machine's shared cores; in_flight 0 = all):", "",
-                  "| in_flight | step | train loss | virtual (s) | wall (s) |", "|---|---|---|---|---|"]
-        lines += [f"| {r['in_flight']} | {r['step']} | {r['train_loss']:.6f} | {r['virtual_s']:.2f} | {r['wall_s']:.1f} |"
-                  for r in data["flower"]]
+                  "| in_flight | step | train loss | virtual (s) | step / bound | wall (s) |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['in_flight']} | {r['step']} | {r['train_loss']:.6f} | {r['virtual_s']:.2f} | "
+                  f"{r['virtual_s'] / r['virtual_bound_s']:.2f} | {r['wall_s']:.1f} |" for r in data["flower"]]
     return "\n".join(lines) + "\n"
 
 

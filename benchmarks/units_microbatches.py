@@ -8,7 +8,8 @@ weight blocks and sums).
 
     python benchmarks/units_microbatches.py [--markdown-only] [--out benchmarks/results]
 
-Per setting it reports the busiest link's busy seconds B (bytes / bandwidth, the larger of down and up) and the
+Per setting it reports the busiest link's busy seconds B (bytes / bandwidth, the larger of down and up, the server's
+10 Gb/s links included: ``units.DEFAULT_SERVER``) and the
 latency chain L = phases x (RTT + per-message overhead): a micro-batch's phases are dependent, so no step is shorter
 than L whatever the count, and utilisation is at most B / L. Where B < 0.70 L no count reaches 0.70 (more
 micro-batches only add bytes and per-message overhead). "auto" is ``timeline.choose_micro_batches``: the smallest
@@ -37,9 +38,12 @@ VARIANTS: dict[str, dict[str, int]] = {"2 lanes": {"lanes": 2}, "1 lane": {"lane
 
 
 def summary(timings: dict) -> dict[str, dict[str, float]]:
-    """Per count: the step, its floor, the busiest link's utilisation and busy seconds."""
-    return {str(m): {"step_s": r.step_s, "floor_s": r.floor_s, "link_utilisation": r.link_utilisation,
-                     "busiest_link_s": float(max(r.down_busy_s.max(), r.up_busy_s.max()))}
+    """Per count: the step, its lower bound, the busiest link's utilisation and busy seconds (the server's links
+    included), and the server's links' utilisation."""
+    return {str(m): {"step_s": r.step_s, "lower_bound_s": r.lower_bound_s, "link_utilisation": r.link_utilisation,
+                     "server_link_utilisation": r.server_link_utilisation,
+                     "busiest_link_s": float(max(r.down_busy_s.max(), r.up_busy_s.max(), r.server_send_busy_s,
+                                                 r.server_recv_busy_s))}
             for m, r in timings.items()}
 
 
@@ -72,7 +76,8 @@ def markdown(data: dict) -> str:
     lines = ["# units mode: busiest-link utilisation against the micro-batch count", "",
              f"Command: `{data.get('command', 'python benchmarks/units_microbatches.py')}` ({wall:.0f} s). Settings as in "
              "units.md (batch 8 x 128 "
-             "tokens, on-device accumulation). B: the busiest link's busy seconds at 1 micro-batch; L: phases x (RTT + "
+             "tokens, on-device accumulation, the server's 10 Gb/s links queued). B: the busiest link's busy seconds "
+             "(the server's included) at 1 micro-batch; L: phases x (RTT + "
              "per-message overhead), the chain no count shortens; ceiling: max B over the counts / L (capped at 1). "
              "auto: `timeline.choose_micro_batches`, the smallest count at >= 0.70 utilisation without a slower step "
              "than 1, else the one with the shortest step.", "",
@@ -90,8 +95,9 @@ def markdown(data: dict) -> str:
     bound = [r for r in rows if r["ceiling"] < 0.7]
     lines += ["", "## Findings", "",
               f"- 4 micro-batches: {sum(p['link_utilisation'] >= 0.7 for p in four)} of {len(rows)} settings at >= 0.70 "
-              f"utilisation; the auto count: {sum(p['link_utilisation'] >= 0.7 for p in auto)} of {len(rows)}, step / floor "
-              f"{min(p['step_s'] / p['floor_s'] for p in auto):.2f}-{max(p['step_s'] / p['floor_s'] for p in auto):.2f}; "
+              f"utilisation; the auto count: {sum(p['link_utilisation'] >= 0.7 for p in auto)} of {len(rows)}, step / lower "
+              f"bound {min(p['step_s'] / p['lower_bound_s'] for p in auto):.2f}-"
+              f"{max(p['step_s'] / p['lower_bound_s'] for p in auto):.2f}; "
               f"auto's step vs 1 micro-batch: {min(a['step_s'] / r['counts']['1']['step_s'] for a, r in zip(auto, rows)):.2f}-"
               f"{max(a['step_s'] / r['counts']['1']['step_s'] for a, r in zip(auto, rows)):.2f}x.",
               f"- {len(bound)} settings are latency-bound: the busiest link carries less than 0.70 x L over the whole step "
@@ -135,7 +141,7 @@ def markdown(data: dict) -> str:
         reach = sum(lane["counts"][str(lane["auto"])]["link_utilisation"] >= 0.7 for _, lane in picks)
         one = sum(lane["auto"] == 1 for _, lane in picks)
         ratio = [lane["counts"][str(lane["auto"])]["step_s"] / r["counts"][str(r["auto"])]["step_s"] for r, lane in picks]
-        floor = [lane["counts"][str(lane["auto"])]["step_s"] / lane["counts"][str(lane["auto"])]["floor_s"]
+        bound = [lane["counts"][str(lane["auto"])]["step_s"] / lane["counts"][str(lane["auto"])]["lower_bound_s"]
                  for _, lane in picks]
         vs_one = [lane["counts"][str(lane["auto"])]["step_s"] /
                   r["variants"]["1 lane"]["counts"][str(r["variants"]["1 lane"]["auto"])]["step_s"] for r, lane in picks]
@@ -143,7 +149,7 @@ def markdown(data: dict) -> str:
                                               f"({sum(x < 1 for x in vs_one)} faster)")
         lines.append(f"- {k}: the auto count reaches >= 0.70 utilisation in {reach} of {len(rows)} settings and "
                      f"is 1 in {one}; its step is {min(ratio):.2f}-{max(ratio):.2f}x the no-limit runtime's{than_one}, "
-                     f"step / floor {min(floor):.2f}-{max(floor):.2f} ({sum(f > 1.5 for f in floor)} above 1.5).")
+                     f"step / lower bound {min(bound):.2f}-{max(bound):.2f} ({sum(b > 1.5 for b in bound)} above 1.5).")
     return "\n".join(lines) + "\n"
 
 

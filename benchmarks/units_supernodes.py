@@ -6,10 +6,11 @@ Each setting ``MxK`` runs ``python -m fedfusion run units units.steps=S units.mi
 (recipes/units.yaml: the quickstart's target, every linear layer offloaded, 8 devices of phones, laptops and desktops,
 K SuperNodes each on Flower's simulation engine; micro-batch c on each device's node c mod K) and reads each step's
 row of metrics.jsonl: ``virtual_s`` (the step on the devices' catalog links and speeds, each SuperNode holding one
-message at a time), bytes down / up, ``wall_s`` and the training loss. Beside it ``fedfusion plan``'s step for the
-same setting: its floor (max over devices of busy link or processor time plus phases x latency) and busiest-link
-utilisation. Every setting trains the same batches, so the losses must agree (float tolerance); the table gives the
-largest relative difference from the first setting. Writes ``units_supernodes.json`` and ``units_supernodes.md``.
+message at a time, the server's links queued) and ``virtual_bound_s`` (what no schedule of that step's messages
+beats under the timeline), bytes down / up, ``wall_s`` and the training loss. Beside it ``fedfusion plan``'s step for
+the same setting: its lower bound and busiest-link utilisation (the server's links included). Every setting trains
+the same batches, so the losses must agree (float tolerance); the table gives the largest relative difference from
+the first setting. Writes ``units_supernodes.json`` and ``units_supernodes.md``.
 """
 
 from __future__ import annotations
@@ -47,9 +48,10 @@ def run(steps: int, micro: int, nodes: int) -> dict:
                        check=True, capture_output=True)
         rows = [r for r in read_jsonl(out / "metrics.jsonl") if r["step"] > 0]
     return {"micro_batches": micro, "supernodes": nodes,
-            "plan": {k: plan[k] for k in ("step_s", "floor_s", "link_utilisation", "MB down", "MB up")},
-            "steps": [{k: r[k] for k in ("step", "train_loss", "virtual_s", "bytes_down", "bytes_up", "wall_s",
-                                         "redispatched", "server_fallback")} for r in rows]}
+            "plan": {k: plan[k] for k in ("step_s", "lower_bound_s", "bound_by", "link_utilisation",
+                                          "server_link_utilisation", "MB down", "MB up")},
+            "steps": [{k: r[k] for k in ("step", "train_loss", "virtual_s", "virtual_bound_s", "bytes_down", "bytes_up",
+                                         "wall_s", "redispatched", "server_fallback")} for r in rows]}
 
 
 def spread(values: list[float], fmt: str = ".2f") -> str:
@@ -66,18 +68,20 @@ def markdown(data: dict) -> str:
              "Each row one setting of `fedfusion run units` (recipes/units.yaml: 8 devices, every linear layer "
              "offloaded, Flower's simulation engine with devices x SuperNodes nodes; micro-batch c on each device's "
              "node c mod K, each node with its own weight blocks and running sums). Virtual: the run's step on the "
-             "devices' catalog links and speeds, each SuperNode one message at a time. Floor and utilisation: "
+             "devices' catalog links and speeds, each SuperNode one message at a time, the server's links queued; step / "
+             "bound: the run's steps' virtual step over its lower bound (the worst step). Lower bound and utilisation: "
              "`fedfusion plan`'s for the setting (no churn). Loss diff: the largest relative difference of a step's "
              "training loss from the first setting's (the same batches).", "",
-             "| micro-batches | SuperNodes / device | virtual step (s) | plan step (s) | floor (s) | step / floor | "
-             "busiest-link utilisation | MB down / step | MB up / step | wall / step (s) | loss diff |",
+             "| micro-batches | SuperNodes / device | virtual step (s) | plan step (s) | plan lower bound (s) | "
+             "step / bound | busiest-link utilisation | MB down / step | MB up / step | wall / step (s) | loss diff |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         steps, p = r["steps"], r["plan"]
         virtual = [s["virtual_s"] for s in steps]
         diff = max(abs(s["train_loss"] - b) / abs(b) for s, b in zip(steps, base))
         lines.append(f"| {r['micro_batches']} | {r['supernodes']} | {spread(virtual)} | {p['step_s']:.2f} | "
-                     f"{p['floor_s']:.2f} | {max(virtual) / p['floor_s']:.2f} | {p['link_utilisation']:.2f} | "
+                     f"{p['lower_bound_s']:.2f} | {max(s['virtual_s'] / s['virtual_bound_s'] for s in steps):.2f} | "
+                     f"{p['link_utilisation']:.2f} | "
                      f"{spread([s['bytes_down'] / 1e6 for s in steps], '.1f')} | "
                      f"{spread([s['bytes_up'] / 1e6 for s in steps], '.1f')} | {spread([s['wall_s'] for s in steps])} | "
                      f"{diff:.1e} |")

@@ -164,7 +164,8 @@ def test_micro_batches_zero_is_the_choosers_count_on_the_plans_steps(tmp_path: P
 
 def test_units_report_has_the_server_and_cloud_section(tmp_path: Path) -> None:
     row = {"round": 1, "step": 1, "train_loss": 4.0, "bytes_down": 10, "bytes_up": 5, "virtual_s": 2.0,
-           "energy_j": 3.0, "server_energy_j": 1.0, "server_flops": 5e8, "server_compute_s": 1e-5,
+           "virtual_bound_s": 1.6, "server_link_utilisation": 0.5, "energy_j": 3.0, "server_energy_j": 1.0,
+           "server_flops": 5e8, "server_compute_s": 1e-5,
            "server_verify_flops": 1e8, "server_verify_s": 1e-6, "server_egress_bytes": 10, "server_ingress_bytes": 5,
            "server_comm_s": 1e-8, "cloud_step_s": 0.001}
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"round": 0, "step": 0}) + "\n" + json.dumps(row) + "\n")
@@ -173,6 +174,7 @@ def test_units_report_has_the_server_and_cloud_section(tmp_path: Path) -> None:
                                                        "server_energy_j": 1.0}))
     text = write_report(tmp_path).read_text()
     assert "## Server and cloud (units.server_device `cloud-a100`, report.cloud `cloud-a5000`)" in text
+    assert "| step / bound | missed deadlines |" in text and "| 1.25 | 0 |" in text  # virtual_s / virtual_bound_s
     assert "| 2000x |" in text and "take 0.001 s on cloud-a5000" in text and "2 virtual s (2000x), 2 J on the devices" in text
 
 

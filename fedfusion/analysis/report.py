@@ -425,10 +425,12 @@ def units_report(run: Path, rows: list[dict], summary: dict, out: Path) -> Path:
                   f"(clients.jsonl, one row per device and step); devices taken offline: {summary['offline'] or 'none'}.",
                   ""]
     cols = ("step", "train_loss", "eval_loss", "phases", "messages", "bytes_down", "bytes_up", "virtual_s",
-            "energy_j", "redispatched", "wall_s")
-    lines += ["| " + " | ".join(cols) + " | missed deadlines |", "|" + "---|" * (len(cols) + 1)]
+            "virtual_bound_s", "server_link_utilisation", "energy_j", "redispatched", "wall_s")
+    lines += ["| " + " | ".join(cols) + " | step / bound | missed deadlines |", "|" + "---|" * (len(cols) + 2)]
     for row in rows:
-        cells = [_fmt(row.get(c)) for c in cols] + [str(len(row.get("missed", [])))]
+        bound = row.get("virtual_bound_s")
+        cells = [_fmt(row.get(c)) for c in cols] + [f"{row['virtual_s'] / bound:.2f}" if bound else "",
+                                                    str(len(row.get("missed", [])))]
         lines.append("| " + " | ".join(cells) + " |")
     lines += _units_server_section(rows, summary)
     if summary.get("sample"):

@@ -21,10 +21,14 @@ def units_view(recipe: Recipe) -> PlanView:
     s = step["server"]
     micro = step["micro_batches"]
     notes = (f"one step: {micro} micro-batch{'es' if micro > 1 else ''}, {step['phases']} phases, "
-             f"{step['step_s']:.2f} virtual s (floor {step['floor_s']:.2f} s), busiest-link utilisation "
-             f"{step['link_utilisation']:.2f}, {step['MB down']:.1f} MB down and {step['MB up']:.1f} MB up in all; {step['steps']} steps "
-             f"(fedfusion.units.timeline on the catalog's links, no churn, the server's time between phases, "
-             f"{_runtime_words(recipe.units)})",
+             f"{step['step_s']:.2f} virtual s, {step['step_over_bound']:.2f}x its lower bound "
+             f"{step['lower_bound_s']:.2f} s ({step['bound_by']}), busiest-link utilisation "
+             f"{step['link_utilisation']:.2f}, {step['MB down']:.1f} MB down and {step['MB up']:.1f} MB up in all; "
+             f"{step['steps']} steps (fedfusion.units.timeline on the catalog's links, no churn, the server's links "
+             f"and compute queued, {_runtime_words(recipe.units)})",
+             f"server links ({s['server_device']}, units.server_device): send {step['server_send_gbps']:.3g} Gb/s, "
+             f"receive {step['server_recv_gbps']:.3g} Gb/s, busier link {step['server_link_utilisation']:.2f} busy "
+             f"over the step; compute {step['server_tflops']:.3g} TFLOP/s",
              f"server ({s['server_device']}) per step: own compute {s['server_flops'] / 1e9:.3g} GFLOP (attention "
              f"{s['server_attention_flops'] / 1e9:.3g}, element-wise {s['server_elementwise_flops'] / 1e9:.3g}, linear "
              f"{s['server_linear_flops'] / 1e9:.3g}, optimizer {s['server_optimizer_flops'] / 1e9:.3g}) "
@@ -52,11 +56,13 @@ def _runtime_words(u: UnitsSection) -> str:
 def units_plan(recipe: Recipe) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The exact (units) mode's step from the recipe's shape alone (``fedfusion.units.phases`` priced by the
     timeline on the population's devices, no churn, the server's own time between phases): the micro-batch count
-    (:func:`units_micro_batches`), the step's virtual seconds, its floor, busiest-link utilisation and phases, the
+    (:func:`units_micro_batches`), the step's virtual seconds, its lower bound (and what sets it), the busiest link's
+    and the server's links' utilisation, the server's link rates and compute rate, the phases, the
     server's work and the same step on the cloud GPU
     (:func:`fedfusion.units.ledger.price_server`, under ``server``), and per tier the devices, their mean units per
     step, the largest unit (rows x columns x inner length), their mean MB down / up and busy seconds per step."""
     from fedfusion.data.population import tier_list
+    from fedfusion.units.devices import server_from_catalog
     from fedfusion.units.ledger import price_server
     from fedfusion.units.plan import CostModel, Tile, plan_phase
     from fedfusion.units.timeline import simulate
@@ -70,7 +76,8 @@ def units_plan(recipe: Recipe) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     tiers = tier_list(recipe.population, recipe.seed)
     devices = units_devices(recipe)
     timing = simulate(devices, [phases] * micro, deadline_factor=u.deadline_factor, server_gap_s=work.gap_s,
-                      optimizer_s=work.optimizer_s, in_flight=u.in_flight, accumulate=u.accumulate, **u.runtime())
+                      optimizer_s=work.optimizer_s, in_flight=u.in_flight, accumulate=u.accumulate,
+                      server=server_from_catalog(server), **u.runtime())
     priced = price_server(server, catalog[recipe.report.cloud], own, verify, int(timing.down_bytes.sum()),
                           int(timing.up_bytes.sum()), float(sum(g.flops for g in gemms)))
     cm = CostModel(devices)
@@ -98,7 +105,10 @@ def units_plan(recipe: Recipe) -> tuple[dict[str, Any], list[dict[str, Any]]]:
              {"tier": f"{priced.cloud} (the same step)", "devices": 1, "used": 1, "units/step": None, "largest unit": "",
               "MB down": 0.0, "MB up": 0.0,
               "busy s": priced.cloud_step.compute_s}]
-    step = {"step_s": timing.step_s, "floor_s": timing.floor_s, "link_utilisation": timing.link_utilisation,
+    step = {"step_s": timing.step_s, "lower_bound_s": timing.lower_bound_s, "bound_by": timing.bound_by,
+            "step_over_bound": timing.step_over_bound, "link_utilisation": timing.link_utilisation,
+            "server_link_utilisation": timing.server_link_utilisation, "server_send_gbps": server.up_mbps / 1e3,
+            "server_recv_gbps": server.down_mbps / 1e3, "server_tflops": server.tflops,
             "phases": len(phases) * micro, "micro_batches": micro,
             "steps": u.steps, "MB down": float(timing.down_bytes.sum()) / 1e6, "MB up": float(timing.up_bytes.sum()) / 1e6,
             "server": s}
@@ -162,6 +172,7 @@ def units_micro_batches(recipe: Recipe) -> int:
     """``units.micro_batches`` as a run uses it: the recipe's count, or with 0 the count
     :func:`fedfusion.units.timeline.choose_micro_batches` predicts for the recipe's devices and shape (the smallest
     that keeps the busiest link >= 70 % busy without a slower step, else the fastest)."""
+    from fedfusion.units.devices import server_from_catalog
     from fedfusion.units.timeline import choose_micro_batches
 
     u = recipe.units
@@ -178,5 +189,5 @@ def units_micro_batches(recipe: Recipe) -> int:
         units_devices(recipe), lambda m: work(m).phases, recipe.train.batch_size,
         kwargs_for=lambda m: {"server_gap_s": work(m).gap_s, "optimizer_s": work(m).optimizer_s},
         deadline_factor=u.deadline_factor, in_flight=u.in_flight, accumulate=u.accumulate, min_count=u.supernodes,
-        **u.runtime())
+        server=server_from_catalog(load_catalog(recipe.population.catalog)[u.server_device]), **u.runtime())
     return chosen

@@ -40,6 +40,7 @@ from fedfusion.strategies.transport import GridTransport
 from fedfusion.strategies.wrapped import collect
 from fedfusion.train.loop import finite_loss, gradient_step, lm_loss, make_optimizer
 from fedfusion.units import Freivalds, PhaseRecord, UnitDevice, UnitEngine, from_catalog, install
+from fedfusion.units.devices import server_from_catalog
 from fedfusion.units.ledger import ServerStep, price_server, server_timeline
 from fedfusion.units.phases import server_flops
 from fedfusion.units.timeline import chains_from_trace, simulate
@@ -278,7 +279,8 @@ class UnitsMethod:
         gaps, server = server_step(self.recipe, self.model, self.target.params, batch, trace, self.catalog)
         timing = simulate(self.devices, chains_from_trace(trace), deadline_factor=u.deadline_factor,
                           server_gap_s=gaps[0], optimizer_s=gaps[1], in_flight=u.in_flight,
-                          accumulate=u.accumulate, **u.runtime()) if trace else None
+                          accumulate=u.accumulate, server=server_from_catalog(self.catalog[u.server_device]),
+                          **u.runtime()) if trace else None
         used = {d for rec in trace for d in rec.down_bytes}
         scores = self.evaluate() if step == u.steps or (u.eval_every and step % u.eval_every == 0) else {}
         step_waits = self.transport.waits[waits:]
@@ -289,6 +291,9 @@ class UnitsMethod:
             "bytes_down": sum(sum(rec.down_bytes.values()) for rec in trace),
             "bytes_up": sum(sum(rec.up_bytes.values()) for rec in trace),
             "virtual_s": timing.step_s if timing else 0.0,
+            # what no schedule of the step's messages beats under the timeline (the server's links included)
+            "virtual_bound_s": timing.lower_bound_s if timing else 0.0,
+            "server_link_utilisation": timing.server_link_utilisation if timing else 0.0,
             "redispatched": sum(rec.redispatched for rec in trace),
             "clients_ok": len(used - engine.offline), "clients_failed": len(engine.offline - offline_before),
             "offline": sorted(engine.offline), "server_fallback": engine.server_fallback,

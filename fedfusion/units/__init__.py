@@ -4,13 +4,15 @@ optimizer; every linear layer's GEMMs (forward ``X W^T``, input gradient ``dY W`
 are cut into tiles sized to each device and computed there. No Flower here; this is the core the Flower layer
 wraps.
 
-Modules: ``devices`` (``UnitDevice``: memory, FLOP/s, link rates, latency; ``from_catalog``), ``plan`` (cost model
-and planner), ``messages`` (wire format, the device side ``compute_units``/``DeviceRuntime``, the byte formula),
+Modules: ``devices`` (``UnitDevice``: memory, FLOP/s, link rates, latency; ``from_catalog``; ``UnitServer``: the
+server's links), ``plan`` (cost model and planner), ``messages`` (wire format, the device side
+``compute_units``/``DeviceRuntime``, the byte formula),
 ``verify`` (Freivalds' check, strikes), ``engine`` (``UnitEngine``: plan, dispatch, verify, re-dispatch,
 assemble), ``accumulate`` (weight-gradient tiles summed on the devices over a step's micro-batches), ``hooks``
 (``install`` on a Hugging Face Llama), ``phases`` (a step's phases from the shape alone), ``timeline`` (virtual
-step time under links, micro-batches and churn), ``ledger`` (the server's compute, checks and traffic priced with
-``price_work``, and the same step on a cloud GPU), ``workers`` (emulated faulty devices).
+step time under the devices' and the server's links, micro-batches and churn, and its lower bound), ``ledger``
+(the server's compute, checks and traffic priced with ``price_work``, and the same step on a cloud GPU),
+``workers`` (emulated faulty devices).
 
 README -- the API the Flower layer calls
 -----------------------------------------

@@ -1,7 +1,9 @@
-"""What the unit planner needs to know about one device: memory, speed, links, latency, availability.
+"""What the unit planner needs to know about one device (memory, speed, links, latency, availability) and what the
+timeline needs to know about the parameter server (its links).
 
 Plain numbers in SI units (bytes, FLOP/s, bytes/s, seconds) so the planner and the timeline never depend on the
-catalog's format; ``from_catalog`` is the one adapter from ``fedfusion.devices.catalog.Device`` (easy to re-point).
+catalog's format; ``from_catalog`` and ``server_from_catalog`` are the adapters from
+``fedfusion.devices.catalog.Device`` (easy to re-point).
 """
 
 from __future__ import annotations
@@ -43,3 +45,29 @@ def from_catalog(tier: Any, *, name: str | None = None, rtt_s: float = 0.05, ove
     return UnitDevice(name=name or tier.name, memory_bytes=tier.memory_gb * 1e9 * memory_share,
                       flops=tier.tflops * 1e12, down_bps=tier.down_mbps * 1e6 / 8, up_bps=tier.up_mbps * 1e6 / 8,
                       rtt_s=rtt_s, overhead_s=overhead_s)
+
+
+@dataclass(frozen=True)
+class UnitServer:
+    """The parameter server's links as the timeline queues them: ``send_bps`` carries every message's download,
+    ``recv_bps`` every reply's upload (bytes/s; 0: unlimited, an infinitely fast server). The default is a 10 Gb/s
+    datacenter link each way, the catalog's cloud tiers' (``cloud-a100``, ``units.server_device``'s default). The
+    server's compute reaches the timeline as seconds (``ledger.server_timeline``, priced on its catalog tier)."""
+
+    name: str = "10 Gb/s server"
+    send_bps: float = 10e9 / 8
+    recv_bps: float = 10e9 / 8
+
+    def __post_init__(self) -> None:
+        if self.send_bps < 0 or self.recv_bps < 0:
+            raise ValueError(f"server {self.name!r}: send_bps and recv_bps must be >= 0 (0: unlimited)")
+
+
+DEFAULT_SERVER = UnitServer()
+UNLIMITED_SERVER = UnitServer("unlimited server", 0.0, 0.0)  # links that never queue: the devices' links alone
+
+
+def server_from_catalog(tier: Any) -> UnitServer:
+    """A ``UnitServer`` from a catalog tier (``units.server_device``): it sends at its up rate, receives at its down
+    rate (Mbit/s), as ``ledger.price_server`` prices its traffic."""
+    return UnitServer(name=tier.name, send_bps=tier.up_mbps * 1e6 / 8, recv_bps=tier.down_mbps * 1e6 / 8)

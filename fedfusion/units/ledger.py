@@ -4,8 +4,9 @@ server's catalog tier; and the step's training work (the devices' units, each on
 on a cloud GPU of the catalog, the reference the mode competes with.
 
 The server's time also enters the step's virtual time (:func:`server_timeline`): its compute and checks
-between phases, spread evenly over the step's phases, and the optimizer after the last one; its link is not a
-shared resource of the timeline (a datacenter server's 10 Gb/s are not what bounds a step of edge devices).
+between phases, spread evenly over the step's phases, queued on its processor, and the optimizer after the last
+one; its traffic passes its send and receive links, shared queues of the timeline at the same tier's rates
+(``fedfusion.units.devices.server_from_catalog``): the bytes priced here are the ones the timeline queues.
 """
 
 from __future__ import annotations

@@ -1,23 +1,35 @@
-"""Virtual time of a step in the units mode: emulated links, several micro-batches in flight, devices that die.
+"""Virtual time of a step in the units mode: emulated links, the server's links and compute, several micro-batches in
+flight, devices that die.
 
-Each device has three FIFO resources: its downlink, its processor and its uplink. A message issued at time ``t``
+Each device has three FIFO resources: its downlink, its processor and its uplink; the parameter server has three
+shared ones: its send link, its receive link (``UnitServer``: every device's messages pass them) and its processor.
+A message issued at time ``t``
 
-    down:    starts at max(t, downlink free), takes overhead + bytes_down / down_bps, then rtt / 2 to arrive
+    down:    starts at s = max(t, downlink free); its bytes pass the server's send link (bytes_down / send_bps, in
+             that link's first idle stretch from s on) and the device's downlink (overhead + bytes_down / down_bps
+             from s) at once, so it is down when both are through; then rtt / 2 to arrive
     compute: starts at max(arrival, processor free), takes flops / flops_rate
-    up:      starts at max(compute end, uplink free), takes bytes_up / up_bps, then rtt / 2 back
+    up:      starts at u = max(compute end, uplink free), its bytes pass the device's uplink (bytes_up / up_bps from
+             u) and the server's receive link (bytes_up / recv_bps, its first idle stretch from u on); rtt / 2 back
 
 so a device can receive micro-batch 2's operands while it computes micro-batch 1's and sends back micro-batch
-0's. That needs a device runtime that takes its next message while it works on the current one. ``lanes`` caps the
-messages a device holds at once: a message cannot start its download before the reply of the message ``lanes``
-before it on that device is back. ``lanes=1`` is the order of Flower 1.42's SuperNode: it pulls a message, runs the
-ClientApp, sends the reply and only then pulls the next, so its downlink, processor and uplink never overlap. Only
-the order: the model charges one ``rtt`` and ``overhead_s`` per message, while a deployed SuperNode makes several
-calls per message, polls its ClientApp every 0.5 s and sleeps 3 s after a pull that finds nothing (the simulation
-engine, for its part, may run two of a node's messages at once); ``lanes=0`` (no limit, the default) is a runtime that prefetches, the seed
-paper's devices. ``supernodes=k`` prices more lanes within Flower (``units.supernodes``, ``UnitEngine.supernodes``):
-each device runs k SuperNodes, micro-batch ``c`` goes to its node ``c mod k``, and each node holds one message at a
-time and its own weight blocks and running sums (so weights travel and sums upload once per node and step), over the
-device's one set of links and processor.
+0's (that needs a device runtime that takes its next message while it works on the current one), and a step's
+downloads and uploads, every device's together, take at least their bytes over the server's links (the 168M target
+on 1,024 laptops: 59 GB down a step, ~47 s at 10 Gb/s). The server's own compute between two phases of a chain
+(``server_gap_s``: its attention, norms, sums and checks) runs on its processor, in its first idle stretch from the
+phase's end on, and the optimizer after the last phase. The server's queues fill idle stretches (a transfer booked
+later but ready earlier takes an earlier gap); the devices' are FIFO in the order messages are booked.
+
+``lanes`` caps the messages a device holds at once: a message cannot start its download before the reply of the
+message ``lanes`` before it on that device is back. ``lanes=1`` is the order of Flower 1.42's SuperNode: it pulls a
+message, runs the ClientApp, sends the reply and only then pulls the next, so its downlink, processor and uplink
+never overlap. Only the order: the model charges one ``rtt`` and ``overhead_s`` per message, while a deployed
+SuperNode makes several calls per message, polls its ClientApp every 0.5 s and sleeps 3 s after a pull that finds
+nothing (the simulation engine, for its part, may run two of a node's messages at once); ``lanes=0`` (no limit, the
+default) is a runtime that prefetches, the seed paper's devices. ``supernodes=k`` prices more lanes within Flower
+(``units.supernodes``, ``UnitEngine.supernodes``): each device runs k SuperNodes, micro-batch ``c`` goes to its node
+``c mod k``, and each node holds one message at a time and its own weight blocks and running sums (so weights travel
+and sums upload once per node and step), over the device's one set of links and processor.
 Micro-batches are independent chains of dependent phases (a phase is issued when the previous phase of
 its chain is back, plus the server's own time between phases), processed in order of issue time. ``in_flight``
 chains run at once (the scheduler keeps that many micro-batches' messages queued, the engine one thread each);
@@ -31,8 +43,13 @@ from later plans and re-dispatches the lost units, each to the live device with 
 message queues behind work already booked and a message booked after it with an earlier issue time waits behind it
 (on the links and, with ``lanes``, for a lane); a deadline here counts from the issue, so it includes a message's
 wait for a lane, while the engine's is a multiple of the message's own predicted time; and a dead device's booked
-replies still hold its lanes until the server notices. ``floor_s`` is the overlap floor, which assumes a device's
-download, compute and upload overlap (a one-lane device cannot reach it).
+replies still hold its lanes until the server notices.
+
+``lower_bound_s`` is what no schedule of the step's messages can beat under this model (without churn): the
+optimizer's time plus the largest of every resource's busy time (a device's downlink with its messages' overheads,
+its uplink, its processor; a lane's messages end to end, each at least overhead + rtt + its transfers and compute,
+over the lanes; the server's links and processor) and the chains' critical path (each phase at least the least
+rtt + overhead of any device, the server's time between phases, ``in_flight`` chains at a time).
 
 Accumulation (``accumulate``, ``fedfusion.units.accumulate``): a weight gradient's tiles upload only with the
 step's last micro-batch to reach that phase (the others' replies just list the kept units); the device's FIFO
@@ -43,7 +60,9 @@ are planned on the live devices as if their sums matched that plan).
 
 from __future__ import annotations
 
+import bisect
 import heapq
+import math
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -51,7 +70,7 @@ from typing import Any
 
 import numpy as np
 
-from fedfusion.units.devices import UnitDevice
+from fedfusion.units.devices import DEFAULT_SERVER, UnitDevice, UnitServer
 from fedfusion.units.engine import PhaseRecord
 from fedfusion.units.messages import Spec, formula_bytes
 from fedfusion.units.phases import WEIGHT_GRADIENT, Phase
@@ -68,16 +87,21 @@ class Kill:
 
 @dataclass
 class StepTiming:
-    """What one simulated step cost: time, its physical floor, per-device bytes and busy seconds, churn."""
+    """What one simulated step cost: time, its lower bound and what sets it, per-device bytes and busy seconds, the
+    server's busy seconds, churn."""
 
     step_s: float
-    floor_s: float  # max over devices of (downlink bytes time + message overheads, uplink, compute) + phases x latency
+    lower_bound_s: float  # no schedule beats it under the model (the module's docstring); churn off
+    bound_by: str  # the resource or path that sets lower_bound_s
     phases_per_chain: int
     down_bytes: np.ndarray
     up_bytes: np.ndarray
     down_busy_s: np.ndarray
     up_busy_s: np.ndarray
     compute_s: np.ndarray
+    server_send_busy_s: float
+    server_recv_busy_s: float
+    server_compute_s: float  # its time between phases and the optimizer
     redispatched: int = 0
     detected: dict[int, float] = field(default_factory=dict)
     phase_deadlines: list[tuple[float, float]] = field(default_factory=list)  # (issue, deadline) of each phase
@@ -85,22 +109,73 @@ class StepTiming:
 
     @property
     def link_utilisation(self) -> float:
-        """Busy fraction of the busiest link over the step."""
-        return float(max(self.down_busy_s.max(), self.up_busy_s.max()) / self.step_s) if self.step_s else 0.0
+        """Busy fraction of the busiest link over the step, the server's included."""
+        busiest = max(self.down_busy_s.max(), self.up_busy_s.max(), self.server_send_busy_s, self.server_recv_busy_s)
+        return float(busiest / self.step_s) if self.step_s else 0.0
+
+    @property
+    def server_link_utilisation(self) -> float:
+        """Busy fraction of the server's busier link over the step."""
+        return max(self.server_send_busy_s, self.server_recv_busy_s) / self.step_s if self.step_s else 0.0
+
+    @property
+    def step_over_bound(self) -> float:
+        """How far the step is from what no schedule can beat (>= 1)."""
+        return self.step_s / self.lower_bound_s if self.lower_bound_s else 1.0
 
     @property
     def devices_used(self) -> int:
         return int(np.count_nonzero(self.down_bytes))
 
 
-class _Links:
-    """The FIFO resources of every device and what they carried."""
+class _Queue:
+    """A shared resource of the server (a link or its processor): its busy stretches, sorted and merged; a job takes
+    the first idle stretch at or after its ready time that holds it."""
 
-    def __init__(self, devices: list[UnitDevice], lanes: int = 0) -> None:
+    def __init__(self) -> None:
+        self.starts: list[float] = []
+        self.ends: list[float] = []
+        self.busy = 0.0
+
+    def slot(self, ready: float, seconds: float) -> float:
+        """When a job of ``seconds`` ready at ``ready`` would end (nothing booked)."""
+        if seconds <= 0:
+            return ready
+        i, start = bisect.bisect_right(self.ends, ready), ready
+        while i < len(self.starts) and start + seconds > self.starts[i]:
+            start = max(start, self.ends[i])
+            i += 1
+        return start + seconds
+
+    def book(self, ready: float, seconds: float) -> float:
+        """Reserve the job's stretch; returns its end."""
+        end = self.slot(ready, seconds)
+        if seconds <= 0:
+            return end
+        start, self.busy = end - seconds, self.busy + seconds
+        i = bisect.bisect_left(self.starts, start)
+        if i and self.ends[i - 1] >= start:  # touches the stretch before: extend it
+            i -= 1
+            self.ends[i] = end
+        else:
+            self.starts.insert(i, start)
+            self.ends.insert(i, end)
+        if i + 1 < len(self.starts) and self.starts[i + 1] <= self.ends[i]:  # and the one after: merge
+            self.ends[i] = self.ends.pop(i + 1)
+            self.starts.pop(i + 1)
+        return end
+
+
+class _Links:
+    """The FIFO resources of every device, the server's shared links, and what they carried."""
+
+    def __init__(self, devices: list[UnitDevice], server: UnitServer, lanes: int = 0) -> None:
         n = len(devices)
-        self.devices = devices
+        self.devices, self.server = devices, server
         self.lanes = lanes  # messages held at once per (device, node)
         self.replies: dict[tuple[int, int], list[float]] = {}  # per (device, node): its booked messages' replies
+        self.lane_hold: dict[tuple[int, int], float] = {}  # per (device, node): its messages' least time held
+        self.send, self.recv = _Queue(), _Queue()
         self.down_free, self.cpu_free, self.up_free = np.zeros(n), np.zeros(n), np.zeros(n)
         self.down_bytes, self.up_bytes = np.zeros(n), np.zeros(n)
         self.down_busy, self.up_busy, self.compute = np.zeros(n), np.zeros(n), np.zeros(n)
@@ -111,14 +186,20 @@ class _Links:
     def reply_at(self, d: int, t: float, down_b: float, flops: float, up_b: float, book: bool,
                  node: int = 0) -> float:
         """When a message issued at ``t`` to ``node`` of device ``d`` would be back; ``book`` reserves the resources."""
-        dev = self.devices[d]
+        dev, server = self.devices[d], self.server
         replies = self.replies.setdefault((d, node), [])
         if self.lanes and len(replies) >= self.lanes:  # waits for a lane's reply to be back
             t = max(t, replies[-self.lanes])
-        down_end = max(t, self.down_free[d]) + dev.overhead_s + down_b / dev.down_bps
+        send_s = down_b / server.send_bps if server.send_bps else 0.0
+        recv_s = up_b / server.recv_bps if server.recv_bps else 0.0
+        down_start = max(t, self.down_free[d])
+        sent = (self.send.book if book else self.send.slot)(down_start, send_s)
+        down_end = max(down_start + dev.overhead_s + down_b / dev.down_bps, sent)
         comp_start = max(down_end + dev.rtt_s / 2, self.cpu_free[d])
         comp_end = comp_start + flops / dev.flops
-        up_end = max(comp_end, self.up_free[d]) + up_b / dev.up_bps
+        up_start = max(comp_end, self.up_free[d])
+        received = (self.recv.book if book else self.recv.slot)(up_start, recv_s)
+        up_end = max(up_start + up_b / dev.up_bps, received)
         if book:
             if self.messages[d]:
                 self.idle_gap[d] += comp_start - self.cpu_free[d]
@@ -130,6 +211,8 @@ class _Links:
             self.up_busy[d] += up_b / dev.up_bps
             self.compute[d] += flops / dev.flops
             self.overhead[d] += dev.overhead_s
+            self.lane_hold[d, node] = self.lane_hold.get((d, node), 0.0) + (
+                dev.overhead_s + dev.rtt_s + down_b / dev.down_bps + flops / dev.flops + up_b / dev.up_bps)
             replies.append(float(up_end + dev.rtt_s / 2))
         return float(up_end + dev.rtt_s / 2)
 
@@ -153,8 +236,11 @@ def simulate(devices: list[UnitDevice], chains: list[list[Phase]], *, elem_bytes
              optimizer_s: float = 0.0, kills: tuple[Kill, ...] = (), deadline_factor: float = 3.0,
              layouts: tuple[str, ...] = LAYOUTS, max_groups: int | None = None,
              cache_weights: bool = True, resident_weights: bool = False, in_flight: int = 0,
-             accumulate: bool = False, lanes: int = 0, supernodes: int = 0) -> StepTiming:
-    """Virtual time of one step whose micro-batches are ``chains``, ``in_flight`` at once (0: all, from time 0); with
+             accumulate: bool = False, lanes: int = 0, supernodes: int = 0,
+             server: UnitServer = DEFAULT_SERVER) -> StepTiming:
+    """Virtual time of one step whose micro-batches are ``chains``, ``in_flight`` at once (0: all, from time 0), through
+    ``server``'s links (default: 10 Gb/s each way; ``UNLIMITED_SERVER``: the devices' links alone), with
+    ``server_gap_s`` of the server's compute between a chain's phases and ``optimizer_s`` after the last; with
     ``cache_weights`` a device receives each weight block once per step (``messages.DeviceRuntime``), with
     ``resident_weights`` never (a frozen base cached on the devices by earlier steps); with ``accumulate`` the
     devices sum weight gradients over the micro-batches and upload each tile once per step; ``lanes``: the messages
@@ -163,7 +249,8 @@ def simulate(devices: list[UnitDevice], chains: list[list[Phase]], *, elem_bytes
     if lanes < 0 or supernodes < 0 or (lanes and supernodes):
         raise ValueError(f"lanes and supernodes must be >= 0 and not both set, got {lanes} and {supernodes}")
     cm = CostModel(devices, elem_bytes)
-    links = _Links(devices, 1 if supernodes else lanes)
+    links = _Links(devices, server, 1 if supernodes else lanes)
+    cpu = _Queue()  # the server's processor: its time between phases
     kill_at = {k.device: k.at_s for k in kills}
     known_dead: dict[int, float] = {}
     held: dict[tuple[int, int], set[str]] = {}  # (device, node) -> the weight blocks it holds
@@ -237,19 +324,39 @@ def simulate(devices: list[UnitDevice], chains: list[list[Phase]], *, elem_bytes
             work += [(deadline, x, tl) for x, tl in moved.items()]
         deadlines.append((t, phase_deadline))
         if p + 1 < len(chains[c]):
-            heapq.heappush(heap, (done + server_gap_s, c, p + 1))
+            heapq.heappush(heap, (cpu.book(done, server_gap_s), c, p + 1))
         else:
             ends.append(done)
             if running < len(chains):  # the next micro-batch takes the finished one's place
-                heapq.heappush(heap, (done + server_gap_s, running, 0))
+                heapq.heappush(heap, (cpu.book(done, server_gap_s), running, 0))
                 running += 1
-    step = max(ends) + optimizer_s
-    rtt = min(dev.rtt_s + dev.overhead_s for dev in devices)
-    phases = max(len(ch) for ch in chains)
-    busy = np.maximum(np.maximum(links.down_busy + links.overhead, links.up_busy), links.compute)
-    return StepTiming(step, float(busy.max()) + phases * rtt, phases, links.down_bytes, links.up_bytes,
-                      links.down_busy, links.up_busy, links.compute, redispatched, known_dead, deadlines,
+    bound, by = _lower_bound(links, cpu.busy, chains, in_flight, server_gap_s)
+    return StepTiming(max(ends) + optimizer_s, bound + optimizer_s, by, max(len(ch) for ch in chains),
+                      links.down_bytes, links.up_bytes, links.down_busy, links.up_busy, links.compute,
+                      links.send.busy, links.recv.busy, cpu.busy + optimizer_s, redispatched, known_dead, deadlines,
                       links.idle_gap)
+
+
+def _lower_bound(links: _Links, server_cpu_s: float, chains: list[list[Phase]], in_flight: int,
+                 server_gap_s: float) -> tuple[float, str]:
+    """The step's lower bound before the optimizer and what sets it: the busiest resource (every booked use of a
+    resource ends before the last reply) or the chains' critical path (each phase at least the least rtt +
+    overhead, the server's time between a chain's phases, ``in_flight`` chains at a time, one after another)."""
+    latency = min(dev.rtt_s + dev.overhead_s for dev in links.devices)
+    lengths = sorted(len(ch) * latency + (len(ch) - 1) * server_gap_s for ch in chains)
+    running = len(chains) if in_flight <= 0 else min(in_flight, len(chains))
+    waves = math.ceil(len(chains) / running)  # some chain slot runs at least this many chains in turn
+    candidates = [(lengths[-1], "latency"), (waves * lengths[0] + (waves - 1) * server_gap_s, "latency"),
+                  (links.send.busy, "server send link"), (links.recv.busy, "server receive link"),
+                  (server_cpu_s, "server compute")]
+    for name, busy in (("downlink", links.down_busy + links.overhead), ("uplink", links.up_busy),
+                       ("compute", links.compute)):
+        d = int(np.argmax(busy))
+        candidates.append((float(busy[d]), f"device {d} {name}"))
+    if links.lanes:
+        for (d, node), hold in links.lane_hold.items():
+            candidates.append((hold / links.lanes, f"device {d} lanes" + (f" (node {node})" if node else "")))
+    return max(candidates, key=lambda x: x[0])
 
 
 def choose_micro_batches(devices: list[UnitDevice], phases_for: Callable[[int], list[Phase]], batch_size: int, *,
@@ -259,8 +366,9 @@ def choose_micro_batches(devices: list[UnitDevice], phases_for: Callable[[int], 
     """The micro-batch count for a step, predicted with ``simulate`` (``kwargs`` pass through, with
     ``kwargs_for(m)``'s added for count ``m``: e.g. the server's time between phases, which grows with the count):
     among the divisors of ``batch_size`` from ``min_count`` on (k SuperNodes per device need k micro-batches to keep
-    each node busy), the smallest whose busiest-link utilisation reaches ``target_utilisation`` without a slower step
-    than the smallest divisor's; else the one with the shortest step (ties: the smaller count).
+    each node busy), the smallest whose busiest-link utilisation (the server's links included) reaches
+    ``target_utilisation`` without a slower step than the smallest divisor's; else the one with the shortest step
+    (ties: the smaller count).
     ``phases_for(m)`` is one micro-batch's phase list when the batch is cut into ``m``. Returns the count and every
     count's timing, so a setting that reaches no count at the target stays visible as such (latency-bound: a chain's
     phases x (RTT + overhead) exceed what the links carry)."""
