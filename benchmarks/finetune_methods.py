@@ -46,13 +46,18 @@ def finals(out: Path) -> dict[str, float]:
             "general": float(rows[-1]["general_loss"]), "wall_s": float(summary.get("wall_s") or 0.0)}
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's command line (tests/test_results_commands.py parses the results' commands with it)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--compare", default="runs/compare-finetune", help="fedfusion compare finetune's --out")
     parser.add_argument("--work", default="runs/bench-finetune-methods", help="where the method arms' runs go")
     parser.add_argument("--out", default="finetune_methods", help="results file stem under benchmarks/results")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     facts = run_facts("benchmarks/finetune_methods.py", argv)
     results: dict[str, dict[int, dict[str, float]]] = {}
     for seed in args.seeds:

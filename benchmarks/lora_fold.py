@@ -67,12 +67,17 @@ def server_round(trained: list[ClientLoRA], arm: str) -> dict[int, dict[str, tor
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's command line (tests/test_results_commands.py parses the results' commands with it)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", default="", help="lora.base: the base whose modules are adapted (default: "
                         "the finetune recipe's)")
     parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     facts = run_facts("benchmarks/lora_fold.py", argv)
     torch.set_num_threads(1)
     lora = load_recipe("finetune", [f"lora.base={args.base}"] if args.base else []).lora
