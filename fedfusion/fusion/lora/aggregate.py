@@ -129,6 +129,14 @@ class LoRAAggregate:
         B = {n: b[:, :rank] * (self.scale / s) for n, b in self.B.items()}
         return A, B
 
+    def components(self, name: str) -> SVD:
+        """flexlora: the thin SVD of module ``name``'s update, signs fixed, computed once: from its factors where
+        they are known, else from the dense update."""
+        if name not in self._svd:
+            self._svd[name] = factored_svd(self.A[name], self.B[name]) if name in self.A else \
+                dense_svd(self.delta[name])
+        return self._svd[name]
+
     def _top_components(self, rank: int, s: float) -> Factors:
         """The top-``rank`` SVD components of each module's update, in a client's scaling ``s``: all the update
         holds where its factors are known and fewer (its rank; the client initialises the rest fresh)."""
@@ -136,9 +144,7 @@ class LoRAAggregate:
         for name, delta in self.delta.items():
             if rank > min(delta.shape):
                 raise ValueError(f"flexlora: rank {rank} exceeds min(out, in) = {min(delta.shape)} of module {name}")
-            if name not in self._svd:
-                self._svd[name] = factored_svd(self.A[name], self.B[name]) if name in self.A else dense_svd(delta)
-            U, S, Vh = self._svd[name]
+            U, S, Vh = self.components(name)
             k = min(rank, S.numel())
             A[name] = Vh[:k].float()
             B[name] = (U[:, :k] * S[:k] / s).float()
@@ -329,18 +335,18 @@ def factored_svd(A: torch.Tensor, B: torch.Tensor) -> SVD:
     return _signed(qb @ U, S, Vh @ qa.T)
 
 
-def _numerical_rank(S: torch.Tensor, rtol: float = 1e-6) -> int:
-    """How many singular values (descending) exceed ``rtol`` times the largest; at least one."""
-    return max(1, int((S > rtol * S[0]).sum())) if S.numel() and S[0] > 0 else 1
+def _leading(U: torch.Tensor, S: torch.Tensor, Vh: torch.Tensor, rtol: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 factors (A', B') = (Vh, U S) of the singular directions whose value exceeds ``rtol`` times the
+    largest (at least one): the product's numerical rank."""
+    keep = max(1, int((S > rtol * S[0]).sum())) if S.numel() and S[0] > 0 else 1
+    return Vh[:keep].float(), (U[:, :keep] * S[:keep]).float()
 
 
 def compress_factors(A: torch.Tensor, B: torch.Tensor, rtol: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
     """Factors (A', B') with ``B' @ A' == B @ A`` to float tolerance and the fewest rows: the product's
     singular directions whose singular value exceeds ``rtol`` times the largest (at least one), from
     :func:`factored_svd`."""
-    U, S, Vh = factored_svd(A, B)
-    keep = _numerical_rank(S, rtol)
-    return Vh[:keep].float(), (U[:, :keep] * S[:keep]).float()
+    return _leading(*factored_svd(A, B), rtol=rtol)
 
 
 def global_factors(agg: LoRAAggregate, merged: Factors | None = None) -> Factors:
@@ -360,15 +366,10 @@ def global_factors(agg: LoRAAggregate, merged: Factors | None = None) -> Factors
             A[name], B[name] = compress_factors(a, b)
         return A, B
     if agg.method == "flexlora":
-        pairs = {}
-        for name, delta in agg.delta.items():
-            if name in agg.A:
-                pairs[name] = compress_factors(agg.A[name], agg.B[name])
-                continue
-            U, S, Vh = dense_svd(delta)
-            keep = _numerical_rank(S)
-            pairs[name] = (Vh[:keep].float(), (U[:, :keep] * S[:keep]).float())
-        return {n: a for n, (a, _) in pairs.items()}, {n: b for n, (_, b) in pairs.items()}
+        A, B = {}, {}
+        for name in agg.delta:
+            A[name], B[name] = _leading(*agg.components(name))
+        return A, B
     return {n: a.clone() for n, a in agg.A.items()}, {n: b * agg.scale for n, b in agg.B.items()}
 
 
