@@ -235,10 +235,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     # it names): torch loads only now
     view = call(method(recipe.fusion.method).plan, recipe, source=recipe.data_source())
     _print_table(view.title, view.rows, view.headers, left=view.left, width=view.width)
-    from fedfusion.devices.catalog import load_catalog
+    from fedfusion.devices.catalog import memory_note, population_catalog
     from fedfusion.devices.energy import runtime_notes
 
-    for note in (*view.notes, *runtime_notes(load_catalog(recipe.population.catalog), list(recipe.population.mix))):
+    emulated = memory_note(recipe.population)
+    for note in (*((emulated,) if emulated else ()), *view.notes,
+                 *runtime_notes(population_catalog(recipe.population), list(recipe.population.mix))):
         console.print(note, highlight=False, soft_wrap=True)
     if args.ways or (args.ways is None and recipe.model.pretrained and recipe.fusion.method in SLICES):
         from fedfusion.analysis.plan import ways_view

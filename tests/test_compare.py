@@ -14,7 +14,7 @@ from fedfusion.cli import main, parser
 from fedfusion.config.recipe import builtin_recipes, load_recipe, to_yaml
 from fedfusion.config.sections import RecipeError
 from fedfusion.run import arms as arms_module
-from fedfusion.run.arms import ORACLE, RECIPE, SMALLEST, Arm, UnequalBudget, arms_for, check_equal_budget
+from fedfusion.run.arms import ARM_NAMES, ORACLE, RECIPE, SMALLEST, Arm, UnequalBudget, arms_for, check_equal_budget
 from fedfusion.run.check import load_checked
 from fedfusion.run.compare import (
     EXIT_INTERRUPTED,
@@ -287,6 +287,21 @@ def test_the_report_writes_json_md_and_plot_with_per_seed_finals_span_closure_an
     assert "| recipe | 0 | 2.3000 | 2.4000 |" in md and "| recipe | mean ± std | 2.3050 ± 0.0071 |" in md
     assert "the recipe closes **0.75 ± 0.00** of that gap" in md and "Still rising at the end: recipe (seed 0)" in md
     assert "![curves](compare.png)" in md
+
+
+def test_a_run_whose_client_rounds_failed_is_counted_and_the_report_says_it_is_not_at_equal_budget(tmp_path):
+    c = plan("quickstart", ["rounds=6"], [0], tmp_path)
+    for arm in ARM_NAMES:
+        write_run(c.run_dir(arm, 0), c.recipes[arm, 0], [3.0, 2.8, 2.7, 2.6, 2.5, 2.4, 2.3])
+    clients = [{"round": r, "status": "ok" if r < 5 else "failed"} for r in range(1, 7) for _ in range(2)]
+    (c.run_dir(RECIPE, 0) / "clients.jsonl").write_text("".join(json.dumps(r) + "\n" for r in clients))
+    (c.run_dir(ORACLE, 0) / "clients.jsonl").write_text(json.dumps({"round": 1, "status": "ok"}) + "\n")
+    write_report(c)
+    data = json.loads((tmp_path / "compare.json").read_text())
+    assert [data["arms"][a]["runs"]["0"]["failed"] for a in ARM_NAMES] == [4, 0, 0]
+    md = (tmp_path / "compare.md").read_text()
+    assert "**Not at equal budget**: client rounds failed in recipe (seed 0: 4)" in md
+    assert "smallest-only (seed 0" not in md.split("Not at equal budget")[1].split(";")[0]
 
 
 def test_a_distill_smallest_only_is_read_from_its_family_rows(tmp_path):

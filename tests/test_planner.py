@@ -8,7 +8,8 @@ import pytest
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM
 
 from fedfusion.config.recipe import load_recipe
-from fedfusion.devices.catalog import load_catalog
+from fedfusion.config.sections import RecipeError
+from fedfusion.devices.catalog import load_catalog, memory_note, population_catalog
 from fedfusion.devices.memory import estimate_memory, fit_lora_rank, lora_params, param_count, training_memory_bytes
 from fedfusion.fusion.plan import recipe_target
 from fedfusion.fusion.submodel.plan import WIDTH_LADDER, auto_widths, expanded_tiers, fit_width, plan_table, sliced_config, window_memory
@@ -338,3 +339,27 @@ def test_a_tier_expands_its_frozen_target_only_where_its_memory_holds_the_float3
     assert expanded == {"laptop"}  # the phone (3.6 GB usable) holds the int8 target, not a float32 one
     sliced = load_recipe("quickstart", [*big, "fusion.forward=slice", "fusion.window_core=false"])
     assert expanded_tiers(sliced.fusion, sliced.train, sliced.population, sliced.model, sliced.data_source()) == set()
+
+
+def test_memory_scale_shrinks_every_tier_and_the_fit_follows_it():
+    """``population.memory_scale`` scales each tier's memory as every plan reads it (one door:
+    ``population_catalog``): the fitted slice narrows as the scale falls, the plan's device column shows the scaled
+    memory, and a scale of 1 is the catalog itself."""
+    base = load_recipe("rolling", ["fusion.auto_widths=true"])
+    assert population_catalog(base.population) == load_catalog()
+    scaled = load_recipe("rolling", ["fusion.auto_widths=true", "population.memory_scale=0.003"])
+    devices = population_catalog(scaled.population)
+    assert all(devices[t].memory_gb == pytest.approx(0.003 * d.memory_gb, rel=1e-15)
+               for t, d in load_catalog().items())
+    full, small = auto_widths(*slicing(base)), auto_widths(*slicing(scaled))
+    assert full == {"phone": 1.0, "laptop": 1.0, "desktop": 1.0}
+    assert all(small[t] is None or small[t] < full[t] for t in full)  # each tier fits less than with its whole memory
+    rows = plan_table(*slicing(scaled), widths=small)
+    assert {r["tier"]: r["device MB"] for r in rows} == {t: round(devices[t].memory_gb * 1024) for t in full}
+    assert memory_note(base.population) is None and "0.003" in (memory_note(scaled.population) or "")
+
+
+@pytest.mark.parametrize("bad", ["0", "-0.5", "1.5", "true", "nan"])
+def test_a_memory_scale_outside_0_1_is_one_named_error(bad):
+    with pytest.raises(RecipeError, match=r"population\.memory_scale"):
+        load_recipe("quickstart", [f"population.memory_scale={bad}"])

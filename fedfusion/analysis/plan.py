@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from fedfusion.config.methods import SERVER_WORK, call, method
 from fedfusion.config.recipe import Recipe, tier_methods
-from fedfusion.devices.catalog import load_catalog
+from fedfusion.devices.catalog import population_catalog
 from fedfusion.devices.memory import PLAN_COSTS, USABLE, estimate_memory, mb, param_count, usable_bytes
 from fedfusion.fusion.plan import PlanView, recipe_target
 from fedfusion.models.build import config_aliases, wire_state
@@ -85,7 +85,7 @@ def ways_view(recipe: Recipe, usable: float = USABLE) -> PlanView:
     the tier's memory: which fit, which fit only with activation checkpointing, and by how much the rest miss; the
     bfloat16 way only on a tier that computes in bfloat16 (without it, bfloat16 matmuls are emulated at a fraction
     of float32's speed)."""
-    target, catalog = recipe_target(recipe.model, recipe.data_source()), load_catalog(recipe.population.catalog)
+    target, catalog = recipe_target(recipe.model, recipe.data_source()), population_catalog(recipe.population)
     rows = []
     for tier in recipe.population.mix:
         device = catalog[tier]

@@ -9,7 +9,7 @@ from typing import Any
 from fedfusion.config.methods import UNITS
 from fedfusion.config.recipe import Recipe
 from fedfusion.config.sections import UnitsSection
-from fedfusion.devices.catalog import load_catalog
+from fedfusion.devices.catalog import population_catalog
 from fedfusion.devices.memory import param_count
 from fedfusion.fusion.plan import PlanView, recipe_target
 
@@ -71,7 +71,7 @@ def units_plan(recipe: Recipe) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     work = units_work(recipe, micro)
     phases, own, verify = work.phases, work.own, work.verify
     gemms = [g for shapes, _ in phases for g in shapes] * micro
-    catalog = load_catalog(recipe.population.catalog)
+    catalog = population_catalog(recipe.population)
     server = catalog[u.server_device]
     tiers = tier_list(recipe.population, recipe.seed)
     devices = units_devices(recipe)
@@ -154,7 +154,7 @@ def units_work(recipe: Recipe, micro_batches: int) -> UnitsWork:
                 verify += sum(check_flops(g.m, g.n, g.k * c) for c in per_node)
             else:
                 verify += micro_batches * check_flops(g.m, g.n, g.k)
-    server = load_catalog(recipe.population.catalog)[u.server_device]
+    server = population_catalog(recipe.population)[u.server_device]
     gap_s, optimizer_s = server_timeline(server, own, verify, len(phases) * micro_batches)
     return UnitsWork(phases, own, verify, gap_s, optimizer_s)
 
@@ -164,7 +164,7 @@ def units_devices(recipe: Recipe) -> list[Any]:
     from fedfusion.data.population import tier_list
     from fedfusion.units import from_catalog
 
-    catalog = load_catalog(recipe.population.catalog)
+    catalog = population_catalog(recipe.population)
     return [from_catalog(catalog[t], name=str(i)) for i, t in enumerate(tier_list(recipe.population, recipe.seed))]
 
 
@@ -189,5 +189,5 @@ def units_micro_batches(recipe: Recipe) -> int:
         units_devices(recipe), lambda m: work(m).phases, recipe.train.batch_size,
         kwargs_for=lambda m: {"server_gap_s": work(m).gap_s, "optimizer_s": work(m).optimizer_s},
         deadline_factor=u.deadline_factor, in_flight=u.in_flight, accumulate=u.accumulate, min_count=u.supernodes,
-        server=server_from_catalog(load_catalog(recipe.population.catalog)[u.server_device]), **u.runtime())
+        server=server_from_catalog(population_catalog(recipe.population)[u.server_device]), **u.runtime())
     return chosen

@@ -104,10 +104,16 @@ class PopulationConfig:
         default_factory=lambda: {"phone": 0.5, "laptop": 0.3, "desktop": 0.2}
     )
     catalog: Optional[str] = None  # a user device catalog (YAML) replacing the built-in one
+    # the tiers' memory as fitted and planned, times this: a small target emulating the larger one it stands for
+    memory_scale: float = 1.0
 
     def check(self) -> None:
-        """``population.*``: clients, and a mix of positive shares that sum to 1."""
+        """``population.*``: clients, a mix of positive shares that sum to 1, a memory scale in (0, 1]."""
         positive("population.num_clients", self.num_clients)
+        scale = self.memory_scale
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale <= 1:
+            raise RecipeError(f"population.memory_scale: must be in (0, 1] (1: the catalog's memory), got "
+                              f"{self.memory_scale!r}")
         if not self.mix:
             raise RecipeError("population.mix: needs at least one tier")
         for tier, share in self.mix.items():

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import yaml
@@ -80,6 +80,33 @@ def _device(name: str, fields: Any) -> Device:
 def load_catalog(path: str | Path | None = None) -> dict[str, Device]:
     """The built-in catalog, or a user YAML file of the same shape (tier -> fields), validated."""
     return dict(_builtin_catalog()) if not path else _read_catalog(Path(path))
+
+
+class CatalogChoice(Protocol):
+    """What names a population's devices (the recipe's ``population`` section): the catalog file and the memory
+    emulation."""
+
+    catalog: str | None
+    memory_scale: float
+
+
+def population_catalog(population: CatalogChoice) -> dict[str, Device]:
+    """The catalog a population's tiers come from, each tier's ``memory_gb`` times ``population.memory_scale``: a small
+    built-in target standing for a larger one sees the memory its devices would have for that target
+    (``fedfusion plan`` says so when the scale is not 1). Every fit to memory reads tiers through here."""
+    catalog = load_catalog(population.catalog)
+    scale = population.memory_scale
+    if scale == 1:
+        return catalog
+    return {name: replace(d, memory_gb=d.memory_gb * scale) for name, d in catalog.items()}
+
+
+def memory_note(population: CatalogChoice) -> str | None:
+    """The plan's line saying the tiers' memory is emulated (None when it is not)."""
+    if population.memory_scale == 1:
+        return None
+    return (f"memory emulated: each tier's memory is {population.memory_scale:g} of the catalog's "
+            "(population.memory_scale), what its devices would have for the larger target this one stands for")
 
 
 @lru_cache(maxsize=1)

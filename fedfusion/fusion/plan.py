@@ -10,7 +10,7 @@ from typing import Any
 from transformers import PretrainedConfig
 
 from fedfusion.config.sections import DataSource, ModelConfig, PopulationConfig
-from fedfusion.devices.catalog import load_catalog
+from fedfusion.devices.catalog import population_catalog
 from fedfusion.devices.memory import USABLE, mb, param_count, priced, training_memory_bytes, usable_bytes
 from fedfusion.models.build import target_config, target_model_config
 
@@ -48,7 +48,7 @@ def server_plan_row(population: PopulationConfig, target: PretrainedConfig, seq_
     """The server's own work per round, priced on ``server_device`` (of the population's catalog) as the ledger
     prices it (``server_energy_j``: its FLOPs, no transfers); memory is training ``target`` at the server's batch
     size and ``seq_len``."""
-    device = load_catalog(population.catalog)[server_device]
+    device = population_catalog(population)[server_device]
     mem = training_memory_bytes(target, batch, seq_len)
     return {"tier": f"server ({server_device})", "trains": what, "params": param_count(target),
             "peak MB": mb(mem), "device MB": round(device.memory_gb * 1024),

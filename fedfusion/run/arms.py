@@ -179,9 +179,9 @@ def _tiers(recipe: Recipe) -> list[str]:
 
 def _strength(recipe: Recipe, tier: str) -> tuple[float, float, str]:
     """A tier's place from weakest to strongest: its catalog memory, then TFLOPS (then its name, for a fixed order)."""
-    from fedfusion.devices.catalog import load_catalog
+    from fedfusion.devices.catalog import population_catalog
 
-    device = load_catalog(recipe.population.catalog)[tier]
+    device = population_catalog(recipe.population)[tier]
     return device.memory_gb, device.tflops, tier
 
 

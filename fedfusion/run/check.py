@@ -25,7 +25,7 @@ from fedfusion.data.federated import local_files
 from fedfusion.data.partitioners import check_partitioner
 from fedfusion.data.records import check_client_count, natural_partition, read_jsonl, read_probes
 from fedfusion.devices.availability import AvailabilityConfig
-from fedfusion.devices.catalog import load_catalog
+from fedfusion.devices.catalog import population_catalog
 from fedfusion.run.trackers import INSTALL, TRACKERS
 from fedfusion.selection.participation import draw_size
 from fedfusion.selection.selectors import make_selector
@@ -76,7 +76,7 @@ def check_recipe(recipe: Recipe) -> Recipe:
 def _check_devices(recipe: Recipe) -> None:
     """Every tier the recipe names is in the device catalog, and the report's cloud is one of its cloud tiers."""
     try:
-        catalog = load_catalog(recipe.population.catalog)
+        catalog = population_catalog(recipe.population)
     except ValueError as exc:
         raise RecipeError(f"population.catalog: {exc}") from None
     known = ", ".join(sorted(catalog))

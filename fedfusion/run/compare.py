@@ -252,7 +252,9 @@ def execute(comparison: Comparison, echo: Callable[[str], None] = print, runner:
             echo(f"{head} failed (exit {code}): see {c.out / 'logs' / f'{arm}-s{seed}.log'} and {run / 'summary.json'}")
             return 1
         finals = collect_run(run, c.arms[arm], c.metric)
-        echo(f"{head}: done in {time.monotonic() - started:.0f} s, final {c.metric.key} {finals['final']:.4f}")
+        echo(f"{head}: done in {time.monotonic() - started:.0f} s, final {c.metric.key} {finals['final']:.4f}"
+             + (f"; WARNING: {finals['failed']} client rounds failed, so it did less work than its budget"
+                if finals["failed"] else ""))
     paths = write_report(c)
     echo("wrote " + ", ".join(str(p) for p in paths))
     return 0
@@ -312,7 +314,18 @@ def collect_run(run: Path, arm: Arm, metric: Metric) -> dict[str, Any]:
     trained = [v for r, v in curve if r > 0] or values  # round 0 is the untrained target: never in the last 3
     return {"dir": str(run), "key": key, "curve": curve, "final": values[-1], "last3": statistics.mean(trained[-3:]),
             "final_ppl": last_ppl, "noise": noise(values), "rising": rising(values, metric.lower_is_better),
-            "wall_s": summary.get("wall_s"), "machine": summary.get("versions", {}).get("machine")}
+            "wall_s": summary.get("wall_s"), "machine": summary.get("versions", {}).get("machine"),
+            "failed": failed_client_rounds(run)}
+
+
+def failed_client_rounds(run: Path) -> int:
+    """How many client rounds of ``run`` failed (a dropout, a deadline missed, a worker the host killed): a run with
+    any did less work than its budget, which the report says beside its numbers."""
+    path = run / "clients.jsonl"
+    if not path.is_file():
+        return 0
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return sum(1 for r in rows if r.get("status") != "ok")
 
 
 def _mean_sd(values: list[float]) -> tuple[float, float]:
@@ -462,21 +475,22 @@ def markdown(c: Comparison, runs: dict[str, dict[int, dict[str, Any]]], stats: d
               + (" (smallest-only: its family model's, `" + c.arms[SMALLEST].key(m.key) + "`)"
                  if SMALLEST in c.arms and c.arms[SMALLEST].score else "") + ". " + FINAL + ".", ""]
     ppl = m.key == "eval_loss"
-    head = "| arm | seed | final | last-3 |" + (" final ppl |" if ppl else "") + " still rising | wall s |"
+    head = ("| arm | seed | final | last-3 |" + (" final ppl |" if ppl else "")
+            + " still rising | wall s | failed client rounds |")
     lines += [head, "|" + "---|" * (head.count("|") - 1)]
     for name in c.arms:
         for seed in c.seeds:
             r = runs.get(name, {}).get(seed)
             if r is None:
-                lines.append(f"| {name} | {seed} | not run | | " + ("| " if ppl else "") + "| |")
+                lines.append(f"| {name} | {seed} | not run | | " + ("| " if ppl else "") + "| | |")
                 continue
             lines.append(f"| {name} | {seed} | {_fmt(r['final'])} | {_fmt(r['last3'])} |"
                          + (f" {_fmt(r['final_ppl'], 3)} |" if ppl else "")
-                         + f" {_rising_cell(r)} | {_fmt(r['wall_s'], 0)} |")
+                         + f" {_rising_cell(r)} | {_fmt(r['wall_s'], 0)} | {r['failed']} |")
         finals = [r["final"] for r in runs.get(name, {}).values()]
         if len(finals) > 1:
             mean, sd = _mean_sd(finals)
-            lines.append(f"| {name} | mean ± std | {mean:.4f} ± {sd:.4f} | | " + ("| " if ppl else "") + "| |")
+            lines.append(f"| {name} | mean ± std | {mean:.4f} ± {sd:.4f} | | " + ("| " if ppl else "") + "| | |")
     lines += ["", *verdict(c, runs, stats), ""]
     if stats["per_seed"]:
         lines += ["| seed | recipe - smallest-only | span | noise | gap closure |", "|---|---|---|---|---|"]
@@ -525,6 +539,12 @@ def verdict(c: Comparison, runs: dict[str, dict[int, dict[str, Any]]], stats: di
         k = len([s for s in stats["per_seed"]])
         out.append(f"Recipe - smallest-only: {mean:+.4f}{f' ± {sd:.4f}' if k > 1 else ''} (positive: the recipe is "
                    f"better); the recipe is better in {stats['recipe_better_in']} of {k} seed(s).")
+    short = [f"{name} (seed {s}: {r['failed']})" for name, arm in runs.items() for s, r in sorted(arm.items())
+             if r["failed"]]
+    if short:
+        out.append(f"**Not at equal budget**: client rounds failed in {', '.join(short)}; those runs did less work "
+                   "than the others (see each run's clients.jsonl), so no number here that rests on them is a fair "
+                   "comparison: run them again (remove the run directory).")
     still = [f"{name} (seed {s})" for name, arm in runs.items() for s, r in sorted(arm.items())
              if r["rising"] is not None and r["rising"]["rising"]]
     if still:

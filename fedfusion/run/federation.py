@@ -25,7 +25,7 @@ from fedfusion.config.methods import LORA, SERVER_WORK, SUBMODEL, call, method
 from fedfusion.config.recipe import Recipe, tier_methods, uses
 from fedfusion.data.population import data_spec, facts_data, lora_data_spec, tier_list, write_partition_sizes
 from fedfusion.devices.availability import AvailabilityConfig, AvailabilityModel
-from fedfusion.devices.catalog import Device, load_catalog
+from fedfusion.devices.catalog import Device, population_catalog
 from fedfusion.devices.energy import price_work, train_flops
 from fedfusion.fusion.base import ClientRound, FusionMethod, RoundReport
 from fedfusion.fusion.lora.build import client_spec as lora_client_spec
@@ -76,7 +76,7 @@ def log_round(row: dict[str, Any]) -> None:
 
 def build_participation(recipe: Recipe) -> Participation:
     """The recipe's selector and (optional) availability model over its population."""
-    catalog = load_catalog(recipe.population.catalog)
+    catalog = population_catalog(recipe.population)
     avail = recipe.availability
     model = (AvailabilityModel.for_tiers(tier_list(recipe.population, recipe.seed), catalog, seed=recipe.seed,
                                          config=AvailabilityConfig(**avail.model)) if avail.enabled else None)
@@ -266,7 +266,7 @@ class Federation:
     def __init__(self, recipe: Recipe, run: RunDir) -> None:
         self.recipe, self.run = recipe, run
         self.target = lora_target(recipe)[0] if recipe.fusion.method == LORA else lm_target(recipe)
-        self.catalog = load_catalog(recipe.population.catalog)
+        self.catalog = population_catalog(recipe.population)
         self.server_device = next((self.catalog[getattr(recipe, m.server_device).server_device]
                                    for m in map(method, SERVER_WORK) if uses(recipe, m.name)), None)
         self.strategy = build_strategy(recipe, self.target)

@@ -29,7 +29,7 @@ from fedfusion.config.methods import UNITS
 from fedfusion.config.recipe import Recipe, nodes_per_client
 from fedfusion.data.population import client_windows, data_spec, write_partition_sizes
 from fedfusion.data.text import sample_batch
-from fedfusion.devices.catalog import Device, load_catalog
+from fedfusion.devices.catalog import Device, population_catalog
 from fedfusion.devices.energy import price_work
 from fedfusion.fusion.state import load_optimizer_state, optimizer_state
 from fedfusion.run.checkpoint import Checkpoint
@@ -210,7 +210,7 @@ class UnitsMethod:
         self.model = self.target.model
         write_partition_sizes(run.path, recipe.data_source(), recipe.fusion.method)
         self.windows = training_windows(recipe)
-        self.catalog = load_catalog(recipe.population.catalog)
+        self.catalog = population_catalog(recipe.population)
         self.opt = make_optimizer(self.model, recipe.train.optimizer, recipe.train.lr, recipe.train.weight_decay)
         self.handle: Any = None  # the target's linear layers routed through the engine (install), while training
 

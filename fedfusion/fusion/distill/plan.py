@@ -7,7 +7,7 @@ from typing import Any, Sequence
 from transformers import PretrainedConfig
 
 from fedfusion.config.sections import DataSource, ModelConfig, PopulationConfig, TrainConfig
-from fedfusion.devices.catalog import load_catalog
+from fedfusion.devices.catalog import population_catalog
 from fedfusion.devices.energy import train_flops
 from fedfusion.devices.memory import PLAN_COSTS, USABLE, dims, mb, param_count, priced, training_memory_bytes, usable_bytes
 from fedfusion.fusion.distill.config import DistillConfig
@@ -34,7 +34,7 @@ def distill_plan_table(distill: DistillConfig, train: TrainConfig, population: P
     from fedfusion.train.distill import forward_flops
     from fedfusion.train.transfer import distill_families, transfer_text
 
-    catalog = load_catalog(population.catalog)
+    catalog = population_catalog(population)
     d, batch, seq = distill, train.batch_size, train.seq_len
     text = transfer_text(d.transfer.source, data_spec(source), d.transfer.max_chars, d.transfer.path)
     families = distill_families(d, model.max_position, load_tokenizer(model.pretrained), text)

@@ -8,7 +8,7 @@ import torch
 from transformers import PretrainedConfig
 
 from fedfusion.config.sections import FusionConfig, PopulationConfig, TrainConfig
-from fedfusion.devices.catalog import load_catalog
+from fedfusion.devices.catalog import population_catalog
 from fedfusion.devices.energy import frozen_work_params, train_flops
 from fedfusion.devices.memory import PLAN_COSTS, USABLE, estimate_memory, fit_lora_rank, mb, param_count, priced, usable_bytes
 from fedfusion.fusion.lora.config import LoRAConfig
@@ -22,7 +22,7 @@ def lora_plan_table(lora: LoRAConfig, fusion: FusionConfig, train: TrainConfig, 
     memory on its base and on an fp32 base, whether it fits, the largest rank that would fit, and one round's
     cost (:func:`priced`: the FLOPs of :func:`~fedfusion.devices.energy.frozen_work_params`, the adapter down in
     ``fusion.wire_dtype`` and up in ``fusion.wire_up``)."""
-    catalog = load_catalog(population.catalog)
+    catalog = population_catalog(population)
     batch, seq = train.batch_size, train.seq_len
     modules = list(lora.target_modules)
     compute = getattr(torch, lora.dtype).itemsize  # a quantised base computes (and keeps its other weights) in lora.dtype

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from fedfusion.config.methods import SUBMODEL
 from fedfusion.config.sections import DataSource, FusionConfig, ModelConfig, PopulationConfig, RecipeError, TrainConfig
-from fedfusion.devices.catalog import Device, load_catalog
+from fedfusion.devices.catalog import Device, population_catalog
 from fedfusion.devices.energy import frozen_work_params, train_flops
 from fedfusion.devices.memory import (
     FROZEN_BITS,
@@ -66,7 +66,7 @@ def auto_widths(
     frozen target and the whole target's activations besides the window), so a tier steps down the ladder until it
     does, with a core (``fusion.window_core``) of the smallest slice width found or its own width where that is
     smaller (the core is the smallest tier's width; it can only shrink, so every window checked still fits)."""
-    catalog = load_catalog(population.catalog)
+    catalog = population_catalog(population)
     axes = fusion.axes or None
     fitted = {tier: fit_width(target, catalog[tier], train.batch_size, train.seq_len, ladder, usable, axes)
               for tier in population.mix}
@@ -127,7 +127,7 @@ def plan_table(
     instead of raising. Memory is :func:`training_memory_bytes`. ``tiers`` (default: every tier of the mix) picks
     the tiers to plan (a mixed federation's slicing tiers).
     """
-    catalog = load_catalog(population.catalog)
+    catalog = population_catalog(population)
     f = fusion
     axes = f.axes or None
     widths = f.widths if widths is None else widths
@@ -242,7 +242,7 @@ def expanded_tiers(fusion: FusionConfig, train: TrainConfig, population: Populat
     tiers = [t for t in population.mix if f.tier_method(t) == SUBMODEL and t in f.widths]
     if f.forward != "full" or not tiers:
         return frozenset()
-    catalog = load_catalog(population.catalog)
+    catalog = population_catalog(population)
     target = recipe_target(model, source)
     core = min(f.widths.values()) if f.window_core else 0.0
     return frozenset(t for t in tiers if window_path(f, train, target, f.window_widths.get(t, f.widths[t]), core,
