@@ -363,3 +363,20 @@ def test_memory_scale_shrinks_every_tier_and_the_fit_follows_it():
 def test_a_memory_scale_outside_0_1_is_one_named_error(bad):
     with pytest.raises(RecipeError, match=r"population\.memory_scale"):
         load_recipe("quickstart", [f"population.memory_scale={bad}"])
+
+
+@pytest.mark.parametrize("name", ["quickstart", "rolling"])
+def test_secure_aggregation_prices_every_reply_as_the_masked_vector_at_its_bound(name):
+    """Under ``privacy.secure_aggregation`` a reply is 8 bytes (fixed point modulo 2**64) for every coordinate of the
+    round's support, whatever the client trains; the plan prices that at its bound, every coordinate of the target,
+    for every tier (slices and full-forward windows alike), and leaves the downlink as it was."""
+    from fedfusion.config.methods import call, method
+
+    plain, secure = (load_recipe(name, [f"privacy.secure_aggregation={on}"]) for on in ("false", "true"))
+    views = [call(method(r.fusion.method).plan, r, source=r.data_source()) for r in (plain, secure)]
+    coordinates = param_count(recipe_target(secure.model, secure.data_source()))
+    for before, after in zip(*(v.rows for v in views), strict=True):
+        assert after["MB up"] == 8 * coordinates / 2**20 and before["MB up"] < after["MB up"]
+        assert after["MB down"] == before["MB down"] and after["compute s"] == before["compute s"]
+    assert any("masked vector" in note for note in views[1].notes)
+    assert not any("masked vector" in note for note in views[0].notes)

@@ -11,7 +11,15 @@ import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from fedfusion.config.methods import SUBMODEL
-from fedfusion.config.sections import DataSource, FusionConfig, ModelConfig, PopulationConfig, RecipeError, TrainConfig
+from fedfusion.config.sections import (
+    DataSource,
+    FusionConfig,
+    ModelConfig,
+    PopulationConfig,
+    PrivacyConfig,
+    RecipeError,
+    TrainConfig,
+)
 from fedfusion.devices.catalog import Device, population_catalog
 from fedfusion.devices.energy import frozen_work_params, train_flops
 from fedfusion.devices.memory import (
@@ -115,7 +123,7 @@ def _wire_bytes(fusion: FusionConfig, tier: str, params: int) -> tuple[int, int]
 def plan_table(
     fusion: FusionConfig, train: TrainConfig, population: PopulationConfig, target: PretrainedConfig,
     widths: Mapping[str, float | None] | None = None, usable: float = USABLE, ladder: Sequence[float] = WIDTH_LADDER,
-    tiers: Sequence[str] | None = None,
+    tiers: Sequence[str] | None = None, secure: bool = False,
 ) -> list[dict[str, Any]]:
     """One row per tier of the population mix, narrowest first: the slice of ``target`` it trains (sub-model fusion; under
     generative distillation the static slice it keeps as its own model), parameters, memory, and one round's
@@ -125,7 +133,8 @@ def plan_table(
     ``widths`` (default: the recipe's ``fusion.widths``; pass :func:`auto_widths` for auto-fit) may hold
     None for a tier that fits nothing: its row says so (with what ``ladder``'s smallest width would need)
     instead of raising. Memory is :func:`training_memory_bytes`. ``tiers`` (default: every tier of the mix) picks
-    the tiers to plan (a mixed federation's slicing tiers).
+    the tiers to plan (a mixed federation's slicing tiers). ``secure`` (``privacy.secure_aggregation``): every reply
+    goes up as the masked vector (:func:`secure_up_bytes`).
     """
     catalog = population_catalog(population)
     f = fusion
@@ -152,7 +161,7 @@ def plan_table(
                          "fits": f"NO: even {what} needs {mb(need)} MB, {mb(budget)} MB usable", **UNPRICED})
             continue
         if full:
-            rows.append({**row, **window_row(f, train, target, tier, width, core, device, budget, tokens)})
+            rows.append({**row, **window_row(f, train, target, tier, width, core, device, budget, tokens, secure)})
             continue
         sub = sliced_config(target, width, axes)
         params = param_count(sub)
@@ -164,9 +173,19 @@ def plan_table(
                      + (", activations checkpointed" if train.checkpoint else ""),
             "params": params, "peak MB": mb(mem), "device MB": round(device.memory_gb * 1024),
             "fits": "yes" if mem <= budget else "NO",
-            **priced(device, train_flops(params, tokens), *_wire_bytes(f, tier, params)),
+            **priced(device, train_flops(params, tokens), _wire_bytes(f, tier, params)[0],
+                     secure_up_bytes(target) if secure else _wire_bytes(f, tier, params)[1]),
         })
     return rows
+
+
+def secure_up_bytes(target: PretrainedConfig) -> int:
+    """A reply's bytes under secure aggregation, at most: the masked vector carries 8 bytes (fixed point modulo 2**64,
+    :mod:`fedfusion.wire.secagg`) for every coordinate some client of the round trains, whatever the client's own
+    slice; priced at its bound, every coordinate of the target. The key and share messages (a few hundred bytes a
+    peer) are left out."""
+    return 8 * param_count(target)
+
 
 
 def window_memory(fusion: FusionConfig, train: TrainConfig, target: PretrainedConfig, width: float, core: float,
@@ -250,13 +269,13 @@ def expanded_tiers(fusion: FusionConfig, train: TrainConfig, population: Populat
 
 
 def window_row(fusion: FusionConfig, train: TrainConfig, target: PretrainedConfig, tier: str, width: float,
-               core: float, device: Device, budget: float, tokens: int) -> dict[str, Any]:
+               core: float, device: Device, budget: float, tokens: int, secure: bool = False) -> dict[str, Any]:
     """A full-forward tier's plan (``fusion.forward=full``): its window of units (``fusion.window_widths``, else its
     ``width``, as the plan's widths give it; the residual stream whole) plus ``core`` (the smallest width's units,
     in every window with ``fusion.window_core``; 0 without), the frozen target held in ``fusion.frozen_dtype`` plus
     the window's weights, gradients and AdamW state and the whole target's activations; the frozen target down
     (every round) and the window both ways; the target's forward and activation gradients plus the window's
-    training as FLOPs."""
+    training as FLOPs. ``secure``: the reply goes up as the masked vector (:func:`secure_up_bytes`)."""
     f = fusion
     width = f.window_widths.get(tier, width)
     window, mem, expand = window_path(f, train, target, width, core, budget)
@@ -270,29 +289,33 @@ def window_row(fusion: FusionConfig, train: TrainConfig, target: PretrainedConfi
             "params": window, "peak MB": mb(mem), "device MB": round(device.memory_gb * 1024),
             "fits": "yes" if mem <= budget else "NO",
             **priced(device, train_flops(frozen_work_params(total, window), tokens), down,
-                     encoded_bytes(f.wire_up, window))}
+                     secure_up_bytes(target) if secure else encoded_bytes(f.wire_up, window))}
 
 
 def slices_view(name: str, fusion: FusionConfig, train: TrainConfig, population: PopulationConfig,
-                model: ModelConfig, source: DataSource) -> PlanView:
-    """Width slicing: per tier its width (fitted to memory with ``fusion.auto_widths``), slice, size and cost."""
-    return slices_plan(name, fusion, train, population, recipe_target(model, source))
+                model: ModelConfig, privacy: PrivacyConfig, source: DataSource) -> PlanView:
+    """Width slicing: per tier its width (fitted to memory with ``fusion.auto_widths``), slice, size and cost (under
+    ``privacy.secure_aggregation``, the masked reply's)."""
+    return slices_plan(name, fusion, train, population, recipe_target(model, source),
+                       secure=privacy.secure_aggregation)
 
 
 def slices_plan(name: str, fusion: FusionConfig, train: TrainConfig, population: PopulationConfig,
-                target: PretrainedConfig, title: str = "") -> PlanView:
+                target: PretrainedConfig, title: str = "", secure: bool = False) -> PlanView:
     """:func:`slices_view` of ``target``, ``title`` added to its method's (generative distillation's view says what
     the slices are there)."""
     f = fusion
     widths = auto_widths(f, train, population, target, f.width_ladder) if f.auto_widths else None
-    rows = plan_table(f, train, population, target, widths, ladder=f.width_ladder)
+    rows = plan_table(f, train, population, target, widths, ladder=f.width_ladder, secure=secure)
     grow = f.grow_rounds()
     title = f"plan for {name} ({f.label(population.mix)}" + title
     title += (f", the smallest slice grown into the target after round {grow}: a round after growth"
               if grow and f.method == SUBMODEL else "")
     title += ", widths fitted to memory)" if widths else ")"
+    notes = (("secure aggregation: each reply is the masked vector, 8 bytes for every coordinate some client of the "
+              "round trains; MB up priced at its bound, every coordinate of the target",) if secure else ())
     return PlanView(title, rows, ("tier", "width", "slice", "params", "peak MB", "device MB", "fits", *PLAN_COSTS),
-                    left=("tier", "slice", "fits"), width=200)
+                    left=("tier", "slice", "fits"), width=200, notes=notes)
 
 
 def mixed_rows(fusion: FusionConfig, train: TrainConfig, population: PopulationConfig, model: ModelConfig,
