@@ -22,8 +22,8 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
+from fedfusion.fusion.generative.spec import GenerativeSpec
 from fedfusion.models.build import generate
-from fedfusion.wire.specs import GenerativeSpec
 
 SAMPLES_KEY = "generated-ids"  # the reply's ArrayRecord key for the sampled token ids, next to the model's keys
 TOP_IDS_KEY = "generated-top-ids"  # top_k: each sampled position's k likeliest next tokens (n, seq_len, k) int32
