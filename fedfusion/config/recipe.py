@@ -107,7 +107,7 @@ class Recipe:
         composed field is one a type checker cannot see)."""
         for name, section_kind in SECTIONS.items():
             if section_kind is kind:
-                return getattr(self, name)  # type: ignore[no-any-return]
+                return getattr(self, name)
         raise KeyError(f"{kind.__name__} is no method's recipe section (fedfusion.config.methods' Method.section)")
 
     def check(self) -> None:
