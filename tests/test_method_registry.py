@@ -117,6 +117,33 @@ def test_adding_a_method_touches_its_folder_its_client_role_and_one_registry_lin
     assert not found, f"generative named outside its homes (move it into fedfusion/fusion/generative/, or read the registry): {found}"
 
 
+def test_the_recipe_composes_each_entrys_section_after_fusion():
+    """A method's recipe section is its entry's (``Method.section``): a field of ``Recipe`` under the method's name,
+    after ``fusion``, read typed through ``Recipe.section``, its keys' choices checked with every recipe's."""
+    from dataclasses import fields
+
+    from fedfusion.config.recipe import RECIPE_CHOICES, SECTIONS, Recipe
+
+    assert SECTIONS == {m.name: hook(m.section) for m in METHODS if m.section}
+    assert list(SECTIONS) == ["distill", "lora", "generative"]
+    names = [f.name for f in fields(Recipe)]
+    assert names[names.index("fusion") + 1:][:len(SECTIONS)] == list(SECTIONS)
+    recipe = Recipe()
+    for name, kind in SECTIONS.items():
+        assert isinstance(getattr(recipe, name), kind) and recipe.section(kind) is getattr(recipe, name)
+        for key, allowed in kind.CHOICES.items():
+            assert RECIPE_CHOICES[f"{name}.{key}"] is allowed
+    with pytest.raises(KeyError, match="no method's recipe section"):
+        recipe.section(type(recipe.fusion))
+
+
+def test_a_methods_specs_are_the_wires():
+    from fedfusion.wire.specs import SPEC_TYPES, spec_types
+
+    declared = [hook(path) for m in METHODS for path in m.specs]
+    assert declared and spec_types() == SPEC_TYPES + tuple(declared)
+
+
 def test_the_generative_scan_finds_what_it_looks_for(tmp_path):
     code = tmp_path / "x.py"
     code.write_text('"""generative in a docstring is prose."""\nfrom a.generative.b import GenerativeSpec\n'

@@ -7,10 +7,11 @@ follow in :meth:`Recipe.check`: each section checks its own fields (its ``check`
 rules that read several sections sit together here (``_check_across``). The methods' own sections (``distill``,
 ``lora``, ...) are not written here: each method's registry entry names its section class (``Method.section``, in its
 folder's ``config`` module, on the config floor) and :func:`_compose` makes it a field of :class:`Recipe` under the
-method's name, so adding a method touches neither this module nor :mod:`fedfusion.config.choices`. The package imports nothing of
-fedfusion's implementation: checks that need one (the device catalog, the selector's options, the files a recipe
-names, the partitioner, an installed tracker) are :func:`fedfusion.run.check.check_recipe`'s, which a run calls
-before it writes anything or imports torch.
+method's name, so adding a method touches neither this module nor :mod:`fedfusion.config.choices`.
+
+The package imports nothing of fedfusion's implementation: checks that need one (the device catalog, the selector's
+options, the files a recipe names, the partitioner, an installed tracker) are
+:func:`fedfusion.run.check.check_recipe`'s, which a run calls before it writes anything or imports torch.
 """
 
 from __future__ import annotations
