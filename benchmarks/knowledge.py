@@ -23,7 +23,7 @@ extraction, client training step and fold), so arms see the same clients, sample
   window fixed per client, see ``fedfusion.models.slicing``); ``*_nesterov`` / ``*_avgm``: the same with a server-side
   outer optimizer on the aggregated change (``fedfusion.fusion.outer``);
 - ``generative``: each client keeps a small model of its own and sends samples of it; the server trains the target
-  on them (``fedfusion.models.samples``). Also reported: what the devices' own models know at the end (the ceiling of
+  on them (``fedfusion.fusion.generative.reply``). Also reported: what the devices' own models know at the end (the ceiling of
   what their samples can carry) and the best single device's recall; ``generative_grow``: the smallest_only run
   for ``--grow-round`` rounds, then generative distillation whose devices start from their slices of the grown
   target and whose server trains the grown target (``fusion.grow_round`` with ``fusion.method=generative``), to
@@ -69,7 +69,7 @@ import numpy as np
 import torch
 from transformers import LlamaConfig
 
-from fedfusion.config.choices import DEVICE_STATES, POLICIES
+from fedfusion.config.choices import POLICIES
 from fedfusion.data.facts import (
     encode_documents,
     encode_probes,
@@ -90,7 +90,7 @@ from fedfusion.data.text import (
 from fedfusion.devices.catalog import load_catalog
 from fedfusion.devices.energy import price_work
 from fedfusion.devices.memory import FROZEN_BITS, estimate_memory
-from fedfusion.fusion.generative.config import GenerativeConfig
+from fedfusion.fusion.generative.config import DEVICE_STATES, GenerativeConfig
 from fedfusion.fusion.generative.inprocess import GenerativeRun, run_generative
 from fedfusion.fusion.inprocess import SubModelRun, TransferRun, run_submodel, run_transfer
 from fedfusion.fusion.outer import OuterConfig

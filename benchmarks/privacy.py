@@ -101,12 +101,12 @@ from fedfusion.data.text import read_jsonl
 from fedfusion.devices.catalog import assign_tiers
 from fedfusion.fusion.base import Payload
 from fedfusion.fusion.generative.inprocess import GenerativeRun, run_generative
+from fedfusion.fusion.generative.reply import SAMPLES_KEY, TOP_IDS_KEY, TOP_LOGP_KEY
 from fedfusion.fusion.inprocess import Rounds, SubModelRun, TransferRun, run_submodel, run_transfer
 from fedfusion.fusion.outer import OuterConfig
 from fedfusion.fusion.rounds import fold_round
 from fedfusion.models.build import model_from_state, target_config
 from fedfusion.models.families import family_of
-from fedfusion.models.samples import SAMPLES_KEY, TOP_IDS_KEY, TOP_LOGP_KEY
 from fedfusion.models.slicing import extract, plan_slice, sub_config
 from fedfusion.run.check import facts_rounds
 

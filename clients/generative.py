@@ -1,6 +1,6 @@
 """Client role for generative distillation: train this device's own small model, then write samples of it.
 
-It returns the trained model and, under ``fedfusion.models.samples.SAMPLES_KEY``, the sampled token windows the
+It returns the trained model and, under ``fedfusion.fusion.generative.reply.SAMPLES_KEY``, the sampled token windows the
 server trains the target on (and, with ``generative.top_k``, each position's likeliest tokens under
 ``TEACHER_KEYS``). With ``generative.device_state=server`` all of it is the reply (the server sends the model back
 next round); with ``node`` the node keeps the model (its :class:`Node` state) and replies the samples.
@@ -25,9 +25,10 @@ from fedfusion.clients.submodel import (
 )
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
-from fedfusion.models.samples import SAMPLES_KEY, samples_reply, split_reply
+from fedfusion.fusion.generative.reply import SAMPLES_KEY, samples_reply, split_reply
+from fedfusion.fusion.generative.spec import GenerativeSpec
 from fedfusion.train.loop import train_steps
-from fedfusion.wire.specs import STATE_LOST, GenerativeSpec, RoundSpec
+from fedfusion.wire.specs import STATE_LOST, RoundSpec
 
 __all__ = ["Node", "evaluate", "num_examples", "train"]
 

@@ -130,7 +130,7 @@ def test_generative_takes_dp_sgd_and_refuses_the_reply_mods_with_a_reason():
 
 
 def test_private_samples_open_with_random_tokens_not_the_clients_own():
-    from fedfusion.models.samples import sample_windows
+    from fedfusion.fusion.generative.reply import sample_windows
 
     model = _lm(torch.float32)
     own = torch.full((4, 9), 7)

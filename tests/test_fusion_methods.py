@@ -17,12 +17,12 @@ from fedfusion.fusion.distill.config import DistillConfig
 from fedfusion.fusion.distill.method import DistillMethod, Family
 from fedfusion.fusion.generative.config import GenerativeConfig
 from fedfusion.fusion.generative.method import GenerativeMethod
+from fedfusion.fusion.generative.reply import SAMPLES_KEY
 from fedfusion.fusion.inprocess import Rounds, run_rounds
 from fedfusion.fusion.lora.aggregate import ClientLoRA, aggregate_lora
 from fedfusion.fusion.lora.method import LoRAMethod, split_global
 from fedfusion.fusion.rounds import FOLD_ORDER, client_seed, fold_order, fold_round, round_payloads
 from fedfusion.fusion.submodel.method import SubModelMethod
-from fedfusion.models.samples import SAMPLES_KEY
 from fedfusion.models.slicing import SelectiveAverager
 from fedfusion.wire.specs import LoRABaseSpec
 from tests.conftest import tiny_config

@@ -14,7 +14,7 @@ from transformers import LlamaForCausalLM
 from fedfusion.devices.catalog import load_catalog
 from fedfusion.fusion.generative.config import GenerativeConfig
 from fedfusion.fusion.generative.method import GenerativeMethod
-from fedfusion.models.samples import (
+from fedfusion.fusion.generative.reply import (
     SAMPLES_KEY,
     TOP_IDS_KEY,
     TOP_LOGP_KEY,
@@ -24,10 +24,11 @@ from fedfusion.models.samples import (
     sample_windows,
     top_tokens,
 )
+from fedfusion.fusion.generative.spec import GenerativeSpec
 from fedfusion.selection.participation import Participation
 from fedfusion.selection.selectors import make_selector
 from fedfusion.train.distill import TopTokensLoss
-from fedfusion.wire.specs import ClientSpec, FaultSpec, GenerativeSpec, ModelSpec, RoundSpec, TrainSpec, merge
+from fedfusion.wire.specs import ClientSpec, FaultSpec, ModelSpec, RoundSpec, TrainSpec, merge
 from tests.conftest import tiny_config
 from tests.test_strategy import FakeGrid, new_strategy, task_identity  # noqa: F401  (autouse fixture)
 

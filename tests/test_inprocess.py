@@ -12,12 +12,12 @@ from transformers import LlamaForCausalLM
 
 from fedfusion.fusion.generative.config import GenerativeConfig
 from fedfusion.fusion.generative.inprocess import GenerativeRun, run_generative
+from fedfusion.fusion.generative.reply import sample_windows
 from fedfusion.fusion.inprocess import SubModelRun, TransferRun, run_submodel, run_transfer
 from fedfusion.fusion.rounds import client_seed, server_seed
 from fedfusion.fusion.submodel.method import SubModelMethod
 from fedfusion.models.build import config_aliases, model_from_state, wire_state
 from fedfusion.models.growth import grown_plan
-from fedfusion.models.samples import sample_windows
 from fedfusion.models.slicing import extract, plan_slice, sub_config
 from fedfusion.train.distill import feddf_teacher, kd_loss
 from fedfusion.train.loop import evaluate_lm, train_steps

@@ -97,15 +97,23 @@ def package_of(module: str) -> str | None:
     if module in ENTRY_POINTS:
         return None
     parts = module.split(".")
-    if is_method_section(module):  # a method's recipe section, in its folder: composed by the recipe
-        return "config"
+    if floor := lower_floor(module):  # a method's module that sits below fusion/, though in its folder
+        return floor
     return parts[1] if parts[1] in USES else None
 
 
-def is_method_section(module: str) -> bool:
-    """``fedfusion.fusion.<method>.config``: a method's recipe section, on the config floor though in its folder."""
+# the modules of a method's folder (fedfusion.fusion.<method>.<name>) on a floor below fusion/, by name: its recipe
+# section (the recipe composes it), its message specs and what its client role replies (its client role reads them,
+# and clients/ may not import fusion/)
+FOLDER_FLOORS = {"config": "config", "spec": "wire", "reply": "models"}
+
+
+def lower_floor(module: str) -> str | None:
+    """The floor of ``fedfusion.fusion.<method>.<name>`` when ``name`` is one of :data:`FOLDER_FLOORS`, else None."""
     parts = module.split(".")
-    return len(parts) == 4 and parts[:2] == ["fedfusion", "fusion"] and parts[3] == "config"
+    if len(parts) == 4 and parts[:2] == ["fedfusion", "fusion"]:
+        return FOLDER_FLOORS.get(parts[3])
+    return None
 
 
 def closure(module: str) -> dict[str, list[str]]:
@@ -150,9 +158,10 @@ def test_the_root_package_imports_nothing_of_fedfusion():
 
 
 def test_the_packages_above_a_method_section_import_nothing():
-    """Importing ``fedfusion.fusion.<method>.config`` runs ``fedfusion.fusion``'s and the method folder's
-    ``__init__``: they stay empty, so composing a method's section into the recipe loads nothing else."""
-    sections = [m for m in MODULES if is_method_section(m)]
+    """Importing ``fedfusion.fusion.<method>.config`` (or its ``spec``, ``reply``) runs ``fedfusion.fusion``'s and the
+    method folder's ``__init__``: they stay empty, so composing a method's section into the recipe, or a client role
+    reading its spec, loads nothing else."""
+    sections = [m for m in MODULES if lower_floor(m)]
     assert sections, "no method section found"
     for module in sections:
         for package in ("fedfusion.fusion", module.rpartition(".")[0]):
@@ -185,3 +194,16 @@ def test_every_benchmark_script_imports():
     code = f"import importlib, sys; sys.path.insert(0, 'benchmarks'); [importlib.import_module(n) for n in {names!r}]"
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_the_registry_imports_only_what_the_recipe_and_the_wire_may_reach():
+    """The recipe composes each method's section and ``wire.specs.spec_types`` each method's specs by importing the
+    registry's ``"module:Class"`` paths at run time, which the import scan above cannot see: those modules must be
+    the ones of the floors that import them (a method folder's ``config`` and ``spec``)."""
+    from fedfusion.config.methods import METHODS
+
+    for entry in METHODS:
+        for path, floor in ((entry.section, "config"), *((p, "wire") for p in entry.specs)):
+            if path:
+                module = path.partition(":")[0]
+                assert module.startswith(entry.package + ".") and lower_floor(module) == floor, (entry.name, path)

@@ -75,20 +75,9 @@ def test_a_method_is_named_only_in_its_folder_its_client_roles_and_the_registry(
     assert not outside, "method names outside their homes (use fedfusion.config.methods' constants):\n" + "\n".join(outside)
 
 
-# Adding a method touches its folder, its client role and one registry line, proven on generative: the places outside
-# those homes that still name it (an identifier, an import or a string that is not a docstring), each with why it
-# cannot move yet. Shrink this list; a new place fails the test below.
-GENERATIVE_ELSEWHERE = {
-    "fedfusion/config/recipe.py": "Recipe's `generative` field (the section itself is fusion/generative/config.py's) and "
-                                  "two rules across sections that single it out: privacy clipping (its replies are "
-                                  "samples) and which methods train on facts",
-    "fedfusion/config/choices.py": "CHOICES' generative.device_state: a recipe key's allowed values, checked for every "
-                                   "recipe whatever its method",
-    "fedfusion/wire/specs.py": "GenerativeSpec: its client role reads it, and clients/ may not import fusion/ (a "
-                               "method's wire spec in its folder is the next step)",
-    "fedfusion/models/samples.py": "what a generative client writes and the server pools: its client role uses it, so "
-                                   "it sits below fusion/",
-}
+# Adding a method touches its folder, its client role and one registry line, proven on generative: no module outside
+# those homes names it (an identifier, an import or a string that is not a docstring). Its recipe section, its choices,
+# its message spec and its replies are in its folder; the recipe, the choices and the wire read them from its entry.
 
 
 def names_generative(path: Path) -> list[tuple[int, str]]:
@@ -122,14 +111,37 @@ def names_generative(path: Path) -> list[tuple[int, str]]:
 def test_adding_a_method_touches_its_folder_its_client_role_and_one_registry_line():
     found = {}
     for path in sources():
-        rel = path.relative_to(ROOT).as_posix()
         if not any(path == home or home in path.parents for home in homes(methods.GENERATIVE)):
             if hits := names_generative(path):
-                found[rel] = hits
-    new = {rel: hits[:3] for rel, hits in found.items() if rel not in GENERATIVE_ELSEWHERE}
-    assert not new, f"generative named outside its homes (move it into fedfusion/fusion/generative/, or read the registry): {new}"
-    gone = sorted(set(GENERATIVE_ELSEWHERE) - set(found))
-    assert not gone, f"no longer name generative: take them off GENERATIVE_ELSEWHERE: {gone}"
+                found[path.relative_to(ROOT).as_posix()] = hits[:3]
+    assert not found, f"generative named outside its homes (move it into fedfusion/fusion/generative/, or read the registry): {found}"
+
+
+def test_the_recipe_composes_each_entrys_section_after_fusion():
+    """A method's recipe section is its entry's (``Method.section``): a field of ``Recipe`` under the method's name,
+    after ``fusion``, read typed through ``Recipe.section``, its keys' choices checked with every recipe's."""
+    from dataclasses import fields
+
+    from fedfusion.config.recipe import RECIPE_CHOICES, SECTIONS, Recipe
+
+    assert SECTIONS == {m.name: hook(m.section) for m in METHODS if m.section}
+    assert list(SECTIONS) == ["distill", "lora", "generative"]
+    names = [f.name for f in fields(Recipe)]
+    assert names[names.index("fusion") + 1:][:len(SECTIONS)] == list(SECTIONS)
+    recipe = Recipe()
+    for name, kind in SECTIONS.items():
+        assert isinstance(getattr(recipe, name), kind) and recipe.section(kind) is getattr(recipe, name)
+        for key, allowed in kind.CHOICES.items():
+            assert RECIPE_CHOICES[f"{name}.{key}"] is allowed
+    with pytest.raises(KeyError, match="no method's recipe section"):
+        recipe.section(type(recipe.fusion))
+
+
+def test_a_methods_specs_are_the_wires():
+    from fedfusion.wire.specs import SPEC_TYPES, spec_types
+
+    declared = [hook(path) for m in METHODS for path in m.specs]
+    assert declared and spec_types() == SPEC_TYPES + tuple(declared)
 
 
 def test_the_generative_scan_finds_what_it_looks_for(tmp_path):

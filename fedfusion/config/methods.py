@@ -8,11 +8,12 @@ federation's in ``analysis.plan``), the server's priced work (``run.federation``
 ``analysis.report``), a central method's course (``run.central``), the arms ``fedfusion compare`` runs
 (``run.arms``). An entry is pure data: its hooks are ``"module:function"`` paths, imported only where they are
 called (:func:`hook`), so loading a recipe still imports nothing of fedfusion's implementation and no torch (the
-recipe composes the methods' own sections from their folders' ``config`` modules, which import only ``config``).
+recipe composes the methods' own sections, each entry's ``section``, from their folders' ``config`` modules, which
+import only ``config``).
 
 Adding a method: its folder ``fedfusion/fusion/<name>/`` (the method, its ``build``, its plan view ``plan.py`` and,
-where it has settings of its own, its recipe section ``config.py``), its client role module(s) in ``clients/``, and
-one entry below (and the section's field of ``config.recipe.Recipe``).
+where it has settings of its own, its recipe section ``config.py``, and, where its roles read a spec of its own, its
+message specs ``spec.py``), its client role module(s) in ``clients/``, and one entry below.
 """
 
 from __future__ import annotations
@@ -62,6 +63,14 @@ class Method:
     # it (fedfusion.run.arms); empty: compare refuses the method
     arms: str = ""
     home: str = ""  # its folder (package): fedfusion.fusion.<name> unless given
+    # "module:Class" of its recipe section, in its folder's ``config`` module (on the config floor): the recipe's
+    # ``<name>:`` section (fedfusion.config.recipe composes it; ``CHOICES`` on the class: its keys' allowed values)
+    section: str = ""
+    # "module:Class" of the message specs its roles read, in its folder's ``spec`` module (on the wire floor)
+    specs: tuple[str, ...] = ()
+    facts: bool = False  # it trains on data.source=facts
+    # why Flower's clipping DP mods (privacy.mode clip / local) cannot apply to its replies; empty: they can
+    unclipped: str = ""
 
     @property
     def package(self) -> str:
@@ -75,21 +84,25 @@ METHODS: tuple[Method, ...] = (
     Method(SUBMODEL, roles=((SUBMODEL, "fedfusion.clients.submodel"), (WINDOW, "fedfusion.clients.window")),
            fold_rank=0, mixable=True, slices=True, build="fedfusion.fusion.submodel.build:build",
            plan="fedfusion.fusion.submodel.plan:slices_view", mixed_plan="fedfusion.fusion.submodel.plan:mixed_rows",
-           grows=True, policy_in_label=True,
+           grows=True, policy_in_label=True, facts=True,
            arms="fedfusion.run.arms:slicing_arms"),
     Method(DISTILL, roles=(("smallmodel", "fedfusion.clients.smallmodel"),), fold_rank=3, mixable=True,
            server_device=DISTILL, server_work="the server's distillation",
            build="fedfusion.fusion.distill.build:build", plan="fedfusion.fusion.distill.plan:distill_view",
            mixed_plan="fedfusion.fusion.distill.plan:mixed_rows",
-           arms="fedfusion.run.arms:distill_arms"),
+           arms="fedfusion.run.arms:distill_arms", section="fedfusion.fusion.distill.config:DistillConfig"),
     Method(LORA, roles=((LORA, "fedfusion.clients.lora"),), fold_rank=1, build="fedfusion.fusion.lora.build:build",
-           plan="fedfusion.fusion.lora.plan:lora_view", arms="fedfusion.run.arms:lora_arms"),
+           plan="fedfusion.fusion.lora.plan:lora_view", arms="fedfusion.run.arms:lora_arms", facts=True,
+           section="fedfusion.fusion.lora.config:LoRAConfig"),
     Method(GENERATIVE, roles=((GENERATIVE, "fedfusion.clients.generative"),), fold_rank=2, mixable=True, slices=True,
            server_device=GENERATIVE, server_work="the server's training on the samples",
            build="fedfusion.fusion.generative.build:build", plan="fedfusion.fusion.generative.plan:generative_view",
            mixed_plan="fedfusion.fusion.generative.plan:mixed_rows", grows=True,
            report_note="fedfusion.fusion.generative.report:NOTE", trained="fedfusion.fusion.generative.report:trained",
-           arms="fedfusion.run.arms:slicing_arms"),
+           arms="fedfusion.run.arms:slicing_arms", section="fedfusion.fusion.generative.config:GenerativeConfig",
+           specs=("fedfusion.fusion.generative.spec:GenerativeSpec",), facts=True,
+           unclipped="a generative client replies samples; use privacy.mode=dp_sgd (its samples are drawn from a "
+                     "DP-trained model)"),
     Method(MIXED, plan="fedfusion.analysis.plan:mixed_view", home="fedfusion.config.methods",  # tiers: fusion.tiers
            arms="fedfusion.run.arms:mixed_arms"),
     Method(UNITS, roles=((UNITS, "fedfusion.clients.units"),), plan="fedfusion.analysis.units_plan:units_view",
@@ -105,6 +118,7 @@ GROWS = tuple(m.name for m in METHODS if m.grows)
 FOLD_ORDER = tuple(m.name for m in sorted((m for m in METHODS if m.fold_rank is not None), key=lambda m: m.fold_rank or 0))
 ROLES = {role: module for m in METHODS for role, module in m.roles}
 CENTRAL = tuple(m.name for m in METHODS if m.central)
+FACTS = tuple(m.name for m in METHODS if m.facts)
 # the methods whose server trains, by what the run prices when several are mixed: the last to fold first
 SERVER_WORK = {m.name: m.server_work for m in sorted(METHODS, key=lambda m: -(m.fold_rank or 0)) if m.server_work}
 

@@ -4,27 +4,31 @@ read several sections.
 A recipe is a YAML file checked against the section dataclasses (:mod:`fedfusion.config.sections`, OmegaConf
 structured configs), so an unknown key or a wrong type fails at load time with the key's full name; value checks
 follow in :meth:`Recipe.check`: each section checks its own fields (its ``check`` method, beside them), and the few
-rules that read several sections sit together here (``_check_across``). The package imports nothing of
-fedfusion's implementation: checks that need one (the device catalog, the selector's options, the files a recipe
-names, the partitioner, an installed tracker) are :func:`fedfusion.run.check.check_recipe`'s, which a run calls
-before it writes anything or imports torch.
+rules that read several sections sit together here (``_check_across``). The methods' own sections (``distill``,
+``lora``, ...) are not written here: each method's registry entry names its section class (``Method.section``, in its
+folder's ``config`` module, on the config floor) and :func:`_compose` makes it a field of :class:`Recipe` under the
+method's name, so adding a method touches neither this module nor :mod:`fedfusion.config.choices`.
+
+The package imports nothing of fedfusion's implementation: checks that need one (the device catalog, the selector's
+options, the files a recipe names, the partitioner, an installed tracker) are
+:func:`fedfusion.run.check.check_recipe`'s, which a run calls before it writes anything or imports torch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from difflib import get_close_matches
 from functools import lru_cache
 from importlib import resources
 from itertools import takewhile
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from fedfusion.config.choices import CHOICES, LORA_SECURE_METHODS, MIXABLE
-from fedfusion.config.methods import DISTILL, GENERATIVE, LORA, MIXED, SLICES, SUBMODEL, UNITS
+from fedfusion.config.methods import DISTILL, FACTS, LORA, METHODS, MIXED, SLICES, SUBMODEL, UNITS, hook
 from fedfusion.config.sections import (
     AvailabilitySection,
     DataConfig,
@@ -43,13 +47,38 @@ from fedfusion.config.sections import (
     UnitsSection,
 )
 from fedfusion.fusion.distill.config import DistillConfig
-from fedfusion.fusion.generative.config import GenerativeConfig
 from fedfusion.fusion.lora.config import LoRAConfig
+
+# method name -> its recipe section's class (its registry entry's ``section``), in registry order
+SECTIONS: dict[str, type] = {m.name: hook(m.section) for m in METHODS if m.section}
+METHOD_SECTIONS = tuple(SECTIONS)  # the recipe keys of the methods' own sections
+# recipe key -> its allowed values: the common keys' (fedfusion.config.choices) and each method section's ``CHOICES``
+RECIPE_CHOICES: dict[str, tuple] = {**CHOICES, **{f"{name}.{key}": allowed for name, kind in SECTIONS.items()
+                                                  for key, allowed in getattr(kind, "CHOICES", {}).items()}}
+
+T = TypeVar("T")
+
+
+def _compose(cls: type[T]) -> type[T]:
+    """``cls`` with a field per method section (:data:`SECTIONS`), named for its method and defaulting to the
+    section's defaults, placed after ``fusion`` (so a resolved recipe.yaml lists them there), before ``@dataclass``
+    makes the fields: OmegaConf's schema, ``recipe.<name>`` and :func:`fedfusion.config.methods.call` see a plain
+    field. A type checker does not: typed code reads a method's section with :meth:`Recipe.section`."""
+    annotations: dict[str, Any] = {}
+    for name, kind in cls.__annotations__.items():
+        annotations[name] = kind
+        if name == "fusion":
+            for section, section_kind in SECTIONS.items():
+                annotations[section] = section_kind
+                setattr(cls, section, field(default_factory=section_kind))
+    cls.__annotations__ = annotations
+    return cls
 
 
 @dataclass
+@_compose
 class Recipe:
-    """One experiment."""
+    """One experiment: the common sections below, and after ``fusion`` each method's own (:func:`_compose`)."""
 
     name: str = "quickstart"
     seed: int = 0
@@ -60,10 +89,6 @@ class Recipe:
     model: ModelConfig = field(default_factory=ModelConfig)
     population: PopulationConfig = field(default_factory=PopulationConfig)
     fusion: FusionConfig = field(default_factory=FusionConfig)
-    # the methods' own sections, each in its folder (fedfusion.fusion.<method>.config)
-    distill: DistillConfig = field(default_factory=DistillConfig)
-    lora: LoRAConfig = field(default_factory=LoRAConfig)
-    generative: GenerativeConfig = field(default_factory=GenerativeConfig)
     selection: SelectionConfig = field(default_factory=SelectionConfig)
     availability: AvailabilitySection = field(default_factory=AvailabilitySection)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -78,11 +103,19 @@ class Recipe:
         """What rebuilds this recipe's client data in any process (:class:`DataSource`)."""
         return DataSource(self.data, self.population.num_clients, self.seed, self.model.pretrained)
 
+    def section(self, kind: type[T]) -> T:
+        """The method section of class ``kind`` (``recipe.section(LoRAConfig)`` is ``recipe.lora``, typed: a
+        composed field is one a type checker cannot see)."""
+        for name, section_kind in SECTIONS.items():
+            if section_kind is kind:
+                return getattr(self, name)
+        raise KeyError(f"{kind.__name__} is no method's recipe section (fedfusion.config.methods' Method.section)")
+
     def check(self) -> None:
-        """Value checks beyond types: every key's allowed values, the rounds, each section's own ``check``, then
-        the rules across sections (:func:`_check_across`, which also checks the population and the sections some
-        tier uses: distill, lora, generative); raises RecipeError naming the first bad key."""
-        for key, allowed in CHOICES.items():
+        """Value checks beyond types: every key's allowed values (:data:`RECIPE_CHOICES`), the rounds, each section's
+        own ``check``, then the rules across sections (:func:`_check_across`, which also checks the population and the
+        sections of the methods some tier uses); raises RecipeError naming the first bad key."""
+        for key, allowed in RECIPE_CHOICES.items():
             value: Any = self
             for part in key.split("."):
                 value = getattr(value, part)
@@ -95,11 +128,6 @@ class Recipe:
                         self.availability, self.output, self.privacy, self.fusion, self.units):
             section.check()
         _check_across(self)
-
-
-# the sections the methods own (each composed from its folder's ``config`` module: distill, lora, generative)
-METHOD_SECTIONS = tuple(f.name for f in fields(Recipe)
-                        if getattr(f.default_factory, "__module__", "").startswith("fedfusion.fusion."))
 
 
 def builtin_recipe_path(name: str) -> Path:
@@ -255,10 +283,10 @@ def uses(recipe: Recipe, method: str) -> bool:
 
 def _check_across(recipe: Recipe) -> None:
     """The rules that span sections, in the order they report."""
-    if recipe.privacy.mode in ("clip", "local") and uses(recipe, GENERATIVE):
-        raise RecipeError(f"privacy.mode: {recipe.privacy.mode} clips a reply against the model sent, but a "
-                          "generative client replies samples; use privacy.mode=dp_sgd (its samples are drawn from a "
-                          "DP-trained model)")
+    for entry in METHODS:
+        if entry.unclipped and recipe.privacy.mode in ("clip", "local") and uses(recipe, entry.name):
+            raise RecipeError(f"privacy.mode: {recipe.privacy.mode} clips a reply against the model sent, but "
+                              f"{entry.unclipped}")
     if recipe.privacy.secure_aggregation:
         _secure_aggregation(recipe)
     _data_and_method(recipe)
@@ -294,16 +322,16 @@ def _data_and_method(recipe: Recipe) -> None:
     """Which data each method trains on: facts with slices, generative or LoRA; chatterbot only with LoRA; a
     dataset's distillation transfers from a file; general text scored only for facts on a pretrained target."""
     d, method = recipe.data, recipe.fusion.method
-    if d.source == "dataset" and method == DISTILL and recipe.distill.transfer.source == "shakespeare":
+    if d.source == "dataset" and method == DISTILL and recipe.section(DistillConfig).transfer.source == "shakespeare":
         raise RecipeError("distill.transfer.source: with data.source=dataset the transfer text is a file "
                           "(distill.transfer.source=text, distill.transfer.path=...)")
     if d.source == "facts":
         if not d.path and d.people < recipe.population.num_clients:
             raise RecipeError(f"data.people: {d.people} people cannot give each of "
                               f"{recipe.population.num_clients} clients one")
-        if not set(tier_methods(recipe).values()) <= {SUBMODEL, GENERATIVE} and method != LORA:
-            raise RecipeError(f"fusion.method: data.source=facts runs with submodel, generative or lora fusion, "
-                              f"got {method!r}")
+        if not set(tier_methods(recipe).values()) <= set(FACTS):
+            raise RecipeError(f"fusion.method: data.source=facts runs with {', '.join(FACTS[:-1])} or {FACTS[-1]} "
+                              f"fusion, got {method!r}")
         if d.general_chars and not recipe.model.pretrained:
             raise RecipeError("data.general_chars: scores what a pretrained target forgets; set model.pretrained")
     if d.general_chars < 0 or (d.general_chars and d.source != "facts"):
@@ -336,14 +364,13 @@ def _tiers(recipe: Recipe) -> None:
 
 
 def _method_sections(recipe: Recipe) -> None:
-    """The sections of the methods some tier trains, each checked, and covering every tier that trains it."""
+    """The section of every method some tier trains checked (its ``check``, in registry order), and the rules of
+    the distill and lora sections that read other sections: each covers every tier that trains it."""
     methods, mix = tier_methods(recipe), recipe.population.mix
-    if uses(recipe, DISTILL):
-        for tier, method in methods.items():
-            if method == DISTILL and tier not in recipe.distill.tier_family:
-                raise RecipeError(f"distill.tier_family: no family for tier {tier!r} of population.mix")
-        recipe.distill.check()
-    lora, source = recipe.lora, recipe.data.source
+    distill, lora, source = recipe.section(DistillConfig), recipe.section(LoRAConfig), recipe.data.source
+    for tier, method in methods.items():
+        if method == DISTILL and tier not in distill.tier_family:
+            raise RecipeError(f"distill.tier_family: no family for tier {tier!r} of population.mix")
     if (recipe.fusion.method == LORA) != (source == "chatterbot") and source not in ("dataset", "facts"):
         raise RecipeError(f"data.source: fusion.method=lora trains on instruction pairs (data.source=chatterbot or "
                           f"dataset) or on facts, and only it trains on chatterbot; got method "
@@ -356,12 +383,11 @@ def _method_sections(recipe: Recipe) -> None:
         for tier in mix:
             if tier not in lora.ranks:
                 raise RecipeError(f"lora.ranks: no rank for tier {tier!r} of population.mix")
-        lora.check()
-        if lora.method == "fedavg" and len({lora.ranks[t] for t in mix}) > 1:
-            raise RecipeError("lora.method: fedavg needs one rank for every tier; use zeropad, hetlora, flexlora or "
-                              "flora")
-    if uses(recipe, GENERATIVE):
-        recipe.generative.check()
+    for name in SECTIONS:
+        if uses(recipe, name):
+            getattr(recipe, name).check()
+    if recipe.fusion.method == LORA and lora.method == "fedavg" and len({lora.ranks[t] for t in mix}) > 1:
+        raise RecipeError("lora.method: fedavg needs one rank for every tier; use zeropad, hetlora, flexlora or flora")
 
 
 def _wire(recipe: Recipe) -> None:
@@ -432,9 +458,10 @@ def _secure_aggregation(recipe: Recipe) -> None:
     methods = set(tier_methods(recipe).values())
     if methods not in ({SUBMODEL}, {LORA}):
         raise RecipeError(f"{why} every tier must train fusion.method=submodel or every tier lora, got {f.method!r}")
-    if methods == {LORA} and recipe.lora.method not in LORA_SECURE_METHODS:
+    lora = recipe.section(LoRAConfig)
+    if methods == {LORA} and lora.method not in LORA_SECURE_METHODS:
         raise RecipeError(f"{why} lora.method must be one of {', '.join(LORA_SECURE_METHODS)} (hetlora weighs each "
-                          f"client by its own update's norm), got {recipe.lora.method!r}")
+                          f"client by its own update's norm), got {lora.method!r}")
     if methods == {LORA} and f.wire_dtype != "float32":
         raise RecipeError(f"{why} fusion.wire_dtype must be float32 with LoRA (the server adds back the exact adapter "
                           "it sent)")

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fedfusion.config.methods import LORA, SUBMODEL
+from fedfusion.fusion.lora.config import LoRAConfig
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -153,7 +154,7 @@ def check_tier(recipe: Recipe, tier: str) -> None:
     """ValueError (one line) where the recipe's ``tier`` has no on-device program: a method other than width slices
     (or full-forward windows) and LoRA, a tier without a width or a rank, or a setting the program cannot follow."""
     if recipe.fusion.method == LORA:
-        lora = recipe.lora
+        lora = recipe.section(LoRAConfig)
         if tier not in lora.ranks:
             raise ValueError(f"--tier {tier!r}: the recipe's lora.ranks has {', '.join(lora.ranks)}")
         if lora.method == "flora":
@@ -231,7 +232,7 @@ def export_tier(recipe: Recipe, tier: str) -> DeviceProgram:
     if recipe.fusion.method == LORA:
         from fedfusion.models.pretrained import load_base
 
-        lora = recipe.lora
+        lora = recipe.section(LoRAConfig)
         return export_lora_program(load_base(lora.base), list(lora.target_modules), lora.ranks[tier], lora.alpha,
                                    recipe.train.batch_size, recipe.train.seq_len, recipe.train, recipe.seed,
                                    lora.quantize.get(tier, 0), lora.base)

@@ -49,6 +49,8 @@ from typing import Any
 from fedfusion.config.methods import DISTILL, MIXED, SUBMODEL, UNITS, hook, method
 from fedfusion.config.recipe import METHOD_SECTIONS, Recipe, tier_methods
 from fedfusion.config.sections import RecipeError
+from fedfusion.fusion.distill.config import DistillConfig
+from fedfusion.fusion.lora.config import LoRAConfig
 
 RECIPE, SMALLEST, ORACLE = "recipe", "smallest-only", "oracle"
 ARM_NAMES = (RECIPE, SMALLEST, ORACLE)
@@ -125,7 +127,7 @@ def slicing_arms(recipe: Recipe, weakest: str | None = None) -> tuple[Arm, Arm]:
 def distill_arms(recipe: Recipe, weakest: str | None = None) -> tuple[Arm, Arm]:
     """Distillation: the weakest tier's family trained by every tier and scored itself; width 1.0 slicing."""
     weakest = weakest or _weakest(recipe, _tiers(recipe))
-    family = recipe.distill.tier_family[weakest]
+    family = recipe.section(DistillConfig).tier_family[weakest]
     wanted = [("fusion.method", DISTILL), ("fusion.tiers", {}), ("distill.tier_family", {t: family for t in _tiers(recipe)}),
               ("distill.back_distill", False), ("distill.server_steps", 1)]
     about = (f"every client trains the weakest tier's ({weakest}) family model {family!r} (FedAvg within the family, no "
@@ -136,7 +138,7 @@ def distill_arms(recipe: Recipe, weakest: str | None = None) -> tuple[Arm, Arm]:
 def lora_arms(recipe: Recipe, weakest: str | None = None) -> tuple[Arm, Arm]:
     """LoRA: the smallest rank on that tier's quantised base for every tier; the largest rank on the unquantised
     base for every tier."""
-    tiers, lora = _tiers(recipe), recipe.lora
+    tiers, lora = _tiers(recipe), recipe.section(LoRAConfig)
     weakest = weakest or min(tiers, key=lambda t: (lora.ranks[t], _strength(recipe, t)))
     rank, bits, top = lora.ranks[weakest], lora.quantize.get(weakest, 0), max(lora.ranks[t] for t in tiers)
     smallest = Arm(SMALLEST, _changes(recipe, [("lora.ranks", {t: rank for t in tiers}),

@@ -26,6 +26,8 @@ from fedfusion.data.partitioners import check_partitioner
 from fedfusion.data.records import check_client_count, natural_partition, read_jsonl, read_probes
 from fedfusion.devices.availability import AvailabilityConfig
 from fedfusion.devices.catalog import population_catalog
+from fedfusion.fusion.distill.config import DistillConfig
+from fedfusion.fusion.lora.config import LoRAConfig
 from fedfusion.run.trackers import INSTALL, TRACKERS
 from fedfusion.selection.participation import draw_size
 from fedfusion.selection.selectors import make_selector
@@ -121,8 +123,9 @@ def _check_files(recipe: Recipe) -> None:
         files.append(("data.path", recipe.data.path))
     if recipe.data.probes:
         files.append(("data.probes", recipe.data.probes))
-    if uses(recipe, DISTILL) and recipe.distill.transfer.source == "text" and recipe.distill.transfer.path:
-        files.append(("distill.transfer.path", recipe.distill.transfer.path))
+    transfer, lora = recipe.section(DistillConfig).transfer, recipe.section(LoRAConfig)
+    if uses(recipe, DISTILL) and transfer.source == "text" and transfer.path:
+        files.append(("distill.transfer.path", transfer.path))
     if recipe.population.catalog:
         files.append(("population.catalog", recipe.population.catalog))
     models = [("model.pretrained", recipe.model.pretrained)]
@@ -131,10 +134,10 @@ def _check_files(recipe: Recipe) -> None:
         models = []
     elif recipe.model.pretrained == SMOLLM2_BASE:
         models = []  # an installed package's file: _resolve_target finds it
-    if recipe.fusion.method == LORA and recipe.lora.base.endswith(".gguf"):
-        files.append(("lora.base", str(Path(recipe.lora.base).expanduser())))  # as fedfusion.models.pretrained reads it
-    elif recipe.fusion.method == LORA and recipe.lora.base != SMOLLM2_BASE:  # an installed package's file
-        models.append(("lora.base", recipe.lora.base))
+    if recipe.fusion.method == LORA and lora.base.endswith(".gguf"):
+        files.append(("lora.base", str(Path(lora.base).expanduser())))  # as fedfusion.models.pretrained reads it
+    elif recipe.fusion.method == LORA and lora.base != SMOLLM2_BASE:  # an installed package's file
+        models.append(("lora.base", lora.base))
     for key, name in files:
         if not Path(name).exists():
             raise RecipeError(f"{key}: {name}: no such file")
@@ -226,7 +229,7 @@ def _named(key: str) -> Iterator[None]:
 
 def _check_lora_base(recipe: Recipe) -> None:
     """``lora.base: smollm2`` reads a GGUF file inside an installed package: it must be there."""
-    if recipe.fusion.method != LORA or recipe.lora.base != SMOLLM2_BASE:
+    if recipe.fusion.method != LORA or recipe.section(LoRAConfig).base != SMOLLM2_BASE:
         return
     missing = [name for name in (SMOLLM2_PACKAGE, "gguf") if find_spec(name) is None]
     if missing:

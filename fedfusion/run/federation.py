@@ -29,6 +29,7 @@ from fedfusion.devices.catalog import Device, population_catalog
 from fedfusion.devices.energy import price_work, train_flops
 from fedfusion.fusion.base import ClientRound, FusionMethod, RoundReport
 from fedfusion.fusion.lora.build import client_spec as lora_client_spec
+from fedfusion.fusion.lora.config import LoRAConfig
 from fedfusion.fusion.rounds import initial_state, round_lr
 from fedfusion.fusion.submodel.method import SubModelMethod
 from fedfusion.fusion.submodel.plan import expanded_tiers
@@ -111,7 +112,8 @@ def build_strategy(recipe: Recipe, target: Target, listeners: Sequence[Listener]
                         recipe.engine.threads_per_client)
     population = PopulationSpec(dict(recipe.population.mix), recipe.population.num_clients, recipe.seed)
     # the role that counts a node's examples: LoRA clients count instruction pairs of the base's tokens
-    query = merge(client, population, RoleSpec(LORA if lora else SUBMODEL), *([lora_client_spec(recipe.lora)] if lora else []))
+    query = merge(client, population, RoleSpec(LORA if lora else SUBMODEL),
+                  *([lora_client_spec(recipe.section(LoRAConfig))] if lora else []))
     settings = StrategySettings(
         clients_per_round=recipe.selection.clients_per_round,
         min_clients=recipe.selection.min_clients,

@@ -24,6 +24,7 @@ from fedfusion.data.facts import Probe, encode_probes, greedy_answer, probe_metr
 from fedfusion.data.instruct import pooled_held_out as pooled_pairs
 from fedfusion.data.population import data_spec, data_tokenizer, facts_data, lora_data_spec, pooled_held_out
 from fedfusion.data.text import encode_text, general_text, lm_windows
+from fedfusion.fusion.lora.config import LoRAConfig
 from fedfusion.fusion.lora.method import adapted_modules, apply_global, save_adapter, save_merged, snapshot
 from fedfusion.models.build import build_target, count_params, generate
 from fedfusion.models.pretrained import load_base, load_base_tokenizer, resolve_base
@@ -122,7 +123,7 @@ def facts_evaluator(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, 
 def lora_target(recipe: Recipe) -> tuple[Target, dict[str, torch.Tensor]]:
     """A frozen pretrained base plus the global LoRA update (empty before round 1); also the base's
     original weights of the adapted modules, which every round's update is applied to."""
-    lora = recipe.lora
+    lora = recipe.section(LoRAConfig)
     tokenizer = load_base_tokenizer(lora.base)  # converts and caches a GGUF base once, before any client
     model = load_base(lora.base)
     original = snapshot(model, adapted_modules(model, list(lora.target_modules)))

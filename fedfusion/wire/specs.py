@@ -3,9 +3,10 @@ them into ConfigRecord entries and back.
 
 A message's config is the union of a few specs (:func:`merge`): the common :class:`ClientSpec`,
 :class:`RoundSpec`, :class:`TrainSpec`, :class:`FaultSpec` and :class:`PrivacySpec`, then the ones of the
-payload's role (:class:`RoleSpec` with :class:`ModelSpec` and :class:`SliceSpec`, :class:`FamilySpec`,
-:class:`GenerativeSpec`, or the LoRA specs). The server writes ``spec.to_config()`` and every client role reads
-``Spec.from_config(config)``; a field's key is derived from its name (``local_steps`` -> ``local-steps``, after
+payload's role (:class:`RoleSpec` with :class:`ModelSpec` and :class:`SliceSpec`, :class:`FamilySpec`, the LoRA
+specs, or a method's own, declared in its folder's ``spec`` module and named by its registry entry:
+:func:`spec_types`). The server writes ``spec.to_config()`` and every client role reads ``Spec.from_config(config)``;
+a field's key is derived from its name (``local_steps`` -> ``local-steps``, after
 the class's ``prefix``) unless the field names its own (:data:`KEY`, for a key another library reads), so
 renaming a field renames its key on both sides. Reading refuses a missing key or a value of the wrong type, naming
 the key; each spec checks its values against the constants of the module that owns them.
@@ -21,8 +22,8 @@ from collections.abc import Mapping
 from dataclasses import Field, asdict, dataclass, field, fields
 from typing import Any, ClassVar, Self, get_type_hints
 
-from fedfusion.config.choices import DEVICE_STATES, LORA_DTYPES, LORA_METHODS, OPTIMIZERS, POLICIES, PRIVACY_MODES, QUANTIZE_BITS, UPLINK
-from fedfusion.config.methods import ROLES, UNITS
+from fedfusion.config.choices import LORA_DTYPES, LORA_METHODS, OPTIMIZERS, POLICIES, PRIVACY_MODES, QUANTIZE_BITS, UPLINK
+from fedfusion.config.methods import METHODS, ROLES, UNITS, hook
 from fedfusion.config.sections import FaultConfig, PrivacyConfig, TrainConfig
 
 # how an error reply says that a phone behind a device gateway missed its deadline: the strategy records a dropout
@@ -130,7 +131,8 @@ def _read(f: Field, hint: Any, key: str, raw: Any) -> Any:
         raise SpecError(f"message spec {key!r}: cannot decode {raw[:80]!r}: {e}") from e
 
 
-def _check(spec: Spec, name: str, allowed: tuple | Mapping) -> None:
+def check_choice(spec: Spec, name: str, allowed: tuple | Mapping) -> None:
+    """SpecError naming the key unless ``spec``'s field ``name`` is one of ``allowed`` (a spec's ``__post_init__``)."""
     value = getattr(spec, name)
     if value not in allowed:
         raise SpecError(f"message spec {spec.key(name)!r}: {value!r} is not one of {', '.join(map(str, allowed))}")
@@ -173,7 +175,7 @@ class RoleSpec(Spec):
     role: str
 
     def __post_init__(self) -> None:
-        _check(self, "role", ROLES)
+        check_choice(self, "role", ROLES)
 
 
 # -- local training ------------------------------------------------------------------------------------------
@@ -189,7 +191,7 @@ class TrainSpec(Spec):
     checkpoint: bool = False  # activation checkpointing (torch clients: :func:`fedfusion.train.loop.train_steps`)
 
     def __post_init__(self) -> None:
-        _check(self, "optimizer", OPTIMIZERS)
+        check_choice(self, "optimizer", OPTIMIZERS)
 
     @classmethod
     def from_recipe(cls, train: TrainConfig) -> TrainSpec:
@@ -241,7 +243,7 @@ class PrivacySpec(Spec):
     noise_multiplier: float = 1.0  # dp_sgd
 
     def __post_init__(self) -> None:
-        _check(self, "mode", PRIVACY_MODES)
+        check_choice(self, "mode", PRIVACY_MODES)
 
     @classmethod
     def from_recipe(cls, privacy: PrivacyConfig) -> PrivacySpec:
@@ -267,7 +269,7 @@ class SecAggSpec(Spec):
     weighting: str = "uniform"
 
     def __post_init__(self) -> None:
-        _check(self, "stage", SECAGG_STAGES)
+        check_choice(self, "stage", SECAGG_STAGES)
 
     def position(self, node: int) -> int:
         """``node``'s number in this round; SpecError if the round does not hold it."""
@@ -301,7 +303,7 @@ class SliceSpec(Spec):
     axes: tuple[str, ...] | None = field(metadata=JSON)
 
     def __post_init__(self) -> None:
-        _check(self, "policy", POLICIES)
+        check_choice(self, "policy", POLICIES)
 
 
 @dataclass(frozen=True)
@@ -340,27 +342,6 @@ class FamilySpec(Spec):
 
 
 @dataclass(frozen=True)
-class GenerativeSpec(Spec):
-    """A device's own model in generative distillation: its width, how many windows to sample at which
-    temperature, how many likeliest tokens per sampled position to send with them (0: none), where the model lives
-    between rounds (``device_state``: node | server) and, with node, whether the message carries none and the node
-    trains the one it kept (``kept``)."""
-
-    width: float
-    samples: int
-    temperature: float
-    top_k: int
-    device_state: str
-    kept: bool
-
-    def __post_init__(self) -> None:
-        _check(self, "device_state", DEVICE_STATES)
-        if self.kept and self.device_state != "node":
-            raise SpecError(f"message spec {self.key('kept')!r}: only a node that keeps its model "
-                            f"({self.key('device_state')}=node) can train a kept one")
-
-
-@dataclass(frozen=True)
 class LoRABaseSpec(Spec):
     """The frozen base every LoRA client loads and the modules it adapts (``lora.*``)."""
 
@@ -370,7 +351,7 @@ class LoRABaseSpec(Spec):
     lora_dropout: float
 
     def __post_init__(self) -> None:
-        _check(self, "dtype", LORA_DTYPES)
+        check_choice(self, "dtype", LORA_DTYPES)
         if not self.target_modules:
             raise SpecError(f"message spec {self.key('target_modules')!r} is empty")
 
@@ -382,7 +363,7 @@ class QuantizeSpec(Spec):
     quantize: int
 
     def __post_init__(self) -> None:
-        _check(self, "quantize", QUANTIZE_BITS)
+        check_choice(self, "quantize", QUANTIZE_BITS)
 
 
 @dataclass(frozen=True)
@@ -394,7 +375,7 @@ class AdapterSpec(Spec):
     alpha: float
 
     def __post_init__(self) -> None:
-        _check(self, "method", LORA_METHODS)
+        check_choice(self, "method", LORA_METHODS)
 
 
 # -- how a client replies -------------------------------------------------------------------------------------
@@ -408,7 +389,7 @@ class WireSpec(Spec):
     error_feedback: bool = False
 
     def __post_init__(self) -> None:
-        _check(self, "up", UPLINK)
+        check_choice(self, "up", UPLINK)
 
     @classmethod
     def read(cls, config: Mapping[str, Any]) -> WireSpec:
@@ -460,6 +441,13 @@ UNITS_ERROR = "units-error"  # a reply's ConfigRecord when the node could not co
 # the message types of their own (train.<action>) -> the role (ROLES) whose ``answer(msg, context)`` replies to them
 ACTIONS = {UNITS_ACTION: UNITS}
 
+# the specs of this module; spec_types() adds the methods' own
 SPEC_TYPES: tuple[type[Spec], ...] = (ClientSpec, RoundSpec, RoleSpec, TrainSpec, FaultSpec, PrivacySpec, ModelSpec,
-                                      SliceSpec, WindowSpec, OrderedSpec, FamilySpec, GenerativeSpec, LoRABaseSpec, QuantizeSpec,
+                                      SliceSpec, WindowSpec, OrderedSpec, FamilySpec, LoRABaseSpec, QuantizeSpec,
                                       AdapterSpec, WireSpec, PopulationSpec, Caps, UnitsSpec)
+
+
+def spec_types() -> tuple[type[Spec], ...]:
+    """Every message spec: this module's and the ones the methods declare in their folders (each registry entry's
+    ``specs``, imported now)."""
+    return SPEC_TYPES + tuple(hook(path) for m in METHODS for path in m.specs)

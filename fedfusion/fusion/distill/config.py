@@ -5,9 +5,17 @@ section (no torch, nothing of fedfusion but ``config``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import ClassVar, Optional
 
-from fedfusion.config.choices import DEFAULT_SERVER_DEVICE, FAMILY_MODEL_TYPES, FAMILY_TOKENIZERS
+from fedfusion.config.choices import (
+    AVERAGES,
+    CONFIDENCES,
+    DEFAULT_SERVER_DEVICE,
+    FAMILY_MODEL_TYPES,
+    FAMILY_TOKENIZERS,
+    TEACHERS,
+    TRANSFER_SOURCES,
+)
 from fedfusion.config.sections import RecipeError, positive
 
 
@@ -57,6 +65,10 @@ class TransferConfig:
 @dataclass
 class DistillConfig:
     """Distillation fusion (fusion.method=distill): small families per tier, distilled into the target."""
+
+    # key -> allowed values
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"teacher": TEACHERS, "average": AVERAGES, "confidence": CONFIDENCES,
+                                                   "transfer.source": TRANSFER_SOURCES}
 
     families: dict[str, FamilyConfig] = field(default_factory=lambda: {
         "tiny": FamilyConfig(), "small": FamilyConfig(hidden_size=48, model_type="gpt2", tokenizer="bpe",

@@ -6,15 +6,22 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
-from fedfusion.config.choices import DEFAULT_SERVER_DEVICE, DEVICE_STATES
+from fedfusion.config.choices import DEFAULT_SERVER_DEVICE
 from fedfusion.config.sections import RecipeError, positive
+
+# device_state: where a device's own model lives between rounds (its node's Flower context.state | the server, which
+# sends it down and gets it back every round)
+DEVICE_STATES = ("node", "server")
 
 
 @dataclass
 class GenerativeConfig:
     """Generative distillation (fusion.method=generative): each tier keeps its own model (the static slice of
     the target at its fusion.widths), the target learns from the text those models write."""
+
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"device_state": DEVICE_STATES}  # key -> allowed values
 
     sample_fraction: float = 0.5  # windows a sampled client writes per window of its own data
     temperature: float = 1.0

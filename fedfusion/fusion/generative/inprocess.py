@@ -15,14 +15,15 @@ from fedfusion.fusion import inprocess
 from fedfusion.fusion.base import Payload, State
 from fedfusion.fusion.generative.config import GenerativeConfig
 from fedfusion.fusion.generative.method import GenerativeMethod
+from fedfusion.fusion.generative.reply import SAMPLES_KEY, samples_reply
+from fedfusion.fusion.generative.spec import GenerativeSpec
 from fedfusion.fusion.inprocess import Evaluate, Rounds, RunStats, spec_config, wire_of
 from fedfusion.models.build import model_from_state
-from fedfusion.models.samples import SAMPLES_KEY, samples_reply
 from fedfusion.models.slicing import plan_slice, sub_config
 from fedfusion.train.loop import train_steps
 from fedfusion.wire.keys import NUM_EXAMPLES
 from fedfusion.wire.quantize import decode
-from fedfusion.wire.specs import Caps, GenerativeSpec, RoleSpec
+from fedfusion.wire.specs import Caps, RoleSpec
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,7 @@ class GenerativeRun(Rounds):
     """One generative-distillation federation (:class:`~fedfusion.fusion.generative.method.GenerativeMethod`): each
     client trains its own small model (the static slice of the target at ``width``, kept between rounds, never
     averaged; on its node or on the server, as ``generative.device_state`` says) and sends samples of it; the server
-    trains the target (``config``) on every client's latest samples (:mod:`fedfusion.models.samples`)."""
+    trains the target (``config``) on every client's latest samples (:mod:`fedfusion.fusion.generative.reply`)."""
 
     config: PretrainedConfig
     width: float

@@ -2,7 +2,7 @@
 
 Each sampled client trains *its own* small model (the static slice of the initial target at its tier's width the
 first time, afterwards the model it trained last) and is asked for samples, which the server keeps in a
-:class:`~fedfusion.models.samples.SamplePool`; the fold trains the target on every client's latest samples.
+:class:`~fedfusion.fusion.generative.reply.SamplePool`; the fold trains the target on every client's latest samples.
 
 Where a device's model lives between rounds is ``generative.device_state``. ``node``: the node keeps it in its
 Flower ``context.state``; a partition's first payload (or the first after its node said it lost the model, a
@@ -12,7 +12,7 @@ partition the initial slice again. ``server``: the server holds every device's m
 keeps the one a reply returns (for stateless clients).
 
 The server sees every client's samples, which carry its private data almost verbatim: see
-:mod:`fedfusion.models.samples`. The server's training is the fold's ``server_cost``, priced like distillation.
+:mod:`fedfusion.fusion.generative.reply`. The server's training is the fold's ``server_cost``, priced like distillation.
 It keeps one AdamW over the target across rounds (a fresh one each round would restart its moments, so every
 round's first steps would be sign-sized jolts), and with ``top_k`` fits each sampled position's teacher
 distribution instead of the one sampled token.
@@ -47,11 +47,7 @@ from fedfusion.fusion.base import (
     state_size,
 )
 from fedfusion.fusion.generative.config import GenerativeConfig
-from fedfusion.fusion.rounds import server_seed
-from fedfusion.fusion.state import load_optimizer_state, optimizer_state, pack_tensors, unpack_tensors
-from fedfusion.fusion.submodel.method import SliceWire, SubModelMethod
-from fedfusion.models.build import full_state, model_from_state, tied_aliases
-from fedfusion.models.samples import (
+from fedfusion.fusion.generative.reply import (
     SAMPLES_KEY,
     TEACHER_KEYS,
     TOP_IDS_KEY,
@@ -60,10 +56,15 @@ from fedfusion.models.samples import (
     check_samples,
     check_teacher,
 )
+from fedfusion.fusion.generative.spec import GenerativeSpec
+from fedfusion.fusion.rounds import server_seed
+from fedfusion.fusion.state import load_optimizer_state, optimizer_state, pack_tensors, unpack_tensors
+from fedfusion.fusion.submodel.method import SliceWire, SubModelMethod
+from fedfusion.models.build import full_state, model_from_state, tied_aliases
 from fedfusion.models.slicing import extract, plan_slice, sub_config
 from fedfusion.train.distill import TopTokensLoss
 from fedfusion.train.loop import LM, make_optimizer, train_steps
-from fedfusion.wire.specs import STATE_LOST, Caps, GenerativeSpec, ModelSpec, RoleSpec, merge
+from fedfusion.wire.specs import STATE_LOST, Caps, ModelSpec, RoleSpec, merge
 
 MAX_WINDOWS = 4096  # the most training windows the server credits a client with (its samples and pool share)
 

@@ -5,14 +5,17 @@ the recipe from here; on the config floor like every method's section (no torch,
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
-from fedfusion.config.choices import QUANTIZE_BITS, SMOLLM2_BASE
+from fedfusion.config.choices import LORA_DTYPES, LORA_METHODS, QUANTIZE_BITS, SMOLLM2_BASE
 from fedfusion.config.sections import RecipeError, positive
 
 
 @dataclass
 class LoRAConfig:
     """Heterogeneous-rank LoRA (fusion.method=lora): adapters of each tier's rank on one frozen base."""
+
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"method": LORA_METHODS, "dtype": LORA_DTYPES}  # key -> allowed values
 
     base: str = SMOLLM2_BASE  # smollm2 (offline GGUF package) | a local model directory | a .gguf file | a hub id
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])

@@ -15,6 +15,9 @@ one forward pass over the samples): the same text, with how sure the client's mo
 
 Where a device's own model lives between rounds is ``device_state``: ``node`` keeps it in the device's node (a
 round's reply is its samples), ``server`` has the server hold it and send it both ways every round.
+
+Its client role (:mod:`fedfusion.clients.generative`) writes the reply and the method reads it, so this module sits on
+the models floor though in the method's folder (it imports only ``models`` and the method's ``spec``).
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
+from fedfusion.fusion.generative.spec import GenerativeSpec
 from fedfusion.models.build import generate
-from fedfusion.wire.specs import GenerativeSpec
 
 SAMPLES_KEY = "generated-ids"  # the reply's ArrayRecord key for the sampled token ids, next to the model's keys
 TOP_IDS_KEY = "generated-top-ids"  # top_k: each sampled position's k likeliest next tokens (n, seq_len, k) int32
