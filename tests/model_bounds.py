@@ -19,6 +19,7 @@ import torch
 from fp_bounds import assert_within, cross_entropy_bound, gamma
 
 F32 = torch.float32
+IGNORE = -100  # the label of a token the loss leaves out (fedfusion.train.instruct)
 State = dict[str, torch.Tensor]
 Step = tuple[State, State]  # the values a loop held at a step and the gradient it computed there
 
@@ -61,17 +62,24 @@ class ExactLM:
     ``gamma_chain`` with ``chain`` their total, applied to that magnitude (stated: the magnitudes along the path
     are taken at the gradient's own)."""
 
-    def __init__(self, config: Any, base: State, plan: Any = None) -> None:
+    def __init__(self, config: Any, base: State, plan: Any = None, model: torch.nn.Module | None = None,
+                 trained: dict[str, str] | None = None) -> None:
+        """``model`` and ``trained``: a model to take as it is (in float64; its frozen tensors its own) and, for each
+        name a loop trains, the model's parameter that holds it (a LoRA adapter's factors); ``config`` and ``base``
+        are then unused."""
         from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
         from fedfusion.models.build import config_aliases, tied_aliases
         from fedfusion.models.families import family_of
         from fedfusion.models.slicing import tensor_slices
 
-        self.config, self.plan, self.aliases = config, plan, config_aliases(config)
+        self.trained = trained or {}
+        self.config, self.plan = config, plan
+        self.aliases = {} if model is not None else config_aliases(config)
         self.base = {k: v.double() for k, v in base.items()}
         self.slices = tensor_slices([n for n in self.base if n not in self.aliases], config, plan) if plan else {}
-        self.model = family_of(config).build(config).double().eval()
+        self.model = (model if model is not None else family_of(config).build(config)).double().eval()
+        self.model.requires_grad_(True)  # every layer's output gradient, for the magnitudes
         self.tied = tied_aliases(self.model)
         self.names = {m: n for n, m in self.model.named_modules()}
         self.seen: list[tuple[torch.nn.Module, torch.Tensor, torch.Tensor]] = []
@@ -86,22 +94,21 @@ class ExactLM:
         y.retain_grad()
         self.seen.append((module, inputs[0], y))
 
-    def at(self, theta: State, batch: torch.Tensor) -> Exact:
-        """The loss and gradient at trained values ``theta`` (by name; a window's by sub-model name) on ``batch``."""
-        from fedfusion.models.build import full_state
-        from fedfusion.models.slicing import extract, scatter
+    def at(self, theta: State, batch: torch.Tensor | tuple[torch.Tensor, ...]) -> Exact:
+        """The loss and gradient at trained values ``theta`` (by name; a window's by sub-model name) on ``batch``:
+        token windows, or instruction rows ``(ids, labels, mask)`` whose loss is on the labelled tokens only."""
+        from fedfusion.models.slicing import extract
 
-        state = {k: v.clone() for k, v in self.base.items()}
-        for name, sl in self.slices.items():
-            scatter(state[name], sl.index, theta[sl.sub_name].double(), accumulate=False)
-        if not self.plan:
-            state.update({k: v.double() for k, v in theta.items()})
-        self.model.load_state_dict(full_state(state, self.aliases))
+        self._load(theta)
         self.model.zero_grad(set_to_none=True)
         self.seen.clear()
-        logits = self.model(input_ids=batch[:, :-1]).logits
-        logits, labels = logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1)
-        loss = torch.nn.functional.cross_entropy(logits, labels)
+        if isinstance(batch, torch.Tensor):
+            logits, labels = self.model(input_ids=batch[:, :-1]).logits, batch[:, 1:]
+        else:
+            ids, labels, mask = batch
+            logits, labels = self.model(input_ids=ids, attention_mask=mask).logits[:, :-1], labels[:, 1:]
+        logits, labels = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
+        loss = torch.nn.functional.cross_entropy(logits, labels, ignore_index=IGNORE)
         loss.backward()
         products, chain, size = 0.0, labels.numel(), dict[str, torch.Tensor]()
         # the residual stream's gradient (the embeddings') is the sum of what each normalisation reading it sends back
@@ -120,9 +127,30 @@ class ExactLM:
         grads = {n: p.grad for n, p in self.model.named_parameters()}
         if self.plan:
             grads, size = extract(grads, self.config, self.plan), extract(size, self.config, self.plan)
-        grads = {k: grads[k] for k in theta}
-        return Exact(float(loss.detach()), grads, cross_entropy_bound(logits, labels) + 2 * products,
-                     {k: gamma(chain, F32) * size[k] for k in theta})
+        name = {k: self.trained.get(k, k) for k in theta}
+        kept = labels != IGNORE
+        return Exact(float(loss.detach()), {k: grads[name[k]] for k in theta},
+                     cross_entropy_bound(logits[kept], labels[kept]) + 2 * products,
+                     {k: gamma(chain, F32) * size[name[k]] for k in theta})
+
+    def _load(self, theta: State) -> None:
+        """The model holding ``theta``: written into the trained parameters, or into the base (a window's into its
+        coordinates) and loaded."""
+        from fedfusion.models.build import full_state
+        from fedfusion.models.slicing import scatter
+
+        if self.trained:
+            params = dict(self.model.named_parameters())
+            with torch.no_grad():
+                for k, value in theta.items():
+                    params[self.trained[k]].copy_(value)
+            return
+        state = {k: v.clone() for k, v in self.base.items()}
+        for name, sl in self.slices.items():
+            scatter(state[name], sl.index, theta[sl.sub_name].double(), accumulate=False)
+        if not self.plan:
+            state.update({k: v.double() for k, v in theta.items()})
+        self.model.load_state_dict(full_state(state, self.aliases))
 
 
 def _kind(module: torch.nn.Module) -> str | None:
