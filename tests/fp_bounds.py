@@ -73,3 +73,15 @@ def log_softmax_bound(x: torch.Tensor, dtype: torch.dtype = torch.float32) -> to
     v = x.shape[-1]
     shift = (x - x.amax(-1, keepdim=True)).abs()
     return gamma(v + 6, dtype) * (2 * shift + math.log(v) + 1)
+
+
+def cross_entropy_bound(logits: torch.Tensor, labels: torch.Tensor, dtype: torch.dtype = torch.float32) -> float:
+    """Bound on the error of the mean next-token cross-entropy of ``logits`` (tokens, vocabulary) at ``labels``,
+    computed in ``dtype`` from these exact logits: each token's ``-log_softmax`` is within
+    :func:`log_softmax_bound` at its label, and the mean of ``N`` such terms adds :func:`sum_bound` over their
+    magnitudes (the division by ``N`` rounds once more, within ``gamma_1`` of the result: inside ``gamma_{N}``)."""
+    logits = logits.detach().double()
+    per = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
+    n = per.numel()
+    terms = float(log_softmax_bound(logits, dtype).gather(1, labels[:, None]).mean())
+    return terms + sum_bound(n + 1, float(per.abs().sum()), dtype) / n

@@ -123,8 +123,10 @@ def test_formats_bytes_and_vectors():
         assert sum(v.nbytes for v in values.values()) - (8 if fmt in ("int8", "int4") else 0) == \
             encoded_bytes(fmt, 128 * 96)
         assert sent["norm"].dtype == (torch.float32 if fmt == "float32" else torch.float16)
-    assert encoded_bytes("int8", 6400) / (4 * 6400) == pytest.approx(0.2578, abs=1e-4)
-    assert encoded_bytes("int4", 6400) / (4 * 6400) == pytest.approx(0.1328, abs=1e-4)
+    # per block of 64 values: 64 (int8) or 32 (int4) bytes of codes and a 2-byte float16 scale, against 256 bytes of
+    # float32: 0.2578 and 0.1328 exactly (integer byte counts, no rounding to allow for)
+    assert encoded_bytes("int8", 6400) * 256 == 66 * (4 * 6400)
+    assert encoded_bytes("int4", 6400) * 256 == 34 * (4 * 6400)
 
 
 def test_recipe_choices_are_the_quantisers_formats():

@@ -1,0 +1,273 @@
+"""A language model's training step in float64, with the first-order bounds on what a float32 computation of its loss
+and gradient may be off by, for the parity tests of the device programs (tests/test_device*.py): each step a loop
+took (the runtime's, torch's) is checked at the values it held then against :class:`ExactLM` on that step's batch.
+
+Why per step and not the loops' values after the steps: AdamW divides each coordinate's step by its own gradient's
+size, so a coordinate whose gradient is near ``eps`` moves by up to ``lr / eps`` times its gradient's rounding, and
+that difference reaches every later gradient through the Hessian; no rounding bound of the trajectories is less
+than the steps themselves. At each step's own values both loops compute one function, which is what is bounded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from fp_bounds import assert_within, cross_entropy_bound, gamma
+
+F32 = torch.float32
+IGNORE = -100  # the label of a token the loss leaves out (fedfusion.train.instruct)
+State = dict[str, torch.Tensor]
+Step = tuple[State, State]  # the values a loop held at a step and the gradient it computed there
+
+
+@dataclass
+class Exact:
+    """A step's loss and gradient in float64, with the first-order bounds on a float32 computation's error."""
+
+    loss: float
+    grads: State
+    loss_bound: float
+    grad_bounds: State
+
+
+def _rms_norm(self: Any, x: torch.Tensor) -> torch.Tensor:
+    """LlamaRMSNorm's forward without its float32 cast, so the reference stays float64."""
+    return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+
+class ExactLM:
+    """The next-token loss and gradient of a model of ``config`` in float64, at any values of its trained tensors:
+    all of ``base`` (a wire state), or with ``plan`` a window of it (the frozen rest as ``base`` holds it, the
+    window's values written in, as :class:`~fedfusion.models.full_forward.WindowModel` trains it); and how far a
+    float32 computation of them from the same inputs may be off, whatever the order of its sums.
+
+    Loss: the forward is a chain of matrix products ``y = x W^T`` (GPT-2's ``x W``), each entry within
+    ``gamma_k (|x||W|)`` of exact (``k`` the layer's input width; :mod:`fp_bounds`); to first order each product's
+    error reaches the loss through ``dL/dy``, so the products contribute at most
+    ``sum_layers <|dL/dy|, gamma_k |x||W|>``. The ops between them (norms, rotary tables, attention's own products
+    and softmax, activations, residual adds) round the entries those products consume a bounded number of times at
+    the same magnitudes: doubling the products' term stands for them (stated, not derived op by op). The last step,
+    the mean cross-entropy, is :func:`fp_bounds.cross_entropy_bound`.
+
+    Gradient: an entry's gradient is a sum over the ``N`` tokens of products of ``dL/dy`` and the layer's input
+    (``|dY|^T |X|`` its magnitudes; for a norm's weight ``sum |dY| |x_hat|``, for a bias ``sum |dY|``; for an
+    embedding row the sum over its tokens of the residual stream's gradient, which is what the normalisations
+    reading the stream send back, each term of their backward taken absolutely: :func:`_norm_input`). Its error,
+    to first order, gathers the roundings of the path from the loss to it and back: forward through every layer
+    (its input width), backward through every layer (its output width), then the ``N`` tokens' sum, so
+    ``gamma_chain`` with ``chain`` their total, applied to that magnitude (stated: the magnitudes along the path
+    are taken at the gradient's own)."""
+
+    def __init__(self, config: Any, base: State, plan: Any = None, model: torch.nn.Module | None = None,
+                 trained: dict[str, str] | None = None) -> None:
+        """``model`` and ``trained``: a model to take as it is (in float64; its frozen tensors its own) and, for each
+        name a loop trains, the model's parameter that holds it (a LoRA adapter's factors); ``config`` and ``base``
+        are then unused."""
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+        from fedfusion.models.build import config_aliases, tied_aliases
+        from fedfusion.models.families import family_of
+        from fedfusion.models.slicing import tensor_slices
+
+        self.trained = trained or {}
+        self.config, self.plan = config, plan
+        self.aliases = {} if model is not None else config_aliases(config)
+        self.base = {k: v.double() for k, v in base.items()}
+        self.slices = tensor_slices([n for n in self.base if n not in self.aliases], config, plan) if plan else {}
+        self.model = (model if model is not None else family_of(config).build(config)).double().eval()
+        self.model.requires_grad_(True)  # every layer's output gradient, for the magnitudes
+        self.tied = tied_aliases(self.model)
+        self.names = {m: n for n, m in self.model.named_modules()}
+        self.seen: list[tuple[torch.nn.Module, torch.Tensor, torch.Tensor]] = []
+        for module in self.model.modules():
+            if isinstance(module, LlamaRMSNorm):
+                module.forward = _rms_norm.__get__(module)
+            if list(module.parameters(recurse=False)):
+                assert _kind(module), f"no gradient magnitude for {type(module).__name__}"
+                module.register_forward_hook(self._record)
+
+    def _record(self, module: torch.nn.Module, inputs: tuple[torch.Tensor, ...], y: torch.Tensor) -> None:
+        y.retain_grad()
+        self.seen.append((module, inputs[0], y))
+
+    def at(self, theta: State, batch: torch.Tensor | tuple[torch.Tensor, ...]) -> Exact:
+        """The loss and gradient at trained values ``theta`` (by name; a window's by sub-model name) on ``batch``:
+        token windows, or instruction rows ``(ids, labels, mask)`` whose loss is on the labelled tokens only."""
+        from fedfusion.models.slicing import extract
+
+        self._load(theta)
+        self.model.zero_grad(set_to_none=True)
+        self.seen.clear()
+        if isinstance(batch, torch.Tensor):
+            logits, labels = self.model(input_ids=batch[:, :-1]).logits, batch[:, 1:]
+        else:
+            ids, labels, mask = batch
+            logits, labels = self.model(input_ids=ids, attention_mask=mask).logits[:, :-1], labels[:, 1:]
+        logits, labels = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
+        loss = torch.nn.functional.cross_entropy(logits, labels, ignore_index=IGNORE)
+        loss.backward()
+        products, chain, size = 0.0, labels.numel(), dict[str, torch.Tensor]()
+        # the residual stream's gradient (the embeddings') is the sum of what each normalisation reading it sends back
+        stream = sum(_norm_input(m, x, y.grad.abs()) for m, x, y in self.seen if _kind(m) == "norm")
+        for module, x, y in self.seen:
+            name, dy = self.names[module], stream if _kind(module) == "lookup" else y.grad.abs()
+            for key, value in _magnitudes(module, x, dy).items():
+                size[f"{name}.{key}"] = value
+            if _kind(module) == "matmul":
+                w = module.weight.detach().abs()
+                w = w.T if isinstance(module, torch.nn.Linear) else w  # (in, out)
+                products += gamma(w.shape[0], F32) * float((dy * (x.detach().abs() @ w)).sum())
+                chain += sum(w.shape)
+        for alias, key in self.tied.items():  # a tied tensor's gradient sums both uses
+            size[key] = size[key] + size.pop(alias)
+        grads = {n: p.grad for n, p in self.model.named_parameters()}
+        if self.plan:
+            grads, size = extract(grads, self.config, self.plan), extract(size, self.config, self.plan)
+        name = {k: self.trained.get(k, k) for k in theta}
+        kept = labels != IGNORE
+        return Exact(float(loss.detach()), {k: grads[name[k]] for k in theta},
+                     cross_entropy_bound(logits[kept], labels[kept]) + 2 * products,
+                     {k: gamma(chain, F32) * size[name[k]] for k in theta})
+
+    def _load(self, theta: State) -> None:
+        """The model holding ``theta``: written into the trained parameters, or into the base (a window's into its
+        coordinates) and loaded."""
+        from fedfusion.models.build import full_state
+        from fedfusion.models.slicing import scatter
+
+        if self.trained:
+            params = dict(self.model.named_parameters())
+            with torch.no_grad():
+                for k, value in theta.items():
+                    params[self.trained[k]].copy_(value)
+            return
+        state = {k: v.clone() for k, v in self.base.items()}
+        for name, sl in self.slices.items():
+            scatter(state[name], sl.index, theta[sl.sub_name].double(), accumulate=False)
+        if not self.plan:
+            state.update({k: v.double() for k, v in theta.items()})
+        self.model.load_state_dict(full_state(state, self.aliases))
+
+
+def _kind(module: torch.nn.Module) -> str | None:
+    """How a module's parameters enter the loss: a matrix product, a lookup, a normalisation's scale (None: unknown)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.pytorch_utils import Conv1D
+
+    if isinstance(module, (torch.nn.Linear, Conv1D)):
+        return "matmul"
+    if isinstance(module, torch.nn.Embedding):
+        return "lookup"
+    return "norm" if isinstance(module, (LlamaRMSNorm, torch.nn.LayerNorm)) else None
+
+
+def _hat(module: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A normalisation's normalised input ``x_hat`` and ``1 / rms`` (of the centred input for LayerNorm)."""
+    x = x.detach()
+    if isinstance(module, torch.nn.LayerNorm):
+        x = x - x.mean(-1, keepdim=True)
+        eps = module.eps
+    else:
+        eps = module.variance_epsilon
+    inv = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return x * inv, inv
+
+
+def _norm_input(module: Any, x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    """The magnitudes of a normalisation's input gradient ``(w dy - x_hat mean(w dy x_hat)) / rms`` (LayerNorm also
+    subtracts ``mean(w dy)``), each term taken absolutely: the sums its backward rounds."""
+    hat, inv = _hat(module, x)
+    w = module.weight.detach().abs() * dy
+    out = w + hat.abs() * (w * hat.abs()).mean(-1, keepdim=True)
+    if isinstance(module, torch.nn.LayerNorm):
+        out = out + w.mean(-1, keepdim=True)
+    return out * inv
+
+
+def _magnitudes(module: Any, x: torch.Tensor, dy: torch.Tensor) -> State:
+    """The magnitudes that each of the module's parameters' gradient sums over the tokens (``dy``: ``|dL/dy|``)."""
+    kind, dy2 = _kind(module), dy.reshape(-1, dy.shape[-1])
+    out = {"bias": dy2.sum(0)} if getattr(module, "bias", None) is not None else {}
+    if kind == "matmul":
+        xs = x.detach().abs().reshape(-1, x.shape[-1])
+        return {**out, "weight": dy2.T @ xs if isinstance(module, torch.nn.Linear) else xs.T @ dy2}
+    if kind == "lookup":
+        ids = x.expand(dy.shape[:-1]).reshape(-1)  # GPT-2's positions: one row for the batch
+        return {**out, "weight": torch.zeros_like(module.weight).index_add_(0, ids, dy2)}
+    return {**out, "weight": (dy2 * _hat(module, x)[0].abs().reshape(dy2.shape)).sum(0)}
+
+
+def batches(windows: torch.Tensor, steps: int, batch: int, seed: int) -> list[torch.Tensor]:
+    """The batches the training loops draw, step by step (their seeded generator)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [windows[torch.randint(len(windows), (batch,), generator=gen)] for _ in range(steps)]
+
+
+def assert_steps(exact: ExactLM, steps: Sequence[Step], losses: Sequence[float], drawn: Sequence[torch.Tensor]) -> float:
+    """Every step's loss and gradient, at the values the loop held then, within the float32 bounds of the exact ones
+    on that step's batch. Returns the worst ratio of difference to bound."""
+    assert len(steps) == len(losses) == len(drawn)
+    worst = 0.0
+    for (theta, grads), loss, batch in zip(steps, losses, drawn):
+        want = exact.at(theta, batch)
+        worst = max(worst, assert_within(torch.tensor(loss), torch.tensor(want.loss), want.loss_bound))
+        assert set(grads) == set(want.grads)
+        for k, g in grads.items():
+            worst = max(worst, assert_within(g, want.grads[k], want.grad_bounds[k]))
+    return worst
+
+
+@contextmanager
+def optimizer_steps(params: dict[str, torch.nn.Parameter]) -> Iterator[list[Step]]:
+    """The values of ``params`` and their gradients at each torch optimizer step taken inside the block."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    seen: list[Step] = []
+
+    def record(*_: Any) -> None:
+        seen.append(({k: p.detach().clone() for k, p in params.items()},
+                     {k: p.grad.detach().clone() for k, p in params.items()}))
+
+    hook = register_optimizer_step_pre_hook(record)
+    try:
+        yield seen
+    finally:
+        hook.remove()
+
+
+@contextmanager
+def runtime_steps(runner: Any) -> Iterator[list[Step]]:
+    """The values a :class:`~fedfusion.phone.runtime.ProgramRunner` held and the gradient it computed at each of its
+    forward-backward passes inside the block."""
+    seen: list[Step] = []
+    step = runner.forward_backward
+
+    def recorded(*inputs: torch.Tensor) -> tuple[float, State]:
+        before = {k: v.clone() for k, v in runner.params.items()}
+        loss, grads = step(*inputs)
+        seen.append((before, {k: g.clone() for k, g in grads.items()}))
+        return loss, grads
+
+    runner.forward_backward = recorded
+    try:
+        yield seen
+    finally:
+        del runner.forward_backward
+
+
+def assert_replayed(start: State, steps: Sequence[Step], final: State, optimizer: str, lr: float) -> None:
+    """The runtime's loop stepped by the gradients it computed: the phone's optimizer, replayed from ``start`` over
+    them, passes through every step's values and ends at ``final``, bit for bit (its parity with torch.optim:
+    tests/test_device.py), having moved."""
+    from fedfusion.phone.runtime import ClientOptimizer
+
+    replay, opt = {k: v.clone() for k, v in start.items()}, ClientOptimizer(optimizer, lr)
+    for values, grads in steps:
+        assert all(torch.equal(replay[k], v) for k, v in values.items())
+        opt.step(replay, grads)
+    assert all(torch.equal(replay[k], final[k]) for k in start)
+    assert any(not torch.equal(replay[k], v) for k, v in start.items())
