@@ -235,12 +235,16 @@ def markdown(data: dict) -> str:
              f"Batch {data['batch']} x {data['seq']} tokens, float32, every linear layer offloaded; phones 10 MB/s "
              "down / 2 MB/s up, laptops 10 MB/s each way, the mixed fleet half phones, 30 % laptops, 20 % desktops "
              "(the catalog's tiers), 50 ms RTT, 5 ms per message; the server `cloud-a100`, 10 Gb/s each way. Units: "
-             "the timeline's step (the micro-batch count `choose_micro_batches` picks), its lower bound and what sets "
-             "it, the bytes the devices download and upload, the server's busier link's utilisation, the devices' "
-             "and the server's energy. Pipeline: `fedfusion.units.baselines.plan_pipeline` on the same devices and "
-             "links (stages x replicas x micro-batches per replica; a pipeline that no stage count fits is "
-             "'does not fit'). GPUs: the same step's FLOPs on one A5000 (catalog, 20 TFLOP/s) and one H100 (the "
-             "rate measured in cuda_step.md). Ratios above 1: the units mode is slower.", "",
+             "the timeline's step (the micro-batch count `choose_micro_batches` picks on the two-layer model), its "
+             "lower bound and what sets it, the bytes the devices download and upload, the server's busier link's "
+             "utilisation, the devices' and the server's energy; devices that take their next message while they "
+             "compute (the seed paper's runtime; SuperNodes, which approach it on Flower, are not swept). The "
+             "timeline runs the model cut to one and two layers and extends the difference to every layer (the last "
+             "table checks it). Pipeline: `fedfusion.units.baselines.plan_pipeline` on the same devices and links "
+             "(stages x replicas x micro-batches per replica, ckpt: activation checkpointing; 'does not fit': no "
+             "stage count fits the devices' memory). GPUs: the same step's FLOPs on one A5000 (catalog, 20 TFLOP/s) "
+             "and one H100 at the rate measured for the 168M target's whole step in cuda_step.md (larger GEMMs run "
+             "faster, so this overstates the H100's step). Ratios above 1: the units mode is slower.", "",
              "| model | fleet | devices | micro-batches | step (s) | lower bound (s) | step / bound | bound by | "
              "GB down | GB up | server link util. | energy (kJ) | pipeline step (s) | S x D x M | devices used | "
              "pipeline energy (kJ) | units / pipeline | units / A5000 | units / H100 |",
