@@ -124,3 +124,21 @@ def test_gpu_step_is_flops_over_rate_and_checks_memory() -> None:
     assert step.step_s == pytest.approx(TINY.step_flops(2 * SEQ, SEQ) / 1e12)
     assert step.fits
     assert not gpu_step(TINY, "gpu", 1e12, step.needs_bytes / 2, batch=2, seq=SEQ).fits
+
+
+def test_one_micro_batch_step_is_linear_in_the_layers() -> None:
+    """What benchmarks/units_scale.py rests on: with one micro-batch the phases run one after another and every
+    layer's take the same time, so the timeline's step, bytes and bound at L layers extend from 1 and 2 layers."""
+    from fedfusion.units.timeline import simulate
+
+    devices = [device(flops=1e9, bps=1e6, rtt=0.01, overhead=0.001), device(flops=2e9, bps=5e5, rtt=0.02,
+                                                                            overhead=0.002)] * 3
+
+    def run(layers: int) -> tuple[float, float, float]:
+        phases = llama_phases(hidden=32, intermediate=64, layers=layers, heads=4, kv_heads=2, vocab=40, tokens=64)
+        t = simulate(devices, [phases], accumulate=True, lanes=0, server_gap_s=0.003)
+        return t.step_s, float(t.down_bytes.sum()), t.lower_bound_s
+
+    one, two, five = run(1), run(2), run(5)
+    for a, b, whole in zip(one, two, five):
+        assert a + 4 * (b - a) == pytest.approx(whole, rel=1e-9)
