@@ -40,11 +40,12 @@ def with_command(markdown: str, command: str | None) -> str:
     return f"{title}\n\n{command_line(command)}\n\n{rest}"
 
 
-def write_pair(out: Path, stem: str, data: dict[str, Any], markdown: str) -> None:
+def write_pair(out: Path, stem: str, data: dict[str, Any], markdown: str, quiet: bool = False) -> None:
     """Write ``data`` as JSON and ``markdown`` beside it (with ``data["command"]``'s line: :func:`with_command`),
-    and print the markdown."""
+    and print the markdown (``quiet``: not; a benchmark that rewrites its results as it goes)."""
     markdown = with_command(markdown, data.get("command"))
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{stem}.json").write_text(json.dumps(data, indent=1))
     (out / f"{stem}.md").write_text(markdown)
-    print(markdown)
+    if not quiet:
+        print(markdown)

@@ -145,7 +145,7 @@ def estimate_memory(
         raise ValueError("base_bits: full training keeps its weights in 32 or 16 bits; 8 and 4 need lora_rank or window")
     h, inter, heads, kv, d, layers = dims(config)
     params = param_count(config)
-    one_layer = batch * seq * (10 * h + 3 * inter + 2 * heads * seq)
+    one_layer = layer_activation_values(batch * seq, seq, h, inter, heads)
     layer_values = batch * seq * layers * h + one_layer if checkpoint else layers * one_layer
     if lora_rank is None and window is None:  # 16: pure bfloat16 training, AdamW's moments in bfloat16 too
         b = base_bits // 8
@@ -161,6 +161,13 @@ def estimate_memory(
     return MemoryEstimate(int(weights) + 4 * trainable, 4 * trainable, 8 * trainable,
                           act_bytes * layer_values + _logit_bytes(config, batch, seq, act_bytes),
                           params + (trainable if window is None else 0), trainable, 4 * trainable)
+
+
+def layer_activation_values(tokens: int, seq: int, hidden: int, intermediate: int, heads: int) -> int:
+    """Values one decoder layer keeps for its backward over ``tokens`` tokens in windows of ``seq``: ten
+    hidden-wide tensors (norm inputs and outputs, q, k, v, the attention output, residuals), three MLP-wide ones
+    and the attention probabilities and scores (heads x seq per token)."""
+    return tokens * (10 * hidden + 3 * intermediate + 2 * heads * seq)
 
 
 def linear_params(config: PretrainedConfig) -> int:

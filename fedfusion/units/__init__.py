@@ -12,7 +12,8 @@ assemble), ``accumulate`` (weight-gradient tiles summed on the devices over a st
 (``install`` on a Hugging Face Llama), ``phases`` (a step's phases from the shape alone), ``timeline`` (virtual
 step time under the devices' and the server's links, micro-batches and churn, and its lower bound), ``ledger``
 (the server's compute, checks and traffic priced with ``price_work``, and the same step on a cloud GPU),
-``workers`` (emulated faulty devices).
+``workers`` (emulated faulty devices), ``baselines`` (a pipeline + data-parallel schedule on the same
+devices and links, and one GPU: what the mode's step is set against).
 
 README -- the API the Flower layer calls
 -----------------------------------------
