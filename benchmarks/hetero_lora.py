@@ -53,9 +53,10 @@ from fedfusion.fusion.base import Payload
 from fedfusion.fusion.inprocess import Rounds, run_rounds
 from fedfusion.fusion.lora.aggregate import merged_arrays
 from fedfusion.fusion.lora.method import LoRAMethod, adapted_modules, split_global
+from fedfusion.fusion.lora.spec import AdapterSpec, LoRABaseSpec, QuantizeSpec
 from fedfusion.models.build import build_target, count_params
 from fedfusion.train.instruct import encode_pairs, evaluate_instruct, generate_responses
-from fedfusion.wire.specs import AdapterSpec, ClientSpec, LoRABaseSpec, QuantizeSpec, RoleSpec, RoundSpec, TrainSpec, merge
+from fedfusion.wire.specs import ClientSpec, RoleSpec, RoundSpec, TrainSpec, merge
 
 RESULTS = Path(__file__).resolve().parent / "results"
 RANKS = (16, 8, 4, 4, 2, 2, 1, 1)  # client k's rank (client k holds categories k, k+8, ... of chatterbot)

@@ -20,22 +20,10 @@ from flwr.app import ConfigRecord
 
 from fedfusion.config.methods import LORA, SUBMODEL, WINDOW
 from fedfusion.devices.meters import WIRE_PREFIX
+from fedfusion.fusion.lora.spec import AdapterSpec, LoRABaseSpec, QuantizeSpec
 from fedfusion.phone.gateway import ADAPTER, call, pack, unpack
 from fedfusion.wire.keys import DEVICE_STEP_S, NUM_EXAMPLES
-from fedfusion.wire.specs import (
-    DROPPED,
-    AdapterSpec,
-    ClientSpec,
-    LoRABaseSpec,
-    ModelSpec,
-    QuantizeSpec,
-    RoleSpec,
-    RoundSpec,
-    SliceSpec,
-    TrainSpec,
-    WindowSpec,
-    merge,
-)
+from fedfusion.wire.specs import DROPPED, ClientSpec, ModelSpec, RoleSpec, RoundSpec, SliceSpec, TrainSpec, WindowSpec, merge
 
 DEADLINE_S = 600.0
 # how long queuing a task may take: the gateway exports a program the first time it sees a sub-model shape (a minute

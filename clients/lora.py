@@ -37,12 +37,13 @@ from transformers.utils import logging as hf_logging
 from fedfusion.data.instruct import instruct_clients
 from fedfusion.data.population import client_windows, windows_spec
 from fedfusion.devices.meters import HostMeter, gpu_index
+from fedfusion.fusion.lora.spec import AdapterSpec, LoRABaseSpec, QuantizeSpec
 from fedfusion.models.adapters import adapter_factors, attach_adapter, load_factors, merged_update
 from fedfusion.models.pretrained import load_base, load_base_tokenizer
 from fedfusion.train.instruct import RESPONSE, InstructData, encode_pairs, evaluate_instruct
 from fedfusion.train.loop import LM, evaluate_lm, train_steps
 from fedfusion.wire.keys import NUM_EXAMPLES
-from fedfusion.wire.specs import AdapterSpec, ClientSpec, LoRABaseSpec, QuantizeSpec, RoundSpec, TrainSpec
+from fedfusion.wire.specs import ClientSpec, RoundSpec, TrainSpec
 
 Node = Stateless  # this role keeps nothing on its node (fedfusion.clients.node)
 

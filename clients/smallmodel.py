@@ -19,11 +19,12 @@ from transformers import PreTrainedModel
 
 from fedfusion.data.population import client_windows, population_data
 from fedfusion.data.text import encode_text, lm_windows
+from fedfusion.fusion.distill.spec import FamilySpec
 from fedfusion.models.build import small_model
 from fedfusion.train.loop import evaluate_lm, train_steps
 from fedfusion.train.transfer import wrap_tokenizer
 from fedfusion.wire.keys import NUM_EXAMPLES
-from fedfusion.wire.specs import ClientSpec, FamilySpec, ModelSpec
+from fedfusion.wire.specs import ClientSpec, ModelSpec
 
 Node = Stateless  # this role keeps nothing on its node (fedfusion.clients.node)
 

@@ -204,9 +204,10 @@ def test_gateway_and_reference_device_train_a_lora_adapter_for_two_rounds(tmp_pa
     from fedfusion.clients.device import relay
     from flwr.app import ConfigRecord
 
+    from fedfusion.fusion.lora.spec import AdapterSpec, LoRABaseSpec, QuantizeSpec
     from fedfusion.phone.gateway import Gateway, GatewayServer, Tokens, write_tokens
     from fedfusion.phone.reference import ReferenceDevice
-    from fedfusion.wire.specs import AdapterSpec, ClientSpec, LoRABaseSpec, QuantizeSpec, RoleSpec, RoundSpec, TrainSpec, merge
+    from fedfusion.wire.specs import ClientSpec, RoleSpec, RoundSpec, TrainSpec, merge
     from tests.test_lora_client import DATA, save_tiny_base
 
     base_dir = save_tiny_base(tmp_path / "base")  # the same seeded weights as tiny_base(), with a tokenizer

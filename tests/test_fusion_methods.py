@@ -21,10 +21,10 @@ from fedfusion.fusion.generative.reply import SAMPLES_KEY
 from fedfusion.fusion.inprocess import Rounds, run_rounds
 from fedfusion.fusion.lora.aggregate import ClientLoRA, aggregate_lora
 from fedfusion.fusion.lora.method import LoRAMethod, split_global
+from fedfusion.fusion.lora.spec import LoRABaseSpec
 from fedfusion.fusion.rounds import FOLD_ORDER, client_seed, fold_order, fold_round, round_payloads
 from fedfusion.fusion.submodel.method import SubModelMethod
 from fedfusion.models.slicing import SelectiveAverager
-from fedfusion.wire.specs import LoRABaseSpec
 from tests.conftest import tiny_config
 from tests.test_lora import ROUNDINGS
 

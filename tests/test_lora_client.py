@@ -13,8 +13,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from fedfusion.data.text import build_char_tokenizer
 from fedfusion.fusion.lora.aggregate import effective_delta
+from fedfusion.fusion.lora.spec import AdapterSpec, LoRABaseSpec, QuantizeSpec
 from fedfusion.train.instruct import evaluate_instruct
-from fedfusion.wire.specs import AdapterSpec, ClientSpec, FaultSpec, LoRABaseSpec, QuantizeSpec, RoundSpec, TrainSpec, merge
+from fedfusion.wire.specs import ClientSpec, FaultSpec, RoundSpec, TrainSpec, merge
 from tests.conftest import LazyModule
 
 # the LoRA role imports peft and bitsandbytes (seconds): on first use, not at collection, and on one xdist worker only

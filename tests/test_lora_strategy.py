@@ -42,11 +42,12 @@ from fedfusion.fusion.lora.method import (
     snapshot,
     split_global,
 )
+from fedfusion.fusion.lora.spec import LoRABaseSpec
 from fedfusion.models.pretrained import load_base_tokenizer
 from fedfusion.selection.participation import Participation
 from fedfusion.selection.selectors import make_selector
 from fedfusion.train.instruct import encode_pairs, evaluate_instruct
-from fedfusion.wire.specs import Caps, ClientSpec, FaultSpec, LoRABaseSpec, PrivacySpec, TrainSpec, merge
+from fedfusion.wire.specs import Caps, ClientSpec, FaultSpec, PrivacySpec, TrainSpec, merge
 from tests.conftest import LazyModule
 from tests.test_lora import ROUNDINGS
 from tests.test_lora_client import DATA, MODULES, assert_layer_adds, recording, save_tiny_base

@@ -341,7 +341,8 @@ def test_the_client_apps_train_handler_keeps_its_residual_in_context_state(monke
 # -- LoRA and the ledger ------------------------------------------------------------------------------------------
 def test_a_lora_reply_is_its_quantised_change_added_to_the_exact_adapter_sent():
     from fedfusion.fusion.lora.method import LoRAMethod
-    from fedfusion.wire.specs import LoRABaseSpec, WireSpec
+    from fedfusion.fusion.lora.spec import LoRABaseSpec
+    from fedfusion.wire.specs import WireSpec
 
     modules = {"layers.0.q": (16, 12), "layers.0.v": (16, 12)}
     wire = Wire("int8", "int4")

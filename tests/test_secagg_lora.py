@@ -18,12 +18,12 @@ from fedfusion.config.sections import RecipeError
 from fedfusion.devices.catalog import load_catalog
 from fedfusion.fusion.lora.aggregate import ClientLoRA, aggregate_sum
 from fedfusion.fusion.lora.method import LoRAMethod, split_global
+from fedfusion.fusion.lora.spec import LoRABaseSpec
 from fedfusion.selection.participation import Participation
 from fedfusion.selection.selectors import make_selector
 from fedfusion.wire import secagg as sa
 from fedfusion.wire.keys import NUM_EXAMPLES
 from fedfusion.wire.quantize import decode
-from fedfusion.wire.specs import LoRABaseSpec
 from tests.test_secagg import DEVICES, ClientGrid, change_of, task_identity  # noqa: F401 (an autouse fixture)
 from tests.test_strategy import new_strategy
 

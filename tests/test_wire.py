@@ -13,20 +13,18 @@ from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 from fedfusion.config.choices import LORA_METHODS as METHODS
 from fedfusion.config.choices import POLICIES
 from fedfusion.config.sections import FaultConfig, PrivacyConfig, TrainConfig
+from fedfusion.fusion.distill.spec import FamilySpec
 from fedfusion.fusion.generative.spec import GenerativeSpec
+from fedfusion.fusion.lora.spec import AdapterSpec, LoRABaseSpec, QuantizeSpec
 from fedfusion.wire.specs import (
     ROLES,
-    AdapterSpec,
     Caps,
     ClientSpec,
-    FamilySpec,
     FaultSpec,
-    LoRABaseSpec,
     ModelSpec,
     OrderedSpec,
     PopulationSpec,
     PrivacySpec,
-    QuantizeSpec,
     RoleSpec,
     RoundSpec,
     SliceSpec,

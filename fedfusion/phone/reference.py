@@ -82,7 +82,8 @@ class ReferenceDevice:
         import torch
 
         from fedfusion.data.population import client_windows, windows_spec
-        from fedfusion.wire.specs import ClientSpec, LoRABaseSpec, PrivacySpec, read_train
+        from fedfusion.fusion.lora.spec import LoRABaseSpec
+        from fedfusion.wire.specs import ClientSpec, PrivacySpec, read_train
 
         torch.set_num_threads(self.threads)
         spec = task["spec"]

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import Field, asdict, dataclass, field, fields
 from typing import Any, ClassVar, Self, get_type_hints
 
-from fedfusion.config.choices import LORA_DTYPES, LORA_METHODS, OPTIMIZERS, POLICIES, PRIVACY_MODES, QUANTIZE_BITS, UPLINK
+from fedfusion.config.choices import OPTIMIZERS, POLICIES, PRIVACY_MODES, UPLINK
 from fedfusion.config.methods import METHODS, ROLES, UNITS, hook
 from fedfusion.config.sections import FaultConfig, PrivacyConfig, TrainConfig
 
@@ -332,52 +332,6 @@ class OrderedSpec(Spec):
     distill: bool
 
 
-@dataclass(frozen=True)
-class FamilySpec(Spec):
-    """A distillation family model (role smallmodel): its name and its tokenizer (``tokenizers`` JSON; empty: the
-    target's)."""
-
-    family: str
-    tokenizer_json: str
-
-
-@dataclass(frozen=True)
-class LoRABaseSpec(Spec):
-    """The frozen base every LoRA client loads and the modules it adapts (``lora.*``)."""
-
-    base: str
-    dtype: str
-    target_modules: tuple[str, ...] = field(metadata=CSV)
-    lora_dropout: float
-
-    def __post_init__(self) -> None:
-        check_choice(self, "dtype", LORA_DTYPES)
-        if not self.target_modules:
-            raise SpecError(f"message spec {self.key('target_modules')!r} is empty")
-
-
-@dataclass(frozen=True)
-class QuantizeSpec(Spec):
-    """The bits a client's tier loads the frozen base in (0: unquantised)."""
-
-    quantize: int
-
-    def __post_init__(self) -> None:
-        check_choice(self, "quantize", QUANTIZE_BITS)
-
-
-@dataclass(frozen=True)
-class AdapterSpec(Spec):
-    """The adapter a LoRA client trains: its rank and alpha, and the server's aggregation method."""
-
-    method: str
-    rank: int
-    alpha: float
-
-    def __post_init__(self) -> None:
-        check_choice(self, "method", LORA_METHODS)
-
-
 # -- how a client replies -------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class WireSpec(Spec):
@@ -443,8 +397,7 @@ ACTIONS = {UNITS_ACTION: UNITS}
 
 # the specs of this module; spec_types() adds the methods' own
 SPEC_TYPES: tuple[type[Spec], ...] = (ClientSpec, RoundSpec, RoleSpec, TrainSpec, FaultSpec, PrivacySpec, ModelSpec,
-                                      SliceSpec, WindowSpec, OrderedSpec, FamilySpec, LoRABaseSpec, QuantizeSpec,
-                                      AdapterSpec, WireSpec, PopulationSpec, Caps, UnitsSpec)
+                                      SliceSpec, WindowSpec, OrderedSpec, WireSpec, PopulationSpec, Caps, UnitsSpec)
 
 
 def spec_types() -> tuple[type[Spec], ...]:

@@ -40,11 +40,12 @@ from fedfusion.fusion.base import (
 )
 from fedfusion.fusion.distill.align import BridgedWindows, TokenBridge
 from fedfusion.fusion.distill.config import DistillConfig
+from fedfusion.fusion.distill.spec import FamilySpec
 from fedfusion.fusion.state import pack_tensors, unpack_tensors
 from fedfusion.models.build import config_aliases, model_from_state, small_model, tied_aliases, wire_state
 from fedfusion.train.distill import DistillationLoss, Teacher, feddf_teacher, fedet_teacher, fit_vocab, forward_flops
 from fedfusion.train.loop import TrainResult, evaluate_lm, train_steps
-from fedfusion.wire.specs import FamilySpec, ModelSpec, RoleSpec, merge
+from fedfusion.wire.specs import ModelSpec, RoleSpec, merge
 
 TEACHERS = ("feddf", "fedet")
 

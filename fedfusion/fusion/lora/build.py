@@ -7,8 +7,8 @@ from fedfusion.config.sections import FusionConfig
 from fedfusion.fusion.base import BuildTarget
 from fedfusion.fusion.lora.config import LoRAConfig
 from fedfusion.fusion.lora.method import LoRAMethod, adapted_modules
+from fedfusion.fusion.lora.spec import LoRABaseSpec
 from fedfusion.fusion.rounds import fusion_wire
-from fedfusion.wire.specs import LoRABaseSpec
 
 
 def client_spec(lora: LoRAConfig) -> LoRABaseSpec:

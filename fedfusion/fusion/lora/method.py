@@ -51,9 +51,10 @@ from fedfusion.fusion.lora.aggregate import (
     serve,
     starting_adapter,
 )
+from fedfusion.fusion.lora.spec import AdapterSpec, LoRABaseSpec, QuantizeSpec
 from fedfusion.wire import secagg
 from fedfusion.wire.quantize import Index, Wire, encoded_bytes, pack_index
-from fedfusion.wire.specs import AdapterSpec, LoRABaseSpec, QuantizeSpec, RoleSpec, WireSpec, merge
+from fedfusion.wire.specs import RoleSpec, WireSpec, merge
 
 Shapes = dict[str, tuple[int, int]]
 
