@@ -26,6 +26,7 @@ from fedfusion.run.compare import (
     noise,
     plan,
     rising,
+    state,
     write_report,
 )
 
@@ -356,6 +357,19 @@ def test_a_run_directory_of_another_recipe_is_not_reused(tmp_path):
     write_run(c.run_dir(RECIPE, 0), load_checked("quickstart", [*TINY, "train.lr=0.01"]), [3.0, 2.9, 2.8])
     with pytest.raises(FileExistsError, match=r"holds a run of another recipe \(train.lr: 0.01 there, 0.003 here\)"):
         execute(c, echo=lambda line: None, runner=FakeRunner(c))
+
+
+def test_a_section_of_a_method_the_run_never_uses_does_not_make_it_another_recipe(tmp_path):
+    """A submodel run reads no ``lora.*``: a finished run whose recipe differs only there is kept, while the same
+    difference on a LoRA recipe is another recipe."""
+    c = plan("quickstart", TINY, [0], tmp_path)
+    write_run(c.run_dir(RECIPE, 0), load_checked("quickstart", [*TINY, "lora.alpha=4"]), [3.0, 2.9, 2.8])
+    assert state(c.run_dir(RECIPE, 0), c.recipes[RECIPE, 0]) == "done"
+    as_lora = ["fusion.method=lora", "data.source=chatterbot"]
+    lora = load_recipe("rolling", as_lora)
+    write_run(tmp_path / "lora", load_recipe("rolling", [*as_lora, "lora.alpha=4"]), [3.0, 2.9, 2.8])
+    with pytest.raises(FileExistsError, match=r"lora.alpha: 4.0 there, 16.0 here"):
+        state(tmp_path / "lora", lora)
 
 
 def test_ctrl_c_stops_after_the_run_in_progress_and_keeps_the_finished_ones(tmp_path):

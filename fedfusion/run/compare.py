@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from fedfusion.analysis.report import still_rising
-from fedfusion.config.recipe import Recipe, load_recipe
+from fedfusion.config.recipe import METHOD_SECTIONS, Recipe, load_recipe, uses
 from fedfusion.config.sections import EngineConfig, RecipeError
 from fedfusion.run.arms import ARM_NAMES, ORACLE, RECIPE, SMALLEST, Arm, arms_for, check_equal_budget, flat
 from fedfusion.run.check import check_recipe
@@ -163,12 +163,14 @@ Runner = Callable[[list[str], Path, Callable[[str], None]], tuple[int, bool]]
 
 def state(run: Path, recipe: Recipe) -> str:
     """``done`` (finished), ``resume`` (stopped after a checkpoint), ``fresh`` (nothing, or nothing to resume from).
-    Raises where ``run`` holds something else: not a run directory, or a run of another recipe."""
+    Raises where ``run`` holds something else: not a run directory, or a run of another recipe (the sections of methods
+    no tier of ``recipe`` trains with are not compared: the run never read them)."""
     if not run.exists() or not any(run.iterdir()):
         return "fresh"
     if not (run / "recipe.yaml").is_file():
         raise FileExistsError(f"{run} exists and is not a run directory (no recipe.yaml); remove it or choose another --out")
-    differs = _differences(flat(load_recipe(run / "recipe.yaml")), flat(recipe))
+    unused = tuple(f"{name}." for name in METHOD_SECTIONS if not uses(recipe, name))  # what the run never reads
+    differs = [d for d in _differences(flat(load_recipe(run / "recipe.yaml")), flat(recipe)) if not d.startswith(unused)]
     if differs:
         raise FileExistsError(f"{run} holds a run of another recipe ({'; '.join(differs[:3])}); remove it or choose "
                               "another --out")
