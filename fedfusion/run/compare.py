@@ -170,7 +170,8 @@ def state(run: Path, recipe: Recipe) -> str:
     if not (run / "recipe.yaml").is_file():
         raise FileExistsError(f"{run} exists and is not a run directory (no recipe.yaml); remove it or choose another --out")
     unused = tuple(f"{name}." for name in METHOD_SECTIONS if not uses(recipe, name))  # what the run never reads
-    differs = [d for d in _differences(flat(load_recipe(run / "recipe.yaml")), flat(recipe)) if not d.startswith(unused)]
+    differs = _differences(*({k: v for k, v in flat(r).items() if not k.startswith(unused)}
+                             for r in (load_recipe(run / "recipe.yaml"), recipe)))
     if differs:
         raise FileExistsError(f"{run} holds a run of another recipe ({'; '.join(differs[:3])}); remove it or choose "
                               "another --out")

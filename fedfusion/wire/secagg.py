@@ -34,6 +34,7 @@ from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption,
 FRACTION_BITS = 32  # fixed point: a value v travels as round(v * 2**32) modulo 2**64
 LIMIT = 2.0 ** (62 - FRACTION_BITS)  # the largest |weighted update| one client may send (the sum stays below 2**63)
 SEED_BYTES = 32
+MASKED_BYTES = np.dtype(np.uint64).itemsize  # a masked vector's bytes per coordinate (what a plan prices)
 
 INDEX_KEY = "secagg::index"  # the target coordinates of every trained array (fedfusion.wire.quantize.pack_index)
 SCALES_KEY = "secagg::scales"  # what each trained array's values are divided by in the target (a slice's scaler)

@@ -42,6 +42,7 @@ from fedfusion.models.full_forward import window_axes, window_params
 from fedfusion.models.low_rank import factor_params, split
 from fedfusion.models.slicing import plan_slice, sub_config
 from fedfusion.wire.quantize import encoded_bytes
+from fedfusion.wire.secagg import MASKED_BYTES
 
 WIDTH_LADDER = (1.0, 0.5, 0.25, 0.125, 0.0625)  # FedRolex's capacity ladder
 
@@ -165,6 +166,7 @@ def plan_table(
             continue
         sub = sliced_config(target, width, axes)
         params = param_count(sub)
+        down, up = _wire_bytes(f, tier, params)
         mem = training_memory_bytes(sub, batch, seq, train.checkpoint)
         rows.append({
             **row,
@@ -173,19 +175,18 @@ def plan_table(
                      + (", activations checkpointed" if train.checkpoint else ""),
             "params": params, "peak MB": mb(mem), "device MB": round(device.memory_gb * 1024),
             "fits": "yes" if mem <= budget else "NO",
-            **priced(device, train_flops(params, tokens), _wire_bytes(f, tier, params)[0],
-                     secure_up_bytes(target) if secure else _wire_bytes(f, tier, params)[1]),
+            **priced(device, train_flops(params, tokens), down,
+                     secure_up_bytes(target) if secure else up),
         })
     return rows
 
 
 def secure_up_bytes(target: PretrainedConfig) -> int:
-    """A reply's bytes under secure aggregation, at most: the masked vector carries 8 bytes (fixed point modulo 2**64,
-    :mod:`fedfusion.wire.secagg`) for every coordinate some client of the round trains, whatever the client's own
+    """A reply's bytes under secure aggregation, at most: the masked vector carries :data:`MASKED_BYTES` (fixed point
+    modulo 2**64, :mod:`fedfusion.wire.secagg`) for every coordinate some client of the round trains, whatever the client's own
     slice; priced at its bound, every coordinate of the target. The key and share messages (a few hundred bytes a
     peer) are left out."""
-    return 8 * param_count(target)
-
+    return MASKED_BYTES * param_count(target)
 
 
 def window_memory(fusion: FusionConfig, train: TrainConfig, target: PretrainedConfig, width: float, core: float,
