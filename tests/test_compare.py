@@ -29,6 +29,8 @@ from fedfusion.run.compare import (
     state,
     write_report,
 )
+from fedfusion.run.federation import build_methods
+from fedfusion.run.targets import lm_target
 
 ROOT = Path(__file__).parents[1]
 LOSS = Metric("eval_loss", "held-out loss (nats)", True)
@@ -370,6 +372,19 @@ def test_a_section_of_a_method_the_run_never_uses_does_not_make_it_another_recip
     write_run(tmp_path / "lora", load_recipe("rolling", [*as_lora, "lora.alpha=4"]), [3.0, 2.9, 2.8])
     with pytest.raises(FileExistsError, match=r"lora.alpha: 4.0 there, 16.0 here"):
         state(tmp_path / "lora", lora)
+
+
+def test_a_fusion_key_the_policy_never_reads_does_not_make_it_another_recipe(tmp_path):
+    """``fusion.stagger`` is read by the rolling policy only: a static run (the oracle arm) that differs only there is
+    kept, a rolling run that differs there is another recipe; and the build really ignores it outside rolling."""
+    static = ["fusion.policy=static"]
+    write_run(tmp_path / "static", load_recipe("rolling", [*static, "fusion.stagger=false"]), [3.0, 2.9, 2.8])
+    assert state(tmp_path / "static", load_recipe("rolling", [*static, "fusion.stagger=true"])) == "done"
+    write_run(tmp_path / "rolling", load_recipe("rolling", ["fusion.stagger=false"]), [3.0, 2.9, 2.8])
+    with pytest.raises(FileExistsError, match=r"fusion.stagger: False there, True here"):
+        state(tmp_path / "rolling", load_recipe("rolling", ["fusion.stagger=true"]))
+    recipe = load_recipe("rolling", [*TINY, *static, "fusion.stagger=true"])
+    assert {m.stagger for m in build_methods(recipe, lm_target(recipe)).values()} == {False}
 
 
 def test_ctrl_c_stops_after_the_run_in_progress_and_keeps_the_finished_ones(tmp_path):

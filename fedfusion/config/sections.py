@@ -197,6 +197,11 @@ class FusionConfig:
             return f"{MIXED}(" + ", ".join(f"{tier}={self.tier_method(tier)}" for tier in tiers) + ")"
         return f"{self.method}/{self.policy}" if BY_NAME[self.method].policy_in_label else self.method
 
+    def unread(self) -> tuple[str, ...]:
+        """This section's keys the configured method never reads (``stagger`` outside the rolling policy: the
+        registry's build passes it only there), so two runs that differ only in them trained the same way."""
+        return () if self.policy == "rolling" else ("stagger",)
+
     def grow_rounds(self) -> int:
         """``grow_round`` as a round number; a fraction must have been resolved (loading does it once ``rounds`` is
         known), so a caller never reads a fraction as round 0."""
