@@ -381,3 +381,31 @@ def test_secure_aggregation_prices_every_reply_as_the_masked_vector_at_its_bound
         assert after["MB down"] == before["MB down"] and after["compute s"] == before["compute s"]
     assert any("masked vector" in note for note in views[1].notes)
     assert not any("masked vector" in note for note in views[0].notes)
+
+
+@pytest.mark.parametrize("lora_method", ["flexlora", "fedavg"])
+def test_secure_lora_prices_the_padded_change_the_method_masks(lora_method):
+    """Under secure aggregation a LoRA reply is the padded change (the dense update of every adapted module for
+    flexlora, both factors at the largest rank otherwise), 8 bytes a coordinate: the plan's MB up is what the real
+    method masks on a model built from the same config, for every tier; the downlink stays the adapter's."""
+    from transformers import LlamaConfig
+
+    from fedfusion.fusion.lora.method import adapted_modules, secure_shapes
+    from fedfusion.fusion.lora.plan import lora_plan_table
+
+    base = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2)
+    tiers = "{phone: 2, laptop: 4, desktop: 8}" if lora_method == "flexlora" else "{phone: 4, laptop: 4, desktop: 4}"
+    recipe = load_recipe("rolling", ["fusion.method=lora", "data.source=chatterbot", f"lora.method={lora_method}",
+                                     f"lora.ranks={tiers}", "lora.quantize={phone: 0, laptop: 0, desktop: 0}"])
+    plain, secure = (lora_plan_table(recipe.lora, recipe.fusion, recipe.train, recipe.population, base, secure=on)
+                     for on in (False, True))
+    shapes = secure_shapes(adapted_modules(LlamaForCausalLM(base), list(recipe.lora.target_modules)), lora_method,
+                           max(recipe.lora.ranks.values()))
+    masked = 8 * sum(o * i for o, i in shapes.values())
+    dense = 2 * sum(o * i for o, i in [(32, 32), (16, 32)])  # q_proj (32 x 32) and v_proj (16 x 32), two layers
+    factors = 2 * 4 * ((32 + 32) + (32 + 16))  # rank 4: A (4 x 32) and B (32 x 4), (4 x 32) and (16 x 4), two layers
+    assert masked == 8 * (dense if lora_method == "flexlora" else factors)
+    for before, after in zip(plain, secure, strict=True):
+        assert after["MB up"] == masked / 2**20 and after["MB down"] == before["MB down"]
+        assert before["MB up"] < after["MB up"]

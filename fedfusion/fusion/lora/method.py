@@ -71,6 +71,15 @@ def adapted_modules(model: torch.nn.Module, target_modules: list[str]) -> Shapes
     return found
 
 
+def secure_shapes(modules: Shapes, method: str, rank: int) -> dict[str, tuple[int, int]]:
+    """The padded change secure aggregation masks, its tensors and shapes: per module its dense update (out, in) for
+    the dense methods, else its factors at ``rank`` (the largest tier rank)."""
+    if method in DENSE_METHODS:
+        return dict(modules)
+    return {**{f"{m}.lora_A": (rank, i) for m, (_, i) in modules.items()},
+            **{f"{m}.lora_B": (o, rank) for m, (o, _) in modules.items()}}
+
+
 def split_global(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """The global update's A and B per module (empty dicts before the first update)."""
     A = {k.removesuffix(".lora_A"): v for k, v in state.items() if k.endswith(".lora_A")}
@@ -188,13 +197,7 @@ class LoRAMethod(FusionMethod):
 
     # -- secure aggregation (fedfusion.fusion.base.SecureFold) ------------------------------------------------------
     def _secure_shapes(self) -> dict[str, tuple[int, int]]:
-        """The padded change's tensors and shapes: per module its dense update (out, in) for the dense methods, else
-        its factors at the largest tier rank."""
-        if self.method in DENSE_METHODS:
-            return dict(self.modules)
-        r = max(self.ranks.values())
-        return {**{f"{m}.lora_A": (r, i) for m, (_, i) in self.modules.items()},
-                **{f"{m}.lora_B": (o, r) for m, (o, _) in self.modules.items()}}
+        return secure_shapes(self.modules, self.method, max(self.ranks.values()))
 
     def secure_names(self, target: State) -> list[str]:
         return sorted(self._secure_shapes())
