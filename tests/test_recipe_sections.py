@@ -110,6 +110,26 @@ def test_a_plan_view_names_only_recipe_sections_and_what_the_plan_gives(entry):
         assert {"usable", "tiers"} <= params
 
 
+@pytest.mark.parametrize("entry", [m for m in METHODS if m.rules], ids=lambda m: m.name)
+def test_a_methods_rules_name_only_recipe_sections_and_its_tiers_and_report_in_its_section(entry):
+    """A method's rules across sections (its entry's ``rules``) take the sections they read and the tiers that train
+    it, live in its folder's ``config`` module (the config floor: a recipe loads without torch), and each names a
+    key."""
+    sections = {f.name for f in fields(Recipe)}
+    params = set(inspect.signature(hook(entry.rules)).parameters)
+    assert params <= sections | {"tiers"}, params - sections - {"tiers"}
+    assert {entry.name, "tiers"} <= params
+    assert entry.rules.startswith(f"{entry.package}.config:")
+
+
+def test_a_methods_rules_cover_the_tiers_that_train_it():
+    with pytest.raises(RecipeError, match=r"^lora\.ranks: no rank for tier 'desktop' of population\.mix$"):
+        load_recipe("rolling", ["fusion.method=lora", "data.source=chatterbot", "lora.ranks={phone: 4, laptop: 8}"])
+    with pytest.raises(RecipeError, match=r"^distill\.tier_family: no family for tier 'desktop' of population\.mix$"):
+        load_recipe("distill", ["distill.tier_family={phone: tiny, laptop: small}"])
+    assert load_recipe("quickstart", ["lora.ranks={phone: 4}"]).lora.ranks == {"phone": 4}  # no tier trains lora
+
+
 def test_a_section_checks_its_own_fields_naming_the_key():
     with pytest.raises(RecipeError, match=r"^data\.held_out: must be in \(0, 1\), got 1\.5$"):
         DataConfig(held_out=1.5).check()

@@ -68,6 +68,9 @@ class Method:
     section: str = ""
     # "module:Class" of the message specs its roles read, in its folder's ``spec`` module (on the wire floor)
     specs: tuple[str, ...] = ()
+    # "module:function" (the recipe sections it names, tiers: the tiers that train it) -> None: its rules across
+    # sections, raising RecipeError, in its folder's ``config`` module; checked after its section's own ``check``
+    rules: str = ""
     facts: bool = False  # it trains on data.source=facts
     # why Flower's clipping DP mods (privacy.mode clip / local) cannot apply to its replies; empty: they can
     unclipped: str = ""
@@ -91,10 +94,11 @@ METHODS: tuple[Method, ...] = (
            build="fedfusion.fusion.distill.build:build", plan="fedfusion.fusion.distill.plan:distill_view",
            mixed_plan="fedfusion.fusion.distill.plan:mixed_rows",
            arms="fedfusion.run.arms:distill_arms", section="fedfusion.fusion.distill.config:DistillConfig",
+           rules="fedfusion.fusion.distill.config:check_across",
            specs=("fedfusion.fusion.distill.spec:FamilySpec",)),
     Method(LORA, roles=((LORA, "fedfusion.clients.lora"),), fold_rank=1, build="fedfusion.fusion.lora.build:build",
            plan="fedfusion.fusion.lora.plan:lora_view", arms="fedfusion.run.arms:lora_arms", facts=True,
-           section="fedfusion.fusion.lora.config:LoRAConfig",
+           section="fedfusion.fusion.lora.config:LoRAConfig", rules="fedfusion.fusion.lora.config:check_across",
            specs=("fedfusion.fusion.lora.spec:LoRABaseSpec", "fedfusion.fusion.lora.spec:QuantizeSpec",
                   "fedfusion.fusion.lora.spec:AdapterSpec")),
     Method(GENERATIVE, roles=((GENERATIVE, "fedfusion.clients.generative"),), fold_rank=2, mixable=True, slices=True,

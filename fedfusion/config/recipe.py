@@ -27,8 +27,8 @@ from typing import Any, TypeVar
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from fedfusion.config.choices import CHOICES, LORA_SECURE_METHODS, MIXABLE
-from fedfusion.config.methods import DISTILL, FACTS, LORA, METHODS, MIXED, SLICES, SUBMODEL, UNITS, hook
+from fedfusion.config.choices import CHOICES, MIXABLE
+from fedfusion.config.methods import FACTS, LORA, METHODS, MIXED, SLICES, SUBMODEL, UNITS, call, hook
 from fedfusion.config.sections import (
     AvailabilitySection,
     DataConfig,
@@ -46,8 +46,6 @@ from fedfusion.config.sections import (
     TrainConfig,
     UnitsSection,
 )
-from fedfusion.fusion.distill.config import DistillConfig
-from fedfusion.fusion.lora.config import LoRAConfig
 
 # method name -> its recipe section's class (its registry entry's ``section``), in registry order
 SECTIONS: dict[str, type] = {m.name: hook(m.section) for m in METHODS if m.section}
@@ -307,8 +305,6 @@ def _check_across(recipe: Recipe) -> None:
     if recipe.train.checkpoint and (f.method != SUBMODEL or f.policy == "ordered"):
         raise RecipeError("train.checkpoint: applies to width slices and full-forward windows (fusion.method=submodel, "
                           f"not policy ordered), got method {f.method!r}, policy {f.policy!r}")
-    if recipe.train.optimizer != "adamw" and f.method == LORA:
-        raise RecipeError("train.optimizer: LoRA clients train with AdamW; only 'adamw' applies to fusion.method=lora")
     fused = recipe.model.family in ("gpt2", "opt") and not recipe.model.pretrained
     if f.axes and fused and (("heads" in f.axes) != ("hidden" in f.axes)):
         raise RecipeError(f"fusion.axes: a {recipe.model.family} model slices 'heads' and 'hidden' together "
@@ -322,9 +318,6 @@ def _data_and_method(recipe: Recipe) -> None:
     """Which data each method trains on: facts with slices, generative or LoRA; chatterbot only with LoRA; a
     dataset's distillation transfers from a file; general text scored only for facts on a pretrained target."""
     d, method = recipe.data, recipe.fusion.method
-    if d.source == "dataset" and method == DISTILL and recipe.section(DistillConfig).transfer.source == "shakespeare":
-        raise RecipeError("distill.transfer.source: with data.source=dataset the transfer text is a file "
-                          "(distill.transfer.source=text, distill.transfer.path=...)")
     if d.source == "facts":
         if not d.path and d.people < recipe.population.num_clients:
             raise RecipeError(f"data.people: {d.people} people cannot give each of "
@@ -364,30 +357,20 @@ def _tiers(recipe: Recipe) -> None:
 
 
 def _method_sections(recipe: Recipe) -> None:
-    """The section of every method some tier trains checked (its ``check``, in registry order), and the rules of
-    the distill and lora sections that read other sections: each covers every tier that trains it."""
-    methods, mix = tier_methods(recipe), recipe.population.mix
-    distill, lora, source = recipe.section(DistillConfig), recipe.section(LoRAConfig), recipe.data.source
-    for tier, method in methods.items():
-        if method == DISTILL and tier not in distill.tier_family:
-            raise RecipeError(f"distill.tier_family: no family for tier {tier!r} of population.mix")
+    """Which methods train on chatterbot; then for every method some tier trains, in registry order, its section's
+    own ``check`` and its rules across sections (its entry's ``rules``, given the tiers that train it)."""
+    source = recipe.data.source
     if (recipe.fusion.method == LORA) != (source == "chatterbot") and source not in ("dataset", "facts"):
         raise RecipeError(f"data.source: fusion.method=lora trains on instruction pairs (data.source=chatterbot or "
                           f"dataset) or on facts, and only it trains on chatterbot; got method "
                           f"{recipe.fusion.method!r} with source {source!r}")
-    if recipe.fusion.method == LORA and source == "facts" and recipe.model.pretrained != lora.base:
-        raise RecipeError(f"model.pretrained: fusion.method=lora on data.source=facts tokenises the facts with "
-                          f"model.pretrained, so it must name lora.base ({lora.base!r}), got "
-                          f"{recipe.model.pretrained!r}")
-    if recipe.fusion.method == LORA:
-        for tier in mix:
-            if tier not in lora.ranks:
-                raise RecipeError(f"lora.ranks: no rank for tier {tier!r} of population.mix")
-    for name in SECTIONS:
-        if uses(recipe, name):
-            getattr(recipe, name).check()
-    if recipe.fusion.method == LORA and lora.method == "fedavg" and len({lora.ranks[t] for t in mix}) > 1:
-        raise RecipeError("lora.method: fedavg needs one rank for every tier; use zeropad, hetlora, flexlora or flora")
+    methods = tier_methods(recipe)
+    for entry in METHODS:
+        tiers = [tier for tier, name in methods.items() if name == entry.name]
+        if tiers and entry.section:
+            getattr(recipe, entry.name).check()
+        if tiers and entry.rules:
+            call(entry.rules, recipe, tiers=tiers)
 
 
 def _wire(recipe: Recipe) -> None:
@@ -452,19 +435,12 @@ def _units_mode(recipe: Recipe) -> None:
 
 def _secure_aggregation(recipe: Recipe) -> None:
     """Secure aggregation sums target-shaped changes: it needs a method that folds a sum (width slices and full
-    windows; LoRA but hetlora), the plain mean, exact float32 replies (and for LoRA, whose start the server adds
-    back, exact float32 payloads) and a round of at least two clients."""
+    windows; LoRA, whose own rules say which of its methods), the plain mean, exact float32 replies and a round of at
+    least two clients."""
     f, why = recipe.fusion, "privacy.secure_aggregation: the server folds one sum of masked updates, so"
     methods = set(tier_methods(recipe).values())
     if methods not in ({SUBMODEL}, {LORA}):
         raise RecipeError(f"{why} every tier must train fusion.method=submodel or every tier lora, got {f.method!r}")
-    lora = recipe.section(LoRAConfig)
-    if methods == {LORA} and lora.method not in LORA_SECURE_METHODS:
-        raise RecipeError(f"{why} lora.method must be one of {', '.join(LORA_SECURE_METHODS)} (hetlora weighs each "
-                          f"client by its own update's norm), got {lora.method!r}")
-    if methods == {LORA} and f.wire_dtype != "float32":
-        raise RecipeError(f"{why} fusion.wire_dtype must be float32 with LoRA (the server adds back the exact adapter "
-                          "it sent)")
     if f.aggregate != "mean":
         raise RecipeError(f"{why} fusion.aggregate must be mean (a {f.aggregate} needs each client's values)")
     if f.window_rank:

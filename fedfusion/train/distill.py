@@ -30,10 +30,8 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from fedfusion.config.choices import CONFIDENCES
+from fedfusion.config.choices import AVERAGES, CONFIDENCES
 from fedfusion.train.loop import Step, lm_loss
-
-AVERAGES = ("logits", "probs")
 
 
 @dataclass

@@ -16,7 +16,7 @@ from fedfusion.config.choices import (
     TEACHERS,
     TRANSFER_SOURCES,
 )
-from fedfusion.config.sections import RecipeError, positive
+from fedfusion.config.sections import DataConfig, RecipeError, positive
 
 
 @dataclass
@@ -106,3 +106,14 @@ class DistillConfig:
         if self.diversity_weight < 0:
             raise RecipeError(f"distill.diversity_weight: must be >= 0, got {self.diversity_weight}")
         self.transfer.check()
+
+
+def check_across(distill: DistillConfig, data: DataConfig, tiers: list[str]) -> None:
+    """Distillation's rules that read other sections: a family for every tier that distils, and with a user's dataset
+    a transfer set from a file."""
+    for tier in tiers:
+        if tier not in distill.tier_family:
+            raise RecipeError(f"distill.tier_family: no family for tier {tier!r} of population.mix")
+    if data.source == "dataset" and distill.transfer.source == "shakespeare":
+        raise RecipeError("distill.transfer.source: with data.source=dataset the transfer text is a file "
+                          "(distill.transfer.source=text, distill.transfer.path=...)")

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+from fedfusion.config.choices import TEACHERS
 from fedfusion.config.methods import SUBMODEL
 from fedfusion.data.text import encode_text, lm_windows
 from fedfusion.fusion.base import (
@@ -46,8 +47,6 @@ from fedfusion.models.build import config_aliases, model_from_state, small_model
 from fedfusion.train.distill import DistillationLoss, Teacher, feddf_teacher, fedet_teacher, fit_vocab, forward_flops
 from fedfusion.train.loop import TrainResult, evaluate_lm, train_steps
 from fedfusion.wire.specs import ModelSpec, RoleSpec, merge
-
-TEACHERS = ("feddf", "fedet")
 
 
 @dataclass(frozen=True)

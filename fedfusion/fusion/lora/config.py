@@ -7,8 +7,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from fedfusion.config.choices import LORA_DTYPES, LORA_METHODS, QUANTIZE_BITS, SMOLLM2_BASE
-from fedfusion.config.sections import RecipeError, positive
+from fedfusion.config.choices import LORA_DTYPES, LORA_METHODS, LORA_SECURE_METHODS, QUANTIZE_BITS, SMOLLM2_BASE
+from fedfusion.config.sections import (
+    DataConfig,
+    FusionConfig,
+    ModelConfig,
+    PrivacyConfig,
+    RecipeError,
+    TrainConfig,
+    positive,
+)
 
 
 @dataclass
@@ -41,3 +49,26 @@ class LoRAConfig:
             positive(f"lora.{key}", getattr(self, key))
         if not 0 <= self.dropout < 1:
             raise RecipeError(f"lora.dropout: must be in [0, 1), got {self.dropout}")
+
+
+def check_across(lora: LoRAConfig, fusion: FusionConfig, data: DataConfig, model: ModelConfig, train: TrainConfig,
+                 privacy: PrivacyConfig, tiers: list[str]) -> None:
+    """LoRA's rules that read other sections: a rank for every tier, one rank for fedavg, facts tokenised by the base
+    itself, AdamW, and under secure aggregation a method that folds one sum from the exact adapters it sent."""
+    for tier in tiers:
+        if tier not in lora.ranks:
+            raise RecipeError(f"lora.ranks: no rank for tier {tier!r} of population.mix")
+    if lora.method == "fedavg" and len({lora.ranks[t] for t in tiers}) > 1:
+        raise RecipeError("lora.method: fedavg needs one rank for every tier; use zeropad, hetlora, flexlora or flora")
+    if data.source == "facts" and model.pretrained != lora.base:
+        raise RecipeError(f"model.pretrained: fusion.method=lora on data.source=facts tokenises the facts with "
+                          f"model.pretrained, so it must name lora.base ({lora.base!r}), got {model.pretrained!r}")
+    if train.optimizer != "adamw":
+        raise RecipeError("train.optimizer: LoRA clients train with AdamW; only 'adamw' applies to fusion.method=lora")
+    why = "privacy.secure_aggregation: the server folds one sum of masked updates, so"
+    if privacy.secure_aggregation and lora.method not in LORA_SECURE_METHODS:
+        raise RecipeError(f"{why} lora.method must be one of {', '.join(LORA_SECURE_METHODS)} (hetlora weighs each "
+                          f"client by its own update's norm), got {lora.method!r}")
+    if privacy.secure_aggregation and fusion.wire_dtype != "float32":
+        raise RecipeError(f"{why} fusion.wire_dtype must be float32 with LoRA (the server adds back the exact adapter "
+                          "it sent)")
