@@ -12,8 +12,9 @@ recipe composes the methods' own sections, each entry's ``section``, from their 
 import only ``config``).
 
 Adding a method: its folder ``fedfusion/fusion/<name>/`` (the method, its ``build``, its plan view ``plan.py`` and,
-where it has settings of its own, its recipe section ``config.py``, and, where its roles read a spec of its own, its
-message specs ``spec.py``), its client role module(s) in ``clients/``, and one entry below.
+where it has settings of its own, its recipe section ``config.py`` with its rules across sections, and, where its
+roles read a spec of its own, its message specs ``spec.py``), its client role module(s) in ``clients/``, and one
+entry below.
 """
 
 from __future__ import annotations
