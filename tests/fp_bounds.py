@@ -64,6 +64,13 @@ def assert_within(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor | f
     return float((err / bound.clamp_min(torch.finfo(torch.float64).tiny)).max()) if err.numel() else 0.0
 
 
+def assert_same_product(got: torch.Tensor, want: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> float:
+    """``got`` and ``want``: two computations of ``a @ b`` in their dtype (any order, blocking or tiling), each within
+    ``gamma_k |a| |b|`` of the exact product, so within twice it of each other. Returns the worst ratio of
+    difference to bound."""
+    return assert_within(got, want, 2 * matmul_bound(a, b, got.dtype))
+
+
 def log_softmax_bound(x: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Entry-wise bound on ``|fl(log_softmax(x)) - log_softmax(x)|`` along the last dim, ``x`` exact in ``dtype``:
     ``(x - max) - log sum exp(x - max)`` rounds the shift, each ``exp`` (within 2 ulps: glibc's and SLEEF's

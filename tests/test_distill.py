@@ -28,6 +28,37 @@ from tests.conftest import tiny_config
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest
 
 
+def assert_logit_average(got: torch.Tensor, logits: list[torch.Tensor], weights: list[float], t: float = 1.0,
+                         weight_roundings: int = 0) -> float:
+    """``got`` is float32 ``log_softmax(sum_k w_k z_k / t)`` of the float32 ``logits`` ``z_k`` and weights ``w_k``
+    (summing to 1), against the value in float64. The average's entries round ``K + 1`` times (the K-term sum, the
+    division by the count or ``t``; 0/1 masks exact) plus ``weight_roundings`` in each ``w_k`` (Fed-ET's normalised
+    confidences), relative to ``sum |w_k z_k| / t``: that input error ``dz`` moves log_softmax by at most
+    ``dz_i + max_j dz_j`` (log-sum-exp is 1-Lipschitz in the max norm), to which log_softmax's own rounding adds
+    :func:`fp_bounds.log_softmax_bound`. Returns the worst ratio of difference to bound."""
+    z = torch.stack([w * x.double() for w, x in zip(weights, logits)])
+    mean = z.sum(0) / t
+    dz = gamma(len(logits) + 1 + weight_roundings, torch.float32) * z.abs().sum(0) / t
+    bound = log_softmax_bound(mean) + dz + dz.amax(-1, keepdim=True)
+    return assert_within(got, F.log_softmax(mean, -1), bound)
+
+
+def assert_prob_average(got: torch.Tensor, logits: list[torch.Tensor], t: float = 1.0) -> float:
+    """``got`` is float32 ``log(mean_k softmax(z_k / t))`` of the float32 ``logits`` (``t`` a power of two: the
+    division exact), against the value in float64: each softmax entry is off by a relative ``gamma_{V+4}
+    (|x - max| + 1)`` (the shift, exp's 2 ulps, the V-term sum, the division), the mean of K positive terms by
+    ``gamma_K`` more, and the log turns the relative error into an absolute one and rounds once (``2u |log q|``: its
+    ulp and its own error). Returns the worst ratio of difference to bound."""
+    assert math.log2(t).is_integer()
+    x = torch.stack([z.double() / t for z in logits])
+    p = x.softmax(-1)
+    rel = gamma(x.shape[-1] + 4, torch.float32) * ((x - x.amax(-1, keepdim=True)).abs() + 1)
+    q = p.mean(0)
+    bound = (p * rel).sum(0) / p.sum(0) + gamma(len(logits), torch.float32) \
+        + 2 * unit_roundoff(torch.float32) * q.log().abs()
+    return assert_within(got, q.log(), bound)
+
+
 def _kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
     p, log_p, log_q = p_logits.softmax(-1), p_logits.log_softmax(-1), q_logits.log_softmax(-1)
     return (p * (log_p - log_q)).sum(-1).mean()
@@ -100,21 +131,23 @@ def test_kd_mask_averages_only_the_kept_positions():
 def test_feddf_of_identical_teachers_is_that_teacher(average):
     logits = torch.randn(2, 4, 9, generator=torch.Generator().manual_seed(3))
     teacher = feddf_teacher(torch.stack([logits, logits, logits]), 2.0, average)
-    torch.testing.assert_close(teacher.log_probs, F.log_softmax(logits / 2.0, dim=-1))
+    if average == "logits":  # (3 z) / 3 rounds: within the float32 bound of log_softmax(z / 2), not equal
+        assert_logit_average(teacher.log_probs, [logits] * 3, [1 / 3] * 3, 2.0)
+    else:
+        assert_prob_average(teacher.log_probs, [logits] * 3, 2.0)
     assert teacher.mask.all()
 
 
 def test_feddf_averages_logits_or_probabilities_over_valid_teachers():
     gen = torch.Generator().manual_seed(4)
     a, b, c = (torch.randn(3, 6, generator=gen) for _ in range(3))
-    torch.testing.assert_close(feddf_teacher(torch.stack([a, b]), 1.0).log_probs, F.log_softmax((a + b) / 2, -1))
-    mixed = feddf_teacher(torch.stack([a, b]), 1.0, "probs").log_probs.exp()
-    torch.testing.assert_close(mixed, (a.softmax(-1) + b.softmax(-1)) / 2)
+    assert_logit_average(feddf_teacher(torch.stack([a, b]), 1.0).log_probs, [a, b], [0.5, 0.5])
+    assert_prob_average(feddf_teacher(torch.stack([a, b]), 1.0, "probs").log_probs, [a, b])
     # teacher c has nothing at position 0; nobody has anything at position 2
     masks = torch.tensor([[True, True, False], [True, True, False], [False, True, False]])
     teacher = feddf_teacher(torch.stack([a, b, c]), 1.0, masks=masks)
-    torch.testing.assert_close(teacher.log_probs[0], F.log_softmax((a[0] + b[0]) / 2, -1))
-    torch.testing.assert_close(teacher.log_probs[1], F.log_softmax((a[1] + b[1] + c[1]) / 3, -1))
+    assert_logit_average(teacher.log_probs[0], [a[0], b[0]], [0.5, 0.5])
+    assert_logit_average(teacher.log_probs[1], [a[1], b[1], c[1]], [1 / 3] * 3)
     assert teacher.mask.tolist() == [True, True, False]
 
 
@@ -134,14 +167,22 @@ def test_confidence_rules_rank_a_peaked_teacher_above_a_flat_one():
         confidence(flat[None], "vibes")
 
 
+def consensus_weights(logits: torch.Tensor, rule: str, agree: list[int]) -> list[float]:
+    """Fed-ET's weights of the agreeing teachers, in float64 from the float32 confidences fedet_teacher computes
+    (one function on the same inputs), with its ``1e-12`` floor (a tie-break, part of the map): ``(c_k + 1e-12) /
+    sum``. Computed in float32 they round K + 2 times over all K teachers (the floor's float32 value and its add,
+    the sum: K - 1, the division); a dissenter's zero weight adds nothing."""
+    conf = confidence(logits, rule).double()[agree, 0] + 1e-12
+    return (conf / conf.sum()).tolist()
+
+
 def test_fedet_weights_the_consensus_by_confidence():
     confident = torch.tensor([[4.0, 0.0, 0.0, 0.0]])
     unsure = torch.tensor([[1.0, 0.0, 0.0, 0.0]])
     teacher = fedet_teacher(torch.stack([confident, unsure]), 1.0)
-    conf = confidence(torch.stack([confident, unsure]))
-    alpha = conf / conf.sum(0)
-    assert alpha[0, 0] > 0.5  # the confident teacher has the larger say
-    torch.testing.assert_close(teacher.log_probs, F.log_softmax(alpha[0] * confident + alpha[1] * unsure, -1))
+    alpha = consensus_weights(torch.stack([confident, unsure]), "variance", [0, 1])
+    assert alpha[0] > 0.5  # the confident teacher has the larger say
+    assert_logit_average(teacher.log_probs, [confident, unsure], alpha, weight_roundings=4)
     assert not teacher.diverse_mask.any()  # both voted for token 0
 
 
@@ -150,11 +191,10 @@ def test_fedet_separates_dissenters_into_the_diversity_target():
     votes_0 = [torch.tensor([[2.0, 0.0, 0.0]]), torch.tensor([[2.5, 0.0, 0.0]])]
     votes_2 = torch.tensor([[0.0, 0.0, 3.0]])
     teacher = fedet_teacher(torch.stack([*votes_0, votes_2]), 1.0, rule="maxprob")
-    p = [t.softmax(-1).amax() for t in votes_0]
-    alpha = torch.tensor(p) / sum(p)
-    torch.testing.assert_close(teacher.log_probs, F.log_softmax(alpha[0] * votes_0[0] + alpha[1] * votes_0[1], -1))
+    alpha = consensus_weights(torch.stack([*votes_0, votes_2]), "maxprob", [0, 1])
+    assert_logit_average(teacher.log_probs, votes_0, alpha, weight_roundings=5)
     assert teacher.diverse_mask.tolist() == [True]
-    torch.testing.assert_close(teacher.diverse_log_probs.exp(), votes_2.softmax(-1))
+    assert_prob_average(teacher.diverse_log_probs, [votes_2])  # the one dissenter's distribution
     # a single teacher far more confident than the two others together wins the vote
     loud = torch.tensor([[0.0, 0.0, 30.0]])
     flat_0 = [torch.tensor([[0.1, 0.0, 0.0]]), torch.tensor([[0.1, 0.0, 0.0]])]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fp_bounds import assert_product_within_bound
+from fp_bounds import assert_product_within_bound, assert_within, gamma
+from model_bounds import ExactLM, adamw_first_step_bound, assert_steps, float64_norms, optimizer_steps
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from fedfusion.units import UnitDevice, UnitEngine, install
@@ -25,13 +26,26 @@ def devices(count: int) -> list[UnitDevice]:
 
 
 def model(dtype: torch.dtype) -> LlamaForCausalLM:
+    """The test model in ``dtype``; in float64 with its normalisations in float64 too (HF's cast to float32:
+    model_bounds.float64_norms), so the float64 tests' bounds are float64's."""
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(**CONFIG)).to(dtype)
+    m = LlamaForCausalLM(LlamaConfig(**CONFIG)).to(dtype)
+    return float64_norms(m) if dtype == torch.float64 else m
+
+
+def next_token_loss(m: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fedfusion.train.loop.lm_loss`` in the model's dtype: it (and HF's ``labels=`` loss) takes the
+    cross-entropy in float32, which in a float64 step would round the logits and their gradient to float32."""
+    logits = m(input_ids=ids[:, :-1]).logits
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)), logits
+
+
+LR = 1e-2
 
 
 def adamw_step(m: torch.nn.Module, ids: torch.Tensor) -> float:
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
-    loss = m(input_ids=ids, labels=ids).loss
+    opt = torch.optim.AdamW(m.parameters(), lr=LR, weight_decay=0.1)
+    loss = next_token_loss(m, ids)[0]
     loss.backward()
     opt.step()
     return float(loss.detach())
@@ -41,20 +55,39 @@ def ids() -> torch.Tensor:
     return torch.randint(0, CONFIG["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(1))
 
 
+def assert_same_step(a: torch.nn.Module, b: torch.nn.Module, start: torch.nn.Module, ids: torch.Tensor,
+                     losses: tuple[float, float] | None = None, micro: int = 1) -> float:
+    """``a`` and ``b``, each ``start`` (float64) after one AdamW step (lr ``LR``) on the windows ``ids``, computed
+    two ways in float64 (summation orders, splits, micro-batches), took the same step up to float64 rounding: each
+    one's loss and gradient is within the first-order float64 bound of the exact one (model_bounds.ExactLM at
+    ``start``: its sum lengths and magnitudes; with ``micro`` > 1 micro-batches each part's gradient is scaled by
+    its share, one more rounding, and the parts added, a regrouping of the tokens' sum: 2 to be safe), so the two
+    within twice it; the parameters within what AdamW's
+    first step makes of that gradient difference (model_bounds.adamw_first_step_bound). Every parameter moved.
+    Returns the worst ratio of difference to bound. ``start`` is consumed (its norms and hooks replaced)."""
+    theta = {k: v.detach().clone() for k, v in start.named_parameters()}
+    exact = ExactLM(None, {}, model=start, trained={k: k for k in theta}, dtype=torch.float64,
+                    roundings=2 if micro > 1 else 0)
+    want = exact.at(theta, ids)
+    # a loss summed over micro-batches, each scaled by its share: 2 roundings more per micro-batch, each side
+    loss_bound = 2 * want.loss_bound + 2 * gamma(2 * micro, torch.float64) * abs(want.loss)
+    worst = assert_within(torch.tensor(losses[0]), torch.tensor(losses[1]), loss_bound) if losses else 0.0
+    pb = dict(b.named_parameters())
+    for name, p in a.named_parameters():
+        d = 2 * want.grad_bounds[name]
+        worst = max(worst, assert_within(p.grad, pb[name].grad, d))
+        worst = max(worst, assert_within(p, pb[name], adamw_first_step_bound(p.grad, d, p, LR)))
+        assert not torch.equal(p.detach(), theta[name])  # every parameter took the step
+    return worst
+
+
 def compare(count: int, mode: str, layouts: tuple[str, ...], max_groups: int | None) -> tuple[float, UnitEngine]:
-    """(max |d theta| between a local float64 AdamW step and one through units, engine); every parameter moved."""
+    """(worst difference / bound between a local float64 AdamW step and one through units, engine)."""
     local, units = model(torch.float64), model(torch.float64)
-    before = {k: v.detach().clone() for k, v in local.named_parameters()}
     engine = UnitEngine(devices(count), layouts=layouts, max_groups=max_groups)
     install(units, engine, mode)
-    loss_l, loss_u = adamw_step(local, ids()), adamw_step(units, ids())
-    assert abs(loss_l - loss_u) <= 1e-10 * abs(loss_l)
-    worst = 0.0
-    pu = dict(units.named_parameters())
-    for name, p in local.named_parameters():
-        worst = max(worst, (p.detach() - pu[name].detach()).abs().max().item())
-        assert not torch.equal(p.detach(), before[name])  # every parameter took the step
-    return worst, engine
+    losses = adamw_step(local, ids()), adamw_step(units, ids())
+    return assert_same_step(local, units, model(torch.float64), ids(), losses), engine
 
 
 Product = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -104,8 +137,7 @@ def assert_products_within_rounding(products: list[Product], dtype: torch.dtype 
                                                         (7, ("rows", "cols", "k"), None)])
 def test_float64_step_through_units_equals_local(mode: str, count: int, layouts: tuple[str, ...],
                                                   max_groups: int | None) -> None:
-    worst, engine = compare(count, mode, layouts, max_groups)
-    assert worst <= 1e-10
+    engine = compare(count, mode, layouts, max_groups)[1]  # asserts the step within its float64 bound
     used = {t.device for rec in engine.trace for t in rec.plan.tiles}
     assert len(used) >= (count + 1) // 2  # the units were spread (the planner may leave a slow device idle)
     phases_per_layer = 4 if mode == "mlp" else 8
@@ -143,23 +175,39 @@ def test_install_keeps_parameters_and_remove_restores() -> None:
     assert type(m.model.layers[0].mlp.gate_proj) is torch.nn.Linear
 
 
-def test_three_steps_loss_curve_equals_local_with_weight_cache() -> None:
-    """Several steps: the device caches must go stale when the optimizer changes the weights."""
+def test_three_steps_through_units_each_within_the_float64_bound_with_weight_cache() -> None:
+    """Several steps: the device caches must go stale when the optimizer changes the weights. Each step's loss and
+    gradient, at the values the units model held then, within twice the float64 bound of a local float64
+    computation at those values (model_bounds.ExactLM: itself float64, so both within the bound of exact); the
+    values each step started from are AdamW's of the gradients before, replayed bit for bit (one optimizer, one code
+    path, equal inputs). Per step, not the two loss curves: AdamW's ``g / (|g| + eps)`` makes no rounding bound of
+    a trajectory (model_bounds). A stale cache computes a step's products with the previous weights, off by the
+    last step's ``lr``-sized moves, far above the bound."""
     gen = torch.Generator().manual_seed(3)
-    local, units = model(torch.float64), model(torch.float64)
+    units = model(torch.float64)
+    start = {k: v.detach().clone() for k, v in units.named_parameters()}
     engine = UnitEngine(devices(3))
     install(units, engine, "all")
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (local, units)]
-    for _ in range(3):
-        ids = torch.randint(0, CONFIG["vocab_size"], (2, 12), generator=gen)
-        losses = []
-        for m, opt in zip((local, units), opts):
+    opt = torch.optim.AdamW(units.parameters(), lr=LR)
+    losses, drawn = [], []
+    with optimizer_steps(dict(units.named_parameters())) as steps:
+        for _ in range(3):
+            drawn.append(torch.randint(0, CONFIG["vocab_size"], (2, 12), generator=gen))
             opt.zero_grad()
-            loss = m(input_ids=ids, labels=ids).loss
+            loss = next_token_loss(units, drawn[-1])[0]
             loss.backward()
             opt.step()
             losses.append(float(loss.detach()))
-        assert abs(losses[0] - losses[1]) <= 1e-10
     assert engine.server_fallback == 0 and not engine.strikes.counts
-    pu = dict(units.named_parameters())
-    assert max((p - pu[n]).abs().max().item() for n, p in local.named_parameters()) <= 1e-10
+    start_model = model(torch.float64)
+    exact = ExactLM(None, {}, model=start_model, trained={k: k for k in start}, dtype=torch.float64)
+    assert_steps(exact, steps, losses, drawn, times=2)
+    replay = {k: v.clone().requires_grad_(True) for k, v in start.items()}
+    again = torch.optim.AdamW(replay.values(), lr=LR)
+    for values, grads in steps:
+        assert all(torch.equal(replay[k].detach(), v) for k, v in values.items())
+        for k, p in replay.items():
+            p.grad = grads[k]
+        again.step()
+    final = dict(units.named_parameters())
+    assert all(torch.equal(replay[k].detach(), final[k].detach()) for k in start)

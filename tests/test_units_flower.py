@@ -3,22 +3,30 @@ target centrally, the nodes compute its linear layers' GEMM tiles, and the loss 
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from fp_bounds import assert_within, gamma
+from model_bounds import Exact, ExactLM, State, Step, adamw_first_step_bound, assert_steps
 
 from fedfusion.analysis.report import read_jsonl
 from fedfusion.analysis.units_plan import units_plan
 from fedfusion.cli import main
 from fedfusion.config.recipe import load_recipe
-from fedfusion.data.population import data_spec, data_tokenizer
+from fedfusion.data.population import data_spec, data_tokenizer, pooled_held_out
+from fedfusion.data.text import encode_text, lm_windows
 from fedfusion.devices.catalog import load_catalog
 from fedfusion.devices.energy import price_work
 from fedfusion.models.build import build_target
@@ -36,36 +44,81 @@ TINY = [
 ]
 
 
-def central_losses(overrides: list[str]) -> list[float]:
-    """The same target on the same batches, trained by a plain torch loop on this process: no units, no Flower."""
-    recipe = load_recipe("rolling", overrides)
-    torch.manual_seed(0)
-    model = build_target(recipe.model, data_tokenizer(data_spec(recipe.data_source())), recipe.seed)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=recipe.train.lr, weight_decay=recipe.train.weight_decay)
-    losses = []
-    for batch in step_batches(recipe, training_windows(recipe)):
-        opt.zero_grad()
-        total = 0.0
-        for part in batch.chunk(recipe.units.micro_batches):
-            logits = model(input_ids=part[:, :-1]).logits.float()
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), part[:, 1:].reshape(-1))
-            (loss * len(part) / len(batch)).backward()
-            total += loss.item() * len(part) / len(batch)
-        opt.step()
-        losses.append(total)
-    return losses
+class Central:
+    """Central training of the recipe ``rolling + overrides``, step by step: the target's initial values, each step's
+    batch, the held-out windows it is scored on, and :class:`model_bounds.ExactLM` (its loss and gradient at any
+    values in float64, with the first-order bounds of a float32 computation of them)."""
+
+    def __init__(self, overrides: list[str]) -> None:
+        self.recipe = recipe = load_recipe("rolling", overrides)
+        spec = data_spec(recipe.data_source())
+        tokenizer = data_tokenizer(spec)
+        model = build_target(recipe.model, tokenizer, recipe.seed)  # seeded: the run's target
+        self.names = [n for n, p in model.named_parameters() if p.requires_grad]  # the optimizer's order
+        self.initial = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        self.batches = list(step_batches(recipe, training_windows(recipe)))
+        self.held_out = lm_windows(encode_text(tokenizer, pooled_held_out(spec, recipe.data.eval_chars)),
+                                   recipe.train.seq_len)
+        # micro-batches: each part's gradient scaled by its share (one rounding) and the parts added (a regrouping
+        # of the tokens' sum); 2 more roundings to be safe
+        self.exact = ExactLM(None, {}, model=model, trained={n: n for n in self.names},
+                             roundings=2 if recipe.units.micro_batches > 1 else 0)
+
+    def scored(self, values: State) -> Exact:
+        """The held-out loss at ``values`` (evaluate_lm: the mean next-token loss over every window), with its bound."""
+        return self.exact.at(values, self.held_out)
 
 
-def run_units(tmp_path: Path, extra: list[str], nodes: int = 4) -> tuple[list[dict], list[float]]:
+@dataclass
+class Recorded:
+    """The server's optimizer steps in a run: per step the values it held and their gradients (optimizer order),
+    the optimizer's state then; the values after the last."""
+
+    steps: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = field(default_factory=list)
+    states: list[dict] = field(default_factory=list)
+    final: list[torch.Tensor] = field(default_factory=list)
+
+    def named(self, names: list[str]) -> list[Step]:
+        assert all(len(v) == len(names) for v, _ in self.steps)
+        return [(dict(zip(names, v)), dict(zip(names, g))) for v, g in self.steps]
+
+
+@contextmanager
+def server_steps() -> Iterator[Recorded]:
+    """Every optimizer step this process takes inside the block: the units mode's server trains in the ServerApp's
+    thread here (the simulation engine's ClientApps, in Ray's workers, train nothing; their GEMM tiles reach the
+    server's step as its products)."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    rec = Recorded()
+
+    def params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+        return [p for group in opt.param_groups for p in group["params"]]
+
+    def before(opt: torch.optim.Optimizer, *_: Any) -> None:
+        rec.steps.append(([p.detach().clone() for p in params(opt)], [p.grad.detach().clone() for p in params(opt)]))
+        rec.states.append(copy.deepcopy(opt.state_dict()))
+
+    def after(opt: torch.optim.Optimizer, *_: Any) -> None:
+        rec.final = [p.detach().clone() for p in params(opt)]
+
+    hooks = [register_optimizer_step_pre_hook(before), register_optimizer_step_post_hook(after)]
+    try:
+        yield rec
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def run_units(tmp_path: Path, extra: list[str], nodes: int = 4) -> tuple[list[dict], Recorded]:
     out = tmp_path / "units"
-    assert main(["run", "rolling", *TINY, *extra, "--out", str(out)]) == 0
-    return check_units_run(out, extra, nodes)
+    with server_steps() as rec:
+        assert main(["run", "rolling", *TINY, *extra, "--out", str(out)]) == 0
+    return check_units_run(out, nodes), rec
 
 
-def check_units_run(out: Path, extra: list[str], nodes: int = 4) -> tuple[list[dict], list[float]]:
-    """The ledgers of a finished units run of ``TINY + extra`` in ``out``, checked; its metrics rows and the loss
-    curve of central training on the same batches."""
+def check_units_run(out: Path, nodes: int = 4) -> list[dict]:
+    """The ledgers of a finished units run in ``out``, checked; its metrics rows."""
     rows = read_jsonl(out / "metrics.jsonl")
     ledger = read_jsonl(out / "clients.jsonl")  # every device's priced work, per step
     for row in rows[1:]:
@@ -78,16 +131,70 @@ def check_units_run(out: Path, extra: list[str], nodes: int = 4) -> tuple[list[d
     for step in {r["round"] for r in ledger}:  # one ledger row per device (client) and step, not per node
         parts = [r["partition"] for r in ledger if r["round"] == step]
         assert len(parts) == len(set(parts)) and set(parts) <= set(range(4))
-    return rows, central_losses([*TINY, *extra])
+    return rows
 
 
-def assert_same_curve(rows: list[dict], central: list[float]) -> None:
-    assert [r["step"] for r in rows] == [0, 1, 2, 3]
-    got = [r["train_loss"] for r in rows[1:]]
-    assert len(got) == len(central) == 3
-    for step, (a, b) in enumerate(zip(got, central), start=1):
-        assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: units {a} vs central {b}"
-    assert got[-1] < got[0]  # it trains
+def assert_central_steps(rows: list[dict], rec: Recorded, central: Central) -> float:
+    """The run trained central training's steps: each step's loss (its row) and gradient, at the values the server
+    held then, within the float32 bounds of the exact ones on that step's batch (model_bounds.assert_steps); the
+    values each step started from are torch's AdamW of the gradients before, from the optimizer's state at the
+    first recorded step (empty in a fresh run, the checkpoint's after a resume), replayed bit for bit (one
+    optimizer, one code path, equal inputs), ending at the final values; the last row's held-out loss within its
+    bound of the exact one at those. A fresh run starts at the target's initial values, bit for bit.
+
+    Per step and not against central training's loss curve: after an AdamW step the two trajectories differ by what
+    ``g / (|g| + eps)`` makes of rounding-level gradient differences, which no rounding bound covers
+    (tests/model_bounds.py); at each step's own values both compute one function. Returns the worst ratio of
+    difference to bound."""
+    first = len(central.batches) - len(rec.steps) + 1  # a resumed run records its steps after the checkpoint
+    assert [r["step"] for r in rows] == list(range(len(central.batches) + 1)) and first >= 1
+    steps = rec.named(central.names)
+    if first == 1:
+        assert all(torch.equal(v, central.initial[k]) for k, v in steps[0][0].items())
+    losses = [r["train_loss"] for r in rows[first:]]
+    worst = assert_steps(central.exact, steps, losses, central.batches[first - 1:])
+    values = [v.clone().requires_grad_(True) for v in rec.steps[0][0]]
+    opt = torch.optim.AdamW(values)
+    opt.load_state_dict(copy.deepcopy(rec.states[0]))  # the run's groups and moments (a copy: its step counts on)
+    for (held, grads) in rec.steps:
+        assert all(torch.equal(v.detach(), h) for v, h in zip(values, held))
+        for v, g in zip(values, grads):
+            v.grad = g
+        opt.step()
+    assert all(torch.equal(v.detach(), f) for v, f in zip(values, rec.final))
+    want = central.scored(dict(zip(central.names, rec.final)))
+    worst = max(worst, assert_within(torch.tensor(rows[-1]["eval_loss"]), torch.tensor(want.loss), want.loss_bound))
+    assert rows[-1]["train_loss"] < rows[1]["train_loss"]  # it trains
+    return worst
+
+
+def assert_restored(resumed: Recorded, whole: Recorded, central: Central) -> float:
+    """A resumed run's state at its first step (the checkpoint after step 1) is the uninterrupted run's then, up to
+    rounding: both took AdamW's first step from the initial values with gradients each within the float32 bound
+    ``B`` of the exact one (ExactLM), so within ``2B`` of each other (the uninterrupted run's is recorded). The
+    values: within model_bounds.adamw_first_step_bound of that. The moments ``m = (1 - b1) g`` and
+    ``v = (1 - b2) g^2``: within ``(1 - b1) 2B`` and ``(1 - b2) (2 |g| + 2B) 2B`` of each other, plus each side's
+    roundings (lerp: 2, relative; the square, its scaling and the add: 3); the step count and the groups equal (as
+    the checkpoint's JSON holds them: betas a list).
+    Returns the worst ratio of difference to bound."""
+    f32 = torch.float32
+    restored, after_one = resumed.states[0], whole.states[1]
+    assert json.loads(json.dumps(restored["param_groups"])) == json.loads(json.dumps(after_one["param_groups"]))
+    group = after_one["param_groups"][0]
+    (b1, b2), lr, eps = group["betas"], group["lr"], group["eps"]
+    start, grads = whole.named(central.names)[0]
+    d = {k: 2 * b for k, b in central.exact.at(start, central.batches[0]).grad_bounds.items()}
+    worst = 0.0
+    for i, name in enumerate(central.names):
+        g, mine, theirs = grads[name].double().abs(), restored["state"][i], after_one["state"][i]
+        assert torch.equal(mine["step"], theirs["step"])
+        step_bound = adamw_first_step_bound(grads[name], d[name], whole.steps[1][0][i], lr, eps, f32)
+        worst = max(worst, assert_within(resumed.steps[0][0][i], whole.steps[1][0][i], step_bound))
+        m_bound = (1 - b1) * (d[name] + 2 * gamma(2, f32) * (g + d[name]))
+        worst = max(worst, assert_within(mine["exp_avg"], theirs["exp_avg"], m_bound))
+        v_bound = (1 - b2) * ((2 * g + d[name]) * d[name] + 2 * gamma(3, f32) * (g + d[name]) ** 2)
+        worst = max(worst, assert_within(mine["exp_avg_sq"], theirs["exp_avg_sq"], v_bound))
+    return worst
 
 
 ALL_TWO = ["units.offload=all", "units.micro_batches=2"]  # every linear layer offloaded, 2 micro-batches a step
@@ -96,18 +203,20 @@ ON_THE_ALL_TWO_RUN = pytest.mark.xdist_group("test_units_flower.all_two_run")
 
 
 @pytest.fixture(scope="module")
-def all_two_run(tmp_path_factory) -> Path:
-    """One uninterrupted units run of ``TINY + ALL_TWO``: checked against central training and, by the kill-and-resume
-    test, against the resumed run."""
+def all_two_run(tmp_path_factory) -> tuple[Path, Recorded]:
+    """One uninterrupted units run of ``TINY + ALL_TWO`` and its server's steps: checked against central training
+    and, by the kill-and-resume test, against the resumed run."""
     out = tmp_path_factory.mktemp("all-two") / "units"
-    assert main(["run", "rolling", *TINY, *ALL_TWO, "--out", str(out)]) == 0
-    return out
+    with server_steps() as rec:
+        assert main(["run", "rolling", *TINY, *ALL_TWO, "--out", str(out)]) == 0
+    return out, rec
 
 
 @ON_THE_ALL_TWO_RUN
 def test_units_run_equals_central_training_step_for_step(all_two_run):
-    rows, central = check_units_run(all_two_run, ALL_TWO)
-    assert_same_curve(rows, central)
+    out, rec = all_two_run
+    rows = check_units_run(out)
+    assert_central_steps(rows, rec, Central([*TINY, *ALL_TWO]))
     for row in rows[1:]:
         assert row["bytes_down"] > 0 and row["bytes_up"] > 0 and row["virtual_s"] > 0
         assert row["clients_ok"] >= 2 and row["server_fallback"] == 0 and not row["missed"]
@@ -133,8 +242,8 @@ def test_two_supernodes_per_device_train_central_trainings_curve(tmp_path):
     c mod 2 (own weight cache, own running sums): the loss curve is central training's, and the bytes and virtual
     seconds are what `fedfusion plan` prices for two SuperNodes per device."""
     extra = ["units.offload=all", "units.micro_batches=2", "units.supernodes=2"]
-    rows, central = run_units(tmp_path, extra, nodes=8)
-    assert_same_curve(rows, central)
+    rows, rec = run_units(tmp_path, extra, nodes=8)
+    assert_central_steps(rows, rec, Central([*TINY, *extra]))
     step, _ = units_plan(load_recipe("rolling", [*TINY, *extra]))
     one, _ = units_plan(load_recipe("rolling", [*TINY, *extra[:2]]))
     assert step["MB down"] > one["MB down"]  # each node receives its own weight blocks
@@ -158,9 +267,10 @@ def test_a_device_silent_mid_phase_costs_one_deadline_and_the_loss_stays_exact(t
     actors free for the other devices.)"""
     floor, nodes = 1.5, 2
     extra = ["units.micro_batches=2", f"units.supernodes={nodes}", "engine.cpus_per_client=0.5"]
-    rows, central = run_units(tmp_path, ["units.stall_partition=1", "units.stall_after=3", "units.stall_s=6",
-                                         f"units.deadline_floor_s={floor}", *extra], nodes=4 * nodes)
-    assert_same_curve(rows, central)
+    stalled = ["units.stall_partition=1", "units.stall_after=3", "units.stall_s=6", f"units.deadline_floor_s={floor}",
+               *extra]
+    rows, rec = run_units(tmp_path, stalled, nodes=4 * nodes)
+    assert_central_steps(rows, rec, Central([*TINY, *stalled]))
     missed = [m for r in rows[1:] for m in r["missed"]]
     assert 1 <= len(missed) <= nodes and all(m["devices"] == [1] for m in missed)  # offline, never asked again
     assert all(m["waited_s"] <= m["deadline_s"] + 0.5 and m["deadline_s"] == floor for m in missed)
@@ -186,9 +296,11 @@ def test_each_step_prices_every_device_it_sent_units_to():
 @ON_THE_ALL_TWO_RUN
 def test_a_units_run_killed_after_step_one_resumes_to_the_uninterrupted_curve(all_two_run, tmp_path):
     """Killed (SIGKILL: the CLI, Ray and its workers) once step 1's checkpoint (target, AdamW moments) is written,
-    then resumed with `fedfusion run --resume`: steps 2 and 3 and the final evaluation are the uninterrupted run's
-    (float tolerance: with micro-batches in flight a tile's last bits may vary, see run.units.train_step)."""
-    whole = all_two_run
+    then resumed with `fedfusion run --resume`: steps 2 and 3 and the final evaluation are central training's from
+    the checkpoint's values and moments (assert_central_steps), and the checkpoint holds the uninterrupted run's
+    state after step 1 up to rounding (assert_restored). Not the two curves against each other: with micro-batches
+    in flight a tile's last bits may vary (run.units.train_step), and AdamW's steps bound no such difference."""
+    _, uninterrupted = all_two_run
     out = tmp_path / "killed"
     proc = subprocess.Popen([sys.executable, "-m", "fedfusion.cli", "run", "rolling", *TINY, *ALL_TWO, "--out", str(out)],
                             start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -198,9 +310,11 @@ def test_a_units_run_killed_after_step_one_resumes_to_the_uninterrupted_curve(al
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert json.loads(state.read_text())["round"] == 1 and not (out / "summary.json").exists()
-    assert main(["run", "--resume", str(out)]) == 0
-    first, resumed = read_jsonl(whole / "metrics.jsonl"), read_jsonl(out / "metrics.jsonl")
-    assert [r["step"] for r in resumed] == [0, 1, 2, 3]
-    assert_same_curve(resumed, [r["train_loss"] for r in first[1:]])  # step for step, within float tolerance
-    assert abs(resumed[-1]["eval_loss"] - first[-1]["eval_loss"]) <= 1e-5 * first[-1]["eval_loss"]
+    with server_steps() as rec:
+        assert main(["run", "--resume", str(out)]) == 0
+    resumed = read_jsonl(out / "metrics.jsonl")
+    central = Central([*TINY, *ALL_TWO])
+    assert len(rec.steps) == 2 and len(uninterrupted.steps) == 3
+    assert_central_steps(resumed, rec, central)
+    assert_restored(rec, uninterrupted, central)
     assert json.loads((out / "summary.json").read_text())["status"] == "ok"

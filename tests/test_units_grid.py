@@ -13,6 +13,7 @@ from fedfusion.clients.units import Node
 from fedfusion.clients.units import answer as units_handler
 from fedfusion.strategies.transport import UNITS_MESSAGE, GridTransport
 from flwr.app import Context, Message, RecordDict
+from fp_bounds import assert_same_product
 
 from fedfusion.config.recipe import load_recipe
 from fedfusion.config.sections import RecipeError
@@ -75,7 +76,7 @@ def test_grid_transport_pushes_one_units_message_per_device_and_the_product_is_e
     engine, transport = engine_over(grid, nodes, floor_s=5.0)
     g, want = gemm()
     (got,) = engine.phase([g])
-    assert (got - want).abs().max() <= 1e-12
+    assert_same_product(got, want, g.a.base, g.b.base.T)  # float64 tiles against one product: their bounds
     assert {m.metadata.message_type for m in grid.pushed} == {UNITS_MESSAGE}
     assert len({m.metadata.dst_node_id for m in grid.pushed}) == len(grid.pushed)  # one message per device
     assert transport.waits[0].waited_s < 1.0 and not transport.waits[0].missed
@@ -83,7 +84,7 @@ def test_grid_transport_pushes_one_units_message_per_device_and_the_product_is_e
     assert any(len(grid.contexts[n].state[Node.CACHE]) for n in nodes)
     first = sum(engine.trace[0].down_bytes.values())
     (again,) = engine.phase([Gemm(Operand("X", g.a.base * 2), g.b)])
-    assert (again - 2 * want).abs().max() <= 1e-12
+    assert_same_product(again, 2 * want, 2 * g.a.base, g.b.base.T)
     assert sum(engine.trace[1].down_bytes.values()) < first
 
 
@@ -94,7 +95,7 @@ def test_a_silent_node_costs_its_deadline_once_and_its_units_go_elsewhere():
     g, want = gemm(1)
     start = time.monotonic()
     (got,) = engine.phase([g])
-    assert (got - want).abs().max() <= 1e-12
+    assert_same_product(got, want, g.a.base, g.b.base.T)
     assert engine.offline == {2}
     assert [w.missed for w in transport.waits] == [[2], []]
     assert 0.3 <= transport.waits[0].waited_s <= 0.3 + 0.2 and time.monotonic() - start < 1.0
@@ -112,12 +113,12 @@ def test_a_node_that_lost_its_weight_cache_answers_an_error_and_gets_the_weights
     grid.forget = {1}  # node 1 loses its cache; the server still thinks it holds its W0 blocks
     x = g.a.base + 1
     (got,) = engine.phase([Gemm(Operand("X", x), g.b)])
-    assert (got - x @ g.b.base.T).abs().max() <= 1e-12
+    assert_same_product(got, x @ g.b.base.T, x, g.b.base.T)
     assert engine.server_fallback == 0 and not engine.offline and not engine.strikes.counts
     assert engine.trace[1].redispatched >= 1  # its units went to node 2
     grid.forget = set()
     (got,) = engine.phase([Gemm(Operand("X", 2 * x), g.b)])  # node 1 gets its weight blocks again and answers
-    assert (got - 2 * x @ g.b.base.T).abs().max() <= 1e-12
+    assert_same_product(got, 2 * x @ g.b.base.T, 2 * x, g.b.base.T)
     assert engine.trace[2].down_bytes.get(0, 0) >= engine.trace[0].down_bytes[0]
     assert 0 in engine.trace[2].up_bytes
 

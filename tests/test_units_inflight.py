@@ -11,13 +11,15 @@ import time
 import numpy as np
 import pytest
 import torch
+from model_bounds import float64_norms
 
 from fedfusion.run.units import train_step
 from fedfusion.units import UnitEngine, in_process, install
 from fedfusion.units.messages import DeviceRuntime
 from fedfusion.units.phases import llama_phases
 from fedfusion.units.timeline import chains_from_trace, simulate
-from tests.test_units_exact import assert_products_within_rounding, record_products
+from tests.test_units_accumulate import in_dtype
+from tests.test_units_exact import assert_products_within_rounding, assert_same_step, record_products
 from tests.test_units_timeline import QUICKSTART, llama, phones
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py: tiny GEMMs on one thread, restored after
@@ -47,30 +49,40 @@ def step(in_flight: int, micro: int = 4, hold_s: float = 0.03, dtype: torch.dtyp
          ) -> tuple[float, torch.nn.Module, UnitEngine, Counting, list]:
     """One AdamW step of the timeline's Llama in ``dtype``, ``micro`` micro-batches, ``in_flight`` at once (0: all):
     (loss, model, engine, transport, every product the engine returned as ``record_products`` records it)."""
-    model = llama().to(dtype)
+    model = start(dtype)
     transport = Counting(3, hold_s)
     engine = UnitEngine(phones(3), transport=transport)
     products = record_products(engine)
     install(model, engine, "all")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    batch = torch.randint(0, 60, (micro, 33), generator=torch.Generator().manual_seed(1))
 
     def on_micro(c: int) -> None:
         engine.chain = c
 
-    return train_step(model, opt, batch, micro, on_micro, in_flight), model, engine, transport, products
+    with in_dtype(dtype):
+        loss = train_step(model, opt, windows(micro), micro, on_micro, in_flight)
+    return loss, model, engine, transport, products
+
+
+def start(dtype: torch.dtype) -> torch.nn.Module:
+    """The timeline's Llama in ``dtype`` (float64: its norms too, model_bounds.float64_norms)."""
+    model = llama().to(dtype)
+    return float64_norms(model) if dtype == torch.float64 else model
+
+
+def windows(micro: int) -> torch.Tensor:
+    return torch.randint(0, 60, (micro, 33), generator=torch.Generator().manual_seed(1))
 
 
 def test_micro_batches_in_flight_give_the_same_step() -> None:
-    """Float64: the step with all micro-batches in flight equals the sequential one to rounding (1e-10, the
-    float64 tests' exactness). Float32: every product of the step in flight is within ``gamma_k |A| |B|`` of the
-    exact product of its operands (tests/fp_bounds.py), on any CPU; the float32 weights after AdamW's first step
-    (``g / (|g| + eps)``) are no quantity a rounding bound can be put on, so they are not compared."""
+    """Float64: the step with all micro-batches in flight equals the sequential one to float64 rounding: loss,
+    gradients and weights within their float64 bounds (test_units_exact.assert_same_step). Float32: every product
+    of the step in flight is within ``gamma_k |A| |B|`` of the exact product of its operands (tests/fp_bounds.py),
+    on any CPU; the float32 weights after AdamW's first step (``g / (|g| + eps)``) are no quantity a rounding bound
+    can be put on, so they are not compared."""
     loss_1, one, engine_1, t_1, _ = step(in_flight=1, hold_s=0.005)  # sequential: a short hold still shows any overlap
     loss_all, many, engine_all, t_all, _ = step(in_flight=0)
-    assert abs(loss_1 - loss_all) <= 1e-10 * abs(loss_1)
-    for (name, a), b in zip(one.named_parameters(), many.parameters()):
-        assert float((a - b).abs().max()) <= 1e-10, name
+    assert_same_step(one, many, start(torch.float64), windows(4), (loss_1, loss_all), micro=4)
     assert t_1.most == 1 and t_all.most >= 2  # one message round out at a time, against several
     chains = [rec.chain for rec in engine_all.trace]
     assert sorted(set(chains)) == [0, 1, 2, 3] and chains != sorted(chains)  # the micro-batches' phases interleave

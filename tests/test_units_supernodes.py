@@ -16,7 +16,7 @@ from fedfusion.units import UnitEngine, in_process
 from fedfusion.units.messages import DeviceRuntime
 from fedfusion.units.workers import DiesAfter
 from fedfusion.wire.specs import Caps, PopulationSpec
-from tests.test_units_accumulate import Forgets, batch, gaps, local_step, units_step, weight_gradient_phases
+from tests.test_units_accumulate import Forgets, assert_equals_local, batch, units_step, weight_gradient_phases
 from tests.test_units_exact import devices
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py: tiny GEMMs on one thread, restored after
@@ -51,7 +51,7 @@ def test_float64_step_on_several_supernodes_equals_local(micro: int, k: int, in_
     ids = batch(micro)
     engine, transport = engine_with(3, k)
     got = units_step(torch.float64, ids, micro, engine, in_flight, accumulate)
-    assert gaps(local_step(torch.float64, ids, micro), got)[0] <= 1e-10
+    assert_equals_local(ids, micro, got)  # within the float64 bound of the local step
     assert not engine._sums and engine.server_fallback == 0 and not engine.strikes.counts
     for chain, slots in transport.calls:  # micro-batch c only ever reaches node c mod k of a device
         assert slots and all(slot % k == chain % k for slot in slots), (chain, slots)
@@ -90,7 +90,7 @@ def test_a_node_lost_mid_step_costs_only_its_own_sums(kind: str) -> None:
     workers[3] = lost  # type: ignore[call-overload]
     engine, transport = engine_with(4, 2, workers)
     got = units_step(torch.float64, ids, 4, engine, in_flight=0)
-    assert gaps(local_step(torch.float64, ids, 4), got)[0] <= 1e-10
+    assert_equals_local(ids, 4, got)
     assert sum(rec.redispatched for rec in engine.trace) >= 1 and not engine._sums  # its units went elsewhere
     assert engine.offline == ({1} if kind == "dies" else set())
     late = [slots for chain, slots in transport.calls[len(transport.calls) // 2:]]
