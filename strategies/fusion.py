@@ -449,8 +449,11 @@ class FusionStrategy(Strategy):
                                                                  [clients[n] for n in nodes], population)))
         support = self.secure_support(target, [p for n, p in self.run.round.payloads.items() if n not in left])
         lr = {} if self.settings.client_lr is None else {TrainSpec.key("lr"): self.settings.client_lr(server_round)}
-        # a tensor several payloads hold (the frozen target, quantised once) is serialised once, its bytes shared
-        records = RoundRecords(p.arrays for p in self.run.round.payloads.values())
+        # a tensor several payloads hold (the frozen target, quantised once) is serialised once, its bytes shared;
+        # the builder takes the arrays, so the payloads keep only what check() reads and no payload (a window, or
+        # the whole model of a pretrained target's oracle arm) is held beside its message for the whole round
+        records = RoundRecords({n: p.arrays for n, p in self.run.round.payloads.items()})
+        self.run.round.payloads = {n: replace(p, arrays={}) for n, p in self.run.round.payloads.items()}
         messages = []
         for node in nodes:
             payload = self.run.round.payloads[node]
@@ -460,11 +463,7 @@ class FusionStrategy(Strategy):
                 method = cast(SecureFold, self.run.methods[payload.client.tier])
                 secure, sealed = self.secure.train_parts(node)
                 extra = {**method.secure_layout(payload), **sealed, SUPPORT_KEY: support}
-            record = records.record(payload.arrays, extra)
-            # the message holds the arrays now: the payload keeps only what check() reads, so its tensors are freed
-            # before the next client's record is built, and no payload (a window, or the whole model of a
-            # pretrained target's oracle arm) is held twice for the whole round
-            self.run.round.payloads[node] = payload = replace(payload, arrays={})
+            record = records.record(node, extra)
             steps = self.local_steps(node)
             capped = {} if steps is None else {TrainSpec.key("local_steps"): steps}
             noise: dict[str, float] = {}

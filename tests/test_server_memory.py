@@ -5,11 +5,13 @@ clients of one window plan share its arrays. A reply's bytes are let go as its a
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 from fedfusion.strategies.fusion import FusionStrategy, RunState, StrategySettings
 from fedfusion.strategies.records import RoundRecords
-from flwr.app import ArrayRecord, ConfigRecord
+from flwr.app import Array, ArrayRecord, ConfigRecord
 from transformers import LlamaForCausalLM
 
 from fedfusion.devices.catalog import load_catalog
@@ -80,18 +82,28 @@ def test_the_frozen_target_is_one_bytes_object_and_a_shared_window_one_too():
     assert all(not p.arrays for p in strategy.run.round.payloads.values())  # released once their records were built
 
 
-def test_round_records_keep_a_shared_array_until_its_last_record():
+def test_round_records_serialise_a_shared_tensor_once_and_let_it_go():
     shared, own = torch.arange(6.0).view(2, 3), torch.ones(4, dtype=torch.int8)
-    states = [{"a": shared, "b": own}, {"a": shared}, {"c": torch.zeros(2)}]
+    states = {1: {"a": shared, "b": own}, 2: {"a": shared}, 3: {"c": torch.zeros(2)}}
     records = RoundRecords(states)
-    first = records.record(states[0], extra={"x": torch.tensor([7])})
-    assert set(records.shared) == {id(shared)}  # held for the second record; the unshared one is not
-    second = records.record(states[1])
-    assert not records.shared
+    first = records.record(1, extra={"x": torch.tensor([7])})
+    assert isinstance(records.states[2]["a"], Array)  # the state still waiting holds the bytes, not the tensor
+    second = records.record(2)
     assert first["a"].data is second["a"].data and first["a"] is not second["a"]  # one Array object per record
-    plain = ArrayRecord({**states[0], "x": torch.tensor([7])})
+    plain = ArrayRecord({**states[1], "x": torch.tensor([7])})
     assert list(first) == list(plain) and all(first[k].data == plain[k].data for k in plain)
-    assert records.record(states[2])["c"].data == ArrayRecord(states[2])["c"].data
+    assert records.record(3)["c"].data == ArrayRecord(states[3])["c"].data
+    assert not records.states and not records.holders and states[2]["a"] is shared  # the caller's dicts unchanged
+
+
+def test_a_shared_tensor_is_freed_once_serialised_not_at_its_last_record():
+    frozen = torch.randn(64)
+    gone = weakref.ref(frozen)
+    records = RoundRecords({1: {"f": frozen}, 2: {"f": frozen}, 3: {"f": frozen}})
+    del frozen
+    records.record(1)
+    assert gone() is None  # clients 2 and 3 wait for their records holding its bytes only
+    assert records.record(3)["f"].data is records.record(2)["f"].data
 
 
 @pytest.mark.parametrize("bits", [8, 4])
