@@ -33,8 +33,9 @@ class RoundRecords:
         """``node``'s record: its payload's arrays in order (each shared Array's bytes, a new Array object per record
         as Flower's own ``ArrayRecord(array_dict)`` makes them), plus ``extra``, arrays of this client only (secure
         aggregation's), serialised as they are."""
-        record = ArrayRecord()
-        for key, value in self.states.pop(node).items():
+        record, state = ArrayRecord(), self.states.pop(node)
+        for key in list(state):  # each entry let go as it is made: a tensor is freed once its bytes are
+            value = state.pop(key)
             array = value if isinstance(value, Array) else self._serialise(value)
             record[key] = Array(dtype=array.dtype, shape=array.shape, stype=array.stype, data=array.data)
         for key, tensor in (extra or {}).items():

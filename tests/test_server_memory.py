@@ -106,6 +106,22 @@ def test_a_shared_tensor_is_freed_once_serialised_not_at_its_last_record():
     assert records.record(3)["f"].data is records.record(2)["f"].data
 
 
+def test_a_records_tensors_are_freed_one_by_one_as_its_bytes_are_made():
+    seen: list[list[bool]] = []
+
+    class Watching(RoundRecords):
+        def _serialise(self, tensor: torch.Tensor) -> Array:
+            seen.append([ref() is not None for ref in refs])
+            return super()._serialise(tensor)
+
+    first, second = torch.randn(64), torch.randn(64)
+    refs = [weakref.ref(first), weakref.ref(second)]
+    records = Watching({1: {"a": first, "b": second}})
+    del first, second
+    records.record(1)
+    assert seen == [[True, True], [False, True]]  # the first tensor was gone before the second was serialised
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("size", [BLOCK * 5, BLOCK * 5 + 17])
 def test_quantize_is_the_plain_formula_bit_for_bit(bits, size):
