@@ -173,7 +173,7 @@ def report(data: dict[str, Any]) -> str:
               "Before, every client's record serialised the frozen target and its window again (`ArrayRecord(payload"
               ".arrays)` per client): held bytes = sent bytes. Now a tensor several payloads hold is serialised once "
               "and its bytes shared (`fedfusion.strategies.records.RoundRecords`), clients of one window plan share "
-              "its slice, and each payload's tensors are let go once its record is built."
+              "its slice, and each tensor is let go as soon as its bytes are made (the payloads keep none)."
               + "".join(f" The `whole` arm of {code} is not measured (over 5 GB, on a shared machine): its records "
                         "would hold the sent column's bytes, one copy per client, besides a window's float32 tensors "
                         "per client." for code in unmeasured),
