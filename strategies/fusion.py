@@ -35,6 +35,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 from fedfusion.strategies.nodes import connected_nodes, query_messages
+from fedfusion.strategies.records import RoundRecords
 from fedfusion.strategies.secagg import SecureAggregation
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.common.logger import log
@@ -444,23 +445,25 @@ class FusionStrategy(Strategy):
         clients = {n: Client(self.partition_of(n), self.device_of(n),
                              client_seed(self.settings.run_seed, server_round, self.partition_of(n)), self.run.caps[n])
                    for n in nodes}
-        payloads = round_payloads(self.run.methods, server_round, target, [clients[n] for n in nodes], population)
-        self.run.round.payloads = dict(zip(nodes, payloads))
+        self.run.round.payloads = dict(zip(nodes, round_payloads(self.run.methods, server_round, target,
+                                                                 [clients[n] for n in nodes], population)))
         support = self.secure_support(target, [p for n, p in self.run.round.payloads.items() if n not in left])
         lr = {} if self.settings.client_lr is None else {TrainSpec.key("lr"): self.settings.client_lr(server_round)}
+        # a tensor several payloads hold (the frozen target, quantised once) is serialised once, its bytes shared;
+        # the builder takes the arrays, so the payloads keep only what check() reads and no payload (a window, or
+        # the whole model of a pretrained target's oracle arm) is held beside its message for the whole round
+        records = RoundRecords({n: p.arrays for n, p in self.run.round.payloads.items()})
+        self.run.round.payloads = {n: replace(p, arrays={}) for n, p in self.run.round.payloads.items()}
         messages = []
         for node in nodes:
             payload = self.run.round.payloads[node]
             secure: dict[str, Any] = {}
+            extra: dict[str, torch.Tensor] = {}
             if self.secure is not None and node not in left:
                 method = cast(SecureFold, self.run.methods[payload.client.tier])
                 secure, sealed = self.secure.train_parts(node)
-                payload = replace(payload, arrays={**payload.arrays, **method.secure_layout(payload), **sealed,
-                                                   SUPPORT_KEY: support})
-            record = ArrayRecord(payload.arrays)
-            # the message holds the arrays now: the payload keeps only what check() reads, so a whole-model
-            # payload per client (the oracle arm of a pretrained target) is not held twice for the whole round
-            self.run.round.payloads[node] = replace(payload, arrays={})
+                extra = {**method.secure_layout(payload), **sealed, SUPPORT_KEY: support}
+            record = records.record(node, extra)
             steps = self.local_steps(node)
             capped = {} if steps is None else {TrainSpec.key("local_steps"): steps}
             noise: dict[str, float] = {}
@@ -517,7 +520,8 @@ class FusionStrategy(Strategy):
             self.run.round.masked[row.node] = self.secure.read(record, self.run.round.support.size)
             update = Update(payload, weight, 0.0, None)
         else:
-            update = method.check(payload, record.to_torch_state_dict(), weight)
+            # each Array is let go once it is a tensor: the reply's bytes and its tensors are not both held whole
+            update = method.check(payload, record.to_torch_state_dict(keep_input=False), weight)
         if self.max_norm_ratio and payload.sent_norm and update.norm > self.max_norm_ratio * payload.sent_norm:
             raise ValueError(f"update norm {update.norm:.3g} is over {self.max_norm_ratio:g}x the norm of the "
                              f"{method.noun} sent ({payload.sent_norm:.3g})")

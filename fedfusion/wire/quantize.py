@@ -51,14 +51,16 @@ def quantize(t: torch.Tensor, bits: int, block: int = BLOCK) -> tuple[torch.Tens
     if not torch.isfinite(flat).all():
         raise ValueError("cannot quantise NaN or Inf")
     pad = -flat.numel() % block
-    blocks = torch.cat([flat, flat.new_zeros(pad)]).view(-1, block)
+    # a view of ``t`` where its values fill whole blocks, and the division rounded and clamped in place: one float32
+    # temporary of ``t``'s size at a time (the server quantises a whole target's embedding every round)
+    blocks = (torch.cat([flat, flat.new_zeros(pad)]) if pad else flat).view(-1, block)
     qmax = QMAX[bits]
     # the float16 scale is what the receiver multiplies by, so codes are computed against it
     scale = (blocks.abs().amax(1) / qmax).to(torch.float16)
     if not torch.isfinite(scale).all():
         raise ValueError(f"values beyond {qmax * torch.finfo(torch.float16).max:.3g} overflow a float16 scale")
     step = scale.float().clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(1)
-    codes = torch.round(blocks / step).clamp(-qmax, qmax).to(torch.int8).flatten()
+    codes = (blocks / step).round_().clamp_(-qmax, qmax).to(torch.int8).flatten()
     if bits == 4:
         nibbles = (codes + 8).to(torch.uint8).view(-1, 2)
         codes = nibbles[:, 0] | (nibbles[:, 1] << 4)

@@ -220,17 +220,14 @@ class SubModelMethod(FusionMethod):
         plans, widths, full = self._plans(server_round, clients)
         frozen = {FROZEN + k: v for k, v in encode(self.wire.exact(target), self.frozen).items()} if full else {}
         policy = "static" if server_round <= self.grow_round else self.policy
+        low_rank = full and self.window_rank > 0
+        feedback = self.wire.formats.error_feedback and not full  # a residual keyed by window would not follow it
+        slices: dict[SlicePlan, tuple[State, State, float]] = {}  # clients of one plan share its tensors (one copy)
         out = []
         for client, width, plan in zip(clients, widths, plans):
-            exact = self.wire.exact(extract(target, self.config, plan))
-            norm = state_norm(exact)  # what a reply's norm is judged against (low rank: the densified target)
-            low_rank = full and self.window_rank > 0
-            if low_rank:  # the factors start on the device; only the exactly trained tensors travel
-                exact = {n: exact[n] for n in self.low_rank[1]}
-            sent = self.wire.formats.send(exact)
-            feedback = self.wire.formats.error_feedback and not full  # a residual keyed by window would not follow it
-            if self.wire.formats.up != "float32" and feedback:
-                sent[INDEX_KEY] = self.wire.index(target, self.config, plan, exact)
+            if plan not in slices:
+                slices[plan] = self._slice(target, plan, low_rank, feedback)
+            exact, sent, norm = slices[plan]
             trained = sum(t.numel() for t in exact.values())
             trained += factor_params(target, self.low_rank[0], self.window_rank) if low_rank else 0
             specs: list[Spec] = [SliceSpec(width, policy, self.axes or None), WireSpec(self.wire.formats.up, feedback)]
@@ -248,6 +245,18 @@ class SubModelMethod(FusionMethod):
                                sent_norm=norm, assignment=plan.assignment(), context=(plan, target, low_rank),
                                row=self._row(trained, full)))
         return out
+
+    def _slice(self, target: State, plan: SlicePlan, low_rank: bool, feedback: bool) -> tuple[State, State, float]:
+        """(the exact float32 tensors a client of ``plan`` trains, the arrays its message carries of them, the norm
+        a reply's is judged against): the same for every client of the plan, so they share one copy."""
+        exact = self.wire.exact(extract(target, self.config, plan))
+        norm = state_norm(exact)  # low rank: the densified target's
+        if low_rank:  # the factors start on the device; only the exactly trained tensors travel
+            exact = {n: exact[n] for n in self.low_rank[1]}
+        sent = self.wire.formats.send(exact)
+        if self.wire.formats.up != "float32" and feedback:
+            sent[INDEX_KEY] = self.wire.index(target, self.config, plan, exact)
+        return exact, sent, norm
 
     def _row(self, trained: int, full: bool) -> dict[str, Any]:
         """The ledger's extra fields for a grow-then-fuse or full-forward run (none for plain slicing: its rows stay
