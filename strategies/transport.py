@@ -49,14 +49,15 @@ class GridTransport:
     Pushes one ``train.units`` message per node (the bytes as one uint8 array), then pulls on its own short
     interval (``poll_s``; not ``send_and_receive``, which sleeps 0.1 s or 3 s between pulls) until every reply is in
     or each missing node's deadline has passed: that node's reply is None (a later reply is never pulled).
-    ``stall`` injects a fault: node index -> (messages it answers first, seconds it then sleeps before replying).
+    ``stall`` injects a fault: node index -> (messages it answers first, seconds it then sleeps before replying,
+    how many replies it sleeps before (0: every one from then on)).
     """
 
     grid: Grid
     node_ids: list[int]  # node index -> Flower node id
     floor_s: float = 2.0
     poll_s: float = 0.01
-    stall: dict[int, tuple[int, float]] = field(default_factory=dict)
+    stall: dict[int, tuple[int, float, int]] = field(default_factory=dict)
     sent: dict[int, int] = field(default_factory=dict)  # messages sent per node index
     waits: list[PhaseWait] = field(default_factory=list)  # one per call; calls overlap with micro-batches in flight
     supernodes: int = 1  # per device: ``PhaseWait.missed`` names devices (node index // supernodes)
@@ -72,8 +73,9 @@ class GridTransport:
         with self._lock:  # one call per micro-batch in flight
             count = self.sent.get(slot, 0)
             self.sent[slot] = count + 1
-        after, stall_s = self.stall.get(slot, (0, 0.0))
-        spec = UnitsSpec(stall_s if slot in self.stall and count >= after else 0.0)
+        after, stall_s, stalled = self.stall.get(slot, (0, 0.0, 0))
+        asleep = slot in self.stall and count >= after and (stalled == 0 or count < after + stalled)
+        spec = UnitsSpec(stall_s if asleep else 0.0)
         content = RecordDict({UNITS_RECORD: ArrayRecord({UNITS_PAYLOAD: Array(np.frombuffer(payload, np.uint8))}),
                               "config": ConfigRecord(spec.to_config())})
         return Message(content, dst_node_id=self.node_ids[slot], message_type=UNITS_MESSAGE,

@@ -278,6 +278,23 @@ def test_a_device_silent_mid_phase_costs_one_deadline_and_the_loss_stays_exact(t
     assert sum(r["redispatched"] for r in rows[1:]) >= 1
 
 
+def test_a_device_that_misses_a_deadline_and_comes_back_takes_units_again_and_the_loss_stays_exact(tmp_path):
+    """Device 1 sleeps past its deadline on its 4th message only (``units.stall_messages=1``): it goes offline in
+    that step, rejoins at the next (``units.rejoin_after=1``) with its weight blocks sent anew, and computes units
+    in every step after; the run is central training's step for step and ends with no device offline."""
+    stalled = ["units.stall_partition=1", "units.stall_after=3", "units.stall_s=4", "units.stall_messages=1",
+               "units.deadline_floor_s=1.5", "units.rejoin_after=1"]
+    rows, rec = run_units(tmp_path, stalled)
+    assert_central_steps(rows, rec, Central([*TINY, *stalled]))
+    went = [r["step"] for r in rows[1:] if r["clients_failed"]]
+    back = [r["step"] for r in rows[1:] if r["rejoined"]]
+    assert len(went) == 1 and back == [went[0] + 1] and rows[went[0]]["offline"] == [1]
+    assert all(r["rejoined"] == [1] for r in rows[1:] if r["rejoined"])
+    ledger = read_jsonl(tmp_path / "units" / "clients.jsonl")
+    assert all(any(r["partition"] == 1 for r in ledger if r["round"] == step) for step in range(back[0], 4))
+    assert all(not r["missed"] for r in rows[back[0]:]) and rows[-1]["offline"] == []
+
+
 def test_each_step_prices_every_device_it_sent_units_to():
     """clients.jsonl gets one row per device and step: the FLOPs of the units it was sent (re-sends too) and its
     bytes, priced on its catalog profile; a device that went offline in the step is charged, as wasted work."""

@@ -9,7 +9,7 @@ from fp_bounds import assert_same_product, matmul_bound
 from fedfusion.units import Freivalds, Gemm, Operand, UnitDevice, UnitEngine
 from fedfusion.units.messages import DeviceRuntime
 from fedfusion.units.verify import WeightId, abs_mv
-from fedfusion.units.workers import Corrupt, DiesAfter
+from fedfusion.units.workers import Away, Corrupt, DiesAfter
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py: tiny GEMMs on one thread, restored after
 
@@ -159,6 +159,30 @@ def test_silent_device_goes_offline_and_result_is_exact() -> None:
     (got,) = engine.phase([g])
     assert_same_product(got, want, g.a.base, g.b.base.T)
     assert engine.offline == {1} and engine.trace[0].redispatched >= 1
+
+
+def test_a_device_that_comes_back_takes_units_again_gets_its_weights_anew_and_the_products_stay_exact() -> None:
+    """Device 1 answers one phase, misses the next (offline: its tiles go elsewhere), is left out while offline, then
+    rejoins restarted empty: the same tiles as the first phase go to it with the weight blocks again (the same bytes
+    as the first phase, more than a phase on cached weights), it answers them all, and every product is exact."""
+    gen = torch.Generator().manual_seed(10)
+    engine = UnitEngine(devices(3), workers=[DeviceRuntime(), Away(after=1, missed=1), DeviceRuntime()],
+                        layouts=("rows",))
+    g, _ = gemm_pair(gen)
+    for _ in range(4):
+        if len(engine.trace) == 3:
+            with pytest.raises(ValueError, match="device 0 is not offline"):
+                engine.rejoin(0)
+            engine.rejoin(1)
+        x = torch.randn(g.a.base.shape, generator=gen, dtype=torch.float64)
+        (got,) = engine.phase([Gemm(Operand("X", x), g.b)])
+        assert_same_product(got, x @ g.b.base.T, x, g.b.base.T)
+    first, missed, out, back = engine.trace
+    assert missed.failed_devices == [1] and missed.redispatched >= 1
+    assert 1 not in {t.device for t in out.plan.tiles} and engine.offline == set()
+    assert [t.device for t in back.plan.tiles] == [t.device for t in first.plan.tiles]  # the same plan again
+    assert back.redispatched == 0 and not back.failed_devices and back.up_bytes[1] > 0
+    assert back.down_bytes[1] == first.down_bytes[1] > missed.down_bytes[1]  # weights again, not just inputs
 
 
 def test_no_device_left_server_computes() -> None:

@@ -498,12 +498,17 @@ class UnitsSection:
     # the catalog tier that prices the server's own compute, its checks and its traffic (fedfusion.units.ledger)
     server_device: str = DEFAULT_SERVER_DEVICE
     eval_every: int = 0  # steps between central evaluations (0: only before the first and after the last step)
+    # steps a device taken offline (it missed a deadline) stays out before it gets units again, its weight blocks
+    # sent anew (fedfusion.units.UnitEngine.rejoin); 0: never again
+    rejoin_after: int = 0
     # fault injection for tests and benchmarks: the device (client index) of this partition stops answering: each of
-    # its nodes answers stall_after messages, then sleeps stall_s before every reply; -1: off. In simulation a
-    # sleeping node holds one of the engine's actors (engine.cpus_per_client): other nodes queue when actors run out
+    # its nodes answers stall_after messages, then sleeps stall_s before each of the next stall_messages replies
+    # (0: every reply from then on) and answers promptly again; -1: off. In simulation a sleeping node holds one of
+    # the engine's actors (engine.cpus_per_client): other nodes queue when actors run out
     stall_partition: int = -1
     stall_after: int = 0
     stall_s: float = 0.0
+    stall_messages: int = 0
 
     def runtime(self) -> UnitsRuntime:
         """The device runtime as ``fedfusion.units.timeline.simulate`` takes it: ``lanes``, or ``supernodes``."""
@@ -517,8 +522,9 @@ class UnitsSection:
         if self.micro_batches < 0:
             raise RecipeError(f"units.micro_batches: must be >= 0 (0: chosen before the run from the devices' links), "
                               f"got {self.micro_batches}")
-        if self.eval_every < 0:
-            raise RecipeError(f"units.eval_every: must be >= 0, got {self.eval_every}")
+        for key in ("eval_every", "rejoin_after", "stall_messages"):
+            if getattr(self, key) < 0:
+                raise RecipeError(f"units.{key}: must be >= 0, got {getattr(self, key)}")
         if self.in_flight < 0:
             raise RecipeError(f"units.in_flight: must be >= 0 (0: every micro-batch), got {self.in_flight}")
         if self.lanes < 0:

@@ -213,6 +213,7 @@ class UnitsMethod:
         self.catalog = population_catalog(recipe.population)
         self.opt = make_optimizer(self.model, recipe.train.optimizer, recipe.train.lr, recipe.train.weight_decay)
         self.handle: Any = None  # the target's linear layers routed through the engine (install), while training
+        self.offline_since: dict[int, int] = {}  # device -> the step it went offline in (units.rejoin_after)
 
     @property
     def steps(self) -> int:
@@ -229,8 +230,8 @@ class UnitsMethod:
         self.caps, self.firsts = caps, order[::k]  # each device's node 0
         self.run.log_nodes([{"round": after, "node": n, **caps[n].to_config()} for n in order])
         self.devices: list[UnitDevice] = [from_catalog(self.catalog[caps[n].device], name=str(n)) for n in self.firsts]
-        # the stalled device's nodes each answer stall_after messages, then go silent
-        stall = ({u.stall_partition * k + node: (u.stall_after, u.stall_s) for node in range(k)}
+        # the stalled device's nodes each answer stall_after messages, then go silent (for stall_messages of them)
+        stall = ({u.stall_partition * k + node: (u.stall_after, u.stall_s, u.stall_messages) for node in range(k)}
                  if u.stall_partition >= 0 else {})
         self.transport = GridTransport(grid, order, floor_s=u.deadline_floor_s, stall=stall, supernodes=k)
         self.engine = UnitEngine(self.devices, transport=self.transport, deadline_factor=u.deadline_factor,
@@ -269,6 +270,7 @@ class UnitsMethod:
         if self.handle is None:
             self.handle = install(self.model, engine, u.offload)
         traced, waits = len(engine.trace), len(self.transport.waits)
+        rejoined = self.rejoin(step)
         offline_before = set(engine.offline)
 
         def on_micro(micro: int) -> None:
@@ -282,6 +284,7 @@ class UnitsMethod:
                           accumulate=u.accumulate, server=server_from_catalog(self.catalog[u.server_device]),
                           **u.runtime()) if trace else None
         used = {d for rec in trace for d in rec.down_bytes}
+        self.offline_since.update({d: step for d in engine.offline - offline_before})
         scores = self.evaluate() if step == u.steps or (u.eval_every and step % u.eval_every == 0) else {}
         step_waits = self.transport.waits[waits:]
         ledger = price_step(step, trace, self.firsts, self.caps, self.catalog, engine.offline - offline_before)
@@ -296,7 +299,7 @@ class UnitsMethod:
             "server_link_utilisation": timing.server_link_utilisation if timing else 0.0,
             "redispatched": sum(rec.redispatched for rec in trace),
             "clients_ok": len(used - engine.offline), "clients_failed": len(engine.offline - offline_before),
-            "offline": sorted(engine.offline), "server_fallback": engine.server_fallback,
+            "offline": sorted(engine.offline), "rejoined": rejoined, "server_fallback": engine.server_fallback,
             "verify_s": sum(rec.verify_s for rec in trace),
             # the devices' work (clients.jsonl) and the server's own (fedfusion.units.ledger), as fusion rounds add them
             **server.row(),
@@ -309,6 +312,17 @@ class UnitsMethod:
             "transport_s": sum(w.waited_s for w in step_waits),
         }
         return row, ledger
+
+    def rejoin(self, step: int) -> list[int]:
+        """The devices offline for ``units.rejoin_after`` steps or more, given units again from ``step`` on (their
+        weight blocks sent anew); none when ``rejoin_after`` is 0."""
+        after = self.u.rejoin_after
+        back = sorted(d for d, since in self.offline_since.items() if after and step - since >= after)
+        for device in back:
+            self.engine.rejoin(device)
+            log(INFO, "units mode: device %d (node %d) gets units again at step %d, offline since step %d", device,
+                self.firsts[device], step, self.offline_since.pop(device))
+        return back
 
     def checkpoint(self, step: int, elapsed_s: float) -> Checkpoint:
         """The target, the optimizer's groups (state.json) and moments (tensors.safetensors) after ``step``."""

@@ -37,7 +37,8 @@ device's deadline in seconds (``deadline_factor`` x its predicted time); the tra
 device (``Grid.push_messages``; content e.g. ``ConfigRecord({"units": payload})`` or the arrays as an
 ``ArrayRecord``, ``message_type="train.units"``, a TTL of the deadline), pulls replies on its own short loop
 (not ``send_and_receive``'s 0.1 s / 3 s sleeps) and returns per device the reply's bytes, ``None`` when none
-came by the deadline (the device is taken offline and its units re-dispatched; a later reply is dropped) or
+came by the deadline (the device is taken offline and its units re-dispatched; a later reply is dropped; between
+steps ``UnitEngine.rejoin`` lets it take units again, its weights sent anew) or
 ``b""`` for an error reply (e.g. the device lost its weight cache: no strike, its units go elsewhere and its
 weights are sent in full next time). Everything else -- which device gets which tile, verification, strikes,
 re-dispatch, first-valid-wins, assembly -- stays in the engine. To overlap micro-batches, call the engine from one

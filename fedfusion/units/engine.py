@@ -153,6 +153,21 @@ class UnitEngine:
         """Devices that may get units: online and not blocked."""
         return [d for d in range(len(self.devices)) if d not in self.offline and not self.strikes.blocked(d)]
 
+    def rejoin(self, device: int) -> None:
+        """``device``, taken offline when it missed a deadline, may get units again. What its nodes held is not
+        trusted (a device that went away may have restarted empty): its weight blocks go again with its next
+        messages. Between steps only (no running sum open: a step's sums are planned over the devices live when it
+        began); a device that is not offline is an error that names it."""
+        with self._lock:
+            if device not in self.offline:
+                raise ValueError(f"device {device} is not offline (offline: {sorted(self.offline) or 'none'})")
+            if self._sums:
+                raise RuntimeError(f"device {device} may rejoin between steps only: running sums are open "
+                                   f"({', '.join(sorted(name for name, _ in self._sums))})")
+            self.offline.discard(device)
+            for node in range(self.supernodes):
+                self.held.pop(self.slot(device, node), None)
+
     def phase(self, gemms: list[Gemm]) -> list[torch.Tensor | None]:
         """Compute every GEMM of one phase through units and return the verified products.
 

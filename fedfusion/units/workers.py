@@ -35,6 +35,27 @@ class Corrupt:
         return encode_reply(header_phase, results, decode_kept(reply))
 
 
+class Away:
+    """Answers ``after`` messages, misses the next ``missed`` (each one past its deadline: the engine takes the device
+    offline), then answers again with an empty runtime (a device that left, restarted and came back: its weight
+    cache and running sums are gone)."""
+
+    def __init__(self, after: int = 0, missed: int = 1) -> None:
+        self.after, self.missed = after, missed
+        self.runtime = DeviceRuntime()
+
+    def __call__(self, payload: bytes) -> bytes | None:
+        if self.after > 0:
+            self.after -= 1
+            return self.runtime(payload)
+        if self.missed > 0:
+            self.missed -= 1
+            if self.missed == 0:
+                self.runtime = DeviceRuntime()  # back, restarted
+            return None
+        return self.runtime(payload)
+
+
 class DiesAfter:
     """Answers ``messages`` messages honestly, then never again (a device that left mid-step)."""
 
