@@ -499,7 +499,7 @@ class UnitsSection:
     server_device: str = DEFAULT_SERVER_DEVICE
     eval_every: int = 0  # steps between central evaluations (0: only before the first and after the last step)
     # steps a device taken offline (it missed a deadline) stays out before it gets units again, its weight blocks
-    # sent anew (fedfusion.units.UnitEngine.rejoin); 0: never again
+    # sent anew (fedfusion.units.engine.UnitEngine.rejoin); 0: never again
     rejoin_after: int = 0
     # fault injection for tests and benchmarks: the device (client index) of this partition stops answering: each of
     # its nodes answers stall_after messages, then sleeps stall_s before each of the next stall_messages replies

@@ -44,6 +44,10 @@ class Away:
         self.after, self.missed = after, missed
         self.runtime = DeviceRuntime()
 
+    def leave(self, missed: int = 1) -> None:
+        """Miss the next ``missed`` messages from now on, then come back restarted (churn, drawn by the caller)."""
+        self.after, self.missed = 0, missed
+
     def __call__(self, payload: bytes) -> bytes | None:
         if self.after > 0:
             self.after -= 1
