@@ -291,16 +291,20 @@ def test_the_support_travels_as_runs_and_comes_back_as_its_positions():
 
 
 @pytest.mark.slow  # Flower's simulation engine
-def test_a_flower_run_with_secure_aggregation_sends_only_masked_vectors(tmp_path):
+@pytest.mark.parametrize("mode", ["none", "dp_sgd"])
+def test_a_flower_run_with_secure_aggregation_sends_only_masked_vectors(tmp_path, mode):
     """Through Flower's simulation engine (each step a message to a Ray actor, the node's secrets in its
     ``context.state`` between them): every sampled client trains, each round's replies are masked vectors of one
-    length (8 bytes per coordinate of the round's support), and the ledger holds the extra steps' bytes and seconds."""
+    length (8 bytes per coordinate of the round's support), and the ledger holds the extra steps' bytes and seconds;
+    with DP-SGD on the devices too (the update masked is the DP-trained one), each client's epsilon is accounted
+    within its budget. The report says what the server held and, with DP, what was spent."""
     import json
 
     from fedfusion.cli import main
 
     out = tmp_path / "run"
-    assert main(["run", "quickstart", "privacy.secure_aggregation=true", "rounds=2", "population.num_clients=4",
+    dp = ["privacy.mode=dp_sgd", "privacy.epsilon=50", "privacy.noise_multiplier=0"] if mode == "dp_sgd" else []
+    assert main(["run", "quickstart", "privacy.secure_aggregation=true", *dp, "rounds=2", "population.num_clients=4",
                  "selection.clients_per_round=3", "train.local_steps=2", "--out", str(out)]) == 0
     rows = [json.loads(line) for line in (out / "clients.jsonl").read_text().splitlines()]
     assert len(rows) == 6 and all(r["status"] == "ok" and r["secagg_bytes"] > 0 for r in rows)
@@ -308,4 +312,11 @@ def test_a_flower_run_with_secure_aggregation_sends_only_masked_vectors(tmp_path
         sizes = {r["bytes_up"] for r in rows if r["round"] == round_}
         assert len(sizes) == 1  # one vector length a round, whatever slice each client trained
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [m["round"] for m in metrics if "secagg_s" in m] == [1, 2] and metrics[-1]["eval_ppl"] < metrics[0]["eval_ppl"]
+    assert [m["round"] for m in metrics if "secagg_s" in m] == [1, 2]
+    report = (out / "report.md").read_text()
+    assert "Secure aggregation: each round the server folded the sum" in report
+    if mode == "none":
+        assert metrics[-1]["eval_ppl"] < metrics[0]["eval_ppl"]
+        assert "Privacy: DP-SGD" not in report
+    else:
+        assert all(0 < r["epsilon"] <= 50 for r in rows) and "Privacy: DP-SGD on every device" in report

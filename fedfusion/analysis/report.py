@@ -461,6 +461,22 @@ def _privacy_lines(recipe: Any, clients: list[dict[str, Any]]) -> list[str]:
             f"{len(values)} clients that trained (each client's in `clients.jsonl`, column `epsilon`).", ""]
 
 
+def _secure_lines(recipe: Any, rows: list[dict[str, Any]], clients: list[dict[str, Any]]) -> list[str]:
+    """With ``privacy.secure_aggregation``: what the server held (sums of masked updates, no client's own) and what
+    the protocol's extra steps cost (``secagg_bytes`` per client row, ``secagg_s`` per round)."""
+    if not OmegaConf.select(recipe, "privacy.secure_aggregation", default=False):
+        return []
+    extra = [row["secagg_bytes"] for row in clients if row.get("secagg_bytes")]
+    seconds = sum(row.get("secagg_s") or 0.0 for row in rows)
+    void = sum(1 for row in rows if row.get("void"))
+    cost = (f" Its extra steps (keys, shares, unmasking) moved {sum(extra) / len(extra) / 1e3:.1f} kB per trained "
+            f"client on average (`clients.jsonl`, `secagg_bytes`) and took {seconds:.1f} s of the server's time "
+            f"(`metrics.jsonl`, `secagg_s`)." if extra else " No client trained.")
+    voided = f" {void} round(s) void (too few good replies or survivors to unmask: the target kept)." if void else ""
+    return [f"Secure aggregation: each round the server folded the sum of the clients' masked updates and never held "
+            f"one client's update (`fedfusion.wire.secagg`).{cost}{voided}", ""]
+
+
 def write_report(run: Path, out: Path | None = None) -> Path:
     """report.md and plots/ for one run directory, written into ``out`` (default: the run directory itself)."""
     rows, summary = _load(run)
@@ -492,7 +508,7 @@ def write_report(run: Path, out: Path | None = None) -> Path:
             lines += [f"Still rising: the last {rising[0]} evaluations gained {100 * rising[1]:.1f} points of recall; "
                       "the budget (`rounds`) may be too short for these facts.", ""]
     lines += [f"Status: **{summary.get('status')}**", ""]
-    lines += _privacy_lines(recipe, clients)
+    lines += _privacy_lines(recipe, clients) + _secure_lines(recipe, rows, clients)
     if summary.get("status") == "ok":
         lines += [
             f"Target: {summary['target_params']:,} parameters, {summary['rounds']} rounds, "
