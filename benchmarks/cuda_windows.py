@@ -84,8 +84,8 @@ def planned(arm: str, cfg: LlamaConfig, trainable: int, width: float, batch: int
         with torch.device("meta"):
             state = family_of(cfg).build(cfg).state_dict()
         dense = rank_dense_bytes(cfg, split(cfg, wire_state(state, config_aliases(cfg)), False)[0])
-    return dense + frozen_window_memory(cfg, batch, seq, trainable, "int4" if arm == "window-int4" else "int8",
-                                        checkpoint, expand=arm == "window-expanded")
+    return frozen_window_memory(cfg, batch, seq, trainable, "int4" if arm == "window-int4" else "int8", checkpoint,
+                                expand=arm == "window-expanded", dense=dense)
 
 
 def measure(arm: str, cfg: LlamaConfig, state: dict, a: argparse.Namespace, checkpoint: bool) -> dict:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM
@@ -409,3 +410,61 @@ def test_secure_lora_prices_the_padded_change_the_method_masks(lora_method):
     for before, after in zip(plain, secure, strict=True):
         assert after["MB up"] == masked / 2**20 and after["MB down"] == before["MB down"]
         assert before["MB up"] < after["MB up"]
+
+
+def test_a_trained_tied_embedding_adds_its_two_unsummed_gradients_after_backward():
+    """Full training of a tied embedding: backward's end holds the head's and the input embedding's vocab x hidden
+    gradients before autograd sums them (fedfusion.devices.memory.tied_grad_bytes), counted from the shapes and
+    only where that moment outweighs the activations and the optimizer step; an untied model has none."""
+    def config(vocab: int, tied: bool = True):
+        return dataclasses.replace(tiny_config(), vocab_size=vocab, tie_word_embeddings=tied)
+
+    small, large = (estimate_memory(config(v), batch=1, seq=2, checkpoint=True) for v in (4_000, 8_000))
+    assert (small.tied, large.tied) == (2 * 4 * 4_000 * 32, 2 * 4 * 8_000 * 32)
+    assert large.total == large.weights + large.grads + large.optimizer + large.tied  # above activations and step
+    assert estimate_memory(config(8_000), 1, 2, base_bits=16, checkpoint=True).tied == large.tied // 2
+    assert estimate_memory(config(8_000, tied=False), 1, 2, checkpoint=True).tied == 0
+    assert estimate_memory(config(8_000), 1, 2, base_bits=8, window=100).tied == 0  # the embedding is not trained
+    few = estimate_memory(config(50), batch=4, seq=16)
+    assert few.total == few.weights + few.grads + few.optimizer + few.activations  # tiny vocab: activations win
+
+
+def test_the_peak_of_full_training_with_a_tied_embedding_is_within_15_percent_of_its_live_tensors(monkeypatch):
+    """Measured: the most tensor bytes alive at once while a tied Llama with a large vocabulary trains two
+    checkpointed AdamW steps (benchmarks/cpu_memory.py's LiveTensors), above the tensors alive before (the weights
+    and whatever else the process holds), is within the planner's goal, 15 %, of the estimate less its weights, and
+    above the estimate without the tied gradients."""
+    import torch
+
+    from fedfusion.train.loop import train_steps
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from cpu_memory import GOAL, LiveTensors
+
+    cfg = dataclasses.replace(tiny_config(), vocab_size=8_000, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    data = torch.randint(0, cfg.vocab_size, (8, 5))
+    with LiveTensors() as live:
+        held = live.bytes
+        train_steps(model, data, steps=2, lr=1e-3, batch_size=1, seed=0, checkpoint=True)
+    est = estimate_memory(cfg, batch=1, seq=4, checkpoint=True)
+    measured = live.peak - held
+    assert abs((est.total - est.weights) / measured - 1) <= GOAL
+    assert est.grads + est.optimizer + max(est.activations, est.step) < measured
+
+
+def test_a_rank_updates_dense_matrices_are_two_whatever_the_uses_and_live_with_the_activations():
+    """A rank-r update of a tied embedding (two uses: lookup and head) costs two dense float32 vocab x hidden
+    matrices at once, the head's kept copy and its gradient (rank_dense_bytes); a linear layer's update none. In the
+    estimate they are live with the activations: the kept half through the loss, the whole at the head's backward
+    beside the layers' activations and the logits' float32 gradient."""
+    from fedfusion.fusion.submodel.plan import rank_dense_bytes
+
+    cfg = dataclasses.replace(tiny_config(), vocab_size=8_000, tie_word_embeddings=True)
+    dense = rank_dense_bytes(cfg, ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight"])
+    assert dense == 2 * 4 * 8_000 * cfg.hidden_size
+    plain, ranked = (estimate_memory(cfg, 2, 8, base_bits=8, window=100, dense=d) for d in (0, dense))
+    layers = plain.activations - 12 * 2 * 8 * 8_000  # the float32 logits' 12 bytes per entry (the module docstring)
+    assert ranked.with_dense == max(plain.activations + dense // 2, layers + 4 * 2 * 8 * 8_000 + dense)
+    assert ranked.total - plain.total == ranked.with_dense - plain.activations > 0

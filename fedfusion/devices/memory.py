@@ -8,10 +8,19 @@ Memory model (:func:`estimate_memory`), per training step of ``batch`` sequences
   the decoder's linear layers quantised (4 bit: 4.5 bits per weight, 8 bit: 8.5, counting
   bitsandbytes' per-block scales), embeddings, norms and lm_head at 16 bit, or everything at 16/32 bit.
 - **gradients**: 4 bytes per trainable parameter (all of them; with LoRA only the adapters).
-- **optimizer**: AdamW's two fp32 moments, 8 bytes per trainable parameter; its step (torch's multi-tensor AdamW)
-  allocates one more trainable-sized temporary, ``sqrt(v)``. Backward has freed the activations by then, so the
-  peak counts the larger of the activations and that temporary: for the whole target at a small batch the step is
-  the peak (measured on CPU, ``benchmarks/results/cpu_memory.md``).
+- **optimizer**: AdamW's two fp32 moments, 8 bytes per trainable parameter; its step allocates one more
+  trainable-sized temporary, ``sqrt(v)``, as torch's multi-tensor AdamW (its default on CUDA) does. Backward has
+  freed the activations by then, so the peak counts the larger of the activations and that temporary. On CPU
+  torch defaults to the single-tensor AdamW, whose temporaries are two of the largest tensor's size at a time, so
+  there this term overcounts (the whole 135M target with checkpointing: 13 % above its live tensors' peak,
+  ``benchmarks/results/cpu_memory.md``).
+- **tied gradients**: with the embedding trained and tied to the head, backward's last moment holds two more
+  vocabulary x hidden gradients (:func:`tied_grad_bytes`); like the step, after the activations are freed.
+- **dense matrices** of a rank-r update that does not ride on a linear layer (``dense``, from
+  ``fedfusion.fusion.submodel.plan.rank_dense_bytes``: each matrix and its gradient): the matrix a layer keeps for
+  backward (half of ``dense``; none is kept by an embedding used only for its lookup, so there this overcounts) is
+  live through the loss, with all the activations; at the head's backward its gradient joins it, with the layers'
+  activations but, of the loss's buffers, only the logits' float32 gradient. The peak is the larger moment.
 - **activations** kept for backward: per token and layer ``10*hidden + 3*intermediate + 2*heads*seq``
   values (attention inputs/outputs, norms, SwiGLU branches, attention scores and probabilities), 4 bytes
   each, 2 with a 16-bit or quantised LoRA base (a full-forward window computes in float32 whatever its frozen
@@ -22,11 +31,15 @@ Memory model (:func:`estimate_memory`), per training step of ``batch`` sequences
   float32 log-softmax cross-entropy keeps and its float32 gradient (12 bytes per vocabulary entry at fp32, 14
   at 16 bits: on a
   135M base with a 49k vocabulary this is a fifth of the peak, measured on CUDA in
-  ``benchmarks/results/cuda_lora.md``).
+  ``benchmarks/results/cuda_lora.md``). On CPU these overcount: torch's SDPA kernel there (flash attention)
+  keeps no attention probabilities, and the loss's forward, where most ways peak, holds the logits and their
+  log-softmax but no gradient yet (``benchmarks/results/cpu_memory.md``: up to 11 % above the live tensors' peak).
 
 A plan fits a device when its estimate is within ``usable`` (default 0.9) of the catalog's
 ``memory_gb`` (already the memory an app may use), the rest left for allocator fragmentation, the
-runtime and the data pipeline.
+runtime and the data pipeline. glibc's default malloc can take more: it keeps freed activation-sized blocks in the
+process's heap, and a way's peak resident memory there runs up to 1.64 times the estimate (a rank window;
+``benchmarks/results/cpu_memory.md``, where with glibc's mmap threshold fixed every way is within 15 %).
 
 Time and energy per round come from :func:`fedfusion.devices.energy.price_work`, the cost model the run's ledger
 prices every client with: the tier's training FLOPs (``6 x params x tokens``) and the bytes it moves each
@@ -119,16 +132,18 @@ class MemoryEstimate:
     params: int  # all parameters of the model trained (base included)
     trainable: int
     step: int = 0  # the optimizer step's temporaries: live after backward has freed the activations
+    tied: int = 0  # the tied embedding's gradients before they are summed (tied_grad_bytes), as late as the step
+    with_dense: int = 0  # the activations' larger moment with a rank-r update's dense matrices (0: none)
 
     @property
     def total(self) -> int:
-        return self.weights + self.grads + self.optimizer + max(self.activations, self.step)
+        return self.weights + self.grads + self.optimizer + max(self.activations, self.step, self.tied, self.with_dense)
 
 
 def estimate_memory(
     config: PretrainedConfig, batch: int, seq: int, lora_rank: int | None = None, base_bits: int = 32,
     lora_modules: Sequence[str] = LORA_MODULES, compute_bytes: int = 2, window: int | None = None,
-    checkpoint: bool = False,
+    checkpoint: bool = False, dense: int = 0,
 ) -> MemoryEstimate:
     """Peak training memory of full fine-tuning (``lora_rank=None``, fp32), LoRA on a ``base_bits`` base, or a
     full-forward window of ``window`` parameters (fp32, with its AdamW state) on a frozen ``base_bits`` target.
@@ -136,7 +151,8 @@ def estimate_memory(
     A 4/8-bit base keeps its non-linear weights (embeddings, norms) and its activations in the compute dtype,
     ``compute_bytes`` per value (bitsandbytes' compute dtype: 4 for float32, 2 for float16/bfloat16); a
     32- or 16-bit base keeps them in its own precision; a window computes in float32. ``checkpoint``: activation
-    checkpointing (each layer's input kept, one layer's activations live at a time)."""
+    checkpointing (each layer's input kept, one layer's activations live at a time). ``dense``: the bytes a rank-r
+    update's dense matrices take at once (``fedfusion.fusion.submodel.plan.rank_dense_bytes``; with ``window``)."""
     if batch < 1 or seq < 1:
         raise ValueError(f"batch and seq must be >= 1, got {batch}, {seq}")
     if base_bits not in _BITS_STORED:
@@ -150,7 +166,8 @@ def estimate_memory(
     if lora_rank is None and window is None:  # 16: pure bfloat16 training, AdamW's moments in bfloat16 too
         b = base_bits // 8
         return MemoryEstimate(b * params, b * params, 2 * b * params,
-                              b * layer_values + _logit_bytes(config, batch, seq, b), params, params, b * params)
+                              b * layer_values + _logit_bytes(config, batch, seq, b), params, params, b * params,
+                              tied=tied_grad_bytes(config, b))
     trainable = lora_params(config, lora_rank, lora_modules) if lora_rank is not None else int(window or 0)
     linear = linear_params(config)
     act_bytes = 4 if window is not None else base_bits // 8 if base_bits >= 16 else compute_bytes
@@ -158,9 +175,13 @@ def estimate_memory(
         weights = params * base_bits / 8
     else:
         weights = linear * _BITS_STORED[base_bits] / 8 + (params - linear) * act_bytes
-    return MemoryEstimate(int(weights) + 4 * trainable, 4 * trainable, 8 * trainable,
-                          act_bytes * layer_values + _logit_bytes(config, batch, seq, act_bytes),
-                          params + (trainable if window is None else 0), trainable, 4 * trainable)
+    activations = act_bytes * layer_values + _logit_bytes(config, batch, seq, act_bytes)
+    with_dense = 0
+    if dense:  # through the loss: the kept dense matrix; at the head's backward: it, its gradient, the logits' gradient
+        with_dense = max(activations + dense // 2, act_bytes * layer_values + 4 * batch * seq * config.vocab_size + dense)
+    return MemoryEstimate(int(weights) + 4 * trainable, 4 * trainable, 8 * trainable, activations,
+                          params + (trainable if window is None else 0), trainable, 4 * trainable,
+                          with_dense=with_dense)
 
 
 def layer_activation_values(tokens: int, seq: int, hidden: int, intermediate: int, heads: int) -> int:
@@ -168,6 +189,15 @@ def layer_activation_values(tokens: int, seq: int, hidden: int, intermediate: in
     hidden-wide tensors (norm inputs and outputs, q, k, v, the attention output, residuals), three MLP-wide ones
     and the attention probabilities and scores (heads x seq per token)."""
     return tokens * (10 * hidden + 3 * intermediate + 2 * heads * seq)
+
+
+def tied_grad_bytes(config: PretrainedConfig, grad_bytes: int) -> int:
+    """What a trained embedding tied to the head adds at backward's end: the head's gradient (from the logits) and
+    the input embedding's are separate vocabulary x hidden buffers that autograd then sums, out of place, into the
+    shared weight's gradient, so two such buffers are live beside the gradients already counted (measured with
+    activation checkpointing on SmolLM2-135M's shape, whole and a slice, where this moment is the peak:
+    ``benchmarks/results/cpu_memory.md``). The activations are freed by then. 0 for an untied model."""
+    return 2 * grad_bytes * config.vocab_size * config.hidden_size if config.tie_word_embeddings else 0
 
 
 def linear_params(config: PretrainedConfig) -> int:

@@ -209,35 +209,35 @@ def window_memory(fusion: FusionConfig, train: TrainConfig, target: PretrainedCo
         plan = replace(plan_slice(target, min(1.0, width + core), "static", axes=axes, scale=False),
                        shared=f.window_shared)
         window = window_params(target, state, plan)
-    return window, dense + frozen_window_memory(target, train.batch_size, train.seq_len, window, f.frozen_dtype,
-                                                train.checkpoint, expand, f.wire_dtype)
+    return window, frozen_window_memory(target, train.batch_size, train.seq_len, window, f.frozen_dtype,
+                                        train.checkpoint, expand, f.wire_dtype, dense)
 
 
 def rank_dense_bytes(target: PretrainedConfig, factored: Sequence[str]) -> int:
     """What a rank-r update costs beyond its factors where it does not ride on a linear layer (an embedding, a
-    Conv1D): the parametrization makes the dense ``frozen + B @ A`` at each use (a tied embedding: twice, input and
-    head), and backward its dense gradient, float32 each (``fedfusion.models.frozen._Added``)."""
+    Conv1D): the parametrization makes the dense ``frozen + B @ A`` at each use (``fedfusion.models.frozen._Added``),
+    and backward its dense gradient, float32 each; two such matrices are live at once, whatever the uses: a tied
+    head keeps its dense copy for backward, where its gradient joins it, while an embedding's lookup keeps only the
+    token ids, so the input use's copy is freed at once (measured on SmolLM2-135M's shape:
+    ``benchmarks/results/cpu_memory.md``, the rank arm). When they are live beside the activations:
+    ``fedfusion.devices.memory.estimate_memory``'s ``dense``."""
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(target)
-    aliases = config_aliases(target)
-    total = 0
-    for name in factored:
-        module = model.get_submodule(name.rpartition(".")[0])
-        if not isinstance(module, torch.nn.Linear):
-            uses = 1 + sum(1 for source in aliases.values() if source == name)
-            total += 2 * 4 * model.get_parameter(name).numel() * uses
-    return total
+    return sum(2 * 4 * model.get_parameter(name).numel() for name in factored
+               if not isinstance(model.get_submodule(name.rpartition(".")[0]), torch.nn.Linear))
 
 
 def frozen_window_memory(target: PretrainedConfig, batch: int, seq: int, window: int, frozen_dtype: str,
-                         checkpoint: bool = False, expand: bool = False, wire_dtype: str = "float32") -> int:
+                         checkpoint: bool = False, expand: bool = False, wire_dtype: str = "float32",
+                         dense: int = 0) -> int:
     """Peak bytes of training ``window`` parameters on ``target`` frozen in ``frozen_dtype``; ``expand``: made float32
     once (``WindowSpec.expand``). The message stays held while the device trains (the client app holds it): its
     window values (in ``wire_dtype``) besides the trained copy, and of the frozen target what the model does not
     share with it: the narrow path keeps the projections' codes themselves but decodes the other matrices
-    (embeddings) to float32; the expanded path decodes them all."""
+    (embeddings) to float32; the expanded path decodes them all. ``dense``: a rank-r update's dense matrices
+    (:func:`rank_dense_bytes`)."""
     bits = 32 if expand else FROZEN_BITS[frozen_dtype]
-    mem = estimate_memory(target, batch, seq, base_bits=bits, window=window, checkpoint=checkpoint).total
+    mem = estimate_memory(target, batch, seq, base_bits=bits, window=window, checkpoint=checkpoint, dense=dense).total
     decoded = param_count(target) - (0 if expand else linear_params(target))
     return mem + encoded_bytes(wire_dtype, window) + (encoded_bytes(frozen_dtype, decoded) if bits != 32 or expand else 0)
 
