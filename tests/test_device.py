@@ -5,11 +5,13 @@ reference device round trip as a SuperNode would drive it."""
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 
 import pytest
 import torch
+from fp_bounds import assert_within, gamma
 from model_bounds import ExactLM, assert_replayed, assert_steps, batches, optimizer_steps, runtime_steps
 
 from fedfusion.phone.gateway import Gateway, GatewayServer, Tokens, call, pack, unpack, write_tokens
@@ -19,25 +21,42 @@ from fedfusion.train.loop import make_optimizer
 QUICK = ["model.num_layers=2", "train.batch_size=4", "train.seq_len=16", "train.local_steps=4"]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("name,wd", [("adamw", 0.0), ("adamw", 0.1), ("sgd", 0.01)])
-def test_client_optimizer_steps_as_torch(name, wd):
-    """The optimizer a phone runs over named gradients moves weights as torch.optim does, step for step. In
-    float64, where the same formula evaluated in another order agrees to rounding (1e-12, the float64 tests'
-    exactness); in float32 the two orders differ by a few ulps a step, a constant that would hold on one machine."""
+def test_client_optimizer_steps_as_torch(name, wd, dtype):
+    """The optimizer a phone runs over named gradients moves weights as torch.optim does, step for step, within
+    rounding. AdamW's moments are the same torch ops on the same gradients (equal, bit for bit: asserted); from equal
+    inputs each side's new weight is within gamma_3 |p| (the decay's scalar and product, the final sum) plus
+    gamma_8 |update| (the bias corrections' square root, taken as ``** 0.5`` by torch and ``math.sqrt`` here, each
+    within an ulp; the moment's root, the two divisions, eps, the step size, the product, the final sum) of the exact
+    step, so the two sides within twice that; a difference carried from the step before is scaled by 1 - lr wd <= 1
+    (the update does not depend on the weight; SGD's decay is that factor). Bounds in float64 from torch's values."""
     gen = torch.Generator().manual_seed(0)
-    start = {"a": torch.randn(5, 3, generator=gen, dtype=torch.float64),
-             "b": torch.randn(7, generator=gen, dtype=torch.float64)}
+    start = {"a": torch.randn(5, 3, generator=gen, dtype=dtype), "b": torch.randn(7, generator=gen, dtype=dtype)}
     module = torch.nn.ParameterDict({k: torch.nn.Parameter(v.clone()) for k, v in start.items()})
-    opt = make_optimizer(module, name, 0.01, wd)
-    mine, client = {k: v.clone() for k, v in start.items()}, ClientOptimizer(name, 0.01, wd)
-    for _ in range(6):
-        grads = {k: torch.randn(v.shape, generator=gen, dtype=torch.float64) for k, v in start.items()}
+    lr = 0.01
+    opt = make_optimizer(module, name, lr, wd)
+    mine, client = {k: v.clone() for k, v in start.items()}, ClientOptimizer(name, lr, wd)
+    bound = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in start.items()}
+    b1, b2 = client.betas
+    for step in range(1, 7):
+        grads = {k: torch.randn(v.shape, generator=gen, dtype=dtype) for k, v in start.items()}
+        before = {k: p.detach().double().clone() for k, p in module.items()}
         for k, p in module.items():
             p.grad = grads[k].clone()
         opt.step()
         client.step(mine, grads)
+        for k, p in module.items():
+            if name == "adamw":
+                m, v = opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"]
+                assert torch.equal(m, client.moments[k][0]) and torch.equal(v, client.moments[k][1])
+                root = v.double().sqrt() / math.sqrt(1 - b2 ** step)
+                update = lr / (1 - b1 ** step) * m.double().abs() / (root + client.eps)
+            else:
+                update = lr * (grads[k].double().abs() + wd * before[k].abs())
+            bound[k] += 2 * (gamma(3, dtype) * before[k].abs() + gamma(8, dtype) * update)
+            assert_within(mine[k], p, bound[k])
     for k in start:
-        assert float((mine[k] - module[k].detach()).abs().max()) <= 1e-12, k
         assert not torch.equal(mine[k], start[k])
 
 
