@@ -9,7 +9,7 @@ through :class:`fedfusion.units.UnitEngine` on ``--devices`` phones (10 MB/s dow
 prototype of ``benchmarks/units.py``). Before each step every live device leaves with probability ``rate``
 (:class:`fedfusion.units.workers.Away`: it misses its next message, so the engine takes it offline and re-dispatches
 its tiles, and it comes back restarted, its weight cache gone); a device offline for ``--rejoin-after`` steps gets
-units again (:meth:`UnitEngine.rejoin`, its weight blocks sent anew), as ``units.rejoin_after`` does under
+units again (:class:`fedfusion.units.engine.Returns`, its weight blocks sent anew), as ``units.rejoin_after`` does under
 ``fedfusion run``. Per step: the bytes the engine moved (measured), the tiles it re-dispatched, and the step's
 virtual seconds under the devices' links (:func:`fedfusion.units.timeline.simulate` over the devices live at the
 step's start, each leaver killed at time 0: it costs its phase one deadline). Rate 0 is the same run without churn
@@ -30,6 +30,7 @@ from transformers import LlamaForCausalLM
 from units import BATCH, RESULTS, SEQ, TARGETS, fleets
 
 from fedfusion.units import UnitEngine, install
+from fedfusion.units.engine import Returns
 from fedfusion.units.timeline import Kill, chains_from_trace, simulate
 from fedfusion.units.verify import Freivalds
 from fedfusion.units.workers import Away
@@ -65,13 +66,10 @@ def run(rate: float, seed: int, a: argparse.Namespace, data: list[torch.Tensor],
     install(model, engine, "all")
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     draw = torch.Generator().manual_seed(1000 + seed)
-    since: dict[int, int] = {}
+    returns = Returns(a.rejoin_after)
     steps = []
     for step, ids in enumerate(data):
-        back = [d for d, s in since.items() if step - s >= a.rejoin_after]
-        for d in back:
-            engine.rejoin(d)
-            del since[d]
+        back = returns.start(engine, step)
         live = engine.live()
         leavers = [d for d in live if float(torch.rand((), generator=draw)) < rate]
         for d in leavers:
@@ -81,7 +79,7 @@ def run(rate: float, seed: int, a: argparse.Namespace, data: list[torch.Tensor],
         model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
         trace = engine.trace[before:]
-        since.update({d: step for d in engine.offline if d not in since})
+        returns.end(engine, step)
         kills = tuple(Kill(live.index(d), 0.0) for d in leavers)
         timing = simulate([proto] * len(live), chains_from_trace(trace), kills=kills, accumulate=True)
         steps.append({"step": step, "live": len(live), "left": len(leavers), "rejoined": len(back),

@@ -41,6 +41,7 @@ from fedfusion.strategies.wrapped import collect
 from fedfusion.train.loop import finite_loss, gradient_step, lm_loss, make_optimizer
 from fedfusion.units import Freivalds, PhaseRecord, UnitDevice, UnitEngine, from_catalog, install
 from fedfusion.units.devices import server_from_catalog
+from fedfusion.units.engine import Returns
 from fedfusion.units.ledger import ServerStep, price_server, server_timeline
 from fedfusion.units.phases import server_flops
 from fedfusion.units.timeline import chains_from_trace, simulate
@@ -213,7 +214,7 @@ class UnitsMethod:
         self.catalog = population_catalog(recipe.population)
         self.opt = make_optimizer(self.model, recipe.train.optimizer, recipe.train.lr, recipe.train.weight_decay)
         self.handle: Any = None  # the target's linear layers routed through the engine (install), while training
-        self.offline_since: dict[int, int] = {}  # device -> the step it went offline in (units.rejoin_after)
+        self.returns = Returns(self.u.rejoin_after)  # devices taken offline get units again (units.rejoin_after)
 
     @property
     def steps(self) -> int:
@@ -284,7 +285,7 @@ class UnitsMethod:
                           accumulate=u.accumulate, server=server_from_catalog(self.catalog[u.server_device]),
                           **u.runtime()) if trace else None
         used = {d for rec in trace for d in rec.down_bytes}
-        self.offline_since.update({d: step for d in engine.offline - offline_before})
+        self.returns.end(engine, step)
         scores = self.evaluate() if step == u.steps or (u.eval_every and step % u.eval_every == 0) else {}
         step_waits = self.transport.waits[waits:]
         ledger = price_step(step, trace, self.firsts, self.caps, self.catalog, engine.offline - offline_before)
@@ -316,13 +317,11 @@ class UnitsMethod:
     def rejoin(self, step: int) -> list[int]:
         """The devices offline for ``units.rejoin_after`` steps or more, given units again from ``step`` on (their
         weight blocks sent anew); none when ``rejoin_after`` is 0."""
-        after = self.u.rejoin_after
-        back = sorted(d for d, since in self.offline_since.items() if after and step - since >= after)
-        for device in back:
-            self.engine.rejoin(device)
+        back = self.returns.start(self.engine, step)
+        for device, since in back.items():
             log(INFO, "units mode: device %d (node %d) gets units again at step %d, offline since step %d", device,
-                self.firsts[device], step, self.offline_since.pop(device))
-        return back
+                self.firsts[device], step, since)
+        return list(back)
 
     def checkpoint(self, step: int, elapsed_s: float) -> Checkpoint:
         """The target, the optimizer's groups (state.json) and moments (tensors.safetensors) after ``step``."""

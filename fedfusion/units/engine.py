@@ -84,6 +84,27 @@ class PhaseRecord:
 
 
 @dataclass
+class Returns:
+    """When devices taken offline get units again: each after ``after`` steps offline (0: never). The caller marks
+    each step's start (:meth:`start`: the due devices rejoin) and end (:meth:`end`: who went offline in it)."""
+
+    after: int
+    since: dict[int, int] = field(default_factory=dict)  # device -> the step it went offline in
+
+    def start(self, engine: UnitEngine, step: int) -> dict[int, int]:
+        """Rejoin the devices offline for ``after`` steps or more (``UnitEngine.rejoin``); device -> step it left."""
+        back = {d: s for d, s in sorted(self.since.items()) if self.after and step - s >= self.after}
+        for device in back:
+            engine.rejoin(device)
+            del self.since[device]
+        return back
+
+    def end(self, engine: UnitEngine, step: int) -> None:
+        """Note the devices the step took offline."""
+        self.since.update({d: step for d in engine.offline if d not in self.since})
+
+
+@dataclass
 class UnitEngine:
     """Routes GEMMs through sub-matrix units on ``devices``; exact up to the summation order of k-splits."""
 
