@@ -264,14 +264,15 @@ def test_two_supernodes_per_device_train_central_trainings_curve(tmp_path):
 
 def test_a_device_silent_mid_phase_costs_one_deadline_and_the_loss_stays_exact(tmp_path):
     """Device 1 goes silent after 3 messages to each of its 2 SuperNodes (2 micro-batches in flight, one per node):
-    each micro-batch that had a message out to it waits one deadline, then the device is offline for good. (With one
+    each micro-batch that had a message out to it waits one deadline, then the device is offline for good
+    (``units.rejoin_after=0``: never asked again). (With one
     SuperNode per device the same run misses once; the suite keeps this, the superset, for time. A stalled node
     sleeps in one of the simulation engine's actors: with 2 stalled nodes on a 2-core host, 0.5 CPU per node keeps
     actors free for the other devices.)"""
     floor, nodes = 3.0, 2
     extra = ["units.micro_batches=2", f"units.supernodes={nodes}", "engine.cpus_per_client=0.5"]
     stalled = ["units.stall_partition=1", "units.stall_after=3", "units.stall_s=9", f"units.deadline_floor_s={floor}",
-               *extra]
+               "units.rejoin_after=0", *extra]
     rows, rec = run_units(tmp_path, stalled, nodes=4 * nodes)
     assert_central_steps(rows, rec, Central([*TINY, *stalled]))
     missed = [m for r in rows[1:] for m in r["missed"]]

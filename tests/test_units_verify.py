@@ -7,6 +7,7 @@ import torch
 from fp_bounds import assert_same_product, matmul_bound
 
 from fedfusion.units import Freivalds, Gemm, Operand, UnitDevice, UnitEngine
+from fedfusion.units.engine import Returns
 from fedfusion.units.messages import DeviceRuntime
 from fedfusion.units.verify import WeightId, abs_mv
 from fedfusion.units.workers import Away, Corrupt, DiesAfter
@@ -230,3 +231,22 @@ def test_abs_mv_equals_the_plain_product_for_rows_and_transposed_views(shape: tu
               torch.randn(shape[1], shape[0], generator=gen, dtype=torch.float64).T):
         err = (abs_mv(x, v) - torch.mv(x.abs(), v)).abs()
         assert (err <= 2 * matmul_bound(x, v[:, None])[:, 0]).all()
+
+
+def test_a_device_that_fails_on_each_return_waits_twice_as_long_each_time_and_one_clean_step_resets_it() -> None:
+    """units.rejoin_after's policy (Returns, each step marked as UnitsMethod marks it), base wait 2 steps: device 1
+    leaves in step 1 and misses a deadline again in every step it comes back in, so it returns at steps 3, 7 and 15
+    (waits 2, 4, 8: a device gone for good costs a deadline at ever longer intervals); device 0 leaves in step 2,
+    fails on its return at 4, comes back at 8 (a wait of 4), finishes that step online, and its next absence (step
+    10) waits the base 2 steps again."""
+    engine = UnitEngine(devices(3))
+    returns = Returns(after=2)
+    leaves = {1: {1}, 2: {0}, 3: {1}, 4: {0}, 7: {1}, 10: {0}, 15: {1}}  # step -> who misses a deadline in it
+    back: dict[int, list[int]] = {}
+    for step in range(1, 17):
+        if came := sorted(returns.start(engine, step)):
+            back[step] = came
+        engine.offline |= leaves.get(step, set())  # what the engine does to a device that misses its deadline
+        returns.end(engine, step)
+    assert back == {3: [1], 4: [0], 7: [1], 8: [0], 12: [0], 15: [1]}
+    assert returns.misses == {1: 3} and returns.since == {1: 15} and engine.offline == {1}

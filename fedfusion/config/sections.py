@@ -499,8 +499,10 @@ class UnitsSection:
     server_device: str = DEFAULT_SERVER_DEVICE
     eval_every: int = 0  # steps between central evaluations (0: only before the first and after the last step)
     # steps a device taken offline (it missed a deadline) stays out before it gets units again, its weight blocks
-    # sent anew (fedfusion.units.engine.UnitEngine.rejoin); 0: never again
-    rejoin_after: int = 0
+    # sent anew (fedfusion.units.engine.UnitEngine.rejoin), doubled each time it fails in the step it came back in
+    # (fedfusion.units.engine.Returns: a device gone for good costs a deadline at steps 1, 3, 7, 15, ... after it
+    # left, a transient miss one step); 0: never again
+    rejoin_after: int = 1
     # fault injection for tests and benchmarks: the device (client index) of this partition stops answering: each of
     # its nodes answers stall_after messages, then sleeps stall_s before each of the next stall_messages replies
     # (0: every reply from then on) and answers promptly again; -1: off. In simulation a sleeping node holds one of

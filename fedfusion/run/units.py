@@ -315,8 +315,9 @@ class UnitsMethod:
         return row, ledger
 
     def rejoin(self, step: int) -> list[int]:
-        """The devices offline for ``units.rejoin_after`` steps or more, given units again from ``step`` on (their
-        weight blocks sent anew); none when ``rejoin_after`` is 0."""
+        """The devices offline for their wait or more (``units.rejoin_after`` steps, doubled per failed return:
+        :class:`~fedfusion.units.engine.Returns`), given units again from ``step`` on (their weight blocks sent
+        anew); none when ``rejoin_after`` is 0."""
         back = self.returns.start(self.engine, step)
         for device, since in back.items():
             log(INFO, "units mode: device %d (node %d) gets units again at step %d, offline since step %d", device,

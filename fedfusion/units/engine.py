@@ -85,22 +85,39 @@ class PhaseRecord:
 
 @dataclass
 class Returns:
-    """When devices taken offline get units again: each after ``after`` steps offline (0: never). The caller marks
-    each step's start (:meth:`start`: the due devices rejoin) and end (:meth:`end`: who went offline in it)."""
+    """When devices taken offline get units again: after ``after`` steps offline (0: never), doubled each time a
+    device goes offline again in the step it came back in (exponential backoff: a device that is gone for good costs
+    a deadline at steps ``after``, ``3 after``, ``7 after``, ... rather than every ``after``; one step it finishes
+    online resets its wait). The caller marks each step's start (:meth:`start`: the due devices rejoin) and end
+    (:meth:`end`: who went offline in it)."""
 
     after: int
     since: dict[int, int] = field(default_factory=dict)  # device -> the step it went offline in
+    misses: dict[int, int] = field(default_factory=dict)  # device -> times in a row it went offline on its return
+    back: set[int] = field(default_factory=set)  # the devices that rejoined at this step's start
+
+    def wait(self, device: int) -> int:
+        """Steps ``device`` stays offline this time: ``after`` times 2 per return it failed in a row."""
+        return self.after * 2 ** self.misses.get(device, 0)
 
     def start(self, engine: UnitEngine, step: int) -> dict[int, int]:
-        """Rejoin the devices offline for ``after`` steps or more (``UnitEngine.rejoin``); device -> step it left."""
-        back = {d: s for d, s in sorted(self.since.items()) if self.after and step - s >= self.after}
-        for device in back:
+        """Rejoin the devices offline for their wait or more (``UnitEngine.rejoin``); device -> step it left."""
+        due = {d: s for d, s in sorted(self.since.items()) if self.after and step - s >= self.wait(d)}
+        for device in due:
             engine.rejoin(device)
             del self.since[device]
-        return back
+        self.back = set(due)
+        return due
 
     def end(self, engine: UnitEngine, step: int) -> None:
-        """Note the devices the step took offline."""
+        """Note the devices the step took offline; a returned device that went offline again waits twice as long
+        next time, one that finished the step online starts afresh."""
+        for device in self.back:
+            if device in engine.offline:
+                self.misses[device] = self.misses.get(device, 0) + 1
+            else:
+                self.misses.pop(device, None)
+        self.back = set()
         self.since.update({d: step for d in engine.offline if d not in self.since})
 
 
