@@ -17,6 +17,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from fedfusion.wire.finite import all_finite
 from fedfusion.wire.keys import DEVICE_STEP_S, NUM_EXAMPLES
 
 State = dict[str, torch.Tensor]
@@ -262,7 +263,7 @@ def check_same_layout(update: Mapping[str, torch.Tensor], reference: Mapping[str
     for name, value in update.items():
         if value.shape != reference[name].shape:
             raise ValueError(f"{name}: shape {tuple(value.shape)} does not match the {what}'s {tuple(reference[name].shape)}")
-        if not torch.isfinite(value).all():
+        if not all_finite(value):
             raise ValueError(f"{name}: update holds NaN or Inf")
 
 

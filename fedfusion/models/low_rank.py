@@ -21,6 +21,7 @@ from transformers import PretrainedConfig
 from fedfusion.models.build import config_aliases
 from fedfusion.models.frozen import FrozenTargetModel, Slot, as_packed, frozen_target
 from fedfusion.models.slicing import on_unit_axis
+from fedfusion.wire.finite import all_finite
 from fedfusion.wire.quantize import Packed
 
 State = dict[str, torch.Tensor]
@@ -104,7 +105,7 @@ def densify(reply: State, target: State, factored: list[str], exact: list[str], 
         if reply[name].shape != target[name].shape:
             raise ValueError(f"low-rank reply {name}: shape {tuple(reply[name].shape)}, expected {tuple(target[name].shape)}")
         out[name] = reply[name].float()
-    bad = [n for n in factored + exact if not torch.isfinite(out[n]).all()]
+    bad = [n for n in factored + exact if not all_finite(out[n])]
     if bad:
         raise ValueError(f"low-rank reply: non-finite values in {bad[:3]}")
     return out

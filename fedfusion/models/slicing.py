@@ -35,6 +35,7 @@ from transformers import PretrainedConfig
 
 from fedfusion.config.choices import POLICIES
 from fedfusion.models.families import Dim, family_of
+from fedfusion.wire.finite import all_finite
 
 AXES = ("heads", "neurons", "hidden", "depth", "channels")
 _FIELD = {"heads": "attn_units", "neurons": "neurons", "hidden": "hidden", "depth": "layers", "channels": "channels"}
@@ -352,9 +353,10 @@ def stage_update(target: dict[str, torch.Tensor], config: PretrainedConfig, sub:
         shape = sliced_shape(target[name].shape, sl.index)
         if tuple(value.shape) != shape:
             raise ValueError(f"{sub_name}: shape {tuple(value.shape)} does not match its slice {shape}")
-        if not torch.isfinite(value).all():
+        if not all_finite(value):
             raise ValueError(f"{sub_name}: update holds NaN or Inf")
-        staged.append((name, sl.index, value.float() / sl.scale))
+        # x / 1.0 is x exactly: no copy of an unscaled slice
+        staged.append((name, sl.index, value.float() / sl.scale if sl.scale != 1.0 else value.float()))
     return staged
 
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from fedfusion.config.choices import UPLINK, WIRE_FORMATS
+from fedfusion.wire.finite import all_finite
 
 State = dict[str, torch.Tensor]
 BITS = {"int8": 8, "int4": 4}
@@ -48,7 +49,7 @@ def quantize(t: torch.Tensor, bits: int, block: int = BLOCK) -> tuple[torch.Tens
     if bits not in QMAX:
         raise ValueError(f"bits must be 8 or 4, got {bits}")
     flat = t.detach().float().flatten()
-    if not torch.isfinite(flat).all():
+    if not all_finite(flat):
         raise ValueError("cannot quantise NaN or Inf")
     pad = -flat.numel() % block
     # a view of ``t`` where its values fill whole blocks, and the division rounded and clamped in place: one float32

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fedfusion.config.choices import LORA_METHODS, LORA_SECURE_METHODS
+from fedfusion.wire.finite import all_finite
 
 Factors = tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]
 SVD = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (U, S, Vh) of a thin SVD
@@ -183,7 +184,7 @@ def _weights(clients: list[ClientLoRA]) -> tuple[list[float], list[int]]:
                     f"client {k}, {name}: (out, in) = {(b.shape[0], a.shape[1])} but client 0 has "
                     f"{(first.B[name].shape[0], first.A[name].shape[1])}"
                 )
-            if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            if not (all_finite(a) and all_finite(b)):
                 raise ValueError(f"client {k}, {name}: A or B holds NaN or Inf")
         if not (math.isfinite(c.weight) and c.weight > 0):
             raise ValueError(f"client {k}: weight must be positive and finite, got {c.weight!r}")

@@ -53,6 +53,7 @@ from fedfusion.fusion.lora.aggregate import (
 )
 from fedfusion.fusion.lora.spec import AdapterSpec, LoRABaseSpec, QuantizeSpec
 from fedfusion.wire import secagg
+from fedfusion.wire.finite import all_finite
 from fedfusion.wire.quantize import Index, Wire, encoded_bytes, pack_index
 from fedfusion.wire.specs import RoleSpec, WireSpec, merge
 
@@ -180,7 +181,7 @@ class LoRAMethod(FusionMethod):
             a, b = reply[f"{m}.lora_A"], reply[f"{m}.lora_B"]
             if tuple(a.shape) != (rank, inp) or tuple(b.shape) != (out, rank):
                 raise ValueError(f"{m}: A {tuple(a.shape)}, B {tuple(b.shape)}; expected ({rank}, {inp}), ({out}, {rank})")
-            if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            if not (all_finite(a) and all_finite(b)):
                 raise ValueError(f"{m}: A or B holds NaN or Inf")
             A[m], B[m] = a.float(), b.float()
         return Update(payload, weight, update_norm(A, B, alpha / rank), ClientLoRA(A, B, alpha, weight))
