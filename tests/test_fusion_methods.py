@@ -4,6 +4,7 @@ in-process driver; and the import layering the methods rely on (no Flower in the
 from __future__ import annotations
 
 import ast
+import math
 from pathlib import Path
 
 import pytest
@@ -216,3 +217,21 @@ def test_methods_import_no_flower_and_the_server_no_client_role():
         assert not {n for n in _imports(path) if n.startswith("fedfusion.clients")}, path
     targets = ROOT / "fedfusion" / "run" / "targets.py"
     assert not {n for n in _imports(targets) if n.startswith("fedfusion.strategies")}
+
+
+def test_state_norm_is_the_norm_of_every_value_together_within_float32_rounding() -> None:
+    """state_norm (what a reply's norm is judged by, ``max_norm_ratio``) against the float64 norm of all values at
+    once: each tensor's sum of squares (n terms, each squared: gamma_{n+1} relative), its root, the roots' sum of
+    squares over k tensors and the last root add up to within gamma_{n + k + 4} of the exact norm; integers count as
+    their values, a NaN anywhere makes it NaN."""
+    from fp_bounds import gamma
+
+    from fedfusion.fusion.base import state_norm
+    gen = torch.Generator().manual_seed(3)
+    state = {"w": torch.randn(300, 70, generator=gen) * 40, "b": torch.randn(70, generator=gen).half(),
+             "ids": torch.arange(9) * 1000}
+    exact = float(torch.cat([t.double().flatten() for t in state.values()]).norm())
+    got = state_norm(state)
+    assert abs(got - exact) <= gamma(300 * 70 + len(state) + 4, torch.float32) * exact
+    assert abs(state_norm({k: v for k, v in state.items() if k != "ids"}) - exact) > 0.1 * exact  # every one counts
+    assert math.isnan(state_norm({**state, "b": torch.tensor([float("nan")])})) and state_norm({}) == 0.0

@@ -246,8 +246,11 @@ class RoundReport:
 
 
 def state_norm(state: Mapping[str, torch.Tensor]) -> float:
-    """L2 norm of all tensors of a state together (NaN if any value is NaN)."""
-    return float(torch.sqrt(sum((t.float().pow(2).sum() for t in state.values()), torch.tensor(0.0))))
+    """L2 norm of all tensors of a state together (NaN if any value is NaN); each tensor's norm by one reduction in
+    float32, with no squared copy (the server takes one of every reply)."""
+    norms = [torch.linalg.vector_norm(t if t.is_floating_point() else t.float(), dtype=torch.float32)
+             for t in state.values()]
+    return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
 
 
 def state_size(state: Mapping[str, torch.Tensor], width: float = 1.0) -> TierCost:
