@@ -7,15 +7,17 @@ counts it statically, with the ``ast`` module over every ``.py`` file of ``fedfu
 
 Definitions (each is what the code below does; tests/test_recipe_walk.py checks them on a package counted by hand):
 
-- **Entry**: the handler that ``fedfusion.cli``'s ``run`` subparser sets (``run.set_defaults(func=H)``).
-- **Recipe values** in a walked function: a parameter annotated ``Recipe``; a parameter that a stop (below) passed
-  a recipe value to (bound by position or keyword; ``**value`` binds every keyword parameter the call leaves open, an
-  over-count where the mapping holds fewer keys); a local bound (``=``, ``:=``, tuple unpacking, a ``for`` over a
-  recipe value) to a recipe value, to a call of a package function annotated ``-> Recipe``, or to a literal container
-  (list, tuple, dict, comprehension) holding one; and, as expressions, attribute chains and subscripts of a recipe
-  value (``recipe.fusion.widths``), a method call on one (``recipe.data_source()``), ``getattr(recipe, x)``, a
-  conditional with a recipe-valued branch, and ``self.attr`` where a walked method set ``self.attr`` to a recipe
-  value. Values other functions compute from the recipe are not.
+- **Entries**, one walk each, each from scratch: the handler that ``fedfusion.cli``'s ``run`` subparser sets
+  (``run.set_defaults(func=H)``: the recipe loaded, checked, run), and the function named by ``--run`` (default
+  ``run_federation``, the federated run alone), which must be one the handler itself passes the recipe to.
+- **Recipe values** in a walked function: a parameter annotated ``Recipe``; a parameter that a stop (below) passed a
+  recipe value to (by position or keyword; a ``**kwargs`` parameter keeps the names of the recipe-valued keywords it
+  took, and forwarding it binds those names; a ``**`` mapping of unknown keys binds only a ``**kwargs``); a local
+  bound (``=``, ``:=``, tuple unpacking, a ``for`` over a recipe value) to a recipe value, to a call of a package
+  function annotated ``-> Recipe``, or to a literal container (list, tuple, dict, comprehension) holding one; and, as
+  expressions, attribute chains and subscripts of a recipe value (``recipe.fusion.widths``), a method call on one
+  (``recipe.data_source()``), ``getattr(recipe, x)``, a conditional with a recipe-valued branch, and ``self.attr``
+  where a walked method set ``self.attr`` to a recipe value. Values other functions compute from the recipe are not.
 - **Stop**: a call, in a walked function (its nested functions and lambdas included), to a function, method or class
   of the package that passes a recipe value: as an argument, a ``*``/``**`` argument, an element of a literal
   container or comprehension argument, or the receiver of a method (``recipe.fusion.label(...)``).
@@ -284,13 +286,17 @@ class Walk:
         return sorted(out)
 
     # --- one function -------------------------------------------------------------------------------------------
-    def visit(self, fn: Symbol, bound: set[str]) -> None:
+    def visit(self, fn: Symbol, bound: set[str], kw_keys: frozenset[str] = frozenset()) -> None:
+        """Walk ``fn`` with the parameters in ``bound`` holding recipe values (``kw_keys``: the recipe-valued keys its
+        ``**kwargs`` holds, ``*`` for keys not known)."""
         self.walked.add(fn.key)
         node = fn.node
         if isinstance(node, ast.ClassDef):
             return
         local = self.index.imports(fn.module, node)
         ctx = Context(self, fn, local, set(bound))
+        if node.args.kwarg and node.args.kwarg.arg in bound:
+            ctx.kw_keys = {node.args.kwarg.arg: kw_keys}
         args = [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]
         ctx.tracked |= {a.arg for a in args if annotation_name(a.annotation) in ("Recipe", "recipe.Recipe")}
         ctx.types.update({a.arg: t for a in args if (t := ctx.class_of_annotation(a.annotation))})
@@ -316,6 +322,7 @@ class Context:
     types: dict[str, Symbol | str] = field(default_factory=dict)  # a package class, or "external"
     aliases: dict[str, list[ast.expr]] = field(default_factory=dict)
     classes: dict[str, Symbol] = field(default_factory=dict)  # a classmethod's ``cls``
+    kw_keys: dict[str, frozenset[str]] = field(default_factory=dict)  # **kwargs -> its recipe-valued keys ("*": unknown)
 
     @property
     def index(self) -> Index:
@@ -475,7 +482,7 @@ class Context:
             func, args = args[0], args[1:]
         receiver = isinstance(func, ast.Attribute) and self.is_recipe(func.value)
         positional = [i for i, a in enumerate(args) if self.carries(a)]
-        named = [k.arg for k in keywords if self.carries(k.value)]
+        named = [k for k in keywords if self.carries(k.value)]
         if not (receiver or positional or named or self.makes_recipe(func)):
             return
         where = f"{self.fn.module}:{call.lineno} {ast.unparse(call)[:100]}"
@@ -489,11 +496,11 @@ class Context:
         for sym in found:
             self.stop(sym, receiver, positional, named, where, (len(args), {k.arg for k in keywords if k.arg}))
 
-    def stop(self, sym: Symbol, receiver: bool, positional: list[int], named: list[str | None], where: str,
+    def stop(self, sym: Symbol, receiver: bool, positional: list[int], named: list[ast.keyword], where: str,
              given: tuple[int, set[str]] = (0, set())) -> None:
         """Record a stop at ``sym`` and walk it, if not walked yet, with the parameters the recipe reaches bound."""
         target = self.index.member(sym, "__init__") if isinstance(sym.node, ast.ClassDef) else sym
-        self.walk.stops.append({"callee": sym.key, "module": sym.module, "at": where,
+        self.walk.stops.append({"callee": sym.key, "module": sym.module, "at": where, "caller": self.fn.key,
                                 "entered": target is not None and target.key not in self.walk.walked})
         if target is None or target.key in self.walk.walked:
             return
@@ -507,15 +514,23 @@ class Context:
         bound |= {rest[i] for i in positional if i < len(rest)}
         if a.vararg and any(i >= len(rest) for i in positional):
             bound.add(a.vararg.arg)
-        for name in named:
-            if name is None:  # **recipe_value: every keyword parameter the call's other arguments leave open
-                open_ = set(rest[given[0]:]) | {p.arg for p in a.kwonlyargs}
-                bound |= (open_ - given[1]) | ({a.kwarg.arg} if a.kwarg else set())
-            elif name in rest or name in {p.arg for p in a.kwonlyargs}:
+        names: list[str] = []
+        for k in named:
+            if k.arg is not None:
+                names.append(k.arg)
+            elif isinstance(k.value, ast.Name) and k.value.id in self.kw_keys:
+                names += sorted(self.kw_keys[k.value.id])  # a forwarded **kwargs: the keys it is known to hold
+            else:
+                names.append("*")  # a mapping of unknown keys: only the callee's **kwargs takes it
+        open_ = set(rest[given[0]:]) | {p.arg for p in a.kwonlyargs}
+        kw_keys = set()
+        for name in names:
+            if name in open_:
                 bound.add(name)
             elif a.kwarg:
                 bound.add(a.kwarg.arg)
-        self.walk.visit(target, bound)
+                kw_keys.add(name)
+        self.walk.visit(target, bound, frozenset(kw_keys))
 
 
 def unpack(target: ast.AST, value: ast.AST) -> Iterator[tuple[ast.AST, ast.AST]]:
@@ -576,46 +591,60 @@ def measure(dirs: dict[str, Path], layout: Layout, entry: str | None = None, cli
         "distinct_modules": len(set(seq)), "transitions": sum(a != b for a, b in moves),
         "returns": len(returns), "upward": len(upward), "unresolved": len(walk.unresolved),
         "external": len(walk.external), "unreached_readers": len(unreached := walk.unreached()),
-        "recipe_signatures_below": len(sigs),
-        "recipe_signatures_by_floor": dict(Counter(s.rpartition("(")[2].rstrip(")") for s in sigs)),
         "sequence": seq, "visits": dict(Counter(seq).most_common()), "return_moves": returns, "upward_moves": upward,
         "stop_list": walk.stops, "unresolved_calls": walk.unresolved, "external_calls": walk.external,
         "recipe_signatures": sigs, "unreached_reader_list": unreached,
     }
 
 
+ROWS = [("entry", "entry"), ("stops", "stops"), ("functions walked", "functions_walked"),
+        ("distinct modules", "distinct_modules"), ("module changes", "transitions"),
+        ("returns to a room already left", "returns"), ("calls back up the floors", "upward"),
+        ("unresolved calls passing the recipe", "unresolved"), ("external calls passing the recipe", "external"),
+        ("methods reading the recipe that the walk never reached", "unreached_readers")]
+LISTS = [("Returns to a room already left", "return_moves"), ("Calls back up the floors", "upward_moves"),
+         ("Unresolved calls", "unresolved_calls"), ("External calls", "external_calls"),
+         ("Methods reading the recipe never reached", "unreached_reader_list")]
+
+
 def markdown(data: dict[str, Any]) -> str:
-    """The report: the figures, the visit counts, the lists behind them."""
-    f = data
-    rows = [("entry", f"`{f['entry']}`"), ("stops", f["stops"]), ("functions walked", f["functions_walked"]),
-            ("distinct modules", f["distinct_modules"]), ("module changes", f["transitions"]),
-            ("returns to a room already left", f["returns"]), ("calls back up the floors", f["upward"]),
-            ("unresolved calls passing the recipe", f["unresolved"]),
-            ("external calls passing the recipe", f["external"]),
-            ("methods reading the recipe that the walk never reached", f["unreached_readers"]),
-            ("whole-Recipe signatures below run/", f["recipe_signatures_below"]),
-            ("... by floor", ", ".join(f"{k} {v}" for k, v in f["recipe_signatures_by_floor"].items()) or "none")]
+    """The report: each walk's figures side by side, then each walk's visit counts, sequence, stops and lists."""
+    walks: dict[str, dict[str, Any]] = data["walks"]
+    sigs = data["recipe_signatures"]
+    by_floor = ", ".join(f"{k} {v}" for k, v in Counter(x.rpartition("(")[2].rstrip(")") for x in sigs).items())
     lines = ["# The recipe's walk down the floors", "",
-             f"Machine: {f['machine']}. Static: the `ast` of every module of fedfusion/, strategies/, clients/; "
-             "nothing imported. Definitions: the docstring of benchmarks/recipe_walk.py; floors: tests/test_layout.py.",
-             "", "| figure | value |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows), "",
-             "## Visits per module", "", "| module | visits |", "|---|---|",
-             *(f"| `{m}` | {n} |" for m, n in f["visits"].items()), "",
-             "## Sequence", "", " -> ".join(f"`{m}`" for m in f["sequence"]), "",
-             "## Stops", "", "| # | callee | call | entered |", "|---|---|---|---|",
-             *(f"| {i} | `{s['callee']}` | `{s['at'].replace('|', '/')}` | {'yes' if s['entered'] else ''} |"
-               for i, s in enumerate(f["stop_list"], 1)), ""]
-    for title, key in (("Returns to a room already left", "return_moves"), ("Calls back up the floors", "upward_moves"),
-                       ("Unresolved calls", "unresolved_calls"), ("External calls", "external_calls"),
-                       ("Methods reading the recipe never reached", "unreached_reader_list"),
-                       ("Whole-Recipe signatures below run/", "recipe_signatures")):
-        items = [f"- `{x.replace('`', '')}`" for x in f[key]] or ["(none)"]
-        lines += [f"## {title}", "", *items, ""]
+             f"Machine: {data['machine']}. Static: the `ast` of every module of fedfusion/, strategies/, clients/; "
+             "nothing imported. Definitions: the docstring of benchmarks/recipe_walk.py; floors: tests/test_layout.py. "
+             "Two walks: from `fedfusion run`'s handler (the recipe loaded, checked, run) and from the function it "
+             "calls for the federated run (the run alone; functions are walked afresh).", "",
+             "| figure | " + " | ".join(walks) + " |", "|---|" + "---|" * len(walks),
+             *(f"| {label} | " + " | ".join(f"`{w[k]}`" if k == "entry" else str(w[k]) for w in walks.values()) + " |"
+               for label, k in ROWS), "",
+             f"Whole-Recipe signatures below run/ (any function, walked or not): {len(sigs)} ({by_floor or 'none'}).", ""]
+    for label, w in walks.items():
+        lines += [f"## {label}: visits per module", "", "| module | visits |", "|---|---|",
+                  *(f"| `{m}` | {n} |" for m, n in w["visits"].items()), "",
+                  f"## {label}: sequence", "", " -> ".join(f"`{m}`" for m in w["sequence"]), "",
+                  f"## {label}: stops", "", "| # | callee | call | entered |", "|---|---|---|---|",
+                  *(f"| {i} | `{s['callee']}` | `{s['at'].replace('|', '/')}` | {'yes' if s['entered'] else ''} |"
+                    for i, s in enumerate(w["stop_list"], 1)), ""]
+        for title, key in LISTS:
+            lines += [f"## {label}: {title.lower()}", "", *([f"- `{x.replace('`', '')}`" for x in w[key]] or ["(none)"]), ""]
+    lines += ["## Whole-Recipe signatures below run/", "", *(f"- `{x}`" for x in sigs), ""]
     return "\n".join(lines)
+
+
+def federated_entry(handler: dict[str, Any], name: str) -> str:
+    """The function named ``name`` that the handler itself calls with the recipe (a stop of the handler's walk)."""
+    for stop in handler["stop_list"]:
+        if stop["caller"] == handler["entry"] and stop["callee"].rpartition(":")[2] == name:
+            return stop["callee"]
+    raise LookupError(f"{handler['entry']} passes the recipe to no {name}")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--run", default="run_federation", help="the function the run handler calls for the federated run")
     p.add_argument("--name", default="recipe_walk", help="results stem")
     return p
 
@@ -624,15 +653,20 @@ def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     layout, dirs = real_layout()
     command = shlex.join(["python", "benchmarks/recipe_walk.py", *(argv if argv is not None else sys.argv[1:])])
+    handler = measure(dirs, layout)
+    run = measure(dirs, layout, entry=federated_entry(handler, a.run))
+    sigs = handler.pop("recipe_signatures")
+    run.pop("recipe_signatures")
     data = {"command": command, "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
-            **measure(dirs, layout)}
+            "settings": {"run": a.run}, "recipe_signatures": sigs,
+            "walks": {"from the run handler": handler, f"from {a.run}": run}}
     md = markdown(data)
     title, _, rest = md.partition("\n\n")
     md = f"{title}\n\nCommand: `{command}`\n\n{rest}"
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{a.name}.json").write_text(json.dumps(data, indent=1))
     (RESULTS / f"{a.name}.md").write_text(md)
-    print(md.split("## Visits")[0])
+    print(md.split("\n## ")[0])
     return 0
 
 

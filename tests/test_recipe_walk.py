@@ -99,4 +99,6 @@ def test_the_real_package_walks_from_the_run_command():
     got = recipe_walk.measure(dirs, layout)
     assert got["entry"].startswith("fedfusion.cli:")
     assert got["stops"] > 0
-    assert any(s["callee"] == "fedfusion.run.federation:run_federation" for s in got["stop_list"])
+    assert recipe_walk.federated_entry(got, "run_federation") == "fedfusion.run.federation:run_federation"
+    run = recipe_walk.measure(dirs, layout, entry="fedfusion.run.federation:run_federation")
+    assert 0 < run["stops"] < got["stops"]
