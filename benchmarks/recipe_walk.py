@@ -353,9 +353,9 @@ class Context:
     def resolve(self, node: ast.expr) -> list[Symbol] | str | None:
         """A callee expression to package symbols, ``"external"``, or None (unknown)."""
         if isinstance(node, ast.Name) and node.id in self.aliases:
-            found = [self.resolve(branch) for branch in self.aliases[node.id]]
-            syms = [s for f in found if isinstance(f, list) for s in f]
-            return syms if syms and len(syms) == len(found) else None
+            each = [self.resolve(branch) for branch in self.aliases[node.id]]
+            syms = [s for f in each if isinstance(f, list) for s in f]
+            return syms if syms and len(syms) == len(each) else None
         if isinstance(node, ast.Name) and node.id in self.classes:  # cls(...) in a classmethod
             return [self.classes[node.id]]
         if isinstance(node, ast.Attribute) and (cls := self.class_of(node.value)):
@@ -460,7 +460,7 @@ class Context:
                     pairs = [(node.target, node.iter)]
                 for target, value in pairs:
                     for t, v in unpack(target, value):
-                        if isinstance(t, ast.Name) and (cls := self.class_of(v)):
+                        if isinstance(t, ast.Name) and isinstance(v, ast.expr) and (cls := self.class_of(v)):
                             self.types.setdefault(t.id, cls)
                         if isinstance(t, ast.Name) and isinstance(v, ast.IfExp) and t.id not in self.aliases and all(
                                 isinstance(self.resolve(b), list) for b in (v.body, v.orelse)):
