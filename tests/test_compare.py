@@ -307,6 +307,29 @@ def test_a_run_whose_client_rounds_failed_is_counted_and_the_report_says_it_is_n
     assert "smallest-only (seed 0" not in md.split("Not at equal budget")[1].split(";")[0]
 
 
+def test_a_pretrained_targets_forgetting_is_a_column_per_run_and_absent_where_no_run_scores_it(tmp_path):
+    """Runs whose rows score general_loss (a pretrained target's text it already modelled) get a column: round 0 ->
+    final and the change; a comparison of runs without it has no such column."""
+    c = plan("quickstart", ["rounds=6"], [0], tmp_path / "with")
+    for i, arm in enumerate(ARM_NAMES):
+        write_run(c.run_dir(arm, 0), c.recipes[arm, 0], [3.0, 2.8, 2.7, 2.6, 2.5, 2.4, 2.3])
+        path = c.run_dir(arm, 0) / "metrics.jsonl"
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        path.write_text("".join(json.dumps({**r, "general_loss": 2.0 + 0.1 * i * r["round"]}) + "\n" for r in rows))
+    write_report(c)
+    md = (tmp_path / "with" / "compare.md").read_text()
+    assert "general-text loss: round 0 -> final (forgetting) |" in md
+    assert "| recipe | 0 | 2.3000 | 2.4000 | 9.972 | 2.000 -> 2.000 (+0.0 %) |" in md
+    assert "| oracle | 0 | 2.3000 | 2.4000 | 9.972 | 2.000 -> 3.200 (+60.0 %) |" in md
+    data = json.loads((tmp_path / "with" / "compare.json").read_text())
+    assert data["arms"][SMALLEST]["runs"]["0"]["general_loss"] == [2.0, pytest.approx(2.6)]
+    bare = plan("quickstart", ["rounds=6"], [0], tmp_path / "without")
+    for arm in ARM_NAMES:
+        write_run(bare.run_dir(arm, 0), bare.recipes[arm, 0], [3.0, 2.8, 2.7, 2.6, 2.5, 2.4, 2.3])
+    write_report(bare)
+    assert "general-text loss" not in (tmp_path / "without" / "compare.md").read_text()
+
+
 def test_a_distill_smallest_only_is_read_from_its_family_rows(tmp_path):
     c = plan("distill", ["rounds=4"], [0], tmp_path)
     write_run(c.run_dir(SMALLEST, 0), c.recipes[SMALLEST, 0], [9.0, 9.0, 9.0, 9.0, 9.0],

@@ -98,6 +98,13 @@ def still_rising(curve: list[float]) -> tuple[int, float] | None:
     return (k, slope * k) if slope * k >= max(0.01, 0.05 * (max(curve) - curve[0])) else None
 
 
+def forgetting(rows: list[dict[str, Any]]) -> tuple[float, float] | None:
+    """(first, last) general-text loss of a run's rows, nats/token: what fine-tuning a pretrained target made it
+    forget of text it already modelled (``data.general_chars``); None for a run that does not score it."""
+    general = [float(r["general_loss"]) for r in rows if r.get("general_loss") is not None]
+    return (general[0], general[-1]) if len(general) > 1 else None
+
+
 def _metric_names(summary: dict) -> dict[str, str]:
     """What the run's eval fields measure, as its summary records them; a run written before summaries did:
     the probe metrics for a knowledge run, else the character-level ones."""
@@ -499,10 +506,10 @@ def write_report(run: Path, out: Path | None = None) -> Path:
                   "only its own facts, "
                   f"so the best any single device could recall alone is {100 * f['largest_client_share']:.1f} % "
                   "(the largest client's share, with perfect memory).", ""]
-        general = [r["general_loss"] for r in rows if r.get("general_loss") is not None]
-        if len(general) > 1:  # a pretrained target: what fine-tuning made it forget (data.general_chars)
+        general = forgetting(rows)
+        if general is not None:
             lines += [f"General-text loss (text the pretrained target already modelled): {general[0]:.3f} -> "
-                      f"{general[-1]:.3f} nats/token, {100 * (general[-1] / general[0] - 1):+.1f} %.", ""]
+                      f"{general[1]:.3f} nats/token, {100 * (general[1] / general[0] - 1):+.1f} %.", ""]
         rising = still_rising([r["probe_acc"] for r in rows if r.get("probe_acc") is not None])
         if rising is not None:
             lines += [f"Still rising: the last {rising[0]} evaluations gained {100 * rising[1]:.1f} points of recall; "

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from fedfusion.analysis.report import still_rising
+from fedfusion.analysis.report import forgetting, still_rising
 from fedfusion.config.recipe import METHOD_SECTIONS, Recipe, load_recipe, uses
 from fedfusion.config.sections import EngineConfig, RecipeError
 from fedfusion.run.arms import ARM_NAMES, ORACLE, RECIPE, SMALLEST, Arm, arms_for, check_equal_budget, flat
@@ -319,7 +319,7 @@ def collect_run(run: Path, arm: Arm, metric: Metric) -> dict[str, Any]:
     return {"dir": str(run), "key": key, "curve": curve, "final": values[-1], "last3": statistics.mean(trained[-3:]),
             "final_ppl": last_ppl, "noise": noise(values), "rising": rising(values, metric.lower_is_better),
             "wall_s": summary.get("wall_s"), "machine": summary.get("versions", {}).get("machine"),
-            "failed": failed_client_rounds(run)}
+            "failed": failed_client_rounds(run), "general_loss": forgetting(rows)}
 
 
 def failed_client_rounds(run: Path) -> int:
@@ -446,6 +446,14 @@ def _signed(value: float | None, digits: int = 4) -> str:
     return "-" if value is None else f"{value:+.{digits}f}"
 
 
+def _general_cell(general: list[float] | tuple[float, float] | None) -> str:
+    """A pretrained target's general-text loss, round 0 -> final, and the change (what it forgot)."""
+    if not general:
+        return "-"
+    first, last = general
+    return f"{first:.3f} -> {last:.3f} ({100 * (last / first - 1):+.1f} %)"
+
+
 def _rising_cell(r: dict[str, Any]) -> str:
     check = r["rising"]
     if check is None:
@@ -479,22 +487,27 @@ def markdown(c: Comparison, runs: dict[str, dict[int, dict[str, Any]]], stats: d
               + (" (smallest-only: its family model's, `" + c.arms[SMALLEST].key(m.key) + "`)"
                  if SMALLEST in c.arms and c.arms[SMALLEST].score else "") + ". " + FINAL + ".", ""]
     ppl = m.key == "eval_loss"
+    general = any(r.get("general_loss") for arm in runs.values() for r in arm.values())
     head = ("| arm | seed | final | last-3 |" + (" final ppl |" if ppl else "")
+            + (" general-text loss: round 0 -> final (forgetting) |" if general else "")
             + " still rising | wall s | failed client rounds |")
     lines += [head, "|" + "---|" * (head.count("|") - 1)]
     for name in c.arms:
         for seed in c.seeds:
             r = runs.get(name, {}).get(seed)
             if r is None:
-                lines.append(f"| {name} | {seed} | not run | | " + ("| " if ppl else "") + "| | |")
+                lines.append(f"| {name} | {seed} | not run | | " + ("| " if ppl else "") + ("| " if general else "")
+                             + "| | |")
                 continue
             lines.append(f"| {name} | {seed} | {_fmt(r['final'])} | {_fmt(r['last3'])} |"
                          + (f" {_fmt(r['final_ppl'], 3)} |" if ppl else "")
+                         + (f" {_general_cell(r.get('general_loss'))} |" if general else "")
                          + f" {_rising_cell(r)} | {_fmt(r['wall_s'], 0)} | {r['failed']} |")
         finals = [r["final"] for r in runs.get(name, {}).values()]
         if len(finals) > 1:
             mean, sd = _mean_sd(finals)
-            lines.append(f"| {name} | mean ± std | {mean:.4f} ± {sd:.4f} | | " + ("| " if ppl else "") + "| | |")
+            lines.append(f"| {name} | mean ± std | {mean:.4f} ± {sd:.4f} | | " + ("| " if ppl else "")
+                         + ("| " if general else "") + "| | |")
     lines += ["", *verdict(c, runs, stats), ""]
     if stats["per_seed"]:
         lines += ["| seed | recipe - smallest-only | span | noise | gap closure |", "|---|---|---|---|---|"]
