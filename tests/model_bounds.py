@@ -10,6 +10,7 @@ than the steps themselves. At each step's own values both loops compute one func
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -305,3 +306,103 @@ def assert_replayed(start: State, steps: Sequence[Step], final: State, optimizer
         opt.step(replay, grads)
     assert all(torch.equal(replay[k], final[k]) for k in start)
     assert any(not torch.equal(replay[k], v) for k, v in start.items())
+
+
+def _norm_error(module: Any, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Entry-wise first-order bound on the rounding error of a normalisation's output in ``dtype``, its input
+    ``x`` exact: its statistics sum ``n`` entries (the last dim; a GroupNorm's group), so the mean is off by
+    ``gamma_n mean|x|`` (reaching the output as ``|w| mean|x| / sigma``), the variance, ``+ eps``, the reciprocal
+    square root and the products by ``gamma_{n+5}`` relatively (``|w x_hat|``), the bias add once more: all within
+    ``gamma_{n+7} (|w| (mean|x| / sigma + |x_hat|) + |b|)`` (an RMSNorm centres nothing: its mean term is 0)."""
+    x = x.detach().double()
+    w = module.weight.detach().double().abs() if getattr(module, "weight", None) is not None else torch.ones(())
+    b = module.bias.detach().double().abs() if getattr(module, "bias", None) is not None else torch.zeros(())
+    if isinstance(module, torch.nn.GroupNorm):
+        groups = x.reshape(x.shape[0], module.num_groups, -1)
+        centred = groups - groups.mean(-1, keepdim=True)
+        inv = torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + module.eps)
+        shape = (1, -1) + (1,) * (x.dim() - 2)
+        hat = (centred * inv).reshape(x.shape).abs()
+        spread = (groups.abs().mean(-1, keepdim=True) * inv).expand_as(groups).reshape(x.shape)
+        return gamma(groups.shape[-1] + 7, dtype) * (w.reshape(shape) * (spread + hat) + b.reshape(shape))
+    hat, inv = _hat(module, x)
+    spread = x.abs().mean(-1, keepdim=True) * inv if isinstance(module, torch.nn.LayerNorm) else torch.zeros(())
+    return gamma(x.shape[-1] + 7, dtype) * (w * (spread + hat.abs()) + b)
+
+
+def _product_error(module: Any, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Entry-wise bound on the rounding error of a matrix product or convolution's output in ``dtype``, its input
+    ``x`` exact: ``gamma_{k+1} (|x| |W| + |b|)``, ``k`` the length of each output entry's sum (a convolution's
+    ``in_channels / groups x kernel``), the bias add one rounding more (fp_bounds.matmul_bound's argument)."""
+    from transformers.pytorch_utils import Conv1D
+
+    x, w = x.detach().double().abs(), module.weight.detach().double().abs()
+    b = module.bias.detach().double().abs() if module.bias is not None else None
+    if isinstance(module, torch.nn.Conv2d):
+        k = w[0].numel()
+        size = torch.nn.functional.conv2d(x, w, b, module.stride, module.padding, module.dilation, module.groups)
+    else:
+        k = w.shape[0] if isinstance(module, Conv1D) else w.shape[1]
+        size = x @ (w if isinstance(module, Conv1D) else w.T) + (b if b is not None else 0)
+    return gamma(k + 1, dtype) * size
+
+
+def output_bound(run: Any, x: torch.Tensor, root: torch.nn.Module, dtype: torch.dtype = torch.float64,
+                 chunk: int = 256) -> torch.Tensor:
+    """Entry-wise first-order bound on how far ``run(x)`` (a computation in ``dtype`` by the modules under ``root``
+    from exact inputs ``x``, its examples along the first dim of ``x`` and of the output, each computed from its own)
+    may be off the exact value, whatever the order of its sums.
+
+    The rounding of every matrix product and convolution (:func:`_product_error`) and normalisation
+    (:func:`_norm_error`) reaches each output entry through that entry's derivative with respect to the op's output,
+    so an entry is off by at most ``sum_ops <|d out_i / d y|, error(y)>``; the ops between them (attention's products
+    and softmax, rotary tables, activations, residual adds, pooling) round the entries those ops consume a bounded
+    number of times at the same magnitudes: doubling stands for them, as in :class:`ExactLM` (stated, not derived op
+    by op). The derivatives are each entry's own: ``x`` is run as ``chunk`` copies stacked along the batch, copy
+    ``r``'s backward seeded at the ``r``-th entry of every example, so one backward yields ``chunk`` rows of the
+    Jacobian of every example. First order: a kink (ReLU, max-pooling) is taken on the side the computed value sits.
+    Two computations of one exact value, each within its bound, are within the sum of the two bounds of each other."""
+    from transformers.pytorch_utils import Conv1D
+
+    norms = (torch.nn.LayerNorm, torch.nn.GroupNorm)
+
+    def is_norm(module: torch.nn.Module) -> bool:
+        return isinstance(module, norms) or type(module).__name__.endswith("RMSNorm")
+
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def record(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...], y: torch.Tensor) -> None:
+        # HF's RMSNorm computes in float32 whatever its input (float64_norms: in its input's dtype)
+        own = torch.float32 if type(module).__name__.endswith("RMSNorm") and "forward" not in vars(module) else dtype
+        # the examples along the first dim (or leading dims flattened into it: OPT's MLP): one copy's rows
+        assert y.shape[0] % chunk == 0, "an op's output does not keep the examples first"
+        x = inputs[0][: y.shape[0] // chunk]
+        seen.append((y, _norm_error(module, x, own) if is_norm(module) else _product_error(module, x, dtype)))
+
+    watched = [m for m in root.modules() if isinstance(m, (torch.nn.Linear, Conv1D, torch.nn.Conv2d)) or is_norm(m)]
+    examples = x.shape[0]
+    with torch.no_grad():
+        shape = tuple(run(x).shape)
+    size = math.prod(shape) // examples  # each example's output entries
+    chunk = min(chunk, size)
+    bound = torch.zeros(examples, size, dtype=torch.float64)
+    for start in range(0, size, chunk):
+        hooks = [m.register_forward_hook(record) for m in watched]
+        seen.clear()
+        try:
+            with torch.enable_grad():
+                full = run(x.repeat(chunk, *(1,) * (x.dim() - 1)))
+        finally:
+            for hook in hooks:
+                hook.remove()
+        assert seen, "no product or normalisation under root ran"
+        out = full.reshape(chunk, examples, size)
+        rows = torch.arange(start, min(start + chunk, size))
+        seed = torch.zeros_like(out)
+        seed[torch.arange(len(rows)), :, rows] = 1
+        grads = torch.autograd.grad(out, [y for y, _ in seen], seed, allow_unused=True)
+        for g, (_, error) in zip(grads, seen):
+            if g is not None:
+                terms = (g.detach().double().reshape(chunk, examples, -1).abs() * error.reshape(examples, -1)).sum(-1)
+                bound[:, rows] += terms[: len(rows)].T
+    return 2 * bound.reshape(shape)

@@ -41,18 +41,66 @@ def test_the_private_gradient_is_the_mean_of_the_clipped_example_gradients_plus_
 def test_a_private_step_with_a_loose_clip_and_no_noise_to_speak_of_is_the_plain_sgd_step(per_example, monkeypatch):
     """float64: with every example's gradient under the clip and noise of sd 1e-20, a DP-SGD step (the examples'
     gradients vmapped, or one example's backward at a time) moves the model as the plain batched SGD step does: the
-    batch's mean loss is the mean of its examples' (every window has the same token count)."""
+    batch's mean loss is the mean of its examples' (every window has the same token count).
+
+    Both loops report the first step's loss from one forward on equal inputs (the same model, the same batch): equal,
+    bit for bit. The steps are checked one by one (model_bounds: no rounding bound of a trajectory is less than its
+    steps): at every step each loop's gradient, at the values that loop held then, is within
+    :class:`model_bounds.ExactLM`'s bound of the exact mean gradient on that step's batch, float32's (the next-token
+    loss takes its cross-entropy in float32, HF's RMSNorm computes in float32; the float64 products round less),
+    the private one with two roundings more (the examples' sum, the noise's add; the scale 1 of an unclipped example
+    and the divisions by the batch's and the windows' powers of two are exact) and its noise: ``|z| < 9`` for torch's
+    CPU ``randn`` (Box-Muller on uniforms of at most 53 bits: ``sqrt(-2 ln 2^-53) < 8.6``), so ``9 x 1e-20 / 4``.
+    Each loop stepped by what it computed (SGD replayed from the start, bit for bit). A private step that left the
+    mean (a sum, a clipped or a noisy gradient) would be off by a share of the gradient itself: the bound is below
+    1e-3 of it (a gradient 1e-3 too large is caught)."""
+    from model_bounds import ExactLM, assert_steps, batches, optimizer_steps
+
     from fedfusion.train import loop
 
     monkeypatch.setattr(loop, "_LOOPED", {(LlamaForCausalLM, type(loop.LM))} if per_example == "loop" else set())
     data = torch.randint(0, 50, (16, 9), generator=torch.Generator().manual_seed(1))
     plain, private = _lm(), _lm()
-    a = train_steps(plain, data, steps=2, lr=0.1, batch_size=4, seed=5, optimizer="sgd")
-    b = train_steps(private, data, steps=2, lr=0.1, batch_size=4, seed=5, optimizer="sgd",
-                    dp=DpSgd(clip=1e6, noise_multiplier=1e-26))
-    assert a.tokens == b.tokens and a.losses[0] == pytest.approx(b.losses[0], rel=1e-12)
-    for (name, p), q in zip(plain.named_parameters(), private.parameters()):
-        assert torch.allclose(p, q, rtol=0, atol=1e-10), name
+    dp = DpSgd(clip=1e6, noise_multiplier=1e-26)
+    with optimizer_steps(dict(plain.named_parameters())) as plain_steps:
+        a = train_steps(plain, data, steps=2, lr=0.1, batch_size=4, seed=5, optimizer="sgd")
+    with optimizer_steps(dict(private.named_parameters())) as private_steps:
+        b = train_steps(private, data, steps=2, lr=0.1, batch_size=4, seed=5, optimizer="sgd", dp=dp)
+    assert a.tokens == b.tokens and a.losses[0] == b.losses[0]
+    assert all(torch.equal(v, private_steps[0][0][k]) for k, v in plain_steps[0][0].items())  # one start
+    start = {k: v.detach().clone() for k, v in _lm().named_parameters()}
+    drawn = batches(data, 2, 4, 5)
+    assert assert_steps(ExactLM(None, {}, model=_lm(), trained={k: k for k in start}), plain_steps, a.losses, drawn) <= 1
+    noise = 9 * dp.noise_multiplier * dp.clip / 4
+    private_exact = ExactLM(None, {}, model=_lm(), trained={k: k for k in start}, roundings=2)
+    plus_noise = _PlusNoise(private_exact, noise)
+    assert assert_steps(plus_noise, private_steps, b.losses, drawn) <= 1
+    with pytest.raises(AssertionError):  # the bound is tight enough to matter
+        assert_steps(plus_noise, [(v, {k: g * (1 + 1e-3) for k, g in grads.items()}) for v, grads in private_steps],
+                     b.losses, drawn)
+    for model, steps in ((plain, plain_steps), (private, private_steps)):
+        replay = {k: v.clone().requires_grad_(True) for k, v in start.items()}
+        sgd = torch.optim.SGD(replay.values(), lr=0.1)
+        for values, grads in steps:
+            assert all(torch.equal(replay[k].detach(), v) for k, v in values.items())
+            for k, p in replay.items():
+                p.grad = grads[k]
+            sgd.step()
+        assert all(torch.equal(replay[k].detach(), p.detach()) for k, p in model.named_parameters())
+        assert any(not torch.equal(start[k], p.detach()) for k, p in model.named_parameters())  # it moved
+
+
+class _PlusNoise:
+    """An :class:`model_bounds.ExactLM` whose gradient bounds also hold ``noise`` (the largest DP noise a private
+    gradient's entry carries)."""
+
+    def __init__(self, exact, noise: float) -> None:
+        self.exact, self.noise = exact, noise
+
+    def at(self, theta, batch):
+        want = self.exact.at(theta, batch)
+        want.grad_bounds = {k: v + self.noise for k, v in want.grad_bounds.items()}
+        return want
 
 
 def test_a_tight_clip_bounds_what_one_private_step_can_move():
