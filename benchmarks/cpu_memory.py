@@ -43,6 +43,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from fedfusion.devices.hardware import status_kb
 from fedfusion.models.families import family_of
 from fedfusion.train.loop import train_steps
 
@@ -108,13 +109,6 @@ class LiveTensors(TorchDispatchMode):
         return [{"op": op, "shape": list(shape), "mb": b / MB, "count": counts[(op, shape)]}
                 for (op, shape), b in groups.most_common(n)]
 
-
-def status_kb(field: str) -> int:
-    """VmRSS or VmHWM of this process, in kB."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
 
 
 def one_arm(arm: str, shape: str, a: argparse.Namespace, checkpoint: bool, how: str) -> dict:

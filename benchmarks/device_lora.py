@@ -28,17 +28,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from device_runtime import machine  # noqa: E402
 
+from fedfusion.devices.hardware import status_kb  # noqa: E402
+
 STEPS, SEED, LR, RANK, ALPHA, BATCH, SEQ = 10, 11, 1e-2, 4, 8.0, 2, 64
 MODULES = ["q_proj", "v_proj"]
 OUT = Path(__file__).parent / "results"
 
-
-def rss_kb(field: str) -> int:
-    """VmRSS or VmHWM of this process, in kB."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def load(base_dir: str, layers: int):
@@ -83,7 +78,7 @@ def arm(kind: str, base_dir: str, layers: int, bits: int, programs: str, program
     from fedfusion.train.loop import train_steps
 
     rows = data(base_dir)
-    before = rss_kb("VmRSS")
+    before = status_kb("VmRSS")
     if kind == "runtime":
         runner = ProgramRunner(DeviceProgram.load(Path(programs), program_id))
         begin = torch.load(Path(programs) / "start.pt")
@@ -99,7 +94,7 @@ def arm(kind: str, base_dir: str, layers: int, bits: int, programs: str, program
         result = train_steps(model, rows, STEPS, LR, BATCH, SEED, loss=RESPONSE)
         trained = adapters.adapter_factors(model)
     torch.save(trained, Path(programs) / f"{kind}.pt")
-    return {"losses": list(result.losses), "seconds": result.seconds, "peak_mb": (rss_kb("VmHWM") - before) / 1024}
+    return {"losses": list(result.losses), "seconds": result.seconds, "peak_mb": (status_kb("VmHWM") - before) / 1024}
 
 
 def row(base_dir: str, layers: int, bits: int) -> dict:

@@ -27,6 +27,7 @@ from results_files import run_facts, write_pair
 
 from fedfusion.data.population import client_windows, data_spec
 from fedfusion.data.text import load_tokenizer
+from fedfusion.devices.hardware import status_kb
 from fedfusion.fusion.base import Client
 from fedfusion.fusion.submodel.build import build as build_method
 from fedfusion.models.build import build_target, model_from_state
@@ -41,12 +42,6 @@ from fedfusion.wire.specs import WindowSpec
 OVERRIDES = ["fusion.window_outside_core=true"]
 SEED, LR = 7, 3e-3
 
-
-def status_kb(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
 
 
 class _Target:

@@ -39,18 +39,13 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from fedfusion.devices.hardware import status_kb
+
 ROOT = Path(__file__).resolve().parents[1]
 ARMS = ["recipe", "whole"]
 NODES = {1: "phone-lowend", 2: "phone-lowend", 3: "phone", 4: "laptop"}  # the recipe's mix, 4 clients a round
 MB = 2**20
 
-
-def status_kb(field: str) -> int:
-    """VmRSS or VmHWM of this process, in kB."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
 
 
 def trim() -> int:

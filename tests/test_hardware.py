@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import psutil
 import pytest
 import torch
@@ -78,3 +80,18 @@ def test_the_probe_really_times_and_gives_up(monkeypatch, restore_threads):
     assert hardware._probe_s(1) > 0
     monkeypatch.setattr(hardware, "PROBE_REPS", 10**6)  # minutes of products, unless it gives up after the first
     assert hardware._probe_s(2, give_up_s=0.0) < 1.0
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="/proc/self/status is Linux's")
+def test_the_process_peak_is_linuxs_high_water_mark_and_grows_with_a_large_allocation() -> None:
+    """peak_rss_mb reads VmHWM (never below the resident set now); touching 200 MiB more than the peak raises it by
+    about that; a field /proc/self/status lacks is an error that names it."""
+    assert hardware.status_kb("VmHWM") >= hardware.status_kb("VmRSS")
+    before = hardware.peak_rss_mb()
+    assert before == hardware.status_kb("VmHWM") / 1024
+    gap = before - hardware.status_kb("VmRSS") / 1024  # what the resident set may grow by before a new peak
+    block = torch.ones(int(gap + 200) * 2**20 // 4)  # touched: resident, 200 MiB beyond the earlier peak
+    assert hardware.peak_rss_mb() >= before + 150
+    del block
+    with pytest.raises(RuntimeError, match="VmNope"):
+        hardware.status_kb("VmNope")

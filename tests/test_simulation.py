@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from fedfusion.analysis.report import read_jsonl
 from fedfusion.cli import main
+from fedfusion.devices.hardware import status_kb
 from fedfusion.fusion.rounds import client_steps
 
 pytestmark = pytest.mark.slow  # Flower's runtime (Ray or SuperLink processes): minutes, not seconds
@@ -81,6 +82,11 @@ def test_clients_rows_record_each_client_and_its_slice(run_dir):
 def test_summary_and_saved_target_load_with_transformers(run_dir):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "ok" and summary["final"]["eval_loss"] < summary["initial"]["eval_loss"]
+    # the server process's peak (the run ran in this test process): torch alone holds more than 100 MiB, and a peak
+    # then cannot exceed this process's peak now (VmHWM only grows); a kB figure read as MiB would be 1024x over
+    assert 100 <= summary["server_peak_rss_mb"] <= status_kb("VmHWM") / 1024
+    assert f"the server process's peak resident memory {summary['server_peak_rss_mb']:,.0f} MiB" in (
+        run_dir / "report.md").read_text()
     model = AutoModelForCausalLM.from_pretrained(run_dir / "model")
     tok = AutoTokenizer.from_pretrained(run_dir / "model")
     ids = tok("To be", return_tensors="pt", add_special_tokens=False).input_ids

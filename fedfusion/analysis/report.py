@@ -417,6 +417,13 @@ def _units_server_section(rows: list[dict], summary: dict) -> list[str]:
     return lines
 
 
+def _server_memory(summary: dict) -> str:
+    """The server process's peak resident memory, where the summary has it (runs written before it was recorded
+    do not)."""
+    peak = summary.get("server_peak_rss_mb")
+    return f", the server process's peak resident memory {peak:,.0f} MiB" if peak is not None else ""
+
+
 def units_report(run: Path, rows: list[dict], summary: dict, out: Path) -> Path:
     """report.md in ``out`` of a units-mode run (fedfusion.run.units): one line per optimizer step, what it moved
     and cost."""
@@ -425,7 +432,8 @@ def units_report(run: Path, rows: list[dict], summary: dict, out: Path) -> Path:
     if summary.get("status") == "ok":
         first, last = summary["initial"], summary["final"]
         lines += [f"Target: {summary['target_params']:,} parameters, {summary['steps']} steps, offload "
-                  f"`{summary['offload']}`, {summary['devices']} devices, {summary['wall_s']:.0f} s wall. Held-out loss "
+                  f"`{summary['offload']}`, {summary['devices']} devices, {summary['wall_s']:.0f} s wall"
+                  f"{_server_memory(summary)}. Held-out loss "
                   f"{first['eval_loss']:.4f} -> {last['eval_loss']:.4f}; {summary['bytes_down'] / 1e6:.1f} MB down, "
                   f"{summary['bytes_up'] / 1e6:.1f} MB up, {summary['virtual_s']:.2f} virtual s in all; the devices' "
                   f"work priced at {summary.get('energy_j', 0.0):.1f} J and {summary.get('co2_g', 0.0):.3f} g CO2e "
@@ -519,7 +527,7 @@ def write_report(run: Path, out: Path | None = None) -> Path:
     if summary.get("status") == "ok":
         lines += [
             f"Target: {summary['target_params']:,} parameters, {summary['rounds']} rounds, "
-            f"{summary['wall_s']:.0f} s wall. " + _cost_line(recipe, rows, summary),
+            f"{summary['wall_s']:.0f} s wall" + _server_memory(summary) + ". " + _cost_line(recipe, rows, summary),
             "",
             *_headline(rows, summary),
             ("Greedy answers of the final target to a few probes:" if "facts" in summary

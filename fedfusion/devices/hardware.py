@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import os
 import platform
+import resource
+import sys
 import time
+from pathlib import Path
 
 import psutil
 import torch
@@ -55,6 +58,27 @@ def capabilities(accelerator: str) -> dict[str, str | int | float | bool]:
         caps["battery_percent"] = float(battery.percent)
         caps["charging"] = bool(battery.power_plugged)
     return caps
+
+
+def status_kb(field: str) -> int:
+    """A field of Linux's ``/proc/self/status`` for this process, in kB: ``VmRSS`` (resident now) or ``VmHWM`` (its
+    peak). A missing field (another OS) raises RuntimeError naming it."""
+    status = Path("/proc/self/status")
+    if status.is_file():
+        for line in status.read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field} (Linux only)")
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory in MiB: Linux's ``VmHWM`` (the process's own, where ``ru_maxrss`` of a
+    child would start at its parent's peak), else ``getrusage``'s ``ru_maxrss`` (bytes on macOS, kB elsewhere)."""
+    try:
+        return status_kb("VmHWM") / 1024
+    except RuntimeError:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak / 2**20 if sys.platform == "darwin" else peak / 1024
 
 
 def _probe_s(threads: int, give_up_s: float = float("inf")) -> float:

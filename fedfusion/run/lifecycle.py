@@ -23,6 +23,7 @@ from transformers.utils import logging as hf_logging
 
 from fedfusion.analysis.report import read_jsonl, write_report
 from fedfusion.config.recipe import Recipe
+from fedfusion.devices.hardware import peak_rss_mb
 from fedfusion.run.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from fedfusion.run.run_dir import RunDir
 from fedfusion.run.targets import Target
@@ -146,6 +147,9 @@ def run_course(grid: Grid, recipe: Recipe, run: RunDir, build: Callable[[], Cour
             "final": {k: scored_rows(rows)[-1][k] for k in METRICS},  # the last round's
             **{k: sum(r.get(k, 0) for r in rows) for k in TOTALS},
             "wall_s": earlier_s + time.perf_counter() - started,
+            # this process's peak (the ServerApp; in simulation also the engine's driver, the clients run elsewhere);
+            # a resumed run's is the resumed part's
+            "server_peak_rss_mb": peak_rss_mb(),
             "sample": course.target.sample(),
         }
         run.write_summary(summary)
