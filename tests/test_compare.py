@@ -390,6 +390,10 @@ def test_a_section_of_a_method_the_run_never_uses_does_not_make_it_another_recip
     c = plan("quickstart", TINY, [0], tmp_path)
     write_run(c.run_dir(RECIPE, 0), load_checked("quickstart", [*TINY, "lora.alpha=4"]), [3.0, 2.9, 2.8])
     assert state(c.run_dir(RECIPE, 0), c.recipes[RECIPE, 0]) == "done"
+    # nor does the units mode's section, which no run compare makes reads (a units default that changed since)
+    write_run(c.run_dir(SMALLEST, 0), load_checked("quickstart", [*TINY, *c.arms[SMALLEST].overrides,
+                                                                  "units.rejoin_after=0"]), [3.0, 2.9, 2.8])
+    assert state(c.run_dir(SMALLEST, 0), c.recipes[SMALLEST, 0]) == "done"
     as_lora = ["fusion.method=lora", "data.source=chatterbot"]
     lora = load_recipe("rolling", as_lora)
     write_run(tmp_path / "lora", load_recipe("rolling", [*as_lora, "lora.alpha=4"]), [3.0, 2.9, 2.8])

@@ -164,12 +164,15 @@ Runner = Callable[[list[str], Path, Callable[[str], None]], tuple[int, bool]]
 def state(run: Path, recipe: Recipe) -> str:
     """``done`` (finished), ``resume`` (stopped after a checkpoint), ``fresh`` (nothing, or nothing to resume from).
     Raises where ``run`` holds something else: not a run directory, or a run of another recipe (the sections of methods
-    no tier of ``recipe`` trains with and the fusion keys its method ignores are not compared: the run never read them)."""
+    no tier of ``recipe`` trains with, the units mode's and the fusion keys its method ignores are not compared: the
+    run never read them)."""
     if not run.exists() or not any(run.iterdir()):
         return "fresh"
     if not (run / "recipe.yaml").is_file():
         raise FileExistsError(f"{run} exists and is not a run directory (no recipe.yaml); remove it or choose another --out")
-    unused = tuple(f"{name}." for name in METHOD_SECTIONS if not uses(recipe, name))  # what the run never reads
+    # what the run never reads: the sections of methods no tier trains with, and units.* (compare refuses the units
+    # mode, so no run it makes reads that section)
+    unused = (*(f"{name}." for name in METHOD_SECTIONS if not uses(recipe, name)), "units.")
     ignored = {f"fusion.{key}" for key in recipe.fusion.unread()}
     differs = _differences(*({k: v for k, v in flat(r).items() if not k.startswith(unused) and k not in ignored}
                              for r in (load_recipe(run / "recipe.yaml"), recipe)))
