@@ -319,8 +319,8 @@ def test_a_pretrained_targets_forgetting_is_a_column_per_run_and_absent_where_no
     write_report(c)
     md = (tmp_path / "with" / "compare.md").read_text()
     assert "general-text loss: round 0 -> final (forgetting) |" in md
-    assert "| recipe | 0 | 2.3000 | 2.4000 | 9.972 | 2.000 -> 2.000 (+0.0 %) |" in md
-    assert "| oracle | 0 | 2.3000 | 2.4000 | 9.972 | 2.000 -> 3.200 (+60.0 %) |" in md
+    assert "| recipe | 0 | 2.3000 | 2.4000 | 9.972 | 2.000 -> 2.000 nats/token (+0.0 %) |" in md
+    assert "| oracle | 0 | 2.3000 | 2.4000 | 9.972 | 2.000 -> 3.200 nats/token (+60.0 %) |" in md
     data = json.loads((tmp_path / "with" / "compare.json").read_text())
     assert data["arms"][SMALLEST]["runs"]["0"]["general_loss"] == [2.0, pytest.approx(2.6)]
     bare = plan("quickstart", ["rounds=6"], [0], tmp_path / "without")

@@ -27,7 +27,7 @@ def test_opposite_infinities_and_an_overflowing_sum_are_decided_elementwise() ->
     big = torch.full((4,), torch.finfo(torch.float32).max)
     assert not bool(torch.isfinite(big.sum())) and all_finite(big)
     half = torch.full((3,), 60000.0, dtype=torch.float16)  # each finite, their float16 sum is not
-    assert all_finite(half)
+    assert not bool(torch.isfinite(half.sum())) and all_finite(half)
 
 
 def test_empty_integer_and_boolean_tensors_are_finite() -> None:

@@ -105,6 +105,12 @@ def forgetting(rows: list[dict[str, Any]]) -> tuple[float, float] | None:
     return (general[0], general[-1]) if len(general) > 1 else None
 
 
+def forgetting_text(general: tuple[float, float]) -> str:
+    """:func:`forgetting`'s pair as the run report and ``fedfusion compare`` write it: first -> last and the change."""
+    first, last = general
+    return f"{first:.3f} -> {last:.3f} nats/token ({100 * (last / first - 1):+.1f} %)"
+
+
 def _metric_names(summary: dict) -> dict[str, str]:
     """What the run's eval fields measure, as its summary records them; a run written before summaries did:
     the probe metrics for a knowledge run, else the character-level ones."""
@@ -516,8 +522,8 @@ def write_report(run: Path, out: Path | None = None) -> Path:
                   "(the largest client's share, with perfect memory).", ""]
         general = forgetting(rows)
         if general is not None:
-            lines += [f"General-text loss (text the pretrained target already modelled): {general[0]:.3f} -> "
-                      f"{general[1]:.3f} nats/token, {100 * (general[1] / general[0] - 1):+.1f} %.", ""]
+            lines += [f"General-text loss (text the pretrained target already modelled): {forgetting_text(general)}.",
+                      ""]
         rising = still_rising([r["probe_acc"] for r in rows if r.get("probe_acc") is not None])
         if rising is not None:
             lines += [f"Still rising: the last {rising[0]} evaluations gained {100 * rising[1]:.1f} points of recall; "

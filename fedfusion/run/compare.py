@@ -36,7 +36,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from fedfusion.analysis.report import forgetting, still_rising
+from fedfusion.analysis.report import forgetting, forgetting_text, still_rising
 from fedfusion.config.recipe import METHOD_SECTIONS, Recipe, load_recipe, uses
 from fedfusion.config.sections import EngineConfig, RecipeError
 from fedfusion.run.arms import ARM_NAMES, ORACLE, RECIPE, SMALLEST, Arm, arms_for, check_equal_budget, flat
@@ -449,14 +449,6 @@ def _signed(value: float | None, digits: int = 4) -> str:
     return "-" if value is None else f"{value:+.{digits}f}"
 
 
-def _general_cell(general: list[float] | tuple[float, float] | None) -> str:
-    """A pretrained target's general-text loss, round 0 -> final, and the change (what it forgot)."""
-    if not general:
-        return "-"
-    first, last = general
-    return f"{first:.3f} -> {last:.3f} ({100 * (last / first - 1):+.1f} %)"
-
-
 def _rising_cell(r: dict[str, Any]) -> str:
     check = r["rising"]
     if check is None:
@@ -494,23 +486,22 @@ def markdown(c: Comparison, runs: dict[str, dict[int, dict[str, Any]]], stats: d
     head = ("| arm | seed | final | last-3 |" + (" final ppl |" if ppl else "")
             + (" general-text loss: round 0 -> final (forgetting) |" if general else "")
             + " still rising | wall s | failed client rounds |")
+    optional = "| " * (ppl + general)  # the blank optional cells of a row without per-run values
     lines += [head, "|" + "---|" * (head.count("|") - 1)]
     for name in c.arms:
         for seed in c.seeds:
             r = runs.get(name, {}).get(seed)
             if r is None:
-                lines.append(f"| {name} | {seed} | not run | | " + ("| " if ppl else "") + ("| " if general else "")
-                             + "| | |")
+                lines.append(f"| {name} | {seed} | not run | | {optional}| | |")
                 continue
             lines.append(f"| {name} | {seed} | {_fmt(r['final'])} | {_fmt(r['last3'])} |"
                          + (f" {_fmt(r['final_ppl'], 3)} |" if ppl else "")
-                         + (f" {_general_cell(r.get('general_loss'))} |" if general else "")
+                         + (f" {forgetting_text(r['general_loss']) if r['general_loss'] else '-'} |" if general else "")
                          + f" {_rising_cell(r)} | {_fmt(r['wall_s'], 0)} | {r['failed']} |")
         finals = [r["final"] for r in runs.get(name, {}).values()]
         if len(finals) > 1:
             mean, sd = _mean_sd(finals)
-            lines.append(f"| {name} | mean ± std | {mean:.4f} ± {sd:.4f} | | " + ("| " if ppl else "")
-                         + ("| " if general else "") + "| | |")
+            lines.append(f"| {name} | mean ± std | {mean:.4f} ± {sd:.4f} | | {optional}| | |")
     lines += ["", *verdict(c, runs, stats), ""]
     if stats["per_seed"]:
         lines += ["| seed | recipe - smallest-only | span | noise | gap closure |", "|---|---|---|---|---|"]
