@@ -51,6 +51,15 @@ CASES = [
 ]
 
 
+def example_losses(model: torch.nn.Module):
+    """Each example's mean next-token loss, as a column (what :func:`output_bound` bounds entry by entry): their mean
+    is the batch loss ``model(input_ids=ids, labels=ids).loss`` when every example has the same length."""
+    def run(ids: torch.Tensor) -> torch.Tensor:
+        logits = model(input_ids=ids).logits[:, :-1]
+        return torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none").mean(1, keepdim=True)
+    return run
+
+
 @pytest.mark.parametrize(("config", "width", "axes"), CASES, ids=lambda c: getattr(c, "model_type", str(c)))
 def test_the_grown_target_computes_the_small_models_logits(config, width, axes):
     """In float64 (the norms too: model_bounds.float64_norms), where growth is an identity of the algebra: the grown
@@ -60,7 +69,7 @@ def test_the_grown_target_computes_the_small_models_logits(config, width, axes):
     within the sum of their bounds (about 1e-12 of the logits; a unit growth misplaced moves them by its share).
     Otherwise growth stages each value in float32 (``stage_update``) and rounds its scaling there: each grown weight
     within ``gamma_3 |w|`` of the exact one, which moves the loss by at most ``gamma_3 sum |dL/dw| |w|`` to first order
-    (checked, with the float64 slack; the logits of a network have no such one-line bound). In float32 the grown
+    (checked, with each float64 loss's own bound beside it; the logits of a network have no such one-line bound). In float32 the grown
     target's longer sums (the zeros growth adds) round differently through norms and softmax: no bound there."""
     plan = plan_slice(config, width, "static", axes=axes)
     small = float64_norms(trained_small(config, plan).double())
@@ -82,7 +91,12 @@ def test_the_grown_target_computes_the_small_models_logits(config, width, axes):
     sensitivity = sum(float((p.grad * p.detach()).abs().sum()) for p in target.parameters() if p.grad is not None)
     with torch.no_grad():
         small_loss = small(input_ids=ids, labels=ids).loss
-    assert abs(float(loss) - float(small_loss)) <= gamma(3, torch.float32) * sensitivity + 1e-12
+    # each float64 loss off its exact value by at most its own bound: the mean of the examples' losses (the
+    # same count of tokens in each), each within output_bound, plus the mean's own n roundings
+    rounding = sum(float(output_bound(example_losses(m), ids, m).mean()) + gamma(ids.numel(), torch.float64) * float(v)
+                   for m, v in ((small, small_loss), (target, loss)))
+    assert rounding < 1e-9 * float(small_loss)  # float64's share: small beside the float32 staging's term
+    assert abs(float(loss) - float(small_loss)) <= gamma(3, torch.float32) * sensitivity + rounding
     assert sum(p.numel() for p in target.parameters()) > 1.5 * sum(p.numel() for p in small.parameters())
 
 
