@@ -20,7 +20,7 @@ import time
 import torch
 from fedfusion.clients import submodel
 from fedfusion.clients.cache import ENV, MODELS
-from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
 from fedfusion.config.recipe import load_recipe
@@ -57,7 +57,7 @@ def main() -> int:
                                                                   m.metadata.dst_node_id - 100, 100).to_config())}),
                             reply_to=m) for m in msgs]
 
-    msgs = list(strategy.configure_train(1, target.initial, ConfigRecord({}), Grid()))
+    msgs = list(strategy.configure_train(1, ArrayRecord(target.initial()), ConfigRecord({}), Grid()))
     torch.set_num_threads(1)
     for cache in ("0", "1", "1"):
         os.environ[ENV] = cache

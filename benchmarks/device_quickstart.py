@@ -48,9 +48,10 @@ class _Target:
     """What the method's builder reads of the server's target."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        from flwr.app import ArrayRecord
+        self.model, self.params = model, 0
 
-        self.model, self.initial, self.params = model, ArrayRecord(model.state_dict()), 0
+    def initial(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
 
 def one_phase(phase: str, tier: str, steps: int) -> dict:

@@ -89,8 +89,7 @@ def one_arm(arm: str) -> dict[str, Any]:
     model = family_of(cfg).build(cfg)
     state = model.state_dict()
     tiers = sorted(recipe.fusion.widths)
-    method = build(recipe.fusion, recipe.seed, SimpleNamespace(model=model, initial=SimpleNamespace(
-        to_torch_state_dict=state.copy), params=0), tiers)
+    method = build(recipe.fusion, recipe.seed, SimpleNamespace(model=model, initial=state.copy, params=0), tiers)
     settings = StrategySettings(clients_per_round=len(NODES), query_config={"population": "{}"},
                                 train_config={"local-steps": 1, "lr": 0.1, "seed": recipe.seed}, wait_nodes_s=1.0)
     strategy = FusionStrategy(settings, RunState.begin(dict.fromkeys(tiers, method), build_participation(recipe),

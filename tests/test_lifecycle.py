@@ -36,7 +36,7 @@ class Counting:
     rounds = ROUNDS
 
     def __init__(self) -> None:
-        self.target = Target(model=None, tokenizer=None, initial=ArrayRecord(), load=lambda arrays: None,  # type: ignore[arg-type]
+        self.target = Target(model=None, tokenizer=None, initial=dict, load=lambda arrays: None,  # type: ignore[arg-type]
                              evaluate=dict, save=lambda out, arrays: None, sample=lambda: "text", params=7,
                              metric_names={})
         self.trained: list[int] = []

@@ -103,6 +103,27 @@ def test_identical_updates_aggregate_to_that_update(model):
         assert_within(value, single.result()[name], gamma(2, torch.float32) * single.result()[name].double().abs())
 
 
+def test_the_mean_is_taken_in_the_sums_storage_once_and_is_the_plain_quotient(model):
+    """``result()`` divides the sums in place (no second target-sized copy at the round's peak): the values are the
+    out-of-place ``where(count > 0, sum / count, old)`` bit for bit; a second call gives the same dict, and an averager
+    whose mean was taken refuses another reply rather than fold it into a divided sum."""
+    state = model.state_dict()
+    plans = [plan_slice(model.config, 0.5, "rolling", server_round=r, stride=0.25) for r in (1, 2)]
+    avg = SelectiveAverager(state, model.config)
+    for i, plan in enumerate(plans):
+        avg.add({k: v + 0.01 * (i + 1) for k, v in extract(state, model.config, plan).items()}, plan, weight=i + 1.0)
+    want = {k: torch.where(c > 0, avg.sums[k] / c.clamp_min(1e-12), state[k].float()) if bool((c > 0).any())
+            else state[k].clone() for k, c in avg.counts.items()}
+    storage = {k: v.data_ptr() for k, v in avg.sums.items()}
+    got = avg.result()
+    held = [k for k, c in avg.counts.items() if bool((c > 0).any())]
+    assert held and all(got[k].data_ptr() == storage[k] for k in held)
+    assert all(torch.equal(got[k], want[k]) for k in state)
+    assert avg.result() is got
+    with pytest.raises(RuntimeError, match="already taken"):
+        avg.add(extract(state, model.config, plans[0]), plans[0])
+
+
 def test_each_coordinate_count_is_the_number_of_clients_that_held_it(model):
     cfg = model.config
     state = model.state_dict()

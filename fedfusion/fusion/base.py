@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -23,12 +23,6 @@ from fedfusion.wire.keys import DEVICE_STEP_S, NUM_EXAMPLES
 State = dict[str, torch.Tensor]
 
 
-class Initial(Protocol):
-    """The arrays round 1 starts from (Flower's ``ArrayRecord``, read without importing Flower)."""
-
-    def to_torch_state_dict(self) -> State: ...
-
-
 class BuildTarget(Protocol):
     """What a method's builder (its registry entry's ``build``) reads of the server's target
     (:class:`fedfusion.run.targets.Target`)."""
@@ -37,7 +31,7 @@ class BuildTarget(Protocol):
     def model(self) -> Any: ...
 
     @property
-    def initial(self) -> Initial: ...
+    def initial(self) -> Callable[[], State]: ...  # the state round 1 starts from, a fresh copy each call
 
     @property
     def params(self) -> int: ...

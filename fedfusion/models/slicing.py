@@ -381,10 +381,13 @@ class SelectiveAverager:
         self.counts = {k: torch.zeros_like(v, dtype=torch.float32) for k, v in target.items()}
         self.kept: list[dict[str, tuple[tuple[torch.Tensor | None, ...], torch.Tensor]]] = []
         self.clients = 0
+        self.done: dict[str, torch.Tensor] | None = None  # the result, once taken (mean: it lives in the sums)
 
     def add(self, sub: dict[str, torch.Tensor], plan: SlicePlan, weight: float = 1.0) -> None:
         """Fold one client's trained sub-model in; a mismatched key or shape, or NaN/Inf, raises ValueError
         before anything is added, so a bad update never touches the sums."""
+        if self.done is not None:
+            raise RuntimeError("this round's average was already taken (result()): fold the reply into a new averager")
         staged = stage_update(self.target, self.config, sub, plan)
         if self.rule != "mean":  # robust rules keep the slices and ignore weights
             self.kept.append({name: (index, value) for name, index, value in staged})
@@ -401,6 +404,8 @@ class SelectiveAverager:
         client's own update can be read from. ``mean`` only; a key the target lacks or a wrong shape raises."""
         if self.rule != "mean":
             raise ValueError(f"a sum over clients averages; aggregate {self.rule!r} needs each client's values")
+        if self.done is not None:
+            raise RuntimeError("this round's average was already taken (result()): add the sum before it")
         for name, value in sums.items():
             if name not in self.sums or self.sums[name].shape != value.shape:
                 raise ValueError(f"{name}: not a target tensor of shape {tuple(value.shape)}")
@@ -425,13 +430,20 @@ class SelectiveAverager:
         return _robust_reduce(stack, self.rule, self.trim)
 
     def result(self) -> dict[str, torch.Tensor]:
-        """The new target state dict."""
+        """The new target state dict. ``mean`` computes it in the sums' own storage (one target-sized copy fewer
+        at the round's peak); the averager is then done: it takes no more replies and gives this result again."""
+        if self.done is not None:
+            return self.done
         out = {}
         for name, old in self.target.items():
             count = self.counts[name]
             if not self.clients or not bool((count > 0).any()):
                 out[name] = old.clone()
                 continue
-            value = self.sums[name] / count.clamp_min(1e-12) if self.rule == "mean" else self._robust(name)
-            out[name] = torch.where(count > 0, value, old.float()).to(old.dtype)
+            if self.rule == "mean":
+                value = self.sums[name].div_(count.clamp_min(1e-12))
+                out[name] = torch.where(count > 0, value, old.float(), out=value).to(old.dtype)
+            else:
+                out[name] = torch.where(count > 0, self._robust(name), old.float()).to(old.dtype)
+        self.done = out
         return out

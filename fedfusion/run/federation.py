@@ -190,11 +190,10 @@ class RoundLedger:
     clients' ledger rows, recorded through the run's :class:`~fedfusion.run.lifecycle.Recorder` with the checkpoint
     the round may be due (``state`` gives the strategy's run state for it)."""
 
-    def __init__(self, recorder: Recorder, state: Callable[[], dict[str, Any]], target: Target,
-                 catalog: dict[str, Device], resumed: Checkpoint | None = None,
-                 server_device: Device | None = None) -> None:
+    def __init__(self, recorder: Recorder, state: Callable[[], dict[str, Any]], arrays: ArrayRecord,
+                 catalog: dict[str, Device], server_device: Device | None = None) -> None:
         self.recorder, self.state, self.catalog, self.server_device = recorder, state, catalog, server_device
-        self.arrays = target.initial if resumed is None else ArrayRecord(resumed.target)  # after the last round seen
+        self.arrays = arrays  # the target after the last round seen (before round 1: what it starts from)
         self.nodes_logged: set[int] = set()  # nodes whose capabilities are in nodes.jsonl
 
     def __call__(self, report: RoundReport) -> None:
@@ -283,13 +282,14 @@ class Federation:
     def train(self, grid: Grid, recorder: Recorder, resumed: Checkpoint | None) -> None:
         """Flower's strategy loop over the rounds left, from the checkpoint's target and strategy state."""
         run = self.strategy.run
-        self.ledger = RoundLedger(recorder, run.state_dict, self.target, self.catalog, resumed, self.server_device)
-        self.strategy.listeners.append(self.ledger)
-        initial = ArrayRecord(initial_state(run.methods, self.target.initial.to_torch_state_dict()))
-        if resumed is not None:
+        if resumed is None:
+            initial = ArrayRecord(initial_state(run.methods, self.target.initial()))
+        else:
             initial = ArrayRecord(resumed.target)
             self.target.load(initial)
             run.load_state_dict(resumed.strategy, resumed.round)
+        self.ledger = RoundLedger(recorder, run.state_dict, initial, self.catalog, self.server_device)
+        self.strategy.listeners.append(self.ledger)
         if self.recipe.selection.overselect > 0:
             grid = QuorumGrid(grid, quorum=self.recipe.selection.clients_per_round)
         self.strategy.start(
@@ -299,7 +299,7 @@ class Federation:
 
     def arrays(self) -> ArrayRecord:
         """The target after the last round."""
-        return self.ledger.arrays if self.ledger is not None else self.target.initial
+        return self.ledger.arrays if self.ledger is not None else ArrayRecord(self.target.initial())
 
     def summary(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
         """The rounds, the clients' outcomes and how evenly the population took part (and, for facts, what the target

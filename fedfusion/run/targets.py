@@ -38,7 +38,9 @@ class Target:
 
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
-    initial: ArrayRecord  # what round 1 starts from
+    # the state round 1 starts from, read from the model when called (before round 1's target is loaded into it):
+    # a fresh copy each call, so no second copy of the target is held beside the model for the run
+    initial: Callable[[], dict[str, torch.Tensor]]
     load: Callable[[ArrayRecord], None]  # put a round's arrays into ``model``
     evaluate: Callable[[], dict[str, float]]  # eval_loss, eval_ppl, eval_acc
     save: Callable[[Path, ArrayRecord], None]  # the run directory's model/ (and adapter/)
@@ -77,7 +79,7 @@ def lm_target(recipe: Recipe) -> Target:
         tokenizer.save_pretrained(out)
 
     return Target(
-        model=model, tokenizer=tokenizer, initial=ArrayRecord(model.state_dict()),
+        model=model, tokenizer=tokenizer, initial=lambda: {k: v.detach().clone() for k, v in model.state_dict().items()},
         load=lambda arrays: model.load_state_dict(arrays.to_torch_state_dict()),
         evaluate=evaluate, save=save, sample=sample, params=count_params(model), metric_names=names,
     )
@@ -147,7 +149,7 @@ def lora_target(recipe: Recipe) -> tuple[Target, dict[str, torch.Tensor]]:
             save_merged(model, original, state, tokenizer, out)
 
     target = Target(
-        model=model, tokenizer=tokenizer, initial=ArrayRecord(),
+        model=model, tokenizer=tokenizer, initial=dict,
         load=lambda arrays: apply_global(model, original, arrays.to_torch_state_dict()),
         evaluate=evaluate, save=save, sample=sample, params=count_params(model), metric_names=names,
     )

@@ -14,6 +14,6 @@ def build(fusion: FusionConfig, generative: GenerativeConfig, train: TrainConfig
     (after ``fusion.grow_round`` rounds of the smallest slice, a slice of the grown target)."""
     f = fusion
     return GenerativeMethod(
-        target.model.config, {t: f.widths[t] for t in tiers}, target.initial.to_torch_state_dict(), generative,
+        target.model.config, {t: f.widths[t] for t in tiers}, target.initial(), generative,
         seq_len=train.seq_len, population=population.num_clients, run_seed=seed,
         axes=tuple(f.axes) if f.axes else None, scale=f.scaler, grow_round=f.grow_rounds())

@@ -14,7 +14,7 @@ def build(fusion: FusionConfig, seed: int, target: BuildTarget, tiers: list[str]
     ``fusion.grow_round`` rounds of the smallest slice)."""
     f = fusion
     return SubModelMethod(
-        target.model.config, {t: f.widths[t] for t in tiers}, target.initial.to_torch_state_dict(), policy=f.policy,
+        target.model.config, {t: f.widths[t] for t in tiers}, target.initial(), policy=f.policy,
         stride=f.stride, stagger=f.stagger and f.policy == "rolling", run_seed=seed, aggregate=f.aggregate,
         trim=f.trim, axes=tuple(f.axes) if f.axes else None, scale=f.scaler,
         ordered_ladder=tuple(f.ordered_ladder) if f.ordered_ladder else None, ordered_distill=f.ordered_distill,
