@@ -282,6 +282,8 @@ class FusionStrategy(Strategy):
             report = self.report(server_round, arrays, dict(metrics.items()) if metrics is not None else {})
             for listener in self.listeners:
                 listener(report)
+            if arrays is not initial_arrays:  # Flower's loop keeps its argument for the whole run, never to read it
+                initial_arrays.clear()        # again once a round has replaced it: a whole target's bytes let go
             return metrics
 
         return super().start(grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config,

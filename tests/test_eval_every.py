@@ -48,6 +48,17 @@ class EchoGrid:
         return replies
 
 
+class NoWeightsGrid(EchoGrid):
+    """Nodes whose training replies carry no weights: every update is rejected, every round void."""
+
+    def send_and_receive(self, messages, timeout=None):
+        replies = super().send_and_receive(messages, timeout)
+        for reply in replies:
+            if "arrays" in reply.content:
+                del reply.content["arrays"]
+        return replies
+
+
 def test_scored_rounds_are_round_0_the_last_and_every_nth():
     assert [r for r in range(13) if scored_round(r, 12, 1)] == list(range(13))
     assert [r for r in range(13) if scored_round(r, 12, 4)] == [0, 4, 8, 12]
@@ -77,6 +88,20 @@ def test_the_strategy_evaluates_only_the_scored_rounds_and_reports_every_round(o
     assert [r.round for r in reports] == list(range(offset + 1 if offset else 0, 8))
     assert [r.round for r in reports if r.metrics] == absolute
     assert all(r.clients for r in reports if r.round)  # unscored rounds trained all the same
+
+
+@pytest.mark.parametrize("void", [False, True])
+def test_flowers_initial_record_is_let_go_once_a_round_has_replaced_it(void):
+    """Flower's loop keeps ``initial_arrays`` referenced for the whole run: once a round's target has replaced it
+    (and every listener has seen that round) the strategy empties it; while every round is void the target is still
+    that record, and it is kept."""
+    strategy, state = make_strategy()
+    initial = ArrayRecord(state)
+    seen = []
+    strategy.listeners.append(lambda r: seen.append((r.round, len(initial), r.arrays is initial)))
+    strategy.start(grid=NoWeightsGrid() if void else EchoGrid(), initial_arrays=initial, num_rounds=2)
+    assert seen[:2] == [(0, len(state), True), (1, len(state), void)]  # every listener saw it whole
+    assert len(initial) == (len(state) if void else 0) and len(state) > 0
 
 
 def unscored_run(path, facts: bool = False):
