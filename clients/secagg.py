@@ -20,7 +20,6 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordD
 from flwr.clientapp.typing import ClientAppCallable
 from flwr.common.secure_aggregation.crypto.shamir import create_shares
 
-from fedfusion.models.slicing import scatter
 from fedfusion.wire import secagg as sa
 from fedfusion.wire.keys import FROZEN, NUM_EXAMPLES
 from fedfusion.wire.quantize import Index, decode, unpack_index
@@ -123,6 +122,9 @@ def padded(update: Mapping[str, torch.Tensor], index: Mapping[str, Index], scale
            shapes: Sequence[tuple[int, ...]], weight: float) -> np.ndarray:
     """``weight`` x ``update`` (each array divided by its scale) written where ``index`` puts it in a target of
     ``shapes``, zeros elsewhere, flattened in order (float64)."""
+    from fedfusion.models.slicing import scatter  # not at the top: slicing imports transformers (seconds of every
+    # ClientApp process's start, a deployed node's per message), which the units role never loads
+
     if set(update) != set(index):
         raise ValueError(f"secure aggregation: the update's arrays {sorted(update)[:3]} are not the ones the server "
                          f"indexed {sorted(index)[:3]}")

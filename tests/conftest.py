@@ -27,13 +27,23 @@ REQUIRE_DEVICE = "FEDFUSION_REQUIRE_DEVICE"  # =1 in CI's device venv: there a s
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Without the device extra a ``device`` test is skipped, with the command that installs ExecuTorch. On an xdist
     worker with ``--dist loadgroup`` (addopts), each ``xdist_group`` test's id gets its ``@group`` suffix where xdist's
-    own tagging did not take."""
+    own tagging did not take, and the ``slow`` tests go first (:func:`slow_first`)."""
     if find_spec("executorch") is None:
         for item in items:
             if item.get_closest_marker("device"):
                 item.add_marker(pytest.mark.skip(reason="needs ExecuTorch: pip install 'fedfusion[device]'"))
     if getattr(config.option, "loadgroup", False):
         tag_xdist_groups(items)
+    if hasattr(config, "workerinput"):  # an xdist worker: both collect alike, so the controller sees this order
+        slow_first(items)
+
+
+def slow_first(items: list[pytest.Item]) -> None:
+    """The ``slow`` tests (Flower runs: 20-120 s each) first, the rest after, each part in collection order. xdist
+    hands the tests out in collection order as a worker runs low; in file order the suite ended on test_units_flower's
+    minute-long runs, and one worker idled while the other finished them (simulated on a measured full run: the two
+    workers done at 1234 and 1337 s; slow first, 1285 and 1286 s). Seconds-long tests at the end even the workers out."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: collection order within each part
 
 
 def tag_xdist_groups(items: list[pytest.Item]) -> None:
