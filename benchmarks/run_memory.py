@@ -28,18 +28,11 @@ from typing import Any
 from compare_runs import compare
 from server_memory import export
 
+from fedfusion.devices.hardware import status_kb
+
 ROOT = Path(__file__).resolve().parents[1]
 FIELDS = ("VmRSS", "RssAnon", "RssShmem")
 MB = 1024  # kB in a MiB
-
-
-def status(pid: int) -> dict[str, int]:
-    """The :data:`FIELDS` of process ``pid`` in kB (empty once it has gone)."""
-    try:
-        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
-    except OSError:
-        return {}
-    return {k: int(v.split()[0]) for k, _, v in (line.partition(":") for line in lines) if k in FIELDS}
 
 
 def run_arm(label: str, code: Path, recipe: str, rounds: int, overrides: list[str], out: Path) -> dict[str, Any]:
@@ -51,8 +44,11 @@ def run_arm(label: str, code: Path, recipe: str, rounds: int, overrides: list[st
     with open(out.parent / f"{out.name}.log", "w") as log:
         proc = subprocess.Popen(command, cwd=code, env=env, stdout=log, stderr=subprocess.STDOUT)
         while proc.poll() is None:
-            for k, v in status(proc.pid).items():
-                peaks[k] = max(peaks[k], v)
+            for k in FIELDS:
+                try:
+                    peaks[k] = max(peaks[k], status_kb(k, proc.pid))
+                except RuntimeError:  # the run has just exited
+                    break
             time.sleep(0.25)
     if proc.returncode:
         raise RuntimeError(f"{label}: {' '.join(command)} failed ({proc.returncode}); see {out}.log")

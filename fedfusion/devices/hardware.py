@@ -60,15 +60,19 @@ def capabilities(accelerator: str) -> dict[str, str | int | float | bool]:
     return caps
 
 
-def status_kb(field: str) -> int:
-    """A field of Linux's ``/proc/self/status`` for this process, in kB: ``VmRSS`` (resident now) or ``VmHWM`` (its
-    peak). A missing field (another OS) raises RuntimeError naming it."""
-    status = Path("/proc/self/status")
-    if status.is_file():
-        for line in status.read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field} (Linux only)")
+def status_kb(field: str, pid: int | str = "self") -> int:
+    """A field of Linux's ``/proc/PID/status`` (default this process), in kB: ``VmRSS`` (resident now), ``VmHWM``
+    (its peak), ``RssAnon``, ``RssShmem``, ... A missing field or process (another OS, one that has exited) raises
+    RuntimeError naming it."""
+    status = Path(f"/proc/{pid}/status")
+    try:
+        lines = status.read_text().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{status} has no {field} (Linux only, a running process)")
 
 
 def peak_rss_mb() -> float:
