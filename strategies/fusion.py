@@ -63,6 +63,7 @@ from fedfusion.train.dp import ClientBudgets
 from fedfusion.wire.keys import NUM_EXAMPLES
 from fedfusion.wire.secagg import SUPPORT_KEY, decode, pack_support, unflatten, unpack_support
 from fedfusion.wire.specs import DROPPED, Caps, ClientSpec, PrivacySpec, RoundSpec, SpecError, TrainSpec
+from fedfusion.wire.views import record_tensors
 
 Listener = Callable[[RoundReport], None]
 
@@ -438,7 +439,7 @@ class FusionStrategy(Strategy):
                         grid: Grid) -> Iterable[Message]:
         """One fresh Message per sampled node: the payload its tier's method makes and the common spec."""
         server_round += self.run.rounds_done
-        target = arrays.to_torch_state_dict()
+        target = record_tensors(arrays)  # over Flower's bytes, no copy: read only
         self.run.round = _Round(number=server_round, target=target)
         nodes = self.sample(grid, server_round)
         left = self.secure.setup(grid, nodes, server_round) if self.secure is not None else {}
@@ -650,7 +651,7 @@ class FusionStrategy(Strategy):
         if self.settings.evaluate_clients <= 0:
             return []
         server_round += self.run.rounds_done
-        target = arrays.to_torch_state_dict()
+        target = record_tensors(arrays)  # over Flower's bytes, no copy: read only
         records: dict[str, ArrayRecord] = {}  # one record per method, shared by its nodes
         messages = []
         for node in self.evaluation_nodes():

@@ -55,6 +55,7 @@ from fedfusion.wire.specs import (
     TrainSpec,
     merge,
 )
+from fedfusion.wire.views import record_tensors
 
 silence_expected_noise()  # the server's side of a run, whether started by `fedfusion run` or `flwr run`
 
@@ -238,7 +239,7 @@ class RoundLedger:
         self.recorder.run.log_nodes([{"round": server_round, "node": n, **dict(c)} for n, c in new_nodes.items()])
         self.nodes_logged |= set(new_nodes)
         self.recorder.record(row, ledger, lambda: Checkpoint(
-            round=server_round, target=report.arrays.to_torch_state_dict(), elapsed_s=elapsed_s,
+            round=server_round, target=record_tensors(report.arrays), elapsed_s=elapsed_s,
             strategy=self.state()))
 
 
