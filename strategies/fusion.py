@@ -35,7 +35,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 from fedfusion.strategies.nodes import connected_nodes, query_messages
-from fedfusion.strategies.records import RoundRecords
+from fedfusion.strategies.records import RoundRecords, record_tensors
 from fedfusion.strategies.secagg import SecureAggregation
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.common.logger import log
@@ -63,7 +63,6 @@ from fedfusion.train.dp import ClientBudgets
 from fedfusion.wire.keys import NUM_EXAMPLES
 from fedfusion.wire.secagg import SUPPORT_KEY, decode, pack_support, unflatten, unpack_support
 from fedfusion.wire.specs import DROPPED, Caps, ClientSpec, PrivacySpec, RoundSpec, SpecError, TrainSpec
-from fedfusion.wire.views import record_tensors
 
 Listener = Callable[[RoundReport], None]
 

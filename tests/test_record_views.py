@@ -1,4 +1,4 @@
-"""fedfusion.wire.views: a Flower record's tensors read over its own bytes (no copy), and a server that only reads
+"""fedfusion.strategies.records.record_tensors: a Flower record's tensors read over its own bytes (no copy), and a server that only reads
 them: a round built from the round's record and folded from replies leaves that record's bytes as they were."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import hashlib
 import numpy as np
 import pytest
 import torch
+from fedfusion.strategies.records import array_tensor, record_tensors
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from transformers import LlamaForCausalLM
 
@@ -15,7 +16,6 @@ from fedfusion.fusion.outer import OuterConfig
 from fedfusion.fusion.submodel.method import SubModelMethod
 from fedfusion.wire.keys import FROZEN
 from fedfusion.wire.specs import Caps
-from fedfusion.wire.views import array_tensor, record_tensors
 from tests.conftest import tiny_config
 from tests.test_strategy import make_strategy, new_strategy
 

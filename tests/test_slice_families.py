@@ -158,7 +158,7 @@ def test_each_coordinate_count_is_the_number_of_clients_whose_slice_held_it(fami
         for value in extract(ids, cfg, plan).values():  # the coordinates this client was sent
             expected[value.flatten().long()] += 1
         avg.add(extract(state, cfg, plan), plan)
-    got = torch.cat([avg.counts[name].flatten() for name in state])
+    got = torch.cat([avg.count(name).flatten() for name in state])
     assert torch.equal(got, expected)
     assert 0 < avg.coverage() <= 1
 
@@ -170,7 +170,7 @@ def test_gpt2_fused_qkv_columns_follow_heads_in_each_third():
     avg = SelectiveAverager(model.state_dict(), cfg)
     for plan in plans:
         avg.add(extract(model.state_dict(), cfg, plan), plan)
-    counts, d, h = avg.counts["transformer.h.1.attn.c_attn.weight"], cfg.n_embd // cfg.n_head, cfg.n_embd
+    counts, d, h = avg.count("transformer.h.1.attn.c_attn.weight"), cfg.n_embd // cfg.n_head, cfg.n_embd
     for third in range(3):
         for head in range(cfg.n_head):
             for row in (0, 13, 31):

@@ -112,11 +112,12 @@ def test_the_mean_is_taken_in_the_sums_storage_once_and_is_the_plain_quotient(mo
     avg = SelectiveAverager(state, model.config)
     for i, plan in enumerate(plans):
         avg.add({k: v + 0.01 * (i + 1) for k, v in extract(state, model.config, plan).items()}, plan, weight=i + 1.0)
+    counts = {k: avg.count(k) for k in state}
     want = {k: torch.where(c > 0, avg.sums[k] / c.clamp_min(1e-12), state[k].float()) if bool((c > 0).any())
-            else state[k].clone() for k, c in avg.counts.items()}
+            else state[k].clone() for k, c in counts.items()}
     storage = {k: v.data_ptr() for k, v in avg.sums.items()}
     got = avg.result()
-    held = [k for k, c in avg.counts.items() if bool((c > 0).any())]
+    held = [k for k, c in counts.items() if bool((c > 0).any())]
     assert held and all(got[k].data_ptr() == storage[k] for k in held)
     assert all(torch.equal(got[k], want[k]) for k in state)
     assert avg.result() is got
@@ -134,15 +135,15 @@ def test_each_coordinate_count_is_the_number_of_clients_that_held_it(model):
     d, group = cfg.head_dim, cfg.num_attention_heads // cfg.num_key_value_heads
     for unit in range(cfg.num_key_value_heads):
         held = sum(unit in p.attn_units for p in plans)
-        assert torch.all(avg.counts["model.layers.0.self_attn.k_proj.weight"][unit * d : (unit + 1) * d] == held)
+        assert torch.all(avg.count("model.layers.0.self_attn.k_proj.weight")[unit * d : (unit + 1) * d] == held)
         cols = slice(unit * group * d, (unit + 1) * group * d)
-        assert torch.all(avg.counts["model.layers.1.self_attn.o_proj.weight"][:, cols] == held)
+        assert torch.all(avg.count("model.layers.1.self_attn.o_proj.weight")[:, cols] == held)
     for neuron in range(cfg.intermediate_size):
         held = sum(neuron in p.neurons for p in plans)
-        assert torch.all(avg.counts["model.layers.0.mlp.up_proj.weight"][neuron] == held)
-        assert torch.all(avg.counts["model.layers.0.mlp.down_proj.weight"][:, neuron] == held)
-    assert torch.all(avg.counts["model.embed_tokens.weight"] == len(plans))
-    assert torch.all(avg.counts["model.norm.weight"] == len(plans))
+        assert torch.all(avg.count("model.layers.0.mlp.up_proj.weight")[neuron] == held)
+        assert torch.all(avg.count("model.layers.0.mlp.down_proj.weight")[:, neuron] == held)
+    assert torch.all(avg.count("model.embed_tokens.weight") == len(plans))
+    assert torch.all(avg.count("model.norm.weight") == len(plans))
 
 
 def test_uncovered_coordinates_keep_their_old_value(model):
@@ -195,7 +196,7 @@ def test_malformed_update_is_rejected_and_changes_nothing(model, bad):
     avg = SelectiveAverager(state, model.config)
     with pytest.raises(ValueError):
         avg.add(update, plan)
-    assert all(torch.all(c == 0) for c in avg.counts.values())
+    assert all(torch.all(c == 0) for c in map(avg.count, avg.target))
     assert avg.clients == 0
 
 

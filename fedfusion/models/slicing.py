@@ -363,8 +363,9 @@ def stage_update(target: dict[str, torch.Tensor], config: PretrainedConfig, sub:
 class SelectiveAverager:
     """Folds client sub-models into the target, each coordinate over the clients whose slice held it.
 
-    ``mean`` (default) streams replies into per-coordinate sums and counts, so memory is O(target)
-    whatever the number of clients, and client weights apply. ``median`` and ``trimmed_mean`` (dropping
+    ``mean`` (default) streams replies into per-coordinate sums, so memory is one target whatever the number of
+    clients (the counts are each client's slice index and weight, made into a tensor one target tensor at a time),
+    and client weights apply. ``median`` and ``trimmed_mean`` (dropping
     ``trim`` of the values at each end) resist a few wild updates; they keep every client's slice until
     :meth:`result` (memory O(clients x target)) and ignore weights. A coordinate no client held (an
     unsliced unit, a dropped layer) keeps its old value.
@@ -378,7 +379,9 @@ class SelectiveAverager:
             raise ValueError(f"trim must be in [0, 0.5), got {trim}")
         self.target, self.config, self.rule, self.trim = target, config, rule, trim
         self.sums = {k: torch.zeros_like(v, dtype=torch.float32) for k, v in target.items()} if rule == "mean" else {}
-        self.counts = {k: torch.zeros_like(v, dtype=torch.float32) for k, v in target.items()}
+        # per target tensor, each client's slice index and weight: the counts are made from these one tensor at a time
+        # (:meth:`count`), never a second target-sized tensor beside the sums
+        self.holders: dict[str, list[tuple[tuple[torch.Tensor | None, ...], float]]] = {k: [] for k in target}
         self.kept: list[dict[str, tuple[tuple[torch.Tensor | None, ...], torch.Tensor]]] = []
         self.clients = 0
         self.done: dict[str, torch.Tensor] | None = None  # the result, once taken (mean: it lives in the sums)
@@ -395,7 +398,7 @@ class SelectiveAverager:
         for name, index, value in staged:
             if self.rule == "mean":
                 scatter(self.sums[name], index, weight * value, accumulate=True)
-            scatter(self.counts[name], index, torch.full_like(value, weight), accumulate=True)
+            self.holders[name].append((index, weight))
         self.clients += 1
 
     def add_sum(self, sums: dict[str, torch.Tensor]) -> None:
@@ -412,14 +415,22 @@ class SelectiveAverager:
         for name, value in sums.items():
             self.sums[name] += value
 
+    def count(self, name: str) -> torch.Tensor:
+        """Per coordinate of target tensor ``name``, the summed weight of the clients whose slice held it (float32,
+        made anew on each call from the clients' slice indices, in the order they were added)."""
+        out = torch.zeros_like(self.target[name], dtype=torch.float32)
+        for index, weight in self.holders[name]:
+            scatter(out, index, torch.full(sliced_shape(out.shape, index), weight, dtype=torch.float32), accumulate=True)
+        return out
+
     def coverage(self) -> float:
         """Fraction of target coordinates that at least one client updated."""
-        held = sum(int((c > 0).sum()) for c in self.counts.values())
-        return held / sum(c.numel() for c in self.counts.values())
+        held = sum(int((self.count(name) > 0).sum()) for name in self.target)
+        return held / sum(t.numel() for t in self.target.values())
 
     def held(self) -> dict[str, torch.Tensor]:
         """Per target tensor, which coordinates at least one client updated (bool)."""
-        return {name: count > 0 for name, count in self.counts.items()}
+        return {name: self.count(name) > 0 for name in self.target}
 
     def _robust(self, name: str) -> torch.Tensor:
         stack = torch.full((len(self.kept), *self.target[name].shape), float("nan"))
@@ -436,7 +447,7 @@ class SelectiveAverager:
             return self.done
         out = {}
         for name, old in self.target.items():
-            count = self.counts[name]
+            count = self.count(name)
             if not self.clients or not bool((count > 0).any()):
                 out[name] = old.clone()
                 continue

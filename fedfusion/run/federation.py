@@ -44,6 +44,7 @@ from fedfusion.selection.selectors import make_selector
 from fedfusion.strategies.fusion import FusionStrategy, Listener, RunState, StrategySettings
 from fedfusion.strategies.nodes import connected_nodes
 from fedfusion.strategies.quorum import QuorumGrid
+from fedfusion.strategies.records import record_tensors
 from fedfusion.strategies.secagg import SecureAggregation
 from fedfusion.wire.specs import (
     ClientSpec,
@@ -55,7 +56,6 @@ from fedfusion.wire.specs import (
     TrainSpec,
     merge,
 )
-from fedfusion.wire.views import record_tensors
 
 silence_expected_noise()  # the server's side of a run, whether started by `fedfusion run` or `flwr run`
 

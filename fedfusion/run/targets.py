@@ -30,7 +30,6 @@ from fedfusion.models.build import build_target, count_params, generate
 from fedfusion.models.pretrained import load_base, load_base_tokenizer, resolve_base
 from fedfusion.train import instruct
 from fedfusion.train.loop import evaluate_lm
-from fedfusion.wire.views import record_tensors
 
 
 @dataclass
@@ -81,7 +80,7 @@ def lm_target(recipe: Recipe) -> Target:
 
     return Target(
         model=model, tokenizer=tokenizer, initial=lambda: {k: v.detach().clone() for k, v in model.state_dict().items()},
-        load=lambda arrays: model.load_state_dict(record_tensors(arrays)),
+        load=lambda arrays: model.load_state_dict(arrays.to_torch_state_dict()),
         evaluate=evaluate, save=save, sample=sample, params=count_params(model), metric_names=names,
     )
 
@@ -151,7 +150,7 @@ def lora_target(recipe: Recipe) -> tuple[Target, dict[str, torch.Tensor]]:
 
     target = Target(
         model=model, tokenizer=tokenizer, initial=dict,
-        load=lambda arrays: apply_global(model, original, record_tensors(arrays)),
+        load=lambda arrays: apply_global(model, original, arrays.to_torch_state_dict()),
         evaluate=evaluate, save=save, sample=sample, params=count_params(model), metric_names=names,
     )
     return target, original
