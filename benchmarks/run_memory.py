@@ -9,7 +9,7 @@ anonymous memory (``RssAnon``: the process's own heap and tensors), of the share
 high-water mark (``server_peak_rss_mb`` in its summary: ``VmHWM``, both together). Memory does not depend on the
 machine's load; the wall times do (stated, not compared). The arms run one after the other, never at once.
 
-    python benchmarks/run_memory.py [--recipe finetune] [--rounds 2] [--baseline REV] [--work runs/bench-run-memory]
+    python benchmarks/run_memory.py [--recipe finetune] [--rounds 2] [--baseline REV] [--work runs/bench-run-memory] [--out STEM]
         [key=value ...]
 """
 
@@ -85,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--baseline", default=None, help="a git revision whose code is also measured (first)")
     parser.add_argument("--work", type=Path, default=Path("runs/bench-run-memory"))
     parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--out", default="run_memory", help="the results' file stem under --out-dir")
     parser.add_argument("overrides", nargs="*", help="key=value recipe overrides for every arm")
     return parser
 
@@ -113,7 +114,7 @@ def main() -> None:
         data["ledgers"] = "identical" if not diffs else f"{len(diffs)} differences, first: {diffs[0]}"
     for r in rows:  # the results name no path of one machine
         r["run"] = os.path.relpath(r["run"], Path.cwd())
-    write_pair(a.out_dir, "run_memory", data, report(data))
+    write_pair(a.out_dir, a.out, data, report(data))
 
 
 if __name__ == "__main__":
