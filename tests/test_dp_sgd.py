@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -287,3 +289,14 @@ def test_a_vmapped_private_step_on_a_frozen_target_window_moves_it_as_the_looped
     assert largest > 0
     for a, b in zip(moved["vmap"], moved["loop"]):
         assert_within(a, b, bound)
+
+
+def test_accounting_leaves_the_root_logger_as_it_was_so_flower_lines_print_once():
+    """Importing Opacus calls logging.basicConfig; the accountant is imported without keeping that handler, so a
+    Flower log line (which propagates to the root) is printed once, not twice."""
+    code = ("import logging; from fedfusion.train.dp import epsilon_spent; epsilon_spent([(1.0, 0.1, 10)], 1e-5); "
+            "from flwr.common.logger import log; log(logging.WARNING, 'the-line'); "
+            "import opacus; print(len(logging.getLogger().handlers))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == "0" and out.stderr.count("the-line") == 1
+

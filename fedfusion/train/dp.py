@@ -16,10 +16,13 @@ analysis is for Poisson sampling at the same rate, the approximation DP-SGD impl
 
 from __future__ import annotations
 
+import importlib
+import logging
 import secrets
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from types import ModuleType
 
 import torch
 
@@ -61,14 +64,24 @@ def private_gradients(params: Sequence[torch.Tensor], example_grads: Iterable[Se
     return total
 
 
+def opacus_module(name: str) -> ModuleType:
+    """An Opacus module (the server's only use of Opacus is its accountant, imported when first needed), without the
+    root logging handler that importing Opacus installs (``logging.basicConfig`` in ``opacus.utils.module_utils``):
+    Flower's logger passes its records on to the root, so with that handler every log line of the run printed twice."""
+    root = logging.getLogger()
+    before = list(root.handlers)
+    module = importlib.import_module(name)
+    for handler in [h for h in root.handlers if h not in before]:
+        root.removeHandler(handler)
+    return module
+
+
 def epsilon_spent(history: Sequence[tuple[float, float, int]], delta: float) -> float:
     """The epsilon at ``delta`` of a client's whole DP-SGD history: (noise multiplier, sampling rate, steps) per
     round it trained (Opacus' RDP accountant). 0 for an empty history."""
     if not history:
         return 0.0
-    from opacus.accountants import RDPAccountant  # the server's only use of opacus: imported when accounting
-
-    accountant = RDPAccountant()
+    accountant = opacus_module("opacus.accountants").RDPAccountant()
     accountant.history = [(float(sigma), min(float(q), 1.0), int(steps)) for sigma, q, steps in history]
     return float(accountant.get_epsilon(delta))
 
@@ -77,8 +90,7 @@ def epsilon_spent(history: Sequence[tuple[float, float, int]], delta: float) -> 
 def calibrated_noise(epsilon: float, delta: float, sample_rate: float, steps: int) -> float:
     """The smallest noise multiplier whose ``steps`` steps at ``sample_rate`` spend at most ``epsilon`` at ``delta``
     (Opacus' search over its RDP accountant, to 0.01 in epsilon); cached, as clients often share their rate."""
-    from opacus.accountants.utils import get_noise_multiplier
-
+    get_noise_multiplier = opacus_module("opacus.accountants.utils").get_noise_multiplier
     return float(get_noise_multiplier(target_epsilon=epsilon, target_delta=delta, sample_rate=sample_rate,
                                       steps=steps, accountant="rdp"))
 
