@@ -95,10 +95,10 @@ def assert_round(runner, config, state, plan, windows, frozen_dtype: str = "int8
     step's batch, as torch's are (:mod:`model_bounds`, which says why the two loops' values after the steps are not
     compared); the runtime's optimizer moved the values by those gradients."""
     from fedfusion.phone.runtime import train_program
-    from fedfusion.phone.window import window_round
+    from fedfusion.phone.window import decode_frozen, window_round
 
     received, spec = payload(config, state, plan, frozen_dtype)
-    weights, inputs = window_round(runner.manifest, received, spec)
+    weights, inputs = window_round(runner.manifest, received, spec, decode_frozen(received))
     runner.load(weights)
     runner.hold(inputs)
     with runtime_steps(runner) as mine:
@@ -167,6 +167,66 @@ def test_one_window_program_serves_a_tier_round_after_round(program, windows):
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+@pytest.mark.device
+def test_a_device_keeps_the_frozen_target_until_it_changes(program, windows, tmp_path, monkeypatch):
+    """Through a gateway and the reference device, four window tasks on the tiny target whose frozen targets are
+    a, a again (a second task of a round), b (the target changed) and a. The device fetches the target for tasks 1, 3
+    and 4 only; task 2 trains on the copy task 1 fetched and ends where task 1 did, bit for bit, as task 4 does from
+    a fresh fetch; task 3 ends elsewhere. The program's held inputs are the device's decoded target itself, and the
+    gateway forgets each target once its tasks are collected."""
+    import json
+    import threading
+
+    import fedfusion.data.population as population
+    from fedfusion.phone.gateway import Gateway, GatewayServer, Tokens, call, frozen_hash, pack, split_frozen, unpack, write_tokens
+    from fedfusion.phone.reference import ReferenceDevice
+    from fedfusion.wire.keys import FROZEN
+    from fedfusion.wire.specs import ClientSpec, RoundSpec, TrainSpec, merge
+
+    monkeypatch.setattr(population, "client_windows", lambda *args: windows)  # the tiny target's vocabulary
+    config = tiny_config()
+    plan = window(config, 2)
+    tokens, programs = tmp_path / "tokens.json", tmp_path / "programs"
+    secret = write_tokens(tokens, {"tok-a": "phone-a"})
+    program.save(programs)
+    gateway = Gateway(Tokens(tokens), programs)
+    server = GatewayServer(("127.0.0.1", 0), gateway)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    device, said, sent, results = ReferenceDevice(server.url, "tok-a"), list[str](), [], []
+    try:
+        for seed in (0, 0, 1, 0):
+            received, spec = payload(config, target_state(config, seed), plan)
+            task_spec = merge(ClientSpec("windows", SEQ, 1), TrainSpec(STEPS, LR, BATCH, 0.0, "adamw"),
+                              RoundSpec(2, 11), spec)
+            task_spec["partition"] = 0
+            body = pack(received, {"spec": task_spec, "deadline_s": 300, "model_config": config.to_dict(),
+                                   "window": True})
+            status, answer = call(f"{server.url}/v1/node/tasks", "POST", secret, body)
+            assert status == 200, answer
+            sent.append((json.loads(answer)["task"], frozen_hash(split_frozen(received)[0])))
+        assert len(list(programs.glob("*.json"))) == 1  # found by its key, not exported again
+        assert device.serve(tasks=4, poll_s=0.05, echo=said.append) == 4
+        held = dict(zip((s["name"] for s in device.runners[program.program_id].round_specs),
+                        device.runners[program.program_id].held))
+        for task, _ in sent:
+            status, body = call(f"{server.url}/v1/node/tasks/{task}?wait=5", "GET", secret)
+            assert status == 200, body
+            results.append(unpack(body)[0])
+    finally:
+        server.shutdown()
+        server.server_close()
+    ha, hb = sent[0][1], sent[2][1]
+    assert ha == sent[1][1] == sent[3][1] != hb and device.fetched == [ha, hb, ha]
+    assert [line.rsplit(", ", 1)[1] for line in said[1:]] == ["frozen target fetched", "frozen target held",
+                                                               "frozen target fetched", "frozen target fetched"]
+    assert device.frozen is not None and device.frozen[0] == ha
+    assert all(held[FROZEN + k] is v for k, v in device.frozen[1].items() if FROZEN + k in held)  # no copy
+    assert all(torch.equal(results[1][k], v) and torch.equal(results[3][k], v) for k, v in results[0].items())
+    assert any(not torch.equal(results[2][k], v) for k, v in results[0].items())
+    assert gateway.frozen == {}
+
+
 @pytest.mark.device
 def test_shared_window_trains_the_embeddings_whole(windows):
     """With ``window_shared`` the embeddings, norms and head are parameters (the window holds them whole) and no

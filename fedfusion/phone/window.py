@@ -18,7 +18,8 @@ What changes each round, and how the program takes it:
   ``index_copy`` (whose backward is an ``index_select`` of the gradient: the window's exact gradient).
 
 The frozen target enters the program as float32: the device dequantises what travelled (``fusion.frozen_dtype``)
-once per round (:func:`window_round`). Holding it int8 inside the program is not built. Tensors the window covers
+once per target (:func:`decode_frozen`) and keeps it, keyed by the target's hash, until a task names another
+(:mod:`fedfusion.phone.gateway` sends it only then). Holding it int8 inside the program is not built. Tensors the window covers
 whole (the shared tensors with ``window_shared``) are parameters only, not inputs.
 
 A core window (``fusion.window_core``) exports where each window is drawn outside the core
@@ -168,17 +169,24 @@ def export_window_program(config: PretrainedConfig, plan: SlicePlan, batch_size:
     return DeviceProgram(pte, ptd, manifest)
 
 
-def window_round(manifest: dict[str, Any], received: Mapping[str, torch.Tensor], spec: WindowSpec
-                 ) -> tuple[State, State]:
-    """What a device feeds a window program from one round's full-forward payload: (the window's values, by
-    parameter name, to load; the round's inputs, by input name, to hold): the frozen target dequantised to
-    float32 from however it travelled, and the window's unit indices per sliced axis from ``spec``."""
-    if spec.rank or spec.core:
-        raise ValueError("a window program trains a window of units: no rank-r update (window_rank) and no core "
-                         "in the small model's forward pass (core_forward=small)")
+def decode_frozen(received: Mapping[str, torch.Tensor]) -> State:
+    """The frozen target of a full-forward payload (its :data:`FROZEN` keys, in ``fusion.frozen_dtype``), dequantised
+    to float32 once, by target tensor name: what a device keeps for as long as that target's hash is the task's."""
     frozen = decode({k.removeprefix(FROZEN): v for k, v in received.items() if k.startswith(FROZEN)})
     if not frozen:
         raise ValueError(f"a full-forward payload carries the frozen target under {FROZEN!r} keys; none arrived")
+    return frozen
+
+
+def window_round(manifest: dict[str, Any], received: Mapping[str, torch.Tensor], spec: WindowSpec, frozen: State
+                 ) -> tuple[State, State]:
+    """What a device feeds a window program from one round's full-forward payload: (the window's values, by
+    parameter name, to load; the round's inputs, by input name, to hold): the frozen target as
+    :func:`decode_frozen` gave it (the tensors themselves: no copy) and the window's unit indices per sliced axis
+    from ``spec``."""
+    if spec.rank or spec.core:
+        raise ValueError("a window program trains a window of units: no rank-r update (window_rank) and no core "
+                         "in the small model's forward pass (core_forward=small)")
     plan = window_plan(spec)
     weights = {p["name"]: received[p["name"]].float() for p in manifest["parameters"]}
     inputs = {}
