@@ -58,7 +58,7 @@ def one_phase(phase: str, tier: str, steps: int) -> dict:
     """Export and time one program (``small`` or ``window``) in this process."""
     from fedfusion.phone.commands import export_phases
     from fedfusion.phone.runtime import ProgramRunner, train_program
-    from fedfusion.phone.window import decode_frozen, window_round
+    from fedfusion.phone.window import window_round
 
     torch.set_num_threads(1)
     recipe = load_checked("quickstart", OVERRIDES)
@@ -83,7 +83,7 @@ def one_phase(phase: str, tier: str, steps: int) -> dict:
     else:
         received = decode(payload.arrays, keep=FROZEN)
         spec = WindowSpec.from_config(payload.spec)
-        weights, inputs = window_round(runner.manifest, received, spec, decode_frozen(received))
+        weights, inputs = window_round(runner.manifest, received, spec, received)
         runner.load(weights)
         runner.hold(inputs)
         held = sum(t.numel() * t.element_size() for t in inputs.values())

@@ -95,10 +95,10 @@ def assert_round(runner, config, state, plan, windows, frozen_dtype: str = "int8
     step's batch, as torch's are (:mod:`model_bounds`, which says why the two loops' values after the steps are not
     compared); the runtime's optimizer moved the values by those gradients."""
     from fedfusion.phone.runtime import train_program
-    from fedfusion.phone.window import decode_frozen, window_round
+    from fedfusion.phone.window import window_round
 
     received, spec = payload(config, state, plan, frozen_dtype)
-    weights, inputs = window_round(runner.manifest, received, spec, decode_frozen(received))
+    weights, inputs = window_round(runner.manifest, received, spec, received)
     runner.load(weights)
     runner.hold(inputs)
     with runtime_steps(runner) as mine:
@@ -146,10 +146,11 @@ def test_window_program_trains_as_window_model(program, windows):
 @pytest.mark.slow
 @pytest.mark.device
 def test_one_window_program_serves_a_tier_round_after_round(program, windows):
-    """The same program (and runner), a round later: the window moved, the frozen target changed (another folding
-    of clients' updates) and arrived float16: the loss and the steps are still WindowModel's. Per-round inputs are
-    required and checked."""
+    """The same program (and runner), a round later: the window moved and the frozen target changed (another
+    folding of clients' updates): the loss and the steps are still WindowModel's. Per-round inputs are required and
+    checked; a frozen target in another format than the program's (float16 into an int8 program) is refused."""
     from fedfusion.phone.runtime import ProgramRunner
+    from fedfusion.phone.window import window_round
 
     config = tiny_config()
     runner = ProgramRunner(program)
@@ -160,13 +161,15 @@ def test_one_window_program_serves_a_tier_round_after_round(program, windows):
     changed = {k: v + 0.02 * torch.randn(v.shape, generator=torch.Generator().manual_seed(9)) for k, v in state.items()}
     plan = window(config, 3)
     assert plan.attn_units == (3,) and plan.neurons == tuple(range(48, 64))
-    assert_round(runner, config, changed, plan, windows, frozen_dtype="float16")
+    assert_round(runner, config, changed, plan, windows)
     held = {spec["name"]: value for spec, value in zip(runner.round_specs, runner.held)}
+    received, spec = payload(config, changed, plan, "float16")
+    with pytest.raises(ValueError, match="travelled as float16; this program takes it as int8"):
+        window_round(runner.manifest, received, spec, received)
     with pytest.raises(ValueError, match="units/heads"):  # a window of another shape is refused
         runner.hold({**held, "units/heads": torch.tensor([1, 2])})
 
 
-@pytest.mark.slow
 @pytest.mark.slow
 @pytest.mark.device
 def test_a_device_keeps_the_frozen_target_until_it_changes(program, windows, tmp_path, monkeypatch):
@@ -221,33 +224,38 @@ def test_a_device_keeps_the_frozen_target_until_it_changes(program, windows, tmp
     assert [line.rsplit(", ", 1)[1] for line in said[1:]] == ["frozen target fetched", "frozen target held",
                                                                "frozen target fetched", "frozen target fetched"]
     assert device.frozen is not None and device.frozen[0] == ha
-    assert all(held[FROZEN + k] is v for k, v in device.frozen[1].items() if FROZEN + k in held)  # no copy
+    frozen_inputs = {k: v for k, v in held.items() if k.startswith(FROZEN)}
+    assert frozen_inputs and all(v is device.frozen[1][k] for k, v in frozen_inputs.items())  # as it came: no copy
+    assert {v.dtype for v in frozen_inputs.values()} == {torch.int8, torch.float16}  # never a float32 copy
     assert all(torch.equal(results[1][k], v) and torch.equal(results[3][k], v) for k, v in results[0].items())
     assert any(not torch.equal(results[2][k], v) for k, v in results[0].items())
     assert gateway.frozen == {}
 
 
+@pytest.mark.slow
 @pytest.mark.device
 def test_shared_window_trains_the_embeddings_whole(windows):
     """With ``window_shared`` the embeddings, norms and head are parameters (the window holds them whole) and no
-    inputs; parity holds for them too."""
+    inputs; parity holds for them too, here on a frozen target that travels (and enters the program) as float16."""
     from fedfusion.phone.runtime import ProgramRunner
     from fedfusion.phone.window import export_window_program
 
     config = tiny_config()
-    program = export_window_program(config, window(config, 1, shared=True), BATCH, SEQ)
-    inputs = [i["name"] for i in program.manifest["inputs"]]
-    assert "frozen/model.embed_tokens.weight" not in inputs and "frozen/model.layers.0.mlp.up_proj.weight" in inputs
+    program = export_window_program(config, window(config, 1, shared=True), BATCH, SEQ, frozen_dtype="float16")
+    inputs = {i["name"]: i["dtype"] for i in program.manifest["inputs"]}
+    assert "frozen/model.embed_tokens.weight" not in inputs
+    assert inputs["frozen/model.layers.0.mlp.up_proj.weight"] == "float16"
     runner = ProgramRunner(program)
     assert "model.embed_tokens.weight" in runner.params and "lm_head.weight" in runner.params
-    assert_round(runner, config, target_state(config, 0), window(config, 2, shared=True), windows)
+    assert_round(runner, config, target_state(config, 0), window(config, 2, shared=True), windows, "float16")
 
 
 @pytest.mark.slow
 @pytest.mark.device
 def test_gpt2_shared_window_trains_its_tied_head():
     """GPT-2 (Conv1D matrices, biases, a head tied to the embedding), a window of neurons (its heads slice only with
-    the hidden axis) with the shared tensors: the tied embedding is one parameter whose gradient sums both uses."""
+    the hidden axis) with the shared tensors: the tied embedding is one parameter whose gradient sums both uses. Its
+    frozen target travels as packed int4 (two codes a byte), which the program unpacks itself."""
     from transformers import GPT2Config
 
     from fedfusion.phone.runtime import ProgramRunner
@@ -256,10 +264,12 @@ def test_gpt2_shared_window_trains_its_tied_head():
     config = GPT2Config(vocab_size=50, n_embd=32, n_layer=2, n_head=4, n_inner=64, n_positions=64, resid_pdrop=0.0,
                         embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     plan = window(config, 1, shared=True, axes=("neurons",))
-    runner = ProgramRunner(export_window_program(config, plan, BATCH, SEQ))
+    runner = ProgramRunner(export_window_program(config, plan, BATCH, SEQ, frozen_dtype="int4"))
     assert "transformer.wte.weight" in runner.params and "lm_head.weight" not in runner.params
+    assert {i["dtype"] for i in runner.round_specs} == {"int64", "uint8", "float16"}
     windows = torch.randint(50, (32, SEQ + 1), generator=torch.Generator().manual_seed(3))
-    assert_round(runner, config, target_state(config, 0), window(config, 2, shared=True, axes=("neurons",)), windows)
+    assert_round(runner, config, target_state(config, 0), window(config, 2, shared=True, axes=("neurons",)), windows,
+                 "int4")
 
 
 @pytest.mark.slow

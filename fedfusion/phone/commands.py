@@ -239,5 +239,5 @@ def export_tier(recipe: Recipe, tier: str) -> DeviceProgram:
     config = tier_config(recipe, tier)
     if recipe.fusion.forward == "full":
         return export_window_program(config, tier_window(recipe, tier, config), recipe.train.batch_size,
-                                     recipe.train.seq_len, recipe.train, recipe.seed)
+                                     recipe.train.seq_len, recipe.train, recipe.seed, recipe.fusion.frozen_dtype)
     return export_program(config, recipe.train.batch_size, recipe.train.seq_len, recipe.train, recipe.seed)

@@ -199,18 +199,22 @@ class Gateway:
         key = program_key(config, batch_size, seq_len)
         return self._found_or_exported(key, lambda: export_program(config, batch_size, seq_len))
 
-    def window_program_for(self, model_config: dict, spec: dict, batch_size: int, seq_len: int) -> str:
+    def window_program_for(self, model_config: dict, spec: dict, frozen: Mapping[str, torch.Tensor], batch_size: int,
+                           seq_len: int) -> str:
         """The id of the training program of a full-forward window of this shape (units per axis, shared tensors or
         not; ``spec`` carries the message's :class:`~fedfusion.wire.specs.WindowSpec`) in a target of
-        ``model_config``: found in ``programs`` by its key, else exported there once."""
+        ``model_config`` whose frozen part travels as ``frozen`` does: found in ``programs`` by its key, else
+        exported there once."""
         from fedfusion.models.families import config_from_dict
         from fedfusion.models.full_forward import window_plan
-        from fedfusion.phone.window import export_window_program, window_program_key
+        from fedfusion.phone.window import export_window_program, frozen_format, window_program_key
         from fedfusion.wire.specs import WindowSpec
 
         config, plan = config_from_dict(model_config), window_plan(WindowSpec.from_config(spec))
-        key = window_program_key(config, plan, batch_size, seq_len)
-        return self._found_or_exported(key, lambda: export_window_program(config, plan, batch_size, seq_len))
+        fmt = frozen_format(frozen)
+        key = window_program_key(config, plan, batch_size, seq_len, fmt)
+        return self._found_or_exported(key, lambda: export_window_program(config, plan, batch_size, seq_len,
+                                                                          frozen_dtype=fmt))
 
     def lora_program_for(self, lora: dict, batch_size: int, seq_len: int) -> str:
         """The id of the training program of this LoRA adapter (``lora``: base, target_modules, rank, alpha, bits):
@@ -246,10 +250,10 @@ class Gateway:
         tensors, meta = unpack(body)
         spec, deadline_s = dict(meta["spec"]), float(meta["deadline_s"])
         shape = int(spec["batch-size"]), int(spec["seq-len"])
-        program = (self.lora_program_for(meta[ADAPTER], *shape) if ADAPTER in meta
-                   else self.window_program_for(meta["model_config"], spec, *shape) if meta.get("window")
-                   else self.program_for(meta["model_config"], *shape))
         frozen, rest = split_frozen(tensors)
+        program = (self.lora_program_for(meta[ADAPTER], *shape) if ADAPTER in meta
+                   else self.window_program_for(meta["model_config"], spec, frozen, *shape) if meta.get("window")
+                   else self.program_for(meta["model_config"], *shape))
         digest = frozen_hash(frozen) if frozen else ""
         task = Task(secrets.token_hex(8), program, spec, pack(rest, {}), time.monotonic() + deadline_s, digest)
         with self.lock:

@@ -4,8 +4,8 @@ ExecuTorch runtime, as the phone apps must (``fedfusion device --gateway URL --t
 Per task: fetch the program once (cached by id), the round's weights, copy them into the program, run the task's
 local steps with the client-code optimizer, send the trained weights and metrics back. A full-forward window's
 frozen target is fetched only when the task names a hash other than the one the device holds, checked against that
-hash, and kept decoded until the next change. Its local data stands in for a phone's own: the partition the task
-names, read as a simulated client reads it.
+hash, and kept as it arrived (the program dequantises it) until the next change. Its local data stands in for a
+phone's own: the partition the task names, read as a simulated client reads it.
 """
 
 from __future__ import annotations
@@ -78,15 +78,13 @@ class ReferenceDevice:
         return self.runners[program]
 
     def frozen_target(self, task: dict) -> dict[str, torch.Tensor]:
-        """The decoded frozen target ``task`` names by hash: the one held if it is that, else fetched, checked
-        against the hash (:class:`FrozenMismatch` if it differs: nothing of it is kept) and held in place of the
-        last one."""
-        from fedfusion.phone.window import decode_frozen
-
+        """The frozen target ``task`` names by hash, as it travelled (the program takes it so): the one held if it is
+        that, else fetched, checked against the hash (:class:`FrozenMismatch` if it differs: nothing of it is kept)
+        and held in place of the last one."""
         want = str(task["frozen"])
         if self.frozen is not None and self.frozen[0] == want:
             return self.frozen[1]
-        self.frozen = None  # the last target (and the runners' hold of it) is dropped before the next is decoded:
+        self.frozen = None  # the last target (and the runners' hold of it) is dropped before the next arrives:
         for runner in self.runners.values():  # one held at a time
             runner.held = ()
         received, _ = unpack(_ok(*self.get(f"/v1/tasks/{task['task']}/frozen"), "frozen target"))
@@ -95,8 +93,8 @@ class ReferenceDevice:
         if got != want:
             raise FrozenMismatch(f"the frozen target received hashes to {got[:16]}, the task names {want[:16]}: "
                                  "refused (corrupted or swapped on the way)")
-        self.frozen = (want, decode_frozen(received))
-        return self.frozen[1]
+        self.frozen = (want, received)
+        return received
 
     def report(self, task: str, reason: str) -> None:
         """Tell the gateway this device could not train ``task`` (so its node answers at once, not at the
