@@ -148,7 +148,8 @@ def test_window_program_trains_as_window_model(program, windows):
 def test_one_window_program_serves_a_tier_round_after_round(program, windows):
     """The same program (and runner), a round later: the window moved and the frozen target changed (another
     folding of clients' updates): the loss and the steps are still WindowModel's. Per-round inputs are required and
-    checked; a frozen target in another format than the program's (float16 into an int8 program) is refused."""
+    checked; a frozen target in another format than the program's (float16 into an int8 program), or none, is
+    refused."""
     from fedfusion.phone.runtime import ProgramRunner
     from fedfusion.phone.window import window_round
 
@@ -166,6 +167,8 @@ def test_one_window_program_serves_a_tier_round_after_round(program, windows):
     received, spec = payload(config, changed, plan, "float16")
     with pytest.raises(ValueError, match="travelled as float16; this program takes it as int8"):
         window_round(runner.manifest, received, spec, received)
+    with pytest.raises(ValueError, match="none arrived"):
+        window_round(runner.manifest, received, spec, {})
     with pytest.raises(ValueError, match="units/heads"):  # a window of another shape is refused
         runner.hold({**held, "units/heads": torch.tensor([1, 2])})
 

@@ -33,8 +33,8 @@ with a dropout, as a simulated client that misses its deadline.
 
 A full-forward window's frozen target (the whole target, the same for every window task of a round) is sent once per
 change: the gateway keeps it apart from the task's weights, once per :func:`frozen_hash` however many tasks carry
-it, and names its hash in the task; a device that already holds the decoded target of that hash reuses it, any
-other fetches it and checks the hash of what arrived before using it.
+it, and names its hash in the task; a device that already holds the target of that hash reuses it, any other
+fetches it and checks the hash of what arrived before using it.
 
 Plain ``http.server``: put it behind a TLS-terminating proxy for anything beyond a lab network.
 """

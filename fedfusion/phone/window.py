@@ -22,8 +22,8 @@ packed int4) codes and float16 scales of every matrix, float16 vectors (float16 
 formats), named as the wire names them. The program dequantises them itself (:func:`_dequantized`: casts and a
 multiply, exact), so a device keeps the target only as it arrived, keyed by its hash, until a task names another
 (:mod:`fedfusion.phone.gateway` sends it only then), and never holds a float32 copy of it; the runtime copies the
-inputs into the program's planned memory at each step, so that memory holds the narrow target a second time. Tensors the window covers
-whole (the shared tensors with ``window_shared``) are parameters only, not inputs.
+inputs into the program's planned memory at each step, so that memory holds the narrow target a second time.
+Tensors the window covers whole (the shared tensors with ``window_shared``) are parameters only, not inputs.
 
 A core window (``fusion.window_core``) exports where each window is drawn outside the core
 (``fusion.window_outside_core``): core + window then has one shape every round. Not built: windows over the depth
@@ -234,6 +234,8 @@ def window_round(manifest: dict[str, Any], received: Mapping[str, torch.Tensor],
     if spec.rank or spec.core:
         raise ValueError("a window program trains a window of units: no rank-r update (window_rank) and no core "
                          "in the small model's forward pass (core_forward=small)")
+    if not any(k.startswith(FROZEN) for k in frozen):
+        raise ValueError(f"a full-forward payload carries the frozen target under {FROZEN!r} keys; none arrived")
     plan = window_plan(spec)
     weights = {p["name"]: received[p["name"]].float() for p in manifest["parameters"]}
     inputs = {}
