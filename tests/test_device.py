@@ -274,8 +274,8 @@ def test_a_frozen_target_is_sent_once_per_change_and_checked_by_hash(gateway):
     url, gw = server.url, server.gateway
     gw.window_program_for = lambda *args: "abc123"
     a, b = _frozen(1), _frozen(2)
-    ha, hb = frozen_hash(a), frozen_hash(b)
-    assert ha != hb and frozen_hash(_frozen(1)) == ha and len(ha) == 64
+    ha, hb = frozen_hash(pack(a, {})), frozen_hash(pack(b, {}))
+    assert ha != hb and frozen_hash(pack(_frozen(1), {})) == ha and len(ha) == 64  # the same tensors, the same bytes
     tasks = [_submit_window(url, secret, a), _submit_window(url, secret, a), _submit_window(url, secret, b)]
     assert sorted(gw.frozen) == sorted([ha, hb])  # the first two tasks share one copy
     plain = _submit(url, secret, 60)
@@ -317,13 +317,13 @@ def test_a_frozen_target_that_does_not_match_its_hash_is_refused(gateway):
     url, gw = server.url, server.gateway
     gw.window_program_for = lambda *args: "abc123"
     a, b = _frozen(1), _frozen(2)
-    ha = frozen_hash(a)
+    ha = frozen_hash(pack(a, {}))
     task = _submit_window(url, secret, a)
     gw.frozen[ha] = pack(b, {})
     device = ReferenceDevice(url, "tok-a")
     device.register()
     taken = _take(url, "tok-a")
-    with pytest.raises(FrozenMismatch, match=f"hashes to {frozen_hash(b)[:16]}, the task names {ha[:16]}: refused"):
+    with pytest.raises(FrozenMismatch, match=f"hashes to {frozen_hash(pack(b, {}))[:16]}, the task names {ha[:16]}: refused"):
         device.frozen_target(taken)
     assert device.frozen is None and device.fetched == [ha]
     assert call(f"{url}/v1/tasks/{task}/error", "POST", "tok-a", b'{"error": "x"}')[0] == 200

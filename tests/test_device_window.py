@@ -210,7 +210,7 @@ def test_a_device_keeps_the_frozen_target_until_it_changes(program, windows, tmp
                                    "window": True})
             status, answer = call(f"{server.url}/v1/node/tasks", "POST", secret, body)
             assert status == 200, answer
-            sent.append((json.loads(answer)["task"], frozen_hash(split_frozen(received)[0])))
+            sent.append((json.loads(answer)["task"], frozen_hash(pack(split_frozen(received)[0], {}))))
         assert len(list(programs.glob("*.json"))) == 1  # found by its key, not exported again
         assert device.serve(tasks=4, poll_s=0.05, echo=said.append) == 4
         held = dict(zip((s["name"] for s in device.runners[program.program_id].round_specs),

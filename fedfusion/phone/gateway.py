@@ -98,16 +98,12 @@ def split_frozen(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.T
     return frozen, {k: v for k, v in tensors.items() if k not in frozen}
 
 
-def frozen_hash(frozen: Mapping[str, torch.Tensor]) -> str:
-    """The sha256 of a frozen target as it travels (every tensor's name, dtype, shape and bytes, in name order): the
-    one name under which a gateway offers it and a device keeps it, so a device fetches it only when it changed and
-    can check that what it fetched is what the task names."""
-    digest = hashlib.sha256()
-    for name in sorted(frozen):
-        t = frozen[name].detach().cpu().contiguous()
-        digest.update(json.dumps([name, str(t.dtype), list(t.shape)]).encode())
-        digest.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return digest.hexdigest()
+def frozen_hash(body: bytes) -> str:
+    """The sha256 (hex) of a frozen target's bytes as the gateway serves them (:func:`pack` of its tensors, the same
+    bytes for the same tensors): the one name under which a gateway offers it and a device keeps it, so a device
+    fetches it only when it changed and checks the body it fetched against the task's hash before reading it (a
+    plain sha256 of the response, as a phone app computes it)."""
+    return hashlib.sha256(body).hexdigest()
 
 
 class Refused(Exception):
@@ -251,14 +247,15 @@ class Gateway:
         spec, deadline_s = dict(meta["spec"]), float(meta["deadline_s"])
         shape = int(spec["batch-size"]), int(spec["seq-len"])
         frozen, rest = split_frozen(tensors)
+        packed = pack(frozen, {}) if frozen else b""
         program = (self.lora_program_for(meta[ADAPTER], *shape) if ADAPTER in meta
                    else self.window_program_for(meta["model_config"], spec, frozen, *shape) if meta.get("window")
                    else self.program_for(meta["model_config"], *shape))
-        digest = frozen_hash(frozen) if frozen else ""
+        digest = frozen_hash(packed) if frozen else ""
         task = Task(secrets.token_hex(8), program, spec, pack(rest, {}), time.monotonic() + deadline_s, digest)
         with self.lock:
             if digest and digest not in self.frozen:  # the round's other tasks carried the same target: one copy
-                self.frozen[digest] = pack(frozen, {})
+                self.frozen[digest] = packed
             self.tasks[task.id] = task
         return task.id
 

@@ -87,12 +87,13 @@ class ReferenceDevice:
         self.frozen = None  # the last target (and the runners' hold of it) is dropped before the next arrives:
         for runner in self.runners.values():  # one held at a time
             runner.held = ()
-        received, _ = unpack(_ok(*self.get(f"/v1/tasks/{task['task']}/frozen"), "frozen target"))
+        body = _ok(*self.get(f"/v1/tasks/{task['task']}/frozen"), "frozen target")
         self.fetched.append(want)
-        got = frozen_hash(received)
+        got = frozen_hash(body)
         if got != want:
             raise FrozenMismatch(f"the frozen target received hashes to {got[:16]}, the task names {want[:16]}: "
                                  "refused (corrupted or swapped on the way)")
+        received, _ = unpack(body)
         self.frozen = (want, received)
         return received
 
