@@ -1,14 +1,19 @@
-"""The quickstart on a phone: the two ExecuTorch training programs ``fedfusion export-device quickstart
-fusion.window_outside_core=true --tier TIER`` writes (the small model's slice for the rounds before growth, the
-core window on the frozen target after), each timed through the runtime against eager torch on the same batches.
+"""The quickstart on a phone: the two ExecuTorch training programs ``fedfusion export-device quickstart --tier
+TIER`` writes (the small model's slice for the rounds before growth, the core window on the frozen target after),
+each timed through the runtime against eager torch on the same batches, and the window program once more with
+``fusion.frozen_dtype=float32`` (a float32 frozen target on the device and in the program's inputs: what the device
+held before window programs took the target as it travelled).
 
-Per program: export seconds, .pte / .ptd sizes, the per-round inputs' bytes (the frozen target, float32), the
-process's resident-memory high-water mark above its memory before the runner was built (the program loaded, its
-round's weights and inputs held, ``STEPS`` AdamW steps), runtime and torch steps per second, and how far the two
-drift apart (per-step loss, relative update error). Torch's side is the client's own model: the small model's
-slice (``model_from_state``) and the window on the frozen target (``WindowModel`` from the strategy's payload).
-One thread, the recipe's batch, client 0's Shakespeare windows, a seeded target (the window program's round is a
-round after growth). Each program in a fresh process (the memory figure is its own). Needs the [device] extra.
+Per program: export seconds, .pte / .ptd sizes, the program's planned memory, the frozen target's bytes as the
+device keeps it (as it travelled; fetched only when it changed) and the per-round inputs' bytes (which the runtime
+copies into its planned memory every step), the process's resident-memory high-water mark (VmHWM) above its memory
+before the runner was built (the program loaded, the device's copy of its round's payload held, frozen target
+included, ``STEPS`` AdamW steps) and whole, runtime and torch steps per second, and how far the two drift apart
+(per-step loss, relative update error). Torch's side is the client's own model: the small model's slice
+(``model_from_state``) and the window on the frozen target (``WindowModel`` from the strategy's payload). One thread,
+the recipe's batch, client 0's Shakespeare windows, a seeded target (the window program's round is a round after
+growth). The programs are exported first; each is then timed in a fresh process (the memory figures are its own),
+with the 1-minute load average before each: timings on a busy machine are disturbed. Needs the [device] extra.
 
     python benchmarks/device_quickstart.py [--tier phone] [--steps 10]
 """
@@ -17,8 +22,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -39,8 +46,11 @@ from fedfusion.wire.keys import FROZEN
 from fedfusion.wire.quantize import decode
 from fedfusion.wire.specs import WindowSpec
 
-OVERRIDES = ["fusion.window_outside_core=true"]
 SEED, LR = 7, 3e-3
+# each measured program: the recipe's overrides and the phase whose program it is (quickstart as it ships, and its
+# window with a float32 frozen target for comparison)
+PHASES = {"small": ([], "small"), "window": ([], "window"),
+          "window-float32": (["fusion.frozen_dtype=float32"], "window")}
 
 
 
@@ -54,55 +64,74 @@ class _Target:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
 
-def one_phase(phase: str, tier: str, steps: int) -> dict:
-    """Export and time one program (``small`` or ``window``) in this process."""
+def export_all(tier: str, out: Path) -> None:
+    """Export every :data:`PHASES` program as ``fedfusion export-device quickstart [OVERRIDES] --tier TIER`` does,
+    each saved under ``out/<phase>``."""
     from fedfusion.phone.commands import export_phases
+
+    for overrides in {tuple(o) for o, _ in PHASES.values()}:
+        phases = export_phases(load_checked("quickstart", list(overrides)), tier)
+        programs = dict(zip(("small", "window"), (p for p, _ in phases)))
+        for phase, (o, kind) in PHASES.items():
+            if tuple(o) == overrides:
+                programs[kind].save(out / phase)
+
+
+def one_phase(phase: str, tier: str, steps: int, programs: Path) -> dict:
+    """Time one program (a :data:`PHASES` key, exported under ``programs/<phase>``) in this process."""
+    from fedfusion.phone.program import DeviceProgram
     from fedfusion.phone.runtime import ProgramRunner, train_program
     from fedfusion.phone.window import window_round
 
     torch.set_num_threads(1)
-    recipe = load_checked("quickstart", OVERRIDES)
+    load = os.getloadavg()[0]
+    overrides, kind = PHASES[phase]
+    recipe = load_checked("quickstart", overrides)
     grow = recipe.fusion.grow_rounds()
     target = build_target(recipe.model, load_tokenizer(None), recipe.seed)
     windows = client_windows(data_spec(recipe.data_source()), 0, recipe.train.seq_len, "train")
     method = build_method(recipe.fusion, recipe.seed, _Target(target), list(recipe.fusion.widths))
     state = target.state_dict()
-    server_round = 1 if phase == "small" else grow + 2
+    server_round = 1 if kind == "small" else grow + 2
     [payload] = method.payloads(server_round, state, [Client(partition=0, tier=tier, seed=3)])
-    programs = dict(zip(("small", "window"), (p for p, _ in export_phases(recipe, tier))))
-    program = programs[phase]
+    program = DeviceProgram.load(programs / phase, next((programs / phase).glob("*.json")).stem)
     base = status_kb("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")
     runner = ProgramRunner(program)
-    if phase == "small":
+    if kind == "small":
         plan = payload.context[0]
         weights = extract(state, target.config, plan)
         runner.load(weights)
-        held = 0
+        held = kept = 0
         model = model_from_state(sub_config(target.config, plan), weights)
     else:
-        received = decode(payload.arrays, keep=FROZEN)
+        # the device's own copy of the payload, made after the start mark so that the peak counts the target it keeps
+        received = {k: v.clone() for k, v in decode(payload.arrays, keep=FROZEN).items()}
         spec = WindowSpec.from_config(payload.spec)
-        weights, inputs = window_round(runner.manifest, received, spec)
+        weights, inputs = window_round(runner.manifest, received, spec, received)
         runner.load(weights)
         runner.hold(inputs)
         held = sum(t.numel() * t.element_size() for t in inputs.values())
+        kept = sum(t.numel() * t.element_size() for k, t in received.items() if k.startswith(FROZEN))
     start = time.perf_counter()
     mine = train_program(runner, windows, steps, LR, recipe.train.batch_size, SEED)
     runtime_s = time.perf_counter() - start
-    peak_mb = (status_kb("VmHWM") - base) / 1024
-    if phase == "window":
+    peak_mb, process_mb = (status_kb("VmHWM") - base) / 1024, status_kb("VmHWM") / 1024
+    if kind == "window":
         model = from_payload(target.config, decode(payload.arrays, keep=FROZEN), WindowSpec.from_config(payload.spec), 0)
     start = time.perf_counter()
     theirs = train_steps(model, windows, steps, LR, recipe.train.batch_size, SEED)
     torch_s = time.perf_counter() - start
-    trained = model.trained() if phase == "window" else {k: v.detach() for k, v in model.named_parameters()}
+    trained = model.trained() if kind == "window" else {k: v.detach() for k, v in model.named_parameters()}
     moved = torch.cat([(runner.params[k] - weights[k]).flatten() for k in weights])
     expected = torch.cat([(trained[k] - weights[k]).flatten() for k in weights])
-    return {"phase": phase, "rounds": f"1..{grow}" if phase == "small" else f"{grow + 1}..{recipe.rounds}",
+    return {"phase": phase, "rounds": f"1..{grow}" if kind == "small" else f"{grow + 1}..{recipe.rounds}",
+            "overrides": overrides, "frozen_dtype": recipe.fusion.frozen_dtype if kind == "window" else None,
+            "load_before": load,
             "trained_params": sum(v.numel() for v in weights.values()), "export_s": program.manifest["export_s"],
-            "pte_bytes": len(program.pte), "ptd_bytes": len(program.ptd), "round_input_bytes": held,
-            "peak_mb": peak_mb, "runtime_steps_per_s": steps / runtime_s, "torch_steps_per_s": steps / torch_s,
+            "pte_bytes": len(program.pte), "ptd_bytes": len(program.ptd), "planned_bytes": program.manifest["planned_bytes"],
+            "frozen_kept_bytes": kept, "round_input_bytes": held, "peak_mb": peak_mb, "process_peak_mb": process_mb,
+            "runtime_steps_per_s": steps / runtime_s, "torch_steps_per_s": steps / torch_s,
             "max_loss_diff": max(abs(a - b) for a, b in zip(mine.losses, theirs.losses)),
             "relative_update_error": float((moved - expected).norm() / expected.norm()),
             "first_loss": mine.losses[0], "last_loss": mine.losses[-1]}
@@ -111,21 +140,30 @@ def one_phase(phase: str, tier: str, steps: int) -> dict:
 def report(data: dict) -> str:
     s = data["settings"]
     lines = [f"# The quickstart's programs on a {s['tier']} (ExecuTorch runtime against torch)", "",
-             f"Machine: {data['machine']}, torch {data['torch']}; 1-minute load before: {data['load_before']}. "
-             f"Recipe: quickstart with {' '.join(OVERRIDES)}; {s['steps']} AdamW steps (lr {LR}), batch "
+             f"Machine: {data['machine']}, torch {data['torch']}; load average (1, 5, 15 minutes) before: "
+             f"{data['load_before']}, after: {data['load_after']}; another benchmark was running on the machine, so "
+             f"the timings are disturbed. Recipe: quickstart; {s['steps']} AdamW steps (lr {LR}), batch "
              f"{s['batch']} x {s['seq']} characters, client 0's windows, one thread, each program in a fresh process.",
-             "", "| program | rounds | trained params | export s | .pte bytes | .ptd bytes | round inputs bytes | "
-             "peak MB | runtime steps/s | torch steps/s | max loss diff | rel. update error |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "", "| program | rounds | frozen dtype | trained params | export s | .pte bytes | .ptd bytes | planned bytes | "
+             "frozen target kept bytes | round inputs bytes | peak MB above start | process peak MB | runtime steps/s | "
+             "torch steps/s | max loss diff | rel. update error | 1-min load before |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in data["rows"]:
-        lines.append(f"| {r['phase']} | {r['rounds']} | {r['trained_params']:,} | {r['export_s']:.1f} | "
-                     f"{r['pte_bytes']:,} | {r['ptd_bytes']:,} | {r['round_input_bytes']:,} | {r['peak_mb']:.0f} | "
-                     f"{r['runtime_steps_per_s']:.2f} | {r['torch_steps_per_s']:.2f} | {r['max_loss_diff']:.1e} | "
-                     f"{r['relative_update_error']:.1e} |")
+        lines.append(f"| {r['phase']} | {r['rounds']} | {r['frozen_dtype'] or '-'} | {r['trained_params']:,} | "
+                     f"{r['export_s']:.1f} | {r['pte_bytes']:,} | {r['ptd_bytes']:,} | {r['planned_bytes']:,} | "
+                     f"{r['frozen_kept_bytes']:,} | {r['round_input_bytes']:,} | {r['peak_mb']:.1f} | "
+                     f"{r['process_peak_mb']:.0f} | {r['runtime_steps_per_s']:.2f} | {r['torch_steps_per_s']:.2f} | "
+                     f"{r['max_loss_diff']:.1e} | {r['relative_update_error']:.1e} | {r['load_before']:.2f} |")
     lines += ["", "small: the small model's slice the rounds before growth train (found by its shape by the gateway); "
-              "window: the core plus a window drawn outside it on the frozen target (float32 program inputs, given "
-              "once a round). Peak MB: the resident high-water mark above the process's memory before the runner "
-              "was built (program, round weights and inputs, training)."]
+              "window: the core plus a window drawn outside it on the frozen target, which the program takes as it "
+              "travelled (fusion.frozen_dtype) and dequantises itself; window-float32: the same with "
+              "fusion.frozen_dtype=float32. Frozen target kept: what the device holds between tasks (the target as "
+              "it arrived, fetched only when its hash changes). Round inputs: the inputs held for the round's steps "
+              "(the frozen target and the window's positions), which the runtime copies into the planned memory at "
+              "every step. Peak MB above start: the resident high-water mark above the process's memory before the "
+              "runner was built (the program, the device's copy of the round's payload, frozen target included, and "
+              "training); process peak MB: the whole process's (Python, torch, the server's target that built the "
+              "payload, the runtime; the programs were exported in another process)."]
     return "\n".join(lines) + "\n"
 
 
@@ -135,25 +173,29 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tier", default="phone")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
-    parser.add_argument("--one", default=None, help="internal: measure one program (small or window) in this process")
+    parser.add_argument("--one", default=None, help="internal: measure one program (a PHASES key) in this process")
+    parser.add_argument("--programs", type=Path, default=None, help="internal: where --one finds the exported programs")
     return parser
 
 
 def main() -> None:
     a = build_parser().parse_args()
     if a.one is not None:
-        print(json.dumps(one_phase(a.one, a.tier, a.steps)))
+        print(json.dumps(one_phase(a.one, a.tier, a.steps, a.programs)))
         return
     facts = run_facts("benchmarks/device_quickstart.py", sys.argv[1:])
     rows = []
-    for phase in ("small", "window"):
-        done = subprocess.run([sys.executable, __file__, f"--tier={a.tier}", f"--steps={a.steps}", "--one", phase],
-                              capture_output=True, text=True, check=True)
-        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
-        print(json.dumps(rows[-1]), flush=True)
-    recipe = load_checked("quickstart", OVERRIDES)
-    data = {**facts, "settings": {"tier": a.tier, "steps": a.steps, "batch": recipe.train.batch_size,
-                                  "seq": recipe.train.seq_len}, "rows": rows}
+    with tempfile.TemporaryDirectory() as tmp:
+        export_all(a.tier, Path(tmp))
+        for phase in PHASES:
+            done = subprocess.run([sys.executable, __file__, f"--tier={a.tier}", f"--steps={a.steps}", "--one", phase,
+                                   "--programs", tmp], capture_output=True, text=True, check=True)
+            rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+            print(json.dumps(rows[-1]), flush=True)
+    recipe = load_checked("quickstart", [])
+    load_after = " / ".join(f"{x:.2f}" for x in os.getloadavg())
+    settings = {"tier": a.tier, "steps": a.steps, "batch": recipe.train.batch_size, "seq": recipe.train.seq_len}
+    data = {**facts, "load_after": load_after, "settings": settings, "rows": rows}
     write_pair(a.out_dir, "device_quickstart", data, report(data))
 
 

@@ -237,6 +237,102 @@ def test_gateway_drops_a_task_past_its_deadline(gateway):
     assert status == 410 and "no device took" in json.loads(body)["reason"]
 
 
+def _frozen(seed: int) -> dict[str, torch.Tensor]:
+    """A frozen target as a window task carries it: int8 codes, float16 scales and shapes under FROZEN keys."""
+    from fedfusion.wire.keys import FROZEN
+    from fedfusion.wire.quantize import encode
+
+    gen = torch.Generator().manual_seed(seed)
+    return {FROZEN + k: v for k, v in encode({"m": torch.randn(8, 64, generator=gen), "g": torch.ones(8)}, "int8").items()}
+
+
+def _submit_window(url: str, secret: str, frozen: dict[str, torch.Tensor], deadline_s: float = 60) -> str:
+    body = pack({"w": torch.ones(2), **frozen}, {"spec": {"batch-size": 4, "seq-len": 16}, "model_config": {},
+                                                 "window": True, "deadline_s": deadline_s})
+    status, answer = call(f"{url}/v1/node/tasks", "POST", secret, body)
+    assert status == 200, answer
+    return json.loads(answer)["task"]
+
+
+def _take(url: str, token: str) -> dict:
+    status, body = call(f"{url}/v1/task", "GET", token)
+    assert status == 200, body
+    return json.loads(body)
+
+
+def test_a_frozen_target_is_sent_once_per_change_and_checked_by_hash(gateway):
+    """Window tasks name their frozen target's hash and carry their weights without it; the gateway keeps one copy
+    per hash (two tasks of a round share one) and forgets it once no task needs it. A device fetches a target only
+    when the hash differs from the one it holds: a second task on the same target reuses the decoded copy (the same
+    tensors), a changed target is fetched again. Another device's task's target is refused; a task without one
+    has none to fetch."""
+    from fedfusion.phone.gateway import frozen_hash
+    from fedfusion.phone.reference import ReferenceDevice
+    from fedfusion.wire.keys import FROZEN
+
+    server, secret, _ = gateway
+    url, gw = server.url, server.gateway
+    gw.window_program_for = lambda *args: "abc123"
+    a, b = _frozen(1), _frozen(2)
+    ha, hb = frozen_hash(pack(a, {})), frozen_hash(pack(b, {}))
+    assert ha != hb and frozen_hash(pack(_frozen(1), {})) == ha and len(ha) == 64  # the same tensors, the same bytes
+    tasks = [_submit_window(url, secret, a), _submit_window(url, secret, a), _submit_window(url, secret, b)]
+    assert sorted(gw.frozen) == sorted([ha, hb])  # the first two tasks share one copy
+    plain = _submit(url, secret, 60)
+    device = ReferenceDevice(url, "tok-a")
+    device.register()
+    call(f"{url}/v1/register", "POST", "tok-b", b"")
+    taken = [_take(url, "tok-a") for _ in tasks]
+    assert [t["task"] for t in taken] == tasks and [t["frozen"] for t in taken] == [ha, ha, hb]
+    weights, _ = unpack(call(f"{url}/v1/tasks/{tasks[0]}/weights", "GET", "tok-a")[1])
+    assert list(weights) == ["w"]  # the frozen target travels apart from the weights
+    assert call(f"{url}/v1/tasks/{tasks[0]}/frozen", "GET", "tok-b")[0] == 403
+    first = device.frozen_target(taken[0])
+    assert first.keys() == a.keys() and all(torch.equal(first[k], v) and first[k].dtype == v.dtype for k, v in a.items())
+    assert device.frozen_target(taken[1]) is first and device.fetched == [ha]  # held: not fetched again
+    second = device.frozen_target(taken[2])
+    assert device.fetched == [ha, hb] and not torch.equal(second[FROZEN + "m::q"], first[FROZEN + "m::q"])
+    untaken = _take(url, "tok-b")
+    assert untaken["task"] == plain and "frozen" not in untaken
+    assert call(f"{url}/v1/tasks/{plain}/frozen", "GET", "tok-b")[0] == 404
+    done = pack({"w": torch.zeros(2)}, {"metrics": {"train_loss": 1.0}})
+    for task in tasks[:2]:
+        assert call(f"{url}/v1/tasks/{task}/result", "POST", "tok-a", done)[0] == 200
+        assert call(f"{url}/v1/node/tasks/{task}?wait=5", "GET", secret)[0] == 200
+    assert sorted(gw.frozen) == [hb]  # target a: no task needs it any more
+    assert call(f"{url}/v1/tasks/{tasks[2]}/error", "POST", "tok-a", b'{"error": "x"}')[0] == 200
+    assert call(f"{url}/v1/node/tasks/{tasks[2]}?wait=5", "GET", secret)[0] == 410
+    assert gw.frozen == {}
+    assert call(f"{url}/v1/tasks/{tasks[2]}/frozen", "GET", "tok-a")[0] == 409  # dropped: nothing to fetch
+
+
+def test_a_frozen_target_that_does_not_match_its_hash_is_refused(gateway):
+    """A frozen target whose bytes are not the ones its task's hash names (here: another target's, swapped in at
+    the gateway) is refused by the device, which keeps nothing of it (``serve`` reports the error, so the node hears
+    it at once); the next task on that hash is fetched afresh."""
+    from fedfusion.phone.gateway import frozen_hash
+    from fedfusion.phone.reference import FrozenMismatch, ReferenceDevice
+
+    server, secret, _ = gateway
+    url, gw = server.url, server.gateway
+    gw.window_program_for = lambda *args: "abc123"
+    a, b = _frozen(1), _frozen(2)
+    ha = frozen_hash(pack(a, {}))
+    task = _submit_window(url, secret, a)
+    gw.frozen[ha] = pack(b, {})
+    device = ReferenceDevice(url, "tok-a")
+    device.register()
+    taken = _take(url, "tok-a")
+    with pytest.raises(FrozenMismatch, match=f"hashes to {frozen_hash(pack(b, {}))[:16]}, the task names {ha[:16]}: refused"):
+        device.frozen_target(taken)
+    assert device.frozen is None and device.fetched == [ha]
+    assert call(f"{url}/v1/tasks/{task}/error", "POST", "tok-a", b'{"error": "x"}')[0] == 200
+    gw.frozen[ha] = pack(a, {})  # the right bytes again: the next task's target is fetched afresh and kept
+    _submit_window(url, secret, a)
+    kept = device.frozen_target(_take(url, "tok-a"))
+    assert device.fetched == [ha, ha] and device.frozen is not None and device.frozen[1] is kept
+
+
 def test_export_device_refuses_a_tier_without_a_width():
     from fedfusion.config.recipe import load_recipe
     from fedfusion.phone.commands import tier_config

@@ -97,11 +97,14 @@ def test_two_phones_train_the_quickstart_before_and_after_growth_through_gateway
     SuperNodes that serve phones through one gateway, two reference devices. Round 1 trains the small model (a slice
     program), round 2, after growth, a core window drawn outside the core on the frozen int8 target (a window
     program, its frozen target and positions the round's inputs). Every client row is ok, priced at the phone's own
-    seconds; round 2's rows trained the whole target's forward; each device ran both programs."""
+    seconds; round 2's rows trained the whole target's forward; each device ran both programs and fetched round 2's
+    frozen target (one hash for both tasks) at most once."""
     monkeypatch.chdir(ROOT)
     overrides = [*OVERRIDES, "fusion.grow_round=1", "fusion.window_outside_core=true"]
     out, devices, _ = _two_phones(tmp_path, "quickstart", overrides, deadline_s=600)
     assert len({program for d in devices for program in d.runners}) == 2  # the small model's program and the window's
+    # round 2's two window tasks carry the same frozen target: each device that took one fetched it once, by one hash
+    assert 1 <= sum(len(d.fetched) for d in devices) <= 2 and len({h for d in devices for h in d.fetched}) == 1
     rows = {(r["round"], r["partition"]): r for r in read_jsonl(out / "clients.jsonl")}
     assert {k: r["status"] for k, r in rows.items()} == {(1, 0): "ok", (1, 1): "ok", (2, 0): "ok", (2, 1): "ok"}
     assert all(r["device_s"] is not None and r["compute_s"] == r["device_s"] == r["train_s"] for r in rows.values())

@@ -98,7 +98,7 @@ def assert_round(runner, config, state, plan, windows, frozen_dtype: str = "int8
     from fedfusion.phone.window import window_round
 
     received, spec = payload(config, state, plan, frozen_dtype)
-    weights, inputs = window_round(runner.manifest, received, spec)
+    weights, inputs = window_round(runner.manifest, received, spec, received)
     runner.load(weights)
     runner.hold(inputs)
     with runtime_steps(runner) as mine:
@@ -146,10 +146,12 @@ def test_window_program_trains_as_window_model(program, windows):
 @pytest.mark.slow
 @pytest.mark.device
 def test_one_window_program_serves_a_tier_round_after_round(program, windows):
-    """The same program (and runner), a round later: the window moved, the frozen target changed (another folding
-    of clients' updates) and arrived float16: the loss and the steps are still WindowModel's. Per-round inputs are
-    required and checked."""
+    """The same program (and runner), a round later: the window moved and the frozen target changed (another
+    folding of clients' updates): the loss and the steps are still WindowModel's. Per-round inputs are required and
+    checked; a frozen target in another format than the program's (float16 into an int8 program), or none, is
+    refused."""
     from fedfusion.phone.runtime import ProgramRunner
+    from fedfusion.phone.window import window_round
 
     config = tiny_config()
     runner = ProgramRunner(program)
@@ -160,34 +162,103 @@ def test_one_window_program_serves_a_tier_round_after_round(program, windows):
     changed = {k: v + 0.02 * torch.randn(v.shape, generator=torch.Generator().manual_seed(9)) for k, v in state.items()}
     plan = window(config, 3)
     assert plan.attn_units == (3,) and plan.neurons == tuple(range(48, 64))
-    assert_round(runner, config, changed, plan, windows, frozen_dtype="float16")
+    assert_round(runner, config, changed, plan, windows)
     held = {spec["name"]: value for spec, value in zip(runner.round_specs, runner.held)}
+    received, spec = payload(config, changed, plan, "float16")
+    with pytest.raises(ValueError, match="travelled as float16; this program takes it as int8"):
+        window_round(runner.manifest, received, spec, received)
+    with pytest.raises(ValueError, match="none arrived"):
+        window_round(runner.manifest, received, spec, {})
     with pytest.raises(ValueError, match="units/heads"):  # a window of another shape is refused
         runner.hold({**held, "units/heads": torch.tensor([1, 2])})
 
 
 @pytest.mark.slow
 @pytest.mark.device
+def test_a_device_keeps_the_frozen_target_until_it_changes(program, windows, tmp_path, monkeypatch):
+    """Through a gateway and the reference device, four window tasks on the tiny target whose frozen targets are
+    a, a again (a second task of a round), b (the target changed) and a. The device fetches the target for tasks 1, 3
+    and 4 only; task 2 trains on the copy task 1 fetched and ends where task 1 did, bit for bit, as task 4 does from
+    a fresh fetch; task 3 ends elsewhere. The program's held inputs are the device's decoded target itself, and the
+    gateway forgets each target once its tasks are collected."""
+    import json
+    import threading
+
+    import fedfusion.data.population as population
+    from fedfusion.phone.gateway import Gateway, GatewayServer, Tokens, call, frozen_hash, pack, split_frozen, unpack, write_tokens
+    from fedfusion.phone.reference import ReferenceDevice
+    from fedfusion.wire.keys import FROZEN
+    from fedfusion.wire.specs import ClientSpec, RoundSpec, TrainSpec, merge
+
+    monkeypatch.setattr(population, "client_windows", lambda *args: windows)  # the tiny target's vocabulary
+    config = tiny_config()
+    plan = window(config, 2)
+    tokens, programs = tmp_path / "tokens.json", tmp_path / "programs"
+    secret = write_tokens(tokens, {"tok-a": "phone-a"})
+    program.save(programs)
+    gateway = Gateway(Tokens(tokens), programs)
+    server = GatewayServer(("127.0.0.1", 0), gateway)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    device, said, sent, results = ReferenceDevice(server.url, "tok-a"), list[str](), [], []
+    try:
+        for seed in (0, 0, 1, 0):
+            received, spec = payload(config, target_state(config, seed), plan)
+            task_spec = merge(ClientSpec("windows", SEQ, 1), TrainSpec(STEPS, LR, BATCH, 0.0, "adamw"),
+                              RoundSpec(2, 11), spec)
+            task_spec["partition"] = 0
+            body = pack(received, {"spec": task_spec, "deadline_s": 300, "model_config": config.to_dict(),
+                                   "window": True})
+            status, answer = call(f"{server.url}/v1/node/tasks", "POST", secret, body)
+            assert status == 200, answer
+            sent.append((json.loads(answer)["task"], frozen_hash(pack(split_frozen(received)[0], {}))))
+        assert len(list(programs.glob("*.json"))) == 1  # found by its key, not exported again
+        assert device.serve(tasks=4, poll_s=0.05, echo=said.append) == 4
+        held = dict(zip((s["name"] for s in device.runners[program.program_id].round_specs),
+                        device.runners[program.program_id].held))
+        for task, _ in sent:
+            status, body = call(f"{server.url}/v1/node/tasks/{task}?wait=5", "GET", secret)
+            assert status == 200, body
+            results.append(unpack(body)[0])
+    finally:
+        server.shutdown()
+        server.server_close()
+    ha, hb = sent[0][1], sent[2][1]
+    assert ha == sent[1][1] == sent[3][1] != hb and device.fetched == [ha, hb, ha]
+    assert [line.rsplit(", ", 1)[1] for line in said[1:]] == ["frozen target fetched", "frozen target held",
+                                                               "frozen target fetched", "frozen target fetched"]
+    assert device.frozen is not None and device.frozen[0] == ha
+    frozen_inputs = {k: v for k, v in held.items() if k.startswith(FROZEN)}
+    assert frozen_inputs and all(v is device.frozen[1][k] for k, v in frozen_inputs.items())  # as it came: no copy
+    assert {v.dtype for v in frozen_inputs.values()} == {torch.int8, torch.float16}  # never a float32 copy
+    assert all(torch.equal(results[1][k], v) and torch.equal(results[3][k], v) for k, v in results[0].items())
+    assert any(not torch.equal(results[2][k], v) for k, v in results[0].items())
+    assert gateway.frozen == {}
+
+
+@pytest.mark.slow
+@pytest.mark.device
 def test_shared_window_trains_the_embeddings_whole(windows):
     """With ``window_shared`` the embeddings, norms and head are parameters (the window holds them whole) and no
-    inputs; parity holds for them too."""
+    inputs; parity holds for them too, here on a frozen target that travels (and enters the program) as float16."""
     from fedfusion.phone.runtime import ProgramRunner
     from fedfusion.phone.window import export_window_program
 
     config = tiny_config()
-    program = export_window_program(config, window(config, 1, shared=True), BATCH, SEQ)
-    inputs = [i["name"] for i in program.manifest["inputs"]]
-    assert "frozen/model.embed_tokens.weight" not in inputs and "frozen/model.layers.0.mlp.up_proj.weight" in inputs
+    program = export_window_program(config, window(config, 1, shared=True), BATCH, SEQ, frozen_dtype="float16")
+    inputs = {i["name"]: i["dtype"] for i in program.manifest["inputs"]}
+    assert "frozen/model.embed_tokens.weight" not in inputs
+    assert inputs["frozen/model.layers.0.mlp.up_proj.weight"] == "float16"
     runner = ProgramRunner(program)
     assert "model.embed_tokens.weight" in runner.params and "lm_head.weight" in runner.params
-    assert_round(runner, config, target_state(config, 0), window(config, 2, shared=True), windows)
+    assert_round(runner, config, target_state(config, 0), window(config, 2, shared=True), windows, "float16")
 
 
 @pytest.mark.slow
 @pytest.mark.device
 def test_gpt2_shared_window_trains_its_tied_head():
     """GPT-2 (Conv1D matrices, biases, a head tied to the embedding), a window of neurons (its heads slice only with
-    the hidden axis) with the shared tensors: the tied embedding is one parameter whose gradient sums both uses."""
+    the hidden axis) with the shared tensors: the tied embedding is one parameter whose gradient sums both uses. Its
+    frozen target travels as packed int4 (two codes a byte), which the program unpacks itself."""
     from transformers import GPT2Config
 
     from fedfusion.phone.runtime import ProgramRunner
@@ -196,10 +267,12 @@ def test_gpt2_shared_window_trains_its_tied_head():
     config = GPT2Config(vocab_size=50, n_embd=32, n_layer=2, n_head=4, n_inner=64, n_positions=64, resid_pdrop=0.0,
                         embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     plan = window(config, 1, shared=True, axes=("neurons",))
-    runner = ProgramRunner(export_window_program(config, plan, BATCH, SEQ))
+    runner = ProgramRunner(export_window_program(config, plan, BATCH, SEQ, frozen_dtype="int4"))
     assert "transformer.wte.weight" in runner.params and "lm_head.weight" not in runner.params
+    assert {i["dtype"] for i in runner.round_specs} == {"int64", "uint8", "float16"}
     windows = torch.randint(50, (32, SEQ + 1), generator=torch.Generator().manual_seed(3))
-    assert_round(runner, config, target_state(config, 0), window(config, 2, shared=True, axes=("neurons",)), windows)
+    assert_round(runner, config, target_state(config, 0), window(config, 2, shared=True, axes=("neurons",)), windows,
+                 "int4")
 
 
 @pytest.mark.slow

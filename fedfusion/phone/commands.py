@@ -73,7 +73,7 @@ def _report(tier: str, program: DeviceProgram, paths: dict[str, Path], rounds: s
         w = m["window"]
         units = ", ".join(f"{n} {axis}" for axis, n in w["per_layer"].items())
         what = (f"full-forward window ({params:,} trained parameters: {units} of every layer"
-                f"{', shared tensors' if w['shared'] else ''}) in a frozen float32 {m['family']} target of "
+                f"{', shared tensors' if w['shared'] else ''}) in a frozen {w['frozen_dtype']} {m['family']} target of "
                 f"{w['target_params']:,} parameters (program inputs, {w['frozen_bytes']:,} bytes)")
     else:
         what = f"{m['family']} sub-model, {params:,} parameters"
@@ -239,5 +239,5 @@ def export_tier(recipe: Recipe, tier: str) -> DeviceProgram:
     config = tier_config(recipe, tier)
     if recipe.fusion.forward == "full":
         return export_window_program(config, tier_window(recipe, tier, config), recipe.train.batch_size,
-                                     recipe.train.seq_len, recipe.train, recipe.seed)
+                                     recipe.train.seq_len, recipe.train, recipe.seed, recipe.fusion.frozen_dtype)
     return export_program(config, recipe.train.batch_size, recipe.train.seq_len, recipe.train, recipe.seed)

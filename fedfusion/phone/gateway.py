@@ -9,8 +9,11 @@ Device side, every call with ``Authorization: Bearer <device token>``:
 
 - ``POST /v1/register``                       -> 200 ``{"device": name}``
 - ``GET  /v1/task``                           -> 204 (nothing to do) or 200 ``{"task", "program", "deadline_s", "spec"}``
+                                               and, for a full-forward window, ``"frozen"``: its frozen target's hash
 - ``GET  /v1/programs/<id>/<file>``           -> ``program.pte``, ``weights.ptd`` or ``manifest.json``
-- ``GET  /v1/tasks/<task>/weights``           -> the round's weights (safetensors)
+- ``GET  /v1/tasks/<task>/weights``           -> the round's weights (safetensors), without the frozen target
+- ``GET  /v1/tasks/<task>/frozen``            -> the task's frozen target (safetensors, ``frozen/`` keys as they
+                                               travelled): fetched only by a device that does not hold that hash
 - ``POST /v1/tasks/<task>/result``            body: trained weights (safetensors; ``__metadata__.metrics`` = JSON)
                                                -> 200, 409 (past the deadline) or 403 (not this device's task)
 - ``POST /v1/tasks/<task>/error``             body: ``{"error": reason}``: the device cannot train it (the task is
@@ -28,17 +31,23 @@ when it changes, so revoking a device is an edit of that file. Unknown tokens ge
 A task a device took and did not finish by its deadline, or that no device took, is dropped: the node replies
 with a dropout, as a simulated client that misses its deadline.
 
+A full-forward window's frozen target (the whole target, the same for every window task of a round) is sent once per
+change: the gateway keeps it apart from the task's weights, once per :func:`frozen_hash` however many tasks carry
+it, and names its hash in the task; a device that already holds the target of that hash reuses it, any other
+fetches it and checks the hash of what arrived before using it.
+
 Plain ``http.server``: put it behind a TLS-terminating proxy for anything beyond a lab network.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import secrets
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -48,6 +57,8 @@ from urllib.parse import parse_qs, urlparse
 import torch
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
+
+from fedfusion.wire.keys import FROZEN
 
 if TYPE_CHECKING:
     from fedfusion.phone.program import DeviceProgram
@@ -79,6 +90,20 @@ def unpack(body: bytes) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         return load_tensors(body), meta
     except Exception as exc:  # malformed JSON or tensor data from an untrusted device
         raise ValueError(f"body is not valid safetensors: {exc}") from None
+
+
+def split_frozen(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(the frozen target's tensors (:data:`~fedfusion.wire.keys.FROZEN` keys), the rest) of a task's tensors."""
+    frozen = {k: v for k, v in tensors.items() if k.startswith(FROZEN)}
+    return frozen, {k: v for k, v in tensors.items() if k not in frozen}
+
+
+def frozen_hash(body: bytes) -> str:
+    """The sha256 (hex) of a frozen target's bytes as the gateway serves them (:func:`pack` of its tensors, the same
+    bytes for the same tensors): the one name under which a gateway offers it and a device keeps it, so a device
+    fetches it only when it changed and checks the body it fetched against the task's hash before reading it (a
+    plain sha256 of the response, as a phone app computes it)."""
+    return hashlib.sha256(body).hexdigest()
 
 
 class Refused(Exception):
@@ -140,6 +165,7 @@ class Task:
     spec: dict[str, Any]
     weights: bytes
     deadline: float  # time.monotonic()
+    frozen: str = ""  # the hash of its frozen target (a full-forward window's; "" for none), kept in Gateway.frozen
     device: str | None = None
     result: bytes | None = None
     status: str = "queued"  # queued -> running -> done | dropped
@@ -153,6 +179,7 @@ class Gateway:
     def __init__(self, tokens: Tokens, programs: Path) -> None:
         self.tokens, self.programs = tokens, programs
         self.tasks: dict[str, Task] = {}
+        self.frozen: dict[str, bytes] = {}  # frozen target hash -> its packed tensors, while a task may need it
         self.registered: set[str] = set()
         self.lock = threading.Lock()
         self.export_lock = threading.Lock()
@@ -168,18 +195,22 @@ class Gateway:
         key = program_key(config, batch_size, seq_len)
         return self._found_or_exported(key, lambda: export_program(config, batch_size, seq_len))
 
-    def window_program_for(self, model_config: dict, spec: dict, batch_size: int, seq_len: int) -> str:
+    def window_program_for(self, model_config: dict, spec: dict, frozen: Mapping[str, torch.Tensor], batch_size: int,
+                           seq_len: int) -> str:
         """The id of the training program of a full-forward window of this shape (units per axis, shared tensors or
         not; ``spec`` carries the message's :class:`~fedfusion.wire.specs.WindowSpec`) in a target of
-        ``model_config``: found in ``programs`` by its key, else exported there once."""
+        ``model_config`` whose frozen part travels as ``frozen`` does: found in ``programs`` by its key, else
+        exported there once."""
         from fedfusion.models.families import config_from_dict
         from fedfusion.models.full_forward import window_plan
-        from fedfusion.phone.window import export_window_program, window_program_key
+        from fedfusion.phone.window import export_window_program, frozen_format, window_program_key
         from fedfusion.wire.specs import WindowSpec
 
         config, plan = config_from_dict(model_config), window_plan(WindowSpec.from_config(spec))
-        key = window_program_key(config, plan, batch_size, seq_len)
-        return self._found_or_exported(key, lambda: export_window_program(config, plan, batch_size, seq_len))
+        fmt = frozen_format(frozen)
+        key = window_program_key(config, plan, batch_size, seq_len, fmt)
+        return self._found_or_exported(key, lambda: export_window_program(config, plan, batch_size, seq_len,
+                                                                          frozen_dtype=fmt))
 
     def lora_program_for(self, lora: dict, batch_size: int, seq_len: int) -> str:
         """The id of the training program of this LoRA adapter (``lora``: base, target_modules, rank, alpha, bits):
@@ -215,11 +246,16 @@ class Gateway:
         tensors, meta = unpack(body)
         spec, deadline_s = dict(meta["spec"]), float(meta["deadline_s"])
         shape = int(spec["batch-size"]), int(spec["seq-len"])
+        frozen, rest = split_frozen(tensors)
+        packed = pack(frozen, {}) if frozen else b""
         program = (self.lora_program_for(meta[ADAPTER], *shape) if ADAPTER in meta
-                   else self.window_program_for(meta["model_config"], spec, *shape) if meta.get("window")
+                   else self.window_program_for(meta["model_config"], spec, frozen, *shape) if meta.get("window")
                    else self.program_for(meta["model_config"], *shape))
-        task = Task(secrets.token_hex(8), program, spec, pack(tensors, {}), time.monotonic() + deadline_s)
+        digest = frozen_hash(packed) if frozen else ""
+        task = Task(secrets.token_hex(8), program, spec, pack(rest, {}), time.monotonic() + deadline_s, digest)
         with self.lock:
+            if digest and digest not in self.frozen:  # the round's other tasks carried the same target: one copy
+                self.frozen[digest] = packed
             self.tasks[task.id] = task
         return task.id
 
@@ -237,6 +273,9 @@ class Gateway:
             if task.status == "done":
                 self.tasks.pop(task.id, None)
             task.weights = b""
+            if task.frozen and not any(t.frozen == task.frozen and t.status in ("queued", "running")
+                                       for t in self.tasks.values()):
+                self.frozen.pop(task.frozen, None)
 
     def _expire(self, task: Task) -> None:
         with self.lock:
@@ -277,6 +316,17 @@ class Gateway:
         if task.device != device:
             raise Refused(403, "this task is not this device's")
         return task
+
+    def frozen_of(self, device: str, task_id: str) -> bytes:
+        """The packed frozen target of this device's running task; Refused 404 for a task without one, 409 for a
+        task no longer running (its target may be gone)."""
+        task = self.own(device, task_id)
+        with self.lock:
+            if not task.frozen:
+                raise Refused(404, "this task has no frozen target")
+            if task.status != "running":
+                raise Refused(409, f"task is {task.status}: {task.reason}")
+            return self.frozen[task.frozen]
 
     def fail(self, device: str, task_id: str, reason: str) -> None:
         """A device could not train its task: the task is dropped at once with the device's reason, so its node
@@ -374,11 +424,14 @@ class _Handler(BaseHTTPRequestHandler):
                 self._send(204)
             else:
                 self._json(200, {"task": task.id, "program": task.program, "spec": task.spec,
-                                 "deadline_s": round(task.deadline - time.monotonic(), 3)})
+                                 "deadline_s": round(task.deadline - time.monotonic(), 3),
+                                 **({"frozen": task.frozen} if task.frozen else {})})
         elif method == "GET" and len(parts) == 3 and parts[0] == "programs":
             self._send(200, gateway.program_file(parts[1], parts[2]), "application/octet-stream")
         elif method == "GET" and len(parts) == 3 and parts[0] == "tasks" and parts[2] == "weights":
             self._send(200, gateway.own(device, parts[1]).weights, "application/octet-stream")
+        elif method == "GET" and len(parts) == 3 and parts[0] == "tasks" and parts[2] == "frozen":
+            self._send(200, gateway.frozen_of(device, parts[1]), "application/octet-stream")
         elif method == "POST" and len(parts) == 3 and parts[0] == "tasks" and parts[2] == "result":
             gateway.push(device, parts[1], self._body())
             self._json(200, {"status": "accepted"})

@@ -57,7 +57,9 @@ TRAINABLE_DATA, FROZEN_DATA = "trainable parameters' initial values", "frozen ba
 GROUP = 32  # inputs per scale of a quantised frozen Linear
 # torch.optim.AdamW's defaults, which fedfusion.train.loop.make_optimizer uses: a device must step the same way
 ADAMW_BETAS, ADAMW_EPS = (0.9, 0.999), 1e-8
-DTYPES = {torch.float32: "float32", torch.int64: "int64"}
+# a manifest's dtype names (a window program's frozen target comes as it travelled: int8 / packed int4 codes, float16)
+DTYPES = {torch.float32: "float32", torch.int64: "int64", torch.float16: "float16", torch.int8: "int8", torch.uint8: "uint8"}
+DTYPE_BYTES = {name: dtype.itemsize for dtype, name in DTYPES.items()}
 ROUND = "round"  # an input's ``per`` in a manifest: given once a round and held for its steps, not each batch
 
 

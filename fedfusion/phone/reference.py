@@ -2,8 +2,10 @@
 ExecuTorch runtime, as the phone apps must (``fedfusion device --gateway URL --token T``).
 
 Per task: fetch the program once (cached by id), the round's weights, copy them into the program, run the task's
-local steps with the client-code optimizer, send the trained weights and metrics back. Its local data stands in
-for a phone's own: the partition the task names, read as a simulated client reads it.
+local steps with the client-code optimizer, send the trained weights and metrics back. A full-forward window's
+frozen target is fetched only when the task names a hash other than the one the device holds, checked against that
+hash, and kept as it arrived (the program dequantises it) until the next change. Its local data stands in for a
+phone's own: the partition the task names, read as a simulated client reads it.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from collections.abc import Callable
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
-from fedfusion.phone.gateway import call, pack, unpack
+from fedfusion.phone.gateway import call, frozen_hash, pack, unpack
 from fedfusion.phone.program import DeviceProgram
 from fedfusion.phone.runtime import ProgramRunner, train_program
 from fedfusion.wire.keys import DEVICE_STEP_S, NUM_EXAMPLES
@@ -35,6 +37,10 @@ def _pairs(data_spec: str, partition: int, base: str, seq_len: int) -> InstructD
     return encode_pairs(load_base_tokenizer(base), instruct_clients(data_spec)[partition].train, seq_len)
 
 
+class FrozenMismatch(ValueError):
+    """The frozen target a gateway sent is not the one its task names (corrupted, or swapped on the way)."""
+
+
 class DeviceRefused(RuntimeError):
     """The gateway refused this device (unknown or revoked token)."""
 
@@ -53,6 +59,8 @@ class ReferenceDevice:
     def __init__(self, gateway: str, token: str, threads: int = 1) -> None:
         self.gateway, self.token, self.threads = gateway.rstrip("/"), token, threads
         self.runners: dict[str, ProgramRunner] = {}
+        self.frozen: tuple[str, dict[str, torch.Tensor]] | None = None  # (hash, decoded target): one held at a time
+        self.fetched: list[str] = []  # the frozen targets' hashes fetched, in order (each one a download)
 
     def get(self, path: str) -> tuple[int, bytes]:
         return call(self.gateway + path, "GET", self.token)
@@ -68,6 +76,26 @@ class ReferenceDevice:
             self.runners[program] = ProgramRunner(DeviceProgram(files["program.pte"], files["weights.ptd"],
                                                                 json.loads(files["manifest.json"])))
         return self.runners[program]
+
+    def frozen_target(self, task: dict) -> dict[str, torch.Tensor]:
+        """The frozen target ``task`` names by hash, as it travelled (the program takes it so): the one held if it is
+        that, else fetched, checked against the hash (:class:`FrozenMismatch` if it differs: nothing of it is kept)
+        and held in place of the last one."""
+        want = str(task["frozen"])
+        if self.frozen is not None and self.frozen[0] == want:
+            return self.frozen[1]
+        self.frozen = None  # the last target (and the runners' hold of it) is dropped before the next arrives:
+        for runner in self.runners.values():  # one held at a time
+            runner.held = ()
+        body = _ok(*self.get(f"/v1/tasks/{task['task']}/frozen"), "frozen target")
+        self.fetched.append(want)
+        got = frozen_hash(body)
+        if got != want:
+            raise FrozenMismatch(f"the frozen target received hashes to {got[:16]}, the task names {want[:16]}: "
+                                 "refused (corrupted or swapped on the way)")
+        received, _ = unpack(body)
+        self.frozen = (want, received)
+        return received
 
     def report(self, task: str, reason: str) -> None:
         """Tell the gateway this device could not train ``task`` (so its node answers at once, not at the
@@ -93,7 +121,10 @@ class ReferenceDevice:
             from fedfusion.phone.window import window_round
             from fedfusion.wire.specs import WindowSpec
 
-            weights, inputs = window_round(runner.manifest, weights, WindowSpec.from_config(spec))
+            if "frozen" not in task:
+                raise ValueError("a full-forward window's task names its frozen target's hash; this one names none")
+            weights, inputs = window_round(runner.manifest, weights, WindowSpec.from_config(spec),
+                                           self.frozen_target(task))
             runner.hold(inputs)
         runner.load(weights)
         client = ClientSpec.from_config(spec)
@@ -140,6 +171,7 @@ class ReferenceDevice:
                 time.sleep(poll_s)
                 continue
             task = json.loads(_ok(status, body, "task"))
+            fetched = len(self.fetched)
             try:
                 metrics = self.run_task(task)
             except DeviceRefused:
@@ -149,6 +181,8 @@ class ReferenceDevice:
                 self.report(str(task["task"]), f"{type(exc).__name__}: {exc}")
                 continue
             done, idle_since = done + 1, time.monotonic()
+            frozen = ("" if "frozen" not in task else ", frozen target fetched" if len(self.fetched) > fetched
+                      else ", frozen target held")
             echo(f"task {task['task']} (program {task['program']}): loss {metrics['train_loss']:.4f}, "
-                 f"{metrics[DEVICE_STEP_S] * 1000:.0f} ms/step")
+                 f"{metrics[DEVICE_STEP_S] * 1000:.0f} ms/step{frozen}")
         return done
