@@ -12,6 +12,8 @@ import pytest
 from fedfusion.strategies.transport import GridTransport
 from flwr.app import Array, ArrayRecord, Message, RecordDict
 
+from fedfusion.analysis.units_plan import units_devices
+from fedfusion.config.recipe import load_recipe
 from fedfusion.units.devices import UNLIMITED_SERVER, UnitDevice, UnitServer
 from fedfusion.units.shaper import Shaper
 from fedfusion.units.timeline import _Links
@@ -126,3 +128,9 @@ def test_a_reply_the_uplink_delivers_past_the_deadline_is_missed():
     replies = transport({0: b"a", 1: b"b"}, {0: 0.0, 1: 0.0})
     assert replies[0] is None and replies[1] == bytes(50)  # 50 bytes at 10 B/s: 5 s, past the 2 s floor
     assert transport.waits[0].missed == [0] and clock.now < 2.0
+
+
+def test_link_scale_scales_the_devices_links_the_plan_and_the_run_build():
+    plain, slow = units_devices(load_recipe("units")), units_devices(load_recipe("units", ["units.link_scale=0.25"]))
+    assert [(d.down_bps * 0.25, d.up_bps * 0.25, d.flops, d.rtt_s) for d in plain] == \
+        [(d.down_bps, d.up_bps, d.flops, d.rtt_s) for d in slow]
