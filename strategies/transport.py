@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 from fedfusion.strategies.wrapped import pull_replies
@@ -19,7 +21,6 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageTy
 from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 
-from fedfusion.units.shaper import Shaper
 from fedfusion.wire.specs import UNITS_ACTION, UNITS_ERROR, UNITS_PAYLOAD, UNITS_RECORD, UnitsSpec
 
 TTL_SLACK_S = 30.0  # a message outlives its deadline by this much before Flower drops it undelivered
@@ -31,6 +32,20 @@ def _error_kind(reply: Message) -> bytes | None:
     the device stays) or the message never reached a node (None: taken offline)."""
     error: Error = reply.error
     return b"" if error.code in (ErrorCode.CLIENT_APP_RAISED_EXCEPTION, ErrorCode.LOAD_CLIENT_APP_EXCEPTION) else None
+
+
+class Shaper(Protocol):
+    """Links emulated for real, as the transport uses them (``fedfusion.units.shaper.Shaper``, built by the run: this
+    floor does not import the units core): book a message on a device's downlink or a reply on its uplink, get when
+    it arrives, sleep until then, on the shaper's clock."""
+
+    clock: Callable[[], float]
+
+    def down(self, device: int, nbytes: int, ready: float | None = None) -> float: ...
+
+    def up(self, device: int, nbytes: int, ready: float | None = None) -> float: ...
+
+    def wait(self, until: float) -> None: ...
 
 
 @dataclass
