@@ -1,7 +1,7 @@
 """Links emulated for real (``units.shape_links``): the units recipe on Flower's simulation engine with every device's
 links shaped to a catalog tier's, the measured step against the timeline's prediction for the same links.
 
-    python benchmarks/units_links.py [--steps 2] [--tiers phone phone-lowend] [--scales 1 0.05]
+    python benchmarks/units_links.py [--steps 2] [--tiers phone phone-lowend] [--scales 1 0.1 0.05]
                                      [--out benchmarks/results]
 
 Per tier (all 8 devices of recipes/units.yaml that tier: ``population.mix={TIER: 1.0}``) one run with the links as
@@ -111,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--tiers", nargs="+", default=["phone", "phone-lowend"])
-    parser.add_argument("--scales", nargs="+", type=float, default=[1.0, 0.05])
+    parser.add_argument("--scales", nargs="+", type=float, default=[1.0, 0.1, 0.05])
     parser.add_argument("--out", type=Path, default=RESULTS)
     return parser
 

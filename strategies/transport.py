@@ -154,10 +154,11 @@ class GridTransport:
                 if start + walls[slot] <= now:  # unanswered past its deadline: never pulled again
                     del slot_of[mid]
             for slot, (at, payload) in list(held.items()):
-                if at <= now or at > start + walls[slot]:
+                if at > start + walls[slot]:  # its uplink delivers it past the deadline: missed
                     del held[slot]
-                    if at <= start + walls[slot]:
-                        out[slot] = payload
+                elif at <= now:
+                    out[slot] = payload
+                    del held[slot]
             wake = [arrive[unsent[0]]] if unsent else []
             wake += [at for at, _ in held.values()] + ([now + self.poll_s] if slot_of else [])
             if wake:
