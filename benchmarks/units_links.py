@@ -79,22 +79,22 @@ def markdown(data: dict) -> str:
              "over the run's steps; load: the 1-minute load average before the run. Links added: the measured step "
              "less the unshaped run's.", "",
              "| tier | link scale | down / up MB/s | load | measured step (s) | predicted step (s) | "
-             "measured / predicted | links added (s) | links added / predicted | transport wait (s) | "
-             "re-dispatched | missed |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "measured / predicted | measured - predicted (s) | links added (s) | links added / predicted | "
+             "transport wait (s) | re-dispatched | missed |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in data["runs"]:
         steps, link, tier = r["steps"], r["link"], r["tier"]
         measured, predicted = mean([s["train_s"] for s in steps]), mean([s["virtual_s"] for s in steps])
         tail = (f"{mean([s['transport_s'] for s in steps]):.2f} | {sum(s['redispatched'] for s in steps)} | "
                 f"{sum(len(s['missed']) for s in steps)} |")
         if r["scale"] is None:
-            lines.append(f"| {tier} | unshaped | loopback | {r['load_1min']:.2f} | {measured:.2f} | - | - | - | - | "
+            lines.append(f"| {tier} | unshaped | loopback | {r['load_1min']:.2f} | {measured:.2f} | - | - | - | - | - | "
                          f"{tail}")
             continue
         added = measured - floors[tier]
         lines.append(f"| {tier} | {r['scale']:g} | {link['down_MBps']:.3g} / {link['up_MBps']:.3g} | "
                      f"{r['load_1min']:.2f} | {measured:.2f} | {predicted:.2f} | {measured / predicted:.3f} | "
-                     f"{added:.2f} | {added / predicted:.3f} | {tail}")
+                     f"{measured - predicted:.2f} | {added:.2f} | {added / predicted:.3f} | {tail}")
     lines += ["", "## Per step", "", "| tier | link scale | step | measured (s) | predicted (s) | transport wait (s) | "
               "phases | MB down | MB up | train loss |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in data["runs"]:
@@ -103,7 +103,26 @@ def markdown(data: dict) -> str:
             lines.append(f"| {r['tier']} | {scale} | {s['step']} | {s['train_s']:.2f} | {s['virtual_s']:.2f} | "
                          f"{s['transport_s']:.2f} | {s['phases']} | {s['bytes_down'] / 1e6:.1f} | "
                          f"{s['bytes_up'] / 1e6:.1f} | {s['train_loss']:.4f} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + summary(data["runs"], floors)) + "\n"
+
+
+def summary(runs: list[dict], floors: dict[str, float]) -> list[str]:
+    """The settings within 15 % of the prediction, what the measured step adds to it, and what the links added."""
+    shaped = [r for r in runs if r["scale"] is not None]
+    measured = {id(r): mean([s["train_s"] for s in r["steps"]]) for r in shaped}
+    predicted = {id(r): mean([s["virtual_s"] for s in r["steps"]]) for r in shaped}
+    ratio = {id(r): measured[id(r)] / predicted[id(r)] for r in shaped}
+    within = [f"{r['tier']} x {r['scale']:g} ({ratio[id(r)]:.3f})" for r in shaped if ratio[id(r)] <= 1.15]
+    outside = [f"{r['tier']} x {r['scale']:g} ({ratio[id(r)]:.3f})" for r in shaped if ratio[id(r)] > 1.15]
+    over = [measured[id(r)] - predicted[id(r)] for r in shaped]
+    added = [(measured[id(r)] - floors[r["tier"]]) / predicted[id(r)] for r in shaped]
+    return ["", "## Summary", "",
+            f"- Measured step within 15 % of the prediction: {', '.join(within) or 'none'}; outside: "
+            f"{', '.join(outside) or 'none'}.",
+            f"- Measured less predicted: {min(over):.2f}-{max(over):.2f} s a step at every link setting; the unshaped "
+            f"step: {min(floors.values()):.2f}-{max(floors.values()):.2f} s.",
+            f"- The links added (measured less the unshaped step) {min(added):.3f}-{max(added):.3f} of the predicted "
+            "step."]
 
 
 def build_parser() -> argparse.ArgumentParser:
