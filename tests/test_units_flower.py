@@ -262,6 +262,19 @@ def test_two_supernodes_per_device_train_central_trainings_curve(tmp_path):
     assert step["server"]["server_verify_flops"] > one["server"]["server_verify_flops"]  # two sums' checks, not one
 
 
+def test_shaped_links_make_the_real_step_take_the_links_time_and_the_loss_stays_exact(tmp_path):
+    """``units.shape_links`` with the catalog's links slowed 500x (20 kB/s): the transport holds each message and
+    reply for its device's links (``fedfusion.units.shaper``), so each measured step is no shorter than the
+    timeline's step on those links (it leaves out only the messages' fixed overhead), which is far longer than
+    loopback's; the steps stay central training's."""
+    shaped = ["units.steps=2", "units.shape_links=true", "units.link_scale=0.002", "units.deadline_floor_s=60"]
+    rows, rec = run_units(tmp_path, shaped)
+    assert_central_steps(rows, rec, Central([*TINY, *shaped]))
+    for row in rows[1:]:
+        assert row["virtual_s"] >= 8.0 and row["train_s"] >= 0.95 * row["virtual_s"]
+        assert not row["missed"] and not row["redispatched"]
+
+
 def test_a_device_silent_mid_phase_costs_one_deadline_and_the_loss_stays_exact(tmp_path):
     """Device 1 goes silent after 3 messages to each of its 2 SuperNodes (2 micro-batches in flight, one per node):
     each micro-batch that had a message out to it waits one deadline, then the device is offline for good

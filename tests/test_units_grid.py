@@ -126,7 +126,8 @@ def test_a_node_that_lost_its_weight_cache_answers_an_error_and_gets_the_weights
 @pytest.mark.parametrize("override,key", [("units.offload=attention", "units.offload"),
                                           ("units.micro_batches=3", "units.micro_batches"),
                                           ("units.steps=0", "units.steps"),
-                                          ("units.stall_partition=99", "units.stall_partition")])
+                                          ("units.stall_partition=99", "units.stall_partition"),
+                                          ("units.link_scale=0", "units.link_scale")])
 def test_units_recipe_values_are_checked(override, key):
     with pytest.raises(RecipeError, match=key):
         load_recipe("rolling", ["fusion.method=units", override])

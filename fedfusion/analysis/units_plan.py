@@ -160,12 +160,14 @@ def units_work(recipe: Recipe, micro_batches: int) -> UnitsWork:
 
 
 def units_devices(recipe: Recipe) -> list[Any]:
-    """The units mode's devices, one per client of the population (:func:`fedfusion.units.from_catalog`)."""
+    """The units mode's devices, one per client of the population (:func:`fedfusion.units.from_catalog`, link rates
+    times ``units.link_scale``)."""
     from fedfusion.data.population import tier_list
     from fedfusion.units import from_catalog
 
     catalog = population_catalog(recipe.population)
-    return [from_catalog(catalog[t], name=str(i)) for i, t in enumerate(tier_list(recipe.population, recipe.seed))]
+    return [from_catalog(catalog[t], name=str(i), link_scale=recipe.units.link_scale)
+            for i, t in enumerate(tier_list(recipe.population, recipe.seed))]
 
 
 def units_micro_batches(recipe: Recipe) -> int:

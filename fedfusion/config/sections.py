@@ -511,6 +511,13 @@ class UnitsSection:
     stall_after: int = 0
     stall_s: float = 0.0
     stall_messages: int = 0
+    # links emulated for real (fedfusion.units.shaper): the server's transport hands each message on only when its
+    # device's downlink would have delivered it and accepts each reply when its uplink would have (catalog rates,
+    # rtt/2 each way, the server's links of units.server_device), so a run on loopback takes the links' time
+    shape_links: bool = False
+    # the devices' catalog link rates times this, for the planner, the timeline and the shaper alike (a shaped run
+    # on loopback kept short, or links made slow enough that they, not the machine, set the step)
+    link_scale: float = 1.0
 
     def runtime(self) -> UnitsRuntime:
         """The device runtime as ``fedfusion.units.timeline.simulate`` takes it: ``lanes``, or ``supernodes``."""
@@ -519,7 +526,7 @@ class UnitsSection:
     def check(self) -> None:
         """``units.*`` on its own, whatever the method (the units mode's rules, which read the train, model, data
         and population sections too, are the recipe's)."""
-        for key in ("steps", "deadline_factor", "deadline_floor_s"):
+        for key in ("steps", "deadline_factor", "deadline_floor_s", "link_scale"):
             positive(f"units.{key}", getattr(self, key))
         if self.micro_batches < 0:
             raise RecipeError(f"units.micro_batches: must be >= 0 (0: chosen before the run from the devices' links), "

@@ -8,12 +8,15 @@ routes the Llama's linear layers (``units.offload``: the MLP's, or all of them) 
 by :func:`fedfusion.units.from_catalog`) and whose transport is
 :class:`~fedfusion.strategies.transport.GridTransport` (per phase one ``train.units`` message per device, each
 device's deadline floored by ``units.deadline_floor_s``; a device past its deadline answers None and the engine
-re-dispatches its tiles). Each step is a ``metrics.jsonl`` row (loss, bytes down / up, the step's virtual seconds
-under the devices' links from :func:`fedfusion.units.timeline.simulate`, its priced work).
+re-dispatches its tiles; with ``units.shape_links`` it delays each message and reply by the device's links,
+:mod:`fedfusion.units.shaper`). Each step is a ``metrics.jsonl`` row (loss, bytes down / up, the step's virtual
+seconds under the devices' links from :func:`fedfusion.units.timeline.simulate` beside its measured ``train_s``,
+its priced work).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from logging import INFO
@@ -44,6 +47,7 @@ from fedfusion.units.devices import server_from_catalog
 from fedfusion.units.engine import Returns
 from fedfusion.units.ledger import ServerStep, price_server, server_timeline
 from fedfusion.units.phases import server_flops
+from fedfusion.units.shaper import Shaper
 from fedfusion.units.timeline import chains_from_trace, simulate
 from fedfusion.wire.specs import Caps, ClientSpec, PopulationSpec, RoleSpec, merge
 
@@ -230,18 +234,22 @@ class UnitsMethod:
         order = nodes_in_order(caps, recipe.population.num_clients, k)
         self.caps, self.firsts = caps, order[::k]  # each device's node 0
         self.run.log_nodes([{"round": after, "node": n, **caps[n].to_config()} for n in order])
-        self.devices: list[UnitDevice] = [from_catalog(self.catalog[caps[n].device], name=str(n)) for n in self.firsts]
+        self.devices: list[UnitDevice] = [from_catalog(self.catalog[caps[n].device], name=str(n),
+                                                       link_scale=u.link_scale) for n in self.firsts]
         # the stalled device's nodes each answer stall_after messages, then go silent (for stall_messages of them)
         stall = ({u.stall_partition * k + node: (u.stall_after, u.stall_s, u.stall_messages) for node in range(k)}
                  if u.stall_partition >= 0 else {})
-        self.transport = GridTransport(grid, order, floor_s=u.deadline_floor_s, stall=stall, supernodes=k)
+        self.server = server_from_catalog(self.catalog[u.server_device])  # its links: the timeline's and the shaper's
+        self.transport = GridTransport(grid, order, floor_s=u.deadline_floor_s, stall=stall, supernodes=k,
+                                       shaper=Shaper(self.devices, self.server) if u.shape_links else None)
         self.engine = UnitEngine(self.devices, transport=self.transport, deadline_factor=u.deadline_factor,
                                  verifier=Freivalds(seed=recipe.seed) if u.verify else None,
                                  accumulate=u.micro_batches if u.accumulate else 1, supernodes=k)
         tiers = ", ".join(f"{t}={sum(caps[n].device == t for n in self.firsts)}"
                           for t in sorted({c.device for c in caps.values()}))
-        log(INFO, "units mode: %d devices (%s) of %d SuperNode(s) each, offload=%s, %d steps of %d micro-batch(es)",
-            len(self.devices), tiers, k, u.offload, u.steps, u.micro_batches)
+        log(INFO, "units mode: %d devices (%s) of %d SuperNode(s) each, offload=%s, %d steps of %d micro-batch(es)%s",
+            len(self.devices), tiers, k, u.offload, u.steps, u.micro_batches,
+            f", links shaped (catalog rates x {u.link_scale:g})" if u.shape_links else "")
 
     def restore(self, ckpt: Checkpoint) -> None:
         """The target and the optimizer's state (its groups and moments) as the checkpoint holds them."""
@@ -277,13 +285,14 @@ class UnitsMethod:
         def on_micro(micro: int) -> None:
             engine.chain = micro
 
+        started = time.perf_counter()
         loss = train_step(self.model, self.opt, batch, u.micro_batches, on_micro, u.in_flight)
+        train_s = time.perf_counter() - started
         trace = engine.trace[traced:]
         gaps, server = server_step(self.recipe, self.model, self.target.params, batch, trace, self.catalog)
         timing = simulate(self.devices, chains_from_trace(trace), deadline_factor=u.deadline_factor,
                           server_gap_s=gaps[0], optimizer_s=gaps[1], in_flight=u.in_flight,
-                          accumulate=u.accumulate, server=server_from_catalog(self.catalog[u.server_device]),
-                          **u.runtime()) if trace else None
+                          accumulate=u.accumulate, server=self.server, **u.runtime()) if trace else None
         used = {d for rec in trace for d in rec.down_bytes}
         self.returns.end(engine, step)
         scores = self.evaluate() if step == u.steps or (u.eval_every and step % u.eval_every == 0) else {}
@@ -295,6 +304,8 @@ class UnitsMethod:
             "bytes_down": sum(sum(rec.down_bytes.values()) for rec in trace),
             "bytes_up": sum(sum(rec.up_bytes.values()) for rec in trace),
             "virtual_s": timing.step_s if timing else 0.0,
+            # the step measured: its micro-batches through the transport, the server's own compute, the optimizer
+            "train_s": train_s,
             # what no schedule of the step's messages beats under the timeline (the server's links included)
             "virtual_bound_s": timing.lower_bound_s if timing else 0.0,
             "server_link_utilisation": timing.server_link_utilisation if timing else 0.0,

@@ -10,7 +10,8 @@ server's links), ``plan`` (cost model and planner), ``messages`` (wire format, t
 ``verify`` (Freivalds' check, strikes), ``engine`` (``UnitEngine``: plan, dispatch, verify, re-dispatch,
 assemble), ``accumulate`` (weight-gradient tiles summed on the devices over a step's micro-batches), ``hooks``
 (``install`` on a Hugging Face Llama), ``phases`` (a step's phases from the shape alone), ``timeline`` (virtual
-step time under the devices' and the server's links, micro-batches and churn, and its lower bound), ``ledger``
+step time under the devices' and the server's links, micro-batches and churn, and its lower bound), ``shaper`` (the
+same links emulated for real: when a message is through, for the Flower transport to wait on), ``ledger``
 (the server's compute, checks and traffic priced with ``price_work``, and the same step on a cloud GPU),
 ``workers`` (emulated faulty devices), ``baselines`` (a pipeline + data-parallel schedule on the same
 devices and links, and one GPU: what the mode's step is set against).

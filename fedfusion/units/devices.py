@@ -40,11 +40,12 @@ class UnitDevice:
 
 
 def from_catalog(tier: Any, *, name: str | None = None, rtt_s: float = 0.05, overhead_s: float = 0.005,
-                 memory_share: float = 1.0) -> UnitDevice:
-    """A ``UnitDevice`` from a catalog tier (``fedfusion.devices.catalog.Device``: GB, TFLOP/s, Mbit/s)."""
+                 memory_share: float = 1.0, link_scale: float = 1.0) -> UnitDevice:
+    """A ``UnitDevice`` from a catalog tier (``fedfusion.devices.catalog.Device``: GB, TFLOP/s, Mbit/s), its link
+    rates times ``link_scale`` (``units.link_scale``)."""
     return UnitDevice(name=name or tier.name, memory_bytes=tier.memory_gb * 1e9 * memory_share,
-                      flops=tier.tflops * 1e12, down_bps=tier.down_mbps * 1e6 / 8, up_bps=tier.up_mbps * 1e6 / 8,
-                      rtt_s=rtt_s, overhead_s=overhead_s)
+                      flops=tier.tflops * 1e12, down_bps=tier.down_mbps * 1e6 / 8 * link_scale,
+                      up_bps=tier.up_mbps * 1e6 / 8 * link_scale, rtt_s=rtt_s, overhead_s=overhead_s)
 
 
 @dataclass(frozen=True)
