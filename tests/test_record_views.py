@@ -1,5 +1,6 @@
-"""fedfusion.strategies.records.record_tensors: a Flower record's tensors read over its own bytes (no copy), and a server that only reads
-them: a round built from the round's record and folded from replies leaves that record's bytes as they were."""
+"""record_tensors (fedfusion.strategies.records): a Flower record's tensors read over its own bytes (no copy), and a
+server that only reads them: a round built from the round's record and folded from replies leaves its bytes as they
+were."""
 
 from __future__ import annotations
 
@@ -9,14 +10,14 @@ import numpy as np
 import pytest
 import torch
 from fedfusion.strategies.records import array_tensor, record_tensors
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord
 from transformers import LlamaForCausalLM
 
 from fedfusion.fusion.outer import OuterConfig
 from fedfusion.fusion.submodel.method import SubModelMethod
 from fedfusion.wire.keys import FROZEN
-from fedfusion.wire.specs import Caps
 from tests.conftest import tiny_config
+from tests.test_eval_every import EchoGrid
 from tests.test_strategy import make_strategy, new_strategy
 
 
@@ -53,29 +54,18 @@ def test_bytes_that_cannot_be_read_in_place_are_copied():
     assert not lo <= out.data_ptr() < hi
 
 
-class PerturbGrid:
-    """Nodes that answer the capability query and reply to training with every trained float32 array they were
-    sent, moved by +0.25: replies the fold must turn into a new target."""
-
-    devices = {11: "phone", 12: "desktop", 13: "phone"}
-
-    def get_node_ids(self) -> list[int]:
-        return list(self.devices)
+class PerturbGrid(EchoGrid):
+    """Nodes whose training replies carry every trained float32 array they were sent, moved by +0.25: replies the
+    fold must turn into a new target."""
 
     def send_and_receive(self, messages, timeout=None):
-        replies = []
-        for m in messages:
-            node = m.metadata.dst_node_id
-            if m.metadata.message_type == MessageType.QUERY:
-                content = RecordDict({"caps": ConfigRecord(Caps(self.devices[node], node - 11, 1).to_config())})
-            else:
-                sent = m.content["arrays"].to_torch_state_dict()
-                moved = {k: v + 0.25 if v.dtype == torch.float32 else v for k, v in sent.items()
-                         if not k.startswith(FROZEN)}  # a window's frozen target is read, not trained
-                content = RecordDict({"arrays": ArrayRecord(moved), "metrics": MetricRecord(
-                    {"num-examples": 1, "train_loss": 1.0, "train_s": 0.1})})
-            replies.append(Message(content, reply_to=m))
-        return replies
+        replies = super().send_and_receive(messages, timeout)
+        for reply in replies:
+            if "arrays" in reply.content:
+                sent = reply.content["arrays"].to_torch_state_dict()
+                reply.content["arrays"] = ArrayRecord({k: v + 0.25 if v.dtype == torch.float32 else v
+                                                       for k, v in sent.items() if not k.startswith(FROZEN)})
+        return replies  # a window's frozen target is read, not trained: not sent back
 
 
 def window_strategy(outer: OuterConfig | None = None):
