@@ -291,6 +291,7 @@ def test_a_vmapped_private_step_on_a_frozen_target_window_moves_it_as_the_looped
         assert_within(a, b, bound)
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_accounting_leaves_the_root_logger_as_it_was_so_flower_lines_print_once():
     """Importing Opacus calls logging.basicConfig; the accountant is imported without keeping that handler, so a
     Flower log line (which propagates to the root) is printed once, not twice."""
