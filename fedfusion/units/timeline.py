@@ -128,9 +128,10 @@ class StepTiming:
         return int(np.count_nonzero(self.down_bytes))
 
 
-class _Queue:
+class ServerQueue:
     """A shared resource of the server (a link or its processor): its busy stretches, sorted and merged; a job takes
-    the first idle stretch at or after its ready time that holds it."""
+    the first idle stretch at or after its ready time that holds it (the shaper books the server's links on it too,
+    :mod:`fedfusion.units.shaper`)."""
 
     def __init__(self) -> None:
         self.starts: list[float] = []
@@ -175,7 +176,7 @@ class _Links:
         self.lanes = lanes  # messages held at once per (device, node)
         self.replies: dict[tuple[int, int], list[float]] = {}  # per (device, node): its booked messages' replies
         self.lane_hold: dict[tuple[int, int], float] = {}  # per (device, node): its messages' least time held
-        self.send, self.recv = _Queue(), _Queue()
+        self.send, self.recv = ServerQueue(), ServerQueue()
         self.down_free, self.cpu_free, self.up_free = np.zeros(n), np.zeros(n), np.zeros(n)
         self.down_bytes, self.up_bytes = np.zeros(n), np.zeros(n)
         self.down_busy, self.up_busy, self.compute = np.zeros(n), np.zeros(n), np.zeros(n)
@@ -250,7 +251,7 @@ def simulate(devices: list[UnitDevice], chains: list[list[Phase]], *, elem_bytes
         raise ValueError(f"lanes and supernodes must be >= 0 and not both set, got {lanes} and {supernodes}")
     cm = CostModel(devices, elem_bytes)
     links = _Links(devices, server, 1 if supernodes else lanes)
-    cpu = _Queue()  # the server's processor: its time between phases
+    cpu = ServerQueue()  # the server's processor: its time between phases
     kill_at = {k.device: k.at_s for k in kills}
     known_dead: dict[int, float] = {}
     held: dict[tuple[int, int], set[str]] = {}  # (device, node) -> the weight blocks it holds
