@@ -1,15 +1,16 @@
 """The quickstart on a phone: the two ExecuTorch training programs ``fedfusion export-device quickstart --tier
 TIER`` writes (the small model's slice for the rounds before growth, the core window on the frozen target after),
 each timed through the runtime against eager torch on the same batches, and the window program once more with
-``fusion.frozen_dtype=float32`` (a float32 frozen target on the device and in the program's inputs: what the device
-held before window programs took the target as it travelled).
+``fusion.frozen_dtype=float32`` (a float32 frozen target in the program's data file: what the device held before
+window programs took the target as it travelled).
 
 Per program: export seconds, .pte / .ptd sizes, the program's planned memory, the frozen target's bytes as the
-device keeps it (as it travelled; fetched only when it changed) and the per-round inputs' bytes (which the runtime
-copies into its planned memory every step), the process's resident-memory high-water mark (VmHWM) above its memory
-before the runner was built (the program loaded, the device's copy of its round's payload held, frozen target
-included, ``STEPS`` AdamW steps) and whole, runtime and torch steps per second, and how far the two drift apart
-(per-step loss, relative update error). Torch's side is the client's own model: the small model's slice
+device keeps it (as it travelled, its one copy in the program's data file; fetched only when it changed) and the
+per-round inputs' bytes (the window's positions, which the runtime copies into its planned memory every step), the
+process's resident-memory high-water mark (VmHWM) above its memory before the runner was built (the program loaded,
+the device's copy of its round's payload while it writes the frozen target into the data file, ``STEPS`` AdamW
+steps), the resident memory above it after the steps, and whole, runtime and torch steps per second, and how far the
+two drift apart (per-step loss, relative update error). Torch's side is the client's own model: the small model's slice
 (``model_from_state``) and the window on the frozen target (``WindowModel`` from the strategy's payload). One thread,
 the recipe's batch, client 0's Shakespeare windows, a seeded target (the window program's round is a round after
 growth). The programs are exported first; each is then timed in a fresh process (the memory figures are its own),
@@ -81,7 +82,7 @@ def one_phase(phase: str, tier: str, steps: int, programs: Path) -> dict:
     """Time one program (a :data:`PHASES` key, exported under ``programs/<phase>``) in this process."""
     from fedfusion.phone.program import DeviceProgram
     from fedfusion.phone.runtime import ProgramRunner, train_program
-    from fedfusion.phone.window import window_round
+    from fedfusion.phone.window import window_frozen, window_round
 
     torch.set_num_threads(1)
     load = os.getloadavg()[0]
@@ -108,15 +109,19 @@ def one_phase(phase: str, tier: str, steps: int, programs: Path) -> dict:
         # the device's own copy of the payload, made after the start mark so that the peak counts the target it keeps
         received = {k: v.clone() for k, v in decode(payload.arrays, keep=FROZEN).items()}
         spec = WindowSpec.from_config(payload.spec)
-        weights, inputs = window_round(runner.manifest, received, spec, received)
+        # written into the program's data file: the device's one copy of it
+        runner.set_frozen(window_frozen(runner.manifest, received), "round")
+        weights, inputs = window_round(runner.manifest, received, spec)
+        del received
         runner.load(weights)
         runner.hold(inputs)
         held = sum(t.numel() * t.element_size() for t in inputs.values())
-        kept = sum(t.numel() * t.element_size() for k, t in received.items() if k.startswith(FROZEN))
+        kept = runner.manifest["window"]["frozen_bytes"]
     start = time.perf_counter()
     mine = train_program(runner, windows, steps, LR, recipe.train.batch_size, SEED)
     runtime_s = time.perf_counter() - start
     peak_mb, process_mb = (status_kb("VmHWM") - base) / 1024, status_kb("VmHWM") / 1024
+    steady_mb = (status_kb("VmRSS") - base) / 1024
     if kind == "window":
         model = from_payload(target.config, decode(payload.arrays, keep=FROZEN), WindowSpec.from_config(payload.spec), 0)
     start = time.perf_counter()
@@ -130,7 +135,7 @@ def one_phase(phase: str, tier: str, steps: int, programs: Path) -> dict:
             "load_before": load,
             "trained_params": sum(v.numel() for v in weights.values()), "export_s": program.manifest["export_s"],
             "pte_bytes": len(program.pte), "ptd_bytes": len(program.ptd), "planned_bytes": program.manifest["planned_bytes"],
-            "frozen_kept_bytes": kept, "round_input_bytes": held, "peak_mb": peak_mb, "process_peak_mb": process_mb,
+            "frozen_kept_bytes": kept, "round_input_bytes": held, "peak_mb": peak_mb, "steady_mb": steady_mb, "process_peak_mb": process_mb,
             "runtime_steps_per_s": steps / runtime_s, "torch_steps_per_s": steps / torch_s,
             "max_loss_diff": max(abs(a - b) for a, b in zip(mine.losses, theirs.losses)),
             "relative_update_error": float((moved - expected).norm() / expected.norm()),
@@ -145,25 +150,27 @@ def report(data: dict) -> str:
              f"the timings are disturbed. Recipe: quickstart; {s['steps']} AdamW steps (lr {LR}), batch "
              f"{s['batch']} x {s['seq']} characters, client 0's windows, one thread, each program in a fresh process.",
              "", "| program | rounds | frozen dtype | trained params | export s | .pte bytes | .ptd bytes | planned bytes | "
-             "frozen target kept bytes | round inputs bytes | peak MB above start | process peak MB | runtime steps/s | "
-             "torch steps/s | max loss diff | rel. update error | 1-min load before |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "frozen target kept bytes | round inputs bytes | peak MB above start | MB above start after the steps | "
+             "process peak MB | runtime steps/s | torch steps/s | max loss diff | rel. update error | 1-min load before |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in data["rows"]:
         lines.append(f"| {r['phase']} | {r['rounds']} | {r['frozen_dtype'] or '-'} | {r['trained_params']:,} | "
                      f"{r['export_s']:.1f} | {r['pte_bytes']:,} | {r['ptd_bytes']:,} | {r['planned_bytes']:,} | "
-                     f"{r['frozen_kept_bytes']:,} | {r['round_input_bytes']:,} | {r['peak_mb']:.1f} | "
+                     f"{r['frozen_kept_bytes']:,} | {r['round_input_bytes']:,} | {r['peak_mb']:.1f} | {r['steady_mb']:.1f} | "
                      f"{r['process_peak_mb']:.0f} | {r['runtime_steps_per_s']:.2f} | {r['torch_steps_per_s']:.2f} | "
                      f"{r['max_loss_diff']:.1e} | {r['relative_update_error']:.1e} | {r['load_before']:.2f} |")
     lines += ["", "small: the small model's slice the rounds before growth train (found by its shape by the gateway); "
-              "window: the core plus a window drawn outside it on the frozen target, which the program takes as it "
-              "travelled (fusion.frozen_dtype) and dequantises itself; window-float32: the same with "
-              "fusion.frozen_dtype=float32. Frozen target kept: what the device holds between tasks (the target as "
-              "it arrived, fetched only when its hash changes). Round inputs: the inputs held for the round's steps "
-              "(the frozen target and the window's positions), which the runtime copies into the planned memory at "
-              "every step. Peak MB above start: the resident high-water mark above the process's memory before the "
-              "runner was built (the program, the device's copy of the round's payload, frozen target included, and "
-              "training); process peak MB: the whole process's (Python, torch, the server's target that built the "
-              "payload, the runtime; the programs were exported in another process)."]
+              "window: the core plus a window drawn outside it on the frozen target, which the device writes as it "
+              "travelled (fusion.frozen_dtype) into the program's data file, and the program dequantises; "
+              "window-float32: the same with fusion.frozen_dtype=float32. Frozen target kept: what the device holds "
+              "between tasks, its one copy, in the program's data file (fetched again only when its hash changes). "
+              "Round inputs: the inputs held for the round's steps (the window's positions), which the runtime copies "
+              "into the planned memory at every step. Peak MB above start: the resident high-water mark above the "
+              "process's memory before the runner was built (the program, the device's copy of the round's "
+              "payload while it writes the frozen target into the data file, and training); after the steps: the "
+              "resident memory then, the payload's copy dropped; process peak MB: the whole process's (Python, "
+              "torch, the server's target that built the payload, the runtime; the programs were exported in another "
+              "process)."]
     return "\n".join(lines) + "\n"
 
 

@@ -263,8 +263,8 @@ def _take(url: str, token: str) -> dict:
 def test_a_frozen_target_is_sent_once_per_change_and_checked_by_hash(gateway):
     """Window tasks name their frozen target's hash and carry their weights without it; the gateway keeps one copy
     per hash (two tasks of a round share one) and forgets it once no task needs it. A device fetches a target only
-    when the hash differs from the one it holds: a second task on the same target reuses the decoded copy (the same
-    tensors), a changed target is fetched again. Another device's task's target is refused; a task without one
+    when the hash differs from the one its program holds: a second task on the same target fetches nothing, a
+    changed target is fetched. Another device's task's target is refused; a task without one
     has none to fetch."""
     from fedfusion.phone.gateway import frozen_hash
     from fedfusion.phone.reference import ReferenceDevice
@@ -289,8 +289,9 @@ def test_a_frozen_target_is_sent_once_per_change_and_checked_by_hash(gateway):
     assert call(f"{url}/v1/tasks/{tasks[0]}/frozen", "GET", "tok-b")[0] == 403
     first = device.frozen_target(taken[0])
     assert first.keys() == a.keys() and all(torch.equal(first[k], v) and first[k].dtype == v.dtype for k, v in a.items())
-    assert device.frozen_target(taken[1]) is first and device.fetched == [ha]  # held: not fetched again
-    second = device.frozen_target(taken[2])
+    assert device.frozen_target(taken[1], held=ha) is None and device.fetched == [ha]  # held: not fetched again
+    second = device.frozen_target(taken[2], held=ha)
+    assert second is not None
     assert device.fetched == [ha, hb] and not torch.equal(second[FROZEN + "m::q"], first[FROZEN + "m::q"])
     untaken = _take(url, "tok-b")
     assert untaken["task"] == plain and "frozen" not in untaken
@@ -325,12 +326,13 @@ def test_a_frozen_target_that_does_not_match_its_hash_is_refused(gateway):
     taken = _take(url, "tok-a")
     with pytest.raises(FrozenMismatch, match=f"hashes to {frozen_hash(pack(b, {}))[:16]}, the task names {ha[:16]}: refused"):
         device.frozen_target(taken)
-    assert device.frozen is None and device.fetched == [ha]
+    assert device.fetched == [ha]
     assert call(f"{url}/v1/tasks/{task}/error", "POST", "tok-a", b'{"error": "x"}')[0] == 200
     gw.frozen[ha] = pack(a, {})  # the right bytes again: the next task's target is fetched afresh and kept
     _submit_window(url, secret, a)
     kept = device.frozen_target(_take(url, "tok-a"))
-    assert device.fetched == [ha, ha] and device.frozen is not None and device.frozen[1] is kept
+    assert device.fetched == [ha, ha] and kept is not None
+    assert all(torch.equal(kept[k], v) and kept[k].dtype == v.dtype for k, v in a.items())
 
 
 def test_export_device_refuses_a_tier_without_a_width():

@@ -1,5 +1,5 @@
-"""Phones training full-forward windows: the ExecuTorch window program (the whole frozen target and the window's
-positions as inputs, the window's values as its only parameters) trains through the runtime as
+"""Phones training full-forward windows: the ExecuTorch window program (the window's positions as inputs, the whole
+frozen target in its data file, written there by the device, the window's values as its only parameters) trains through the runtime as
 :class:`~fedfusion.models.full_forward.WindowModel` trains in torch, and one program serves a tier round after round
 (new positions, a new frozen target); refusals of what it does not train are one line naming the setting."""
 
@@ -95,10 +95,11 @@ def assert_round(runner, config, state, plan, windows, frozen_dtype: str = "int8
     step's batch, as torch's are (:mod:`model_bounds`, which says why the two loops' values after the steps are not
     compared); the runtime's optimizer moved the values by those gradients."""
     from fedfusion.phone.runtime import train_program
-    from fedfusion.phone.window import window_round
+    from fedfusion.phone.window import window_frozen, window_round
 
     received, spec = payload(config, state, plan, frozen_dtype)
-    weights, inputs = window_round(runner.manifest, received, spec, received)
+    runner.set_frozen(window_frozen(runner.manifest, received), f"{frozen_dtype} {plan.neurons[0]}")
+    weights, inputs = window_round(runner.manifest, received, spec)
     runner.load(weights)
     runner.hold(inputs)
     with runtime_steps(runner) as mine:
@@ -147,11 +148,11 @@ def test_window_program_trains_as_window_model(program, windows):
 @pytest.mark.device
 def test_one_window_program_serves_a_tier_round_after_round(program, windows):
     """The same program (and runner), a round later: the window moved and the frozen target changed (another
-    folding of clients' updates): the loss and the steps are still WindowModel's. Per-round inputs are required and
-    checked; a frozen target in another format than the program's (float16 into an int8 program), or none, is
-    refused."""
+    folding of clients' updates), written into the same places of its data file: the loss and the steps are still
+    WindowModel's. Per-round inputs are required and checked; a frozen target in another format than the program's
+    (float16 into an int8 program), none, or a tensor of another shape, is refused."""
     from fedfusion.phone.runtime import ProgramRunner
-    from fedfusion.phone.window import window_round
+    from fedfusion.phone.window import window_frozen
 
     config = tiny_config()
     runner = ProgramRunner(program)
@@ -166,11 +167,53 @@ def test_one_window_program_serves_a_tier_round_after_round(program, windows):
     held = {spec["name"]: value for spec, value in zip(runner.round_specs, runner.held)}
     received, spec = payload(config, changed, plan, "float16")
     with pytest.raises(ValueError, match="travelled as float16; this program takes it as int8"):
-        window_round(runner.manifest, received, spec, received)
+        window_frozen(runner.manifest, received)
     with pytest.raises(ValueError, match="none arrived"):
-        window_round(runner.manifest, received, spec, {})
+        window_frozen(runner.manifest, {})
     with pytest.raises(ValueError, match="units/heads"):  # a window of another shape is refused
         runner.hold({**held, "units/heads": torch.tensor([1, 2])})
+    frozen = window_frozen(runner.manifest, payload(config, changed, plan)[0])
+    name = next(iter(frozen))
+    before = runner.program.ptd
+    with pytest.raises(ValueError, match=f"{name}: torch.int8 \\(3,\\)"):
+        runner.set_frozen({**frozen, name: torch.zeros(3, dtype=torch.int8)}, "bad")
+    assert runner.program.ptd is before and runner.frozen_id != "bad"  # refused before anything changed
+
+
+@pytest.mark.slow
+@pytest.mark.device
+def test_the_frozen_target_lives_in_the_data_file_once(program):
+    """Held once: the frozen target is no input of the program (the runtime would copy inputs into its planned
+    memory every step) but constants of its data file, each tensor in a segment of its own holding exactly its bytes,
+    as it travelled (int8 codes, float16 scales and vectors: never float32), and every target tensor the window does
+    not hold whole is there. Writing a target changes exactly those bytes of the data file and no others."""
+    from fedfusion.phone.runtime import ProgramRunner
+    from fedfusion.phone.window import window_frozen
+    from fedfusion.wire.keys import FROZEN
+
+    config = tiny_config()
+    manifest = program.manifest
+    places = manifest["window"]["frozen"]
+    assert not any(i["name"].startswith(FROZEN) for i in manifest["inputs"])
+    assert {p["dtype"] for p in places} == {"int8", "float16"}
+    assert manifest["window"]["frozen_bytes"] == sum(p["bytes"] for p in places) <= len(program.ptd)
+    spans = sorted((p["offset"], p["offset"] + p["bytes"]) for p in places)
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))  # no two share a byte
+    received, _ = payload(config, target_state(config, 4), window(config, 2))
+    frozen = window_frozen(manifest, received)
+    assert {n.removeprefix(FROZEN).split("::")[0] for n in frozen} == set(target_state(config, 0))  # nothing shared
+    runner = ProgramRunner(program)
+    before = runner.program.ptd
+    runner.set_frozen(frozen, "t4")
+    after = runner.program.ptd
+    assert len(after) == len(before) and runner.frozen_id == "t4"
+    inside = torch.zeros(len(after), dtype=torch.bool)
+    for p in places:
+        start, end = p["offset"], p["offset"] + p["bytes"]
+        assert after[start:end] == frozen[p["name"]].contiguous().view(torch.uint8).numpy().tobytes()
+        inside[start:end] = True
+    old, new = torch.frombuffer(bytearray(before), dtype=torch.uint8), torch.frombuffer(bytearray(after), dtype=torch.uint8)
+    assert torch.equal(old[~inside], new[~inside])
 
 
 @pytest.mark.slow
@@ -179,8 +222,9 @@ def test_a_device_keeps_the_frozen_target_until_it_changes(program, windows, tmp
     """Through a gateway and the reference device, four window tasks on the tiny target whose frozen targets are
     a, a again (a second task of a round), b (the target changed) and a. The device fetches the target for tasks 1, 3
     and 4 only; task 2 trains on the copy task 1 fetched and ends where task 1 did, bit for bit, as task 4 does from
-    a fresh fetch; task 3 ends elsewhere. The program's held inputs are the device's decoded target itself, and the
-    gateway forgets each target once its tasks are collected."""
+    a fresh fetch; task 3 ends elsewhere. The device keeps no decoded target: its one copy is the program's data file,
+    holding a's bytes as they travelled (never float32), and the program's held inputs are only the window's
+    positions; the gateway forgets each target once its tasks are collected."""
     import json
     import threading
 
@@ -213,8 +257,8 @@ def test_a_device_keeps_the_frozen_target_until_it_changes(program, windows, tmp
             sent.append((json.loads(answer)["task"], frozen_hash(pack(split_frozen(received)[0], {}))))
         assert len(list(programs.glob("*.json"))) == 1  # found by its key, not exported again
         assert device.serve(tasks=4, poll_s=0.05, echo=said.append) == 4
-        held = dict(zip((s["name"] for s in device.runners[program.program_id].round_specs),
-                        device.runners[program.program_id].held))
+        runner = device.runners[program.program_id]
+        held = dict(zip((s["name"] for s in runner.round_specs), runner.held))
         for task, _ in sent:
             status, body = call(f"{server.url}/v1/node/tasks/{task}?wait=5", "GET", secret)
             assert status == 200, body
@@ -226,10 +270,14 @@ def test_a_device_keeps_the_frozen_target_until_it_changes(program, windows, tmp
     assert ha == sent[1][1] == sent[3][1] != hb and device.fetched == [ha, hb, ha]
     assert [line.rsplit(", ", 1)[1] for line in said[1:]] == ["frozen target fetched", "frozen target held",
                                                                "frozen target fetched", "frozen target fetched"]
-    assert device.frozen is not None and device.frozen[0] == ha
-    frozen_inputs = {k: v for k, v in held.items() if k.startswith(FROZEN)}
-    assert frozen_inputs and all(v is device.frozen[1][k] for k, v in frozen_inputs.items())  # as it came: no copy
-    assert {v.dtype for v in frozen_inputs.values()} == {torch.int8, torch.float16}  # never a float32 copy
+    assert runner.frozen_id == ha and not hasattr(device, "frozen")
+    assert held and not any(k.startswith(FROZEN) for k in held)
+    a = split_frozen(payload(config, target_state(config, 0), plan)[0])[0]
+    places = runner.manifest["window"]["frozen"]
+    assert {p["dtype"] for p in places} == {"int8", "float16"}  # never a float32 copy
+    for p in places:
+        data = runner.program.ptd[p["offset"]:p["offset"] + p["bytes"]]
+        assert data == a[p["name"]].contiguous().view(torch.uint8).numpy().tobytes()
     assert all(torch.equal(results[1][k], v) and torch.equal(results[3][k], v) for k, v in results[0].items())
     assert any(not torch.equal(results[2][k], v) for k, v in results[0].items())
     assert gateway.frozen == {}
@@ -239,15 +287,16 @@ def test_a_device_keeps_the_frozen_target_until_it_changes(program, windows, tmp
 @pytest.mark.device
 def test_shared_window_trains_the_embeddings_whole(windows):
     """With ``window_shared`` the embeddings, norms and head are parameters (the window holds them whole) and no
-    inputs; parity holds for them too, here on a frozen target that travels (and enters the program) as float16."""
+    place in the data file; parity holds for them too, here on a frozen target that travels (and sits in the data
+    file) as float16."""
     from fedfusion.phone.runtime import ProgramRunner
     from fedfusion.phone.window import export_window_program
 
     config = tiny_config()
     program = export_window_program(config, window(config, 1, shared=True), BATCH, SEQ, frozen_dtype="float16")
-    inputs = {i["name"]: i["dtype"] for i in program.manifest["inputs"]}
-    assert "frozen/model.embed_tokens.weight" not in inputs
-    assert inputs["frozen/model.layers.0.mlp.up_proj.weight"] == "float16"
+    places = {p["name"]: p["dtype"] for p in program.manifest["window"]["frozen"]}
+    assert "frozen/model.embed_tokens.weight" not in places
+    assert places["frozen/model.layers.0.mlp.up_proj.weight"] == "float16"
     runner = ProgramRunner(program)
     assert "model.embed_tokens.weight" in runner.params and "lm_head.weight" in runner.params
     assert_round(runner, config, target_state(config, 0), window(config, 2, shared=True), windows, "float16")
@@ -269,7 +318,8 @@ def test_gpt2_shared_window_trains_its_tied_head():
     plan = window(config, 1, shared=True, axes=("neurons",))
     runner = ProgramRunner(export_window_program(config, plan, BATCH, SEQ, frozen_dtype="int4"))
     assert "transformer.wte.weight" in runner.params and "lm_head.weight" not in runner.params
-    assert {i["dtype"] for i in runner.round_specs} == {"int64", "uint8", "float16"}
+    assert {i["dtype"] for i in runner.round_specs} == {"int64"}  # the positions; the target is in the data file
+    assert {p["dtype"] for p in runner.manifest["window"]["frozen"]} == {"uint8", "float16"}
     windows = torch.randint(50, (32, SEQ + 1), generator=torch.Generator().manual_seed(3))
     assert_round(runner, config, target_state(config, 0), window(config, 2, shared=True, axes=("neurons",)), windows,
                  "int4")

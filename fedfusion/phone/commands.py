@@ -74,7 +74,7 @@ def _report(tier: str, program: DeviceProgram, paths: dict[str, Path], rounds: s
         units = ", ".join(f"{n} {axis}" for axis, n in w["per_layer"].items())
         what = (f"full-forward window ({params:,} trained parameters: {units} of every layer"
                 f"{', shared tensors' if w['shared'] else ''}) in a frozen {w['frozen_dtype']} {m['family']} target of "
-                f"{w['target_params']:,} parameters (program inputs, {w['frozen_bytes']:,} bytes)")
+                f"{w['target_params']:,} parameters (in the data file, {w['frozen_bytes']:,} bytes)")
     else:
         what = f"{m['family']} sub-model, {params:,} parameters"
     print(f"{tier} (rounds {rounds}): {what}, input {m['inputs'][0]['shape']}, exported in {m['export_s']} s")

@@ -5,7 +5,7 @@ Why ExecuTorch: it is PyTorch's on-device runtime and the only maintained one th
 packages stopped at 1.19.2). The path is ``torch.export`` -> ``_export_forward_backward`` (the joint graph: loss
 plus gradients as outputs) -> ``to_edge`` -> ``to_executorch``.
 
-Two kinds of program, one path (:func:`_lower`):
+Three kinds of program, one path (:func:`_lower`):
 
 - a width slice (:func:`export_program`): every parameter is trained. The program is weight-free: its parameters
   live in an external data file (``.ptd``) beside it, which the device loads once; each round's weights travel as
@@ -13,7 +13,11 @@ Two kinds of program, one path (:func:`_lower`):
 - a LoRA adapter on a frozen base (:func:`export_lora_program`): only the adapter's factors are trained, and they
   stay in the program; the frozen base is the data file, kept on the device between rounds and checked by its
   sha256 (the manifest's ``data``). Each round only the factors travel.
- A program's shape is fixed (batch and sequence length), so one program
+- a full-forward window (:func:`fedfusion.phone.window.export_window_program`): the window's values are trained and
+  stay in the program; the data file holds the frozen target, which changes every round, so the device writes each
+  new one into its places there (the manifest's ``window.frozen``) and loads the program again.
+
+A program's shape is fixed (batch and sequence length), so one program
 serves a tier for the whole run: every slicing policy gives a tier's width the same sub-model shape, only which
 target units fill it changes. The optimizer is not in the program: the runtime ships only SGD, so a device steps
 AdamW (or SGD) in its own code over the gradients the program returns, as the manifest describes.
@@ -176,8 +180,9 @@ def _failure(family: str, exc: Exception) -> DeviceExportError:
 @dataclass(frozen=True)
 class DeviceProgram:
     """An exported training program: ``pte`` (the forward+backward graph; a LoRA program's also holds the adapter's
-    initial factors), ``ptd`` (its external data, loaded beside it: a slice's trainable parameters' initial values,
-    or a LoRA program's frozen base) and the manifest that says how to feed and step it."""
+    initial factors, a window program's the window's), ``ptd`` (its external data, loaded beside it: a slice's
+    trainable parameters' initial values, a LoRA program's frozen base, or a window program's frozen target, which a
+    device writes into it each time the target changes) and the manifest that says how to feed and step it."""
 
     pte: bytes
     ptd: bytes

@@ -3,8 +3,9 @@ ExecuTorch runtime, as the phone apps must (``fedfusion device --gateway URL --t
 
 Per task: fetch the program once (cached by id), the round's weights, copy them into the program, run the task's
 local steps with the client-code optimizer, send the trained weights and metrics back. A full-forward window's
-frozen target is fetched only when the task names a hash other than the one the device holds, checked against that
-hash, and kept as it arrived (the program dequantises it) until the next change. Its local data stands in for a
+frozen target is fetched only when the task names a hash other than the one its program holds, checked against that
+hash, and written as it arrived into the program's data file, the device's one copy of it (the program dequantises
+it), until the next change. Its local data stands in for a
 phone's own: the partition the task names, read as a simulated client reads it.
 """
 
@@ -59,7 +60,6 @@ class ReferenceDevice:
     def __init__(self, gateway: str, token: str, threads: int = 1) -> None:
         self.gateway, self.token, self.threads = gateway.rstrip("/"), token, threads
         self.runners: dict[str, ProgramRunner] = {}
-        self.frozen: tuple[str, dict[str, torch.Tensor]] | None = None  # (hash, decoded target): one held at a time
         self.fetched: list[str] = []  # the frozen targets' hashes fetched, in order (each one a download)
 
     def get(self, path: str) -> tuple[int, bytes]:
@@ -77,16 +77,14 @@ class ReferenceDevice:
                                                                 json.loads(files["manifest.json"])))
         return self.runners[program]
 
-    def frozen_target(self, task: dict) -> dict[str, torch.Tensor]:
-        """The frozen target ``task`` names by hash, as it travelled (the program takes it so): the one held if it is
-        that, else fetched, checked against the hash (:class:`FrozenMismatch` if it differs: nothing of it is kept)
-        and held in place of the last one."""
+    def frozen_target(self, task: dict, held: str = "") -> dict[str, torch.Tensor] | None:
+        """The frozen target ``task`` names by hash, as it travelled: None if it is ``held`` (the hash of the one
+        the program holds: not fetched again), else fetched and checked against the hash (:class:`FrozenMismatch`
+        if it differs: nothing of it is kept). The caller writes it into its program's data file, which keeps the
+        one copy; this device then holds only the hash."""
         want = str(task["frozen"])
-        if self.frozen is not None and self.frozen[0] == want:
-            return self.frozen[1]
-        self.frozen = None  # the last target (and the runners' hold of it) is dropped before the next arrives:
-        for runner in self.runners.values():  # one held at a time
-            runner.held = ()
+        if want == held:
+            return None
         body = _ok(*self.get(f"/v1/tasks/{task['task']}/frozen"), "frozen target")
         self.fetched.append(want)
         got = frozen_hash(body)
@@ -94,7 +92,6 @@ class ReferenceDevice:
             raise FrozenMismatch(f"the frozen target received hashes to {got[:16]}, the task names {want[:16]}: "
                                  "refused (corrupted or swapped on the way)")
         received, _ = unpack(body)
-        self.frozen = (want, received)
         return received
 
     def report(self, task: str, reason: str) -> None:
@@ -117,14 +114,17 @@ class ReferenceDevice:
         spec = task["spec"]
         runner = self.runner(str(task["program"]))
         weights, _ = unpack(_ok(*self.get(f"/v1/tasks/{task['task']}/weights"), "weights"))
-        if "window" in runner.manifest:  # the round's frozen target and window positions are the program's inputs
-            from fedfusion.phone.window import window_round
+        if "window" in runner.manifest:  # the round's window positions are inputs; its frozen target is in the data file
+            from fedfusion.phone.window import window_frozen, window_round
             from fedfusion.wire.specs import WindowSpec
 
             if "frozen" not in task:
                 raise ValueError("a full-forward window's task names its frozen target's hash; this one names none")
-            weights, inputs = window_round(runner.manifest, weights, WindowSpec.from_config(spec),
-                                           self.frozen_target(task))
+            frozen = self.frozen_target(task, runner.frozen_id)
+            if frozen is not None:
+                runner.set_frozen(window_frozen(runner.manifest, frozen), str(task["frozen"]))
+                del frozen  # the program's data file holds it now
+            weights, inputs = window_round(runner.manifest, weights, WindowSpec.from_config(spec))
             runner.hold(inputs)
         runner.load(weights)
         client = ClientSpec.from_config(spec)

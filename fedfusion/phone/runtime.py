@@ -12,7 +12,8 @@ import hashlib
 import math
 import threading
 import time
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -67,9 +68,6 @@ class ProgramRunner:
     """A loaded training program: put weights in, take forward+backward steps, read weights out."""
 
     def __init__(self, program: DeviceProgram) -> None:
-        from executorch.extension.pybindings.portable_lib import _load_for_executorch_from_buffer
-        from executorch.extension.training import TrainingModule
-
         self.program, self.manifest = program, program.manifest  # the runtime reads the buffers in place: keep them
         data = self.manifest.get("data")
         if data and hashlib.sha256(program.ptd).hexdigest() != data["sha256"]:
@@ -78,18 +76,52 @@ class ProgramRunner:
         self.method = str(self.manifest["method"])
         # the program's parameter names -> the wire's (a slice's strip the wrapper; a LoRA program's are listed)
         self.names = {p.get("fqn", f"{WRAPPER}.{p['name']}"): p["name"] for p in self.manifest["parameters"]}
+        # a window program's frozen target: where each tensor lies in the data file, which holds the only copy
+        self.places = {p["name"]: p for p in self.manifest.get("window", {}).get("frozen", [])}
+        self.frozen_id = ""  # what the data file holds there: "" the export's placeholders, else the caller's id
+        self._load()
+        # inputs given once a round and appended to every step's batch (a full-forward window's positions:
+        # fedfusion.phone.window), in the manifest's order
+        self.round_specs = [i for i in self.manifest["inputs"] if i.get("per") == ROUND]
+        self.held: tuple[torch.Tensor, ...] = ()
+
+    def _load(self) -> None:
+        """Load the program with its data file, and take views of its parameters."""
+        from executorch.extension.pybindings.portable_lib import _load_for_executorch_from_buffer
+        from executorch.extension.training import TrainingModule
+
         with RUNTIME_LOCK:
-            self.module = TrainingModule(_load_for_executorch_from_buffer(program.pte, program.ptd))
+            self.module = TrainingModule(_load_for_executorch_from_buffer(self.program.pte, self.program.ptd))
             # The runtime exposes the parameter views only after a first call: one call on zero inputs, once per load.
             self.module.forward_backward(self.method, example_inputs(self.manifest))
         named = self.module.named_parameters()
         if sorted(named) != sorted(self.names):
             raise ValueError(f"program {self.manifest['program_id']}: its parameters differ from its manifest's")
         self.params = {self.names[k]: v for k, v in named.items()}
-        # inputs given once a round and appended to every step's batch (a full-forward window's frozen target and
-        # positions: fedfusion.phone.window), in the manifest's order
-        self.round_specs = [i for i in self.manifest["inputs"] if i.get("per") == ROUND]
-        self.held: tuple[torch.Tensor, ...] = ()
+
+    def set_frozen(self, frozen: Mapping[str, torch.Tensor], frozen_id: str) -> None:
+        """Write a window program's frozen target (every tensor of the manifest's ``window.frozen`` by name, its
+        exact shape and dtype, as it travelled) into its places in the data file and reload the program: the data
+        file is then the device's one copy of it (the runtime reads it in place), under ``frozen_id``. Load the
+        round's weights after this: a reload starts from the program's initial ones."""
+        if set(frozen) != set(self.places):
+            missing, extra = sorted(set(self.places) - set(frozen)), sorted(set(frozen) - set(self.places))
+            raise ValueError(f"frozen target differs from the program's: missing {missing[:3]}, extra {extra[:3]}")
+        old, pieces, at = memoryview(self.program.ptd), list[Any](), 0
+        for place in sorted(self.places.values(), key=lambda p: p["offset"]):
+            got = frozen[place["name"]]
+            if list(got.shape) != place["shape"] or DTYPES.get(got.dtype) != place["dtype"]:
+                raise ValueError(f"{place['name']}: {got.dtype} {tuple(got.shape)}, the program takes "
+                                 f"{place['dtype']} {tuple(place['shape'])}")
+            pieces += [old[at:place["offset"]], got.contiguous().view(torch.uint8).numpy()]
+            at = place["offset"] + place["bytes"]
+        pieces.append(old[at:])
+        del self.module, self.params  # the old program goes before the new one is loaded
+        ptd = b"".join(pieces)
+        del old, pieces
+        self.program = replace(self.program, ptd=ptd)
+        self._load()
+        self.frozen_id = frozen_id
 
     def load(self, weights: dict[str, torch.Tensor]) -> None:
         """Copy ``weights`` (every parameter by name, its exact shape) into the program's parameter memory."""
