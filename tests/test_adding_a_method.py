@@ -2,7 +2,8 @@
 source tree gets a second generative under another name (its folder and client role copied with the name replaced,
 its name constant and registry entry repeated under the new name) and no other edit. In that tree the new method is a
 ``fusion.method`` choice with its own recipe section and choices, a client role and a message spec, its builder
-builds it for the recipe's tiers, and ``fedfusion plan`` prints for it what it prints for generative."""
+builds it for the recipe's tiers, ``fedfusion plan`` prints for it what it prints for generative, and the copy passes
+the layout's and the registry's tests (but the one that pins the registry's present lists)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import pytest
 
 ROOT = Path(__file__).parents[1]
 NEW = "echo"
-TREE = ("fedfusion", "clients", "strategies", "recipes")  # what `import fedfusion` reads in a source tree
+TREE = ("fedfusion", "clients", "strategies", "recipes", "tests")  # the source tree, and the tests run in it
 REGISTRY = Path("fedfusion", "config", "methods.py")
 
 
@@ -48,6 +49,7 @@ def clone_generative(tree: Path) -> None:
     """Copy the source tree to ``tree`` and add generative's copy there: its folder, its client role, one entry."""
     for name in TREE:
         shutil.copytree(ROOT / name, tree / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tree)  # pytest's settings and markers
     folder = tree / "fedfusion" / "fusion"
     shutil.copytree(folder / "generative", folder / NEW, ignore=shutil.ignore_patterns("__pycache__"))
     for path in (folder / NEW).glob("*.py"):
@@ -102,7 +104,7 @@ def test_the_copy_adds_a_constant_and_an_entry_to_the_registry():
     assert len(changed.splitlines()) - len(source.splitlines()) == 1 + len(generative_entry(source).splitlines())
 
 
-@pytest.mark.slow  # a copy of the source tree and two fresh Python processes that import torch (~20 s)
+@pytest.mark.slow  # a copy of the source tree and fresh Python processes that import torch (~40 s)
 def test_a_copy_of_generative_under_a_new_name_needs_no_other_edit(tmp_path):
     tree = tmp_path / "tree"
     clone_generative(tree)
@@ -116,3 +118,8 @@ def test_a_copy_of_generative_under_a_new_name_needs_no_other_edit(tmp_path):
     plans = {name: run_in(tree, "-m", "fedfusion", "plan", "rolling", f"fusion.method={name}")
              for name in ("generative", NEW)}
     assert " ".join(renamed(plans["generative"]).split()) == " ".join(plans[NEW].split())  # the title is centred
+    # the layout (floors, no cycle, a recipe loads no implementation) and the registry's rules (names only in their
+    # homes, every hook resolves, every role keeps a node state, ...) hold with the new method; the present lists are
+    # pinned by test_the_lists_are_the_registrys, and importing every benchmark script is no business of the copy
+    run_in(tree, "-m", "pytest", "-p", "no:cacheprovider", "-n", "0", "tests/test_layout.py",
+           "tests/test_method_registry.py", "-k", "not lists_are_the_registrys and not every_benchmark_script_imports")

@@ -126,7 +126,7 @@ def test_the_recipe_composes_each_entrys_section_after_fusion():
     from fedfusion.config.recipe import RECIPE_CHOICES, SECTIONS, WHOLE_MAPPINGS, Recipe
 
     assert SECTIONS == {m.name: hook(m.section) for m in METHODS if m.section}
-    assert list(SECTIONS) == ["distill", "lora", "generative"]
+    assert {"distill", "lora", "generative"} <= set(SECTIONS)  # and any method added with a section
     names = [f.name for f in fields(Recipe)]
     assert names[names.index("fusion") + 1:][:len(SECTIONS)] == list(SECTIONS)
     recipe = Recipe()
