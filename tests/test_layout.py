@@ -173,10 +173,13 @@ def test_loading_a_recipe_imports_no_torch_and_no_implementation():
     import subprocess
     import sys
 
-    code = ("import sys, fedfusion.config.recipe; print(sorted(m for m in sys.modules if m == 'torch' or "
+    # the packages above each method section the recipe composes, read from the registry (their __init__ imports
+    # nothing: test_the_packages_above_a_method_section_import_nothing)
+    above = ("import fedfusion.config.methods as r; above = {'fedfusion.fusion'} | "
+             "{m.section.partition(':')[0].rpartition('.')[0] for m in r.METHODS if m.section}; ")
+    code = ("import sys, fedfusion.config.recipe; " + above + "print(sorted(m for m in sys.modules if m == 'torch' or "
             "m.startswith('fedfusion.') and not m.startswith('fedfusion.config') and not m.endswith('.config')"
-            " and m not in ('fedfusion.fusion', 'fedfusion.fusion.distill', 'fedfusion.fusion.lora', "
-            "'fedfusion.fusion.generative')))")
+            " and m not in above))")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "[]", done.stdout

@@ -119,13 +119,14 @@ def test_adding_a_method_touches_its_folder_its_client_role_and_one_registry_lin
 
 def test_the_recipe_composes_each_entrys_section_after_fusion():
     """A method's recipe section is its entry's (``Method.section``): a field of ``Recipe`` under the method's name,
-    after ``fusion``, read typed through ``Recipe.section``, its keys' choices checked with every recipe's."""
+    after ``fusion``, read typed through ``Recipe.section``, its keys' choices checked with every recipe's, its
+    mappings stated whole (``WHOLE``) as the common sections' are."""
     from dataclasses import fields
 
-    from fedfusion.config.recipe import RECIPE_CHOICES, SECTIONS, Recipe
+    from fedfusion.config.recipe import RECIPE_CHOICES, SECTIONS, WHOLE_MAPPINGS, Recipe
 
     assert SECTIONS == {m.name: hook(m.section) for m in METHODS if m.section}
-    assert list(SECTIONS) == ["distill", "lora", "generative"]
+    assert {"distill", "lora", "generative"} <= set(SECTIONS)  # and any method added with a section
     names = [f.name for f in fields(Recipe)]
     assert names[names.index("fusion") + 1:][:len(SECTIONS)] == list(SECTIONS)
     recipe = Recipe()
@@ -133,6 +134,10 @@ def test_the_recipe_composes_each_entrys_section_after_fusion():
         assert isinstance(getattr(recipe, name), kind) and recipe.section(kind) is getattr(recipe, name)
         for key, allowed in kind.CHOICES.items():
             assert RECIPE_CHOICES[f"{name}.{key}"] is allowed
+        for key in getattr(kind, "WHOLE", ()):
+            assert f"{name}.{key}" in WHOLE_MAPPINGS and isinstance(getattr(recipe.section(kind), key), dict)
+    assert [k for k in WHOLE_MAPPINGS if k.partition(".")[0] in SECTIONS] == [
+        "distill.families", "distill.tier_family", "lora.ranks", "lora.quantize"]
     with pytest.raises(KeyError, match="no method's recipe section"):
         recipe.section(type(recipe.fusion))
 

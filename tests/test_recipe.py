@@ -99,6 +99,9 @@ def test_a_mapping_given_whole_replaces_the_default(tmp_path):
     assert recipe.population.mix == {"phone": 1.0}
     assert load_checked("quickstart", ["population.mix={laptop: 1.0}"]).population.mix == {"laptop": 1.0}
     assert load_checked("quickstart", ["fusion.widths.phone=0.25"]).fusion.widths["laptop"] == 0.25
+    # a method section's mappings too (its WHOLE), in a file and as an override
+    assert load_checked(write(tmp_path, "distill:\n  tier_family: {phone: tiny}\n")).distill.tier_family == {"phone": "tiny"}
+    assert load_checked("quickstart", ["lora.ranks={phone: 2}"]).lora.ranks == {"phone": 2}
 
 
 def test_bad_override_names_the_key():

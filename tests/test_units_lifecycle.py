@@ -2,7 +2,7 @@
 whose nodes run the real ClientApp handlers (the capability query and ``train.units``). A Ctrl-C stops it with
 ``status: interrupted`` after the last step recorded, a resume continues from the checkpoint to the uninterrupted
 run's curve, a finished run has its report, and a dead client runtime fails the run, as for the federated methods
-(tests/test_simulation.py)."""
+(tests/test_simulation.py). Its step is train/loop.py's one optimizer step."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import Any
 from uuid import uuid4
 
 import pytest
+import torch
 from fedfusion.clients.units import answer as units_handler
 from fedfusion.strategies.stop import StopRequest
 from flwr.app import Context, Message, MessageType, RecordDict
@@ -122,3 +123,28 @@ def test_a_dead_client_runtime_fails_a_units_run_with_its_reason(tmp_path):
         units_run(tmp_path / "dead", stop=stop)
     summary = json.loads((tmp_path / "dead" / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["error"] == "the simulation engine died"
+
+
+def test_a_units_step_is_the_one_optimizer_step_and_refuses_a_non_finite_loss(monkeypatch):
+    """``run.units.train_step`` updates through ``train.loop``'s one update (where clipping or a schedule would go,
+    once) and, like every loop, stops on a non-finite loss before the weights move (``finite_loss``)."""
+    from fedfusion.run.units import train_step
+    from fedfusion.train import loop
+    from tests.test_units_exact import CONFIG, model
+
+    updates: list[torch.optim.Optimizer] = []
+    update = loop._update
+    monkeypatch.setattr(loop, "_update", lambda opt: (updates.append(opt), update(opt)))
+    ids = torch.randint(0, CONFIG["vocab_size"], (4, 13), generator=torch.Generator().manual_seed(1))
+    m = model(torch.float32)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    start = {k: v.detach().clone() for k, v in m.named_parameters()}
+    assert train_step(m, opt, ids, 2) > 0 and updates == [opt]
+    assert any(not torch.equal(p, start[k]) for k, p in m.named_parameters())
+    with torch.no_grad():
+        m.model.embed_tokens.weight[ids[0, 0]] = float("nan")
+    held = {k: v.detach().clone() for k, v in m.named_parameters()}
+    with pytest.raises(FloatingPointError, match="units training loss became nan"):
+        train_step(m, opt, ids, 2)
+    assert updates == [opt] and all(torch.allclose(p, held[k], rtol=0, atol=0, equal_nan=True)
+                                    for k, p in m.named_parameters())

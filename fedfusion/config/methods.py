@@ -65,7 +65,8 @@ class Method:
     arms: str = ""
     home: str = ""  # its folder (package): fedfusion.fusion.<name> unless given
     # "module:Class" of its recipe section, in its folder's ``config`` module (on the config floor): the recipe's
-    # ``<name>:`` section (fedfusion.config.recipe composes it; ``CHOICES`` on the class: its keys' allowed values)
+    # ``<name>:`` section (fedfusion.config.recipe composes it; ``CHOICES`` on the class: its keys' allowed values;
+    # ``WHOLE``: its mappings a recipe states whole)
     section: str = ""
     # "module:Class" of the message specs its roles read, in its folder's ``spec`` module (on the wire floor)
     specs: tuple[str, ...] = ()

@@ -163,9 +163,11 @@ def resolve_recipe_path(ref: str | Path) -> Path:
 
 
 # Mappings a recipe states whole: given in a file (or as a whole override) they replace the default
-# rather than merge into it, so ``mix: {phone: 1.0}`` means phones only.
+# rather than merge into it, so ``mix: {phone: 1.0}`` means phones only. The common sections' are listed here, a
+# method section's in its ``WHOLE`` (beside its fields, as its ``CHOICES``).
 WHOLE_MAPPINGS = ("data.partitioner", "population.mix", "fusion.widths", "fusion.tiers", "selection.options",
-                  "availability.model", "distill.families", "distill.tier_family", "lora.ranks", "lora.quantize")
+                  "availability.model", *(f"{name}.{key}" for name, kind in SECTIONS.items()
+                                          for key in getattr(kind, "WHOLE", ())))
 
 
 def _merge(base: DictConfig, cfg: Any, what: str, replace: tuple[str, ...]) -> DictConfig:

@@ -69,6 +69,8 @@ class DistillConfig:
     # key -> allowed values
     CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"teacher": TEACHERS, "average": AVERAGES, "confidence": CONFIDENCES,
                                                    "transfer.source": TRANSFER_SOURCES}
+    # the mappings a recipe states whole: given, they replace the default (fedfusion.config.recipe.WHOLE_MAPPINGS)
+    WHOLE: ClassVar[tuple[str, ...]] = ("families", "tier_family")
 
     families: dict[str, FamilyConfig] = field(default_factory=lambda: {
         "tiny": FamilyConfig(), "small": FamilyConfig(hidden_size=48, model_type="gpt2", tokenizer="bpe",

@@ -24,6 +24,8 @@ class LoRAConfig:
     """Heterogeneous-rank LoRA (fusion.method=lora): adapters of each tier's rank on one frozen base."""
 
     CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"method": LORA_METHODS, "dtype": LORA_DTYPES}  # key -> allowed values
+    # the mappings a recipe states whole: given, they replace the default (fedfusion.config.recipe.WHOLE_MAPPINGS)
+    WHOLE: ClassVar[tuple[str, ...]] = ("ranks", "quantize")
 
     base: str = SMOLLM2_BASE  # smollm2 (offline GGUF package) | a local model directory | a .gguf file | a hub id
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
