@@ -229,7 +229,6 @@ def test_the_secure_fold_equals_the_plain_one_and_the_server_holds_only_masked_v
     assert all(row.extra["secagg_bytes"] > 0 for row in secure.run.round.rows.values())
 
 
-@pytest.mark.slow  # secure rounds with real clients, one dropping: ~1.7 s
 def test_a_client_that_drops_after_the_keys_is_unmasked_from_the_others_shares():
     plain, state = make_strategy(False)
     secure, _ = make_strategy(True)

@@ -115,7 +115,6 @@ def test_plan_shows_the_server_and_the_cloud_step() -> None:
     assert slow["server"]["server_compute_s"] > 100 * s["server_compute_s"]
 
 
-@pytest.mark.slow  # three plans of the units recipe: ~1.3 s
 def test_the_plan_prices_the_devices_lanes() -> None:
     """``units.lanes`` reaches the plan's timeline: with 2 micro-batches in flight a device that holds one message at
     a time (Flower's SuperNode, the default) overlaps nothing, so its step is slower than one that holds two, whose
