@@ -92,7 +92,8 @@ def gateway(tmp_path):
     gw = Gateway(Tokens(tokens), programs)
     gw.program_for = lambda *args: "abc123"  # no export in the fast tests: the program's id is all a task holds
     server = GatewayServer(("127.0.0.1", 0), gw)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    # shutdown() waits for serve_forever's next poll: at its default 0.5 s that was half a second of each test
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
     yield server, secret, tokens
     server.shutdown()

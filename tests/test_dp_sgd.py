@@ -149,6 +149,7 @@ def test_client_budgets_account_each_partition_apart_and_say_what_a_round_would_
     assert budgets.spend(1, examples=2, batch_size=4, steps=1) == pytest.approx(epsilon_spent([(1.0, 1.0, 1)], 1e-5))
 
 
+@pytest.mark.slow  # two noise calibrations (Opacus' search over its accountant): ~2.6 s
 def test_auto_noise_spends_each_clients_budget_over_its_expected_rounds_and_no_more():
     """noise_multiplier 0: each client's noise is the smallest whose expected rounds fit the budget (to Opacus'
     search tolerance, 0.01 in epsilon), so the last of them lands just under it and one more would pass it; a client

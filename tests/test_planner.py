@@ -429,6 +429,7 @@ def test_a_trained_tied_embedding_adds_its_two_unsummed_gradients_after_backward
     assert few.total == few.weights + few.grads + few.optimizer + few.activations  # tiny vocab: activations win
 
 
+@pytest.mark.xdist_group("peft")  # benchmarks/cpu_memory.py imports peft (cuda_lora): on the LoRA tests' worker
 def test_the_peak_of_full_training_with_a_tied_embedding_is_within_15_percent_of_its_live_tensors(monkeypatch):
     """Measured: the most tensor bytes alive at once while a tied Llama with a large vocabulary trains two
     checkpointed AdamW steps (benchmarks/cpu_memory.py's LiveTensors), above the tensors alive before (the weights

@@ -8,6 +8,7 @@ import random
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -38,6 +39,7 @@ def _toy() -> tuple[object, LlamaForCausalLM]:
     return tok, LlamaForCausalLM(cfg)
 
 
+@pytest.mark.slow  # 150 training steps until a model memorises a canary: ~1.3 s
 def test_memorised_canary_against_never_seen_ones() -> None:
     tok, model = _toy()
     rng = random.Random(0)

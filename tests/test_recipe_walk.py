@@ -6,6 +6,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import recipe_walk  # noqa: E402
@@ -94,6 +96,7 @@ def test_a_tiny_package_counted_by_hand(tmp_path):
     assert got["recipe_signatures"] == ["pkg.mid.work:whole (mid)"]
 
 
+@pytest.mark.slow  # parses and walks the whole package twice: ~2 s
 def test_the_real_package_walks_from_the_run_command():
     layout, dirs = recipe_walk.real_layout()
     got = recipe_walk.measure(dirs, layout)

@@ -22,6 +22,7 @@ def fleet(rng: np.random.Generator, n: int) -> list[UnitDevice]:
                        overhead_s=float(rng.uniform(0, 0.01))) for i in range(n)]
 
 
+@pytest.mark.slow  # 40 randomised timelines: ~1.7 s
 def test_no_step_beats_its_lower_bound() -> None:
     """Randomised devices, links, server links, micro-batches, in-flight chains, lanes, SuperNodes, accumulation
     and server time, churn off: the simulated step is never below ``lower_bound_s``, and the bound is at least every

@@ -195,6 +195,7 @@ def test_verification_costs_under_2pct_of_the_step() -> None:
     assert 0 < verify_s <= 0.02 * step
 
 
+@pytest.mark.slow  # 16 timelines of 4 and 16 phones: ~1.5 s
 def test_choose_micro_batches_divides_is_deterministic_and_never_slower_than_one() -> None:
     from fedfusion.units.timeline import choose_micro_batches
 
