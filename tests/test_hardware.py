@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 from pathlib import Path
 
 import psutil
@@ -91,8 +92,12 @@ def test_the_process_peak_is_linuxs_high_water_mark_and_grows_with_a_large_alloc
     before = hardware.peak_rss_mb()
     assert before * 1024 <= hardware.status_kb("VmHWM") <= before * 1024 + 10 * 1024  # the same figure, read later
     gap = before - hardware.status_kb("VmRSS") / 1024  # what the resident set may grow by before a new peak
-    block = torch.ones(int(gap + 200) * 2**20 // 4)  # touched: resident, 200 MiB beyond the earlier peak
+    # fresh anonymous pages, each written: resident on top of the set now, 200 MiB beyond the earlier peak (a malloc'd
+    # tensor could reuse freed pages the resident set already counts, and then not raise the peak)
+    block = mmap.mmap(-1, int(gap + 200) * 2**20)
+    for page in range(0, len(block), mmap.PAGESIZE):
+        block[page] = 1
     assert hardware.peak_rss_mb() >= before + 150
-    del block
+    block.close()
     with pytest.raises(RuntimeError, match="VmNope"):
         hardware.status_kb("VmNope")
