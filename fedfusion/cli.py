@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import shlex
+import signal
 import sys
 from pathlib import Path
 from textwrap import shorten
@@ -23,6 +24,7 @@ from fedfusion.config.recipe import Recipe, builtin_recipes, load_recipe, nodes_
 from fedfusion.config.sections import RecipeError
 from fedfusion.run.arms import ARM_NAMES
 from fedfusion.run.check import check_recipe
+from fedfusion.run.signals import EXIT_INTERRUPTED, Terminated, sigterm_as_interrupt
 
 # soft_wrap: a line is never broken at the terminal's (or, off a terminal, rich's 80-column) width, so every
 # message stays one line that grep finds
@@ -104,7 +106,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     from fedfusion.client_app import app as client_app
     from fedfusion.run.federation import run_federation
     from fedfusion.run.interrupt import (
-        EXIT_INTERRUPTED,
         CtrlC,
         EngineWatch,
         descendants,
@@ -132,9 +133,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console, transient=True) as progress:
 
-        def on_ctrl_c() -> None:
+        def on_ctrl_c(signum: signal.Signals) -> None:
             silence_ray()
-            progress.console.print("interrupted: stopping the run (Ctrl-C again to force)")
+            why = "terminated (SIGTERM)" if signum == signal.SIGTERM else "interrupted"
+            progress.console.print(f"{why}: stopping the run (Ctrl-C again to force)")
 
         ctrl_c = CtrlC(on_ctrl_c)
         task = progress.add_task("steps" if central else "rounds", total=recipe.units.steps if central else recipe.rounds,
@@ -475,10 +477,14 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``fedfusion`` console script."""
     args = parser().parse_args(argv)
     try:
-        return args.func(args)
+        with sigterm_as_interrupt():  # a scheduler's SIGTERM unwinds like Ctrl-C: every cleanup runs
+            return args.func(args)
     except (RecipeError, FileExistsError, FileNotFoundError, ValueError) as exc:
         console.print(f"[red]error:[/] {escape(str(exc))}", highlight=False)  # not markup: `[datasets]` stays
         return 2
+    except KeyboardInterrupt as exc:  # a command without its own stop (a run has one: it returns)
+        console.print("terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted")
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

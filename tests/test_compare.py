@@ -4,8 +4,13 @@ resume with a mock runner, the CLI's up-front errors, the docs' command; one slo
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -31,6 +36,7 @@ from fedfusion.run.compare import (
 )
 from fedfusion.run.federation import build_methods
 from fedfusion.run.targets import lm_target
+from tests.processes import session_members
 
 ROOT = Path(__file__).parents[1]
 LOSS = Metric("eval_loss", "held-out loss (nats)", True)
@@ -490,3 +496,30 @@ def test_compare_runs_an_arm_through_flower_and_the_same_command_then_only_repor
     capsys.readouterr()
     assert main(argv) == 0
     assert "finished before, kept" in capsys.readouterr().out
+
+
+@pytest.mark.slow  # Flower's simulation engine: one tiny run, stopped after its first round
+def test_sigterm_to_compare_alone_stops_its_run_at_a_checkpoint_and_leaves_no_process(tmp_path):
+    """What a scheduler or `timeout` does: SIGTERM to the compare process only (not its group, as a terminal's
+    Ctrl-C would). Compare passes it on; the run stops at its next safe point with `status: interrupted`; compare
+    exits 130 naming the same command; no process of either is left."""
+    out = tmp_path / "cmp"
+    argv = [sys.executable, "-m", "fedfusion.cli", "compare", "quickstart", *TINY, "rounds=30", "--seeds", "0",
+            "--arms", "smallest-only", "--out", str(out)]
+    proc = subprocess.Popen(argv, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    run = out / "smallest-only-s0"
+    try:
+        deadline = time.monotonic() + 300
+        while proc.poll() is None and time.monotonic() < deadline and not (run / "checkpoint" / "state.json").is_file():
+            time.sleep(0.05)
+        assert proc.poll() is None, proc.communicate()[0]
+        os.kill(proc.pid, signal.SIGTERM)
+        output, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 130, output
+        assert "run the same command again to continue" in output and "Traceback" not in output, output
+        assert session_members(proc.pid) == [], output
+    finally:
+        for pid in session_members(proc.pid):
+            os.kill(pid, signal.SIGKILL)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["last_round"] < 30, summary

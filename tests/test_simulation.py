@@ -18,6 +18,7 @@ from fedfusion.analysis.report import read_jsonl
 from fedfusion.cli import main
 from fedfusion.devices.hardware import status_kb
 from fedfusion.fusion.rounds import client_steps
+from tests.processes import session_members
 
 pytestmark = pytest.mark.slow  # Flower's runtime (Ray or SuperLink processes): minutes, not seconds
 # the tests of the module's one tiny run (run_dir) stay on one pytest-xdist worker (addopts: --dist loadgroup), so
@@ -174,19 +175,6 @@ def test_the_saved_recipe_reruns_the_same_and_a_run_killed_mid_way_resumes_to_th
     assert pick(read_jsonl(out / "clients.jsonl")) == pick(read_jsonl(run_dir / "clients.jsonl"))
 
 
-def _session_members(sid: int) -> list[int]:
-    """Live processes of session ``sid`` (a subprocess started with ``start_new_session`` and all it spawned)."""
-    members = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == sid and fields[0] != "Z":  # fields after "(comm)": state, ppid, pgrp, session
-            members.append(int(stat.parent.name))
-    return members
-
-
 @ON_THE_TINY_RUN
 def test_one_ctrl_c_stops_the_run_cleanly_and_resume_then_matches_the_uninterrupted_run(run_dir, tmp_path):
     """One SIGINT to the run's process group (what Ctrl-C in a terminal sends) once round 1 is checkpointed:
@@ -210,9 +198,9 @@ def test_one_ctrl_c_stops_the_run_cleanly_and_resume_then_matches_the_uninterrup
         assert proc.returncode == 130, output
         assert stopped_s <= 10, output
         assert not [p for p in spawned if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-        assert _session_members(proc.pid) == []
+        assert session_members(proc.pid) == []
     finally:
-        for pid in _session_members(proc.pid):
+        for pid in session_members(proc.pid):
             os.kill(pid, signal.SIGKILL)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["last_round"] == summary["resume_after"] == 1, summary

@@ -12,6 +12,7 @@ from fedfusion.strategies.stop import RunInterrupted, StopGrid
 from flwr.app import MessageType
 
 from fedfusion.run.interrupt import CtrlC
+from fedfusion.run.signals import Terminated, sigterm_as_interrupt
 from tests.test_quorum import TimedGrid, _messages
 from tests.test_strategy import task_identity  # noqa: F401 (autouse fixture)
 
@@ -41,13 +42,23 @@ def test_after_a_stop_nothing_more_is_sent():
     assert inner.pushed == {}
 
 
-def test_the_first_ctrl_c_asks_for_a_stop_the_second_raises_and_the_old_handler_comes_back():
+@pytest.mark.parametrize("first,second", [(signal.SIGINT, signal.SIGINT), (signal.SIGTERM, signal.SIGINT),
+                                          (signal.SIGINT, signal.SIGTERM)])
+def test_the_first_ctrl_c_or_sigterm_asks_for_a_stop_the_second_raises_and_the_old_handlers_come_back(first, second):
     calls = []
-    before = signal.getsignal(signal.SIGINT)
-    with CtrlC(lambda: calls.append("stop")) as ctrl_c:
-        os.kill(os.getpid(), signal.SIGINT)
-        assert ctrl_c.stop.wait(5) and calls == ["stop"]
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    with CtrlC(calls.append) as ctrl_c:
+        os.kill(os.getpid(), first)
+        assert ctrl_c.stop.wait(5) and calls == [first]
         with pytest.raises(KeyboardInterrupt):
-            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), second)
             time.sleep(5)  # the handler runs (and raises) at the next bytecode, long before this ends
-    assert calls == ["stop"] and signal.getsignal(signal.SIGINT) is before
+    assert calls == [first] and {s: signal.getsignal(s) for s in before} == before
+
+
+def test_sigterm_outside_a_run_raises_terminated_and_the_old_handler_comes_back():
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(Terminated), sigterm_as_interrupt():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+    assert signal.getsignal(signal.SIGTERM) is before

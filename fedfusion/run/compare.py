@@ -41,8 +41,8 @@ from fedfusion.config.recipe import METHOD_SECTIONS, Recipe, load_recipe, uses
 from fedfusion.config.sections import EngineConfig, RecipeError
 from fedfusion.run.arms import ARM_NAMES, ORACLE, RECIPE, SMALLEST, Arm, arms_for, check_equal_budget, flat
 from fedfusion.run.check import check_recipe
+from fedfusion.run.signals import EXIT_INTERRUPTED, Terminated
 
-EXIT_INTERRUPTED = 130
 FINAL = ("final: the last scored round's value (what the run ends with, as every report of the project quotes it); "
          "last-3: the mean of the last 3 scored rounds after round 0")
 
@@ -202,7 +202,8 @@ def cli_runner(args: list[str], log: Path, echo: Callable[[str], None]) -> tuple
     """``python -m fedfusion.cli ARGS`` (``fedfusion run``, this interpreter's package), its output echoed (indented)
     and kept in ``log``; returns (exit code, whether this process got Ctrl-C meanwhile). The child is in this
     process's group, so a terminal's Ctrl-C reaches it as it reaches a ``fedfusion run`` started by hand (one stops
-    the run at a safe point, two force it); a SIGINT sent to this process alone is passed on after 20 s."""
+    the run at a safe point, two force it); a SIGINT sent to this process alone is passed on after 20 s, a SIGTERM
+    (:class:`Terminated`, which reaches this process only) at once."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as fh:
         proc = subprocess.Popen([sys.executable, "-m", "fedfusion.cli", *args], stdout=subprocess.PIPE,
@@ -226,6 +227,10 @@ def cli_runner(args: list[str], log: Path, echo: Callable[[str], None]) -> tuple
                 if interrupted and not passed_on and time.monotonic() - since > 20:
                     proc.send_signal(signal.SIGINT)
                     passed_on = True
+            except Terminated:
+                if not passed_on:
+                    proc.send_signal(signal.SIGTERM)  # the run stops at its next safe point, as on Ctrl-C
+                interrupted, passed_on = True, True
             except KeyboardInterrupt:
                 if not interrupted:
                     interrupted, since = True, time.monotonic()

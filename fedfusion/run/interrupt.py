@@ -1,11 +1,12 @@
-"""Ctrl-C for ``fedfusion run``: one press stops the run at a safe point, cleans up Ray, and says how to resume.
+"""Ctrl-C for ``fedfusion run``: one press (or one SIGTERM) stops the run at a safe point, cleans up Ray, and says
+how to resume.
 
 Flower's simulation gives the driver no stop: a KeyboardInterrupt in the main thread leaves the ServerApp
 thread waiting for replies until the round deadline and Ray's actors running. Instead, the first SIGINT only
 sets an event; the server's Grid (:class:`fedfusion.strategies.stop.StopGrid`) raises at its next call, the
 run records ``status: interrupted``, the actors still training are killed so Flower's workers return, Ray
 shuts down, and whatever process the run started and is still alive is terminated. A second SIGINT raises
-KeyboardInterrupt as usual, for a run that does not stop.
+KeyboardInterrupt as usual, for a run that does not stop. SIGTERM (a scheduler's stop) is taken the same way.
 """
 
 from __future__ import annotations
@@ -16,33 +17,72 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType, TracebackType
+from typing import Any
 
 import psutil
 
 from fedfusion.strategies.stop import StopRequest
 
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for a program stopped by Ctrl-C
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class CtrlC:
-    """While active, the first SIGINT sets :attr:`stop` and calls ``on_first``; the next one raises."""
+    """While active, the first SIGINT or SIGTERM sets :attr:`stop` and calls ``on_first`` with the signal; the next
+    one raises KeyboardInterrupt."""
 
-    def __init__(self, on_first: Callable[[], None]) -> None:
+    def __init__(self, on_first: Callable[[signal.Signals], None]) -> None:
         self.stop, self.on_first = StopRequest(), on_first
-        self.previous: signal.Handlers | Callable | int | None = None
+        self.previous: dict[signal.Signals, signal.Handlers | Callable | int | None] = {}
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.stop.is_set():
             raise KeyboardInterrupt
         self.stop.set()
-        self.on_first()
+        self.on_first(signal.Signals(signum))
 
     def __enter__(self) -> CtrlC:
-        self.previous = signal.signal(signal.SIGINT, self._handle)
+        self.previous = {s: signal.signal(s, self._handle) for s in STOP_SIGNALS}
+        self.ray_patch = RayKeepsOffSigterm()
+        self.ray_patch.__enter__()
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        signal.signal(signal.SIGINT, self.previous)
+        self.ray_patch.__exit__(kind, exc, tb)
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+
+class RayKeepsOffSigterm:
+    """While active, the Ray driver this process starts leaves SIGTERM to :class:`CtrlC`.
+
+    ``ray.init`` in the main thread (where Flower's simulation builds its Ray backend) replaces the SIGTERM handler
+    with one that raises SystemExit there: the engine unwinds while the ServerApp thread waits for replies forever,
+    and the process never exits. Ray's core worker then installs absl's failure-signal handler, which counts SIGTERM
+    as a crash: it prints a stack and kills the driver outright, leaving no summary. Both are switched off for this
+    process's driver only (two module attributes of Ray's, put back on exit; a test sends a run SIGTERM through
+    Ray and fails if Ray changes either); Ray's worker processes keep their own handlers."""
+
+    def __enter__(self) -> RayKeepsOffSigterm:
+        try:
+            import ray._private.ray_constants as constants
+            import ray._private.utils as utils
+        except ImportError:  # no Ray: nothing will touch the handlers
+            self.saved: tuple[Any, ...] = ()
+            return self
+        self.saved = (utils, utils.set_sigterm_handler, constants, constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER)
+        vars(utils)["set_sigterm_handler"] = _leave_sigterm_alone
+        vars(constants)["RAY_DISABLE_FAILURE_SIGNAL_HANDLER"] = True
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        if self.saved:
+            utils, set_handler, constants, disabled = self.saved
+            vars(utils)["set_sigterm_handler"] = set_handler
+            vars(constants)["RAY_DISABLE_FAILURE_SIGNAL_HANDLER"] = disabled
+
+
+def _leave_sigterm_alone(handler: Callable[[int, FrameType | None], Any]) -> None:
+    """Stands in for Ray's ``set_sigterm_handler`` while a run's own handler is in place."""
 
 
 class EngineWatch(logging.Handler):
