@@ -11,6 +11,7 @@ import pytest
 from fedfusion.strategies.stop import RunInterrupted, StopGrid
 from flwr.app import MessageType
 
+from fedfusion.cli import main
 from fedfusion.run.interrupt import CtrlC
 from fedfusion.run.signals import Terminated, sigterm_as_interrupt
 from tests.test_quorum import TimedGrid, _messages
@@ -61,4 +62,25 @@ def test_sigterm_outside_a_run_raises_terminated_and_the_old_handler_comes_back(
     with pytest.raises(Terminated), sigterm_as_interrupt():
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(5)
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_sigterm_unwinds_a_command_without_its_own_stop_so_its_cleanup_runs(monkeypatch, capsys):
+    """`fedfusion deploy` (like every command but `run`) has no stop of its own: a SIGTERM must unwind it like Ctrl-C,
+    so its ``finally`` stops the SuperLink and SuperNodes it started (Python's default for SIGTERM skips it)."""
+    import fedfusion.deploy
+
+    cleaned = []
+
+    def deploy_local(*args: object, **kwargs: object) -> None:
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        finally:
+            cleaned.append("stopped")
+
+    monkeypatch.setattr(fedfusion.deploy, "deploy_local", deploy_local)
+    before = signal.getsignal(signal.SIGTERM)
+    assert main(["deploy", "quickstart", "rounds=1"]) == 130
+    assert cleaned == ["stopped"] and "terminated (SIGTERM)" in capsys.readouterr().out
     assert signal.getsignal(signal.SIGTERM) is before
