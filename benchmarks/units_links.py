@@ -2,7 +2,7 @@
 links shaped to a catalog tier's, the measured step against the timeline's prediction for the same links.
 
     python benchmarks/units_links.py [--steps 2] [--tiers phone phone-lowend] [--scales 1 0.1 0.05]
-                                     [--out benchmarks/results]
+                                     [--deploy] [--name units_links] [--out benchmarks/results]
 
 Per tier (all 8 devices of recipes/units.yaml that tier: ``population.mix={TIER: 1.0}``) one run with the links as
 they are (loopback: what Flower, this machine's compute and the server cost a step without links) and per link scale
@@ -13,7 +13,12 @@ step, from metrics.jsonl: ``train_s`` (measured: the step's phases through Flowe
 optimizer) against ``virtual_s`` (the timeline's step for the same devices, links and server), the transport's
 wait (``transport_s``), re-dispatches and missed deadlines. The measured step minus the unshaped run's is what the
 shaped links added; beside it the timeline's step. The 1-minute load average is taken before each run. Writes
-``units_links.json`` and ``units_links.md``.
+``NAME.json`` and ``NAME.md``.
+
+``--deploy`` runs each through ``fedfusion deploy`` instead (a loopback SuperLink and one SuperNode per device over
+TLS, from the source tree: the same transport and shaper on a real Grid), with ``units.deadline_floor_s=120``: a
+deployed SuperNode starts a fresh ClientApp process for every message, which the default 2 s floor would count as
+missed.
 """
 
 from __future__ import annotations
@@ -45,17 +50,26 @@ def overrides(steps: int, tier: str, scale: float | None) -> list[str]:
     return [f"units.steps={steps}", f"population.mix={{{tier}: 1.0}}", *shaped]
 
 
-def run(steps: int, tier: str, scale: float | None) -> dict:
-    """One ``fedfusion run units``: its per-step rows, the links it shaped and the load before it."""
-    args = overrides(steps, tier, scale)
+DEPLOYED = ["units.deadline_floor_s=120"]  # a fresh ClientApp process per message on a deployed SuperNode
+
+
+def run(steps: int, tier: str, scale: float | None, deployed: bool = False) -> dict:
+    """One ``fedfusion run units`` (or ``fedfusion deploy units``): its per-step rows, the links it shaped and the
+    load before it."""
+    args = overrides(steps, tier, scale) + (DEPLOYED if deployed else [])
     device = from_catalog(population_catalog(load_recipe("units", args).population)[tier], link_scale=scale or 1.0)
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run"
-        subprocess.run([sys.executable, "-m", "fedfusion.cli", "run", "units", *args, "--out", str(out)],
-                       check=True, capture_output=True)
+        how = ["deploy", "units", *args, "--out", str(out), "--workdir", str(Path(tmp) / "deploy")] if deployed else [
+            "run", "units", *args, "--out", str(out)]
+        done = subprocess.run([sys.executable, "-m", "fedfusion.cli", *how], capture_output=True, text=True,
+                              cwd=Path(__file__).resolve().parents[1])  # deploy bundles the source tree's app
+        if done.returncode != 0:
+            raise SystemExit(f"fedfusion {' '.join(how[:2])} failed ({done.returncode}):\n{done.stdout[-3000:]}"
+                             f"{done.stderr[-3000:]}")
         rows = [r for r in read_jsonl(out / "metrics.jsonl") if r["step"] > 0]
-    return {"tier": tier, "scale": scale, "overrides": args, "load_1min": load,
+    return {"tier": tier, "scale": scale, "overrides": args, "deployed": deployed, "load_1min": load,
             "link": {"down_MBps": device.down_bps / 1e6, "up_MBps": device.up_bps / 1e6, "rtt_s": device.rtt_s},
             "steps": [{k: r[k] for k in STEP_KEYS} for r in rows]}
 
@@ -66,11 +80,14 @@ def mean(values: list[float]) -> float:
 
 def markdown(data: dict) -> str:
     floors = {r["tier"]: mean([s["train_s"] for s in r["steps"]]) for r in data["runs"] if r["scale"] is None}
+    deployed = any(r.get("deployed") for r in data["runs"])
+    engine = ("`fedfusion deploy` (a loopback SuperLink with TLS and one SuperNode per device, each message a fresh "
+              "ClientApp process; `units.deadline_floor_s=120`)" if deployed else "Flower's simulation engine")
     lines = ["# units mode with its links emulated for real: measured step against the timeline", "",
              f"Machine: {data['machine']}; torch {data['torch']}; load average before {data['load_before']}; "
              f"{data['seconds']:.0f} s in all.", "", f"Command: `{data['command']}`", "",
-             "recipes/units.yaml (the quickstart target, every linear layer offloaded, one micro-batch) on Flower's "
-             "simulation engine, all 8 devices one catalog tier. Shaped: `units.shape_links=true "
+             "recipes/units.yaml (the quickstart target, every linear layer offloaded, one micro-batch) on "
+             f"{engine}, all 8 devices one catalog tier. Shaped: `units.shape_links=true "
              "units.link_scale=X`, each message pushed when the device's downlink has delivered it and each reply "
              "accepted when its uplink has (the tier's catalog rates times X, RTT 50 ms; the server's 10 Gb/s links "
              "queued too). Unshaped: loopback as it is. Measured: the step's `train_s` (every phase through Flower, "
@@ -131,6 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--tiers", nargs="+", default=["phone", "phone-lowend"])
     parser.add_argument("--scales", nargs="+", type=float, default=[1.0, 0.1, 0.05])
+    parser.add_argument("--deploy", action="store_true", help="through `fedfusion deploy` instead of the simulation")
+    parser.add_argument("--name", default="units_links", help="the results files' name")
     parser.add_argument("--out", type=Path, default=RESULTS)
     return parser
 
@@ -140,9 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     facts = run_facts("benchmarks/units_links.py", argv)
     start = time.time()
-    runs = [run(args.steps, tier, scale) for tier in args.tiers for scale in (None, *args.scales)]
+    runs = [run(args.steps, tier, scale, args.deploy) for tier in args.tiers for scale in (None, *args.scales)]
     data = {**facts, "seconds": time.time() - start, "runs": runs}
-    write_pair(args.out, "units_links", data, markdown(data))
+    write_pair(args.out, args.name, data, markdown(data))
     return 0
 
 
