@@ -136,7 +136,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         def on_ctrl_c(signum: signal.Signals) -> None:
             silence_ray()
             why = "terminated (SIGTERM)" if signum == signal.SIGTERM else "interrupted"
-            progress.console.print(f"{why}: stopping the run (Ctrl-C again to force)")
+            progress.console.print(f"{why}: stopping the run at a safe point (Ctrl-C to force)")
 
         ctrl_c = CtrlC(on_ctrl_c)
         task = progress.add_task("steps" if central else "rounds", total=recipe.units.steps if central else recipe.rounds,

@@ -107,12 +107,13 @@ def config_aliases(config: PretrainedConfig) -> dict[str, str]:
     the config's class and JSON, as the methods, the planner and the frozen target ask again for the same few
     configs (4-20 ms a build, ~600 of them in the test suite)."""
     key = (type(config), config.to_json_string())
-    if key not in _ALIASES:
+    aliases = _ALIASES.get(key)  # one lookup: another thread may clear the cache between two
+    if aliases is None:
         if len(_ALIASES) >= 256:
             _ALIASES.clear()
         with torch.device("meta"):
-            _ALIASES[key] = tied_aliases(family_of(config).build(config))
-    return dict(_ALIASES[key])
+            aliases = _ALIASES[key] = tied_aliases(family_of(config).build(config))
+    return dict(aliases)
 
 
 def wire_state(state: dict[str, torch.Tensor], aliases: dict[str, str]) -> dict[str, torch.Tensor]:

@@ -56,14 +56,13 @@ LM_LOSS = "mean next-token cross-entropy over tokens[:, :-1] -> tokens[:, 1:]"
 IMAGE_LOSS = "mean cross-entropy of the logits against labels"
 RESPONSE_LOSS = ("mean next-token cross-entropy over response tokens: logits[:, :-1] against labels[:, 1:], "
                  "labels -100 ignored; right-padded rows, attention_mask 0 on padding")
-FROZEN_FILE = "frozen_base"  # the data file's tag in a LoRA program
+FROZEN_FILE = "frozen_base"  # the data file's tag: a LoRA program's frozen base, a window program's frozen target
 TRAINABLE_DATA, FROZEN_DATA = "trainable parameters' initial values", "frozen base"
 GROUP = 32  # inputs per scale of a quantised frozen Linear
 # torch.optim.AdamW's defaults, which fedfusion.train.loop.make_optimizer uses: a device must step the same way
 ADAMW_BETAS, ADAMW_EPS = (0.9, 0.999), 1e-8
 # a manifest's dtype names (a window program's frozen target comes as it travelled: int8 / packed int4 codes, float16)
 DTYPES = {torch.float32: "float32", torch.int64: "int64", torch.float16: "float16", torch.int8: "int8", torch.uint8: "uint8"}
-DTYPE_BYTES = {name: dtype.itemsize for dtype, name in DTYPES.items()}
 ROUND = "round"  # an input's ``per`` in a manifest: given once a round and held for its steps, not each batch
 
 

@@ -122,7 +122,11 @@ class ReferenceDevice:
                 raise ValueError("a full-forward window's task names its frozen target's hash; this one names none")
             frozen = self.frozen_target(task, runner.frozen_id)
             if frozen is not None:
-                runner.set_frozen(window_frozen(runner.manifest, frozen), str(task["frozen"]))
+                try:
+                    runner.set_frozen(window_frozen(runner.manifest, frozen), str(task["frozen"]))
+                except BaseException:
+                    del self.runners[str(task["program"])]  # no program loaded now: the next task loads it afresh
+                    raise
                 del frozen  # the program's data file holds it now
             weights, inputs = window_round(runner.manifest, weights, WindowSpec.from_config(spec))
             runner.hold(inputs)

@@ -103,7 +103,9 @@ class ProgramRunner:
         """Write a window program's frozen target (every tensor of the manifest's ``window.frozen`` by name, its
         exact shape and dtype, as it travelled) into its places in the data file and reload the program: the data
         file is then the device's one copy of it (the runtime reads it in place), under ``frozen_id``. Load the
-        round's weights after this: a reload starts from the program's initial ones."""
+        round's weights after this: a reload starts from the program's initial ones. Memory at its peak: the old data
+        file, the new one and ``frozen``. If the reload fails the runner holds no program: drop it (the reference
+        device does) and load the program afresh."""
         if set(frozen) != set(self.places):
             missing, extra = sorted(set(self.places) - set(frozen)), sorted(set(frozen) - set(self.places))
             raise ValueError(f"frozen target differs from the program's: missing {missing[:3]}, extra {extra[:3]}")
@@ -116,7 +118,8 @@ class ProgramRunner:
             pieces += [old[at:place["offset"]], got.contiguous().view(torch.uint8).numpy()]
             at = place["offset"] + place["bytes"]
         pieces.append(old[at:])
-        del self.module, self.params  # the old program goes before the new one is loaded
+        del self.module, self.params  # the old program's runtime memory goes before the new one is loaded
+        self.frozen_id = ""  # until the reload succeeds the data file holds no target under any id
         ptd = b"".join(pieces)
         del old, pieces
         self.program = replace(self.program, ptd=ptd)

@@ -58,7 +58,7 @@ from fedfusion.wire.quantize import BLOCK, CODES, SHAPE, encode
 from fedfusion.wire.specs import WindowSpec
 
 UNITS = "units/"  # the prefix of a window position input's name: units/<axis>
-FROZEN_DATA = "the frozen target (a placeholder until a device writes the round's)"
+FROZEN_TARGET_DATA = "the frozen target (a placeholder until a device writes the round's)"
 FROZEN_BUFFER = "frozen_"  # the program's buffers holding the frozen target: frozen_<i>, in its wire keys' order
 State = dict[str, torch.Tensor]
 
@@ -79,8 +79,9 @@ class _Written:
 
 @dataclass(frozen=True)
 class _Frozen:
-    """How one frozen target tensor arrives among the program's inputs: its name, and for quantised codes the
-    tensor's shape and whether the codes are packed int4 (two to a uint8); dense tensors come as one input."""
+    """How one frozen target tensor lies among the program's constants in its data file (as it travelled): its name,
+    and for quantised codes the tensor's shape and whether the codes are packed int4 (two to a uint8); dense tensors
+    are one constant."""
 
     name: str
     shape: tuple[int, ...] | None = None
@@ -262,7 +263,7 @@ def export_window_program(config: PretrainedConfig, plan: SlicePlan, batch_size:
     params = [{"name": w.name, "fqn": f"window.{w.key}", "shape": list(window[w.name].shape),
                "dtype": DTYPES[window[w.name].dtype]} for w in written]
     manifest = _manifest(pte, ptd, planned, key, family, config, specs, LM_LOSS, params, train,
-                         time.perf_counter() - start, FROZEN_DATA)
+                         time.perf_counter() - start, FROZEN_TARGET_DATA)
     manifest["window"] = {"per_layer": {a: len(plan.units(a) or ()) for a in axes}, "shared": plan.shared,
                           "target_params": sum(t.numel() for t in state.values()), "frozen_dtype": frozen_dtype,
                           "frozen_bytes": sum(p["bytes"] for p in places), "frozen": places}

@@ -200,10 +200,10 @@ def _summary(run: Path) -> dict[str, Any]:
 
 def cli_runner(args: list[str], log: Path, echo: Callable[[str], None]) -> tuple[int, bool]:
     """``python -m fedfusion.cli ARGS`` (``fedfusion run``, this interpreter's package), its output echoed (indented)
-    and kept in ``log``; returns (exit code, whether this process got Ctrl-C meanwhile). The child is in this
+    and kept in ``log``; returns (exit code, whether this process got Ctrl-C or SIGTERM meanwhile). The child is in this
     process's group, so a terminal's Ctrl-C reaches it as it reaches a ``fedfusion run`` started by hand (one stops
     the run at a safe point, two force it); a SIGINT sent to this process alone is passed on after 20 s, a SIGTERM
-    (:class:`Terminated`, which reaches this process only) at once."""
+    (:class:`Terminated`) at once (a run takes a second SIGTERM, had the group got one too, as the first)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as fh:
         proc = subprocess.Popen([sys.executable, "-m", "fedfusion.cli", *args], stdout=subprocess.PIPE,

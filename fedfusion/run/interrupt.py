@@ -27,8 +27,10 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class CtrlC:
-    """While active, the first SIGINT or SIGTERM sets :attr:`stop` and calls ``on_first`` with the signal; the next
-    one raises KeyboardInterrupt."""
+    """While active, the first SIGINT or SIGTERM sets :attr:`stop` and calls ``on_first`` with the signal; a later
+    SIGINT (Ctrl-C again) raises KeyboardInterrupt, a later SIGTERM is ignored: ``timeout``, Slurm and systemd send
+    SIGTERM to the process and then to its group (and ``fedfusion compare`` passes one on), so a run often gets two
+    at once, which must not force it (a scheduler that wants it gone follows with SIGKILL)."""
 
     def __init__(self, on_first: Callable[[signal.Signals], None]) -> None:
         self.stop, self.on_first = StopRequest(), on_first
@@ -36,14 +38,15 @@ class CtrlC:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.stop.is_set():
+            if signum == signal.SIGTERM:
+                return
             raise KeyboardInterrupt
         self.stop.set()
         self.on_first(signal.Signals(signum))
 
     def __enter__(self) -> CtrlC:
+        self.ray_patch = RayKeepsOffSigterm().__enter__()  # first: a Ray it cannot patch leaves no handler of ours
         self.previous = {s: signal.signal(s, self._handle) for s in STOP_SIGNALS}
-        self.ray_patch = RayKeepsOffSigterm()
-        self.ray_patch.__enter__()
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
@@ -63,12 +66,13 @@ class RayKeepsOffSigterm:
     Ray and fails if Ray changes either); Ray's worker processes keep their own handlers."""
 
     def __enter__(self) -> RayKeepsOffSigterm:
+        self.saved: tuple[Any, ...] = ()
         try:
             import ray._private.ray_constants as constants
             import ray._private.utils as utils
         except ImportError:  # no Ray: nothing will touch the handlers
-            self.saved: tuple[Any, ...] = ()
             return self
+        # a Ray without either attribute fails here, before anything is changed (the SIGTERM test then fails too)
         self.saved = (utils, utils.set_sigterm_handler, constants, constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER)
         vars(utils)["set_sigterm_handler"] = _leave_sigterm_alone
         vars(constants)["RAY_DISABLE_FAILURE_SIGNAL_HANDLER"] = True
