@@ -179,6 +179,14 @@ def test_one_window_program_serves_a_tier_round_after_round(program, windows):
         runner.set_frozen({**frozen, name: torch.zeros(3, dtype=torch.int8)}, "bad")
     assert runner.program.ptd is before and runner.frozen_id != "bad"  # refused before anything changed
 
+    def fail() -> None:
+        raise RuntimeError("out of memory")
+
+    runner._load = fail  # type: ignore[method-assign]  # a reload that fails (a phone out of memory)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        runner.set_frozen(frozen, "next")
+    assert runner.frozen_id == "" and not hasattr(runner, "module")  # holds no target under any id, nor a program
+
 
 @pytest.mark.slow
 @pytest.mark.device
