@@ -37,7 +37,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 def run(steps: int, micro: int) -> list[dict]:
     """One units run at ``micro`` micro-batches: per step the checks' CPU seconds, the wall and virtual seconds (and
     the plan's virtual step on devices that hold two messages)."""
-    two_lanes = units_plan(load_recipe("units", [f"units.micro_batches={micro}", "units.lanes=2"]))[0]["step_s"]
+    r = load_recipe("units", [f"units.micro_batches={micro}", "units.lanes=2"])
+    two_lanes = units_plan(r.units, r.train, r.population, r.model, r.report, r.data_source())[0]["step_s"]
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / f"micro{micro}"
         subprocess.run([sys.executable, "-m", "fedfusion.cli", "run", "units", f"units.steps={steps}",

@@ -41,7 +41,8 @@ def parse(setting: str) -> tuple[int, int]:
 def run(steps: int, micro: int, nodes: int) -> dict:
     """One units run: its per-step rows and the plan's step for the same setting."""
     overrides = [f"units.steps={steps}", f"units.micro_batches={micro}", f"units.supernodes={nodes}"]
-    plan = units_plan(load_recipe("units", overrides))[0]
+    recipe = load_recipe("units", overrides)
+    plan = units_plan(recipe.units, recipe.train, recipe.population, recipe.model, recipe.report, recipe.data_source())[0]
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run"
         subprocess.run([sys.executable, "-m", "fedfusion.cli", "run", "units", *overrides, "--out", str(out)],

@@ -233,9 +233,16 @@ PLAN_NOTE = ("s and J per round: the tier's training FLOPs and the bytes it move
 def cmd_plan(args: argparse.Namespace) -> int:
     """Print what each tier trains and what one round of it costs (and the server's own work, where it has any)."""
     recipe = _checked(args.recipe, args.overrides)
+    source = recipe.data_source()
+
+    def part(name: str, tiers: list[str], usable: float) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+        """A mixable method's part of a mixed plan: its registry entry's ``mixed_plan``, given the recipe sections it
+        names (the mixed view, below the run level, reads no method's section itself)."""
+        return call(method(name).mixed_plan, recipe, source=source, usable=usable, tiers=tiers)
+
     # the method's plan view (its registry entry's ``plan``, in its folder's plan module, given the recipe sections
-    # it names): torch loads only now
-    view = call(method(recipe.fusion.method).plan, recipe, source=recipe.data_source())
+    # it names, the data source and, for a mixed view, ``part``): torch loads only now
+    view = call(method(recipe.fusion.method).plan, recipe, source=source, part=part)
     _print_table(view.title, view.rows, view.headers, left=view.left, width=view.width)
     from fedfusion.devices.catalog import memory_note, population_catalog
     from fedfusion.devices.energy import runtime_notes
@@ -247,7 +254,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.ways or (args.ways is None and recipe.model.pretrained and recipe.fusion.method in SLICES):
         from fedfusion.analysis.plan import ways_view
 
-        ways = ways_view(recipe)
+        ways = ways_view(recipe.name, recipe.fusion, recipe.train, recipe.population, recipe.model, source)
         _print_table(ways.title, ways.rows, ways.headers, left=ways.left, width=ways.width)
     if not view.per_round:
         return 0
@@ -255,7 +262,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from fedfusion.data.federated import describe
     from fedfusion.data.population import partition_sizes
 
-    console.print("\n".join(describe(partition_sizes(recipe.data_source(), recipe.fusion.method))), highlight=False, soft_wrap=True)
+    console.print("\n".join(describe(partition_sizes(source, recipe.fusion.method))), highlight=False, soft_wrap=True)
     return 0
 
 

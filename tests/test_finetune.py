@@ -147,7 +147,8 @@ def test_the_plan_shows_which_ways_each_tier_can_train_the_pretrained_target(smo
     it, and the ways order as their memory does. The laptop (bfloat16 arithmetic) may train it whole in bfloat16."""
     from fedfusion.analysis.plan import ways_view
 
-    view = ways_view(load_checked("finetune", [f"model.pretrained={smollm2_config_dir}"]))
+    recipe = load_checked("finetune", [f"model.pretrained={smollm2_config_dir}"])
+    view = ways_view(recipe.name, recipe.fusion, recipe.train, recipe.population, recipe.model, recipe.data_source())
     lowend = [r for r in view.rows if r["tier"] == "phone-lowend"]
     full = next(r for r in lowend if r["way"] == "whole target, AdamW float32")
     assert full["fits"].startswith("NO: needs") and full["trainable"] == 134_515_008

@@ -28,13 +28,12 @@ FOLDERS = (ROOT / "fedfusion", ROOT / "strategies", ROOT / "clients")
 # the modules that may hold the whole recipe: its home (config/) and what runs or serves a run from it
 RUN_LEVEL = ("fedfusion/config/", "fedfusion/run/", "fedfusion/cli.py", "fedfusion/server_app.py",
              "fedfusion/client_app.py", "fedfusion/deploy.py", "fedfusion/__main__.py",
-             "fedfusion/phone/commands.py",  # the CLI's phone commands (export-device, gateway, device)
-             "fedfusion/analysis/")  # the plan and report of a whole recipe or run
+             "fedfusion/phone/commands.py")  # the CLI's phone commands (export-device, gateway, device)
 # what build_methods hands a build hook beside the recipe's sections
 BUILD_GIVEN = {"source", "target", "tiers"}
-# what `fedfusion plan` hands a plan view (the whole recipe: only a view of the run level, in fedfusion/analysis/),
+# what `fedfusion plan` hands a plan view (a mixed view's part: each method's part of it, priced at the run level),
 # and what a mixed plan hands each method's part of it, beside the recipe's sections
-PLAN_GIVEN = {"source", "recipe"}
+PLAN_GIVEN = {"source", "part"}
 MIXED_PLAN_GIVEN = {"source", "usable", "tiers"}
 
 

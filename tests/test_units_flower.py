@@ -24,7 +24,7 @@ from model_bounds import Exact, ExactLM, State, Step, adamw_first_step_bound, as
 from fedfusion.analysis.report import read_jsonl
 from fedfusion.analysis.units_plan import units_plan
 from fedfusion.cli import main
-from fedfusion.config.recipe import load_recipe
+from fedfusion.config.recipe import Recipe, load_recipe
 from fedfusion.data.population import data_spec, data_tokenizer, pooled_held_out
 from fedfusion.data.text import encode_text, lm_windows
 from fedfusion.devices.catalog import load_catalog
@@ -200,6 +200,11 @@ def assert_restored(resumed: Recorded, whole: Recorded, central: Central) -> flo
     return worst
 
 
+def plan_of(recipe: Recipe) -> tuple[dict, list[dict]]:
+    """The units plan of ``recipe``: :func:`units_plan` on the sections it reads, as ``fedfusion plan`` gives them."""
+    return units_plan(recipe.units, recipe.train, recipe.population, recipe.model, recipe.report, recipe.data_source())
+
+
 ALL_TWO = ["units.offload=all", "units.micro_batches=2"]  # every linear layer offloaded, 2 micro-batches a step
 # the tests that read the one uninterrupted ALL_TWO run stay on one pytest-xdist worker (addopts: --dist loadgroup)
 ON_THE_ALL_TWO_RUN = pytest.mark.xdist_group("test_units_flower.all_two_run")
@@ -228,7 +233,7 @@ def test_units_run_equals_central_training_step_for_step(all_two_run):
         assert row["formula_rel_down"] <= 0.05 and row["formula_rel_up"] <= 0.05  # bytes per device per phase
     assert "eval_loss" in rows[0] and "eval_loss" in rows[-1]
     # `fedfusion plan` prices the same step from the shape alone: its bytes and virtual seconds are the run's
-    step, _ = units_plan(load_recipe("rolling", [*TINY, *ALL_TWO]))
+    step, _ = plan_of(load_recipe("rolling", [*TINY, *ALL_TWO]))
     for row in rows[1:]:
         if row["redispatched"]:  # a unit re-sent after its deadline (a loaded host) travels twice: more than planned
             assert row["bytes_down"] > step["MB down"] * 1e6 * 0.99
@@ -247,8 +252,8 @@ def test_two_supernodes_per_device_train_central_trainings_curve(tmp_path):
     extra = ["units.offload=all", "units.micro_batches=2", "units.supernodes=2"]
     rows, rec = run_units(tmp_path, extra, nodes=8)
     assert_central_steps(rows, rec, Central([*TINY, *extra]))
-    step, _ = units_plan(load_recipe("rolling", [*TINY, *extra]))
-    one, _ = units_plan(load_recipe("rolling", [*TINY, *extra[:2]]))
+    step, _ = plan_of(load_recipe("rolling", [*TINY, *extra]))
+    one, _ = plan_of(load_recipe("rolling", [*TINY, *extra[:2]]))
     assert step["MB down"] > one["MB down"]  # each node receives its own weight blocks
     for row in rows[1:]:
         assert row["server_fallback"] == 0 and not row["missed"] and row["formula_rel_down"] <= 0.05

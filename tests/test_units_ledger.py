@@ -14,7 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from fedfusion.analysis.report import write_report
 from fedfusion.analysis.units_plan import units_plan
 from fedfusion.cli import main
-from fedfusion.config.recipe import load_recipe
+from fedfusion.config.recipe import Recipe, load_recipe
 from fedfusion.devices.catalog import load_catalog
 from fedfusion.devices.energy import price_work
 from fedfusion.run.check import load_checked
@@ -89,9 +89,14 @@ def test_price_server_prices_each_item_on_its_tier() -> None:
     assert gap == pytest.approx((own - flops["optimizer"] + 3e6) / (server.tflops * 1e12) / 10)
 
 
+def plan_of(recipe: Recipe) -> tuple[dict, list[dict]]:
+    """The units plan of ``recipe``: :func:`units_plan` on the sections it reads, as ``fedfusion plan`` gives them."""
+    return units_plan(recipe.units, recipe.train, recipe.population, recipe.model, recipe.report, recipe.data_source())
+
+
 def test_plan_shows_the_server_and_the_cloud_step() -> None:
     recipe = load_recipe("units")
-    step, rows = units_plan(recipe)
+    step, rows = plan_of(recipe)
     s = step["server"]
     u, m = recipe.units, recipe.model
     seq, micro = recipe.train.seq_len, u.micro_batches
@@ -110,7 +115,7 @@ def test_plan_shows_the_server_and_the_cloud_step() -> None:
     tiers = [r["tier"] for r in rows]
     assert f"server ({u.server_device})" in tiers and f"{recipe.report.cloud} (the same step)" in tiers
     # the server's time is in the step: a slow server lengthens it by at least its optimizer step
-    slow, _ = units_plan(load_recipe("units", ["units.server_device=phone-lowend"]))
+    slow, _ = plan_of(load_recipe("units", ["units.server_device=phone-lowend"]))
     assert slow["step_s"] >= step["step_s"] + s["server_optimizer_flops"] / 0.1e12 * 0.999
     assert slow["server"]["server_compute_s"] > 100 * s["server_compute_s"]
 
@@ -119,7 +124,7 @@ def test_the_plan_prices_the_devices_lanes() -> None:
     """``units.lanes`` reaches the plan's timeline: with 2 micro-batches in flight a device that holds one message at
     a time (Flower's SuperNode, the default) overlaps nothing, so its step is slower than one that holds two, whose
     step equals the no-limit runtime's (two chains never queue a third message); the bytes are the same."""
-    steps = {lanes: units_plan(load_recipe("units", ["units.micro_batches=2", f"units.lanes={lanes}"]))[0]
+    steps = {lanes: plan_of(load_recipe("units", ["units.micro_batches=2", f"units.lanes={lanes}"]))[0]
              for lanes in (0, 1, 2)}
     assert steps[0]["step_s"] == steps[2]["step_s"] < steps[1]["step_s"]
     assert steps[0]["MB down"] == steps[1]["MB down"] and steps[0]["MB up"] == steps[1]["MB up"]
@@ -132,11 +137,13 @@ def test_the_plan_prices_supernodes_per_device() -> None:
     two messages at once (faster than one SuperNode), and each node receives its own weight blocks (more bytes)."""
     from fedfusion.analysis.units_plan import units_view
 
-    one = units_plan(load_recipe("units", ["units.micro_batches=2"]))[0]
+    one = plan_of(load_recipe("units", ["units.micro_batches=2"]))[0]
     recipe = load_recipe("units", ["units.micro_batches=2", "units.supernodes=2"])
-    two = units_plan(recipe)[0]
+    two = plan_of(recipe)[0]
     assert two["step_s"] < one["step_s"] and two["MB down"] > one["MB down"]
-    assert "devices running 2 SuperNodes of one message each: units.supernodes" in units_view(recipe).notes[0]
+    view = units_view(recipe.name, recipe.units, recipe.train, recipe.population, recipe.model, recipe.report,
+                      recipe.data_source())
+    assert "devices running 2 SuperNodes of one message each: units.supernodes" in view.notes[0]
 
 
 @pytest.mark.slow  # a plan at every divisor of the batch, then the chooser and `fedfusion plan`: 4-11 s here
@@ -147,7 +154,7 @@ def test_micro_batches_zero_is_the_choosers_count_on_the_plans_steps(tmp_path: P
     the smallest whose busiest link is >= 0.70 busy without a slower step than one micro-batch, else the fastest;
     the run directory's recipe.yaml records it and ``fedfusion plan`` prints the count and steps with it."""
     batch = load_recipe("units").train.batch_size
-    plans = {m: units_plan(load_recipe("units", [f"units.micro_batches={m}"]))[0]
+    plans = {m: plan_of(load_recipe("units", [f"units.micro_batches={m}"]))[0]
              for m in range(1, batch + 1) if batch % m == 0}
     ok = [m for m, p in plans.items() if p["link_utilisation"] >= 0.7 and p["step_s"] <= plans[1]["step_s"]]
     expected = ok[0] if ok else min(plans, key=lambda m: (plans[m]["step_s"], m))

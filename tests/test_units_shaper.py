@@ -130,6 +130,7 @@ def test_a_reply_the_uplink_delivers_past_the_deadline_is_missed():
 
 
 def test_link_scale_scales_the_devices_links_the_plan_and_the_run_build():
-    plain, slow = units_devices(load_recipe("units")), units_devices(load_recipe("units", ["units.link_scale=0.25"]))
+    plain, slow = (units_devices(r.units, r.population, r.seed)
+                   for r in (load_recipe("units"), load_recipe("units", ["units.link_scale=0.25"])))
     assert [(d.down_bps * 0.25, d.up_bps * 0.25, d.flops, d.rtt_s) for d in plain] == \
         [(d.down_bps, d.up_bps, d.flops, d.rtt_s) for d in slow]

@@ -132,6 +132,7 @@ def test_micro_batches_zero_chooses_at_least_one_per_supernode() -> None:
     count is refused for); more SuperNodes than the batch has examples is refused."""
     from fedfusion.analysis.units_plan import units_micro_batches
 
-    assert units_micro_batches(load_recipe("units", ["units.micro_batches=0", "units.supernodes=4"])) >= 4
+    recipe = load_recipe("units", ["units.micro_batches=0", "units.supernodes=4"])
+    assert units_micro_batches(recipe.units, recipe.train, recipe.population, recipe.model, recipe.data_source()) >= 4
     with pytest.raises(RecipeError, match="units.supernodes.*train.batch_size"):
         load_recipe("units", ["units.supernodes=16", "units.micro_batches=0", "train.batch_size=8"])

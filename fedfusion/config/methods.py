@@ -47,8 +47,8 @@ class Method:
     server_work: str = ""  # what the report calls that training
     # "module:function" (the recipe sections it names, target, tiers) -> FusionMethod, called by :func:`call`
     build: str = ""
-    # "module:function" (the recipe sections it names, source) -> fedfusion.fusion.plan.PlanView: what ``fedfusion
-    # plan`` prints, called by :func:`call` (a view of the run level, in fedfusion.analysis, may name the whole recipe)
+    # "module:function" (the recipe sections it names, source; a mixed view: part, each method's part of it) ->
+    # fedfusion.fusion.plan.PlanView: what ``fedfusion plan`` prints, called by :func:`call`
     plan: str = ""
     # mixable: "module:function" (the recipe sections it names, source, usable, tiers) -> (its tiers' plan rows, its
     # server's row or None): its part of a mixed federation's plan (fedfusion.analysis.plan.mixed_plan_table)
@@ -145,10 +145,8 @@ def hook(path: str) -> Any:
 
 def call(path: str, recipe: object, **given: Any) -> Any:
     """Call the hook at ``path`` with what its parameters name: each from ``given``, else the recipe's section (or
-    top-level field) of that name, and ``recipe`` the whole recipe (a hook of the run level: the mixed and units
-    plan views). A hook so takes only the sections it reads, and its signature says which (``build(fusion, seed,
-    target, tiers)``)."""
+    top-level field) of that name. A hook so takes only the sections it reads, and its signature says which
+    (``build(fusion, seed, target, tiers)``)."""
     fn = hook(path)
-    given = {"recipe": recipe, **given}
     return fn(**{name: given[name] if name in given else getattr(recipe, name)
                  for name in inspect.signature(fn).parameters})

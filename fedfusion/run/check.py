@@ -71,7 +71,8 @@ def check_recipe(recipe: Recipe) -> Recipe:
     if recipe.fusion.method == UNITS and recipe.units.micro_batches == 0:
         from fedfusion.analysis.units_plan import units_micro_batches  # torch: only for a count to choose
 
-        recipe.units.micro_batches = units_micro_batches(recipe)
+        recipe.units.micro_batches = units_micro_batches(recipe.units, recipe.train, recipe.population, recipe.model,
+                                                         recipe.data_source())
     return recipe
 
 
