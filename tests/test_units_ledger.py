@@ -12,9 +12,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from fedfusion.analysis.report import write_report
-from fedfusion.analysis.units_plan import units_plan
 from fedfusion.cli import main
-from fedfusion.config.recipe import Recipe, load_recipe
+from fedfusion.config.recipe import load_recipe
 from fedfusion.devices.catalog import load_catalog
 from fedfusion.devices.energy import price_work
 from fedfusion.run.check import load_checked
@@ -23,6 +22,7 @@ from fedfusion.units import UnitDevice, UnitEngine, install
 from fedfusion.units.ledger import price_server, server_timeline
 from fedfusion.units.phases import OPTIMIZER_FLOPS, llama_phases, server_flops
 from fedfusion.units.verify import VECTORS, Freivalds, check_flops
+from tests.test_units_flower import plan_of
 
 SHAPE = dict(hidden=32, intermediate=64, layers=2, heads=4, kv_heads=2, vocab=50)
 
@@ -87,11 +87,6 @@ def test_price_server_prices_each_item_on_its_tier() -> None:
     gap, opt = server_timeline(server, flops, 3e6, phases=10)
     assert opt == pytest.approx(flops["optimizer"] / (server.tflops * 1e12))
     assert gap == pytest.approx((own - flops["optimizer"] + 3e6) / (server.tflops * 1e12) / 10)
-
-
-def plan_of(recipe: Recipe) -> tuple[dict, list[dict]]:
-    """The units plan of ``recipe``: :func:`units_plan` on the sections it reads, as ``fedfusion plan`` gives them."""
-    return units_plan(recipe.units, recipe.train, recipe.population, recipe.model, recipe.report, recipe.data_source())
 
 
 def test_plan_shows_the_server_and_the_cloud_step() -> None:
