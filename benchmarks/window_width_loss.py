@@ -4,9 +4,11 @@ Every arm is one round of `fedfusion run finetune` with the same two sampled cli
 and learning rate (the recipe's); only what a client trains differs: the whole target in its own float32 copy (the
 compare oracle's way), or a window of the heads and MLP neurons plus the embeddings and norms
 (`fusion.window_shared=true`) on the int8 frozen target, at widths 1, 1/2, 1/4 and 1/8 (and 1/8 on a float32 frozen
-target, to separate the window's width from the frozen target's rounding). The table gives each client's mean
-training loss over its local steps (from `clients.jsonl`) and the target's probe answer loss after the round: the question
-is whether a narrow window makes less progress per step, which the fold cannot then make up.
+target, to separate the window's width from the frozen target's rounding), and the windows again at a learning
+rate scaled by their width (``fusion.window_lr_power``: lr x f^-p for a window of a fraction f). The table gives
+each client's mean training loss over its local steps (from `clients.jsonl`) and the target's probe answer loss
+after the round: the question is whether a narrow window makes less progress per step, which the fold cannot then
+make up, and whether a faster rate gives it back.
 
     python benchmarks/window_width_loss.py [--seeds 1] [--work runs/bench-window-width] [--reuse]
 
@@ -34,6 +36,12 @@ ARMS: dict[str, tuple[str, list[str]]] = {
     "window-0.125-float32": ("a window of 0.125 of the units + embeddings and norms, float32 frozen target",
                              ["fusion.window_shared=true", "fusion.frozen_dtype=float32",
                               "fusion.widths=" + EVERY_TIER.format(w=0.125)]),
+    # the window's lr scaled by its width (fusion.window_lr_power): lr x f^-p
+    **{f"window-{w}-lr-power-{p}": (f"a window of {w} of the units + embeddings and norms, int8 frozen target, "
+                                    f"at lr x {w}^-{p} = {w ** -p:.3g} x lr",
+                                    ["fusion.window_shared=true", f"fusion.window_lr_power={p}",
+                                     "fusion.widths=" + EVERY_TIER.format(w=w)])
+       for w, p in ((0.5, 0.5), (0.25, 0.5), (0.125, 0.5), (0.125, 1.0))},
 }
 
 
@@ -56,7 +64,8 @@ def report(data: dict) -> str:
     lines = ["# Local progress per step: a full-forward window of each width against the whole target (finetune)", "",
              f"Machine: {data['machine']}, torch {data['torch']}, load before {data['load_before']}. One round of "
              f"`fedfusion run finetune {' '.join(COMMON)}` per arm and seed: the same two clients, data, 8 local AdamW "
-             "steps at the recipe's lr; only what a client trains differs.", "",
+             "steps at the recipe's lr (the lr-power arms at the scaled lr their row names); only what a client trains "
+             "differs.", "",
              "| arm | a client trains | trained parameters | mean local training loss per client (partition: loss) "
              "| mean | target's probe answer loss after the round | client train s (mean) |", "|---|---|---|---|---|---|---|"]
     for row in data["rows"]:
@@ -78,13 +87,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--work", default="runs/bench-window-width", help="where the runs go")
     parser.add_argument("--reuse", action="store_true", help="keep the finished runs already in --work")
     parser.add_argument("--out", default="window_width_loss", help="results file stem under benchmarks/results")
+    parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS), help="which arms (default: all)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     facts = run_facts("benchmarks/window_width_loss.py", argv)
-    rows = [measure(Path(args.work), arm, seed, args.reuse) for seed in args.seeds for arm in ARMS]
+    rows = [measure(Path(args.work), arm, seed, args.reuse) for seed in args.seeds for arm in args.arms]
     data = {**facts, "rows": rows}
     write_pair(RESULTS, args.out, data, report(data))
 

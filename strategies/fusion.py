@@ -450,7 +450,9 @@ class FusionStrategy(Strategy):
         self.run.round.payloads = dict(zip(nodes, round_payloads(self.run.methods, server_round, target,
                                                                  [clients[n] for n in nodes], population)))
         support = self.secure_support(target, [p for n, p in self.run.round.payloads.items() if n not in left])
-        lr = {} if self.settings.client_lr is None else {TrainSpec.key("lr"): self.settings.client_lr(server_round)}
+        # the round's lr (a schedule's, else the spec's), times what each payload scales it by
+        lr = self.settings.train_config.get(TrainSpec.key("lr")) if self.settings.client_lr is None \
+            else self.settings.client_lr(server_round)
         # a tensor several payloads hold (the frozen target, quantised once) is serialised once, its bytes shared;
         # the builder takes the arrays, so the payloads keep only what check() reads and no payload (a window, or
         # the whole model of a pretrained target's oracle arm) is held beside its message for the whole round
@@ -471,7 +473,8 @@ class FusionStrategy(Strategy):
             noise: dict[str, float] = {}
             if self.run.budgets is not None and not self.run.budgets.noise_multiplier:  # auto: this client's own noise
                 noise[PrivacySpec.key("noise_multiplier")] = self.run.budgets.sigma(*self.private_work(node))
-            spec = ConfigRecord({**config, **self.settings.train_config, **lr, **capped, **noise, **payload.spec, **secure,
+            scaled = {} if lr is None else {TrainSpec.key("lr"): lr * payload.lr_scale}
+            spec = ConfigRecord({**config, **self.settings.train_config, **scaled, **capped, **noise, **payload.spec, **secure,
                                  **RoundSpec(server_round, payload.client.seed).to_config()})
             self.run.round.rows[node] = ClientRound(
                 node=node, device=payload.client.tier, width=payload.width, method=self.run.methods[payload.client.tier].name,

@@ -87,6 +87,12 @@ def test_quickstart_arms_are_the_benchmarks_smallest_only_and_oracle():
     assert "0.125" in arms[SMALLEST].about and arms[SMALLEST].score == ""
 
 
+def test_a_windows_lr_power_is_the_recipes_alone_the_arms_in_their_own_forward_pass_train_at_the_lr():
+    arms = arms_for(load_checked("quickstart", ["rounds=6", "fusion.window_lr_power=0.5"]))
+    assert "fusion.window_lr_power=0.0" in arms[SMALLEST].overrides
+    assert "fusion.window_lr_power=0.0" in arms[ORACLE].overrides
+
+
 def test_widths_and_tiers_come_from_the_recipe_not_from_one_recipe():
     recipe = load_checked("rolling", ["population.mix={laptop: 0.5, desktop: 0.5}",
                                       "fusion.widths={laptop: 0.25, desktop: 0.5}"])

@@ -9,8 +9,17 @@ from dataclasses import replace
 import pytest
 from flwr.app import ArrayRecord, ConfigRecord
 
+import torch
+from transformers import LlamaForCausalLM
+
+from fedfusion.devices.catalog import load_catalog
+from fedfusion.fusion.base import Client
 from fedfusion.fusion.rounds import round_lr
-from tests.test_strategy import FakeGrid, make_strategy, task_identity  # noqa: F401 (autouse fixture)
+from fedfusion.fusion.submodel.method import SubModelMethod
+from fedfusion.selection.participation import Participation
+from fedfusion.selection.selectors import make_selector
+from tests.conftest import tiny_config
+from tests.test_strategy import FakeGrid, make_strategy, new_strategy, task_identity  # noqa: F401 (autouse fixture)
 
 
 def test_constant_keeps_the_lr_every_round():
@@ -44,3 +53,35 @@ def test_every_message_of_a_round_carries_that_rounds_lr():
     for server_round in (1, 4):
         msgs = list(strategy.configure_train(server_round, ArrayRecord(state), ConfigRecord({}), grid))
         assert [m.content["config"]["lr"] for m in msgs] == [0.1 / server_round] * 3
+
+
+@pytest.mark.parametrize("power", [0.5, 1.0])
+def test_a_window_trains_at_the_rounds_lr_scaled_by_its_fraction_of_the_units(power):
+    """``fusion.window_lr_power``: a full-forward window of a fraction f of the units trains at lr x f^-power, each
+    client its own (a phone's quarter at 2x or 4x, a desktop's half at 1.41x or 2x); the ledger row records it."""
+    cfg = tiny_config(heads=4, kv_heads=4, hidden=32, inter=48)
+    torch.manual_seed(0)
+    state = LlamaForCausalLM(cfg).state_dict()
+    method = SubModelMethod(cfg, {"phone": 0.25, "desktop": 0.5}, state, policy="rolling", stride=0.25,
+                            forward="full", frozen="float32", lr_power=power)
+    strategy = new_strategy(
+        {"phone": method, "desktop": method}, clients_per_round=3, query_config={"population": "{}"},
+        participation=Participation(make_selector("random", seed=0), load_catalog()),
+        train_config={"local-steps": 1, "lr": 0.1, "seed": 0}, wait_nodes_s=1.0,
+        client_lr=lambda server_round: 0.1 / server_round)
+    grid = FakeGrid({11: "phone", 12: "desktop", 13: "phone"})
+    msgs = list(strategy.configure_train(2, ArrayRecord(state), ConfigRecord({}), grid))
+    width = {"phone": 0.25, "desktop": 0.5}
+    for m in msgs:
+        f = width[grid.devices[m.metadata.dst_node_id]]
+        assert m.content["config"]["lr"] == pytest.approx(0.05 * f ** -power)
+        assert strategy.run.round.rows[m.metadata.dst_node_id].extra["lr_scale"] == pytest.approx(f ** -power)
+
+
+def test_a_window_without_the_power_or_a_slice_trains_at_the_rounds_lr():
+    cfg = tiny_config(heads=4, kv_heads=4, hidden=32, inter=48)
+    state = LlamaForCausalLM(cfg).state_dict()
+    window = SubModelMethod(cfg, {"phone": 0.25}, state, forward="full", frozen="float32")
+    assert [p.lr_scale for p in window.payloads(1, state, [Client(0, "phone", 0)])] == [1.0]
+    with pytest.raises(ValueError, match="lr_power 0.5: a power in \\[0, 1\\] for a window of units"):
+        SubModelMethod(cfg, {"phone": 0.25}, state, forward="slice", lr_power=0.5)

@@ -265,6 +265,9 @@ def test_a_mixed_recipe_assigns_each_tier_its_method():
     (["fusion.forward=full", "fusion.window_rank=4", "fusion.window_core=true"], "fusion.window_core"),
     (["fusion.forward=full", "fusion.window_core=true", "fusion.core_forward=small"], "fusion.core_forward=small"),
     (["fusion.core_forward=tiny"], "fusion.core_forward"),
+    (["fusion.window_lr_power=0.5"], "fusion.window_lr_power: .* got 0.5 with forward=slice"),
+    (["fusion.forward=full", "fusion.window_lr_power=1.5"], "fusion.window_lr_power: a power in \\[0, 1\\]"),
+    (["fusion.forward=full", "fusion.window_rank=4", "fusion.window_lr_power=0.5"], "fusion.window_lr_power"),
 ])
 def test_a_low_rank_window_names_what_it_needs(overrides, match):
     with pytest.raises(RecipeError, match=match):

@@ -166,6 +166,10 @@ class FusionConfig:
     window_widths: dict[str, float] = field(default_factory=dict)  # full: a tier's window (fraction of units); default its width
     # full: r >= 1 trains a rank-r update of every matrix (fedfusion.models.low_rank) instead of a window of units; 0: off
     window_rank: int = 0
+    # full: a window of a fraction f of the units trains at train.lr x f^-window_lr_power (0: the recipe's lr; 0.5:
+    # lr/sqrt(f); 1: lr/f). Adam moves each trained coordinate by about lr, so a narrow window lowers the loss less
+    # per step than the whole target (benchmarks/results/window_width_loss.md); this lets it move further instead
+    window_lr_power: float = 0.0
     window_core: bool = False  # full: every window also trains the smallest width's units (the small model's)
     # window_core: where the core trains. full: in the target's forward pass, with the window; small: in the small
     # model's own forward pass (exactly smallest-only's steps), the rest of the window learning what the target adds
@@ -261,6 +265,10 @@ class FusionConfig:
             raise RecipeError("fusion.core_forward=small: the core is the small model inside a window that holds it "
                               f"whole; set fusion.window_core=true and fusion.window_shared=true, got "
                               f"window_core={self.window_core}, window_shared={self.window_shared}")
+        if not 0 <= self.window_lr_power <= 1 or (self.window_lr_power and (self.forward != "full" or self.window_rank)):
+            raise RecipeError("fusion.window_lr_power: a power in [0, 1] for a window of units (fusion.forward=full, "
+                              f"window_rank 0), got {self.window_lr_power} with forward={self.forward}, "
+                              f"window_rank={self.window_rank}")
         for tier, width in self.window_widths.items():
             if tier not in self.widths:
                 raise RecipeError(f"fusion.window_widths.{tier}: not a tier of fusion.widths ({', '.join(self.widths)})")

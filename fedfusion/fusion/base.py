@@ -52,9 +52,10 @@ class Client:
 class Payload:
     """What one client is sent in one round, and what the ledger records about it.
 
-    ``arrays`` and ``spec`` go into the message (the engine adds the common training spec, the round and the
-    seed); ``params`` is what the ledger prices (6 FLOPs per parameter per token); ``sent_norm`` is the scale a
-    reply's norm is judged against (0: no norm check); ``context`` is the method's own note for :meth:`check`.
+    ``arrays`` and ``spec`` go into the message (the engine adds the common training spec, the round, the seed
+    and the round's lr times ``lr_scale``); ``params`` is what the ledger prices (6 FLOPs per parameter per
+    token); ``sent_norm`` is the scale a reply's norm is judged against (0: no norm check); ``context`` is the
+    method's own note for :meth:`check`.
     """
 
     client: Client
@@ -66,6 +67,7 @@ class Payload:
     assignment: dict[str, Any] = field(default_factory=dict)
     row: dict[str, Any] = field(default_factory=dict)  # method-specific ledger fields (e.g. LoRA's rank)
     context: Any = None
+    lr_scale: float = 1.0  # the client trains at the round's lr times this (a narrow window's faster rate)
 
 
 @dataclass(frozen=True)

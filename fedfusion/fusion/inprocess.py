@@ -223,7 +223,7 @@ def run_submodel(run: SubModelRun, initial: dict[str, torch.Tensor], evaluate: E
         model = (from_payload(config, received, WindowSpec.from_config(payload.spec), payload.client.seed) if full
                  else model_from_state(config, received))
         p = payload.client.partition
-        out = train_steps(model, run.windows[p], run.steps, run.lr, run.batch_size, payload.client.seed,
+        out = train_steps(model, run.windows[p], run.steps, run.lr * payload.lr_scale, run.batch_size, payload.client.seed,
                           run.weight_decay, run.optimizer, loss=loss_of(model),
                           dp=run.private(len(run.windows[p]), len(run.windows))).metrics()
         trained = (model.trained() if isinstance(model, WindowModel | LowRankModel) else

@@ -59,7 +59,8 @@ DESIGN_SECTIONS = ("fusion", *METHOD_SECTIONS)  # fusion.* and the methods' own 
 # the width-slicing settings that make each client train its slice in the slice's own forward pass
 SLICE_FORWARD: tuple[tuple[str, Any], ...] = (
     ("fusion.forward", "slice"), ("fusion.window_core", False), ("fusion.window_shared", False),
-    ("fusion.window_rank", 0), ("fusion.core_forward", "full"), ("fusion.window_outside_core", False))
+    ("fusion.window_rank", 0), ("fusion.core_forward", "full"), ("fusion.window_outside_core", False),
+    ("fusion.window_lr_power", 0.0))
 
 
 class UnequalBudget(RecipeError):

@@ -22,4 +22,4 @@ def build(fusion: FusionConfig, seed: int, target: BuildTarget, tiers: list[str]
         frozen=f.frozen_dtype, window_shared=f.window_shared, grow_round=f.grow_rounds(),
         window_widths={t: f.window_widths[t] for t in tiers if t in f.window_widths} or None,
         window_rank=f.window_rank, window_core=f.window_core, core_forward=f.core_forward,
-        outside_core=f.window_outside_core)
+        outside_core=f.window_outside_core, lr_power=f.window_lr_power)

@@ -100,7 +100,7 @@ class SubModelMethod(FusionMethod):
                  wire: Wire | None = None, outer: OuterConfig | None = None, forward: str = "slice",
                  frozen: str = "int8", window_shared: bool = False, grow_round: int = 0,
                  window_widths: dict[str, float] | None = None, window_rank: int = 0, window_core: bool = False,
-                 core_forward: str = "full", outside_core: bool = False,
+                 core_forward: str = "full", outside_core: bool = False, lr_power: float = 0.0,
                  expand: frozenset[str] = frozenset()) -> None:
         if forward not in FORWARDS:
             raise ValueError(f"forward {forward!r} is not one of {', '.join(FORWARDS)}")
@@ -116,6 +116,9 @@ class SubModelMethod(FusionMethod):
         if window_core and (forward != "full" or window_rank):
             raise ValueError("window_core: a window of units (forward full, no window_rank) adds the smallest slice's units")
         self.window_core = window_core  # every window also trains the smallest width's units (the small model's)
+        if lr_power and not (0 < lr_power <= 1 and forward == "full" and not window_rank):
+            raise ValueError(f"lr_power {lr_power}: a power in [0, 1] for a window of units (forward full, no window_rank)")
+        self.lr_power = lr_power  # a window of a fraction f of the units trains at lr x f^-lr_power
         if core_forward not in CORE_FORWARDS or (core_forward == "small" and not (window_core and window_shared)):
             raise ValueError(f"core_forward {core_forward!r}: one of {', '.join(CORE_FORWARDS)}; 'small' needs "
                              "window_core and window_shared (the small model whole inside every window)")
@@ -225,6 +228,7 @@ class SubModelMethod(FusionMethod):
         slices: dict[SlicePlan, tuple[State, State, float]] = {}  # clients of one plan share its tensors (one copy)
         out = []
         for client, width, plan in zip(clients, widths, plans):
+            lr_scale = self._lr_scale(width) if full and not low_rank else 1.0
             if plan not in slices:
                 slices[plan] = self._slice(target, plan, low_rank, feedback)
             exact, sent, norm = slices[plan]
@@ -243,8 +247,15 @@ class SubModelMethod(FusionMethod):
                                params=frozen_work_params(self.target_params, trained) + self.core_work if full
                                else trained,
                                sent_norm=norm, assignment=plan.assignment(), context=(plan, target, low_rank),
-                               row=self._row(trained, full)))
+                               row=self._row(trained, full) | ({"lr_scale": lr_scale} if self.lr_power else {}),
+                               lr_scale=lr_scale))
         return out
+
+    def _lr_scale(self, width: float) -> float:
+        """How much faster than the recipe's lr a window of ``width`` trains: ``f^-lr_power`` for the fraction f of
+        the units it trains (with ``window_core``, the core's too, as :meth:`_cost` prices it)."""
+        core = min(self.widths.values()) if self.window_core else 0.0
+        return min(1.0, width + core) ** -self.lr_power
 
     def _slice(self, target: State, plan: SlicePlan, low_rank: bool, feedback: bool) -> tuple[State, State, float]:
         """(the exact float32 tensors a client of ``plan`` trains, the arrays its message carries of them, the norm
