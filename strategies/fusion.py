@@ -122,7 +122,8 @@ class StrategySettings:
     nodes x pending messages per sweep, so 10,000 of them outlast any round deadline.
 
     ``client_lr`` gives the clients' lr of a round (``train.lr_schedule``: a decay over rounds); every message of
-    the round carries it in place of ``train_config``'s.
+    the round carries it in place of ``train_config``'s, times its payload's ``lr_scale`` (a narrow window's faster
+    rate, ``fusion.window_lr_power``).
 
     ``max_epochs`` (``train.max_epochs``) caps a client's local steps at that many passes over the examples its
     capability reply counted (:func:`fedfusion.fusion.rounds.client_steps`): its message carries its own

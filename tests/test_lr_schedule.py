@@ -7,9 +7,8 @@ import math
 from dataclasses import replace
 
 import pytest
-from flwr.app import ArrayRecord, ConfigRecord
-
 import torch
+from flwr.app import ArrayRecord, ConfigRecord
 from transformers import LlamaForCausalLM
 
 from fedfusion.devices.catalog import load_catalog
@@ -55,10 +54,12 @@ def test_every_message_of_a_round_carries_that_rounds_lr():
         assert [m.content["config"]["lr"] for m in msgs] == [0.1 / server_round] * 3
 
 
+@pytest.mark.parametrize("scheduled", [True, False])
 @pytest.mark.parametrize("power", [0.5, 1.0])
-def test_a_window_trains_at_the_rounds_lr_scaled_by_its_fraction_of_the_units(power):
+def test_a_window_trains_at_the_rounds_lr_scaled_by_its_fraction_of_the_units(power, scheduled):
     """``fusion.window_lr_power``: a full-forward window of a fraction f of the units trains at lr x f^-power, each
-    client its own (a phone's quarter at 2x or 4x, a desktop's half at 1.41x or 2x); the ledger row records it."""
+    client its own (a phone's quarter at 2x or 4x, a desktop's half at 1.41x or 2x), the round's lr a schedule's or
+    the spec's; the ledger row records it."""
     cfg = tiny_config(heads=4, kv_heads=4, hidden=32, inter=48)
     torch.manual_seed(0)
     state = LlamaForCausalLM(cfg).state_dict()
@@ -68,20 +69,34 @@ def test_a_window_trains_at_the_rounds_lr_scaled_by_its_fraction_of_the_units(po
         {"phone": method, "desktop": method}, clients_per_round=3, query_config={"population": "{}"},
         participation=Participation(make_selector("random", seed=0), load_catalog()),
         train_config={"local-steps": 1, "lr": 0.1, "seed": 0}, wait_nodes_s=1.0,
-        client_lr=lambda server_round: 0.1 / server_round)
+        client_lr=(lambda server_round: 0.1 / server_round) if scheduled else None)
     grid = FakeGrid({11: "phone", 12: "desktop", 13: "phone"})
     msgs = list(strategy.configure_train(2, ArrayRecord(state), ConfigRecord({}), grid))
     width = {"phone": 0.25, "desktop": 0.5}
     for m in msgs:
         f = width[grid.devices[m.metadata.dst_node_id]]
-        assert m.content["config"]["lr"] == pytest.approx(0.05 * f ** -power)
+        assert m.content["config"]["lr"] == pytest.approx((0.05 if scheduled else 0.1) * f ** -power)
         assert strategy.run.round.rows[m.metadata.dst_node_id].extra["lr_scale"] == pytest.approx(f ** -power)
 
 
-def test_a_window_without_the_power_or_a_slice_trains_at_the_rounds_lr():
+def test_the_grow_rounds_small_slice_trains_at_the_lr_and_a_core_counts_in_the_windows_fraction():
+    """Before growth every client trains the small slice in its own forward pass: no scaling; after it, a window
+    with the core trains window + core (the phone's 1/4 + the 1/4 core: half the units, lr x 2 at power 1)."""
+    cfg = tiny_config(heads=4, kv_heads=4, hidden=32, inter=48)
+    state = LlamaForCausalLM(cfg).state_dict()
+    method = SubModelMethod(cfg, {"phone": 0.25, "desktop": 0.5}, state, forward="full", frozen="float32",
+                            grow_round=2, window_core=True, outside_core=True, lr_power=1.0)
+    clients = [Client(0, "phone", 0), Client(1, "desktop", 1)]
+    assert [p.lr_scale for r in (1, 2) for p in method.payloads(r, state, clients)] == [1.0] * 4
+    assert [p.lr_scale for p in method.payloads(3, state, clients)] == [pytest.approx(2.0), pytest.approx(4 / 3)]
+
+
+def test_a_window_without_the_power_trains_at_the_lr_and_a_power_outside_a_window_is_refused():
     cfg = tiny_config(heads=4, kv_heads=4, hidden=32, inter=48)
     state = LlamaForCausalLM(cfg).state_dict()
     window = SubModelMethod(cfg, {"phone": 0.25}, state, forward="full", frozen="float32")
     assert [p.lr_scale for p in window.payloads(1, state, [Client(0, "phone", 0)])] == [1.0]
     with pytest.raises(ValueError, match="lr_power 0.5: a power in \\[0, 1\\] for a window of units"):
         SubModelMethod(cfg, {"phone": 0.25}, state, forward="slice", lr_power=0.5)
+    with pytest.raises(ValueError, match="lr_power 0.5"):
+        SubModelMethod(cfg, {"phone": 0.25}, state, forward="full", window_rank=2, lr_power=0.5)

@@ -160,8 +160,7 @@ class SubModelMethod(FusionMethod):
         if self.window_rank:
             return self._low_rank_cost(template)
         width = self.window_widths[tier]
-        core = min(self.widths.values()) if self.window_core else 0.0  # priced as a window disjoint from the core
-        plan = replace(plan_slice(self.config, min(1.0, width + core), "static", axes=self.window_axes, scale=False),
+        plan = replace(plan_slice(self.config, self._window_fraction(width), "static", axes=self.window_axes, scale=False),
                        shared=self.window_shared)
         window = self.wire.cost(extract(template, self.config, plan), width)
         return replace(window, params=frozen_work_params(self.target_params, window.params) + self.core_work,
@@ -214,6 +213,7 @@ class SubModelMethod(FusionMethod):
         full += f" window_rank={self.window_rank}" if self.window_rank else ""
         full += " window_core" + (" outside_core" if self.outside_core else "") if self.window_core else ""
         full += " core_forward=small" if self.core_forward == "small" else ""
+        full += f" window_lr_power={self.lr_power:g}" if self.lr_power else ""
         return f"submodel: policy={self.policy} stride={self.stride} stagger={self.stagger} widths={self.widths}{grow}{full}"
 
     def tier_cost(self, tier: str) -> TierCost:
@@ -228,7 +228,7 @@ class SubModelMethod(FusionMethod):
         slices: dict[SlicePlan, tuple[State, State, float]] = {}  # clients of one plan share its tensors (one copy)
         out = []
         for client, width, plan in zip(clients, widths, plans):
-            lr_scale = self._lr_scale(width) if full and not low_rank else 1.0
+            lr_scale = self._lr_scale(width) if full else 1.0  # a low-rank window has no lr_power (refused above)
             if plan not in slices:
                 slices[plan] = self._slice(target, plan, low_rank, feedback)
             exact, sent, norm = slices[plan]
@@ -251,11 +251,16 @@ class SubModelMethod(FusionMethod):
                                lr_scale=lr_scale))
         return out
 
+    def _window_fraction(self, width: float) -> float:
+        """The fraction of the units a window of ``width`` trains: with ``window_core`` the core's too, counted as
+        disjoint from the window (exactly so with ``window_outside_core``; an overlap makes it an upper bound)."""
+        core = min(self.widths.values()) if self.window_core else 0.0
+        return min(1.0, width + core)
+
     def _lr_scale(self, width: float) -> float:
         """How much faster than the recipe's lr a window of ``width`` trains: ``f^-lr_power`` for the fraction f of
-        the units it trains (with ``window_core``, the core's too, as :meth:`_cost` prices it)."""
-        core = min(self.widths.values()) if self.window_core else 0.0
-        return min(1.0, width + core) ** -self.lr_power
+        the units it trains (:meth:`_window_fraction`)."""
+        return self._window_fraction(width) ** -self.lr_power
 
     def _slice(self, target: State, plan: SlicePlan, low_rank: bool, feedback: bool) -> tuple[State, State, float]:
         """(the exact float32 tensors a client of ``plan`` trains, the arrays its message carries of them, the norm
