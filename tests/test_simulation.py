@@ -19,20 +19,15 @@ from fedfusion.cli import main
 from fedfusion.devices.hardware import status_kb
 from fedfusion.fusion.rounds import client_steps
 from tests.processes import session_members
+from tests.ray_actors import ONE_ACTOR, TWO_ACTORS
 
 pytestmark = pytest.mark.slow  # Flower's runtime (Ray or SuperLink processes): minutes, not seconds
 # the tests of the module's one tiny run (run_dir) stay on one pytest-xdist worker (addopts: --dist loadgroup), so
 # that the run is made once, not once per worker
 ON_THE_TINY_RUN = pytest.mark.xdist_group("test_simulation.run_dir")
 
-# The TINY runs' clients on one Ray actor (a 2-core machine's 2 CPUs each; never more CPUs than the machine has, or
-# Ray could place no actor): starting an actor costs ~5 CPU-seconds (Python, torch, Flower, the app), and the roles
-# these runs train (submodel, window, smallmodel, lora) keep nothing on their nodes (fedfusion.clients.node:
-# Stateless), so a second actor ran the same clients beside the first, for no check. Measured alone on the loaded
-# 2-core host: 5 s less a run. A run whose node state must outlive a change of actor (secure aggregation's secrets,
-# in context.state between its steps) asks for two actors again (TWO_ACTORS).
-ONE_ACTOR = f"engine.cpus_per_client={float(min(2, os.cpu_count() or 1))}"
-TWO_ACTORS = "engine.cpus_per_client=1.0"
+# the TINY runs' clients on one Ray actor (tests/ray_actors.py): their roles keep nothing on their nodes; the run
+# with secure aggregation asks for two again (its nodes' secrets live in context.state between its steps)
 TINY = [
     "rounds=2", "population.num_clients=4", "selection.clients_per_round=3", "selection.evaluate_clients=1",
     "model.hidden_size=32", "model.num_heads=4", "model.num_kv_heads=2", "model.intermediate_size=64",
