@@ -12,5 +12,6 @@ from __future__ import annotations
 import os
 
 # a 2-core machine's 2 CPUs for each client: one actor; never more CPUs than the machine has, or Ray places none
-ONE_ACTOR = f"engine.cpus_per_client={float(min(2, os.cpu_count() or 1))}"
+ONE_ACTOR_CPUS = min(2, os.cpu_count() or 1)
+ONE_ACTOR = f"engine.cpus_per_client={float(ONE_ACTOR_CPUS)}"
 TWO_ACTORS = "engine.cpus_per_client=1.0"  # one CPU each: two actors on a 2-core machine

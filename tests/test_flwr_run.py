@@ -15,6 +15,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.ray_actors import ONE_ACTOR_CPUS
+
 pytestmark = pytest.mark.slow  # Flower's runtime (Ray or SuperLink processes): minutes, not seconds
 
 FLWR = os.path.join(os.path.dirname(sys.executable), "flwr")
@@ -70,7 +72,9 @@ def _still_running(procs: list[psutil.Process], timeout_s: float, poll_s: float 
 
 
 def _flwr_run_cmd(supernodes: int, overrides: str, out: Path) -> list[str]:
-    return [FLWR, "run", ".", "--stream", "--federation-config", f"num-supernodes={supernodes} client-resources-num-cpus=1",
+    # the rolling recipe's submodel nodes keep nothing between messages: one Ray actor (tests/ray_actors.py)
+    return [FLWR, "run", ".", "--stream", "--federation-config",
+            f"num-supernodes={supernodes} client-resources-num-cpus={ONE_ACTOR_CPUS}",
             "-c", f"recipe='rolling' overrides='{overrides}' out='{out}'"]
 
 
