@@ -37,6 +37,7 @@ from fedfusion.run.compare import (
 from fedfusion.run.federation import build_methods
 from fedfusion.run.targets import lm_target
 from tests.processes import session_members
+from tests.ray_actors import ONE_ACTOR
 
 ROOT = Path(__file__).parents[1]
 LOSS = Metric("eval_loss", "held-out loss (nats)", True)
@@ -491,7 +492,8 @@ def test_a_shown_compare_command_plans_its_arms(where, argv, tmp_path):
 @pytest.mark.slow  # Flower's simulation engine: one tiny run, then the same command again
 def test_compare_runs_an_arm_through_flower_and_the_same_command_then_only_reports(tmp_path, capsys):
     out = tmp_path / "cmp"
-    argv = ["compare", "quickstart", *TINY, "--seeds", "0", "--arms", "smallest-only", "--out", str(out)]
+    # the smallest-only arm trains submodel slices: stateless nodes, one Ray actor (tests/ray_actors.py)
+    argv = ["compare", "quickstart", *TINY, ONE_ACTOR, "--seeds", "0", "--arms", "smallest-only", "--out", str(out)]
     assert main(argv) == 0
     summary = json.loads((out / "smallest-only-s0" / "summary.json").read_text())
     assert summary["status"] == "ok"
@@ -510,7 +512,7 @@ def test_sigterm_to_compare_alone_stops_its_run_at_a_checkpoint_and_leaves_no_pr
     Ctrl-C would). Compare passes it on; the run stops at its next safe point with `status: interrupted`; compare
     exits 130 naming the same command; no process of either is left."""
     out = tmp_path / "cmp"
-    argv = [sys.executable, "-m", "fedfusion.cli", "compare", "quickstart", *TINY, "rounds=30", "--seeds", "0",
+    argv = [sys.executable, "-m", "fedfusion.cli", "compare", "quickstart", *TINY, ONE_ACTOR, "rounds=30", "--seeds", "0",
             "--arms", "smallest-only", "--out", str(out)]
     proc = subprocess.Popen(argv, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     run = out / "smallest-only-s0"

@@ -23,6 +23,7 @@ from fedfusion.data.population import (
     write_partition_sizes,
 )
 from fedfusion.run.check import load_checked
+from tests.ray_actors import ONE_ACTOR
 
 # flwr-datasets (and the pandas, datasets and matplotlib it imports: seconds) is imported by the tests that partition,
 # not at collection: with -n every worker collects every module. The group runs them on one worker, which alone pays it.
@@ -231,7 +232,7 @@ def test_a_recipe_trains_end_to_end_from_a_local_parquet_file_with_tensorboard(t
                  "data.partitioner={name: natural, by: user}", "output.tracker=tensorboard",
                  "model.hidden_size=32", "model.num_heads=4", "model.num_kv_heads=2", "model.intermediate_size=64",
                  "model.num_layers=1", "train.local_steps=2", "train.batch_size=4", "train.seq_len=32",
-                 "engine.cpus_per_client=1.0", "--out", str(out)]) == 0
+                 ONE_ACTOR, "--out", str(out)]) == 0  # submodel: stateless nodes (tests/ray_actors.py)
     metrics = read_jsonl(out / "metrics.jsonl")
     assert [r["round"] for r in metrics] == [0, 1, 2] and all(r["clients_ok"] == 2 for r in metrics[1:])
     assert read_partition_sizes(out).names == tuple(f"user={u}" for u in sorted(USERS))

@@ -21,6 +21,7 @@ from fedfusion.data.facts import build_word_tokenizer, encode_probes, facts_from
 from fedfusion.data.text import general_text
 from fedfusion.run.check import load_checked
 from fedfusion.run.targets import lm_target
+from tests.ray_actors import ONE_ACTOR
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -119,7 +120,7 @@ def test_finetune_runs_on_flower_with_a_local_pretrained_target(pretrained, tmp_
     out = tmp_path / "run"
     assert main(["run", "finetune", f"model.pretrained={pretrained}", "rounds=2", "data.people=12",
                  "population.num_clients=4", "selection.clients_per_round=2", "train.local_steps=2",
-                 "data.general_chars=2000", "--out", str(out)]) == 0
+                 "data.general_chars=2000", ONE_ACTOR, "--out", str(out)]) == 0  # stateless nodes: tests/ray_actors.py
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == [0, 1, 2]
     assert all("general_loss" in r and "probe_acc" in r for r in rows)

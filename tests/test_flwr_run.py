@@ -15,6 +15,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.ray_actors import ONE_ACTOR_CPUS
+
 pytestmark = pytest.mark.slow  # Flower's runtime (Ray or SuperLink processes): minutes, not seconds
 
 FLWR = os.path.join(os.path.dirname(sys.executable), "flwr")
@@ -51,8 +53,28 @@ def _flwr_env(flwr_home: Path) -> dict[str, str]:
             "PATH": str(Path(FLWR).parent) + os.pathsep + os.environ.get("PATH", "")}
 
 
+def _running(proc: psutil.Process) -> bool:
+    """Whether ``proc`` still runs: neither gone nor a zombie (exited, its parent yet to reap it)."""
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _still_running(procs: list[psutil.Process], timeout_s: float, poll_s: float = 0.2) -> list[psutil.Process]:
+    """Those of ``procs`` still running (:func:`_running`) once none is, or after ``timeout_s``. Polled rather than
+    psutil.wait_procs: that waits for a zombie as for a live process, and the stopped run's processes that their
+    parent (in the SuperLink's tree) has not reaped yet held every run of the test for the whole 20 s."""
+    deadline = time.monotonic() + timeout_s
+    while (alive := [p for p in procs if _running(p)]) and time.monotonic() < deadline:
+        time.sleep(poll_s)
+    return alive
+
+
 def _flwr_run_cmd(supernodes: int, overrides: str, out: Path) -> list[str]:
-    return [FLWR, "run", ".", "--stream", "--federation-config", f"num-supernodes={supernodes} client-resources-num-cpus=1",
+    # the rolling recipe's submodel nodes keep nothing between messages: one Ray actor (tests/ray_actors.py)
+    return [FLWR, "run", ".", "--stream", "--federation-config",
+            f"num-supernodes={supernodes} client-resources-num-cpus={ONE_ACTOR_CPUS}",
             "-c", f"recipe='rolling' overrides='{overrides}' out='{out}'"]
 
 
@@ -100,7 +122,7 @@ def test_flwr_stop_leaves_no_process_of_the_run_behind(tmp_path, flower_app):
         deadline = time.monotonic() + 300
         while not (out / "metrics.jsonl").is_file() or len((out / "metrics.jsonl").read_text().splitlines()) < 2:
             assert time.monotonic() < deadline and cli.poll() is None, "the run never finished a round"
-            time.sleep(1)
+            time.sleep(0.2)
         superlink = next(p for p in psutil.process_iter(["cmdline"])
                          if "flower-superlink" in " ".join(p.info["cmdline"] or [])
                          and str(flwr_home) in " ".join(p.info["cmdline"]))
@@ -110,8 +132,7 @@ def test_flwr_stop_leaves_no_process_of_the_run_behind(tmp_path, flower_app):
         listed = subprocess.run([FLWR, "ls", "--format", "json"], env=env, capture_output=True, text=True, check=True)
         run_id = json.loads(listed.stdout)["runs"][0]["run-id"]
         subprocess.run([FLWR, "stop", str(run_id)], env=env, capture_output=True, check=True, timeout=60)
-        _, alive = psutil.wait_procs(run_procs, timeout=20)
-        alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        alive = _still_running(run_procs, timeout_s=20)
         assert not alive, [" ".join(p.cmdline())[:80] for p in alive]
     finally:
         cli.kill()
