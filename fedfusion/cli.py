@@ -99,7 +99,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         run, done = RunDir(new_run_path(recipe, args.out), recipe), 0
     else:
         raise ValueError("fedfusion run: give a recipe (e.g. quickstart) or --resume RUN_DIR")
-    from fedfusion.run.early_ray import BackgroundImports, start_ray
+    # torch, Flower and the apps take seconds to import: only once the recipe is known to be good
+    from flwr.serverapp import Grid, ServerApp
+    from flwr.simulation import run_simulation
+
+    from fedfusion.client_app import app as client_app
+    from fedfusion.run.federation import run_federation
     from fedfusion.run.interrupt import (
         CtrlC,
         EngineWatch,
@@ -109,24 +114,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         shutdown_ray,
         silence_ray,
     )
-
-    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")  # we request no GPUs; silence Ray's notice
-    before = descendants()  # processes that are not this run's (a caller's own children stay untouched)
-    # torch, Flower's apps and the run's modules take seconds to import (only now, the recipe known to be good):
-    # they load in a thread while Ray starts (fedfusion.run.early_ray)
-    imports = BackgroundImports(["flwr.serverapp", "flwr.simulation", "fedfusion.client_app", "fedfusion.run.federation"])
-    try:
-        start_ray(backend_config(recipe))
-        imports.wait()
-        from flwr.serverapp import Grid, ServerApp
-        from flwr.simulation import run_simulation
-
-        from fedfusion.client_app import app as client_app
-        from fedfusion.run.federation import run_federation
-    except BaseException:  # a failed import or Ctrl-C before the engine: no Ray process outlives the command
-        shutdown_ray()
-        reap(before)
-        raise
 
     verb = f"resuming after round {done}:" if args.resume else "running"
     central = method(recipe.fusion.method).central  # the units mode: optimizer steps, not rounds
@@ -138,9 +125,11 @@ def cmd_run(args: argparse.Namespace) -> int:
                   f"{shape}, fusion={recipe.fusion.label(recipe.population.mix)}"
                   + (f", on the Ray cluster at {recipe.engine.ray_address}" if recipe.engine.ray_address else "")
                   + f"; writing {escape(str(run.path))}")
+    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")  # we request no GPUs; silence Ray's notice
     flwr_logger = logging.getLogger("flwr")
     flwr_logger.setLevel(logging.WARNING)
     flwr_logger.addFilter(_DropDeprecation())
+    before = descendants()  # processes that are not this run's (a caller's own children stay untouched)
     with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console, transient=True) as progress:
 
