@@ -15,6 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.processes import still_running
 from tests.ray_actors import ONE_ACTOR_CPUS
 
 pytestmark = pytest.mark.slow  # Flower's runtime (Ray or SuperLink processes): minutes, not seconds
@@ -51,24 +52,6 @@ def _flwr_env(flwr_home: Path) -> dict[str, str]:
     return {**os.environ, "FLWR_HOME": str(flwr_home), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
             "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(http_api), "FLWR_LOCAL_CONTROL_API_PORT": str(control_api),
             "PATH": str(Path(FLWR).parent) + os.pathsep + os.environ.get("PATH", "")}
-
-
-def _running(proc: psutil.Process) -> bool:
-    """Whether ``proc`` still runs: neither gone nor a zombie (exited, its parent yet to reap it)."""
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def _still_running(procs: list[psutil.Process], timeout_s: float, poll_s: float = 0.2) -> list[psutil.Process]:
-    """Those of ``procs`` still running (:func:`_running`) once none is, or after ``timeout_s``. Polled rather than
-    psutil.wait_procs: that waits for a zombie as for a live process, and the stopped run's processes that their
-    parent (in the SuperLink's tree) has not reaped yet held every run of the test for the whole 20 s."""
-    deadline = time.monotonic() + timeout_s
-    while (alive := [p for p in procs if _running(p)]) and time.monotonic() < deadline:
-        time.sleep(poll_s)
-    return alive
 
 
 def _flwr_run_cmd(supernodes: int, overrides: str, out: Path) -> list[str]:
@@ -132,7 +115,7 @@ def test_flwr_stop_leaves_no_process_of_the_run_behind(tmp_path, flower_app):
         listed = subprocess.run([FLWR, "ls", "--format", "json"], env=env, capture_output=True, text=True, check=True)
         run_id = json.loads(listed.stdout)["runs"][0]["run-id"]
         subprocess.run([FLWR, "stop", str(run_id)], env=env, capture_output=True, check=True, timeout=60)
-        alive = _still_running(run_procs, timeout_s=20)
+        alive = still_running(run_procs, timeout_s=20)
         assert not alive, [" ".join(p.cmdline())[:80] for p in alive]
     finally:
         cli.kill()

@@ -18,7 +18,7 @@ from fedfusion.analysis.report import read_jsonl
 from fedfusion.cli import main
 from fedfusion.devices.hardware import status_kb
 from fedfusion.fusion.rounds import client_steps
-from tests.processes import session_members
+from tests.processes import running, session_members
 from tests.ray_actors import ONE_ACTOR, TWO_ACTORS
 
 pytestmark = pytest.mark.slow  # Flower's runtime (Ray or SuperLink processes): minutes, not seconds
@@ -205,7 +205,7 @@ def test_one_ctrl_c_stops_the_run_cleanly_and_resume_then_matches_the_uninterrup
         print(f"stopped {stopped_s:.1f} s after SIGINT; output:\n{output}")
         assert proc.returncode == 130, output
         assert stopped_s <= 10, output
-        assert not [p for p in spawned if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert not [p for p in spawned if running(p)]
         assert session_members(proc.pid) == []
     finally:
         for pid in session_members(proc.pid):
