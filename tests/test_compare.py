@@ -343,6 +343,37 @@ def test_a_pretrained_targets_forgetting_is_a_column_per_run_and_absent_where_no
     assert "general-text loss" not in (tmp_path / "without" / "compare.md").read_text()
 
 
+def test_facts_runs_get_the_holders_tier_table_with_each_tiers_answer_loss_closure(tmp_path):
+    """Runs whose rows score the facts by the holder's tier (``probe_acc/<tier>``) get a table: each arm's final
+    recall and answer loss per tier, and the recipe's closure on answer loss; runs without those keys get none."""
+    c = plan("quickstart", ["rounds=6"], [0], tmp_path / "tiers")
+    losses = {RECIPE: {"phone": 3.0, "laptop": 2.0}, SMALLEST: {"phone": 4.0, "laptop": 4.0},
+              ORACLE: {"phone": 2.0, "laptop": 1.5}}
+    for arm in ARM_NAMES:
+        extra = {"probe_acc": 0.25, "answer_loss": 2.5, "probe_acc/phone": 0.1, "probe_acc/laptop": 0.4,
+                 **{f"answer_loss/{t}": v for t, v in losses[arm].items()}}
+        write_run(c.run_dir(arm, 0), c.recipes[arm, 0], [0.0, 0.1, 0.2, 0.25], key="probe_acc", extra=extra)
+        summary = json.loads((c.run_dir(arm, 0) / "summary.json").read_text())
+        summary["facts"] = {"probes": 48, "probes_by_tier": {"phone": 30, "laptop": 18}}
+        (c.run_dir(arm, 0) / "summary.json").write_text(json.dumps(summary))
+    c.metric = RECALL
+    write_report(c)
+    md = (tmp_path / "tiers" / "compare.md").read_text()
+    assert "| seed | tier | probes | recall | answer loss | answer-loss closure |" in md
+    # phone: (4 - 3) / (4 - 2) = 0.50; laptop: (4 - 2) / (4 - 1.5) = 0.80; every tier: the same loss in all arms
+    assert "| 0 | phone | 30 | 0.1000 / 0.1000 / 0.1000 | 3.000 / 4.000 / 2.000 | 0.50 |" in md
+    assert "| 0 | laptop | 18 | 0.4000 / 0.4000 / 0.4000 | 2.000 / 4.000 / 1.500 | 0.80 |" in md
+    assert "| 0 | * | 48 | 0.2500 / 0.2500 / 0.2500 | 2.500 / 2.500 / 2.500 | - |" in md
+    data = json.loads((tmp_path / "tiers" / "compare.json").read_text())
+    assert data["arms"][ORACLE]["runs"]["0"]["by_tier"]["laptop"] == {"probe_acc": 0.4, "answer_loss": 1.5,
+                                                                        "probes": 18}
+    bare = plan("quickstart", ["rounds=6"], [0], tmp_path / "bare")
+    for arm in ARM_NAMES:
+        write_run(bare.run_dir(arm, 0), bare.recipes[arm, 0], [3.0, 2.8, 2.7, 2.6])
+    write_report(bare)
+    assert "by the device tier" not in (tmp_path / "bare" / "compare.md").read_text()
+
+
 def test_a_distill_smallest_only_is_read_from_its_family_rows(tmp_path):
     c = plan("distill", ["rounds=4"], [0], tmp_path)
     write_run(c.run_dir(SMALLEST, 0), c.recipes[SMALLEST, 0], [9.0, 9.0, 9.0, 9.0, 9.0],

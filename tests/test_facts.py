@@ -17,10 +17,12 @@ from fedfusion.data.facts import (
     facts_tokenizer,
     generate_facts,
     greedy_answer,
+    holder_groups,
     load_facts,
     probe_metrics,
     write_facts,
 )
+from fedfusion.data.tier_keys import grouped
 
 
 def test_generator_is_seeded_disjoint_and_skewed():
@@ -138,6 +140,22 @@ def test_probe_metrics_equal_greedy_decoding():
     assert scores["probe_acc"] == pytest.approx(decoded)
     assert scores["answer_loss"] > 0 and scores["knowledge_bits"] >= 0
 
+    # by the holder's tier: each tier's scores are those of its holders' probes alone, and the tiers' recalls
+    # average (weighted by their probes) to the whole recall
+    groups = holder_groups(facts.probes, facts.clients, ["phone", "laptop"])
+    assert sorted(i for idx in groups.values() for i in idx) == list(range(len(facts.probes)))
+    by_tier = probe_metrics(model, enc, batch_size=7, groups=groups)
+    acc, loss = grouped(by_tier, "probe_acc"), grouped(by_tier, "answer_loss")
+    assert set(acc) == set(loss) == {"phone", "laptop"}
+    assert sum(acc[t] * len(groups[t]) for t in acc) / len(facts.probes) == pytest.approx(scores["probe_acc"])
+    # the subset is scored in batches of other shapes: each answer token's loss may round differently, by at most
+    # the float32 error of a dot product over the hidden size plus a log-sum-exp over the vocabulary
+    tol = (cfg.hidden_size + cfg.vocab_size) * torch.finfo(torch.float32).eps
+    for tier, idx in groups.items():
+        alone = probe_metrics(model, encode_probes(tok, [facts.probes[i] for i in idx]), batch_size=7)
+        assert acc[tier] == alone["probe_acc"]
+        assert loss[tier] == pytest.approx(alone["answer_loss"], rel=tol)
+
 
 def _facts_recipe(tmp_path, *extra: str):
     from fedfusion.config.recipe import load_recipe
@@ -170,6 +188,12 @@ def test_a_users_facts_files_feed_clients_and_the_target(tmp_path):
     assert {"probe_acc", "answer_loss", "knowledge_bits", "eval_loss", "eval_acc", "eval_ppl"} <= set(scores)
     assert scores["eval_acc"] == scores["probe_acc"] and scores["eval_loss"] == scores["answer_loss"]
     assert " -> " in target.sample()
+    # each tier of the recipe's population that holds facts is scored on its holders' probes
+    from fedfusion.data.population import tier_list
+
+    tiers = tier_list(recipe.population, recipe.seed)
+    holding = {tiers[facts.clients.index(p.client)] for p in facts.probes}
+    assert set(grouped(scores, "probe_acc")) == set(grouped(scores, "answer_loss")) == holding
 
 
 def test_generated_facts_need_no_files_and_bad_facts_recipes_are_refused(tmp_path):

@@ -68,6 +68,21 @@ def test_knowledge_run_headline_scores_probes_final_and_best(tmp_path):
     assert "Held-out perplexity" not in text
 
 
+def test_knowledge_report_gives_recall_by_the_holders_tier_when_the_rows_score_it(tmp_path):
+    run = fake_run(tmp_path / "facts", facts=True)
+    assert "device tier of the client holding" not in write_report(run).read_text()
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows[-1].update({"probe_acc/phone": 0.125, "answer_loss/phone": 3.5, "probe_acc/laptop": 0.5,
+                     "answer_loss/laptop": 1.25})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary = json.loads((run / "summary.json").read_text())
+    summary["facts"]["probes_by_tier"] = {"phone": 24, "laptop": 16}
+    (run / "summary.json").write_text(json.dumps(summary))
+    text = write_report(run).read_text()
+    assert ("Recall by the device tier of the client holding the fact (the recipe's population): phone 12.5 % of 24 "
+            "(answer loss 3.500), laptop 50.0 % of 16 (answer loss 1.250).") in text
+
+
 def test_knowledge_report_says_when_recall_is_still_rising_and_not_when_it_is_flat(tmp_path):
     losses = [4.0 - 0.1 * i for i in range(9)]
     rising = [0.0, 0.05, 0.10, 0.15, 0.20, 0.25, 0.30, 0.35, 0.40]  # +0.05 a round to the end: 3 rounds gain 0.15

@@ -15,6 +15,7 @@ from fedfusion.analysis.edge_cloud import check_cloud, edge_cloud_markdown, work
 from fedfusion.config.choices import DEFAULT_CLOUD
 from fedfusion.config.methods import BY_NAME, CENTRAL, MIXED, SERVER_WORK, hook
 from fedfusion.data.federated import describe, read_partition_sizes
+from fedfusion.data.tier_keys import grouped
 from fedfusion.devices.catalog import load_catalog
 
 # What eval_loss, eval_ppl and eval_acc measure, by how the target is scored: fedfusion.run.targets picks one for
@@ -109,6 +110,18 @@ def forgetting_text(general: tuple[float, float]) -> str:
     """:func:`forgetting`'s pair as the run report and ``fedfusion compare`` write it: first -> last and the change."""
     first, last = general
     return f"{first:.3f} -> {last:.3f} nats/token ({100 * (last / first - 1):+.1f} %)"
+
+
+def holder_recall(rows: list[dict[str, Any]], counts: dict[str, int] | None = None) -> str | None:
+    """The last scored round's recall (and answer loss) of the facts by the device tier of the client holding them,
+    as the run report and ``fedfusion compare`` write it; None for a run that does not score them by tier."""
+    last = next((r for r in reversed(rows) if r.get("probe_acc") is not None), None)
+    acc = grouped(last, "probe_acc") if last is not None else {}
+    if last is None or not acc:
+        return None
+    loss = grouped(last, "answer_loss")
+    return ", ".join(f"{tier} {100 * value:.1f} %" + (f" of {counts[tier]}" if counts and tier in counts else "")
+                     + (f" (answer loss {loss[tier]:.3f})" if tier in loss else "") for tier, value in acc.items())
 
 
 def _metric_names(summary: dict) -> dict[str, str]:
@@ -520,6 +533,10 @@ def write_report(run: Path, out: Path | None = None) -> Path:
                   "only its own facts, "
                   f"so the best any single device could recall alone is {100 * f['largest_client_share']:.1f} % "
                   "(the largest client's share, with perfect memory).", ""]
+        tiers = holder_recall(rows, f.get("probes_by_tier"))
+        if tiers is not None:
+            lines += [f"Recall by the device tier of the client holding the fact (the recipe's population): {tiers}. "
+                      "A tier far below the others is one whose clients' knowledge is not reaching the target.", ""]
         general = forgetting(rows)
         if general is not None:
             lines += [f"General-text loss (text the pretrained target already modelled): {forgetting_text(general)}.",

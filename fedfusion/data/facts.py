@@ -22,7 +22,7 @@ import json
 import math
 import random
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,7 @@ from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 from fedfusion.data.bios import ATTRIBUTES, MAX_PEOPLE, SYLLABLES
 from fedfusion.data.records import client_order, read_facts
 from fedfusion.data.text import as_text, scoring_batch
+from fedfusion.data.tier_keys import group_key
 
 SPECIAL_TOKENS = ("<pad>", "<unk>", "<bos>", "<eos>")
 
@@ -242,15 +243,36 @@ def encode_probes(tok: PreTrainedTokenizerBase, probes: Sequence[Probe]) -> Enco
     return EncodedProbes(ids, answer, entropy)
 
 
-def probe_metrics(model: torch.nn.Module, probes: EncodedProbes, batch_size: int = 512) -> dict[str, float]:
+def probe_metrics(model: torch.nn.Module, probes: EncodedProbes, batch_size: int = 512,
+                  groups: Mapping[str, Sequence[int]] | None = None) -> dict[str, float]:
     """``probe_acc``: fraction of probes whose answer greedy decoding reproduces exactly (with teacher forcing,
     the same as decoding: every answer token is the argmax given the right prefix); ``answer_loss``: mean
     nats per answer token; ``knowledge_bits``: sum over probes of log2(answers of its attribute) minus the
-    answer's loss in bits, each probe clamped at 0 (Allen-Zhu & Li's bits, estimated from the loss)."""
+    answer's loss in bits, each probe clamped at 0 (Allen-Zhu & Li's bits, estimated from the loss).
+
+    ``groups`` (name -> the indices of its probes, e.g. the probes whose holder is a phone): each non-empty
+    group's ``probe_acc`` and ``answer_loss`` as well, under :func:`group_key`."""
     right, nll, tokens = _per_probe(model, probes, batch_size)
     bits = (probes.entropy - nll / math.log(2)).clamp_min(0).sum()
-    return {"probe_acc": float(right.float().mean()), "answer_loss": float(nll.sum()) / max(int(tokens.sum()), 1),
-            "knowledge_bits": float(bits)}
+    out = {"probe_acc": float(right.float().mean()), "answer_loss": float(nll.sum()) / max(int(tokens.sum()), 1),
+           "knowledge_bits": float(bits)}
+    for name, members in (groups or {}).items():
+        if members:
+            idx = torch.tensor(list(members), dtype=torch.long)
+            out[group_key("probe_acc", name)] = float(right[idx].float().mean())
+            out[group_key("answer_loss", name)] = float(nll[idx].sum()) / max(int(tokens[idx].sum()), 1)
+    return out
+
+
+def holder_groups(probes: Sequence[Probe], clients: Sequence[str], tiers: Sequence[str],
+                  order: Sequence[str] = ()) -> dict[str, list[int]]:
+    """The probes' indices grouped by the device tier of the client that holds each fact (``clients`` in
+    partition order, ``tiers[partition]`` that partition's tier); tiers in ``order`` (a recipe's mix) first."""
+    tier_of = dict(zip(clients, tiers))
+    groups: dict[str, list[int]] = {t: [] for t in dict.fromkeys([*order, *tiers])}
+    for i, p in enumerate(probes):
+        groups[tier_of[p.client]].append(i)
+    return {t: idx for t, idx in groups.items() if idx}
 
 
 def probe_hits(model: torch.nn.Module, probes: EncodedProbes, batch_size: int = 512) -> torch.Tensor:

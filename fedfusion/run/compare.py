@@ -39,10 +39,12 @@ from typing import Any
 from fedfusion.analysis.report import forgetting, forgetting_text, still_rising
 from fedfusion.config.recipe import METHOD_SECTIONS, Recipe, load_recipe, uses
 from fedfusion.config.sections import EngineConfig, RecipeError
+from fedfusion.data.tier_keys import grouped
 from fedfusion.run.arms import ARM_NAMES, ORACLE, RECIPE, SMALLEST, Arm, arms_for, check_equal_budget, flat
 from fedfusion.run.check import check_recipe
 from fedfusion.run.signals import EXIT_INTERRUPTED, Terminated
 
+ALL_TIERS = "*"  # by_tier's row for every tier's facts together
 FINAL = ("final: the last scored round's value (what the run ends with, as every report of the project quotes it); "
          "last-3: the mean of the last 3 scored rounds after round 0")
 
@@ -327,7 +329,31 @@ def collect_run(run: Path, arm: Arm, metric: Metric) -> dict[str, Any]:
     return {"dir": str(run), "key": key, "curve": curve, "final": values[-1], "last3": statistics.mean(trained[-3:]),
             "final_ppl": last_ppl, "noise": noise(values), "rising": rising(values, metric.lower_is_better),
             "wall_s": summary.get("wall_s"), "machine": summary.get("versions", {}).get("machine"),
-            "failed": failed_client_rounds(run), "general_loss": forgetting(rows)}
+            "failed": failed_client_rounds(run), "general_loss": forgetting(rows),
+            "by_tier": by_tier(rows, summary) if not arm.score else {}}
+
+
+def by_tier(rows: list[dict[str, Any]], summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """A facts run's final recall and answer loss on the facts of each device tier's clients (and on all facts,
+    ``*``), with each tier's probe count: empty for a run that does not score them by tier."""
+    last = next((r for r in reversed(rows) if r.get("probe_acc") is not None), None)
+    acc = grouped(last, "probe_acc") if last is not None else {}
+    if last is None or not acc:
+        return {}
+    loss, counts = grouped(last, "answer_loss"), summary.get("facts", {}).get("probes_by_tier", {})
+    out = {tier: {"probe_acc": value, "answer_loss": loss.get(tier), "probes": counts.get(tier)}
+           for tier, value in acc.items()}
+    out[ALL_TIERS] = {"probe_acc": last["probe_acc"], "answer_loss": last.get("answer_loss"),
+                      "probes": summary.get("facts", {}).get("probes")}
+    return out
+
+
+def tier_closure(recipe: float | None, smallest: float | None, oracle: float | None) -> float | None:
+    """(smallest-only - recipe) / (smallest-only - oracle) on answer losses: 0 is smallest-only, 1 the oracle; None
+    where the oracle's loss is not lower."""
+    if recipe is None or smallest is None or oracle is None or smallest <= oracle:
+        return None
+    return (smallest - recipe) / (smallest - oracle)
 
 
 def failed_client_rounds(run: Path) -> int:
@@ -517,12 +543,36 @@ def markdown(c: Comparison, runs: dict[str, dict[int, dict[str, Any]]], stats: d
             lines.append(f"| {s} | {_signed(v['recipe_minus_smallest'])} | {_signed(v.get('span'))} | "
                          f"{_fmt(v.get('noise'))} | {closure} |")
         lines.append("")
+    lines += tier_table(c, runs)
     lines += ["Definitions:", "", f"- {SPAN}; recipe - smallest-only in the same orientation (positive: the recipe is "
               "better).", f"- {CLOSURE}.", f"- {NOISE}.", f"- {RISING}.", ""]
     if plot is not None:
         lines += [f"![curves]({plot.name})", ""]
     lines += ["Runs: " + "; ".join(f"`{r['dir']}`" for arm in runs.values() for r in arm.values()), ""]
     return "\n".join(lines)
+
+
+def tier_table(c: Comparison, runs: dict[str, dict[int, dict[str, Any]]]) -> list[str]:
+    """The facts by the device tier of the client holding them, per seed with all three arms' tiers scored: each arm's
+    final recall and answer loss, and the recipe's closure on answer loss (finer than recall's, which moves in
+    whole probes): whether what the weakest devices hold reaches the target."""
+    seeds = [s for s in c.seeds if all(runs.get(a, {}).get(s, {}).get("by_tier") for a in ARM_NAMES)]
+    if not seeds:
+        return []
+    lines = ["Facts by the device tier of the client holding them (the recipe's population), final round: recall and "
+             "answer loss (nats/token) of recipe / smallest-only / oracle, and the recipe's answer-loss closure "
+             "(smallest-only - recipe) / (smallest-only - oracle) (0: smallest-only, 1: the oracle; - where the "
+             f"oracle's loss is not lower). `{ALL_TIERS}`: every tier's facts.", "",
+             "| seed | tier | probes | recall | answer loss | answer-loss closure |", "|---|---|---|---|---|---|"]
+    for s in seeds:
+        r, sm, o = (runs[a][s]["by_tier"] for a in (RECIPE, SMALLEST, ORACLE))
+        for tier in [t for t in r if t != ALL_TIERS] + [ALL_TIERS]:
+            arms = (r.get(tier, {}), sm.get(tier, {}), o.get(tier, {}))
+            recall = " / ".join(_fmt(x.get("probe_acc")) for x in arms)
+            loss = " / ".join(_fmt(x.get("answer_loss"), 3) for x in arms)
+            closure = tier_closure(*(x.get("answer_loss") for x in arms))
+            lines.append(f"| {s} | {tier} | {arms[0].get('probes') or '-'} | {recall} | {loss} | {_fmt(closure, 2)} |")
+    return [*lines, ""]
 
 
 def verdict(c: Comparison, runs: dict[str, dict[int, dict[str, Any]]], stats: dict[str, Any]) -> list[str]:

@@ -9,7 +9,7 @@ pairs. Both expose the same :class:`Target`, so the run loop, the ledger and che
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -20,9 +20,16 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fedfusion.analysis.report import CHAR_METRICS, FACTS_METRICS, RESPONSE_METRICS, TOKEN_METRICS
 from fedfusion.config.recipe import Recipe
-from fedfusion.data.facts import Probe, encode_probes, greedy_answer, probe_metrics
+from fedfusion.data.facts import Probe, encode_probes, greedy_answer, holder_groups, probe_metrics
 from fedfusion.data.instruct import pooled_held_out as pooled_pairs
-from fedfusion.data.population import data_spec, data_tokenizer, facts_data, lora_data_spec, pooled_held_out
+from fedfusion.data.population import (
+    data_spec,
+    data_tokenizer,
+    facts_data,
+    lora_data_spec,
+    pooled_held_out,
+    tier_list,
+)
 from fedfusion.data.text import encode_text, general_text, lm_windows
 from fedfusion.fusion.lora.config import LoRAConfig
 from fedfusion.fusion.lora.method import adapted_modules, apply_global, save_adapter, save_merged, snapshot
@@ -94,10 +101,14 @@ class _Scoring:
 def facts_target(recipe: Recipe, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> _Scoring:
     """How a facts recipe's target is scored and shown: every client's probes (:func:`facts_evaluator`), with
     ``data.general_chars`` the loss on general text the pretrained model already modelled."""
-    probes = facts_data(recipe.data, recipe.population.num_clients, recipe.seed).probes
+    facts = facts_data(recipe.data, recipe.population.num_clients, recipe.seed)
+    probes = facts.probes
     general = (lm_windows(encode_text(tokenizer, general_text(recipe.data.general_chars)), recipe.train.seq_len)
                if recipe.data.general_chars else None)
-    return _Scoring(facts_evaluator(model, tokenizer, probes, general), partial(facts_sample, model, tokenizer, probes[:5]))
+    groups = holder_groups(probes, facts.clients, tier_list(recipe.population, recipe.seed),
+                           list(recipe.population.mix))
+    return _Scoring(facts_evaluator(model, tokenizer, probes, general, groups),
+                    partial(facts_sample, model, tokenizer, probes[:5]))
 
 
 def facts_sample(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, probes: Sequence[Probe]) -> str:
@@ -106,14 +117,17 @@ def facts_sample(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, pro
 
 
 def facts_evaluator(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, probes: Sequence[Probe],
-                    general: torch.Tensor | None = None) -> Callable[[], dict[str, float]]:
+                    general: torch.Tensor | None = None,
+                    groups: Mapping[str, Sequence[int]] | None = None) -> Callable[[], dict[str, float]]:
     """Scores of the target on all probes: ``probe_acc``, ``answer_loss``, ``knowledge_bits``, and as the
     run's common fields ``eval_acc`` = probe accuracy, ``eval_loss`` = answer loss, ``eval_ppl`` its exp; with
-    ``general`` token windows (a pretrained target), ``general_loss``: its loss on text it modelled before."""
+    ``general`` token windows (a pretrained target), ``general_loss``: its loss on text it modelled before; with
+    ``groups`` (tier -> its holders' probes, :func:`~fedfusion.data.facts.holder_groups`), each tier's recall and
+    answer loss (``probe_acc/<tier>``): whether what the weakest devices hold reaches the target."""
     encoded = encode_probes(tokenizer, probes)
 
     def evaluate() -> dict[str, float]:
-        scores = probe_metrics(model, encoded)
+        scores = probe_metrics(model, encoded, groups=groups)
         if general is not None:
             scores["general_loss"] = evaluate_lm(model, general)["eval_loss"]
         loss = scores["answer_loss"]
