@@ -509,6 +509,29 @@ def cells(runs: list[dict], view: str, key: str) -> list[str]:
     return out
 
 
+def references(runs: list[dict], view: str, key: str = "sampled") -> list[float]:
+    """Every never-inserted canary's own exposure under one view, pooled over the seeds (and, for a server's view,
+    over the canary clients' views): the spread one canary's exposure has when its secret was never trained on."""
+    if view == "final":
+        return [x for r in runs for x in r["final"]["0"].get("each", [])] if key == "sampled" else []
+    return [x for r in runs for v in r.get(view, {}).values() for x in v["exposure"]["0"].get("each", [])]
+
+
+def above_references(runs: list[dict], view: str) -> list[str]:
+    """Per insertion count: in how many seeds the inserted canary scores above the 95th percentile of the view's
+    never-inserted canaries (:func:`references`), and that percentile."""
+    refs = references(runs, view)
+    if len(refs) < 20:
+        return ["-"] * (len(INSERTIONS) + 1)
+    p95 = statistics.quantiles(refs, n=20)[-1]
+    out = []
+    for n in INSERTIONS:
+        values = [r["final"][str(n)]["sampled"] if view == "final" else r[view][str(n)]["exposure"][str(n)]["sampled"]
+                  for r in runs if view == "final" or str(n) in r.get(view, {})]
+        out.append(f"{sum(v > p95 for v in values)} of {len(values)}")
+    return [*out, f"{p95:.2f} ({len(refs)})"]
+
+
 def report(payload: dict) -> str:
     a, runs = payload["args"], payload["runs"]
     by = {m: [r for r in runs if r["method"] == m] for m in a["methods"]}
@@ -556,6 +579,21 @@ def report(payload: dict) -> str:
                              + " | ".join(cells(mine, "secure", "sampled")) + " |")
     for m, why in NOT_MEASURED.items():
         lines.append(f"| {m} | - | {why} | | | |")
+    lines += ["", "## One canary against the never-inserted ones", "",
+              "The never-inserted cells above average eight canaries, so their spread is that of a mean; one canary "
+              "never trained on spreads far more (one alone varies by ~1.4 bits). Here each inserted canary is set "
+              "against the single never-inserted canaries of the same view, pooled over the seeds (a server's view: "
+              "over the canary clients' views too): a cell counts the seeds whose canary scores above those "
+              "references' 95th percentile. With no leak each seed does so with probability 0.05, so 2 or 3 of 3 "
+              "(probability < 0.01 by chance) marks a canary the view gives away.", "",
+              "| method | view | inserted 1x | inserted 4x | inserted 16x | references' 95th percentile, bits (count) |",
+              "|---|---|---|---|---|---|"]
+    for m, mine in by.items():
+        if mine:
+            for view, label in (("final", "final target"), ("views", "server's view of the canary's client"),
+                                ("secure", "under secure aggregation (the round's sum)")):
+                if view == "final" or any(r.get(view) for r in mine):
+                    lines.append(f"| {m} | {label} | " + " | ".join(above_references(mine, view)) + " |")
     lines += ["", f"## Exposure (bits), skew-normal extrapolation (capped at {SPACE_BITS:.1f})", "",
               "The candidates' scores fitted by a skew-normal, the canary's lower tail read off the fit (Carlini et "
               "al.'s extrapolation beyond the sample; it assumes the tail keeps the fitted shape).", "",

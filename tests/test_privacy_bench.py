@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 import sys
 from pathlib import Path
 
@@ -108,3 +109,26 @@ def test_capturing_shows_each_reply_and_each_rounds_folded_target() -> None:
     assert replies == [1, 1, 2, 2] and sorted(targets) == [1, 2]
     assert all(torch.equal(targets[2][k], v) for k, v in final.items())
     assert any(not torch.equal(targets[1][k], v) for k, v in final.items())
+
+
+def test_an_inserted_canary_is_set_against_the_single_never_inserted_ones() -> None:
+    """The one-canary test: per insertion count, the seeds whose canary scores above the 95th percentile of every
+    never-inserted canary of that view (pooled over seeds), and that percentile with the references' count."""
+    refs = [[float(i + 8 * s) / 10 for i in range(8)] for s in range(3)]  # 24 references: 0.0 .. 2.3 bits
+    pooled = sorted(x for seed in refs for x in seed)
+    p95 = statistics.quantiles(pooled, n=20)[-1]
+
+    def run(seed: int, canary: dict[int, float]) -> dict:
+        final = {str(n): {"sampled": v} for n, v in canary.items()}
+        final["0"] = {"sampled": sum(refs[seed]) / 8, "each": refs[seed]}
+        view = {str(n): {"exposure": {str(n): {"sampled": v}, "0": {"sampled": 0.0, "each": refs[seed]}}}
+                for n, v in canary.items()}
+        return {"final": final, "views": view}
+
+    runs = [run(0, {1: 0.5, 4: 3.0, 16: 9.0}), run(1, {1: 0.1, 4: 0.2, 16: 8.0}), run(2, {1: 0.2, 4: 0.3, 16: p95})]
+    cells = privacy.above_references(runs, "final")
+    assert cells == ["0 of 3", "1 of 3", "2 of 3", f"{p95:.2f} (24)"]  # seed 2's 16x canary, at the percentile: not above
+    views = statistics.quantiles(pooled * 3, n=20)[-1]  # a server's view: each canary client's view's references
+    assert views < p95  # the repeated references put the percentile lower: seed 2's 16x canary is above this one
+    assert privacy.above_references(runs, "views") == ["0 of 3", "1 of 3", "3 of 3", f"{views:.2f} (72)"]
+    assert privacy.above_references(runs[:2], "final") == ["-"] * 4  # 16 references: too few for a percentile
