@@ -28,6 +28,7 @@ FACTS_METRICS = {"eval_loss": "probe answer loss (nats/token)", "eval_ppl": "pro
                  "eval_acc": "probe accuracy"}
 RESPONSE_METRICS = {"eval_loss": "held-out response loss (nats/token)", "eval_ppl": "held-out response perplexity",
                     "eval_acc": "next-token accuracy (response tokens)"}
+ALL_TIERS = "*"  # holder_scores' entry for every tier's facts together
 LOWER_IS_BETTER = {"eval_loss": True, "eval_ppl": True, "eval_acc": False, "probe_acc": False}
 
 
@@ -112,16 +113,27 @@ def forgetting_text(general: tuple[float, float]) -> str:
     return f"{first:.3f} -> {last:.3f} nats/token ({100 * (last / first - 1):+.1f} %)"
 
 
-def holder_recall(rows: list[dict[str, Any]], counts: dict[str, int] | None = None) -> str | None:
-    """The last scored round's recall (and answer loss) of the facts by the device tier of the client holding them,
-    as the run report and ``fedfusion compare`` write it; None for a run that does not score them by tier."""
+def holder_scores(rows: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
+    """The last scored round's recall and answer loss of the facts per device tier of the client holding them
+    (``probe_acc/<tier>``), and of every fact under ``*``; empty for a run that does not score them by tier."""
     last = next((r for r in reversed(rows) if r.get("probe_acc") is not None), None)
     acc = grouped(last, "probe_acc") if last is not None else {}
     if last is None or not acc:
-        return None
+        return {}
     loss = grouped(last, "answer_loss")
-    return ", ".join(f"{tier} {100 * value:.1f} %" + (f" of {counts[tier]}" if counts and tier in counts else "")
-                     + (f" (answer loss {loss[tier]:.3f})" if tier in loss else "") for tier, value in acc.items())
+    return {**{tier: {"probe_acc": value, "answer_loss": loss.get(tier)} for tier, value in acc.items()},
+            ALL_TIERS: {"probe_acc": last["probe_acc"], "answer_loss": last.get("answer_loss")}}
+
+
+def holder_recall(rows: list[dict[str, Any]], counts: dict[str, int] | None = None) -> str | None:
+    """:func:`holder_scores` as the run report writes it; None for a run that does not score the facts by tier."""
+    scores = {t: v for t, v in holder_scores(rows).items() if t != ALL_TIERS}
+    if not scores:
+        return None
+    return ", ".join(f"{tier} {100 * (v['probe_acc'] or 0.0):.1f} %"
+                     + (f" of {counts[tier]}" if counts and tier in counts else "")
+                     + (f" (answer loss {v['answer_loss']:.3f})" if v["answer_loss"] is not None else "")
+                     for tier, v in scores.items())
 
 
 def _metric_names(summary: dict) -> dict[str, str]:

@@ -36,15 +36,13 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from fedfusion.analysis.report import forgetting, forgetting_text, still_rising
+from fedfusion.analysis.report import ALL_TIERS, forgetting, forgetting_text, holder_scores, still_rising
 from fedfusion.config.recipe import METHOD_SECTIONS, Recipe, load_recipe, uses
 from fedfusion.config.sections import EngineConfig, RecipeError
-from fedfusion.data.tier_keys import grouped
 from fedfusion.run.arms import ARM_NAMES, ORACLE, RECIPE, SMALLEST, Arm, arms_for, check_equal_budget, flat
 from fedfusion.run.check import check_recipe
 from fedfusion.run.signals import EXIT_INTERRUPTED, Terminated
 
-ALL_TIERS = "*"  # by_tier's row for every tier's facts together
 FINAL = ("final: the last scored round's value (what the run ends with, as every report of the project quotes it); "
          "last-3: the mean of the last 3 scored rounds after round 0")
 
@@ -334,18 +332,11 @@ def collect_run(run: Path, arm: Arm, metric: Metric) -> dict[str, Any]:
 
 
 def by_tier(rows: list[dict[str, Any]], summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """A facts run's final recall and answer loss on the facts of each device tier's clients (and on all facts,
-    ``*``), with each tier's probe count: empty for a run that does not score them by tier."""
-    last = next((r for r in reversed(rows) if r.get("probe_acc") is not None), None)
-    acc = grouped(last, "probe_acc") if last is not None else {}
-    if last is None or not acc:
-        return {}
-    loss, counts = grouped(last, "answer_loss"), summary.get("facts", {}).get("probes_by_tier", {})
-    out = {tier: {"probe_acc": value, "answer_loss": loss.get(tier), "probes": counts.get(tier)}
-           for tier, value in acc.items()}
-    out[ALL_TIERS] = {"probe_acc": last["probe_acc"], "answer_loss": last.get("answer_loss"),
-                      "probes": summary.get("facts", {}).get("probes")}
-    return out
+    """A facts run's :func:`~fedfusion.analysis.report.holder_scores` with each tier's probe count: empty for a run
+    that does not score the facts by tier."""
+    facts = summary.get("facts", {})
+    counts = {**facts.get("probes_by_tier", {}), ALL_TIERS: facts.get("probes")}
+    return {tier: {**v, "probes": counts.get(tier)} for tier, v in holder_scores(rows).items()}
 
 
 def tier_closure(recipe: float | None, smallest: float | None, oracle: float | None) -> float | None:
