@@ -509,27 +509,32 @@ def cells(runs: list[dict], view: str, key: str) -> list[str]:
     return out
 
 
-def references(runs: list[dict], view: str, key: str = "sampled") -> list[float]:
-    """Every never-inserted canary's own exposure under one view, pooled over the seeds (and, for a server's view,
-    over the canary clients' views): the spread one canary's exposure has when its secret was never trained on."""
+def fisher_p(exposures: Sequence[float]) -> float:
+    """The chance that canaries never trained on score ``exposures`` (sampled, one per seed) or more, all seeds
+    together. A canary drawn like the candidates ranks uniformly among them, so its sampled exposure ``e`` has the
+    exact p-value 2^-e; Fisher's method combines k of them: -2 sum ln p is chi-squared with 2k degrees of freedom,
+    whose survival function at x is exp(-x/2) sum_{j<k} (x/2)^j / j!."""
+    half = sum(e * math.log(2) for e in exposures)  # -sum ln p = x / 2
+    return math.exp(-half) * sum(half ** j / math.factorial(j) for j in range(len(exposures)))
+
+
+def _canary_exposures(runs: list[dict], view: str, n: int) -> list[float]:
+    """The ``n``-times canary's sampled exposure under ``view`` in each seed that has it."""
     if view == "final":
-        return [x for r in runs for x in r["final"]["0"].get("each", [])] if key == "sampled" else []
-    return [x for r in runs for v in r.get(view, {}).values() for x in v["exposure"]["0"].get("each", [])]
+        return [r["final"][str(n)]["sampled"] for r in runs]
+    return [r[view][str(n)]["exposure"][str(n)]["sampled"] for r in runs if str(n) in r.get(view, {})]
 
 
-def above_references(runs: list[dict], view: str) -> list[str]:
-    """Per insertion count: in how many seeds the inserted canary scores above the 95th percentile of the view's
-    never-inserted canaries (:func:`references`), and that percentile."""
-    refs = references(runs, view)
-    if len(refs) < 20:
-        return ["-"] * (len(INSERTIONS) + 1)
-    p95 = statistics.quantiles(refs, n=20)[-1]
-    out = []
+def leak_cells(runs: list[dict], view: str) -> list[str]:
+    """Per insertion count: :func:`fisher_p` of the canary's exposures over the seeds; then the never-inserted
+    canaries' mean exposure under the view, the calibration check (1/ln 2 = 1.44 bits expected with no leak)."""
+    cells = []
     for n in INSERTIONS:
-        values = [r["final"][str(n)]["sampled"] if view == "final" else r[view][str(n)]["exposure"][str(n)]["sampled"]
-                  for r in runs if view == "final" or str(n) in r.get(view, {})]
-        out.append(f"{sum(v > p95 for v in values)} of {len(values)}")
-    return [*out, f"{p95:.2f} ({len(refs)})"]
+        values = _canary_exposures(runs, view, n)
+        cells.append(f"{fisher_p(values):.2g}" if values else "-")
+    refs = ([x for r in runs for x in r["final"]["0"].get("each", [])] if view == "final" else
+            [x for r in runs for v in r.get(view, {}).values() for x in v["exposure"]["0"].get("each", [])])
+    return [*cells, f"{statistics.mean(refs):.2f} ({len(refs)})" if refs else "-"]
 
 
 def report(payload: dict) -> str:
@@ -579,21 +584,21 @@ def report(payload: dict) -> str:
                              + " | ".join(cells(mine, "secure", "sampled")) + " |")
     for m, why in NOT_MEASURED.items():
         lines.append(f"| {m} | - | {why} | | | |")
-    lines += ["", "## One canary against the never-inserted ones", "",
-              "The never-inserted cells above average eight canaries, so their spread is that of a mean; one canary "
-              "never trained on spreads far more (one alone varies by ~1.4 bits). Here each inserted canary is set "
-              "against the single never-inserted canaries of the same view, pooled over the seeds (a server's view: "
-              "over the canary clients' views too): a cell counts the seeds whose canary scores above those "
-              "references' 95th percentile. With no leak each seed does so with probability 0.05, so 2 or 3 of 3 "
-              "(probability < 0.01 by chance) marks a canary the view gives away.", "",
-              "| method | view | inserted 1x | inserted 4x | inserted 16x | references' 95th percentile, bits (count) |",
+    lines += ["", "## Is a canary told apart from secrets never trained on?", "",
+              "A canary drawn like the candidates ranks uniformly among them, so with no leak its sampled exposure e "
+              "has the exact p-value 2^-e (P(e >= 4.32 bits) = 0.05). Each cell combines the seeds' canaries by "
+              "Fisher's method: the chance that secrets never trained on score as high as they do, in every seed "
+              "together; small means the view tells the canary apart. The tables hold several cells, so a single p "
+              "near 0.05 is expected by chance somewhere; the never-inserted canaries' mean exposure (1.44 bits "
+              "expected) checks the calibration.", "",
+              "| method | view | inserted 1x | inserted 4x | inserted 16x | never inserted: mean exposure, bits (count) |",
               "|---|---|---|---|---|---|"]
     for m, mine in by.items():
         if mine:
             for view, label in (("final", "final target"), ("views", "server's view of the canary's client"),
                                 ("secure", "under secure aggregation (the round's sum)")):
                 if view == "final" or any(r.get(view) for r in mine):
-                    lines.append(f"| {m} | {label} | " + " | ".join(above_references(mine, view)) + " |")
+                    lines.append(f"| {m} | {label} | " + " | ".join(leak_cells(mine, view)) + " |")
     lines += ["", f"## Exposure (bits), skew-normal extrapolation (capped at {SPACE_BITS:.1f})", "",
               "The candidates' scores fitted by a skew-normal, the canary's lower tail read off the fit (Carlini et "
               "al.'s extrapolation beyond the sample; it assumes the tail keeps the fitted shape).", "",

@@ -32,6 +32,7 @@ from fedfusion.run.compare import (
     plan,
     rising,
     state,
+    tier_closure,
     write_report,
 )
 from fedfusion.run.federation import build_methods
@@ -363,10 +364,14 @@ def test_facts_runs_get_the_holders_tier_table_with_each_tiers_answer_loss_closu
     # phone: (4 - 3) / (4 - 2) = 0.50; laptop: (4 - 2) / (4 - 1.5) = 0.80; every tier: the same loss in all arms
     assert "| 0 | phone | 30 | 0.1000 / 0.1000 / 0.1000 | 3.000 / 4.000 / 2.000 | 0.50 |" in md
     assert "| 0 | laptop | 18 | 0.4000 / 0.4000 / 0.4000 | 2.000 / 4.000 / 1.500 | 0.80 |" in md
-    assert "| 0 | * | 48 | 0.2500 / 0.2500 / 0.2500 | 2.500 / 2.500 / 2.500 | - |" in md
+    assert "| 0 | * | 48 | 0.2500 / 0.2500 / 0.2500 | 2.500 / 2.500 / 2.500 | no gap (the oracle is not better) |" in md
     data = json.loads((tmp_path / "tiers" / "compare.json").read_text())
     assert data["arms"][ORACLE]["runs"]["0"]["by_tier"]["laptop"] == {"probe_acc": 0.4, "answer_loss": 1.5,
-                                                                        "probes": 18}
+                                                                        "probes": 18, "noise": 0.0}
+    # a tier's span inside its curves' round-to-round noise gets no closure, as the headline's does not
+    noisy = ({"answer_loss": 3.0, "noise": 0.5}, {"answer_loss": 3.2, "noise": 0.5}, {"answer_loss": 2.9, "noise": 0.5})
+    assert tier_closure(noisy) == "span within noise"  # 0.3 <= 2 sqrt(2) x 0.5
+    assert tier_closure(tuple({**a, "noise": 0.01} for a in noisy)) == "0.67"
     bare = plan("quickstart", ["rounds=6"], [0], tmp_path / "bare")
     for arm in ARM_NAMES:
         write_run(bare.run_dir(arm, 0), bare.recipes[arm, 0], [3.0, 2.8, 2.7, 2.6])

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import random
-import statistics
 import sys
 from pathlib import Path
 
@@ -111,24 +110,37 @@ def test_capturing_shows_each_reply_and_each_rounds_folded_target() -> None:
     assert any(not torch.equal(targets[1][k], v) for k, v in final.items())
 
 
-def test_an_inserted_canary_is_set_against_the_single_never_inserted_ones() -> None:
-    """The one-canary test: per insertion count, the seeds whose canary scores above the 95th percentile of every
-    never-inserted canary of that view (pooled over seeds), and that percentile with the references' count."""
-    refs = [[float(i + 8 * s) / 10 for i in range(8)] for s in range(3)]  # 24 references: 0.0 .. 2.3 bits
-    pooled = sorted(x for seed in refs for x in seed)
-    p95 = statistics.quantiles(pooled, n=20)[-1]
+def test_fisher_p_is_the_exact_null_of_sampled_exposures() -> None:
+    """One canary: its p-value is 2^-exposure (the share of candidates scoring at least as well); several: Fisher's
+    combination, checked against a simulation of canaries never trained on (uniform ranks among the candidates)."""
+    assert privacy.fisher_p([math.log2(20)]) == pytest.approx(0.05)
+    assert privacy.fisher_p([0.0, 0.0, 0.0]) == pytest.approx(1.0)
+    rng = random.Random(0)
+    n, trials, observed = 4095, 20000, [4.5, 3.43, 3.29]
+    threshold = -sum(math.log(2.0 ** -e) for e in observed)
+    hits = 0
+    for _ in range(trials):  # three seeds' never-inserted canaries: ranks uniform among n + 1
+        stat = -sum(math.log((rng.randrange(n + 1) + 1) / (n + 1)) for _ in observed)
+        hits += stat >= threshold
+    p = privacy.fisher_p(observed)
+    assert abs(hits / trials - p) < 4 * math.sqrt(p * (1 - p) / trials)  # within 4 binomial standard errors
 
-    def run(seed: int, canary: dict[int, float]) -> dict:
+
+def test_leak_cells_combine_each_insertions_seeds_and_report_the_references_mean() -> None:
+    refs = [[0.5, 1.0, 1.5, 2.0] for _ in range(3)]
+
+    def run(canary: dict[int, float]) -> dict:
         final = {str(n): {"sampled": v} for n, v in canary.items()}
-        final["0"] = {"sampled": sum(refs[seed]) / 8, "each": refs[seed]}
-        view = {str(n): {"exposure": {str(n): {"sampled": v}, "0": {"sampled": 0.0, "each": refs[seed]}}}
-                for n, v in canary.items()}
-        return {"final": final, "views": view}
+        final["0"] = {"sampled": 1.25, "each": refs[0]}
+        views = {str(n): {"exposure": {str(n): {"sampled": v + 1}, "0": {"sampled": 1.25, "each": refs[0]}}}
+                 for n, v in canary.items() if n != 4}  # the 4x canary's client never replied in this view
+        return {"final": final, "views": views}
 
-    runs = [run(0, {1: 0.5, 4: 3.0, 16: 9.0}), run(1, {1: 0.1, 4: 0.2, 16: 8.0}), run(2, {1: 0.2, 4: 0.3, 16: p95})]
-    cells = privacy.above_references(runs, "final")
-    assert cells == ["0 of 3", "1 of 3", "2 of 3", f"{p95:.2f} (24)"]  # seed 2's 16x canary, at the percentile: not above
-    views = statistics.quantiles(pooled * 3, n=20)[-1]  # a server's view: each canary client's view's references
-    assert views < p95  # the repeated references put the percentile lower: seed 2's 16x canary is above this one
-    assert privacy.above_references(runs, "views") == ["0 of 3", "1 of 3", "3 of 3", f"{views:.2f} (72)"]
-    assert privacy.above_references(runs[:2], "final") == ["-"] * 4  # 16 references: too few for a percentile
+    runs = [run({1: 0.5, 4: 12.0, 16: 3.0}), run({1: 1.0, 4: 12.0, 16: 4.0}), run({1: 0.2, 4: 12.0, 16: 5.0})]
+    final = privacy.leak_cells(runs, "final")
+    assert final == [f"{privacy.fisher_p([0.5, 1.0, 0.2]):.2g}", f"{privacy.fisher_p([12.0] * 3):.2g}",
+                     f"{privacy.fisher_p([3.0, 4.0, 5.0]):.2g}", "1.25 (12)"]
+    assert privacy.fisher_p([12.0] * 3) < 1e-8 < privacy.fisher_p([3.0, 4.0, 5.0]) < 0.05 < privacy.fisher_p([0.5, 1.0, 0.2])
+    views = privacy.leak_cells(runs, "views")
+    assert views == [f"{privacy.fisher_p([1.5, 2.0, 1.2]):.2g}", "-", f"{privacy.fisher_p([4.0, 5.0, 6.0]):.2g}",
+                     "1.25 (24)"]

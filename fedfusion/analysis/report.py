@@ -113,7 +113,7 @@ def forgetting_text(general: tuple[float, float]) -> str:
     return f"{first:.3f} -> {last:.3f} nats/token ({100 * (last / first - 1):+.1f} %)"
 
 
-def holder_scores(rows: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
+def holder_scores(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """The last scored round's recall and answer loss of the facts per device tier of the client holding them
     (``probe_acc/<tier>``), and of every fact under ``*``; empty for a run that does not score them by tier."""
     last = next((r for r in reversed(rows) if r.get("probe_acc") is not None), None)
@@ -130,7 +130,7 @@ def holder_recall(rows: list[dict[str, Any]], counts: dict[str, int] | None = No
     scores = {t: v for t, v in holder_scores(rows).items() if t != ALL_TIERS}
     if not scores:
         return None
-    return ", ".join(f"{tier} {100 * (v['probe_acc'] or 0.0):.1f} %"
+    return ", ".join(f"{tier} {100 * v['probe_acc']:.1f} %"
                      + (f" of {counts[tier]}" if counts and tier in counts else "")
                      + (f" (answer loss {v['answer_loss']:.3f})" if v["answer_loss"] is not None else "")
                      for tier, v in scores.items())

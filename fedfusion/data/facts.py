@@ -268,7 +268,7 @@ def holder_groups(probes: Sequence[Probe], clients: Sequence[str], tiers: Sequen
                   order: Sequence[str] = ()) -> dict[str, list[int]]:
     """The probes' indices grouped by the device tier of the client that holds each fact (``clients`` in
     partition order, ``tiers[partition]`` that partition's tier); tiers in ``order`` (a recipe's mix) first."""
-    tier_of = dict(zip(clients, tiers))
+    tier_of = dict(zip(clients, tiers, strict=True))
     groups: dict[str, list[int]] = {t: [] for t in dict.fromkeys([*order, *tiers])}
     for i, p in enumerate(probes):
         groups[tier_of[p.client]].append(i)

@@ -24,6 +24,7 @@ from fedfusion.data.facts import (
     facts_from_records,
     facts_tokenizer,
     generate_facts,
+    holder_groups,
     load_facts,
 )
 from fedfusion.data.federated import (
@@ -156,6 +157,14 @@ def client_token_windows(spec: str, partition: int, seq_len: int, split: str) ->
 def tier_list(population: PopulationConfig, seed: int) -> list[str]:
     """Device tier of every client (seeded by the run's seed)."""
     return assign_tiers(population.mix, population.num_clients, seed)
+
+
+def facts_by_tier(data: DataConfig, population: PopulationConfig, seed: int) -> tuple[Facts, dict[str, list[int]]]:
+    """A facts recipe's facts, and its probes grouped by the tier :func:`tier_list` gives the client holding each
+    (:func:`~fedfusion.data.facts.holder_groups`, tiers in the mix's order): the tier a simulated or ``fedfusion
+    deploy`` node of that client reports."""
+    facts = facts_data(data, population.num_clients, seed)
+    return facts, holder_groups(facts.probes, facts.clients, tier_list(population, seed), list(population.mix))
 
 
 def pooled_held_out(spec: str, max_chars: int) -> str:

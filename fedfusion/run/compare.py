@@ -15,6 +15,9 @@ Does small-to-large pay on this data? Each (arm, seed) (:mod:`fedfusion.run.arms
   the last 3 scored rounds beside it), the span (oracle minus smallest-only, signed so that positive means the
   oracle is better), the gap closure ((recipe - smallest-only) / span, same orientation) and whether each curve is
   still rising (:func:`rising`). A span within the round-to-round noise (:func:`noise`) gets no closure: the md says so.
+  A facts recipe's runs add a table by the device tier of the client holding each fact (:func:`tier_table`): each
+  arm's final recall and answer loss on that tier's facts and the recipe's closure on answer loss, so the report
+  shows whether the weakest devices' knowledge reaches the target.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from typing import Any
 from fedfusion.analysis.report import ALL_TIERS, forgetting, forgetting_text, holder_scores, still_rising
 from fedfusion.config.recipe import METHOD_SECTIONS, Recipe, load_recipe, uses
 from fedfusion.config.sections import EngineConfig, RecipeError
+from fedfusion.data.tier_keys import grouped
 from fedfusion.run.arms import ARM_NAMES, ORACLE, RECIPE, SMALLEST, Arm, arms_for, check_equal_budget, flat
 from fedfusion.run.check import check_recipe
 from fedfusion.run.signals import EXIT_INTERRUPTED, Terminated
@@ -332,19 +336,31 @@ def collect_run(run: Path, arm: Arm, metric: Metric) -> dict[str, Any]:
 
 
 def by_tier(rows: list[dict[str, Any]], summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """A facts run's :func:`~fedfusion.analysis.report.holder_scores` with each tier's probe count: empty for a run
-    that does not score the facts by tier."""
+    """A facts run's :func:`~fedfusion.analysis.report.holder_scores` with each tier's probe count and the
+    round-to-round noise of its answer-loss curve (:func:`noise`): empty for a run that does not score the facts by
+    tier."""
     facts = summary.get("facts", {})
     counts = {**facts.get("probes_by_tier", {}), ALL_TIERS: facts.get("probes")}
-    return {tier: {**v, "probes": counts.get(tier)} for tier, v in holder_scores(rows).items()}
+    scored = [r for r in rows if r.get("probe_acc") is not None]
+    out = {}
+    for tier, v in holder_scores(rows).items():
+        curve = [r.get("answer_loss") if tier == ALL_TIERS else grouped(r, "answer_loss").get(tier) for r in scored]
+        out[tier] = {**v, "probes": counts.get(tier), "noise": noise([float(x) for x in curve if x is not None])}
+    return out
 
 
-def tier_closure(recipe: float | None, smallest: float | None, oracle: float | None) -> float | None:
-    """(smallest-only - recipe) / (smallest-only - oracle) on answer losses: 0 is smallest-only, 1 the oracle; None
-    where the oracle's loss is not lower."""
-    if recipe is None or smallest is None or oracle is None or smallest <= oracle:
-        return None
-    return (smallest - recipe) / (smallest - oracle)
+def tier_closure(arms: tuple[dict[str, Any], dict[str, Any], dict[str, Any]]) -> str:
+    """The recipe's closure on one tier's answer loss, (smallest-only - recipe) / (smallest-only - oracle), from the
+    (recipe, smallest-only, oracle) scores: given only where the oracle's loss is lower by more than the noise (the
+    three curves' pooled :func:`noise`, the headline's rule)."""
+    recipe, smallest, oracle = (a.get("answer_loss") for a in arms)
+    if recipe is None or smallest is None or oracle is None:
+        return "-"
+    sigmas = [a["noise"] for a in arms if a.get("noise") is not None]
+    threshold = 2 * math.sqrt(2) * math.sqrt(statistics.mean(x * x for x in sigmas)) if sigmas else 0.0
+    if smallest - oracle <= threshold:
+        return "span within noise" if smallest > oracle else "no gap (the oracle is not better)"
+    return _fmt((smallest - recipe) / (smallest - oracle), 2)
 
 
 def failed_client_rounds(run: Path) -> int:
@@ -552,8 +568,9 @@ def tier_table(c: Comparison, runs: dict[str, dict[int, dict[str, Any]]]) -> lis
         return []
     lines = ["Facts by the device tier of the client holding them (the recipe's population), final round: recall and "
              "answer loss (nats/token) of recipe / smallest-only / oracle, and the recipe's answer-loss closure "
-             "(smallest-only - recipe) / (smallest-only - oracle) (0: smallest-only, 1: the oracle; - where the "
-             f"oracle's loss is not lower). `{ALL_TIERS}`: every tier's facts.", "",
+             "(smallest-only - recipe) / (smallest-only - oracle) (0: smallest-only, 1: the oracle), given where the "
+             "oracle's loss is lower by more than the noise (the headline's rule, on each tier's answer-loss curves). "
+             f"`{ALL_TIERS}`: every tier's facts.", "",
              "| seed | tier | probes | recall | answer loss | answer-loss closure |", "|---|---|---|---|---|---|"]
     for s in seeds:
         r, sm, o = (runs[a][s]["by_tier"] for a in (RECIPE, SMALLEST, ORACLE))
@@ -561,8 +578,7 @@ def tier_table(c: Comparison, runs: dict[str, dict[int, dict[str, Any]]]) -> lis
             arms = (r.get(tier, {}), sm.get(tier, {}), o.get(tier, {}))
             recall = " / ".join(_fmt(x.get("probe_acc")) for x in arms)
             loss = " / ".join(_fmt(x.get("answer_loss"), 3) for x in arms)
-            closure = tier_closure(*(x.get("answer_loss") for x in arms))
-            lines.append(f"| {s} | {tier} | {arms[0].get('probes') or '-'} | {recall} | {loss} | {_fmt(closure, 2)} |")
+            lines.append(f"| {s} | {tier} | {arms[0].get('probes') or '-'} | {recall} | {loss} | {tier_closure(arms)} |")
     return [*lines, ""]
 
 

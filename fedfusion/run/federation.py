@@ -23,8 +23,7 @@ from flwr.serverapp import Grid
 from fedfusion.analysis.report import read_jsonl
 from fedfusion.config.methods import LORA, SERVER_WORK, SUBMODEL, call, method
 from fedfusion.config.recipe import Recipe, tier_methods, uses
-from fedfusion.data.facts import holder_groups
-from fedfusion.data.population import data_spec, facts_data, lora_data_spec, tier_list, write_partition_sizes
+from fedfusion.data.population import data_spec, facts_by_tier, lora_data_spec, tier_list, write_partition_sizes
 from fedfusion.devices.availability import AvailabilityConfig, AvailabilityModel
 from fedfusion.devices.catalog import Device, population_catalog
 from fedfusion.devices.energy import price_work, train_flops
@@ -245,13 +244,12 @@ class RoundLedger:
 
 
 def facts_summary(recipe: Recipe, rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """What the target recalls of all clients' facts, against the largest share any one client owns."""
-    facts = facts_data(recipe.data, recipe.population.num_clients, recipe.seed)
+    """What the target recalls of all clients' facts, against the largest share any one client owns, and how many
+    facts each device tier's clients hold (``probes_by_tier``: the report's and compare's per-tier scores)."""
+    facts, groups = facts_by_tier(recipe.data, recipe.population, recipe.seed)
     probes = facts.probes
     owned = Counter(p.client for p in probes)
     scored = [r for r in rows if r.get("probe_acc") is not None]  # train.eval_every: the rounds scored
-    groups = holder_groups(probes, facts.clients, tier_list(recipe.population, recipe.seed),
-                           list(recipe.population.mix))
     return {"probe_acc": scored[-1]["probe_acc"], "best_probe_acc": max(r["probe_acc"] for r in scored),
             "largest_client_share": max(owned.values()) / len(probes), "clients": len(owned), "probes": len(probes),
             "probes_by_tier": {tier: len(idx) for tier, idx in groups.items()}}

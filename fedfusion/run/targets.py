@@ -20,15 +20,14 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fedfusion.analysis.report import CHAR_METRICS, FACTS_METRICS, RESPONSE_METRICS, TOKEN_METRICS
 from fedfusion.config.recipe import Recipe
-from fedfusion.data.facts import Probe, encode_probes, greedy_answer, holder_groups, probe_metrics
+from fedfusion.data.facts import Probe, encode_probes, greedy_answer, probe_metrics
 from fedfusion.data.instruct import pooled_held_out as pooled_pairs
 from fedfusion.data.population import (
     data_spec,
     data_tokenizer,
-    facts_data,
+    facts_by_tier,
     lora_data_spec,
     pooled_held_out,
-    tier_list,
 )
 from fedfusion.data.text import encode_text, general_text, lm_windows
 from fedfusion.fusion.lora.config import LoRAConfig
@@ -101,12 +100,10 @@ class _Scoring:
 def facts_target(recipe: Recipe, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> _Scoring:
     """How a facts recipe's target is scored and shown: every client's probes (:func:`facts_evaluator`), with
     ``data.general_chars`` the loss on general text the pretrained model already modelled."""
-    facts = facts_data(recipe.data, recipe.population.num_clients, recipe.seed)
+    facts, groups = facts_by_tier(recipe.data, recipe.population, recipe.seed)
     probes = facts.probes
     general = (lm_windows(encode_text(tokenizer, general_text(recipe.data.general_chars)), recipe.train.seq_len)
                if recipe.data.general_chars else None)
-    groups = holder_groups(probes, facts.clients, tier_list(recipe.population, recipe.seed),
-                           list(recipe.population.mix))
     return _Scoring(facts_evaluator(model, tokenizer, probes, general, groups),
                     partial(facts_sample, model, tokenizer, probes[:5]))
 
