@@ -143,9 +143,11 @@ def test_the_facts_summary_reads_the_scored_rounds(monkeypatch):
     from fedfusion.run import federation
 
     probes = [SimpleNamespace(client="a"), SimpleNamespace(client="b")]
-    monkeypatch.setattr(federation, "facts_data", lambda *a: SimpleNamespace(probes=probes))
+    monkeypatch.setattr(federation, "facts_by_tier",
+                        lambda *a: (SimpleNamespace(probes=probes), {"phone": [0], "laptop": [1]}))
     recipe = SimpleNamespace(data=None, population=SimpleNamespace(num_clients=2), seed=0)
     rows = [{"round": 0, "probe_acc": 0.1}, {"round": 1}, {"round": 2, "probe_acc": 0.4}, {"round": 3},
             {"round": 4, "probe_acc": 0.3}]
     summary = facts_summary(recipe, rows)
     assert summary["probe_acc"] == 0.3 and summary["best_probe_acc"] == 0.4
+    assert summary["probes_by_tier"] == {"phone": 1, "laptop": 1}
