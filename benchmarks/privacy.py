@@ -488,25 +488,23 @@ def _ms(values: Sequence[float], digits: int = 2) -> str:
     return f"{statistics.mean(values):.{digits}f} ± {sd:.{digits}f}"
 
 
+def _canary_exposures(runs: list[dict], view: str, n: int, key: str = "sampled") -> list[float]:
+    """The ``n``-times canary's exposure (``key``: ``sampled`` or ``fit``) under ``view`` in each seed that has it."""
+    if view == "final":
+        return [r["final"][str(n)][key] for r in runs]
+    return [r[view][str(n)]["exposure"][str(n)][key] for r in runs if str(n) in r.get(view, {})]
+
+
 def cells(runs: list[dict], view: str, key: str) -> list[str]:
     """The table's exposure cells (1x, 4x, 16x, never) of one view (``final``, ``views``: the server's view of one
     reply, or ``secure``: under secure aggregation) and estimate (``sampled`` or ``fit``): mean ± sd over seeds; the
     never-inserted canary under a server's view is each seed's mean over the three canary clients' views."""
-    out = []
-    for n in (*INSERTIONS, 0):
-        values = []
-        for r in runs:
-            if view == "final":
-                values.append(r["final"][str(n)][key])
-            elif n:
-                if str(n) in r.get(view, {}):
-                    values.append(r[view][str(n)]["exposure"][str(n)][key])
-            else:
-                floor = [v["exposure"]["0"][key] for v in r.get(view, {}).values()]
-                if floor:
-                    values.append(statistics.mean(floor))
-        out.append(_ms(values))
-    return out
+    out = [_ms(_canary_exposures(runs, view, n, key)) for n in INSERTIONS]
+    if view == "final":
+        floor = [r["final"]["0"][key] for r in runs]
+    else:
+        floor = [statistics.mean(f) for r in runs if (f := [v["exposure"]["0"][key] for v in r.get(view, {}).values()])]
+    return [*out, _ms(floor)]
 
 
 def fisher_p(exposures: Sequence[float]) -> float:
@@ -518,11 +516,6 @@ def fisher_p(exposures: Sequence[float]) -> float:
     return math.exp(-half) * sum(half ** j / math.factorial(j) for j in range(len(exposures)))
 
 
-def _canary_exposures(runs: list[dict], view: str, n: int) -> list[float]:
-    """The ``n``-times canary's sampled exposure under ``view`` in each seed that has it."""
-    if view == "final":
-        return [r["final"][str(n)]["sampled"] for r in runs]
-    return [r[view][str(n)]["exposure"][str(n)]["sampled"] for r in runs if str(n) in r.get(view, {})]
 
 
 def leak_cells(runs: list[dict], view: str) -> list[str]:

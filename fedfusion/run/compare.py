@@ -356,9 +356,8 @@ def tier_closure(arms: tuple[dict[str, Any], dict[str, Any], dict[str, Any]]) ->
     recipe, smallest, oracle = (a.get("answer_loss") for a in arms)
     if recipe is None or smallest is None or oracle is None:
         return "-"
-    sigmas = [a["noise"] for a in arms if a.get("noise") is not None]
-    threshold = 2 * math.sqrt(2) * math.sqrt(statistics.mean(x * x for x in sigmas)) if sigmas else 0.0
-    if smallest - oracle <= threshold:
+    threshold = span_threshold(pooled_noise([a.get("noise") for a in arms]))
+    if smallest - oracle <= (threshold or 0.0):
         return "span within noise" if smallest > oracle else "no gap (the oracle is not better)"
     return _fmt((smallest - recipe) / (smallest - oracle), 2)
 
@@ -377,6 +376,18 @@ def _mean_sd(values: list[float]) -> tuple[float, float]:
     return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
+def pooled_noise(noises: list[float | None]) -> float | None:
+    """The arms' round-to-round noise pooled (root mean square of those measured); None if none is."""
+    measured = [x for x in noises if x is not None]
+    return math.sqrt(statistics.mean(x * x for x in measured)) if measured else None
+
+
+def span_threshold(sigma: float | None) -> float | None:
+    """The span a difference of two finals must pass to be beyond ``sigma`` noise: two standard deviations of a
+    difference of two noisy values, 2 x sqrt(2) x sigma (:data:`NOISE`)."""
+    return 2 * math.sqrt(2) * sigma if sigma is not None else None
+
+
 def analyse(runs: dict[str, dict[int, dict[str, Any]]], metric: Metric) -> dict[str, Any]:
     """Per seed and over seeds: the span (oracle - smallest-only, positive: the oracle is better), the recipe's
     difference from smallest-only (same orientation) and the gap closure (their ratio), with the noise that decides
@@ -391,10 +402,9 @@ def analyse(runs: dict[str, dict[int, dict[str, Any]]], metric: Metric) -> dict[
         per_seed[s] = {"recipe_minus_smallest": g(r["final"]) - g(sm["final"])}
     for s in seeds:
         r, sm, o = runs[RECIPE][s], runs[SMALLEST][s], runs[ORACLE][s]
-        sigmas = [x["noise"] for x in (r, sm, o) if x["noise"] is not None]
-        sigma = math.sqrt(statistics.mean(x * x for x in sigmas)) if sigmas else None
+        sigma = pooled_noise([x["noise"] for x in (r, sm, o)])
         span = g(o["final"]) - g(sm["final"])
-        threshold = 2 * math.sqrt(2) * sigma if sigma is not None else None
+        threshold = span_threshold(sigma)
         resolved = None if threshold is None else abs(span) > threshold
         # a gap to close: the oracle better than smallest-only, beyond the noise (or the noise not measurable)
         closure = per_seed[s]["recipe_minus_smallest"] / span if span > 0 and resolved is not False else None
