@@ -38,10 +38,11 @@ from fedfusion.data.instruct import instruct_clients
 from fedfusion.data.population import client_windows, windows_spec
 from fedfusion.devices.meters import HostMeter, gpu_index
 from fedfusion.fusion.lora.spec import AdapterSpec, LoRABaseSpec, QuantizeSpec
-from fedfusion.models.adapters import adapter_factors, attach_adapter, load_factors, merged_update
+from fedfusion.models.adapters import merged_update
 from fedfusion.models.pretrained import load_base, load_base_tokenizer
+from fedfusion.train.adapter import AdapterSetting, train_adapter
 from fedfusion.train.instruct import RESPONSE, InstructData, encode_pairs, evaluate_instruct
-from fedfusion.train.loop import LM, evaluate_lm, train_steps
+from fedfusion.train.loop import LM, evaluate_lm
 from fedfusion.wire.keys import NUM_EXAMPLES
 from fedfusion.wire.specs import ClientSpec, RoundSpec, TrainSpec
 
@@ -99,22 +100,13 @@ def train(arrays: dict[str, torch.Tensor], spec: ConfigRecord, partition: int, a
     adapter, lora, train = AdapterSpec.from_config(spec), LoRABaseSpec.from_config(spec), TrainSpec.from_config(spec)
     seed = RoundSpec.from_config(spec).seed
     base = _base(spec, accelerator)
-    with merged_update(base, arrays):  # hooks sit on the base layers, which peft keeps as base_layer
-        model = attach_adapter(base, adapter.rank, adapter.alpha, list(lora.target_modules), lora.lora_dropout, seed)
-        try:
-            load_factors(model, arrays)
-            with HostMeter(gpu_index(base.device)) as meter:  # the host's own meters (labelled, not priced)
-                stats = train_steps(model, data, steps=train.local_steps, lr=train.lr, batch_size=train.batch_size,
-                                    seed=seed, weight_decay=train.weight_decay,
-                                    loss=LM if isinstance(data, torch.Tensor) else RESPONSE,
-                                    dp=private_training(spec)).metrics()
-            stats.update(meter.metrics())
-            factors = adapter_factors(model)
-            sent = [k for k in arrays if k.endswith((".lora_A", ".lora_B"))]
-            if sent:  # reply in the order received: Flower's DP mods compare the key lists as sent
-                factors = {k: factors[k] for k in sent}
-        finally:
-            model.unload()  # the cached base loses the adapter layers again
+    setting = AdapterSetting(adapter.rank, adapter.alpha, tuple(lora.target_modules), lora.lora_dropout)
+    with HostMeter(gpu_index(base.device)) as meter:  # the host's own meters (labelled, not priced)
+        factors, result = train_adapter(base, arrays, data, setting, seed, steps=train.local_steps, lr=train.lr,
+                                        batch_size=train.batch_size, weight_decay=train.weight_decay,
+                                        loss=LM if isinstance(data, torch.Tensor) else RESPONSE,
+                                        dp=private_training(spec))
+    stats = {**result.metrics(), **meter.metrics()}
     if corrupt:
         next(iter(factors.values())).view(-1)[0] = float("nan")
     time.sleep(delay)

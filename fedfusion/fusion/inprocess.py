@@ -10,6 +10,7 @@ client trains a payload. Clients train one after another; there are no faults, m
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import time
@@ -22,10 +23,11 @@ from transformers import PretrainedConfig
 
 from fedfusion.config.methods import WINDOW
 from fedfusion.fusion.base import Client, FusionMethod, Payload, State
+from fedfusion.fusion.distill.method import DistillMethod
 from fedfusion.fusion.outer import OuterConfig
 from fedfusion.fusion.rounds import client_seed, fold_round, initial_state, round_payloads, server_seed
 from fedfusion.fusion.submodel.method import SubModelMethod
-from fedfusion.models.build import model_from_state, tied_aliases, wire_state
+from fedfusion.models.build import model_from_state, small_model, tied_aliases, wire_state
 from fedfusion.models.full_forward import WindowModel, from_payload
 from fedfusion.models.low_rank import LowRankModel
 from fedfusion.models.slicing import extract, plan_slice, sub_config
@@ -197,6 +199,44 @@ def wire_of(model: torch.nn.Module) -> State:
     return wire_state({k: v.detach() for k, v in model.state_dict().items()}, tied_aliases(model))
 
 
+def submodel_method(run: SubModelRun, widths: Mapping[str, float], template: State) -> SubModelMethod:
+    """The run's :class:`~fedfusion.fusion.submodel.method.SubModelMethod` for the tiers ``widths`` names (tier ->
+    width) on a target laid out as ``template``."""
+    return SubModelMethod(run.config, dict(widths), template, policy=run.policy, stride=run.stride, stagger=run.stagger,
+                          run_seed=run.seed, axes=run.axes, scale=run.scale, outer=run.outer, wire=run.wire,
+                          forward=run.forward, frozen=run.frozen, window_shared=run.window_shared,
+                          grow_round=run.grow_round,
+                          window_widths=dict.fromkeys(widths, run.window_width) if run.window_width else None,
+                          window_rank=run.window_rank, window_core=run.window_core, core_forward=run.core_forward)
+
+
+class SliceClients:
+    """The sub-model client role in process: trains a payload's slice or window on its partition's windows, as
+    :mod:`fedfusion.clients.submodel` / :mod:`fedfusion.clients.window` do, keeping each partition's uplink error
+    feedback as its node would."""
+
+    def __init__(self, run: SubModelRun) -> None:
+        self.run = run
+        self.residuals: dict[int, State] = {}
+
+    def __call__(self, rnd: int, payload: Payload) -> tuple[State, dict[str, float]]:
+        run, p = self.run, payload.client.partition
+        received = decode(payload.arrays, keep=FROZEN)  # as the client app decodes it
+        config = spec_config(run.config, payload)
+        full = RoleSpec.from_config(payload.spec).role == WINDOW  # the client role fedfusion.clients.window
+        model = (from_payload(config, received, WindowSpec.from_config(payload.spec), payload.client.seed) if full
+                 else model_from_state(config, received))
+        out = train_steps(model, run.windows[p], run.steps, run.lr * payload.lr_scale, run.batch_size, payload.client.seed,
+                          run.weight_decay, run.optimizer, loss=loss_of(model),
+                          dp=run.private(len(run.windows[p]), len(run.windows))).metrics()
+        trained = (model.trained() if isinstance(model, WindowModel | LowRankModel) else
+                   wire_of(model))
+        feedback = run.wire.error_feedback and run.wire.up != "float32" and not full
+        reply, self.residuals[p] = client_reply(trained, payload.arrays, run.wire.up,
+                                                self.residuals.get(p, {}) if feedback else None, received)
+        return reply, {**out, NUM_EXAMPLES: len(run.windows[p])}
+
+
 def run_submodel(run: SubModelRun, initial: dict[str, torch.Tensor], evaluate: Evaluate | None = None,
                  ) -> tuple[dict[str, torch.Tensor], RunStats]:
     """Train ``initial`` for ``run.rounds`` rounds of width slicing (:class:`~fedfusion.fusion.submodel.method.SubModelMethod`
@@ -206,34 +246,36 @@ def run_submodel(run: SubModelRun, initial: dict[str, torch.Tensor], evaluate: E
     if len(run.windows) != len(run.widths):
         raise ValueError(f"{len(run.windows)} partitions of windows but {len(run.widths)} widths")
     tiers = [f"w{w:g}" for w in run.widths]
-    method = SubModelMethod(run.config, {t: w for t, w in zip(tiers, run.widths)}, initial, policy=run.policy,
-                            stride=run.stride, stagger=run.stagger, run_seed=run.seed, axes=run.axes, scale=run.scale,
-                            outer=run.outer, wire=run.wire, forward=run.forward, frozen=run.frozen,
-                            window_shared=run.window_shared, grow_round=run.grow_round,
-                            window_widths={t: run.window_width for t in tiers} if run.window_width else None,
-                            window_rank=run.window_rank, window_core=run.window_core,
-                            core_forward=run.core_forward)
+    method = submodel_method(run, dict(zip(tiers, run.widths)), initial)
     method.observe(dict(enumerate(tiers)))  # ``owned`` windows tile the whole population from round 1
-    residuals: dict[int, State] = {}  # each partition's uplink error feedback, as its node keeps it
+    return run_rounds(dict.fromkeys(tiers, method), tiers, initial, SliceClients(run), run, evaluate)
+
+
+def run_mixed(run: SubModelRun, tiers: Sequence[str], families: DistillMethod, initial: dict[str, torch.Tensor],
+              evaluate: Evaluate | None = None) -> tuple[dict[str, torch.Tensor], RunStats]:
+    """A mixed-method federation (``fusion.method=mixed``): the partitions whose tier (``tiers``, per partition)
+    ``families.tier_family`` names train that family's small model as the small-model client role does, the others
+    slices of the target at ``run.widths`` (per partition); every round folds both, in the methods' fold order, as
+    the Flower strategy does."""
+    if not len(run.windows) == len(run.widths) == len(tiers):
+        raise ValueError(f"{len(run.windows)} partitions of windows, {len(run.widths)} widths, {len(tiers)} tiers")
+    widths = {t: w for t, w in zip(tiers, run.widths) if t not in families.tier_family}
+    slices = submodel_method(run, widths, initial)
+    slices.observe(dict(enumerate(tiers)))  # as run_submodel: ``owned`` windows tile the population from round 1
+    methods = {t: families if t in families.tier_family else slices for t in tiers}
+    train_slice = SliceClients(run)
 
     def train(rnd: int, payload: Payload) -> tuple[State, dict[str, float]]:
-        received = decode(payload.arrays, keep=FROZEN)  # as the client app decodes it
-        config = spec_config(run.config, payload)
-        full = RoleSpec.from_config(payload.spec).role == WINDOW  # the client role fedfusion.clients.window
-        model = (from_payload(config, received, WindowSpec.from_config(payload.spec), payload.client.seed) if full
-                 else model_from_state(config, received))
-        p = payload.client.partition
-        out = train_steps(model, run.windows[p], run.steps, run.lr * payload.lr_scale, run.batch_size, payload.client.seed,
-                          run.weight_decay, run.optimizer, loss=loss_of(model),
+        if methods[payload.client.tier] is slices:
+            return train_slice(rnd, payload)
+        p = payload.client.partition  # the small-model client role (fedfusion.clients.smallmodel)
+        model = small_model(json.dumps(ModelSpec.from_config(payload.spec).model_config), decode(payload.arrays))
+        out = train_steps(model, run.windows[p], run.steps, run.lr * payload.lr_scale, run.batch_size,
+                          payload.client.seed, run.weight_decay, run.optimizer,
                           dp=run.private(len(run.windows[p]), len(run.windows))).metrics()
-        trained = (model.trained() if isinstance(model, WindowModel | LowRankModel) else
-                   wire_of(model))
-        feedback = run.wire.error_feedback and run.wire.up != "float32" and not full
-        reply, residuals[p] = client_reply(trained, payload.arrays, run.wire.up,
-                                           residuals.get(p, {}) if feedback else None, received)
-        return reply, {**out, NUM_EXAMPLES: len(run.windows[p])}
+        return wire_of(model), {**out, NUM_EXAMPLES: len(run.windows[p])}
 
-    return run_rounds({t: method for t in tiers}, tiers, initial, train, run, evaluate)
+    return run_rounds(methods, list(tiers), initial, train, run, evaluate)
 
 
 @dataclass(frozen=True)
