@@ -48,15 +48,22 @@ uses neither):
   1/8 slice as one family model; every round the server distils it into the target with the generative method's
   server steps and lr); the recipes' ``distill`` method itself runs on Shakespeare and is not measured here;
 - ``generative``: recipes/knowledge.yaml as it is (phones' own 1/8 models, samples with top-8 log-probabilities);
-- ``units``: the data sits on the server by design (a row, no number); ``lora`` and ``mixed`` are not measured yet
-  (the in-process driver has no LoRA or mixed loop; a row says so).
+- ``lora``: recipes/finetune.yaml's LoRA section as it is (its device mix, ranks 8 / 16 / 32 for 2 GB phones / phones /
+  laptops on all seven linear layers, FlexLoRA, alpha 16) on a frozen base: the target the server first trains on the
+  public biographies (people no client holds) for as many steps as the run's rounds x local steps, as a pretrained
+  model would come (``fedfusion.fusion.lora.inprocess.run_lora``); the server's view of a client is the base with that
+  client's adapter as the global update, the final target the base with the run's global update;
+- ``mixed``: recipes/mixed.yaml's fusion (phones train a tiny Llama of their own, distilled into the target on the public
+  biographies with its Fed-ET teacher and back-distillation; laptops and desktops rolling, staggered slices;
+  ``fedfusion.fusion.inprocess.run_mixed``); a phone's view is the family model it sent;
+- ``units``: the data sits on the server by design (a row, no number).
 
 Every method runs through the library's in-process driver (``fedfusion.fusion.inprocess``: ``run_submodel``,
-``run_transfer``; ``fedfusion.fusion.generative.inprocess.run_generative``; the same method objects as the Flower
-strategy); the replies are read by wrapping the driver's ``run_rounds`` while a run lasts (:func:`capturing`), with
-nothing in the library changed.
+``run_transfer``, ``run_mixed``; ``fedfusion.fusion.generative.inprocess.run_generative``,
+``fedfusion.fusion.lora.inprocess.run_lora``; the same method objects as the Flower strategy); the replies are read
+by wrapping the driver's ``run_rounds`` while a run lasts (:func:`capturing`), with nothing in the library changed.
 
-    python benchmarks/privacy.py --seeds 0 1 2 [--methods grown rolling distill generative] [--people 200]
+    python benchmarks/privacy.py --seeds 0 1 2 [--methods grown rolling distill generative lora mixed] [--people 200]
         [--candidates 4095] [--jobs 2] [--quick] [--out privacy]
 
 ``--quick``: one seed, 60 people, 6 rounds, 511 candidates (a smoke run; writes ``<out>_quick``). ``--report-only``:
@@ -85,9 +92,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from transformers import PretrainedConfig, PreTrainedModel
 
 import fedfusion.fusion.inprocess as inprocess
-from fedfusion.config.recipe import load_recipe
+from fedfusion.config.recipe import Recipe, load_recipe
+from fedfusion.config.sections import TrainConfig
 from fedfusion.data.facts import (
     Probe,
     build_word_tokenizer,
@@ -100,15 +109,20 @@ from fedfusion.data.facts import (
 from fedfusion.data.text import read_jsonl
 from fedfusion.devices.catalog import assign_tiers
 from fedfusion.fusion.base import Payload
+from fedfusion.fusion.distill.method import DistillMethod, Family
 from fedfusion.fusion.generative.inprocess import GenerativeRun, run_generative
 from fedfusion.fusion.generative.reply import SAMPLES_KEY, TOP_IDS_KEY, TOP_LOGP_KEY
-from fedfusion.fusion.inprocess import Rounds, SubModelRun, TransferRun, run_submodel, run_transfer
+from fedfusion.fusion.inprocess import Rounds, SubModelRun, TransferRun, run_mixed, run_submodel, run_transfer
+from fedfusion.fusion.lora.inprocess import LoRARun, run_lora, with_update
 from fedfusion.fusion.outer import OuterConfig
 from fedfusion.fusion.rounds import fold_round
-from fedfusion.models.build import model_from_state, target_config
+from fedfusion.models.build import model_from_state, small_model, target_config
 from fedfusion.models.families import family_of
 from fedfusion.models.slicing import extract, plan_slice, sub_config
 from fedfusion.run.check import facts_rounds
+from fedfusion.train.loop import train_steps
+from fedfusion.train.transfer import distill_families
+from fedfusion.wire.specs import ModelSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from results_files import run_facts, write_pair  # noqa: E402
@@ -120,15 +134,27 @@ INSERTIONS = (1, 4, 16)  # canaries inserted this many times; 0 in tables: the n
 REFERENCES = 8  # never-inserted canaries: their mean exposure is the noise floor (one alone varies by ~1.4 bits)
 CANARY_VOCAB = TEMPLATE.format(secret=" ".join("0123456789"))  # the tokenizer holds every word a canary can use
 SPACE_BITS = DIGITS * math.log2(10)
-METHODS = ("grown", "rolling", "distill", "generative")
+METHODS = ("grown", "rolling", "distill", "generative", "lora", "mixed")
 # methods whose replies secure aggregation can sum (their fold is a sum over clients): under it the server learns the
 # round's folded target only; distillation needs each client's own model and generative each client's samples
-SECURE = ("grown", "rolling")
+SECURE = ("grown", "rolling", "lora")
 NOT_MEASURED = {
     "units": "the data sits on the server by design (the units mode pools devices' compute on the data owner's "
              "server): nothing to measure",
-    "lora": "not measured: the in-process driver has no LoRA loop (LoRA runs through the Flower strategy)",
-    "mixed": "not measured: the in-process driver has no mixed-method loop",
+}
+METHOD_TEXT = {  # each method's settings, as its report states them
+    "grown": "takes recipes/quickstart.yaml's fusion (its device mix and widths over the clients; the small model for "
+             "the first third of the rounds, grown into the target, then full-forward windows with the core on an "
+             "int8 frozen target)",
+    "rolling": "recipes/rolling.yaml's (rolling, staggered slices in their own forward pass, its device mix)",
+    "distill": "FedDF on the facts' public biographies (every client trains the phones' 1/8 slice as one family "
+               "model; every round the server distils it into the target with the generative method's server steps)",
+    "generative": "recipes/knowledge.yaml's (phones' own 1/8 models, samples with top-8 log-probabilities, kept on the "
+                  "node)",
+    "lora": "recipes/finetune.yaml's LoRA section (its device mix, ranks 8 / 16 / 32, all seven linear layers, "
+            "FlexLoRA) on a frozen base the server first trains on the public biographies for rounds x local steps",
+    "mixed": "recipes/mixed.yaml's (phones' own tiny Llama distilled with Fed-ET on the public biographies, laptops' "
+             "and desktops' rolling slices)",
 }
 TRIGRAM_WEIGHTS = (0.5, 0.3, 0.15, 0.05)  # trigram, bigram, unigram, uniform: fixed, not fitted to any run
 
@@ -258,6 +284,7 @@ class Task:
     candidate_ids: torch.Tensor
     probes: dict[int, list[Probe]]  # partition -> its probes
     transfer: torch.Tensor
+    public: list[str]  # the public biographies (the transfer text)
 
 
 def schedule(rounds: int, per_round: int, population: int, seed: int) -> list[list[int]]:
@@ -295,7 +322,8 @@ def build_task(seed: int, people: int, clients: int, rounds: int, per_round: int
     public = [str(r["text"]) for r in read_jsonl(paths["public"], ("client", "text"))]
     candidate_ids = encode_secrets(tok, draw_secrets(random.Random(f"privacy-candidates-{seed}"), candidates))
     return Task(config, tok, windows, canaries, holders, {n: encode_secrets(tok, [s]) for n, s in canaries.items()},
-                encode_secrets(tok, secrets[len(INSERTIONS):]), candidate_ids, dict(by_client), encode_documents(tok, public, seq_len))
+                encode_secrets(tok, secrets[len(INSERTIONS):]), candidate_ids, dict(by_client), encode_documents(tok, public, seq_len),
+                public)
 
 
 # ---------------------------------------------------------------- reading the replies
@@ -334,15 +362,38 @@ def single_fold(methods: dict, rnd: int, payload: Payload, reply: dict) -> dict[
     methods = copy.deepcopy(methods)
     method = methods[payload.client.tier]
     update = method.check(payload, reply, 1.0)
-    return fold_round(methods, rnd, payload.context[1], [update]).target
+    # a slice's payload carries the round's target (its context: plan, target, low-rank); LoRA's fold reads the
+    # replies only (the global update is the folded adapters)
+    start = payload.context[1] if isinstance(payload.context, tuple) else {}
+    return fold_round(methods, rnd, start, [update]).target
 
 
 # ---------------------------------------------------------------- one run
 
+def pretrained_base(config: PretrainedConfig, initial: dict[str, torch.Tensor], task: Task, steps: int,
+                    train: TrainConfig, seed: int) -> PreTrainedModel:
+    """LoRA's frozen base: the target from ``initial`` trained by the server on the public biographies (people no
+    client holds) for ``steps`` steps with the clients' optimizer, lr and batch, as a pretrained model would come."""
+    base = model_from_state(config, initial)
+    train_steps(base, task.transfer, steps, train.lr, train.batch_size, seed, train.weight_decay, train.optimizer)
+    return base.eval()
+
+
+def mixed_families(recipe: Recipe, task: Task, seed: int) -> DistillMethod:
+    """The mixed recipe's distillation (its families, teacher and server steps) on the facts: the families sized to
+    the task's tokenizer, the public biographies as the transfer text."""
+    d, text = recipe.distill, " ".join(task.public)
+    families = {name: Family(config, own) for name, (config, own)
+                in distill_families(d, task.config.max_position_embeddings, task.tok, text).items()}
+    tiers = set(recipe.population.mix)
+    return DistillMethod(task.config, task.tok, families, {t: n for t, n in d.tier_family.items() if t in tiers}, text,
+                         recipe.train.seq_len, d, run_seed=seed)
+
+
 def method_recipe(name: str, seed: int, clients: int, rounds: int):
     """The recipe whose fusion settings ``name`` takes, its population resized to ``clients`` and its rounds set to
     ``rounds`` (so a ``fusion.grow_round`` fraction resolves against them)."""
-    recipe = {"grown": "quickstart", "rolling": "rolling"}.get(name, "knowledge")
+    recipe = {"grown": "quickstart", "rolling": "rolling", "lora": "finetune", "mixed": "mixed"}.get(name, "knowledge")
     return load_recipe(recipe, [f"seed={seed}", f"population.num_clients={clients}", f"rounds={rounds}"])
 
 
@@ -391,14 +442,30 @@ def run_method(job: dict) -> dict:
     recipe = method_recipe(name, seed, a["clients"], rounds)
     f = recipe.fusion
     tiers = assign_tiers(recipe.population.mix, a["clients"], seed)
-    widths = [f.widths[tier] for tier in tiers]
+    smallest = min(f.widths.values())
+    widths = [f.widths.get(tier, smallest) for tier in tiers]  # mixed: the phones train their family, not a slice
     axes = tuple(f.axes) if f.axes else None
-    small = plan_slice(cfg, min(widths), "static", axes=axes)
+    small = plan_slice(cfg, smallest, "static", axes=axes)
+    torch.manual_seed(seed)
+    initial = family_of(cfg).build(cfg).state_dict()
+    common = dict(rounds=rounds, per_round=per_round, steps=t.local_steps, lr=t.lr, batch_size=t.batch_size, seed=seed,
+                  weight_decay=t.weight_decay, optimizer=t.optimizer, dp_epsilon=a.get("epsilon", 0.0))
+    base = pretrained_base(cfg, initial, task, rounds * t.local_steps, t, seed) if name == "lora" else None
+    families = mixed_families(recipe, task, seed) if name == "mixed" else None
 
-    def model_view(partition: int, state: dict) -> dict:
-        model = model_from_state(cfg, state)
-        if name == "distill":  # the client's family model: its static slice
-            model = model_from_state(sub_config(cfg, small), extract(state, cfg, small))
+    @contextlib.contextmanager
+    def as_model(state: dict) -> Iterator[torch.nn.Module]:
+        """The model a target state (or a view's state) stands for: LoRA's base with the update, distillation's
+        family model (the static slice), else the target."""
+        if base is not None:
+            with with_update(base, state) as model:
+                yield model
+        elif name == "distill":
+            yield model_from_state(sub_config(cfg, small), extract(state, cfg, small))
+        else:
+            yield model_from_state(cfg, state)
+
+    def model_view(partition: int, model: torch.nn.Module) -> dict:
         return {"exposure": scores_of(lambda ids: sequence_nll(model, ids), task, (holder_of[partition], 0)),
                 "extraction": extraction(model, task, partition)}
 
@@ -416,47 +483,56 @@ def run_method(job: dict) -> dict:
                                 "never_in_samples": any(contains(samples, r[-DIGITS - 1:-1].tolist())
                                                         for r in task.reference_ids),
                                 "samples": len(samples)}
+        elif families is not None and payload.client.tier in families.tier_family:  # mixed: the family model sent
+            views[partition] = model_view(partition, small_model(
+                json.dumps(ModelSpec.from_config(payload.spec).model_config), reply))
         else:
-            views[partition] = model_view(partition, single_fold(methods, rnd, payload, reply))
+            with as_model(single_fold(methods, rnd, payload, reply)) as model:
+                views[partition] = model_view(partition, model)
         views[partition]["round"] = rnd
 
     def on_round(rnd: int, target: dict) -> None:
         if name in SECURE:
             for partition in holder_of:
                 if last[partition] == rnd:
-                    secure[partition] = {**model_view(partition, target), "round": rnd}
+                    with as_model(target) as model:
+                        secure[partition] = {**model_view(partition, model), "round": rnd}
 
-    torch.manual_seed(seed)
-    initial = family_of(cfg).build(cfg).state_dict()
-    common = dict(rounds=rounds, per_round=per_round, steps=t.local_steps, lr=t.lr, batch_size=t.batch_size, seed=seed,
-                  weight_decay=t.weight_decay, optimizer=t.optimizer, dp_epsilon=a.get("epsilon", 0.0))
     g = knowledge.generative
     with capturing(on_reply, on_round):
-        if name in ("grown", "rolling"):
+        if name in ("grown", "rolling", "mixed"):
             run = SubModelRun(cfg, task.windows, widths, policy=f.policy, stride=f.stride,
                               stagger=f.stagger and f.policy == "rolling", axes=axes, scale=f.scaler,
                               outer=OuterConfig(f.outer, f.outer_lr, f.outer_momentum), forward=f.forward,
                               frozen=f.frozen_dtype, window_shared=f.window_shared,
                               grow_round=int(f.grow_round), window_rank=f.window_rank, window_core=f.window_core,
                               core_forward=f.core_forward, **common)
-            final, _ = run_submodel(run, initial)
+            if families is not None:
+                final, _ = run_mixed(run, tiers, families, initial)
+            else:
+                final, _ = run_submodel(run, initial)
         elif name == "distill":
-            run = SubModelRun(cfg, task.windows, [min(widths)] * len(widths), policy="static", axes=axes,
+            run = SubModelRun(cfg, task.windows, [smallest] * len(widths), policy="static", axes=axes,
                               scale=f.scaler, **common)
             transfer = TransferRun(run, task.transfer, every=1, steps=g.server_steps, lr=g.server_lr,
                                    batch_size=g.server_batch)
             final, _ = run_transfer(transfer, initial, initial)
         elif name == "generative":
-            run = GenerativeRun(cfg, min(widths), task.windows, axes,
-                                generative=g, **common)
+            run = GenerativeRun(cfg, smallest, task.windows, axes, generative=g, **common)
             final, _, _ = run_generative(run, initial)
+        elif base is not None:
+            lora = recipe.lora
+            run = LoRARun(base=base, windows=task.windows, tiers=tiers, ranks=lora.ranks, alpha=lora.alpha,
+                          modules=tuple(lora.target_modules), method=lora.method, dropout=lora.dropout, **common)
+            final, _ = run_lora(run)
         else:
             raise ValueError(f"no such method {name!r}")
-    target = model_from_state(cfg, final)
-    final_exposure = scores_of(lambda ids: sequence_nll(target, ids), task, (*INSERTIONS, 0))
+    with as_model(final) as target:
+        final_exposure = scores_of(lambda ids: sequence_nll(target, ids), task, (*INSERTIONS, 0))
+        final_extraction = {str(p): extraction(target, task, p) for p in task.holders.values()}
     return {"method": name, "seed": seed, "rounds": rounds, "holders": {str(n): p for n, p in task.holders.items()},
             "final": {str(n): e for n, e in final_exposure.items()},
-            "final_extraction": {str(p): extraction(target, task, p) for p in task.holders.values()},
+            "final_extraction": final_extraction,
             "views": {str(holder_of[p]): {**v, "exposure": {str(n): e for n, e in v["exposure"].items()}}
                       for p, v in views.items()},
             "secure": {str(holder_of[p]): {**v, "exposure": {str(n): e for n, e in v["exposure"].items()}}
@@ -546,13 +622,7 @@ def report(payload: dict) -> str:
         f"samples, and eight never inserted (the references). Seeds {', '.join(str(s) for s in a['seeds'])}; every cell is mean ± sd over "
         "seeds.", "", *_private_lines(a, runs),
         "Methods, each through the library's in-process driver (`fedfusion.fusion.inprocess`) on the same task, "
-        "rounds and local training: `grown` takes recipes/quickstart.yaml's fusion (its device mix and widths over "
-        "the clients; the small model for the first third of the rounds, grown into the target, then full-forward "
-        "windows with the core on an int8 frozen target); `rolling` recipes/rolling.yaml's (rolling, staggered slices "
-        "in their own forward pass, its device mix); `distill` FedDF on the facts' public biographies (every client "
-        "trains the phones' 1/8 slice as one family model; every round the server distils it into the target with "
-        "the generative method's server steps); `generative` recipes/knowledge.yaml's (phones' own 1/8 models, "
-        "samples with top-8 log-probabilities, kept on the node).", "",
+        "rounds and local training: " + "; ".join(f"`{m}` {METHOD_TEXT[m]}" for m in a["methods"]) + ".", "",
         f"Exposure = log2|R| - log2(rank), the rank estimated from {a['candidates']:,} secrets drawn uniformly from R "
         f"(the same for every canary and view): -log2((k + 1) / (n + 1)) with k the candidates scoring better, so at "
         f"most {cap:.1f} bits (a canary better than every candidate). A never-inserted canary averages 1.44 bits; the "
