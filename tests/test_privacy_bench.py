@@ -144,3 +144,22 @@ def test_leak_cells_combine_each_insertions_seeds_and_report_the_references_mean
     views = privacy.leak_cells(runs, "views")
     assert views == [f"{privacy.fisher_p([1.5, 2.0, 1.2]):.2g}", "-", f"{privacy.fisher_p([4.0, 5.0, 6.0]):.2g}",
                      "1.25 (24)"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["lora", "mixed"])
+def test_a_lora_and_a_mixed_run_score_every_canary_clients_last_reply_and_the_final_target(method: str) -> None:
+    """One tiny run of each method the in-process LoRA and mixed loops added: every canary client's view is read at
+    the last round the run samples it, each exposure lies within the sampled rank's range, each extraction rate is a
+    share, and only LoRA (whose fold is a sum) has a secure-aggregation view."""
+    args = {"people": 24, "clients": 6, "rounds": 2, "candidates": 63, "epsilon": 0.0}
+    out = privacy.run_method({"method": method, "seed": 0, "args": args})
+    last = {p: rnd for rnd, sampled in enumerate(privacy.schedule(2, 6, 6, 0), start=1) for p in sampled}
+    cap = math.log2(args["candidates"] + 1)
+    assert sorted(out["views"]) == sorted(out["holders"]) == ["1", "16", "4"]
+    for n, view in out["views"].items():
+        assert view["round"] == last[out["holders"][n]]
+        assert 0.0 <= view["extraction"] <= 1.0
+        assert all(0.0 <= e["sampled"] <= cap for e in view["exposure"].values())
+    assert all(0.0 <= e["sampled"] <= cap for e in out["final"].values())
+    assert (sorted(out["secure"]) == ["1", "16", "4"]) == (method == "lora")
