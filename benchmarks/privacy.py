@@ -109,20 +109,27 @@ from fedfusion.data.facts import (
 from fedfusion.data.text import read_jsonl
 from fedfusion.devices.catalog import assign_tiers
 from fedfusion.fusion.base import Payload
-from fedfusion.fusion.distill.method import DistillMethod, Family
+from fedfusion.fusion.distill.build import distill_method
+from fedfusion.fusion.distill.method import DistillMethod
 from fedfusion.fusion.generative.inprocess import GenerativeRun, run_generative
 from fedfusion.fusion.generative.reply import SAMPLES_KEY, TOP_IDS_KEY, TOP_LOGP_KEY
-from fedfusion.fusion.inprocess import Rounds, SubModelRun, TransferRun, run_mixed, run_submodel, run_transfer
+from fedfusion.fusion.inprocess import (
+    Rounds,
+    SubModelRun,
+    TransferRun,
+    family_model,
+    run_mixed,
+    run_submodel,
+    run_transfer,
+)
 from fedfusion.fusion.lora.inprocess import LoRARun, run_lora, with_update
 from fedfusion.fusion.outer import OuterConfig
 from fedfusion.fusion.rounds import fold_round
-from fedfusion.models.build import model_from_state, small_model, target_config
+from fedfusion.models.build import model_from_state, target_config
 from fedfusion.models.families import family_of
 from fedfusion.models.slicing import extract, plan_slice, sub_config
 from fedfusion.run.check import facts_rounds
 from fedfusion.train.loop import train_steps
-from fedfusion.train.transfer import distill_families
-from fedfusion.wire.specs import ModelSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from results_files import run_facts, write_pair  # noqa: E402
@@ -135,6 +142,7 @@ REFERENCES = 8  # never-inserted canaries: their mean exposure is the noise floo
 CANARY_VOCAB = TEMPLATE.format(secret=" ".join("0123456789"))  # the tokenizer holds every word a canary can use
 SPACE_BITS = DIGITS * math.log2(10)
 METHODS = ("grown", "rolling", "distill", "generative", "lora", "mixed")
+DEFAULT_METHODS = METHODS[:4]  # privacy.md's; lora and mixed are measured by their own command (privacy_lora_mixed)
 # methods whose replies secure aggregation can sum (their fold is a sum over clients): under it the server learns the
 # round's folded target only; distillation needs each client's own model and generative each client's samples
 SECURE = ("grown", "rolling", "lora")
@@ -156,6 +164,7 @@ METHOD_TEXT = {  # each method's settings, as its report states them
     "mixed": "recipes/mixed.yaml's (phones' own tiny Llama distilled with Fed-ET on the public biographies, laptops' "
              "and desktops' rolling slices)",
 }
+WHOLE_MODEL = ("final", "base")  # views that are one model for the whole run (the others: one per canary client)
 TRIGRAM_WEIGHTS = (0.5, 0.3, 0.15, 0.05)  # trigram, bigram, unigram, uniform: fixed, not fitted to any run
 
 
@@ -364,7 +373,7 @@ def single_fold(methods: dict, rnd: int, payload: Payload, reply: dict) -> dict[
     update = method.check(payload, reply, 1.0)
     # a slice's payload carries the round's target (its context: plan, target, low-rank); LoRA's fold reads the
     # replies only (the global update is the folded adapters)
-    start = payload.context[1] if isinstance(payload.context, tuple) else {}
+    start = payload.context[1] if method.name == "submodel" else {}
     return fold_round(methods, rnd, start, [update]).target
 
 
@@ -379,15 +388,13 @@ def pretrained_base(config: PretrainedConfig, initial: dict[str, torch.Tensor], 
     return base.eval()
 
 
-def mixed_families(recipe: Recipe, task: Task, seed: int) -> DistillMethod:
-    """The mixed recipe's distillation (its families, teacher and server steps) on the facts: the families sized to
-    the task's tokenizer, the public biographies as the transfer text."""
-    d, text = recipe.distill, " ".join(task.public)
-    families = {name: Family(config, own) for name, (config, own)
-                in distill_families(d, task.config.max_position_embeddings, task.tok, text).items()}
-    tiers = set(recipe.population.mix)
-    return DistillMethod(task.config, task.tok, families, {t: n for t, n in d.tier_family.items() if t in tiers}, text,
-                         recipe.train.seq_len, d, run_seed=seed)
+def mixed_families(recipe: Recipe, task: Task, seq_len: int, seed: int) -> DistillMethod:
+    """The mixed recipe's distillation (its families, teacher and server steps) for its distilled tiers, on the facts:
+    the families sized to the task's tokenizer and target, the public biographies (one text, as the recipe's
+    Shakespeare transfer set is) cut into the task's ``seq_len`` windows."""
+    tiers = [t for t, method in recipe.fusion.tiers.items() if method == "distill"]
+    return distill_method(recipe.distill, task.config, task.tok, "\n".join(task.public),
+                          task.config.max_position_embeddings, seq_len, seed, tiers)
 
 
 def method_recipe(name: str, seed: int, clients: int, rounds: int):
@@ -451,19 +458,31 @@ def run_method(job: dict) -> dict:
     common = dict(rounds=rounds, per_round=per_round, steps=t.local_steps, lr=t.lr, batch_size=t.batch_size, seed=seed,
                   weight_decay=t.weight_decay, optimizer=t.optimizer, dp_epsilon=a.get("epsilon", 0.0))
     base = pretrained_base(cfg, initial, task, rounds * t.local_steps, t, seed) if name == "lora" else None
-    families = mixed_families(recipe, task, seed) if name == "mixed" else None
+    floor = {}  # LoRA: what the pretrained base alone scores, before any client's update
+    if base is not None:
+        floor = {"base": {str(n): e for n, e in scores_of(lambda ids: sequence_nll(base, ids), task,
+                                                          (*INSERTIONS, 0)).items()},
+                 "base_extraction": {str(p): extraction(base, task, p) for p in task.holders.values()}}
+    families = mixed_families(recipe, task, t.seq_len, seed) if name == "mixed" else None
 
     @contextlib.contextmanager
-    def as_model(state: dict) -> Iterator[torch.nn.Module]:
-        """The model a target state (or a view's state) stands for: LoRA's base with the update, distillation's
-        family model (the static slice), else the target."""
+    def target_model(state: dict) -> Iterator[torch.nn.Module]:
+        """The target a state stands for: LoRA's base with the global update, else the target itself."""
         if base is not None:
             with with_update(base, state) as model:
                 yield model
-        elif name == "distill":
-            yield model_from_state(sub_config(cfg, small), extract(state, cfg, small))
         else:
             yield model_from_state(cfg, state)
+
+    @contextlib.contextmanager
+    def view_model(state: dict) -> Iterator[torch.nn.Module]:
+        """What the server holds of one client's reply folded alone: distillation's family model (the static
+        slice), else the target the fold makes."""
+        if name == "distill":
+            yield model_from_state(sub_config(cfg, small), extract(state, cfg, small))
+        else:
+            with target_model(state) as model:
+                yield model
 
     def model_view(partition: int, model: torch.nn.Module) -> dict:
         return {"exposure": scores_of(lambda ids: sequence_nll(model, ids), task, (holder_of[partition], 0)),
@@ -483,19 +502,18 @@ def run_method(job: dict) -> dict:
                                 "never_in_samples": any(contains(samples, r[-DIGITS - 1:-1].tolist())
                                                         for r in task.reference_ids),
                                 "samples": len(samples)}
-        elif families is not None and payload.client.tier in families.tier_family:  # mixed: the family model sent
-            views[partition] = model_view(partition, small_model(
-                json.dumps(ModelSpec.from_config(payload.spec).model_config), reply))
+        elif isinstance(methods[payload.client.tier], DistillMethod):  # mixed: the family model it sent
+            views[partition] = {**model_view(partition, family_model(payload, reply)), "kind": "family model"}
         else:
-            with as_model(single_fold(methods, rnd, payload, reply)) as model:
+            with view_model(single_fold(methods, rnd, payload, reply)) as model:
                 views[partition] = model_view(partition, model)
-        views[partition]["round"] = rnd
+        views[partition].update(round=rnd, tier=payload.client.tier)
 
     def on_round(rnd: int, target: dict) -> None:
         if name in SECURE:
             for partition in holder_of:
                 if last[partition] == rnd:
-                    with as_model(target) as model:
+                    with view_model(target) as model:
                         secure[partition] = {**model_view(partition, model), "round": rnd}
 
     g = knowledge.generative
@@ -527,12 +545,12 @@ def run_method(job: dict) -> dict:
             final, _ = run_lora(run)
         else:
             raise ValueError(f"no such method {name!r}")
-    with as_model(final) as target:
+    with target_model(final) as target:
         final_exposure = scores_of(lambda ids: sequence_nll(target, ids), task, (*INSERTIONS, 0))
         final_extraction = {str(p): extraction(target, task, p) for p in task.holders.values()}
     return {"method": name, "seed": seed, "rounds": rounds, "holders": {str(n): p for n, p in task.holders.items()},
             "final": {str(n): e for n, e in final_exposure.items()},
-            "final_extraction": final_extraction,
+            "final_extraction": final_extraction, **floor,
             "views": {str(holder_of[p]): {**v, "exposure": {str(n): e for n, e in v["exposure"].items()}}
                       for p, v in views.items()},
             "secure": {str(holder_of[p]): {**v, "exposure": {str(n): e for n, e in v["exposure"].items()}}
@@ -566,18 +584,19 @@ def _ms(values: Sequence[float], digits: int = 2) -> str:
 
 def _canary_exposures(runs: list[dict], view: str, n: int, key: str = "sampled") -> list[float]:
     """The ``n``-times canary's exposure (``key``: ``sampled`` or ``fit``) under ``view`` in each seed that has it."""
-    if view == "final":
-        return [r["final"][str(n)][key] for r in runs]
+    if view in WHOLE_MODEL:
+        return [r[view][str(n)][key] for r in runs if view in r]
     return [r[view][str(n)]["exposure"][str(n)][key] for r in runs if str(n) in r.get(view, {})]
 
 
 def cells(runs: list[dict], view: str, key: str) -> list[str]:
-    """The table's exposure cells (1x, 4x, 16x, never) of one view (``final``, ``views``: the server's view of one
-    reply, or ``secure``: under secure aggregation) and estimate (``sampled`` or ``fit``): mean ± sd over seeds; the
-    never-inserted canary under a server's view is each seed's mean over the three canary clients' views."""
+    """The table's exposure cells (1x, 4x, 16x, never) of one view (``final``, ``base``: LoRA's pretrained base alone,
+    ``views``: the server's view of one reply, or ``secure``: under secure aggregation) and estimate (``sampled`` or
+    ``fit``): mean ± sd over seeds; the never-inserted canary under a server's view is each seed's mean over the three
+    canary clients' views."""
     out = [_ms(_canary_exposures(runs, view, n, key)) for n in INSERTIONS]
-    if view == "final":
-        floor = [r["final"]["0"][key] for r in runs]
+    if view in WHOLE_MODEL:
+        floor = [r[view]["0"][key] for r in runs if view in r]
     else:
         floor = [statistics.mean(f) for r in runs if (f := [v["exposure"]["0"][key] for v in r.get(view, {}).values()])]
     return [*out, _ms(floor)]
@@ -601,7 +620,7 @@ def leak_cells(runs: list[dict], view: str) -> list[str]:
     for n in INSERTIONS:
         values = _canary_exposures(runs, view, n)
         cells.append(f"{fisher_p(values):.2g}" if values else "-")
-    refs = ([x for r in runs for x in r["final"]["0"].get("each", [])] if view == "final" else
+    refs = ([x for r in runs if view in r for x in r[view]["0"].get("each", [])] if view in WHOLE_MODEL else
             [x for r in runs for v in r.get(view, {}).values() for x in v["exposure"]["0"].get("each", [])])
     return [*cells, f"{statistics.mean(refs):.2f} ({len(refs)})" if refs else "-"]
 
@@ -628,18 +647,22 @@ def report(payload: dict) -> str:
         f"most {cap:.1f} bits (a canary better than every candidate). A never-inserted canary averages 1.44 bits; the "
         "never-inserted cells are the mean over the eight references. "
         "Server's view: what the server can build from the canary client's last reply (parameter methods: that reply "
-        "alone folded into the round's target by the library's fold; distill: the client's family model; generative: "
+        "alone folded into the round's target by the library's fold; LoRA: the base with that client's adapter as "
+        "the global update; distill and a mixed federation's phones: the client's family model; generative: "
         "a trigram model of its samples' top-8 probabilities). The references' server-view cell is, per seed, "
         "their mean over the three canary clients' views. Under secure aggregation (the methods whose fold is a sum "
         "over clients, which `privacy.secure_aggregation` masks) the server learns only the round's sum: its view is "
         "the target folded from every reply of the canary client's last round (identical to the plain fold within "
-        "rounding, tests/test_secagg.py); distillation needs each client's model and generative each client's "
-        "samples, so neither runs under it.", "",
+        "rounding, tests/test_secagg.py and tests/test_secagg_lora.py); distillation needs each client's model and "
+        "generative each client's samples, so neither runs under it.", "",
         "## Exposure (bits), sampled rank", "",
         "| method | view | inserted 1x | inserted 4x | inserted 16x | never inserted |", "|---|---|---|---|---|---|"]
     for m, mine in by.items():
         if mine:
             lines.append(f"| {m} | final target | " + " | ".join(cells(mine, "final", "sampled")) + " |")
+            if any("base" in r for r in mine):
+                lines.append(f"| {m} | the pretrained base alone (no client's update) | "
+                             + " | ".join(cells(mine, "base", "sampled")) + " |")
             lines.append(f"| {m} | server's view of the canary's client | "
                          + " | ".join(cells(mine, "views", "sampled")) + " |")
             if any(r.get("secure") for r in mine):
@@ -658,7 +681,8 @@ def report(payload: dict) -> str:
               "|---|---|---|---|---|---|"]
     for m, mine in by.items():
         if mine:
-            for view, label in (("final", "final target"), ("views", "server's view of the canary's client"),
+            for view, label in (("final", "final target"), ("base", "the pretrained base alone (no client's update)"),
+                                ("views", "server's view of the canary's client"),
                                 ("secure", "under secure aggregation (the round's sum)")):
                 if view == "final" or any(r.get(view) for r in mine):
                     lines.append(f"| {m} | {label} | " + " | ".join(leak_cells(mine, view)) + " |")
@@ -669,6 +693,8 @@ def report(payload: dict) -> str:
     for m, mine in by.items():
         if mine:
             lines.append(f"| {m} | final target | " + " | ".join(cells(mine, "final", "fit")) + " |")
+            if any("base" in r for r in mine):
+                lines.append(f"| {m} | the pretrained base alone | " + " | ".join(cells(mine, "base", "fit")) + " |")
             lines.append(f"| {m} | server's view | " + " | ".join(cells(mine, "views", "fit")) + " |")
             if any(r.get("secure") for r in mine):
                 lines.append(f"| {m} | under secure aggregation | " + " | ".join(cells(mine, "secure", "fit")) + " |")
@@ -692,6 +718,17 @@ def report(payload: dict) -> str:
             never = sum(any(v.get("never_in_samples") for v in r["views"].values()) for r in mine)
             secret = " / ".join(f"{c}/{len(mine)}" for c in [*counts, never]) + " seeds"
         lines.append(f"| {m} | {_ms(view, 3)} | {_ms(summed, 3)} | {_ms(final, 3)} | {facts:.0f} | {secret} |")
+        if any("base_extraction" in r for r in mine):
+            base = [statistics.mean(r["base_extraction"].values()) for r in mine if "base_extraction" in r]
+            lines.append(f"| {m}: the pretrained base alone | - | - | {_ms(base, 3)} | {facts:.0f} | - |")
+        kinds: dict[str, list[float]] = defaultdict(list)  # mixed: the view's kind, over every canary client
+        for r in mine:
+            for v in r["views"].values():
+                kinds[v.get("kind", "")].append(v["extraction"])
+        if len(kinds) > 1:
+            for kind, values in sorted(kinds.items()):
+                lines.append(f"| {m}: {kind or 'slice folded alone'}, each canary client ({len(values)}) | "
+                             f"{_ms(values, 3)} | - | - | - | - |")
     lines += ["", "Reading the tables:", "",
               "- One copy is not one pass: a sampled client takes 20 local steps of 32 windows over its own windows "
               "every round it is sampled, many epochs of a small client's text, so a canary inserted once is seen "
@@ -705,6 +742,15 @@ def report(payload: dict) -> str:
               "- Distill's final target learns only from the family model's logits on public text: its row measures "
               "what passes through that, and the server's view (the client's own family model) is what the server "
               "holds before distilling.",
+              *([] if "lora" not in a["methods"] else [
+              "- LoRA's base is the target the server first trained on the public biographies (no client's people): "
+              "its own row is the floor the clients' adapters start from. Ranks 8 / 16 / 32 are 1/8 to 1/2 of this "
+              "64-wide model's width (on SmolLM2, 576 wide, the recipe's same ranks are 1.4 to 5.6 %): adapters of "
+              "about a slice's capacity here, more than the recipe gives them on its own base."]),
+              *([] if "mixed" not in a["methods"] else [
+              "- A mixed federation's canary clients are phones (their view: the family model they sent) or laptops "
+              "and desktops (the slice folded alone), as the seed draws them; the extraction table splits the views "
+              "by kind."]),
               "", f"Runs: {len(runs)}; wall time per run {_ms([r['wall_s'] for r in runs], 0)} s.", ""]
     if payload.get("rendered_by"):
         lines += [f"Command: `{payload['rendered_by']}` (this report, re-rendered from the JSON's runs)", ""]
@@ -715,7 +761,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The benchmark's command line (tests/test_results_commands.py parses the results' commands with it)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=list(METHODS))
     parser.add_argument("--people", type=int, default=200)
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=0, help="0: the knowledge recipe's rule (one per 40 facts)")

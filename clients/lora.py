@@ -101,11 +101,11 @@ def train(arrays: dict[str, torch.Tensor], spec: ConfigRecord, partition: int, a
     seed = RoundSpec.from_config(spec).seed
     base = _base(spec, accelerator)
     setting = AdapterSetting(adapter.rank, adapter.alpha, tuple(lora.target_modules), lora.lora_dropout)
-    with HostMeter(gpu_index(base.device)) as meter:  # the host's own meters (labelled, not priced)
-        factors, result = train_adapter(base, arrays, data, setting, seed, steps=train.local_steps, lr=train.lr,
-                                        batch_size=train.batch_size, weight_decay=train.weight_decay,
-                                        loss=LM if isinstance(data, torch.Tensor) else RESPONSE,
-                                        dp=private_training(spec))
+    meter = HostMeter(gpu_index(base.device))  # the host's own meters (labelled, not priced)
+    factors, result = train_adapter(base, arrays, data, setting, seed, steps=train.local_steps, lr=train.lr,
+                                    batch_size=train.batch_size, weight_decay=train.weight_decay,
+                                    loss=LM if isinstance(data, torch.Tensor) else RESPONSE,
+                                    dp=private_training(spec), meter=meter)
     stats = {**result.metrics(), **meter.metrics()}
     if corrupt:
         next(iter(factors.values())).view(-1)[0] = float("nan")

@@ -1,6 +1,7 @@
 """The library's in-process driver: the fusion method objects (:mod:`fedfusion.fusion`) run round by round
-without Flower or Ray, and the loops built on it (width slicing, transfer distillation; a method's own loop sits in
-its folder: :mod:`fedfusion.fusion.generative.inprocess`).
+without Flower or Ray, and the loops built on it (width slicing, transfer distillation, mixed slices and families; a
+method's own loop sits in its folder: :mod:`fedfusion.fusion.generative.inprocess`,
+:mod:`fedfusion.fusion.lora.inprocess`).
 
 For benchmarks and tests that compare many methods on the same clients, samples and seeds. :func:`run_rounds`
 takes the steps the Flower strategy takes (:func:`fedfusion.fusion.rounds.round_payloads`, the methods' checks,
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import PretrainedConfig
+from transformers import PretrainedConfig, PreTrainedModel
 
 from fedfusion.config.methods import WINDOW
 from fedfusion.fusion.base import Client, FusionMethod, Payload, State
@@ -251,25 +252,34 @@ def run_submodel(run: SubModelRun, initial: dict[str, torch.Tensor], evaluate: E
     return run_rounds(dict.fromkeys(tiers, method), tiers, initial, SliceClients(run), run, evaluate)
 
 
+def family_model(payload: Payload, state: State) -> PreTrainedModel:
+    """The small model a family payload's spec names, holding ``state``: what the small-model client builds."""
+    return small_model(json.dumps(ModelSpec.from_config(payload.spec).model_config), state)
+
+
 def run_mixed(run: SubModelRun, tiers: Sequence[str], families: DistillMethod, initial: dict[str, torch.Tensor],
               evaluate: Evaluate | None = None) -> tuple[dict[str, torch.Tensor], RunStats]:
     """A mixed-method federation (``fusion.method=mixed``): the partitions whose tier (``tiers``, per partition)
-    ``families.tier_family`` names train that family's small model as the small-model client role does, the others
-    slices of the target at ``run.widths`` (per partition); every round folds both, in the methods' fold order, as
-    the Flower strategy does."""
+    ``families.tier_family`` names train that family's small model as the small-model client role does (their
+    ``run.widths`` entries are not read), the others slices of the target at ``run.widths`` (per partition); every
+    round folds both, in the methods' fold order, as the Flower strategy does. ``families`` keeps the run's family
+    models and distillation state (it is changed by the run)."""
     if not len(run.windows) == len(run.widths) == len(tiers):
         raise ValueError(f"{len(run.windows)} partitions of windows, {len(run.widths)} widths, {len(tiers)} tiers")
     widths = {t: w for t, w in zip(tiers, run.widths) if t not in families.tier_family}
     slices = submodel_method(run, widths, initial)
     slices.observe(dict(enumerate(tiers)))  # as run_submodel: ``owned`` windows tile the population from round 1
     methods = {t: families if t in families.tier_family else slices for t in tiers}
+    own = sorted(name for name, tokenizer in families.tokenizer_json.items() if tokenizer)
+    if own:  # the client role re-tokenises its text for such a family; this loop holds target-token windows only
+        raise ValueError(f"families {own} have tokenizers of their own; run_mixed trains families on the target's")
     train_slice = SliceClients(run)
 
     def train(rnd: int, payload: Payload) -> tuple[State, dict[str, float]]:
         if methods[payload.client.tier] is slices:
             return train_slice(rnd, payload)
         p = payload.client.partition  # the small-model client role (fedfusion.clients.smallmodel)
-        model = small_model(json.dumps(ModelSpec.from_config(payload.spec).model_config), decode(payload.arrays))
+        model = family_model(payload, decode(payload.arrays))
         out = train_steps(model, run.windows[p], run.steps, run.lr * payload.lr_scale, run.batch_size,
                           payload.client.seed, run.weight_decay, run.optimizer,
                           dp=run.private(len(run.windows[p]), len(run.windows))).metrics()

@@ -5,6 +5,7 @@ cached base serves every rank)."""
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,16 +29,19 @@ class AdapterSetting:
 
 def train_adapter(base: PreTrainedModel, arrays: dict[str, torch.Tensor], data: Any, adapter: AdapterSetting,
                   seed: int, *, steps: int, lr: float, batch_size: int, weight_decay: float = 0.0,
-                  loss: Loss = LM, dp: DpSgd | None = None) -> tuple[dict[str, torch.Tensor], TrainResult]:
+                  loss: Loss = LM, dp: DpSgd | None = None,
+                  meter: AbstractContextManager[Any] | None = None) -> tuple[dict[str, torch.Tensor], TrainResult]:
     """Train ``adapter`` on ``data`` from the received ``arrays`` (``m.lora_A``/``m.lora_B`` to start from, and any
     frozen ``m.merged_*`` update); returns the trained factors, in the order received where factors were sent, and
-    the loop's result. ``base`` is left as it was."""
+    the loop's result. ``meter`` (the host's meters) is entered around the training steps alone. ``base`` is left as
+    it was."""
     with merged_update(base, arrays):  # hooks sit on the base layers, which peft keeps as base_layer
         model = attach_adapter(base, adapter.rank, adapter.alpha, list(adapter.modules), adapter.dropout, seed)
         try:
             load_factors(model, arrays)
-            result = train_steps(model, data, steps=steps, lr=lr, batch_size=batch_size, seed=seed,
-                                 weight_decay=weight_decay, loss=loss, dp=dp)
+            with meter or nullcontext():
+                result = train_steps(model, data, steps=steps, lr=lr, batch_size=batch_size, seed=seed,
+                                     weight_decay=weight_decay, loss=loss, dp=dp)
             factors = adapter_factors(model)
         finally:
             model.unload()  # the base loses the adapter layers again
