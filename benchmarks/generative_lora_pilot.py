@@ -18,7 +18,7 @@ steps):
   client's step) at K times the recipe's lr, K in :data:`LORA_LR_TIMES`;
 - its samples: what that device model writes (:func:`fedfusion.fusion.generative.reply.sample_windows`, as many
   windows as generative's default ``sample_fraction`` of the pooled windows, temperature 1), scored by the share of the
-  facts whose question and answer occur verbatim in them;
+  facts whose question and answer, or answer alone, occur verbatim in them;
 - ``target on the samples of the device LoRA, lr xK``: the whole target (float32) trained on them for S steps (generative's server step:
   the language-model loss on the sampled windows): what generative transfer from such devices teaches it;
 - ``target on the data``: the whole target trained on the pooled windows themselves for S steps: what those devices
@@ -160,7 +160,10 @@ def report(payload: dict) -> str:
             lines.append(f"| {name} | {r['seed']} | {a['probe_acc']:.4f} | {a['answer_loss']:.3f} | "
                          f"{a['general_loss']:.3f} | {seconds} |")
     lines += ["", "What each device model writes (its samples: as many windows as generative's default share of the "
-              "pooled windows, temperature 1):", "",
+              "pooled windows, temperature 1). The documents state each fact in a sentence and the probes ask it as a "
+              "question, so a probe's question never occurs in a document: the question-and-answer column can only "
+              "be 0 here. The answers column counts answers that occur anywhere in the samples: an upper bound on "
+              "the facts they carry (a year or a city can turn up beside another person).", "",
               "| device model | seed | samples | facts whose question and answer occur verbatim | answers alone | "
               "sampling s |", "|---|---|---|---|---|---|"]
     for name in names:
