@@ -266,13 +266,13 @@ def run_mixed(run: SubModelRun, tiers: Sequence[str], families: DistillMethod, i
     models and distillation state (it is changed by the run)."""
     if not len(run.windows) == len(run.widths) == len(tiers):
         raise ValueError(f"{len(run.windows)} partitions of windows, {len(run.widths)} widths, {len(tiers)} tiers")
+    own = sorted(name for name, tokenizer in families.tokenizer_json.items() if tokenizer)
+    if own:  # the client role re-tokenises its text for such a family; this loop holds target-token windows only
+        raise ValueError(f"families {own} have tokenizers of their own; run_mixed trains families on the target's")
     widths = {t: w for t, w in zip(tiers, run.widths) if t not in families.tier_family}
     slices = submodel_method(run, widths, initial)
     slices.observe(dict(enumerate(tiers)))  # as run_submodel: ``owned`` windows tile the population from round 1
     methods = {t: families if t in families.tier_family else slices for t in tiers}
-    own = sorted(name for name, tokenizer in families.tokenizer_json.items() if tokenizer)
-    if own:  # the client role re-tokenises its text for such a family; this loop holds target-token windows only
-        raise ValueError(f"families {own} have tokenizers of their own; run_mixed trains families on the target's")
     train_slice = SliceClients(run)
 
     def train(rnd: int, payload: Payload) -> tuple[State, dict[str, float]]:
