@@ -51,7 +51,7 @@ from fedfusion.data.population import client_windows, data_spec, data_tokenizer,
 from fedfusion.data.text import encode_text, general_text, lm_windows
 from fedfusion.fusion.generative.config import GenerativeConfig
 from fedfusion.fusion.generative.reply import sample_windows
-from fedfusion.models.adapters import merged_update
+from fedfusion.fusion.lora.inprocess import with_update
 from fedfusion.models.pretrained import load_base, resolve_base
 from fedfusion.train.adapter import AdapterSetting, train_adapter
 from fedfusion.train.loop import evaluate_lm, train_steps
@@ -111,10 +111,9 @@ def run_seed(seed: int, steps: int = 0) -> dict:
         tick = time.perf_counter()
         factors, _ = train_adapter(base, {}, windows, setting, seed, **{**common, "lr": t.lr * times})
         arms[arm] = {"train_s": time.perf_counter() - tick}
-        scale = setting.alpha / setting.rank  # the trained adapter as a frozen update B @ A on the base
-        merged = {k.replace(".lora_A", ".merged_A").replace(".lora_B", ".merged_B"):
-                  v * (scale if k.endswith("B") else 1.0) for k, v in factors.items()}
-        with merged_update(base, merged):
+        scale = setting.alpha / setting.rank  # the trained adapter as a global update B @ A (scale 1) on the base
+        update = {k: v * scale if k.endswith(".lora_B") else v for k, v in factors.items()}
+        with with_update(base, update):
             arms[arm].update(scores(base, encoded, general))
             n = math.ceil(GenerativeConfig().sample_fraction * len(windows))
             tick = time.perf_counter()
