@@ -26,7 +26,7 @@ from fedfusion.config.methods import WINDOW
 from fedfusion.fusion.base import Client, FusionMethod, Payload, State
 from fedfusion.fusion.distill.method import DistillMethod
 from fedfusion.fusion.outer import OuterConfig
-from fedfusion.fusion.rounds import client_seed, fold_round, initial_state, round_payloads, server_seed
+from fedfusion.fusion.rounds import client_seed, fold_round, initial_state, round_lr, round_payloads, server_seed
 from fedfusion.fusion.submodel.method import SubModelMethod
 from fedfusion.models.build import model_from_state, small_model, tied_aliases, wire_state
 from fedfusion.models.full_forward import WindowModel, from_payload
@@ -54,11 +54,18 @@ class Rounds:
     seed: int = 0
     weight_decay: float = 0.0
     optimizer: str = "adamw"  # the clients' local optimizer (fedfusion.train.loop.OPTIMIZERS)
+    lr_schedule: str = "constant"  # train.lr_schedule: the clients' lr over the rounds (:meth:`lr_at`)
+    lr_final: float = 0.1  # train.lr_final
+    device: str = "cpu"  # where the clients train (a model moves there; its reply comes back to the CPU)
     # DP-SGD on every client (privacy.mode=dp_sgd with noise_multiplier 0): each client's noise calibrated to spend
     # ``dp_epsilon`` at ``dp_delta`` over the rounds it is expected to train; 0: no DP
     dp_epsilon: float = 0.0
     dp_delta: float = 1e-5
     dp_clip: float = 1.0
+
+    def lr_at(self, rnd: int) -> float:
+        """The clients' lr in round ``rnd`` (:func:`fedfusion.fusion.rounds.round_lr`, as the strategy sends it)."""
+        return round_lr(self.lr, self.lr_schedule, self.lr_final, rnd, self.rounds)
 
     def draw(self, rng: random.Random, population: int) -> list[int]:
         """This round's sampled partitions, sorted (the strategy's seeded random selector, uniform)."""
@@ -226,12 +233,12 @@ class SliceClients:
         config = spec_config(run.config, payload)
         full = RoleSpec.from_config(payload.spec).role == WINDOW  # the client role fedfusion.clients.window
         model = (from_payload(config, received, WindowSpec.from_config(payload.spec), payload.client.seed) if full
-                 else model_from_state(config, received))
-        out = train_steps(model, run.windows[p], run.steps, run.lr * payload.lr_scale, run.batch_size, payload.client.seed,
-                          run.weight_decay, run.optimizer, loss=loss_of(model),
+                 else model_from_state(config, received)).to(run.device)  # type: ignore[arg-type]  # transformers' wrapped .to
+        out = train_steps(model, run.windows[p], run.steps, run.lr_at(rnd) * payload.lr_scale, run.batch_size,
+                          payload.client.seed, run.weight_decay, run.optimizer, loss=loss_of(model),
                           dp=run.private(len(run.windows[p]), len(run.windows))).metrics()
-        trained = (model.trained() if isinstance(model, WindowModel | LowRankModel) else
-                   wire_of(model))
+        trained = {k: v.cpu() for k, v in (model.trained() if isinstance(model, WindowModel | LowRankModel) else
+                                           wire_of(model)).items()}
         feedback = run.wire.error_feedback and run.wire.up != "float32" and not full
         reply, self.residuals[p] = client_reply(trained, payload.arrays, run.wire.up,
                                                 self.residuals.get(p, {}) if feedback else None, received)
@@ -280,7 +287,7 @@ def run_mixed(run: SubModelRun, tiers: Sequence[str], families: DistillMethod, i
             return train_slice(rnd, payload)
         p = payload.client.partition  # the small-model client role (fedfusion.clients.smallmodel)
         model = family_model(payload, decode(payload.arrays))
-        out = train_steps(model, run.windows[p], run.steps, run.lr * payload.lr_scale, run.batch_size,
+        out = train_steps(model, run.windows[p], run.steps, run.lr_at(rnd) * payload.lr_scale, run.batch_size,
                           payload.client.seed, run.weight_decay, run.optimizer,
                           dp=run.private(len(run.windows[p]), len(run.windows))).metrics()
         return wire_of(model), {**out, NUM_EXAMPLES: len(run.windows[p])}

@@ -54,7 +54,7 @@ def run_lora(run: LoRARun, evaluate: Evaluate | None = None) -> tuple[State, Run
         spec, p = AdapterSpec.from_config(payload.spec), payload.client.partition
         setting = AdapterSetting(spec.rank, spec.alpha, run.modules, run.dropout)
         factors, out = train_adapter(run.base, decode(payload.arrays), run.windows[p], setting, payload.client.seed,
-                                     steps=run.steps, lr=run.lr * payload.lr_scale, batch_size=run.batch_size,
+                                     steps=run.steps, lr=run.lr_at(rnd) * payload.lr_scale, batch_size=run.batch_size,
                                      weight_decay=run.weight_decay,
                                      dp=run.private(len(run.windows[p]), len(run.windows)))
         return factors, {**out.metrics(), NUM_EXAMPLES: len(run.windows[p])}

@@ -1,0 +1,210 @@
+"""Benchmark: ``fedfusion compare`` of a recipe at a budget too large for the CPU, on an accelerator, in process.
+
+``fedfusion compare RECIPE`` runs the recipe, its smallest-only arm and its oracle arm through Flower's simulation,
+one run after another; on 2 CPU cores the finetune recipe (SmolLM2-135M) takes 6-10 minutes a run at 8 rounds of 4
+clients x 8 steps of 4 x 32 tokens, so a budget where the arms part clearly cannot be run there. This script plans
+the same comparison (:func:`fedfusion.run.compare.plan`: the same arms, overrides, resolved recipes and budget check)
+and runs every (arm, seed) with the library's in-process driver (:func:`fedfusion.fusion.inprocess.run_rounds`) over
+the recipe's own fusion methods (:func:`fedfusion.run.federation.build_methods`) and scoring
+(:func:`fedfusion.run.targets.lm_target`), each client training on ``--device`` as the client role does
+(:class:`fedfusion.fusion.inprocess.SliceClients`), several runs at once (``--jobs``). Each run directory holds what
+``fedfusion compare`` reads of a run (``recipe.yaml``, ``metrics.jsonl``, ``summary.json``), so the report is
+compare's own (:func:`fedfusion.run.compare.write_report`): per-seed finals, span, gap closure, noise, still rising,
+per-tier closure and the curves.
+
+What differs from ``fedfusion compare``: no Flower messages, faults, ledgers or energy; the clients of a round train
+one after another; the sampling is the driver's seeded uniform draw (the same for every arm of a seed), not the
+strategy's selector. Width-slicing recipes only (the driver's client role: slices and full-forward windows).
+
+    python benchmarks/cuda_finetune.py finetune rounds=32 train.local_steps=16 --seeds 0 1 2 --device cuda --jobs 9
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import shlex
+import shutil
+import sys
+import time
+import traceback
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def run_inprocess(recipe: Any, run_dir: Path, device: str, echo: Any = print) -> dict[str, Any]:
+    """One (arm, seed): the recipe's fusion methods through the in-process driver, clients on ``device``, the target
+    scored on ``device`` at the recipe's evaluation rounds; writes the run directory and returns its summary."""
+    import torch
+
+    from fedfusion.data.population import client_windows, data_spec, tier_list
+    from fedfusion.fusion.inprocess import SliceClients, SubModelRun, run_rounds
+    from fedfusion.fusion.rounds import fusion_wire
+    from fedfusion.run.federation import build_methods, facts_summary
+    from fedfusion.run.run_dir import RunDir
+    from fedfusion.run.targets import lm_target
+
+    start = time.perf_counter()
+    run = RunDir(run_dir, recipe)
+    t = recipe.train
+    target = lm_target(recipe)
+    target.model.to(device)
+    methods = build_methods(recipe, target)
+    spec = data_spec(recipe.data_source())
+    tiers = tier_list(recipe.population, recipe.seed)
+    for method in {id(m): m for m in methods.values()}.values():
+        method.observe(dict(enumerate(tiers)))  # the population the strategy learns from the nodes' replies
+    windows = [client_windows(spec, p, t.seq_len, "train") for p in range(len(tiers))]
+    settings = SubModelRun(
+        target.model.config, windows, [1.0] * len(tiers), rounds=recipe.rounds,
+        per_round=recipe.selection.clients_per_round, steps=t.local_steps, lr=t.lr, batch_size=t.batch_size,
+        seed=recipe.seed, weight_decay=t.weight_decay, optimizer=t.optimizer, lr_schedule=t.lr_schedule,
+        lr_final=t.lr_final, device=device, wire=fusion_wire(recipe.fusion))
+    every = t.eval_every
+
+    def scored(rnd: int) -> bool:
+        return rnd == recipe.rounds or (every > 0 and rnd % every == 0)
+
+    rows: list[dict[str, Any]] = []
+
+    def evaluate(state: dict[str, torch.Tensor] | None, rnd: int) -> dict[str, float] | None:
+        if state is not None:
+            if not scored(rnd):
+                return None
+            target.model.load_state_dict(state)
+        tick = time.perf_counter()
+        row = {"round": rnd, **target.evaluate(), "eval_s": time.perf_counter() - tick,
+               "elapsed_s": time.perf_counter() - start}
+        run.log_round(row)
+        rows.append(row)
+        echo(f"  {run_dir.name} round {rnd}: probe_acc {row.get('probe_acc', float('nan')):.4f} "
+             f"general_loss {row.get('general_loss', float('nan')):.3f} ({row['elapsed_s']:.0f} s)")
+        return row
+
+    evaluate(None, 0)
+    _, stats = run_rounds(methods, tiers, target.initial(), SliceClients(settings), settings, evaluate)
+    summary = {"status": "ok", "name": recipe.name, "rounds": recipe.rounds, "facts": facts_summary(recipe, rows)
+               if recipe.data.source == "facts" else {}, "target_params": target.params,
+               "wall_s": time.perf_counter() - start, "client_s": stats.client_s, "server_s": stats.server_s,
+               "client_rounds": stats.client_rounds, "device": device_name(device),
+               "driver": "in process (benchmarks/cuda_finetune.py)"}
+    run.write_summary(summary)
+    return summary
+
+
+def device_name(device: str) -> str:
+    """The accelerator's name (or the CPU's architecture)."""
+    import platform
+
+    import torch
+
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    return f"{platform.machine()} CPU"
+
+
+def job(recipe: Any, run_dir: str, device: str, threads: int) -> tuple[str, str]:
+    """A worker's (arm, seed): ('ok', '') or ('failed', the error); a failed run's summary.json says why."""
+    import torch
+
+    torch.set_num_threads(threads)
+    from fedfusion.run.quiet import silence_expected_noise
+    from fedfusion.run.run_dir import RunDir, write_atomic
+
+    silence_expected_noise()
+    try:
+        run_inprocess(recipe, Path(run_dir), device, echo=lambda line: print(line, flush=True))
+        return "ok", ""
+    except Exception as exc:  # one arm's failure is reported; the others go on
+        text = traceback.format_exc()
+        print(text, file=sys.stderr, flush=True)
+        if (Path(run_dir) / "recipe.yaml").is_file():
+            RunDir(Path(run_dir), recipe, fresh=False).write_summary({"status": "failed", "error": repr(exc)})
+        else:
+            write_atomic(Path(run_dir) / "error.txt", text)
+        return "failed", repr(exc)
+
+
+def in_process(markdown: str, stem: str, device: str) -> str:
+    """Compare's report as this script's: its runs are in-process runs on ``device`` (not ``fedfusion run``), and its
+    figure is named after ``stem``."""
+    from fedfusion.run.compare import machine
+
+    where = device_name(device)
+    return (markdown.replace("](compare.png)", f"]({stem}.png)")
+            .replace("Each (arm, seed) is `fedfusion run` in",
+                     f"Each (arm, seed) ran in process (this script: the recipe's own fusion methods through "
+                     f"`fedfusion.fusion.inprocess.run_rounds`, clients and scoring on {where}; "
+                     f"{machine()['cpus']} CPUs) in"))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's command line (tests/test_results_commands.py parses the results' commands with it)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("recipe", help="a recipe name or file, as fedfusion compare takes it")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides of the recipe, for every arm")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--device", default="cuda", help="where the clients train and the target is scored")
+    parser.add_argument("--jobs", type=int, default=1, help="runs at once (each its own process)")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per run")
+    parser.add_argument("--work", default="runs/cuda-finetune", help="the comparison's directory (its run dirs)")
+    parser.add_argument("--results", default=str(RESULTS), help="where the report files are copied")
+    parser.add_argument("--stem", default="cuda_finetune", help="the report files' name under --results")
+    parser.add_argument("--report-only", action="store_true",
+                        help="run nothing: write the report from the runs finished in --work (after a cut run)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from fedfusion.run.compare import plan, state, write_report
+
+    given = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--report-only"]
+    command = shlex.join(["python", "benchmarks/cuda_finetune.py", *given])  # the command that runs the runs
+    c = plan(args.recipe, args.overrides, args.seeds, Path(args.work), command=command)
+    methods = {r.fusion.method for r in c.recipes.values()}
+    if methods - {"submodel"}:
+        raise SystemExit(f"cuda_finetune runs width-slicing recipes only; these arms use {sorted(methods)}")
+    pending = []
+    for seed in c.seeds:
+        for arm in c.arms:
+            run = c.run_dir(arm, seed)
+            if args.report_only:
+                continue
+            if state(run, c.recipes[arm, seed]) == "done":
+                print(f"{arm} seed {seed}: finished before, kept ({run})")
+                continue
+            if run.exists():
+                shutil.rmtree(run)  # the driver keeps no checkpoints: an unfinished run starts again
+            pending.append((arm, seed))
+    started, failed = time.perf_counter(), []
+    context = multiprocessing.get_context("spawn")  # CUDA in workers needs fresh interpreters
+    with ProcessPoolExecutor(max_workers=max(1, args.jobs), mp_context=context) as pool:
+        futures = {pool.submit(job, c.recipes[arm, seed], str(c.run_dir(arm, seed)), args.device, args.threads):
+                   (arm, seed) for arm, seed in pending}
+        for future in as_completed(futures):
+            arm, seed = futures[future]
+            status, error = future.result()
+            print(f"{arm} seed {seed}: {status} {error} ({time.perf_counter() - started:.0f} s)", flush=True)
+            if status != "ok":
+                failed.append((arm, seed))
+    paths = write_report(c)
+    out = Path(args.results)
+    out.mkdir(parents=True, exist_ok=True)
+    for path in paths:
+        if path.suffix == ".md":
+            (out / f"{args.stem}.md").write_text(in_process(path.read_text(), args.stem, args.device))
+        else:
+            shutil.copyfile(path, out / f"{args.stem}{path.suffix}")
+    print(f"wrote {', '.join(str(out / (args.stem + p.suffix)) for p in paths)}; "
+          f"{len(failed)} of {len(pending)} runs failed; {time.perf_counter() - started:.0f} s", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())
