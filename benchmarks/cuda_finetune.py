@@ -14,7 +14,8 @@ per-tier closure and the curves.
 
 What differs from ``fedfusion compare``: no Flower messages, faults, ledgers or energy; the clients of a round train
 one after another; the sampling is the driver's seeded uniform draw (the same for every arm of a seed), not the
-strategy's selector. Width-slicing recipes only (the driver's client role: slices and full-forward windows).
+strategy's selector. Width-slicing recipes only (the driver's client role: slices and full-forward windows), without
+selection policies, availability, faults, privacy or activation checkpointing (refused, naming the key).
 
     python benchmarks/cuda_finetune.py finetune rounds=32 train.local_steps=16 --seeds 0 1 2 --device cuda --jobs 9
 """
@@ -52,8 +53,9 @@ def run_inprocess(recipe: Any, run_dir: Path, device: str, echo: Any = print) ->
     run = RunDir(run_dir, recipe)
     t = recipe.train
     target = lm_target(recipe)
+    initial = target.initial()  # the server's state stays on the CPU, as the strategy's does
+    methods = build_methods(recipe, target)  # from the target's CPU state, as the strategy builds them
     target.model.to(device)
-    methods = build_methods(recipe, target)
     spec = data_spec(recipe.data_source())
     tiers = tier_list(recipe.population, recipe.seed)
     for method in {id(m): m for m in methods.values()}.values():
@@ -63,7 +65,7 @@ def run_inprocess(recipe: Any, run_dir: Path, device: str, echo: Any = print) ->
         target.model.config, windows, [1.0] * len(tiers), rounds=recipe.rounds,
         per_round=recipe.selection.clients_per_round, steps=t.local_steps, lr=t.lr, batch_size=t.batch_size,
         seed=recipe.seed, weight_decay=t.weight_decay, optimizer=t.optimizer, lr_schedule=t.lr_schedule,
-        lr_final=t.lr_final, device=device, wire=fusion_wire(recipe.fusion))
+        lr_final=t.lr_final, max_epochs=t.max_epochs, device=device, wire=fusion_wire(recipe.fusion))
     every = t.eval_every
 
     def scored(rnd: int) -> bool:
@@ -86,7 +88,7 @@ def run_inprocess(recipe: Any, run_dir: Path, device: str, echo: Any = print) ->
         return row
 
     evaluate(None, 0)
-    _, stats = run_rounds(methods, tiers, target.initial(), SliceClients(settings), settings, evaluate)
+    _, stats = run_rounds(methods, tiers, initial, SliceClients(settings), settings, evaluate)
     summary = {"status": "ok", "name": recipe.name, "rounds": recipe.rounds, "facts": facts_summary(recipe, rows)
                if recipe.data.source == "facts" else {}, "target_params": target.params,
                "wall_s": time.perf_counter() - start, "client_s": stats.client_s, "server_s": stats.server_s,
@@ -94,6 +96,24 @@ def run_inprocess(recipe: Any, run_dir: Path, device: str, echo: Any = print) ->
                "driver": "in process (benchmarks/cuda_finetune.py)"}
     run.write_summary(summary)
     return summary
+
+
+def driver_problems(recipe: Any) -> list[str]:
+    """What of ``recipe`` the in-process driver would not do as ``fedfusion run`` does (empty: nothing)."""
+    from fedfusion.config.recipe import Recipe
+
+    default = Recipe()
+    problems = []
+    if recipe.fusion.method != "submodel":
+        problems.append(f"fusion.method={recipe.fusion.method} (width-slicing recipes only)")
+    if recipe.selection.method != "random":
+        problems.append(f"selection.method={recipe.selection.method} (the driver draws clients uniformly)")
+    for section in ("availability", "faults", "privacy"):
+        if getattr(recipe, section) != getattr(default, section):
+            problems.append(f"{section}.* differs from the defaults (the driver has no {section})")
+    if recipe.train.checkpoint:
+        problems.append("train.checkpoint=true (the driver trains without activation checkpointing)")
+    return problems
 
 
 def device_name(device: str) -> str:
@@ -166,9 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     given = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--report-only"]
     command = shlex.join(["python", "benchmarks/cuda_finetune.py", *given])  # the command that runs the runs
     c = plan(args.recipe, args.overrides, args.seeds, Path(args.work), command=command)
-    methods = {r.fusion.method for r in c.recipes.values()}
-    if methods - {"submodel"}:
-        raise SystemExit(f"cuda_finetune runs width-slicing recipes only; these arms use {sorted(methods)}")
+    unmodelled = sorted({problem for r in c.recipes.values() for problem in driver_problems(r)})
+    if unmodelled:
+        raise SystemExit(f"cuda_finetune cannot run this comparison in process: {'; '.join(unmodelled)}")
     pending = []
     for seed in c.seeds:
         for arm in c.arms:

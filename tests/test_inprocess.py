@@ -287,3 +287,35 @@ def test_a_core_needs_a_shared_window():
     cfg, state, _ = _setup()
     with pytest.raises(ValueError, match="core_forward"):
         SubModelMethod(cfg, {"t": 0.5}, state, forward="full", window_core=True, core_forward="small")
+
+
+def test_the_driver_trains_each_round_at_the_recipes_scheduled_lr(monkeypatch):
+    """``lr_schedule``: round r's clients train at :func:`fedfusion.fusion.rounds.round_lr` of r, as the strategy
+    sends it (cosine from ``lr`` in round 1 to ``lr_final`` x ``lr`` in the last)."""
+    import fedfusion.fusion.inprocess as inprocess
+    from fedfusion.fusion.rounds import round_lr
+
+    cfg, state, windows = _setup(clients=1)
+    seen: list[float] = []
+    real = inprocess.train_steps
+
+    def spy(model, data, steps, lr, *args, **kwargs):
+        seen.append(lr)
+        return real(model, data, steps, lr, *args, **kwargs)
+
+    monkeypatch.setattr(inprocess, "train_steps", spy)
+    run = SubModelRun(cfg, windows, [1.0], policy="static", rounds=3, per_round=1, steps=1, lr=0.01, batch_size=4,
+                      lr_schedule="cosine", lr_final=0.1)
+    run_submodel(run, state)
+    assert seen == [round_lr(0.01, "cosine", 0.1, rnd, 3) for rnd in (1, 2, 3)]
+    assert seen[0] == 0.01 and seen[-1] == pytest.approx(0.001)  # lr, then lr_final x lr
+
+
+def test_the_driver_caps_a_small_clients_steps_in_epochs_as_the_strategy_does():
+    """``max_epochs``: a client of 12 examples at batch 4 takes ceil(2 x 12 / 4) = 6 of its 10 steps
+    (:func:`fedfusion.fusion.rounds.client_steps`)."""
+    cfg, state, windows = _setup(clients=1)
+    common = dict(policy="static", rounds=1, per_round=1, steps=10, lr=0.01, batch_size=4)
+    _, capped = run_submodel(SubModelRun(cfg, windows, [1.0], max_epochs=2, **common), state)
+    _, free = run_submodel(SubModelRun(cfg, windows, [1.0], **common), state)
+    assert capped.tokens == 6 * 4 * 8 and free.tokens == 10 * 4 * 8

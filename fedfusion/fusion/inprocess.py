@@ -26,7 +26,7 @@ from fedfusion.config.methods import WINDOW
 from fedfusion.fusion.base import Client, FusionMethod, Payload, State
 from fedfusion.fusion.distill.method import DistillMethod
 from fedfusion.fusion.outer import OuterConfig
-from fedfusion.fusion.rounds import client_seed, fold_round, initial_state, round_lr, round_payloads, server_seed
+from fedfusion.fusion.rounds import client_seed, client_steps, fold_round, initial_state, round_lr, round_payloads, server_seed
 from fedfusion.fusion.submodel.method import SubModelMethod
 from fedfusion.models.build import model_from_state, small_model, tied_aliases, wire_state
 from fedfusion.models.full_forward import WindowModel, from_payload
@@ -56,6 +56,7 @@ class Rounds:
     optimizer: str = "adamw"  # the clients' local optimizer (fedfusion.train.loop.OPTIMIZERS)
     lr_schedule: str = "constant"  # train.lr_schedule: the clients' lr over the rounds (:meth:`lr_at`)
     lr_final: float = 0.1  # train.lr_final
+    max_epochs: float = 0.0  # train.max_epochs: a client's steps capped at this many passes over its examples
     device: str = "cpu"  # where the clients train (a model moves there; its reply comes back to the CPU)
     # DP-SGD on every client (privacy.mode=dp_sgd with noise_multiplier 0): each client's noise calibrated to spend
     # ``dp_epsilon`` at ``dp_delta`` over the rounds it is expected to train; 0: no DP
@@ -66,6 +67,10 @@ class Rounds:
     def lr_at(self, rnd: int) -> float:
         """The clients' lr in round ``rnd`` (:func:`fedfusion.fusion.rounds.round_lr`, as the strategy sends it)."""
         return round_lr(self.lr, self.lr_schedule, self.lr_final, rnd, self.rounds)
+
+    def steps_for(self, examples: int) -> int:
+        """The local steps a client of ``examples`` examples takes (:func:`fedfusion.fusion.rounds.client_steps`)."""
+        return client_steps(self.steps, self.batch_size, self.max_epochs, examples)
 
     def draw(self, rng: random.Random, population: int) -> list[int]:
         """This round's sampled partitions, sorted (the strategy's seeded random selector, uniform)."""
@@ -234,8 +239,8 @@ class SliceClients:
         full = RoleSpec.from_config(payload.spec).role == WINDOW  # the client role fedfusion.clients.window
         model = (from_payload(config, received, WindowSpec.from_config(payload.spec), payload.client.seed) if full
                  else model_from_state(config, received)).to(run.device)  # type: ignore[arg-type]  # transformers' wrapped .to
-        out = train_steps(model, run.windows[p], run.steps, run.lr_at(rnd) * payload.lr_scale, run.batch_size,
-                          payload.client.seed, run.weight_decay, run.optimizer, loss=loss_of(model),
+        out = train_steps(model, run.windows[p], run.steps_for(len(run.windows[p])), run.lr_at(rnd) * payload.lr_scale,
+                          run.batch_size, payload.client.seed, run.weight_decay, run.optimizer, loss=loss_of(model),
                           dp=run.private(len(run.windows[p]), len(run.windows))).metrics()
         trained = {k: v.cpu() for k, v in (model.trained() if isinstance(model, WindowModel | LowRankModel) else
                                            wire_of(model)).items()}
@@ -287,8 +292,8 @@ def run_mixed(run: SubModelRun, tiers: Sequence[str], families: DistillMethod, i
             return train_slice(rnd, payload)
         p = payload.client.partition  # the small-model client role (fedfusion.clients.smallmodel)
         model = family_model(payload, decode(payload.arrays))
-        out = train_steps(model, run.windows[p], run.steps, run.lr_at(rnd) * payload.lr_scale, run.batch_size,
-                          payload.client.seed, run.weight_decay, run.optimizer,
+        out = train_steps(model, run.windows[p], run.steps_for(len(run.windows[p])), run.lr_at(rnd) * payload.lr_scale,
+                          run.batch_size, payload.client.seed, run.weight_decay, run.optimizer,
                           dp=run.private(len(run.windows[p]), len(run.windows))).metrics()
         return wire_of(model), {**out, NUM_EXAMPLES: len(run.windows[p])}
 
