@@ -14,33 +14,61 @@ import cuda_finetune  # noqa: E402
 from fedfusion.run.arms import ARM_NAMES  # noqa: E402
 
 
+def _rows(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
 @pytest.mark.slow
 def test_every_arm_runs_in_process_and_compare_reports_them(tmp_path):
     work, results = tmp_path / "work", tmp_path / "results"
-    args = ["quickstart", "rounds=2", "train.local_steps=1", "train.eval_every=1", "--seeds", "0", "--device", "cpu",
+    args = ["quickstart", "rounds=3", "train.local_steps=1", "train.eval_every=2", "--seeds", "0", "--device", "cpu",
             "--jobs", "2", "--work", str(work), "--results", str(results), "--stem", "bench"]
     assert cuda_finetune.main(args) == 0
+    firsts = set()
     for arm in ARM_NAMES:
         run = work / f"{arm}-s0"
-        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-        assert [r["round"] for r in rows] == [0, 1, 2] and all(r["eval_loss"] > 0 for r in rows)
+        rows = _rows(run)
+        assert [r["round"] for r in rows] == [0, 2, 3]  # round 0, every eval_every-th, the last
+        firsts.add(rows[0]["eval_loss"])
         summary = json.loads((run / "summary.json").read_text())
-        assert summary["status"] == "ok" and summary["client_rounds"] > 0 and summary["device"].endswith("CPU")
+        assert summary["status"] == "ok" and summary["driver"] == cuda_finetune.DRIVER
+        assert summary["client_rounds"] == 3 * 6  # rounds x the quickstart's clients per round, all trained
+    assert len(firsts) == 1  # every arm starts from the same target
     report = (results / "bench.md").read_text()
-    assert "ran in process" in report and "](bench.png)" in report and "`fedfusion run` in" not in report
+    assert "ran in process" in report and "x86_64 CPU" in report and "](bench.png)" in report
+    assert "`fedfusion run` in" not in report and (results / "bench.png").is_file()
     data = json.loads((results / "bench.json").read_text())
-    assert set(data["arms"]) == set(ARM_NAMES) and all(data["arms"][a]["runs"]["0"]["final"] > 0 for a in ARM_NAMES)
-    assert data["command"].startswith("python benchmarks/cuda_finetune.py quickstart rounds=2")
-    # a second call keeps the finished runs; --report-only rewrites the report from them alone
-    mtime = (work / "recipe-s0" / "summary.json").stat().st_mtime_ns
+    assert set(data["arms"]) == set(ARM_NAMES)
+    assert data["command"].startswith("python benchmarks/cuda_finetune.py quickstart rounds=3")
+    # the same command again keeps the finished runs; --report-only rewrites the report from them alone
+    stamps = {arm: (work / f"{arm}-s0" / "summary.json").stat().st_mtime_ns for arm in ARM_NAMES}
+    assert cuda_finetune.main(args) == 0
     assert cuda_finetune.main([*args, "--report-only"]) == 0
-    assert (work / "recipe-s0" / "summary.json").stat().st_mtime_ns == mtime
+    assert {arm: (work / f"{arm}-s0" / "summary.json").stat().st_mtime_ns for arm in ARM_NAMES} == stamps
     assert json.loads((results / "bench.json").read_text())["command"] == data["command"]
+    # a run cut short is run again; a run another tool made is refused, not reported as this script's
+    (work / "oracle-s0" / "summary.json").unlink()
+    assert cuda_finetune.main(args) == 0 and [r["round"] for r in _rows(work / "oracle-s0")] == [0, 2, 3]
+    summary = json.loads((work / "recipe-s0" / "summary.json").read_text())
+    (work / "recipe-s0" / "summary.json").write_text(json.dumps({**summary, "driver": "fedfusion run"}))
+    with pytest.raises(FileExistsError, match="did not make"):
+        cuda_finetune.main(args)
+
+
+@pytest.mark.slow
+def test_a_failed_run_is_reported_and_leaves_the_results_untouched(tmp_path, monkeypatch):
+    results = tmp_path / "results"
+    args = ["quickstart", "rounds=1", "train.local_steps=1", "--seeds", "0", "--device", "no-such-device",
+            "--work", str(tmp_path / "work"), "--results", str(results)]
+    assert cuda_finetune.main(args) == 1
+    summary = json.loads((tmp_path / "work" / "recipe-s0" / "summary.json").read_text())
+    assert summary["status"] == "failed" and "no-such-device" in summary["error"]
+    assert not results.exists()
 
 
 @pytest.mark.parametrize(("recipe", "overrides", "named"), [
-    ("knowledge", [], "width-slicing recipes only"), ("quickstart", ["privacy.mode=clip"], "privacy"),
-    ("quickstart", ["selection.method=oort"], "selection.method=oort")])
+    ("knowledge", [], "width slicing only"), ("quickstart", ["privacy.mode=clip"], "privacy"),
+    ("quickstart", ["selection.overselect=0.5"], "selection"), ("quickstart", ["fusion.policy=owned"], "owned")])
 def test_a_recipe_the_driver_cannot_run_is_refused_before_anything_runs(tmp_path, recipe, overrides, named):
     with pytest.raises(SystemExit, match=named):
         cuda_finetune.main([recipe, *overrides, "--seeds", "0", "--device", "cpu", "--work", str(tmp_path / "w"),

@@ -319,3 +319,10 @@ def test_the_driver_caps_a_small_clients_steps_in_epochs_as_the_strategy_does():
     _, capped = run_submodel(SubModelRun(cfg, windows, [1.0], max_epochs=2, **common), state)
     _, free = run_submodel(SubModelRun(cfg, windows, [1.0], **common), state)
     assert capped.tokens == 6 * 4 * 8 and free.tokens == 10 * 4 * 8
+
+
+def test_a_loop_whose_clients_train_on_the_cpu_refuses_another_device():
+    cfg, state, windows = _setup()
+    run = GenerativeRun(cfg, 0.5, windows, rounds=1, per_round=1, steps=1, lr=0.01, batch_size=4, device="cuda")
+    with pytest.raises(ValueError, match="run_generative: its clients train on the CPU"):
+        run_generative(run, state)

@@ -23,6 +23,7 @@ import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
 from fedfusion.config.methods import WINDOW
+from fedfusion.config.sections import TrainConfig
 from fedfusion.fusion.base import Client, FusionMethod, Payload, State
 from fedfusion.fusion.distill.method import DistillMethod
 from fedfusion.fusion.outer import OuterConfig
@@ -55,7 +56,7 @@ class Rounds:
     weight_decay: float = 0.0
     optimizer: str = "adamw"  # the clients' local optimizer (fedfusion.train.loop.OPTIMIZERS)
     lr_schedule: str = "constant"  # train.lr_schedule: the clients' lr over the rounds (:meth:`lr_at`)
-    lr_final: float = 0.1  # train.lr_final
+    lr_final: float = TrainConfig.lr_final  # train.lr_final
     max_epochs: float = 0.0  # train.max_epochs: a client's steps capped at this many passes over its examples
     device: str = "cpu"  # where the clients train (a model moves there; its reply comes back to the CPU)
     # DP-SGD on every client (privacy.mode=dp_sgd with noise_multiplier 0): each client's noise calibrated to spend
@@ -63,6 +64,11 @@ class Rounds:
     dp_epsilon: float = 0.0
     dp_delta: float = 1e-5
     dp_clip: float = 1.0
+
+    def on_cpu(self, loop: str) -> None:
+        """Refuse ``device`` for a loop whose clients train on the CPU only (ValueError naming ``loop``)."""
+        if self.device != "cpu":
+            raise ValueError(f"{loop}: its clients train on the CPU; device {self.device!r} is for width slicing")
 
     def lr_at(self, rnd: int) -> float:
         """The clients' lr in round ``rnd`` (:func:`fedfusion.fusion.rounds.round_lr`, as the strategy sends it)."""
@@ -84,7 +90,7 @@ class Rounds:
         if not self.dp_epsilon:
             return None
         budgets = ClientBudgets(0.0, self.dp_delta, self.dp_epsilon, {}, self.expected_rounds(population))
-        return DpSgd(self.dp_clip, budgets.sigma(examples, self.batch_size, self.steps))
+        return DpSgd(self.dp_clip, budgets.sigma(examples, self.batch_size, self.steps_for(examples)))
 
     def expected_rounds(self, population: int) -> int:
         """The rounds a client is expected to train: rounds x per_round / population, rounded up."""
@@ -97,7 +103,7 @@ class Rounds:
         if dp is None or not rounds_trained:
             return 0.0
         rate = min(1.0, self.batch_size / max(examples, 1))
-        return epsilon_spent([(dp.noise_multiplier, rate, self.steps)] * rounds_trained, self.dp_delta)
+        return epsilon_spent([(dp.noise_multiplier, rate, self.steps_for(examples))] * rounds_trained, self.dp_delta)
 
 
 @dataclass(frozen=True)
@@ -260,7 +266,8 @@ def run_submodel(run: SubModelRun, initial: dict[str, torch.Tensor], evaluate: E
         raise ValueError(f"{len(run.windows)} partitions of windows but {len(run.widths)} widths")
     tiers = [f"w{w:g}" for w in run.widths]
     method = submodel_method(run, dict(zip(tiers, run.widths)), initial)
-    method.observe(dict(enumerate(tiers)))  # ``owned`` windows tile the whole population from round 1
+    # every round's payloads re-observe the round's sampled clients (round_payloads without a population), so
+    # ``owned`` windows tile those, not every partition as the Flower strategy's do
     return run_rounds(dict.fromkeys(tiers, method), tiers, initial, SliceClients(run), run, evaluate)
 
 
@@ -282,8 +289,7 @@ def run_mixed(run: SubModelRun, tiers: Sequence[str], families: DistillMethod, i
     if own:  # the client role re-tokenises its text for such a family; this loop holds target-token windows only
         raise ValueError(f"families {own} have tokenizers of their own; run_mixed trains families on the target's")
     widths = {t: w for t, w in zip(tiers, run.widths) if t not in families.tier_family}
-    slices = submodel_method(run, widths, initial)
-    slices.observe(dict(enumerate(tiers)))  # as run_submodel: ``owned`` windows tile the population from round 1
+    slices = submodel_method(run, widths, initial)  # ``owned``: as run_submodel, the round's sampled clients
     methods = {t: families if t in families.tier_family else slices for t in tiers}
     train_slice = SliceClients(run)
 
@@ -291,11 +297,11 @@ def run_mixed(run: SubModelRun, tiers: Sequence[str], families: DistillMethod, i
         if methods[payload.client.tier] is slices:
             return train_slice(rnd, payload)
         p = payload.client.partition  # the small-model client role (fedfusion.clients.smallmodel)
-        model = family_model(payload, decode(payload.arrays))
+        model = family_model(payload, decode(payload.arrays)).to(run.device)  # type: ignore[arg-type]  # as above
         out = train_steps(model, run.windows[p], run.steps_for(len(run.windows[p])), run.lr_at(rnd) * payload.lr_scale,
                           run.batch_size, payload.client.seed, run.weight_decay, run.optimizer,
                           dp=run.private(len(run.windows[p]), len(run.windows))).metrics()
-        return wire_of(model), {**out, NUM_EXAMPLES: len(run.windows[p])}
+        return {k: v.cpu() for k, v in wire_of(model).items()}, {**out, NUM_EXAMPLES: len(run.windows[p])}
 
     return run_rounds(methods, list(tiers), initial, train, run, evaluate)
 

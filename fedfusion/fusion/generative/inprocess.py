@@ -56,6 +56,7 @@ def run_generative(run: GenerativeRun, initial: dict[str, torch.Tensor], evaluat
     never up; the samples up as the client sends them); the clients' sampling counts as work (~2 x params per
     generated token, forward only, KV-cached). Returns the target, the costs and each sampled partition's own model as
     its device ends the run (what the samples could carry: the ceiling of what the target can learn)."""
+    run.on_cpu("run_generative")
     tier = f"w{run.width:g}"
     method = GenerativeMethod(run.config, {tier: run.width}, initial, run.generative, run.windows[0].shape[1] - 1,
                               len(run.windows), run.seed, run.axes, grow_round=run.grow_round)
@@ -66,16 +67,17 @@ def run_generative(run: GenerativeRun, initial: dict[str, torch.Tensor], evaluat
         partition = payload.client.partition
         if RoleSpec.from_config(payload.spec).role != method.role:  # a grow round: the slice, as the submodel role
             model = model_from_state(spec_config(run.config, payload), decode(payload.arrays))
-            out = train_steps(model, run.windows[partition], run.steps, run.lr, run.batch_size, payload.client.seed,
-                              run.weight_decay, run.optimizer, dp=run.private(len(run.windows[partition]),
-                                                                                len(run.windows)))
+            out = train_steps(model, run.windows[partition], run.steps_for(len(run.windows[partition])),
+                              run.lr_at(rnd) * payload.lr_scale, run.batch_size, payload.client.seed, run.weight_decay,
+                              run.optimizer, dp=run.private(len(run.windows[partition]), len(run.windows)))
             return wire_of(model), {**out.metrics(), NUM_EXAMPLES: len(run.windows[partition])}
         ask = GenerativeSpec.from_config(payload.spec)
         start_from = nodes[partition] if ask.kept else payload.arrays
         model = model_from_state(sub_config(run.config, method.plans[tier]), start_from)
         own, seed = run.windows[partition], payload.client.seed
         dp = run.private(len(own), len(run.windows))
-        out = train_steps(model, own, run.steps, run.lr, run.batch_size, seed, run.weight_decay, run.optimizer, dp=dp)
+        out = train_steps(model, own, run.steps_for(len(own)), run.lr_at(rnd) * payload.lr_scale, run.batch_size, seed,
+                          run.weight_decay, run.optimizer, dp=dp)
         trained = wire_of(model)
         if ask.device_state == "node":
             nodes[partition], reply = trained, {}

@@ -44,6 +44,7 @@ class LoRARun(Rounds):
 def run_lora(run: LoRARun, evaluate: Evaluate | None = None) -> tuple[State, RunStats]:
     """``run.rounds`` rounds of :class:`~fedfusion.fusion.lora.method.LoRAMethod` through the driver from no update;
     returns the global update (``m.lora_A``/``m.lora_B`` pairs, :func:`with_update` applies it) and the costs."""
+    run.on_cpu("run_lora")
     tiers = sorted(set(run.tiers))
     method = LoRAMethod(adapted_modules(run.base, list(run.modules)), ranks={t: run.ranks[t] for t in tiers},
                         alphas=dict.fromkeys(tiers, run.alpha), quantize=dict.fromkeys(tiers, 0), method=run.method,
@@ -54,8 +55,8 @@ def run_lora(run: LoRARun, evaluate: Evaluate | None = None) -> tuple[State, Run
         spec, p = AdapterSpec.from_config(payload.spec), payload.client.partition
         setting = AdapterSetting(spec.rank, spec.alpha, run.modules, run.dropout)
         factors, out = train_adapter(run.base, decode(payload.arrays), run.windows[p], setting, payload.client.seed,
-                                     steps=run.steps, lr=run.lr_at(rnd) * payload.lr_scale, batch_size=run.batch_size,
-                                     weight_decay=run.weight_decay,
+                                     steps=run.steps_for(len(run.windows[p])), lr=run.lr_at(rnd) * payload.lr_scale,
+                                     batch_size=run.batch_size, weight_decay=run.weight_decay,
                                      dp=run.private(len(run.windows[p]), len(run.windows)))
         return factors, {**out.metrics(), NUM_EXAMPLES: len(run.windows[p])}
 
