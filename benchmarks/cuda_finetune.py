@@ -134,10 +134,12 @@ def device_name(device: str) -> str:
     return f"{platform.machine()} CPU"
 
 
-def job(recipe: Recipe, run_dir: str, device: str, threads: int) -> tuple[str, str]:
-    """A worker's (arm, seed): ('ok', '') or ('failed', the error); a failed run's summary.json says why."""
+def job(recipe: Recipe, run_dir: str, device: str, threads: int | None) -> tuple[str, str]:
+    """One (arm, seed), in a worker (``threads``: its torch threads) or in this process (None: as they are):
+    ('ok', '') or ('failed', the error); a failed run's summary.json says why."""
     try:
-        torch.set_num_threads(threads)
+        if threads is not None:
+            torch.set_num_threads(threads)
         silence_expected_noise()
         run_inprocess(recipe, Path(run_dir), device, echo=lambda line: print(line, flush=True))
         return "ok", ""
@@ -188,8 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("overrides", nargs="*", help="key=value overrides of the recipe, for every arm")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--device", default="cuda", help="where the clients train and the target is scored")
-    parser.add_argument("--jobs", type=int, default=1, help="runs at once (each its own process)")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per run")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="runs at once, each in its own process; 0: one after another in this process")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads of each worker (--jobs >= 1)")
     parser.add_argument("--work", default="runs/cuda-finetune", help="the comparison's directory (its run dirs)")
     parser.add_argument("--results", default=str(RESULTS), help="where the report files are copied")
     parser.add_argument("--stem", default="cuda_finetune", help="the report files' name under --results")
@@ -214,8 +217,13 @@ def main(argv: list[str] | None = None) -> int:
     if pending:
         for arm, seed in pending:  # the driver keeps no checkpoints: an unfinished run starts again
             shutil.rmtree(c.run_dir(arm, seed), ignore_errors=True)
+    if pending and args.jobs <= 0:
+        for arm, seed in pending:
+            status, error = job(c.recipes[arm, seed], str(c.run_dir(arm, seed)), args.device, None)
+            print(f"{arm} seed {seed}: {status} {error} ({time.perf_counter() - started:.0f} s)", flush=True)
+    elif pending:
         context = multiprocessing.get_context("spawn")  # CUDA in workers needs fresh interpreters
-        with ProcessPoolExecutor(max_workers=max(1, args.jobs), mp_context=context, max_tasks_per_child=1) as pool:
+        with ProcessPoolExecutor(max_workers=args.jobs, mp_context=context, max_tasks_per_child=1) as pool:
             futures = {pool.submit(job, c.recipes[arm, seed], str(c.run_dir(arm, seed)), args.device, args.threads):
                        (arm, seed) for arm, seed in pending}
             for future in as_completed(futures):

@@ -49,6 +49,9 @@ def test_every_arm_runs_in_process_and_compare_reports_them(tmp_path):
     # a run cut short is run again; a run another tool made is refused, not reported as this script's
     (work / "oracle-s0" / "summary.json").unlink()
     assert cuda_finetune.main(args) == 0 and [r["round"] for r in _rows(work / "oracle-s0")] == [0, 2, 3]
+    again = json.loads((work / "oracle-s0" / "summary.json").read_text())
+    first = json.loads((results / "bench.json").read_text())["arms"]["oracle"]["runs"]["0"]["final"]
+    assert again["driver"] == cuda_finetune.DRIVER and _rows(work / "oracle-s0")[-1]["eval_loss"] == first  # seeded
     summary = json.loads((work / "recipe-s0" / "summary.json").read_text())
     (work / "recipe-s0" / "summary.json").write_text(json.dumps({**summary, "driver": "fedfusion run"}))
     with pytest.raises(FileExistsError, match="did not make"):
@@ -59,7 +62,7 @@ def test_every_arm_runs_in_process_and_compare_reports_them(tmp_path):
 def test_a_failed_run_is_reported_and_leaves_the_results_untouched(tmp_path, monkeypatch):
     results = tmp_path / "results"
     args = ["quickstart", "rounds=1", "train.local_steps=1", "--seeds", "0", "--device", "no-such-device",
-            "--work", str(tmp_path / "work"), "--results", str(results)]
+            "--jobs", "0", "--work", str(tmp_path / "work"), "--results", str(results)]  # in this process
     assert cuda_finetune.main(args) == 1
     summary = json.loads((tmp_path / "work" / "recipe-s0" / "summary.json").read_text())
     assert summary["status"] == "failed" and "no-such-device" in summary["error"]
