@@ -47,7 +47,6 @@ from fedfusion.config.recipe import Recipe
 from fedfusion.config.sections import SelectionConfig
 from fedfusion.data.population import client_windows, data_spec, tier_list
 from fedfusion.fusion.inprocess import SliceClients, SubModelRun, run_rounds
-from fedfusion.fusion.rounds import fusion_wire
 from fedfusion.run.compare import Comparison, plan, state, write_report
 from fedfusion.run.federation import build_methods, facts_summary
 from fedfusion.run.quiet import silence_expected_noise
@@ -74,11 +73,11 @@ def run_inprocess(recipe: Recipe, run_dir: Path, device: str, echo: Callable[[st
     spec = data_spec(recipe.data_source())
     tiers = tier_list(recipe.population, recipe.seed)
     windows = [client_windows(spec, p, t.seq_len, "train") for p in range(len(tiers))]
-    settings = SubModelRun(  # only the driver's settings and the client role's are read: the methods are built
+    settings = SubModelRun(  # the driver's and client role's settings: the methods are the recipe's own
         target.model.config, windows, [], rounds=recipe.rounds, per_round=recipe.selection.clients_per_round,
         steps=t.local_steps, lr=t.lr, batch_size=t.batch_size, seed=recipe.seed, weight_decay=t.weight_decay,
         optimizer=t.optimizer, lr_schedule=t.lr_schedule, lr_final=t.lr_final, max_epochs=t.max_epochs,
-        device=device, wire=fusion_wire(recipe.fusion))
+        device=device)
     rows: list[dict[str, Any]] = []
 
     def evaluate(state: dict[str, torch.Tensor] | None, rnd: int) -> dict[str, float] | None:

@@ -326,3 +326,24 @@ def test_a_loop_whose_clients_train_on_the_cpu_refuses_another_device():
     run = GenerativeRun(cfg, 0.5, windows, rounds=1, per_round=1, steps=1, lr=0.01, batch_size=4, device="cuda")
     with pytest.raises(ValueError, match="run_generative: its clients train on the CPU"):
         run_generative(run, state)
+
+
+@pytest.mark.parametrize(("feedback", "forward"), [(True, "slice"), (False, "slice"), (True, "full")])
+def test_a_client_keeps_its_uplink_rounding_where_the_message_asks_for_error_feedback(feedback, forward):
+    """The driver's client reads the uplink from the payload's wire spec, as the client app does: an int8 reply keeps
+    its rounding error for the next one only with error feedback, and never for a full-forward window."""
+    from fedfusion.fusion.base import Client
+    from fedfusion.fusion.inprocess import SliceClients, submodel_method
+    from fedfusion.fusion.rounds import round_payloads
+    from fedfusion.wire.quantize import Wire
+
+    cfg, state, windows = _setup(clients=1)
+    run = SubModelRun(cfg, windows, [0.5], policy="static", rounds=1, per_round=1, steps=1, lr=0.01, batch_size=4,
+                      wire=Wire(up="int8", error_feedback=feedback), forward=forward, frozen="float32")
+    method = submodel_method(run, {"t": 0.5}, state)
+    payload, = round_payloads({"t": method}, 1, state, [Client(0, "t", client_seed(0, 1, 0))])
+    clients = SliceClients(run)
+    clients(1, payload)
+    kept = clients.residuals[0]
+    assert (len(kept) > 0) == (feedback and forward == "slice")
+    assert all(t.abs().max() > 0 for t in kept.values())  # int8 rounding of trained values leaves some error

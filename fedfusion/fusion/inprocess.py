@@ -38,7 +38,7 @@ from fedfusion.train.dp import ClientBudgets, DpSgd, epsilon_spent
 from fedfusion.train.loop import loss_of, train_steps
 from fedfusion.wire.keys import FROZEN, NUM_EXAMPLES
 from fedfusion.wire.quantize import Wire, client_reply, decode
-from fedfusion.wire.specs import ModelSpec, RoleSpec, WindowSpec
+from fedfusion.wire.specs import ModelSpec, RoleSpec, WindowSpec, WireSpec
 
 Evaluate = Callable[[dict[str, torch.Tensor], int], "dict[str, float] | None"]
 
@@ -250,8 +250,9 @@ class SliceClients:
                           dp=run.private(len(run.windows[p]), len(run.windows))).metrics()
         trained = {k: v.cpu() for k, v in (model.trained() if isinstance(model, WindowModel | LowRankModel) else
                                            wire_of(model)).items()}
-        feedback = run.wire.error_feedback and run.wire.up != "float32" and not full
-        reply, self.residuals[p] = client_reply(trained, payload.arrays, run.wire.up,
+        wire = WireSpec.read(payload.spec)  # the uplink the message asks for, read as the client app reads it
+        feedback = wire.error_feedback and wire.up != "float32"
+        reply, self.residuals[p] = client_reply(trained, payload.arrays, wire.up,
                                                 self.residuals.get(p, {}) if feedback else None, received)
         return reply, {**out, NUM_EXAMPLES: len(run.windows[p])}
 
