@@ -18,7 +18,8 @@ strategy's selector. Width slicing only (slices and full-forward windows, not th
 with the default selection, availability, faults and privacy and no activation checkpointing: anything else is refused,
 naming the key. A run directory made by ``fedfusion run`` is never taken for one of this script's, nor the reverse.
 
-    python benchmarks/cuda_finetune.py finetune rounds=32 train.local_steps=16 --seeds 0 1 2 --device cuda --jobs 9
+    python benchmarks/cuda_finetune.py finetune fusion.auto_widths=true rounds=12 train.local_steps=16 --seeds 0 1 2 \
+        --device cuda --jobs 9
 """
 
 from __future__ import annotations
@@ -213,9 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     jobs = [(arm, seed) for seed in c.seeds for arm in c.arms]
     pending = [] if args.report_only else [(a, s) for a, s in jobs if not finished(c, a, s)]
     started = time.perf_counter()
-    if pending:
-        for arm, seed in pending:  # the driver keeps no checkpoints: an unfinished run starts again
-            shutil.rmtree(c.run_dir(arm, seed), ignore_errors=True)
+    for arm, seed in pending:  # the driver keeps no checkpoints: an unfinished run starts again
+        shutil.rmtree(c.run_dir(arm, seed), ignore_errors=True)
     if pending and args.jobs <= 0:
         for arm, seed in pending:
             status, error = job(c.recipes[arm, seed], str(c.run_dir(arm, seed)), args.device, None)
@@ -232,10 +232,10 @@ def main(argv: list[str] | None = None) -> int:
                 except BrokenProcessPool as exc:  # a worker killed (out of memory, a crashed driver)
                     status, error = "failed", f"its worker died: {exc}"
                 print(f"{arm} seed {seed}: {status} {error} ({time.perf_counter() - started:.0f} s)", flush=True)
-    done = [(a, s) for a, s in jobs if finished(c, a, s)]
+    unfinished = sum(not finished(c, a, s) for a, s in jobs)
     paths = write_report(c)
-    if len(done) < len(jobs):
-        print(f"{len(jobs) - len(done)} of {len(jobs)} runs did not finish; the partial report is {paths[0]} "
+    if unfinished:
+        print(f"{unfinished} of {len(jobs)} runs did not finish; the partial report is {paths[0]} "
               f"({args.results} not written)", flush=True)
         return 1
     out = Path(args.results)

@@ -214,8 +214,8 @@ def spec_config(config: PretrainedConfig, payload: Payload) -> PretrainedConfig:
 
 
 def wire_of(model: torch.nn.Module) -> State:
-    """A trained model's state as a client replies it (detached, tied weights once)."""
-    return wire_state({k: v.detach() for k, v in model.state_dict().items()}, tied_aliases(model))
+    """A trained model's state as a client replies it (detached, on the CPU, tied weights once)."""
+    return wire_state({k: v.detach().cpu() for k, v in model.state_dict().items()}, tied_aliases(model))
 
 
 def submodel_method(run: SubModelRun, widths: Mapping[str, float], template: State) -> SubModelMethod:
@@ -248,8 +248,8 @@ class SliceClients:
         out = train_steps(model, run.windows[p], run.steps_for(len(run.windows[p])), run.lr_at(rnd) * payload.lr_scale,
                           run.batch_size, payload.client.seed, run.weight_decay, run.optimizer, loss=loss_of(model),
                           dp=run.private(len(run.windows[p]), len(run.windows))).metrics()
-        trained = {k: v.cpu() for k, v in (model.trained() if isinstance(model, WindowModel | LowRankModel) else
-                                           wire_of(model)).items()}
+        trained = ({k: v.cpu() for k, v in model.trained().items()} if isinstance(model, WindowModel | LowRankModel)
+                   else wire_of(model))
         wire = WireSpec.read(payload.spec)  # the uplink the message asks for, read as the client app reads it
         feedback = wire.error_feedback and wire.up != "float32"
         reply, self.residuals[p] = client_reply(trained, payload.arrays, wire.up,
@@ -302,7 +302,7 @@ def run_mixed(run: SubModelRun, tiers: Sequence[str], families: DistillMethod, i
         out = train_steps(model, run.windows[p], run.steps_for(len(run.windows[p])), run.lr_at(rnd) * payload.lr_scale,
                           run.batch_size, payload.client.seed, run.weight_decay, run.optimizer,
                           dp=run.private(len(run.windows[p]), len(run.windows))).metrics()
-        return {k: v.cpu() for k, v in wire_of(model).items()}, {**out, NUM_EXAMPLES: len(run.windows[p])}
+        return wire_of(model), {**out, NUM_EXAMPLES: len(run.windows[p])}
 
     return run_rounds(methods, list(tiers), initial, train, run, evaluate)
 
