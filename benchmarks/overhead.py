@@ -17,7 +17,10 @@ runs the whole command ``python -m fedfusion run RECIPE ...`` ``--repeats`` time
   every client message building its model (``FEDFUSION_CLIENT_CACHE=0``, ``train.eval_every=1``);
 - ``cache``: the clients keep their built models between messages (``clients/cache.py``; the default now);
 - ``eval_every=N``: central evaluation on round 0, every N-th and the last round only (``train.eval_every=N``);
-- ``both``: the two together.
+- ``both``: the two together;
+- ``paced``: the quickstart as it ships now: the cache on, every round scored, and each round's messages paced onto
+  the engine's slots longest first (``fedfusion.run.slots``; ``FEDFUSION_PACED=0`` in every other arm, as before
+  pacing).
 
 The model cache is on by default and switched off with an environment variable, not a recipe key: it changes no
 result (``benchmarks/compare_runs.py`` finds no difference), so it is no part of what a recipe describes, and a
@@ -66,15 +69,15 @@ def round_table(run: Path, cores_total: int) -> list[dict]:
     return table
 
 
-ARMS = ("default", "cache", "eval_every", "both")
+ARMS = ("default", "cache", "eval_every", "both", "paced")
 
 
-def one_run(recipe: str, overrides: list[str], cache: bool, cores: int) -> dict:
+def one_run(recipe: str, overrides: list[str], cache: bool, cores: int, paced: bool = False) -> dict:
     """One whole command in a fresh process: its seconds, its per-round table and the ratio from round 2."""
     with tempfile.TemporaryDirectory() as tmp:
         run = Path(tmp) / "run"
         cmd = [sys.executable, "-m", "fedfusion", "run", recipe, *overrides, "--out", str(run)]
-        env = {**os.environ, "FEDFUSION_CLIENT_CACHE": "1" if cache else "0"}
+        env = {**os.environ, "FEDFUSION_CLIENT_CACHE": "1" if cache else "0", "FEDFUSION_PACED": "1" if paced else "0"}
         load_before = os.getloadavg()
         start = time.perf_counter()
         for attempt in range(3):  # Ray gives its raylet 30 s to start: on a busy machine a start can time out
@@ -137,24 +140,24 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(bad)
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     cores = os.cpu_count() or 1
-    settings = {"default": (False, 1), "cache": (True, 1), "eval_every": (False, args.eval_every),
-                "both": (True, args.eval_every)}
+    settings = {"default": (False, 1, False), "cache": (True, 1, False), "eval_every": (False, args.eval_every, False),
+                "both": (True, args.eval_every, False), "paced": (True, 1, True)}
     runs: dict[str, list[dict]] = {arm: [] for arm in arms}
     for repeat in range(args.repeats):
         for arm in arms:
-            cache, every = settings[arm]
+            cache, every, paced = settings[arm]
             overrides = [*args.overrides, f"train.eval_every={every}"]
-            result = one_run(args.recipe, overrides, cache, cores)
+            result = one_run(args.recipe, overrides, cache, cores, paced)
             runs[arm].append(result)
             print(f"repeat {repeat + 1}/{args.repeats} {arm}: {result['command_s']:.1f} s, rounds 2+ "
                   f"{result['ratio_from_round_2']:.3f}x of the ideal", flush=True)
     summary = {}
     for arm, results in runs.items():
-        cache, every = settings[arm]
+        cache, every, paced = settings[arm]
         ratios = [r["ratio_from_round_2"] for r in results if r["ratio_from_round_2"] is not None]
         totals = {k: statistics.median(r["totals_from_round_2"][k] / r["totals_from_round_2"]["ideal_s"]
                                        for r in results) for k in ("eval_s", "aggregate_s", "rest_s")}
-        summary[arm] = {"client_cache": cache, "eval_every": every, "command_s": spread([r["command_s"] for r in results]),
+        summary[arm] = {"client_cache": cache, "eval_every": every, "paced": paced, "command_s": spread([r["command_s"] for r in results]),
                         "ratio_from_round_2": spread(ratios) if ratios else None,
                         "median_share_of_ideal": totals,
                         "final_eval_loss": sorted({r["final_eval_loss"] for r in results})}
@@ -191,22 +194,24 @@ def write_report(result: dict, path: Path) -> None:
            if load["median"] > cores else "") + ".", "",
         "Ratio: rounds 2 on, their summed wall time over their summed ideal (the round's clients' `train_s` packed "
         "onto the parallel slots: max of the longest client and the sum over the slots; goal 1.10x).", "",
-        "| arm | client model cache | train.eval_every | rounds 2+ wall / ideal: min / median / max | whole command s: "
-        "min / median / max | central eval / ideal | fold / ideal | rest / ideal | final eval loss |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| arm | client model cache | train.eval_every | paced longest first | rounds 2+ wall / ideal: min / median / "
+        "max | whole command s: min / median / max | central eval / ideal | fold / ideal | rest / ideal | final eval "
+        "loss |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for arm, s in summary.items():
         ratio = s["ratio_from_round_2"]
         r = f"{ratio['min']:.3f} / **{ratio['median']:.3f}** / {ratio['max']:.3f}" if ratio else "-"
         c, t = s["command_s"], s["median_share_of_ideal"]
-        lines.append(f"| {arm} | {'on' if s['client_cache'] else 'off'} | {s['eval_every']} | {r} | "
+        lines.append(f"| {arm} | {'on' if s['client_cache'] else 'off'} | {s['eval_every']} | "
+                     f"{'yes' if s.get('paced') else 'no'} | {r} | "
                      f"{c['min']:.1f} / {c['median']:.1f} / {c['max']:.1f} | {t['eval_s']:.3f} | "
                      f"{t['aggregate_s']:.3f} | {t['rest_s']:.3f} | "
                      f"{', '.join(f'{x:.6f}' for x in s['final_eval_loss'])} |")
     last_arm = list(summary)[-1]
     median_run = sorted(runs[last_arm], key=lambda r: r["ratio_from_round_2"] or 0.0)[len(runs[last_arm]) // 2]
     lines += ["", "Final eval loss: the last round's score in each arm's runs (one value: every repeat and arm ended "
-              "with the same target, as the cache and eval_every change no training).", "",
+              "with the same target, as the cache, eval_every and pacing change no training).", "",
               "Rest: Flower's message handling, serialisation, Ray scheduling, the clients' own model building "
               "(what the cache saves) and data loading, and the training the packing could not overlap.", "",
               f"Rounds of the median `{last_arm}` run:", "",

@@ -202,6 +202,9 @@ class RunState:
     exhausted: set[int] = field(default_factory=set)  # dp_sgd: partitions left out for their budget (logged once)
     costs: dict[str, WorkCost] = field(default_factory=dict)  # each tier's planned work, priced once per run
     round: _Round = field(default_factory=_Round)
+    # host seconds per trained token of each tier's clients in the last round it trained: what orders a round's
+    # messages longest first (not kept by a checkpoint: the order changes no result)
+    rates: dict[str, float] = field(default_factory=dict)
     threads_used: int = 0  # the torch threads of the last round's server work (0: none yet)
 
     def __post_init__(self) -> None:
@@ -488,7 +491,17 @@ class FusionStrategy(Strategy):
                 continue
             messages.append(Message(RecordDict({"arrays": record, "config": spec}), dst_node_id=node,
                                     message_type=MessageType.TRAIN))
-        return messages
+        return sorted(messages, key=lambda m: self.predicted_s(m.metadata.dst_node_id), reverse=True)
+
+    def predicted_s(self, node: int) -> float:
+        """How long ``node``'s training this round should take on the host: its tokens at its tier's last measured
+        rate (the mean rate of the tiers measured for a tier not yet, 1 before any). A simulation engine with fewer
+        slots than clients is sent the round longest first (:class:`~fedfusion.strategies.stop.StopGrid`), which
+        packs them onto its slots more tightly than node order; the replies are folded in sample order whatever
+        the order they come in."""
+        row = self.run.round.rows[node]
+        rates = self.run.rates
+        return row.tokens * rates.get(row.device, sum(rates.values()) / len(rates) if rates else 1.0)
 
     def replies_in_order(self, replies: Iterable[Message]) -> Iterator[tuple[Message, ClientRound]]:
         """This round's replies in sample order, each node once; error replies are recorded as ``failed`` (or
@@ -542,7 +555,7 @@ class FusionStrategy(Strategy):
 
     def close_round(self) -> None:
         """Clients still silent timed out, or, when over-selection's quorum of replies closed the round early,
-        were cut; the participation draw learns how every client did."""
+        were cut; the participation draw learns how every client did, and :meth:`predicted_s` each tier's rate."""
         rows = self.run.round.rows
         answered = sum(row.status in ("ok", "rejected") for row in rows.values())
         cut = self.settings.overselect > 0 and answered >= self.settings.clients_per_round
@@ -554,6 +567,12 @@ class FusionStrategy(Strategy):
                 rows[node] = replace(row, status="timeout", error="no reply before the round deadline")
         self.run.participation.settle(self.run.round.number, {r.partition: (r.status, r.examples, r.train_loss)
                                                       for r in rows.values()})
+        spent: dict[str, tuple[float, int]] = {}  # tier -> (its clients' training seconds, their tokens)
+        for r in rows.values():
+            if r.status == "ok" and r.train_s and r.tokens:
+                seconds, tokens = spent.get(r.device, (0.0, 0))
+                spent[r.device] = (seconds + r.train_s, tokens + r.tokens)
+        self.run.rates.update({tier: seconds / tokens for tier, (seconds, tokens) in spent.items()})
 
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:

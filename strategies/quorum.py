@@ -5,7 +5,8 @@ clients a round needs) and closes the round as soon as the target number of upda
 round neither waits for stragglers until its deadline nor loses updates to clients that crash. Flower's
 ``Strategy.start`` waits in ``grid.send_and_receive`` until every reply is in or the deadline passes;
 this wrapper keeps every other Grid call as it is and, for a batch of TRAIN messages only, returns as
-soon as ``quorum`` replies without an error have arrived (or every reply, or the deadline). Replies that
+soon as ``quorum`` replies without an error have arrived (or every reply, or the deadline); in a simulation with
+fewer ``slots`` than the batch, the messages not yet pushed by then are never sent. Replies that
 come later are not waited for (the strategy records those clients as ``cut``); the next call pulls and
 discards whatever of them has arrived by then, so the SuperLink frees them.
 
@@ -15,21 +16,22 @@ bit-reproducible across machines; without it (the default) nothing changes.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
-from fedfusion.strategies.wrapped import WrappedGrid, collect
-from flwr.app import Message, MessageType
+from fedfusion.strategies.wrapped import WrappedGrid, collect, training
+from flwr.app import Message
 from flwr.serverapp import Grid
 
 
 class QuorumGrid(WrappedGrid):
     """``grid`` with early-closing training rounds: see the module docstring."""
 
-    def __init__(self, grid: Grid, quorum: int, pull_interval_s: float = 0.1) -> None:
+    def __init__(self, grid: Grid, quorum: int, pull_interval_s: float = 0.1,
+                 slots: Callable[[], int] = lambda: 0) -> None:
         if quorum < 1:
             raise ValueError(f"quorum must be >= 1, got {quorum}")
         super().__init__(grid)
-        self.quorum, self.pull_interval_s = quorum, pull_interval_s
+        self.quorum, self.pull_interval_s, self.slots = quorum, pull_interval_s, slots
         self.leftover: set[str] = set()  # ids of train messages whose replies were not waited for
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
@@ -38,9 +40,10 @@ class QuorumGrid(WrappedGrid):
             late = list(self.grid.pull_messages(self.leftover))
             self.leftover.difference_update(m.metadata.reply_to_message_id for m in late)
         messages = list(messages)
-        if not messages or any(m.metadata.message_type != MessageType.TRAIN for m in messages):
+        if not training(messages):
             return self.grid.send_and_receive(messages, timeout=timeout)
         replies, waiting = collect(self.grid, messages, timeout, self.pull_interval_s,
-                                   enough=lambda got: sum(not m.has_error() for m in got) >= self.quorum)
+                                   enough=lambda got: sum(not m.has_error() for m in got) >= self.quorum,
+                                   slots=self.slots())
         self.leftover |= waiting
         return replies

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 
-from flwr.app import Message, RecordDict
+from flwr.app import Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 
@@ -49,24 +50,69 @@ class WrappedGrid(Grid):
         return self.grid.send_and_receive(messages, timeout=timeout)
 
 
+# Flower's simulation engine moves pushed messages into its FIFO work queue in sweeps over the nodes, one sweep every
+# 0.1 s (``add_messages_to_queue`` in flwr/server/superlink/fleet/vce/vce_api.py): messages pushed together are
+# queued in node order, messages pushed a sweep apart in push order
+ENGINE_SWEEP_S = 0.1
+PACED_PULL_S = 0.02  # a paced batch's pull interval: a reply's slot is refilled this soon (pulls are in memory)
+
+
+def training(messages: list[Message]) -> bool:
+    """A batch of TRAIN messages only (what a round's clients train; nothing else is paced or cut by a quorum)."""
+    return bool(messages) and all(m.metadata.message_type == MessageType.TRAIN for m in messages)
+
+
 def collect(grid: Grid, messages: Iterable[Message], timeout: float | None, pull_interval_s: float,
             enough: Callable[[list[Message]], bool] = lambda replies: False,
-            pause: Callable[[float], object] = time.sleep) -> tuple[list[Message], set[str]]:
+            pause: Callable[[float], object] = time.sleep, slots: int = 0) -> tuple[list[Message], set[str]]:
     """Push ``messages`` through ``grid``, then pull until every reply is in, ``enough(replies)`` holds or the
     deadline passes, pausing ``pull_interval_s`` between pulls (Flower's own grids wait the same way). Returns
-    the replies and the ids of the messages still unanswered."""
-    ids = grid.push_messages(messages)
+    the replies and the ids of the messages still unanswered.
+
+    ``slots``: the clients the simulation engine runs at once, when fewer than the batch less one. The messages are
+    then pushed in their order (the caller's: longest first) ``slots`` at once, one more after an engine sweep and
+    then one per reply, so the engine's queue always holds one and takes them in that order rather than node
+    order: the clients are list-scheduled on the slots longest first. A message not yet pushed when the deadline
+    passes or ``enough`` holds is never sent."""
+    messages = list(messages)
     end = time.monotonic() + timeout if timeout is not None else math.inf
-    return pull_replies(grid, dict.fromkeys(ids, end), pull_interval_s, enough, pause)
+    if not 0 < slots < len(messages) - 1:
+        return pull_replies(grid, dict.fromkeys(grid.push_messages(messages), end), pull_interval_s, enough, pause)
+    unsent = deque(messages)
+    first = dict.fromkeys(_push(grid, [unsent.popleft() for _ in range(slots)]), end)
+    queue_after = time.monotonic() + 1.5 * ENGINE_SWEEP_S  # the first batch is in the engine's queue by then
+    queued = False
+
+    def refill(answered: int) -> dict[str, float]:
+        """One more message per reply, and the one that waits in the engine's queue once its sweep is past."""
+        nonlocal queued
+        now = time.monotonic()
+        if now >= end:
+            return {}
+        more = answered
+        if not queued and now >= queue_after:
+            queued, more = True, more + 1
+        return dict.fromkeys(_push(grid, [unsent.popleft() for _ in range(min(more, len(unsent)))]), end)
+
+    return pull_replies(grid, first, min(pull_interval_s, PACED_PULL_S), enough, pause, refill)
+
+
+def _push(grid: Grid, messages: list[Message]) -> list[str]:
+    """Push ``messages`` (none: no call); their ids."""
+    return list(grid.push_messages(messages)) if messages else []
 
 
 def pull_replies(grid: Grid, due: Mapping[str, float], pull_interval_s: float,
                  enough: Callable[[list[Message]], bool] = lambda replies: False,
-                 pause: Callable[[float], object] = time.sleep) -> tuple[list[Message], set[str]]:
+                 pause: Callable[[float], object] = time.sleep,
+                 refill: Callable[[int], Mapping[str, float]] | None = None) -> tuple[list[Message], set[str]]:
     """The one pull loop: pull the replies to the pushed messages of ``due`` (message id -> the ``time.monotonic()``
     at which its reply is no longer waited for) until every reply is in, ``enough(replies)`` holds or every
-    unanswered message is past its time, pausing ``pull_interval_s`` between pulls. Returns the replies and the ids
-    of the messages unanswered (a reply that comes later is never pulled here)."""
+    unanswered message is past its time, pausing ``pull_interval_s`` between pulls. ``refill`` (a paced push) is
+    told after each pull how many replies it brought and returns the messages it pushed in turn, waited for as
+    well. Returns the replies and the ids of the messages unanswered (a reply that comes later is never pulled
+    here)."""
+    due = dict(due)
     waiting, late = set(due), set[str]()
     replies: list[Message] = []
     while waiting:
@@ -76,7 +122,13 @@ def pull_replies(grid: Grid, due: Mapping[str, float], pull_interval_s: float,
         now = time.monotonic()
         late |= {mid for mid in waiting if due[mid] <= now}
         waiting -= late
-        if not waiting or enough(replies):
+        if enough(replies):
+            break
+        if refill is not None:
+            more = refill(len(got))
+            due.update(more)
+            waiting.update(more)
+        if not waiting:
             break
         pause(pull_interval_s)
     return replies, waiting | late

@@ -444,3 +444,30 @@ def test_a_real_devices_own_training_time_is_priced_as_measured():
                                                                   0, 0).compute_s)
     with pytest.raises(ValueError, match="compute_s must be a number >= 0"):
         price_work(phone, 1.0, 0, 0, compute_s=-1.0)
+
+
+def test_a_round_is_sent_longest_first_at_each_tiers_last_measured_rate():
+    strategy, state = make_strategy()
+    strategy.settings.train_config.update({"batch-size": 2, "seq-len": 4})
+    grid = FakeGrid({11: "phone", 12: "desktop", 13: "phone"})
+    first = list(strategy.configure_train(1, ArrayRecord(state), ConfigRecord({}), grid))
+    # nothing measured yet and every client plans the same tokens: the sample order, kept by a stable sort
+    assert [m.metadata.dst_node_id for m in first] == list(strategy.run.round.rows)
+    tokens = {11: 8, 12: 8, 13: 24}  # as the replies report them
+    seconds = {11: 0.1, 12: 0.9, 13: 0.5}
+    replies = []
+    for m in first:
+        node = m.metadata.dst_node_id
+        metrics = MetricRecord({"num-examples": 10, "train_loss": 1.0, "train_s": seconds[node],
+                                "train_tokens": tokens[node]})
+        replies.append(Message(RecordDict({"arrays": m.content["arrays"], "metrics": metrics}), reply_to=m))
+    strategy.aggregate_train(1, replies)
+    assert strategy.run.rates == {"phone": 0.6 / 32, "desktop": 0.9 / 8}
+    second = list(strategy.configure_train(2, ArrayRecord(state), ConfigRecord({}), grid))
+    # every client plans 1 step x 2 x 4 tokens: the desktop's rate is six times the phones'
+    predicted = [strategy.predicted_s(m.metadata.dst_node_id) for m in second]
+    assert predicted == sorted(predicted, reverse=True) and predicted[0] == 8 * (0.9 / 8)
+    assert second[0].metadata.dst_node_id == 12 and predicted[1] == predicted[2] == 8 * (0.6 / 32)
+    # a tier not measured yet is predicted at the measured tiers' mean rate
+    del strategy.run.rates["desktop"]
+    assert strategy.predicted_s(12) == 8 * (0.6 / 32)

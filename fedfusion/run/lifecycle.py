@@ -26,6 +26,7 @@ from fedfusion.config.recipe import Recipe
 from fedfusion.devices.hardware import peak_rss_mb
 from fedfusion.run.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from fedfusion.run.run_dir import RunDir
+from fedfusion.run.slots import EngineSlots
 from fedfusion.run.targets import Target
 from fedfusion.strategies.stop import RunInterrupted, StopGrid
 
@@ -135,7 +136,8 @@ def run_course(grid: Grid, recipe: Recipe, run: RunDir, build: Callable[[], Cour
             run.cut_ledgers(ckpt.round)
             log(INFO, "fedfusion: resuming %s after round %d of %d", run.path, ckpt.round, rounds)
         recorder = Recorder(run, on_round, recipe.output.checkpoint_every, ckpt)
-        course.train(grid if stop is None else StopGrid(grid, stop), recorder, ckpt)
+        slots = EngineSlots(recipe.engine.cpus_per_client)  # a round's training is paced onto them, longest first
+        course.train(StopGrid(grid, stop or threading.Event(), slots=slots), recorder, ckpt)
         if recipe.output.save_model:
             hf_logging.disable_progress_bar()  # the run's own progress is the one to show
             course.target.save(run.model_dir, course.arrays())

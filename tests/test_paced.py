@@ -1,0 +1,136 @@
+"""Pacing a round onto the simulation engine's slots: ``collect(..., slots=k)`` pushes the messages in the caller's
+order so that an engine that queues each push in node order (Flower's sweep) still starts them in that order."""
+
+from __future__ import annotations
+
+import threading
+import time
+from uuid import uuid4
+
+import pytest
+from fedfusion.strategies.quorum import QuorumGrid
+from fedfusion.strategies.stop import StopGrid
+from fedfusion.strategies.wrapped import collect
+from flwr.app import Message, MessageType, MetricRecord, RecordDict
+
+from fedfusion.run.slots import EngineSlots
+from tests.test_quorum import _messages
+from tests.test_strategy import task_identity  # noqa: F401 (autouse fixture)
+
+
+class SlotEngine:
+    """Flower's simulation engine in miniature: each push is queued in node order (one sweep), ``slots`` workers
+    take the queue's head, and a job of node ``n`` replies ``work[n]`` seconds after it started."""
+
+    def __init__(self, work: dict[int, float], slots: int) -> None:
+        self.work, self.slots = work, slots
+        self.queue: list[Message] = []
+        self.running: dict[str, float] = {}  # message id -> when it is done
+        self.done: dict[str, Message] = {}
+        self.by_id: dict[str, Message] = {}
+        self.pushes: list[list[int]] = []  # the nodes of each push call, in the order given
+        self.started: list[int] = []
+
+    def push_messages(self, messages):
+        messages = list(messages)
+        self.pushes.append([m.metadata.dst_node_id for m in messages])
+        for m in messages:
+            m.metadata.__dict__["_message_id"] = str(uuid4())
+            self.by_id[m.metadata.message_id] = m
+        self.queue += sorted(messages, key=lambda m: m.metadata.dst_node_id)  # one sweep: node order
+        self._start()
+        return [m.metadata.message_id for m in messages]
+
+    def _start(self) -> None:
+        while self.queue and len(self.running) < self.slots:
+            m = self.queue.pop(0)
+            self.running[m.metadata.message_id] = time.monotonic() + self.work[m.metadata.dst_node_id]
+            self.started.append(m.metadata.dst_node_id)
+
+    def pull_messages(self, message_ids):
+        for mid in list(self.running):
+            if self.running[mid] <= time.monotonic():
+                del self.running[mid]
+                self.done[mid] = Message(RecordDict({"metrics": MetricRecord({"num-examples": 1})}),
+                                         reply_to=self.by_id[mid])
+        self._start()
+        return [self.done.pop(mid) for mid in list(message_ids) if mid in self.done]
+
+
+LONGEST_FIRST = [5, 1, 4, 2, 3, 6]  # node ids, not in node order
+# seconds: the two longest outlast the sweep after which the third is pushed (wrapped.ENGINE_SWEEP_S x 1.5)
+WORK = {5: 0.5, 1: 0.4, 4: 0.3, 2: 0.25, 3: 0.2, 6: 0.15}
+
+
+@pytest.mark.slow  # real seconds: the engine's jobs outlast a sweep
+def test_a_paced_round_starts_in_the_callers_order_where_one_push_starts_in_node_order():
+    engine = SlotEngine(WORK, slots=2)
+    replies, unanswered = collect(engine, _messages(LONGEST_FIRST), 60, 0.0, slots=2)
+    assert len(replies) == 6 and not unanswered
+    # the two longest start together (in node order, as one sweep queues them), the rest in the caller's order
+    assert set(engine.started[:2]) == {5, 1} and engine.started[2:] == LONGEST_FIRST[2:]
+    # the two slots at once, then one more (held in the engine's queue), then one per reply
+    assert engine.pushes == [[5, 1], [4], [2], [3], [6]]
+    unpaced = SlotEngine(WORK, slots=2)
+    collect(unpaced, _messages(LONGEST_FIRST), 60, 0.0)
+    assert unpaced.started == sorted(LONGEST_FIRST) and unpaced.pushes == [LONGEST_FIRST]
+
+
+@pytest.mark.parametrize("slots", [0, 5, 6, 10])
+def test_a_batch_the_slots_nearly_hold_is_pushed_at_once(slots):
+    engine = SlotEngine(WORK, slots=6)
+    replies, _ = collect(engine, _messages(LONGEST_FIRST), 60, 0.0, slots=slots)
+    assert engine.pushes == [LONGEST_FIRST] and len(replies) == 6
+
+
+@pytest.mark.slow  # real seconds: the engine's jobs outlast a sweep
+def test_a_quorum_closes_a_paced_round_and_the_messages_not_yet_pushed_are_never_sent():
+    engine = SlotEngine(WORK, slots=2)
+    grid = QuorumGrid(engine, quorum=2, pull_interval_s=0.0, slots=lambda: 2)
+    replies = grid.send_and_receive(_messages(LONGEST_FIRST), timeout=60)
+    assert len(replies) == 2 and {m.metadata.src_node_id for m in replies} == {5, 1}
+    assert sum(engine.pushes, []) == [5, 1, 4, 2]  # 3 and 6 were never sent
+
+
+def test_a_paced_round_pushes_nothing_after_its_deadline():
+    engine = SlotEngine({1: 10**9, 2: 10**9, 3: 0.0, 4: 0.0}, slots=1)
+    replies, unanswered = collect(engine, _messages([1, 2, 3, 4]), 0.2, 0.01, slots=1)
+    assert not replies and engine.pushes == [[1], [2]] and len(unanswered) == 2
+
+
+@pytest.mark.slow  # real seconds: the engine's jobs outlast a sweep
+def test_stop_grid_paces_training_only():
+    engine = SlotEngine(WORK, slots=2)
+    grid = StopGrid(engine, threading.Event(), pull_interval_s=0.0, slots=lambda: 2)
+    grid.send_and_receive(_messages(LONGEST_FIRST), timeout=60)
+    assert engine.started[2:] == LONGEST_FIRST[2:]
+    queries = SlotEngine(WORK, slots=2)
+    StopGrid(queries, threading.Event(), pull_interval_s=0.0, slots=lambda: 2).send_and_receive(
+        _messages(LONGEST_FIRST, MessageType.QUERY), timeout=60)
+    assert queries.pushes == [LONGEST_FIRST]
+
+
+@pytest.mark.slow  # imports Ray (a second)
+def test_engine_slots_are_none_without_ray_in_this_process_and_flowers_pool_size_with_it(monkeypatch):
+    import sys
+    from types import SimpleNamespace
+
+    import flwr.simulation.ray_transport.ray_actor  # noqa: F401 (imported with the real Ray, before it is faked)
+
+    monkeypatch.delitem(sys.modules, "ray", raising=False)
+    assert EngineSlots(1.0)() == 0
+    up = {"initialized": False}
+    monkeypatch.setitem(sys.modules, "ray", SimpleNamespace(is_initialized=lambda: up["initialized"]))
+    assert EngineSlots(1.0)() == 0
+    asked = []
+
+    def pool_size(resources):
+        asked.append(resources)
+        return 3
+
+    monkeypatch.setattr("flwr.simulation.ray_transport.ray_actor.pool_size_from_resources", pool_size)
+    up["initialized"] = True
+    slots = EngineSlots(2.0)
+    assert slots() == 3 and slots() == 3 and asked == [{"num_cpus": 2.0, "num_gpus": 0.0}]  # counted once
+    monkeypatch.setenv("FEDFUSION_PACED", "0")
+    assert slots() == 0
