@@ -20,7 +20,10 @@ runs the whole command ``python -m fedfusion run RECIPE ...`` ``--repeats`` time
 - ``both``: the two together;
 - ``paced``: the quickstart as it ships now: the cache on, every round scored, and each round's messages paced onto
   the engine's slots longest first (``fedfusion.run.slots``; ``FEDFUSION_PACED=0`` in every other arm, as before
-  pacing).
+  pacing);
+- ``oracle``: ``paced`` with every client training the whole target (``quickstart_policies.py``'s oracle arm:
+  slices of width 1.0 in their own forward pass from round 1, no growth, core or shared window). With ``paced`` beside
+  it the report gives the whole command's ratio to the oracle's, repeat by repeat (goal <= 0.7x).
 
 The model cache is on by default and switched off with an environment variable, not a recipe key: it changes no
 result (``benchmarks/compare_runs.py`` finds no difference), so it is no part of what a recipe describes, and a
@@ -42,7 +45,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from quickstart_policies import ARMS as POLICY_ARMS
+
 RESULTS = Path(__file__).resolve().parent / "results"
+ORACLE = POLICY_ARMS["oracle"][1]  # every client trains the whole target
 
 
 def _rows(path: Path) -> list[dict]:
@@ -69,7 +75,7 @@ def round_table(run: Path, cores_total: int) -> list[dict]:
     return table
 
 
-ARMS = ("default", "cache", "eval_every", "both", "paced")
+ARMS = ("default", "cache", "eval_every", "both", "paced", "oracle")
 
 
 def one_run(recipe: str, overrides: list[str], cache: bool, cores: int, paced: bool = False) -> dict:
@@ -140,27 +146,32 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(bad)
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     cores = os.cpu_count() or 1
-    settings = {"default": (False, 1, False), "cache": (True, 1, False), "eval_every": (False, args.eval_every, False),
-                "both": (True, args.eval_every, False), "paced": (True, 1, True)}
+    settings: dict[str, tuple[bool, int, bool, list[str]]] = {
+        "default": (False, 1, False, []), "cache": (True, 1, False, []), "eval_every": (False, args.eval_every, False, []),
+        "both": (True, args.eval_every, False, []), "paced": (True, 1, True, []), "oracle": (True, 1, True, ORACLE)}
     runs: dict[str, list[dict]] = {arm: [] for arm in arms}
     for repeat in range(args.repeats):
         for arm in arms:
-            cache, every, paced = settings[arm]
-            overrides = [*args.overrides, f"train.eval_every={every}"]
+            cache, every, paced, arm_overrides = settings[arm]
+            overrides = [*args.overrides, *arm_overrides, f"train.eval_every={every}"]
             result = one_run(args.recipe, overrides, cache, cores, paced)
             runs[arm].append(result)
             print(f"repeat {repeat + 1}/{args.repeats} {arm}: {result['command_s']:.1f} s, rounds 2+ "
                   f"{result['ratio_from_round_2']:.3f}x of the ideal", flush=True)
     summary = {}
     for arm, results in runs.items():
-        cache, every, paced = settings[arm]
+        cache, every, paced, arm_overrides = settings[arm]
         ratios = [r["ratio_from_round_2"] for r in results if r["ratio_from_round_2"] is not None]
         totals = {k: statistics.median(r["totals_from_round_2"][k] / r["totals_from_round_2"]["ideal_s"]
                                        for r in results) for k in ("eval_s", "aggregate_s", "rest_s")}
-        summary[arm] = {"client_cache": cache, "eval_every": every, "paced": paced, "command_s": spread([r["command_s"] for r in results]),
+        summary[arm] = {"client_cache": cache, "eval_every": every, "paced": paced, "overrides": arm_overrides,
+                        "command_s": spread([r["command_s"] for r in results]),
                         "ratio_from_round_2": spread(ratios) if ratios else None,
                         "median_share_of_ideal": totals,
                         "final_eval_loss": sorted({r["final_eval_loss"] for r in results})}
+    if "paced" in runs and "oracle" in runs:  # the recipe's whole command over its oracle's, repeat by repeat
+        summary["paced"]["over_oracle"] = spread([p["command_s"] / o["command_s"]
+                                                  for p, o in zip(runs["paced"], runs["oracle"])])
     loads = [x for rs in runs.values() for r in rs for x in (r["load_avg_before"][0], r["load_avg_after"][0])]
     result = {
         "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": cores,
@@ -208,10 +219,15 @@ def write_report(result: dict, path: Path) -> None:
                      f"{c['min']:.1f} / {c['median']:.1f} / {c['max']:.1f} | {t['eval_s']:.3f} | "
                      f"{t['aggregate_s']:.3f} | {t['rest_s']:.3f} | "
                      f"{', '.join(f'{x:.6f}' for x in s['final_eval_loss'])} |")
-    last_arm = list(summary)[-1]
+    if over := summary.get("paced", {}).get("over_oracle"):
+        lines += ["", f"The recipe's whole command over its oracle's (`{' '.join(summary['oracle']['overrides'])}`), "
+                  f"repeat by repeat: min {over['min']:.3f}, median **{over['median']:.3f}**, max {over['max']:.3f} "
+                  "(goal 0.7)."]
+    last_arm = "paced" if "paced" in summary else list(summary)[-1]
     median_run = sorted(runs[last_arm], key=lambda r: r["ratio_from_round_2"] or 0.0)[len(runs[last_arm]) // 2]
-    lines += ["", "Final eval loss: the last round's score in each arm's runs (one value: every repeat and arm ended "
-              "with the same target, as the cache, eval_every and pacing change no training).", "",
+    lines += ["", "Final eval loss: the last round's score in each arm's runs (one value per arm: every repeat ended with "
+              "the same target; the cache, eval_every and pacing change no training, so the arms that differ only in "
+              "them end alike).", "",
               "Rest: Flower's message handling, serialisation, Ray scheduling, the clients' own model building "
               "(what the cache saves) and data loading, and the training the packing could not overlap.", "",
               f"Rounds of the median `{last_arm}` run:", "",

@@ -69,14 +69,14 @@ def collect(grid: Grid, messages: Iterable[Message], timeout: float | None, pull
     deadline passes, pausing ``pull_interval_s`` between pulls (Flower's own grids wait the same way). Returns
     the replies and the ids of the messages still unanswered.
 
-    ``slots``: the clients the simulation engine runs at once, when fewer than the batch less one. The messages are
+    ``slots``: the clients the simulation engine runs at once, when fewer than the messages. The messages are
     then pushed in their order (the caller's: longest first) ``slots`` at once, one more after an engine sweep and
     then one per reply, so the engine's queue always holds one and takes them in that order rather than node
     order: the clients are list-scheduled on the slots longest first. A message not yet pushed when the deadline
     passes or ``enough`` holds is never sent."""
     messages = list(messages)
     end = time.monotonic() + timeout if timeout is not None else math.inf
-    if not 0 < slots < len(messages) - 1:
+    if not 0 < slots < len(messages):
         return pull_replies(grid, dict.fromkeys(grid.push_messages(messages), end), pull_interval_s, enough, pause)
     unsent = deque(messages)
     first = dict.fromkeys(_push(grid, [unsent.popleft() for _ in range(slots)]), end)

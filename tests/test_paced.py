@@ -76,11 +76,17 @@ def test_a_paced_round_starts_in_the_callers_order_where_one_push_starts_in_node
     assert unpaced.started == sorted(LONGEST_FIRST) and unpaced.pushes == [LONGEST_FIRST]
 
 
-@pytest.mark.parametrize("slots", [0, 5, 6, 10])
-def test_a_batch_the_slots_nearly_hold_is_pushed_at_once(slots):
+@pytest.mark.parametrize("slots", [0, 6, 10])
+def test_a_batch_the_slots_hold_is_pushed_at_once(slots):
     engine = SlotEngine(WORK, slots=6)
     replies, _ = collect(engine, _messages(LONGEST_FIRST), 60, 0.0, slots=slots)
     assert engine.pushes == [LONGEST_FIRST] and len(replies) == 6
+
+
+def test_one_message_more_than_the_slots_waits_a_sweep_so_the_longest_are_the_ones_that_start():
+    engine = SlotEngine({1: 0.0, 2: 0.3, 3: 0.3}, slots=2)
+    replies, _ = collect(engine, _messages([3, 2, 1]), 60, 0.0, slots=2)
+    assert engine.pushes == [[3, 2], [1]] and set(engine.started[:2]) == {2, 3} and len(replies) == 3
 
 
 @pytest.mark.slow  # real seconds: the engine's jobs outlast a sweep
