@@ -40,6 +40,8 @@ from typing import Any
 
 import psutil
 
+from fedfusion.run.slots import ENV as PACED_ENV
+
 # results measured on the rolling slices (the quickstart's recipe until it switched to growth)
 RECIPE = "rolling"
 OUT = Path(__file__).parent / "results"
@@ -352,9 +354,9 @@ def _num(value: float | None, digits: int) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-def write(report: dict[str, Any]) -> None:
+def write(report: dict[str, Any], name: str = "scale") -> None:
     OUT.mkdir(exist_ok=True)
-    (OUT / "scale.json").write_text(json.dumps(report, indent=2) + "\n")
+    (OUT / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
     m = report["machine"]
     lines = [
         "# Scale: server memory and round time as the population grows",
@@ -370,7 +372,9 @@ def write(report: dict[str, Any]) -> None:
         f"Settings: {PER_ROUND} clients per round, {ROUNDS} rounds, a one-layer Llama target (hidden 64), one local "
         f"step per client, {CHARS_PER_CLIENT} characters of text per client, 2 client actors (1 CPU each), "
         f"`selection.pool={POOL}`. Each round includes the capability QUERY of its pool's new nodes (a population "
-        f"within the pool: all of it, in round 1); rounds 2+ are the steady state.",
+        f"within the pool: all of it, in round 1); rounds 2+ are the steady state. A round's training messages "
+        + ("pushed paced onto the 2 actors longest first (the default)." if report.get("paced", True) else
+           "pushed all at once (`FEDFUSION_PACED=0`), as before pacing."),
         "",
         "| clients | nodes queried | server RSS before round 1 MB | server RSS peak MB | after round 1 MB | "
         "after last round MB | actors RSS peak MB | round 1 s | steady round s (median) | "
@@ -388,7 +392,7 @@ def write(report: dict[str, Any]) -> None:
             cells[0] += f" (stopped after {r['run_wall_s'] / 60:.0f} min, {len(rounds)} rounds done)"
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "## Findings (computed from the numbers above)", "", *findings(report), "", *NOTES]
-    (OUT / "scale.md").write_text("\n".join(lines) + "\n")
+    (OUT / f"{name}.md").write_text("\n".join(lines) + "\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -398,32 +402,34 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--limit-min", type=float, default=60, help="stop a run still going after this many minutes")
     parser.add_argument("--probe", type=int, nargs="*", default=[100, 1000, 10000],
                         help="populations to probe in-process (registry bytes per node, sampling and polling time)")
+    parser.add_argument("--name", default="scale", help="writes NAME.json and NAME.md (sizes already there are kept)")
     return parser
 
 
 def main() -> None:
     parser = build_parser()
     args = parser.parse_args()
-    path = OUT / "scale.json"
+    path = OUT / f"{args.name}.json"
     report = json.loads(path.read_text()) if path.exists() else {"sizes": {}}
     if args.probe or args.sizes:
         report["machine"] = machine()
         report["command"] = shlex.join(["python", "benchmarks/scale.py", *sys.argv[1:]])
+        report["paced"] = os.environ.get(PACED_ENV, "1").strip() != "0"
     if args.probe:
         report.pop("probe", None)  # measured again below
-    write(report)  # with neither: the report rewritten from the results file
+    write(report, args.name)  # with neither: the report rewritten from the results file
     if args.probe:
         logging.getLogger("flwr").setLevel(logging.WARNING)  # one line per pushed message otherwise
         report["probe"] = [registry_probe(n) for n in args.probe]
         print(json.dumps(report["probe"]), flush=True)
-        write(report)
+        write(report, args.name)
     with tempfile.TemporaryDirectory(prefix="ffscale") as tmp:
         for clients in args.sizes:
             report["machine"] = machine()
             result = run_size(clients, Path(tmp), args.limit_min * 60)
             report["sizes"][str(clients)] = result
             print(json.dumps({k: v for k, v in result.items() if k not in ("rounds", "command")}), flush=True)
-            write(report)
+            write(report, args.name)
 
 
 if __name__ == "__main__":

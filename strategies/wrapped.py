@@ -55,6 +55,10 @@ class WrappedGrid(Grid):
 # queued in node order, messages pushed a sweep apart in push order
 ENGINE_SWEEP_S = 0.1
 PACED_PULL_S = 0.02  # a paced batch's pull interval: a reply's slot is refilled this soon (pulls are in memory)
+# a client answering sooner than this (ten engine sweeps) after its push is short: for such clients ordering gains
+# less than the sweep each paced message waits for (at 10,000 nodes a sweep takes tenths of a second), so the rest of
+# the round is pushed at once
+PACED_MIN_S = 10 * ENGINE_SWEEP_S
 
 
 def training(messages: list[Message]) -> bool:
@@ -72,27 +76,39 @@ def collect(grid: Grid, messages: Iterable[Message], timeout: float | None, pull
     ``slots``: the clients the simulation engine runs at once, when fewer than the messages. The messages are
     then pushed in their order (the caller's: longest first) ``slots`` at once, one more after an engine sweep and
     then one per reply, so the engine's queue always holds one and takes them in that order rather than node
-    order: the clients are list-scheduled on the slots longest first. A message not yet pushed when the deadline
-    passes or ``enough`` holds is never sent."""
+    order: the clients are list-scheduled on the slots longest first. Once a reply comes back within
+    :data:`PACED_MIN_S` of its push, the rest go at once: for clients that short, ordering gains less than the engine
+    sweep each paced message waits for. A message not yet pushed when the deadline passes or ``enough`` holds is
+    never sent."""
     messages = list(messages)
     end = time.monotonic() + timeout if timeout is not None else math.inf
     if not 0 < slots < len(messages):
         return pull_replies(grid, dict.fromkeys(grid.push_messages(messages), end), pull_interval_s, enough, pause)
     unsent = deque(messages)
-    first = dict.fromkeys(_push(grid, [unsent.popleft() for _ in range(slots)]), end)
-    queue_after = time.monotonic() + 1.5 * ENGINE_SWEEP_S  # the first batch is in the engine's queue by then
-    queued = False
+    pushed_at: dict[str, float] = {}
 
-    def refill(answered: int) -> dict[str, float]:
-        """One more message per reply, and the one that waits in the engine's queue once its sweep is past."""
-        nonlocal queued
+    def push(count: int) -> dict[str, float]:
+        """The next ``count`` messages pushed (as many as are left); their ids -> the deadline."""
+        ids = _push(grid, [unsent.popleft() for _ in range(min(count, len(unsent)))])
+        pushed_at.update(dict.fromkeys(ids, time.monotonic()))
+        return dict.fromkeys(ids, end)
+
+    first = push(slots)
+    queue_after = time.monotonic() + 1.5 * ENGINE_SWEEP_S  # the first batch is in the engine's queue by then
+    queued = short = False
+
+    def refill(got: list[Message]) -> dict[str, float]:
+        """One more message per reply, the one that waits in the engine's queue once its sweep is past, and every
+        message left once a client proved short."""
+        nonlocal queued, short
         now = time.monotonic()
         if now >= end:
             return {}
-        more = answered
+        short = short or any(now - pushed_at[m.metadata.reply_to_message_id] < PACED_MIN_S for m in got)
+        more = len(unsent) if short else len(got)
         if not queued and now >= queue_after:
             queued, more = True, more + 1
-        return dict.fromkeys(_push(grid, [unsent.popleft() for _ in range(min(more, len(unsent)))]), end)
+        return push(more)
 
     return pull_replies(grid, first, min(pull_interval_s, PACED_PULL_S), enough, pause, refill)
 
@@ -105,13 +121,13 @@ def _push(grid: Grid, messages: list[Message]) -> list[str]:
 def pull_replies(grid: Grid, due: Mapping[str, float], pull_interval_s: float,
                  enough: Callable[[list[Message]], bool] = lambda replies: False,
                  pause: Callable[[float], object] = time.sleep,
-                 refill: Callable[[int], Mapping[str, float]] | None = None) -> tuple[list[Message], set[str]]:
+                 refill: Callable[[list[Message]], Mapping[str, float]] | None = None,
+                 ) -> tuple[list[Message], set[str]]:
     """The one pull loop: pull the replies to the pushed messages of ``due`` (message id -> the ``time.monotonic()``
     at which its reply is no longer waited for) until every reply is in, ``enough(replies)`` holds or every
     unanswered message is past its time, pausing ``pull_interval_s`` between pulls. ``refill`` (a paced push) is
-    told after each pull how many replies it brought and returns the messages it pushed in turn, waited for as
-    well. Returns the replies and the ids of the messages unanswered (a reply that comes later is never pulled
-    here)."""
+    given each pull's replies and returns the messages it pushed in turn, waited for as well. Returns the replies
+    and the ids of the messages unanswered (a reply that comes later is never pulled here)."""
     due = dict(due)
     waiting, late = set(due), set[str]()
     replies: list[Message] = []
@@ -125,7 +141,7 @@ def pull_replies(grid: Grid, due: Mapping[str, float], pull_interval_s: float,
         if enough(replies):
             break
         if refill is not None:
-            more = refill(len(got))
+            more = refill(got)
             due.update(more)
             waiting.update(more)
         if not waiting:

@@ -62,7 +62,14 @@ LONGEST_FIRST = [5, 1, 4, 2, 3, 6]  # node ids, not in node order
 WORK = {5: 0.5, 1: 0.4, 4: 0.3, 2: 0.25, 3: 0.2, 6: 0.15}
 
 
+@pytest.fixture
+def long_clients(monkeypatch):
+    """WORK's clients count as long (their replies take longer than this after their push): paced to the end."""
+    monkeypatch.setattr("fedfusion.strategies.wrapped.PACED_MIN_S", 0.1)
+
+
 @pytest.mark.slow  # real seconds: the engine's jobs outlast a sweep
+@pytest.mark.usefixtures("long_clients")
 def test_a_paced_round_starts_in_the_callers_order_where_one_push_starts_in_node_order():
     engine = SlotEngine(WORK, slots=2)
     replies, unanswered = collect(engine, _messages(LONGEST_FIRST), 60, 0.0, slots=2)
@@ -83,6 +90,12 @@ def test_a_batch_the_slots_hold_is_pushed_at_once(slots):
     assert engine.pushes == [LONGEST_FIRST] and len(replies) == 6
 
 
+def test_once_a_client_answers_within_the_short_bound_the_rest_of_the_round_goes_at_once():
+    engine = SlotEngine(dict.fromkeys(LONGEST_FIRST, 0.0), slots=2)  # every client answers at the next pull
+    replies, _ = collect(engine, _messages(LONGEST_FIRST), 60, 0.0, slots=2)
+    assert engine.pushes == [[5, 1], [4, 2, 3, 6]] and len(replies) == 6
+
+
 def test_one_message_more_than_the_slots_waits_a_sweep_so_the_longest_are_the_ones_that_start():
     engine = SlotEngine({1: 0.0, 2: 0.3, 3: 0.3}, slots=2)
     replies, _ = collect(engine, _messages([3, 2, 1]), 60, 0.0, slots=2)
@@ -90,6 +103,7 @@ def test_one_message_more_than_the_slots_waits_a_sweep_so_the_longest_are_the_on
 
 
 @pytest.mark.slow  # real seconds: the engine's jobs outlast a sweep
+@pytest.mark.usefixtures("long_clients")
 def test_a_quorum_closes_a_paced_round_and_the_messages_not_yet_pushed_are_never_sent():
     engine = SlotEngine(WORK, slots=2)
     grid = QuorumGrid(engine, quorum=2, pull_interval_s=0.0, slots=lambda: 2)
@@ -105,6 +119,7 @@ def test_a_paced_round_pushes_nothing_after_its_deadline():
 
 
 @pytest.mark.slow  # real seconds: the engine's jobs outlast a sweep
+@pytest.mark.usefixtures("long_clients")
 def test_stop_grid_paces_training_only():
     engine = SlotEngine(WORK, slots=2)
     grid = StopGrid(engine, threading.Event(), pull_interval_s=0.0, slots=lambda: 2)
