@@ -361,9 +361,10 @@ def write(report: dict[str, Any], name: str = "scale") -> None:
     lines = [
         "# Scale: server memory and round time as the population grows",
         "",
-        f"Machine: {m['platform']}, {m['cpus']} CPUs, {m['memory_gb']} GB; **shared with other jobs while this ran** "
-        f"(load average {m['load_average_at_start']:.1f} at the start of the last run), so seconds are noisy and "
-        "memory is not.",
+        f"Machine: {m['platform']}, {m['cpus']} CPUs, {m['memory_gb']} GB; "
+        + ("**shared with other jobs while this ran** " if m["load_average_at_start"] > 1.0 else "quiet ")
+        + f"(load average {m['load_average_at_start']:.1f} at the start of the last run)"
+        + (", so seconds are noisy and memory is not." if m["load_average_at_start"] > 1.0 else "."),
         "",
         f"Command: `{report.get('command', 'python benchmarks/scale.py')}`",
         "",
@@ -373,7 +374,7 @@ def write(report: dict[str, Any], name: str = "scale") -> None:
         f"step per client, {CHARS_PER_CLIENT} characters of text per client, 2 client actors (1 CPU each), "
         f"`selection.pool={POOL}`. Each round includes the capability QUERY of its pool's new nodes (a population "
         f"within the pool: all of it, in round 1); rounds 2+ are the steady state. A round's training messages "
-        + ("pushed paced onto the 2 actors longest first (the default)." if report.get("paced", True) else
+        + ("pushed paced onto the 2 actors longest first (the default)." if report.get("paced", False) else
            "pushed all at once (`FEDFUSION_PACED=0`), as before pacing."),
         "",
         "| clients | nodes queried | server RSS before round 1 MB | server RSS peak MB | after round 1 MB | "
@@ -413,8 +414,9 @@ def main() -> None:
     report = json.loads(path.read_text()) if path.exists() else {"sizes": {}}
     if args.probe or args.sizes:
         report["machine"] = machine()
-        report["command"] = shlex.join(["python", "benchmarks/scale.py", *sys.argv[1:]])
         report["paced"] = os.environ.get(PACED_ENV, "1").strip() != "0"
+        report["command"] = ("" if report["paced"] else f"{PACED_ENV}=0 ") + shlex.join(
+            ["python", "benchmarks/scale.py", *sys.argv[1:]])
     if args.probe:
         report.pop("probe", None)  # measured again below
     write(report, args.name)  # with neither: the report rewritten from the results file

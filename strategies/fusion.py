@@ -496,7 +496,7 @@ class FusionStrategy(Strategy):
     def predicted_s(self, node: int) -> float:
         """How long ``node``'s training this round should take on the host: its tokens at its tier's last measured
         rate (the mean rate of the tiers measured for a tier not yet, 1 before any). A simulation engine with fewer
-        slots than clients is sent the round longest first (:class:`~fedfusion.strategies.stop.StopGrid`), which
+        slots than clients is sent the round longest first (:class:`~fedfusion.strategies.paced.PacedGrid`), which
         packs them onto its slots more tightly than node order; the replies are folded in sample order whatever
         the order they come in."""
         row = self.run.round.rows[node]

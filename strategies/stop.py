@@ -11,9 +11,9 @@ round whose replies were still coming in is dropped (the run resumes from its la
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
-from fedfusion.strategies.wrapped import WrappedGrid, collect, training
+from fedfusion.strategies.wrapped import WrappedGrid, collect
 from flwr.app import Message
 from flwr.serverapp import Grid
 
@@ -41,14 +41,11 @@ class StopRequest(threading.Event):
 
 
 class StopGrid(WrappedGrid):
-    """``grid`` whose calls raise :class:`RunInterrupted` once ``stop`` is set. ``slots`` says how many clients
-    the simulation engine runs at once (0: not a simulation, or as many as there are nodes); a training batch
-    larger than that is pushed paced, longest first as the strategy orders it (:func:`collect`)."""
+    """``grid`` whose calls raise :class:`RunInterrupted` once ``stop`` is set."""
 
-    def __init__(self, grid: Grid, stop: threading.Event, pull_interval_s: float = 0.1,
-                 slots: Callable[[], int] = lambda: 0) -> None:
+    def __init__(self, grid: Grid, stop: threading.Event, pull_interval_s: float = 0.1) -> None:
         super().__init__(grid)
-        self.stop, self.pull_interval_s, self.slots = stop, pull_interval_s, slots
+        self.stop, self.pull_interval_s = stop, pull_interval_s
 
     def _check(self) -> None:
         if self.stop.is_set():
@@ -74,8 +71,6 @@ class StopGrid(WrappedGrid):
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
         """Push, then pull until every reply is in or the deadline passes, as Flower's grids do, but stoppable."""
-        messages = list(messages)
-        slots = self.slots() if training(messages) else 0
-        replies, _ = collect(self, messages, timeout, self.pull_interval_s, pause=self.stop.wait, slots=slots)
+        replies, _ = collect(self, messages, timeout, self.pull_interval_s, pause=self.stop.wait)
         self._check()
         return replies

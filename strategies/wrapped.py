@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 
 from flwr.app import Message, MessageType, RecordDict
@@ -50,17 +49,6 @@ class WrappedGrid(Grid):
         return self.grid.send_and_receive(messages, timeout=timeout)
 
 
-# Flower's simulation engine moves pushed messages into its FIFO work queue in sweeps over the nodes, one sweep every
-# 0.1 s (``add_messages_to_queue`` in flwr/server/superlink/fleet/vce/vce_api.py): messages pushed together are
-# queued in node order, messages pushed a sweep apart in push order
-ENGINE_SWEEP_S = 0.1
-PACED_PULL_S = 0.02  # a paced batch's pull interval: a reply's slot is refilled this soon (pulls are in memory)
-# a client answering sooner than this (ten engine sweeps) after its push is short: for such clients ordering gains
-# less than the sweep each paced message waits for (at 10,000 nodes a sweep takes tenths of a second), so the rest of
-# the round is pushed at once
-PACED_MIN_S = 10 * ENGINE_SWEEP_S
-
-
 def training(messages: list[Message]) -> bool:
     """A batch of TRAIN messages only (what a round's clients train; nothing else is paced or cut by a quorum)."""
     return bool(messages) and all(m.metadata.message_type == MessageType.TRAIN for m in messages)
@@ -68,54 +56,13 @@ def training(messages: list[Message]) -> bool:
 
 def collect(grid: Grid, messages: Iterable[Message], timeout: float | None, pull_interval_s: float,
             enough: Callable[[list[Message]], bool] = lambda replies: False,
-            pause: Callable[[float], object] = time.sleep, slots: int = 0) -> tuple[list[Message], set[str]]:
+            pause: Callable[[float], object] = time.sleep) -> tuple[list[Message], set[str]]:
     """Push ``messages`` through ``grid``, then pull until every reply is in, ``enough(replies)`` holds or the
     deadline passes, pausing ``pull_interval_s`` between pulls (Flower's own grids wait the same way). Returns
-    the replies and the ids of the messages still unanswered.
-
-    ``slots``: the clients the simulation engine runs at once, when fewer than the messages. The messages are
-    then pushed in their order (the caller's: longest first) ``slots`` at once, one more after an engine sweep and
-    then one per reply, so the engine's queue always holds one and takes them in that order rather than node
-    order: the clients are list-scheduled on the slots longest first. Once a reply comes back within
-    :data:`PACED_MIN_S` of its push, the rest go at once: for clients that short, ordering gains less than the engine
-    sweep each paced message waits for. A message not yet pushed when the deadline passes or ``enough`` holds is
-    never sent."""
-    messages = list(messages)
+    the replies and the ids of the messages still unanswered."""
+    ids = grid.push_messages(messages)
     end = time.monotonic() + timeout if timeout is not None else math.inf
-    if not 0 < slots < len(messages):
-        return pull_replies(grid, dict.fromkeys(grid.push_messages(messages), end), pull_interval_s, enough, pause)
-    unsent = deque(messages)
-    pushed_at: dict[str, float] = {}
-
-    def push(count: int) -> dict[str, float]:
-        """The next ``count`` messages pushed (as many as are left); their ids -> the deadline."""
-        ids = _push(grid, [unsent.popleft() for _ in range(min(count, len(unsent)))])
-        pushed_at.update(dict.fromkeys(ids, time.monotonic()))
-        return dict.fromkeys(ids, end)
-
-    first = push(slots)
-    queue_after = time.monotonic() + 1.5 * ENGINE_SWEEP_S  # the first batch is in the engine's queue by then
-    queued = short = False
-
-    def refill(got: list[Message]) -> dict[str, float]:
-        """One more message per reply, the one that waits in the engine's queue once its sweep is past, and every
-        message left once a client proved short."""
-        nonlocal queued, short
-        now = time.monotonic()
-        if now >= end:
-            return {}
-        short = short or any(now - pushed_at[m.metadata.reply_to_message_id] < PACED_MIN_S for m in got)
-        more = len(unsent) if short else len(got)
-        if not queued and now >= queue_after:
-            queued, more = True, more + 1
-        return push(more)
-
-    return pull_replies(grid, first, min(pull_interval_s, PACED_PULL_S), enough, pause, refill)
-
-
-def _push(grid: Grid, messages: list[Message]) -> list[str]:
-    """Push ``messages`` (none: no call); their ids."""
-    return list(grid.push_messages(messages)) if messages else []
+    return pull_replies(grid, dict.fromkeys(ids, end), pull_interval_s, enough, pause)
 
 
 def pull_replies(grid: Grid, due: Mapping[str, float], pull_interval_s: float,

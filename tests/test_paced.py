@@ -1,5 +1,5 @@
-"""Pacing a round onto the simulation engine's slots: ``collect(..., slots=k)`` pushes the messages in the caller's
-order so that an engine that queues each push in node order (Flower's sweep) still starts them in that order."""
+"""Pacing a round onto the simulation engine's slots: :class:`PacedGrid` pushes a training batch in the caller's order
+so that an engine that queues each push in node order (Flower's sweep) still starts them in that order."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import time
 from uuid import uuid4
 
 import pytest
+from fedfusion.strategies.paced import PacedGrid, paced
 from fedfusion.strategies.quorum import QuorumGrid
-from fedfusion.strategies.stop import StopGrid
-from fedfusion.strategies.wrapped import collect
+from fedfusion.strategies.stop import RunInterrupted, StopGrid
 from flwr.app import Message, MessageType, MetricRecord, RecordDict
 
 from fedfusion.run.slots import EngineSlots
@@ -22,8 +22,8 @@ class SlotEngine:
     """Flower's simulation engine in miniature: each push is queued in node order (one sweep), ``slots`` workers
     take the queue's head, and a job of node ``n`` replies ``work[n]`` seconds after it started."""
 
-    def __init__(self, work: dict[int, float], slots: int) -> None:
-        self.work, self.slots = work, slots
+    def __init__(self, work: dict[int, float], slots: int, refused: frozenset[int] = frozenset()) -> None:
+        self.work, self.slots, self.refused = work, slots, refused
         self.queue: list[Message] = []
         self.running: dict[str, float] = {}  # message id -> when it is done
         self.done: dict[str, Message] = {}
@@ -32,7 +32,7 @@ class SlotEngine:
         self.started: list[int] = []
 
     def push_messages(self, messages):
-        messages = list(messages)
+        messages = [m for m in messages if m.metadata.dst_node_id not in self.refused]  # as Flower stores none
         self.pushes.append([m.metadata.dst_node_id for m in messages])
         for m in messages:
             m.metadata.__dict__["_message_id"] = str(uuid4())
@@ -56,79 +56,92 @@ class SlotEngine:
         self._start()
         return [self.done.pop(mid) for mid in list(message_ids) if mid in self.done]
 
+    def send_and_receive(self, messages, timeout=None):
+        """Flower's own wait: everything pushed at once, then pulled until answered."""
+        ids = set(self.push_messages(messages))
+        replies = []
+        while ids:
+            got = self.pull_messages(ids)
+            ids -= {m.metadata.reply_to_message_id for m in got}
+            replies += got
+        return replies
+
 
 LONGEST_FIRST = [5, 1, 4, 2, 3, 6]  # node ids, not in node order
-# seconds: the two longest outlast the sweep after which the third is pushed (wrapped.ENGINE_SWEEP_S x 1.5)
+# seconds: the two longest outlast the sweep after which the third is pushed (1.5 x paced.ENGINE_SWEEP_S)
 WORK = {5: 0.5, 1: 0.4, 4: 0.3, 2: 0.25, 3: 0.2, 6: 0.15}
 
 
 @pytest.fixture
 def long_clients(monkeypatch):
     """WORK's clients count as long (their replies take longer than this after their push): paced to the end."""
-    monkeypatch.setattr("fedfusion.strategies.wrapped.PACED_MIN_S", 0.1)
+    monkeypatch.setattr("fedfusion.strategies.paced.PACED_MIN_S", 0.1)
 
 
 @pytest.mark.slow  # real seconds: the engine's jobs outlast a sweep
 @pytest.mark.usefixtures("long_clients")
 def test_a_paced_round_starts_in_the_callers_order_where_one_push_starts_in_node_order():
     engine = SlotEngine(WORK, slots=2)
-    replies, unanswered = collect(engine, _messages(LONGEST_FIRST), 60, 0.0, slots=2)
-    assert len(replies) == 6 and not unanswered
+    replies = PacedGrid(engine, lambda: 2).send_and_receive(_messages(LONGEST_FIRST), timeout=60)
+    assert len(replies) == 6
     # the two longest start together (in node order, as one sweep queues them), the rest in the caller's order
     assert set(engine.started[:2]) == {5, 1} and engine.started[2:] == LONGEST_FIRST[2:]
     # the two slots at once, then one more (held in the engine's queue), then one per reply
     assert engine.pushes == [[5, 1], [4], [2], [3], [6]]
     unpaced = SlotEngine(WORK, slots=2)
-    collect(unpaced, _messages(LONGEST_FIRST), 60, 0.0)
+    PacedGrid(unpaced, lambda: 0).send_and_receive(_messages(LONGEST_FIRST), timeout=60)
     assert unpaced.started == sorted(LONGEST_FIRST) and unpaced.pushes == [LONGEST_FIRST]
 
 
 @pytest.mark.parametrize("slots", [0, 6, 10])
-def test_a_batch_the_slots_hold_is_pushed_at_once(slots):
+def test_a_batch_the_slots_hold_and_anything_but_training_go_to_the_wrapped_grid_whole(slots):
     engine = SlotEngine(WORK, slots=6)
-    replies, _ = collect(engine, _messages(LONGEST_FIRST), 60, 0.0, slots=slots)
+    replies = PacedGrid(engine, lambda: slots).send_and_receive(_messages(LONGEST_FIRST), timeout=60)
     assert engine.pushes == [LONGEST_FIRST] and len(replies) == 6
+    queries = SlotEngine(WORK, slots=6)
+    PacedGrid(queries, lambda: 2).send_and_receive(_messages(LONGEST_FIRST, MessageType.QUERY), timeout=60)
+    assert queries.pushes == [LONGEST_FIRST]
 
 
 def test_once_a_client_answers_within_the_short_bound_the_rest_of_the_round_goes_at_once():
     engine = SlotEngine(dict.fromkeys(LONGEST_FIRST, 0.0), slots=2)  # every client answers at the next pull
-    replies, _ = collect(engine, _messages(LONGEST_FIRST), 60, 0.0, slots=2)
-    assert engine.pushes == [[5, 1], [4, 2, 3, 6]] and len(replies) == 6
+    replies, unanswered = paced(engine, _messages(LONGEST_FIRST), 60, slots=2)
+    assert engine.pushes == [[5, 1], [4, 2, 3, 6]] and len(replies) == 6 and not unanswered
 
 
 def test_one_message_more_than_the_slots_waits_a_sweep_so_the_longest_are_the_ones_that_start():
     engine = SlotEngine({1: 0.0, 2: 0.3, 3: 0.3}, slots=2)
-    replies, _ = collect(engine, _messages([3, 2, 1]), 60, 0.0, slots=2)
+    replies, _ = paced(engine, _messages([3, 2, 1]), 60, slots=2)
     assert engine.pushes == [[3, 2], [1]] and set(engine.started[:2]) == {2, 3} and len(replies) == 3
 
 
-@pytest.mark.slow  # real seconds: the engine's jobs outlast a sweep
-@pytest.mark.usefixtures("long_clients")
-def test_a_quorum_closes_a_paced_round_and_the_messages_not_yet_pushed_are_never_sent():
+def test_a_message_the_grid_refuses_is_replaced_by_the_next():
+    engine = SlotEngine(dict.fromkeys(LONGEST_FIRST, 0.0), slots=2, refused=frozenset({1}))
+    replies, _ = paced(engine, _messages(LONGEST_FIRST), 60, slots=2)
+    assert engine.pushes[:2] == [[5], [4]] and len(replies) == 5  # 1 refused: 4 takes its slot at once
+
+
+def test_at_the_deadline_whatever_is_left_is_pushed_and_counted_unanswered():
+    engine = SlotEngine({1: 10**9, 2: 10**9, 3: 10**9, 4: 10**9}, slots=1)
+    replies, unanswered = paced(engine, _messages([1, 2, 3, 4]), 0.2, slots=1)
+    assert not replies and engine.pushes == [[1], [2], [3, 4]] and len(unanswered) == 4
+
+
+def test_over_selection_sends_its_whole_batch_at_once_over_a_paced_grid():
     engine = SlotEngine(WORK, slots=2)
-    grid = QuorumGrid(engine, quorum=2, pull_interval_s=0.0, slots=lambda: 2)
+    grid = QuorumGrid(PacedGrid(engine, lambda: 2), quorum=2, pull_interval_s=0.0)
     replies = grid.send_and_receive(_messages(LONGEST_FIRST), timeout=60)
-    assert len(replies) == 2 and {m.metadata.src_node_id for m in replies} == {5, 1}
-    assert sum(engine.pushes, []) == [5, 1, 4, 2]  # 3 and 6 were never sent
+    assert engine.pushes == [LONGEST_FIRST] and len(replies) == 2  # paced, the shortest would never be sent
 
 
-def test_a_paced_round_pushes_nothing_after_its_deadline():
-    engine = SlotEngine({1: 10**9, 2: 10**9, 3: 0.0, 4: 0.0}, slots=1)
-    replies, unanswered = collect(engine, _messages([1, 2, 3, 4]), 0.2, 0.01, slots=1)
-    assert not replies and engine.pushes == [[1], [2]] and len(unanswered) == 2
-
-
-@pytest.mark.slow  # real seconds: the engine's jobs outlast a sweep
-@pytest.mark.usefixtures("long_clients")
-def test_stop_grid_paces_training_only():
-    engine = SlotEngine(WORK, slots=2)
-    grid = StopGrid(engine, threading.Event(), pull_interval_s=0.0, slots=lambda: 2)
-    grid.send_and_receive(_messages(LONGEST_FIRST), timeout=60)
-    assert engine.started[2:] == LONGEST_FIRST[2:]
-    queries = SlotEngine(WORK, slots=2)
-    StopGrid(queries, threading.Event(), pull_interval_s=0.0, slots=lambda: 2).send_and_receive(
-        _messages(LONGEST_FIRST, MessageType.QUERY), timeout=60)
-    assert queries.pushes == [LONGEST_FIRST]
+def test_a_stop_ends_a_paced_round_within_a_poll():
+    stop = threading.Event()
+    grid = PacedGrid(StopGrid(SlotEngine(dict.fromkeys(LONGEST_FIRST, 10**9), slots=2), stop), lambda: 2)
+    threading.Timer(0.2, stop.set).start()
+    started = time.monotonic()
+    with pytest.raises(RunInterrupted):
+        grid.send_and_receive(_messages(LONGEST_FIRST), timeout=600)
+    assert time.monotonic() - started < 1.0
 
 
 @pytest.mark.slow  # imports Ray (a second)

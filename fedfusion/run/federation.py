@@ -38,7 +38,6 @@ from fedfusion.run.checkpoint import Checkpoint
 from fedfusion.run.lifecycle import Recorder, RoundCallback, run_course
 from fedfusion.run.quiet import silence_expected_noise
 from fedfusion.run.run_dir import RunDir
-from fedfusion.run.slots import EngineSlots
 from fedfusion.run.targets import Target, lm_target, lora_target
 from fedfusion.selection.participation import Participation, jain_index
 from fedfusion.selection.selectors import make_selector
@@ -296,8 +295,9 @@ class Federation:
         self.ledger = RoundLedger(recorder, run.state_dict, initial, self.catalog, self.server_device)
         self.strategy.listeners.append(self.ledger)
         if self.recipe.selection.overselect > 0:
-            grid = QuorumGrid(grid, quorum=self.recipe.selection.clients_per_round,
-                              slots=EngineSlots(self.recipe.engine.cpus_per_client))
+            # over the paced grid's own push and pull: a quorum's batch goes out whole (paced, the longest clients
+            # would fill the quorum and the shortest never be sent)
+            grid = QuorumGrid(grid, quorum=self.recipe.selection.clients_per_round)
         self.strategy.start(
             grid=grid, initial_arrays=initial, num_rounds=self.recipe.rounds - (resumed.round if resumed else 0),
             timeout=self.recipe.selection.timeout_s, evaluate_fn=CentralEvaluation(self.target),

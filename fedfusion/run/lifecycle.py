@@ -28,6 +28,7 @@ from fedfusion.run.checkpoint import Checkpoint, load_checkpoint, save_checkpoin
 from fedfusion.run.run_dir import RunDir
 from fedfusion.run.slots import EngineSlots
 from fedfusion.run.targets import Target
+from fedfusion.strategies.paced import PacedGrid
 from fedfusion.strategies.stop import RunInterrupted, StopGrid
 
 RoundCallback = Callable[[dict[str, Any]], None]
@@ -136,8 +137,9 @@ def run_course(grid: Grid, recipe: Recipe, run: RunDir, build: Callable[[], Cour
             run.cut_ledgers(ckpt.round)
             log(INFO, "fedfusion: resuming %s after round %d of %d", run.path, ckpt.round, rounds)
         recorder = Recorder(run, on_round, recipe.output.checkpoint_every, ckpt)
-        slots = EngineSlots(recipe.engine.cpus_per_client)  # a round's training is paced onto them, longest first
-        course.train(StopGrid(grid, stop or threading.Event(), slots=slots), recorder, ckpt)
+        stoppable = grid if stop is None else StopGrid(grid, stop)
+        # in a simulation, a round's clients start longest first on the engine's slots
+        course.train(PacedGrid(stoppable, EngineSlots(recipe.engine.cpus_per_client)), recorder, ckpt)
         if recipe.output.save_model:
             hf_logging.disable_progress_bar()  # the run's own progress is the one to show
             course.target.save(run.model_dir, course.arrays())

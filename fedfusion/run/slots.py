@@ -1,11 +1,11 @@
 """How many clients Flower's simulation engine runs at once: what a round's training messages are paced onto
-(:func:`fedfusion.strategies.wrapped.collect`)."""
+(:class:`fedfusion.strategies.paced.PacedGrid`)."""
 
 from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # "0": push every round's messages at once, as Flower's own grids do (what benchmarks/overhead.py compares with). Not
 # a recipe key: the order clients start in changes no result, only the round's wall time.
@@ -21,7 +21,7 @@ class EngineSlots:
     is its own machine, or with ``FEDFUSION_PACED=0``. Counted once, the first time Ray is up."""
 
     cpus_per_client: float
-    count: int = 0
+    count: int = field(default=0, init=False)
 
     def __call__(self) -> int:
         if os.environ.get(ENV, "1").strip() == "0":
