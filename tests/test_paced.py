@@ -70,6 +70,7 @@ class SlotEngine:
 LONGEST_FIRST = [5, 1, 4, 2, 3, 6]  # node ids, not in node order
 # seconds: the two longest outlast the sweep after which the third is pushed (1.5 x paced.ENGINE_SWEEP_S)
 WORK = {5: 0.5, 1: 0.4, 4: 0.3, 2: 0.25, 3: 0.2, 6: 0.15}
+INSTANT = dict.fromkeys(LONGEST_FIRST, 0.0)  # every client answers at the pull after it started
 
 
 @pytest.fixture
@@ -95,16 +96,16 @@ def test_a_paced_round_starts_in_the_callers_order_where_one_push_starts_in_node
 
 @pytest.mark.parametrize("slots", [0, 6, 10])
 def test_a_batch_the_slots_hold_and_anything_but_training_go_to_the_wrapped_grid_whole(slots):
-    engine = SlotEngine(WORK, slots=6)
+    engine = SlotEngine(INSTANT, slots=6)
     replies = PacedGrid(engine, lambda: slots).send_and_receive(_messages(LONGEST_FIRST), timeout=60)
     assert engine.pushes == [LONGEST_FIRST] and len(replies) == 6
-    queries = SlotEngine(WORK, slots=6)
+    queries = SlotEngine(INSTANT, slots=6)
     PacedGrid(queries, lambda: 2).send_and_receive(_messages(LONGEST_FIRST, MessageType.QUERY), timeout=60)
     assert queries.pushes == [LONGEST_FIRST]
 
 
 def test_once_a_client_answers_within_the_short_bound_the_rest_of_the_round_goes_at_once():
-    engine = SlotEngine(dict.fromkeys(LONGEST_FIRST, 0.0), slots=2)  # every client answers at the next pull
+    engine = SlotEngine(INSTANT, slots=2)  # every client answers at the next pull
     replies, unanswered = paced(engine, _messages(LONGEST_FIRST), 60, slots=2)
     assert engine.pushes == [[5, 1], [4, 2, 3, 6]] and len(replies) == 6 and not unanswered
 
@@ -116,7 +117,7 @@ def test_one_message_more_than_the_slots_waits_a_sweep_so_the_longest_are_the_on
 
 
 def test_a_message_the_grid_refuses_is_replaced_by_the_next():
-    engine = SlotEngine(dict.fromkeys(LONGEST_FIRST, 0.0), slots=2, refused=frozenset({1}))
+    engine = SlotEngine(INSTANT, slots=2, refused=frozenset({1}))
     replies, _ = paced(engine, _messages(LONGEST_FIRST), 60, slots=2)
     assert engine.pushes[:2] == [[5], [4]] and len(replies) == 5  # 1 refused: 4 takes its slot at once
 
@@ -128,7 +129,7 @@ def test_at_the_deadline_whatever_is_left_is_pushed_and_counted_unanswered():
 
 
 def test_over_selection_sends_its_whole_batch_at_once_over_a_paced_grid():
-    engine = SlotEngine(WORK, slots=2)
+    engine = SlotEngine(INSTANT, slots=2)
     grid = QuorumGrid(PacedGrid(engine, lambda: 2), quorum=2, pull_interval_s=0.0)
     replies = grid.send_and_receive(_messages(LONGEST_FIRST), timeout=60)
     assert engine.pushes == [LONGEST_FIRST] and len(replies) == 2  # paced, the shortest would never be sent

@@ -3,7 +3,8 @@ checkpoint), stop at a Ctrl-C, then the model, the summary and the report.
 
 What trains is a :class:`Course`: the fusion strategy's rounds (:class:`fedfusion.run.federation.Federation`) or a
 central method's optimizer steps (:class:`fedfusion.run.central.CentralCourse`; a units run's step is its round).
-:func:`run_course` gives it the Grid (stoppable: :class:`~fedfusion.strategies.stop.StopGrid`), the checkpoint a
+:func:`run_course` gives it the Grid (stoppable: :class:`~fedfusion.strategies.stop.StopGrid`; paced onto a
+simulation's slots: :class:`~fedfusion.strategies.paced.PacedGrid`), the checkpoint a
 resume continues after and the :class:`Recorder` every round goes through, and writes what every run writes; a
 course builds its own target and rows and adds its own summary fields.
 """
