@@ -472,8 +472,8 @@ def cmd_fuzz(args: argparse.Namespace) -> dict:
     while bad_sent < args.n or metric_sent < args.metric_n:
         rounds += 1
         msgs = list(strategy.configure_train(rounds, ArrayRecord(state), ConfigRecord({}), grid))
-        order = list(strategy.run.round.rows)  # the sample order: the faults drawn per message follow it
-        msgs.sort(key=lambda m: order.index(m.metadata.dst_node_id))
+        order = {node: i for i, node in enumerate(strategy.run.round.rows)}  # sample order: the faults follow it
+        msgs.sort(key=lambda m: order[m.metadata.dst_node_id])
         metric_round = metric_sent < args.metric_n and (bad_sent >= args.n or rng.random() < 0.1)
         replies, planned, goods = [], {}, {}
         for i, m in enumerate(msgs):

@@ -19,8 +19,8 @@ runs the whole command ``python -m fedfusion run RECIPE ...`` ``--repeats`` time
 - ``eval_every=N``: central evaluation on round 0, every N-th and the last round only (``train.eval_every=N``);
 - ``both``: the two together;
 - ``paced``: the quickstart as it ships now: the cache on, every round scored, and each round's messages paced onto
-  the engine's slots longest first (``fedfusion.run.slots``; ``FEDFUSION_PACED=0`` in every other arm, as before
-  pacing);
+  the engine's slots longest first (``fedfusion.strategies.paced``; the four arms above run with
+  ``FEDFUSION_PACED=0``, as before pacing);
 - ``oracle``: ``paced`` with every client training the whole target (``quickstart_policies.py``'s oracle arm:
   slices of width 1.0 in their own forward pass from round 1, no growth, core or shared window). With ``paced`` beside
   it the report gives the whole command's ratio to the oracle's, repeat by repeat (goal <= 0.7x).

@@ -375,7 +375,7 @@ def write(report: dict[str, Any], name: str = "scale") -> None:
         f"`selection.pool={POOL}`. Each round includes the capability QUERY of its pool's new nodes (a population "
         f"within the pool: all of it, in round 1); rounds 2+ are the steady state. A round's training messages "
         + ("pushed paced onto the 2 actors longest first (the default)." if report.get("paced", False) else
-           "pushed all at once (`FEDFUSION_PACED=0`), as before pacing."),
+           "pushed all at once, as Flower's grids do (`FEDFUSION_PACED=0`, or a run from before pacing)."),
         "",
         "| clients | nodes queried | server RSS before round 1 MB | server RSS peak MB | after round 1 MB | "
         "after last round MB | actors RSS peak MB | round 1 s | steady round s (median) | "
