@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from fedfusion.strategies.sweep import ENV as SWEEP_ENV
 
 from fedfusion.run.slots import ENV as PACED_ENV
 
@@ -46,6 +47,7 @@ from fedfusion.run.slots import ENV as PACED_ENV
 RECIPE = "rolling"
 OUT = Path(__file__).parent / "results"
 PER_ROUND, POOL, ROUNDS, CHARS_PER_CLIENT = 50, 200, 4, 1500
+FLOWER_SWEEP_CHECKS = 2_000_000  # the probe times Flower's sweep up to nodes x pending this many (~35 s a sweep)
 SETTINGS = [
     f"rounds={ROUNDS}", f"selection.clients_per_round={PER_ROUND}", f"selection.pool={POOL}", "data.source=text", "data.eval_chars=4000",
     "model.hidden_size=64", "model.num_heads=8", "model.num_kv_heads=8", "model.intermediate_size=128",
@@ -57,17 +59,20 @@ NOTES = [
     "## What grows with the population, and why",
     "",
     "- **Memory.** Per client the server keeps Flower's node registry (every SuperNode of the simulation: its "
-    "LinkState entry and a Context) and the simulation's dataset text. fedfusion's strategy keeps the capability "
+    "LinkState entry and a Context). The simulation's text is read a client's shard at a time from the file "
+    "(`fedfusion/data/shards.py`; runs before it held the whole text and its shards: 330 MB at 100,000 clients). "
+    "fedfusion's strategy keeps the capability "
     "answers (device tier, partition, examples, host facts) of the nodes its candidate pools held: all of a "
     "population within `selection.pool`, else at most `pool` new nodes a round, whatever the population. No "
     "per-client model, optimizer or ledger state is kept: the ledgers go to disk each round. The probe's bytes "
     "are that growth, by owner.",
-    "- **Time.** What grows is Flower's simulation engine: every 0.1 s it asks the in-memory LinkState for each "
+    "- **Time.** Flower's simulation engine sweeps the nodes every 0.1 s, asking the in-memory LinkState for each "
     "node's next message (`vce_api.add_messages_to_queue`), and `InMemoryLinkState.get_message_ins` looks through "
-    "every stored message, checking each, for every node: a sweep costs nodes x pending messages, and it runs in "
-    "the server's process. A training round keeps `clients_per_round` messages pending, a pool's QUERY at most "
-    "`pool`; so a round costs the population times the pool, not the population squared. fedfusion's own "
-    "per-round work over the population (the pool and the draw) is the probe's sampling time.",
+    "every stored message, checking each: Flower's sweep costs nodes x pending messages, in the server's process. "
+    "`fedfusion run` sweeps only the nodes with a message waiting (`strategies/sweep.py`: the same asks of those "
+    "nodes, none of the others), so a sweep costs waiting nodes x pending messages whatever the population; the "
+    "probe times both. fedfusion's own per-round work over the population (the pool and the draw) is the probe's "
+    "sampling time.",
     "- **Why a pool and not a QUERY of everyone in batches.** Until `selection.pool`, round 1 sent the QUERY to "
     "every node at once; at 10,000 nodes it outlasted the 600 s round deadline on this machine and the run was "
     "stopped after 31 minutes with no client trained (this file at commit a233ac9). Batches would not have "
@@ -199,14 +204,15 @@ def registry_probe(nodes: int) -> dict[str, float]:
       as :func:`fedfusion.client_app.query` builds it), with the number of nodes its pools queried;
 
     and seconds per round that grow with the population: the strategy's sampling (wait for nodes, the pool, the
-    QUERY of its new nodes, the participation draw over it) and one sweep of Flower's engine polling every node
-    for a message (:func:`poll_sweep_s`) with none, a round's, a pool's and (up to 1,000 nodes) every node's
-    messages pending.
+    QUERY of its new nodes, the participation draw over it) and one sweep of the simulation engine delivering
+    the pending messages (:func:`poll_sweep_s`), none, a round's, a pool's and up to 1,000, by Flower's own sweep
+    (where nodes x pending is at most FLOWER_SWEEP_CHECKS) and by fedfusion's (:mod:`fedfusion.strategies.sweep`).
     """
     import tracemalloc
 
     import torch
     from fedfusion.strategies.fusion import FusionStrategy, RunState, StrategySettings
+    from fedfusion.strategies.sweep import FLOWER_SWEEP, sweep
     from flwr.app import ConfigRecord, Message, RecordDict
     from flwr.server.superlink.fleet.vce.vce_api import _register_node_info_stores, _register_nodes
     from flwr.server.superlink.linkstate import LinkStateFactory
@@ -262,6 +268,7 @@ def registry_probe(nodes: int) -> dict[str, float]:
     ours = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
     queried = len(strategy.run.caps)
+    pending = sorted({0, PER_ROUND, min(POOL, nodes), min(nodes, 1000)})
     assert len(stores) == nodes and queried <= ROUNDS * POOL
     start = time.perf_counter()
     for server_round in range(ROUNDS + 1, ROUNDS + 6):
@@ -269,15 +276,27 @@ def registry_probe(nodes: int) -> dict[str, float]:
     sample_s = (time.perf_counter() - start) / 5
     return {"nodes": nodes, "flower_registry_bytes_per_node": flower / nodes, "fedfusion_state_bytes": ours,
             "fedfusion_nodes_queried": queried, "fedfusion_sample_ms": sample_s * 1e3,
-            "flower_poll_sweep_ms": {str(p): poll_sweep_s(factory, list(mapping), p) * 1e3
-                                     for p in sorted({0, PER_ROUND, min(POOL, nodes), nodes}) if p <= 1000}}
+            "flower_poll_sweep_ms": {str(p): poll_sweep_s(factory, mapping, p, FLOWER_SWEEP) * 1e3
+                                     for p in pending if p * nodes <= FLOWER_SWEEP_CHECKS},
+            "fedfusion_poll_sweep_ms": {str(p): poll_sweep_s(factory, mapping, p, sweep) * 1e3 for p in pending}}
 
 
-def poll_sweep_s(factory: Any, nodes: list[int], pending: int) -> float:
-    """Seconds of one sweep of Flower's simulation engine over every node while ``pending`` messages (to as many
-    nodes) await their replies: the engine asks the LinkState for each node's next message every 0.1 s
-    (``vce_api.add_messages_to_queue``), and the in-memory LinkState looks through every stored message, checking
-    each, for each node (``InMemoryLinkState.get_message_ins``). The second sweep is timed: the first delivers."""
+class OneSweep(threading.Event):
+    """A stop event that lets the engine's loop make exactly one sweep (its wait after the sweep stops it)."""
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.set()
+        return True
+
+
+def poll_sweep_s(factory: Any, mapping: dict[int, int], pending: int, engine: Any) -> float:
+    """Seconds of one sweep of the engine's loop ``engine`` (Flower's ``vce_api.add_messages_to_queue`` or
+    fedfusion's :func:`fedfusion.strategies.sweep.sweep`) over every node while ``pending`` messages (to as many
+    nodes) await their replies: Flower's asks the LinkState for each node's next message, and the in-memory
+    LinkState looks through every stored message, checking each, for each node (``InMemoryLinkState.get_message_ins``);
+    fedfusion's asks the nodes with a message undelivered. The sweep that delivers them is timed."""
+    from queue import Queue
+
     from flwr.app import ConfigRecord, Message, MessageType, RecordDict
     from flwr.proto.task_pb2 import Task
     from flwr.server.superlink.linkstate.in_memory_linkstate import RunRecord
@@ -296,16 +315,16 @@ def poll_sweep_s(factory: Any, nodes: list[int], pending: int) -> float:
     grid.set_run(run)
     TaskIdentity.run_id = run_id  # messages take their run from the task identity
     messages = [Message(RecordDict({"config": ConfigRecord({"k": 1})}), dst_node_id=n, message_type=MessageType.QUERY)
-                for n in nodes[:pending]]
+                for n in list(mapping)[:pending]]
     for m in messages:
         m.metadata.__dict__["_src_node_id"] = 1  # the SuperLink's id, as the Grid's own create_message sets it
     stored = [i for i in grid.push_messages(messages) if i]
     assert len(stored) == pending, f"{len(stored)} of {pending} messages stored"
-    for _ in range(2):
-        start = time.perf_counter()
-        for node in nodes:
-            state.get_message_ins(node_id=node, limit=1)
-        seconds = time.perf_counter() - start
+    queue: Queue[Message] = Queue()
+    start = time.perf_counter()
+    engine(state, queue, mapping, OneSweep())
+    seconds = time.perf_counter() - start
+    assert queue.qsize() == pending, f"{queue.qsize()} of {pending} messages delivered"
     state.delete_messages(message_ins_ids=set(stored))
     return seconds
 
@@ -339,14 +358,21 @@ def findings(report: dict[str, Any]) -> list[str]:
         lines.append(f"- From {lo['clients']:,} to {hi['clients']:,} clients the server's RSS after the last round "
                      f"changes by {per / 1024:.1f} KB per client (RSS also moves with the allocator and the "
                      "machine's load; the probe below traces the bytes).")
+        if lo["steady_round_wall_s"] and hi["steady_round_wall_s"]:
+            lines.append(f"- {hi['clients']:,} against {lo['clients']:,} clients: server RSS after round 1 "
+                         f"{hi['rounds'][0]['rss_mb'] / lo['rounds'][0]['rss_mb']:.2f}x, its peak "
+                         f"{hi['server_rss_peak_mb'] / lo['server_rss_peak_mb']:.2f}x; steady round "
+                         f"{hi['steady_round_wall_s'] / lo['steady_round_wall_s']:.2f}x.")
     for p in report.get("probe", []):
         sweeps = ", ".join(f"{float(ms) / 1e3:.2f} s with {int(k):,} pending" for k, ms in p["flower_poll_sweep_ms"].items())
+        ours = ", ".join(f"{float(ms) / 1e3:.3f} s with {int(k):,}" for k, ms in p.get("fedfusion_poll_sweep_ms", {}).items())
         lines.append(f"- Probe, {p['nodes']:,} nodes: Flower's node registry {p['flower_registry_bytes_per_node']:.0f} "
                      f"B/node; fedfusion's strategy after {ROUNDS} draws {p['fedfusion_state_bytes'] / 1024:.0f} KB "
                      f"({p['fedfusion_nodes_queried']:,} nodes queried, "
                      f"{p['fedfusion_state_bytes'] / p['fedfusion_nodes_queried']:.0f} B each); its sampling "
                      f"{p['fedfusion_sample_ms']:.1f} ms/round; one sweep of Flower's engine over every node (it sweeps "
-                     f"again 0.1 s after each): {sweeps}.")
+                     f"again 0.1 s after each): {sweeps or 'not timed (too long)'}"
+                     + (f"; fedfusion's sweep over the waiting nodes: {ours}." if ours else "."))
     return lines
 
 
@@ -375,7 +401,11 @@ def write(report: dict[str, Any], name: str = "scale") -> None:
         f"`selection.pool={POOL}`. Each round includes the capability QUERY of its pool's new nodes (a population "
         f"within the pool: all of it, in round 1); rounds 2+ are the steady state. A round's training messages "
         + ("pushed paced onto the 2 actors longest first (the default)." if report.get("paced", False) else
-           "pushed all at once, as Flower's grids do (`FEDFUSION_PACED=0`, or a run from before pacing)."),
+           "pushed all at once, as Flower's grids do (`FEDFUSION_PACED=0`, or a run from before pacing).")
+        + (" The engine sweeps only the nodes with a message waiting (`strategies/sweep.py`, the default)."
+           if report.get("sweep") == "waiting nodes" else
+           " The engine sweeps every node, as Flower's own does (`FEDFUSION_SWEEP=flower`, or a run from before "
+           "`strategies/sweep.py`)."),
         "",
         "| clients | nodes queried | server RSS before round 1 MB | server RSS peak MB | after round 1 MB | "
         "after last round MB | actors RSS peak MB | round 1 s | steady round s (median) | "
@@ -415,7 +445,9 @@ def main() -> None:
     if args.probe or args.sizes:
         report["machine"] = machine()
         report["paced"] = os.environ.get(PACED_ENV, "1").strip() != "0"
-        report["command"] = ("" if report["paced"] else f"{PACED_ENV}=0 ") + shlex.join(
+        report["sweep"] = "flower" if os.environ.get(SWEEP_ENV, "").strip() == "flower" else "waiting nodes"
+        report["command"] = ("" if report["paced"] else f"{PACED_ENV}=0 ") + (
+            f"{SWEEP_ENV}=flower " if report["sweep"] == "flower" else "") + shlex.join(
             ["python", "benchmarks/scale.py", *sys.argv[1:]])
     if args.probe:
         report.pop("probe", None)  # measured again below

@@ -114,6 +114,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         shutdown_ray,
         silence_ray,
     )
+    from fedfusion.strategies.sweep import install as install_sweep
 
     verb = f"resuming after round {done}:" if args.resume else "running"
     central = method(recipe.fusion.method).central  # the units mode: optimizer steps, not rounds
@@ -171,6 +172,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                 flwr_logger.setLevel(logging.CRITICAL)  # their killed tasks are expected, not errors to show
                 kill_ray_workers()
 
+        install_sweep()  # the engine asks only the nodes with a message waiting (strategies/sweep.py)
         watch = EngineWatch(ctrl_c.stop)
         flwr_logger.addHandler(watch)
         try:

@@ -18,11 +18,11 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 
+from fedfusion.strategies.sweep import ENGINE_SWEEP_S
 from fedfusion.strategies.wrapped import WrappedGrid, pull_replies, training
 from flwr.app import Message
 from flwr.serverapp import Grid
 
-ENGINE_SWEEP_S = 0.1  # the engine's wait after each sweep over the nodes
 PACED_PULL_S = 0.02  # a paced batch's pull interval: a freed slot's next message is pushed this soon
 # a client answering sooner than this (ten engine sweeps) after its push is short: ordering such clients gains less
 # than the sweep each paced message waits for (at 10,000 nodes a sweep takes tenths of a second), so the rest of the

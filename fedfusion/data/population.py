@@ -7,9 +7,11 @@ needs only its partition id and the spec carried in the message, never server st
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import overload
 
 import numpy as np
 import torch
@@ -39,7 +41,8 @@ from fedfusion.data.federated import (
     partitions,
 )
 from fedfusion.data.records import check_client_count, natural_partition
-from fedfusion.data.text import encode_text, lm_windows, load_shakespeare_roles, load_text_file, load_tokenizer, split_text
+from fedfusion.data.shards import Shards, text_shards
+from fedfusion.data.text import encode_text, lm_windows, load_shakespeare_roles, load_tokenizer, split_text
 from fedfusion.devices.catalog import assign_tiers
 
 
@@ -79,8 +82,36 @@ def _text_path(data: DataConfig) -> str:
     return data.path
 
 
+@dataclass(frozen=True)
+class TextPopulation(Sequence[ClientData]):
+    """The clients of ``data.source: text``: client ``i`` is shard ``i`` of the file, named ``shard-i``, read and
+    split when asked (:mod:`fedfusion.data.shards`: a population holds no text per client)."""
+
+    shards: Shards
+    held_out: float
+
+    def __len__(self) -> int:
+        return len(self.shards)
+
+    @overload
+    def __getitem__(self, i: int) -> ClientData: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[ClientData]: ...
+
+    def __getitem__(self, i: int | slice) -> ClientData | Sequence[ClientData]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        return ClientData(f"shard-{i % len(self)}", *split_text(self.shards[i], self.held_out))
+
+    def sizes(self) -> PartitionSizes:
+        """Each client's training characters, without reading a shard (they are all one size)."""
+        train = len(split_text("x" * self.shards.size, self.held_out)[0])
+        return PartitionSizes("characters", tuple(f"shard-{i}" for i in range(len(self))), (train,) * len(self))
+
+
 @lru_cache(maxsize=4)
-def population_data(spec: str) -> tuple[ClientData, ...]:
+def population_data(spec: str) -> Sequence[ClientData]:
     """Every client's data for a spec from :func:`data_spec` (cached per process)."""
     parsed = json.loads(spec)
     data, num_clients, seed = DataConfig(**parsed["data"]), parsed["num_clients"], parsed["seed"]
@@ -101,9 +132,7 @@ def population_data(spec: str) -> tuple[ClientData, ...]:
         check_client_count(data.path, len(natural), num_clients)
         named = [(f"client-{cid}", "\n".join(docs)) for cid, docs in natural.items()]
     else:
-        text = load_text_file(_text_path(data))
-        size = len(text) // num_clients
-        named = [(f"shard-{i}", text[i * size : (i + 1) * size]) for i in range(num_clients)]
+        return TextPopulation(text_shards(_text_path(data), num_clients), data.held_out)
     return tuple(ClientData(name, *split_text(text, data.held_out)) for name, text in named)
 
 
@@ -168,10 +197,12 @@ def facts_by_tier(data: DataConfig, population: PopulationConfig, seed: int) -> 
 
 
 def pooled_held_out(spec: str, max_chars: int) -> str:
-    """Held-out text of all clients, an equal share from each, at most ``max_chars`` in all."""
+    """Held-out text of all clients, an equal share from each, at most ``max_chars`` in all; of a population larger
+    than ``max_chars``, one character from each of ``max_chars`` clients evenly spread over it."""
     clients = population_data(spec)
-    share = max(1, max_chars // len(clients))
-    return "\n".join(c.held_out[:share] for c in clients)
+    count = min(len(clients), max(1, max_chars))
+    share = max(1, max_chars // count)
+    return "\n".join(clients[i * len(clients) // count].held_out[:share] for i in range(count))
 
 
 def partition_sizes(source: DataSource, method: str) -> PartitionSizes:
@@ -196,6 +227,8 @@ def partition_sizes(source: DataSource, method: str) -> PartitionSizes:
         return PartitionSizes("rows", names, tuple(len(p) for p in parts), label,
                               tuple(dict(Counter(str(v) for v in p[label])) for p in parts) if label else ())
     people = population_data(spec)
+    if isinstance(people, TextPopulation):
+        return people.sizes()
     if source.data.source == "facts":
         return PartitionSizes("documents", tuple(c.name for c in people), tuple(len(c.documents) for c in people))
     return PartitionSizes("characters", tuple(c.name for c in people), tuple(len(c.train) for c in people))

@@ -1,0 +1,63 @@
+"""Flower's simulation engine swept over the nodes that have a message waiting, so a round costs what its messages
+cost, not the population times them.
+
+Flower 1.42's engine feeds its actors from one queue, which it fills by sweeping the nodes: every 0.1 s it asks the
+LinkState for each node's next message (``add_messages_to_queue`` in flwr/server/superlink/fleet/vce/vce_api.py),
+and the in-memory LinkState answers each ask by looking through every stored message, checking each
+(``InMemoryLinkState.get_message_ins``). A sweep therefore costs nodes x pending messages: at 10,000 nodes and a
+round's 50 messages, 8.7 s a sweep on a 2-core host (benchmarks/results/scale.md), during which no message moves.
+
+:func:`sweep` asks only the nodes that have an undelivered message, in the engine's node order, through the
+LinkState's own ``get_message_ins``: the same asks as Flower's sweep makes of those nodes (so the same messages,
+checked, expired ones dropped and marked delivered exactly as there), none of the asks whose answer is empty. It
+reads which nodes wait from the in-memory LinkState's message store under its lock; any other LinkState is swept
+by Flower's own function. ``fedfusion run`` installs it (:func:`install`) for its simulation; ``FEDFUSION_SWEEP=flower``
+keeps Flower's sweep (benchmarks/scale.py measures both).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Mapping
+from queue import Queue
+from typing import Any
+
+from flwr.app import Message
+from flwr.server.superlink.fleet.vce import vce_api
+from flwr.server.superlink.linkstate import LinkState
+from flwr.server.superlink.linkstate.in_memory_linkstate import InMemoryLinkState
+
+ENGINE_SWEEP_S = 0.1  # the engine's wait after each sweep over the nodes (Flower's, kept)
+ENV = "FEDFUSION_SWEEP"  # "flower": Flower's own sweep over every node (what benchmarks/scale.py compares with)
+FLOWER_SWEEP: Callable[..., None] = vce_api.add_messages_to_queue
+
+
+def waiting_nodes(state: InMemoryLinkState, order: Mapping[int, int]) -> list[int]:
+    """The nodes of ``order`` (node id -> its place in the engine's sweep) with an undelivered message in
+    ``state``, in sweep order."""
+    with state.lock:
+        waiting = {m.metadata.dst_node_id for m in state.message_ins_store.values() if not m.metadata.delivered_at}
+    return sorted((n for n in waiting if n in order), key=order.__getitem__)
+
+
+def sweep(state: LinkState, queue: Queue[Message], nodes_mapping: Mapping[int, int], f_stop: threading.Event) -> None:
+    """Flower's ``add_messages_to_queue`` (same arguments, same loop and wait), asking only :func:`waiting_nodes`."""
+    if not isinstance(state, InMemoryLinkState):
+        FLOWER_SWEEP(state, queue, nodes_mapping, f_stop)
+        return
+    order: dict[int, int] = {}
+    while not f_stop.is_set():
+        if len(order) != len(nodes_mapping):  # built once: the simulation's nodes are registered before it starts
+            order = {node: i for i, node in enumerate(nodes_mapping)}
+        for node_id in waiting_nodes(state, order):
+            for msg in state.get_message_ins(node_id=node_id, limit=1):
+                queue.put(msg)
+        f_stop.wait(ENGINE_SWEEP_S)
+
+
+def install() -> None:
+    """Make :func:`sweep` the engine's (unless ``FEDFUSION_SWEEP=flower``): called before ``run_simulation``, whose
+    engine thread looks the function up when it starts."""
+    chosen: Any = FLOWER_SWEEP if os.environ.get(ENV, "").strip() == "flower" else sweep
+    vce_api.add_messages_to_queue = chosen
