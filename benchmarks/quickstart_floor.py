@@ -15,6 +15,13 @@ and the recipe's window with the core on the int8 frozen target, narrow and expa
 A wall-time goal below the floor cannot be met at the recipe's budget (rounds, clients, steps, batch) on this
 machine, whatever the engine does.
 
+Then the same command with every client training the whole target (``overhead.py``'s ``oracle`` arm), and for
+both the machine's busy core-seconds while the command ran (``/proc/stat``, every process: on a quiet machine, the
+command's own work). Busy core-seconds over the cores is the wall time the command's work needs if nothing ever
+waits, a floor for any engine; the clients' training seconds of each, side by side, show what a cheaper client step
+can give: where the rest (start-up, evaluation, messages) costs both commands the same, their wall-time ratio lies
+above their clients' training ratio.
+
 The rounds' barriers are counted too: each round's measured client seconds packed longest first on the slots
 (the round cannot end before its slowest slot), summed over the rounds, beside the rounds' wall time, evaluation
 and start-up.
@@ -36,6 +43,7 @@ import time
 from pathlib import Path
 
 import torch
+from overhead import ORACLE
 from results_files import run_facts, write_pair
 from window_step import arm_model, setting
 
@@ -48,17 +56,29 @@ ARMS = ("full", "core", "core-expanded")
 GOAL_S = 90.0  # the shipped 12 rounds on 2 quiet cores
 
 
-def run_quickstart(out: Path, reuse: bool) -> float:
-    """The quickstart's whole command, timed (kept in ``out``, so ``reuse`` reads a finished run's time back)."""
-    timed = out / "command_wall_s.txt"
+def busy_core_s() -> float | None:
+    """Seconds the machine's cores have spent busy since boot, all processes (Linux ``/proc/stat``; else None)."""
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle and iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")  # user .. steal (guest time is counted in user)
+
+
+def run_quickstart(out: Path, reuse: bool, overrides: tuple[str, ...] = ()) -> dict[str, float | None]:
+    """The quickstart's whole command (with ``overrides``), timed, and the machine's busy core-seconds while it ran
+    (kept in ``out``, so ``reuse`` reads a finished run's figures back)."""
+    timed = out / "command.json"
     if reuse and timed.is_file() and (out / "summary.json").is_file():
-        return float(timed.read_text())
-    start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "fedfusion.cli", "run", "quickstart", "--out", str(out)], check=True,
-                   stdout=subprocess.DEVNULL)
-    wall = time.perf_counter() - start
-    timed.write_text(f"{wall:.3f}\n")
-    return wall
+        return json.loads(timed.read_text())
+    busy, start = busy_core_s(), time.perf_counter()
+    subprocess.run([sys.executable, "-m", "fedfusion.cli", "run", "quickstart", *overrides, "--out", str(out)],
+                   check=True, stdout=subprocess.DEVNULL)
+    wall, after = time.perf_counter() - start, busy_core_s()
+    figures = {"wall_s": wall, "busy_core_s": None if busy is None or after is None else after - busy}
+    timed.write_text(json.dumps(figures) + "\n")
+    return figures
 
 
 def makespan(seconds: list[float], slots: int) -> float:
@@ -92,7 +112,9 @@ def client_work(out: Path, tokens_per_step: int) -> dict:
     grown = [r for r in rows if r.get("forward") == "full"]
     small = [r for r in rows if r.get("forward") != "full"]
     steps = [r["tokens"] / tokens_per_step for r in grown]
-    return {"grown_steps": sum(steps), "grown_train_s": sum(r["train_s"] for r in grown),
+    return {"train_s": sum(r["train_s"] for r in rows),
+            "step_ms": [1000 * r["train_s"] * tokens_per_step / r["tokens"] for r in rows if r["tokens"]],
+            "grown_steps": sum(steps), "grown_train_s": sum(r["train_s"] for r in grown),
             "grown_step_ms": [1000 * r["train_s"] / s for r, s in zip(grown, steps)],
             "small_steps": sum(r["tokens"] / tokens_per_step for r in small),
             "small_train_s": sum(r["train_s"] for r in small), "clients": len(rows)}
@@ -154,6 +176,26 @@ def report(data: dict) -> str:
              "machine; the distance from the floor to the wall time is what the engine and the simulation add. The "
              "makespan packs the measured client seconds longest first, within 4/3 of the best packing: an estimate "
              "with the round barriers, not a bound."]
+    o, ow = data["oracle"], data["oracle"]["work"]
+    busy = [data["busy_core_s"], o["busy_core_s"]]
+    q_step, o_step = sim, statistics.median(ow["step_ms"])
+    lines += ["", "## Against its oracle", "",
+              f"The same command with every client training the whole target (`{' '.join(o['overrides'])}`), run "
+              "after it. Busy core-seconds: every process's CPU time while the command ran (`/proc/stat`), so on a "
+              "quiet machine the command's own work; over the cores, the wall time that work needs if nothing ever "
+              "waits.", "",
+              "| quantity | quickstart | oracle | quickstart / oracle |", "|---|---|---|---|",
+              f"| whole command, wall s | {data['wall_s']:.1f} | {o['wall_s']:.1f} | {data['wall_s'] / o['wall_s']:.3f} |",
+              f"| clients' training s (sum over client rounds) | {w['train_s']:.1f} | {ow['train_s']:.1f} | "
+              f"{w['train_s'] / ow['train_s']:.3f} |",
+              f"| step ms in the simulation (median; the quickstart's after growth) | {q_step:.1f} | {o_step:.1f} | "
+              f"{q_step / o_step:.3f} |"]
+    if None not in busy:
+        lines += [f"| machine busy core-s | {busy[0]:.1f} | {busy[1]:.1f} | {busy[0] / busy[1]:.3f} |",
+                  f"| busy core-s / {data['cpus']} cores (the work perfectly packed) s | {busy[0] / data['cpus']:.1f} "
+                  f"| {busy[1] / data['cpus']:.1f} | |",
+                  f"| the rest: busy core-s beyond the clients' training | {busy[0] - w['train_s']:.1f} | "
+                  f"{busy[1] - ow['train_s']:.1f} | |"]
     return "\n".join(lines) + "\n"
 
 
@@ -173,16 +215,21 @@ def main(argv: list[str] | None = None) -> None:
     facts = run_facts("benchmarks/quickstart_floor.py", argv)
     recipe = load_recipe("quickstart")
     out = Path(args.work)
-    wall = run_quickstart(out, args.reuse)
+    command = run_quickstart(out, args.reuse)
+    oracle = run_quickstart(out.with_name(out.name + "-oracle"), args.reuse, tuple(ORACLE))
+    wall = float(command["wall_s"] or 0.0)
     summary = json.loads((out / "summary.json").read_text())
     work = client_work(out, recipe.train.batch_size * recipe.train.seq_len)
+    oracle_work = client_work(out.with_name(out.name + "-oracle"), recipe.train.batch_size * recipe.train.seq_len)
     iso = isolated_steps(args.steps, args.reps)
     cpus = os.cpu_count() or 1
     slots = max(1, int(cpus // recipe.engine.cpus_per_client))
     floor = (work["grown_steps"] * min(iso.values()) / 1000 + work["small_train_s"]) / slots
     data = {**facts, "rounds": recipe.rounds, "batch": recipe.train.batch_size, "seq": recipe.train.seq_len,
             "cpus": cpus, "cpus_per_client": recipe.engine.cpus_per_client, "slots": slots,
-            "steps": args.steps, "reps": args.reps, "wall_s": wall, "run_wall_s": summary["wall_s"], "work": work,
+            "steps": args.steps, "reps": args.reps, "wall_s": wall, "busy_core_s": command["busy_core_s"],
+            "oracle": {**oracle, "work": oracle_work, "overrides": list(ORACLE)},
+            "run_wall_s": summary["wall_s"], "work": work,
             "isolated_ms": iso, "floor_s": floor, "rounds_timing": round_times(out, slots)}
     write_pair(RESULTS, args.out, data, report(data))
 

@@ -8,8 +8,16 @@ import json
 import pytest
 
 from fedfusion.config.recipe import load_recipe
-from fedfusion.data.population import ClientData, TextPopulation, data_spec, partition_sizes, pooled_held_out, population_data
-from fedfusion.data.shards import plain_size, text_shards
+from fedfusion.data.population import (
+    ClientData,
+    TextPopulation,
+    client_names,
+    data_spec,
+    partition_sizes,
+    pooled_held_out,
+    population_data,
+)
+from fedfusion.data.shards import Shards, plain_size, text_shards
 from fedfusion.data.text import load_text_file, split_text
 
 
@@ -56,7 +64,7 @@ def test_no_shards_is_an_error(tmp_path):
         text_shards(path, 0)
 
 
-def test_the_text_population_is_its_shards_split_into_train_and_held_out(tmp_path):
+def test_the_text_population_is_its_shards_split_into_train_and_held_out(tmp_path, monkeypatch):
     path = tmp_path / "corpus.txt"
     path.write_text("".join(f"sentence number {i} of the corpus. " for i in range(300)))
     recipe = load_recipe("quickstart", ["data.source=text", f"data.path={path}", "population.num_clients=9",
@@ -65,9 +73,21 @@ def test_the_text_population_is_its_shards_split_into_train_and_held_out(tmp_pat
     assert isinstance(clients, TextPopulation)
     assert list(clients) == [ClientData(f"shard-{i}", *split_text(s, 0.2))
                              for i, s in enumerate(slices(path.read_text(), 9))]
-    sizes = partition_sizes(recipe.data_source(), "submodel")  # counted without reading the shards
-    assert (sizes.unit, sizes.names, sizes.examples) == ("characters", tuple(c.name for c in clients),
-                                                         tuple(len(c.train) for c in clients))
+    expected = (tuple(c.name for c in clients), tuple(len(c.train) for c in clients))
+    monkeypatch.setattr(Shards, "__getitem__", lambda *a: pytest.fail("a shard was read"))  # counted without it
+    sizes = partition_sizes(recipe.data_source(), "submodel")
+    assert (sizes.unit, sizes.names, sizes.examples) == ("characters", *expected)
+    assert client_names(data_spec(recipe.data_source())) == expected[0]
+
+
+def test_a_file_changed_after_it_was_sharded_is_an_error_not_another_shard(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text("abcdefghij" * 10)
+    shards = text_shards(path, 5)
+    assert shards[4] == ("abcdefghij" * 10)[80:]
+    path.write_text("abcdefghij" * 5)
+    with pytest.raises(ValueError, match="changed since"):
+        shards[4]
 
 
 def test_pooled_held_out_takes_one_character_from_evenly_spread_clients_of_a_larger_population(tmp_path):

@@ -92,6 +92,20 @@ def test_the_waiting_nodes_sweep_queues_what_flowers_sweep_queues_sweep_by_sweep
     assert got["ours"] == ([[(2, "b1"), (7, "a1"), (11, "c1")], [(7, "a2")], []], 4)  # the expired one dropped
 
 
+def test_a_delivered_message_that_expires_is_dropped_by_the_next_sweep_as_by_flowers() -> None:
+    left = {}
+    for name, engine in (("flower", sweep.FLOWER_SWEEP), ("ours", sweep.sweep)):
+        state, mapping, grid = federation(8)
+        nodes = list(mapping)
+        push(grid, [(nodes[1], "answered late"), (nodes[4], "waiting")])
+        assert [tag for _, tag in sweeps(engine, state, mapping, 1)[0]] == ["answered late", "waiting"]
+        for m in state.message_ins_store.values():  # both delivered, no reply yet; then past their TTL
+            m.metadata.created_at -= 2 * m.metadata.ttl
+        assert sweeps(engine, state, mapping, 1) == [[]]
+        left[name] = len(state.message_ins_store)
+    assert left == {"flower": 0, "ours": 0}
+
+
 def test_only_the_nodes_with_a_message_waiting_are_asked() -> None:
     state, mapping, grid = federation(2000)
     asked: list[int] = []
@@ -101,7 +115,7 @@ def test_only_the_nodes_with_a_message_waiting_are_asked() -> None:
         asked.append(node_id)
         return ask(node_id=node_id, limit=limit, **kw)
 
-    state.get_message_ins = counting
+    setattr(state, "get_message_ins", counting)  # noqa: B010 (an instance attribute over the method)
     nodes = list(mapping)
     push(grid, [(nodes[1500], "x"), (nodes[3], "y")])
     assert sweeps(sweep.sweep, state, mapping, 1) == [[(3, "y"), (1500, "x")]]

@@ -104,10 +104,14 @@ class TextPopulation(Sequence[ClientData]):
             return [self[j] for j in range(*i.indices(len(self)))]
         return ClientData(f"shard-{i % len(self)}", *split_text(self.shards[i], self.held_out))
 
+    def names(self) -> tuple[str, ...]:
+        """Every client's name, without reading a shard."""
+        return tuple(f"shard-{i}" for i in range(len(self)))
+
     def sizes(self) -> PartitionSizes:
         """Each client's training characters, without reading a shard (they are all one size)."""
         train = len(split_text("x" * self.shards.size, self.held_out)[0])
-        return PartitionSizes("characters", tuple(f"shard-{i}" for i in range(len(self))), (train,) * len(self))
+        return PartitionSizes("characters", self.names(), (train,) * len(self))
 
 
 @lru_cache(maxsize=4)
@@ -194,6 +198,12 @@ def facts_by_tier(data: DataConfig, population: PopulationConfig, seed: int) -> 
     deploy`` node of that client reports."""
     facts = facts_data(data, population.num_clients, seed)
     return facts, holder_groups(facts.probes, facts.clients, tier_list(population, seed), list(population.mix))
+
+
+def client_names(spec: str) -> tuple[str, ...]:
+    """Every client's name (a text source's without reading its shards)."""
+    clients = population_data(spec)
+    return clients.names() if isinstance(clients, TextPopulation) else tuple(c.name for c in clients)
 
 
 def pooled_held_out(spec: str, max_chars: int) -> str:

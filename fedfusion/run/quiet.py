@@ -5,9 +5,10 @@ else those libraries say still reaches the user:
 
 - Flower's simulation engine stops each Ray actor at the end of a run by logging a WARNING
   ``Manually terminating ClientAppActor``: that is its normal shutdown.
-- bitsandbytes (imported by peft, so by LoRA processes only) tries an optional kernel from the ``kernels``
-  package on CPUs with AVX-512 BF16 and logs ``Failed to load CPU gemm_4bit_forward ... pip install kernels``
-  when it is absent; it then uses its own 4-bit kernel.
+- bitsandbytes (imported by peft, so by LoRA processes only) asks the Hugging Face hub, through the ``kernels``
+  package (a transformers dependency), for an optional 4-bit kernel on CPUs with AVX-512 BF16 and logs ``Failed
+  to load CPU gemm_4bit_forward ... pip install kernels`` when it gets none (offline: its publisher check cannot
+  reach the hub); it then uses its own 4-bit kernel.
 - importing bitsandbytes makes torch load its compiler, whose ``torch.utils.mkldnn`` still calls the
   deprecated ``torch.jit.script_method`` and warns about it.
 - peft asks a model ``is_gradient_checkpointing``, which transformers 5 renamed and warns about (FutureWarning)

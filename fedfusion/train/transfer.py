@@ -18,7 +18,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PretrainedConfig, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from fedfusion.config.choices import FAMILY_TOKENIZERS, TRANSFER_SOURCES
-from fedfusion.data.population import population_data
+from fedfusion.data.population import client_names
 from fedfusion.data.text import build_char_tokenizer, load_shakespeare_roles, load_text_file
 from fedfusion.fusion.distill.config import DistillConfig
 from fedfusion.models.build import family_config
@@ -40,7 +40,7 @@ def transfer_text(source: str, data_spec: str, max_chars: int, path: str | None 
         if not path:
             raise ValueError("transfer source 'text' needs a path")
         return load_text_file(path)[:max_chars]
-    owned = {c.name for c in population_data(data_spec)}
+    owned = set(client_names(data_spec))
     free = [r for r in load_shakespeare_roles(min_chars=1) if f"{r.play}/{r.speaker}" not in owned]
     if not free:
         raise ValueError("every Shakespeare role belongs to a client: no text is left for the transfer set")
