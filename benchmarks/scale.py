@@ -281,6 +281,25 @@ def registry_probe(nodes: int) -> dict[str, float]:
             "fedfusion_poll_sweep_ms": {str(p): poll_sweep_s(factory, mapping, p, sweep) * 1e3 for p in pending}}
 
 
+def registered_run(factory: Any, run_id: int) -> tuple[Any, Any]:
+    """The in-memory LinkState of ``factory`` with the run ``run_id`` registered as ``run_simulation`` registers its
+    own, and a Grid pushing for that run (what a ServerApp's messages go through)."""
+    from flwr.proto.task_pb2 import Task
+    from flwr.server.superlink.linkstate.in_memory_linkstate import RunRecord
+    from flwr.supercore.constant import NOOP_FEDERATION_ID
+    from flwr.supercore.run import Run
+    from flwr.superlink.grid.inmemory_grid import InMemoryGrid
+
+    state = factory.state()
+    run = Run.create_empty(run_id=run_id)
+    run.primary_task_id, run.federation_id = run_id, NOOP_FEDERATION_ID
+    state.run_ids[run_id] = RunRecord(run=run)
+    state.task_store[run_id] = Task(task_id=run_id, run_id=run_id)
+    grid = InMemoryGrid(factory)
+    grid.set_run(run)
+    return state, grid
+
+
 class OneSweep(threading.Event):
     """A stop event that lets the engine's loop make exactly one sweep (its wait after the sweep stops it)."""
 
@@ -298,21 +317,10 @@ def poll_sweep_s(factory: Any, mapping: dict[int, int], pending: int, engine: An
     from queue import Queue
 
     from flwr.app import ConfigRecord, Message, MessageType, RecordDict
-    from flwr.proto.task_pb2 import Task
-    from flwr.server.superlink.linkstate.in_memory_linkstate import RunRecord
-    from flwr.supercore.constant import NOOP_FEDERATION_ID
-    from flwr.supercore.run import Run
     from flwr.supercore.task_identity import TaskIdentity
-    from flwr.superlink.grid.inmemory_grid import InMemoryGrid
 
-    state = factory.state()
-    run_id = len(state.run_ids) + 7  # a fresh run per call, registered as run_simulation registers its own
-    run = Run.create_empty(run_id=run_id)
-    run.primary_task_id, run.federation_id = run_id, NOOP_FEDERATION_ID
-    state.run_ids[run_id] = RunRecord(run=run)
-    state.task_store[run_id] = Task(task_id=run_id, run_id=run_id)
-    grid = InMemoryGrid(factory)
-    grid.set_run(run)
+    run_id = len(factory.state().run_ids) + 7  # a fresh run per call
+    state, grid = registered_run(factory, run_id)
     TaskIdentity.run_id = run_id  # messages take their run from the task identity
     messages = [Message(RecordDict({"config": ConfigRecord({"k": 1})}), dst_node_id=n, message_type=MessageType.QUERY)
                 for n in list(mapping)[:pending]]

@@ -4,24 +4,24 @@ asked."""
 
 from __future__ import annotations
 
-import threading
+import sys
+from pathlib import Path
 from queue import Queue
 from typing import Any
 
 import pytest
 from fedfusion.strategies import sweep
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
-from flwr.proto.task_pb2 import Task
 from flwr.server.superlink.fleet.vce import vce_api
 from flwr.server.superlink.fleet.vce.vce_api import _register_nodes
 from flwr.server.superlink.linkstate import LinkStateFactory
-from flwr.server.superlink.linkstate.in_memory_linkstate import RunRecord
-from flwr.supercore.constant import FLWR_IN_MEMORY_DB_NAME, NOOP_FEDERATION_ID
+from flwr.supercore.constant import FLWR_IN_MEMORY_DB_NAME
 from flwr.supercore.object_store import ObjectStoreFactory
-from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 from flwr.superlink.federation import NoOpFederationManager
-from flwr.superlink.grid.inmemory_grid import InMemoryGrid
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from scale import OneSweep, registered_run  # noqa: E402 (the benchmark's probe sets a run up as these tests do)
 
 RUN_ID = 3
 
@@ -33,29 +33,15 @@ def task_identity(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(TaskIdentity, name, value)
 
 
-class OneSweep(threading.Event):
-    """A stop event that lets the engine's loop make exactly one sweep (its wait after the sweep stops it)."""
-
-    def wait(self, timeout: float | None = None) -> bool:
-        self.set()
-        return True
-
-
-def federation(nodes: int) -> tuple[Any, dict[int, int], InMemoryGrid]:
+def federation(nodes: int) -> tuple[Any, dict[int, int], Any]:
     """An in-memory LinkState with ``nodes`` SuperNodes registered as ``run_simulation`` registers them, one run."""
     factory = LinkStateFactory(FLWR_IN_MEMORY_DB_NAME, NoOpFederationManager(), ObjectStoreFactory())
     mapping = _register_nodes(nodes, factory)
-    state = factory.state()
-    run = Run.create_empty(run_id=RUN_ID)
-    run.primary_task_id, run.federation_id = RUN_ID, NOOP_FEDERATION_ID
-    state.run_ids[RUN_ID] = RunRecord(run=run)
-    state.task_store[RUN_ID] = Task(task_id=RUN_ID, run_id=RUN_ID)
-    grid = InMemoryGrid(factory)
-    grid.set_run(run)
+    state, grid = registered_run(factory, RUN_ID)
     return state, mapping, grid
 
 
-def push(grid: InMemoryGrid, to: list[tuple[int, str]], expired: frozenset[str] = frozenset()) -> None:
+def push(grid: Any, to: list[tuple[int, str]], expired: frozenset[str] = frozenset()) -> None:
     """A QUERY to each (node, tag), in that order; those tagged in ``expired`` are made past their TTL."""
     messages = [Message(RecordDict({"config": ConfigRecord({"tag": tag})}), dst_node_id=node,
                         message_type=MessageType.QUERY) for node, tag in to]
