@@ -25,8 +25,8 @@ from flwr.serverapp import Grid
 
 PACED_PULL_S = 0.02  # a paced batch's pull interval: a freed slot's next message is pushed this soon
 # a client answering sooner than this (ten engine sweeps) after its push is short: ordering such clients gains less
-# than the sweep each paced message waits for (at 10,000 nodes a sweep takes tenths of a second), so the rest of the
-# round is pushed at once
+# than the sweep each paced message waits for (with Flower's own sweep, tenths of a second at 10,000 nodes), so the
+# rest of the round is pushed at once
 PACED_MIN_S = 10 * ENGINE_SWEEP_S
 
 
