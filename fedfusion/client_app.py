@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Callable
 from functools import lru_cache
 from types import ModuleType
@@ -23,6 +24,10 @@ from fedfusion.wire.quantize import client_reply, decode
 from fedfusion.wire.specs import ACTIONS, ROLES, SECAGG_ACTION, Caps, PopulationSpec, RoleSpec, WireSpec
 
 silence_expected_noise()  # in every simulation actor: it imports this module to unpickle the app
+if "flwr.server.superlink.fleet.vce.vce_api" in sys.modules:  # a simulation process: `flwr run` loads this app
+    from fedfusion.strategies.sweep import install  # before its engine starts (a deployed node never has the engine)
+
+    install()  # the engine asks only the nodes with a message waiting (strategies/sweep.py)
 app = ClientApp()
 
 

@@ -15,8 +15,9 @@ messages, marked delivered as there), none of the asks whose answer is empty. On
 wait is read at the start of a sweep, so a message stored during one goes out in the next, 0.1 s later (Flower's
 takes it in the same sweep if its node comes later in the order). It reads the in-memory LinkState's message store
 under its lock; any other LinkState is swept by Flower's own function. ``fedfusion run`` installs it
-(:func:`install`) for its simulation (``flwr run`` keeps Flower's); ``FEDFUSION_SWEEP=flower`` keeps Flower's
-sweep (benchmarks/scale.py measures both).
+(:func:`install`) before it starts the simulation; under ``flwr run`` the ClientApp module installs it when it is
+loaded in a process that holds Flower's engine, which Flower does before the engine starts
+(``fedfusion.client_app``). ``FEDFUSION_SWEEP=flower`` keeps Flower's sweep (benchmarks/scale.py measures both).
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ asked."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 from queue import Queue
@@ -127,3 +129,18 @@ def test_another_link_state_is_swept_by_flowers_function(monkeypatch: pytest.Mon
     other = object()
     sweep.sweep(other, Queue(), {1: 0}, OneSweep())  # type: ignore[arg-type]
     assert len(calls) == 1 and calls[0][0] is other
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("first", "engine"), [("flwr.simulation", "fedfusion.strategies.sweep"),
+                                               ("flwr.app", "flwr.server.superlink.fleet.vce.vce_api")])
+def test_the_client_app_installs_the_sweep_where_flowers_engine_is_loaded(first: str, engine: str) -> None:
+    """``flwr run`` loads the ClientApp in the process that then starts the engine (flwr.simulation imported); a
+    deployed SuperNode has no engine, and loading the app there leaves Flower's modules alone."""
+    code = (f"import {first}, fedfusion.client_app\n"
+            "from flwr.server.superlink.fleet.vce import vce_api\n"
+            "print(vce_api.add_messages_to_queue.__module__)")
+    env = {k: v for k, v in os.environ.items() if k != sweep.ENV}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == [engine]
