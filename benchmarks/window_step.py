@@ -11,7 +11,11 @@ target (the goal: at most 0.8x). Per target, on the same batches, one thread (a 
   (``WindowSpec.expand``, what the plan gives such a tier): each matrix made float32 once, the window written into
   it in place at each pass;
 - ``core``, ``core-expanded``: the window plus the smallest width's units (``fusion.window_core``; the quickstart's
-  arm), narrow and expanded.
+  arm), narrow and expanded;
+- ``no-window``: the whole target in float32 with every layer's matrix frozen, so no matrix gets a weight gradient,
+  and what a window shares trainable (embeddings, norms and head with shared tensors; else only the norms, so the
+  backward still reaches every layer, as a window's does). Every window step does at least this work (its forward
+  and its activation gradients): the floor of any window, and how far the goal can be reached on a target.
 
 Targets: ``quickstart`` (the recipe's 1.1M-parameter Llama, batch 16 x 64 characters) and ``smollm2`` (a random-weight
 Llama of SmolLM2-135M's shape, the finetune recipe's batch 4 x 32 tokens, heads and neurons, no shared tensors).
@@ -47,7 +51,7 @@ from fedfusion.wire.keys import FROZEN
 from fedfusion.wire.quantize import decode
 from fedfusion.wire.specs import WindowSpec
 
-ARMS = ["full", "window", "window-expanded", "core", "core-expanded"]
+ARMS = ["full", "window", "window-expanded", "core", "core-expanded", "no-window"]
 GOAL = 0.8  # a window step at most this share of the whole target's step
 
 
@@ -64,8 +68,12 @@ def setting(name: str) -> dict:
 
 def arm_model(arm: str, s: dict, state: dict) -> torch.nn.Module:
     """What a device of ``arm`` trains, built from the strategy's own payload as the client app builds it."""
-    if arm == "full":
-        return model_from_state(s["config"], state)
+    if arm in ("full", "no-window"):
+        model = model_from_state(s["config"], state)
+        for name, p in model.named_parameters():  # no-window: freeze the layers' matrices (and, unshared, all 2-D)
+            if arm == "no-window" and p.dim() > 1 and (".layers." in name or not s["shared"]):
+                p.requires_grad_(False)
+        return model
     method = SubModelMethod(s["config"], {"t": s["width"]}, state, forward="full", frozen=s["frozen"], scale=False,
                             policy="rolling", axes=s["axes"], window_shared=s["shared"],
                             window_core=arm.startswith("core"),
@@ -93,7 +101,7 @@ def measure(name: str, a: argparse.Namespace) -> dict:
     with profile() as prof:
         train_steps(models["window"], data, steps=a.steps, seed=99, **kw)
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=40)
-    trainable = {arm: sum(p.numel() for p in m.parameters()) for arm, m in models.items()}
+    trainable = {arm: sum(p.numel() for p in m.parameters() if p.requires_grad) for arm, m in models.items()}
     rows = []
     for arm in models:
         ratios = [t / f for t, f in zip(times[arm], times["full"])]
@@ -124,7 +132,9 @@ def report(data: dict) -> str:
               "the weakest tier's window on the int8 frozen target (each matrix made float32 per layer, forward and "
               "backward); window-expanded: the same window on the target made float32 once (`WindowSpec.expand`, "
               "where the tier's memory holds it); core, core-expanded: the window plus the smallest width's units "
-              "(the quickstart's `fusion.window_core`)."]
+              "(the quickstart's `fusion.window_core`); no-window: the whole target with no matrix of its layers "
+              "trained (what a window shares still trained): the work every window step does at least, its forward and "
+              "its activation gradients, so the floor of any window's ratio on that target."]
     for t in data["targets"]:
         lines += ["", f"Profile of the window arm on {t['target']} (torch profiler, {st['steps']} steps, self CPU time):",
                   "", "```", t["profile_window"].rstrip(), "```"]
