@@ -6,7 +6,7 @@ LinkState for each node's next message (``add_messages_to_queue`` in flwr/server
 and the in-memory LinkState answers each ask by looking through every stored message, checking each
 (``InMemoryLinkState.get_message_ins``: an expired message, or one between nodes no longer in the federation, is
 deleted). A sweep therefore costs nodes x pending messages, and no message moves while it runs: 1.44 s at 10,000
-nodes with a round's 50 pending, 0.22 s at 100,000 nodes with none (benchmarks/results/scale_100k.md).
+nodes with a round's 50 pending, 0.21 s at 100,000 nodes with none (benchmarks/results/scale_100k.md).
 
 :func:`sweep` checks every stored message once (the checks Flower's sweep repeats for each node, so the same
 messages are deleted), then asks only the nodes that have an undelivered message, in the engine's node order,
